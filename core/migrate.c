@@ -1,0 +1,162 @@
+/*
+ * migrate.c - schema versions and their application.
+ *
+ * Append new versions at the end; never edit an applied one.
+ */
+#include "core/migrate.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* Any constant works; it only has to be the same in every server. */
+#define MIGRATE_LOCK_ID "7367302"
+
+static const char *const migrations[] = {
+    /* 1: the control plane's tables */
+    "CREATE TABLE teams ("
+    "  id text PRIMARY KEY,"
+    "  name text NOT NULL UNIQUE,"
+    "  created_at timestamptz NOT NULL DEFAULT now());"
+    "CREATE TABLE api_keys ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  prefix text NOT NULL,"
+    "  hash text NOT NULL UNIQUE,"
+    "  name text NOT NULL DEFAULT '',"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  last_used_at timestamptz,"
+    "  revoked_at timestamptz);"
+    "CREATE TABLE settings ("
+    "  name text PRIMARY KEY,"
+    "  value text NOT NULL);"
+    "CREATE TABLE templates ("
+    "  name text PRIMARY KEY,"
+    "  description text NOT NULL DEFAULT '',"
+    "  cpu_count int NOT NULL DEFAULT 1,"
+    "  memory_mb int NOT NULL DEFAULT 256,"
+    "  status text NOT NULL DEFAULT 'unbuilt',"
+    "  build_id text,"
+    "  updated_at timestamptz NOT NULL DEFAULT now());"
+    "CREATE TABLE sandboxes ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  template text NOT NULL REFERENCES templates(name),"
+    "  desired_state text NOT NULL DEFAULT 'running',"
+    "  observed_state text NOT NULL DEFAULT 'pending',"
+    "  worker_id text,"
+    "  claim_until timestamptz,"
+    "  action text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  updated_at timestamptz NOT NULL DEFAULT now(),"
+    "  last_activity_at timestamptz NOT NULL DEFAULT now(),"
+    "  idle_timeout_s int NOT NULL DEFAULT 21600,"
+    "  deadline_at timestamptz,"
+    "  deadline_action text NOT NULL DEFAULT 'delete',"
+    "  metadata jsonb NOT NULL DEFAULT '{}',"
+    "  env jsonb NOT NULL DEFAULT '{}',"
+    "  cpu_count int NOT NULL,"
+    "  memory_mb int NOT NULL,"
+    "  access_token text NOT NULL UNIQUE,"
+    "  snapshot_bytes bigint NOT NULL DEFAULT 0,"
+    "  error text);"
+    "CREATE INDEX sandboxes_team_created ON sandboxes (team_id, created_at DESC, id DESC);"
+    "CREATE INDEX sandboxes_unsettled ON sandboxes (id) WHERE observed_state <> 'deleted';"
+    "CREATE INDEX sandboxes_metadata ON sandboxes USING gin (metadata jsonb_path_ops);"
+    "CREATE TABLE operations ("
+    "  id text PRIMARY KEY,"
+    "  sandbox_id text NOT NULL REFERENCES sandboxes(id),"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  kind text NOT NULL,"
+    "  target text NOT NULL,"
+    "  status text NOT NULL DEFAULT 'pending',"
+    "  error_code text,"
+    "  error_message text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  finished_at timestamptz);"
+    "CREATE INDEX operations_active ON operations (sandbox_id) WHERE status IN ('pending','running');"
+    "CREATE TABLE events ("
+    "  id bigserial PRIMARY KEY,"
+    "  sandbox_id text NOT NULL,"
+    "  kind text NOT NULL,"
+    "  detail text NOT NULL DEFAULT '',"
+    "  at timestamptz NOT NULL DEFAULT now());"
+    "CREATE INDEX events_sandbox ON events (sandbox_id, id);",
+};
+
+int sp_migrate_latest(void)
+{
+    return (int)(sizeof(migrations) / sizeof(migrations[0]));
+}
+
+static int exec_ok(PGconn *c, const char *sql, sp_err_t *err)
+{
+    PGresult *r = PQexec(c, sql);
+    ExecStatusType st = PQresultStatus(r);
+    int ok = st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
+    if (!ok) {
+        sp_log(SP_LOG_ERROR, "migrate", "statement failed err=%s", PQresultErrorMessage(r));
+        sp_err_set(err, SP_EUNAVAIL, "database migration failed");
+    }
+    PQclear(r);
+    return ok ? 0 : -1;
+}
+
+static int current_version(PGconn *c, int *v, sp_err_t *err)
+{
+    PGresult *r = PQexec(c, "SELECT coalesce(max(version),0) FROM schema_migrations");
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        sp_log(SP_LOG_ERROR, "migrate", "reading version failed err=%s",
+               PQresultErrorMessage(r));
+        PQclear(r);
+        return sp_err_set(err, SP_EUNAVAIL, "cannot read schema version");
+    }
+    *v = atoi(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return 0;
+}
+
+int sp_migrate_apply(PGconn *c, int *applied, sp_err_t *err)
+{
+    *applied = 0;
+    if (exec_ok(c,
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+                err) < 0) {
+        /* Two servers racing on CREATE TABLE IF NOT EXISTS can collide; the loser retries once. */
+        if (exec_ok(c, "SELECT 1 FROM schema_migrations LIMIT 0", err) < 0)
+            return -1;
+    }
+    for (;;) {
+        if (exec_ok(c, "BEGIN", err) < 0)
+            return -1;
+        int v = 0;
+        if (exec_ok(c, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK_ID ")", err) < 0 ||
+            current_version(c, &v, err) < 0) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return -1;
+        }
+        if (v > sp_migrate_latest()) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return sp_err_set(err, SP_EINTERNAL,
+                              "database schema version %d is newer than this server (%d)", v,
+                              sp_migrate_latest());
+        }
+        if (v == sp_migrate_latest()) {
+            PQclear(PQexec(c, "COMMIT"));
+            return 0;
+        }
+        char ins[96];
+        snprintf(ins, sizeof(ins), "INSERT INTO schema_migrations(version) VALUES (%d)", v + 1);
+        if (exec_ok(c, migrations[v], err) < 0 || exec_ok(c, ins, err) < 0) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return -1;
+        }
+        if (exec_ok(c, "COMMIT", err) < 0)
+            return -1;
+        sp_log(SP_LOG_INFO, "migrate", "applied version=%d", v + 1);
+        (*applied)++;
+    }
+}

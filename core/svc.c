@@ -1,0 +1,756 @@
+/*
+ * svc.c - core operations over the store.
+ *
+ * Each call is one statement (data-modifying CTEs keep multi-row changes
+ * atomic) whose result is parsed into records here; the HTTP layers render
+ * them. Operation waits are woken by NOTIFY space_ops (payload: operation
+ * ID) from the controller, re-checked after the listener reconnects, and
+ * bounded by their own timers.
+ */
+#include "core/svc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+#define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+
+#define SANDBOX_COLS                                                                               \
+    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " TS("s.created_at") ", "    \
+    TS("s.last_activity_at") ", coalesce(" TS("s.deadline_at") ", ''), s.deadline_action, "       \
+    "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
+    "coalesce(s.error, ''), s.metadata::text"
+#define SANDBOX_NCOLS 16
+
+#define OP_COLS                                                                                    \
+    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
+    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", '')"
+#define OP_NCOLS 8
+
+struct waiter {
+    sp_svc_t *svc;
+    char team_id[SP_ID_LEN + 1];
+    char op_id[65];
+    sp_svc_op_cb cb;
+    void *arg;
+    sp_timer_t timer;
+    bool checking; /* a re-check query is in flight */
+    bool expired;  /* timer fired: answer with whatever the next check finds */
+    struct waiter *prev, *next;
+};
+
+struct sp_svc {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    unsigned char hashkey[SP_HASHKEY_LEN];
+    struct waiter *waiters;
+};
+
+/* One in-flight statement's context. */
+struct call {
+    sp_svc_t *svc;
+    void (*done)(struct call *c, PGresult *res, const sp_err_t *err);
+    void *cb;
+    void *arg;
+    int kind;
+    struct waiter *w;
+};
+
+static void copy(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static void on_result(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct call *c = arg;
+    c->done(c, res, err);
+    free(c);
+}
+
+static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
+                  void (*done)(struct call *, PGresult *, const sp_err_t *), void *cb, void *arg,
+                  int kind, sp_err_t *err)
+{
+    struct call *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    c->svc = svc;
+    c->done = done;
+    c->cb = cb;
+    c->arg = arg;
+    c->kind = kind;
+    if (sp_store_query(svc->store, sql, n, p, on_result, c, err) < 0) {
+        free(c);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- row parsing ---- */
+
+static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    copy(s->id, sizeof(s->id), PQgetvalue(r, row, col + 0));
+    copy(s->team_id, sizeof(s->team_id), PQgetvalue(r, row, col + 1));
+    copy(s->template_name, sizeof(s->template_name), PQgetvalue(r, row, col + 2));
+    copy(s->desired, sizeof(s->desired), PQgetvalue(r, row, col + 3));
+    copy(s->observed, sizeof(s->observed), PQgetvalue(r, row, col + 4));
+    copy(s->created_at, sizeof(s->created_at), PQgetvalue(r, row, col + 5));
+    copy(s->last_activity_at, sizeof(s->last_activity_at), PQgetvalue(r, row, col + 6));
+    copy(s->deadline_at, sizeof(s->deadline_at), PQgetvalue(r, row, col + 7));
+    copy(s->deadline_action, sizeof(s->deadline_action), PQgetvalue(r, row, col + 8));
+    s->idle_timeout_s = atoi(PQgetvalue(r, row, col + 9));
+    s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
+    s->memory_mb = atoi(PQgetvalue(r, row, col + 11));
+    s->snapshot_bytes = atoll(PQgetvalue(r, row, col + 12));
+    copy(s->access_token, sizeof(s->access_token), PQgetvalue(r, row, col + 13));
+    copy(s->error, sizeof(s->error), PQgetvalue(r, row, col + 14));
+    s->metadata = json_loads(PQgetvalue(r, row, col + 15), 0, NULL);
+    if (s->metadata == NULL)
+        s->metadata = json_object();
+}
+
+static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    copy(o->id, sizeof(o->id), PQgetvalue(r, row, col + 0));
+    copy(o->sandbox_id, sizeof(o->sandbox_id), PQgetvalue(r, row, col + 1));
+    copy(o->kind, sizeof(o->kind), PQgetvalue(r, row, col + 2));
+    copy(o->status, sizeof(o->status), PQgetvalue(r, row, col + 3));
+    copy(o->error_code, sizeof(o->error_code), PQgetvalue(r, row, col + 4));
+    copy(o->error_message, sizeof(o->error_message), PQgetvalue(r, row, col + 5));
+    copy(o->created_at, sizeof(o->created_at), PQgetvalue(r, row, col + 6));
+    copy(o->finished_at, sizeof(o->finished_at), PQgetvalue(r, row, col + 7));
+}
+
+static bool op_finished(const sp_op_rec_t *o)
+{
+    return strcmp(o->status, "succeeded") == 0 || strcmp(o->status, "failed") == 0;
+}
+
+/* ---- authentication ---- */
+
+static void auth_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EAUTH, "invalid or revoked API key");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    sp_auth_t a;
+    copy(a.team_id, sizeof(a.team_id), PQgetvalue(res, 0, 0));
+    copy(a.key_id, sizeof(a.key_id), PQgetvalue(res, 0, 1));
+    cb(c->arg, &a, NULL);
+}
+
+int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void *arg,
+                        sp_err_t *err)
+{
+    if (key == NULL || key[0] == '\0')
+        return sp_err_set(err, SP_EAUTH, "missing API key");
+    if (strlen(key) > 256)
+        return sp_err_set(err, SP_EAUTH, "invalid or revoked API key");
+    char hash[SP_KEYHASH_HEX + 1];
+    sp_ids_key_hash(svc->hashkey, key, hash);
+    const char *p[] = {hash};
+    return submit(svc,
+                  "SELECT team_id, id FROM api_keys WHERE hash = $1 AND revoked_at IS NULL", 1, p,
+                  auth_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- templates ---- */
+
+static void templates_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_templates_cb cb = (sp_svc_templates_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, err);
+        return;
+    }
+    int n = PQntuples(res);
+    if (c->kind == 1 && n == 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_ENOTFOUND, "template not found");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    sp_template_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        copy(recs[i].name, sizeof(recs[i].name), PQgetvalue(res, i, 0));
+        copy(recs[i].description, sizeof(recs[i].description), PQgetvalue(res, i, 1));
+        recs[i].cpu_count = atoi(PQgetvalue(res, i, 2));
+        recs[i].memory_mb = atoi(PQgetvalue(res, i, 3));
+        copy(recs[i].status, sizeof(recs[i].status), PQgetvalue(res, i, 4));
+        copy(recs[i].updated_at, sizeof(recs[i].updated_at), PQgetvalue(res, i, 5));
+    }
+    cb(c->arg, recs, (size_t)n, NULL);
+    free(recs);
+}
+
+int sp_svc_templates(sp_svc_t *svc, const char *name, sp_svc_templates_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    const char *p[] = {name};
+    return submit(svc,
+                  "SELECT name, description, cpu_count, memory_mb, status, " TS("updated_at")
+                  " FROM templates WHERE $1::text IS NULL OR name = $1 ORDER BY name",
+                  1, p, templates_done, (void *)cb, arg, name != NULL, err);
+}
+
+/* ---- sandboxes ---- */
+
+int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err)
+{
+    if (obj == NULL || json_is_null(obj))
+        return 0;
+    if (!json_is_object(obj))
+        return sp_err_set(err, SP_EINVAL, "%s must be an object of strings", what);
+    if (json_object_size(obj) > 256)
+        return sp_err_set(err, SP_EINVAL, "%s has more than 256 entries", what);
+    const char *k;
+    const json_t *v;
+    size_t total = 0;
+    json_object_foreach((json_t *)obj, k, v)
+    {
+        size_t kl = strlen(k);
+        if (kl == 0 || kl > 256)
+            return sp_err_set(err, SP_EINVAL, "%s keys must be 1 to 256 characters", what);
+        if (!json_is_string(v))
+            return sp_err_set(err, SP_EINVAL, "%s value for '%.64s' must be a string", what, k);
+        if (memchr(k, '\0', kl) != NULL || strlen(json_string_value(v)) != json_string_length(v))
+            return sp_err_set(err, SP_EINVAL, "%s may not contain NUL characters", what);
+        total += kl + json_string_length(v);
+    }
+    if (total > 64 * 1024)
+        return sp_err_set(err, SP_EINVAL, "%s is larger than 64 KiB", what);
+    return 0;
+}
+
+static void sandbox_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_t e;
+        if (c->kind == 1)
+            sp_err_set(&e, SP_ENOTFOUND, "template not found");
+        else
+            sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, NULL, &e);
+        return;
+    }
+    sp_sandbox_rec_t sb;
+    sp_op_rec_t op;
+    parse_sandbox(res, 0, 0, &sb);
+    if (PQnfields(res) >= SANDBOX_NCOLS + OP_NCOLS) {
+        parse_op(res, 0, SANDBOX_NCOLS, &op);
+        cb(c->arg, &sb, &op, NULL);
+    } else {
+        cb(c->arg, &sb, NULL, NULL);
+    }
+    json_decref(sb.metadata);
+}
+
+int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
+                          sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (req->template_name == NULL || req->template_name[0] == '\0' ||
+        strlen(req->template_name) > 64)
+        return sp_err_set(err, SP_EINVAL, "template must be a name of 1 to 64 characters");
+    if (sp_svc_check_string_map(req->metadata, "metadata", err) < 0 ||
+        sp_svc_check_string_map(req->env, "env", err) < 0)
+        return -1;
+    if (req->cpu_count < 0 || req->cpu_count > SP_SVC_MAX_CPUS)
+        return sp_err_set(err, SP_EINVAL, "cpu_count must be 1 to %d", SP_SVC_MAX_CPUS);
+    if (req->memory_mb != 0 &&
+        (req->memory_mb < SP_SVC_MIN_MEMORY_MB || req->memory_mb > SP_SVC_MAX_MEMORY_MB))
+        return sp_err_set(err, SP_EINVAL, "memory_mb must be %d to %d", SP_SVC_MIN_MEMORY_MB,
+                          SP_SVC_MAX_MEMORY_MB);
+    if (req->idle_timeout_s < 0 || req->idle_timeout_s > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "idle_timeout_s must be 1 to %d",
+                          SP_SVC_MAX_TIMEOUT_S);
+    if (req->timeout_s < 0 || req->timeout_s > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "timeout_s must be 1 to %d", SP_SVC_MAX_TIMEOUT_S);
+    const char *action = req->deadline_action ? req->deadline_action : "delete";
+    if (strcmp(action, "delete") != 0 && strcmp(action, "suspend") != 0)
+        return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
+
+    char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
+    sp_ids_sandbox(id);
+    sp_ids_operation(opid);
+    sp_ids_token(token);
+    char *md = json_dumps(req->metadata ? req->metadata : json_object(), JSON_COMPACT);
+    char *env = json_dumps(req->env ? req->env : json_object(), JSON_COMPACT);
+    char idle[16], tmo[16], cpus[16], mem[16];
+    snprintf(idle, sizeof(idle), "%d", req->idle_timeout_s ? req->idle_timeout_s
+                                                            : SP_SVC_DEFAULT_IDLE_S);
+    snprintf(tmo, sizeof(tmo), "%d", req->timeout_s);
+    snprintf(cpus, sizeof(cpus), "%d", req->cpu_count);
+    snprintf(mem, sizeof(mem), "%d", req->memory_mb);
+    const char *p[] = {id, a->team_id, req->template_name, md ? md : "{}", env ? env : "{}",
+                       idle, req->timeout_s ? tmo : NULL, action,
+                       req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid};
+    int rc = submit(
+        svc,
+        "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
+        " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
+        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token)"
+        "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
+        "   now() + make_interval(secs => $7::int), $8,"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11 FROM t"
+        "  RETURNING *),"
+        " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+        "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
+        " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
+        " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+        " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
+        12, p, sandbox_done, (void *)cb, arg, 1, err);
+    free(md);
+    free(env);
+    return rc;
+}
+
+int sp_svc_get_sandbox(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_sandbox_cb cb,
+                       void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT " SANDBOX_COLS " FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+static void list_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_list_cb cb = (sp_svc_list_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, NULL, err);
+        return;
+    }
+    int n = PQntuples(res);
+    int limit = c->kind;
+    bool more = n > limit;
+    if (more)
+        n = limit;
+    sp_sandbox_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        parse_sandbox(res, i, 0, &recs[i]);
+    char cursor[128] = "";
+    if (more && n > 0)
+        snprintf(cursor, sizeof(cursor), "%s_%s", PQgetvalue(res, n - 1, SANDBOX_NCOLS),
+                 recs[n - 1].id);
+    cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
+    for (int i = 0; i < n; i++)
+        json_decref(recs[i].metadata);
+    free(recs);
+}
+
+/* Cursor: "<created_at in epoch microseconds>_<id>", both validated. */
+static int parse_cursor(const char *cur, char *micros, size_t mcap, char *id, size_t icap)
+{
+    const char *us = strchr(cur, '_');
+    if (us == NULL || us == cur || (size_t)(us - cur) >= mcap || us - cur > 19)
+        return -1;
+    for (const char *q = cur; q < us; q++)
+        if (*q < '0' || *q > '9')
+            return -1;
+    memcpy(micros, cur, (size_t)(us - cur));
+    micros[us - cur] = '\0';
+    if (!sp_ids_valid(us + 1) || strlen(us + 1) >= icap)
+        return -1;
+    strcpy(id, us + 1);
+    return 0;
+}
+
+int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t *req,
+                          sp_svc_list_cb cb, void *arg, sp_err_t *err)
+{
+    if (req->limit < 1 || req->limit > 1000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
+    char micros[24] = "", cid[65] = "";
+    if (req->cursor != NULL && req->cursor[0] != '\0' &&
+        parse_cursor(req->cursor, micros, sizeof(micros), cid, sizeof(cid)) < 0)
+        return sp_err_set(err, SP_EINVAL, "invalid cursor");
+    /* States as a text[] literal; names come from our own table, never from the client. */
+    char states[256] = "{";
+    for (int i = 0; i < SP_OBS__COUNT; i++) {
+        bool want = req->states ? (req->states & (1u << i)) != 0 : i != SP_OBS_DELETED;
+        if (want) {
+            strcat(states, sp_observed_name((sp_observed_t)i));
+            strcat(states, ",");
+        }
+    }
+    size_t sl = strlen(states);
+    if (states[sl - 1] == ',')
+        states[sl - 1] = '}';
+    else
+        strcat(states, "}");
+    char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
+    char lim[16];
+    snprintf(lim, sizeof(lim), "%d", req->limit + 1);
+    const char *p[] = {a->team_id, states, md, micros[0] ? micros : NULL, cid, lim};
+    int rc = submit(svc,
+                    "SELECT " SANDBOX_COLS ", (extract(epoch FROM s.created_at) * 1000000)::bigint"
+                    " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
+                    " AND ($3::jsonb IS NULL OR s.metadata @> $3::jsonb)"
+                    " AND ($4::bigint IS NULL OR"
+                    "  ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id) < ($4::bigint, $5))"
+                    " ORDER BY s.created_at DESC, s.id DESC LIMIT $6::int",
+                    6, p, list_done, (void *)cb, arg, req->limit, err);
+    free(md);
+    return rc;
+}
+
+json_t *sp_svc_metadata_filter(const char *query, sp_err_t *err)
+{
+    json_t *o = json_object();
+    if (query == NULL || query[0] == '\0')
+        return o;
+    if (strlen(query) > 8192) {
+        json_decref(o);
+        sp_err_set(err, SP_EINVAL, "metadata filter too long");
+        return NULL;
+    }
+    char *dup = strdup(query);
+    char *save = NULL;
+    for (char *pair = strtok_r(dup, "&", &save); pair != NULL; pair = strtok_r(NULL, "&", &save)) {
+        char *eq = strchr(pair, '=');
+        if (eq == NULL || eq == pair) {
+            free(dup);
+            json_decref(o);
+            sp_err_set(err, SP_EINVAL, "metadata filter must be key=value pairs");
+            return NULL;
+        }
+        *eq = '\0';
+        json_object_set_new(o, pair, json_string(eq + 1));
+    }
+    free(dup);
+    return o;
+}
+
+/* ---- lifecycle requests ---- */
+
+struct req_ctx {
+    sp_svc_t *svc;
+    sp_auth_t auth;
+    char id[65];
+    sp_request_t req;
+    sp_svc_op_cb cb;
+    void *arg;
+    int tries;
+};
+
+static void req_read(struct req_ctx *rc);
+
+static void req_fail(struct req_ctx *rc, const sp_err_t *err)
+{
+    rc->cb(rc->arg, NULL, err);
+    free(rc);
+}
+
+static void req_written(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct req_ctx *rc = c->arg;
+    if (err != NULL) {
+        req_fail(rc, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        /* The desired state changed between our read and write: read again. */
+        if (++rc->tries < 5) {
+            req_read(rc);
+            return;
+        }
+        sp_err_t e;
+        sp_err_set(&e, SP_ECONFLICT, "sandbox is changing; try again");
+        req_fail(rc, &e);
+        return;
+    }
+    sp_op_rec_t op;
+    parse_op(res, 0, 0, &op);
+    rc->cb(rc->arg, &op, NULL);
+    free(rc);
+}
+
+static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct req_ctx *rc = c->arg;
+    if (err != NULL) {
+        req_fail(rc, err);
+        return;
+    }
+    sp_err_t e;
+    sp_desired_t d, nd;
+    sp_observed_t o;
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        req_fail(rc, &e);
+        return;
+    }
+    if (sp_desired_parse(PQgetvalue(res, 0, 0), &d) < 0 ||
+        sp_observed_parse(PQgetvalue(res, 0, 1), &o) < 0) {
+        sp_log(SP_LOG_ERROR, "svc", "corrupt state sandbox=%s", rc->id);
+        sp_err_set(&e, SP_EINTERNAL, "sandbox record is corrupt");
+        req_fail(rc, &e);
+        return;
+    }
+    if (sp_sandbox_request(d, o, rc->req, &nd, &e) < 0) {
+        req_fail(rc, &e);
+        return;
+    }
+    char opid[SP_OPID_LEN + 1];
+    sp_ids_operation(opid);
+    const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
+                       sp_request_name(rc->req)};
+    if (submit(rc->svc,
+               "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now()"
+               "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
+               " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+               "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
+               " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+               "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
+               " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+               " SELECT " OP_COLS " FROM o, n, ev",
+               6, p, req_written, NULL, rc, 0, &e) < 0)
+        req_fail(rc, &e);
+}
+
+static void req_read(struct req_ctx *rc)
+{
+    sp_err_t e;
+    const char *p[] = {rc->id, rc->auth.team_id};
+    if (submit(rc->svc,
+               "SELECT desired_state, observed_state FROM sandboxes"
+               " WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'",
+               2, p, req_got_state, NULL, rc, 0, &e) < 0)
+        req_fail(rc, &e); /* only reached on a retry, from a callback: calling back is allowed */
+}
+
+int sp_svc_request(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
+                   sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if ((unsigned)req >= SP_REQ__COUNT)
+        return sp_err_set(err, SP_EINVAL, "unknown request");
+    struct req_ctx *rc = calloc(1, sizeof(*rc));
+    if (rc == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    rc->svc = svc;
+    rc->auth = *a;
+    copy(rc->id, sizeof(rc->id), id);
+    rc->req = req;
+    rc->cb = cb;
+    rc->arg = arg;
+    const char *p[] = {rc->id, rc->auth.team_id};
+    if (submit(svc,
+               "SELECT desired_state, observed_state FROM sandboxes"
+               " WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'",
+               2, p, req_got_state, NULL, rc, 0, err) < 0) {
+        free(rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- operations and waits ---- */
+
+static void waiter_unlink(struct waiter *w)
+{
+    if (w->prev)
+        w->prev->next = w->next;
+    else
+        w->svc->waiters = w->next;
+    if (w->next)
+        w->next->prev = w->prev;
+    sp_timer_stop(&w->timer);
+}
+
+static void waiter_check(struct waiter *w);
+
+static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct waiter *w = c->w;
+    w->checking = false;
+    sp_op_rec_t op;
+    bool have = err == NULL && PQntuples(res) == 1;
+    if (have)
+        parse_op(res, 0, 0, &op);
+    if (err != NULL || !have || op_finished(&op) || w->expired) {
+        sp_err_t e;
+        if (err == NULL && !have)
+            sp_err_set(&e, SP_ENOTFOUND, "operation not found");
+        waiter_unlink(w);
+        w->cb(w->arg, have ? &op : NULL, err ? err : have ? NULL : &e);
+        free(w);
+    }
+}
+
+static void waiter_check(struct waiter *w)
+{
+    if (w->checking)
+        return;
+    const char *p[] = {w->op_id, w->team_id};
+    struct call *c = calloc(1, sizeof(*c));
+    sp_err_t e;
+    if (c == NULL) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        waiter_unlink(w);
+        w->cb(w->arg, NULL, &e);
+        free(w);
+        return;
+    }
+    c->svc = w->svc;
+    c->done = waiter_checked;
+    c->w = w;
+    w->checking = true;
+    if (sp_store_query(w->svc->store,
+                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
+                       p, on_result, c, &e) < 0) {
+        free(c);
+        waiter_unlink(w);
+        w->cb(w->arg, NULL, &e);
+        free(w);
+    }
+}
+
+static void on_waiter_timer(sp_timer_t *t, void *arg)
+{
+    struct waiter *w = arg;
+    w->expired = true;
+    waiter_check(w);
+}
+
+static void on_ops_notify(void *arg, const char *channel, const char *payload)
+{
+    sp_svc_t *svc = arg;
+    struct waiter *w = svc->waiters, *next;
+    for (; w != NULL; w = next) {
+        next = w->next; /* waiter_check can finish and free w only from a later callback */
+        if (payload == NULL || strcmp(payload, w->op_id) == 0)
+            waiter_check(w);
+    }
+}
+
+int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, uint32_t wait_ms,
+                         sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(op_id))
+        return sp_err_set(err, SP_ENOTFOUND, "operation not found");
+    if (wait_ms > SP_SVC_MAX_WAIT_MS)
+        wait_ms = SP_SVC_MAX_WAIT_MS;
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->svc = svc;
+    copy(w->team_id, sizeof(w->team_id), a->team_id);
+    copy(w->op_id, sizeof(w->op_id), op_id);
+    w->cb = cb;
+    w->arg = arg;
+    w->expired = wait_ms == 0;
+    sp_timer_init(&w->timer, svc->loop, on_waiter_timer, w);
+    /* Link first so a NOTIFY racing the first check is not missed. */
+    w->next = svc->waiters;
+    if (w->next)
+        w->next->prev = w;
+    svc->waiters = w;
+    if (wait_ms > 0)
+        sp_timer_start(&w->timer, wait_ms);
+    const char *p[] = {w->op_id, w->team_id};
+    struct call *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        waiter_unlink(w);
+        free(w);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    c->svc = svc;
+    c->done = waiter_checked;
+    c->w = w;
+    w->checking = true;
+    if (sp_store_query(svc->store,
+                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
+                       p, on_result, c, err) < 0) {
+        free(c);
+        waiter_unlink(w);
+        free(w);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- health ---- */
+
+static void health_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    ((sp_svc_done_cb)c->cb)(c->arg, err);
+}
+
+int sp_svc_health(sp_svc_t *svc, sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    return submit(svc, "SELECT 1", 0, NULL, health_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- lifetime ---- */
+
+sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
+                        const unsigned char hashkey[SP_HASHKEY_LEN], sp_err_t *err)
+{
+    sp_svc_t *svc = calloc(1, sizeof(*svc));
+    if (svc == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    svc->loop = loop;
+    svc->store = store;
+    memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
+    if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0) {
+        free(svc);
+        return NULL;
+    }
+    return svc;
+}
+
+void sp_svc_destroy(sp_svc_t *svc)
+{
+    if (svc == NULL)
+        return;
+    while (svc->waiters != NULL) {
+        struct waiter *w = svc->waiters;
+        waiter_unlink(w);
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "shutting down");
+        if (!w->checking) {
+            w->cb(w->arg, NULL, &e);
+            free(w);
+        }
+        /* A waiter with a check in flight is answered and freed by the store's shutdown. */
+    }
+    free(svc);
+}

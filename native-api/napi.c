@@ -1,0 +1,300 @@
+/*
+ * napi.c - routing, authentication, bodies and rendering for /v1.
+ *
+ * Order of checks: unknown path or method (404/405, no auth needed), then
+ * the key (401), then the body (413/400), then the route.
+ */
+#include "native-api/napi_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+sp_napi_t *sp_napi_create(sp_svc_t *svc)
+{
+    sp_napi_t *n = calloc(1, sizeof(*n));
+    if (n != NULL)
+        n->svc = svc;
+    return n;
+}
+
+void sp_napi_destroy(sp_napi_t *n)
+{
+    free(n);
+}
+
+bool sp_napi_owns(h2o_req_t *req)
+{
+    size_t len = req->query_at != SIZE_MAX ? req->query_at : req->path.len;
+    return (len >= 4 && memcmp(req->path.base, "/v1/", 4) == 0) ||
+           (len == 3 && memcmp(req->path.base, "/v1", 3) == 0) ||
+           h2o_memis(req->path.base, len, H2O_STRLIT("/healthz"));
+}
+
+static void ctx_free(napi_ctx_t *c)
+{
+    json_decref(c->body);
+}
+
+void sp_napi__reply(napi_ctx_t *c, int status, json_t *obj)
+{
+    ctx_free(c);
+    h2o_req_t *req = sp_http_release(c->hold); /* frees c: it lives in the hold */
+    if (req != NULL)
+        sp_http_json(req, status, obj);
+    else
+        json_decref(obj);
+}
+
+void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err)
+{
+    ctx_free(c);
+    h2o_req_t *req = sp_http_release(c->hold);
+    if (req != NULL)
+        sp_http_error(req, err);
+}
+
+/* ---- rendering ---- */
+
+static json_t *str_or_null(const char *s)
+{
+    return s[0] ? json_string(s) : json_null();
+}
+
+json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "id", json_string(s->id));
+    json_object_set_new(o, "template", json_string(s->template_name));
+    json_object_set_new(o, "state", json_string(s->observed));
+    json_object_set_new(o, "desired_state", json_string(s->desired));
+    json_object_set_new(o, "created_at", json_string(s->created_at));
+    json_object_set_new(o, "last_activity_at", json_string(s->last_activity_at));
+    json_object_set_new(o, "idle_timeout_s", json_integer(s->idle_timeout_s));
+    json_object_set_new(o, "deadline_at", str_or_null(s->deadline_at));
+    json_object_set_new(o, "deadline_action", json_string(s->deadline_action));
+    json_object_set_new(o, "metadata", json_incref(s->metadata));
+    json_object_set_new(o, "cpu_count", json_integer(s->cpu_count));
+    json_object_set_new(o, "memory_mb", json_integer(s->memory_mb));
+    json_object_set_new(o, "snapshot_bytes", json_integer(s->snapshot_bytes));
+    json_object_set_new(o, "error", str_or_null(s->error));
+    return o;
+}
+
+json_t *sp_napi__op_json(const sp_op_rec_t *op)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "id", json_string(op->id));
+    json_object_set_new(o, "sandbox_id", json_string(op->sandbox_id));
+    json_object_set_new(o, "kind", json_string(op->kind));
+    json_object_set_new(o, "status", json_string(op->status));
+    if (op->error_code[0])
+        json_object_set_new(o, "error",
+                            json_pack("{s:s,s:s}", "code", op->error_code, "message",
+                                      op->error_message));
+    else
+        json_object_set_new(o, "error", json_null());
+    json_object_set_new(o, "created_at", json_string(op->created_at));
+    json_object_set_new(o, "finished_at", str_or_null(op->finished_at));
+    return o;
+}
+
+json_t *sp_napi__template_json(const sp_template_rec_t *t)
+{
+    return json_pack("{s:s,s:s,s:i,s:i,s:s,s:s}", "name", t->name, "description",
+                     t->description, "cpu_count", t->cpu_count, "memory_mb", t->memory_mb,
+                     "status", t->status, "updated_at", t->updated_at);
+}
+
+int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *err)
+{
+    const char *k;
+    const json_t *v;
+    json_object_foreach((json_t *)obj, k, v)
+    {
+        bool ok = false;
+        for (int i = 0; allowed[i] != NULL && !ok; i++)
+            ok = strcmp(k, allowed[i]) == 0;
+        if (!ok)
+            return sp_err_set(err, SP_EINVAL, "unknown field '%.64s'", k);
+    }
+    return 0;
+}
+
+/* ---- routing ---- */
+
+enum { M_GET = 1, M_POST = 2, M_DELETE = 4 };
+
+struct route {
+    int methods;
+    const char *pattern[5]; /* "*" matches one segment */
+    napi_route_fn fn[3];    /* by method bit: GET, POST, DELETE */
+    bool body;              /* POST takes a JSON body */
+};
+
+static const struct route routes[] = {
+    {M_GET, {"v1", "templates", NULL}, {sp_napi__templates_list, NULL, NULL}, false},
+    {M_GET, {"v1", "templates", "*", NULL}, {sp_napi__templates_get, NULL, NULL}, false},
+    {M_GET | M_POST,
+     {"v1", "sandboxes", NULL},
+     {sp_napi__sandboxes_list, sp_napi__sandboxes_create, NULL},
+     true},
+    {M_GET | M_DELETE,
+     {"v1", "sandboxes", "*", NULL},
+     {sp_napi__sandboxes_get, NULL, sp_napi__sandboxes_request},
+     false},
+    {M_POST, {"v1", "sandboxes", "*", "pause", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "suspend", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "wake", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
+    {M_GET, {"v1", "operations", "*", NULL}, {sp_napi__operations_get, NULL, NULL}, false},
+};
+
+static const struct route *match(const char **segs, int n)
+{
+    for (size_t r = 0; r < sizeof(routes) / sizeof(routes[0]); r++) {
+        int i = 0;
+        for (; routes[r].pattern[i] != NULL && i < n; i++)
+            if (strcmp(routes[r].pattern[i], "*") != 0 && strcmp(routes[r].pattern[i], segs[i]) != 0)
+                break;
+        if (routes[r].pattern[i] == NULL && i == n)
+            return &routes[r];
+    }
+    return NULL;
+}
+
+static int method_bit(h2o_req_t *req)
+{
+    if (sp_http_method_is(req, "GET") || sp_http_method_is(req, "HEAD"))
+        return M_GET;
+    if (sp_http_method_is(req, "POST"))
+        return M_POST;
+    if (sp_http_method_is(req, "DELETE"))
+        return M_DELETE;
+    return 0;
+}
+
+static void on_health(void *arg, const sp_err_t *err)
+{
+    sp_http_hold_t *h = arg;
+    h2o_req_t *req = sp_http_release(h);
+    if (req == NULL)
+        return;
+    if (err != NULL)
+        sp_http_json(req, 503, json_pack("{s:s,s:s}", "status", "unavailable", "database", "down"));
+    else
+        sp_http_json(req, 200, json_pack("{s:s,s:s}", "status", "ok", "database", "up"));
+}
+
+static void on_auth(void *arg, const sp_auth_t *auth, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    c->auth = *auth;
+    c->route(c);
+}
+
+/* Parses ?wait=<seconds> (0..300, fractions allowed). */
+static int parse_wait(h2o_req_t *req, uint32_t *out, sp_err_t *err)
+{
+    const char *w = sp_http_query(req, "wait");
+    *out = 0;
+    if (w == NULL)
+        return 0;
+    char *end = NULL;
+    double s = strtod(w, &end);
+    if (w[0] == '\0' || end == NULL || *end != '\0' || !(s >= 0 && s <= 300))
+        return sp_err_set(err, SP_EINVAL, "wait must be a number of seconds from 0 to 300");
+    *out = (uint32_t)(s * 1000);
+    return 0;
+}
+
+void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
+{
+    const char *segs[NAPI_MAX_SEGS];
+    int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
+    int mb = method_bit(req);
+
+    if (ns == 1 && strcmp(segs[0], "healthz") == 0) {
+        sp_http_hold_t *h = sp_http_hold(req, 0);
+        sp_err_t e;
+        if (h == NULL || sp_svc_health(n->svc, on_health, h, &e) < 0) {
+            if (h != NULL)
+                sp_http_release(h);
+            sp_http_json(req, 503, json_pack("{s:s,s:s}", "status", "unavailable", "database",
+                                             "down"));
+        }
+        return;
+    }
+    if (ns == 2 && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "openapi.json") == 0 &&
+        mb == M_GET) {
+        req->res.status = 200;
+        req->res.reason = "OK";
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
+                       H2O_STRLIT("application/json"));
+        h2o_send_inline(req, sp_napi_openapi_json, strlen(sp_napi_openapi_json));
+        return;
+    }
+    const struct route *r = ns < 0 ? NULL : match(segs, ns);
+    if (r == NULL) {
+        sp_http_error_code(req, SP_ENOTFOUND, "no such path");
+        return;
+    }
+    if (!(r->methods & mb)) {
+        sp_http_json(req, 405,
+                     json_pack("{s:{s:s,s:s}}", "error", "code", "method_not_allowed", "message",
+                               "method not allowed on this path"));
+        return;
+    }
+    sp_err_t e;
+    uint32_t wait_ms;
+    if (parse_wait(req, &wait_ms, &e) < 0) {
+        sp_http_error(req, &e);
+        return;
+    }
+    const char *authz = sp_http_header(req, "authorization");
+    const char *key = NULL;
+    if (authz != NULL && strncasecmp(authz, "Bearer ", 7) == 0)
+        key = authz + 7;
+    json_t *body = NULL;
+    if (mb == M_POST && r->body) {
+        if (req->entity.len > NAPI_MAX_BODY) {
+            sp_http_error_code(req, SP_ETOOBIG, "request body is larger than 1 MiB");
+            return;
+        }
+        if (req->entity.base != NULL && req->entity.len > 0) {
+            json_error_t je;
+            body = json_loadb(req->entity.base, req->entity.len,
+                              JSON_REJECT_DUPLICATES | JSON_DISABLE_EOF_CHECK * 0, &je);
+            if (body == NULL) {
+                sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text);
+                sp_http_error(req, &e);
+                return;
+            }
+            if (!json_is_object(body)) {
+                json_decref(body);
+                sp_http_error_code(req, SP_EINVAL, "request body must be a JSON object");
+                return;
+            }
+        }
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(napi_ctx_t));
+    if (h == NULL) {
+        json_decref(body);
+        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+        return;
+    }
+    napi_ctx_t *c = sp_http_hold_user(h);
+    c->n = n;
+    c->hold = h;
+    c->nsegs = ns;
+    memcpy(c->segs, segs, sizeof(segs[0]) * (size_t)ns);
+    c->body = body;
+    c->wait_ms = wait_ms;
+    c->route = r->fn[mb == M_GET ? 0 : mb == M_POST ? 1 : 2];
+    if (sp_svc_authenticate(n->svc, key, on_auth, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}

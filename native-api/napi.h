@@ -1,0 +1,29 @@
+/*
+ * napi.h - the native HTTP API (/v1/..., /healthz).
+ *
+ * Parses and authenticates (Authorization: Bearer <key>), calls one core
+ * operation (core/svc.h), renders JSON. Holds no state of its own.
+ */
+#ifndef SP_NAPI_H
+#define SP_NAPI_H
+
+#include <h2o.h>
+#include <stdbool.h>
+
+#include "core/svc.h"
+
+typedef struct sp_napi sp_napi_t;
+
+sp_napi_t *sp_napi_create(sp_svc_t *svc);
+void sp_napi_destroy(sp_napi_t *n);
+
+/* Whether path belongs to this API (/v1/ and /healthz). */
+bool sp_napi_owns(h2o_req_t *req);
+
+/* Answers req (now or later). */
+void sp_napi_handle(sp_napi_t *n, h2o_req_t *req);
+
+/* The OpenAPI document served at /v1/openapi.json. */
+extern const char sp_napi_openapi_json[];
+
+#endif

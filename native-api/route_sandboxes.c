@@ -1,0 +1,274 @@
+/*
+ * route_sandboxes.c - /v1/templates, /v1/sandboxes and /v1/operations.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "native-api/napi_int.h"
+
+/* ---- templates ---- */
+
+static void on_templates(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    if (c->nsegs == 3) {
+        sp_napi__reply(c, 200, sp_napi__template_json(&recs[0]));
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(arr, sp_napi__template_json(&recs[i]));
+    sp_napi__reply(c, 200, json_pack("{s:o}", "templates", arr));
+}
+
+void sp_napi__templates_list(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_svc_templates(c->n->svc, NULL, on_templates, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__templates_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (strlen(c->segs[2]) > 64)
+        sp_napi__fail(c, (sp_err_set(&e, SP_ENOTFOUND, "template not found"), &e));
+    else if (sp_svc_templates(c->n->svc, c->segs[2], on_templates, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* ---- operations (and waiting on them) ---- */
+
+static void on_sandbox_after_wait(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                                  const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    json_t *o = json_object();
+    /* A sandbox that is gone after a finished delete is reported as null. */
+    json_object_set_new(o, "sandbox", sb ? sp_napi__sandbox_json(sb) : json_null());
+    json_object_set_new(o, "operation", sp_napi__op_json(&c->op));
+    bool done = strcmp(c->op.status, "succeeded") == 0 || strcmp(c->op.status, "failed") == 0;
+    sp_napi__reply(c, done ? 200 : 202, o);
+}
+
+static void on_op(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    if (c->sandbox_id[0] == '\0') { /* GET /v1/operations/{id} */
+        sp_napi__reply(c, 200, sp_napi__op_json(op));
+        return;
+    }
+    /* A lifecycle call with ?wait=: answer with the operation and the sandbox as it is now. */
+    c->op = *op;
+    sp_err_t e;
+    if (sp_svc_get_sandbox(c->n->svc, &c->auth, c->sandbox_id, on_sandbox_after_wait, c, &e) < 0)
+        on_sandbox_after_wait(c, NULL, NULL, &e);
+}
+
+void sp_napi__operations_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_svc_get_operation(c->n->svc, &c->auth, c->segs[2], c->wait_ms, on_op, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* After an accepted lifecycle request: answer at once (202) or wait for the outcome. */
+static void accepted(napi_ctx_t *c, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op)
+{
+    if (c->wait_ms == 0) {
+        json_t *o = json_object();
+        if (sb != NULL)
+            json_object_set_new(o, "sandbox", sp_napi__sandbox_json(sb));
+        json_object_set_new(o, "operation", sp_napi__op_json(op));
+        sp_napi__reply(c, 202, o);
+        return;
+    }
+    snprintf(c->sandbox_id, sizeof(c->sandbox_id), "%s", op->sandbox_id);
+    sp_err_t e;
+    if (sp_svc_get_operation(c->n->svc, &c->auth, op->id, c->wait_ms, on_op, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* ---- sandboxes ---- */
+
+static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                       const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    accepted(c, sb, op);
+}
+
+static int get_int(json_t *body, const char *key, int lo, int hi, int *out, sp_err_t *err)
+{
+    json_t *v = json_object_get(body, key);
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %d to %d", key, lo, hi);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+void sp_napi__sandboxes_create(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
+                                          "timeout_s", "cpu_count", "memory_mb", "deadline_action",
+                                          NULL};
+    sp_err_t e;
+    json_t *b = c->body;
+    if (b == NULL) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "request body must be a JSON object"), &e));
+        return;
+    }
+    sp_create_req_t r = {0};
+    json_t *t = json_object_get(b, "template");
+    json_t *da = json_object_get(b, "deadline_action");
+    if (sp_napi__only_keys(b, allowed, &e) < 0 ||
+        (t == NULL || !json_is_string(t) ? sp_err_set(&e, SP_EINVAL, "template is required and must be a string") : 0) < 0 ||
+        (da != NULL && !json_is_null(da) && !json_is_string(da)
+             ? sp_err_set(&e, SP_EINVAL, "deadline_action must be a string")
+             : 0) < 0 ||
+        get_int(b, "idle_timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.idle_timeout_s, &e) < 0 ||
+        get_int(b, "timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.timeout_s, &e) < 0 ||
+        get_int(b, "cpu_count", 1, SP_SVC_MAX_CPUS, &r.cpu_count, &e) < 0 ||
+        get_int(b, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &r.memory_mb, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    r.template_name = json_string_value(t);
+    r.metadata = json_object_get(b, "metadata");
+    r.env = json_object_get(b, "env");
+    r.deadline_action = da && json_is_string(da) ? json_string_value(da) : NULL;
+    if (r.metadata != NULL && json_is_null(r.metadata))
+        r.metadata = NULL;
+    if (r.env != NULL && json_is_null(r.env))
+        r.env = NULL;
+    if (strlen(r.template_name) != json_string_length(t)) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "template may not contain NUL"), &e));
+        return;
+    }
+    if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                   const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, sp_napi__sandbox_json(sb));
+}
+
+void sp_napi__sandboxes_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_svc_get_sandbox(c->n->svc, &c->auth, c->segs[2], on_got, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const char *next,
+                    const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(arr, sp_napi__sandbox_json(&recs[i]));
+    sp_napi__reply(c, 200,
+                   json_pack("{s:o,s:o}", "sandboxes", arr, "next_cursor",
+                             next ? json_string(next) : json_null()));
+}
+
+void sp_napi__sandboxes_list(napi_ctx_t *c)
+{
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    sp_err_t e;
+    sp_list_req_t r = {.limit = 100};
+    const char *limit = sp_http_query(req, "limit");
+    const char *state = sp_http_query(req, "state");
+    const char *md = sp_http_query(req, "metadata");
+    r.cursor = sp_http_query(req, "cursor");
+    if (limit != NULL) {
+        char *end;
+        long l = strtol(limit, &end, 10);
+        if (*limit == '\0' || *end != '\0' || l < 1 || l > 1000) {
+            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "limit must be 1 to 1000"), &e));
+            return;
+        }
+        r.limit = (int)l;
+    }
+    if (state != NULL) {
+        /* Comma-separated observed states. */
+        char buf[256];
+        snprintf(buf, sizeof(buf), "%s", state);
+        char *save = NULL;
+        for (char *s = strtok_r(buf, ",", &save); s; s = strtok_r(NULL, ",", &save)) {
+            sp_observed_t o;
+            if (sp_observed_parse(s, &o) < 0) {
+                sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "unknown state '%.32s'", s), &e));
+                return;
+            }
+            r.states |= 1u << o;
+        }
+        if (r.states == 0) {
+            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "state filter is empty"), &e));
+            return;
+        }
+    }
+    json_t *filter = NULL;
+    if (md != NULL && (filter = sp_svc_metadata_filter(md, &e)) == NULL) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    r.metadata = filter;
+    int rc = sp_svc_list_sandboxes(c->n->svc, &c->auth, &r, on_list, c, &e);
+    json_decref(filter);
+    if (rc < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_requested(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    accepted(c, NULL, op);
+}
+
+void sp_napi__sandboxes_request(napi_ctx_t *c)
+{
+    sp_err_t e;
+    sp_request_t r = SP_REQ_DELETE;
+    if (c->nsegs == 4) {
+        const char *verb = c->segs[3];
+        r = strcmp(verb, "pause") == 0     ? SP_REQ_PAUSE
+            : strcmp(verb, "suspend") == 0 ? SP_REQ_SUSPEND
+                                           : SP_REQ_WAKE;
+    }
+    static const char *const none[] = {NULL};
+    if (c->body != NULL && sp_napi__only_keys(c->body, none, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    if (sp_svc_request(c->n->svc, &c->auth, c->segs[2], r, on_requested, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}

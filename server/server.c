@@ -1,0 +1,504 @@
+/*
+ * server.c - `spaced serve | keys | version`.
+ *
+ * serve: data directory, database (embedded cluster or --database-url),
+ * migrations, first-start key, then one h2o event loop running the HTTP
+ * surfaces, the store and the controller until SIGINT/SIGTERM.
+ */
+#include "server/server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <h2o.h>
+#include <netinet/in.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "core/ids.h"
+#include "core/keys.h"
+#include "core/log.h"
+#include "core/migrate.h"
+#include "core/pgcluster.h"
+#include "core/recon.h"
+#include "core/store.h"
+#include "core/svc.h"
+#include "native-api/napi.h"
+#include "server/http.h"
+
+#define SPACE_VERSION "0.1.0"
+
+struct opts {
+    const char *listen;
+    const char *data_dir;
+    const char *database_url;
+    const char *runtime;
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: spaced serve [--listen ADDR:PORT] [--data-dir DIR] [--database-url URL]\n"
+            "                    [--runtime NAME] [--log-level debug|info|warn|error]\n"
+            "       spaced keys create [--team NAME] [--name NAME]\n"
+            "       spaced keys list\n"
+            "       spaced keys revoke <key-id-or-prefix>\n"
+            "       spaced version\n"
+            "Common: --data-dir DIR (default $SPACE_DATA_DIR, else /var/lib/space as root,\n"
+            "        else ~/.local/share/space), --database-url URL (default: the embedded\n"
+            "        cluster in the data directory).\n");
+}
+
+static const char *default_data_dir(void)
+{
+    const char *env = getenv("SPACE_DATA_DIR");
+    if (env != NULL && env[0] != '\0')
+        return env;
+    if (geteuid() == 0)
+        return "/var/lib/space";
+    static char buf[4096];
+    const char *home = getenv("HOME");
+    snprintf(buf, sizeof(buf), "%s/.local/share/space", home ? home : ".");
+    return buf;
+}
+
+static int mkdir_p(const char *path, mode_t mode)
+{
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) < 0 && errno != EEXIST)
+                return -1;
+            *p = '/';
+        }
+    }
+    if (mkdir(buf, mode) < 0 && errno != EEXIST)
+        return -1;
+    return 0;
+}
+
+/* ---- database setup (blocking, start-up only) ---- */
+
+struct db {
+    sp_pgcluster_t *cluster;
+    char conninfo[1024];
+};
+
+static int db_open(const struct opts *o, struct db *db, bool start_cluster)
+{
+    memset(db, 0, sizeof(*db));
+    if (o->database_url != NULL) {
+        snprintf(db->conninfo, sizeof(db->conninfo), "%s", o->database_url);
+        return 0;
+    }
+    if (!start_cluster)
+        return -1;
+    sp_err_t e;
+    db->cluster = sp_pgcluster_start(o->data_dir, &e);
+    if (db->cluster == NULL) {
+        fprintf(stderr, "spaced: cannot start the embedded PostgreSQL: %s\n", e.msg);
+        return -1;
+    }
+    snprintf(db->conninfo, sizeof(db->conninfo), "%s", sp_pgcluster_conninfo(db->cluster));
+    return 0;
+}
+
+static PGconn *db_connect(const char *conninfo)
+{
+    PGconn *c = PQconnectdb(conninfo);
+    if (PQstatus(c) != CONNECTION_OK) {
+        fprintf(stderr, "spaced: cannot connect to the database: %s", PQerrorMessage(c));
+        PQfinish(c);
+        return NULL;
+    }
+    PQclear(PQexec(c, "SET client_min_messages = warning"));
+    return c;
+}
+
+static int db_prepare(PGconn *c)
+{
+    sp_err_t e;
+    int applied;
+    if (sp_migrate_apply(c, &applied, &e) < 0) {
+        fprintf(stderr, "spaced: %s\n", e.msg);
+        return -1;
+    }
+    /* The templates this build knows; their images are built by `spaced template build`. */
+    PGresult *r = PQexec(c, "INSERT INTO templates (name, description, cpu_count, memory_mb)"
+                            " VALUES ('base', 'Debian 12 with bash, python3, git, curl', 1, 256)"
+                            " ON CONFLICT (name) DO NOTHING");
+    int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    PQclear(r);
+    return ok ? 0 : -1;
+}
+
+/* ---- keys ---- */
+
+static int write_key_file(const char *data_dir, const char *key)
+{
+    char path[4096], tmp[4200];
+    snprintf(path, sizeof(path), "%s/api-key", data_dir);
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    size_t n = strlen(key);
+    bool ok = write(fd, key, n) == (ssize_t)n && write(fd, "\n", 1) == 1 && fsync(fd) == 0;
+    close(fd);
+    if (!ok || rename(tmp, path) < 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+static int read_key_file(const char *data_dir, char *out, size_t cap)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/api-key", data_dir);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return -1;
+    bool ok = fgets(out, (int)cap, f) != NULL;
+    fclose(f);
+    if (!ok)
+        return -1;
+    out[strcspn(out, "\r\n")] = '\0';
+    return 0;
+}
+
+static int cmd_keys(struct opts *o, int argc, char **argv)
+{
+    if (argc < 1) {
+        usage(stderr);
+        return 2;
+    }
+    const char *team = NULL, *name = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--team") == 0 && i + 1 < argc)
+            team = argv[++i];
+        else if (strcmp(argv[i], "--name") == 0 && i + 1 < argc)
+            name = argv[++i];
+    }
+    struct db db;
+    if (db_open(o, &db, true) < 0)
+        return 1;
+    int rc = 1;
+    PGconn *c = db_connect(db.conninfo);
+    if (c == NULL || db_prepare(c) < 0)
+        goto out;
+    sp_err_t e;
+    if (strcmp(argv[0], "create") == 0) {
+        char key[SP_KEY_LEN + 1], kid[SP_ID_LEN + 1];
+        if (sp_keys_create(c, team, name, key, kid, &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            goto out;
+        }
+        printf("%s\n", key);
+        fprintf(stderr, "created key %s for team %s (shown once; store it now)\n", kid,
+                team ? team : "default");
+        rc = 0;
+    } else if (strcmp(argv[0], "list") == 0) {
+        rc = sp_keys_list(c, stdout, &e) < 0 ? 1 : 0;
+    } else if (strcmp(argv[0], "revoke") == 0 && argc >= 2) {
+        if (sp_keys_revoke(c, argv[1], &e) < 0)
+            fprintf(stderr, "spaced: %s\n", e.msg);
+        else
+            rc = 0;
+    } else {
+        usage(stderr);
+        rc = 2;
+    }
+out:
+    PQfinish(c);
+    if (db.cluster != NULL)
+        sp_pgcluster_stop(db.cluster, NULL);
+    return rc;
+}
+
+/* ---- serving ---- */
+
+struct srv {
+    sp_loop_t *loop;
+    h2o_globalconf_t config;
+    h2o_context_t ctx;
+    h2o_accept_ctx_t accept_ctx;
+    h2o_socket_t *listener;
+    sp_napi_t *napi;
+    int sfd;
+    bool stop;
+};
+
+static struct srv *g_srv;
+
+struct handler {
+    h2o_handler_t super;
+    struct srv *srv;
+};
+
+static int on_req(h2o_handler_t *self, h2o_req_t *req)
+{
+    struct srv *s = ((struct handler *)self)->srv;
+    if (sp_napi_owns(req)) {
+        sp_napi_handle(s->napi, req);
+        return 0;
+    }
+    sp_http_error_code(req, SP_ENOTFOUND, "no such path");
+    return 0;
+}
+
+static void on_accept(h2o_socket_t *listener, const char *err)
+{
+    if (err != NULL)
+        return;
+    h2o_socket_t *sock = h2o_evloop_socket_accept(listener);
+    if (sock != NULL)
+        h2o_accept(&g_srv->accept_ctx, sock);
+}
+
+static int listen_on(struct srv *s, const char *addr)
+{
+    char host[256];
+    const char *colon = strrchr(addr, ':');
+    if (colon == NULL || (size_t)(colon - addr) >= sizeof(host)) {
+        fprintf(stderr, "spaced: --listen wants ADDR:PORT\n");
+        return -1;
+    }
+    memcpy(host, addr, (size_t)(colon - addr));
+    host[colon - addr] = '\0';
+    int port = atoi(colon + 1);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    if (port <= 0 || port > 65535 || inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
+        fprintf(stderr, "spaced: bad listen address %s\n", addr);
+        return -1;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, SOMAXCONN) < 0) {
+        fprintf(stderr, "spaced: cannot listen on %s: %s\n", addr, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    s->listener = h2o_evloop_socket_create(sp_loop_native(s->loop), fd, H2O_SOCKET_FLAG_DONT_READ);
+    h2o_socket_read_start(s->listener, on_accept);
+    return 0;
+}
+
+static void on_signal(sp_watch_t *w, int events, void *arg)
+{
+    struct srv *s = arg;
+    struct signalfd_siginfo si;
+    while (read(s->sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
+        sp_log(SP_LOG_INFO, "server", "signal=%u", si.ssi_signo);
+    s->stop = true;
+}
+
+static void worker_id(const char *data_dir, char out[SP_ID_LEN + 1])
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/worker-id", data_dir);
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        bool ok = fgets(out, SP_ID_LEN + 1, f) != NULL && sp_ids_valid(out);
+        fclose(f);
+        if (ok)
+            return;
+    }
+    sp_ids_sandbox(out);
+    f = fopen(path, "w");
+    if (f != NULL) {
+        fputs(out, f);
+        fclose(f);
+    }
+}
+
+static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
+{
+    struct db db;
+    if (db_open(o, &db, true) < 0)
+        return 1;
+    int rc = 1;
+    PGconn *c = db_connect(db.conninfo);
+    unsigned char hashkey[SP_HASHKEY_LEN];
+    sp_err_t e;
+    if (c == NULL || db_prepare(c) < 0 || sp_keys_hash_key(c, hashkey, &e) < 0) {
+        PQfinish(c);
+        goto out_db;
+    }
+    /* The embedded default's first start: a team and a key, written 0600 to the data dir. */
+    char key[256] = "";
+    long teams = 0;
+    if (o->database_url == NULL && sp_keys_team_count(c, &teams, &e) == 0 && teams == 0) {
+        char kid[SP_ID_LEN + 1];
+        if (sp_keys_create(c, "default", "first key", key, kid, &e) < 0 ||
+            write_key_file(o->data_dir, key) < 0) {
+            fprintf(stderr, "spaced: cannot create the first API key\n");
+            PQfinish(c);
+            goto out_db;
+        }
+    } else if (o->database_url == NULL) {
+        read_key_file(o->data_dir, key, sizeof(key));
+    }
+    PQfinish(c);
+
+    struct srv s = {0};
+    g_srv = &s;
+    s.loop = sp_loop_create();
+    sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
+    sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
+    sp_driver_t *driver = NULL;
+    if (test_driver != NULL && o->runtime != NULL && strcmp(o->runtime, "test") == 0)
+        driver = test_driver(s.loop, o->data_dir);
+    else
+        driver = sp_driver_unavailable_create(
+            s.loop, "no microVM runtime is available in this build");
+    char wid[SP_ID_LEN + 1];
+    worker_id(o->data_dir, wid);
+    sp_recon_t *recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
+    s.napi = svc ? sp_napi_create(svc) : NULL;
+    if (recon == NULL || s.napi == NULL) {
+        fprintf(stderr, "spaced: start-up failed\n");
+        goto out_srv;
+    }
+
+    h2o_config_init(&s.config);
+    s.config.max_request_entity_size = (size_t)8 << 30;
+    h2o_hostconf_t *host =
+        h2o_config_register_host(&s.config, h2o_iovec_init(H2O_STRLIT("default")), 65535);
+    h2o_pathconf_t *path = h2o_config_register_path(host, "/", 0);
+    struct handler *hd = (struct handler *)h2o_create_handler(path, sizeof(*hd));
+    hd->super.on_req = on_req;
+    hd->srv = &s;
+    h2o_context_init(&s.ctx, sp_loop_native(s.loop), &s.config);
+    s.accept_ctx.ctx = &s.ctx;
+    s.accept_ctx.hosts = s.config.hosts;
+    if (listen_on(&s, o->listen) < 0)
+        goto out_srv;
+
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    s.sfd = sfd;
+    sp_watch_t *sw = sp_watch_create(s.loop, sfd, on_signal, &s);
+    sp_watch_set(sw, SP_IO_READ);
+
+    printf("space %s listening on http://%s\n", SPACE_VERSION, o->listen);
+    if (key[0])
+        printf("API key: %s   (also in %s/api-key)\n", key, o->data_dir);
+    printf("try: curl -H 'Authorization: Bearer <key>' http://%s/v1/templates\n", o->listen);
+    fflush(stdout);
+    sp_log(SP_LOG_INFO, "server", "serving listen=%s worker=%s runtime=%s", o->listen, wid,
+           driver->ops->name);
+
+    while (!s.stop)
+        sp_loop_run_once(s.loop, 1000);
+    sp_log(SP_LOG_INFO, "server", "shutting down");
+    sp_watch_destroy(sw);
+    close(sfd);
+    h2o_socket_read_stop(s.listener);
+    h2o_socket_close(s.listener);
+    rc = 0;
+out_srv:
+    sp_recon_destroy(recon);
+    sp_store_destroy(store);
+    sp_svc_destroy(svc);
+    sp_napi_destroy(s.napi);
+    sp_driver_destroy(driver);
+out_db:
+    if (db.cluster != NULL && sp_pgcluster_stop(db.cluster, &e) < 0)
+        fprintf(stderr, "spaced: stopping the embedded PostgreSQL failed: %s\n", e.msg);
+    return rc;
+}
+
+int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
+{
+    if (sp_ids_init() < 0) {
+        fprintf(stderr, "spaced: libsodium failed to initialise\n");
+        return 1;
+    }
+    struct opts o = {.listen = "127.0.0.1:3000"};
+    static const struct option lopts[] = {
+        {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
+        {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
+        {"log-level", required_argument, NULL, 'L'}, {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "version") == 0) {
+        printf("spaced %s\n", SPACE_VERSION);
+        return 0;
+    }
+    if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    /* Options may come anywhere after the command; positionals are kept in order. */
+    optind = 2;
+    int ch;
+    while ((ch = getopt_long(argc, argv, "+", lopts, NULL)) != -1 || optind < argc) {
+        if (ch == -1)
+            break;
+        switch (ch) {
+        case 'l':
+            o.listen = optarg;
+            break;
+        case 'd':
+            o.data_dir = optarg;
+            break;
+        case 'u':
+            o.database_url = optarg;
+            break;
+        case 'r':
+            o.runtime = optarg;
+            break;
+        case 'L':
+            if (sp_log_parse_level(optarg, &sp_log_min_level) < 0) {
+                fprintf(stderr, "spaced: bad log level\n");
+                return 2;
+            }
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (o.data_dir == NULL)
+        o.data_dir = default_data_dir();
+    if (o.database_url == NULL)
+        o.database_url = getenv("SPACE_DATABASE_URL");
+    if (o.database_url != NULL && o.database_url[0] == '\0')
+        o.database_url = NULL;
+    /* 0711: the embedded cluster's user must traverse it; nobody else may list it. */
+    if (mkdir_p(o.data_dir, 0711) < 0) {
+        fprintf(stderr, "spaced: cannot create data directory %s: %s\n", o.data_dir,
+                strerror(errno));
+        return 1;
+    }
+    if (strcmp(cmd, "serve") == 0)
+        return cmd_serve(&o, test_driver);
+    if (strcmp(cmd, "keys") == 0)
+        return cmd_keys(&o, argc - optind, argv + optind);
+    usage(stderr);
+    return 2;
+}
