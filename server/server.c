@@ -41,6 +41,8 @@ struct opts {
     const char *data_dir;
     const char *database_url;
     const char *runtime;
+    const char *team;     /* keys create */
+    const char *key_name; /* keys create */
 };
 
 static void usage(FILE *f)
@@ -183,13 +185,7 @@ static int cmd_keys(struct opts *o, int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    const char *team = NULL, *name = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--team") == 0 && i + 1 < argc)
-            team = argv[++i];
-        else if (strcmp(argv[i], "--name") == 0 && i + 1 < argc)
-            name = argv[++i];
-    }
+    const char *team = o->team, *name = o->key_name;
     struct db db;
     if (db_open(o, &db, true) < 0)
         return 1;
@@ -436,6 +432,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
         {"log-level", required_argument, NULL, 'L'}, {"help", no_argument, NULL, 'h'},
+        {"team", required_argument, NULL, 't'},      {"name", required_argument, NULL, 'n'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -450,13 +447,17 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         usage(stdout);
         return 0;
     }
-    /* Options may come anywhere after the command; positionals are kept in order. */
+    /* Options may come anywhere after the command (GNU getopt permutes positionals to the end). */
     optind = 2;
     int ch;
-    while ((ch = getopt_long(argc, argv, "+", lopts, NULL)) != -1 || optind < argc) {
-        if (ch == -1)
-            break;
+    while ((ch = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
         switch (ch) {
+        case 't':
+            o.team = optarg;
+            break;
+        case 'n':
+            o.key_name = optarg;
+            break;
         case 'l':
             o.listen = optarg;
             break;

@@ -1,0 +1,271 @@
+"""Native API v1 against a real PostgreSQL and spaced-test (test-only driver)."""
+import json
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+from harness import PgCluster, Spaced, q, skip_unless_pg  # noqa: E402
+
+
+@skip_unless_pg
+class NativeApiTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PgCluster()
+        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
+                       env={"SPACE_FAKE_DELAY_MS": "20"})
+        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
+        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
+        cls.s.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.s.destroy()
+        cls.pg.destroy()
+
+    def req(self, *a, **kw):
+        return self.s.request(*a, **kw)
+
+    def assertError(self, resp, status, code=None):
+        st, body = resp
+        self.assertEqual(st, status, body)
+        self.assertIsInstance(body, dict, body)
+        self.assertIn("error", body)
+        self.assertIsInstance(body["error"]["message"], str)
+        if code:
+            self.assertEqual(body["error"]["code"], code)
+
+    # ---- basics ----
+
+    def test_health_and_templates(self):
+        self.assertEqual(self.req("GET", "/healthz", key="")[0], 200)
+        st, body = self.req("GET", "/v1/templates")
+        self.assertEqual(st, 200)
+        self.assertIn("base", [t["name"] for t in body["templates"]])
+        st, t = self.req("GET", "/v1/templates/base")
+        self.assertEqual((st, t["name"]), (200, "base"))
+        self.assertError(self.req("GET", "/v1/templates/nope"), 404, "not_found")
+
+    def test_auth_required(self):
+        self.assertError(self.req("GET", "/v1/sandboxes", key=""), 401, "unauthenticated")
+        self.assertError(self.req("GET", "/v1/sandboxes", key="sk_wrong"), 401)
+        self.assertError(self.req("GET", "/v1/sandboxes", headers={"Authorization": "Basic eA=="},
+                                  key=""), 401)
+
+    def test_revoked_key_is_refused(self):
+        k = self.s.cli("keys", "create", "--team", "alpha").stdout.strip()
+        self.assertEqual(self.req("GET", "/v1/sandboxes", key=k)[0], 200)
+        listing = self.s.cli("keys", "list").stdout
+        self.assertIn(k[:11], listing)
+        self.s.cli("keys", "revoke", k[:11])
+        self.assertError(self.req("GET", "/v1/sandboxes", key=k), 401)
+        r = self.s.cli("keys", "revoke", k[:11], check=False)
+        self.assertNotEqual(r.returncode, 0)
+
+    # ---- lifecycle ----
+
+    def test_create_and_lifecycle(self):
+        st, r = self.req("POST", "/v1/sandboxes?wait=30",
+                         {"template": "base", "metadata": {"owner": "t1"}, "env": {"A": "1"},
+                          "cpu_count": 2, "memory_mb": 512, "timeout_s": 3600})
+        self.assertEqual(st, 200, r)
+        sb = r["sandbox"]
+        self.assertEqual(r["operation"]["status"], "succeeded")
+        self.assertEqual(sb["state"], "running")
+        self.assertRegex(sb["id"], r"^[a-z0-9]+$")
+        self.assertEqual((sb["cpu_count"], sb["memory_mb"]), (2, 512))
+        self.assertIsNotNone(sb["deadline_at"])
+        for k in ("id", "template", "state", "desired_state", "created_at", "last_activity_at",
+                  "idle_timeout_s", "deadline_at", "metadata", "cpu_count", "memory_mb"):
+            self.assertIn(k, sb)
+        sid = sb["id"]
+        base = "/v1/sandboxes/" + sid
+
+        st, r = self.req("POST", base + "/pause?wait=30")
+        self.assertEqual((st, r["operation"]["status"], r["sandbox"]["state"]),
+                         (200, "succeeded", "paused"), r)
+        self.assertError(self.req("POST", base + "/pause"), 409, "conflict")
+        st, r = self.req("POST", base + "/wake?wait=30")
+        self.assertEqual(r["sandbox"]["state"], "running", r)
+        self.assertError(self.req("POST", base + "/wake"), 409)
+        st, r = self.req("POST", base + "/suspend?wait=30")
+        self.assertEqual(r["sandbox"]["state"], "suspended", r)
+        self.assertError(self.req("POST", base + "/pause"), 409)
+        st, r = self.req("POST", base + "/wake?wait=30")
+        self.assertEqual(r["sandbox"]["state"], "running", r)
+        # Asynchronous form: 202 and an operation to poll.
+        st, r = self.req("DELETE", base)
+        self.assertEqual(st, 202, r)
+        op = self.s.wait_op(r["operation"]["id"])
+        self.assertEqual((op["status"], op["kind"]), ("succeeded", "delete"))
+        self.assertIsNotNone(op["finished_at"])
+        self.assertError(self.req("GET", base), 404)
+        self.assertError(self.req("DELETE", base), 404)
+
+    def test_queued_requests_settle(self):
+        """Pause and delete sent before the boot finished: every operation ends."""
+        sid, create_op = self.s.create(wait=False)
+        st, p = self.req("POST", "/v1/sandboxes/%s/pause" % sid)
+        self.assertEqual(st, 202, p)
+        st, d = self.req("DELETE", "/v1/sandboxes/" + sid)
+        self.assertEqual(st, 202, d)
+        for op in (create_op, p["operation"]["id"], d["operation"]["id"]):
+            o = self.s.wait_op(op)
+            self.assertIn(o["status"], ("succeeded", "failed"), o)
+        self.assertEqual(self.s.wait_op(d["operation"]["id"])["status"], "succeeded")
+
+    def test_failed_pause_leaves_it_running(self):
+        sid, _ = self.s.create(env={"SPACE_FAKE_FAIL": "pause"})
+        st, r = self.req("POST", "/v1/sandboxes/%s/pause?wait=30" % sid)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["operation"]["status"], "failed")
+        self.assertIn("injected", r["operation"]["error"]["message"])
+        self.assertEqual(r["sandbox"]["state"], "running")
+        self.assertEqual(r["sandbox"]["desired_state"], "running")
+
+    def test_failed_boot(self):
+        sid, op = self.s.create(wait=False, env={"SPACE_FAKE_FAIL": "boot"})
+        o = self.s.wait_op(op)
+        self.assertEqual(o["status"], "failed")
+        st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual(sb["state"], "failed")
+        self.assertError(self.req("POST", "/v1/sandboxes/%s/pause" % sid), 409)
+        st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=30" % sid)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+
+    # ---- listing ----
+
+    def test_list_filters_and_pagination(self):
+        tag = "p%d" % time.time_ns()
+        ids = set()
+        for i in range(5):
+            sid, _ = self.s.create(wait=False, metadata={"run": tag, "i": str(i)})
+            ids.add(sid)
+        seen, cursor, pages = [], None, 0
+        while True:
+            path = "/v1/sandboxes?limit=2&metadata=" + q("run=%s" % tag)
+            if cursor:
+                path += "&cursor=" + q(cursor)
+            st, body = self.req("GET", path)
+            self.assertEqual(st, 200, body)
+            self.assertLessEqual(len(body["sandboxes"]), 2)
+            seen += [s["id"] for s in body["sandboxes"]]
+            pages += 1
+            cursor = body["next_cursor"]
+            if not cursor:
+                break
+        self.assertEqual(len(seen), len(set(seen)))
+        self.assertEqual(set(seen), ids)
+        self.assertGreaterEqual(pages, 3)
+        st, body = self.req("GET", "/v1/sandboxes?metadata=" + q("run=%s&i=3" % tag))
+        self.assertEqual(len(body["sandboxes"]), 1)
+        self.assertEqual(body["sandboxes"][0]["metadata"]["i"], "3")
+        st, body = self.req("GET", "/v1/sandboxes?state=deleted&metadata=" + q("run=" + tag))
+        self.assertEqual(body["sandboxes"], [])
+
+    # ---- tenancy ----
+
+    def test_other_team_sees_404(self):
+        sid, op = self.s.create()
+        other = self.other_key
+        for method, path in (("GET", "/v1/sandboxes/" + sid),
+                             ("POST", "/v1/sandboxes/%s/pause" % sid),
+                             ("POST", "/v1/sandboxes/%s/suspend" % sid),
+                             ("DELETE", "/v1/sandboxes/" + sid),
+                             ("GET", "/v1/operations/" + op)):
+            self.assertError(self.req(method, path, key=other), 404, "not_found")
+        st, body = self.req("GET", "/v1/sandboxes?limit=1000", key=other)
+        self.assertNotIn(sid, [s["id"] for s in body["sandboxes"]])
+        st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual(sb["state"], "running")
+
+    # ---- bad input ----
+
+    def test_bad_input(self):
+        P = "/v1/sandboxes"
+        self.assertError(self.req("POST", P, raw=b"{not json"), 400, "invalid_argument")
+        self.assertError(self.req("POST", P, raw=b"[1,2]"), 400)
+        self.assertError(self.req("POST", P, raw=b""), 400)
+        self.assertError(self.req("POST", P, raw=b'{"template":"base","template":"x"}'), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "bogus": 1}), 400)
+        self.assertError(self.req("POST", P, {"template": 5}), 400)
+        self.assertError(self.req("POST", P, {}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "cpu_count": "2"}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "cpu_count": 99}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "memory_mb": 1.5}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "metadata": {"a": 1}}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "metadata": [1]}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "env": {"A": None}}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "timeout_s": -1}), 400)
+        self.assertError(self.req("POST", P, {"template": "base", "deadline_action": "x"}), 400)
+        self.assertError(self.req("POST", P, {"template": "no-such-template"}), 404)
+        self.assertError(self.req("POST", P, {"template": "x" * 100}), 400)
+        big = b'{"template":"base","metadata":{"a":"' + b"x" * (2 << 20) + b'"}}'
+        self.assertError(self.req("POST", P, raw=big), 413, "payload_too_large")
+        self.assertError(self.req("GET", "/v1/sandboxes/BAD-ID"), 404)
+        self.assertError(self.req("GET", "/v1/sandboxes/" + "a" * 200), 404)
+        self.assertError(self.req("GET", "/v1/sandboxes/%27%3Bdrop"), 404)
+        self.assertError(self.req("GET", "/v1/operations/nope"), 404)
+        self.assertError(self.req("GET", "/v1/sandboxes?limit=0"), 400)
+        self.assertError(self.req("GET", "/v1/sandboxes?limit=abc"), 400)
+        self.assertError(self.req("GET", "/v1/sandboxes?cursor=garbage"), 400)
+        self.assertError(self.req("GET", "/v1/sandboxes?state=sleepy"), 400)
+        self.assertError(self.req("GET", "/v1/sandboxes?metadata=novalue"), 400)
+        self.assertError(self.req("GET", "/v1/operations/x?wait=-1"), 400)
+        self.assertError(self.req("GET", "/v1/operations/x?wait=1e9"), 400)
+        self.assertError(self.req("GET", "/v1/nothing"), 404)
+        self.assertEqual(self.req("PUT", "/v1/sandboxes")[0], 405)
+        sid, _ = self.s.create()
+        self.assertError(self.req("POST", "/v1/sandboxes/%s/pause" % sid, {"x": 1}), 400)
+        # Nothing above changed the sandbox or took the server down.
+        st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual((st, sb["state"]), (200, "running"))
+        self.assertEqual(self.req("GET", "/healthz")[0], 200)
+
+    # ---- the document ----
+
+    def test_openapi_paths_answer_as_documented(self):
+        st, doc = self.req("GET", "/v1/openapi.json", key="")
+        self.assertEqual(st, 200)
+        self.assertEqual(doc["openapi"][:3], "3.1")
+        sid, op = self.s.create()
+        fill = {"id": sid, "name": "base"}
+        checked = 0
+        for path, item in doc["paths"].items():
+            for method, spec in item.items():
+                p = path
+                for k, v in fill.items():
+                    p = p.replace("{%s}" % k, v)
+                if path.startswith("/v1/operations/"):
+                    p = "/v1/operations/" + op
+                body = {"template": "base"} if method == "post" and path == "/v1/sandboxes" else None
+                st, resp = self.req(method.upper(), p, body)
+                self.assertIn(str(st), spec["responses"], "%s %s -> %d %s" % (method, p, st, resp))
+                # and without a key, secured paths say 401, which must be documented
+                if spec.get("security", doc.get("security")):
+                    st2, _ = self.req(method.upper(), p, body, key="")
+                    self.assertEqual(st2, 401)
+                    self.assertIn("401", spec["responses"], path)
+                checked += 1
+        self.assertGreaterEqual(checked, 12)
+
+    def test_shipped_binary_has_no_fake_runtime(self):
+        # Its own database: a second controller on ours would share the work.
+        shipped = Spaced(binary=os.environ["SPACED"], database_url=self.pg.createdb("shipped"),
+                         runtime="test")
+        shipped.key = shipped.cli("keys", "create").stdout.strip()
+        shipped.start()
+        try:
+            st, r = shipped.request("POST", "/v1/sandboxes?wait=30", {"template": "base"})
+            self.assertEqual(st, 200, r)
+            self.assertEqual(r["operation"]["status"], "failed")
+            self.assertEqual(r["operation"]["error"]["code"], "runtime_unavailable")
+            self.assertEqual(r["sandbox"]["state"], "failed")
+        finally:
+            shipped.destroy()
+
+
+if __name__ == "__main__":
+    unittest.main()

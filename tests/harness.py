@@ -1,0 +1,226 @@
+"""Test harness shared by the HTTP-level suites: a private PostgreSQL cluster,
+a spaced process, and a small JSON HTTP client. Standard library only.
+
+Environment:
+  SPACED, SPACED_TEST   paths of the built binaries (set by ctest)
+  SP_TEST_KEEP=1        keep temporary directories and logs
+  SP_TEST_TIMEOUT_MULT  stretch timeouts on slow machines
+"""
+import http.client
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+
+MULT = float(os.environ.get("SP_TEST_TIMEOUT_MULT", "1"))
+KEEP = os.environ.get("SP_TEST_KEEP") == "1"
+
+
+def pg_bindir():
+    base = "/usr/lib/postgresql"
+    if os.path.isdir(base):
+        vers = sorted((v for v in os.listdir(base) if v.isdigit()), key=int)
+        if vers:
+            return os.path.join(base, vers[-1], "bin")
+    return None
+
+
+def skip_unless_pg(testcase_cls):
+    import unittest
+    if pg_bindir() is None:
+        return unittest.skip("PostgreSQL server binaries are not installed")(testcase_cls)
+    return testcase_cls
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def tmpdir(prefix):
+    d = tempfile.mkdtemp(prefix=prefix)
+    os.chmod(d, 0o711)
+    return d
+
+
+class PgCluster:
+    """A throwaway PostgreSQL cluster on a unix socket, run as `postgres` when we are root."""
+
+    def __init__(self):
+        self.root = tmpdir("sp-pg-")
+        self.data = os.path.join(self.root, "data")
+        self.sock = os.path.join(self.root, "run")
+        self.bindir = pg_bindir()
+        self.as_postgres = os.geteuid() == 0
+        os.makedirs(self.sock)
+        if self.as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+            os.chown(self.sock, pw.pw_uid, pw.pw_gid)
+        self._run(["initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--locale=C",
+                   "-E", "UTF8"])
+        with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
+            f.write("listen_addresses = ''\nunix_socket_directories = '%s'\nfsync = off\n"
+                    % self.sock)
+        self.start()
+        self._run(["createdb", "-h", self.sock, "-U", "postgres", "space"])
+
+    def _run(self, argv):
+        argv = [os.path.join(self.bindir, argv[0])] + argv[1:]
+        if self.as_postgres:
+            argv = ["runuser", "-u", "postgres", "--"] + argv
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       cwd="/")
+
+    @property
+    def url(self):
+        return self.db_url("space")
+
+    def db_url(self, name):
+        return "host=%s port=5432 dbname=%s user=postgres" % (self.sock, name)
+
+    def createdb(self, name):
+        self._run(["createdb", "-h", self.sock, "-U", "postgres", name])
+        return self.db_url(name)
+
+    def start(self):
+        self._run(["pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "pg.log"), "-w",
+                   "start"])
+
+    def stop(self):
+        self._run(["pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"])
+
+    def destroy(self):
+        try:
+            self.stop()
+        except subprocess.CalledProcessError:
+            pass
+        if not KEEP:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Spaced:
+    """One spaced process; stdout/stderr go to a log file in its data dir."""
+
+    def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None):
+        self.binary = binary or os.environ.get("SPACED_TEST") or os.environ["SPACED"]
+        self.data_dir = data_dir or tmpdir("sp-data-")
+        self.database_url = database_url
+        self.runtime = runtime
+        self.port = free_port()
+        self.env = dict(os.environ, **(env or {}))
+        self.proc = None
+        self.key = None
+
+    def cli(self, *args, check=True):
+        argv = [self.binary] + list(args) + ["--data-dir", self.data_dir]
+        if self.database_url:
+            argv += ["--database-url", self.database_url]
+        r = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError("spaced %s failed: %s" % (args, r.stderr))
+        return r
+
+    def start(self, timeout=60):
+        argv = [self.binary, "serve", "--listen", "127.0.0.1:%d" % self.port,
+                "--data-dir", self.data_dir]
+        if self.database_url:
+            argv += ["--database-url", self.database_url]
+        if self.runtime:
+            argv += ["--runtime", self.runtime]
+        self.log_path = os.path.join(self.data_dir, "spaced-%d.log" % int(time.time() * 1000))
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.time() + timeout * MULT
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("spaced exited with %d:\n%s" % (self.proc.returncode,
+                                                                     self.read_log()))
+            try:
+                st, _ = self.request("GET", "/healthz")
+                if st == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise AssertionError("spaced did not come up:\n" + self.read_log())
+        keyfile = os.path.join(self.data_dir, "api-key")
+        if self.key is None and os.path.exists(keyfile):
+            with open(keyfile) as f:
+                self.key = f.read().strip()
+        return self
+
+    def read_log(self):
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=60 * MULT)
+        self.proc = None
+        if getattr(self, "log", None):
+            self.log.close()
+            self.log = None
+
+    def stop(self):
+        self.kill(signal.SIGTERM)
+
+    def destroy(self):
+        self.kill(signal.SIGTERM)
+        if not KEEP:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
+        h = dict(headers or {})
+        k = key if key is not None else self.key
+        if k:
+            h["Authorization"] = "Bearer " + k
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            h["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=h)
+            r = conn.getresponse()
+            text = r.read()
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            parsed = text
+        return r.status, parsed
+
+    def wait_op(self, op_id, timeout=30):
+        st, op = self.request("GET", "/v1/operations/%s?wait=%d" % (op_id, timeout * MULT),
+                              timeout=timeout + 10)
+        assert st == 200, (st, op)
+        return op
+
+    def create(self, template="base", wait=True, **fields):
+        body = dict(template=template, **fields)
+        st, r = self.request("POST", "/v1/sandboxes", body)
+        assert st == 202, (st, r)
+        if wait:
+            op = self.wait_op(r["operation"]["id"])
+            assert op["status"] == "succeeded", op
+        return r["sandbox"]["id"], r["operation"]["id"]
+
+
+def q(s):
+    return urllib.parse.quote(s, safe="")
