@@ -104,6 +104,21 @@ static int exec_ok(PGconn *c, const char *sql, sp_err_t *err)
     return ok ? 0 : -1;
 }
 
+static int record_version(PGconn *c, int v, sp_err_t *err)
+{
+    char num[16];
+    snprintf(num, sizeof(num), "%d", v);
+    const char *p[] = {num};
+    PGresult *r = PQexecParams(c, "INSERT INTO schema_migrations(version) VALUES ($1::int)", 1,
+                               NULL, p, NULL, NULL, 0);
+    int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    if (!ok)
+        sp_log(SP_LOG_ERROR, "migrate", "recording version failed err=%s",
+               PQresultErrorMessage(r));
+    PQclear(r);
+    return ok ? 0 : sp_err_set(err, SP_EUNAVAIL, "database migration failed");
+}
+
 static int current_version(PGconn *c, int *v, sp_err_t *err)
 {
     PGresult *r = PQexec(c, "SELECT coalesce(max(version),0) FROM schema_migrations");
@@ -121,13 +136,18 @@ static int current_version(PGconn *c, int *v, sp_err_t *err)
 int sp_migrate_apply(PGconn *c, int *applied, sp_err_t *err)
 {
     *applied = 0;
-    if (exec_ok(c,
+    /* The bookkeeping table is created under the same lock as the migrations, so servers
+     * starting together do not race on CREATE TABLE IF NOT EXISTS. */
+    if (exec_ok(c, "SET client_min_messages = warning", err) < 0 || exec_ok(c, "BEGIN", err) < 0)
+        return -1;
+    if (exec_ok(c, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK_ID ")", err) < 0 ||
+        exec_ok(c,
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
-                err) < 0) {
-        /* Two servers racing on CREATE TABLE IF NOT EXISTS can collide; the loser retries once. */
-        if (exec_ok(c, "SELECT 1 FROM schema_migrations LIMIT 0", err) < 0)
-            return -1;
+                err) < 0 ||
+        exec_ok(c, "COMMIT", err) < 0) {
+        PQclear(PQexec(c, "ROLLBACK"));
+        return -1;
     }
     for (;;) {
         if (exec_ok(c, "BEGIN", err) < 0)
@@ -148,9 +168,7 @@ int sp_migrate_apply(PGconn *c, int *applied, sp_err_t *err)
             PQclear(PQexec(c, "COMMIT"));
             return 0;
         }
-        char ins[96];
-        snprintf(ins, sizeof(ins), "INSERT INTO schema_migrations(version) VALUES (%d)", v + 1);
-        if (exec_ok(c, migrations[v], err) < 0 || exec_ok(c, ins, err) < 0) {
+        if (exec_ok(c, migrations[v], err) < 0 || record_version(c, v + 1, err) < 0) {
             PQclear(PQexec(c, "ROLLBACK"));
             return -1;
         }

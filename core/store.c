@@ -253,9 +253,17 @@ static void connect_step(struct conn *c)
     }
 }
 
+/* Server notices (and the FATAL sent before a shutdown) go to the debug log, not stderr. */
+static void on_notice(void *arg, const char *msg)
+{
+    sp_log(SP_LOG_DEBUG, "store", "server notice: %s", msg);
+}
+
 static void conn_start(struct conn *c)
 {
     c->pg = PQconnectStart(c->s->conninfo);
+    if (c->pg != NULL)
+        PQsetNoticeProcessor(c->pg, on_notice, NULL);
     if (c->pg == NULL || PQstatus(c->pg) == CONNECTION_BAD) {
         conn_down(c, c->pg ? PQerrorMessage(c->pg) : "out of memory");
         return;

@@ -11,7 +11,7 @@ SPACE_PKGS=(
   qemu-system-x86 qemu-utils busybox-static mmdebstrap e2fsprogs xz-utils zstd musl-tools
   libnss-myhostname
 )
-SPACE_TEST_PKGS=(clang nodejs npm)
+SPACE_TEST_PKGS=(clang)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
