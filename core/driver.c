@@ -74,6 +74,11 @@ static int u_stats(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t 
     return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
 }
 
+static struct sp_agentconn *u_agent(sp_driver_t *d, const char *id)
+{
+    return NULL;
+}
+
 static void u_free(sp_driver_t *d)
 {
     free(d);
@@ -88,6 +93,7 @@ static const sp_driver_ops_t unavail_ops = {
     .restore = u_boot,
     .destroy = u_destroy,
     .probe = u_probe,
+    .agent = u_agent,
     .stats = u_stats,
     .free = u_free,
 };

@@ -67,6 +67,9 @@ typedef struct {
     int (*destroy)(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
     /* Synchronous, cheap: what exists for the sandbox now. Re-adopts a live VM it finds. */
     sp_vm_state_t (*probe)(sp_driver_t *d, const char *id);
+    /* The VM's agent channel (core/agentconn.h), owned by the driver; NULL when there is no
+     * running VM. Valid until the VM is paused-then-suspended, destroyed, or the driver freed. */
+    struct sp_agentconn *(*agent)(sp_driver_t *d, const char *id);
     /* Synchronous, cheap: resource figures. -1 with SP_ENOTFOUND when there is no VM. */
     int (*stats)(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t *err);
     void (*free)(sp_driver_t *d);

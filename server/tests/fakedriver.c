@@ -210,6 +210,11 @@ static int f_stats(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t 
     return 0;
 }
 
+static struct sp_agentconn *f_agent(sp_driver_t *d, const char *id)
+{
+    return NULL; /* no guest: commands and files need the real runtime */
+}
+
 static void f_free(sp_driver_t *d)
 {
     free(d);
@@ -224,6 +229,7 @@ static const sp_driver_ops_t fake_ops = {
     .restore = f_restore,
     .destroy = f_destroy,
     .probe = f_probe,
+    .agent = f_agent,
     .stats = f_stats,
     .free = f_free,
 };
