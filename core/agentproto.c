@@ -429,7 +429,7 @@ int sp_ap_find(const uint8_t *p, size_t n, uint16_t tag, sp_ap_field_t *out)
 
 int sp_ap_get_u32(const uint8_t *p, size_t n, uint16_t tag, uint32_t *v)
 {
-    sp_ap_field_t f;
+    sp_ap_field_t f = {0};
     int rc = sp_ap_find(p, n, tag, &f);
     if (rc <= 0)
         return rc;
@@ -438,7 +438,7 @@ int sp_ap_get_u32(const uint8_t *p, size_t n, uint16_t tag, uint32_t *v)
 
 int sp_ap_get_u64(const uint8_t *p, size_t n, uint16_t tag, uint64_t *v)
 {
-    sp_ap_field_t f;
+    sp_ap_field_t f = {0};
     int rc = sp_ap_find(p, n, tag, &f);
     if (rc <= 0)
         return rc;
@@ -447,7 +447,7 @@ int sp_ap_get_u64(const uint8_t *p, size_t n, uint16_t tag, uint64_t *v)
 
 int sp_ap_get_i32(const uint8_t *p, size_t n, uint16_t tag, int32_t *v)
 {
-    sp_ap_field_t f;
+    sp_ap_field_t f = {0};
     int rc = sp_ap_find(p, n, tag, &f);
     if (rc <= 0)
         return rc;
@@ -456,7 +456,7 @@ int sp_ap_get_i32(const uint8_t *p, size_t n, uint16_t tag, int32_t *v)
 
 int sp_ap_get_str(const uint8_t *p, size_t n, uint16_t tag, sp_ap_str_t *s)
 {
-    sp_ap_field_t f;
+    sp_ap_field_t f = {0};
     s->p = NULL;
     s->n = 0;
     int rc = sp_ap_find(p, n, tag, &f);
@@ -647,7 +647,7 @@ long sp_ap_enc_hello(sp_ap_writer_t *w, const sp_ap_hello_t *m)
 int sp_ap_dec_hello(const uint8_t *p, size_t n, sp_ap_hello_t *m, sp_err_t *err)
 {
     memset(m, 0, sizeof(*m));
-    sp_ap_field_t f;
+    sp_ap_field_t f = {0};
     int rc = sp_ap_find(p, n, SP_AP_K_VERSION, &f);
     if (rc <= 0 || sp_ap_field_u32(&f, &m->version) < 0 || m->version == 0)
         return sp_err_set(err, SP_EINVAL, "hello without a valid version");
