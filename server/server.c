@@ -31,6 +31,7 @@
 #include "core/recon.h"
 #include "core/store.h"
 #include "core/svc.h"
+#include "guest/tmplbuild.h"
 #include "native-api/napi.h"
 #include "server/http.h"
 
@@ -43,6 +44,8 @@ struct opts {
     const char *runtime;
     const char *team;     /* keys create */
     const char *key_name; /* keys create */
+    const char *agent;    /* template build: the guest agent binary */
+    bool force;           /* template build: ignore the cache */
 };
 
 static void usage(FILE *f)
@@ -53,6 +56,8 @@ static void usage(FILE *f)
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
+            "       spaced template build <name> [--force] [--agent PATH]\n"
+            "       spaced template list\n"
             "       spaced version\n"
             "Common: --data-dir DIR (default $SPACE_DATA_DIR, else /var/lib/space as root,\n"
             "        else ~/.local/share/space), --database-url URL (default: the embedded\n"
@@ -127,7 +132,50 @@ static PGconn *db_connect(const char *conninfo)
     return c;
 }
 
-static int db_prepare(PGconn *c)
+/* Registers every template this build knows, with its build status in the data directory. */
+static int sync_templates(PGconn *c, const char *data_dir)
+{
+    for (const char *const *n = sp_tmplbuild_builtin_names(); *n != NULL; n++) {
+        sp_err_t e;
+        size_t len = 0;
+        char *json = sp_tmplbuild_spec_load(NULL, *n, &len, &e);
+        sp_tmplbuild_spec_t *spec = NULL;
+        if (json == NULL || sp_tmplbuild_spec_parse(json, len, &spec, &e) < 0) {
+            fprintf(stderr, "spaced: template %s: %s\n", *n, e.msg);
+            free(json);
+            return -1;
+        }
+        free(json);
+        sp_tmplbuild_paths_t p;
+        bool built = sp_tmplbuild_current(data_dir, *n, &p, &e) == 0;
+        char cpus[16], mem[16];
+        snprintf(cpus, sizeof(cpus), "%d", spec->cpu_count > 0 ? spec->cpu_count : 1);
+        snprintf(mem, sizeof(mem), "%d", spec->memory_mb > 0 ? spec->memory_mb : 256);
+        const char *params[] = {spec->name, spec->description ? spec->description : "", cpus, mem,
+                                built ? "ready" : "unbuilt", built ? p.hash : NULL};
+        PGresult *r = PQexecParams(
+            c,
+            "INSERT INTO templates (name, description, cpu_count, memory_mb, status, build_id)"
+            " VALUES ($1, $2, $3::int, $4::int, $5, $6)"
+            " ON CONFLICT (name) DO UPDATE SET description = excluded.description,"
+            "  cpu_count = excluded.cpu_count, memory_mb = excluded.memory_mb,"
+            "  status = excluded.status, build_id = excluded.build_id, updated_at = now()"
+            " WHERE templates.status IS DISTINCT FROM excluded.status"
+            "  OR templates.build_id IS DISTINCT FROM excluded.build_id"
+            "  OR templates.description IS DISTINCT FROM excluded.description",
+            6, NULL, params, NULL, NULL, 0);
+        int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+        if (!ok)
+            fprintf(stderr, "spaced: registering template %s: %s", *n, PQerrorMessage(c));
+        PQclear(r);
+        sp_tmplbuild_spec_free(spec);
+        if (!ok)
+            return -1;
+    }
+    return 0;
+}
+
+static int db_prepare(PGconn *c, const char *data_dir)
 {
     sp_err_t e;
     int applied;
@@ -135,13 +183,73 @@ static int db_prepare(PGconn *c)
         fprintf(stderr, "spaced: %s\n", e.msg);
         return -1;
     }
-    /* The templates this build knows; their images are built by `spaced template build`. */
-    PGresult *r = PQexec(c, "INSERT INTO templates (name, description, cpu_count, memory_mb)"
-                            " VALUES ('base', 'Debian 12 with bash, python3, git, curl', 1, 256)"
-                            " ON CONFLICT (name) DO NOTHING");
-    int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
-    PQclear(r);
-    return ok ? 0 : -1;
+    return sync_templates(c, data_dir);
+}
+
+/* The guest agent to put in template images: --agent, $SPACE_AGENT_BIN, or the one the
+ * build tree (or an install) keeps beside spaced. */
+static const char *find_agent(const char *given)
+{
+    if (given != NULL)
+        return given;
+    const char *env = getenv("SPACE_AGENT_BIN");
+    if (env != NULL && env[0] != '\0')
+        return env;
+    static char path[4096];
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n <= 0)
+        return NULL;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash == NULL)
+        return NULL;
+    *slash = '\0';
+    static const char *const rel[] = {"/space-agent", "/../agent/space-agent",
+                                      "/../lib/space/space-agent"};
+    for (size_t i = 0; i < sizeof(rel) / sizeof(rel[0]); i++) {
+        snprintf(path, sizeof(path), "%s%s", exe, rel[i]);
+        if (access(path, X_OK) == 0)
+            return path;
+    }
+    return NULL;
+}
+
+static int cmd_template(struct opts *o, int argc, char **argv)
+{
+    if (argc >= 1 && strcmp(argv[0], "list") == 0) {
+        for (const char *const *n = sp_tmplbuild_builtin_names(); *n != NULL; n++) {
+            sp_tmplbuild_paths_t p;
+            sp_err_t e;
+            if (sp_tmplbuild_current(o->data_dir, *n, &p, &e) == 0)
+                printf("%-24s ready    %.12s  %s\n", *n, p.hash, p.rootfs);
+            else
+                printf("%-24s unbuilt\n", *n);
+        }
+        return 0;
+    }
+    if (argc < 2 || strcmp(argv[0], "build") != 0) {
+        usage(stderr);
+        return 2;
+    }
+    const char *agent = find_agent(o->agent);
+    if (agent == NULL) {
+        fprintf(stderr, "spaced: cannot find the guest agent binary; pass --agent PATH\n");
+        return 1;
+    }
+    sp_tmplbuild_opts_t bo = {.name = argv[1],
+                              .data_dir = o->data_dir,
+                              .agent_path = agent,
+                              .force = o->force,
+                              .progress = 1};
+    sp_tmplbuild_paths_t p;
+    sp_err_t e;
+    if (sp_tmplbuild_run(&bo, &p, &e) < 0) {
+        fprintf(stderr, "spaced: template %s: %s\n", argv[1], e.msg);
+        return 1;
+    }
+    printf("template %s ready: %s\n", argv[1], p.rootfs);
+    return 0;
 }
 
 /* ---- keys ---- */
@@ -191,7 +299,7 @@ static int cmd_keys(struct opts *o, int argc, char **argv)
         return 1;
     int rc = 1;
     PGconn *c = db_connect(db.conninfo);
-    if (c == NULL || db_prepare(c) < 0)
+    if (c == NULL || db_prepare(c, o->data_dir) < 0)
         goto out;
     sp_err_t e;
     if (strcmp(argv[0], "create") == 0) {
@@ -328,7 +436,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     PGconn *c = db_connect(db.conninfo);
     unsigned char hashkey[SP_HASHKEY_LEN];
     sp_err_t e;
-    if (c == NULL || db_prepare(c) < 0 || sp_keys_hash_key(c, hashkey, &e) < 0) {
+    if (c == NULL || db_prepare(c, o->data_dir) < 0 || sp_keys_hash_key(c, hashkey, &e) < 0) {
         PQfinish(c);
         goto out_db;
     }
@@ -433,6 +541,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
         {"log-level", required_argument, NULL, 'L'}, {"help", no_argument, NULL, 'h'},
         {"team", required_argument, NULL, 't'},      {"name", required_argument, NULL, 'n'},
+        {"agent", required_argument, NULL, 'a'},     {"force", no_argument, NULL, 'f'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -454,6 +563,12 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         switch (ch) {
         case 't':
             o.team = optarg;
+            break;
+        case 'a':
+            o.agent = optarg;
+            break;
+        case 'f':
+            o.force = true;
             break;
         case 'n':
             o.key_name = optarg;
@@ -500,6 +615,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         return cmd_serve(&o, test_driver);
     if (strcmp(cmd, "keys") == 0)
         return cmd_keys(&o, argc - optind, argv + optind);
+    if (strcmp(cmd, "template") == 0)
+        return cmd_template(&o, argc - optind, argv + optind);
     usage(stderr);
     return 2;
 }

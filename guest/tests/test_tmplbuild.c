@@ -1,0 +1,256 @@
+/*
+ * test_tmplbuild.c - spec parsing, input-hash stability and sensitivity,
+ * data-dir layout and the current-build lookup. No network, no root.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "guest/tmplbuild.h"
+
+static int failures;
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static const char *HASH = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+static sp_tmplbuild_spec_t *parse(const char *s, sp_err_t *err)
+{
+    sp_tmplbuild_spec_t *spec = NULL;
+    if (sp_tmplbuild_spec_parse(s, strlen(s), &spec, err) < 0)
+        return NULL;
+    return spec;
+}
+
+static void test_tmplbuild_parses_builtin_base(void)
+{
+    sp_err_t err = {0};
+    size_t len = 0;
+    char *text = sp_tmplbuild_spec_load(NULL, "base", &len, &err);
+    CHECK(text != NULL);
+    if (text == NULL)
+        return;
+    sp_tmplbuild_spec_t *s = NULL;
+    CHECK(sp_tmplbuild_spec_parse(text, len, &s, &err) == 0);
+    if (s != NULL) {
+        CHECK(strcmp(s->name, "base") == 0);
+        CHECK(strcmp(s->suite, "bookworm") == 0);
+        CHECK(s->cpu_count == 1 && s->memory_mb == 256 && s->disk_mb == 2048);
+        CHECK(s->agent == 1);
+        int py = 0, sudo = 0;
+        for (size_t i = 0; i < s->n_packages; i++) {
+            py |= strcmp(s->packages[i], "python3") == 0;
+            sudo |= strcmp(s->packages[i], "sudo") == 0;
+        }
+        CHECK(py && sudo);
+        CHECK(s->n_users == 1);
+        if (s->n_users == 1) {
+            CHECK(strcmp(s->users[0].name, "user") == 0 && s->users[0].uid == 1000);
+            CHECK(strcmp(s->users[0].home, "/home/user") == 0 && s->users[0].sudo == 1);
+        }
+    }
+    sp_tmplbuild_spec_free(s);
+    free(text);
+    int found = 0;
+    for (const char *const *n = sp_tmplbuild_builtin_names(); *n != NULL; n++)
+        found |= strcmp(*n, "base") == 0;
+    CHECK(found);
+    CHECK(sp_tmplbuild_spec_load(NULL, "nope", NULL, &err) == NULL && err.code == SP_ENOTFOUND);
+    CHECK(sp_tmplbuild_spec_load(NULL, "../etc", NULL, &err) == NULL && err.code == SP_EINVAL);
+}
+
+static void test_tmplbuild_defaults(void)
+{
+    sp_err_t err = {0};
+    sp_tmplbuild_spec_t *s = parse("{\"name\":\"t1\",\"suite\":\"bookworm\","
+                                   "\"users\":[{\"name\":\"bob\",\"uid\":1001}]}",
+                                   &err);
+    CHECK(s != NULL);
+    if (s == NULL)
+        return;
+    CHECK(strcmp(s->variant, "minbase") == 0 && strcmp(s->hostname, "space") == 0);
+    CHECK(s->agent == 1 && s->cpu_count == 1 && s->memory_mb == 256 && s->disk_mb == 2048);
+    CHECK(s->n_packages == 0);
+    CHECK(strcmp(s->users[0].home, "/home/bob") == 0 &&
+          strcmp(s->users[0].shell, "/bin/bash") == 0);
+    CHECK(s->users[0].sudo == 0);
+    sp_tmplbuild_spec_free(s);
+    sp_tmplbuild_spec_free(NULL);
+}
+
+static void test_tmplbuild_rejects_bad_specs(void)
+{
+    static const char *bad[] = {
+        "not json",
+        "[]",
+        "{\"suite\":\"bookworm\"}", /* no name */
+        "{\"name\":\"x\"}",         /* no suite */
+        "{\"name\":\"Bad Name\",\"suite\":\"bookworm\"}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"mirror\":\"m\"}", /* unknown field */
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"packages\":[\"ok\",\"rm -rf\"]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"packages\":\"curl\"}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"memory_mb\":1}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"agent\":\"yes\"}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"users\":[{\"name\":\"u\",\"uid\":0}]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"users\":[{\"name\":\"u\",\"uid\":1000,"
+        "\"home\":\"/a:b\"}]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"users\":[{\"name\":\"u\",\"uid\":1000},"
+        "{\"name\":\"v\",\"uid\":1000}]}",
+        "{\"name\":\"x\",\"name\":\"y\",\"suite\":\"bookworm\"}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        sp_err_t err = {0};
+        sp_tmplbuild_spec_t *s = parse(bad[i], &err);
+        if (s != NULL)
+            fprintf(stderr, "accepted bad spec %zu: %s\n", i, bad[i]);
+        CHECK(s == NULL && err.code == SP_EINVAL && err.msg[0] != '\0');
+        sp_tmplbuild_spec_free(s);
+    }
+}
+
+static void hash_of(const char *json, const char *agent, const char *kver, char out[65])
+{
+    sp_err_t err = {0};
+    sp_tmplbuild_spec_t *s = parse(json, &err);
+    CHECK(s != NULL);
+    if (s == NULL) {
+        out[0] = '\0';
+        return;
+    }
+    sp_tmplbuild_input_hash(s, agent, kver, out);
+    sp_tmplbuild_spec_free(s);
+}
+
+static void test_tmplbuild_hash_stable_and_sensitive(void)
+{
+    char a[65], b[65], c[65], d[65], e[65], f[65];
+    const char *agent = "aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00";
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"]}", agent, "k1", a);
+    /* same spec, other whitespace and key order: same hash */
+    hash_of("{ \"packages\" : [ \"curl\" ],\n  \"suite\": \"bookworm\", \"name\": \"t\" }", agent,
+            "k1", b);
+    CHECK(strlen(a) == 64 && strcmp(a, b) == 0);
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\",\"git\"]}", agent, "k1",
+            c);
+    CHECK(strcmp(a, c) != 0); /* a package changes it */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"]}",
+            "bb00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00aa00", "k1", d);
+    CHECK(strcmp(a, d) != 0); /* the agent changes it */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"]}", agent, "k2", e);
+    CHECK(strcmp(a, e) != 0); /* the kernel changes it */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"],\"disk_mb\":4096}",
+            agent, "k1", f);
+    CHECK(strcmp(a, f) != 0); /* any spec field changes it */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"]}", agent, "k1", b);
+    CHECK(strcmp(a, b) == 0); /* repeatable */
+}
+
+static void test_tmplbuild_path_layout(void)
+{
+    sp_err_t err = {0};
+    sp_tmplbuild_paths_t p;
+    CHECK(sp_tmplbuild_paths("/var/lib/space", "base", HASH, "6.1.0-57-amd64_6.1.192-3", &p,
+                             &err) == 0);
+    char want[512];
+    snprintf(want, sizeof want, "/var/lib/space/templates/base/%s", HASH);
+    CHECK(strcmp(p.build_dir, want) == 0);
+    snprintf(want, sizeof want, "/var/lib/space/templates/base/%s/rootfs.qcow2", HASH);
+    CHECK(strcmp(p.rootfs, want) == 0);
+    snprintf(want, sizeof want, "/var/lib/space/templates/base/%s/manifest.json", HASH);
+    CHECK(strcmp(p.manifest, want) == 0);
+    CHECK(strcmp(p.kernel, "/var/lib/space/images/kernel/6.1.0-57-amd64_6.1.192-3/vmlinux") == 0);
+    CHECK(sp_tmplbuild_paths("/d", "../x", HASH, "k", &p, &err) < 0 && err.code == SP_EINVAL);
+    CHECK(sp_tmplbuild_paths("/d", "base", "short", "k", &p, &err) < 0);
+    CHECK(sp_tmplbuild_paths("/d", "base", HASH, "../k", &p, &err) < 0);
+}
+
+static void test_tmplbuild_current_reads_manifest(void)
+{
+    char dir[] = "/tmp/test_tmplbuild.XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    sp_err_t err = {0};
+    sp_tmplbuild_paths_t p;
+    CHECK(sp_tmplbuild_current(dir, "base", &p, &err) < 0 && err.code == SP_ENOTFOUND);
+
+    char path[512];
+    snprintf(path, sizeof path, "%s/templates", dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/templates/base", dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/templates/base/%s", dir, HASH);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/templates/base/%s/manifest.json", dir, HASH);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f != NULL) {
+        fprintf(f,
+                "{\"name\":\"base\",\"hash\":\"%s\",\"kernel_version\":\"kv\","
+                "\"initramfs\":\"images/initramfs-00.img\",\"cpu_count\":1,"
+                "\"memory_mb\":256,\"disk_mb\":2048}",
+                HASH);
+        fclose(f);
+    }
+    snprintf(path, sizeof path, "%s/templates/base/current", dir);
+    CHECK(symlink(HASH, path) == 0);
+    CHECK(sp_tmplbuild_current(dir, "base", &p, &err) == 0);
+    char want[512];
+    snprintf(want, sizeof want, "%s/images/initramfs-00.img", dir);
+    CHECK(strcmp(p.initramfs, want) == 0);
+    snprintf(want, sizeof want, "%s/images/kernel/kv/vmlinux", dir);
+    CHECK(strcmp(p.kernel, want) == 0);
+    CHECK(strcmp(p.hash, HASH) == 0 && p.memory_mb == 256 && p.disk_mb == 2048);
+
+    /* a templates dir overrides the built-in specs */
+    snprintf(path, sizeof path, "%s/specs", dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/specs/mine", dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/specs/mine/template.json", dir);
+    f = fopen(path, "w");
+    if (f != NULL) {
+        fputs("{\"name\":\"mine\",\"suite\":\"bookworm\"}", f);
+        fclose(f);
+    }
+    snprintf(path, sizeof path, "%s/specs", dir);
+    char *text = sp_tmplbuild_spec_load(path, "mine", NULL, &err);
+    CHECK(text != NULL && strstr(text, "\"mine\"") != NULL);
+    free(text);
+
+    /* sha256("abc") */
+    snprintf(path, sizeof path, "%s/abc", dir);
+    f = fopen(path, "w");
+    if (f != NULL) {
+        fputs("abc", f);
+        fclose(f);
+    }
+    char h[65];
+    CHECK(sp_tmplbuild_file_sha256(path, h, &err) == 0 &&
+          strcmp(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") == 0);
+
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0);
+}
+
+int main(void)
+{
+    test_tmplbuild_parses_builtin_base();
+    test_tmplbuild_defaults();
+    test_tmplbuild_rejects_bad_specs();
+    test_tmplbuild_hash_stable_and_sensitive();
+    test_tmplbuild_path_layout();
+    test_tmplbuild_current_reads_manifest();
+    if (failures != 0) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}

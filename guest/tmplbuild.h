@@ -1,0 +1,142 @@
+/*
+ * tmplbuild.h - builds templates: guest kernel, initramfs and a template's
+ * read-only base root filesystem, cached by the hash of their inputs.
+ *
+ * Owns everything below <data-dir>/images and <data-dir>/templates. Does not
+ * make per-sandbox overlays, boot VMs or take snapshots (the runtime does);
+ * guest/bootargs.h has the kernel command line and QEMU flags to boot what
+ * this builds. Blocking: meant for the CLI and start-up, never a request path.
+ * The heavy lifting is in shell scripts (guest/scripts/) compiled into the
+ * binary and written to a temp dir to run; they need apt-get, dpkg-deb,
+ * mmdebstrap, mkfs.ext4, qemu-img, xz, busybox-static, and root.
+ *
+ * Data-directory layout:
+ *
+ *   <data-dir>/images/kernel/<kver>/          kver = "<abi>_<debian version>",
+ *       vmlinux                                 e.g. 6.1.0-57-amd64_6.1.192-3;
+ *       modules/<name>.ko                       ELF with PVH note; uncompressed
+ *       modules.load                            modules and their load order;
+ *       release                                 uname -r
+ *   <data-dir>/images/initramfs-<key>.img      newc cpio; key: first 16 hex of
+ *                               SHA-256(kernel version, init, its build
+ *                               script, host busybox)
+ *   <data-dir>/templates/<name>/
+ *       <hash>/rootfs.qcow2     read-only base (mode 0444): ext4 in qcow2,
+ *                               sandboxes get a qcow2 overlay over it
+ *       <hash>/manifest.json    {"name","hash","kernel_version","kernel",
+ *                               "initramfs","rootfs" (paths relative to the
+ *                               data dir),"cpu_count","memory_mb","disk_mb",
+ *                               "rootfs_bytes","built_at","build_seconds"}
+ *       current -> <hash>       swapped atomically (symlink + rename) when a
+ *                               build is complete
+ *       build.log               output of the last build that ran scripts
+ *       .lock                   flock: one build of a template at a time
+ *   <data-dir>/images/kernel/.resolved   last "which kernel would apt pick",
+ *                               keyed by the mtime of apt's lists dir
+ *   <data-dir>/tmp/<name>@XXXXXX/   work dir of a running build; a killed
+ *                               build leaves it (removed by the next build of
+ *                               <name>) but never a partial <hash> or current.
+ *
+ * <hash> is the SHA-256 (hex) of: the canonical spec JSON, every builder
+ * script, the agent binary's SHA-256 and the kernel version. Old <hash> dirs
+ * are kept: running sandboxes' overlays point at them.
+ */
+#ifndef SP_TMPLBUILD_H
+#define SP_TMPLBUILD_H
+
+#include <stddef.h>
+
+#include "core/err.h"
+
+#define SP_TMPLBUILD_HASH_LEN 64 /* hex chars */
+
+typedef struct {
+    char *name;
+    unsigned uid;
+    char *home;
+    char *shell;
+    int sudo; /* passwordless sudo */
+} sp_tmplbuild_user_t;
+
+/* A parsed template.json (templates/README.md). Owned by the caller. */
+typedef struct {
+    char *name;
+    char *description;
+    char *suite;
+    char *variant;
+    char *hostname;
+    char **packages;
+    size_t n_packages;
+    sp_tmplbuild_user_t *users;
+    size_t n_users;
+    int agent; /* install /usr/local/bin/space-agent */
+    int cpu_count;
+    int memory_mb;
+    int disk_mb;
+    char *canonical; /* the spec as compact JSON with sorted keys: what is hashed */
+} sp_tmplbuild_spec_t;
+
+/* Parses and validates a spec; *out is freed with sp_tmplbuild_spec_free(). */
+int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **out, sp_err_t *err);
+void sp_tmplbuild_spec_free(sp_tmplbuild_spec_t *s);
+
+/* The text of template <name>: <templates_dir>/<name>/template.json if
+ * templates_dir is not NULL, else the copy compiled into the binary.
+ * Returns a malloc'd NUL-terminated string (length in *len) or NULL. */
+char *sp_tmplbuild_spec_load(const char *templates_dir, const char *name, size_t *len,
+                             sp_err_t *err);
+
+/* Names of the templates compiled in, NULL-terminated, static. */
+const char *const *sp_tmplbuild_builtin_names(void);
+
+/* The build cache key (see top of file) into out[65]. agent_sha256 is the hex
+ * SHA-256 of the agent binary, or NULL when the spec installs none. */
+void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_sha256,
+                             const char *kernel_version, char out[SP_TMPLBUILD_HASH_LEN + 1]);
+
+/* Hex SHA-256 of a file into out[65]. */
+int sp_tmplbuild_file_sha256(const char *path, char out[SP_TMPLBUILD_HASH_LEN + 1], sp_err_t *err);
+
+/* Where the files of one build are (absolute when data_dir is). */
+typedef struct {
+    char hash[SP_TMPLBUILD_HASH_LEN + 1];
+    char kernel_version[128];
+    char build_dir[4096]; /* <data-dir>/templates/<name>/<hash> */
+    char rootfs[4096];    /* read-only base: qcow2 */
+    char manifest[4096];
+    char kernel[4096]; /* vmlinux */
+    char initramfs[4096];
+    int cpu_count;
+    int memory_mb;
+    int disk_mb;
+} sp_tmplbuild_paths_t;
+
+/* Pure layout: fills build_dir, rootfs, manifest and kernel for the given
+ * hash and kernel version (initramfs is named by content: known only from a
+ * manifest). -1 with SP_EINVAL when a path would not fit. */
+int sp_tmplbuild_paths(const char *data_dir, const char *name, const char *hash,
+                       const char *kernel_version, sp_tmplbuild_paths_t *out, sp_err_t *err);
+
+/* The current build of template <name>, read from its manifest: what the
+ * runtime boots. -1 with SP_ENOTFOUND when the template was never built. */
+int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_paths_t *out,
+                         sp_err_t *err);
+
+typedef struct {
+    const char *name;          /* template name */
+    const char *templates_dir; /* spec dir override; NULL: compiled-in specs */
+    const char *spec_json;     /* spec text to use instead of either; NULL: load by name */
+    const char *data_dir;
+    const char *agent_path;     /* guest agent binary; required when the spec says agent */
+    const char *kernel_version; /* NULL: what apt would install now (offline: the newest cached) */
+    int force;                  /* rebuild even when the cache is valid */
+    int progress;               /* 1: progress on stderr (redrawn on a tty, lines otherwise) */
+} sp_tmplbuild_opts_t;
+
+/* Builds (or finds cached) template o->name and makes it current. Fills *out
+ * (may be NULL) with the current build's paths. Blocks for the duration:
+ * seconds cached, about a minute cold. A failure leaves the previous
+ * current untouched and the scripts' output in templates/<name>/build.log. */
+int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp_err_t *err);
+
+#endif
