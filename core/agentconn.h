@@ -16,9 +16,23 @@
  * (sp_agentstream_send returns 0 and on_writable fires when credit returns).
  *
  * Hostile guests: every frame is bounds-checked by the codec; a frame for an
- * unknown stream is dropped; a channel that sends garbage is closed and
- * reconnected. Nothing a guest sends can block the loop or grow memory
- * beyond one frame buffer plus the windows granted.
+ * unknown stream is dropped; a channel that sends garbage (bad header,
+ * oversized frame, a HELLO that does not parse or has another version, a
+ * second HELLO) is closed and reconnected; output beyond the window we
+ * granted ends that stream (RESET, on_error). Nothing a guest sends can block
+ * the loop or grow memory beyond one frame buffer plus the windows granted.
+ * Output to a guest that stops reading is bounded too: DATA is refused (as if
+ * out of credit) while 1 MiB is queued, and a queue past 8 MiB (control
+ * frames keep coming) means the channel is dead: closed and reconnected.
+ *
+ * Reconnect backoff: 100 ms doubling to 2 s, reset by each successful HELLO.
+ * There is no PING liveness probe: a paused VM cannot answer one.
+ *
+ * Re-entrancy: sp_agentconn_destroy may be called from any callback of the
+ * connection or its streams (the teardown finishes when that callback
+ * returns); sp_agentstream_reset may be called from the stream's own
+ * callbacks. Every other callback runs from the loop, never inside a call,
+ * except on_error from sp_agentconn_destroy itself.
  */
 #ifndef SP_AGENTCONN_H
 #define SP_AGENTCONN_H
@@ -35,24 +49,31 @@ typedef struct sp_agentconn sp_agentconn_t;
 typedef struct sp_agentstream sp_agentstream_t;
 
 typedef struct {
-    /* A frame for this stream (type SP_AP_T_*, payload borrowed for the call). After a frame
-     * with SP_AP_F_END the stream is finished: it is freed when the callback returns. */
+    /* A frame for this stream (type SP_AP_T_*, payload borrowed for the call). WINDOW is
+     * consumed by the connection; other types, unknown ones included, are passed on. After a
+     * frame with SP_AP_F_END the stream is finished (send returns -1, grant does nothing): it is
+     * freed when the callback returns. */
     void (*on_frame)(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *payload,
                      size_t len, void *arg);
     /* The stream ended without END (channel lost, connection closed, reset by us is silent:
      * not called after sp_agentstream_reset). The stream is freed after the call. */
     void (*on_error)(sp_agentstream_t *s, const sp_err_t *err, void *arg);
-    /* Send credit came back after a send was refused. May be NULL. */
+    /* Send credit came back (or the output queue drained) after a send was refused; a retry
+     * larger than the credit now available is refused again. May be NULL. */
     void (*on_writable)(sp_agentstream_t *s, void *arg);
 } sp_agentstream_cbs_t;
 
-/* Channel state changes: up after each successful HELLO exchange, down when lost. */
+/* Channel state changes: up after each successful HELLO exchange, down when lost (after the
+ * open streams got on_error). Not called by sp_agentconn_destroy. */
 typedef void (*sp_agentconn_state_cb)(void *arg, bool up);
 
-/* Starts connecting to socket_path (retrying with backoff until destroyed). */
+/* Starts connecting to socket_path (retrying with backoff until destroyed). socket_path is
+ * copied; NULL when it does not fit a sockaddr_un, on_state is NULL, or memory is short. */
 sp_agentconn_t *sp_agentconn_create(sp_loop_t *loop, const char *socket_path,
                                     sp_agentconn_state_cb on_state, void *arg);
-/* Closes the channel; every open stream gets on_error. NULL does nothing. */
+/* Closes the channel; every open stream gets on_error (SP_EUNAVAIL), and pending when_up
+ * callbacks get SP_EUNAVAIL: inside this call, or when the callback it was called from returns.
+ * NULL does nothing. */
 void sp_agentconn_destroy(sp_agentconn_t *c);
 
 bool sp_agentconn_up(const sp_agentconn_t *c);
@@ -61,7 +82,8 @@ const char *sp_agentconn_agent_version(const sp_agentconn_t *c);
 
 /*
  * Calls cb once the channel is up (at once on the next loop turn if it is),
- * or with SP_EUNAVAIL after timeout_ms. Returns -1 only on allocation failure.
+ * or with SP_EUNAVAIL after timeout_ms (or when the connection is destroyed). Returns -1 only
+ * on allocation failure or while the connection is being destroyed.
  */
 int sp_agentconn_when_up(sp_agentconn_t *c, uint32_t timeout_ms,
                          void (*cb)(void *arg, const sp_err_t *err), void *arg);
@@ -70,7 +92,10 @@ int sp_agentconn_when_up(sp_agentconn_t *c, uint32_t timeout_ms,
  * Opens a stream with its first frame (type = an opening type: PROC_START,
  * PROC_ATTACH, PROC_LIST, FS_*, WATCH_START, TCP_CONNECT, IDENTITY; payload
  * = the TLV fields, built with sp_ap_put_*). NULL with SP_EUNAVAIL when the
- * channel is down. Callbacks never run inside this call.
+ * channel is down, SP_ETOOBIG when payload is over SP_AP_MAX_PAYLOAD,
+ * SP_EINTERNAL for a type that does not open a stream or cbs without on_frame
+ * or on_error. Callbacks never run inside this call. The id is picked in
+ * [1, SP_AP_STREAM_AGENT_BASE), never one still open.
  */
 sp_agentstream_t *sp_agentconn_open(sp_agentconn_t *c, uint16_t type, const uint8_t *payload,
                                     size_t len, const sp_agentstream_cbs_t *cbs, void *arg,
@@ -78,19 +103,23 @@ sp_agentstream_t *sp_agentconn_open(sp_agentconn_t *c, uint16_t type, const uint
 
 /*
  * Sends one frame on the stream (DATA, EOF, PROC_SIGNAL, PROC_RESIZE, ...).
- * DATA counts against the agent's credit: returns 1 when sent, 0 when it
- * would exceed the credit (nothing sent; wait for on_writable), -1 when the
- * stream or channel is gone. len <= SP_AP_MAX_DATA for DATA.
+ * DATA counts against the agent's credit: returns 1 when sent (queued), 0 when
+ * it would exceed the credit or the channel's output queue is over its soft
+ * bound (nothing sent; wait for on_writable), -1 when the stream or channel
+ * is gone or failing. len <= SP_AP_MAX_DATA for DATA; other types never wait
+ * for credit. Also -1 (a caller bug, logged) for a type the host may not send
+ * on a stream: opening types, WINDOW (use grant), RESET (use reset).
  */
 int sp_agentstream_send(sp_agentstream_t *s, uint16_t type, const uint8_t *payload, size_t len);
 
-/* Bytes of DATA the agent will accept now. */
+/* Bytes of DATA the agent will accept now (0 while the output queue is over its soft bound). */
 size_t sp_agentstream_credit(const sp_agentstream_t *s);
 
 /* Gives the agent n more bytes of credit for output on this stream (sends WINDOW). */
 void sp_agentstream_grant(sp_agentstream_t *s, uint32_t n);
 
-/* Abandons the stream (sends RESET; no more callbacks). A process keeps running. */
+/* Abandons the stream (sends RESET unless it already ended; no more callbacks; s is freed, at
+ * once or when its running callback returns). A process keeps running. NULL does nothing. */
 void sp_agentstream_reset(sp_agentstream_t *s);
 
 /* The stream's user argument, and its connection. */
