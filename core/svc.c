@@ -41,11 +41,23 @@ struct waiter {
     struct waiter *prev, *next;
 };
 
+/* Authenticated keys, so a request costs one query instead of two. Entries live
+ * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all. */
+#define AUTH_SLOTS  1024
+#define AUTH_TTL_MS 60000
+
+struct auth_entry {
+    char hash[SP_KEYHASH_HEX + 1]; /* "" = empty slot */
+    sp_auth_t auth;
+    uint64_t expires_ms;
+};
+
 struct sp_svc {
     sp_loop_t *loop;
     sp_store_t *store;
     unsigned char hashkey[SP_HASHKEY_LEN];
     struct waiter *waiters;
+    struct auth_entry auth_cache[AUTH_SLOTS];
 };
 
 /* One in-flight statement's context. */
@@ -134,6 +146,32 @@ static bool op_finished(const sp_op_rec_t *o)
 
 /* ---- authentication ---- */
 
+static struct auth_entry *auth_slot(sp_svc_t *svc, const char *hash)
+{
+    /* The hash is uniformly random hex: its first 3 digits spread keys over the slots. */
+    unsigned idx = (unsigned)strtoul((char[4]){hash[0], hash[1], hash[2], 0}, NULL, 16);
+    return &svc->auth_cache[idx % AUTH_SLOTS];
+}
+
+static void auth_cache_clear(void *arg, const char *channel, const char *payload)
+{
+    sp_svc_t *svc = arg;
+    memset(svc->auth_cache, 0, sizeof(svc->auth_cache));
+}
+
+struct auth_hit {
+    sp_svc_auth_cb cb;
+    void *arg;
+    sp_auth_t auth;
+};
+
+static void auth_hit_fire(void *p)
+{
+    struct auth_hit *h = p;
+    h->cb(h->arg, &h->auth, NULL);
+    free(h);
+}
+
 static void auth_done(struct call *c, PGresult *res, const sp_err_t *err)
 {
     sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
@@ -150,6 +188,11 @@ static void auth_done(struct call *c, PGresult *res, const sp_err_t *err)
     sp_auth_t a;
     copy(a.team_id, sizeof(a.team_id), PQgetvalue(res, 0, 0));
     copy(a.key_id, sizeof(a.key_id), PQgetvalue(res, 0, 1));
+    const char *hash = PQgetvalue(res, 0, 2);
+    struct auth_entry *slot = auth_slot(c->svc, hash);
+    copy(slot->hash, sizeof(slot->hash), hash);
+    slot->auth = a;
+    slot->expires_ms = sp_loop_now_ms(c->svc->loop) + AUTH_TTL_MS;
     cb(c->arg, &a, NULL);
 }
 
@@ -162,10 +205,22 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
         return sp_err_set(err, SP_EAUTH, "invalid or revoked API key");
     char hash[SP_KEYHASH_HEX + 1];
     sp_ids_key_hash(svc->hashkey, key, hash);
+    struct auth_entry *slot = auth_slot(svc, hash);
+    if (strcmp(slot->hash, hash) == 0 && slot->expires_ms > sp_loop_now_ms(svc->loop)) {
+        struct auth_hit *h = malloc(sizeof(*h));
+        if (h != NULL) {
+            h->cb = cb;
+            h->arg = arg;
+            h->auth = slot->auth;
+            if (sp_loop_defer(svc->loop, auth_hit_fire, h) == 0)
+                return 0;
+            free(h);
+        }
+    }
     const char *p[] = {hash};
     return submit(svc,
-                  "SELECT team_id, id FROM api_keys WHERE hash = $1 AND revoked_at IS NULL", 1, p,
-                  auth_done, (void *)cb, arg, 0, err);
+                  "SELECT team_id, id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL",
+                  1, p, auth_done, (void *)cb, arg, 0, err);
 }
 
 /* ---- templates ---- */
@@ -730,7 +785,8 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
     svc->loop = loop;
     svc->store = store;
     memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
-    if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0) {
+    if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
+        sp_store_listen(store, "space_keys", auth_cache_clear, svc, err) < 0) {
         free(svc);
         return NULL;
     }
