@@ -46,7 +46,10 @@ struct sp_recon {
     sp_driver_t *driver;
     char worker_id[65];
     sp_timer_t tick;
+    sp_timer_t sweep; /* deadlines and idle limits */
+    bool sweeping;
     bool scanning, rescan;
+    bool dying; /* destroyed while a scan or sweep was in flight: freed by its callback */
     struct task *tasks;
     int ntasks;
 };
@@ -358,12 +361,80 @@ static void start_task(sp_recon_t *r, PGresult *res, int row)
     task_next(t);
 }
 
+/* ---- deadlines and idle limits ---- */
+
+/*
+ * One statement turns due limits into requests, exactly as a client would: the
+ * desired state changes and an operation is recorded (kind "deadline" or "idle").
+ * A hard deadline deletes or suspends (deadline_action) and is then cleared; an idle
+ * limit suspends a running or paused sandbox whose last activity is older than it.
+ * SKIP LOCKED lets several workers sweep at once without doing a row twice.
+ */
+static const char *sweep_sql =
+    "WITH due AS (SELECT id, (deadline_at IS NOT NULL AND deadline_at <= now()) AS hard"
+    "  FROM sandboxes WHERE observed_state NOT IN ('deleted', 'failed')"
+    "   AND desired_state <> 'deleted'"
+    "   AND ((deadline_at IS NOT NULL AND deadline_at <= now())"
+    "     OR (desired_state IN ('running', 'paused')"
+    "         AND last_activity_at + make_interval(secs => idle_timeout_s) <= now()))"
+    "  ORDER BY id LIMIT 64 FOR UPDATE SKIP LOCKED),"
+    " u AS (UPDATE sandboxes s SET"
+    "   desired_state = CASE WHEN due.hard AND s.deadline_action = 'delete' THEN 'deleted'"
+    "     ELSE 'suspended' END,"
+    "   deadline_at = CASE WHEN due.hard THEN NULL ELSE s.deadline_at END,"
+    "   updated_at = now()"
+    "  FROM due WHERE s.id = due.id"
+    "  RETURNING s.id, s.team_id, s.desired_state, due.hard,"
+    "   (SELECT d.desired_state FROM sandboxes d WHERE d.id = s.id) AS was),"
+    " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+    "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
+    "   u.id, u.team_id, CASE WHEN u.hard THEN 'deadline' ELSE 'idle' END, u.desired_state"
+    "  FROM u WHERE u.was <> u.desired_state RETURNING sandbox_id),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT u.id, CASE WHEN u.hard THEN 'deadline' ELSE 'idle' END, u.desired_state FROM u"
+    "  RETURNING 1)"
+    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM o),"
+    "  (SELECT count(*) FROM ev) FROM u";
+
+/* After sp_recon_destroy: the last in-flight statement's callback frees the controller. */
+static bool reap_if_dying(sp_recon_t *r)
+{
+    if (!r->dying)
+        return false;
+    if (!r->scanning && !r->sweeping)
+        free(r);
+    return true;
+}
+
+static void on_swept(void *arg, PGresult *res, const sp_err_t *err)
+{
+    sp_recon_t *r = arg;
+    r->sweeping = false;
+    if (reap_if_dying(r))
+        return;
+    if (err == NULL && atoi(PQgetvalue(res, 0, 0)) > 0)
+        sp_log(SP_LOG_INFO, "recon", "limits reached sandboxes=%s", PQgetvalue(res, 0, 0));
+    sp_timer_start(&r->sweep, RECON_TICK_MS);
+}
+
+static void on_sweep(sp_timer_t *tm, void *arg)
+{
+    sp_recon_t *r = arg;
+    sp_err_t e;
+    if (sp_store_query(r->store, sweep_sql, 0, NULL, on_swept, r, &e) < 0)
+        sp_timer_start(&r->sweep, RECON_TICK_MS);
+    else
+        r->sweeping = true;
+}
+
 /* ---- scanning ---- */
 
 static void on_claimed(void *arg, PGresult *res, const sp_err_t *err)
 {
     sp_recon_t *r = arg;
     r->scanning = false;
+    if (reap_if_dying(r))
+        return;
     if (err != NULL) {
         sp_timer_start(&r->tick, RECON_TICK_MS);
         return;
@@ -449,11 +520,13 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     r->driver = driver;
     snprintf(r->worker_id, sizeof(r->worker_id), "%s", worker_id);
     sp_timer_init(&r->tick, loop, on_tick, r);
+    sp_timer_init(&r->sweep, loop, on_sweep, r);
     if (sp_store_listen(store, "space_sandbox", on_notify, r, err) < 0) {
         free(r);
         return NULL;
     }
     sp_timer_start(&r->tick, 0);
+    sp_timer_start(&r->sweep, RECON_TICK_MS);
     return r;
 }
 
@@ -462,6 +535,7 @@ void sp_recon_destroy(sp_recon_t *r)
     if (r == NULL)
         return;
     sp_timer_stop(&r->tick);
+    sp_timer_stop(&r->sweep);
     /* Tasks waiting on the driver or the store free themselves when called back. */
     for (struct task *t = r->tasks, *n; t != NULL; t = n) {
         n = t->next;
@@ -472,5 +546,6 @@ void sp_recon_destroy(sp_recon_t *r)
         }
     }
     r->tasks = NULL;
-    free(r);
+    r->dying = true;
+    reap_if_dying(r);
 }

@@ -585,7 +585,8 @@ static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
     const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
                        sp_request_name(rc->req)};
     if (submit(rc->svc,
-               "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now()"
+               "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
+               "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END"
                "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
                " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
                "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"

@@ -139,6 +139,39 @@ class NativeApiTest(unittest.TestCase):
         st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=30" % sid)
         self.assertEqual(r["operation"]["status"], "succeeded", r)
 
+    # ---- limits ----
+
+    def wait_state(self, sid, want, timeout=15):
+        deadline = time.time() + timeout
+        st, sb = None, None
+        while time.time() < deadline:
+            st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+            if (want == 404 and st == 404) or (st == 200 and sb["state"] == want):
+                return sb
+            time.sleep(0.1)
+        self.fail("sandbox %s never reached %s: %s %s" % (sid, want, st, sb))
+
+    def test_idle_limit_suspends_and_wake_resets_it(self):
+        sid, _ = self.s.create(idle_timeout_s=2)
+        t0 = time.time()
+        self.wait_state(sid, "suspended")
+        self.assertGreaterEqual(time.time() - t0, 1.0)  # not before the limit
+        st, r = self.req("POST", "/v1/sandboxes/%s/wake?wait=30" % sid)
+        self.assertEqual(r["sandbox"]["state"], "running", r)
+        time.sleep(1.0)  # half the limit: activity was reset by the wake
+        st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual(sb["state"], "running")
+        self.wait_state(sid, "suspended")
+
+    def test_deadline_deletes(self):
+        sid, _ = self.s.create(timeout_s=1)
+        self.wait_state(sid, 404)
+
+    def test_deadline_suspends_when_asked(self):
+        sid, _ = self.s.create(timeout_s=1, deadline_action="suspend")
+        sb = self.wait_state(sid, "suspended")
+        self.assertIsNone(sb["deadline_at"])  # a deadline fires once
+
     # ---- listing ----
 
     def test_list_filters_and_pagination(self):
