@@ -1,0 +1,2563 @@
+/*
+ * qemu.c - the QEMU microvm runtime driver (see qemu.h for the on-disk layout).
+ *
+ * Owns one struct vm per sandbox it runs or has re-adopted: the QEMU process
+ * (watched through a pidfd), its QMP client, its agent channel and its
+ * cgroup. Never blocks the loop on a VM: qemu-img, QEMU and the probes are
+ * fork/exec'd children watched by pidfd; sockets are non-blocking. File
+ * system work that is quick (pidfile, vm.json, removing a VM directory) is
+ * done inline. Every completion goes through the driver's done-queue, so a
+ * callback never runs inside the call that armed it and may call back into
+ * the driver.
+ *
+ * Guest RAM lives in <vm>/mem.ram (memory-backend-file, share=on), so a
+ * suspend writes only device state: stop, migrate with x-ignore-shared to a
+ * passed fd, fdatasync RAM file + device state + overlay (a `sync -d` child,
+ * off the loop), then commit by an atomic rename of snapshot/manifest.json,
+ * then quit QEMU. Restore starts QEMU on the same RAM file with -incoming
+ * defer, migrate-incoming from a passed fd, cont, and invalidates the
+ * snapshot once the agent answers (the disk moves on from there).
+ *
+ * Does not know the database or HTTP; does not build images (guest/ does).
+ */
+#include "core/qemu.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/agentconn.h"
+#include "core/log.h"
+#include "core/qmp.h"
+#include "guest/bootargs.h"
+#include "guest/tmplbuild.h"
+
+#define SP_QEMU_ID_MAX          64
+#define SP_QEMU_BOOT_TIMEOUT_MS 60000u /* TCG boots in ~2.5 s; a busy host needs slack */
+#define SP_QEMU_KVM_PROBE_MS    4000u  /* real KVM reaches the probe's panic in < 1 s */
+#define SP_QEMU_SANDBOX_PROBE   5000u
+#define SP_QEMU_QUIT_GRACE_MS   3000u      /* QMP quit, then SIGKILL to the process group */
+#define SP_QEMU_CONSOLE_MAX     (2u << 20) /* bytes; trimmed to the tail beyond this */
+#define SP_QEMU_CONSOLE_KEEP    (256u << 10)
+#define SP_QEMU_CONSOLE_TICK_MS 5000u
+#define SP_QEMU_PIDS_MAX        512
+#define SP_QEMU_CG_ROOT         "/sys/fs/cgroup"
+#define SP_QEMU_CG_SLICE        "space.slice"
+#define SP_QEMU_SANDBOX_ARG                                                                        \
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+#ifndef CGROUP2_SUPER_MAGIC
+#define CGROUP2_SUPER_MAGIC 0x63677270
+#endif
+
+typedef struct sp_qemu sp_qemu_t;
+
+struct waiter {
+    sp_driver_cb cb;
+    void *arg;
+    struct waiter *next;
+};
+
+/* A finished call waiting for the next loop turn. */
+struct done {
+    sp_driver_cb cb;
+    void *arg;
+    bool failed;
+    sp_err_t err;
+    struct done *next;
+};
+
+/* A short-lived child (qemu-img, probes) watched through its pidfd. */
+struct child;
+typedef void (*child_cb)(struct child *c, int wstatus, bool timed_out, void *arg);
+struct child {
+    sp_qemu_t *d;
+    pid_t pid;
+    int pidfd;
+    sp_watch_t *w;
+    sp_timer_t timer;
+    bool timed_out;
+    child_cb cb;
+    void *arg;
+};
+
+enum phase {
+    PH_WAIT_ACCEL = 0, /* boot waits for the accelerator / sandbox verdicts */
+    PH_DISK,           /* qemu-img is making the overlay */
+    PH_START,          /* QEMU started; connecting QMP */
+    PH_AGENT,          /* QMP up; waiting for the agent's HELLO */
+    PH_IDENTITY,       /* agent up; IDENTITY sent */
+    PH_UP,             /* running (or paused) and usable */
+    PH_SUSPENDING,     /* snapshot in progress; QEMU quits at the end */
+    PH_STOPPING,       /* being killed; finish() removes it */
+};
+
+/* Steps of a suspend (vm->snap_step) and of a restore (the same field while restoring). */
+enum {
+    SN_NONE = 0,
+    SN_STOP,
+    SN_CAPS,
+    SN_GETFD,
+    SN_MIGRATE,
+    SN_POLL,
+    SN_SYNC,
+    SN_QUIT,
+    RS_CAPS,
+    RS_GETFD,
+    RS_INCOMING,
+    RS_POLL,
+    RS_CONT,
+};
+
+struct vm {
+    sp_qemu_t *d;
+    struct vm *next;
+    char id[SP_QEMU_ID_MAX + 1];
+    char dir[PATH_MAX];
+    enum phase ph;
+    bool adopted;
+    /* boot inputs (NULL once QEMU is started) */
+    sp_tmplbuild_paths_t *tp;
+    char template_name[128];
+    char *hostname;
+    char *env_json;
+    int cpu_count;
+    int memory_mb;
+    uint64_t disk_total;
+    /* process */
+    pid_t pid;
+    int pidfd;
+    sp_watch_t *pw;
+    bool exited;
+    struct child *img;
+    sp_qmp_t *qmp;
+    sp_timer_t qmp_timer;
+    unsigned qmp_tries;
+    sp_agentconn_t *agent;
+    sp_agentstream_t *ident;
+    bool paused;
+    sp_timer_t boot_timer;
+    uint64_t boot_start_ms;
+    sp_timer_t kill_timer;
+    bool keep_logs; /* a failed boot keeps console.log and qemu.log */
+    bool boot_failed;
+    sp_err_t boot_err;
+    struct waiter *boot_w, *destroy_w;
+    /* suspend / restore */
+    bool restoring;
+    struct waiter *snap_w;
+    int snap_step;
+    int snap_fd;
+    bool snap_was_paused;
+    sp_timer_t snap_timer;
+    struct child *sync;
+    uint64_t snap_start_ms;
+    char cg[PATH_MAX]; /* "" when the VM has no cgroup */
+    uint64_t cpu_ticks, cpu_ms;
+    double cpu_pct;
+};
+
+struct sp_qemu {
+    sp_driver_t base;
+    char data_dir[PATH_MAX];
+    char vms_dir[PATH_MAX];
+    char *qemu, *qemu_img;
+    int want;    /* 0 auto, 1 kvm, 2 tcg */
+    int accel;   /* -1 undecided, 0 TCG, 1 KVM */
+    int sandbox; /* -1 unknown, 0 unsupported, 1 supported */
+    struct child *kvm_probe, *sandbox_probe;
+    bool cg_ok;
+    bool cg_warned;
+    struct vm *vms;
+    struct done *done_head, *done_tail;
+    sp_timer_t done_timer;
+    sp_timer_t kick_timer;
+    sp_timer_t console_timer;
+    uint32_t boot_timeout_ms;
+    uint32_t probe_ms;
+};
+
+static void vm_stop(struct vm *vm, bool graceful);
+static void vm_finish(struct vm *vm);
+static void suspend_finish(struct vm *vm);
+static void restore_begin(struct vm *vm);
+static void vm_adopt_connect(struct vm *vm);
+static void qmp_try_connect(struct vm *vm);
+
+/* ---------- small helpers ---------- */
+
+/* snprintf for paths and small values. Truncation cannot happen for paths: the data
+ * directory is limited at creation to leave room below PATH_MAX for every name we add. */
+static int sfmt(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int sfmt(char *out, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int r = vsnprintf(out, n, fmt, ap);
+    va_end(ap);
+    return r;
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static uint32_t env_ms(const char *name, uint32_t dflt)
+{
+    const char *s = getenv(name);
+    if (s == NULL || *s == '\0')
+        return dflt;
+    char *end;
+    unsigned long v = strtoul(s, &end, 10);
+    if (*end != '\0' || v == 0 || v > 3600000ul)
+        return dflt;
+    return (uint32_t)v;
+}
+
+/* An executable named like execvp would find it. */
+static bool have_program(const char *name)
+{
+    if (strchr(name, '/') != NULL)
+        return access(name, X_OK) == 0;
+    const char *path = getenv("PATH");
+    if (path == NULL)
+        path = "/usr/local/bin:/usr/bin:/bin";
+    while (*path != '\0') {
+        size_t l = strcspn(path, ":");
+        char p[PATH_MAX];
+        if (l > 0 && l < sizeof p - 1 - strlen(name)) {
+            sfmt(p, sizeof p, "%.*s/%s", (int)l, path, name);
+            if (access(p, X_OK) == 0)
+                return true;
+        }
+        path += l;
+        if (*path == ':')
+            path++;
+    }
+    return false;
+}
+
+static bool valid_id(const char *id)
+{
+    size_t n = id != NULL ? strlen(id) : 0;
+    if (n == 0 || n > SP_QEMU_ID_MAX || id[0] == '.')
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)id[i];
+        if (!isalnum(c) && c != '-' && c != '_' && c != '.')
+            return false;
+    }
+    return true;
+}
+
+static void vm_path(const struct vm *vm, const char *name, char *out, size_t n)
+{
+    sfmt(out, n, "%s/%s", vm->dir, name);
+}
+
+static bool file_exists(const char *p)
+{
+    return access(p, F_OK) == 0;
+}
+
+/* Reads at most n-1 bytes of a small file into buf, NUL-terminated. -1 on error. */
+static ssize_t read_small(const char *path, char *buf, size_t n)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t got = 0;
+    while ((size_t)got < n - 1) {
+        ssize_t r = read(fd, buf + got, n - 1 - (size_t)got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += r;
+    }
+    close(fd);
+    buf[got] = '\0';
+    return got;
+}
+
+static int write_str(const char *path, const char *s)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t l = strlen(s);
+    ssize_t w = write(fd, s, l);
+    int e = errno;
+    close(fd);
+    errno = e;
+    return w == (ssize_t)l ? 0 : -1;
+}
+
+/* Writes a file atomically (temp + rename). */
+static int write_atomic(const char *path, const char *data, size_t len)
+{
+    char tmp[PATH_MAX + 8];
+    sfmt(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return -1;
+    ssize_t w = write(fd, data, len);
+    close(fd);
+    if (w != (ssize_t)len || rename(tmp, path) < 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f)
+{
+    if (remove(p) < 0 && errno != ENOENT)
+        sp_log(SP_LOG_WARN, "qemu", "cannot remove path=%s err=%s", p, strerror(errno));
+    return 0;
+}
+
+static void rm_rf(const char *path)
+{
+    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+}
+
+static int pidfd_open_(pid_t pid)
+{
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+}
+
+/* The last bytes of the console, made printable, for a log line. */
+static void console_tail(const struct vm *vm, char *out, size_t n)
+{
+    char path[PATH_MAX + 16];
+    vm_path(vm, "console.log", path, sizeof path);
+    out[0] = '\0';
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    size_t want = n - 1;
+    off_t off = 0;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size > want)
+        off = st.st_size - (off_t)want;
+    ssize_t r = pread(fd, out, want, off);
+    close(fd);
+    if (r < 0)
+        r = 0;
+    out[r] = '\0';
+    for (ssize_t i = 0; i < r; i++) {
+        unsigned char c = (unsigned char)out[i];
+        if (c == '\n' || c == '\r')
+            out[i] = '|';
+        else if (c < 0x20 || c > 0x7e)
+            out[i] = '.';
+    }
+}
+
+/* Keeps console.log bounded: QEMU writes it with O_APPEND, so after we cut it to its
+ * tail QEMU's next write lands at the new end. A write racing the cut may be lost. */
+static void console_trim(const struct vm *vm)
+{
+    char path[PATH_MAX + 16];
+    vm_path(vm, "console.log", path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size > SP_QEMU_CONSOLE_MAX) {
+        char *buf = malloc(SP_QEMU_CONSOLE_KEEP);
+        if (buf != NULL) {
+            ssize_t r = pread(fd, buf, SP_QEMU_CONSOLE_KEEP, st.st_size - SP_QEMU_CONSOLE_KEEP);
+            if (r > 0 && ftruncate(fd, 0) == 0 && pwrite(fd, buf, (size_t)r, 0) != r)
+                sp_log(SP_LOG_DEBUG, "qemu", "console trim short write sandbox=%s", vm->id);
+            free(buf);
+        }
+    }
+    close(fd);
+}
+
+/* ---------- completions ---------- */
+
+static void on_done_timer(sp_timer_t *t, void *arg)
+{
+    sp_qemu_t *d = arg;
+    struct done *list = d->done_head;
+    d->done_head = d->done_tail = NULL;
+    while (list != NULL) {
+        struct done *x = list;
+        list = x->next;
+        x->cb(x->arg, x->failed ? &x->err : NULL);
+        free(x);
+    }
+}
+
+/* Queues cb for the next loop turn. Only fails on allocation. */
+static int complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err)
+{
+    struct done *x = calloc(1, sizeof(*x));
+    if (x == NULL)
+        return -1;
+    x->cb = cb;
+    x->arg = arg;
+    if (err != NULL) {
+        x->failed = true;
+        x->err = *err;
+    }
+    if (d->done_tail != NULL)
+        d->done_tail->next = x;
+    else
+        d->done_head = x;
+    d->done_tail = x;
+    if (!sp_timer_armed(&d->done_timer))
+        sp_timer_start(&d->done_timer, 0);
+    return 0;
+}
+
+static void complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err)
+{
+    struct waiter *w = *list;
+    *list = NULL;
+    while (w != NULL) {
+        struct waiter *n = w->next;
+        if (complete(d, w->cb, w->arg, err) < 0)
+            sp_log(SP_LOG_ERROR, "qemu", "out of memory: a driver callback is lost");
+        free(w);
+        w = n;
+    }
+}
+
+static int add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->cb = cb;
+    w->arg = arg;
+    w->next = *list;
+    *list = w;
+    return 0;
+}
+
+/* ---------- children ---------- */
+
+struct spawn_opts {
+    const char *out_path; /* stdout+stderr (appended); NULL: /dev/null */
+    int stdin_fd;         /* -1: /dev/null */
+    int cg_procs_fd;      /* -1: stay in our cgroup */
+    bool new_session;
+};
+
+/* fork + exec; the child only makes async-signal-safe calls. Returns the pid and a pidfd. */
+static pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err)
+{
+    int out = open(o->out_path != NULL ? o->out_path : "/dev/null",
+                   O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    int in = o->stdin_fd >= 0 ? o->stdin_fd : open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (out < 0 || in < 0) {
+        int e = errno;
+        if (out >= 0)
+            close(out);
+        if (in >= 0 && in != o->stdin_fd)
+            close(in);
+        sp_err_set(err, SP_ERUNTIME, "cannot open child stdio");
+        sp_log(SP_LOG_ERROR, "qemu", "child stdio path=%s err=%s",
+               o->out_path ? o->out_path : "/dev/null", strerror(e));
+        return -1;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (o->new_session)
+            setsid();
+        if (o->cg_procs_fd >= 0 && write(o->cg_procs_fd, "0", 1) < 0) {
+            /* stays in spaced's cgroup: the VM runs, without its limits */
+        }
+        struct sigaction sa = {.sa_handler = SIG_DFL};
+        sigemptyset(&sa.sa_mask);
+        for (int s = 1; s < NSIG; s++)
+            sigaction(s, &sa, NULL); /* fails harmlessly for SIGKILL/SIGSTOP/RT gaps */
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0)
+            _exit(126);
+        close_range(3, ~0u, 0);
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    int e = errno;
+    close(out);
+    if (in != o->stdin_fd)
+        close(in);
+    if (pid < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "fork failed err=%s", strerror(e));
+        sp_err_set(err, SP_ERUNTIME, "cannot start process");
+        return -1;
+    }
+    *pidfd = pidfd_open_(pid);
+    if (*pidfd < 0) {
+        e = errno;
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0); /* just killed: returns at once */
+        sp_log(SP_LOG_ERROR, "qemu", "pidfd_open failed err=%s", strerror(e));
+        sp_err_set(err, SP_ERUNTIME, "cannot watch process");
+        return -1;
+    }
+    fcntl(*pidfd, F_SETFD, FD_CLOEXEC);
+    return pid;
+}
+
+static void child_free(struct child *c)
+{
+    if (c == NULL)
+        return;
+    sp_watch_destroy(c->w);
+    sp_timer_stop(&c->timer);
+    if (c->pidfd >= 0)
+        close(c->pidfd);
+    free(c);
+}
+
+static void on_child_exit(sp_watch_t *w, int events, void *arg)
+{
+    struct child *c = arg;
+    int st = 0;
+    pid_t r;
+    do
+        r = waitpid(c->pid, &st, WNOHANG);
+    while (r < 0 && errno == EINTR);
+    if (r == 0)
+        return; /* spurious */
+    if (r < 0)
+        st = -1;
+    sp_watch_destroy(c->w);
+    c->w = NULL;
+    sp_timer_stop(&c->timer);
+    c->cb(c, st, c->timed_out, c->arg); /* the callback frees c */
+}
+
+static void on_child_timeout(sp_timer_t *t, void *arg)
+{
+    struct child *c = arg;
+    c->timed_out = true;
+    kill(c->pid, SIGKILL);
+}
+
+static struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
+                                 uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err)
+{
+    struct child *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    c->d = d;
+    c->cb = cb;
+    c->arg = arg;
+    c->pidfd = -1;
+    sp_timer_init(&c->timer, d->base.loop, on_child_timeout, c);
+    c->pid = spawn(argv, o, &c->pidfd, err);
+    if (c->pid < 0) {
+        free(c);
+        return NULL;
+    }
+    c->w = sp_watch_create(d->base.loop, c->pidfd, on_child_exit, c);
+    if (c->w == NULL) {
+        kill(c->pid, SIGKILL);
+        waitpid(c->pid, NULL, 0);
+        child_free(c);
+        sp_err_set(err, SP_EINTERNAL, "cannot watch process");
+        return NULL;
+    }
+    sp_watch_set(c->w, SP_IO_READ);
+    if (timeout_ms > 0)
+        sp_timer_start(&c->timer, timeout_ms);
+    return c;
+}
+
+/* ---------- cgroups ---------- */
+
+static void cg_warn(sp_qemu_t *d, const char *what, int e)
+{
+    if (!d->cg_warned)
+        sp_log(SP_LOG_WARN, "qemu",
+               "no per-VM cgroup limits: %s err=%s (VMs run without cpu/memory/pids limits)", what,
+               strerror(e));
+    d->cg_warned = true;
+    d->cg_ok = false;
+}
+
+static void cg_init(sp_qemu_t *d)
+{
+    struct statfs sf;
+    char buf[512];
+    if (statfs(SP_QEMU_CG_ROOT, &sf) < 0 || sf.f_type != CGROUP2_SUPER_MAGIC) {
+        cg_warn(d, "cgroup v2 is not mounted at " SP_QEMU_CG_ROOT, ENOTSUP);
+        return;
+    }
+    if (read_small(SP_QEMU_CG_ROOT "/cgroup.controllers", buf, sizeof buf) < 0 ||
+        strstr(buf, "cpu") == NULL || strstr(buf, "memory") == NULL ||
+        strstr(buf, "pids") == NULL) {
+        cg_warn(d, "cpu, memory and pids controllers are not all available", ENOTSUP);
+        return;
+    }
+    if (mkdir(SP_QEMU_CG_ROOT "/" SP_QEMU_CG_SLICE, 0755) < 0 && errno != EEXIST) {
+        cg_warn(d, "cannot create " SP_QEMU_CG_SLICE, errno);
+        return;
+    }
+    if (read_small(SP_QEMU_CG_ROOT "/cgroup.subtree_control", buf, sizeof buf) < 0 ||
+        strstr(buf, "memory") == NULL || strstr(buf, "cpu") == NULL ||
+        strstr(buf, "pids") == NULL) {
+        if (write_str(SP_QEMU_CG_ROOT "/cgroup.subtree_control", "+cpu +memory +pids") < 0) {
+            cg_warn(d, "controllers not delegated", errno);
+            return;
+        }
+    }
+    if (write_str(SP_QEMU_CG_ROOT "/" SP_QEMU_CG_SLICE "/cgroup.subtree_control",
+                  "+cpu +memory +pids") < 0) {
+        cg_warn(d, "controllers not delegated to " SP_QEMU_CG_SLICE, errno);
+        return;
+    }
+    d->cg_ok = true;
+}
+
+static void cg_path(const char *id, char *out, size_t n)
+{
+    sfmt(out, n, "%s/%s/vm-%s", SP_QEMU_CG_ROOT, SP_QEMU_CG_SLICE, id);
+}
+
+/* Makes the VM's cgroup with its limits; returns an fd on cgroup.procs or -1 (no limits). */
+static int cg_create(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    vm->cg[0] = '\0';
+    if (!d->cg_ok)
+        return -1;
+    char p[PATH_MAX], f[PATH_MAX + 32], v[64];
+    cg_path(vm->id, p, sizeof p);
+    if (mkdir(p, 0755) < 0 && errno != EEXIST) {
+        cg_warn(d, "cannot create a VM cgroup", errno);
+        return -1;
+    }
+    /* QEMU's own overhead on top of guest RAM: TCG's translation cache grows to hundreds
+     * of MiB; KVM needs little. */
+    uint64_t over = d->accel == 1 ? 128u : 512u;
+    uint64_t mem = ((uint64_t)vm->memory_mb + over) << 20;
+    sfmt(f, sizeof f, "%s/memory.max", p);
+    sfmt(v, sizeof v, "%llu", (unsigned long long)mem);
+    int rc = write_str(f, v);
+    sfmt(f, sizeof f, "%s/cpu.max", p);
+    sfmt(v, sizeof v, "%d 100000", (vm->cpu_count > 0 ? vm->cpu_count : 1) * 100000);
+    rc |= write_str(f, v);
+    sfmt(f, sizeof f, "%s/pids.max", p);
+    sfmt(v, sizeof v, "%d", SP_QEMU_PIDS_MAX);
+    rc |= write_str(f, v);
+    if (rc != 0) {
+        cg_warn(d, "cannot set VM cgroup limits", errno);
+        rmdir(p);
+        return -1;
+    }
+    sfmt(f, sizeof f, "%s/cgroup.procs", p);
+    int fd = open(f, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        cg_warn(d, "cannot open cgroup.procs", errno);
+        rmdir(p);
+        return -1;
+    }
+    sfmt(vm->cg, sizeof vm->cg, "%s", p);
+    return fd;
+}
+
+/* Kills anything left in the VM's cgroup and removes it. Nothing to do without one. */
+static void cg_remove(const char *id)
+{
+    char p[PATH_MAX], f[PATH_MAX + 32];
+    cg_path(id, p, sizeof p);
+    if (!file_exists(p))
+        return;
+    sfmt(f, sizeof f, "%s/cgroup.kill", p);
+    write_str(f, "1");
+    if (rmdir(p) < 0 && errno != ENOENT)
+        sp_log(SP_LOG_WARN, "qemu", "cannot remove cgroup sandbox=%s err=%s", id, strerror(errno));
+}
+
+/* ---------- VM table ---------- */
+
+static struct vm *vm_find(sp_qemu_t *d, const char *id)
+{
+    for (struct vm *v = d->vms; v != NULL; v = v->next)
+        if (strcmp(v->id, id) == 0)
+            return v;
+    return NULL;
+}
+
+static void vm_unlink(struct vm *vm)
+{
+    struct vm **pp = &vm->d->vms;
+    while (*pp != NULL && *pp != vm)
+        pp = &(*pp)->next;
+    if (*pp == vm)
+        *pp = vm->next;
+}
+
+static void on_qmp_timer(sp_timer_t *t, void *arg);
+static void on_boot_timeout(sp_timer_t *t, void *arg);
+static void on_kill_timer(sp_timer_t *t, void *arg);
+static void on_snap_timer(sp_timer_t *t, void *arg);
+
+static struct vm *vm_new(sp_qemu_t *d, const char *id)
+{
+    struct vm *vm = calloc(1, sizeof(*vm));
+    if (vm == NULL)
+        return NULL;
+    vm->d = d;
+    sfmt(vm->id, sizeof vm->id, "%s", id);
+    sfmt(vm->dir, sizeof vm->dir, "%s/%s", d->vms_dir, id);
+    vm->pidfd = -1;
+    sp_timer_init(&vm->qmp_timer, d->base.loop, on_qmp_timer, vm);
+    sp_timer_init(&vm->boot_timer, d->base.loop, on_boot_timeout, vm);
+    sp_timer_init(&vm->kill_timer, d->base.loop, on_kill_timer, vm);
+    sp_timer_init(&vm->snap_timer, d->base.loop, on_snap_timer, vm);
+    vm->snap_fd = -1;
+    vm->next = d->vms;
+    d->vms = vm;
+    return vm;
+}
+
+/* Drops every connection and watcher of the VM (not the process). */
+static void vm_disconnect(struct vm *vm)
+{
+    sp_timer_stop(&vm->qmp_timer);
+    sp_timer_stop(&vm->boot_timer);
+    sp_timer_stop(&vm->kill_timer);
+    sp_timer_stop(&vm->snap_timer);
+    if (vm->ident != NULL) {
+        sp_agentstream_t *s = vm->ident;
+        vm->ident = NULL;
+        sp_agentstream_reset(s);
+    }
+    if (vm->agent != NULL) {
+        sp_agentconn_t *a = vm->agent;
+        vm->agent = NULL; /* on_agent_state ignores calls made while it is destroyed */
+        sp_agentconn_destroy(a);
+    }
+    sp_qmp_destroy(vm->qmp);
+    vm->qmp = NULL;
+    sp_watch_destroy(vm->pw);
+    vm->pw = NULL;
+}
+
+static void vm_free(struct vm *vm)
+{
+    vm_disconnect(vm);
+    if (vm->img != NULL) { /* driver going away mid-boot: let qemu-img finish on its own */
+        child_free(vm->img);
+        vm->img = NULL;
+    }
+    if (vm->sync != NULL) {
+        child_free(vm->sync);
+        vm->sync = NULL;
+    }
+    if (vm->pidfd >= 0)
+        close(vm->pidfd);
+    if (vm->snap_fd >= 0)
+        close(vm->snap_fd);
+    struct waiter *lists[3] = {vm->boot_w, vm->destroy_w, vm->snap_w};
+    for (int i = 0; i < 3; i++) {
+        while (lists[i] != NULL) {
+            struct waiter *n = lists[i]->next;
+            free(lists[i]);
+            lists[i] = n;
+        }
+    }
+    free(vm->tp);
+    free(vm->hostname);
+    free(vm->env_json);
+    free(vm);
+}
+
+/* The pid in the VM dir's qemu.pid if that process is alive and is QEMU running this VM
+ * (its command line names the VM directory), else 0. */
+static pid_t live_qemu_pid(const char *dir)
+{
+    char p[PATH_MAX + 16], buf[64];
+    sfmt(p, sizeof p, "%s/qemu.pid", dir);
+    if (read_small(p, buf, sizeof buf) <= 0)
+        return 0;
+    long pid = strtol(buf, NULL, 10);
+    if (pid <= 1 || pid > INT_MAX)
+        return 0;
+    sfmt(p, sizeof p, "/proc/%ld/stat", pid);
+    char st[512];
+    if (read_small(p, st, sizeof st) <= 0)
+        return 0;
+    char *rp = strrchr(st, ')');
+    if (rp == NULL || rp[1] != ' ' || rp[2] == 'Z' || rp[2] == 'X')
+        return 0; /* a zombie is dead for our purposes */
+    sfmt(p, sizeof p, "/proc/%ld/cmdline", pid);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    size_t cap = 64 * 1024;
+    char *cmd = malloc(cap + 1);
+    ssize_t n = cmd != NULL ? read(fd, cmd, cap) : -1;
+    close(fd);
+    bool ours = false;
+    if (n > 0) {
+        for (ssize_t i = 0; i < n; i++)
+            if (cmd[i] == '\0')
+                cmd[i] = ' ';
+        cmd[n] = '\0';
+        char needle[PATH_MAX + 8];
+        sfmt(needle, sizeof needle, "%s/", dir);
+        ours = strstr(cmd, needle) != NULL;
+    }
+    free(cmd);
+    return ours ? (pid_t)pid : 0;
+}
+
+/* A committed snapshot in the VM dir: snap_commit() renames snapshot/manifest.json into
+ * place as its very last step, and boot_done() removes it after a restore. */
+static bool snapshot_committed(const char *dir)
+{
+    char p[PATH_MAX + 32];
+    sfmt(p, sizeof p, "%s/snapshot/manifest.json", dir);
+    return file_exists(p);
+}
+
+/* The files a restore needs beside the manifest: overlay, device state, and a RAM file of
+ * exactly memory_mb (QEMU would silently make a fresh, empty one). */
+static bool snapshot_files_ok(const char *dir, int memory_mb)
+{
+    char p[PATH_MAX + 32];
+    struct stat st;
+    sfmt(p, sizeof p, "%s/mem.ram", dir);
+    if (stat(p, &st) < 0 || (uint64_t)st.st_size != (uint64_t)memory_mb << 20)
+        return false;
+    sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+    if (stat(p, &st) < 0)
+        return false;
+    sfmt(p, sizeof p, "%s/disk.qcow2", dir);
+    return stat(p, &st) == 0;
+}
+
+/* Bytes a committed snapshot holds on disk (RAM file allocation + device state), or 0. */
+static uint64_t snapshot_bytes(const char *dir)
+{
+    if (!snapshot_committed(dir))
+        return 0;
+    char p[PATH_MAX + 32];
+    struct stat st;
+    uint64_t n = 0;
+    sfmt(p, sizeof p, "%s/mem.ram", dir);
+    if (stat(p, &st) == 0)
+        n += (uint64_t)st.st_blocks * 512u;
+    sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+    if (stat(p, &st) == 0)
+        n += (uint64_t)st.st_size;
+    return n;
+}
+
+/* Removes the per-boot files of a VM dir; keeps the logs for debugging. */
+static void remove_runtime_files(const struct vm *vm)
+{
+    static const char *const names[] = {"disk.qcow2", "qmp.sock", "agent.sock", "qemu.pid",
+                                        "paused",     "vm.json",  "mem.ram"};
+    char p[PATH_MAX + 16];
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        vm_path(vm, names[i], p, sizeof p);
+        unlink(p);
+    }
+}
+
+/* ---------- process exit, stopping ---------- */
+
+static void on_vm_exit(sp_watch_t *w, int events, void *arg)
+{
+    struct vm *vm = arg;
+    {
+        /* Reap it if it is our child (started by this process, maybe by an earlier driver
+         * object); for a QEMU inherited from a previous spaced this is ECHILD. */
+        int st;
+        pid_t r = waitpid(vm->pid, &st, WNOHANG);
+        if (r == 0)
+            return;
+        if (r > 0 && vm->ph != PH_STOPPING)
+            sp_log(SP_LOG_INFO, "qemu", "qemu exited sandbox=%s status=%d signal=%d", vm->id,
+                   WIFEXITED(st) ? WEXITSTATUS(st) : -1, WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+    }
+    vm->exited = true;
+    sp_watch_destroy(vm->pw);
+    vm->pw = NULL;
+    if (vm->ph == PH_STOPPING) {
+        vm_finish(vm);
+        return;
+    }
+    if (vm->ph == PH_SUSPENDING && vm->snap_step == SN_QUIT) {
+        suspend_finish(vm);
+        return;
+    }
+    char tail[1024];
+    console_tail(vm, tail, sizeof tail);
+    if (vm->ph < PH_UP) {
+        sp_log(SP_LOG_WARN, "qemu", "guest did not come up: qemu exited sandbox=%s console=%s",
+               vm->id, tail);
+        vm->boot_failed = true;
+        sp_err_set(&vm->boot_err, SP_ERUNTIME, "guest did not come up: the VM exited during boot");
+    } else {
+        sp_log(SP_LOG_WARN, "qemu", "vm exited unexpectedly sandbox=%s console=%s", vm->id, tail);
+    }
+    vm->keep_logs = true;
+    vm->ph = PH_STOPPING;
+    vm_finish(vm);
+}
+
+static void on_kill_timer(sp_timer_t *t, void *arg)
+{
+    struct vm *vm = arg;
+    if (vm->exited || vm->pid <= 0)
+        return;
+    sp_log(SP_LOG_INFO, "qemu", "killing qemu sandbox=%s pid=%d", vm->id, (int)vm->pid);
+    kill(-vm->pid, SIGKILL);
+    kill(vm->pid, SIGKILL);
+    sp_timer_start(&vm->kill_timer, SP_QEMU_QUIT_GRACE_MS); /* keep at it until the pidfd fires */
+}
+
+static void on_quit_reply(void *arg, json_t *ret, const sp_err_t *err)
+{
+    /* Nothing: the pidfd tells us when QEMU is gone; the kill timer backs it up. */
+}
+
+/* Starts tearing the VM down. graceful: QMP quit first. vm_finish runs once it is dead. */
+static void vm_stop(struct vm *vm, bool graceful)
+{
+    if (vm->ph == PH_STOPPING)
+        return;
+    vm->ph = PH_STOPPING;
+    sp_timer_stop(&vm->boot_timer);
+    sp_timer_stop(&vm->qmp_timer);
+    if (vm->ident != NULL) {
+        sp_agentstream_t *s = vm->ident;
+        vm->ident = NULL;
+        sp_agentstream_reset(s);
+    }
+    if (vm->agent != NULL) {
+        sp_agentconn_t *a = vm->agent;
+        vm->agent = NULL;
+        sp_agentconn_destroy(a);
+    }
+    if (vm->img != NULL) {
+        kill(vm->img->pid, SIGKILL); /* on_img_exit sees PH_STOPPING and finishes */
+        return;
+    }
+    if (vm->pid <= 0 || vm->exited || vm->pw == NULL) {
+        vm_finish(vm);
+        return;
+    }
+    sp_err_t e;
+    if (graceful && vm->qmp != NULL && !sp_qmp_closed(vm->qmp) && /* queued if not negotiated */
+        sp_qmp_command(vm->qmp, "quit", NULL, -1, on_quit_reply, vm, &e) == 0) {
+        sp_timer_start(&vm->kill_timer, SP_QEMU_QUIT_GRACE_MS);
+    } else {
+        on_kill_timer(&vm->kill_timer, vm);
+    }
+}
+
+/* The VM's process is gone (or never started): remove what it had and answer waiters.
+ * Always runs from a loop callback, never inside a driver call. */
+static void vm_finish(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    vm_disconnect(vm);
+    if (vm->pid > 0 && !vm->exited && kill(vm->pid, 0) == 0) {
+        kill(-vm->pid, SIGKILL); /* lost its pidfd watch somehow: make sure */
+        kill(vm->pid, SIGKILL);
+    }
+    cg_remove(vm->id);
+    if (vm->restoring && vm->destroy_w == NULL) {
+        /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
+        static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
+        char p[PATH_MAX + 16];
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+            vm_path(vm, names[i], p, sizeof p);
+            unlink(p);
+        }
+    } else if (vm->keep_logs && vm->destroy_w == NULL) {
+        remove_runtime_files(vm);
+    } else {
+        rm_rf(vm->dir);
+    }
+    vm_unlink(vm);
+    sp_err_t cancel;
+    sp_err_set(&cancel, SP_ERUNTIME, "boot cancelled: the sandbox was deleted");
+    complete_all(d, &vm->boot_w, vm->boot_failed ? &vm->boot_err : &cancel);
+    sp_err_set(&cancel, SP_ERUNTIME, "suspend failed: the VM went away");
+    complete_all(d, &vm->snap_w, &cancel);
+    complete_all(d, &vm->destroy_w, NULL);
+    vm_free(vm);
+}
+
+/* ---------- QMP ---------- */
+
+static void boot_fail(struct vm *vm, const char *fmt, const char *detail)
+{
+    vm->boot_failed = true;
+    sp_err_set(&vm->boot_err, SP_ERUNTIME, fmt, detail);
+    vm->keep_logs = true;
+    vm_stop(vm, false);
+}
+
+static void agent_start(struct vm *vm);
+
+static void on_status(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "query-status failed sandbox=%s err=%s", vm->id, err->msg);
+        return;
+    }
+    const char *st = json_string_value(json_object_get(ret, "status"));
+    vm->paused = st != NULL && strcmp(st, "running") != 0;
+    char p[PATH_MAX + 16];
+    vm_path(vm, "paused", p, sizeof p);
+    if (vm->ph == PH_UP) {
+        if (vm->paused)
+            write_atomic(p, "", 0);
+        else
+            unlink(p);
+    }
+    if (vm->adopted)
+        sp_log(SP_LOG_INFO, "qemu", "re-adopted vm sandbox=%s pid=%d status=%s", vm->id,
+               (int)vm->pid, st ? st : "?");
+}
+
+static void on_qmp_ready(sp_qmp_t *q, void *arg)
+{
+    struct vm *vm = arg;
+    sp_err_t e;
+    if (vm->ph == PH_START && vm->restoring) {
+        restore_begin(vm);
+        return;
+    }
+    sp_qmp_command(q, "query-status", NULL, -1, on_status, vm, &e);
+    if (vm->ph == PH_START) {
+        vm->ph = PH_AGENT;
+        agent_start(vm);
+    }
+}
+
+static void on_qmp_event(sp_qmp_t *q, const char *ev, json_t *data, void *arg)
+{
+    struct vm *vm = arg;
+    if (strcmp(ev, "STOP") == 0)
+        vm->paused = true;
+    else if (strcmp(ev, "RESUME") == 0)
+        vm->paused = false;
+    else if (strcmp(ev, "SHUTDOWN") == 0)
+        sp_log(SP_LOG_DEBUG, "qemu", "qemu shutting down sandbox=%s", vm->id);
+}
+
+static void on_qmp_closed(sp_qmp_t *q, const sp_err_t *err, void *arg)
+{
+    struct vm *vm = arg;
+    sp_qmp_destroy(vm->qmp);
+    vm->qmp = NULL;
+    if (vm->ph == PH_STOPPING || vm->exited)
+        return;
+    /* QEMU alive but QMP gone (it allows one client): try again shortly. */
+    vm->qmp_tries = 0;
+    sp_timer_start(&vm->qmp_timer, 200);
+}
+
+static const sp_qmp_cbs_t qmp_cbs = {on_qmp_ready, on_qmp_event, on_qmp_closed};
+
+static void qmp_try_connect(struct vm *vm)
+{
+    char p[PATH_MAX + 16];
+    vm_path(vm, "qmp.sock", p, sizeof p);
+    sp_err_t e;
+    vm->qmp = sp_qmp_connect(vm->d->base.loop, p, &qmp_cbs, vm, &e);
+    if (vm->qmp != NULL)
+        return;
+    vm->qmp_tries++;
+    /* Booting: QEMU creates the socket within ~100 ms; the boot timer bounds us.
+     * Adopted: back off to 1 s and give up after a minute (the VM stays usable via its agent). */
+    if (vm->ph == PH_START) {
+        sp_timer_start(&vm->qmp_timer, 20);
+    } else if (vm->qmp_tries < 120) {
+        sp_timer_start(&vm->qmp_timer, vm->qmp_tries < 10 ? 100 : 1000);
+    } else {
+        sp_log(SP_LOG_WARN, "qemu", "qmp unreachable sandbox=%s err=%s", vm->id, e.msg);
+    }
+}
+
+static void on_qmp_timer(sp_timer_t *t, void *arg)
+{
+    struct vm *vm = arg;
+    if (vm->qmp == NULL && vm->ph != PH_STOPPING && !vm->exited)
+        qmp_try_connect(vm);
+}
+
+/* ---------- agent, identity ---------- */
+
+static void boot_done(struct vm *vm)
+{
+    vm->ph = PH_UP;
+    sp_timer_stop(&vm->boot_timer);
+    sp_log(SP_LOG_INFO, "qemu", "vm up sandbox=%s pid=%d accel=%s boot_ms=%llu", vm->id,
+           (int)vm->pid, vm->d->accel == 1 ? "kvm" : "tcg",
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+    free(vm->tp);
+    vm->tp = NULL;
+    if (vm->restoring) {
+        /* From here on the disk moves on: the snapshot must never be restored again. */
+        char p[PATH_MAX + 32];
+        vm_path(vm, "snapshot/manifest.json", p, sizeof p);
+        unlink(p);
+        vm_path(vm, "snapshot", p, sizeof p);
+        rm_rf(p);
+        vm->restoring = false;
+        vm->snap_step = SN_NONE;
+    }
+    complete_all(vm->d, &vm->boot_w, NULL);
+}
+
+static void on_ident_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags,
+                           const uint8_t *payload, size_t len, void *arg)
+{
+    struct vm *vm = arg;
+    if (!(flags & SP_AP_F_END))
+        return;
+    vm->ident = NULL; /* freed by agentconn after this returns */
+    if (vm->ph != PH_IDENTITY)
+        return;
+    if (type == SP_AP_T_OK) {
+        boot_done(vm);
+    } else {
+        sp_log(SP_LOG_WARN, "qemu", "guest rejected identity sandbox=%s type=%u", vm->id,
+               (unsigned)type);
+        boot_fail(vm, "guest did not come up: %s", "the agent rejected its identity");
+    }
+}
+
+static void on_ident_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+{
+    struct vm *vm = arg;
+    vm->ident = NULL;
+    if (vm->ph == PH_IDENTITY)
+        vm->ph = PH_AGENT; /* the channel dropped: send it again when it is back up */
+}
+
+static const sp_agentstream_cbs_t ident_cbs = {on_ident_frame, on_ident_error, NULL};
+
+/* IDENTITY: hostname, sandbox id, default env, fresh RNG seed, wall clock. */
+static void send_identity(struct vm *vm)
+{
+    size_t cap = 256 * 1024;
+    uint8_t *buf = malloc(cap);
+    if (buf == NULL) {
+        boot_fail(vm, "%s", "out of memory");
+        return;
+    }
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, cap);
+    sp_ap_put_str(&w, SP_AP_K_HOSTNAME, vm->hostname);
+    sp_ap_put_str(&w, SP_AP_K_SANDBOX_ID, vm->id);
+    if (vm->env_json != NULL) {
+        json_t *env = json_loads(vm->env_json, 0, NULL);
+        const char *k;
+        json_t *v;
+        json_object_foreach(env, k, v)
+        {
+            if (!json_is_string(v))
+                continue;
+            char *kv = NULL;
+            if (asprintf(&kv, "%s=%s", k, json_string_value(v)) >= 0) {
+                sp_ap_put_str(&w, SP_AP_K_ENV, kv);
+                free(kv);
+            }
+        }
+        json_decref(env);
+    }
+    uint8_t seed[32];
+    if (getrandom(seed, sizeof seed, 0) == (ssize_t)sizeof seed)
+        sp_ap_put_bytes(&w, SP_AP_K_SEED, seed, sizeof seed);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    sp_ap_put_u64(&w, SP_AP_K_TIME_NS, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
+    if (w.overflow) {
+        free(buf);
+        boot_fail(vm, "%s", "sandbox environment is too large");
+        return;
+    }
+    sp_err_t e;
+    vm->ph = PH_IDENTITY;
+    vm->ident = sp_agentconn_open(vm->agent, SP_AP_T_IDENTITY, buf, w.len, &ident_cbs, vm, &e);
+    free(buf);
+    if (vm->ident == NULL) {
+        vm->ph = PH_AGENT; /* channel went down in between: retried on the next up */
+        sp_log(SP_LOG_DEBUG, "qemu", "identity not sent sandbox=%s err=%s", vm->id, e.msg);
+    }
+}
+
+static void on_agent_state(void *arg, bool up)
+{
+    struct vm *vm = arg;
+    if (vm->agent == NULL)
+        return; /* being destroyed */
+    sp_log(SP_LOG_DEBUG, "qemu", "agent channel sandbox=%s up=%d", vm->id, (int)up);
+    if (up && vm->ph == PH_AGENT)
+        send_identity(vm);
+}
+
+static void agent_start(struct vm *vm)
+{
+    if (vm->agent != NULL)
+        return;
+    char p[PATH_MAX + 16];
+    vm_path(vm, "agent.sock", p, sizeof p);
+    vm->agent = sp_agentconn_create(vm->d->base.loop, p, on_agent_state, vm);
+    if (vm->agent == NULL && vm->ph < PH_UP)
+        boot_fail(vm, "%s", "cannot create the agent channel");
+}
+
+static void on_boot_timeout(sp_timer_t *t, void *arg)
+{
+    struct vm *vm = arg;
+    char tail[1024];
+    console_tail(vm, tail, sizeof tail);
+    sp_log(SP_LOG_WARN, "qemu",
+           "guest did not come up sandbox=%s timeout_ms=%u phase=%d console=%s (console.log "
+           "kept in the VM directory)",
+           vm->id, vm->d->boot_timeout_ms, (int)vm->ph, tail);
+    vm->boot_failed = true;
+    sp_err_set(&vm->boot_err, SP_ERUNTIME, "guest did not come up within %u ms",
+               vm->d->boot_timeout_ms);
+    vm->keep_logs = true;
+    vm_stop(vm, false);
+}
+
+/* ---------- starting QEMU ---------- */
+
+static int write_vm_json(struct vm *vm)
+{
+    json_t *o =
+        json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:s, s:s}", "template", vm->template_name,
+                  "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "disk_bytes",
+                  (json_int_t)vm->disk_total, "accel", vm->d->accel == 1 ? "kvm" : "tcg", "base",
+                  vm->tp->rootfs, "kernel", vm->tp->kernel, "initramfs", vm->tp->initramfs);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (s == NULL)
+        return -1;
+    char p[PATH_MAX + 16];
+    vm_path(vm, "vm.json", p, sizeof p);
+    int rc = write_atomic(p, s, strlen(s));
+    free(s);
+    return rc;
+}
+
+static void read_vm_json(struct vm *vm)
+{
+    char p[PATH_MAX + 16];
+    vm_path(vm, "vm.json", p, sizeof p);
+    json_t *o = json_load_file(p, 0, NULL);
+    vm->cpu_count = (int)json_integer_value(json_object_get(o, "cpu_count"));
+    vm->memory_mb = (int)json_integer_value(json_object_get(o, "memory_mb"));
+    vm->disk_total = (uint64_t)json_integer_value(json_object_get(o, "disk_bytes"));
+    json_decref(o);
+}
+
+static void on_vm_started(struct vm *vm);
+
+static void start_qemu(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    char disk[PATH_MAX + 16], agent[PATH_MAX + 16], qmp[PATH_MAX + 16], con[PATH_MAX + 16],
+        log[PATH_MAX + 16], pidf[PATH_MAX + 16];
+    vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    vm_path(vm, "agent.sock", agent, sizeof agent);
+    vm_path(vm, "qmp.sock", qmp, sizeof qmp);
+    vm_path(vm, "console.log", con, sizeof con);
+    vm_path(vm, "qemu.log", log, sizeof log);
+    vm_path(vm, "qemu.pid", pidf, sizeof pidf);
+    unlink(agent);
+    unlink(qmp);
+
+    sp_bootargs_qemu_t q = {
+        .qemu = d->qemu,
+        .kernel = vm->tp->kernel,
+        .initramfs = vm->tp->initramfs,
+        .disk = disk,
+        .agent_sock = agent,
+        .qmp_sock = qmp,
+        .console_log = con,
+        .cpu_count = vm->cpu_count,
+        .memory_mb = vm->memory_mb,
+        .kvm = d->accel == 1,
+    };
+    char **base = sp_bootargs_qemu_argv(&q);
+    if (base == NULL) {
+        boot_fail(vm, "%s", "cannot build the QEMU command line");
+        return;
+    }
+    /* Copy, with the serial console moved to an append-mode file chardev (so console.log
+     * can be trimmed under QEMU) and the seccomp sandbox added where QEMU has it. */
+    char conarg[PATH_MAX + 64];
+    sfmt(conarg, sizeof conarg, "file,id=con0,path=%s,append=on", con);
+    char *argv[96];
+    int n = 0;
+    for (int i = 0; base[i] != NULL && n < 88; i++) {
+        if (strcmp(base[i], "-serial") == 0 && base[i + 1] != NULL) {
+            argv[n++] = "-chardev";
+            argv[n++] = conarg;
+            argv[n++] = "-serial";
+            argv[n++] = "chardev:con0";
+            i++;
+            continue;
+        }
+        argv[n++] = base[i];
+    }
+    /* Guest RAM in a shared file: suspend then writes device state only (x-ignore-shared). */
+    char memobj[PATH_MAX + 128];
+    sfmt(memobj, sizeof memobj, "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=on",
+         vm->memory_mb, vm->dir);
+    argv[n++] = "-object";
+    argv[n++] = memobj;
+    argv[n++] = "-machine";
+    argv[n++] = "memory-backend=mem";
+    if (vm->restoring) {
+        argv[n++] = "-incoming";
+        argv[n++] = "defer";
+    }
+    if (d->sandbox == 1) {
+        argv[n++] = "-sandbox";
+        argv[n++] = SP_QEMU_SANDBOX_ARG;
+    }
+    argv[n] = NULL;
+
+    char cmd[8192];
+    size_t off = 0;
+    for (int i = 0; i < n && off < sizeof cmd - 1; i++)
+        off += (size_t)sfmt(cmd + off, sizeof cmd - off, "%s%s", i ? " " : "", argv[i]);
+    sp_log(SP_LOG_DEBUG, "qemu", "starting sandbox=%s argv=%s", vm->id, cmd);
+
+    int cgfd = cg_create(vm);
+    struct spawn_opts so = {
+        .out_path = log, .stdin_fd = -1, .cg_procs_fd = cgfd, .new_session = true};
+    sp_err_t e;
+    vm->pid = spawn(argv, &so, &vm->pidfd, &e);
+    free(base);
+    if (cgfd >= 0)
+        close(cgfd);
+    if (vm->pid < 0) {
+        vm->pid = 0;
+        boot_fail(vm, "%s", e.msg);
+        return;
+    }
+    char pidbuf[32];
+    int pl = sfmt(pidbuf, sizeof pidbuf, "%d\n", (int)vm->pid);
+    if (write_atomic(pidf, pidbuf, (size_t)pl) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot write pidfile sandbox=%s err=%s", vm->id,
+               strerror(errno));
+    on_vm_started(vm);
+}
+
+/* Common to a fresh start and re-adoption: watch the process. */
+static void on_vm_started(struct vm *vm)
+{
+    vm->pw = sp_watch_create(vm->d->base.loop, vm->pidfd, on_vm_exit, vm);
+    if (vm->pw == NULL) {
+        boot_fail(vm, "%s", "cannot watch the VM process");
+        return;
+    }
+    sp_watch_set(vm->pw, SP_IO_READ);
+    if (vm->ph == PH_DISK) {
+        vm->ph = PH_START;
+        qmp_try_connect(vm);
+    }
+}
+
+static void on_img_exit(struct child *c, int st, bool timed_out, void *arg)
+{
+    struct vm *vm = arg;
+    child_free(c);
+    vm->img = NULL;
+    if (vm->ph == PH_STOPPING) {
+        vm_finish(vm);
+        return;
+    }
+    if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "qemu-img create failed sandbox=%s status=%d (see qemu.log)",
+               vm->id, st);
+        boot_fail(vm, "%s", "cannot create the sandbox disk");
+        return;
+    }
+    start_qemu(vm);
+}
+
+static void start_disk(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    vm->ph = PH_DISK;
+    if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
+        boot_fail(vm, "%s", "cannot create the VM directory");
+        return;
+    }
+    rm_rf(vm->dir); /* leftovers of a failed boot; boot() checked there is no snapshot */
+    if (mkdir(vm->dir, 0700) < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", vm->dir, strerror(errno));
+        boot_fail(vm, "%s", "cannot create the VM directory");
+        return;
+    }
+    if (write_vm_json(vm) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot write vm.json sandbox=%s", vm->id);
+    char disk[PATH_MAX + 16], log[PATH_MAX + 16];
+    vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    vm_path(vm, "qemu.log", log, sizeof log);
+    char *argv[] = {d->qemu_img, "create", "-q",           "-f", "qcow2", "-F",
+                    "qcow2",     "-b",     vm->tp->rootfs, disk, NULL};
+    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg_procs_fd = -1};
+    sp_err_t e;
+    vm->img = child_start(d, argv, &so, 30000, on_img_exit, vm, &e);
+    if (vm->img == NULL)
+        boot_fail(vm, "%s", e.msg);
+}
+
+/* ---------- accelerator and sandbox probes ---------- */
+
+static void kick(sp_qemu_t *d)
+{
+    if (!sp_timer_armed(&d->kick_timer))
+        sp_timer_start(&d->kick_timer, 0);
+}
+
+/* This host boot's id: a probe verdict is reused only within one host boot (KVM modules
+ * and hardware settings do not change under a running kernel). "" if unknown. */
+static void host_boot_id(char *out, size_t n)
+{
+    if (read_small("/proc/sys/kernel/random/boot_id", out, n) <= 0)
+        out[0] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+}
+
+/* <vms>/accel is "kvm|tcg\n<reason>\n[probe boot_id=<id>]\n". Returns the accelerator a
+ * probe decided earlier in this host boot, or -1. */
+static int cached_probe_verdict(sp_qemu_t *d)
+{
+    char p[PATH_MAX + 16], buf[1024], bid[64], want[128];
+    sfmt(p, sizeof p, "%s/accel", d->vms_dir);
+    host_boot_id(bid, sizeof bid);
+    if (bid[0] == '\0' || read_small(p, buf, sizeof buf) <= 0)
+        return -1;
+    sfmt(want, sizeof want, "\nprobe boot_id=%s\n", bid);
+    if (strstr(buf, want) == NULL)
+        return -1;
+    if (strncmp(buf, "kvm\n", 4) == 0)
+        return 1;
+    if (strncmp(buf, "tcg\n", 4) == 0)
+        return 0;
+    return -1;
+}
+
+static void record_accel_ex(sp_qemu_t *d, const char *why, bool probed)
+{
+    char p[PATH_MAX + 16], buf[768], bid[64] = "";
+    sfmt(p, sizeof p, "%s/accel", d->vms_dir);
+    if (probed)
+        host_boot_id(bid, sizeof bid);
+    int n = sfmt(buf, sizeof buf, "%s\n%s\n%s%s%s", d->accel == 1 ? "kvm" : "tcg", why,
+                 bid[0] ? "probe boot_id=" : "", bid, bid[0] ? "\n" : "");
+    if (mkdir(d->vms_dir, 0755) == 0 || errno == EEXIST)
+        write_atomic(p, buf, (size_t)n);
+    sp_log(SP_LOG_INFO, "qemu", "accelerator=%s reason=\"%s\"", d->accel == 1 ? "kvm" : "tcg", why);
+}
+
+static void record_accel(sp_qemu_t *d, const char *why)
+{
+    record_accel_ex(d, why, false);
+}
+
+static void on_kvm_probe(struct child *c, int st, bool timed_out, void *arg)
+{
+    sp_qemu_t *d = arg;
+    child_free(c);
+    d->kvm_probe = NULL;
+    char why[256];
+    if (!timed_out && st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+        d->accel = 1;
+        sfmt(why, sizeof why, "a probe guest booted under /dev/kvm");
+    } else {
+        d->accel = 0;
+        if (timed_out)
+            sfmt(why, sizeof why,
+                 "/dev/kvm opens but a probe guest did not boot within %u ms (software "
+                 "KVM such as PVM, or broken); falling back to TCG",
+                 d->probe_ms);
+        else
+            sfmt(why, sizeof why,
+                 "a probe guest under /dev/kvm failed (status %d, see vms/kvm-probe.log); "
+                 "falling back to TCG",
+                 st);
+    }
+    record_accel_ex(d, why, true);
+    kick(d);
+}
+
+/* Boots the guest kernel under KVM with no init to find: a kernel that works panics at
+ * the root mount, and panic=-1 + -no-reboot make QEMU exit 0. A hang means no KVM. */
+static void start_kvm_probe(sp_qemu_t *d, const char *kernel)
+{
+    char log[PATH_MAX + 32], serial[PATH_MAX + 40];
+    sfmt(log, sizeof log, "%s/kvm-probe.log", d->vms_dir);
+    sfmt(serial, sizeof serial, "file:%s", log);
+    unlink(log);
+    char *argv[] = {d->qemu,
+                    "-M",
+                    "microvm,x-option-roms=off,pit=off,pic=off,rtc=off,isa-serial=on",
+                    "-enable-kvm",
+                    "-cpu",
+                    "host,-arch-capabilities",
+                    "-m",
+                    "128",
+                    "-smp",
+                    "1",
+                    "-kernel",
+                    (char *)kernel,
+                    "-append",
+                    "console=ttyS0 reboot=t panic=-1 rdinit=/space-kvm-probe "
+                    "root=/dev/space-kvm-probe",
+                    "-nodefaults",
+                    "-no-user-config",
+                    "-nographic",
+                    "-no-reboot",
+                    "-serial",
+                    serial,
+                    NULL};
+    struct spawn_opts so = {
+        .out_path = NULL, .stdin_fd = -1, .cg_procs_fd = -1, .new_session = true};
+    sp_err_t e;
+    sp_log(SP_LOG_INFO, "qemu", "probing KVM timeout_ms=%u", d->probe_ms);
+    d->kvm_probe = child_start(d, argv, &so, d->probe_ms, on_kvm_probe, d, &e);
+    if (d->kvm_probe == NULL) {
+        d->accel = 0;
+        record_accel(d, "cannot start the KVM probe; using TCG");
+        kick(d);
+    }
+}
+
+static void on_sandbox_probe(struct child *c, int st, bool timed_out, void *arg)
+{
+    sp_qemu_t *d = arg;
+    child_free(c);
+    d->sandbox_probe = NULL;
+    d->sandbox = !timed_out && st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    if (d->sandbox)
+        sp_log(SP_LOG_INFO, "qemu", "qemu seccomp sandbox available: -sandbox %s",
+               SP_QEMU_SANDBOX_ARG);
+    else
+        sp_log(SP_LOG_WARN, "qemu", "qemu has no usable -sandbox: VMs run without seccomp");
+    kick(d);
+}
+
+/* Starts QEMU with no machine and the sandbox flags, feeding QMP on stdin a quit. */
+static void start_sandbox_probe(sp_qemu_t *d)
+{
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+        d->sandbox = 0;
+        return;
+    }
+    static const char script[] = "{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"quit\"}\n";
+    ssize_t w = write(p[1], script, sizeof script - 1); /* fits the pipe buffer */
+    close(p[1]);
+    if (w != (ssize_t)sizeof script - 1) {
+        close(p[0]);
+        d->sandbox = 0;
+        return;
+    }
+    char *argv[] = {d->qemu,
+                    "-M",
+                    "none",
+                    "-display",
+                    "none",
+                    "-nodefaults",
+                    "-no-user-config",
+                    "-sandbox",
+                    SP_QEMU_SANDBOX_ARG,
+                    "-qmp",
+                    "stdio",
+                    NULL};
+    struct spawn_opts so = {.out_path = NULL, .stdin_fd = p[0], .cg_procs_fd = -1};
+    sp_err_t e;
+    d->sandbox_probe = child_start(d, argv, &so, SP_QEMU_SANDBOX_PROBE, on_sandbox_probe, d, &e);
+    close(p[0]);
+    if (d->sandbox_probe == NULL)
+        d->sandbox = 0;
+}
+
+/* Moves boots along once the verdicts are in; starts the KVM probe on the first boot
+ * (it needs a guest kernel, which only a boot names). */
+static void on_kick(sp_timer_t *t, void *arg)
+{
+    sp_qemu_t *d = arg;
+    for (struct vm *vm = d->vms; vm != NULL;) {
+        struct vm *next = vm->next; /* start_disk may fail and free vm */
+        if (vm->ph == PH_WAIT_ACCEL) {
+            if (d->accel < 0 && d->kvm_probe == NULL)
+                start_kvm_probe(d, vm->tp->kernel);
+            else if (d->accel >= 0 && d->sandbox >= 0 && vm->restoring) {
+                vm->ph = PH_DISK; /* the overlay is already there */
+                start_qemu(vm);
+            } else if (d->accel >= 0 && d->sandbox >= 0)
+                start_disk(vm);
+        }
+        vm = next;
+    }
+}
+
+static void on_console_tick(sp_timer_t *t, void *arg)
+{
+    sp_qemu_t *d = arg;
+    for (struct vm *vm = d->vms; vm != NULL; vm = vm->next)
+        if (vm->ph >= PH_START && vm->ph < PH_STOPPING)
+            console_trim(vm);
+    sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
+}
+
+/* ---------- re-adoption ---------- */
+
+/* Takes over a live QEMU found on disk: watch it, reconnect QMP and the agent channel.
+ * NULL when pid is not watchable (gone in between). */
+static struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
+{
+    int pfd = pidfd_open_(pid);
+    if (pfd < 0)
+        return NULL;
+    fcntl(pfd, F_SETFD, FD_CLOEXEC);
+    struct vm *vm = vm_new(d, id);
+    if (vm == NULL) {
+        close(pfd);
+        return NULL;
+    }
+    vm->pid = pid;
+    vm->pidfd = pfd;
+    vm->adopted = true;
+    vm->ph = PH_UP;
+    read_vm_json(vm);
+    char p[PATH_MAX + 16];
+    vm_path(vm, "paused", p, sizeof p);
+    vm->paused = file_exists(p);
+    char cg[PATH_MAX];
+    cg_path(id, cg, sizeof cg);
+    if (file_exists(cg))
+        sfmt(vm->cg, sizeof vm->cg, "%s", cg);
+    vm->pw = sp_watch_create(d->base.loop, vm->pidfd, on_vm_exit, vm);
+    if (vm->pw == NULL) {
+        vm_unlink(vm);
+        vm_free(vm);
+        return NULL;
+    }
+    sp_watch_set(vm->pw, SP_IO_READ);
+    vm_adopt_connect(vm);
+    return vm;
+}
+
+static void vm_adopt_connect(struct vm *vm)
+{
+    qmp_try_connect(vm);
+    agent_start(vm);
+}
+
+static void adopt_all(sp_qemu_t *d)
+{
+    DIR *dir = opendir(d->vms_dir);
+    if (dir == NULL)
+        return;
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(dir)) != NULL) {
+        if (!valid_id(de->d_name) || vm_find(d, de->d_name) != NULL)
+            continue;
+        char vdir[PATH_MAX];
+        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, de->d_name);
+        pid_t pid = live_qemu_pid(vdir);
+        if (pid > 0 && vm_adopt(d, de->d_name, pid) != NULL)
+            n++;
+    }
+    closedir(dir);
+    if (n > 0)
+        sp_log(SP_LOG_INFO, "qemu", "re-adopting running vms count=%d", n);
+}
+
+/* ---------- driver ops ---------- */
+
+static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                  sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (spec == NULL || !valid_id(spec->sandbox_id))
+        return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
+    struct vm *vm = vm_find(d, spec->sandbox_id);
+    if (vm == NULL) {
+        char vdir[PATH_MAX];
+        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+        pid_t pid = live_qemu_pid(vdir);
+        if (pid > 0)
+            vm = vm_adopt(d, spec->sandbox_id, pid);
+        else if (snapshot_committed(vdir))
+            return sp_err_set(err, SP_ECONFLICT, "sandbox has a snapshot: restore it instead");
+    }
+    if (vm != NULL) {
+        if (vm->ph == PH_STOPPING)
+            return sp_err_set(err, SP_ECONFLICT, "sandbox is being deleted");
+        if (vm->ph == PH_UP) {
+            if (complete(d, cb, arg, NULL) < 0)
+                return sp_err_set(err, SP_EINTERNAL, "out of memory");
+            return 0;
+        }
+        return add_waiter(&vm->boot_w, cb, arg, err); /* joins the boot in progress */
+    }
+    if (spec->env_json != NULL) {
+        json_t *env = json_loads(spec->env_json, 0, NULL);
+        bool ok = json_is_object(env);
+        json_decref(env);
+        if (!ok)
+            return sp_err_set(err, SP_EINVAL, "env is not a JSON object");
+    }
+    const char *tname = spec->template_name != NULL ? spec->template_name : "base";
+    sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
+    if (tp == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    sp_err_t te;
+    if (sp_tmplbuild_current(d->data_dir, tname, tp, &te) < 0) {
+        free(tp);
+        sp_log(SP_LOG_WARN, "qemu", "template not usable template=%s err=%s", tname, te.msg);
+        return sp_err_set(err, SP_ERUNTIME, "template %s is not built on this host", tname);
+    }
+    vm = vm_new(d, spec->sandbox_id);
+    if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
+        free(tp);
+        if (vm != NULL) {
+            vm_unlink(vm);
+            vm_free(vm);
+        }
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    vm->tp = tp;
+    sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
+    vm->cpu_count = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
+    vm->memory_mb =
+        spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
+    vm->disk_total = (uint64_t)(tp->disk_mb > 0 ? tp->disk_mb : 0) << 20;
+    vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+    vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+    vm->ph = PH_WAIT_ACCEL;
+    vm->boot_start_ms = mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    kick(d);
+    return 0;
+}
+
+static struct vm *running_vm(sp_qemu_t *d, const char *id, sp_err_t *err)
+{
+    struct vm *vm = id != NULL && valid_id(id) ? vm_find(d, id) : NULL;
+    if (vm == NULL) {
+        sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
+        return NULL;
+    }
+    if (vm->ph == PH_STOPPING) {
+        sp_err_set(err, SP_ECONFLICT, "sandbox is being deleted");
+        return NULL;
+    }
+    if (vm->ph == PH_SUSPENDING) {
+        sp_err_set(err, SP_ECONFLICT, "sandbox is being suspended");
+        return NULL;
+    }
+    if (vm->ph != PH_UP) {
+        sp_err_set(err, SP_ECONFLICT, "sandbox is still booting");
+        return NULL;
+    }
+    if (vm->qmp == NULL || sp_qmp_closed(vm->qmp)) {
+        sp_err_set(err, SP_EUNAVAIL, "VM control channel is not connected");
+        return NULL;
+    }
+    return vm;
+}
+
+struct pr_op {
+    struct vm *vm; /* valid while the QMP client lives: it dies with the VM */
+    sp_qemu_t *d;
+    bool pause;
+    sp_driver_cb cb;
+    void *arg;
+};
+
+static void on_pause_resume(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct pr_op *op = arg;
+    if (err == NULL) {
+        struct vm *vm = op->vm;
+        char p[PATH_MAX + 16];
+        vm_path(vm, "paused", p, sizeof p);
+        vm->paused = op->pause;
+        if (op->pause)
+            write_atomic(p, "", 0);
+        else
+            unlink(p);
+    } else {
+        sp_log(SP_LOG_WARN, "qemu", "%s failed sandbox=%s err=%s", op->pause ? "stop" : "cont",
+               op->vm->id, err->msg);
+    }
+    sp_err_t e;
+    if (err != NULL)
+        sp_err_set(&e, err->code == SP_EUNAVAIL ? SP_EUNAVAIL : SP_ERUNTIME, "%s failed: %s",
+                   op->pause ? "pause" : "resume", err->msg);
+    complete(op->d, op->cb, op->arg, err != NULL ? &e : NULL);
+    free(op);
+}
+
+static int pause_resume(sp_driver_t *base, const char *id, bool pause, sp_driver_cb cb, void *arg,
+                        sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = running_vm(d, id, err);
+    if (vm == NULL)
+        return -1;
+    struct pr_op *op = calloc(1, sizeof(*op));
+    if (op == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    *op = (struct pr_op){vm, d, pause, cb, arg};
+    if (sp_qmp_command(vm->qmp, pause ? "stop" : "cont", NULL, -1, on_pause_resume, op, err) < 0) {
+        free(op);
+        return -1;
+    }
+    return 0;
+}
+
+static int q_pause(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    return pause_resume(d, id, true, cb, arg, err);
+}
+
+static int q_resume(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    return pause_resume(d, id, false, cb, arg, err);
+}
+
+/* ---------- suspend (snapshot) ---------- */
+
+static void snap_path(const struct vm *vm, const char *name, char *out, size_t n)
+{
+    sfmt(out, n, "%s/snapshot/%s", vm->dir, name);
+}
+
+static void snap_send(struct vm *vm, const char *cmd, json_t *args, int fd);
+
+static void snap_fail(struct vm *vm, const char *what, const char *detail)
+{
+    sp_log(SP_LOG_WARN, "qemu", "suspend failed sandbox=%s step=%d what=%s err=%s", vm->id,
+           vm->snap_step, what, detail ? detail : "");
+    if (vm->snap_fd >= 0) {
+        close(vm->snap_fd);
+        vm->snap_fd = -1;
+    }
+    char p[PATH_MAX + 32];
+    snap_path(vm, "devstate.tmp", p, sizeof p);
+    unlink(p);
+    sp_timer_stop(&vm->snap_timer);
+    vm->snap_step = SN_NONE;
+    sp_err_t e;
+    sp_err_set(&e, SP_ERUNTIME, "suspend failed: %s", what);
+    complete_all(vm->d, &vm->snap_w, &e);
+    if (vm->ph == PH_SUSPENDING) {
+        vm->ph = PH_UP; /* the VM is intact; give it back as it was */
+        if (!vm->snap_was_paused && vm->qmp != NULL && !sp_qmp_closed(vm->qmp))
+            sp_qmp_command(vm->qmp, "cont", NULL, -1, NULL, NULL, &e);
+    }
+}
+
+static int fsync_path(const char *p, int flags)
+{
+    int fd = open(p, flags | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* Device state and RAM are durable: write the manifest and commit it by rename. */
+static void snap_commit(struct vm *vm)
+{
+    char tmp[PATH_MAX + 32], dev[PATH_MAX + 32], man[PATH_MAX + 32], dir[PATH_MAX + 32],
+        ram[PATH_MAX + 16];
+    snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
+    snap_path(vm, "devstate", dev, sizeof dev);
+    snap_path(vm, "manifest.json", man, sizeof man);
+    vm_path(vm, "snapshot", dir, sizeof dir);
+    vm_path(vm, "mem.ram", ram, sizeof ram);
+    struct stat sd, sr;
+    if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || stat(ram, &sr) < 0) {
+        snap_fail(vm, "cannot commit the snapshot", strerror(errno));
+        return;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    json_t *o = json_pack("{s:i, s:i, s:i, s:s, s:s, s:I, s:s, s:I, s:s, s:I}", "version", 1,
+                          "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "accel",
+                          vm->d->accel == 1 ? "kvm" : "tcg", "ram", "mem.ram", "ram_bytes",
+                          (json_int_t)sr.st_size, "devstate", "snapshot/devstate", "devstate_bytes",
+                          (json_int_t)sd.st_size, "disk", "disk.qcow2", "created_at",
+                          (json_int_t)ts.tv_sec);
+    char *js = o != NULL ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    char mtmp[PATH_MAX + 40];
+    sfmt(mtmp, sizeof mtmp, "%s.tmp", man);
+    int fd = js != NULL ? open(mtmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
+    bool ok = fd >= 0 && write(fd, js, strlen(js)) == (ssize_t)strlen(js) && fsync(fd) == 0;
+    if (fd >= 0)
+        close(fd);
+    free(js);
+    if (!ok || rename(mtmp, man) < 0) {
+        unlink(mtmp);
+        snap_fail(vm, "cannot write the snapshot manifest", strerror(errno));
+        return;
+    }
+    fsync_path(dir, O_RDONLY | O_DIRECTORY); /* the rename itself is durable */
+    sp_log(SP_LOG_INFO, "qemu", "snapshot committed sandbox=%s devstate_bytes=%lld ms=%llu", vm->id,
+           (long long)sd.st_size, (unsigned long long)(mono_ms() - vm->snap_start_ms));
+    vm->snap_step = SN_QUIT;
+    snap_send(vm, "quit", NULL, -1);
+    sp_timer_start(&vm->kill_timer, SP_QEMU_QUIT_GRACE_MS);
+}
+
+static void on_sync_exit(struct child *c, int st, bool timed_out, void *arg)
+{
+    struct vm *vm = arg;
+    child_free(c);
+    vm->sync = NULL;
+    if (vm->ph != PH_SUSPENDING || vm->snap_step != SN_SYNC)
+        return;
+    if (timed_out || st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        snap_fail(vm, "cannot flush the snapshot to disk", "sync failed");
+        return;
+    }
+    snap_commit(vm);
+}
+
+/* fdatasync of the RAM file (up to memory_mb of dirty pages), device state and overlay,
+ * in a child so the loop does not wait for the disk. */
+static void snap_sync(struct vm *vm)
+{
+    if (vm->snap_fd >= 0) {
+        close(vm->snap_fd);
+        vm->snap_fd = -1;
+    }
+    char ram[PATH_MAX + 16], dev[PATH_MAX + 32], disk[PATH_MAX + 16];
+    vm_path(vm, "mem.ram", ram, sizeof ram);
+    snap_path(vm, "devstate.tmp", dev, sizeof dev);
+    vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    char *argv[] = {"sync", "--data", ram, dev, disk, NULL};
+    struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg_procs_fd = -1};
+    sp_err_t e;
+    vm->snap_step = SN_SYNC;
+    vm->sync = child_start(vm->d, argv, &so, 120000, on_sync_exit, vm, &e);
+    if (vm->sync == NULL)
+        snap_fail(vm, "cannot flush the snapshot to disk", e.msg);
+}
+
+static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (vm->ph != PH_SUSPENDING || vm->snap_step == SN_QUIT)
+        return;
+    if (err != NULL) {
+        snap_fail(vm, "qemu refused a step", err->msg);
+        return;
+    }
+    switch (vm->snap_step) {
+    case SN_STOP: {
+        vm->snap_step = SN_CAPS;
+        json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
+                              "state", 1);
+        snap_send(vm, "migrate-set-capabilities", a, -1);
+        break;
+    }
+    case SN_CAPS: {
+        char dir[PATH_MAX + 16], tmp[PATH_MAX + 32];
+        vm_path(vm, "snapshot", dir, sizeof dir);
+        snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
+        if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
+            snap_fail(vm, "cannot create the snapshot directory", strerror(errno));
+            return;
+        }
+        vm->snap_fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (vm->snap_fd < 0) {
+            snap_fail(vm, "cannot create the device state file", strerror(errno));
+            return;
+        }
+        vm->snap_step = SN_GETFD;
+        snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), vm->snap_fd);
+        break;
+    }
+    case SN_GETFD:
+        vm->snap_step = SN_MIGRATE;
+        snap_send(vm, "migrate", json_pack("{s:s}", "uri", "fd:spmig"), -1);
+        break;
+    case SN_MIGRATE:
+        vm->snap_step = SN_POLL;
+        sp_timer_start(&vm->snap_timer, 1);
+        break;
+    case SN_POLL: {
+        const char *st = json_string_value(json_object_get(ret, "status"));
+        if (st != NULL && strcmp(st, "completed") == 0) {
+            snap_sync(vm);
+        } else if (st != NULL && (strcmp(st, "failed") == 0 || strcmp(st, "cancelled") == 0)) {
+            const char *desc = json_string_value(json_object_get(ret, "error-desc"));
+            snap_fail(vm, "migration failed", desc);
+        } else {
+            sp_timer_start(&vm->snap_timer, 5);
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static void snap_send(struct vm *vm, const char *cmd, json_t *args, int fd)
+{
+    sp_err_t e;
+    if (vm->qmp == NULL) {
+        json_decref(args);
+        snap_fail(vm, "VM control channel is not connected", NULL);
+        return;
+    }
+    if (sp_qmp_command(vm->qmp, cmd, args, fd, on_snap_reply, vm, &e) < 0 &&
+        vm->snap_step != SN_QUIT)
+        snap_fail(vm, "VM control channel failed", e.msg);
+}
+
+/* ---------- restore ---------- */
+
+static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (vm->ph != PH_START || !vm->restoring)
+        return;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "restore step failed sandbox=%s step=%d err=%s", vm->id,
+               vm->snap_step, err->msg);
+        boot_fail(vm, "restore failed: %s", "qemu refused the snapshot");
+        return;
+    }
+    sp_err_t e;
+    switch (vm->snap_step) {
+    case RS_CAPS: {
+        char dev[PATH_MAX + 32];
+        snap_path(vm, "devstate", dev, sizeof dev);
+        int fd = open(dev, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            boot_fail(vm, "restore failed: %s", "the device state is missing");
+            return;
+        }
+        vm->snap_step = RS_GETFD;
+        int rc = sp_qmp_command(vm->qmp, "getfd", json_pack("{s:s}", "fdname", "spin"), fd,
+                                on_restore_reply, vm, &e);
+        close(fd); /* the client holds its own dup until sent */
+        if (rc < 0)
+            boot_fail(vm, "restore failed: %s", e.msg);
+        return;
+    }
+    case RS_GETFD:
+        vm->snap_step = RS_INCOMING;
+        if (sp_qmp_command(vm->qmp, "migrate-incoming", json_pack("{s:s}", "uri", "fd:spin"), -1,
+                           on_restore_reply, vm, &e) < 0)
+            boot_fail(vm, "restore failed: %s", e.msg);
+        return;
+    case RS_INCOMING:
+        vm->snap_step = RS_POLL;
+        sp_timer_start(&vm->snap_timer, 1);
+        return;
+    case RS_POLL: {
+        const char *st = json_string_value(json_object_get(ret, "status"));
+        if (st == NULL || strcmp(st, "inmigrate") == 0) {
+            sp_timer_start(&vm->snap_timer, 5);
+            return;
+        }
+        if (strcmp(st, "running") != 0) { /* paused after incoming: start the vCPUs */
+            vm->snap_step = RS_CONT;
+            if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_restore_reply, vm, &e) < 0)
+                boot_fail(vm, "restore failed: %s", e.msg);
+            return;
+        }
+        break;
+    }
+    case RS_CONT:
+        break;
+    default:
+        return;
+    }
+    sp_log(SP_LOG_INFO, "qemu", "restored vm state sandbox=%s ms=%llu", vm->id,
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+    vm->paused = false;
+    vm->ph = PH_AGENT;
+    agent_start(vm);
+}
+
+static void restore_begin(struct vm *vm)
+{
+    sp_err_t e;
+    vm->snap_step = RS_CAPS;
+    json_t *a =
+        json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared", "state", 1);
+    if (sp_qmp_command(vm->qmp, "migrate-set-capabilities", a, -1, on_restore_reply, vm, &e) < 0)
+        boot_fail(vm, "restore failed: %s", e.msg);
+}
+
+static void on_snap_timer(sp_timer_t *t, void *arg)
+{
+    struct vm *vm = arg;
+    sp_err_t e;
+    if (vm->qmp == NULL)
+        return;
+    if (vm->ph == PH_SUSPENDING && vm->snap_step == SN_POLL)
+        sp_qmp_command(vm->qmp, "query-migrate", NULL, -1, on_snap_reply, vm, &e);
+    else if (vm->ph == PH_START && vm->snap_step == RS_POLL)
+        sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_restore_reply, vm, &e);
+}
+
+/* QEMU quit after the commit: the VM is released, its snapshot stays. */
+static void suspend_finish(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    vm_disconnect(vm);
+    cg_remove(vm->id);
+    static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
+    char p[PATH_MAX + 16];
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        vm_path(vm, names[i], p, sizeof p);
+        unlink(p);
+    }
+    sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
+           (unsigned long long)(mono_ms() - vm->snap_start_ms));
+    vm_unlink(vm);
+    complete_all(d, &vm->snap_w, NULL);
+    complete_all(d, &vm->boot_w, NULL);
+    vm_free(vm);
+}
+
+static int q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
+    if (vm == NULL) {
+        char vdir[PATH_MAX];
+        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+        if (valid_id(id) && live_qemu_pid(vdir) == 0 && snapshot_committed(vdir)) {
+            if (complete(d, cb, arg, NULL) < 0) /* already suspended */
+                return sp_err_set(err, SP_EINTERNAL, "out of memory");
+            return 0;
+        }
+    }
+    if (vm != NULL && vm->ph == PH_SUSPENDING)
+        return add_waiter(&vm->snap_w, cb, arg, err);
+    vm = running_vm(d, id, err);
+    if (vm == NULL)
+        return -1;
+    if (add_waiter(&vm->snap_w, cb, arg, err) < 0)
+        return -1;
+    vm->ph = PH_SUSPENDING;
+    vm->snap_was_paused = vm->paused;
+    vm->snap_start_ms = mono_ms();
+    char man[PATH_MAX + 32];
+    snap_path(vm, "manifest.json", man, sizeof man);
+    unlink(man); /* an older snapshot is stale once the VM has run */
+    vm->snap_step = SN_STOP;
+    snap_send(vm, "stop", NULL, -1); /* stop on a paused VM is a no-op */
+    return 0;
+}
+
+static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (spec == NULL || !valid_id(spec->sandbox_id))
+        return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
+    struct vm *vm = vm_find(d, spec->sandbox_id);
+    char vdir[PATH_MAX];
+    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    if (vm == NULL) {
+        pid_t pid = live_qemu_pid(vdir);
+        if (pid > 0)
+            vm = vm_adopt(d, spec->sandbox_id, pid);
+    }
+    if (vm != NULL) {
+        if (vm->ph == PH_STOPPING)
+            return sp_err_set(err, SP_ECONFLICT, "sandbox is being deleted");
+        if (vm->ph == PH_SUSPENDING)
+            return sp_err_set(err, SP_ECONFLICT, "sandbox is being suspended");
+        if (vm->ph == PH_UP) {
+            if (complete(d, cb, arg, NULL) < 0)
+                return sp_err_set(err, SP_EINTERNAL, "out of memory");
+            return 0;
+        }
+        return add_waiter(&vm->boot_w, cb, arg, err);
+    }
+    if (!snapshot_committed(vdir))
+        return sp_err_set(err, SP_ECONFLICT, "sandbox has no snapshot to restore");
+    char p[PATH_MAX + 32];
+    sfmt(p, sizeof p, "%s/snapshot/manifest.json", vdir);
+    json_t *man = json_load_file(p, 0, NULL);
+    sfmt(p, sizeof p, "%s/vm.json", vdir);
+    json_t *vj = json_load_file(p, 0, NULL);
+    const char *kernel = json_string_value(json_object_get(vj, "kernel"));
+    const char *initrd = json_string_value(json_object_get(vj, "initramfs"));
+    const char *accel = json_string_value(json_object_get(man, "accel"));
+    int mem = (int)json_integer_value(json_object_get(man, "memory_mb"));
+    int cpus = (int)json_integer_value(json_object_get(man, "cpu_count"));
+    sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
+    int rc = 0;
+    if (tp == NULL) {
+        rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
+    } else if (man == NULL || vj == NULL || kernel == NULL || initrd == NULL || mem <= 0 ||
+               !file_exists(kernel) || !file_exists(initrd) || !snapshot_files_ok(vdir, mem)) {
+        sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (manifest, vm.json or images)",
+               spec->sandbox_id);
+        rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");
+    } else if (accel != NULL && d->accel >= 0 && strcmp(accel, d->accel == 1 ? "kvm" : "tcg")) {
+        rc = sp_err_set(err, SP_ERUNTIME, "snapshot was taken under %s", accel);
+    } else {
+        sfmt(tp->kernel, sizeof tp->kernel, "%s", kernel);
+        sfmt(tp->initramfs, sizeof tp->initramfs, "%s", initrd);
+        const char *tn = json_string_value(json_object_get(vj, "template"));
+        vm = vm_new(d, spec->sandbox_id);
+        if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
+            if (vm != NULL) {
+                vm_unlink(vm);
+                vm_free(vm);
+            } else {
+                free(tp);
+            }
+            tp = NULL;
+            rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
+        } else {
+            vm->tp = tp;
+            tp = NULL;
+            sfmt(vm->template_name, sizeof vm->template_name, "%s", tn ? tn : "");
+            vm->cpu_count = cpus > 0 ? cpus : 1;
+            vm->memory_mb = mem;
+            vm->disk_total = (uint64_t)json_integer_value(json_object_get(vj, "disk_bytes"));
+            vm->hostname =
+                strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+            vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+            vm->restoring = true;
+            vm->ph = PH_WAIT_ACCEL;
+            vm->boot_start_ms = mono_ms();
+            sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+            kick(d);
+        }
+    }
+    free(tp);
+    json_decref(man);
+    json_decref(vj);
+    return rc;
+}
+
+static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (!valid_id(id))
+        return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
+    struct vm *vm = vm_find(d, id);
+    char vdir[PATH_MAX];
+    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+    if (vm == NULL) {
+        pid_t pid = live_qemu_pid(vdir);
+        if (pid > 0)
+            vm = vm_adopt(d, id, pid);
+        if (vm == NULL && pid > 0) { /* could not watch it: kill it the blunt way */
+            kill(-pid, SIGKILL);
+            kill(pid, SIGKILL);
+        }
+    }
+    if (vm == NULL) {
+        cg_remove(id);
+        rm_rf(vdir);
+        if (complete(d, cb, arg, NULL) < 0)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return 0;
+    }
+    if (add_waiter(&vm->destroy_w, cb, arg, err) < 0)
+        return -1;
+    if (vm->ph != PH_STOPPING) {
+        vm->keep_logs = false;
+        /* vm_stop may finish at once (nothing running): that only queues completions. */
+        vm_stop(vm, vm->ph == PH_UP);
+    }
+    return 0;
+}
+
+static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (!valid_id(id))
+        return SP_VM_ABSENT;
+    struct vm *vm = vm_find(d, id);
+    if (vm != NULL) {
+        if (vm->ph == PH_STOPPING)
+            return SP_VM_ABSENT;
+        return vm->paused ? SP_VM_PAUSED : SP_VM_RUNNING;
+    }
+    char vdir[PATH_MAX];
+    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+    pid_t pid = live_qemu_pid(vdir);
+    if (pid > 0) {
+        vm = vm_adopt(d, id, pid);
+        if (vm != NULL)
+            return vm->paused ? SP_VM_PAUSED : SP_VM_RUNNING;
+    }
+    if (snapshot_committed(vdir))
+        return SP_VM_SUSPENDED;
+    struct stat st;
+    if (stat(vdir, &st) == 0) {
+        sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
+        rm_rf(vdir);
+    }
+    cg_remove(id);
+    return SP_VM_ABSENT;
+}
+
+static struct sp_agentconn *q_agent(sp_driver_t *base, const char *id)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
+    if (vm == NULL || vm->ph == PH_STOPPING)
+        return NULL;
+    return vm->agent;
+}
+
+static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
+    if (vm == NULL || vm->pid <= 0 || vm->ph == PH_STOPPING)
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
+    memset(out, 0, sizeof(*out));
+    out->cpu_count = vm->cpu_count;
+    out->mem_total_bytes = (uint64_t)vm->memory_mb << 20;
+    out->disk_total_bytes = vm->disk_total;
+
+    char p[PATH_MAX + 32], buf[1024];
+    sfmt(p, sizeof p, "/proc/%d/stat", (int)vm->pid);
+    if (read_small(p, buf, sizeof buf) > 0) {
+        char *rp = strrchr(buf, ')');
+        unsigned long long ut = 0, stt = 0;
+        /* fields after ")": state(3) ... utime(14) stime(15) */
+        if (rp != NULL && sscanf(rp + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
+                                 &ut, &stt) == 2) {
+            uint64_t ticks = ut + stt, now = mono_ms();
+            long hz = sysconf(_SC_CLK_TCK);
+            if (vm->cpu_ms != 0 && now > vm->cpu_ms && hz > 0) {
+                double used_ms = (double)(ticks - vm->cpu_ticks) * 1000.0 / (double)hz;
+                double pct = used_ms * 100.0 / (double)(now - vm->cpu_ms) /
+                             (double)(vm->cpu_count > 0 ? vm->cpu_count : 1);
+                vm->cpu_pct = pct > 100.0 ? 100.0 : pct;
+            }
+            if (now - vm->cpu_ms >= 500 || vm->cpu_ms == 0) { /* keep intervals meaningful */
+                vm->cpu_ticks = ticks;
+                vm->cpu_ms = now;
+            }
+        }
+    }
+    out->cpu_used_pct = vm->cpu_pct;
+
+    bool mem = false;
+    if (vm->cg[0] != '\0') {
+        sfmt(p, sizeof p, "%s/memory.current", vm->cg);
+        if (read_small(p, buf, sizeof buf) > 0) {
+            out->mem_used_bytes = strtoull(buf, NULL, 10);
+            mem = true;
+        }
+    }
+    if (!mem) {
+        sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);
+        FILE *f = fopen(p, "re");
+        if (f != NULL) {
+            while (fgets(buf, sizeof buf, f) != NULL) {
+                unsigned long long kb;
+                if (sscanf(buf, "VmRSS: %llu kB", &kb) == 1) {
+                    out->mem_used_bytes = kb << 10;
+                    break;
+                }
+            }
+            fclose(f);
+        }
+    }
+    struct stat st;
+    vm_path(vm, "disk.qcow2", p, sizeof p);
+    if (stat(p, &st) == 0)
+        out->disk_used_bytes = (uint64_t)st.st_blocks * 512u;
+    out->snapshot_bytes = snapshot_bytes(vm->dir);
+    console_trim(vm);
+    return 0;
+}
+
+static void q_free(sp_driver_t *base)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    /* VMs keep running: they are re-adopted by the next driver on this data dir. */
+    while (d->vms != NULL) {
+        struct vm *vm = d->vms;
+        d->vms = vm->next;
+        vm_free(vm);
+    }
+    if (d->kvm_probe != NULL) {
+        kill(d->kvm_probe->pid, SIGKILL);
+        waitpid(d->kvm_probe->pid, NULL, 0); /* killed: returns at once */
+        child_free(d->kvm_probe);
+    }
+    if (d->sandbox_probe != NULL) {
+        kill(d->sandbox_probe->pid, SIGKILL);
+        waitpid(d->sandbox_probe->pid, NULL, 0);
+        child_free(d->sandbox_probe);
+    }
+    while (d->done_head != NULL) { /* the owner is going away: drop its callbacks */
+        struct done *x = d->done_head;
+        d->done_head = x->next;
+        free(x);
+    }
+    sp_timer_stop(&d->done_timer);
+    sp_timer_stop(&d->kick_timer);
+    sp_timer_stop(&d->console_timer);
+    free(d->qemu);
+    free(d->qemu_img);
+    free(d);
+}
+
+static const sp_driver_ops_t qemu_ops = {
+    .name = "qemu",
+    .boot = q_boot,
+    .pause = q_pause,
+    .resume = q_resume,
+    .snapshot = q_snapshot,
+    .restore = q_restore,
+    .destroy = q_destroy,
+    .probe = q_probe,
+    .agent = q_agent,
+    .stats = q_stats,
+    .free = q_free,
+};
+
+sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)
+{
+    if (o == NULL || o->data_dir == NULL || *o->data_dir == '\0') {
+        sp_err_set(err, SP_EINVAL, "qemu driver needs a data directory");
+        return NULL;
+    }
+    int want = 0;
+    if (o->accel == NULL || strcmp(o->accel, "auto") == 0)
+        want = 0;
+    else if (strcmp(o->accel, "kvm") == 0)
+        want = 1;
+    else if (strcmp(o->accel, "tcg") == 0)
+        want = 2;
+    else {
+        sp_err_set(err, SP_EINVAL, "accel must be auto, kvm or tcg");
+        return NULL;
+    }
+    sp_qemu_t *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    d->base.ops = &qemu_ops;
+    d->base.loop = loop;
+    d->want = want;
+    char abs[PATH_MAX];
+    if (strlen(o->data_dir) > PATH_MAX - 256) {
+        free(d);
+        sp_err_set(err, SP_EINVAL, "data directory path is too long");
+        return NULL;
+    }
+    if (realpath(o->data_dir, abs) == NULL)
+        sfmt(abs, sizeof abs, "%s", o->data_dir);
+    sfmt(d->data_dir, sizeof d->data_dir, "%s", abs);
+    sfmt(d->vms_dir, sizeof d->vms_dir, "%s/vms", abs);
+    d->qemu = strdup(o->qemu != NULL ? o->qemu : "qemu-system-x86_64");
+    d->qemu_img = strdup(o->qemu_img != NULL ? o->qemu_img : "qemu-img");
+    d->boot_timeout_ms = env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
+    d->probe_ms = env_ms("SPACE_KVM_PROBE_MS", SP_QEMU_KVM_PROBE_MS);
+    sp_timer_init(&d->done_timer, loop, on_done_timer, d);
+    sp_timer_init(&d->kick_timer, loop, on_kick, d);
+    sp_timer_init(&d->console_timer, loop, on_console_tick, d);
+    if (d->qemu == NULL || d->qemu_img == NULL) {
+        q_free(&d->base);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    if (!have_program(d->qemu) || !have_program(d->qemu_img)) {
+        sp_log(SP_LOG_WARN, "qemu", "qemu not found qemu=%s qemu_img=%s", d->qemu, d->qemu_img);
+        q_free(&d->base);
+        sp_err_set(err, SP_ERUNTIME, "QEMU (qemu-system-x86_64, qemu-img) is not installed");
+        return NULL;
+    }
+    if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
+        q_free(&d->base);
+        sp_err_set(err, SP_ERUNTIME, "cannot create the VM directory");
+        return NULL;
+    }
+
+    d->accel = -1;
+    if (want == 1) {
+        d->accel = 1;
+        record_accel(d, "accel=kvm configured");
+    } else if (want == 2) {
+        d->accel = 0;
+        record_accel(d, "accel=tcg configured");
+    } else {
+        int fd = open("/dev/kvm", O_RDWR | O_CLOEXEC);
+        if (fd < 0) {
+            char why[160];
+            sfmt(why, sizeof why, "/dev/kvm is not usable (%s); using TCG", strerror(errno));
+            d->accel = 0;
+            record_accel(d, why);
+        } else {
+            close(fd); /* opening proves little (PVM opens fine): the first boot probes */
+            d->accel = cached_probe_verdict(d);
+            if (d->accel >= 0)
+                sp_log(SP_LOG_INFO, "qemu",
+                       "accelerator=%s reason=\"verdict of an earlier probe in this host boot "
+                       "(delete vms/accel to probe again)\"",
+                       d->accel == 1 ? "kvm" : "tcg");
+        }
+    }
+    d->sandbox = -1;
+    start_sandbox_probe(d);
+    cg_init(d);
+    adopt_all(d);
+    sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
+    return &d->base;
+}

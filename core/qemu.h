@@ -1,0 +1,59 @@
+/*
+ * qemu.h - the QEMU microvm runtime driver (core/driver.h).
+ *
+ * One QEMU process per sandbox, in its own session and process group (it
+ * survives spaced) and, where cgroup v2 is delegated to us, its own cgroup
+ * under space.slice/. Per-VM files live in <data-dir>/vms/<id>/:
+ *
+ *   disk.qcow2   qcow2 overlay over the template's read-only base
+ *   qmp.sock     QMP (core/qmp.h)
+ *   agent.sock   the agent's virtio-serial port (core/agentconn.h)
+ *   console.log  serial console, trimmed to its tail when it grows
+ *   qemu.log     QEMU's own stdout/stderr
+ *   qemu.pid     written once QEMU is started
+ *   mem.ram      guest RAM (memory-backend-file, share=on): sparse, grows to memory_mb
+ *   vm.json      cpu_count, memory_mb, disk size, template, accelerator, kernel, initramfs
+ *   paused       present while the vCPUs are stopped by pause()
+ *   snapshot/    devstate (QEMU device state, ~60 KB) and manifest.json; the
+ *                manifest is renamed into place last, so its presence is the
+ *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED
+ *
+ * snapshot() = stop, migrate device state only (x-ignore-shared) to a passed
+ * fd, fdatasync RAM file + device state + overlay, commit, quit QEMU.
+ * restore() = QEMU on the same files with -incoming defer, migrate-incoming
+ * from a passed fd, cont, IDENTITY (fresh RNG seed, clock); the snapshot is
+ * removed once the agent answers, because the disk moves on from there.
+ *
+ * The accelerator is decided once per driver: "tcg" and "kvm" are taken as
+ * given; "auto" uses KVM only if a guest kernel actually boots under it (a
+ * probe VM with a short timeout), because on hosts where /dev/kvm is PVM it
+ * opens fine and then hangs guests. The verdict is logged and written to
+ * <data-dir>/vms/accel for inspection. Boots wait for the verdict.
+ *
+ * Live VMs found under <data-dir>/vms at creation are re-adopted (QMP and
+ * agent channel reconnected); sp_driver_destroy() on this driver closes
+ * connections but leaves every VM running.
+ *
+ * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
+ * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe.
+ */
+#ifndef SP_QEMU_H
+#define SP_QEMU_H
+
+#include "core/driver.h"
+#include "core/err.h"
+#include "core/loop.h"
+
+typedef struct {
+    const char *data_dir; /* required; absolute recommended (paths go into QEMU's argv) */
+    const char *accel;    /* "auto" (NULL), "kvm" or "tcg" */
+    const char *qemu;     /* qemu-system-x86_64 binary; NULL: from PATH */
+    const char *qemu_img; /* qemu-img binary; NULL: from PATH */
+} sp_qemu_opts_t;
+
+/* Creates the driver; strings are copied. Never blocks on a VM: probes and
+ * re-adoption run on the loop. NULL with SP_EINVAL on bad options, or
+ * SP_ERUNTIME when the data directory cannot be used. */
+sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err);
+
+#endif

@@ -1,0 +1,462 @@
+/*
+ * test_qemu_driver.c - the QEMU driver end to end: real microVMs on a loop.
+ *
+ * Needs qemu-system-x86_64, qemu-img and a data directory with a built
+ * `base` template (guest/tmplbuild.h), named by SP_TEST_DATA_DIR. Skips
+ * (77) saying why when any is missing. SP_TEST_ACCEL picks auto|kvm|tcg
+ * (default auto); SP_TEST_TIMEOUT_MULT stretches the timeouts.
+ *
+ * Boots a VM, runs `uname -r` over the agent channel, pauses and resumes,
+ * restarts the driver (VM keeps running) and checks it is re-adopted,
+ * suspends and restores it across another driver restart (same guest boot
+ * id, disk kept), then destroys it and checks no process, overlay or socket
+ * is left. Measures
+ * cold boot-to-agent-ready over three more boots and prints the median.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/agentconn.h"
+#include "core/driver.h"
+#include "core/loop.h"
+#include "core/qemu.h"
+#include "guest/tmplbuild.h"
+
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static sp_loop_t *loop;
+static const char *data_dir;
+static double mult = 1.0;
+
+struct res {
+    int done;
+    int ok;
+    sp_err_t err;
+};
+
+static void on_res(void *arg, const sp_err_t *err)
+{
+    struct res *r = arg;
+    r->done++;
+    r->ok = err == NULL;
+    if (err != NULL)
+        r->err = *err;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1000.0 + (double)ts.tv_nsec / 1e6;
+}
+
+static int wait_for(int *flag, double timeout_ms)
+{
+    double end = now_ms() + timeout_ms * mult;
+    while (!*flag && now_ms() < end)
+        sp_loop_run_once(loop, 20);
+    return *flag ? 0 : -1;
+}
+
+static void run_for(double ms)
+{
+    double end = now_ms() + ms;
+    while (now_ms() < end)
+        sp_loop_run_once(loop, 10);
+}
+
+static sp_driver_t *make_driver(void)
+{
+    const char *accel = getenv("SP_TEST_ACCEL");
+    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto"};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    if (d == NULL)
+        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
+    CHECK(d != NULL);
+    return d;
+}
+
+static double boot(sp_driver_t *d, const char *id)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id,
+                         .template_name = "base",
+                         .cpu_count = 1,
+                         .memory_mb = 256,
+                         .hostname = "e2e",
+                         .env_json = "{\"E2E\":\"1\"}"};
+    struct res r = {0};
+    sp_err_t e;
+    double t0 = now_ms();
+    if (d->ops->boot(d, &spec, on_res, &r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", id, e.msg);
+        exit(1);
+    }
+    CHECK(r.done == 0);
+    CHECK(wait_for(&r.done, 120000) == 0);
+    double ms = now_ms() - t0;
+    if (!r.ok)
+        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+    return ms;
+}
+
+static void destroy(sp_driver_t *d, const char *id)
+{
+    struct res r = {0};
+    sp_err_t e;
+    CHECK(d->ops->destroy(d, id, on_res, &r, &e) == 0);
+    CHECK(r.done == 0);
+    CHECK(wait_for(&r.done, 20000) == 0);
+    CHECK(r.ok);
+}
+
+static void simple(sp_driver_t *d,
+                   int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
+                   const char *id)
+{
+    struct res r = {0};
+    sp_err_t e;
+    if (op(d, id, on_res, &r, &e) < 0) {
+        fprintf(stderr, "op: %s\n", e.msg);
+        exit(1);
+    }
+    CHECK(wait_for(&r.done, 10000) == 0);
+    CHECK(r.ok);
+}
+
+/* ---- commands over the agent ---- */
+
+struct proc {
+    char out[256];
+    size_t n;
+    int exited;
+    int failed;
+};
+
+static void p_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
+                    size_t len, void *arg)
+{
+    struct proc *pr = arg;
+    if (type == SP_AP_T_PROC_STDOUT) {
+        size_t k = len < sizeof pr->out - 1 - pr->n ? len : sizeof pr->out - 1 - pr->n;
+        memcpy(pr->out + pr->n, p, k);
+        pr->n += k;
+        pr->out[pr->n] = '\0';
+        sp_agentstream_grant(s, (uint32_t)len);
+    }
+    if (flags & SP_AP_F_END) {
+        if (type != SP_AP_T_PROC_EXIT)
+            pr->failed = 1;
+        pr->exited = 1;
+    }
+}
+
+static void p_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+{
+    struct proc *pr = arg;
+    pr->failed = 1;
+    pr->exited = 1;
+}
+
+static void on_up(void *arg, const sp_err_t *err)
+{
+    struct res *r = arg;
+    r->done = 1;
+    r->ok = err == NULL;
+}
+
+/* Runs `sh -c cmd` in the guest; its stdout, without trailing newlines, into out. */
+static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
+{
+    sp_agentconn_t *c = d->ops->agent(d, id);
+    CHECK(c != NULL);
+    struct res up = {0};
+    CHECK(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
+    CHECK(wait_for(&up.done, 25000) == 0 && up.ok);
+    uint8_t buf[256];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof buf);
+    sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
+    sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
+    CHECK(!w.overflow);
+    static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
+    struct proc pr = {0};
+    sp_err_t e;
+    sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
+    CHECK(s != NULL);
+    CHECK(wait_for(&pr.exited, 20000) == 0);
+    CHECK(!pr.failed);
+    while (pr.n > 0 && (pr.out[pr.n - 1] == '\n'))
+        pr.out[--pr.n] = '\0';
+    snprintf(out, n, "%s", pr.out);
+}
+
+static pid_t vm_pid(const char *id)
+{
+    char p[4096], b[32];
+    snprintf(p, sizeof p, "%s/vms/%s/qemu.pid", data_dir, id);
+    FILE *f = fopen(p, "r");
+    if (f == NULL)
+        return 0;
+    pid_t pid = 0;
+    if (fgets(b, sizeof b, f) != NULL)
+        pid = (pid_t)atoi(b);
+    fclose(f);
+    return pid;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int main(void)
+{
+    data_dir = getenv("SP_TEST_DATA_DIR");
+    const char *m = getenv("SP_TEST_TIMEOUT_MULT");
+    if (m != NULL && atof(m) > 0)
+        mult = atof(m);
+    if (system("command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null") != 0) {
+        printf("skip: qemu-system-x86_64 or qemu-img not installed\n");
+        return 77;
+    }
+    if (data_dir == NULL) {
+        printf("skip: SP_TEST_DATA_DIR (a data dir with a built base template) is not set\n");
+        return 77;
+    }
+    sp_tmplbuild_paths_t tp;
+    sp_err_t e;
+    if (sp_tmplbuild_current(data_dir, "base", &tp, &e) < 0) {
+        printf("skip: template base is not built in SP_TEST_DATA_DIR: %s\n", e.msg);
+        return 77;
+    }
+    loop = sp_loop_create();
+    CHECK(loop != NULL);
+    char id[64];
+    snprintf(id, sizeof id, "e2e-%d", (int)getpid());
+
+    sp_driver_t *d = make_driver();
+    /* cleanup of nothing succeeds; there is nothing to suspend */
+    destroy(d, id);
+    CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
+    CHECK(d->ops->snapshot(d, id, on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
+    sp_vm_stats_t st;
+    CHECK(d->ops->stats(d, id, &st, &e) < 0 && e.code == SP_ENOTFOUND);
+
+    double first = boot(d, id);
+    printf("first boot (includes the accelerator probe): %.0f ms\n", first);
+    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    char rel[256];
+    run_cmd(d, id, "uname -r", rel, sizeof rel);
+    printf("uname -r in the guest: %s\n", rel);
+    CHECK(rel[0] != '\0');
+    CHECK(strstr(tp.kernel_version, rel) == tp.kernel_version); /* "<abi>_<debian version>" */
+
+    /* boot again is idempotent */
+    boot(d, id);
+
+    CHECK(d->ops->stats(d, id, &st, &e) == 0);
+    run_for(600);
+    CHECK(d->ops->stats(d, id, &st, &e) == 0);
+    printf("stats: cpu=%.1f%% mem=%llu/%llu disk=%llu/%llu\n", st.cpu_used_pct,
+           (unsigned long long)st.mem_used_bytes, (unsigned long long)st.mem_total_bytes,
+           (unsigned long long)st.disk_used_bytes, (unsigned long long)st.disk_total_bytes);
+    CHECK(st.mem_used_bytes > 0 && st.disk_used_bytes > 0 && st.mem_total_bytes == 256u << 20);
+
+    double t0 = now_ms();
+    simple(d, d->ops->pause, id);
+    double tp_ms = now_ms() - t0;
+    CHECK(d->ops->probe(d, id) == SP_VM_PAUSED);
+    t0 = now_ms();
+    simple(d, d->ops->resume, id);
+    printf("pause %.2f ms, resume %.2f ms (including a loop turn)\n", tp_ms, now_ms() - t0);
+    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+
+    /* pause, then restart the driver: the new one must see PAUSED from disk */
+    simple(d, d->ops->pause, id);
+    pid_t pid = vm_pid(id);
+    CHECK(pid > 0);
+    sp_driver_destroy(d);
+    run_for(200);
+    CHECK(kill(pid, 0) == 0); /* the VM survived its driver */
+    d = make_driver();
+    CHECK(d->ops->probe(d, id) == SP_VM_PAUSED);
+    run_for(300);
+    simple(d, d->ops->resume, id);
+    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    run_cmd(d, id, "uname -r", rel, sizeof rel);
+    printf("after driver restart: re-adopted, uname -r: %s\n", rel);
+
+    /* a second driver restart, then probe (not just create) re-adopts */
+    sp_driver_destroy(d);
+    d = make_driver();
+    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+
+    /* suspend and restore: same guest boot (memory came back), disk kept */
+    char bid1[128], bid2[128], mark[64];
+    run_cmd(d, id, "echo kept > /root/marker; sync; cat /proc/sys/kernel/random/boot_id", bid1,
+            sizeof bid1);
+    t0 = now_ms();
+    simple(d, d->ops->snapshot, id);
+    printf("suspend: %.0f ms\n", now_ms() - t0);
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    CHECK(d->ops->agent(d, id) == NULL);
+    run_for(100);
+    CHECK(kill(pid, 0) < 0);
+    sp_driver_destroy(d); /* a restart in between: the snapshot is on disk */
+    d = make_driver();
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    {
+        sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
+        struct res r = {0};
+        t0 = now_ms();
+        CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+        CHECK(wait_for(&r.done, 60000) == 0);
+        if (!r.ok)
+            fprintf(stderr, "restore: %s\n", r.err.msg);
+        CHECK(r.ok);
+        printf("restore to agent ready: %.0f ms\n", now_ms() - t0);
+    }
+    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    run_cmd(d, id, "cat /proc/sys/kernel/random/boot_id", bid2, sizeof bid2);
+    run_cmd(d, id, "cat /root/marker", mark, sizeof mark);
+    printf("guest boot_id before/after suspend: %s / %s, marker=%s\n", bid1, bid2, mark);
+    CHECK(strcmp(bid1, bid2) == 0 && strcmp(mark, "kept") == 0);
+    pid = vm_pid(id);
+    CHECK(pid > 0);
+
+    destroy(d, id);
+    run_for(100);
+    CHECK(kill(pid, 0) < 0 && errno == ESRCH);
+    char p[4096];
+    snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
+    struct stat sb;
+    CHECK(stat(p, &sb) < 0 && errno == ENOENT); /* no overlay, socket or pidfile */
+    CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
+    CHECK(d->ops->agent(d, id) == NULL);
+
+    /* spaced killed outright (SIGKILL, no cleanup): its VM keeps running and is re-adopted */
+    {
+        char kid[80];
+        snprintf(kid, sizeof kid, "%s-k", id);
+        fflush(NULL);
+        pid_t child = fork();
+        CHECK(child >= 0);
+        if (child == 0) {
+            loop = sp_loop_create();
+            sp_driver_t *cd = make_driver();
+            boot(cd, kid);
+            raise(SIGKILL);
+        }
+        int cst;
+        CHECK(waitpid(child, &cst, 0) == child && WIFSIGNALED(cst));
+        pid_t kp = vm_pid(kid);
+        CHECK(kp > 0 && kill(kp, 0) == 0);
+        CHECK(d->ops->probe(d, kid) == SP_VM_RUNNING);
+        run_cmd(d, kid, "echo alive", rel, sizeof rel);
+        CHECK(strcmp(rel, "alive") == 0);
+        /* the exact QEMU command line, for the record */
+        char cl[4096];
+        snprintf(p, sizeof p, "/proc/%d/cmdline", (int)kp);
+        FILE *f = fopen(p, "r");
+        CHECK(f != NULL);
+        size_t cn = fread(cl, 1, sizeof cl - 1, f);
+        fclose(f);
+        for (size_t i = 0; i < cn; i++)
+            if (cl[i] == '\0')
+                cl[i] = ' ';
+        cl[cn] = '\0';
+        printf("qemu argv: %s\n", cl);
+
+        /* a guest printing forever cannot fill the disk: console.log is cut to its tail */
+        snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, kid);
+        f = fopen(p, "a");
+        CHECK(f != NULL);
+        static char junk[1 << 20];
+        memset(junk, 'x', sizeof junk);
+        for (int i = 0; i < 3; i++)
+            CHECK(fwrite(junk, 1, sizeof junk, f) == sizeof junk);
+        fclose(f);
+        CHECK(d->ops->stats(d, kid, &st, &e) == 0);
+        CHECK(stat(p, &sb) == 0 && sb.st_size <= (2 << 20));
+
+        /* QEMU dies under us: the driver notices, probe says ABSENT and cleans up */
+        kill(kp, SIGKILL);
+        run_for(300);
+        CHECK(d->ops->agent(d, kid) == NULL);
+        CHECK(d->ops->probe(d, kid) == SP_VM_ABSENT);
+        snprintf(p, sizeof p, "%s/vms/%s", data_dir, kid);
+        CHECK(stat(p, &sb) < 0 && errno == ENOENT);
+        destroy(d, kid);
+    }
+
+    /* cold boot-to-agent-ready, median of 3 */
+    double t[3];
+    for (int i = 0; i < 3; i++) {
+        char bid[80];
+        snprintf(bid, sizeof bid, "%s-b%d", id, i);
+        t[i] = boot(d, bid);
+        destroy(d, bid);
+    }
+    qsort(t, 3, sizeof t[0], cmp_d);
+    printf("cold boot to agent ready: median %.0f ms (%.0f-%.0f)\n", t[1], t[0], t[2]);
+
+    /* destroy while booting: the boot fails, nothing remains */
+    {
+        char bid[80];
+        snprintf(bid, sizeof bid, "%s-x", id);
+        sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
+        struct res rb = {0}, rd = {0};
+        CHECK(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
+        run_for(700);
+        CHECK(d->ops->destroy(d, bid, on_res, &rd, &e) == 0);
+        CHECK(wait_for(&rd.done, 20000) == 0 && rd.ok);
+        CHECK(rb.done == 1 && !rb.ok);
+        snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
+        CHECK(stat(p, &sb) < 0);
+    }
+
+    /* boot timeout: the VM is killed, console.log is kept, the error says why */
+    sp_driver_destroy(d);
+    setenv("SPACE_BOOT_TIMEOUT_MS", "800", 1);
+    d = make_driver();
+    unsetenv("SPACE_BOOT_TIMEOUT_MS");
+    {
+        char bid[80];
+        snprintf(bid, sizeof bid, "%s-t", id);
+        sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
+        struct res rb = {0};
+        CHECK(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
+        CHECK(wait_for(&rb.done, 20000) == 0);
+        CHECK(!rb.ok && strstr(rb.err.msg, "guest did not come up") != NULL);
+        printf("boot timeout: %s\n", rb.err.msg);
+        run_for(100);
+        snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, bid);
+        CHECK(stat(p, &sb) == 0);
+        snprintf(p, sizeof p, "%s/vms/%s/disk.qcow2", data_dir, bid);
+        CHECK(stat(p, &sb) < 0);
+        CHECK(d->ops->probe(d, bid) == SP_VM_ABSENT); /* and the leftovers go */
+        snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
+        CHECK(stat(p, &sb) < 0);
+    }
+
+    sp_driver_destroy(d);
+    sp_loop_destroy(loop);
+    printf("qemu driver e2e: ok\n");
+    return 0;
+}
