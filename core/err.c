@@ -37,6 +37,8 @@ const char *sp_err_name(sp_code_t code)
         return "unavailable";
     case SP_ERUNTIME:
         return "runtime_unavailable";
+    case SP_EFORBIDDEN:
+        return "permission_denied";
     case SP_EINTERNAL:
         break;
     }
@@ -61,6 +63,8 @@ int sp_err_http_status(sp_code_t code)
     case SP_EUNAVAIL:
     case SP_ERUNTIME:
         return 503;
+    case SP_EFORBIDDEN:
+        return 403;
     case SP_EINTERNAL:
         break;
     }

@@ -17,6 +17,7 @@ typedef enum {
     SP_ETOOBIG,   /* body or field too large -> 413 */
     SP_EUNAVAIL,  /* dependency down         -> 503 */
     SP_ERUNTIME,  /* no microVM runtime      -> 503 */
+    SP_EFORBIDDEN, /* guest refused (EACCES) -> 403 */
     SP_EINTERNAL, /* our bug                 -> 500 */
 } sp_code_t;
 

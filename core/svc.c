@@ -58,6 +58,7 @@ struct sp_svc {
     unsigned char hashkey[SP_HASHKEY_LEN];
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
+    sp_driver_t *driver; /* borrowed; NULL: no data plane */
 };
 
 /* One in-flight statement's context. */
@@ -759,6 +760,78 @@ int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, u
         return -1;
     }
     return 0;
+}
+
+/* ---- the data plane ---- */
+
+void sp_svc_set_driver(sp_svc_t *svc, sp_driver_t *driver)
+{
+    svc->driver = driver;
+}
+
+sp_loop_t *sp_svc_loop(sp_svc_t *svc)
+{
+    return svc->loop;
+}
+
+static void touched(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    if (err != NULL) /* activity is best effort: the idle timer may fire a little early */
+        sp_log(SP_LOG_WARN, "svc", "last_activity_at update failed err=%s", err->msg);
+}
+
+static void agent_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    const char *id = PQgetvalue(res, 0, 0);
+    const char *obs = PQgetvalue(res, 0, 1);
+    if (strcmp(obs, "running") != 0) {
+        if (strcmp(obs, "paused") == 0 || strcmp(obs, "suspended") == 0)
+            sp_err_set(&e, SP_ECONFLICT, "sandbox is %s; wake it first", obs);
+        else
+            sp_err_set(&e, SP_ECONFLICT, "sandbox is %s, not running", obs);
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    sp_agentconn_t *conn = NULL;
+    if (c->svc->driver != NULL && c->svc->driver->ops->agent != NULL)
+        conn = c->svc->driver->ops->agent(c->svc->driver, id);
+    if (conn == NULL) {
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox VM is not reachable");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    /* Fire and forget: the reply does not wait for this write. At most one per second per
+     * sandbox actually changes the row. */
+    const char *p[] = {id};
+    if (submit(c->svc,
+               "UPDATE sandboxes SET last_activity_at = now() WHERE id = $1"
+               " AND last_activity_at < now() - interval '1 second'",
+               1, p, touched, NULL, NULL, 0, &e) < 0)
+        sp_log(SP_LOG_WARN, "svc", "last_activity_at update not sent err=%s", e.msg);
+    cb(c->arg, conn, NULL);
+}
+
+int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_agent_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT s.id, s.observed_state FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, agent_done, (void *)cb, arg, 0, err);
 }
 
 /* ---- health ---- */

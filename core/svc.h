@@ -17,6 +17,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/agentconn.h"
+#include "core/driver.h"
 #include "core/err.h"
 #include "core/ids.h"
 #include "core/loop.h"
@@ -133,6 +135,27 @@ int sp_svc_request(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request
 /* wait_ms > 0: answers when the operation finishes or when wait_ms has passed. */
 int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, uint32_t wait_ms,
                          sp_svc_op_cb cb, void *arg, sp_err_t *err);
+
+/* ---- the data plane: a running sandbox's agent channel ---- */
+
+/* The runtime driver the data-plane calls use (borrowed; outlives svc). Without one,
+ * sp_svc_sandbox_agent answers SP_EUNAVAIL. */
+void sp_svc_set_driver(sp_svc_t *svc, sp_driver_t *driver);
+sp_loop_t *sp_svc_loop(sp_svc_t *svc);
+
+/* conn is the driver's, valid for the callback and, per driver.h, until the VM is
+ * suspended or destroyed: callers open their streams on it at once. */
+typedef void (*sp_svc_agent_cb)(void *arg, sp_agentconn_t *conn, const sp_err_t *err);
+
+/*
+ * Resolves a team's sandbox to its VM's agent channel for a command or file operation:
+ * another team's or a missing sandbox is SP_ENOTFOUND; a sandbox that is not running is
+ * SP_ECONFLICT (with what to do); a running one whose VM has no channel is SP_EUNAVAIL
+ * ("sandbox VM is not reachable"). On success it also records the activity
+ * (last_activity_at) with a separate statement the callback does not wait for.
+ */
+int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_agent_cb cb,
+                         void *arg, sp_err_t *err);
 
 /* Database round trip, for /healthz. */
 int sp_svc_health(sp_svc_t *svc, sp_svc_done_cb cb, void *arg, sp_err_t *err);

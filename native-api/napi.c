@@ -35,6 +35,9 @@ bool sp_napi_owns(h2o_req_t *req)
 static void ctx_free(napi_ctx_t *c)
 {
     json_decref(c->body);
+    if (c->data != NULL && c->data_free != NULL)
+        c->data_free(c->data);
+    c->data = NULL;
 }
 
 void sp_napi__reply(napi_ctx_t *c, int status, json_t *obj)
@@ -45,6 +48,36 @@ void sp_napi__reply(napi_ctx_t *c, int status, json_t *obj)
         sp_http_json(req, status, obj);
     else
         json_decref(obj);
+}
+
+h2o_req_t *sp_napi__take(napi_ctx_t *c)
+{
+    ctx_free(c);
+    return sp_http_release(c->hold); /* frees c */
+}
+
+sp_loop_t *sp_napi__loop(napi_ctx_t *c)
+{
+    return sp_svc_loop(c->n->svc);
+}
+
+static void on_agent(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else if (sp_http_hold_req(c->hold) == NULL)
+        sp_napi__take(c); /* the client left while we looked: start nothing */
+    else
+        c->agent_next(c, conn);
+}
+
+void sp_napi__with_agent(napi_ctx_t *c, napi_agent_fn next)
+{
+    sp_err_t e;
+    c->agent_next = next;
+    if (sp_svc_sandbox_agent(c->n->svc, &c->auth, c->segs[2], on_agent, c, &e) < 0)
+        sp_napi__fail(c, &e);
 }
 
 void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err)
@@ -124,13 +157,13 @@ int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *
 
 /* ---- routing ---- */
 
-enum { M_GET = 1, M_POST = 2, M_DELETE = 4 };
+enum { M_GET = 1, M_POST = 2, M_DELETE = 4, M_PUT = 8 };
 
 struct route {
     int methods;
-    const char *pattern[5]; /* "*" matches one segment */
-    napi_route_fn fn[3];    /* by method bit: GET, POST, DELETE */
-    bool body;              /* POST takes a JSON body */
+    const char *pattern[7]; /* "*" matches one segment */
+    napi_route_fn fn[4];    /* by method bit: GET, POST, DELETE, PUT */
+    bool body;              /* POST takes a JSON body (PUT bodies are raw, for the route) */
 };
 
 static const struct route routes[] = {
@@ -148,6 +181,28 @@ static const struct route routes[] = {
     {M_POST, {"v1", "sandboxes", "*", "suspend", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
     {M_POST, {"v1", "sandboxes", "*", "wake", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
     {M_GET, {"v1", "operations", "*", NULL}, {sp_napi__operations_get, NULL, NULL}, false},
+    {M_GET | M_POST,
+     {"v1", "sandboxes", "*", "commands", NULL},
+     {sp_napi__commands_list, sp_napi__commands_run, NULL},
+     true},
+    {M_GET, {"v1", "sandboxes", "*", "commands", "*", "output", NULL},
+     {sp_napi__commands_output, NULL, NULL}, false},
+    {M_POST, {"v1", "sandboxes", "*", "commands", "*", "stdin", NULL},
+     {NULL, sp_napi__commands_stdin, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "commands", "*", "signal", NULL},
+     {NULL, sp_napi__commands_signal, NULL}, true},
+    {M_GET | M_PUT | M_DELETE,
+     {"v1", "sandboxes", "*", "files", NULL},
+     {sp_napi__files_get, NULL, sp_napi__files_delete, sp_napi__files_put},
+     false},
+    {M_GET, {"v1", "sandboxes", "*", "files", "stat", NULL}, {sp_napi__files_stat, NULL, NULL},
+     false},
+    {M_GET, {"v1", "sandboxes", "*", "files", "list", NULL}, {sp_napi__files_list, NULL, NULL},
+     false},
+    {M_POST, {"v1", "sandboxes", "*", "files", "mkdir", NULL}, {NULL, sp_napi__files_mkdir, NULL},
+     true},
+    {M_POST, {"v1", "sandboxes", "*", "files", "move", NULL}, {NULL, sp_napi__files_move, NULL},
+     true},
 };
 
 static const struct route *match(const char **segs, int n)
@@ -171,6 +226,8 @@ static int method_bit(h2o_req_t *req)
         return M_POST;
     if (sp_http_method_is(req, "DELETE"))
         return M_DELETE;
+    if (sp_http_method_is(req, "PUT"))
+        return M_PUT;
     return 0;
 }
 
@@ -294,7 +351,7 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
     memcpy(c->segs, segs, sizeof(segs[0]) * (size_t)ns);
     c->body = body;
     c->wait_ms = wait_ms;
-    c->route = r->fn[mb == M_GET ? 0 : mb == M_POST ? 1 : 2];
+    c->route = r->fn[mb == M_GET ? 0 : mb == M_POST ? 1 : mb == M_DELETE ? 2 : 3];
     if (sp_svc_authenticate(n->svc, key, on_auth, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

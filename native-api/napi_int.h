@@ -17,6 +17,8 @@ struct sp_napi {
 /* One request's state across its asynchronous steps, in its hold. */
 typedef struct napi_ctx napi_ctx_t;
 typedef void (*napi_route_fn)(napi_ctx_t *c);
+/* The next step of a data-plane route, with the sandbox's agent channel. */
+typedef void (*napi_agent_fn)(napi_ctx_t *c, sp_agentconn_t *conn);
 
 struct napi_ctx {
     sp_napi_t *n;
@@ -32,6 +34,9 @@ struct napi_ctx {
     char sandbox_id[65];
     sp_op_rec_t op; /* kept across a wait */
     bool have_op;
+    napi_agent_fn agent_next; /* sp_napi__with_agent */
+    void *data;                   /* a route's parsed request, freed with the context */
+    void (*data_free)(void *data);
 };
 
 /* Finishes a request: replies if the client is still there, frees the context. */
@@ -41,6 +46,36 @@ void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err);
 json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s);
 json_t *sp_napi__op_json(const sp_op_rec_t *o);
 json_t *sp_napi__template_json(const sp_template_rec_t *t);
+
+/* Frees the context and hands back the request for a streamed reply (NULL: client gone). */
+h2o_req_t *sp_napi__take(napi_ctx_t *c);
+
+/* Resolves segs[2] to a running sandbox's agent channel (404/409/503 answered here), records
+ * the activity, then calls next. */
+void sp_napi__with_agent(napi_ctx_t *c, napi_agent_fn next);
+sp_loop_t *sp_napi__loop(napi_ctx_t *c);
+
+/* ---- streamed responses (stream.c) ----
+ * Bytes queued with write go out as the client takes them; on_sent reports the raw (agent)
+ * bytes whose encoded form the client took, so the caller can grant that much credit
+ * upstream. Memory is what the caller queued and not yet sent: bounded by its upstream
+ * window. After on_gone (client left) or end, the handle is invalid. */
+typedef struct napi_stream napi_stream_t;
+typedef struct {
+    void (*on_sent)(void *arg, size_t raw);
+    void (*on_gone)(void *arg);
+} napi_stream_cbs_t;
+
+/* Sends status and headers; content_length < 0: chunked. NULL on allocation failure (then
+ * nothing was sent). */
+napi_stream_t *sp_napi__stream_start(h2o_req_t *req, int status, const char *content_type,
+                                     long long content_length, const napi_stream_cbs_t *cbs,
+                                     void *arg);
+/* Queues n bytes (copied) standing for raw upstream bytes. -1 on allocation failure. */
+int sp_napi__stream_write(napi_stream_t *st, const void *p, size_t n, size_t raw);
+/* Finishes after the queued bytes; ok false aborts the response (the client sees a cut
+ * body). No callbacks after this call. */
+void sp_napi__stream_end(napi_stream_t *st, bool ok);
 
 /* Body helpers: check that obj has only the listed keys ("a,b,c"). */
 int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *err);
@@ -53,5 +88,17 @@ void sp_napi__sandboxes_list(napi_ctx_t *c);
 void sp_napi__sandboxes_get(napi_ctx_t *c);
 void sp_napi__sandboxes_request(napi_ctx_t *c);
 void sp_napi__operations_get(napi_ctx_t *c);
+void sp_napi__commands_run(napi_ctx_t *c);
+void sp_napi__commands_list(napi_ctx_t *c);
+void sp_napi__commands_output(napi_ctx_t *c);
+void sp_napi__commands_stdin(napi_ctx_t *c);
+void sp_napi__commands_signal(napi_ctx_t *c);
+void sp_napi__files_get(napi_ctx_t *c);
+void sp_napi__files_put(napi_ctx_t *c);
+void sp_napi__files_delete(napi_ctx_t *c);
+void sp_napi__files_stat(napi_ctx_t *c);
+void sp_napi__files_list(napi_ctx_t *c);
+void sp_napi__files_mkdir(napi_ctx_t *c);
+void sp_napi__files_move(napi_ctx_t *c);
 
 #endif

@@ -28,6 +28,7 @@
 #include "core/log.h"
 #include "core/migrate.h"
 #include "core/pgcluster.h"
+#include "core/qemu.h"
 #include "core/recon.h"
 #include "core/store.h"
 #include "core/svc.h"
@@ -52,7 +53,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: spaced serve [--listen ADDR:PORT] [--data-dir DIR] [--database-url URL]\n"
-            "                    [--runtime NAME] [--log-level debug|info|warn|error]\n"
+            "                    [--runtime qemu|none] [--log-level debug|info|warn|error]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -457,19 +458,37 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     PQfinish(c);
 
     struct srv s = {0};
+    sp_recon_t *recon = NULL;
     g_srv = &s;
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
     sp_driver_t *driver = NULL;
-    if (test_driver != NULL && o->runtime != NULL && strcmp(o->runtime, "test") == 0)
+    const char *runtime = o->runtime ? o->runtime : "qemu";
+    if (test_driver != NULL && strcmp(runtime, "test") == 0) {
         driver = test_driver(s.loop, o->data_dir);
-    else
-        driver = sp_driver_unavailable_create(
-            s.loop, "no microVM runtime is available in this build");
+    } else if (strcmp(runtime, "qemu") == 0) {
+        /* SPACE_ACCEL=auto|kvm|tcg (default auto: KVM only where a probe guest boots). */
+        sp_qemu_opts_t qo = {.data_dir = o->data_dir,
+                             .accel = getenv("SPACE_ACCEL"),
+                             .qemu = getenv("SPACE_QEMU"),
+                             .qemu_img = NULL};
+        driver = sp_qemu_create(s.loop, &qo, &e);
+        if (driver == NULL) {
+            sp_log(SP_LOG_WARN, "server", "microVM runtime unavailable: %s", e.msg);
+            driver = sp_driver_unavailable_create(s.loop, e.msg);
+        }
+    } else if (strcmp(runtime, "none") == 0) {
+        driver = sp_driver_unavailable_create(s.loop, "the server runs without a microVM runtime");
+    } else {
+        fprintf(stderr, "spaced: unknown runtime %s (qemu or none)\n", runtime);
+        goto out_srv;
+    }
+    if (svc != NULL && driver != NULL)
+        sp_svc_set_driver(svc, driver); /* commands and files reach VMs through it */
     char wid[SP_ID_LEN + 1];
     worker_id(o->data_dir, wid);
-    sp_recon_t *recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
+    recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (recon == NULL || s.napi == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");

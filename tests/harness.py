@@ -179,8 +179,20 @@ class Spaced:
     def stop(self):
         self.kill(signal.SIGTERM)
 
+    def kill_fake_agents(self):
+        """The test driver's agents (SPACE_FAKE_AGENT) outlive spaced, like VMs: end them."""
+        fake = os.path.join(self.data_dir, "fake")
+        for name in os.listdir(fake) if os.path.isdir(fake) else []:
+            if name.endswith(".pid"):
+                try:
+                    with open(os.path.join(fake, name)) as f:
+                        os.kill(int(f.read().strip()), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+
     def destroy(self):
         self.kill(signal.SIGTERM)
+        self.kill_fake_agents()
         if not KEEP:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

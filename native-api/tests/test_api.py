@@ -290,8 +290,14 @@ class NativeApiTest(unittest.TestCase):
 
     def test_shipped_binary_has_no_fake_runtime(self):
         # Its own database: a second controller on ours would share the work.
-        shipped = Spaced(binary=os.environ["SPACED"], database_url=self.pg.createdb("shipped"),
-                         runtime="test")
+        url = self.pg.createdb("shipped")
+        shipped = Spaced(binary=os.environ["SPACED"], database_url=url, runtime="test")
+        with self.assertRaises(AssertionError) as cm:
+            shipped.start(timeout=20)
+        self.assertIn("unknown runtime", str(cm.exception))
+        shipped.destroy()
+        # Without a runtime, creating fails cleanly with runtime_unavailable.
+        shipped = Spaced(binary=os.environ["SPACED"], database_url=url, runtime="none")
         shipped.key = shipped.cli("keys", "create").stdout.strip()
         shipped.start()
         try:

@@ -8,23 +8,44 @@
  * QMP sockets and snapshot manifests. Actions take SPACE_FAKE_DELAY_MS
  * (default 50) and fail when the sandbox env has SPACE_FAKE_FAIL naming
  * the action (boot, pause, resume, snapshot, restore, destroy).
+ *
+ * With SPACE_FAKE_AGENT set to a space-agent-host binary, each "VM" also gets a real agent:
+ * boot starts `space-agent-host --listen-unix <data-dir>/fake/<id>.sock` (pid in <id>.pid,
+ * log in <id>.agent.log) and answers once the agent said HELLO; agent() returns the channel.
+ * pause/resume stop and continue the agent process, snapshot stops it and drops the channel,
+ * restore continues it; destroy kills it. The agent outlives spaced like a VM would: probe()
+ * after a restart re-adopts it from the pid file (or starts a new one if it died). The agent
+ * runs on this host as this user: tests must keep their commands and files to scratch space.
  */
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include "core/agentconn.h"
 
 #include "core/driver.h"
 #include "core/ids.h"
 #include "server/tests/fakedriver.h"
 
+struct vm {
+    char id[65];
+    sp_agentconn_t *conn;
+    struct vm *next;
+};
+
 typedef struct {
     sp_driver_t base;
     char dir[4096];
     unsigned delay_ms;
+    const char *agent_bin; /* NULL: no agents */
+    struct vm *vms;
 } fake_t;
 
 struct job {
@@ -75,9 +96,178 @@ static void write_state(fake_t *f, const char *id, const char *st)
     rename(tmp, p);
 }
 
+/* ---- agents ---- */
+
+static struct vm *vm_find(fake_t *f, const char *id, bool create)
+{
+    for (struct vm *v = f->vms; v != NULL; v = v->next)
+        if (strcmp(v->id, id) == 0)
+            return v;
+    if (!create)
+        return NULL;
+    struct vm *v = calloc(1, sizeof(*v));
+    if (v == NULL)
+        return NULL;
+    snprintf(v->id, sizeof(v->id), "%s", id);
+    v->next = f->vms;
+    f->vms = v;
+    return v;
+}
+
+static void vm_drop_conn(fake_t *f, const char *id)
+{
+    struct vm *v = vm_find(f, id, false);
+    if (v != NULL) {
+        sp_agentconn_destroy(v->conn);
+        v->conn = NULL;
+    }
+}
+
+static pid_t agent_pid(fake_t *f, const char *id)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.pid", f->dir, id);
+    FILE *fp = fopen(p, "r");
+    if (fp == NULL)
+        return 0;
+    long pid = 0;
+    if (fscanf(fp, "%ld", &pid) != 1)
+        pid = 0;
+    fclose(fp);
+    return pid > 1 && kill((pid_t)pid, 0) == 0 ? (pid_t)pid : 0;
+}
+
+static void on_agent_state(void *arg, bool up)
+{
+}
+
+static int agent_spawn(fake_t *f, const char *id)
+{
+    char sock[4200], log[4200], pidf[4200];
+    snprintf(sock, sizeof(sock), "%s/%s.sock", f->dir, id);
+    snprintf(log, sizeof(log), "%s/%s.agent.log", f->dir, id);
+    snprintf(pidf, sizeof(pidf), "%s/%s.pid", f->dir, id);
+    unlink(sock);
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        setsid(); /* like a VM: not in spaced's process group */
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        int nul = open("/dev/null", O_RDONLY);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        if (nul >= 0)
+            dup2(nul, 0);
+        execl(f->agent_bin, f->agent_bin, "--listen-unix", sock, (char *)NULL);
+        _exit(127);
+    }
+    FILE *fp = fopen(pidf, "w");
+    if (fp != NULL) {
+        fprintf(fp, "%ld\n", (long)pid);
+        fclose(fp);
+    }
+    return 0;
+}
+
+/* Makes sure the sandbox has a live agent process and a channel to it. */
+static sp_agentconn_t *agent_ensure(fake_t *f, const char *id)
+{
+    if (f->agent_bin == NULL)
+        return NULL;
+    struct vm *v = vm_find(f, id, true);
+    if (v == NULL)
+        return NULL;
+    if (agent_pid(f, id) == 0) {
+        sp_agentconn_destroy(v->conn);
+        v->conn = NULL;
+        if (agent_spawn(f, id) < 0)
+            return NULL;
+    }
+    if (v->conn == NULL) {
+        char sock[4200];
+        snprintf(sock, sizeof(sock), "%s/%s.sock", f->dir, id);
+        v->conn = sp_agentconn_create(f->base.loop, sock, on_agent_state, f);
+    }
+    return v->conn;
+}
+
+static void agent_signal(fake_t *f, const char *id, int sig)
+{
+    pid_t pid = agent_pid(f, id);
+    if (pid > 0)
+        kill(pid, sig);
+}
+
+static void agent_kill(fake_t *f, const char *id)
+{
+    vm_drop_conn(f, id);
+    pid_t pid = agent_pid(f, id);
+    if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0); /* ours unless spaced restarted: then ECHILD at once */
+    }
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.pid", f->dir, id);
+    unlink(p);
+    snprintf(p, sizeof(p), "%s/%s.sock", f->dir, id);
+    unlink(p);
+}
+
+static void job_finish(struct job *j, const sp_err_t *err)
+{
+    if (err != NULL) {
+        j->cb(j->arg, err);
+    } else {
+        write_state(j->f, j->id, j->to);
+        j->cb(j->arg, NULL);
+    }
+    free(j);
+}
+
+static void on_agent_up(void *arg, const sp_err_t *err)
+{
+    struct job *j = arg;
+    if (err != NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "agent did not come up");
+        job_finish(j, &e);
+        return;
+    }
+    job_finish(j, NULL);
+}
+
 static void on_job(sp_timer_t *t, void *arg)
 {
     struct job *j = arg;
+    fake_t *f = j->f;
+    if (!j->fail && f->agent_bin != NULL) {
+        /* The agent side of the action, then (for boot/restore) wait for its HELLO. */
+        if (strcmp(j->action, "pause") == 0) {
+            agent_signal(f, j->id, SIGSTOP);
+        } else if (strcmp(j->action, "resume") == 0) {
+            agent_signal(f, j->id, SIGCONT);
+        } else if (strcmp(j->action, "snapshot") == 0) {
+            vm_drop_conn(f, j->id);
+            agent_signal(f, j->id, SIGSTOP);
+        } else if (strcmp(j->action, "destroy") == 0) {
+            agent_kill(f, j->id);
+        } else if (strcmp(j->action, "boot") == 0 || strcmp(j->action, "restore") == 0) {
+            agent_signal(f, j->id, SIGCONT);
+            sp_agentconn_t *c = agent_ensure(f, j->id);
+            if (c != NULL && sp_agentconn_when_up(c, 15000, on_agent_up, j) == 0)
+                return;
+            sp_err_t e;
+            sp_err_set(&e, SP_EUNAVAIL, "cannot start the fake agent");
+            job_finish(j, &e);
+            return;
+        }
+    }
     if (j->fail) {
         sp_err_t e;
         sp_err_set(&e, SP_EINTERNAL, "injected %s failure", j->action);
@@ -189,13 +379,22 @@ static int f_destroy(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg,
 
 static sp_vm_state_t f_probe(sp_driver_t *d, const char *id)
 {
+    fake_t *f = (fake_t *)d;
     char buf[32];
-    const char *st = read_state((fake_t *)d, id, buf, sizeof(buf));
+    const char *st = read_state(f, id, buf, sizeof(buf));
     if (st == NULL)
         return SP_VM_ABSENT;
-    if (strcmp(st, "running") == 0)
+    bool running = strcmp(st, "running") == 0, paused = strcmp(st, "paused") == 0;
+    /* Re-adopt (or restart) the agent of a live "VM" we have no channel to, e.g. after
+     * spaced restarted. */
+    if ((running || paused) && f->agent_bin != NULL) {
+        struct vm *v = vm_find(f, id, false);
+        if (v == NULL || v->conn == NULL || agent_pid(f, id) == 0)
+            agent_ensure(f, id);
+    }
+    if (running)
         return SP_VM_RUNNING;
-    if (strcmp(st, "paused") == 0)
+    if (paused)
         return SP_VM_PAUSED;
     return SP_VM_SUSPENDED;
 }
@@ -212,11 +411,22 @@ static int f_stats(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t 
 
 static struct sp_agentconn *f_agent(sp_driver_t *d, const char *id)
 {
-    return NULL; /* no guest: commands and files need the real runtime */
+    fake_t *f = (fake_t *)d;
+    if (f->agent_bin == NULL || f_probe(d, id) != SP_VM_RUNNING)
+        return NULL; /* without SPACE_FAKE_AGENT there is no guest */
+    struct vm *v = vm_find(f, id, false);
+    return v ? v->conn : NULL;
 }
 
 static void f_free(sp_driver_t *d)
 {
+    fake_t *f = (fake_t *)d;
+    while (f->vms != NULL) { /* the agents keep running, like VMs across a restart */
+        struct vm *v = f->vms;
+        f->vms = v->next;
+        sp_agentconn_destroy(v->conn);
+        free(v);
+    }
     free(d);
 }
 
@@ -248,5 +458,7 @@ sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)
     }
     const char *d = getenv("SPACE_FAKE_DELAY_MS");
     f->delay_ms = d ? (unsigned)atoi(d) : 50;
+    const char *a = getenv("SPACE_FAKE_AGENT");
+    f->agent_bin = a != NULL && a[0] != '\0' ? a : NULL;
     return &f->base;
 }

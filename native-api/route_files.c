@@ -1,0 +1,493 @@
+/*
+ * route_files.c - /v1/sandboxes/{id}/files: download, upload, remove, stat, list, mkdir,
+ * move.
+ *
+ * Downloads stream: the agent's DATA goes to the client as it comes and the agent gets credit
+ * back only after h2o took it, so a 1 GiB file passes through one agent window of memory.
+ * Uploads: h2o hands us the whole body (large ones live in its temp-file-backed buffer, not
+ * the heap); we slice it into DATA frames only as the agent's credit allows. Either way a
+ * client that leaves stops the transfer (an upload is abandoned and the agent drops its
+ * temporary file).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/exec.h"
+#include "native-api/napi_int.h"
+
+typedef struct {
+    char *path;
+    char *dest;
+    char *user;
+    uint32_t mode;
+    uint32_t depth;
+    bool flag; /* recursive (DELETE) or mkdirs (PUT) */
+    sp_agentconn_t *conn; /* GET: the channel the stat went over (borrowed) */
+} fsreq_t;
+
+static void fsreq_free(void *p)
+{
+    fsreq_t *f = p;
+    free(f->path);
+    free(f->dest);
+    free(f->user);
+    free(f);
+}
+
+static fsreq_t *fsreq_new(napi_ctx_t *c, sp_err_t *err)
+{
+    fsreq_t *f = calloc(1, sizeof(*f));
+    if (f == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    c->data = f;
+    c->data_free = fsreq_free;
+    return f;
+}
+
+static int set_str(char **dst, const char *src, sp_err_t *err)
+{
+    *dst = src ? strdup(src) : NULL;
+    if (src != NULL && *dst == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    return 0;
+}
+
+static int check_user(const char *user, sp_err_t *err)
+{
+    if (user != NULL && (user[0] == '\0' || strlen(user) > 63))
+        return sp_err_set(err, SP_EINVAL, "user must be a name of 1 to 63 characters");
+    return 0;
+}
+
+/* Octal permission bits from "644"/"0755" (or a JSON integer). */
+static int parse_mode(const char *s, uint32_t *out, sp_err_t *err)
+{
+    if (s == NULL)
+        return 0;
+    char *end;
+    unsigned long v = strtoul(s, &end, 8);
+    if (s[0] == '\0' || *end != '\0' || v > 07777)
+        return sp_err_set(err, SP_EINVAL, "mode must be octal permission bits like 0644");
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err)
+{
+    const char *v = sp_http_query(req, name);
+    if (v == NULL)
+        return 0;
+    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0)
+        *out = true;
+    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0)
+        *out = false;
+    else
+        return sp_err_set(err, SP_EINVAL, "%s must be true or false", name);
+    return 0;
+}
+
+/* path and user from the query string. */
+static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
+{
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (req == NULL) {
+        sp_err_set(err, SP_EUNAVAIL, "client gone");
+        return NULL;
+    }
+    const char *path = sp_http_query(req, "path");
+    const char *user = sp_http_query(req, "user");
+    if (path == NULL) {
+        sp_err_set(err, SP_EINVAL,
+                   "path query parameter is required (percent-encoded, without NUL)");
+        return NULL;
+    }
+    if (sp_exec_check_path(path, err) < 0 || check_user(user, err) < 0)
+        return NULL;
+    fsreq_t *f = fsreq_new(c, err);
+    if (f == NULL || set_str(&f->path, path, err) < 0 || set_str(&f->user, user, err) < 0)
+        return NULL;
+    return f;
+}
+
+/* A string field of the JSON body (NULL when absent); -1 when not a string or holds NUL. */
+static int body_str(json_t *b, const char *key, const char **out, sp_err_t *err)
+{
+    json_t *v = json_object_get(b, key);
+    *out = NULL;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_string(v) || strlen(json_string_value(v)) != json_string_length(v))
+        return sp_err_set(err, SP_EINVAL, "%s must be a string without NUL characters", key);
+    *out = json_string_value(v);
+    return 0;
+}
+
+/* ---- request/answer operations: stat, list, mkdir, move, remove ---- */
+
+static void on_fs(void *arg, json_t *result, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    fsreq_t *f = c->data;
+    if (result == NULL)
+        result = json_pack("{s:s,s:b}", "path", f->path, "removed", 1);
+    else
+        json_incref(result);
+    sp_napi__reply(c, 200, result);
+}
+
+static void fs_with_agent(napi_ctx_t *c, sp_agentconn_t *conn, sp_exec_fsop_t op)
+{
+    fsreq_t *f = c->data;
+    sp_exec_fs_req_t r = {.op = op, .path = f->path, .dest = f->dest, .user = f->user,
+                          .depth = f->depth, .recursive = f->flag, .mode = f->mode};
+    sp_err_t e;
+    if (sp_exec_fs(sp_napi__loop(c), conn, &r, on_fs, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+static void stat_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fs_with_agent(c, conn, SP_EXEC_FS_STAT);
+}
+
+static void list_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fs_with_agent(c, conn, SP_EXEC_FS_LIST);
+}
+
+static void mkdir_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fs_with_agent(c, conn, SP_EXEC_FS_MKDIR);
+}
+
+static void move_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fs_with_agent(c, conn, SP_EXEC_FS_MOVE);
+}
+
+static void remove_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fs_with_agent(c, conn, SP_EXEC_FS_REMOVE);
+}
+
+void sp_napi__files_stat(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (from_query(c, &e) == NULL)
+        sp_napi__fail(c, &e);
+    else
+        sp_napi__with_agent(c, stat_next);
+}
+
+void sp_napi__files_list(napi_ctx_t *c)
+{
+    sp_err_t e;
+    fsreq_t *f = from_query(c, &e);
+    if (f == NULL) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    const char *d = sp_http_query(sp_http_hold_req(c->hold), "depth");
+    f->depth = 1;
+    if (d != NULL) {
+        char *end;
+        long v = strtol(d, &end, 10);
+        if (d[0] == '\0' || *end != '\0' || v < 1 || v > 32) {
+            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "depth must be 1 to 32"), &e));
+            return;
+        }
+        f->depth = (uint32_t)v;
+    }
+    sp_napi__with_agent(c, list_next);
+}
+
+void sp_napi__files_delete(napi_ctx_t *c)
+{
+    sp_err_t e;
+    fsreq_t *f = from_query(c, &e);
+    if (f == NULL || query_bool(sp_http_hold_req(c->hold), "recursive", &f->flag, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, remove_next);
+}
+
+void sp_napi__files_mkdir(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"path", "user", "mode", NULL};
+    sp_err_t e;
+    json_t *b = c->body;
+    const char *path, *user;
+    json_t *m = b ? json_object_get(b, "mode") : NULL;
+    uint32_t mode = 0;
+    if (b == NULL)
+        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
+    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "path", &path, &e) < 0 ||
+        body_str(b, "user", &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
+        check_user(user, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    if (m != NULL && !json_is_null(m)) {
+        if (json_is_integer(m) && json_integer_value(m) >= 0 && json_integer_value(m) <= 07777)
+            mode = (uint32_t)json_integer_value(m);
+        else if (!json_is_string(m) || parse_mode(json_string_value(m), &mode, &e) < 0) {
+            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL,
+                                         "mode must be octal permission bits like \"0755\""),
+                              &e));
+            return;
+        }
+    }
+    fsreq_t *f = fsreq_new(c, &e);
+    if (f == NULL || set_str(&f->path, path, &e) < 0 || set_str(&f->user, user, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    f->mode = mode;
+    sp_napi__with_agent(c, mkdir_next);
+}
+
+void sp_napi__files_move(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"from", "to", "user", NULL};
+    sp_err_t e;
+    json_t *b = c->body;
+    const char *from, *to, *user;
+    if (b == NULL)
+        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
+    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "from", &from, &e) < 0 ||
+        body_str(b, "to", &to, &e) < 0 || body_str(b, "user", &user, &e) < 0 ||
+        (from == NULL || to == NULL ? sp_err_set(&e, SP_EINVAL, "from and to are required") : 0) < 0 ||
+        sp_exec_check_path(from, &e) < 0 || sp_exec_check_path(to, &e) < 0 ||
+        check_user(user, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    fsreq_t *f = fsreq_new(c, &e);
+    if (f == NULL || set_str(&f->path, from, &e) < 0 || set_str(&f->dest, to, &e) < 0 ||
+        set_str(&f->user, user, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, move_next);
+}
+
+/* ---- download ---- */
+
+typedef struct {
+    napi_ctx_t *c; /* until the response starts */
+    napi_stream_t *st;
+    sp_exec_t *op;
+    long long length; /* Content-Length, or -1: chunked */
+} dl_t;
+
+static void dl_sent(void *arg, size_t raw)
+{
+    dl_t *d = arg;
+    sp_exec_ack(d->op, raw);
+}
+
+static void dl_gone(void *arg)
+{
+    dl_t *d = arg;
+    sp_exec_cancel(d->op);
+    free(d);
+}
+
+static const napi_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
+
+/* Starts the response; false (d freed, op cancelled) when the client is gone. */
+static bool dl_start(dl_t *d)
+{
+    h2o_req_t *req = sp_napi__take(d->c);
+    d->c = NULL;
+    if (req != NULL)
+        d->st = sp_napi__stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
+    if (d->st == NULL) {
+        if (req != NULL)
+            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+        sp_exec_cancel(d->op);
+        free(d);
+        return false;
+    }
+    return true;
+}
+
+static void dl_data(void *arg, const uint8_t *p, size_t n)
+{
+    dl_t *d = arg;
+    if (d->st == NULL && !dl_start(d))
+        return;
+    if (sp_napi__stream_write(d->st, p, n, n) < 0) {
+        sp_exec_cancel(d->op);
+        sp_napi__stream_end(d->st, false);
+        free(d);
+    }
+}
+
+static void dl_done(void *arg, uint64_t total, const sp_err_t *err)
+{
+    dl_t *d = arg;
+    if (d->st == NULL) {
+        if (err != NULL) {
+            sp_napi__fail(d->c, err);
+            free(d);
+            return;
+        }
+        if (!dl_start(d))
+            return;
+    }
+    /* A file that shrank after stat cannot fill its Content-Length: cut the response. */
+    bool ok = err == NULL && (d->length < 0 || (long long)total == d->length);
+    sp_napi__stream_end(d->st, ok);
+    free(d);
+}
+
+static const sp_exec_read_cbs_t dl_read_cbs = {dl_data, dl_done};
+
+/* The stat answered (inside the agent connection's callback, so conn is alive). */
+static void dl_statted(void *arg, json_t *entry, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    sp_err_t e;
+    const char *type = json_string_value(json_object_get(entry, "type"));
+    if (type != NULL && strcmp(type, "dir") == 0) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "path is a directory (use files/list)"), &e));
+        return;
+    }
+    fsreq_t *f = c->data;
+    json_int_t size = json_integer_value(json_object_get(entry, "size"));
+    dl_t *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    d->c = c;
+    /* Regular files with a size: exactly that many bytes with Content-Length. Others (and
+     * /proc-like files that report 0): to the end, chunked. */
+    bool sized = type != NULL && strcmp(type, "file") == 0 && size > 0;
+    d->length = sized ? (long long)size : -1;
+    d->op = sp_exec_read(sp_napi__loop(c), f->conn, f->path, f->user, 0,
+                         sized ? (uint64_t)size : 0, &dl_read_cbs, d, &e);
+    if (d->op == NULL) {
+        free(d);
+        sp_napi__fail(c, &e);
+    }
+}
+
+static void get_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fsreq_t *f = c->data;
+    sp_exec_fs_req_t r = {.op = SP_EXEC_FS_STAT, .path = f->path, .user = f->user};
+    sp_err_t e;
+    /* The read is opened from the stat's callback, on the same channel: kept here. */
+    f->conn = conn;
+    if (sp_exec_fs(sp_napi__loop(c), conn, &r, dl_statted, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__files_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (from_query(c, &e) == NULL)
+        sp_napi__fail(c, &e);
+    else
+        sp_napi__with_agent(c, get_next);
+}
+
+/* ---- upload ---- */
+
+typedef struct {
+    napi_ctx_t *c;
+    sp_exec_t *op;
+    size_t off;
+    bool ended;
+} up_t;
+
+static void up_feed(up_t *u)
+{
+    h2o_req_t *req = sp_http_hold_req(u->c->hold);
+    if (req == NULL) { /* the client left: its body is gone with it */
+        sp_exec_cancel(u->op);
+        sp_napi__take(u->c);
+        free(u);
+        return;
+    }
+    while (u->off < req->entity.len) {
+        long k = sp_exec_write_data(u->op, req->entity.base + u->off, req->entity.len - u->off);
+        if (k <= 0)
+            return; /* 0: on_writable comes; -1: on_done comes */
+        u->off += (size_t)k;
+    }
+    if (!u->ended) {
+        u->ended = true;
+        sp_exec_write_end(u->op);
+    }
+}
+
+static void up_writable(void *arg)
+{
+    up_feed(arg);
+}
+
+static void up_done(void *arg, json_t *entry, const sp_err_t *err)
+{
+    up_t *u = arg;
+    napi_ctx_t *c = u->c;
+    free(u);
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, entry ? json_incref(entry) : json_object());
+}
+
+static const sp_exec_write_cbs_t up_cbs = {up_writable, up_done};
+
+static void put_next(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    fsreq_t *f = c->data;
+    sp_err_t e;
+    up_t *u = calloc(1, sizeof(*u));
+    if (u == NULL) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    u->c = c;
+    u->op = sp_exec_write(sp_napi__loop(c), conn, f->path, f->user, f->mode, f->flag, &up_cbs, u,
+                          &e);
+    if (u->op == NULL) {
+        free(u);
+        sp_napi__fail(c, &e);
+        return;
+    }
+    up_feed(u);
+}
+
+void sp_napi__files_put(napi_ctx_t *c)
+{
+    sp_err_t e;
+    fsreq_t *f = from_query(c, &e);
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (f != NULL) {
+        f->flag = true; /* mkdirs by default */
+        if (req == NULL || query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
+            parse_mode(sp_http_query(req, "mode"), &f->mode, &e) < 0)
+            f = NULL;
+    }
+    if (f == NULL) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, put_next);
+}
