@@ -780,6 +780,29 @@ static void touched(struct call *c, PGresult *res, const sp_err_t *err)
         sp_log(SP_LOG_WARN, "svc", "last_activity_at update failed err=%s", err->msg);
 }
 
+/* A running sandbox whose channel is not up yet (spaced just restarted and is re-adopting the
+ * VM, or the agent is reconnecting) is waited for, up to AGENT_WAIT_MS, instead of failing. */
+#define AGENT_WAIT_MS 15000
+
+struct agent_wait {
+    sp_svc_agent_cb cb;
+    void *arg;
+    sp_agentconn_t *conn;
+};
+
+static void agent_up(void *p, const sp_err_t *err)
+{
+    struct agent_wait *w = p;
+    if (err != NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox agent did not answer");
+        w->cb(w->arg, NULL, &e);
+    } else {
+        w->cb(w->arg, w->conn, NULL);
+    }
+    free(w);
+}
+
 static void agent_done(struct call *c, PGresult *res, const sp_err_t *err)
 {
     sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
@@ -819,6 +842,17 @@ static void agent_done(struct call *c, PGresult *res, const sp_err_t *err)
                " AND last_activity_at < now() - interval '1 second'",
                1, p, touched, NULL, NULL, 0, &e) < 0)
         sp_log(SP_LOG_WARN, "svc", "last_activity_at update not sent err=%s", e.msg);
+    if (!sp_agentconn_up(conn)) {
+        struct agent_wait *w = malloc(sizeof(*w));
+        if (w != NULL) {
+            w->cb = cb;
+            w->arg = c->arg;
+            w->conn = conn;
+            if (sp_agentconn_when_up(conn, AGENT_WAIT_MS, agent_up, w) == 0)
+                return;
+            free(w);
+        }
+    }
     cb(c->arg, conn, NULL);
 }
 

@@ -113,6 +113,7 @@ class Spaced:
 
     def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None):
         self.binary = binary or os.environ.get("SPACED_TEST") or os.environ["SPACED"]
+        self.owns_data = data_dir is None  # a shared data dir (templates) is never removed
         self.data_dir = data_dir or tmpdir("sp-data-")
         self.database_url = database_url
         self.runtime = runtime
@@ -193,7 +194,7 @@ class Spaced:
     def destroy(self):
         self.kill(signal.SIGTERM)
         self.kill_fake_agents()
-        if not KEEP:
+        if not KEEP and self.owns_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):

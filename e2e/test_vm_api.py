@@ -1,0 +1,216 @@
+"""End to end on real microVMs through the native HTTP API (shipped spaced, QEMU driver).
+
+Needs SP_TEST_DATA_DIR with a built `base` template (the e2e.template fixture makes it) and
+root. Runs its own PostgreSQL so the shared data dir only holds images and VMs.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from harness import MULT, PgCluster, Spaced, pg_bindir  # noqa: E402
+
+DATA = os.environ.get("SP_TEST_DATA_DIR")
+
+
+def skip_reason():
+    if DATA is None or not os.path.exists(os.path.join(DATA, "templates", "base", "current")):
+        return "SP_TEST_DATA_DIR has no built base template"
+    if os.geteuid() != 0:
+        return "needs root"
+    if pg_bindir() is None:
+        return "PostgreSQL is not installed"
+    return None
+
+
+def vm_processes(sid):
+    out = subprocess.run(["pgrep", "-f", "vms/" + sid], capture_output=True, text=True).stdout
+    return [p for p in out.split() if p]
+
+
+@unittest.skipIf(skip_reason(), skip_reason())
+class VmApiTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PgCluster()
+        cls.s = Spaced(binary=os.environ["SPACED"], data_dir=DATA, database_url=cls.pg.url,
+                       env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+        cls.s.key = cls.s.cli("keys", "create").stdout.strip()
+        cls.s.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.s.destroy()
+        cls.pg.destroy()
+
+    def req(self, *a, **kw):
+        return self.s.request(*a, **kw)
+
+    def run_cmd(self, sid, body, status=200):
+        st, r = self.req("POST", "/v1/sandboxes/%s/commands" % sid, body, timeout=120)
+        self.assertEqual(st, status, r)
+        return r
+
+    def create(self, **fields):
+        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % (120 * MULT), dict(template="base", **fields),
+                         timeout=130 * MULT)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
+        return r["sandbox"]["id"]
+
+    def lifecycle(self, sid, verb, want):
+        st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, 60 * MULT), timeout=70 * MULT)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+        self.assertEqual(r["sandbox"]["state"], want)
+        return r
+
+    def test_commands_and_files_on_a_real_vm(self):
+        sid = self.create(env={"FROM_CREATE": "yes"})
+        r = self.run_cmd(sid, {"cmd": "uname -r"})
+        kernel = r["stdout"].strip()
+        self.assertEqual(r["exit_code"], 0)
+        self.assertRegex(kernel, r"^\d+\.\d+\.\d+-\d+-amd64$")
+        self.assertNotEqual(kernel, os.uname().release)  # the guest's own kernel
+
+        r = self.run_cmd(sid, {"argv": ["id", "-un"], "user": "user"})
+        self.assertEqual(r["stdout"].strip(), "user")
+        r = self.run_cmd(sid, {"argv": ["id", "-un"]})
+        self.assertEqual(r["stdout"].strip(), "root")
+        r = self.run_cmd(sid, {"cmd": "echo $FOO:$PWD", "env": {"FOO": "bar"}, "cwd": "/tmp"})
+        self.assertEqual(r["stdout"], "bar:/tmp\n")
+        r = self.run_cmd(sid, {"cmd": "echo oops >&2; exit 7"})
+        self.assertEqual((r["exit_code"], r["stderr"]), (7, "oops\n"))
+        r = self.run_cmd(sid, {"argv": ["python3", "-c", "import sys; print(sys.stdin.read()[::-1])"],
+                               "stdin": "hello vm"})
+        self.assertEqual(r["stdout"], "mv olleh\n")
+
+        # Background: start, drop the first reader mid-stream, re-attach, signal.
+        r = self.run_cmd(sid, {"cmd": "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done",
+                               "background": True})
+        cid = r["id"]
+        import http.client
+        c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=30)
+        c.request("GET", "/v1/sandboxes/%s/commands/%s/output" % (sid, cid),
+                  headers={"Authorization": "Bearer " + self.s.key})
+        resp = c.getresponse()
+        first = resp.readline()
+        self.assertIn(b"start", first)
+        c.close()  # the client goes away; the process must not
+        time.sleep(1.0)
+        st, lst = self.req("GET", "/v1/sandboxes/%s/commands" % sid)
+        mine = [x for x in lst["commands"] if x["id"] == cid]
+        self.assertTrue(mine and mine[0]["running"], lst)
+        st, r = self.req("POST", "/v1/sandboxes/%s/commands/%s/signal" % (sid, cid), {"signal": "SIGTERM"})
+        self.assertEqual(st, 200, r)
+        st, body = self.req("GET", "/v1/sandboxes/%s/commands/%s/output" % (sid, cid), timeout=60)
+        lines = [json.loads(x) for x in body.decode().splitlines()] if isinstance(body, bytes) else []
+        text = "".join(x.get("data", "") for x in lines if x["type"] == "stdout")
+        self.assertIn("tick 3", text)  # replayed output from before the re-attach
+        self.assertEqual(lines[-1]["type"], "exit")
+        self.assertEqual(lines[-1]["signal"], 15)
+
+        # 50 MiB up and down with a checksum.
+        blob = os.urandom(50 << 20)
+        t0 = time.time()
+        st, ent = self.req("PUT", "/v1/sandboxes/%s/files?path=/home/user/big.bin" % sid, raw=blob,
+                           timeout=300)
+        up = time.time() - t0
+        self.assertEqual(st, 200, ent)
+        self.assertEqual(ent["size"], len(blob))
+        r = self.run_cmd(sid, {"cmd": "sha256sum /home/user/big.bin"})
+        self.assertEqual(r["stdout"].split()[0], hashlib.sha256(blob).hexdigest())
+        t0 = time.time()
+        st, got = self.req("GET", "/v1/sandboxes/%s/files?path=/home/user/big.bin" % sid, timeout=300)
+        down = time.time() - t0
+        self.assertEqual(st, 200)
+        self.assertEqual(hashlib.sha256(got).hexdigest(), hashlib.sha256(blob).hexdigest())
+        print("\n50 MiB upload %.2f s, download %.2f s" % (up, down), file=sys.stderr)
+
+        # list / stat / move / remove
+        st, _ = self.req("POST", "/v1/sandboxes/%s/files/mkdir" % sid, {"path": "/home/user/d/e"})
+        self.assertEqual(st, 200)
+        st, _ = self.req("PUT", "/v1/sandboxes/%s/files?path=/home/user/d/e/f.txt" % sid, raw=b"abc")
+        self.assertEqual(st, 200)
+        st, lst = self.req("GET", "/v1/sandboxes/%s/files/list?path=/home/user/d&depth=3" % sid)
+        self.assertEqual(st, 200, lst)
+        self.assertIn("/home/user/d/e/f.txt", [e["path"] for e in lst["entries"]])
+        st, _ = self.req("POST", "/v1/sandboxes/%s/files/move" % sid,
+                         {"from": "/home/user/d/e/f.txt", "to": "/home/user/g.txt"})
+        self.assertEqual(st, 200)
+        st, ent = self.req("GET", "/v1/sandboxes/%s/files/stat?path=/home/user/g.txt" % sid)
+        self.assertEqual((st, ent["size"], ent["type"]), (200, 3, "file"))
+        st, _ = self.req("DELETE", "/v1/sandboxes/%s/files?path=/home/user/d&recursive=true" % sid)
+        self.assertEqual(st, 200)
+        st, _ = self.req("GET", "/v1/sandboxes/%s/files/stat?path=/home/user/d" % sid)
+        self.assertEqual(st, 404)
+
+        # delete leaves no process, overlay or socket behind
+        self.assertTrue(vm_processes(sid))
+        vmdir = os.path.join(DATA, "vms", sid)
+        self.assertTrue(os.path.exists(os.path.join(vmdir, "disk.qcow2")))
+        st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+        self.assertEqual(vm_processes(sid), [])
+        self.assertFalse(os.path.exists(vmdir))
+
+    def test_pause_suspend_cycles_keep_files_and_processes(self):
+        sid = self.create()
+        self.run_cmd(sid, {"cmd": "echo keep > /home/user/kept.txt"})
+        r = self.run_cmd(sid, {"cmd": "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
+                                      "sleep 0.1; done", "background": True})
+        cid = r["id"]
+
+        def counter():
+            return int(self.run_cmd(sid, {"cmd": "cat /tmp/counter"})["stdout"])
+
+        time.sleep(0.5)
+        last = counter()
+        for cycle in range(5):
+            for verb, rest in (("pause", "paused"), ("suspend", "suspended")):
+                self.lifecycle(sid, verb, rest)
+                self.assertEqual(self.req("POST", "/v1/sandboxes/%s/commands" % sid,
+                                          {"cmd": "true"})[0], 409)
+                self.lifecycle(sid, "wake", "running")
+                self.assertEqual(self.run_cmd(sid, {"cmd": "cat /home/user/kept.txt"})["stdout"],
+                                 "keep\n")
+                time.sleep(0.4)
+                now = counter()
+                self.assertGreater(now, last, "counter stopped after %s cycle %d" % (verb, cycle))
+                last = now
+        st, lst = self.req("GET", "/v1/sandboxes/%s/commands" % sid)
+        self.assertTrue([x for x in lst["commands"] if x["id"] == cid and x["running"]])
+        # delete of a suspended sandbox frees its snapshot
+        self.lifecycle(sid, "suspend", "suspended")
+        vmdir = os.path.join(DATA, "vms", sid)
+        self.assertTrue(os.path.exists(vmdir))
+        st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+        self.assertFalse(os.path.exists(vmdir))
+
+    def test_vms_survive_a_spaced_restart(self):
+        sid = self.create()
+        sus = self.create()
+        self.run_cmd(sid, {"cmd": "echo before > /tmp/marker"})
+        self.run_cmd(sus, {"cmd": "echo suspended-before > /home/user/marker"})
+        self.lifecycle(sus, "suspend", "suspended")
+        pids = vm_processes(sid)
+        self.s.kill()  # SIGKILL: no cleanup
+        self.assertEqual(vm_processes(sid), pids)  # the VM kept running
+        self.s.start()
+        r = self.run_cmd(sid, {"cmd": "cat /tmp/marker"})
+        self.assertEqual(r["stdout"], "before\n")
+        self.lifecycle(sus, "wake", "running")
+        r = self.run_cmd(sus, {"cmd": "cat /home/user/marker"})
+        self.assertEqual(r["stdout"], "suspended-before\n")
+        for x in (sid, sus):
+            st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % x, timeout=70)
+            self.assertEqual(r["operation"]["status"], "succeeded", r)
+
+
+if __name__ == "__main__":
+    unittest.main()
