@@ -85,7 +85,8 @@ static const char *record_sql =
     "   error = CASE WHEN $3::text IS NULL THEN error ELSE $4 END,"
     "   desired_state = CASE WHEN $6::text IS NOT NULL AND desired_state = $5 THEN $6"
     "     ELSE desired_state END,"
-    "   claim_until = CASE WHEN $8::bool THEN NULL ELSE claim_until END"
+    "   claim_until = CASE WHEN $8::bool THEN NULL ELSE claim_until END,"
+    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes)"
     "  WHERE id = $1 AND observed_state = $9 AND worker_id = $7"
     "  RETURNING id, desired_state, observed_state),"
     " f AS (UPDATE operations o SET"
@@ -156,6 +157,18 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
     const char *rollback = NULL;
     if (failed && to != SP_OBS_FAILED && to != SP_OBS_DELETED)
         rollback = sp_observed_name(to);
+    /* The snapshot's size is what a suspended sandbox costs: kept on the row for the API. */
+    char snap[24];
+    const char *snap_p = NULL;
+    if (to == SP_OBS_SUSPENDED || to == SP_OBS_RUNNING || to == SP_OBS_DELETED) {
+        sp_vm_stats_t st;
+        sp_err_t se;
+        uint64_t bytes = 0;
+        if (to == SP_OBS_SUSPENDED && r->driver->ops->stats(r->driver, t->id, &st, &se) == 0)
+            bytes = st.snapshot_bytes;
+        snprintf(snap, sizeof(snap), "%llu", (unsigned long long)bytes);
+        snap_p = snap;
+    }
     const char *p[] = {t->id,
                        sp_observed_name(to),
                        failed ? t->err_code : NULL,
@@ -166,9 +179,10 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
                        release ? "true" : "false",
                        sp_observed_name(expect),
                        sp_observed_transitional(to) ? sp_action_name(t->act) : NULL,
-                       event};
+                       event,
+                       snap_p};
     sp_err_t e;
-    if (sp_store_query(r->store, record_sql, 11, p, on_recorded, rc, &e) < 0) {
+    if (sp_store_query(r->store, record_sql, 12, p, on_recorded, rc, &e) < 0) {
         free(rc);
         sp_timer_start(&t->retry, RECON_RETRY_MS);
     }
