@@ -35,7 +35,6 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -43,6 +42,7 @@
 #include <unistd.h>
 
 #include "core/agentconn.h"
+#include "core/cgroup.h"
 #include "core/log.h"
 #include "core/qmp.h"
 #include "guest/bootargs.h"
@@ -56,15 +56,10 @@
 #define SP_QEMU_CONSOLE_MAX     (2u << 20) /* bytes; trimmed to the tail beyond this */
 #define SP_QEMU_CONSOLE_KEEP    (256u << 10)
 #define SP_QEMU_CONSOLE_TICK_MS 5000u
-#define SP_QEMU_PIDS_MAX        512
-#define SP_QEMU_CG_ROOT         "/sys/fs/cgroup"
-#define SP_QEMU_CG_SLICE        "space.slice"
+#define SP_QEMU_OVERHEAD_TCG_MB 512 /* QEMU beyond guest RAM: TCG's translation cache */
+#define SP_QEMU_OVERHEAD_KVM_MB 128
 #define SP_QEMU_SANDBOX_ARG                                                                        \
     "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-
-#ifndef CGROUP2_SUPER_MAGIC
-#define CGROUP2_SUPER_MAGIC 0x63677270
-#endif
 
 typedef struct sp_qemu sp_qemu_t;
 
@@ -168,7 +163,7 @@ struct vm {
     sp_timer_t snap_timer;
     struct child *sync;
     uint64_t snap_start_ms;
-    char cg[PATH_MAX]; /* "" when the VM has no cgroup */
+    bool cg; /* the VM runs in its own cgroup (core/cgroup.h), with its limits */
     uint64_t cpu_ticks, cpu_ms;
     double cpu_pct;
 };
@@ -182,8 +177,7 @@ struct sp_qemu {
     int accel;   /* -1 undecided, 0 TCG, 1 KVM */
     int sandbox; /* -1 unknown, 0 unsupported, 1 supported */
     struct child *kvm_probe, *sandbox_probe;
-    bool cg_ok;
-    bool cg_warned;
+    sp_cgroup_t *cg; /* the host's cgroup layout, detected once; NULL: out of memory */
     struct vm *vms;
     struct done *done_head, *done_tail;
     sp_timer_t done_timer;
@@ -297,19 +291,6 @@ static ssize_t read_small(const char *path, char *buf, size_t n)
     close(fd);
     buf[got] = '\0';
     return got;
-}
-
-static int write_str(const char *path, const char *s)
-{
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    size_t l = strlen(s);
-    ssize_t w = write(fd, s, l);
-    int e = errno;
-    close(fd);
-    errno = e;
-    return w == (ssize_t)l ? 0 : -1;
 }
 
 /* Writes a file atomically (temp + rename). */
@@ -461,19 +442,42 @@ static int add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t
 /* ---------- children ---------- */
 
 struct spawn_opts {
-    const char *out_path; /* stdout+stderr (appended); NULL: /dev/null */
-    int stdin_fd;         /* -1: /dev/null */
-    int cg_procs_fd;      /* -1: stay in our cgroup */
+    const char *out_path;       /* stdout+stderr (appended); NULL: /dev/null */
+    int stdin_fd;               /* -1: /dev/null */
+    const sp_cgroup_join_t *cg; /* NULL: stay in our cgroup; else join before exec or fail */
+    const char *sandbox;        /* for log lines; NULL for helpers */
     bool new_session;
 };
 
-/* fork + exec; the child only makes async-signal-safe calls. Returns the pid and a pidfd. */
+/* After fork, waits for the child to join its cgroup: it writes its errno to the status
+ * pipe and exits if it cannot; the pipe closes without data once it has joined (close_range
+ * before exec). Blocks the loop only for the child's few syscalls. 0 when joined. */
+static int await_join(int rd, pid_t pid, int *join_errno)
+{
+    int e = 0;
+    ssize_t r;
+    do
+        r = read(rd, &e, sizeof e);
+    while (r < 0 && errno == EINTR);
+    close(rd);
+    if (r <= 0)
+        return 0;
+    *join_errno = r == (ssize_t)sizeof e ? e : EIO;
+    waitpid(pid, NULL, 0); /* it exits right after writing */
+    return -1;
+}
+
+/* fork + exec; the child only makes async-signal-safe calls. Returns the pid and a pidfd.
+ * With o->cg, the child joins those cgroups before exec; if it cannot, it never execs and
+ * spawn fails (a VM outside its limits is worse than no VM). */
 static pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err)
 {
     int out = open(o->out_path != NULL ? o->out_path : "/dev/null",
                    O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     int in = o->stdin_fd >= 0 ? o->stdin_fd : open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (out < 0 || in < 0) {
+    int st[2] = {-1, -1};
+    bool join = o->cg != NULL && o->cg->n > 0;
+    if (out < 0 || in < 0 || (join && pipe2(st, O_CLOEXEC) < 0)) {
         int e = errno;
         if (out >= 0)
             close(out);
@@ -488,8 +492,12 @@ static pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, s
     if (pid == 0) {
         if (o->new_session)
             setsid();
-        if (o->cg_procs_fd >= 0 && write(o->cg_procs_fd, "0", 1) < 0) {
-            /* stays in spaced's cgroup: the VM runs, without its limits */
+        if (join && sp_cgroup_join(o->cg) < 0) {
+            int je = errno;
+            if (write(st[1], &je, sizeof je) < 0) {
+                /* the parent then sees a VM that exited at once: the boot fails anyway */
+            }
+            _exit(125);
         }
         struct sigaction sa = {.sa_handler = SIG_DFL};
         sigemptyset(&sa.sa_mask);
@@ -508,9 +516,20 @@ static pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, s
     close(out);
     if (in != o->stdin_fd)
         close(in);
+    if (join)
+        close(st[1]);
     if (pid < 0) {
+        if (join)
+            close(st[0]);
         sp_log(SP_LOG_ERROR, "qemu", "fork failed err=%s", strerror(e));
         sp_err_set(err, SP_ERUNTIME, "cannot start process");
+        return -1;
+    }
+    int je = 0;
+    if (join && await_join(st[0], pid, &je) < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "vm cannot join its cgroup, not started sandbox=%s err=%s",
+               o->sandbox != NULL ? o->sandbox : "-", strerror(je));
+        sp_err_set(err, SP_ERUNTIME, "cannot place the VM in its resource-limit cgroup");
         return -1;
     }
     *pidfd = pidfd_open_(pid);
@@ -596,107 +615,36 @@ static struct child *child_start(sp_qemu_t *d, char *const argv[], const struct 
 
 /* ---------- cgroups ---------- */
 
-static void cg_warn(sp_qemu_t *d, const char *what, int e)
-{
-    if (!d->cg_warned)
-        sp_log(SP_LOG_WARN, "qemu",
-               "no per-VM cgroup limits: %s err=%s (VMs run without cpu/memory/pids limits)", what,
-               strerror(e));
-    d->cg_warned = true;
-    d->cg_ok = false;
-}
-
-static void cg_init(sp_qemu_t *d)
-{
-    struct statfs sf;
-    char buf[512];
-    if (statfs(SP_QEMU_CG_ROOT, &sf) < 0 || sf.f_type != CGROUP2_SUPER_MAGIC) {
-        cg_warn(d, "cgroup v2 is not mounted at " SP_QEMU_CG_ROOT, ENOTSUP);
-        return;
-    }
-    if (read_small(SP_QEMU_CG_ROOT "/cgroup.controllers", buf, sizeof buf) < 0 ||
-        strstr(buf, "cpu") == NULL || strstr(buf, "memory") == NULL ||
-        strstr(buf, "pids") == NULL) {
-        cg_warn(d, "cpu, memory and pids controllers are not all available", ENOTSUP);
-        return;
-    }
-    if (mkdir(SP_QEMU_CG_ROOT "/" SP_QEMU_CG_SLICE, 0755) < 0 && errno != EEXIST) {
-        cg_warn(d, "cannot create " SP_QEMU_CG_SLICE, errno);
-        return;
-    }
-    if (read_small(SP_QEMU_CG_ROOT "/cgroup.subtree_control", buf, sizeof buf) < 0 ||
-        strstr(buf, "memory") == NULL || strstr(buf, "cpu") == NULL ||
-        strstr(buf, "pids") == NULL) {
-        if (write_str(SP_QEMU_CG_ROOT "/cgroup.subtree_control", "+cpu +memory +pids") < 0) {
-            cg_warn(d, "controllers not delegated", errno);
-            return;
-        }
-    }
-    if (write_str(SP_QEMU_CG_ROOT "/" SP_QEMU_CG_SLICE "/cgroup.subtree_control",
-                  "+cpu +memory +pids") < 0) {
-        cg_warn(d, "controllers not delegated to " SP_QEMU_CG_SLICE, errno);
-        return;
-    }
-    d->cg_ok = true;
-}
-
-static void cg_path(const char *id, char *out, size_t n)
-{
-    sfmt(out, n, "%s/%s/vm-%s", SP_QEMU_CG_ROOT, SP_QEMU_CG_SLICE, id);
-}
-
-/* Makes the VM's cgroup with its limits; returns an fd on cgroup.procs or -1 (no limits). */
-static int cg_create(struct vm *vm)
+/* Makes the VM's cgroups (core/cgroup.h) with limits from its size; fills *join with the
+ * cgroup.procs fds its QEMU joins before exec. false (no limits) when the host has no usable
+ * layout or this VM's group cannot be made: the VM then boots without limits, logged. */
+static bool cg_create(struct vm *vm, sp_cgroup_join_t *join)
 {
     sp_qemu_t *d = vm->d;
-    vm->cg[0] = '\0';
-    if (!d->cg_ok)
-        return -1;
-    char p[PATH_MAX], f[PATH_MAX + 32], v[64];
-    cg_path(vm->id, p, sizeof p);
-    if (mkdir(p, 0755) < 0 && errno != EEXIST) {
-        cg_warn(d, "cannot create a VM cgroup", errno);
-        return -1;
+    vm->cg = false;
+    join->n = 0;
+    if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE)
+        return false; /* said once, when the driver was created */
+    sp_cgroup_limits_t lim;
+    sp_cgroup_limits(vm->cpu_count, vm->memory_mb,
+                     d->accel == 1 ? SP_QEMU_OVERHEAD_KVM_MB : SP_QEMU_OVERHEAD_TCG_MB, &lim);
+    char why[512];
+    if (sp_cgroup_vm_create(d->cg, vm->id, &lim, join, why, sizeof why) < 0) {
+        sp_log(SP_LOG_WARN, "qemu", "vm runs without cgroup limits sandbox=%s reason=\"%s\"",
+               vm->id, why);
+        return false;
     }
-    /* QEMU's own overhead on top of guest RAM: TCG's translation cache grows to hundreds
-     * of MiB; KVM needs little. */
-    uint64_t over = d->accel == 1 ? 128u : 512u;
-    uint64_t mem = ((uint64_t)vm->memory_mb + over) << 20;
-    sfmt(f, sizeof f, "%s/memory.max", p);
-    sfmt(v, sizeof v, "%llu", (unsigned long long)mem);
-    int rc = write_str(f, v);
-    sfmt(f, sizeof f, "%s/cpu.max", p);
-    sfmt(v, sizeof v, "%d 100000", (vm->cpu_count > 0 ? vm->cpu_count : 1) * 100000);
-    rc |= write_str(f, v);
-    sfmt(f, sizeof f, "%s/pids.max", p);
-    sfmt(v, sizeof v, "%d", SP_QEMU_PIDS_MAX);
-    rc |= write_str(f, v);
-    if (rc != 0) {
-        cg_warn(d, "cannot set VM cgroup limits", errno);
-        rmdir(p);
-        return -1;
-    }
-    sfmt(f, sizeof f, "%s/cgroup.procs", p);
-    int fd = open(f, O_WRONLY | O_CLOEXEC);
-    if (fd < 0) {
-        cg_warn(d, "cannot open cgroup.procs", errno);
-        rmdir(p);
-        return -1;
-    }
-    sfmt(vm->cg, sizeof vm->cg, "%s", p);
-    return fd;
+    sp_log(SP_LOG_DEBUG, "qemu", "vm cgroup sandbox=%s cpu_quota_us=%llu mem_bytes=%llu pids=%u",
+           vm->id, (unsigned long long)lim.cpu_quota_us, (unsigned long long)lim.mem_bytes,
+           lim.pids_max);
+    vm->cg = true;
+    return true;
 }
 
-/* Kills anything left in the VM's cgroup and removes it. Nothing to do without one. */
-static void cg_remove(const char *id)
+/* Kills anything left in the VM's cgroups and removes them. Nothing to do without any. */
+static void cg_remove(sp_qemu_t *d, const char *id)
 {
-    char p[PATH_MAX], f[PATH_MAX + 32];
-    cg_path(id, p, sizeof p);
-    if (!file_exists(p))
-        return;
-    sfmt(f, sizeof f, "%s/cgroup.kill", p);
-    write_str(f, "1");
-    if (rmdir(p) < 0 && errno != ENOENT)
+    if (sp_cgroup_vm_remove(d->cg, id) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot remove cgroup sandbox=%s err=%s", id, strerror(errno));
 }
 
@@ -992,7 +940,7 @@ static void vm_finish(struct vm *vm)
         kill(-vm->pid, SIGKILL); /* lost its pidfd watch somehow: make sure */
         kill(vm->pid, SIGKILL);
     }
-    cg_remove(vm->id);
+    cg_remove(d, vm->id);
     if (vm->restoring && vm->destroy_w == NULL) {
         /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
         static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
@@ -1361,14 +1309,17 @@ static void start_qemu(struct vm *vm)
         off += (size_t)sfmt(cmd + off, sizeof cmd - off, "%s%s", i ? " " : "", argv[i]);
     sp_log(SP_LOG_DEBUG, "qemu", "starting sandbox=%s argv=%s", vm->id, cmd);
 
-    int cgfd = cg_create(vm);
-    struct spawn_opts so = {
-        .out_path = log, .stdin_fd = -1, .cg_procs_fd = cgfd, .new_session = true};
+    sp_cgroup_join_t join;
+    bool cg = cg_create(vm, &join);
+    struct spawn_opts so = {.out_path = log,
+                            .stdin_fd = -1,
+                            .cg = cg ? &join : NULL,
+                            .sandbox = vm->id,
+                            .new_session = true};
     sp_err_t e;
     vm->pid = spawn(argv, &so, &vm->pidfd, &e);
     free(base);
-    if (cgfd >= 0)
-        close(cgfd);
+    sp_cgroup_join_close(&join);
     if (vm->pid < 0) {
         vm->pid = 0;
         boot_fail(vm, "%s", e.msg);
@@ -1437,7 +1388,7 @@ static void start_disk(struct vm *vm)
     vm_path(vm, "qemu.log", log, sizeof log);
     char *argv[] = {d->qemu_img, "create", "-q",           "-f", "qcow2", "-F",
                     "qcow2",     "-b",     vm->tp->rootfs, disk, NULL};
-    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg_procs_fd = -1};
+    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
     vm->img = child_start(d, argv, &so, 30000, on_img_exit, vm, &e);
     if (vm->img == NULL)
@@ -1554,8 +1505,7 @@ static void start_kvm_probe(sp_qemu_t *d, const char *kernel)
                     "-serial",
                     serial,
                     NULL};
-    struct spawn_opts so = {
-        .out_path = NULL, .stdin_fd = -1, .cg_procs_fd = -1, .new_session = true};
+    struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL, .new_session = true};
     sp_err_t e;
     sp_log(SP_LOG_INFO, "qemu", "probing KVM timeout_ms=%u", d->probe_ms);
     d->kvm_probe = child_start(d, argv, &so, d->probe_ms, on_kvm_probe, d, &e);
@@ -1608,7 +1558,7 @@ static void start_sandbox_probe(sp_qemu_t *d)
                     "-qmp",
                     "stdio",
                     NULL};
-    struct spawn_opts so = {.out_path = NULL, .stdin_fd = p[0], .cg_procs_fd = -1};
+    struct spawn_opts so = {.out_path = NULL, .stdin_fd = p[0], .cg = NULL};
     sp_err_t e;
     d->sandbox_probe = child_start(d, argv, &so, SP_QEMU_SANDBOX_PROBE, on_sandbox_probe, d, &e);
     close(p[0]);
@@ -1668,10 +1618,7 @@ static struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
     char p[PATH_MAX + 16];
     vm_path(vm, "paused", p, sizeof p);
     vm->paused = file_exists(p);
-    char cg[PATH_MAX];
-    cg_path(id, cg, sizeof cg);
-    if (file_exists(cg))
-        sfmt(vm->cg, sizeof vm->cg, "%s", cg);
+    vm->cg = sp_cgroup_vm_exists(d->cg, id); /* groups outlive spaced: nothing to redo */
     vm->pw = sp_watch_create(d->base.loop, vm->pidfd, on_vm_exit, vm);
     if (vm->pw == NULL) {
         vm_unlink(vm);
@@ -1979,7 +1926,7 @@ static void snap_sync(struct vm *vm)
     snap_path(vm, "devstate.tmp", dev, sizeof dev);
     vm_path(vm, "disk.qcow2", disk, sizeof disk);
     char *argv[] = {"sync", "--data", ram, dev, disk, NULL};
-    struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg_procs_fd = -1};
+    struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
     vm->snap_step = SN_SYNC;
     vm->sync = child_start(vm->d, argv, &so, 120000, on_sync_exit, vm, &e);
@@ -2153,7 +2100,7 @@ static void suspend_finish(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
     vm_disconnect(vm);
-    cg_remove(vm->id);
+    cg_remove(d, vm->id);
     static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
     char p[PATH_MAX + 16];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -2303,7 +2250,7 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
         }
     }
     if (vm == NULL) {
-        cg_remove(id);
+        cg_remove(d, id);
         rm_rf(vdir);
         if (complete(d, cb, arg, NULL) < 0)
             return sp_err_set(err, SP_EINTERNAL, "out of memory");
@@ -2345,7 +2292,7 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
         sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
         rm_rf(vdir);
     }
-    cg_remove(id);
+    cg_remove(d, id);
     return SP_VM_ABSENT;
 }
 
@@ -2394,13 +2341,8 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
     out->cpu_used_pct = vm->cpu_pct;
 
     bool mem = false;
-    if (vm->cg[0] != '\0') {
-        sfmt(p, sizeof p, "%s/memory.current", vm->cg);
-        if (read_small(p, buf, sizeof buf) > 0) {
-            out->mem_used_bytes = strtoull(buf, NULL, 10);
-            mem = true;
-        }
-    }
+    if (vm->cg && sp_cgroup_vm_mem_used(d->cg, vm->id, &out->mem_used_bytes) == 0)
+        mem = out->mem_used_bytes > 0;
     if (!mem) {
         sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);
         FILE *f = fopen(p, "re");
@@ -2451,6 +2393,7 @@ static void q_free(sp_driver_t *base)
     sp_timer_stop(&d->done_timer);
     sp_timer_stop(&d->kick_timer);
     sp_timer_stop(&d->console_timer);
+    sp_cgroup_destroy(d->cg);
     free(d->qemu);
     free(d->qemu_img);
     free(d);
@@ -2556,7 +2499,13 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     }
     d->sandbox = -1;
     start_sandbox_probe(d);
-    cg_init(d);
+    d->cg = sp_cgroup_create();
+    if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE)
+        sp_log(SP_LOG_WARN, "qemu",
+               "no per-VM cgroup limits: %s (VMs run without cpu/memory/pids limits)",
+               sp_cgroup_why(d->cg));
+    else
+        sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
     adopt_all(d);
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
     return &d->base;

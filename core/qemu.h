@@ -2,8 +2,13 @@
  * qemu.h - the QEMU microvm runtime driver (core/driver.h).
  *
  * One QEMU process per sandbox, in its own session and process group (it
- * survives spaced) and, where cgroup v2 is delegated to us, its own cgroup
- * under space.slice/. Per-VM files live in <data-dir>/vms/<id>/:
+ * survives spaced) and its own cgroups (core/cgroup.h: space.slice/vm-<id> on
+ * v2, space/vm-<id> in the cpu, memory and pids hierarchies on v1) limiting it
+ * to cpu_count CPUs, memory_mb plus QEMU's overhead (512 MiB under TCG, 128
+ * MiB under KVM) and 512 tasks. QEMU joins them before exec; a VM whose group
+ * cannot be made boots without limits (logged), one that cannot join fails to
+ * boot. Hosts with no usable cgroup layout run VMs without limits (warned once).
+ * Per-VM files live in <data-dir>/vms/<id>/:
  *
  *   disk.qcow2   qcow2 overlay over the template's read-only base
  *   qmp.sock     QMP (core/qmp.h)

@@ -12,6 +12,11 @@
  * id, disk kept), then destroys it and checks no process, overlay or socket
  * is left. Measures
  * cold boot-to-agent-ready over three more boots and prints the median.
+ *
+ * Where the host has a cgroup layout (core/cgroup.h), checks after each boot,
+ * re-adoption and restore that the QEMU pid is in the VM's cpu and memory
+ * (and pids) groups with the limits from its size, and that destroy and a
+ * dead QEMU leave no group behind.
  */
 #include <errno.h>
 #include <signal.h>
@@ -24,6 +29,7 @@
 #include <unistd.h>
 
 #include "core/agentconn.h"
+#include "core/cgroup.h"
 #include "core/driver.h"
 #include "core/loop.h"
 #include "core/qemu.h"
@@ -90,12 +96,12 @@ static sp_driver_t *make_driver(void)
     return d;
 }
 
-static double boot(sp_driver_t *d, const char *id)
+static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
 {
     sp_vm_spec_t spec = {.sandbox_id = id,
                          .template_name = "base",
-                         .cpu_count = 1,
-                         .memory_mb = 256,
+                         .cpu_count = cpus,
+                         .memory_mb = mem_mb,
                          .hostname = "e2e",
                          .env_json = "{\"E2E\":\"1\"}"};
     struct res r = {0};
@@ -112,6 +118,11 @@ static double boot(sp_driver_t *d, const char *id)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
     CHECK(r.ok);
     return ms;
+}
+
+static double boot(sp_driver_t *d, const char *id)
+{
+    return boot_sized(d, id, 1, 256);
 }
 
 static void destroy(sp_driver_t *d, const char *id)
@@ -219,6 +230,109 @@ static pid_t vm_pid(const char *id)
     return pid;
 }
 
+/* ---- cgroups ---- */
+
+static sp_cgroup_t *cgl; /* the host's layout, as the driver sees it */
+
+static int read_text(const char *dir, const char *file, char *out, size_t n)
+{
+    char p[4200];
+    snprintf(p, sizeof p, "%s/%s", dir, file);
+    FILE *f = fopen(p, "r");
+    if (f == NULL)
+        return -1;
+    size_t k = fread(out, 1, n - 1, f);
+    fclose(f);
+    out[k] = '\0';
+    return 0;
+}
+
+static unsigned long long read_ull(const char *dir, const char *file)
+{
+    char b[64];
+    CHECK(read_text(dir, file, b, sizeof b) == 0);
+    return strtoull(b, NULL, 10);
+}
+
+static int procs_has(const char *dir, pid_t pid)
+{
+    static char b[1 << 16];
+    if (read_text(dir, "cgroup.procs", b, sizeof b) < 0)
+        return 0;
+    for (char *s = b; *s != '\0';) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s)
+            break;
+        if (v == (long)pid)
+            return 1;
+        s = end;
+    }
+    return 0;
+}
+
+/* TCG or KVM, as the driver decided: the memory limit's overhead depends on it. */
+static int accel_is_kvm(void)
+{
+    char p[4096], b[16] = "";
+    snprintf(p, sizeof p, "%s/vms", data_dir);
+    CHECK(read_text(p, "accel", b, sizeof b) == 0);
+    return strncmp(b, "kvm", 3) == 0;
+}
+
+/* QEMU pid of VM id runs in the VM's groups, limited to cpus vCPUs and mem_mb + overhead. */
+static void check_cgroup(const char *id, pid_t pid, int cpus, int mem_mb)
+{
+    if (sp_cgroup_kind(cgl) == SP_CGROUP_NONE)
+        return;
+    unsigned long long want_mem = ((unsigned long long)mem_mb + (accel_is_kvm() ? 128 : 512)) << 20;
+    char mem[4096], cpu[4096], pids[4096];
+    CHECK(sp_cgroup_vm_dir(cgl, "memory", id, mem, sizeof mem) == 0);
+    CHECK(sp_cgroup_vm_dir(cgl, "cpu", id, cpu, sizeof cpu) == 0);
+    CHECK(procs_has(mem, pid));
+    CHECK(procs_has(cpu, pid));
+    if (sp_cgroup_kind(cgl) == SP_CGROUP_V1) {
+        unsigned long long lim = read_ull(mem, "memory.limit_in_bytes");
+        unsigned long long period = read_ull(cpu, "cpu.cfs_period_us");
+        unsigned long long quota = read_ull(cpu, "cpu.cfs_quota_us");
+        printf("cgroup v1 %s: pid %d in memory+cpu groups, memory.limit_in_bytes=%llu "
+               "cpu.cfs_quota_us=%llu cpu.cfs_period_us=%llu\n",
+               id, (int)pid, lim, quota, period);
+        CHECK(lim == want_mem);
+        CHECK(period == 100000ull && quota == 100000ull * (unsigned long long)cpus);
+        char sw[4200];
+        snprintf(sw, sizeof sw, "%s/memory.memsw.limit_in_bytes", mem);
+        if (access(sw, F_OK) == 0)
+            CHECK(read_ull(mem, "memory.memsw.limit_in_bytes") == want_mem);
+    } else {
+        char cm[64];
+        CHECK(read_text(cpu, "cpu.max", cm, sizeof cm) == 0);
+        unsigned long long lim = read_ull(mem, "memory.max");
+        printf("cgroup v2 %s: pid %d in its group, memory.max=%llu cpu.max=%s", id, (int)pid, lim,
+               cm);
+        CHECK(lim == want_mem);
+        char want_cpu[64];
+        snprintf(want_cpu, sizeof want_cpu, "%llu 100000\n", 100000ull * (unsigned long long)cpus);
+        CHECK(strcmp(cm, want_cpu) == 0);
+    }
+    if (sp_cgroup_vm_dir(cgl, "pids", id, pids, sizeof pids) == 0) {
+        CHECK(procs_has(pids, pid));
+        CHECK(read_ull(pids, "pids.max") == 512ull);
+    }
+}
+
+/* No group of VM id is left in any hierarchy. */
+static void check_no_cgroup(const char *id)
+{
+    static const char *const ctl[] = {"cpu", "memory", "pids"};
+    struct stat sb;
+    for (size_t i = 0; i < sizeof ctl / sizeof ctl[0]; i++) {
+        char dir[4096];
+        if (sp_cgroup_vm_dir(cgl, ctl[i], id, dir, sizeof dir) == 0)
+            CHECK(stat(dir, &sb) < 0 && errno == ENOENT);
+    }
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -251,6 +365,9 @@ int main(void)
     snprintf(id, sizeof id, "e2e-%d", (int)getpid());
 
     sp_driver_t *d = make_driver();
+    cgl = sp_cgroup_create();
+    CHECK(cgl != NULL);
+    printf("cgroup layout: %s\n", sp_cgroup_why(cgl));
     /* cleanup of nothing succeeds; there is nothing to suspend */
     destroy(d, id);
     CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
@@ -266,6 +383,7 @@ int main(void)
     printf("uname -r in the guest: %s\n", rel);
     CHECK(rel[0] != '\0');
     CHECK(strstr(tp.kernel_version, rel) == tp.kernel_version); /* "<abi>_<debian version>" */
+    check_cgroup(id, vm_pid(id), 1, 256);
 
     /* boot again is idempotent */
     boot(d, id);
@@ -301,6 +419,7 @@ int main(void)
     CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
     run_cmd(d, id, "uname -r", rel, sizeof rel);
     printf("after driver restart: re-adopted, uname -r: %s\n", rel);
+    check_cgroup(id, pid, 1, 256); /* the groups outlived the driver */
 
     /* a second driver restart, then probe (not just create) re-adopts */
     sp_driver_destroy(d);
@@ -339,6 +458,7 @@ int main(void)
     CHECK(strcmp(bid1, bid2) == 0 && strcmp(mark, "kept") == 0);
     pid = vm_pid(id);
     CHECK(pid > 0);
+    check_cgroup(id, pid, 1, 256); /* the restored QEMU is a new process: limited too */
 
     destroy(d, id);
     run_for(100);
@@ -349,6 +469,7 @@ int main(void)
     CHECK(stat(p, &sb) < 0 && errno == ENOENT); /* no overlay, socket or pidfile */
     CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
     CHECK(d->ops->agent(d, id) == NULL);
+    check_no_cgroup(id);
 
     /* spaced killed outright (SIGKILL, no cleanup): its VM keeps running and is re-adopted */
     {
@@ -402,7 +523,18 @@ int main(void)
         CHECK(d->ops->probe(d, kid) == SP_VM_ABSENT);
         snprintf(p, sizeof p, "%s/vms/%s", data_dir, kid);
         CHECK(stat(p, &sb) < 0 && errno == ENOENT);
+        check_no_cgroup(kid);
         destroy(d, kid);
+    }
+
+    /* limits follow the sandbox's size */
+    {
+        char sid[80];
+        snprintf(sid, sizeof sid, "%s-s", id);
+        boot_sized(d, sid, 2, 384);
+        check_cgroup(sid, vm_pid(sid), 2, 384);
+        destroy(d, sid);
+        check_no_cgroup(sid);
     }
 
     /* cold boot-to-agent-ready, median of 3 */
@@ -412,6 +544,7 @@ int main(void)
         snprintf(bid, sizeof bid, "%s-b%d", id, i);
         t[i] = boot(d, bid);
         destroy(d, bid);
+        check_no_cgroup(bid);
     }
     qsort(t, 3, sizeof t[0], cmp_d);
     printf("cold boot to agent ready: median %.0f ms (%.0f-%.0f)\n", t[1], t[0], t[2]);
@@ -457,6 +590,7 @@ int main(void)
 
     sp_driver_destroy(d);
     sp_loop_destroy(loop);
+    sp_cgroup_destroy(cgl);
     printf("qemu driver e2e: ok\n");
     return 0;
 }
