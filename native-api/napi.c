@@ -14,13 +14,27 @@
 sp_napi_t *sp_napi_create(sp_svc_t *svc)
 {
     sp_napi_t *n = calloc(1, sizeof(*n));
-    if (n != NULL)
-        n->svc = svc;
+    if (n == NULL)
+        return NULL;
+    n->svc = svc;
+    n->sessions = sp_session_tab_create(sp_svc_loop(svc));
+    if (n->sessions == NULL) {
+        free(n);
+        return NULL;
+    }
     return n;
+}
+
+void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver)
+{
+    n->driver = driver;
 }
 
 void sp_napi_destroy(sp_napi_t *n)
 {
+    if (n == NULL)
+        return;
+    sp_session_tab_destroy(n->sessions);
     free(n);
 }
 
@@ -112,6 +126,7 @@ json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s)
     json_object_set_new(o, "memory_mb", json_integer(s->memory_mb));
     json_object_set_new(o, "snapshot_bytes", json_integer(s->snapshot_bytes));
     json_object_set_new(o, "error", str_or_null(s->error));
+    json_object_set_new(o, "access_token", json_string(s->access_token)); /* E2B envd token */
     return o;
 }
 
@@ -203,6 +218,14 @@ static const struct route routes[] = {
      true},
     {M_POST, {"v1", "sandboxes", "*", "files", "move", NULL}, {NULL, sp_napi__files_move, NULL},
      true},
+    {M_GET | M_POST,
+     {"v1", "sandboxes", "*", "sessions", NULL},
+     {sp_napi__sessions_list, sp_napi__sessions_create, NULL},
+     true},
+    {M_GET | M_DELETE,
+     {"v1", "sandboxes", "*", "sessions", "*", NULL},
+     {sp_napi__sessions_get, NULL, sp_napi__sessions_delete},
+     false},
 };
 
 static const struct route *match(const char **segs, int n)
@@ -293,6 +316,16 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
         h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
                        H2O_STRLIT("application/json"));
         h2o_send_inline(req, sp_napi_openapi_json, strlen(sp_napi_openapi_json));
+        return;
+    }
+    if (ns == 3 && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "attach") == 0) {
+        /* The data plane: the session's token, not an API key, and no database. */
+        if (mb != M_GET)
+            sp_http_json(req, 405,
+                         json_pack("{s:{s:s,s:s}}", "error", "code", "method_not_allowed",
+                                   "message", "method not allowed on this path"));
+        else
+            sp_napi__attach(n, req, segs[2]);
         return;
     }
     const struct route *r = ns < 0 ? NULL : match(segs, ns);

@@ -2,7 +2,8 @@
  * napi.h - the native HTTP API (/v1/..., /healthz).
  *
  * Parses and authenticates (Authorization: Bearer <key>), calls one core
- * operation (core/svc.h), renders JSON. Holds no state of its own.
+ * operation (core/svc.h), renders JSON. Its only state is the table of command
+ * sessions (core/session.h), which lives in this process's memory.
  */
 #ifndef SP_NAPI_H
 #define SP_NAPI_H
@@ -16,6 +17,10 @@ typedef struct sp_napi sp_napi_t;
 
 sp_napi_t *sp_napi_create(sp_svc_t *svc);
 void sp_napi_destroy(sp_napi_t *n);
+
+/* The runtime driver (borrowed; outlives n): command sessions attach to a VM's agent channel
+ * through it, without the database. Without one, attaching answers 503. */
+void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver);
 
 /* Whether path belongs to this API (/v1/ and /healthz). */
 bool sp_napi_owns(h2o_req_t *req);

@@ -4,6 +4,7 @@
 #ifndef SP_NAPI_INT_H
 #define SP_NAPI_INT_H
 
+#include "core/session.h"
 #include "native-api/napi.h"
 #include "server/http.h"
 
@@ -12,6 +13,8 @@
 
 struct sp_napi {
     sp_svc_t *svc;
+    sp_driver_t *driver;        /* the attach path's way to a VM's agent; may be NULL */
+    sp_session_tab_t *sessions; /* command sessions (route_sessions.c) */
 };
 
 /* One request's state across its asynchronous steps, in its hold. */
@@ -100,5 +103,11 @@ void sp_napi__files_stat(napi_ctx_t *c);
 void sp_napi__files_list(napi_ctx_t *c);
 void sp_napi__files_mkdir(napi_ctx_t *c);
 void sp_napi__files_move(napi_ctx_t *c);
+void sp_napi__sessions_create(napi_ctx_t *c);
+void sp_napi__sessions_list(napi_ctx_t *c);
+void sp_napi__sessions_get(napi_ctx_t *c);
+void sp_napi__sessions_delete(napi_ctx_t *c);
+/* GET /v1/attach/{sid}: authenticated by the session's attach token, not an API key. */
+void sp_napi__attach(sp_napi_t *n, h2o_req_t *req, const char *sid);
 
 #endif

@@ -6,7 +6,7 @@ SPACE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Packages for building, running and testing space (Debian 12).
 SPACE_PKGS=(
   gcc make cmake pkg-config git ca-certificates python3
-  libh2o-evloop-dev libpq-dev libjansson-dev libssl-dev libsodium-dev
+  libh2o-evloop-dev libwslay-dev libpq-dev libjansson-dev libssl-dev libsodium-dev
   postgresql postgresql-contrib
   qemu-system-x86 qemu-utils busybox-static mmdebstrap e2fsprogs xz-utils zstd musl-tools
   libnss-myhostname

@@ -490,6 +490,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     worker_id(o->data_dir, wid);
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     s.napi = svc ? sp_napi_create(svc) : NULL;
+    if (s.napi != NULL)
+        sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
     if (recon == NULL || s.napi == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;
