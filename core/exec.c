@@ -23,7 +23,7 @@
 
 #include "core/log.h"
 
-typedef enum { K_STREAM, K_RUN, K_SPAWN, K_LIST, K_CTRL, K_FS, K_READ, K_WRITE } kind_t;
+typedef enum { K_STREAM, K_RUN, K_SPAWN, K_LIST, K_CTRL, K_FS, K_READ, K_WRITE, K_WATCH } kind_t;
 
 struct sp_exec {
     kind_t kind;
@@ -61,6 +61,8 @@ struct sp_exec {
     /* K_CTRL: stdin or signal on a running process */
     sp_exec_done_cb done_cb;
     bool is_signal;
+    bool is_resize;
+    uint32_t rows, cols;
     int sig;
     bool group;
     int phase; /* 0: listing, 1: attached */
@@ -74,6 +76,7 @@ struct sp_exec {
     uint64_t total;
     sp_exec_write_cbs_t wcbs;
     bool write_failed;
+    sp_exec_watch_cbs_t watch_cbs;
 };
 
 /* ---- helpers ---- */
@@ -355,6 +358,9 @@ static void deliver_error(sp_exec_t *op, const sp_err_t *err)
         break;
     case K_WRITE:
         op->wcbs.on_done(op->arg, NULL, err);
+        break;
+    case K_WATCH:
+        op->watch_cbs.on_done(op->arg, err);
         break;
     }
 }
@@ -905,6 +911,22 @@ sp_exec_t *sp_exec_signal(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, int 
     return open_list(op, err) < 0 ? NULL : op;
 }
 
+sp_exec_t *sp_exec_resize(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, uint32_t rows,
+                          uint32_t cols, sp_exec_done_cb cb, void *arg, sp_err_t *err)
+{
+    if (rows < 1 || rows > 1000 || cols < 1 || cols > 1000) {
+        sp_err_set(err, SP_EINVAL, "rows and cols must be 1 to 1000");
+        return NULL;
+    }
+    sp_exec_t *op = ctrl_new(loop, c, pid, cb, arg, err);
+    if (op == NULL)
+        return NULL;
+    op->is_resize = true;
+    op->rows = rows;
+    op->cols = cols;
+    return open_list(op, err) < 0 ? NULL : op;
+}
+
 /* The listing for a K_CTRL op ended: attach to the process if it runs. */
 static void ctrl_listed(sp_exec_t *op)
 {
@@ -926,7 +948,14 @@ static void ctrl_listed(sp_exec_t *op)
         deliver_error(op, &e);
         return;
     }
-    if (op->is_signal) {
+    if (op->is_resize) {
+        uint8_t buf[32];
+        sp_ap_writer_t w;
+        sp_ap_writer_init(&w, buf, sizeof(buf));
+        sp_ap_put_u32(&w, SP_AP_K_ROWS, op->rows);
+        sp_ap_put_u32(&w, SP_AP_K_COLS, op->cols);
+        sp_agentstream_send(op->s, SP_AP_T_PROC_RESIZE, buf, w.len);
+    } else if (op->is_signal) {
         uint8_t buf[32];
         sp_ap_writer_t w;
         sp_ap_writer_init(&w, buf, sizeof(buf));
@@ -936,7 +965,8 @@ static void ctrl_listed(sp_exec_t *op)
     } else {
         feed_stdin(op);
     }
-    sp_timer_start(&op->timer, op->is_signal ? SP_EXEC_REPLY_MS : SP_EXEC_IDLE_MS);
+    sp_timer_start(&op->timer,
+                   op->is_signal || op->is_resize ? SP_EXEC_REPLY_MS : SP_EXEC_IDLE_MS);
 }
 
 /* ---- files ---- */
@@ -1165,6 +1195,61 @@ static void write_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t l
     json_decref(e);
 }
 
+sp_exec_t *sp_exec_watch(sp_loop_t *loop, sp_agentconn_t *c, const char *path, const char *user,
+                         bool recursive, const sp_exec_watch_cbs_t *cbs, void *arg,
+                         sp_err_t *err)
+{
+    if (sp_exec_check_path(path, err) < 0)
+        return NULL;
+    sp_exec_t *op = op_new(loop, c, K_WATCH, arg, err);
+    if (op == NULL)
+        return NULL;
+    op->watch_cbs = *cbs;
+    uint8_t buf[SP_EXEC_PATH_MAX + 256];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    sp_ap_put_str(&w, SP_AP_K_PATH, path);
+    sp_ap_put_str(&w, SP_AP_K_USER, user);
+    sp_ap_put_u32(&w, SP_AP_K_RECURSIVE, recursive ? 1 : 0);
+    if (op_open(op, SP_AP_T_WATCH_START, buf, w.len, err) < 0)
+        return NULL;
+    sp_timer_start(&op->timer, SP_EXEC_REPLY_MS); /* until WATCH_STARTED */
+    return op;
+}
+
+static void watch_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t len)
+{
+    if (type == SP_AP_T_WATCH_STARTED) {
+        if (op->started)
+            return;
+        op->started = true;
+        sp_timer_stop(&op->timer);
+        op->watch_cbs.on_started(op->arg);
+        return;
+    }
+    if (type != SP_AP_T_WATCH_EVENT || !op->started)
+        return;
+    sp_ap_str_t path = {0}, name = {0};
+    uint32_t ev = 0, ft = 0;
+    if (sp_ap_get_str(p, len, SP_AP_K_PATH, &path) < 0 || path.p == NULL ||
+        sp_ap_get_str(p, len, SP_AP_K_NAME, &name) < 0 ||
+        sp_ap_get_u32(p, len, SP_AP_K_EVENT, &ev) < 0 ||
+        sp_ap_get_u32(p, len, SP_AP_K_FTYPE, &ft) < 0 || path.n > SP_EXEC_PATH_MAX ||
+        name.n > SP_EXEC_PATH_MAX)
+        return; /* a malformed event is dropped, the watch goes on */
+    char *ps = malloc(path.n + 1), *ns = malloc(name.n + 1);
+    if (ps != NULL && ns != NULL) {
+        memcpy(ps, path.p, path.n);
+        ps[path.n] = '\0';
+        if (name.n)
+            memcpy(ns, name.p, name.n);
+        ns[name.n] = '\0';
+        op->watch_cbs.on_event(op->arg, ps, ns, ev, ft);
+    }
+    free(ps);
+    free(ns);
+}
+
 /* ---- dispatch ---- */
 
 static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
@@ -1233,6 +1318,9 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
         break;
     case K_WRITE:
         write_frame(op, type, p, len);
+        break;
+    case K_WATCH:
+        watch_frame(op, type, p, len);
         break;
     }
     if (end && !op->dead && op->s == NULL) /* an END we did not expect (OK on a process stream, say) */

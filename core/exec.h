@@ -143,6 +143,10 @@ sp_exec_t *sp_exec_stdin(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, const
 sp_exec_t *sp_exec_signal(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, int sig, bool group,
                           sp_exec_done_cb cb, void *arg, sp_err_t *err);
 
+/* Resizes pid's PTY to rows x cols (1..1000 each). Errors as sp_exec_stdin. */
+sp_exec_t *sp_exec_resize(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, uint32_t rows,
+                          uint32_t cols, sp_exec_done_cb cb, void *arg, sp_err_t *err);
+
 /* ---- files ----
  * Paths: 1..SP_EXEC_PATH_MAX bytes, no NUL (SP_EINVAL otherwise); relative ones resolve
  * against the user's home. Operations run with the user's credentials (NULL: root).
@@ -205,6 +209,22 @@ sp_exec_t *sp_exec_write(sp_loop_t *loop, sp_agentconn_t *c, const char *path, c
 long sp_exec_write_data(sp_exec_t *op, const void *p, size_t n);
 /* No more bytes: the agent commits the file; on_done follows. */
 void sp_exec_write_end(sp_exec_t *op);
+
+typedef struct {
+    /* The watch is in place (once, before any event). */
+    void (*on_started)(void *arg);
+    /* A change: path (full) and name (last component) are NUL-terminated, borrowed for the
+     * call; events are SP_AP_EV_* bits, ftype SP_AP_FT_*. */
+    void (*on_event)(void *arg, const char *path, const char *name, uint32_t events,
+                     uint32_t ftype);
+    /* Terminal: the watch could not start or ended (directory gone, channel lost). */
+    void (*on_done)(void *arg, const sp_err_t *err);
+} sp_exec_watch_cbs_t;
+
+/* Watches directory path (and, if recursive, its subdirectories) until cancelled. */
+sp_exec_t *sp_exec_watch(sp_loop_t *loop, sp_agentconn_t *c, const char *path, const char *user,
+                         bool recursive, const sp_exec_watch_cbs_t *cbs, void *arg,
+                         sp_err_t *err);
 
 /* Stops the operation: no more callbacks; a process stream is detached, a write is abandoned
  * (the agent drops its temporary file). NULL does nothing. */

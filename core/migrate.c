@@ -84,6 +84,14 @@ static const char *const migrations[] = {
     "  detail text NOT NULL DEFAULT '',"
     "  at timestamptz NOT NULL DEFAULT now());"
     "CREATE INDEX events_sandbox ON events (sandbox_id, id);",
+    /* 2: what the E2B surface keeps per sandbox. deadline_s is the last timeout length asked
+     * for (an automatic wake starts a new deadline of that length); allow_internet_access and
+     * network are stored for outbound rules and not yet enforced. */
+    "ALTER TABLE sandboxes ADD COLUMN auto_resume boolean NOT NULL DEFAULT false;"
+    "ALTER TABLE sandboxes ADD COLUMN deadline_s int;"
+    "ALTER TABLE sandboxes ADD COLUMN allow_internet_access boolean;"
+    "ALTER TABLE sandboxes ADD COLUMN network jsonb;"
+    "ALTER TABLE sandboxes ADD COLUMN envd_version text;",
 };
 
 int sp_migrate_latest(void)

@@ -18,6 +18,13 @@
  * defer, migrate-incoming from a passed fd, cont, and invalidates the
  * snapshot once the agent answers (the disk moves on from there).
  *
+ * Template snapshots (qemu.h): a builder VM (a struct vm with tsnap_build set,
+ * an id no API call can name, its work dir vms/.tsnap-<key>-<pid>) boots cold,
+ * settles, and goes through the same suspend steps; suspend_finish then freezes
+ * its files and renames the work dir into the template build. Every transition of a boot waiting for a
+ * snapshot goes through on_kick, so no completion frees a VM another loop
+ * over the table is holding.
+ *
  * Does not know the database or HTTP; does not build images (guest/ does).
  */
 #include "core/qemu.h"
@@ -28,6 +35,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -60,6 +68,8 @@
 #define SP_QEMU_OVERHEAD_KVM_MB 128
 #define SP_QEMU_SANDBOX_ARG                                                                        \
     "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#define SP_QEMU_TSNAP_RETRY_MS 600000u /* a failed template snapshot is retried after this */
+#define SP_QEMU_TSNAP_FORMAT   "space-tsnap-1" /* bump when the snapshot layout changes */
 
 typedef struct sp_qemu sp_qemu_t;
 
@@ -94,6 +104,7 @@ struct child {
 
 enum phase {
     PH_WAIT_ACCEL = 0, /* boot waits for the accelerator / sandbox verdicts */
+    PH_WAIT_TSNAP,     /* boot waits for its template snapshot to be built */
     PH_DISK,           /* qemu-img is making the overlay */
     PH_START,          /* QEMU started; connecting QMP */
     PH_AGENT,          /* QMP up; waiting for the agent's HELLO */
@@ -107,6 +118,8 @@ enum phase {
 enum {
     SN_NONE = 0,
     SN_STOP,
+    SN_CANCEL,      /* migrate_cancel: an earlier driver may have died mid-suspend */
+    SN_CANCEL_POLL, /* until no migration is in flight */
     SN_CAPS,
     SN_GETFD,
     SN_MIGRATE,
@@ -118,6 +131,20 @@ enum {
     RS_INCOMING,
     RS_POLL,
     RS_CONT,
+};
+
+/* One template snapshot (qemu.h), keyed by everything its device state depends on. */
+enum { TS_BUILDING = 0, TS_READY, TS_FAILED };
+struct tsnap {
+    struct tsnap *next;
+    char key[17];       /* 16 hex digits */
+    char dir[PATH_MAX]; /* the committed directory */
+    char tmp[PATH_MAX]; /* where the builder works: <vms>/.tsnap-<key>-<pid> (short paths for
+                         * its unix sockets; no sandbox id starts with '.') */
+    char template_name[128];
+    int state;
+    uint64_t failed_ms; /* mono_ms() of the last failure */
+    uint64_t start_ms;
 };
 
 struct vm {
@@ -164,6 +191,14 @@ struct vm {
     struct child *sync;
     uint64_t snap_start_ms;
     bool cg; /* the VM runs in its own cgroup (core/cgroup.h), with its limits */
+    /* template snapshots */
+    struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
+    struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
+    sp_agentstream_t *settle;  /* builder: `sync` in the guest before the snapshot */
+    char *clone_src;           /* template snapshot dir our RAM is mapped from; NULL: own RAM */
+    bool clone_boot;           /* this boot restores clone_src's device state */
+    bool cold;                 /* this boot must not use a template snapshot */
+    bool restore_stream;       /* restoring a snapshot whose stream carries the RAM */
     uint64_t cpu_ticks, cpu_ms;
     double cpu_pct;
 };
@@ -185,6 +220,9 @@ struct sp_qemu {
     sp_timer_t console_timer;
     uint32_t boot_timeout_ms;
     uint32_t probe_ms;
+    bool cold_only;        /* opts.cold_boot or SPACE_COLD_BOOT=1 */
+    char qemu_ident[PATH_MAX + 96]; /* resolved QEMU binary + size + mtime: part of snapshot keys */
+    struct tsnap *tsnaps;
 };
 
 static void vm_stop(struct vm *vm, bool graceful);
@@ -193,6 +231,10 @@ static void suspend_finish(struct vm *vm);
 static void restore_begin(struct vm *vm);
 static void vm_adopt_connect(struct vm *vm);
 static void qmp_try_connect(struct vm *vm);
+static void kick(sp_qemu_t *d);
+static void tsnap_failed(struct vm *vm, const char *why);
+static void tsnap_commit(struct vm *vm);
+static void tsnap_settle(struct vm *vm);
 
 /* ---------- small helpers ---------- */
 
@@ -227,20 +269,21 @@ static uint32_t env_ms(const char *name, uint32_t dflt)
     return (uint32_t)v;
 }
 
-/* An executable named like execvp would find it. */
-static bool have_program(const char *name)
+/* The executable execvp would run for name, into out[PATH_MAX]. false if none. */
+static bool resolve_program(const char *name, char *out)
 {
-    if (strchr(name, '/') != NULL)
+    if (strchr(name, '/') != NULL) {
+        sfmt(out, PATH_MAX, "%s", name);
         return access(name, X_OK) == 0;
+    }
     const char *path = getenv("PATH");
     if (path == NULL)
         path = "/usr/local/bin:/usr/bin:/bin";
     while (*path != '\0') {
         size_t l = strcspn(path, ":");
-        char p[PATH_MAX];
-        if (l > 0 && l < sizeof p - 1 - strlen(name)) {
-            sfmt(p, sizeof p, "%.*s/%s", (int)l, path, name);
-            if (access(p, X_OK) == 0)
+        if (l > 0 && l < PATH_MAX - 1 - strlen(name)) {
+            sfmt(out, PATH_MAX, "%.*s/%s", (int)l, path, name);
+            if (access(out, X_OK) == 0)
                 return true;
         }
         path += l;
@@ -248,6 +291,12 @@ static bool have_program(const char *name)
             path++;
     }
     return false;
+}
+
+static bool have_program(const char *name)
+{
+    char p[PATH_MAX];
+    return resolve_program(name, p);
 }
 
 static bool valid_id(const char *id)
@@ -703,6 +752,11 @@ static void vm_disconnect(struct vm *vm)
         vm->ident = NULL;
         sp_agentstream_reset(s);
     }
+    if (vm->settle != NULL) {
+        sp_agentstream_t *s = vm->settle;
+        vm->settle = NULL;
+        sp_agentstream_reset(s);
+    }
     if (vm->agent != NULL) {
         sp_agentconn_t *a = vm->agent;
         vm->agent = NULL; /* on_agent_state ignores calls made while it is destroyed */
@@ -740,6 +794,7 @@ static void vm_free(struct vm *vm)
     free(vm->tp);
     free(vm->hostname);
     free(vm->env_json);
+    free(vm->clone_src);
     free(vm);
 }
 
@@ -783,6 +838,38 @@ static pid_t live_qemu_pid(const char *dir)
     return ours ? (pid_t)pid : 0;
 }
 
+/* live_qemu_pid() for a VM dir, except that a QEMU an earlier driver left before its boot or
+ * restore finished (<vm>/booting is written before QEMU starts and removed once the agent has
+ * taken IDENTITY) is killed and 0 returned: its state is unknown (maybe still waiting for its
+ * device state, maybe paused, surely without its identity). A committed snapshot then makes
+ * the sandbox SUSPENDED again, anything else ABSENT: the controller boots or wakes it again.
+ * Blocks up to a second for the process to die. */
+static pid_t live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir)
+{
+    pid_t pid = live_qemu_pid(vdir);
+    char p[PATH_MAX + 16];
+    sfmt(p, sizeof p, "%s/booting", vdir);
+    if (pid <= 0 || !file_exists(p) || vm_find(d, id) != NULL)
+        return pid;
+    sp_log(SP_LOG_WARN, "qemu", "killing a vm left mid-boot by an earlier driver sandbox=%s pid=%d",
+           id, (int)pid);
+    int pfd = pidfd_open_(pid);
+    kill(-pid, SIGKILL);
+    kill(pid, SIGKILL);
+    if (pfd >= 0) {
+        struct pollfd pf = {.fd = pfd, .events = POLLIN};
+        poll(&pf, 1, 1000);
+        close(pfd);
+    }
+    cg_remove(d, id);
+    static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused", "booting"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        sfmt(p, sizeof p, "%s/%s", vdir, names[i]);
+        unlink(p);
+    }
+    return 0;
+}
+
 /* A committed snapshot in the VM dir: snap_commit() renames snapshot/manifest.json into
  * place as its very last step, and boot_done() removes it after a restore. */
 static bool snapshot_committed(const char *dir)
@@ -792,14 +879,15 @@ static bool snapshot_committed(const char *dir)
     return file_exists(p);
 }
 
-/* The files a restore needs beside the manifest: overlay, device state, and a RAM file of
- * exactly memory_mb (QEMU would silently make a fresh, empty one). */
-static bool snapshot_files_ok(const char *dir, int memory_mb)
+/* The files a restore needs beside the manifest: overlay, device state, and (unless the
+ * RAM is in the stream) a RAM file of exactly memory_mb (QEMU would silently make a
+ * fresh, empty one). */
+static bool snapshot_files_ok(const char *dir, int memory_mb, bool ram_in_stream)
 {
     char p[PATH_MAX + 32];
     struct stat st;
     sfmt(p, sizeof p, "%s/mem.ram", dir);
-    if (stat(p, &st) < 0 || (uint64_t)st.st_size != (uint64_t)memory_mb << 20)
+    if (!ram_in_stream && (stat(p, &st) < 0 || (uint64_t)st.st_size != (uint64_t)memory_mb << 20))
         return false;
     sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
     if (stat(p, &st) < 0)
@@ -829,7 +917,7 @@ static uint64_t snapshot_bytes(const char *dir)
 static void remove_runtime_files(const struct vm *vm)
 {
     static const char *const names[] = {"disk.qcow2", "qmp.sock", "agent.sock", "qemu.pid",
-                                        "paused",     "vm.json",  "mem.ram"};
+                                        "paused",     "vm.json",  "mem.ram",    "booting"};
     char p[PATH_MAX + 16];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         vm_path(vm, names[i], p, sizeof p);
@@ -941,9 +1029,39 @@ static void vm_finish(struct vm *vm)
         kill(vm->pid, SIGKILL);
     }
     cg_remove(d, vm->id);
+    if (vm->tsnap_build != NULL) {
+        tsnap_failed(vm, vm->boot_failed ? vm->boot_err.msg : "the builder VM went away");
+    } else if (vm->clone_boot && vm->destroy_w == NULL && vm->boot_w != NULL && vm->tp != NULL) {
+        /* A clone that did not come up: cold-boot the same sandbox instead; later boots
+         * keep cloning (a snapshot that QEMU refuses fails every clone the same way, and
+         * each of them then falls back here). */
+        sp_log(SP_LOG_WARN, "qemu",
+               "clone did not come up, falling back to a cold boot sandbox=%s err=%s", vm->id,
+               vm->boot_failed ? vm->boot_err.msg : "qemu exited");
+        if (vm->pidfd >= 0)
+            close(vm->pidfd);
+        vm->pidfd = -1;
+        vm->pid = 0;
+        vm->exited = false;
+        vm->boot_failed = false;
+        vm->keep_logs = false;
+        vm->restoring = false;
+        vm->clone_boot = false;
+        free(vm->clone_src);
+        vm->clone_src = NULL;
+        vm->tsnap_wait = NULL;
+        vm->cold = true;
+        vm->snap_step = SN_NONE;
+        vm->paused = false;
+        vm->ph = PH_WAIT_ACCEL;
+        sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+        kick(d);
+        return;
+    }
     if (vm->restoring && vm->destroy_w == NULL) {
         /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
-        static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
+        static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused",
+                                            "booting"};
         char p[PATH_MAX + 16];
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
             vm_path(vm, names[i], p, sizeof p);
@@ -1002,10 +1120,16 @@ static void on_qmp_ready(sp_qmp_t *q, void *arg)
 {
     struct vm *vm = arg;
     sp_err_t e;
+    sp_log(SP_LOG_DEBUG, "qemu", "qmp ready sandbox=%s ms=%llu", vm->id,
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
     if (vm->ph == PH_START && vm->restoring) {
         restore_begin(vm);
         return;
     }
+    /* An earlier driver may have died mid-suspend: its migration would stop the VM when it
+     * completes and nobody would commit the snapshot. No-op when none is in flight. */
+    if (vm->adopted)
+        sp_qmp_command(q, "migrate_cancel", NULL, -1, NULL, NULL, &e);
     sp_qmp_command(q, "query-status", NULL, -1, on_status, vm, &e);
     if (vm->ph == PH_START) {
         vm->ph = PH_AGENT;
@@ -1050,7 +1174,7 @@ static void qmp_try_connect(struct vm *vm)
     /* Booting: QEMU creates the socket within ~100 ms; the boot timer bounds us.
      * Adopted: back off to 1 s and give up after a minute (the VM stays usable via its agent). */
     if (vm->ph == PH_START) {
-        sp_timer_start(&vm->qmp_timer, 20);
+        sp_timer_start(&vm->qmp_timer, 5); /* QEMU listens ~40 ms after exec under TCG */
     } else if (vm->qmp_tries < 120) {
         sp_timer_start(&vm->qmp_timer, vm->qmp_tries < 10 ? 100 : 1000);
     } else {
@@ -1067,15 +1191,50 @@ static void on_qmp_timer(sp_timer_t *t, void *arg)
 
 /* ---------- agent, identity ---------- */
 
+/* vm.json without "ram_src": the VM has its own RAM file now. */
+static void vm_json_own_ram(struct vm *vm)
+{
+    char p[PATH_MAX + 16];
+    vm_path(vm, "vm.json", p, sizeof p);
+    json_t *o = json_load_file(p, 0, NULL);
+    if (o == NULL)
+        return;
+    json_object_del(o, "ram_src");
+    char *js = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (js == NULL || write_atomic(p, js, strlen(js)) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot update vm.json sandbox=%s", vm->id);
+    free(js);
+}
+
 static void boot_done(struct vm *vm)
 {
     vm->ph = PH_UP;
     sp_timer_stop(&vm->boot_timer);
-    sp_log(SP_LOG_INFO, "qemu", "vm up sandbox=%s pid=%d accel=%s boot_ms=%llu", vm->id,
+    {
+        char p[PATH_MAX + 16];
+        vm_path(vm, "booting", p, sizeof p);
+        unlink(p); /* first: a later driver adopts this VM as it is (live_vm_pid) */
+    }
+    sp_log(SP_LOG_INFO, "qemu", "vm up sandbox=%s pid=%d accel=%s how=%s boot_ms=%llu", vm->id,
            (int)vm->pid, vm->d->accel == 1 ? "kvm" : "tcg",
+           vm->clone_boot ? "clone" : vm->restoring ? "restore" : "cold",
            (unsigned long long)(mono_ms() - vm->boot_start_ms));
+    if (vm->tsnap_build != NULL) {
+        tsnap_settle(vm); /* keeps tp: nothing waits on a builder's boot */
+        return;
+    }
     free(vm->tp);
     vm->tp = NULL;
+    if (vm->clone_boot) {
+        vm->clone_boot = false;
+        vm->restoring = false;
+        vm->snap_step = SN_NONE;
+    }
+    if (vm->restore_stream) {
+        vm_json_own_ram(vm);
+        vm->restore_stream = false;
+    }
     if (vm->restoring) {
         /* From here on the disk moves on: the snapshot must never be restored again. */
         char p[PATH_MAX + 32];
@@ -1172,7 +1331,8 @@ static void on_agent_state(void *arg, bool up)
     struct vm *vm = arg;
     if (vm->agent == NULL)
         return; /* being destroyed */
-    sp_log(SP_LOG_DEBUG, "qemu", "agent channel sandbox=%s up=%d", vm->id, (int)up);
+    sp_log(SP_LOG_DEBUG, "qemu", "agent channel sandbox=%s up=%d ms=%llu", vm->id, (int)up,
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
     if (up && vm->ph == PH_AGENT)
         send_identity(vm);
 }
@@ -1213,6 +1373,8 @@ static int write_vm_json(struct vm *vm)
                   "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "disk_bytes",
                   (json_int_t)vm->disk_total, "accel", vm->d->accel == 1 ? "kvm" : "tcg", "base",
                   vm->tp->rootfs, "kernel", vm->tp->kernel, "initramfs", vm->tp->initramfs);
+    if (o != NULL && vm->clone_src != NULL)
+        json_object_set_new(o, "ram_src", json_string(vm->clone_src));
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (s == NULL)
@@ -1232,6 +1394,9 @@ static void read_vm_json(struct vm *vm)
     vm->cpu_count = (int)json_integer_value(json_object_get(o, "cpu_count"));
     vm->memory_mb = (int)json_integer_value(json_object_get(o, "memory_mb"));
     vm->disk_total = (uint64_t)json_integer_value(json_object_get(o, "disk_bytes"));
+    const char *src = json_string_value(json_object_get(o, "ram_src"));
+    free(vm->clone_src);
+    vm->clone_src = src != NULL ? strdup(src) : NULL;
     json_decref(o);
 }
 
@@ -1287,8 +1452,19 @@ static void start_qemu(struct vm *vm)
     }
     /* Guest RAM in a shared file: suspend then writes device state only (x-ignore-shared). */
     char memobj[PATH_MAX + 128];
-    sfmt(memobj, sizeof memobj, "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=on",
-         vm->memory_mb, vm->dir);
+    if (vm->clone_src != NULL) /* private copy-on-write map of the template's RAM */
+        sfmt(memobj, sizeof memobj,
+             "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=off", vm->memory_mb,
+             vm->clone_src);
+    else
+        sfmt(memobj, sizeof memobj,
+             "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=on", vm->memory_mb,
+             vm->dir);
+    if (vm->restore_stream) { /* the stream fills a fresh RAM file of our own */
+        char ram[PATH_MAX + 16];
+        vm_path(vm, "mem.ram", ram, sizeof ram);
+        unlink(ram);
+    }
     argv[n++] = "-object";
     argv[n++] = memobj;
     argv[n++] = "-machine";
@@ -1308,6 +1484,13 @@ static void start_qemu(struct vm *vm)
     for (int i = 0; i < n && off < sizeof cmd - 1; i++)
         off += (size_t)sfmt(cmd + off, sizeof cmd - off, "%s%s", i ? " " : "", argv[i]);
     sp_log(SP_LOG_DEBUG, "qemu", "starting sandbox=%s argv=%s", vm->id, cmd);
+
+    /* Until the agent has taken IDENTITY, a driver that finds this QEMU must not adopt it. */
+    char booting[PATH_MAX + 16];
+    vm_path(vm, "booting", booting, sizeof booting);
+    if (write_atomic(booting, "", 0) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot write the boot marker sandbox=%s err=%s", vm->id,
+               strerror(errno));
 
     sp_cgroup_join_t join;
     bool cg = cg_create(vm, &join);
@@ -1363,7 +1546,88 @@ static void on_img_exit(struct child *c, int st, bool timed_out, void *arg)
         boot_fail(vm, "%s", "cannot create the sandbox disk");
         return;
     }
+    sp_log(SP_LOG_DEBUG, "qemu", "overlay made sandbox=%s ms=%llu", vm->id,
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
     start_qemu(vm);
+}
+
+static void put_be32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (24 - 8 * i));
+}
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+    put_be32(p, (uint32_t)(v >> 32));
+    put_be32(p + 4, (uint32_t)v);
+}
+
+/* Writes an empty qcow2 v3 overlay of `backing` (a qcow2 file; its virtual size is read
+ * from its header) the way qemu-img lays one out: header + backing name in cluster 0,
+ * refcount table, one refcount block, L1 table; 64 KiB clusters, 16-bit refcounts. Saves
+ * a qemu-img process on the clone path. 0 or -1 (errno set; the file may be left). */
+static int write_overlay(const char *path, const char *backing)
+{
+    enum { CL = 65536 };
+    int bfd = open(backing, O_RDONLY | O_CLOEXEC);
+    if (bfd < 0)
+        return -1;
+    uint8_t bh[32];
+    ssize_t r = pread(bfd, bh, sizeof bh, 0);
+    close(bfd);
+    if (r != (ssize_t)sizeof bh || memcmp(bh, "QFI\xfb", 4) != 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    uint64_t size = 0;
+    for (int i = 0; i < 8; i++)
+        size = size << 8 | bh[24 + i];
+    uint64_t per_l1 = (uint64_t)CL * (CL / 8); /* bytes one L2 table maps */
+    uint64_t l1 = (size + per_l1 - 1) / per_l1;
+    size_t blen = strlen(backing);
+    if (l1 * 8 > CL || blen > 1023) { /* > 4 TiB, or a name past cluster 0's room */
+        errno = EINVAL;
+        return -1;
+    }
+    uint8_t h[2048];
+    memset(h, 0, sizeof h);
+    put_be32(h, 0x514649fbu); /* "QFI\xfb" */
+    put_be32(h + 4, 3);
+    size_t ext = 104;                /* header_length */
+    put_be32(h + ext, 0xe2792acau); /* backing file format name */
+    put_be32(h + ext + 4, 5);
+    memcpy(h + ext + 8, "qcow2", 5);
+    size_t end = ext + 16; /* 8 + 5 padded to 8 */
+    size_t name = end + 8; /* end-of-extensions: type 0, length 0 */
+    memcpy(h + name, backing, blen);
+    put_be64(h + 8, name);
+    put_be32(h + 16, (uint32_t)blen);
+    put_be32(h + 20, 16); /* cluster_bits */
+    put_be64(h + 24, size);
+    put_be32(h + 36, (uint32_t)l1);
+    put_be64(h + 40, 3 * CL); /* L1 table */
+    put_be64(h + 48, 1 * CL); /* refcount table */
+    put_be32(h + 56, 1);
+    put_be32(h + 96, 4); /* refcount_order: 16-bit */
+    put_be32(h + 100, 104);
+    uint8_t rt[8], rb[8];
+    put_be64(rt, 2 * CL); /* refcount block in cluster 2 */
+    for (int i = 0; i < 4; i++) { /* clusters 0-3 are in use once each */
+        rb[2 * i] = 0;
+        rb[2 * i + 1] = 1;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return -1;
+    bool ok = pwrite(fd, h, name + blen, 0) == (ssize_t)(name + blen) &&
+              pwrite(fd, rt, sizeof rt, CL) == (ssize_t)sizeof rt &&
+              pwrite(fd, rb, sizeof rb, 2 * CL) == (ssize_t)sizeof rb &&
+              ftruncate(fd, 4 * CL) == 0;
+    int e = errno;
+    close(fd);
+    errno = e;
+    return ok ? 0 : -1;
 }
 
 static void start_disk(struct vm *vm)
@@ -1383,11 +1647,25 @@ static void start_disk(struct vm *vm)
     }
     if (write_vm_json(vm) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write vm.json sandbox=%s", vm->id);
-    char disk[PATH_MAX + 16], log[PATH_MAX + 16];
+    char disk[PATH_MAX + 16], log[PATH_MAX + 16], backing[PATH_MAX + 16];
     vm_path(vm, "disk.qcow2", disk, sizeof disk);
     vm_path(vm, "qemu.log", log, sizeof log);
-    char *argv[] = {d->qemu_img, "create", "-q",           "-f", "qcow2", "-F",
-                    "qcow2",     "-b",     vm->tp->rootfs, disk, NULL};
+    /* A clone's chain: template base <- template snapshot's frozen overlay <- ours. */
+    if (vm->clone_src != NULL)
+        sfmt(backing, sizeof backing, "%s/disk.qcow2", vm->clone_src);
+    else
+        sfmt(backing, sizeof backing, "%s", vm->tp->rootfs);
+    if (vm->clone_src != NULL) {
+        if (write_overlay(disk, backing) == 0) {
+            start_qemu(vm);
+            return;
+        }
+        sp_log(SP_LOG_WARN, "qemu", "cannot write the overlay, using qemu-img sandbox=%s err=%s",
+               vm->id, strerror(errno));
+        unlink(disk);
+    }
+    char *argv[] = {d->qemu_img, "create", "-q",    "-f", "qcow2", "-F",
+                    "qcow2",     "-b",     backing, disk, NULL};
     struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
     vm->img = child_start(d, argv, &so, 30000, on_img_exit, vm, &e);
@@ -1566,6 +1844,8 @@ static void start_sandbox_probe(sp_qemu_t *d)
         d->sandbox = 0;
 }
 
+static void boot_begin(struct vm *vm);
+
 /* Moves boots along once the verdicts are in; starts the KVM probe on the first boot
  * (it needs a guest kernel, which only a boot names). */
 static void on_kick(sp_timer_t *t, void *arg)
@@ -1576,11 +1856,8 @@ static void on_kick(sp_timer_t *t, void *arg)
         if (vm->ph == PH_WAIT_ACCEL) {
             if (d->accel < 0 && d->kvm_probe == NULL)
                 start_kvm_probe(d, vm->tp->kernel);
-            else if (d->accel >= 0 && d->sandbox >= 0 && vm->restoring) {
-                vm->ph = PH_DISK; /* the overlay is already there */
-                start_qemu(vm);
-            } else if (d->accel >= 0 && d->sandbox >= 0)
-                start_disk(vm);
+            else if (d->accel >= 0 && d->sandbox >= 0)
+                boot_begin(vm);
         }
         vm = next;
     }
@@ -1644,11 +1921,26 @@ static void adopt_all(sp_qemu_t *d)
     struct dirent *de;
     int n = 0;
     while ((de = readdir(dir)) != NULL) {
+        if (strncmp(de->d_name, ".tsnap-", 7) == 0) {
+            /* a template snapshot builder of an earlier driver: never finished, never adopted */
+            char tdir[PATH_MAX];
+            sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
+            pid_t pid = live_qemu_pid(tdir);
+            if (pid > 0) {
+                kill(-pid, SIGKILL);
+                kill(pid, SIGKILL);
+            }
+            rm_rf(tdir);
+            char cid[SP_QEMU_ID_MAX + 1];
+            sfmt(cid, sizeof cid, "tsnap:%.16s", de->d_name + 7);
+            cg_remove(d, cid);
+            continue;
+        }
         if (!valid_id(de->d_name) || vm_find(d, de->d_name) != NULL)
             continue;
         char vdir[PATH_MAX];
         sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, de->d_name);
-        pid_t pid = live_qemu_pid(vdir);
+        pid_t pid = live_vm_pid(d, de->d_name, vdir);
         if (pid > 0 && vm_adopt(d, de->d_name, pid) != NULL)
             n++;
     }
@@ -1669,7 +1961,7 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     if (vm == NULL) {
         char vdir[PATH_MAX];
         sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
-        pid_t pid = live_qemu_pid(vdir);
+        pid_t pid = live_vm_pid(d, spec->sandbox_id, vdir);
         if (pid > 0)
             vm = vm_adopt(d, spec->sandbox_id, pid);
         else if (snapshot_committed(vdir))
@@ -1837,6 +2129,13 @@ static void snap_fail(struct vm *vm, const char *what, const char *detail)
     sp_err_t e;
     sp_err_set(&e, SP_ERUNTIME, "suspend failed: %s", what);
     complete_all(vm->d, &vm->snap_w, &e);
+    if (vm->tsnap_build != NULL) {
+        vm->boot_failed = true;
+        sp_err_set(&vm->boot_err, SP_ERUNTIME, "template snapshot failed: %s", what);
+        vm->ph = PH_UP;
+        vm_stop(vm, false); /* vm_finish gives up on this snapshot */
+        return;
+    }
     if (vm->ph == PH_SUSPENDING) {
         vm->ph = PH_UP; /* the VM is intact; give it back as it was */
         if (!vm->snap_was_paused && vm->qmp != NULL && !sp_qmp_closed(vm->qmp))
@@ -1864,8 +2163,9 @@ static void snap_commit(struct vm *vm)
     snap_path(vm, "manifest.json", man, sizeof man);
     vm_path(vm, "snapshot", dir, sizeof dir);
     vm_path(vm, "mem.ram", ram, sizeof ram);
-    struct stat sd, sr;
-    if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || stat(ram, &sr) < 0) {
+    struct stat sd, sr = {0};
+    bool stream = vm->clone_src != NULL; /* the RAM went into the device state stream */
+    if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || (!stream && stat(ram, &sr) < 0)) {
         snap_fail(vm, "cannot commit the snapshot", strerror(errno));
         return;
     }
@@ -1873,7 +2173,8 @@ static void snap_commit(struct vm *vm)
     clock_gettime(CLOCK_REALTIME, &ts);
     json_t *o = json_pack("{s:i, s:i, s:i, s:s, s:s, s:I, s:s, s:I, s:s, s:I}", "version", 1,
                           "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "accel",
-                          vm->d->accel == 1 ? "kvm" : "tcg", "ram", "mem.ram", "ram_bytes",
+                          vm->d->accel == 1 ? "kvm" : "tcg", "ram", stream ? "stream" : "mem.ram",
+                          "ram_bytes",
                           (json_int_t)sr.st_size, "devstate", "snapshot/devstate", "devstate_bytes",
                           (json_int_t)sd.st_size, "disk", "disk.qcow2", "created_at",
                           (json_int_t)ts.tv_sec);
@@ -1925,7 +2226,7 @@ static void snap_sync(struct vm *vm)
     vm_path(vm, "mem.ram", ram, sizeof ram);
     snap_path(vm, "devstate.tmp", dev, sizeof dev);
     vm_path(vm, "disk.qcow2", disk, sizeof disk);
-    char *argv[] = {"sync", "--data", ram, dev, disk, NULL};
+    char *argv[] = {"sync", "--data", dev, disk, vm->clone_src == NULL ? ram : NULL, NULL};
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
     vm->snap_step = SN_SYNC;
@@ -1944,10 +2245,27 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         return;
     }
     switch (vm->snap_step) {
-    case SN_STOP: {
+    case SN_STOP:
+        vm->snap_step = SN_CANCEL;
+        snap_send(vm, "migrate_cancel", NULL, -1);
+        break;
+    case SN_CANCEL:
+        vm->snap_step = SN_CANCEL_POLL;
+        snap_send(vm, "query-migrate", NULL, -1);
+        break;
+    case SN_CANCEL_POLL: {
+        /* A migration an earlier driver started (and died in) still writes to its fd:
+         * capabilities cannot change and a new one cannot start until it is over. */
+        const char *st = json_string_value(json_object_get(ret, "status"));
+        if (st != NULL && strcmp(st, "completed") != 0 && strcmp(st, "failed") != 0 &&
+            strcmp(st, "cancelled") != 0 && strcmp(st, "none") != 0) {
+            sp_timer_start(&vm->snap_timer, 5);
+            break;
+        }
         vm->snap_step = SN_CAPS;
+        /* A clone's RAM is a private map of the template's file: stream all of it. */
         json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
-                              "state", 1);
+                              "state", vm->clone_src == NULL ? 1 : 0);
         snap_send(vm, "migrate-set-capabilities", a, -1);
         break;
     }
@@ -2023,7 +2341,10 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
     switch (vm->snap_step) {
     case RS_CAPS: {
         char dev[PATH_MAX + 32];
-        snap_path(vm, "devstate", dev, sizeof dev);
+        if (vm->clone_boot)
+            sfmt(dev, sizeof dev, "%s/snapshot/devstate", vm->clone_src);
+        else
+            snap_path(vm, "devstate", dev, sizeof dev);
         int fd = open(dev, O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
             boot_fail(vm, "restore failed: %s", "the device state is missing");
@@ -2066,7 +2387,8 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
     default:
         return;
     }
-    sp_log(SP_LOG_INFO, "qemu", "restored vm state sandbox=%s ms=%llu", vm->id,
+    sp_log(SP_LOG_INFO, "qemu", "restored vm state sandbox=%s from=%s ms=%llu", vm->id,
+           vm->clone_boot ? "template-snapshot" : "own-snapshot",
            (unsigned long long)(mono_ms() - vm->boot_start_ms));
     vm->paused = false;
     vm->ph = PH_AGENT;
@@ -2077,8 +2399,9 @@ static void restore_begin(struct vm *vm)
 {
     sp_err_t e;
     vm->snap_step = RS_CAPS;
-    json_t *a =
-        json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared", "state", 1);
+    /* RAM in a file (ours, or the template's for a clone): device state only. */
+    json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
+                          "state", vm->restore_stream ? 0 : 1);
     if (sp_qmp_command(vm->qmp, "migrate-set-capabilities", a, -1, on_restore_reply, vm, &e) < 0)
         boot_fail(vm, "restore failed: %s", e.msg);
 }
@@ -2089,7 +2412,7 @@ static void on_snap_timer(sp_timer_t *t, void *arg)
     sp_err_t e;
     if (vm->qmp == NULL)
         return;
-    if (vm->ph == PH_SUSPENDING && vm->snap_step == SN_POLL)
+    if (vm->ph == PH_SUSPENDING && (vm->snap_step == SN_POLL || vm->snap_step == SN_CANCEL_POLL))
         sp_qmp_command(vm->qmp, "query-migrate", NULL, -1, on_snap_reply, vm, &e);
     else if (vm->ph == PH_START && vm->snap_step == RS_POLL)
         sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_restore_reply, vm, &e);
@@ -2107,12 +2430,427 @@ static void suspend_finish(struct vm *vm)
         vm_path(vm, names[i], p, sizeof p);
         unlink(p);
     }
-    sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
-           (unsigned long long)(mono_ms() - vm->snap_start_ms));
+    if (vm->tsnap_build != NULL) {
+        tsnap_commit(vm);
+    } else {
+        sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
+               (unsigned long long)(mono_ms() - vm->snap_start_ms));
+    }
     vm_unlink(vm);
     complete_all(d, &vm->snap_w, NULL);
     complete_all(d, &vm->boot_w, NULL);
     vm_free(vm);
+}
+
+
+/* ---------- template snapshots ---------- */
+
+static uint64_t fnv1a(uint64_t h, const char *s)
+{
+    for (; *s != '\0'; s++) {
+        h ^= (unsigned char)*s;
+        h *= 1099511628211ull;
+    }
+    h ^= 0xffu; /* separator: ("ab","c") and ("a","bc") differ */
+    h *= 1099511628211ull;
+    return h;
+}
+
+/* The snapshot key of a boot: a hash of everything the template's device state and RAM
+ * depend on (format, QEMU binary, template build, base image, and the QEMU command line
+ * this driver would run, per-VM paths and the host-measured tsc_early_khz left out: a
+ * restored guest keeps the clock setup of the boot that made the snapshot). */
+static int tsnap_key(const struct vm *vm, char key[17])
+{
+    sp_qemu_t *d = vm->d;
+    sp_bootargs_qemu_t q = {.qemu = d->qemu,
+                            .kernel = vm->tp->kernel,
+                            .initramfs = vm->tp->initramfs,
+                            .disk = "D",
+                            .agent_sock = "A",
+                            .qmp_sock = "Q",
+                            .console_log = "C",
+                            .cpu_count = vm->cpu_count,
+                            .memory_mb = vm->memory_mb,
+                            .kvm = d->accel == 1,
+                            .tsc_khz = 1};
+    char **argv = sp_bootargs_qemu_argv(&q);
+    if (argv == NULL)
+        return -1;
+    uint64_t h = 14695981039346656037ull;
+    h = fnv1a(h, SP_QEMU_TSNAP_FORMAT);
+    h = fnv1a(h, d->qemu_ident);
+    h = fnv1a(h, vm->tp->hash);
+    h = fnv1a(h, vm->tp->rootfs);
+    for (int i = 0; argv[i] != NULL; i++)
+        h = fnv1a(h, argv[i]);
+    free(argv);
+    sfmt(key, 17, "%016llx", (unsigned long long)h);
+    return 0;
+}
+
+/* A committed snapshot dir that matches key and memory size; checks sizes and the device
+ * state's checksum (60 KB: cheap, and done once per driver and key). */
+static bool tsnap_valid(const char *dir, const char *key, int memory_mb)
+{
+    char p[PATH_MAX + 48];
+    sfmt(p, sizeof p, "%s/template-snapshot.json", dir);
+    json_t *m = json_load_file(p, 0, NULL);
+    if (m == NULL)
+        return false;
+    const char *fmt = json_string_value(json_object_get(m, "format"));
+    const char *k = json_string_value(json_object_get(m, "key"));
+    const char *sum = json_string_value(json_object_get(m, "devstate_sha256"));
+    json_int_t dev_bytes = json_integer_value(json_object_get(m, "devstate_bytes"));
+    bool ok = fmt != NULL && strcmp(fmt, SP_QEMU_TSNAP_FORMAT) == 0 && k != NULL &&
+              strcmp(k, key) == 0 && sum != NULL;
+    struct stat st;
+    if (ok) {
+        sfmt(p, sizeof p, "%s/mem.ram", dir);
+        ok = stat(p, &st) == 0 && (uint64_t)st.st_size == (uint64_t)memory_mb << 20;
+    }
+    if (ok) {
+        sfmt(p, sizeof p, "%s/disk.qcow2", dir);
+        ok = stat(p, &st) == 0;
+    }
+    if (ok) {
+        sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+        char got[SP_TMPLBUILD_HASH_LEN + 1];
+        sp_err_t e;
+        ok = stat(p, &st) == 0 && st.st_size == (off_t)dev_bytes &&
+             sp_tmplbuild_file_sha256(p, got, &e) == 0 && strcmp(got, sum) == 0;
+    }
+    json_decref(m);
+    return ok;
+}
+
+/* Boots waiting for t go back through on_kick, which sends them on by t's new state. */
+static void tsnap_wake(sp_qemu_t *d, struct tsnap *t)
+{
+    for (struct vm *v = d->vms; v != NULL; v = v->next)
+        if (v->ph == PH_WAIT_TSNAP && v->tsnap_wait == t)
+            v->ph = PH_WAIT_ACCEL;
+    kick(d);
+}
+
+/* Kills a builder QEMU an earlier driver left in a work dir of this snapshot, removes the
+ * dirs. Quick: a readdir of the VM directory. */
+static void tsnap_clean_tmp(sp_qemu_t *d, const struct tsnap *t)
+{
+    char base[64];
+    const char *parent = d->vms_dir;
+    sfmt(base, sizeof base, ".tsnap-%s-", t->key);
+    DIR *dir = opendir(parent);
+    if (dir == NULL)
+        return;
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        if (strncmp(de->d_name, base, strlen(base)) != 0)
+            continue;
+        char p[PATH_MAX];
+        sfmt(p, sizeof p, "%s/%s", parent, de->d_name);
+        pid_t pid = live_qemu_pid(p);
+        if (pid > 0) {
+            sp_log(SP_LOG_INFO, "qemu", "killing a stale template snapshot builder pid=%d",
+                   (int)pid);
+            kill(-pid, SIGKILL);
+            kill(pid, SIGKILL);
+        }
+        rm_rf(p);
+    }
+    closedir(dir);
+}
+
+/* Starts a builder VM for t from the boot vm's template and size. 0 when started. */
+static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
+{
+    tsnap_clean_tmp(d, t);
+    char id[SP_QEMU_ID_MAX + 1];
+    sfmt(id, sizeof id, "tsnap:%s", t->key); /* ':' is not a valid sandbox id: no API reaches it */
+    sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
+    struct vm *b = tp != NULL ? vm_new(d, id) : NULL;
+    if (b == NULL) {
+        free(tp);
+        return -1;
+    }
+    *tp = *vm->tp;
+    b->tp = tp;
+    sfmt(b->dir, sizeof b->dir, "%s", t->tmp);
+    sfmt(b->template_name, sizeof b->template_name, "%s", vm->template_name);
+    b->cpu_count = vm->cpu_count;
+    b->memory_mb = vm->memory_mb;
+    b->disk_total = vm->disk_total;
+    b->hostname = strdup("template");
+    b->tsnap_build = t;
+    b->cold = true;
+    b->ph = PH_WAIT_ACCEL;
+    b->boot_start_ms = mono_ms();
+    t->start_ms = b->boot_start_ms;
+    t->state = TS_BUILDING;
+    sp_timer_start(&b->boot_timer, d->boot_timeout_ms);
+    sp_log(SP_LOG_INFO, "qemu",
+           "building template snapshot template=%s key=%s memory_mb=%d cpus=%d accel=%s",
+           vm->template_name, t->key, vm->memory_mb, vm->cpu_count,
+           d->accel == 1 ? "kvm" : "tcg");
+    kick(d);
+    return 0;
+}
+
+/* The snapshot record for a boot, found, adopted from disk, or being built. NULL (logged)
+ * when none can be had: the boot goes cold. */
+static struct tsnap *tsnap_for(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    char key[17];
+    if (tsnap_key(vm, key) < 0) {
+        sp_log(SP_LOG_WARN, "qemu", "cold boot sandbox=%s reason=\"no snapshot key (memory)\"",
+               vm->id);
+        return NULL;
+    }
+    struct tsnap *t;
+    for (t = d->tsnaps; t != NULL; t = t->next)
+        if (strcmp(t->key, key) == 0)
+            break;
+    if (t != NULL && t->state == TS_READY) {
+        char p[PATH_MAX + 48];
+        sfmt(p, sizeof p, "%s/template-snapshot.json", t->dir);
+        if (file_exists(p))
+            return t;
+        t->state = TS_FAILED; /* removed under us: look again */
+        t->failed_ms = 0;
+    }
+    if (t != NULL && (t->state == TS_BUILDING ||
+                      (t->state == TS_FAILED && t->failed_ms != 0 &&
+                       mono_ms() - t->failed_ms < SP_QEMU_TSNAP_RETRY_MS)))
+        return t;
+    if (t == NULL) {
+        t = calloc(1, sizeof(*t));
+        if (t == NULL) {
+            sp_log(SP_LOG_WARN, "qemu", "cold boot sandbox=%s reason=\"out of memory\"", vm->id);
+            return NULL;
+        }
+        sfmt(t->key, sizeof t->key, "%s", key);
+        sfmt(t->dir, sizeof t->dir, "%s/snapshot-%s-%dM-%dc-%s", vm->tp->build_dir,
+             d->accel == 1 ? "kvm" : "tcg", vm->memory_mb, vm->cpu_count, key);
+        sfmt(t->tmp, sizeof t->tmp, "%s/.tsnap-%s-%d", d->vms_dir, key, (int)getpid());
+        sfmt(t->template_name, sizeof t->template_name, "%s", vm->template_name);
+        t->next = d->tsnaps;
+        d->tsnaps = t;
+    }
+    if (tsnap_valid(t->dir, t->key, vm->memory_mb)) {
+        t->state = TS_READY;
+        sp_log(SP_LOG_INFO, "qemu", "template snapshot found template=%s key=%s",
+               t->template_name, t->key);
+        return t;
+    }
+    struct stat st;
+    if (stat(t->dir, &st) == 0) {
+        /* Never delete: clones' overlays may have it as their backing file. */
+        char aside[PATH_MAX + 32];
+        sfmt(aside, sizeof aside, "%s.bad-%lld", t->dir, (long long)time(NULL));
+        sp_log(SP_LOG_WARN, "qemu", "template snapshot is damaged, moved aside dir=%s", aside);
+        if (rename(t->dir, aside) < 0) {
+            t->state = TS_FAILED;
+            t->failed_ms = mono_ms();
+            return t;
+        }
+    }
+    if (tsnap_build_start(d, t, vm) < 0) {
+        t->state = TS_FAILED;
+        t->failed_ms = mono_ms();
+    }
+    return t;
+}
+
+/* The builder is gone before its snapshot committed: boots waiting for it go cold. */
+static void tsnap_failed(struct vm *vm, const char *why)
+{
+    struct tsnap *t = vm->tsnap_build;
+    vm->tsnap_build = NULL;
+    t->state = TS_FAILED;
+    t->failed_ms = mono_ms();
+    sp_log(SP_LOG_WARN, "qemu",
+           "template snapshot failed template=%s key=%s err=\"%s\" (boots cold-boot; retried "
+           "after %u s; builder logs in %s)",
+           t->template_name, t->key, why, SP_QEMU_TSNAP_RETRY_MS / 1000u, t->tmp);
+    tsnap_wake(vm->d, t);
+}
+
+static void tsnap_freeze(struct vm *vm)
+{
+    vm->ph = PH_SUSPENDING;
+    vm->snap_was_paused = false;
+    vm->snap_start_ms = mono_ms();
+    vm->snap_step = SN_STOP;
+    snap_send(vm, "stop", NULL, -1);
+}
+
+static void on_settle_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags,
+                            const uint8_t *payload, size_t len, void *arg)
+{
+    struct vm *vm = arg;
+    if (type == SP_AP_T_PROC_STDOUT || type == SP_AP_T_PROC_STDERR)
+        sp_agentstream_grant(s, (uint32_t)len);
+    if (!(flags & SP_AP_F_END))
+        return;
+    vm->settle = NULL; /* freed by agentconn after this returns */
+    if (vm->ph == PH_UP)
+        tsnap_freeze(vm);
+}
+
+static void on_settle_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+{
+    struct vm *vm = arg;
+    vm->settle = NULL;
+    sp_log(SP_LOG_DEBUG, "qemu", "template settle failed sandbox=%s err=%s", vm->id, err->msg);
+    if (vm->ph == PH_UP)
+        tsnap_freeze(vm); /* the flush at stop keeps the disk consistent anyway */
+}
+
+static const sp_agentstream_cbs_t settle_cbs = {on_settle_frame, on_settle_error, NULL};
+
+/* Builder up: flush the guest's dirty page cache (so clones do not each write it back into
+ * their own overlays), then freeze. The boot timer bounds this too. */
+static void tsnap_settle(struct vm *vm)
+{
+    sp_timer_start(&vm->boot_timer, vm->d->boot_timeout_ms);
+    uint8_t buf[64];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof buf);
+    sp_ap_put_str(&w, SP_AP_K_CMD, "sync");
+    sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
+    sp_err_t e;
+    vm->settle = w.overflow ? NULL
+                            : sp_agentconn_open(vm->agent, SP_AP_T_PROC_START, buf, w.len,
+                                                &settle_cbs, vm, &e);
+    if (vm->settle == NULL)
+        tsnap_freeze(vm);
+}
+
+/* The builder's QEMU quit after its device state, RAM file and overlay were made durable
+ * (snap_commit): freeze the files and commit the directory by rename. */
+static void tsnap_commit(struct vm *vm)
+{
+    struct tsnap *t = vm->tsnap_build;
+    vm->tsnap_build = NULL;
+    char p[PATH_MAX + 48], sum[SP_TMPLBUILD_HASH_LEN + 1];
+    struct stat sr, sd, sk;
+    sp_err_t e;
+    const char *why = NULL;
+    vm_path(vm, "snapshot/manifest.json", p, sizeof p);
+    unlink(p); /* a per-VM suspend manifest means nothing here */
+    vm_path(vm, "mem.ram", p, sizeof p);
+    if (stat(p, &sr) < 0 || chmod(p, 0444) < 0)
+        why = "RAM file";
+    vm_path(vm, "disk.qcow2", p, sizeof p);
+    if (why == NULL && (stat(p, &sk) < 0 || chmod(p, 0444) < 0))
+        why = "overlay";
+    vm_path(vm, "snapshot/devstate", p, sizeof p);
+    if (why == NULL &&
+        (stat(p, &sd) < 0 || chmod(p, 0444) < 0 || sp_tmplbuild_file_sha256(p, sum, &e) < 0))
+        why = "device state";
+    json_t *o = NULL;
+    if (why == NULL) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        o = json_pack("{s:s, s:s, s:s, s:s, s:s, s:i, s:i, s:s, s:I, s:I, s:I, s:I, s:s, s:s, "
+                      "s:I, s:I}",
+                      "format", SP_QEMU_TSNAP_FORMAT, "key", t->key, "template", t->template_name,
+                      "template_hash", vm->tp->hash, "accel", vm->d->accel == 1 ? "kvm" : "tcg",
+                      "memory_mb", vm->memory_mb, "cpu_count", vm->cpu_count, "qemu",
+                      vm->d->qemu_ident, "ram_bytes", (json_int_t)sr.st_size, "ram_alloc_bytes",
+                      (json_int_t)sr.st_blocks * 512, "disk_alloc_bytes",
+                      (json_int_t)sk.st_blocks * 512, "devstate_bytes", (json_int_t)sd.st_size,
+                      "devstate_sha256", sum, "devstate", "snapshot/devstate", "created_at",
+                      (json_int_t)ts.tv_sec, "build_ms", (json_int_t)(mono_ms() - t->start_ms));
+        char *js = o != NULL ? json_dumps(o, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+        vm_path(vm, "template-snapshot.json", p, sizeof p);
+        int fd = js != NULL ? open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444) : -1;
+        bool ok = fd >= 0 && write(fd, js, strlen(js)) == (ssize_t)strlen(js) && fsync(fd) == 0;
+        if (fd >= 0)
+            close(fd);
+        free(js);
+        if (!ok)
+            why = "manifest";
+    }
+    if (why == NULL) {
+        fsync_path(vm->dir, O_RDONLY | O_DIRECTORY);
+        if (rename(vm->dir, t->dir) < 0) {
+            /* another spaced on this data dir committed the same key first: use theirs */
+            rm_rf(vm->dir);
+            if (!tsnap_valid(t->dir, t->key, vm->memory_mb))
+                why = "commit";
+        } else {
+            sfmt(p, sizeof p, "%s", t->dir);
+            char *slash = strrchr(p, '/');
+            if (slash != NULL) {
+                *slash = '\0';
+                fsync_path(p, O_RDONLY | O_DIRECTORY);
+            }
+        }
+    }
+    sfmt(vm->dir, sizeof vm->dir, "%s", t->dir); /* vm_free must not look at the work dir */
+    if (why != NULL) {
+        t->state = TS_FAILED;
+        t->failed_ms = mono_ms();
+        sp_log(SP_LOG_WARN, "qemu", "template snapshot failed template=%s key=%s err=\"%s: %s\"",
+               t->template_name, t->key, why, strerror(errno));
+    } else {
+        t->state = TS_READY;
+        sp_log(SP_LOG_INFO, "qemu",
+               "template snapshot ready template=%s key=%s ms=%llu ram_alloc_bytes=%lld "
+               "devstate_bytes=%lld",
+               t->template_name, t->key, (unsigned long long)(mono_ms() - t->start_ms),
+               (long long)sr.st_blocks * 512, (long long)sd.st_size);
+    }
+    json_decref(o);
+    tsnap_wake(vm->d, t);
+}
+
+/* Where a boot goes once the accelerator is known: own snapshot, cold, or clone. */
+static void boot_begin(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    if (vm->restoring) {
+        vm->ph = PH_DISK; /* the overlay is already there */
+        start_qemu(vm);
+        return;
+    }
+    if (vm->cold || d->cold_only) {
+        start_disk(vm);
+        return;
+    }
+    struct tsnap *t = tsnap_for(vm);
+    if (t == NULL) {
+        vm->cold = true;
+        start_disk(vm);
+        return;
+    }
+    switch (t->state) {
+    case TS_READY:
+        vm->clone_src = strdup(t->dir);
+        if (vm->clone_src == NULL) {
+            vm->cold = true;
+            start_disk(vm);
+            return;
+        }
+        vm->tsnap_wait = t;
+        vm->clone_boot = true;
+        vm->restoring = true; /* start_qemu: -incoming defer; on_qmp_ready: restore_begin */
+        start_disk(vm);
+        return;
+    case TS_BUILDING:
+        vm->ph = PH_WAIT_TSNAP;
+        vm->tsnap_wait = t;
+        return;
+    default:
+        sp_log(SP_LOG_INFO, "qemu",
+               "cold boot sandbox=%s reason=\"template snapshot %s failed recently\"", vm->id,
+               t->key);
+        vm->cold = true;
+        start_disk(vm);
+        return;
+    }
 }
 
 static int q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
@@ -2122,7 +2860,7 @@ static int q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *
     if (vm == NULL) {
         char vdir[PATH_MAX];
         sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
-        if (valid_id(id) && live_qemu_pid(vdir) == 0 && snapshot_committed(vdir)) {
+        if (valid_id(id) && live_vm_pid(d, id, vdir) == 0 && snapshot_committed(vdir)) {
             if (complete(d, cb, arg, NULL) < 0) /* already suspended */
                 return sp_err_set(err, SP_EINTERNAL, "out of memory");
             return 0;
@@ -2156,7 +2894,7 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
     char vdir[PATH_MAX];
     sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
     if (vm == NULL) {
-        pid_t pid = live_qemu_pid(vdir);
+        pid_t pid = live_vm_pid(d, spec->sandbox_id, vdir);
         if (pid > 0)
             vm = vm_adopt(d, spec->sandbox_id, pid);
     }
@@ -2184,12 +2922,14 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
     const char *accel = json_string_value(json_object_get(man, "accel"));
     int mem = (int)json_integer_value(json_object_get(man, "memory_mb"));
     int cpus = (int)json_integer_value(json_object_get(man, "cpu_count"));
+    const char *ram = json_string_value(json_object_get(man, "ram"));
+    bool stream = ram != NULL && strcmp(ram, "stream") == 0;
     sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
     int rc = 0;
     if (tp == NULL) {
         rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
     } else if (man == NULL || vj == NULL || kernel == NULL || initrd == NULL || mem <= 0 ||
-               !file_exists(kernel) || !file_exists(initrd) || !snapshot_files_ok(vdir, mem)) {
+               !file_exists(kernel) || !file_exists(initrd) || !snapshot_files_ok(vdir, mem, stream)) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (manifest, vm.json or images)",
                spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");
@@ -2220,6 +2960,7 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
                 strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
             vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
             vm->restoring = true;
+            vm->restore_stream = stream;
             vm->ph = PH_WAIT_ACCEL;
             vm->boot_start_ms = mono_ms();
             sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
@@ -2241,7 +2982,7 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
     char vdir[PATH_MAX];
     sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
     if (vm == NULL) {
-        pid_t pid = live_qemu_pid(vdir);
+        pid_t pid = live_vm_pid(d, id, vdir);
         if (pid > 0)
             vm = vm_adopt(d, id, pid);
         if (vm == NULL && pid > 0) { /* could not watch it: kill it the blunt way */
@@ -2279,7 +3020,7 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
     }
     char vdir[PATH_MAX];
     sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
-    pid_t pid = live_qemu_pid(vdir);
+    pid_t pid = live_vm_pid(d, id, vdir);
     if (pid > 0) {
         vm = vm_adopt(d, id, pid);
         if (vm != NULL)
@@ -2369,10 +3110,17 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
 static void q_free(sp_driver_t *base)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    /* VMs keep running: they are re-adopted by the next driver on this data dir. */
+    /* VMs keep running: they are re-adopted by the next driver on this data dir. A template
+     * snapshot builder is no sandbox and nobody would adopt it: it goes. */
     while (d->vms != NULL) {
         struct vm *vm = d->vms;
         d->vms = vm->next;
+        if (vm->tsnap_build != NULL && vm->pid > 0 && !vm->exited) {
+            kill(-vm->pid, SIGKILL);
+            kill(vm->pid, SIGKILL);
+            cg_remove(d, vm->id); /* waits briefly for the group to empty */
+            rm_rf(vm->dir);
+        }
         vm_free(vm);
     }
     if (d->kvm_probe != NULL) {
@@ -2393,6 +3141,11 @@ static void q_free(sp_driver_t *base)
     sp_timer_stop(&d->done_timer);
     sp_timer_stop(&d->kick_timer);
     sp_timer_stop(&d->console_timer);
+    while (d->tsnaps != NULL) {
+        struct tsnap *t = d->tsnaps;
+        d->tsnaps = t->next;
+        free(t);
+    }
     sp_cgroup_destroy(d->cg);
     free(d->qemu);
     free(d->qemu_img);
@@ -2452,6 +3205,8 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     d->qemu_img = strdup(o->qemu_img != NULL ? o->qemu_img : "qemu-img");
     d->boot_timeout_ms = env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
     d->probe_ms = env_ms("SPACE_KVM_PROBE_MS", SP_QEMU_KVM_PROBE_MS);
+    const char *cold = getenv("SPACE_COLD_BOOT");
+    d->cold_only = o->cold_boot || (cold != NULL && strcmp(cold, "1") == 0);
     sp_timer_init(&d->done_timer, loop, on_done_timer, d);
     sp_timer_init(&d->kick_timer, loop, on_kick, d);
     sp_timer_init(&d->console_timer, loop, on_console_tick, d);
@@ -2466,6 +3221,17 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_err_set(err, SP_ERUNTIME, "QEMU (qemu-system-x86_64, qemu-img) is not installed");
         return NULL;
     }
+    {
+        char qp[PATH_MAX];
+        struct stat qs;
+        if (resolve_program(d->qemu, qp) && stat(qp, &qs) == 0)
+            sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s:%lld:%lld", qp, (long long)qs.st_size,
+                 (long long)qs.st_mtime);
+        else
+            sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s", d->qemu);
+    }
+    if (d->cold_only)
+        sp_log(SP_LOG_INFO, "qemu", "template snapshots off: every boot is a cold boot");
     if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
         q_free(&d->base);

@@ -16,12 +16,42 @@
  *   console.log  serial console, trimmed to its tail when it grows
  *   qemu.log     QEMU's own stdout/stderr
  *   qemu.pid     written once QEMU is started
- *   mem.ram      guest RAM (memory-backend-file, share=on): sparse, grows to memory_mb
- *   vm.json      cpu_count, memory_mb, disk size, template, accelerator, kernel, initramfs
+ *   mem.ram      guest RAM (memory-backend-file, share=on): sparse, grows to memory_mb;
+ *                absent for a clone, whose RAM is the template snapshot's (below)
+ *   vm.json      cpu_count, memory_mb, disk size, template, accelerator, kernel, initramfs,
+ *                ram_src (a clone's template snapshot dir, until its first restore)
  *   paused       present while the vCPUs are stopped by pause()
+ *   booting      present from QEMU's start until the agent took IDENTITY; a later
+ *                driver kills a QEMU it finds with it (state unknown, no identity):
+ *                the sandbox is then SUSPENDED (snapshot kept) or ABSENT, to redo
  *   snapshot/    devstate (QEMU device state, ~60 KB) and manifest.json; the
  *                manifest is renamed into place last, so its presence is the
  *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED
+ *
+ * Create from a template snapshot: the first boot of a template build (per
+ * accelerator, memory size, vCPU count and QEMU binary) cold-boots a builder VM,
+ * waits for its agent, runs `sync` in the guest, stops it, writes its device
+ * state and freezes its overlay and RAM file (mode 0444) into
+ *
+ *   <data-dir>/templates/<name>/<hash>/snapshot-<accel>-<mem>M-<cpus>c-<key>/
+ *       disk.qcow2 mem.ram snapshot/devstate template-snapshot.json
+ *
+ * committed by renaming the finished directory into place (the builder works in
+ * <data-dir>/vms/.tsnap-<key>-<pid>/, short enough for its sockets; a driver
+ * kills and removes builders it finds there at start). Boots that arrive
+ * while it is built wait for it (one build per key). A clone is a qcow2 overlay
+ * over that disk.qcow2 (its header written directly, no qemu-img), QEMU mapping
+ * the template's mem.ram share=off (private copy-on-write: clones share the
+ * pages they have not written), -incoming defer
+ * with x-ignore-shared and the template's device state, cont, then IDENTITY
+ * (hostname, sandbox id, env, fresh RNG seed, clock). vm.json names the RAM
+ * source ("ram_src"). A clone has no RAM file of its own, so its suspend streams
+ * the whole RAM with the device state (x-ignore-shared off; manifest "ram":
+ * "stream"); its restore loads that stream into a fresh share=on mem.ram, after
+ * which it is an ordinary VM. When no snapshot can be made or a clone fails to
+ * come up, the boot falls back to a cold boot (logged); a failed snapshot build
+ * is retried after 10 minutes. Snapshots of older template builds are kept
+ * (clones' overlays point at them).
  *
  * snapshot() = stop, migrate device state only (x-ignore-shared) to a passed
  * fd, fdatasync RAM file + device state + overlay, commit, quit QEMU.
@@ -40,7 +70,8 @@
  * connections but leaves every VM running.
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
- * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe.
+ * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
+ * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
  */
 #ifndef SP_QEMU_H
 #define SP_QEMU_H
@@ -54,6 +85,7 @@ typedef struct {
     const char *accel;    /* "auto" (NULL), "kvm" or "tcg" */
     const char *qemu;     /* qemu-system-x86_64 binary; NULL: from PATH */
     const char *qemu_img; /* qemu-img binary; NULL: from PATH */
+    int cold_boot;        /* 1: never create from a template snapshot */
 } sp_qemu_opts_t;
 
 /* Creates the driver; strings are copied. Never blocks on a VM: probes and

@@ -21,8 +21,11 @@
     "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " TS("s.created_at") ", "    \
     TS("s.last_activity_at") ", coalesce(" TS("s.deadline_at") ", ''), s.deadline_action, "       \
     "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
-    "coalesce(s.error, ''), s.metadata::text"
-#define SANDBOX_NCOLS 16
+    "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
+    "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
+    "coalesce(s.envd_version, ''), " TS("coalesce(s.deadline_at, s.created_at + make_interval("   \
+    "secs => coalesce(s.deadline_s, 315360000)))")
+#define SANDBOX_NCOLS 22
 
 #define OP_COLS                                                                                    \
     "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
@@ -125,6 +128,13 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     s->metadata = json_loads(PQgetvalue(r, row, col + 15), 0, NULL);
     if (s->metadata == NULL)
         s->metadata = json_object();
+    s->auto_resume = PQgetvalue(r, row, col + 16)[0] == 't';
+    s->deadline_s = atoi(PQgetvalue(r, row, col + 17));
+    s->allow_internet = atoi(PQgetvalue(r, row, col + 18));
+    const char *net = PQgetvalue(r, row, col + 19);
+    s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
+    copy(s->envd_version, sizeof(s->envd_version), PQgetvalue(r, row, col + 20));
+    copy(s->end_at, sizeof(s->end_at), PQgetvalue(r, row, col + 21));
 }
 
 static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
@@ -324,6 +334,7 @@ static void sandbox_done(struct call *c, PGresult *res, const sp_err_t *err)
         cb(c->arg, &sb, NULL, NULL);
     }
     json_decref(sb.metadata);
+    json_decref(sb.network);
 }
 
 int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
@@ -349,39 +360,50 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     const char *action = req->deadline_action ? req->deadline_action : "delete";
     if (strcmp(action, "delete") != 0 && strcmp(action, "suspend") != 0)
         return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
+    if (req->network != NULL && !json_is_object(req->network))
+        return sp_err_set(err, SP_EINVAL, "network must be an object");
+    if (req->envd_version != NULL && strlen(req->envd_version) > 31)
+        return sp_err_set(err, SP_EINVAL, "envd_version is too long");
 
     char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
     sp_ids_sandbox(id);
     sp_ids_operation(opid);
     sp_ids_token(token);
-    char *md = json_dumps(req->metadata ? req->metadata : json_object(), JSON_COMPACT);
-    char *env = json_dumps(req->env ? req->env : json_object(), JSON_COMPACT);
+    /* NULL maps are stored as {} (the parameters below fall back to it). */
+    char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
+    char *env = req->env ? json_dumps(req->env, JSON_COMPACT) : NULL;
     char idle[16], tmo[16], cpus[16], mem[16];
     snprintf(idle, sizeof(idle), "%d", req->idle_timeout_s ? req->idle_timeout_s
                                                             : SP_SVC_DEFAULT_IDLE_S);
     snprintf(tmo, sizeof(tmo), "%d", req->timeout_s);
     snprintf(cpus, sizeof(cpus), "%d", req->cpu_count);
     snprintf(mem, sizeof(mem), "%d", req->memory_mb);
+    char *net = req->network ? json_dumps(req->network, JSON_COMPACT) : NULL;
+    const char *inet = req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL;
     const char *p[] = {id, a->team_id, req->template_name, md ? md : "{}", env ? env : "{}",
                        idle, req->timeout_s ? tmo : NULL, action,
-                       req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid};
+                       req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid,
+                       req->auto_resume ? "true" : "false", inet, net, req->envd_version};
     int rc = submit(
         svc,
         "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
-        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token)"
+        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
+        "  auto_resume, deadline_s, allow_internet_access, network, envd_version)"
         "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
-        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11 FROM t"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
+        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16 FROM t"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
         " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
         " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
-        12, p, sandbox_done, (void *)cb, arg, 1, err);
+        16, p, sandbox_done, (void *)cb, arg, 1, err);
     free(md);
     free(env);
+    free(net);
     return rc;
 }
 
@@ -394,6 +416,25 @@ int sp_svc_get_sandbox(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc
     return submit(svc,
                   "SELECT " SANDBOX_COLS " FROM sandboxes s"
                   " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
+                            sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (token == NULL && id == NULL)
+        return sp_err_set(err, SP_EAUTH, "missing access token");
+    if (token != NULL && (token[0] == '\0' || strlen(token) > 128))
+        return sp_err_set(err, SP_EAUTH, "missing or invalid access token");
+    if (id != NULL && !sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, token};
+    /* The token is the credential: the team comes from the row it opens. Deleted rows are
+     * returned too (observed "deleted"), so a client can be told "gone" rather than "bad token". */
+    return submit(svc,
+                  "SELECT " SANDBOX_COLS " FROM sandboxes s"
+                  " WHERE ($1::text IS NULL OR s.id = $1)"
+                  " AND ($2::text IS NULL OR s.access_token = $2)",
                   2, p, sandbox_done, (void *)cb, arg, 0, err);
 }
 
@@ -423,8 +464,10 @@ static void list_done(struct call *c, PGresult *res, const sp_err_t *err)
         snprintf(cursor, sizeof(cursor), "%s_%s", PQgetvalue(res, n - 1, SANDBOX_NCOLS),
                  recs[n - 1].id);
     cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         json_decref(recs[i].metadata);
+        json_decref(recs[i].network);
+    }
     free(recs);
 }
 
@@ -513,11 +556,25 @@ json_t *sp_svc_metadata_filter(const char *query, sp_err_t *err)
 
 /* ---- lifecycle requests ---- */
 
+/* The deadline change of an sp_deadline_t, given the parameters holding its mode (M),
+ * seconds (S) and action or NULL (A). */
+#define DEADLINE_SQL(M, S, A)                                                                      \
+    "deadline_at = CASE " M "::int WHEN 1 THEN NULL"                                               \
+    "  WHEN 2 THEN now() + make_interval(secs => " S "::int)"                                      \
+    "  WHEN 3 THEN CASE WHEN deadline_at IS NULL THEN NULL"                                        \
+    "    ELSE greatest(deadline_at, now() + make_interval(secs => " S "::int)) END"                \
+    "  ELSE deadline_at END,"                                                                      \
+    " deadline_s = CASE " M "::int WHEN 2 THEN " S "::int ELSE deadline_s END,"                    \
+    " deadline_action = coalesce(" A "::text, deadline_action)"
+#define DEADLINE_SET DEADLINE_SQL("$7", "$8", "$9")
+
 struct req_ctx {
     sp_svc_t *svc;
     sp_auth_t auth;
     char id[65];
     sp_request_t req;
+    sp_deadline_t dl; /* KEEP for plain requests */
+    char dl_action[16];
     sp_svc_op_cb cb;
     void *arg;
     int tries;
@@ -583,11 +640,16 @@ static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
     }
     char opid[SP_OPID_LEN + 1];
     sp_ids_operation(opid);
+    char mode[8], secs[16];
+    snprintf(mode, sizeof(mode), "%d", (int)rc->dl.mode);
+    snprintf(secs, sizeof(secs), "%d", rc->dl.secs);
     const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
-                       sp_request_name(rc->req)};
+                       sp_request_name(rc->req), mode, secs,
+                       rc->dl_action[0] ? rc->dl_action : NULL};
     if (submit(rc->svc,
                "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
-               "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END"
+               "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
+               "   " DEADLINE_SET
                "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
                " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
                "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
@@ -595,7 +657,7 @@ static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
                "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
                " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
                " SELECT " OP_COLS " FROM o, n, ev",
-               6, p, req_written, NULL, rc, 0, &e) < 0)
+               9, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);
 }
 
@@ -613,10 +675,30 @@ static void req_read(struct req_ctx *rc)
 int sp_svc_request(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
                    sp_svc_op_cb cb, void *arg, sp_err_t *err)
 {
+    return sp_svc_request_deadline(svc, a, id, req, NULL, cb, arg, err);
+}
+
+static int check_deadline(const sp_deadline_t *dl, sp_err_t *err)
+{
+    if ((unsigned)dl->mode > SP_DEADLINE_EXTEND)
+        return sp_err_set(err, SP_EINVAL, "unknown deadline mode");
+    if (dl->secs < 0 || dl->secs > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "timeout must be 0 to %d seconds", SP_SVC_MAX_TIMEOUT_S);
+    if (dl->action != NULL && strcmp(dl->action, "delete") != 0 &&
+        strcmp(dl->action, "suspend") != 0)
+        return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
+    return 0;
+}
+
+int sp_svc_request_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
+                            const sp_deadline_t *dl, sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
     if (!sp_ids_valid(id))
         return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
     if ((unsigned)req >= SP_REQ__COUNT)
         return sp_err_set(err, SP_EINVAL, "unknown request");
+    if (dl != NULL && check_deadline(dl, err) < 0)
+        return -1;
     struct req_ctx *rc = calloc(1, sizeof(*rc));
     if (rc == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
@@ -624,6 +706,11 @@ int sp_svc_request(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request
     rc->auth = *a;
     copy(rc->id, sizeof(rc->id), id);
     rc->req = req;
+    if (dl != NULL) {
+        rc->dl = *dl;
+        copy(rc->dl_action, sizeof(rc->dl_action), dl->action);
+        rc->dl.action = NULL; /* the copy in dl_action is what is used */
+    }
     rc->cb = cb;
     rc->arg = arg;
     const char *p[] = {rc->id, rc->auth.team_id};
@@ -917,4 +1004,245 @@ void sp_svc_destroy(sp_svc_t *svc)
         /* A waiter with a check in flight is answered and freed by the store's shutdown. */
     }
     free(svc);
+}
+
+/* ---- deadlines ---- */
+
+int sp_svc_set_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                        const sp_deadline_t *dl, sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (check_deadline(dl, err) < 0)
+        return -1;
+    char mode[8], secs[16];
+    snprintf(mode, sizeof(mode), "%d", (int)dl->mode);
+    snprintf(secs, sizeof(secs), "%d", dl->secs);
+    const char *p[] = {id, a->team_id, mode, secs, dl->action};
+    /* Asleep (suspended, or on its way there) has no running deadline to change. */
+    return submit(svc,
+                  "WITH s AS (UPDATE sandboxes SET " DEADLINE_SQL("$3", "$4", "$5") ","
+                  "   updated_at = now()"
+                  "  WHERE id = $1 AND team_id = $2 AND desired_state IN ('running', 'paused')"
+                  "   AND observed_state NOT IN ('deleted', 'failed', 'stopping', 'suspending',"
+                  "    'suspended')"
+                  "  RETURNING *)"
+                  " SELECT " SANDBOX_COLS " FROM s",
+                  5, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- automatic wake (E2B autoResume) ---- */
+
+#define WAKE_POLL_MS 100
+
+struct wake_ctx {
+    sp_svc_t *svc;
+    sp_auth_t auth;
+    char id[65];
+    uint64_t until_ms; /* give up waiting at this loop time */
+    sp_svc_done_cb cb;
+    void *arg;
+    sp_timer_t poll;
+};
+
+static void wake_finish(struct wake_ctx *w, const sp_err_t *err)
+{
+    sp_timer_stop(&w->poll);
+    w->cb(w->arg, err);
+    free(w);
+}
+
+static void wake_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                     const sp_err_t *err);
+
+static void on_wake_poll(sp_timer_t *t, void *arg)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (sp_svc_get_sandbox(w->svc, &w->auth, w->id, wake_got, w, &e) < 0)
+        wake_finish(w, &e);
+}
+
+/* Someone else's start or wake is under way: look again shortly, until the time is up. */
+static void wake_poll_later(struct wake_ctx *w)
+{
+    if (sp_loop_now_ms(w->svc->loop) >= w->until_ms) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox is still waking; try again");
+        wake_finish(w, &e);
+        return;
+    }
+    sp_timer_start(&w->poll, WAKE_POLL_MS);
+}
+
+static void wake_op_done(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (err != NULL) {
+        wake_finish(w, err);
+    } else if (strcmp(op->status, "succeeded") == 0) {
+        wake_finish(w, NULL);
+    } else if (strcmp(op->status, "failed") == 0) {
+        sp_err_set(&e, SP_EUNAVAIL, "waking the sandbox failed: %.100s", op->error_message);
+        wake_finish(w, &e);
+    } else {
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox is still waking; try again");
+        wake_finish(w, &e);
+    }
+}
+
+static void wake_requested(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    if (err != NULL) {
+        if (err->code == SP_ECONFLICT) /* a concurrent request changed it: look again */
+            wake_poll_later(w);
+        else
+            wake_finish(w, err);
+        return;
+    }
+    uint64_t now = sp_loop_now_ms(w->svc->loop);
+    uint32_t left = w->until_ms > now ? (uint32_t)(w->until_ms - now) : 1;
+    sp_err_t e;
+    if (sp_svc_get_operation(w->svc, &w->auth, op->id, left, wake_op_done, w, &e) < 0)
+        wake_finish(w, &e);
+}
+
+static void wake_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                     const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (err != NULL) {
+        wake_finish(w, err);
+        return;
+    }
+    sp_desired_t d;
+    sp_observed_t o;
+    if (sp_desired_parse(sb->desired, &d) < 0 || sp_observed_parse(sb->observed, &o) < 0) {
+        wake_finish(w, (sp_err_set(&e, SP_EINTERNAL, "sandbox record is corrupt"), &e));
+        return;
+    }
+    if (d == SP_DESIRED_DELETED || o == SP_OBS_STOPPING) {
+        wake_finish(w, (sp_err_set(&e, SP_ENOTFOUND, "sandbox not found"), &e));
+        return;
+    }
+    if (o == SP_OBS_FAILED) {
+        wake_finish(w, (sp_err_set(&e, SP_ECONFLICT, "sandbox has failed"), &e));
+        return;
+    }
+    if (d == SP_DESIRED_RUNNING) {
+        if (o == SP_OBS_RUNNING)
+            wake_finish(w, NULL);
+        else
+            wake_poll_later(w);
+        return;
+    }
+    if (!sb->auto_resume) {
+        wake_finish(w, (sp_err_set(&e, SP_ECONFLICT, "sandbox is paused"), &e));
+        return;
+    }
+    sp_deadline_t dl = {.mode = sb->deadline_s > 0 ? SP_DEADLINE_SET : SP_DEADLINE_KEEP,
+                        .secs = sb->deadline_s > 0 ? sb->deadline_s : 0};
+    sp_log(SP_LOG_INFO, "svc", "auto-resume sandbox=%s", sb->id);
+    if (sp_svc_request_deadline(w->svc, &w->auth, w->id, SP_REQ_WAKE, &dl, wake_requested, w,
+                                &e) < 0)
+        wake_finish(w, &e);
+}
+
+int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                              uint32_t wait_ms, sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (wait_ms > SP_SVC_MAX_WAIT_MS)
+        wait_ms = SP_SVC_MAX_WAIT_MS;
+    struct wake_ctx *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->svc = svc;
+    w->auth = *a;
+    copy(w->id, sizeof(w->id), id);
+    w->until_ms = sp_loop_now_ms(svc->loop) + wait_ms;
+    w->cb = cb;
+    w->arg = arg;
+    sp_timer_init(&w->poll, svc->loop, on_wake_poll, w);
+    if (sp_svc_get_sandbox(svc, a, id, wake_got, w, err) < 0) {
+        free(w);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- figures and events ---- */
+
+int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (svc->driver == NULL || svc->driver->ops->stats == NULL)
+        return sp_err_set(err, SP_EUNAVAIL, "no runtime on this server");
+    memset(out, 0, sizeof(*out));
+    return svc->driver->ops->stats(svc->driver, id, out, err);
+}
+
+static void events_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_events_cb cb = (sp_svc_events_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, err);
+        return;
+    }
+    int rows = PQntuples(res);
+    if (rows == 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    sp_event_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    size_t n = 0;
+    for (int i = 0; i < rows; i++) {
+        if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (matching) events */
+            continue;
+        recs[n].id = atoll(PQgetvalue(res, i, 0));
+        copy(recs[n].at, sizeof(recs[n].at), PQgetvalue(res, i, 1));
+        recs[n].at_ms = atoll(PQgetvalue(res, i, 2));
+        copy(recs[n].kind, sizeof(recs[n].kind), PQgetvalue(res, i, 3));
+        copy(recs[n].detail, sizeof(recs[n].detail), PQgetvalue(res, i, 4));
+        n++;
+    }
+    cb(c->arg, recs, n, NULL);
+    free(recs);
+}
+
+int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, long long since_ms,
+                          int limit, sp_svc_events_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (limit < 1 || limit > 10000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 10000");
+    if (since_ms < 0)
+        return sp_err_set(err, SP_EINVAL, "start must not be negative");
+    char since[24], lim[16];
+    snprintf(since, sizeof(since), "%lld", since_ms);
+    snprintf(lim, sizeof(lim), "%d", limit);
+    const char *p[] = {id, a->team_id, since, lim};
+    return submit(svc,
+                  "SELECT e.id, " TS("e.at") ", (extract(epoch FROM e.at) * 1000)::bigint,"
+                  " e.kind, e.detail FROM sandboxes s LEFT JOIN LATERAL"
+                  " (SELECT * FROM events ev WHERE ev.sandbox_id = s.id"
+                  "   AND ev.at >= to_timestamp($3::bigint / 1000.0) ORDER BY ev.id LIMIT $4::int)"
+                  " e ON true"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'"
+                  " ORDER BY e.id",
+                  4, p, events_done, (void *)cb, arg, 0, err);
 }

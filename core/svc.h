@@ -58,6 +58,13 @@ typedef struct {
     char access_token[SP_TOKEN_LEN + 1];
     char error[256];
     json_t *metadata; /* object, owned by the record */
+    /* Kept for the E2B surface (migration 2). */
+    bool auto_resume;      /* a request for its traffic wakes it from suspend */
+    int deadline_s;        /* last timeout length asked for; 0 = none */
+    int allow_internet;    /* 1 allowed, 0 denied, -1 not said */
+    json_t *network;       /* object or NULL, owned by the record */
+    char envd_version[32]; /* "" when not recorded */
+    char end_at[32];       /* deadline_at, else created_at + deadline_s (or + 10 years) */
 } sp_sandbox_rec_t;
 
 typedef struct {
@@ -80,6 +87,11 @@ typedef struct {
     const char *deadline_action; /* "delete" | "suspend"; NULL = delete */
     int cpu_count;      /* 0 = template default */
     int memory_mb;      /* 0 = template default */
+    /* E2B extras; zero values keep the defaults. */
+    bool auto_resume;
+    int allow_internet;       /* 0 not said, 1 allowed, -1 denied */
+    json_t *network;          /* object or NULL; borrowed, stored as given */
+    const char *envd_version; /* NULL = none */
 } sp_create_req_t;
 
 typedef struct {
@@ -125,6 +137,16 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
 int sp_svc_get_sandbox(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_sandbox_cb cb,
                        void *arg, sp_err_t *err);
 
+/*
+ * The sandbox an access token opens (data-plane auth: E2B envd, code interpreter, ports).
+ * id may be NULL (token only). SP_ENOTFOUND when no sandbox has that token (and id); a deleted
+ * sandbox is returned with observed "deleted" (the caller answers "not running").
+ * token NULL with an id looks the sandbox up UNAUTHENTICATED: only for callers that then
+ * check another credential against the record's access_token (signed file URLs).
+ */
+int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
+                            sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);
+
 int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t *req,
                           sp_svc_list_cb cb, void *arg, sp_err_t *err);
 
@@ -165,5 +187,60 @@ json_t *sp_svc_metadata_filter(const char *query, sp_err_t *err);
 
 /* Checks a user metadata/env object: string values, sane key and size limits. */
 int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err);
+
+/* ---- deadlines, automatic wake, figures and events (the E2B surface uses these) ---- */
+
+typedef enum {
+    SP_DEADLINE_KEEP = 0, /* leave deadline_at as it is */
+    SP_DEADLINE_CLEAR,    /* no deadline */
+    SP_DEADLINE_SET,      /* now + secs (may shorten); also remembered as deadline_s */
+    SP_DEADLINE_EXTEND,   /* max(deadline, now + secs); no deadline stays none */
+} sp_deadline_mode_t;
+
+typedef struct {
+    sp_deadline_mode_t mode;
+    int secs;           /* 0..SP_SVC_MAX_TIMEOUT_S */
+    const char *action; /* "delete" | "suspend", or NULL to keep */
+} sp_deadline_t;
+
+/* sp_svc_request that also changes the deadline in the same statement (dl NULL: keep). */
+int sp_svc_request_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
+                            const sp_deadline_t *dl, sp_svc_op_cb cb, void *arg, sp_err_t *err);
+
+/* Changes the deadline of a sandbox that is (or is becoming) running or natively paused;
+ * SP_ENOTFOUND for one that is missing, another team's, suspended or being deleted. The
+ * callback gets the updated record (op NULL). */
+int sp_svc_set_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                        const sp_deadline_t *dl, sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);
+
+/*
+ * For sandbox traffic to a sandbox that is not running: if it is paused or suspended (or
+ * being suspended) and has auto_resume, requests a wake (with a new deadline of its last
+ * timeout length) and waits up to wait_ms for it. The callback's err is NULL when the
+ * sandbox is (now) running or was not asleep at all; SP_ECONFLICT when it is asleep
+ * without auto_resume; the wake's failure otherwise.
+ */
+int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                              uint32_t wait_ms, sp_svc_done_cb cb, void *arg, sp_err_t *err);
+
+/* Synchronous: the runtime driver's figures for the sandbox's VM. The caller has checked
+ * that the sandbox is the caller's. SP_ENOTFOUND without a VM; SP_EUNAVAIL without a driver. */
+int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err);
+
+typedef struct {
+    long long id;
+    char at[32];
+    long long at_ms; /* epoch milliseconds */
+    char kind[32];
+    char detail[256];
+} sp_event_rec_t;
+
+typedef void (*sp_svc_events_cb)(void *arg, const sp_event_rec_t *recs, size_t n,
+                                 const sp_err_t *err);
+
+/* A team's sandbox's lifecycle events, oldest first, from since_ms (epoch ms; 0 = all), at
+ * most limit (1..10000). SP_ENOTFOUND for a missing or another team's sandbox. */
+int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, long long since_ms,
+                          int limit, sp_svc_events_cb cb, void *arg, sp_err_t *err);
 
 #endif

@@ -10,7 +10,7 @@
  * restarts the driver (VM keeps running) and checks it is re-adopted,
  * suspends and restores it across another driver restart (same guest boot
  * id, disk kept), then destroys it and checks no process, overlay or socket
- * is left. Measures
+ * is left. All boots here are cold boots (opts.cold_boot). Measures
  * cold boot-to-agent-ready over three more boots and prints the median.
  *
  * Where the host has a cgroup layout (core/cgroup.h), checks after each boot,
@@ -87,7 +87,9 @@ static void run_for(double ms)
 static sp_driver_t *make_driver(void)
 {
     const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto"};
+    /* cold boots: this test is about them (timeouts, destroy mid-boot); e2e/test_clones.c
+     * covers create from a template snapshot */
+    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto", .cold_boot = 1};
     sp_err_t e;
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     if (d == NULL)

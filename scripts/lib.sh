@@ -6,12 +6,18 @@ SPACE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Packages for building, running and testing space (Debian 12).
 SPACE_PKGS=(
   gcc make cmake pkg-config git ca-certificates python3
-  libh2o-evloop-dev libwslay-dev libpq-dev libjansson-dev libssl-dev libsodium-dev
+  libh2o-evloop-dev libwslay-dev libpq-dev libjansson-dev libssl-dev libsodium-dev zlib1g-dev
   postgresql postgresql-contrib
   qemu-system-x86 qemu-utils busybox-static mmdebstrap e2fsprogs xz-utils zstd musl-tools
   libnss-myhostname
 )
 SPACE_TEST_PKGS=(clang)
+# Node.js and npm run the JS conformance suite (conformance/js). Debian's packages only when
+# the commands are missing: a Node installed another way ships its own npm, which Debian's
+# npm package conflicts with. (Debian 12's Node is 18; the pinned SDK wants 20.18 or later,
+# so there the suite skips, saying so.)
+command -v node >/dev/null 2>&1 || SPACE_TEST_PKGS+=(nodejs)
+command -v npm >/dev/null 2>&1 || SPACE_TEST_PKGS+=(npm)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -24,11 +30,31 @@ install_pkgs() {
   for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  log "installing: ${missing[*]}"
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing: ${missing[*]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+  fi
+  case " $* " in *" libnss-myhostname "*) ensure_nss_myhostname ;; esac
+}
+
+# The default sandbox domain is space.localhost:<port> (https://<port>-<id>.space.localhost):
+# nss-myhostname resolves every name under localhost to loopback, but only when the hosts:
+# line of nsswitch.conf lists it. Debian's package adds it on install; a hand-edited file may
+# lack it, so add it right after `files` (before dns). Idempotent; edits the file as root only.
+ensure_nss_myhostname() {
+  local conf=${SPACE_NSSWITCH_CONF:-/etc/nsswitch.conf}
+  [ -f "$conf" ] || return 0
+  grep -Eq '^hosts:.*[[:space:]]myhostname([[:space:]]|$)' "$conf" && return 0
+  log "adding myhostname to the hosts: line of $conf (sandbox names under localhost)"
+  if ! grep -q '^hosts:' "$conf"; then
+    echo "hosts: files myhostname dns" | as_root tee -a "$conf" >/dev/null
+  elif grep -Eq '^hosts:[[:space:]]*files([[:space:]]|$)' "$conf"; then
+    as_root sed -i -E 's/^(hosts:[[:space:]]*files)([[:space:]]|$)/\1 myhostname\2/' "$conf"
+  else
+    as_root sed -i -E 's/^hosts:[[:space:]]*/&myhostname /' "$conf"
+  fi
 }
 
 # build DIR [cmake args...]

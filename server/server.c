@@ -33,13 +33,19 @@
 #include "core/store.h"
 #include "core/svc.h"
 #include "guest/tmplbuild.h"
+#include "e2b-gateway/gw.h"
 #include "native-api/napi.h"
 #include "server/http.h"
+#include "server/sniff.h"
+#include "server/tls.h"
 
 #define SPACE_VERSION "0.1.0"
 
 struct opts {
     const char *listen;
+    const char *domain;   /* serve: sandbox host suffix (default space.localhost:<port>) */
+    const char *tls_cert; /* serve: operator's certificate chain (PEM), with tls_key */
+    const char *tls_key;
     const char *data_dir;
     const char *database_url;
     const char *runtime;
@@ -54,6 +60,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: spaced serve [--listen ADDR:PORT] [--data-dir DIR] [--database-url URL]\n"
             "                    [--runtime qemu|none] [--log-level debug|info|warn|error]\n"
+            "                    [--domain HOST[:PORT]] [--tls-cert FILE --tls-key FILE]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -338,13 +345,16 @@ struct srv {
     h2o_globalconf_t config;
     h2o_context_t ctx;
     h2o_accept_ctx_t accept_ctx;
-    h2o_socket_t *listener;
+    h2o_accept_ctx_t tls_accept_ctx; /* accept_ctx plus ssl_ctx: same hosts, same handlers */
+    SSL_CTX *ssl_ctx;
+    int listen_fd;
+    sp_sniff_t *sniff; /* one port: TLS and plain HTTP told apart by the first byte */
+    sp_sniff_t *sniff6; /* the same port on ::1, when listening on 127.0.0.1 */
     sp_napi_t *napi;
+    sp_e2b_t *e2b;
     int sfd;
     bool stop;
 };
-
-static struct srv *g_srv;
 
 struct handler {
     h2o_handler_t super;
@@ -354,21 +364,16 @@ struct handler {
 static int on_req(h2o_handler_t *self, h2o_req_t *req)
 {
     struct srv *s = ((struct handler *)self)->srv;
+    if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
+        sp_e2b_handle(s->e2b, req);
+        return 0;
+    }
     if (sp_napi_owns(req)) {
         sp_napi_handle(s->napi, req);
         return 0;
     }
     sp_http_error_code(req, SP_ENOTFOUND, "no such path");
     return 0;
-}
-
-static void on_accept(h2o_socket_t *listener, const char *err)
-{
-    if (err != NULL)
-        return;
-    h2o_socket_t *sock = h2o_evloop_socket_accept(listener);
-    if (sock != NULL)
-        h2o_accept(&g_srv->accept_ctx, sock);
 }
 
 static int listen_on(struct srv *s, const char *addr)
@@ -395,8 +400,79 @@ static int listen_on(struct srv *s, const char *addr)
         close(fd);
         return -1;
     }
-    s->listener = h2o_evloop_socket_create(sp_loop_native(s->loop), fd, H2O_SOCKET_FLAG_DONT_READ);
-    h2o_socket_read_start(s->listener, on_accept);
+    s->listen_fd = fd;
+    return 0;
+}
+
+/*
+ * Names under localhost (the default domain) resolve to ::1 as well as 127.0.0.1, and many
+ * clients try ::1 first: a 127.0.0.1 listener gets a ::1 twin on the same port when it can
+ * (best effort: -1 when not). */
+static int listen_loopback6(const char *addr)
+{
+    if (strncmp(addr, "127.0.0.1:", 10) != 0)
+        return -1;
+    int port = atoi(addr + 10);
+    int fd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+    struct sockaddr_in6 sa = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port),
+                              .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, SOMAXCONN) < 0) {
+        sp_log(SP_LOG_INFO, "server", "no ::1 listener port=%d err=%s", port, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/*
+ * The sandbox domain (E2B `domain`): --domain, else $SPACE_E2B_DOMAIN, else
+ * space.localhost:<listen port>. Names under localhost resolve to loopback through
+ * nss-myhostname (scripts/lib.sh makes sure it is in nsswitch.conf), so the default needs
+ * no DNS set-up on the server's own machine.
+ */
+static void serve_domain(const struct opts *o, char *out, size_t cap)
+{
+    const char *d = o->domain ? o->domain : getenv("SPACE_E2B_DOMAIN");
+    if (d != NULL && d[0] != '\0') {
+        snprintf(out, cap, "%s", d);
+        return;
+    }
+    const char *colon = strrchr(o->listen, ':');
+    snprintf(out, cap, "space.localhost:%s", colon ? colon + 1 : "3000");
+}
+
+/* TLS for the shared port: the operator's certificate, or the local CA's wildcard one. */
+static int setup_tls(struct srv *s, const struct opts *o, const char *domain,
+                     sp_tls_files_t *files)
+{
+    char host[256];
+    snprintf(host, sizeof(host), "%s", domain);
+    char *colon = strrchr(host, ':');
+    if (colon != NULL && strchr(host, ']') == NULL && strchr(colon + 1, '.') == NULL)
+        *colon = '\0'; /* "space.localhost:3000" -> "space.localhost" */
+    sp_err_t e;
+    const char *cert = o->tls_cert, *key = o->tls_key;
+    memset(files, 0, sizeof(*files));
+    if (cert == NULL) {
+        if (sp_tls_ensure(o->data_dir, host, files, &e) < 0) {
+            fprintf(stderr, "spaced: TLS set-up failed: %s\n", e.msg);
+            return -1;
+        }
+        cert = files->cert;
+        key = files->key;
+    }
+    s->ssl_ctx = sp_tls_server_ctx(cert, key, &e);
+    if (s->ssl_ctx == NULL) {
+        fprintf(stderr, "spaced: TLS set-up failed: %s\n", e.msg);
+        return -1;
+    }
+    s->tls_accept_ctx = s->accept_ctx;
+    s->tls_accept_ctx.ssl_ctx = s->ssl_ctx;
     return 0;
 }
 
@@ -457,9 +533,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     }
     PQfinish(c);
 
-    struct srv s = {0};
+    struct srv s = {.listen_fd = -1};
+    sp_tls_files_t tls_files;
     sp_recon_t *recon = NULL;
-    g_srv = &s;
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
@@ -492,7 +568,12 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (s.napi != NULL)
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
-    if (recon == NULL || s.napi == NULL) {
+    /* The E2B surface and the host suffix it returns as `domain`. */
+    char domain[256];
+    serve_domain(o, domain, sizeof(domain));
+    sp_e2b_opts_t eo = {.domain = domain};
+    s.e2b = svc ? sp_e2b_create(svc, &eo) : NULL;
+    if (recon == NULL || s.napi == NULL || s.e2b == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;
     }
@@ -508,8 +589,17 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     h2o_context_init(&s.ctx, sp_loop_native(s.loop), &s.config);
     s.accept_ctx.ctx = &s.ctx;
     s.accept_ctx.hosts = s.config.hosts;
-    if (listen_on(&s, o->listen) < 0)
+    if (setup_tls(&s, o, domain, &tls_files) < 0 || listen_on(&s, o->listen) < 0)
         goto out_srv;
+    s.sniff = sp_sniff_create(s.loop, s.listen_fd, &s.accept_ctx, &s.tls_accept_ctx);
+    if (s.sniff == NULL) {
+        close(s.listen_fd);
+        goto out_srv;
+    }
+    int fd6 = listen_loopback6(o->listen);
+    if (fd6 >= 0 &&
+        (s.sniff6 = sp_sniff_create(s.loop, fd6, &s.accept_ctx, &s.tls_accept_ctx)) == NULL)
+        close(fd6);
 
     sigset_t set;
     sigemptyset(&set);
@@ -522,7 +612,16 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_watch_t *sw = sp_watch_create(s.loop, sfd, on_signal, &s);
     sp_watch_set(sw, SP_IO_READ);
 
-    printf("space %s listening on http://%s\n", SPACE_VERSION, o->listen);
+    printf("space %s listening on http://%s and https://%s\n", SPACE_VERSION, o->listen,
+           o->listen);
+    printf("sandbox domain: %s   (E2B: E2B_API_URL=http://%s, sandboxes at "
+           "https://<port>-<id>.%s)\n",
+           domain, o->listen, domain);
+    if (o->tls_cert == NULL) {
+        printf("trust the local CA%s:\n  export SSL_CERT_FILE=%s NODE_EXTRA_CA_CERTS=%s\n",
+               tls_files.created_ca ? " (new)" : "",
+               tls_files.bundle[0] ? tls_files.bundle : tls_files.ca_cert, tls_files.ca_cert);
+    }
     if (key[0])
         printf("API key: %s   (also in %s/api-key)\n", key, o->data_dir);
     printf("try: curl -H 'Authorization: Bearer <key>' http://%s/v1/templates\n", o->listen);
@@ -535,15 +634,18 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_log(SP_LOG_INFO, "server", "shutting down");
     sp_watch_destroy(sw);
     close(sfd);
-    h2o_socket_read_stop(s.listener);
-    h2o_socket_close(s.listener);
     rc = 0;
 out_srv:
+    sp_sniff_destroy(s.sniff);
+    sp_sniff_destroy(s.sniff6);
     sp_recon_destroy(recon);
     sp_store_destroy(store);
     sp_svc_destroy(svc);
     sp_napi_destroy(s.napi);
+    sp_e2b_destroy(s.e2b);
     sp_driver_destroy(driver);
+    if (s.ssl_ctx != NULL)
+        SSL_CTX_free(s.ssl_ctx);
 out_db:
     if (db.cluster != NULL && sp_pgcluster_stop(db.cluster, &e) < 0)
         fprintf(stderr, "spaced: stopping the embedded PostgreSQL failed: %s\n", e.msg);
@@ -563,6 +665,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"log-level", required_argument, NULL, 'L'}, {"help", no_argument, NULL, 'h'},
         {"team", required_argument, NULL, 't'},      {"name", required_argument, NULL, 'n'},
         {"agent", required_argument, NULL, 'a'},     {"force", no_argument, NULL, 'f'},
+        {"domain", required_argument, NULL, 'D'},    {"tls-cert", required_argument, NULL, 'C'},
+        {"tls-key", required_argument, NULL, 'K'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -597,6 +701,15 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'l':
             o.listen = optarg;
             break;
+        case 'D':
+            o.domain = optarg;
+            break;
+        case 'C':
+            o.tls_cert = optarg;
+            break;
+        case 'K':
+            o.tls_key = optarg;
+            break;
         case 'd':
             o.data_dir = optarg;
             break;
@@ -619,6 +732,10 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             usage(stderr);
             return 2;
         }
+    }
+    if ((o.tls_cert == NULL) != (o.tls_key == NULL)) {
+        fprintf(stderr, "spaced: --tls-cert and --tls-key go together\n");
+        return 2;
     }
     if (o.data_dir == NULL)
         o.data_dir = default_data_dir();

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Sandbox lifecycle figures through the native API, each next to a baseline from the same run.
+
+  bench/lifecycle_bench.py BUILD_DIR [DATA_DIR]
+
+BUILD_DIR holds server/spaced (a release build). DATA_DIR (default BUILD_DIR/bench-data) gets the
+base template if it has none. Prints medians and p99 of:
+  - create -> first command from the template snapshot (clone), against
+      * a cold boot of the same template (spaced with SPACE_COLD_BOOT=1), and
+      * QEMU alone restoring the same template snapshot with no control plane (the command line of
+        a live clone, started by hand with `-incoming fd:3`, timed to the agent's HELLO and to a
+        first `true` straight on the agent socket: the floor)
+  - 20 concurrent creates (total wall time) against 20 x the single-create median
+  - pause and wake (API round trips)
+  - suspend and wake of a 256 MiB and a 1 GiB clone: the first suspend streams the clone's RAM, later
+    ones write device state only (the RAM is in the sandbox's own file by then); snapshot bytes
+  - host memory per idle sandbox: RSS and PSS of N idle clones' QEMU (and of a few cold-booted ones),
+    MemAvailable before/after, and how many idle clones would fit in what is available
+Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
+Environment: BENCH_CREATES (20), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
+BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3).
+"""
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from agentwire import AgentWire  # noqa: E402
+from harness import PgCluster, Spaced  # noqa: E402
+
+N_CREATES = int(os.environ.get("BENCH_CREATES", "20"))
+N_COLD = int(os.environ.get("BENCH_COLD", "5"))
+N_FLOOR = int(os.environ.get("BENCH_FLOOR", "10"))
+N_CONC = int(os.environ.get("BENCH_CONC", "20"))
+N_PAUSE = int(os.environ.get("BENCH_PAUSE", "20"))
+N_SUSPEND = int(os.environ.get("BENCH_SUSPEND", "3"))
+N_DENSITY = int(os.environ.get("BENCH_DENSITY", "20"))
+N_DENSITY_COLD = int(os.environ.get("BENCH_DENSITY_COLD", "3"))
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
+
+
+def line(name, xs, unit="ms"):
+    print("%-52s median %8.1f %s   p99 %8.1f %s   (n=%d)" % (
+        name, statistics.median(xs), unit, pct(xs, 99), unit, len(xs)), flush=True)
+
+
+def ratio(name, a, b):
+    print("%-52s %.2fx" % (name, a / b), flush=True)
+
+
+class Api:
+    def __init__(self, spaced):
+        self.s = spaced
+        self.conn = None
+        self.hdr = {"Authorization": "Bearer " + spaced.key, "Content-Type": "application/json"}
+
+    def call(self, method, path, body=None, timeout=300):
+        for attempt in range(2):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout)
+            try:
+                self.conn.request(method, path,
+                                  body=json.dumps(body) if body is not None else None,
+                                  headers=self.hdr)
+                r = self.conn.getresponse()
+                return r.status, r.read()
+            except (OSError, http.client.HTTPException):
+                self.conn.close()
+                self.conn = None
+                if attempt:
+                    raise
+
+    def create_first_cmd(self, **fields):
+        """create, then `true` until it answers: (ms, id)."""
+        t0 = time.perf_counter()
+        st, b = self.call("POST", "/v1/sandboxes", dict(template="base", **fields))
+        assert st in (200, 202), (st, b)
+        sid = json.loads(b)["sandbox"]["id"]
+        while True:
+            st, b = self.call("POST", "/v1/sandboxes/%s/commands" % sid, {"argv": ["true"]})
+            if st == 200:
+                break
+            if st not in (404, 409, 503):
+                raise AssertionError("first command: %d %r" % (st, b))
+            time.sleep(0.003)
+        return (time.perf_counter() - t0) * 1000, sid
+
+    def create(self, **fields):
+        st, b = self.call("POST", "/v1/sandboxes?wait=120", dict(template="base", **fields))
+        assert st == 200, (st, b)
+        return json.loads(b)["sandbox"]["id"]
+
+    def verb(self, sid, verb):
+        t0 = time.perf_counter()
+        st, b = self.call("POST", "/v1/sandboxes/%s/%s?wait=120" % (sid, verb))
+        assert st == 200, (verb, st, b)
+        return (time.perf_counter() - t0) * 1000
+
+    def run(self, sid, cmd):
+        st, b = self.call("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": cmd})
+        assert st == 200, (st, b)
+        return json.loads(b)
+
+    def delete(self, sid):
+        self.call("DELETE", "/v1/sandboxes/%s?wait=60" % sid)
+
+
+def qemu_pid(data, sid):
+    with open(os.path.join(data, "vms", sid, "qemu.pid")) as f:
+        return int(f.read().strip())
+
+
+def mem_of(pid):
+    """(RSS, PSS) in bytes from smaps_rollup."""
+    rss = pss = 0
+    with open("/proc/%d/smaps_rollup" % pid) as f:
+        for ln in f:
+            if ln.startswith("Rss:"):
+                rss = int(ln.split()[1]) << 10
+            elif ln.startswith("Pss:"):
+                pss = int(ln.split()[1]) << 10
+    return rss, pss
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for ln in f:
+            if ln.startswith("MemAvailable:"):
+                return int(ln.split()[1]) << 10
+    return 0
+
+
+def snapshot_bytes(data, sid):
+    d = os.path.join(data, "vms", sid)
+    n = os.path.getsize(os.path.join(d, "snapshot", "devstate"))
+    ram = os.path.join(d, "mem.ram")
+    alloc = os.stat(ram).st_blocks * 512 if os.path.exists(ram) else 0
+    return n, alloc
+
+
+def cmdline(pid):
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+def floor_restore(data, sid, n):
+    """QEMU alone: a live clone's command line, its per-VM paths moved to a temp dir, restoring
+    the template snapshot from an inherited fd. Returns (ms to HELLO list, ms to `true` list)."""
+    argv = cmdline(qemu_pid(data, sid))
+    vdir = os.path.join(data, "vms", sid)
+    with open(os.path.join(vdir, "vm.json")) as f:
+        src = json.load(f)["ram_src"]
+    hello, first = [], []
+    for i in range(n):
+        tmp = tempfile.mkdtemp(prefix="sp-floor-", dir="/tmp")
+        try:
+            disk = os.path.join(tmp, "disk.qcow2")
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
+                            os.path.join(src, "disk.qcow2"), disk], check=True)
+            a = [x.replace(vdir + "/", tmp + "/") for x in argv]
+            sock = os.path.join(tmp, "agent.sock")
+            dev = os.open(os.path.join(src, "snapshot", "devstate"), os.O_RDONLY)
+            k = a.index("-incoming")
+            a[k + 1] = "fd:%d" % dev
+            a[k:k] = ["-global", "migration.x-ignore-shared=true"]
+            t0 = time.perf_counter()
+            p = subprocess.Popen(a, pass_fds=(dev,), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+            os.close(dev)
+            try:
+                while True:
+                    try:
+                        w = AgentWire(sock)
+                        break
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        if p.poll() is not None:
+                            raise AssertionError("qemu exited %d" % p.returncode)
+                        time.sleep(0.001)
+                hello.append((time.perf_counter() - t0) * 1000)
+                w.run("true")
+                first.append((time.perf_counter() - t0) * 1000)
+                w.close()
+            finally:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hello, first
+
+
+def main():
+    build = os.path.abspath(sys.argv[1])
+    data = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else os.path.join(build, "bench-data"))
+    spaced = os.path.join(build, "server", "spaced")
+    os.makedirs(data, exist_ok=True)
+    subprocess.run([spaced, "template", "build", "base", "--data-dir", data], check=True,
+                   stdout=subprocess.DEVNULL)
+    pg = PgCluster()
+    env = {k: v for k, v in os.environ.items() if k != "SPACE_COLD_BOOT"}
+    s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
+    s.env = env
+    cold = None
+    try:
+        s.key = s.cli("keys", "create").stdout.strip()
+        s.start()
+        api = Api(s)
+        print("space lifecycle benchmarks (accelerator: %s)" % open(
+            os.path.join(data, "vms", "accel")).readline().strip()
+            if os.path.exists(os.path.join(data, "vms", "accel")) else "", flush=True)
+
+        # Warm-up: the first create of a data dir probes the accelerator and, with no template
+        # snapshot yet, cold-boots the builder and snapshots it.
+        t0 = time.perf_counter()
+        warm = api.create()
+        print("%-52s %8.0f ms" % ("first create (probe + template snapshot if none)",
+                                  (time.perf_counter() - t0) * 1000), flush=True)
+
+        # 1. create -> first command from the template snapshot
+        clone = []
+        for _ in range(N_CREATES):
+            ms, sid = api.create_first_cmd()
+            clone.append(ms)
+            api.delete(sid)
+        line("create -> first command, template snapshot", clone)
+
+        # 2. QEMU alone restoring the same snapshot (the floor), argv of the warm clone
+        hello, first = floor_restore(data, warm, N_FLOOR)
+        line("QEMU alone: start -> agent HELLO (floor)", hello)
+        line("QEMU alone: start -> first `true` (floor)", first)
+
+        # 3. 20 concurrent creates
+        res, errs = [], []
+
+        def one():
+            a = Api(s)
+            try:
+                res.append(a.create_first_cmd())
+            except Exception as e:  # noqa: BLE001 - report, do not hang the bench
+                errs.append(repr(e))
+
+        ths = [threading.Thread(target=one) for _ in range(N_CONC)]
+        t0 = time.perf_counter()
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        total = (time.perf_counter() - t0) * 1000
+        assert not errs, errs
+        line("concurrent creates: each create -> first command", [r[0] for r in res])
+        print("%-52s %8.0f ms total   vs %d x single median = %.0f ms   (%.2fx)" % (
+            "%d concurrent creates -> all answered" % N_CONC, total, N_CONC,
+            N_CONC * statistics.median(clone), total / (N_CONC * statistics.median(clone))),
+            flush=True)
+        for _, sid in res:
+            api.delete(sid)
+
+        # 4. pause / wake
+        pz, wk = [], []
+        for _ in range(N_PAUSE):
+            pz.append(api.verb(warm, "pause"))
+            wk.append(api.verb(warm, "wake"))
+        line("pause (API, wait=finished)", pz)
+        line("wake from pause (API)", wk)
+
+        # 5. suspend / wake, 256 MiB and 1 GiB clones
+        for mem in (256, 1024):
+            t0 = time.perf_counter()
+            sid = api.create(memory_mb=mem)
+            made = (time.perf_counter() - t0) * 1000
+            api.run(sid, "echo hello > /root/mark")
+            s1 = api.verb(sid, "suspend")
+            b1 = snapshot_bytes(data, sid)
+            w1 = api.verb(sid, "wake")
+            later_s, later_w, later_b = [], [], None
+            for _ in range(N_SUSPEND):
+                later_s.append(api.verb(sid, "suspend"))
+                later_b = snapshot_bytes(data, sid)
+                later_w.append(api.verb(sid, "wake"))
+            out = api.run(sid, "cat /root/mark")
+            print("%d MiB clone: create %.0f ms; first suspend (RAM streamed) %.0f ms, snapshot "
+                  "%.1f MB; wake %.0f ms" % (mem, made, s1, b1[0] / 1e6, w1), flush=True)
+            line("  %d MiB later suspend (device state + RAM file)" % mem, later_s)
+            line("  %d MiB later wake" % mem, later_w)
+            print("  %d MiB later snapshot: device state %.1f KB + RAM file %.1f MB allocated; "
+                  "marker=%s" % (mem, later_b[0] / 1e3, later_b[1] / 1e6,
+                                 json.dumps(out.get("stdout", out))[:40]), flush=True)
+            api.delete(sid)
+
+        # 6. density: N idle clones
+        api.delete(warm)
+        time.sleep(1)
+        avail0 = mem_available()
+        ids = [api.create() for _ in range(N_DENSITY)]
+        time.sleep(10)  # idle
+        mems = [mem_of(qemu_pid(data, sid)) for sid in ids]
+        avail1 = mem_available()
+        rss = [m[0] / 1e6 for m in mems]
+        pss = [m[1] / 1e6 for m in mems]
+        per = (avail0 - avail1) / len(ids)
+        line("idle clone QEMU RSS", rss, "MB")
+        line("idle clone QEMU PSS", pss, "MB")
+        print("%-52s %.1f MB per clone (MemAvailable %.1f -> %.1f GB for %d)" % (
+            "host MemAvailable drop", per / 1e6, avail0 / 1e9, avail1 / 1e9, len(ids)), flush=True)
+        print("%-52s about %d (by PSS), %d (by MemAvailable drop); CPU is the limit once they "
+              "work" % ("idle clones that fit in MemAvailable", avail0 / (statistics.median(pss)
+                                                                         * 1e6),
+                        avail0 / per if per > 0 else 0), flush=True)
+        for sid in ids:
+            api.delete(sid)
+
+        # 7. baselines: cold boots (spaced with SPACE_COLD_BOOT=1, same data dir and database)
+        s.stop()
+        cold = Spaced(binary=spaced, data_dir=data, database_url=pg.url,
+                      env={"SPACE_COLD_BOOT": "1"})
+        cold.key = s.key
+        cold.start()
+        capi = Api(cold)
+        cb = []
+        for _ in range(N_COLD):
+            ms, sid = capi.create_first_cmd()
+            cb.append(ms)
+            capi.delete(sid)
+        line("create -> first command, cold boot (baseline)", cb)
+        ratio("cold boot / template snapshot (medians)", statistics.median(cb),
+              statistics.median(clone))
+        ratio("template snapshot / QEMU-alone floor (medians)", statistics.median(clone),
+              statistics.median(first))
+        cids = [capi.create() for _ in range(N_DENSITY_COLD)]
+        time.sleep(10)
+        cm = [mem_of(qemu_pid(data, sid)) for sid in cids]
+        line("idle cold-booted QEMU RSS (baseline)", [m[0] / 1e6 for m in cm], "MB")
+        line("idle cold-booted QEMU PSS (baseline)", [m[1] / 1e6 for m in cm], "MB")
+        for sid in cids:
+            capi.delete(sid)
+    finally:
+        s.destroy()
+        if cold is not None:
+            cold.destroy()
+        pg.destroy()
+
+
+if __name__ == "__main__":
+    main()

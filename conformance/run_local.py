@@ -1,0 +1,77 @@
+"""Runs an E2B SDK conformance suite against a local spaced on real microVMs.
+
+    conformance/run_local.py js|python [FILTER...]
+
+Starts a private PostgreSQL and the shipped spaced on SP_TEST_DATA_DIR (a data dir with a
+built `base` template, like the e2e suites), creates an API key, points the suite at the
+server the way a user would (E2B_API_URL = E2B_SANDBOX_URL = the listener, E2B_API_KEY),
+runs conformance/<sdk>/run.sh and stops everything again. Exit status is the suite's;
+77 (skip) with the reason on stderr when it cannot run here.
+
+Environment: SPACED (the binary; ctest sets it), SP_TEST_DATA_DIR, SP_TEST_KEEP=1 (keep
+logs), SP_TEST_TIMEOUT_MULT, SPACE_ACCEL (default auto).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from harness import PgCluster, Spaced, pg_bindir  # noqa: E402
+
+SKIP = 77
+
+
+def skip(why):
+    print("conformance: SKIP: " + why, file=sys.stderr)
+    sys.exit(SKIP)
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in ("js", "python"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    sdk, filters = sys.argv[1], sys.argv[2:]
+    data = os.environ.get("SP_TEST_DATA_DIR")
+    binary = os.environ.get("SPACED")
+    if sdk == "js" and (shutil.which("node") is None or shutil.which("npm") is None):
+        skip("node and npm are not installed (scripts/lib.sh installs them)")
+    if sdk == "python":
+        # Before starting anything: the SDK must import (run.sh picks the interpreter).
+        rc = subprocess.call([os.path.join(HERE, "python", "run.sh"), "--check-sdk"])
+        if rc != 0:
+            return rc
+    if not binary or not os.access(binary, os.X_OK):
+        skip("SPACED does not name the spaced binary")
+    if data is None or not os.path.exists(os.path.join(data, "templates", "base", "current")):
+        skip("SP_TEST_DATA_DIR has no built base template (ctest's e2e.template makes one)")
+    if os.geteuid() != 0:
+        skip("needs root (microVMs, PostgreSQL as the postgres user)")
+    if pg_bindir() is None:
+        skip("PostgreSQL is not installed")
+
+    pg = PgCluster()
+    s = None
+    try:
+        s = Spaced(binary=binary, data_dir=data, database_url=pg.url,
+                   env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+        s.key = s.cli("keys", "create").stdout.strip()
+        s.start()
+        url = "http://127.0.0.1:%d" % s.port
+        env = dict(os.environ, E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=s.key)
+        for k in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_ACCESS_TOKEN"):
+            env.pop(k, None)
+        print("conformance: spaced on %s (log %s)" % (url, s.log_path), flush=True)
+        rc = subprocess.call([os.path.join(HERE, sdk, "run.sh")] + filters, env=env)
+        if rc not in (0, SKIP):
+            print("---- spaced log (tail) ----\n" + s.read_log(), file=sys.stderr)
+        return rc
+    finally:
+        if s is not None:
+            s.destroy()
+        pg.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+/*
+ * envd_int.h - what the envd parts share (envd_files.c dispatches; envd_process.c and
+ * envd_fs.c answer the Connect services): one call's context, the per-gateway envd state,
+ * user selection and error mapping.
+ */
+#ifndef SP_E2B_ENVD_INT_H
+#define SP_E2B_ENVD_INT_H
+
+#include "core/exec.h"
+#include "e2b-gateway/connectrpc.h"
+#include "e2b-gateway/gw_int.h"
+
+/* The template's default user (spec 5: with envd >= 0.4.0 no Authorization means this user).
+ * SPACE_E2B_DEFAULT_USER overrides it (hosts without a `user` account, tests). */
+#define SP_ENVD_DEFAULT_USER "user"
+
+typedef struct envd_watcher envd_watcher_t;
+typedef struct envd_life envd_life_t;
+typedef struct envd_proc envd_proc_t;
+
+/* Per gateway, made on first use, freed by sp_e2b__envd_free. */
+struct sp_envd {
+    sp_e2b_t *gw;
+    sp_loop_t *loop;
+    envd_watcher_t *watchers; /* CreateWatcher table, all sandboxes */
+    size_t nwatchers;
+    sp_timer_t sweep;   /* expires watchers nobody polls */
+    envd_life_t *lives; /* connect-timeout-ms of detached Start processes */
+    size_t nlives;
+    envd_proc_t *procs; /* configs of processes started by Start (for List) */
+    size_t nprocs;
+    uint64_t seq;
+};
+
+/* One RPC or HTTP call: malloc'd, holds the request until answered. */
+typedef struct {
+    sp_e2b_t *gw;
+    struct sp_envd *ev;
+    sp_http_hold_t *hold;
+    sp_connect_req_t cr;
+    sp_carena_t arena;
+    char sandbox_id[65];
+    sp_auth_t auth;
+    char access_token[SP_TOKEN_LEN + 1];
+    sp_agentconn_t *conn; /* valid during the dispatching call only */
+    char user[64];        /* effective user (Basic auth or the default) */
+    void *msg;            /* decoded request message (in arena) */
+    void *data;           /* the handler's own state */
+    void (*data_free)(void *data);
+} envd_call_t;
+
+struct sp_envd *sp_e2b__envd_state(sp_e2b_t *gw);
+sp_loop_t *sp_e2b__envd_loop(envd_call_t *c);
+
+/* The request, or NULL when the client left. */
+h2o_req_t *sp_e2b__envd_req(envd_call_t *c);
+/* Unary success / error (frees the call; nothing is sent when the client left). */
+void sp_e2b__envd_reply(envd_call_t *c, const sp_cdesc_t *d, const void *msg);
+void sp_e2b__envd_fail(envd_call_t *c, sp_connect_code_t code, const char *msg);
+void sp_e2b__envd_fail_err(envd_call_t *c, const sp_err_t *err);
+/* Frees the call and returns its request (NULL when the client left). */
+h2o_req_t *sp_e2b__envd_take(envd_call_t *c);
+void sp_e2b__envd_call_free(envd_call_t *c);
+
+/* Our error as a Connect code: "unknown user" from the agent is unauthenticated (spec 3.5). */
+sp_connect_code_t sp_e2b__envd_code(const sp_err_t *err);
+
+/* Services; method is the last path segment. */
+void sp_e2b__envd_process(envd_call_t *c, const char *method);
+void sp_e2b__envd_fs(envd_call_t *c, const char *method);
+
+/* Fills a wire EntryInfo from an exec entry object (strings copied into arena). */
+int sp_e2b__envd_entry(json_t *e, sp_cf_entry_t *out, sp_carena_t *a);
+
+void sp_e2b__envd_fs_free(struct sp_envd *ev);
+void sp_e2b__envd_process_free(struct sp_envd *ev);
+
+#endif

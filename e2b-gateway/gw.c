@@ -1,0 +1,286 @@
+/*
+ * gw.c - the gateway's dispatcher: classifies each request (requests, not
+ * connections: one keep-alive connection mixes the API and many sandboxes),
+ * resolves and authenticates the sandbox for sandbox traffic, and hands the
+ * request to the part that answers it.
+ *
+ * Sandbox selection (spec 1.6): Host <port>-<id>.<domain> first; else, for envd
+ * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone. A token that
+ * does not match the sandbox is 401; an unknown sandbox, or another team's, 404.
+ */
+#include "e2b-gateway/gw_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o)
+{
+    sp_e2b_t *gw = calloc(1, sizeof(*gw));
+    if (gw == NULL)
+        return NULL;
+    gw->svc = svc;
+    snprintf(gw->domain, sizeof(gw->domain), "%s",
+             o && o->domain ? o->domain : "space.localhost");
+    return gw;
+}
+
+void sp_e2b_destroy(sp_e2b_t *gw)
+{
+    if (gw == NULL)
+        return;
+    sp_e2b__envd_free(gw);
+    free(gw);
+}
+
+/* ---- errors ---- */
+
+void sp_e2b__error(h2o_req_t *req, int status, const char *msg)
+{
+    sp_http_json(req, status, json_pack("{s:i,s:s}", "code", status, "message", msg));
+}
+
+void sp_e2b__error_from(h2o_req_t *req, const sp_err_t *err)
+{
+    sp_e2b__error(req, sp_err_http_status(err->code), err->msg);
+}
+
+/* ---- classification ---- */
+
+static size_t path_len(h2o_req_t *req)
+{
+    return req->query_at != SIZE_MAX ? req->query_at : req->path.len;
+}
+
+static bool path_is(h2o_req_t *req, const char *p)
+{
+    return h2o_memis(req->path.base, path_len(req), p, strlen(p));
+}
+
+static bool path_starts(h2o_req_t *req, const char *p)
+{
+    size_t n = strlen(p);
+    return path_len(req) >= n && memcmp(req->path.base, p, n) == 0;
+}
+
+bool sp_e2b__is_envd_path(h2o_req_t *req)
+{
+    return path_starts(req, "/process.Process/") || path_starts(req, "/filesystem.Filesystem/") ||
+           path_is(req, "/files") || path_is(req, "/health") || path_is(req, "/envs");
+}
+
+bool sp_e2b__is_control_path(h2o_req_t *req)
+{
+    return path_is(req, "/sandboxes") || path_starts(req, "/sandboxes/") ||
+           path_starts(req, "/v2/sandboxes") || path_is(req, "/snapshots") ||
+           path_starts(req, "/templates");
+}
+
+/*
+ * Host "<port>-<id>.<domain>[:port]": fills port and id; false when the host is not a sandbox
+ * host of our domain. The domain's own ":port" (if any) is compared too.
+ */
+static bool parse_sandbox_host(sp_e2b_t *gw, h2o_req_t *req, int *port, char id[65])
+{
+    const char *h = req->authority.base;
+    size_t n = req->authority.len;
+    const char *dot = memchr(h, '.', n);
+    if (dot == NULL)
+        return false;
+    size_t rest = n - (size_t)(dot + 1 - h);
+    /* The rest must be our domain, with or without the port the client used. */
+    size_t dl = strlen(gw->domain);
+    const char *dcolon = strchr(gw->domain, ':');
+    size_t dhost = dcolon ? (size_t)(dcolon - gw->domain) : dl;
+    const char *r = dot + 1;
+    if (!(rest == dl && memcmp(r, gw->domain, dl) == 0) &&
+        !(rest >= dhost && memcmp(r, gw->domain, dhost) == 0 &&
+          (rest == dhost || r[dhost] == ':')))
+        return false;
+    const char *dash = memchr(h, '-', (size_t)(dot - h));
+    if (dash == NULL || dash == h || dot - dash - 1 <= 0 || dot - dash - 1 > 64)
+        return false;
+    int p = 0;
+    for (const char *c = h; c < dash; c++) {
+        if (*c < '0' || *c > '9' || p > 65535)
+            return false;
+        p = p * 10 + (*c - '0');
+    }
+    if (p <= 0 || p > 65535)
+        return false;
+    memcpy(id, dash + 1, (size_t)(dot - dash - 1));
+    id[dot - dash - 1] = '\0';
+    if (!sp_ids_valid(id))
+        return false;
+    *port = p;
+    return true;
+}
+
+bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req)
+{
+    int port;
+    char id[65];
+    if (parse_sandbox_host(gw, req, &port, id))
+        return true;
+    if (sp_e2b__is_control_path(req))
+        return true;
+    /* envd paths on the API address (E2B_SANDBOX_URL): only with a sandbox selector. /files
+     * may carry only a signature, which needs the sandbox from somewhere: the id header. */
+    return sp_e2b__is_envd_path(req) &&
+           (sp_http_header(req, "e2b-sandbox-id") != NULL ||
+            sp_http_header(req, "x-access-token") != NULL);
+}
+
+/* ---- sandbox traffic ---- */
+
+struct resolve {
+    sp_e2b_t *gw;
+    sp_http_hold_t *hold;
+    sp_e2b_target_t t;
+    bool token_given;
+};
+
+static void resolve_fail(struct resolve *rs, int status, const char *msg)
+{
+    h2o_req_t *req = sp_http_release(rs->hold);
+    if (req != NULL)
+        sp_e2b__error(req, status, msg);
+}
+
+static void on_agent(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
+{
+    struct resolve *rs = arg;
+    if (err != NULL) {
+        /* Not running (paused/suspended) reads as "sandbox timeout" to the SDK: 502. */
+        int status = err->code == SP_ENOTFOUND ? 404 : 502;
+        resolve_fail(rs, status, err->msg);
+        return;
+    }
+    rs->t.conn = conn;
+    h2o_req_t *req = sp_http_hold_req(rs->hold);
+    if (req == NULL) {
+        sp_http_release(rs->hold);
+        return;
+    }
+    sp_e2b_target_t t = rs->t;
+    sp_e2b_t *gw = rs->gw;
+    sp_http_release(rs->hold); /* rs lived in the hold; the part takes over req from here */
+    if (t.port == SP_E2B_ENVD_PORT)
+        sp_e2b__envd(gw, req, &t);
+    else if (SP_E2B_FORWARDED_PORT(t.port))
+        sp_e2b__forward(gw, req, &t);
+    else
+        sp_e2b__error(req, 502, "this sandbox port is not served yet");
+}
+
+static void on_woken(void *arg, const sp_err_t *err)
+{
+    struct resolve *rs = arg;
+    sp_err_t e;
+    if (err != NULL)
+        on_agent(rs, NULL, err); /* same answers as a sandbox that is not running */
+    else if (sp_svc_sandbox_agent(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id, on_agent, rs,
+                                  &e) < 0)
+        on_agent(rs, NULL, &e);
+}
+
+static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                       const sp_err_t *err)
+{
+    struct resolve *rs = arg;
+    if (err != NULL) {
+        if (err->code == SP_ENOTFOUND)
+            resolve_fail(rs, rs->token_given ? 401 : 404,
+                         rs->token_given ? "invalid access token for this sandbox"
+                                         : "sandbox not found");
+        else
+            resolve_fail(rs, sp_err_http_status(err->code), err->msg);
+        return;
+    }
+    /* A sandbox that is gone (killed, expired) is "not running" to the SDK: 502, which makes
+     * isRunning() false, rather than 401 for a token that was once valid. */
+    if (strcmp(sb->observed, "deleted") == 0 || strcmp(sb->desired, "deleted") == 0) {
+        resolve_fail(rs, 502, "sandbox is not running");
+        return;
+    }
+    /* A forwarded port reached without a token: only if the sandbox allows public traffic. */
+    if (!rs->token_given && SP_E2B_FORWARDED_PORT(rs->t.port) && !sp_e2b__public_traffic(sb)) {
+        resolve_fail(rs, 401, "this sandbox does not allow public traffic: send X-Access-Token");
+        return;
+    }
+    snprintf(rs->t.sandbox_id, sizeof(rs->t.sandbox_id), "%s", sb->id);
+    snprintf(rs->t.auth.team_id, sizeof(rs->t.auth.team_id), "%s", sb->team_id);
+    snprintf(rs->t.access_token, sizeof(rs->t.access_token), "%s", sb->access_token);
+    sp_err_t e;
+    /* E2B autoResume: traffic for a sandbox asleep with auto_resume wakes it first; traffic
+     * for one that is starting or waking (a connect just answered) waits for it. */
+    bool asleep = strcmp(sb->desired, "suspended") == 0 || strcmp(sb->desired, "paused") == 0;
+    bool coming = strcmp(sb->desired, "running") == 0 && strcmp(sb->observed, "running") != 0;
+    if ((sb->auto_resume && asleep) || coming) {
+        if (sp_svc_wake_if_autoresume(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id,
+                                      SP_SVC_MAX_WAIT_MS, on_woken, rs, &e) < 0)
+            on_woken(rs, &e);
+        return;
+    }
+    if (sp_svc_sandbox_agent(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id, on_agent, rs, &e) < 0)
+        on_agent(rs, NULL, &e);
+}
+
+static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int port)
+{
+    const char *token = sp_http_header(req, "x-access-token");
+    bool fwd = id != NULL && SP_E2B_FORWARDED_PORT(port);
+    if (token == NULL && fwd) /* what E2B gives allowPublicTraffic=false sandboxes' ports */
+        token = sp_http_header(req, "e2b-traffic-access-token");
+    /* Without a token only /files with a signature may go on; it is checked there. Forwarded
+     * ports are public by default (spec 2.3 network.allowPublicTraffic): checked on lookup. */
+    if (token == NULL && !fwd &&
+        !(path_is(req, "/files") && sp_http_query(req, "signature") != NULL) &&
+        !path_is(req, "/health")) {
+        sp_e2b__error(req, 401, "missing X-Access-Token");
+        return;
+    }
+    if (id == NULL && token == NULL) {
+        sp_e2b__error(req, 401, "missing X-Access-Token");
+        return;
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    struct resolve *rs = sp_http_hold_user(h);
+    rs->gw = gw;
+    rs->hold = h;
+    rs->t.port = port;
+    rs->token_given = token != NULL;
+    sp_err_t e;
+    if (sp_svc_sandbox_by_token(gw->svc, id, token, on_sandbox, rs, &e) < 0)
+        on_sandbox(rs, NULL, NULL, &e);
+}
+
+void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req)
+{
+    int port;
+    char id[65];
+    if (parse_sandbox_host(gw, req, &port, id)) {
+        sandbox_traffic(gw, req, id, port);
+        return;
+    }
+    if (sp_e2b__is_control_path(req)) {
+        sp_e2b__control(gw, req);
+        return;
+    }
+    if (sp_e2b__is_envd_path(req)) {
+        const char *hid = sp_http_header(req, "e2b-sandbox-id");
+        if (hid != NULL && !sp_ids_valid(hid)) {
+            sp_e2b__error(req, 404, "sandbox not found");
+            return;
+        }
+        sandbox_traffic(gw, req, hid, SP_E2B_ENVD_PORT);
+        return;
+    }
+    sp_e2b__error(req, 404, "no such path");
+}

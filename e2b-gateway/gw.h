@@ -1,0 +1,36 @@
+/*
+ * gw.h - the E2B-compatible surface: a translation layer from what the
+ * official E2B SDKs send (../shared/spec/e2b-wire.md) to core operations.
+ * Holds no state of its own beyond caches.
+ *
+ * Three kinds of traffic arrive on the same listener and are told apart per
+ * request: the control plane (/sandboxes, /v2/sandboxes, X-API-Key), envd
+ * (port 49983: Connect RPC + /files + /health) and other sandbox ports
+ * (49999 code interpreter, any port forwarded to the guest).
+ */
+#ifndef SP_E2B_GW_H
+#define SP_E2B_GW_H
+
+#include <h2o.h>
+#include <stdbool.h>
+
+#include "core/svc.h"
+
+typedef struct sp_e2b sp_e2b_t;
+
+typedef struct {
+    /* Sandbox host suffix returned as `domain` ("space.localhost:3000"): sandbox traffic
+     * arrives as Host <port>-<id>.<domain>. */
+    const char *domain;
+} sp_e2b_opts_t;
+
+sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o);
+void sp_e2b_destroy(sp_e2b_t *gw);
+
+/* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
+bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);
+
+/* Answers req (now or later). */
+void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req);
+
+#endif

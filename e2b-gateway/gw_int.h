@@ -1,0 +1,59 @@
+/*
+ * gw_int.h - what the gateway's parts share. The dispatcher (gw.c) classifies a
+ * request and resolves the sandbox for sandbox traffic; the parts answer:
+ *   route_sandboxes.c  control plane (sp_e2b__control)
+ *   envd_*.c           envd on port 49983 (sp_e2b__envd)
+ *   forward.c          other guest ports (sp_e2b__forward)
+ */
+#ifndef SP_E2B_GW_INT_H
+#define SP_E2B_GW_INT_H
+
+#include "core/agentconn.h"
+#include "e2b-gateway/gw.h"
+#include "server/http.h"
+
+#define SP_E2B_ENVD_PORT 49983
+#define SP_E2B_CODE_PORT 49999
+/* The envd version we report and whose behaviour we implement (spec section 5). */
+#define SP_E2B_ENVD_VERSION "0.5.7"
+
+struct sp_e2b {
+    sp_svc_t *svc;
+    char domain[256];
+    struct sp_envd *envd; /* envd_*.c state (watchers, process lifetimes); lazily made */
+};
+
+/* A resolved, authenticated sandbox for one sandbox-traffic request. Borrowed for the call. */
+typedef struct {
+    char sandbox_id[65];
+    sp_auth_t auth;             /* the sandbox's team */
+    char access_token[SP_TOKEN_LEN + 1];
+    sp_agentconn_t *conn;       /* the running VM's agent channel */
+    int port;                   /* 49983 for envd */
+} sp_e2b_target_t;
+
+/* E2B control-plane error body {"code": <status>, "message": ...} (spec 2.1). */
+void sp_e2b__error(h2o_req_t *req, int status, const char *msg);
+void sp_e2b__error_from(h2o_req_t *req, const sp_err_t *err);
+
+/* Control plane: /sandboxes..., /v2/sandboxes (X-API-Key). */
+void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req);
+/* Whether path (without query) is a control-plane path. */
+bool sp_e2b__is_control_path(h2o_req_t *req);
+
+/* envd (port 49983): /process.Process/<M>, /filesystem.Filesystem/<M>, /files, /health, /envs. */
+void sp_e2b__envd(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
+/* Frees gw->envd (watchers, lifetime timers). */
+void sp_e2b__envd_free(sp_e2b_t *gw);
+/* Whether path is an envd path. */
+bool sp_e2b__is_envd_path(h2o_req_t *req);
+
+/* Other guest ports (not envd, not the code interpreter): forwarded to 127.0.0.1:<port> in
+ * the guest as HTTP/1.1, WebSocket upgrades included (forward.c). */
+#define SP_E2B_FORWARDED_PORT(p) ((p) != SP_E2B_ENVD_PORT && (p) != SP_E2B_CODE_PORT)
+void sp_e2b__forward(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
+/* Whether the sandbox's forwarded ports take traffic without a token (network.allowPublicTraffic,
+ * default true). */
+bool sp_e2b__public_traffic(const sp_sandbox_rec_t *sb);
+
+#endif

@@ -1,0 +1,77 @@
+/*
+ * route_int.h - what the control plane's route files share (route_sandboxes.c,
+ * route_metrics.c): one request's context, kept in its hold across asynchronous steps.
+ */
+#ifndef SP_E2B_ROUTE_INT_H
+#define SP_E2B_ROUTE_INT_H
+
+#include "e2b-gateway/gw_int.h"
+
+enum {
+    R_CREATE = 1,
+    R_LIST_V1,
+    R_LIST_V2,
+    R_METRICS_MANY,
+    R_GET,
+    R_KILL,
+    R_TIMEOUT,
+    R_REFRESH,
+    R_PAUSE,
+    R_CONNECT,
+    R_RESUME,
+    R_METRICS,
+    R_LOGS,
+    R_LOGS_V2,
+};
+
+enum { CTL_GET = 1, CTL_POST = 2, CTL_DELETE = 4 };
+
+typedef struct ctl ctl_t;
+typedef void (*ctl_op_fn)(ctl_t *c, const sp_op_rec_t *op);
+typedef void (*ctl_sb_fn)(ctl_t *c, const sp_sandbox_rec_t *sb);
+
+struct ctl {
+    sp_e2b_t *gw;
+    sp_http_hold_t *hold;
+    sp_auth_t auth;
+    int route;
+    bool wants_body;
+    char id[65];        /* the sandbox of /sandboxes/{id}/... */
+    json_t *body;       /* parsed JSON object or NULL; owned */
+    int status;         /* success status to answer with (200/201) */
+    int timeout_s;      /* connect/resume */
+    char action[16];    /* resume's autoPause as a deadline action, "" = keep */
+    sp_op_rec_t op;     /* a finished operation kept across a further step */
+    ctl_op_fn after_op; /* sp_e2b__ctl_wait */
+    ctl_op_fn after_request;
+    ctl_sb_fn after_fetch; /* sp_e2b__ctl_fetch */
+    /* listing and metrics */
+    unsigned states;
+    int limit, pages;
+    char cursor[128];
+    char next_token[128]; /* sent as x-next-token when set */
+    json_t *filter;       /* metadata containment filter; owned */
+    json_t *acc;          /* what is being collected for the answer; owned */
+    json_t *ids;          /* metrics: the sandbox IDs asked for (array) or NULL; owned */
+};
+
+/* Finish the request (answer if the client is still there) and free the context.
+ * obj NULL: no body (204). */
+void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj /* stolen */);
+void sp_e2b__ctl_fail(ctl_t *c, int status, const char *msg);
+void sp_e2b__ctl_fail_err(ctl_t *c, const sp_err_t *err);
+
+/* Waits for op to finish (or the longest wait), then next(c, op); errors answered here. */
+void sp_e2b__ctl_wait(ctl_t *c, const sp_op_rec_t *op, ctl_op_fn next);
+/* Reads c->id (team-scoped), then next(c, sb); errors answered here. */
+void sp_e2b__ctl_fetch(ctl_t *c, ctl_sb_fn next);
+
+/* "running" | "paused" as E2B shows the sandbox; NULL when E2B should not see it. */
+const char *sp_e2b__state(const sp_sandbox_rec_t *sb);
+
+/* route_metrics.c: GET /sandboxes/{id}/metrics, /sandboxes/metrics, /sandboxes/{id}/logs,
+ * /v2/sandboxes/{id}/logs. */
+void sp_e2b__route_metrics(ctl_t *c, h2o_req_t *req);
+void sp_e2b__route_logs(ctl_t *c, h2o_req_t *req);
+
+#endif

@@ -1,0 +1,201 @@
+/*
+ * route_metrics.c - the E2B control plane's read-only figures: a sandbox's metrics (from the
+ * runtime driver's stats of its VM, sampled now: no history is kept), several sandboxes'
+ * metrics at once, and a sandbox's logs (our lifecycle events for it, in E2B's shapes).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "e2b-gateway/route_int.h"
+
+#define LOGS_DEFAULT_LIMIT 1000
+#define LOGS_MAX_LIMIT     10000
+#define METRICS_MAX_IDS    100
+
+/* Optional non-negative integer query parameter; -1 and an answered 400 when malformed. */
+static int query_ll(ctl_t *c, h2o_req_t *req, const char *name, long long *out)
+{
+    const char *v = sp_http_query(req, name);
+    if (v == NULL)
+        return 0;
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || x < 0) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "%s must be a non-negative integer", name);
+        sp_e2b__ctl_fail(c, 400, msg);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+/* One SandboxMetric sampled now, or NULL when the sandbox has no VM to ask. */
+static json_t *metric_now(ctl_t *c, const char *id)
+{
+    sp_vm_stats_t st;
+    sp_err_t e;
+    if (sp_svc_vm_stats(c->gw->svc, id, &st, &e) < 0)
+        return NULL;
+    time_t now = time(NULL);
+    struct tm tm;
+    char ts[32];
+    gmtime_r(&now, &tm);
+    strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json_t *o = json_object();
+    json_object_set_new(o, "timestamp", json_string(ts));
+    json_object_set_new(o, "timestampUnix", json_integer((json_int_t)now));
+    json_object_set_new(o, "cpuCount", json_integer(st.cpu_count));
+    json_object_set_new(o, "cpuUsedPct", json_real(st.cpu_used_pct));
+    json_object_set_new(o, "memUsed", json_integer((json_int_t)st.mem_used_bytes));
+    json_object_set_new(o, "memTotal", json_integer((json_int_t)st.mem_total_bytes));
+    json_object_set_new(o, "diskUsed", json_integer((json_int_t)st.disk_used_bytes));
+    json_object_set_new(o, "diskTotal", json_integer((json_int_t)st.disk_total_bytes));
+    return o;
+}
+
+/* ---- GET /sandboxes/{id}/metrics ---- */
+
+static void metrics_got(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    const char *state = sp_e2b__state(sb);
+    if (state == NULL) {
+        sp_e2b__ctl_fail(c, 404, "sandbox not found");
+        return;
+    }
+    json_t *arr = json_array();
+    /* A paused sandbox has no VM, so nothing to sample: an empty series, as E2B gives. */
+    json_t *m = strcmp(state, "running") == 0 ? metric_now(c, sb->id) : NULL;
+    if (m != NULL)
+        json_array_append_new(arr, m);
+    sp_e2b__ctl_reply(c, 200, arr);
+}
+
+/* ---- GET /sandboxes/metrics?sandbox_ids=a,b ---- */
+
+static bool wanted(ctl_t *c, const char *id)
+{
+    if (c->ids == NULL)
+        return true;
+    size_t i;
+    json_t *v;
+    json_array_foreach(c->ids, i, v)
+    {
+        if (strcmp(json_string_value(v), id) == 0)
+            return true;
+    }
+    return false;
+}
+
+static void on_running_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const char *next,
+                            const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *map = json_object();
+    for (size_t i = 0; i < n; i++) {
+        const char *state = sp_e2b__state(&recs[i]);
+        if (state == NULL || strcmp(state, "running") != 0 || !wanted(c, recs[i].id))
+            continue;
+        json_t *m = metric_now(c, recs[i].id);
+        if (m != NULL)
+            json_object_set_new(map, recs[i].id, m);
+    }
+    sp_e2b__ctl_reply(c, 200, json_pack("{s:o}", "sandboxes", map));
+}
+
+static void metrics_many(ctl_t *c, h2o_req_t *req)
+{
+    const char *ids = sp_http_query(req, "sandbox_ids");
+    if (ids != NULL) {
+        c->ids = json_array();
+        size_t len = strlen(ids);
+        char *buf = h2o_mem_alloc_pool(&req->pool, len + 1);
+        memcpy(buf, ids, len + 1);
+        char *save = NULL;
+        for (char *s = strtok_r(buf, ",", &save); s; s = strtok_r(NULL, ",", &save)) {
+            if (!sp_ids_valid(s))
+                continue; /* no such sandbox: simply absent from the answer */
+            if (json_array_size(c->ids) == METRICS_MAX_IDS) {
+                sp_e2b__ctl_fail(c, 400, "at most 100 sandbox_ids");
+                return;
+            }
+            json_array_append_new(c->ids, json_string(s));
+        }
+    }
+    /* Only running sandboxes have figures; one core page covers what a team runs here. */
+    sp_list_req_t r = {.states = (1u << SP_OBS_RUNNING), .limit = 1000};
+    sp_err_t e;
+    if (sp_svc_list_sandboxes(c->gw->svc, &c->auth, &r, on_running_list, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+void sp_e2b__route_metrics(ctl_t *c, h2o_req_t *req)
+{
+    if (c->route == R_METRICS_MANY) {
+        metrics_many(c, req);
+        return;
+    }
+    long long start = 0, end = 0;
+    if (query_ll(c, req, "start", &start) < 0 || query_ll(c, req, "end", &end) < 0)
+        return;
+    sp_e2b__ctl_fetch(c, metrics_got);
+}
+
+/* ---- GET /sandboxes/{id}/logs, /v2/sandboxes/{id}/logs ---- */
+
+static json_t *log_entry(const sp_event_rec_t *ev, const char *id)
+{
+    bool bad = strstr(ev->kind, "failed") != NULL;
+    json_t *fields = json_pack("{s:s,s:s}", "event", ev->kind, "sandboxID", id);
+    if (ev->detail[0])
+        json_object_set_new(fields, "detail", json_string(ev->detail));
+    char msg[320];
+    snprintf(msg, sizeof(msg), "%s%s%s", ev->kind, ev->detail[0] ? ": " : "", ev->detail);
+    return json_pack("{s:s,s:s,s:s,s:o}", "timestamp", ev->at, "message", msg, "level",
+                     bad ? "error" : "info", "fields", fields);
+}
+
+static void on_events(void *arg, const sp_event_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *entries = json_array();
+    json_t *lines = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = log_entry(&recs[i], c->id);
+        json_array_append_new(lines, json_pack("{s:s,s:O}", "timestamp", recs[i].at, "line",
+                                               json_object_get(e, "message")));
+        json_array_append_new(entries, e);
+    }
+    if (c->route == R_LOGS_V2) {
+        json_decref(lines);
+        sp_e2b__ctl_reply(c, 200, json_pack("{s:o}", "logs", entries));
+        return;
+    }
+    sp_e2b__ctl_reply(c, 200, json_pack("{s:o,s:o}", "logs", lines, "logEntries", entries));
+}
+
+void sp_e2b__route_logs(ctl_t *c, h2o_req_t *req)
+{
+    long long start = 0, limit = LOGS_DEFAULT_LIMIT;
+    /* v1: start (epoch ms); v2: cursor (epoch ms), forward only. */
+    if (query_ll(c, req, c->route == R_LOGS_V2 ? "cursor" : "start", &start) < 0 ||
+        query_ll(c, req, "limit", &limit) < 0)
+        return;
+    if (limit < 1 || limit > LOGS_MAX_LIMIT) {
+        sp_e2b__ctl_fail(c, 400, "limit must be 1 to 10000");
+        return;
+    }
+    sp_err_t e;
+    if (sp_svc_sandbox_events(c->gw->svc, &c->auth, c->id, start, (int)limit, on_events, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}

@@ -1,0 +1,933 @@
+/*
+ * route_sandboxes.c - the E2B control plane: /sandboxes, /v2/sandboxes and the lifecycle
+ * verbs under /sandboxes/{id}, translated to core operations (spec e2b-wire.md section 2).
+ *
+ * E2B answers synchronously where core is asynchronous: create, kill, pause, connect and
+ * resume request their operation and wait for it before answering. States are shown as E2B
+ * knows them: "paused" is our suspend (suspending, suspended, or asked to be); every other
+ * live state is "running", our memory-resident pause included. Sandboxes that are failed or
+ * on their way out are not shown (404, left out of lists). Every error is {"code","message"}
+ * with code = the HTTP status. Holds no state between requests.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/log.h"
+#include "e2b-gateway/gw_int.h"
+#include "e2b-gateway/route_int.h"
+
+#define CTL_MAX_BODY      (1024 * 1024)
+#define CTL_DEFAULT_TMO_S 15  /* NewSandbox.timeout when the body has none (E2B's default) */
+#define CTL_ZERO_TMO_S    300 /* what a timeout of 0 means on create/connect (the SDK's default) */
+#define CTL_REFRESH_S     15  /* refreshes without a duration */
+#define CTL_REFRESH_MAX_S 3600
+#define CTL_V1_PAGES      10 /* GET /sandboxes has no pagination: at most this many core pages */
+#define CTL_CLIENT_ID     "space"
+
+/* ---- context, replies, errors ---- */
+
+static void ctl_free(ctl_t *c)
+{
+    json_decref(c->body);
+    json_decref(c->acc);
+    json_decref(c->filter);
+    json_decref(c->ids);
+    c->body = c->acc = c->filter = c->ids = NULL;
+}
+
+void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj)
+{
+    ctl_free(c);
+    char token[sizeof(c->next_token)];
+    snprintf(token, sizeof(token), "%s", c->next_token);
+    h2o_req_t *req = sp_http_release(c->hold); /* frees c: it lives in the hold */
+    if (req == NULL) {
+        json_decref(obj);
+        return;
+    }
+    if (token[0] != '\0') {
+        size_t n = strlen(token);
+        char *v = h2o_mem_alloc_pool(&req->pool, n);
+        memcpy(v, token, n);
+        h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT("x-next-token"), 0, NULL, v,
+                              n);
+    }
+    if (obj == NULL) { /* 204 */
+        req->res.status = status;
+        req->res.reason = "No Content";
+        h2o_send_inline(req, "", 0);
+        return;
+    }
+    sp_http_json(req, status, obj);
+}
+
+void sp_e2b__ctl_fail(ctl_t *c, int status, const char *msg)
+{
+    ctl_free(c);
+    h2o_req_t *req = sp_http_release(c->hold);
+    if (req != NULL)
+        sp_e2b__error(req, status, msg);
+}
+
+void sp_e2b__ctl_fail_err(ctl_t *c, const sp_err_t *err)
+{
+    sp_e2b__ctl_fail(c, sp_err_http_status(err->code), err->msg);
+}
+
+/* ---- rendering ---- */
+
+const char *sp_e2b__state(const sp_sandbox_rec_t *sb)
+{
+    sp_desired_t d;
+    sp_observed_t o;
+    if (sp_desired_parse(sb->desired, &d) < 0 || sp_observed_parse(sb->observed, &o) < 0)
+        return NULL;
+    if (d == SP_DESIRED_DELETED || o == SP_OBS_STOPPING || o == SP_OBS_DELETED ||
+        o == SP_OBS_FAILED)
+        return NULL;
+    if (o == SP_OBS_SUSPENDING || o == SP_OBS_SUSPENDED || d == SP_DESIRED_SUSPENDED)
+        return "paused";
+    return "running";
+}
+
+static const char *envd_version(const sp_sandbox_rec_t *sb)
+{
+    return sb->envd_version[0] ? sb->envd_version : SP_E2B_ENVD_VERSION;
+}
+
+/* The Sandbox model of create and connect. */
+static json_t *sandbox_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "sandboxID", json_string(sb->id));
+    json_object_set_new(o, "templateID", json_string(sb->template_name));
+    json_object_set_new(o, "alias", json_string(sb->template_name));
+    json_object_set_new(o, "clientID", json_string(CTL_CLIENT_ID));
+    json_object_set_new(o, "envdVersion", json_string(envd_version(sb)));
+    /* Always a token, even for secure=false: it is how sandbox traffic finds the sandbox. */
+    json_object_set_new(o, "envdAccessToken", json_string(sb->access_token));
+    json_object_set_new(o, "trafficAccessToken", json_null());
+    json_object_set_new(o, "domain", json_string(gw->domain));
+    return o;
+}
+
+static long long disk_mb(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
+{
+    sp_vm_stats_t st;
+    sp_err_t e;
+    if (sp_svc_vm_stats(gw->svc, sb->id, &st, &e) < 0)
+        return 0;
+    return (long long)(st.disk_total_bytes >> 20);
+}
+
+/* ListedSandbox (detail false) or SandboxDetail: all ten required keys in both. */
+static json_t *listed_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char *state, bool detail)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "sandboxID", json_string(sb->id));
+    json_object_set_new(o, "templateID", json_string(sb->template_name));
+    json_object_set_new(o, "alias", json_string(sb->template_name));
+    json_object_set_new(o, "clientID", json_string(CTL_CLIENT_ID));
+    json_object_set_new(o, "startedAt", json_string(sb->created_at));
+    json_object_set_new(o, "endAt", json_string(sb->end_at));
+    json_object_set_new(o, "cpuCount", json_integer(sb->cpu_count));
+    json_object_set_new(o, "memoryMB", json_integer(sb->memory_mb));
+    json_object_set_new(o, "diskSizeMB", json_integer(disk_mb(gw, sb)));
+    json_object_set_new(o, "envdVersion", json_string(envd_version(sb)));
+    json_object_set_new(o, "state", json_string(state));
+    json_object_set_new(o, "metadata", json_incref(sb->metadata));
+    json_object_set_new(o, "volumeMounts", json_array());
+    if (!detail)
+        return o;
+    json_object_set_new(o, "domain", json_string(gw->domain));
+    json_object_set_new(o, "envdAccessToken", json_string(sb->access_token));
+    json_object_set_new(o, "allowInternetAccess",
+                        sb->allow_internet < 0 ? json_null() : json_boolean(sb->allow_internet));
+    if (sb->network != NULL)
+        json_object_set_new(o, "network", json_incref(sb->network));
+    bool pause = strcmp(sb->deadline_action, "suspend") == 0;
+    json_object_set_new(o, "lifecycle",
+                        json_pack("{s:b,s:s}", "autoResume", sb->auto_resume, "onTimeout",
+                                  pause ? "pause" : "kill"));
+    return o;
+}
+
+/* ---- shared steps: wait for an operation, then fetch the sandbox ---- */
+
+static void on_op_waited(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    c->after_op(c, op);
+}
+
+void sp_e2b__ctl_wait(ctl_t *c, const sp_op_rec_t *op, ctl_op_fn next)
+{
+    sp_err_t e;
+    c->after_op = next;
+    if (sp_svc_get_operation(c->gw->svc, &c->auth, op->id, SP_SVC_MAX_WAIT_MS, on_op_waited, c,
+                             &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* An operation that did not succeed, as E2B's 500 (or 409 when a later request won). */
+static void op_failed(ctl_t *c, const sp_op_rec_t *op, const char *what)
+{
+    char msg[320];
+    if (strcmp(op->status, "failed") != 0) {
+        snprintf(msg, sizeof(msg), "%s did not finish in time; try again", what);
+        sp_e2b__ctl_fail(c, 500, msg);
+        return;
+    }
+    snprintf(msg, sizeof(msg), "%s failed: %s", what,
+             op->error_message[0] ? op->error_message : op->error_code);
+    sp_e2b__ctl_fail(c, strcmp(op->error_code, "superseded") == 0 ? 409 : 500, msg);
+}
+
+static void on_fetched(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                       const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    c->after_fetch(c, sb);
+}
+
+void sp_e2b__ctl_fetch(ctl_t *c, ctl_sb_fn next)
+{
+    sp_err_t e;
+    c->after_fetch = next;
+    if (sp_svc_get_sandbox(c->gw->svc, &c->auth, c->id, on_fetched, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* Answers with the Sandbox model (create, connect, resume) and c->status. */
+static void reply_sandbox(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    sp_e2b__ctl_reply(c, c->status, sandbox_json(c->gw, sb));
+}
+
+/* ---- body fields ---- */
+
+/* Optional integer field in [lo, hi]; absent or null leaves *out. */
+static int body_int(ctl_t *c, const char *key, int lo, int hi, int *out, bool *present)
+{
+    json_t *v = c->body ? json_object_get(c->body, key) : NULL;
+    if (present)
+        *present = false;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "%s must be an integer from %d to %d", key, lo, hi);
+        sp_e2b__ctl_fail(c, 400, msg);
+        return -1;
+    }
+    *out = (int)json_integer_value(v);
+    if (present)
+        *present = true;
+    return 0;
+}
+
+static int body_bool(ctl_t *c, json_t *obj, const char *key, bool *out, bool *present)
+{
+    json_t *v = obj ? json_object_get(obj, key) : NULL;
+    if (present)
+        *present = false;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_boolean(v)) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "%s must be a boolean", key);
+        sp_e2b__ctl_fail(c, 400, msg);
+        return -1;
+    }
+    *out = json_is_true(v);
+    if (present)
+        *present = true;
+    return 0;
+}
+
+static json_t *body_obj(ctl_t *c, const char *key, bool *bad)
+{
+    json_t *v = c->body ? json_object_get(c->body, key) : NULL;
+    *bad = false;
+    if (v == NULL || json_is_null(v))
+        return NULL;
+    if (!json_is_object(v)) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "%s must be an object", key);
+        sp_e2b__ctl_fail(c, 400, msg);
+        *bad = true;
+        return NULL;
+    }
+    return v;
+}
+
+/* ---- POST /sandboxes ---- */
+
+static void on_create_deleted(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "e2b", "cleanup of a failed create not requested err=%s", err->msg);
+}
+
+static void create_waited(ctl_t *c, const sp_op_rec_t *op)
+{
+    if (strcmp(op->status, "succeeded") == 0) {
+        c->status = 201;
+        sp_e2b__ctl_fetch(c, reply_sandbox);
+        return;
+    }
+    if (strcmp(op->status, "failed") == 0) {
+        /* E2B leaves no sandbox behind a failed create: neither do we. */
+        sp_err_t e;
+        if (sp_svc_request(c->gw->svc, &c->auth, c->id, SP_REQ_DELETE, on_create_deleted, NULL,
+                           &e) < 0)
+            sp_log(SP_LOG_WARN, "e2b", "cleanup of a failed create not requested err=%s", e.msg);
+    }
+    op_failed(c, op, "creating the sandbox");
+}
+
+static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                       const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err); /* unknown template: 404, as E2B answers */
+        return;
+    }
+    snprintf(c->id, sizeof(c->id), "%s", sb->id);
+    sp_e2b__ctl_wait(c, op, create_waited);
+}
+
+static void route_create(ctl_t *c)
+{
+    if (c->body == NULL) {
+        sp_e2b__ctl_fail(c, 400, "request body must be a JSON object");
+        return;
+    }
+    json_t *t = json_object_get(c->body, "templateID");
+    if (t == NULL || !json_is_string(t) || json_string_length(t) == 0 ||
+        strlen(json_string_value(t)) != json_string_length(t)) {
+        sp_e2b__ctl_fail(c, 400, "templateID is required and must be a non-empty string");
+        return;
+    }
+    sp_create_req_t r = {0};
+    int timeout = CTL_DEFAULT_TMO_S;
+    bool secure = true, internet = true, internet_set = false, auto_pause = false;
+    bool auto_resume = false, bad = false;
+    if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &timeout, NULL) < 0 ||
+        body_bool(c, c->body, "secure", &secure, NULL) < 0 ||
+        body_bool(c, c->body, "allow_internet_access", &internet, &internet_set) < 0 ||
+        body_bool(c, c->body, "autoPause", &auto_pause, NULL) < 0)
+        return;
+    json_t *ar = body_obj(c, "autoResume", &bad);
+    if (bad || body_bool(c, ar, "enabled", &auto_resume, NULL) < 0)
+        return;
+    json_t *network = body_obj(c, "network", &bad);
+    if (bad)
+        return;
+    (void)body_obj(c, "mcp", &bad); /* accepted; the SDK itself starts the MCP gateway */
+    if (bad)
+        return;
+    json_t *vm = json_object_get(c->body, "volumeMounts");
+    if (vm != NULL && !json_is_null(vm) && !(json_is_array(vm) && json_array_size(vm) == 0)) {
+        sp_e2b__ctl_fail(c, 400, "volume mounts are not supported");
+        return;
+    }
+    json_t *md = json_object_get(c->body, "metadata");
+    json_t *env = json_object_get(c->body, "envVars");
+    r.template_name = json_string_value(t);
+    r.metadata = md && !json_is_null(md) ? md : NULL;
+    r.env = env && !json_is_null(env) ? env : NULL;
+    r.timeout_s = timeout == 0 ? CTL_ZERO_TMO_S : timeout;
+    /* E2B's timeout governs the lifetime; our idle limit must not cut it short. */
+    r.idle_timeout_s = SP_SVC_MAX_TIMEOUT_S;
+    r.deadline_action = auto_pause ? "suspend" : "delete";
+    r.auto_resume = auto_resume;
+    r.allow_internet = internet_set ? (internet ? 1 : -1) : 0;
+    r.network = network;
+    r.envd_version = SP_E2B_ENVD_VERSION;
+    sp_err_t e;
+    if (sp_svc_create_sandbox(c->gw->svc, &c->auth, &r, on_created, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* ---- GET /sandboxes/{id} ---- */
+
+static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    const char *state = sp_e2b__state(sb);
+    if (state == NULL) {
+        sp_e2b__ctl_fail(c, 404, "sandbox not found");
+        return;
+    }
+    sp_e2b__ctl_reply(c, 200, listed_json(c->gw, sb, state, true));
+}
+
+/* ---- listing ---- */
+
+#define BIT(x) (1u << SP_OBS_##x)
+#define STATES_RUNNING                                                                             \
+    (BIT(PENDING) | BIT(STARTING) | BIT(RUNNING) | BIT(PAUSING) | BIT(PAUSED) | BIT(WAKING))
+#define STATES_PAUSED (BIT(SUSPENDING) | BIT(SUSPENDED))
+
+static void list_page(ctl_t *c);
+
+static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const char *next,
+                    const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const char *state = sp_e2b__state(&recs[i]);
+        if (state != NULL)
+            json_array_append_new(c->acc, listed_json(c->gw, &recs[i], state, false));
+    }
+    snprintf(c->cursor, sizeof(c->cursor), "%s", next ? next : "");
+    if (c->route == R_LIST_V1 && next != NULL && ++c->pages < CTL_V1_PAGES) {
+        list_page(c);
+        return;
+    }
+    json_t *arr = c->acc;
+    c->acc = NULL;
+    if (c->route == R_LIST_V2)
+        snprintf(c->next_token, sizeof(c->next_token), "%s", c->cursor);
+    sp_e2b__ctl_reply(c, 200, arr);
+}
+
+static void list_page(ctl_t *c)
+{
+    sp_list_req_t r = {.states = c->states,
+                       .metadata = c->filter,
+                       .limit = c->limit,
+                       .cursor = c->cursor[0] ? c->cursor : NULL};
+    sp_err_t e;
+    if (sp_svc_list_sandboxes(c->gw->svc, &c->auth, &r, on_list, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* metadata=<url-encoded "k=v&k2=v2", each key and value percent-encoded once more> (spec
+ * 2.5): the query reader undid the outer layer; undo the form layer and the inner one. */
+static json_t *metadata_filter(const char *q, char *why, size_t cap)
+{
+    json_t *o = json_object();
+    size_t len = strlen(q);
+    char *tmp = malloc(len + 1), *dec = malloc(len + 1), *key = malloc(len + 1);
+    const char *p = q;
+    while (o != NULL && tmp && dec && key && *p != '\0') {
+        const char *amp = strchr(p, '&');
+        size_t pl = amp ? (size_t)(amp - p) : strlen(p);
+        const char *eq = memchr(p, '=', pl);
+        if (pl == 0) { /* "a=1&&b=2" */
+            p += amp ? 1 : 0;
+            continue;
+        }
+        if (eq == NULL || eq == p) {
+            snprintf(why, cap, "metadata filter must be key=value pairs");
+            json_decref(o);
+            o = NULL;
+            break;
+        }
+        /* key: form-decode, then percent-decode */
+        if (sp_http_pct_decode(p, (size_t)(eq - p), tmp) < 0 ||
+            sp_http_pct_decode(tmp, strlen(tmp), key) < 0 ||
+            sp_http_pct_decode(eq + 1, pl - (size_t)(eq + 1 - p), tmp) < 0 ||
+            sp_http_pct_decode(tmp, strlen(tmp), dec) < 0 || key[0] == '\0') {
+            snprintf(why, cap, "metadata filter has a bad escape");
+            json_decref(o);
+            o = NULL;
+            break;
+        }
+        json_object_set_new(o, key, json_string(dec));
+        p += pl + (amp ? 1 : 0);
+    }
+    if (o != NULL && (tmp == NULL || dec == NULL || key == NULL)) {
+        snprintf(why, cap, "out of memory");
+        json_decref(o);
+        o = NULL;
+    }
+    free(tmp);
+    free(dec);
+    free(key);
+    return o;
+}
+
+static void route_list(ctl_t *c, h2o_req_t *req)
+{
+    const char *state = sp_http_query(req, "state");
+    const char *md = sp_http_query(req, "metadata");
+    const char *limit = sp_http_query(req, "limit");
+    const char *token = sp_http_query(req, "nextToken");
+    c->limit = c->route == R_LIST_V1 ? 1000 : 100;
+    c->states = c->route == R_LIST_V1 ? STATES_RUNNING : STATES_RUNNING | STATES_PAUSED;
+    if (c->route == R_LIST_V2 && state != NULL) {
+        c->states = 0;
+        char buf[128];
+        snprintf(buf, sizeof(buf), "%s", state);
+        char *save = NULL;
+        for (char *s = strtok_r(buf, ",", &save); s; s = strtok_r(NULL, ",", &save)) {
+            if (strcmp(s, "running") == 0)
+                c->states |= STATES_RUNNING;
+            else if (strcmp(s, "paused") == 0)
+                c->states |= STATES_PAUSED;
+            else {
+                sp_e2b__ctl_fail(c, 400, "state must be running and/or paused");
+                return;
+            }
+        }
+        if (c->states == 0) {
+            sp_e2b__ctl_fail(c, 400, "state filter is empty");
+            return;
+        }
+    }
+    if (c->route == R_LIST_V2 && limit != NULL) {
+        char *end;
+        long l = strtol(limit, &end, 10);
+        if (*limit == '\0' || *end != '\0' || l < 1 || l > 100) {
+            sp_e2b__ctl_fail(c, 400, "limit must be 1 to 100");
+            return;
+        }
+        c->limit = (int)l;
+    }
+    if (c->route == R_LIST_V2 && token != NULL) {
+        if (strlen(token) >= sizeof(c->cursor)) {
+            sp_e2b__ctl_fail(c, 400, "invalid nextToken");
+            return;
+        }
+        snprintf(c->cursor, sizeof(c->cursor), "%s", token);
+    }
+    if (md != NULL) {
+        char why[96];
+        if (strlen(md) > 8192) {
+            sp_e2b__ctl_fail(c, 400, "metadata filter too long");
+            return;
+        }
+        c->filter = metadata_filter(md, why, sizeof(why));
+        if (c->filter == NULL) {
+            sp_e2b__ctl_fail(c, 400, why);
+            return;
+        }
+    }
+    c->acc = json_array();
+    list_page(c);
+}
+
+/* ---- DELETE /sandboxes/{id} ---- */
+
+static void kill_waited(ctl_t *c, const sp_op_rec_t *op)
+{
+    if (strcmp(op->status, "succeeded") == 0)
+        sp_e2b__ctl_reply(c, 204, NULL);
+    else
+        op_failed(c, op, "killing the sandbox");
+}
+
+static void on_requested(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    sp_e2b__ctl_wait(c, op, c->after_request);
+}
+
+static void request(ctl_t *c, sp_request_t r, const sp_deadline_t *dl, ctl_op_fn next)
+{
+    sp_err_t e;
+    c->after_request = next;
+    if (sp_svc_request_deadline(c->gw->svc, &c->auth, c->id, r, dl, on_requested, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+static void route_kill(ctl_t *c)
+{
+    request(c, SP_REQ_DELETE, NULL, kill_waited);
+}
+
+/* ---- POST /sandboxes/{id}/timeout and /refreshes ---- */
+
+static void deadline_set(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                         const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_reply(c, 204, NULL);
+}
+
+static void route_deadline(ctl_t *c)
+{
+    sp_deadline_t dl = {0};
+    bool present = false;
+    if (c->route == R_TIMEOUT) {
+        /* TTL becomes now + timeout: it may shorten. */
+        dl.mode = SP_DEADLINE_SET;
+        if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &dl.secs, &present) < 0)
+            return;
+        if (!present) {
+            sp_e2b__ctl_fail(c, 400, "timeout is required");
+            return;
+        }
+    } else {
+        /* A refresh only ever extends. */
+        dl.mode = SP_DEADLINE_EXTEND;
+        dl.secs = CTL_REFRESH_S;
+        if (body_int(c, "duration", 0, CTL_REFRESH_MAX_S, &dl.secs, NULL) < 0)
+            return;
+    }
+    sp_err_t e;
+    if (sp_svc_set_deadline(c->gw->svc, &c->auth, c->id, &dl, deadline_set, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* ---- POST /sandboxes/{id}/pause (= our suspend) ---- */
+
+static void deadline_restored(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                              const sp_err_t *err)
+{
+    if (err != NULL && err->code != SP_ENOTFOUND)
+        sp_log(SP_LOG_WARN, "e2b", "deadline not restored after a failed pause err=%s", err->msg);
+}
+
+/* The pause failed and the sandbox runs on: give it back a deadline (a full timeout). */
+static void pause_undo(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    sp_deadline_t dl = {.mode = SP_DEADLINE_SET, .secs = sb->deadline_s};
+    sp_err_t e;
+    if (sb->deadline_s > 0 &&
+        sp_svc_set_deadline(c->gw->svc, &c->auth, c->id, &dl, deadline_restored, NULL, &e) < 0)
+        sp_log(SP_LOG_WARN, "e2b", "deadline not restored after a failed pause err=%s", e.msg);
+    op_failed(c, &c->op, "pausing the sandbox");
+}
+
+static void pause_waited(ctl_t *c, const sp_op_rec_t *op)
+{
+    if (strcmp(op->status, "succeeded") == 0) {
+        sp_e2b__ctl_reply(c, 204, NULL);
+        return;
+    }
+    c->op = *op;
+    sp_e2b__ctl_fetch(c, pause_undo);
+}
+
+static void pause_refused(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err == NULL) {
+        sp_e2b__ctl_wait(c, op, pause_waited);
+        return;
+    }
+    if (err->code == SP_ECONFLICT) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "sandbox %s is already paused", c->id);
+        sp_e2b__ctl_fail(c, 409, msg);
+        return;
+    }
+    sp_e2b__ctl_fail_err(c, err);
+}
+
+static void route_pause(ctl_t *c)
+{
+    /* A paused sandbox keeps no deadline: E2B never kills a paused sandbox on timeout. */
+    sp_deadline_t dl = {.mode = SP_DEADLINE_CLEAR};
+    sp_err_t e;
+    if (sp_svc_request_deadline(c->gw->svc, &c->auth, c->id, SP_REQ_SUSPEND, &dl, pause_refused, c,
+                                &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* ---- POST /sandboxes/{id}/connect and /resume (= wake from suspend) ---- */
+
+static void woke(ctl_t *c, const sp_op_rec_t *op)
+{
+    if (strcmp(op->status, "succeeded") == 0)
+        sp_e2b__ctl_fetch(c, reply_sandbox);
+    else
+        op_failed(c, op, "resuming the sandbox");
+}
+
+static void on_running(void *arg, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_fetch(c, reply_sandbox);
+}
+
+/* connect on a running sandbox: its deadline was extended; answer once it really runs. */
+static void extended(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                     const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    if (strcmp(sb->observed, "running") == 0) {
+        reply_sandbox(c, sb);
+        return;
+    }
+    /* Still starting or waking (someone else's request): wait for it. */
+    sp_err_t e;
+    if (sp_svc_wake_if_autoresume(c->gw->svc, &c->auth, c->id, SP_SVC_MAX_WAIT_MS, on_running, c,
+                                  &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+static void connect_got(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    const char *state = sp_e2b__state(sb);
+    if (state == NULL) {
+        sp_e2b__ctl_fail(c, 404, "sandbox not found");
+        return;
+    }
+    bool paused = strcmp(state, "paused") == 0;
+    sp_err_t e;
+    if (c->route == R_RESUME && !paused) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "sandbox %s is already running", c->id);
+        sp_e2b__ctl_fail(c, 409, msg);
+        return;
+    }
+    sp_deadline_t dl = {.secs = c->timeout_s, .action = c->action[0] ? c->action : NULL};
+    if (paused) {
+        /* Resumed: a fresh deadline, counted from now. */
+        c->status = 201;
+        dl.mode = SP_DEADLINE_SET;
+        request(c, SP_REQ_WAKE, &dl, woke);
+        return;
+    }
+    /* Running for E2B: connect only ever extends its deadline. */
+    c->status = 200;
+    dl.mode = SP_DEADLINE_EXTEND;
+    if (strcmp(sb->desired, "paused") == 0) {
+        /* Our memory-resident pause, which E2B shows as running: resume it. */
+        request(c, SP_REQ_WAKE, &dl, woke);
+        return;
+    }
+    if (sp_svc_set_deadline(c->gw->svc, &c->auth, c->id, &dl, extended, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+static void route_connect(ctl_t *c)
+{
+    bool present = false, auto_pause = false, ap_present = false;
+    c->timeout_s = CTL_DEFAULT_TMO_S;
+    if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &c->timeout_s, &present) < 0)
+        return;
+    if (c->route == R_CONNECT && !present) {
+        sp_e2b__ctl_fail(c, 400, "timeout is required");
+        return;
+    }
+    if (c->timeout_s == 0)
+        c->timeout_s = CTL_ZERO_TMO_S;
+    if (c->route == R_RESUME) {
+        if (body_bool(c, c->body, "autoPause", &auto_pause, &ap_present) < 0)
+            return;
+        if (ap_present)
+            snprintf(c->action, sizeof(c->action), "%s", auto_pause ? "suspend" : "delete");
+    }
+    sp_e2b__ctl_fetch(c, connect_got);
+}
+
+/* ---- routing ---- */
+
+static int method_bit(h2o_req_t *req)
+{
+    if (sp_http_method_is(req, "GET"))
+        return CTL_GET;
+    if (sp_http_method_is(req, "POST"))
+        return CTL_POST;
+    if (sp_http_method_is(req, "DELETE"))
+        return CTL_DELETE;
+    return 0;
+}
+
+struct ctl_route {
+    int route;
+    int method;
+    const char *pattern[5]; /* "*" = the sandbox ID */
+    bool body;              /* POST with a JSON body (may be empty) */
+};
+
+static const struct ctl_route ctl_routes[] = {
+    {R_CREATE, CTL_POST, {"sandboxes", NULL}, true},
+    {R_LIST_V1, CTL_GET, {"sandboxes", NULL}, false},
+    {R_LIST_V2, CTL_GET, {"v2", "sandboxes", NULL}, false},
+    {R_METRICS_MANY, CTL_GET, {"sandboxes", "metrics", NULL}, false},
+    {R_GET, CTL_GET, {"sandboxes", "*", NULL}, false},
+    {R_KILL, CTL_DELETE, {"sandboxes", "*", NULL}, false},
+    {R_TIMEOUT, CTL_POST, {"sandboxes", "*", "timeout", NULL}, true},
+    {R_REFRESH, CTL_POST, {"sandboxes", "*", "refreshes", NULL}, true},
+    {R_PAUSE, CTL_POST, {"sandboxes", "*", "pause", NULL}, false},
+    {R_CONNECT, CTL_POST, {"sandboxes", "*", "connect", NULL}, true},
+    {R_RESUME, CTL_POST, {"sandboxes", "*", "resume", NULL}, true},
+    {R_METRICS, CTL_GET, {"sandboxes", "*", "metrics", NULL}, false},
+    {R_LOGS, CTL_GET, {"sandboxes", "*", "logs", NULL}, false},
+    {R_LOGS_V2, CTL_GET, {"v2", "sandboxes", "*", "logs", NULL}, false},
+};
+
+/* The route for segs and method; *path_known tells 405 from 404 when none matches. */
+static const struct ctl_route *ctl_match(const char **segs, int n, int method, bool *path_known,
+                                         const char **id)
+{
+    *path_known = false;
+    for (size_t r = 0; r < sizeof(ctl_routes) / sizeof(ctl_routes[0]); r++) {
+        const struct ctl_route *cr = &ctl_routes[r];
+        const char *sid = NULL;
+        int i = 0;
+        for (; cr->pattern[i] != NULL && i < n; i++) {
+            if (strcmp(cr->pattern[i], "*") == 0)
+                sid = segs[i];
+            else if (strcmp(cr->pattern[i], segs[i]) != 0)
+                break;
+        }
+        if (cr->pattern[i] != NULL || i != n)
+            continue;
+        /* /sandboxes/metrics is the many-sandbox route, never a sandbox called "metrics". */
+        if (sid != NULL && n == 2 && strcmp(sid, "metrics") == 0)
+            continue;
+        *path_known = true;
+        if (cr->method == method) {
+            *id = sid;
+            return cr;
+        }
+    }
+    return NULL;
+}
+
+static void dispatch(ctl_t *c, h2o_req_t *req)
+{
+    switch (c->route) {
+    case R_CREATE:
+        route_create(c);
+        break;
+    case R_LIST_V1:
+    case R_LIST_V2:
+        route_list(c, req);
+        break;
+    case R_GET:
+        sp_e2b__ctl_fetch(c, got_detail);
+        break;
+    case R_KILL:
+        route_kill(c);
+        break;
+    case R_TIMEOUT:
+    case R_REFRESH:
+        route_deadline(c);
+        break;
+    case R_PAUSE:
+        route_pause(c);
+        break;
+    case R_CONNECT:
+    case R_RESUME:
+        route_connect(c);
+        break;
+    case R_METRICS:
+    case R_METRICS_MANY:
+        sp_e2b__route_metrics(c, req);
+        break;
+    case R_LOGS:
+    case R_LOGS_V2:
+        sp_e2b__route_logs(c, req);
+        break;
+    default:
+        sp_e2b__ctl_fail(c, 404, "no such path");
+        break;
+    }
+}
+
+static void on_auth(void *arg, const sp_auth_t *auth, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err); /* 401, or 503 when the database is down */
+        return;
+    }
+    c->auth = *auth;
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (req == NULL) { /* the client left while we looked the key up */
+        sp_http_release(c->hold);
+        return;
+    }
+    if (c->wants_body && req->entity.base != NULL && req->entity.len > 0) {
+        if (req->entity.len > CTL_MAX_BODY) {
+            sp_e2b__ctl_fail(c, 413, "request body is larger than 1 MiB");
+            return;
+        }
+        json_error_t je;
+        c->body = json_loadb(req->entity.base, req->entity.len, JSON_REJECT_DUPLICATES, &je);
+        if (c->body == NULL) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "malformed JSON: %.100s", je.text);
+            sp_e2b__ctl_fail(c, 400, msg);
+            return;
+        }
+        if (!json_is_object(c->body)) {
+            sp_e2b__ctl_fail(c, 400, "request body must be a JSON object");
+            return;
+        }
+    }
+    dispatch(c, req);
+}
+
+void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
+{
+    const char *segs[8];
+    int n = sp_http_segments(req, segs, 8);
+    int method = method_bit(req);
+    bool known = false;
+    const char *id = NULL;
+    const struct ctl_route *r = n > 0 ? ctl_match(segs, n, method, &known, &id) : NULL;
+    if (r == NULL) {
+        if (known)
+            sp_e2b__error(req, 405, "method not allowed on this path");
+        else if (n >= 1 &&
+                 (strcmp(segs[0], "snapshots") == 0 || strcmp(segs[0], "templates") == 0 ||
+                  (n == 3 && strcmp(segs[0], "sandboxes") == 0 &&
+                   strcmp(segs[2], "snapshots") == 0)))
+            sp_e2b__error(req, 501, "snapshots and templates are not supported by this server");
+        else
+            sp_e2b__error(req, 404, "no such path");
+        return;
+    }
+    if (id != NULL && (strlen(id) > 64 || !sp_ids_valid(id))) {
+        sp_e2b__error(req, 404, "sandbox not found");
+        return;
+    }
+    const char *key = sp_http_header(req, "x-api-key");
+    if (key == NULL || key[0] == '\0') {
+        sp_e2b__error(req, 401, "missing X-API-Key");
+        return;
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(ctl_t));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    ctl_t *c = sp_http_hold_user(h);
+    c->gw = gw;
+    c->hold = h;
+    c->route = r->route;
+    c->wants_body = r->body;
+    if (id != NULL)
+        snprintf(c->id, sizeof(c->id), "%s", id);
+    sp_err_t e;
+    if (sp_svc_authenticate(gw->svc, key, on_auth, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}

@@ -1,0 +1,539 @@
+/*
+ * test_clones.c - create from a template snapshot, end to end on real microVMs.
+ *
+ * Needs qemu-system-x86_64, qemu-img and a data directory with a built `base`
+ * template (SP_TEST_DATA_DIR); skips (77) saying why otherwise. SP_TEST_ACCEL
+ * picks auto|kvm|tcg; SP_TEST_TIMEOUT_MULT stretches timeouts.
+ *
+ * Two concurrent first creates of a size with no snapshot share one snapshot
+ * build; a damaged snapshot is moved aside and rebuilt. Two clones of `base`: both answer, read different bytes from /dev/urandom,
+ * have their own hostnames and sandbox IDs, and do not see each other's files.
+ * A clone suspends (its RAM goes into the stream) and wakes into a RAM file of
+ * its own with its files and a background process; it then suspends and wakes
+ * again by device state only. A clone is re-adopted across a driver restart.
+ * Destroy leaves no process, directory or cgroup; the template snapshot stays
+ * and later creates reuse it (same directory, not rebuilt). Prints clone
+ * create-to-agent-ready (median of 5) beside a cold boot with cold_boot set.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/agentconn.h"
+#include "core/cgroup.h"
+#include "core/driver.h"
+#include "core/log.h"
+#include "core/loop.h"
+#include "core/qemu.h"
+#include "guest/tmplbuild.h"
+
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static sp_loop_t *loop;
+static const char *data_dir;
+static double mult = 1.0;
+static sp_cgroup_t *cgl;
+
+struct res {
+    int done;
+    int ok;
+    sp_err_t err;
+};
+
+static void on_res(void *arg, const sp_err_t *err)
+{
+    struct res *r = arg;
+    r->done++;
+    r->ok = err == NULL;
+    if (err != NULL)
+        r->err = *err;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1000.0 + (double)ts.tv_nsec / 1e6;
+}
+
+static int wait_for(int *flag, double timeout_ms)
+{
+    double end = now_ms() + timeout_ms * mult;
+    while (!*flag && now_ms() < end)
+        sp_loop_run_once(loop, 20);
+    return *flag ? 0 : -1;
+}
+
+static void run_for(double ms)
+{
+    double end = now_ms() + ms;
+    while (now_ms() < end)
+        sp_loop_run_once(loop, 10);
+}
+
+static sp_driver_t *make_driver(int cold)
+{
+    const char *accel = getenv("SP_TEST_ACCEL");
+    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto", .cold_boot = cold};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    if (d == NULL)
+        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
+    CHECK(d != NULL);
+    return d;
+}
+
+static void start_boot(sp_driver_t *d, const char *id, int mem_mb, struct res *r)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id,
+                         .template_name = "base",
+                         .cpu_count = 1,
+                         .memory_mb = mem_mb,
+                         .hostname = id};
+    sp_err_t e;
+    if (d->ops->boot(d, &spec, on_res, r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", id, e.msg);
+        exit(1);
+    }
+}
+
+static void boot_sized(sp_driver_t *d, const char *id, int mem_mb)
+{
+    struct res r = {0};
+    start_boot(d, id, mem_mb, &r);
+    CHECK(wait_for(&r.done, 180000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+}
+
+/* Boots sandbox id of `base` with its id as hostname; ms to agent ready. */
+static double boot(sp_driver_t *d, const char *id)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id,
+                         .template_name = "base",
+                         .cpu_count = 1,
+                         .memory_mb = 256,
+                         .hostname = id,
+                         .env_json = "{\"CLONE_TEST\":\"1\"}"};
+    struct res r = {0};
+    sp_err_t e;
+    double t0 = now_ms();
+    if (d->ops->boot(d, &spec, on_res, &r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", id, e.msg);
+        exit(1);
+    }
+    CHECK(wait_for(&r.done, 180000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+    return now_ms() - t0;
+}
+
+static void op(sp_driver_t *d, int (*fn)(sp_driver_t *, const char *, sp_driver_cb, void *,
+                                         sp_err_t *),
+               const char *id)
+{
+    struct res r = {0};
+    sp_err_t e;
+    if (fn(d, id, on_res, &r, &e) < 0) {
+        fprintf(stderr, "op %s: %s\n", id, e.msg);
+        exit(1);
+    }
+    CHECK(wait_for(&r.done, 60000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "op %s failed: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+}
+
+static double restore(sp_driver_t *d, const char *id)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = id};
+    struct res r = {0};
+    sp_err_t e;
+    double t0 = now_ms();
+    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+    CHECK(wait_for(&r.done, 60000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "restore %s: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+    return now_ms() - t0;
+}
+
+struct proc {
+    char out[512];
+    size_t n;
+    int exited;
+    int failed;
+};
+
+static void p_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
+                    size_t len, void *arg)
+{
+    struct proc *pr = arg;
+    if (type == SP_AP_T_PROC_STDOUT) {
+        size_t k = len < sizeof pr->out - 1 - pr->n ? len : sizeof pr->out - 1 - pr->n;
+        memcpy(pr->out + pr->n, p, k);
+        pr->n += k;
+        pr->out[pr->n] = '\0';
+        sp_agentstream_grant(s, (uint32_t)len);
+    }
+    if (flags & SP_AP_F_END) {
+        if (type != SP_AP_T_PROC_EXIT)
+            pr->failed = 1;
+        pr->exited = 1;
+    }
+}
+
+static void p_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+{
+    struct proc *pr = arg;
+    pr->failed = 1;
+    pr->exited = 1;
+}
+
+static void on_up(void *arg, const sp_err_t *err)
+{
+    struct res *r = arg;
+    r->done = 1;
+    r->ok = err == NULL;
+}
+
+/* Runs `sh -c cmd` in the guest; its stdout without trailing newlines into out. */
+static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
+{
+    sp_agentconn_t *c = d->ops->agent(d, id);
+    CHECK(c != NULL);
+    struct res up = {0};
+    CHECK(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
+    CHECK(wait_for(&up.done, 25000) == 0 && up.ok);
+    uint8_t buf[512];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof buf);
+    sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
+    sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
+    CHECK(!w.overflow);
+    static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
+    struct proc pr = {0};
+    sp_err_t e;
+    sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
+    CHECK(s != NULL);
+    CHECK(wait_for(&pr.exited, 30000) == 0);
+    CHECK(!pr.failed);
+    while (pr.n > 0 && pr.out[pr.n - 1] == '\n')
+        pr.out[--pr.n] = '\0';
+    snprintf(out, n, "%s", pr.out);
+}
+
+static pid_t vm_pid(const char *id)
+{
+    char p[4096], b[32];
+    snprintf(p, sizeof p, "%s/vms/%s/qemu.pid", data_dir, id);
+    FILE *f = fopen(p, "r");
+    if (f == NULL)
+        return 0;
+    pid_t pid = 0;
+    if (fgets(b, sizeof b, f) != NULL)
+        pid = (pid_t)atoi(b);
+    fclose(f);
+    return pid;
+}
+
+/* Contents of a small file of the VM dir ("" when missing). */
+static void vm_file(const char *id, const char *name, char *out, size_t n)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s/vms/%s/%s", data_dir, id, name);
+    out[0] = '\0';
+    FILE *f = fopen(p, "r");
+    if (f == NULL)
+        return;
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    fclose(f);
+}
+
+/* The one committed template snapshot dir of the current base build for tag ("-256M-1c-")
+ * into out; its inode. With remove, deletes every one for tag instead (0). */
+static ino_t tsnap_dir_ex(const sp_tmplbuild_paths_t *tp, const char *tag, char *out, size_t n,
+                          int remove)
+{
+    DIR *dir = opendir(tp->build_dir);
+    CHECK(dir != NULL);
+    struct dirent *de;
+    ino_t ino = 0;
+    int count = 0;
+    while ((de = readdir(dir)) != NULL) {
+        if (strncmp(de->d_name, "snapshot-", 9) != 0 || strstr(de->d_name, ".tmp-") != NULL ||
+            strstr(de->d_name, ".bad-") != NULL || strstr(de->d_name, tag) == NULL)
+            continue;
+        if (strlen(tp->build_dir) + strlen(de->d_name) + 2 > n)
+            continue;
+        memcpy(out, tp->build_dir, strlen(tp->build_dir));
+        out[strlen(tp->build_dir)] = '/';
+        strcpy(out + strlen(tp->build_dir) + 1, de->d_name);
+        char m[4200];
+        if (remove) {
+            snprintf(m, sizeof m, "rm -rf '%s'", out);
+            CHECK(system(m) == 0);
+            continue;
+        }
+        snprintf(m, sizeof m, "%s/template-snapshot.json", out);
+        struct stat st;
+        if (stat(m, &st) == 0) {
+            ino = st.st_ino;
+            count++;
+        }
+    }
+    closedir(dir);
+    CHECK(remove || count == 1);
+    return ino;
+}
+
+static ino_t tsnap_dir(const sp_tmplbuild_paths_t *tp, char *out, size_t n)
+{
+    return tsnap_dir_ex(tp, "-256M-1c-", out, n, 0);
+}
+
+static void check_gone(const char *id, pid_t pid)
+{
+    run_for(100);
+    CHECK(pid <= 0 || (kill(pid, 0) < 0 && errno == ESRCH));
+    char p[4096];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
+    CHECK(stat(p, &st) < 0 && errno == ENOENT);
+    static const char *const ctl[] = {"cpu", "memory", "pids"};
+    for (size_t i = 0; i < 3; i++) {
+        char dir[4096];
+        if (sp_cgroup_vm_dir(cgl, ctl[i], id, dir, sizeof dir) == 0)
+            CHECK(stat(dir, &st) < 0 && errno == ENOENT);
+    }
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int main(void)
+{
+    data_dir = getenv("SP_TEST_DATA_DIR");
+    const char *m = getenv("SP_TEST_TIMEOUT_MULT");
+    if (m != NULL && atof(m) > 0)
+        mult = atof(m);
+    if (system("command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null") != 0) {
+        printf("skip: qemu-system-x86_64 or qemu-img not installed\n");
+        return 77;
+    }
+    if (data_dir == NULL) {
+        printf("skip: SP_TEST_DATA_DIR (a data dir with a built base template) is not set\n");
+        return 77;
+    }
+    sp_tmplbuild_paths_t tp;
+    sp_err_t e;
+    if (sp_tmplbuild_current(data_dir, "base", &tp, &e) < 0) {
+        printf("skip: template base is not built in SP_TEST_DATA_DIR: %s\n", e.msg);
+        return 77;
+    }
+    sp_log_level_t lv;
+    if (getenv("SP_TEST_LOG") != NULL && sp_log_parse_level(getenv("SP_TEST_LOG"), &lv) == 0)
+        sp_log_min_level = lv;
+    if (getenv("SPACE_COLD_BOOT") != NULL)
+        unsetenv("SPACE_COLD_BOOT");
+    loop = sp_loop_create();
+    CHECK(loop != NULL);
+    cgl = sp_cgroup_create();
+    CHECK(cgl != NULL);
+    char a[64], b[64], c[64];
+    snprintf(a, sizeof a, "clone-%d-a", (int)getpid());
+    snprintf(b, sizeof b, "clone-%d-b", (int)getpid());
+    sp_driver_t *d = make_driver(0);
+    char sdir[4096], buf[8192];
+
+    /* Concurrent first creates of a size with no snapshot yet (320 MiB: only this test uses
+     * it, so removing its snapshot cannot break another sandbox) share one snapshot build. */
+    {
+        char x[64], y[64], sx[8192], sy[8192];
+        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 1);
+        snprintf(x, sizeof x, "clone-%d-x", (int)getpid());
+        snprintf(y, sizeof y, "clone-%d-y", (int)getpid());
+        struct res rx = {0}, ry = {0};
+        double t0 = now_ms();
+        start_boot(d, x, 320, &rx);
+        start_boot(d, y, 320, &ry);
+        CHECK(wait_for(&rx.done, 180000) == 0 && wait_for(&ry.done, 180000) == 0);
+        CHECK(rx.ok && ry.ok);
+        printf("two concurrent first creates (one snapshot build): %.0f ms\n", now_ms() - t0);
+        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 0); /* exactly one */
+        vm_file(x, "vm.json", sx, sizeof sx);
+        vm_file(y, "vm.json", sy, sizeof sy);
+        CHECK(strstr(sx, sdir) != NULL && strstr(sy, sdir) != NULL); /* both are clones */
+        run_cmd(d, x, "awk '/MemTotal/{print ($2 > 200000)}' /proc/meminfo", buf, sizeof buf);
+        CHECK(strcmp(buf, "1") == 0);
+        pid_t px = vm_pid(x), py = vm_pid(y);
+        op(d, d->ops->destroy, x);
+        op(d, d->ops->destroy, y);
+        check_gone(x, px);
+        check_gone(y, py);
+
+        /* a damaged snapshot (device state changed) is moved aside, not used, and rebuilt by
+         * the next driver's first create */
+        char cmd[8400];
+        snprintf(cmd, sizeof cmd, "chmod u+w '%s/snapshot/devstate' && echo x >> "
+                 "'%s/snapshot/devstate'", sdir, sdir);
+        CHECK(system(cmd) == 0);
+        sp_driver_destroy(d);
+        d = make_driver(0);
+        boot_sized(d, x, 320);
+        char sdir2[4096];
+        tsnap_dir_ex(&tp, "-320M-1c-", sdir2, sizeof sdir2, 0);
+        vm_file(x, "vm.json", sx, sizeof sx);
+        CHECK(strstr(sx, sdir2) != NULL);
+        snprintf(cmd, sizeof cmd, "ls -d '%s'.bad-* >/dev/null", sdir);
+        CHECK(system(cmd) == 0);
+        printf("damaged template snapshot: moved aside and rebuilt\n");
+        px = vm_pid(x);
+        op(d, d->ops->destroy, x);
+        check_gone(x, px);
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'.bad-*", sdir);
+        CHECK(system(cmd) == 0);
+        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 1);
+    }
+
+    double ta = boot(d, a);
+    printf("first clone (builds the template snapshot unless there is one): %.0f ms\n", ta);
+    ino_t ino = tsnap_dir(&tp, sdir, sizeof sdir);
+    printf("template snapshot: %s\n", sdir);
+    double tb = boot(d, b);
+    printf("second clone: %.0f ms\n", tb);
+    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* reused, not rebuilt */
+    vm_file(a, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram_src\"") != NULL && strstr(buf, sdir) != NULL);
+    vm_file(b, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram_src\"") != NULL);
+
+    /* identity: own hostname, own random numbers, same template boot */
+    char ha[128], hb[128], ra[128], rb[128], ba[128], bb[128], ea[64];
+    const char *rnd = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+    run_cmd(d, a, rnd, ra, sizeof ra);
+    run_cmd(d, b, rnd, rb, sizeof rb);
+    run_cmd(d, a, "hostname", ha, sizeof ha);
+    run_cmd(d, b, "hostname", hb, sizeof hb);
+    run_cmd(d, a, "cat /proc/sys/kernel/random/boot_id", ba, sizeof ba);
+    run_cmd(d, b, "cat /proc/sys/kernel/random/boot_id", bb, sizeof bb);
+    run_cmd(d, a, "echo $CLONE_TEST", ea, sizeof ea);
+    printf("urandom a=%s\nurandom b=%s\nhostnames %s / %s, boot_id %s / %s, env=%s\n", ra, rb,
+           ha, hb, ba, bb, ea);
+    CHECK(strlen(ra) == 64 && strlen(rb) == 64 && strcmp(ra, rb) != 0);
+    CHECK(strcmp(ha, a) == 0 && strcmp(hb, b) == 0);
+    CHECK(strcmp(ea, "1") == 0);
+
+    /* disks are private */
+    run_cmd(d, a, "echo only-a > /root/only-a; sync; cat /root/only-a", buf, sizeof buf);
+    CHECK(strcmp(buf, "only-a") == 0);
+    run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
+    CHECK(strcmp(buf, "no") == 0);
+
+    /* suspend a clone (RAM into the stream), wake it into its own RAM file */
+    char bgpid[32];
+    run_cmd(d, a, "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!", bgpid,
+            sizeof bgpid);
+    CHECK(atoi(bgpid) > 0);
+    double t0 = now_ms();
+    op(d, d->ops->snapshot, a);
+    double susp1 = now_ms() - t0;
+    CHECK(d->ops->probe(d, a) == SP_VM_SUSPENDED);
+    vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    double wake1 = restore(d, a);
+    vm_file(a, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, "ram_src") == NULL);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "cat /root/only-a; kill -0 %s && echo alive", bgpid);
+    run_cmd(d, a, cmd, buf, sizeof buf);
+    CHECK(strcmp(buf, "only-a\nalive") == 0);
+    /* the second suspend is device state only */
+    t0 = now_ms();
+    op(d, d->ops->snapshot, a);
+    double susp2 = now_ms() - t0;
+    vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram\":\"mem.ram\"") != NULL);
+    double wake2 = restore(d, a);
+    run_cmd(d, a, cmd, buf, sizeof buf);
+    CHECK(strcmp(buf, "only-a\nalive") == 0);
+    printf("clone suspend (RAM streamed) %.0f ms, wake %.0f ms; then suspend %.0f ms, wake %.0f "
+           "ms\n",
+           susp1, wake1, susp2, wake2);
+
+    /* a driver restart re-adopts a running clone */
+    pid_t pb = vm_pid(b);
+    sp_driver_destroy(d);
+    run_for(100);
+    CHECK(kill(pb, 0) == 0);
+    d = make_driver(0);
+    CHECK(d->ops->probe(d, b) == SP_VM_RUNNING);
+    run_cmd(d, b, "hostname", buf, sizeof buf);
+    CHECK(strcmp(buf, b) == 0);
+    /* and it still suspends the clone way after re-adoption */
+    op(d, d->ops->snapshot, b);
+    vm_file(b, "snapshot/manifest.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    restore(d, b);
+    run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
+    CHECK(strcmp(buf, "no") == 0);
+
+    pid_t pa = vm_pid(a);
+    pb = vm_pid(b);
+    op(d, d->ops->destroy, a);
+    op(d, d->ops->destroy, b);
+    check_gone(a, pa);
+    check_gone(b, pb);
+    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* the template snapshot stays */
+
+    /* later creates reuse it: create-to-agent-ready, median of 5 */
+    double t[5];
+    for (int i = 0; i < 5; i++) {
+        snprintf(c, sizeof c, "clone-%d-c%d", (int)getpid(), i);
+        t[i] = boot(d, c);
+        run_cmd(d, c, "echo hi", buf, sizeof buf);
+        CHECK(strcmp(buf, "hi") == 0);
+        pid_t pc = vm_pid(c);
+        op(d, d->ops->destroy, c);
+        check_gone(c, pc);
+    }
+    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino);
+    qsort(t, 5, sizeof t[0], cmp_d);
+    printf("clone create to agent ready: median %.0f ms (%.0f-%.0f)\n", t[2], t[0], t[4]);
+    sp_driver_destroy(d);
+
+    /* cold_boot: no snapshot, no ram_src */
+    d = make_driver(1);
+    snprintf(c, sizeof c, "clone-%d-cold", (int)getpid());
+    double tc = boot(d, c);
+    vm_file(c, "vm.json", buf, sizeof buf);
+    CHECK(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
+    printf("cold boot to agent ready (cold_boot=1): %.0f ms\n", tc);
+    pid_t pc = vm_pid(c);
+    op(d, d->ops->destroy, c);
+    check_gone(c, pc);
+    sp_driver_destroy(d);
+
+    sp_loop_destroy(loop);
+    sp_cgroup_destroy(cgl);
+    printf("clones e2e: ok\n");
+    return 0;
+}
