@@ -59,9 +59,20 @@ def main():
         s.key = s.cli("keys", "create").stdout.strip()
         s.start()
         url = "http://127.0.0.1:%d" % s.port
-        env = dict(os.environ, E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=s.key)
-        for k in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_ACCESS_TOKEN"):
+        env = dict(os.environ, E2B_API_URL=url, E2B_API_KEY=s.key)
+        for k in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_ACCESS_TOKEN", "E2B_SANDBOX_URL"):
             env.pop(k, None)
+        if os.environ.get("SP_CONFORMANCE_MODE", "single") == "host":
+            # What a user of the README's first command sets: the domain (the SDK then talks
+            # to https://api.<domain> and https://<port>-<id>.<domain>, all on spaced's one
+            # listener over TLS), the key, and the CA file.
+            tls = os.path.join(data, "tls")
+            env.pop("E2B_API_URL", None)
+            env.update(E2B_DOMAIN="space.localhost:%d" % s.port,
+                       NODE_EXTRA_CA_CERTS=os.path.join(tls, "ca.pem"),
+                       SSL_CERT_FILE=os.path.join(tls, "bundle.pem"))
+        else:
+            env["E2B_SANDBOX_URL"] = url
         print("conformance: spaced on %s (log %s)" % (url, s.log_path), flush=True)
         rc = subprocess.call([os.path.join(HERE, sdk, "run.sh")] + filters, env=env)
         if rc not in (0, SKIP):
