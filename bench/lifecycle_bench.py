@@ -8,8 +8,8 @@ base template if it has none. Prints medians and p99 of:
   - create -> first command from the template snapshot (clone), against
       * a cold boot of the same template (spaced with SPACE_COLD_BOOT=1), and
       * QEMU alone restoring the same template snapshot with no control plane (the command line of
-        a live clone, started by hand with `-incoming fd:3`, timed to the agent's HELLO and to a
-        first `true` straight on the agent socket: the floor)
+        a live clone started by hand, device state on an inherited fd, the same QMP steps; timed
+        to the agent's HELLO and to a first `true` straight on the agent socket: the floor)
   - 20 concurrent creates (total wall time) against 20 x the single-create median
   - pause and wake (API round trips)
   - suspend and wake of a 256 MiB and a 1 GiB clone: the first suspend streams the clone's RAM, later
@@ -158,9 +158,43 @@ def cmdline(pid):
         return [a.decode() for a in f.read().split(b"\0") if a]
 
 
+class Qmp:
+    """Just enough QMP for the floor: one command at a time, events skipped."""
+
+    def __init__(self, path, proc):
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self.sock.close()
+                if proc.poll() is not None:
+                    raise AssertionError("qemu exited %d" % proc.returncode)
+                time.sleep(0.001)
+        self.f = self.sock.makefile("rb")
+        self.f.readline()  # greeting
+        self.cmd("qmp_capabilities")
+
+    def cmd(self, name, **args):
+        self.sock.sendall(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
+        while True:
+            r = json.loads(self.f.readline())
+            if "return" in r:
+                return r["return"]
+            if "error" in r:
+                raise AssertionError("%s: %s" % (name, r["error"]))
+
+    def close(self):
+        self.f.close()
+        self.sock.close()
+
+
 def floor_restore(data, sid, n):
-    """QEMU alone: a live clone's command line, its per-VM paths moved to a temp dir, restoring
-    the template snapshot from an inherited fd. Returns (ms to HELLO list, ms to `true` list)."""
+    """QEMU alone: a live clone's command line with its per-VM paths moved to a temp dir, the
+    template's device state on an inherited fd; the same QMP steps the driver takes (capability,
+    migrate-incoming, wait, cont), no IDENTITY. Returns (ms to agent HELLO, ms to first `true`)
+    lists, both from QEMU's start; the overlay is made before the clock starts."""
     argv = cmdline(qemu_pid(data, sid))
     vdir = os.path.join(data, "vms", sid)
     with open(os.path.join(vdir, "vm.json")) as f:
@@ -175,26 +209,24 @@ def floor_restore(data, sid, n):
             a = [x.replace(vdir + "/", tmp + "/") for x in argv]
             sock = os.path.join(tmp, "agent.sock")
             dev = os.open(os.path.join(src, "snapshot", "devstate"), os.O_RDONLY)
-            k = a.index("-incoming")
-            a[k + 1] = "fd:%d" % dev
-            a[k:k] = ["-global", "migration.x-ignore-shared=true"]
             t0 = time.perf_counter()
             p = subprocess.Popen(a, pass_fds=(dev,), stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True)
             os.close(dev)
             try:
-                while True:
-                    try:
-                        w = AgentWire(sock)
-                        break
-                    except (FileNotFoundError, ConnectionRefusedError):
-                        if p.poll() is not None:
-                            raise AssertionError("qemu exited %d" % p.returncode)
-                        time.sleep(0.001)
+                q = Qmp(os.path.join(tmp, "qmp.sock"), p)
+                q.cmd("migrate-set-capabilities",
+                      capabilities=[{"capability": "x-ignore-shared", "state": True}])
+                q.cmd("migrate-incoming", uri="fd:%d" % dev)
+                while q.cmd("query-status")["status"] == "inmigrate":
+                    time.sleep(0.001)
+                q.cmd("cont")
+                w = AgentWire(sock)
                 hello.append((time.perf_counter() - t0) * 1000)
                 w.run("true")
                 first.append((time.perf_counter() - t0) * 1000)
                 w.close()
+                q.close()
             finally:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()

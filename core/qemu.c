@@ -21,9 +21,9 @@
  * Template snapshots (qemu.h): a builder VM (a struct vm with tsnap_build set,
  * an id no API call can name, its work dir vms/.tsnap-<key>-<pid>) boots cold,
  * settles, and goes through the same suspend steps; suspend_finish then freezes
- * its files and renames the work dir into the template build. Every transition of a boot waiting for a
- * snapshot goes through on_kick, so no completion frees a VM another loop
- * over the table is holding.
+ * its files and renames the work dir into the template build. Every transition of a boot waiting
+ * for a snapshot goes through on_kick, so no completion frees a VM another loop over the table is
+ * holding.
  *
  * Does not know the database or HTTP; does not build images (guest/ does).
  */
@@ -120,6 +120,9 @@ enum {
     SN_STOP,
     SN_CANCEL,      /* migrate_cancel: an earlier driver may have died mid-suspend */
     SN_CANCEL_POLL, /* until no migration is in flight */
+    SN_STATUS,      /* a migration that completed leaves QEMU in postmigrate: */
+    SN_RECONT,      /* cont, */
+    SN_RESTOP,      /* stop again (QEMU migrates no VM from postmigrate) */
     SN_CAPS,
     SN_GETFD,
     SN_MIGRATE,
@@ -220,7 +223,7 @@ struct sp_qemu {
     sp_timer_t console_timer;
     uint32_t boot_timeout_ms;
     uint32_t probe_ms;
-    bool cold_only;        /* opts.cold_boot or SPACE_COLD_BOOT=1 */
+    bool cold_only;                 /* opts.cold_boot or SPACE_COLD_BOOT=1 */
     char qemu_ident[PATH_MAX + 96]; /* resolved QEMU binary + size + mtime: part of snapshot keys */
     struct tsnap *tsnaps;
 };
@@ -1105,6 +1108,18 @@ static void on_status(void *arg, json_t *ret, const sp_err_t *err)
     vm->paused = st != NULL && strcmp(st, "running") != 0;
     char p[PATH_MAX + 16];
     vm_path(vm, "paused", p, sizeof p);
+    if (vm->adopted && vm->ph == PH_UP && vm->qmp != NULL && st != NULL && !file_exists(p) &&
+        (strcmp(st, "postmigrate") == 0 || strcmp(st, "paused") == 0)) {
+        /* Stopped, but not by pause() (which leaves the marker): a suspend that an earlier
+         * driver never committed. Give it back running, as probe() reported it. */
+        sp_err_t e;
+        sp_log(SP_LOG_INFO, "qemu",
+               "resuming a vm stopped by an unfinished suspend sandbox=%s "
+               "status=%s",
+               vm->id, st);
+        if (sp_qmp_command(vm->qmp, "cont", NULL, -1, NULL, NULL, &e) == 0)
+            vm->paused = false;
+    }
     if (vm->ph == PH_UP) {
         if (vm->paused)
             write_atomic(p, "", 0);
@@ -1214,11 +1229,13 @@ static void boot_done(struct vm *vm)
     {
         char p[PATH_MAX + 16];
         vm_path(vm, "booting", p, sizeof p);
-        unlink(p); /* first: a later driver adopts this VM as it is (live_vm_pid) */
+        unlink(p); /* a later driver adopts this VM as it is (live_vm_pid) */
     }
     sp_log(SP_LOG_INFO, "qemu", "vm up sandbox=%s pid=%d accel=%s how=%s boot_ms=%llu", vm->id,
            (int)vm->pid, vm->d->accel == 1 ? "kvm" : "tcg",
-           vm->clone_boot ? "clone" : vm->restoring ? "restore" : "cold",
+           vm->clone_boot  ? "clone"
+           : vm->restoring ? "restore"
+                           : "cold",
            (unsigned long long)(mono_ms() - vm->boot_start_ms));
     if (vm->tsnap_build != NULL) {
         tsnap_settle(vm); /* keeps tp: nothing waits on a builder's boot */
@@ -1594,7 +1611,7 @@ static int write_overlay(const char *path, const char *backing)
     memset(h, 0, sizeof h);
     put_be32(h, 0x514649fbu); /* "QFI\xfb" */
     put_be32(h + 4, 3);
-    size_t ext = 104;                /* header_length */
+    size_t ext = 104;               /* header_length */
     put_be32(h + ext, 0xe2792acau); /* backing file format name */
     put_be32(h + ext + 4, 5);
     memcpy(h + ext + 8, "qcow2", 5);
@@ -1612,7 +1629,7 @@ static int write_overlay(const char *path, const char *backing)
     put_be32(h + 96, 4); /* refcount_order: 16-bit */
     put_be32(h + 100, 104);
     uint8_t rt[8], rb[8];
-    put_be64(rt, 2 * CL); /* refcount block in cluster 2 */
+    put_be64(rt, 2 * CL);         /* refcount block in cluster 2 */
     for (int i = 0; i < 4; i++) { /* clusters 0-3 are in use once each */
         rb[2 * i] = 0;
         rb[2 * i + 1] = 1;
@@ -1622,8 +1639,7 @@ static int write_overlay(const char *path, const char *backing)
         return -1;
     bool ok = pwrite(fd, h, name + blen, 0) == (ssize_t)(name + blen) &&
               pwrite(fd, rt, sizeof rt, CL) == (ssize_t)sizeof rt &&
-              pwrite(fd, rb, sizeof rb, 2 * CL) == (ssize_t)sizeof rb &&
-              ftruncate(fd, 4 * CL) == 0;
+              pwrite(fd, rb, sizeof rb, 2 * CL) == (ssize_t)sizeof rb && ftruncate(fd, 4 * CL) == 0;
     int e = errno;
     close(fd);
     errno = e;
@@ -2174,10 +2190,9 @@ static void snap_commit(struct vm *vm)
     json_t *o = json_pack("{s:i, s:i, s:i, s:s, s:s, s:I, s:s, s:I, s:s, s:I}", "version", 1,
                           "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "accel",
                           vm->d->accel == 1 ? "kvm" : "tcg", "ram", stream ? "stream" : "mem.ram",
-                          "ram_bytes",
-                          (json_int_t)sr.st_size, "devstate", "snapshot/devstate", "devstate_bytes",
-                          (json_int_t)sd.st_size, "disk", "disk.qcow2", "created_at",
-                          (json_int_t)ts.tv_sec);
+                          "ram_bytes", (json_int_t)sr.st_size, "devstate", "snapshot/devstate",
+                          "devstate_bytes", (json_int_t)sd.st_size, "disk", "disk.qcow2",
+                          "created_at", (json_int_t)ts.tv_sec);
     char *js = o != NULL ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     char mtmp[PATH_MAX + 40];
@@ -2260,6 +2275,24 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         if (st != NULL && strcmp(st, "completed") != 0 && strcmp(st, "failed") != 0 &&
             strcmp(st, "cancelled") != 0 && strcmp(st, "none") != 0) {
             sp_timer_start(&vm->snap_timer, 5);
+            break;
+        }
+        vm->snap_step = SN_STATUS;
+        snap_send(vm, "query-status", NULL, -1);
+        break;
+    }
+    case SN_STATUS:
+    case SN_RECONT:
+    case SN_RESTOP: {
+        const char *st = json_string_value(json_object_get(ret, "status"));
+        if (vm->snap_step == SN_STATUS && st != NULL && strcmp(st, "postmigrate") == 0) {
+            vm->snap_step = SN_RECONT;
+            snap_send(vm, "cont", NULL, -1);
+            break;
+        }
+        if (vm->snap_step == SN_RECONT) {
+            vm->snap_step = SN_RESTOP;
+            snap_send(vm, "stop", NULL, -1);
             break;
         }
         vm->snap_step = SN_CAPS;
@@ -2374,6 +2407,19 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
             sp_timer_start(&vm->snap_timer, 5);
             return;
         }
+        if (!vm->clone_boot) {
+            /* Our own snapshot: once the vCPUs run, its RAM file and disk move on and it can
+             * never be restored again. So a later driver must adopt this VM rather than kill
+             * it and restore (booting marker first: a crash between the two leaves a stale
+             * manifest beside a live VM, which adoption prefers and the next suspend
+             * replaces). A clone keeps its marker: its template snapshot never changes, so
+             * killing it and starting over stays safe until it has its identity. */
+            char p[PATH_MAX + 32];
+            vm_path(vm, "booting", p, sizeof p);
+            unlink(p);
+            snap_path(vm, "manifest.json", p, sizeof p);
+            unlink(p);
+        }
         if (strcmp(st, "running") != 0) { /* paused after incoming: start the vCPUs */
             vm->snap_step = RS_CONT;
             if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_restore_reply, vm, &e) < 0)
@@ -2441,7 +2487,6 @@ static void suspend_finish(struct vm *vm)
     complete_all(d, &vm->boot_w, NULL);
     vm_free(vm);
 }
-
 
 /* ---------- template snapshots ---------- */
 
@@ -2590,8 +2635,7 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
     sp_timer_start(&b->boot_timer, d->boot_timeout_ms);
     sp_log(SP_LOG_INFO, "qemu",
            "building template snapshot template=%s key=%s memory_mb=%d cpus=%d accel=%s",
-           vm->template_name, t->key, vm->memory_mb, vm->cpu_count,
-           d->accel == 1 ? "kvm" : "tcg");
+           vm->template_name, t->key, vm->memory_mb, vm->cpu_count, d->accel == 1 ? "kvm" : "tcg");
     kick(d);
     return 0;
 }
@@ -2619,9 +2663,9 @@ static struct tsnap *tsnap_for(struct vm *vm)
         t->state = TS_FAILED; /* removed under us: look again */
         t->failed_ms = 0;
     }
-    if (t != NULL && (t->state == TS_BUILDING ||
-                      (t->state == TS_FAILED && t->failed_ms != 0 &&
-                       mono_ms() - t->failed_ms < SP_QEMU_TSNAP_RETRY_MS)))
+    if (t != NULL &&
+        (t->state == TS_BUILDING || (t->state == TS_FAILED && t->failed_ms != 0 &&
+                                     mono_ms() - t->failed_ms < SP_QEMU_TSNAP_RETRY_MS)))
         return t;
     if (t == NULL) {
         t = calloc(1, sizeof(*t));
@@ -2639,8 +2683,8 @@ static struct tsnap *tsnap_for(struct vm *vm)
     }
     if (tsnap_valid(t->dir, t->key, vm->memory_mb)) {
         t->state = TS_READY;
-        sp_log(SP_LOG_INFO, "qemu", "template snapshot found template=%s key=%s",
-               t->template_name, t->key);
+        sp_log(SP_LOG_INFO, "qemu", "template snapshot found template=%s key=%s", t->template_name,
+               t->key);
         return t;
     }
     struct stat st;
@@ -2929,7 +2973,8 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
     if (tp == NULL) {
         rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
     } else if (man == NULL || vj == NULL || kernel == NULL || initrd == NULL || mem <= 0 ||
-               !file_exists(kernel) || !file_exists(initrd) || !snapshot_files_ok(vdir, mem, stream)) {
+               !file_exists(kernel) || !file_exists(initrd) ||
+               !snapshot_files_ok(vdir, mem, stream)) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (manifest, vm.json or images)",
                spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");

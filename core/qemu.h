@@ -21,9 +21,10 @@
  *   vm.json      cpu_count, memory_mb, disk size, template, accelerator, kernel, initramfs,
  *                ram_src (a clone's template snapshot dir, until its first restore)
  *   paused       present while the vCPUs are stopped by pause()
- *   booting      present from QEMU's start until the agent took IDENTITY; a later
- *                driver kills a QEMU it finds with it (state unknown, no identity):
- *                the sandbox is then SUSPENDED (snapshot kept) or ABSENT, to redo
+ *   booting      present from QEMU's start until the agent took IDENTITY (a restore
+ *                of the sandbox's own snapshot: until its vCPUs start, when the
+ *                snapshot is invalidated); a later driver kills a QEMU it finds with
+ *                it: the sandbox is then SUSPENDED (snapshot kept) or ABSENT, to redo
  *   snapshot/    devstate (QEMU device state, ~60 KB) and manifest.json; the
  *                manifest is renamed into place last, so its presence is the
  *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED

@@ -40,6 +40,7 @@ struct waiter {
     void *arg;
     sp_timer_t timer;
     bool checking; /* a re-check query is in flight */
+    bool recheck;  /* a NOTIFY arrived while it was: its answer may predate the change */
     bool expired;  /* timer fired: answer with whatever the next check finds */
     struct waiter *prev, *next;
 };
@@ -743,6 +744,8 @@ static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
 {
     struct waiter *w = c->w;
     w->checking = false;
+    bool again = w->recheck;
+    w->recheck = false;
     sp_op_rec_t op;
     bool have = err == NULL && PQntuples(res) == 1;
     if (have)
@@ -754,13 +757,18 @@ static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
         waiter_unlink(w);
         w->cb(w->arg, have ? &op : NULL, err ? err : have ? NULL : &e);
         free(w);
+        return;
     }
+    if (again)
+        waiter_check(w); /* the notification may have been for a state this answer missed */
 }
 
 static void waiter_check(struct waiter *w)
 {
-    if (w->checking)
+    if (w->checking) {
+        w->recheck = true;
         return;
+    }
     const char *p[] = {w->op_id, w->team_id};
     struct call *c = calloc(1, sizeof(*c));
     sp_err_t e;

@@ -6,14 +6,13 @@
  * picks auto|kvm|tcg; SP_TEST_TIMEOUT_MULT stretches timeouts.
  *
  * Two concurrent first creates of a size with no snapshot share one snapshot
- * build; a damaged snapshot is moved aside and rebuilt. Two clones of `base`: both answer, read different bytes from /dev/urandom,
- * have their own hostnames and sandbox IDs, and do not see each other's files.
- * A clone suspends (its RAM goes into the stream) and wakes into a RAM file of
- * its own with its files and a background process; it then suspends and wakes
- * again by device state only. A clone is re-adopted across a driver restart.
- * Destroy leaves no process, directory or cgroup; the template snapshot stays
- * and later creates reuse it (same directory, not rebuilt). Prints clone
- * create-to-agent-ready (median of 5) beside a cold boot with cold_boot set.
+ * build; a damaged snapshot is moved aside and rebuilt. Two clones of `base`: both answer, read
+ * different bytes from /dev/urandom, have their own hostnames and sandbox IDs, and do not see each
+ * other's files. A clone suspends (its RAM goes into the stream) and wakes into a RAM file of its
+ * own with its files and a background process; it then suspends and wakes again by device state
+ * only. A clone is re-adopted across a driver restart. Destroy leaves no process, directory or
+ * cgroup; the template snapshot stays and later creates reuse it (same directory, not rebuilt).
+ * Prints clone create-to-agent-ready (median of 5) beside a cold boot with cold_boot set.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -142,8 +141,8 @@ static double boot(sp_driver_t *d, const char *id)
     return now_ms() - t0;
 }
 
-static void op(sp_driver_t *d, int (*fn)(sp_driver_t *, const char *, sp_driver_cb, void *,
-                                         sp_err_t *),
+static void op(sp_driver_t *d,
+               int (*fn)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
                const char *id)
 {
     struct res r = {0};
@@ -393,8 +392,10 @@ int main(void)
         /* a damaged snapshot (device state changed) is moved aside, not used, and rebuilt by
          * the next driver's first create */
         char cmd[8400];
-        snprintf(cmd, sizeof cmd, "chmod u+w '%s/snapshot/devstate' && echo x >> "
-                 "'%s/snapshot/devstate'", sdir, sdir);
+        snprintf(cmd, sizeof cmd,
+                 "chmod u+w '%s/snapshot/devstate' && echo x >> "
+                 "'%s/snapshot/devstate'",
+                 sdir, sdir);
         CHECK(system(cmd) == 0);
         sp_driver_destroy(d);
         d = make_driver(0);
@@ -436,8 +437,8 @@ int main(void)
     run_cmd(d, a, "cat /proc/sys/kernel/random/boot_id", ba, sizeof ba);
     run_cmd(d, b, "cat /proc/sys/kernel/random/boot_id", bb, sizeof bb);
     run_cmd(d, a, "echo $CLONE_TEST", ea, sizeof ea);
-    printf("urandom a=%s\nurandom b=%s\nhostnames %s / %s, boot_id %s / %s, env=%s\n", ra, rb,
-           ha, hb, ba, bb, ea);
+    printf("urandom a=%s\nurandom b=%s\nhostnames %s / %s, boot_id %s / %s, env=%s\n", ra, rb, ha,
+           hb, ba, bb, ea);
     CHECK(strlen(ra) == 64 && strlen(rb) == 64 && strcmp(ra, rb) != 0);
     CHECK(strcmp(ha, a) == 0 && strcmp(hb, b) == 0);
     CHECK(strcmp(ea, "1") == 0);
@@ -450,8 +451,7 @@ int main(void)
 
     /* suspend a clone (RAM into the stream), wake it into its own RAM file */
     char bgpid[32];
-    run_cmd(d, a, "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!", bgpid,
-            sizeof bgpid);
+    run_cmd(d, a, "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!", bgpid, sizeof bgpid);
     CHECK(atoi(bgpid) > 0);
     double t0 = now_ms();
     op(d, d->ops->snapshot, a);

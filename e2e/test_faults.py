@@ -88,7 +88,8 @@ class FaultTest(unittest.TestCase):
                     self.assertEqual(r["operation"]["status"], "succeeded", r)
                 st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid,
                                   {"cmd": "cat /home/user/mark"}, timeout=60)
-                self.assertEqual(c["stdout"], "%s-%d\n" % (sid, i), (sid, c))
+                self.assertEqual((st, c.get("stdout")), (200, "%s-%d\n" % (sid, i)),
+                                 (sid, c, s.read_log()))
             for sid in ids:
                 s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         finally:
