@@ -3095,8 +3095,17 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
     struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
-    if (vm == NULL || vm->pid <= 0 || vm->ph == PH_STOPPING)
-        return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
+    if (vm == NULL || vm->pid <= 0 || vm->ph == PH_STOPPING) {
+        /* Suspended: no process, but the snapshot's size is what the sandbox costs. */
+        char dir[PATH_MAX + 80];
+        sfmt(dir, sizeof dir, "%s/%s", d->vms_dir, id);
+        uint64_t snap = valid_id(id) ? snapshot_bytes(dir) : 0;
+        if (snap == 0)
+            return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
+        memset(out, 0, sizeof(*out));
+        out->snapshot_bytes = snap;
+        return 0;
+    }
     memset(out, 0, sizeof(*out));
     out->cpu_count = vm->cpu_count;
     out->mem_total_bytes = (uint64_t)vm->memory_mb << 20;

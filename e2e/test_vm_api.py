@@ -192,6 +192,24 @@ class VmApiTest(unittest.TestCase):
         self.assertEqual(r["operation"]["status"], "succeeded", r)
         self.assertFalse(os.path.exists(vmdir))
 
+    def test_idle_limit_suspends_a_real_vm(self):
+        sid = self.create(idle_timeout_s=3)
+        self.run_cmd(sid, {"cmd": "echo idle > /home/user/idle.txt"})
+        deadline = time.time() + 60 * MULT
+        sb = None
+        while time.time() < deadline:
+            st, sb = self.req("GET", "/v1/sandboxes/" + sid)
+            if sb["state"] == "suspended":
+                break
+            time.sleep(0.5)
+        self.assertEqual(sb["state"], "suspended", sb)
+        self.assertGreater(sb["snapshot_bytes"], 0, sb)  # what the suspended sandbox costs
+        self.assertEqual(vm_processes(sid), [])  # no CPU, no memory: the VM is gone
+        self.lifecycle(sid, "wake", "running")
+        self.assertEqual(self.run_cmd(sid, {"cmd": "cat /home/user/idle.txt"})["stdout"], "idle\n")
+        st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+
     def test_vms_survive_a_spaced_restart(self):
         sid = self.create()
         sus = self.create()
