@@ -202,8 +202,7 @@ static void iso_time(uint64_t ns, char out[40])
     snprintf(out, 40, "%s.%03uZ", base, (unsigned)((ns / 1000000u) % 1000u));
 }
 
-/* Maps an agent ERROR payload to our error: the guest's message, made printable. */
-static void agent_error(const uint8_t *p, size_t n, sp_err_t *out)
+void sp_exec_agent_error(const uint8_t *p, size_t n, sp_err_t *out)
 {
     sp_ap_error_t e;
     sp_err_t derr;
@@ -1266,7 +1265,7 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
     }
     if (type == SP_AP_T_ERROR) {
         sp_err_t e;
-        agent_error(p, len, &e);
+        sp_exec_agent_error(p, len, &e);
         if (op->kind == K_CTRL && op->phase == 1 && e.code == SP_ENOTFOUND)
             sp_err_set(&e, SP_ECONFLICT, "command %u has exited", op->pid);
         else if (op->kind == K_STREAM && !op->started && e.code == SP_ENOTFOUND &&

@@ -174,6 +174,10 @@ typedef struct {
 /* Checks a path as the API takes it. */
 int sp_exec_check_path(const char *path, sp_err_t *err);
 
+/* Maps an agent ERROR payload (core/agentproto.h) to a client-safe error: our code for the
+ * agent's, and the guest's message made printable. For every module that reads agent streams. */
+void sp_exec_agent_error(const uint8_t *p, size_t n, sp_err_t *out);
+
 /* result is borrowed for the callback (NULL for REMOVE and on error). */
 sp_exec_t *sp_exec_fs(sp_loop_t *loop, sp_agentconn_t *c, const sp_exec_fs_req_t *req,
                       void (*cb)(void *arg, json_t *result, const sp_err_t *err), void *arg,

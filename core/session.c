@@ -139,32 +139,6 @@ static void unlink_sess(sp_session_t *s)
     t->n--;
 }
 
-/* Maps an agent ERROR payload to a client-safe error. */
-static void agent_error(const uint8_t *p, size_t n, sp_err_t *out)
-{
-    sp_ap_error_t e;
-    sp_err_t derr;
-    if (sp_ap_dec_error(p, n, &e, &derr) < 0) {
-        sp_err_set(out, SP_EINTERNAL, "sandbox agent sent a malformed error");
-        return;
-    }
-    char msg[128];
-    size_t k = 0;
-    for (uint32_t i = 0; e.msg.p != NULL && i < e.msg.n && k < sizeof(msg) - 1; i++) {
-        char ch = e.msg.p[i];
-        msg[k++] = (ch >= 0x20 && ch < 0x7f) ? ch : '?';
-    }
-    msg[k] = '\0';
-    sp_code_t code = e.code == SP_AP_E_NOTFOUND ? SP_ENOTFOUND
-                     : e.code == SP_AP_E_PERM   ? SP_EFORBIDDEN
-                     : e.code == SP_AP_E_INVAL || e.code == SP_AP_E_NOTDIR ||
-                             e.code == SP_AP_E_ISDIR
-                         ? SP_EINVAL
-                     : e.code == SP_AP_E_BUSY ? SP_ECONFLICT
-                                              : SP_EUNAVAIL;
-    sp_err_set(out, code, "%s", k > 0 ? msg : "sandbox agent error");
-}
-
 /* ---- table ---- */
 
 static void on_sweep(sp_timer_t *tm, void *arg)
@@ -548,7 +522,7 @@ static void att_frame(sp_agentstream_t *st, uint16_t type, uint16_t flags, const
     }
     case SP_AP_T_ERROR: {
         sp_err_t e;
-        agent_error(p, len, &e);
+        sp_exec_agent_error(p, len, &e);
         if (e.code == SP_ENOTFOUND && s->state != SP_SESSION_CREATED)
             sp_err_set(&e, SP_ECONFLICT, "the session's process is no longer known to the sandbox");
         sp_exec_ev_t ev = {.type = SP_EXEC_EV_ERROR, .pid = s->pid, .err = &e};
