@@ -16,6 +16,7 @@
 
 #include "agent/agent.h"
 #include "agent/chan.h"
+#include "agent/egress.h"
 #include "agent/ev.h"
 #include "agent/proc.h"
 #include "agent/sess.h"
@@ -29,13 +30,24 @@ typedef struct {
     const char *listen;
 } opts_t;
 
+/* The sooner of two poll timeouts (ms, -1 = none). */
+static int min_timeout(int a, int b)
+{
+    if (a < 0)
+        return b;
+    if (b < 0)
+        return a;
+    return a < b ? a : b;
+}
+
 static int run_loop(void)
 {
     for (;;) {
         sp_chan_tick();
+        sp_egress_tick();
         sp_sess_pump_all();
         sp_proc_tick();
-        if (sp_ev_run_once(sp_chan_timeout_ms()) < 0) {
+        if (sp_ev_run_once(min_timeout(sp_chan_timeout_ms(), sp_egress_timeout_ms())) < 0) {
             sp_log(SP_LOG_ERROR, "agent", "poll failed errno=%d", errno);
             return 1;
         }
@@ -50,6 +62,7 @@ static int serve(const opts_t *o)
         sp_log(SP_LOG_ERROR, "agent", "sigchld setup failed errno=%d", errno);
         return 1;
     }
+    sp_egress_init();
     int rc = o->listen ? sp_chan_listen_unix(o->listen) : sp_chan_open_path(o->channel);
     if (rc < 0)
         return 1;

@@ -31,6 +31,7 @@
 
 #include "agent/agent.h"
 #include "agent/chan.h"
+#include "agent/egress.h"
 #include "agent/ev.h"
 #include "agent/ring.h"
 #include "agent/sess.h"
@@ -595,7 +596,9 @@ static char *fmt_kv(const char *k, const char *v)
 
 static char **build_env(const sp_ap_proc_start_t *m, const sp_user_t *u)
 {
-    size_t cap = 8 + (size_t)sp_sess_default_envc + m->envc + 1, n = 0;
+    int egc;
+    char *const *eg = sp_egress_env(&egc);
+    size_t cap = 8 + (size_t)sp_sess_default_envc + (size_t)egc + m->envc + 1, n = 0;
     char **env = calloc(cap, sizeof(*env));
     if (env == NULL)
         return NULL;
@@ -608,6 +611,8 @@ static char **build_env(const sp_ap_proc_start_t *m, const sp_user_t *u)
         env_set(env, &n, cap, fmt_kv("TERM", "xterm-256color"));
     for (int i = 0; i < sp_sess_default_envc; i++)
         env_set(env, &n, cap, strdup(sp_sess_default_env[i]));
+    for (int i = 0; i < egc; i++) /* proxy settings over IDENTITY's, under the request's */
+        env_set(env, &n, cap, strdup(eg[i]));
     for (uint32_t i = 0; i < m->envc; i++)
         env_set(env, &n, cap, dup_sv(m->env[i]));
     return env;

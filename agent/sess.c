@@ -18,6 +18,7 @@
 
 #include "agent/agent.h"
 #include "agent/chan.h"
+#include "agent/egress.h"
 #include "agent/fs.h"
 #include "agent/proc.h"
 #include "agent/sysinit.h"
@@ -190,7 +191,8 @@ static void on_hello(const sp_ap_hdr_t *h, const uint8_t *p)
     sp_ap_hello_t out = {
         .version = SP_AP_VERSION,
         .agent_version = {SP_AGENT_VERSION, (uint32_t)strlen(SP_AGENT_VERSION)},
-        .caps = SP_AP_CAP_PTY | SP_AP_CAP_WATCH | SP_AP_CAP_TCP | SP_AP_CAP_IDENTITY,
+        .caps = SP_AP_CAP_PTY | SP_AP_CAP_WATCH | SP_AP_CAP_TCP | SP_AP_CAP_IDENTITY |
+                SP_AP_CAP_EGRESS,
         .boot_ns = boot_ns(),
     };
     sp_ap_writer_t *w = sp_chan_begin(0, SP_AP_T_HELLO, 0, 256);
@@ -235,6 +237,8 @@ static opener_fn opener_for(uint16_t type)
         return sp_watch_on_start;
     case SP_AP_T_TCP_CONNECT:
         return sp_tcp_on_connect;
+    case SP_AP_T_EGRESS_CONFIG:
+        return sp_egress_on_config;
     default:
         return NULL; /* FS_* requests: sp_fs_on_request also needs the type */
     }

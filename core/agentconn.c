@@ -27,6 +27,7 @@
 #include "core/agentconn.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -62,9 +63,22 @@ struct sp_agentstream {
     struct link wantw;           /* in c->wantw while a send was refused */
     bool linked;                 /* in the table */
     bool ended;                  /* END seen or channel lost: send nothing more */
+    bool agent_opened;           /* the agent opened it (egress): the host ends it */
     bool dead;                   /* no more callbacks; free when in_cb drops to 0 */
     int in_cb;
 };
+
+struct sp_agentconn_listener {
+    sp_agentconn_t *c;
+    sp_agentconn_listen_cb cb;
+    void *arg;
+    bool dead; /* removed while the list was being walked: freed when the walk ends */
+    struct sp_agentconn_listener *next;
+};
+
+/* The process-wide hook for named channels (sp_agentconn_set_hook). Loop thread only. */
+static sp_agentconn_hook_cb named_hook;
+static void *named_hook_arg;
 
 struct waiter {
     sp_agentconn_t *c;
@@ -108,6 +122,13 @@ struct sp_agentconn {
     struct link waiters; /* sp_agentconn_when_up */
 
     char agent_version[64];
+    uint32_t caps;
+    char sandbox[65];
+
+    sp_agentconn_accept_cb accept;
+    void *accept_arg;
+    struct sp_agentconn_listener *listeners;
+    int listeners_walking; /* > 0 while notify_listeners runs */
 };
 
 static void conn_connect(sp_agentconn_t *c);
@@ -416,6 +437,36 @@ static void run_waiters(sp_agentconn_t *c, const sp_err_t *err)
     }
 }
 
+/* ---- listeners ---- */
+
+static void listeners_purge(sp_agentconn_t *c, bool all)
+{
+    for (struct sp_agentconn_listener **pp = &c->listeners; *pp != NULL;) {
+        struct sp_agentconn_listener *l = *pp;
+        if (all || l->dead) {
+            *pp = l->next;
+            free(l);
+        } else {
+            pp = &l->next;
+        }
+    }
+}
+
+/* Tells every listener; they may unlisten (themselves or others) or destroy c meanwhile. */
+static void notify_listeners(sp_agentconn_t *c, sp_agentconn_event_t ev)
+{
+    c->listeners_walking++;
+    for (struct sp_agentconn_listener *l = c->listeners; l != NULL; l = l->next) {
+        if (l->dead)
+            continue;
+        if (ev != SP_AGENTCONN_GONE && c->destroyed)
+            break;
+        l->cb(l->arg, c, ev);
+    }
+    if (--c->listeners_walking == 0)
+        listeners_purge(c, false);
+}
+
 /* ---- connection ---- */
 
 /* Closes the socket and forgets buffered bytes in both directions. No callbacks. */
@@ -456,6 +507,8 @@ static void conn_fail(sp_agentconn_t *c, const char *why)
     fail_all_streams(c, "agent channel lost");
     if (was_up && !c->destroyed)
         c->on_state(c->arg, false);
+    if (was_up && !c->destroyed)
+        notify_listeners(c, SP_AGENTCONN_DOWN);
     if (!c->destroyed)
         schedule_retry(c);
 }
@@ -574,13 +627,18 @@ static void on_agent_hello(sp_agentconn_t *c, const uint8_t *p, uint32_t len)
             c->agent_version[n] = (ch >= 0x20 && ch < 0x7f) ? ch : '?';
         }
     c->agent_version[n] = 0;
+    c->caps = h.caps;
     c->up = true;
     c->backoff_ms = 0;
     c->logged_down = false;
     sp_log(SP_LOG_INFO, "agentconn", "channel up path=%s agent_version=%s caps=0x%x", c->path,
            c->agent_version, h.caps);
     c->on_state(c->arg, true);
-    run_waiters(c, NULL);
+    /* After the owner (which sends IDENTITY first), before waiters start requests. */
+    if (!c->destroyed && c->up)
+        notify_listeners(c, SP_AGENTCONN_UP);
+    if (!c->destroyed && c->up)
+        run_waiters(c, NULL);
 }
 
 static void on_control(sp_agentconn_t *c, const sp_ap_hdr_t *h, const uint8_t *p)
@@ -613,9 +671,77 @@ static bool counts_against_window(uint16_t type)
     return type == SP_AP_T_DATA || type == SP_AP_T_PROC_STDOUT || type == SP_AP_T_PROC_STDERR;
 }
 
+static void send_refusal(sp_agentconn_t *c, uint32_t stream, uint32_t code, const char *msg)
+{
+    uint8_t buf[160];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    sp_ap_put_u32(&w, SP_AP_K_CODE, code);
+    sp_ap_put_str(&w, SP_AP_K_MSG, msg);
+    if (!w.overflow)
+        send_frame(c, stream, SP_AP_T_ERROR, SP_AP_F_END, buf, w.len);
+}
+
+/* The agent opens a stream (egress): offer it to the acceptor. */
+static void on_agent_open(sp_agentconn_t *c, const sp_ap_hdr_t *h, const uint8_t *p)
+{
+    if (c->accept == NULL) {
+        send_refusal(c, h->stream, SP_AP_E_UNAVAIL, "the host takes no such streams");
+        return;
+    }
+    if (c->nstreams >= MAX_STREAMS) {
+        send_refusal(c, h->stream, SP_AP_E_BUSY, "too many open streams");
+        return;
+    }
+    sp_agentstream_t *s = calloc(1, sizeof(*s));
+    if (s == NULL) {
+        send_refusal(c, h->stream, SP_AP_E_INTERNAL, "out of memory");
+        return;
+    }
+    s->c = c;
+    s->id = h->stream;
+    s->agent_opened = true;
+    s->send_credit = SP_AP_INITIAL_WINDOW;
+    s->recv_window = SP_AP_INITIAL_WINDOW;
+    list_init(&s->wantw);
+    s->linked = true;
+    s->next = *bucket(c, s->id);
+    *bucket(c, s->id) = s;
+    c->nstreams++;
+    sp_agentstream_cbs_t cbs = {0};
+    void *arg = NULL;
+    s->in_cb++;
+    int rc = c->accept(c->accept_arg, s, h->type, p, h->len, &cbs, &arg);
+    s->in_cb--;
+    if (rc == 0 && (cbs.on_frame == NULL || cbs.on_error == NULL)) {
+        sp_log(SP_LOG_ERROR, "agentconn", "acceptor gave no callbacks stream=%u", s->id);
+        rc = -1;
+    }
+    if (rc < 0) {
+        if (!s->ended)
+            send_refusal(c, s->id, SP_AP_E_UNAVAIL, "refused by the host");
+        stream_unlink(s);
+        s->ended = true;
+        s->dead = true;
+    } else {
+        s->cbs = cbs;
+        s->arg = arg;
+    }
+    stream_release(s);
+}
+
 static void on_stream_frame(sp_agentconn_t *c, const sp_ap_hdr_t *h, const uint8_t *p)
 {
     sp_agentstream_t *s = c->up ? stream_find(c, h->stream) : NULL;
+    if (s == NULL && c->up && h->stream >= SP_AP_STREAM_AGENT_BASE &&
+        (h->type == SP_AP_T_EGRESS_OPEN || h->type == SP_AP_T_DNS_QUERY)) {
+        on_agent_open(c, h, p);
+        return;
+    }
+    if (s != NULL && s->agent_opened && h->type == SP_AP_T_RESET) {
+        stream_fail(s, SP_EUNAVAIL, "closed by the guest");
+        return;
+    }
     if (s == NULL) {
         /* Unknown, reset (frames cross RESET in flight), or agent-opened: dropped. */
         sp_log(SP_LOG_DEBUG, "agentconn", "dropped frame stream=%u type=0x%04x", h->stream,
@@ -824,6 +950,8 @@ static void conn_finalize(sp_agentconn_t *c)
     sp_err_t err;
     sp_err_set(&err, SP_EUNAVAIL, "agent connection closed");
     run_waiters(c, &err);
+    notify_listeners(c, SP_AGENTCONN_GONE);
+    listeners_purge(c, true);
     sp_timer_stop(&c->retry);
     sp_timer_stop(&c->kick);
     free(c->oq);
@@ -881,7 +1009,9 @@ sp_agentstream_t *sp_agentconn_open(sp_agentconn_t *c, uint16_t type, const uint
                                     size_t len, const sp_agentstream_cbs_t *cbs, void *arg,
                                     sp_err_t *err)
 {
-    if (!sp_ap_type_opens(type) || cbs == NULL || cbs->on_frame == NULL || cbs->on_error == NULL)
+    bool opens = sp_ap_type_opens(type) && type != SP_AP_T_EGRESS_OPEN &&
+                 type != SP_AP_T_DNS_QUERY; /* those two are the agent's to open */
+    if (!opens || cbs == NULL || cbs->on_frame == NULL || cbs->on_error == NULL)
         return open_fail(err, SP_EINTERNAL, "bad agent stream request");
     if (len > SP_AP_MAX_PAYLOAD)
         return open_fail(err, SP_ETOOBIG, "request too large");
@@ -952,6 +1082,22 @@ size_t sp_agentstream_credit(const sp_agentstream_t *s)
     return s->send_credit > SIZE_MAX ? SIZE_MAX : (size_t)s->send_credit;
 }
 
+void sp_agentstream_want_writable(sp_agentstream_t *s)
+{
+    sp_agentconn_t *c = s->c;
+    if (s->dead || s->ended || !sp_agentconn_up(c))
+        return;
+    if (list_empty(&s->wantw))
+        list_push(&c->wantw, &s->wantw);
+    /* Out of credit: its WINDOW wakes it. Queue over the bound (or credit already there):
+     * the drain check does, from a loop turn. */
+    if (oq_queued(c) >= OUTQ_SOFT || s->send_credit > 0) {
+        c->oq_blocked = true;
+        if (oq_queued(c) < OUTQ_LOW)
+            sp_timer_start(&c->kick, 0);
+    }
+}
+
 void sp_agentstream_grant(sp_agentstream_t *s, uint32_t n)
 {
     if (n == 0 || s->dead || s->ended || !sp_agentconn_up(s->c))
@@ -981,4 +1127,88 @@ void *sp_agentstream_arg(const sp_agentstream_t *s)
 sp_agentconn_t *sp_agentstream_conn(const sp_agentstream_t *s)
 {
     return s->c;
+}
+
+int sp_agentstream_end(sp_agentstream_t *s, uint16_t type, const uint8_t *payload, size_t len)
+{
+    if (s == NULL || s->dead)
+        return -1;
+    if (!s->agent_opened ||
+        (type != SP_AP_T_OK && type != SP_AP_T_ERROR && type != SP_AP_T_DNS_ANSWER) ||
+        len > SP_AP_MAX_PAYLOAD) {
+        sp_log(SP_LOG_ERROR, "agentconn", "bad end type=0x%04x stream=%u", type, s->id);
+        return -1;
+    }
+    sp_agentconn_t *c = s->c;
+    int rc = -1;
+    if (!s->ended && sp_agentconn_up(c))
+        rc = send_frame(c, s->id, type, SP_AP_F_END, payload, len);
+    stream_unlink(s);
+    s->ended = true;
+    s->dead = true;
+    stream_release(s);
+    return rc;
+}
+
+bool sp_agentstream_agent_opened(const sp_agentstream_t *s)
+{
+    return s->agent_opened;
+}
+
+void sp_agentconn_set_acceptor(sp_agentconn_t *c, sp_agentconn_accept_cb cb, void *arg)
+{
+    c->accept = cb;
+    c->accept_arg = arg;
+}
+
+sp_agentconn_listener_t *sp_agentconn_listen(sp_agentconn_t *c, sp_agentconn_listen_cb cb,
+                                             void *arg)
+{
+    if (c == NULL || c->destroyed || cb == NULL)
+        return NULL;
+    struct sp_agentconn_listener *l = calloc(1, sizeof(*l));
+    if (l == NULL)
+        return NULL;
+    l->c = c;
+    l->cb = cb;
+    l->arg = arg;
+    struct sp_agentconn_listener **pp = &c->listeners;
+    while (*pp != NULL)
+        pp = &(*pp)->next;
+    *pp = l;
+    return l;
+}
+
+void sp_agentconn_unlisten(sp_agentconn_listener_t *l)
+{
+    if (l == NULL || l->dead)
+        return;
+    l->dead = true;
+    if (l->c->listeners_walking == 0)
+        listeners_purge(l->c, false);
+}
+
+uint32_t sp_agentconn_caps(const sp_agentconn_t *c)
+{
+    return c->caps;
+}
+
+void sp_agentconn_set_sandbox(sp_agentconn_t *c, const char *sandbox_id)
+{
+    if (c == NULL || sandbox_id == NULL)
+        return;
+    snprintf(c->sandbox, sizeof(c->sandbox), "%s", sandbox_id);
+    if (named_hook != NULL)
+        named_hook(named_hook_arg, c, c->sandbox);
+}
+
+const char *sp_agentconn_sandbox(const sp_agentconn_t *c)
+{
+    return c->sandbox;
+}
+
+void sp_agentconn_set_hook(sp_agentconn_hook_cb cb, void *arg)
+{
+    named_hook = cb;
+    named_hook_arg = arg;
 }

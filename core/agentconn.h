@@ -32,7 +32,20 @@
  * connection or its streams (the teardown finishes when that callback
  * returns); sp_agentstream_reset may be called from the stream's own
  * callbacks. Every other callback runs from the loop, never inside a call,
- * except on_error from sp_agentconn_destroy itself.
+ * except on_error and SP_AGENTCONN_GONE from sp_agentconn_destroy itself.
+ *
+ * Streams the agent opens (egress: EGRESS_OPEN, DNS_QUERY; ids with
+ * SP_AP_STREAM_AGENT_BASE set) go to the acceptor registered with
+ * sp_agentconn_set_acceptor, which hands back the stream's callbacks. On them
+ * the host ends the stream (sp_agentstream_end: OK, ERROR or DNS_ANSWER with
+ * SP_AP_F_END) and the agent abandons it with RESET (on_error, "closed by the
+ * guest"). Without an acceptor such streams are refused with ERROR.
+ *
+ * Besides the owner's on_state, any number of listeners (sp_agentconn_listen)
+ * hear that a session came up (each HELLO), went down, or that the
+ * connection is being destroyed; and one process-wide hook hears about every
+ * connection its driver names with sp_agentconn_set_sandbox, which is how
+ * the egress proxy attaches to each sandbox's channel.
  */
 #ifndef SP_AGENTCONN_H
 #define SP_AGENTCONN_H
@@ -115,6 +128,11 @@ int sp_agentstream_send(sp_agentstream_t *s, uint16_t type, const uint8_t *paylo
 /* Bytes of DATA the agent will accept now (0 while the output queue is over its soft bound). */
 size_t sp_agentstream_credit(const sp_agentstream_t *s);
 
+/* Asks for on_writable once sp_agentstream_credit would be above 0 again (after a WINDOW from
+ * the agent or the output queue draining), without attempting a send. Never calls back inside
+ * the call; a stream with credit now gets it on a later loop turn. */
+void sp_agentstream_want_writable(sp_agentstream_t *s);
+
 /* Gives the agent n more bytes of credit for output on this stream (sends WINDOW). */
 void sp_agentstream_grant(sp_agentstream_t *s, uint32_t n);
 
@@ -122,8 +140,70 @@ void sp_agentstream_grant(sp_agentstream_t *s, uint32_t n);
  * once or when its running callback returns). A process keeps running. NULL does nothing. */
 void sp_agentstream_reset(sp_agentstream_t *s);
 
+/*
+ * Ends a stream the agent opened with its last frame: type OK, ERROR or DNS_ANSWER, sent with
+ * SP_AP_F_END (payload: TLV fields, <= SP_AP_MAX_PAYLOAD). No callbacks after it; s is freed
+ * at once or when its running callback returns. Returns 0 when the frame was queued, -1 when
+ * it could not be (channel gone or failing; the stream is released all the same) or for a
+ * caller bug (a host-opened stream, another type: logged, nothing done).
+ */
+int sp_agentstream_end(sp_agentstream_t *s, uint16_t type, const uint8_t *payload, size_t len);
+
+/* True for a stream the agent opened. */
+bool sp_agentstream_agent_opened(const sp_agentstream_t *s);
+
 /* The stream's user argument, and its connection. */
 void *sp_agentstream_arg(const sp_agentstream_t *s);
 sp_agentconn_t *sp_agentstream_conn(const sp_agentstream_t *s);
+
+/* ---- streams the agent opens ---- */
+
+/*
+ * Offered each stream the agent opens (type EGRESS_OPEN or DNS_QUERY; payload borrowed for
+ * the call). To take it, fill *cbs (on_frame and on_error required) and *stream_arg and
+ * return 0: the opening frame itself is not passed to on_frame, and the handler may already
+ * send on s or end it. Return -1 to refuse: the connection ends it with ERROR
+ * (SP_AP_E_UNAVAIL). Runs from the loop.
+ */
+typedef int (*sp_agentconn_accept_cb)(void *arg, sp_agentstream_t *s, uint16_t type,
+                                      const uint8_t *payload, size_t len,
+                                      sp_agentstream_cbs_t *cbs, void **stream_arg);
+/* Sets (or with cb NULL clears) the connection's acceptor; one per connection. */
+void sp_agentconn_set_acceptor(sp_agentconn_t *c, sp_agentconn_accept_cb cb, void *arg);
+
+/* ---- listeners ---- */
+
+typedef enum {
+    SP_AGENTCONN_UP = 1, /* a session started (HELLO answered); after the owner's on_state */
+    SP_AGENTCONN_DOWN,   /* the session was lost (streams already failed); after on_state */
+    SP_AGENTCONN_GONE,   /* the connection is being destroyed: forget it; the listener is
+                            freed after the call */
+} sp_agentconn_event_t;
+
+typedef void (*sp_agentconn_listen_cb)(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev);
+typedef struct sp_agentconn_listener sp_agentconn_listener_t;
+
+/* Adds a listener (in order of adding). NULL when memory is short or c is being destroyed.
+ * It is not told about a session that is already up: check sp_agentconn_up. */
+sp_agentconn_listener_t *sp_agentconn_listen(sp_agentconn_t *c, sp_agentconn_listen_cb cb,
+                                             void *arg);
+/* Removes a listener; safe inside any callback, its own included. NULL does nothing. */
+void sp_agentconn_unlisten(sp_agentconn_listener_t *l);
+
+/* Capabilities (SP_AP_CAP_*) from the agent's last HELLO (0 before). */
+uint32_t sp_agentconn_caps(const sp_agentconn_t *c);
+
+/* ---- which sandbox ---- */
+
+/* Names the sandbox this channel belongs to (its driver calls it right after create; id is
+ * copied, at most 64 characters) and tells the process-wide hook, inside this call. */
+void sp_agentconn_set_sandbox(sp_agentconn_t *c, const char *sandbox_id);
+/* The name given to set_sandbox, "" before. */
+const char *sp_agentconn_sandbox(const sp_agentconn_t *c);
+
+/* The process-wide hook told about every named channel (one per process: the egress proxy;
+ * NULL clears). It typically adds a listener and an acceptor. Loop thread only. */
+typedef void (*sp_agentconn_hook_cb)(void *arg, sp_agentconn_t *c, const char *sandbox_id);
+void sp_agentconn_set_hook(sp_agentconn_hook_cb cb, void *arg);
 
 #endif

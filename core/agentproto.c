@@ -112,6 +112,10 @@ static const struct {
     {SP_AP_T_WATCH_EVENT, "watch_event", 0, 0},
     {SP_AP_T_TCP_CONNECT, "tcp_connect", 1, 1},
     {SP_AP_T_TCP_CONNECTED, "tcp_connected", 0, 0},
+    {SP_AP_T_EGRESS_CONFIG, "egress_config", 1, 1},
+    {SP_AP_T_EGRESS_OPEN, "egress_open", 0, 1},
+    {SP_AP_T_DNS_QUERY, "dns_query", 0, 1},
+    {SP_AP_T_DNS_ANSWER, "dns_answer", 0, 0},
 };
 
 static int type_index(uint16_t type)
@@ -145,9 +149,17 @@ static bool control_type(uint16_t type)
            type == SP_AP_T_ERROR;
 }
 
+/* Frames that end a stream; on streams the agent opened, the host sends them. */
+static bool ends_agent_stream(uint16_t type)
+{
+    return type == SP_AP_T_OK || type == SP_AP_T_ERROR || type == SP_AP_T_DNS_ANSWER;
+}
+
 int sp_ap_check_from_host(uint16_t type, uint32_t stream, uint32_t *code)
 {
     int i = type_index(type);
+    if (stream >= SP_AP_STREAM_AGENT_BASE && ends_agent_stream(type))
+        return 0; /* roles are mirrored on agent-opened streams */
     if (i < 0 || !types[i].from_host) {
         *code = SP_AP_E_TYPE;
         return -1;
@@ -606,6 +618,42 @@ int sp_ap_dec_identity(const uint8_t *p, size_t n, sp_ap_identity_t *m, sp_err_t
     }
     if (rc < 0)
         return sp_err_set(err, SP_EINVAL, "truncated identity payload");
+    return 0;
+}
+
+long sp_ap_enc_egress_config(sp_ap_writer_t *w, uint32_t stream, const sp_ap_egress_config_t *m)
+{
+    sp_ap_frame_begin(w, stream, SP_AP_T_EGRESS_CONFIG, 0);
+    sp_ap_put_u32(w, SP_AP_K_PROXY_PORT, m->proxy_port);
+    sp_ap_put_u32(w, SP_AP_K_DNS, m->dns ? 1 : 0);
+    for (uint32_t i = 0; i < m->envc && i < SP_AP_MAX_ENV; i++)
+        put_sv(w, SP_AP_K_ENV, m->env[i]);
+    return sp_ap_frame_end(w);
+}
+
+int sp_ap_dec_egress_config(const uint8_t *p, size_t n, sp_ap_egress_config_t *m, sp_err_t *err)
+{
+    sp_ap_fields_t f;
+    sp_ap_field_t x;
+    int rc;
+    uint32_t dns = 0;
+    memset(m, 0, sizeof(*m));
+    sp_ap_fields_init(&f, p, n);
+    while ((rc = sp_ap_fields_next(&f, &x)) == 1) {
+        int bad = 0;
+        if (x.tag == SP_AP_K_PROXY_PORT)
+            bad = sp_ap_field_u32(&x, &m->proxy_port) < 0 || m->proxy_port > 65535;
+        else if (x.tag == SP_AP_K_DNS)
+            bad = sp_ap_field_u32(&x, &dns) < 0 || dns > 1;
+        else if (x.tag == SP_AP_K_ENV)
+            bad = add_sv(m->env, &m->envc, SP_AP_MAX_ENV, &x) < 0 ||
+                  memchr(x.val, '=', x.len) == NULL || x.val[0] == '=';
+        if (bad)
+            return sp_err_set(err, SP_EINVAL, "bad egress_config field %u", x.tag);
+    }
+    if (rc < 0)
+        return sp_err_set(err, SP_EINVAL, "truncated egress_config payload");
+    m->dns = dns == 1;
     return 0;
 }
 

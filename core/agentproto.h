@@ -115,6 +115,24 @@
  *                               127.0.0.1) -> TCP_CONNECTED, then DATA/EOF both ways,
  *                               OK (END) once both directions are closed
  *
+ * ---- Egress (the guest has no network device; its only way out is through here) ----
+ * Streams the agent opens carry ids with SP_AP_STREAM_AGENT_BASE set, allocated by the
+ * agent; on them the roles are mirrored: the host ends the stream with a frame flagged
+ * SP_AP_F_END (OK, ERROR, DNS_ANSWER), the agent abandons it with RESET. Windows and
+ * DATA/EOF work as on host streams.
+ *  EGRESS_CONFIG h->a, opens    PROXY_PORT u32 (listen on 127.0.0.1:<port> in the guest for
+ *                               proxy clients; 0 = stop listening), DNS u32 (1 = answer DNS
+ *                               queries on 127.0.0.1:53, UDP and TCP), ENV str "K=V"
+ *                               (repeated: added to the default env of later PROC_START,
+ *                               e.g. HTTP_PROXY) -> OK. Sent again after every HELLO; the
+ *                               latest one wins. Without it the agent opens nothing.
+ *  EGRESS_OPEN  a->h, opens     KIND u32 (SP_AP_EGRESS_PROXY: a guest program connected to
+ *                               the proxy port), PEER_PORT u32; then the connection's bytes as
+ *                               DATA/EOF both ways (the host parses the proxy request);
+ *                               the host ends it with OK or ERROR once done
+ *  DNS_QUERY    a->h, opens     QUERY bytes (one DNS message as the guest sent it)
+ *                               -> DNS_ANSWER (END) QUERY bytes (the reply message), or ERROR
+ *
  * All paths may be relative; they resolve against the user's home directory.
  * File operations run with the user's uid, gid and groups as the filesystem
  * credentials, so `user` cannot touch root's files.
@@ -190,10 +208,14 @@ typedef enum {
     SP_AP_T_TCP_CONNECT = 0x0301,
     SP_AP_T_TCP_CONNECTED = 0x0302,
 
-    /* 0x0401..0x04ff: code contexts (CTX_CREATE, CTX_EXEC, CTX_RESULT, CTX_DESTROY). */
-    SP_AP_T_CTX_FIRST_ = 0x0401,
-    /* 0x0501..0x05ff: egress streams (EGRESS_OPEN from the agent, then DATA/EOF). */
-    SP_AP_T_EGRESS_FIRST_ = 0x0501,
+    /* 0x0401..0x04ff: reserved (code contexts are served by the guest's code daemon over
+     * TCP_CONNECT, core/code.h). */
+
+    /* Egress: see "Egress" above. */
+    SP_AP_T_EGRESS_CONFIG = 0x0501,
+    SP_AP_T_EGRESS_OPEN = 0x0502,
+    SP_AP_T_DNS_QUERY = 0x0503,
+    SP_AP_T_DNS_ANSWER = 0x0504,
 } sp_ap_type_t;
 
 /* Field tags. One namespace for all messages. */
@@ -254,6 +276,12 @@ typedef enum {
 
     SP_AP_K_PORT = 80, /* u32 */
     SP_AP_K_ADDR = 81, /* u32 IPv4, host byte order */
+
+    SP_AP_K_PROXY_PORT = 90, /* u32 guest TCP port of the egress proxy, 0 = off */
+    SP_AP_K_DNS = 91,        /* u32 bool: answer DNS on 127.0.0.1:53 */
+    SP_AP_K_KIND = 92,       /* u32 SP_AP_EGRESS_* */
+    SP_AP_K_PEER_PORT = 93,  /* u32 guest source port */
+    SP_AP_K_QUERY = 94,      /* bytes: one DNS message */
 } sp_ap_tag_t;
 
 /* Error codes in ERROR.CODE. */
@@ -291,7 +319,11 @@ enum {
     SP_AP_CAP_WATCH = 1u << 1,
     SP_AP_CAP_TCP = 1u << 2,
     SP_AP_CAP_IDENTITY = 1u << 3,
+    SP_AP_CAP_EGRESS = 1u << 4,
 };
+
+/* EGRESS_OPEN.KIND */
+enum { SP_AP_EGRESS_PROXY = 1 };
 
 /* ---- Header ---- */
 
@@ -314,7 +346,8 @@ int sp_ap_hdr_check(const sp_ap_hdr_t *h, sp_err_t *err);
 bool sp_ap_type_known(uint16_t type);
 /* Stable lowercase name of a type ("proc_start"), "unknown" otherwise. */
 const char *sp_ap_type_name(uint16_t type);
-/* May the host send `type` on `stream`? Checks stream-0 rules and direction.
+/* May the host send `type` on `stream`? Checks stream-0 rules and direction; on
+ * agent-opened ids (SP_AP_STREAM_AGENT_BASE) OK, ERROR and DNS_ANSWER are the host's.
  * Returns 0, or -1 with *code set to SP_AP_E_TYPE or SP_AP_E_PROTO. */
 int sp_ap_check_from_host(uint16_t type, uint32_t stream, uint32_t *code);
 /* Does `type` open a new stream (PROC_START, FS_*, ...)? */
@@ -446,6 +479,17 @@ typedef struct {
 
 long sp_ap_enc_identity(sp_ap_writer_t *w, uint32_t stream, const sp_ap_identity_t *m);
 int sp_ap_dec_identity(const uint8_t *p, size_t n, sp_ap_identity_t *m, sp_err_t *err);
+
+typedef struct {
+    uint32_t proxy_port; /* 0: no proxy listener */
+    bool dns;
+    sp_ap_str_t env[SP_AP_MAX_ENV]; /* "K=V" */
+    uint32_t envc;
+} sp_ap_egress_config_t;
+
+long sp_ap_enc_egress_config(sp_ap_writer_t *w, uint32_t stream, const sp_ap_egress_config_t *m);
+/* Also rejects PROXY_PORT > 65535, DNS other than 0/1 and an ENV without "K=" (empty K). */
+int sp_ap_dec_egress_config(const uint8_t *p, size_t n, sp_ap_egress_config_t *m, sp_err_t *err);
 
 typedef struct {
     uint32_t code; /* SP_AP_E_* */

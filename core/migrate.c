@@ -92,6 +92,42 @@ static const char *const migrations[] = {
     "ALTER TABLE sandboxes ADD COLUMN allow_internet_access boolean;"
     "ALTER TABLE sandboxes ADD COLUMN network jsonb;"
     "ALTER TABLE sandboxes ADD COLUMN envd_version text;",
+    /* 3: outbound traffic (core/egress.h). egress is the sandbox's policy
+     * {"internet","allow","deny"} (NULL: derived from allow_internet_access); egress_log
+     * is the audit of its connections and DNS answers, newest kept per sandbox (the proxy
+     * trims it). */
+    "ALTER TABLE sandboxes ADD COLUMN egress jsonb;"
+    "CREATE TABLE egress_log ("
+    "  id bigserial PRIMARY KEY,"
+    "  sandbox_id text NOT NULL,"
+    "  team_id text NOT NULL,"
+    "  at timestamptz NOT NULL DEFAULT now(),"
+    "  kind text NOT NULL,"
+    "  host text NOT NULL,"
+    "  port int NOT NULL,"
+    "  address text NOT NULL DEFAULT '',"
+    "  allowed boolean NOT NULL,"
+    "  reason text NOT NULL DEFAULT '',"
+    "  bytes_up bigint NOT NULL DEFAULT 0,"
+    "  bytes_down bigint NOT NULL DEFAULT 0,"
+    "  duration_ms int NOT NULL DEFAULT 0);"
+    "CREATE INDEX egress_log_sandbox ON egress_log (sandbox_id, id DESC);",
+    /* 4: credentials added outside the VM (core/secrets.h, core/mitm.h). box is the value
+     * sealed with the master key, which is never stored here; credentials are the sandbox's
+     * rules; sandbox_cas holds each sandbox's egress CA, its key sealed the same way. */
+    "CREATE TABLE secrets ("
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  name text NOT NULL,"
+    "  box text NOT NULL,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  updated_at timestamptz NOT NULL DEFAULT now(),"
+    "  PRIMARY KEY (team_id, name));"
+    "ALTER TABLE sandboxes ADD COLUMN credentials jsonb NOT NULL DEFAULT '[]';"
+    "CREATE TABLE sandbox_cas ("
+    "  sandbox_id text PRIMARY KEY REFERENCES sandboxes(id),"
+    "  cert_pem text NOT NULL,"
+    "  key_box text NOT NULL,"
+    "  created_at timestamptz NOT NULL DEFAULT now());",
 };
 
 int sp_migrate_latest(void)

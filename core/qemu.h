@@ -27,12 +27,22 @@
  *                it: the sandbox is then SUSPENDED (snapshot kept) or ABSENT, to redo
  *   snapshot/    devstate (QEMU device state, ~60 KB) and manifest.json; the
  *                manifest is renamed into place last, so its presence is the
- *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED
+ *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED.
+ *                manifest.json (version 2): cpu_count, memory_mb, accel, ram ("mem.ram"
+ *                or "stream"), and the size and checksum of every part: ram_bytes +
+ *                ram_checksum (not for "stream"), devstate_bytes + devstate_checksum,
+ *                disk_bytes + disk_checksum; "checksum" names the algorithm (qemu.c,
+ *                sum_files: SHA-256 of the non-zero 4 KiB pages, per 1 MiB chunk).
+ *                corrupt: written when a wake found a part that does not match its
+ *                checksum; later wakes are refused at once (the snapshot is kept)
  *
  * Create from a template snapshot: the first boot of a template build (per
- * accelerator, memory size, vCPU count and QEMU binary) cold-boots a builder VM,
- * waits for its agent, runs `sync` in the guest, stops it, writes its device
- * state and freezes its overlay and RAM file (mode 0444) into
+ * accelerator, memory size, vCPU count and QEMU binary), or sp_qemu_template_snapshot
+ * (`spaced template build`), cold-boots a builder VM, waits for its agent, runs the
+ * template's warmup command (manifest "warmup": as root through the agent, exit 0 within
+ * 600 s, else the snapshot fails; what it leaves running is in the snapshot), runs `sync`
+ * in the guest, stops it, writes its device state and freezes its overlay and RAM file
+ * (mode 0444) into
  *
  *   <data-dir>/templates/<name>/<hash>/snapshot-<accel>-<mem>M-<cpus>c-<key>/
  *       disk.qcow2 mem.ram snapshot/devstate template-snapshot.json
@@ -50,15 +60,26 @@
  * the whole RAM with the device state (x-ignore-shared off; manifest "ram":
  * "stream"); its restore loads that stream into a fresh share=on mem.ram, after
  * which it is an ordinary VM. When no snapshot can be made or a clone fails to
- * come up, the boot falls back to a cold boot (logged); a failed snapshot build
- * is retried after 10 minutes. Snapshots of older template builds are kept
- * (clones' overlays point at them).
+ * come up, the boot falls back to a cold boot (logged; a cold boot never runs the
+ * warmup); a failed snapshot build is retried after 10 minutes.
+ *
+ * Template snapshots nobody will clone again (of a template build that is no longer
+ * current, of a key the current build no longer makes, or damaged) are removed at driver
+ * start (once the accelerator is known) and after each snapshot commit, but only when no
+ * sandbox uses them: a clone maps the snapshot's mem.ram until its first restore
+ * (vm.json "ram_src") and keeps its disk.qcow2 as backing file for life. A damaged one in
+ * use stays where it is (clones go cold until it is unused, then it is rebuilt).
  *
  * snapshot() = stop, migrate device state only (x-ignore-shared) to a passed
- * fd, fdatasync RAM file + device state + overlay, commit, quit QEMU.
- * restore() = QEMU on the same files with -incoming defer, migrate-incoming
- * from a passed fd, cont, IDENTITY (fresh RNG seed, clock); the snapshot is
- * removed once the agent answers, because the disk moves on from there.
+ * fd, fdatasync RAM file + device state + overlay while a thread checksums
+ * them, commit, quit QEMU.
+ * restore() = check sizes and the device state's checksum (refused at once
+ * on a mismatch or an unreadable manifest: the sandbox stays SUSPENDED),
+ * QEMU on the same files with -incoming defer, migrate-incoming from a
+ * passed fd while a thread verifies the RAM file's and disk's checksums,
+ * cont once they match (else QEMU goes, the snapshot stays, marked corrupt),
+ * IDENTITY (fresh RNG seed, clock); the snapshot is removed once the vCPUs
+ * run, because the RAM file and the disk move on from there.
  *
  * The accelerator is decided once per driver: "tcg" and "kvm" are taken as
  * given; "auto" uses KVM only if a guest kernel actually boots under it (a
@@ -87,11 +108,32 @@ typedef struct {
     const char *qemu;     /* qemu-system-x86_64 binary; NULL: from PATH */
     const char *qemu_img; /* qemu-img binary; NULL: from PATH */
     int cold_boot;        /* 1: never create from a template snapshot */
+    int no_adopt;         /* 1: a tool's driver (spaced template build) on a data dir a
+                           * serving spaced may use: adopts no VM, leaves other live processes'
+                           * snapshot builders alone, refuses boot and restore; only
+                           * sp_qemu_template_snapshot is meant for it */
 } sp_qemu_opts_t;
 
 /* Creates the driver; strings are copied. Never blocks on a VM: probes and
  * re-adoption run on the loop. NULL with SP_EINVAL on bad options, or
  * SP_ERUNTIME when the data directory cannot be used. */
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err);
+
+typedef struct {
+    char dir[4096]; /* the committed template snapshot directory */
+    char key[17];
+    int built; /* 1: this request waited for a build; 0: it was there */
+} sp_qemu_tsnap_info_t;
+
+/* Makes sure the template snapshot that creates of template_name (NULL: "base") with
+ * cpu_count and memory_mb (0: the template's defaults) would clone exists, building it the
+ * way the first such create would (builder VM, warmup, snapshot; one build per key, shared
+ * with boots waiting for it). cb once it is ready (err NULL, *info filled if info is not NULL;
+ * info must stay valid until then) or failed (why in err: the build's own error, e.g. a
+ * failed warmup). For `spaced template build`; d must be a qemu driver. Fails at once with
+ * SP_ENOTFOUND when the template is not built, SP_ECONFLICT with cold_boot. */
+int sp_qemu_template_snapshot(sp_driver_t *d, const char *template_name, int cpu_count,
+                              int memory_mb, sp_qemu_tsnap_info_t *info, sp_driver_cb cb, void *arg,
+                              sp_err_t *err);
 
 #endif

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/egress_policy.h"
 #include "core/log.h"
 
 #define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
@@ -63,6 +64,9 @@ struct sp_svc {
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
     sp_driver_t *driver; /* borrowed; NULL: no data plane */
+    struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
+    void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
+    void *egress_hook_arg;
 };
 
 /* One in-flight statement's context. */
@@ -365,6 +369,18 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
         return sp_err_set(err, SP_EINVAL, "network must be an object");
     if (req->envd_version != NULL && strlen(req->envd_version) > 31)
         return sp_err_set(err, SP_EINVAL, "envd_version is too long");
+    char *egress = NULL; /* the policy in normal form, or NULL: derived from allow_internet */
+    if (req->egress != NULL && !json_is_null(req->egress)) {
+        sp_egp_t *pol = sp_egp_from_json(req->egress, "egress", err);
+        if (pol == NULL)
+            return -1;
+        json_t *norm = sp_egp_to_json(pol);
+        sp_egp_free(pol);
+        egress = norm ? json_dumps(norm, JSON_COMPACT) : NULL;
+        json_decref(norm);
+        if (egress == NULL)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
 
     char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
     sp_ids_sandbox(id);
@@ -380,31 +396,37 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     snprintf(cpus, sizeof(cpus), "%d", req->cpu_count);
     snprintf(mem, sizeof(mem), "%d", req->memory_mb);
     char *net = req->network ? json_dumps(req->network, JSON_COMPACT) : NULL;
+    char *creds = req->credentials ? json_dumps(req->credentials, JSON_COMPACT) : NULL;
     const char *inet = req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL;
     const char *p[] = {id, a->team_id, req->template_name, md ? md : "{}", env ? env : "{}",
                        idle, req->timeout_s ? tmo : NULL, action,
                        req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid,
-                       req->auto_resume ? "true" : "false", inet, net, req->envd_version};
+                       req->auto_resume ? "true" : "false", inet, net, req->envd_version,
+                       creds, egress};
     int rc = submit(
         svc,
         "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
         "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
-        "  auto_resume, deadline_s, allow_internet_access, network, envd_version)"
+        "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
+        "  egress)"
         "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
-        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16 FROM t"
+        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
+        "   $18::jsonb FROM t"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
         " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
         " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
-        16, p, sandbox_done, (void *)cb, arg, 1, err);
+        18, p, sandbox_done, (void *)cb, arg, 1, err);
     free(md);
     free(env);
     free(net);
+    free(creds);
+    free(egress);
     return rc;
 }
 
@@ -869,6 +891,16 @@ sp_loop_t *sp_svc_loop(sp_svc_t *svc)
     return svc->loop;
 }
 
+void sp_svc_set_secrets(sp_svc_t *svc, struct sp_secrets *secrets)
+{
+    svc->secrets = secrets;
+}
+
+struct sp_secrets *sp_svc_secrets(sp_svc_t *svc)
+{
+    return svc->secrets;
+}
+
 static void touched(struct call *c, PGresult *res, const sp_err_t *err)
 {
     if (err != NULL) /* activity is best effort: the idle timer may fire a little early */
@@ -1253,4 +1285,182 @@ int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, lon
                   " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'"
                   " ORDER BY e.id",
                   4, p, events_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- outbound traffic ---- */
+
+void sp_svc_set_egress_hook(sp_svc_t *svc,
+                            void (*fn)(void *arg, const char *sandbox_id, const json_t *policy),
+                            void *arg)
+{
+    svc->egress_hook = fn;
+    svc->egress_hook_arg = arg;
+}
+
+/* The policy a row stands for: its egress column, else allow_internet_access alone. */
+static json_t *policy_of_row(PGresult *res, int row, int col)
+{
+    const char *js = PQgetvalue(res, row, col);
+    int aia = atoi(PQgetvalue(res, row, col + 1));
+    sp_egp_t *p = NULL;
+    if (js[0] != '\0') {
+        json_t *o = json_loads(js, 0, NULL);
+        p = o ? sp_egp_from_json(o, "egress", NULL) : NULL;
+        json_decref(o);
+    } else {
+        p = sp_egp_default();
+        if (p != NULL)
+            p->internet = aia != 0;
+    }
+    json_t *j = p ? sp_egp_to_json(p) : NULL;
+    sp_egp_free(p);
+    return j;
+}
+
+static void policy_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_policy_cb cb = (sp_svc_policy_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    json_t *j = policy_of_row(res, 0, 1);
+    if (j == NULL) {
+        sp_log(SP_LOG_ERROR, "svc", "stored egress policy unreadable sandbox=%s",
+               PQgetvalue(res, 0, 0));
+        sp_err_set(&e, SP_EINTERNAL, "stored egress policy is unreadable");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    if (c->kind == 1 && c->svc->egress_hook != NULL)
+        c->svc->egress_hook(c->svc->egress_hook_arg, PQgetvalue(res, 0, 0), j);
+    cb(c->arg, j, NULL);
+    json_decref(j);
+}
+
+int sp_svc_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_policy_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT s.id, coalesce(s.egress::text, ''),"
+                  " coalesce(s.allow_internet_access::int, -1) FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, policy_done, (void *)cb, arg, 0, err);
+}
+
+int sp_svc_set_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                             const json_t *policy, sp_svc_policy_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (policy == NULL || !json_is_object(policy))
+        return sp_err_set(err, SP_EINVAL, "the policy must be a JSON object");
+    sp_egp_t *pol = sp_egp_from_json(policy, "policy", err);
+    if (pol == NULL)
+        return -1;
+    json_t *norm = sp_egp_to_json(pol);
+    sp_egp_free(pol);
+    char *js = norm ? json_dumps(norm, JSON_COMPACT) : NULL;
+    json_decref(norm);
+    if (js == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {id, a->team_id, js};
+    int rc = submit(svc,
+                    "WITH u AS (UPDATE sandboxes SET egress = $3::jsonb, updated_at = now()"
+                    "  WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'"
+                    "  RETURNING id, egress, allow_internet_access),"
+                    " n AS (SELECT pg_notify('space_egress', u.id) FROM u)"
+                    " SELECT u.id, u.egress::text, coalesce(u.allow_internet_access::int, -1)"
+                    " FROM u, n",
+                    3, p, policy_done, (void *)cb, arg, 1, err);
+    free(js);
+    return rc;
+}
+
+static void egress_log_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_egress_log_cb cb = (sp_svc_egress_log_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, NULL, err);
+        return;
+    }
+    int rows = PQntuples(res);
+    if (rows == 0) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    sp_egress_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    size_t n = 0;
+    int limit = c->kind;
+    bool more = false;
+    for (int i = 0; i < rows; i++) {
+        if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (more) rows */
+            continue;
+        if ((int)n == limit) {
+            more = true;
+            break;
+        }
+        sp_egress_rec_t *r = &recs[n++];
+        r->id = atoll(PQgetvalue(res, i, 0));
+        copy(r->at, sizeof(r->at), PQgetvalue(res, i, 1));
+        copy(r->kind, sizeof(r->kind), PQgetvalue(res, i, 2));
+        copy(r->host, sizeof(r->host), PQgetvalue(res, i, 3));
+        r->port = atoi(PQgetvalue(res, i, 4));
+        copy(r->address, sizeof(r->address), PQgetvalue(res, i, 5));
+        r->allowed = PQgetvalue(res, i, 6)[0] == 't';
+        copy(r->reason, sizeof(r->reason), PQgetvalue(res, i, 7));
+        r->bytes_up = atoll(PQgetvalue(res, i, 8));
+        r->bytes_down = atoll(PQgetvalue(res, i, 9));
+        r->duration_ms = atoi(PQgetvalue(res, i, 10));
+    }
+    char cursor[32] = "";
+    if (more && n > 0)
+        snprintf(cursor, sizeof(cursor), "%lld", recs[n - 1].id);
+    cb(c->arg, recs, n, more ? cursor : NULL, NULL);
+    free(recs);
+}
+
+int sp_svc_egress_log(sp_svc_t *svc, const sp_auth_t *a, const char *id, int limit,
+                      const char *cursor, sp_svc_egress_log_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (limit < 1 || limit > 1000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
+    char before[24] = "";
+    if (cursor != NULL && cursor[0] != '\0') {
+        size_t cl = strlen(cursor);
+        if (cl > 19 || strspn(cursor, "0123456789") != cl)
+            return sp_err_set(err, SP_EINVAL, "invalid cursor");
+        copy(before, sizeof(before), cursor);
+    }
+    char lim[16];
+    snprintf(lim, sizeof(lim), "%d", limit + 1);
+    const char *p[] = {id, a->team_id, before[0] ? before : NULL, lim};
+    return submit(svc,
+                  "SELECT l.id, " TS("l.at") ", l.kind, l.host, l.port, l.address, l.allowed,"
+                  " l.reason, l.bytes_up, l.bytes_down, l.duration_ms"
+                  " FROM sandboxes s LEFT JOIN LATERAL"
+                  " (SELECT * FROM egress_log e WHERE e.sandbox_id = s.id"
+                  "   AND ($3::bigint IS NULL OR e.id < $3::bigint)"
+                  "   ORDER BY e.id DESC LIMIT $4::int) l ON true"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'"
+                  " ORDER BY l.id DESC",
+                  4, p, egress_log_done, (void *)cb, arg, limit, err);
 }

@@ -92,6 +92,13 @@ typedef struct {
     int allow_internet;       /* 0 not said, 1 allowed, -1 denied */
     json_t *network;          /* object or NULL; borrowed, stored as given */
     const char *envd_version; /* NULL = none */
+    /* Credential rules, normalised by sp_secrets_rules_normalize (core/secrets.h), or NULL;
+     * borrowed. The caller has checked that the secrets they name exist. */
+    json_t *credentials;
+    /* Outbound policy {"internet","allow","deny"} (core/egress_policy.h) or NULL (derived
+     * from allow_internet: default rules); borrowed, validated again and stored in normal
+     * form. */
+    json_t *egress;
 } sp_create_req_t;
 
 typedef struct {
@@ -164,6 +171,12 @@ int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, u
  * sp_svc_sandbox_agent answers SP_EUNAVAIL. */
 void sp_svc_set_driver(sp_svc_t *svc, sp_driver_t *driver);
 sp_loop_t *sp_svc_loop(sp_svc_t *svc);
+
+/* Team secrets and credential rules (core/secrets.h), borrowed; outlives svc. Without it the
+ * secrets API answers SP_EUNAVAIL. */
+struct sp_secrets;
+void sp_svc_set_secrets(sp_svc_t *svc, struct sp_secrets *secrets);
+struct sp_secrets *sp_svc_secrets(sp_svc_t *svc);
 
 /* conn is the driver's, valid for the callback and, per driver.h, until the VM is
  * suspended or destroyed: callers open their streams on it at once. */
@@ -242,5 +255,46 @@ typedef void (*sp_svc_events_cb)(void *arg, const sp_event_rec_t *recs, size_t n
  * most limit (1..10000). SP_ENOTFOUND for a missing or another team's sandbox. */
 int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, long long since_ms,
                           int limit, sp_svc_events_cb cb, void *arg, sp_err_t *err);
+
+/* ---- outbound traffic (core/egress.h) ---- */
+
+/* Told (in this process, before the caller's callback) when a sandbox's egress policy was
+ * changed, with the new policy in normal form (borrowed); other processes hear NOTIFY
+ * space_egress. */
+void sp_svc_set_egress_hook(sp_svc_t *svc,
+                            void (*fn)(void *arg, const char *sandbox_id, const json_t *policy),
+                            void *arg);
+
+/* policy: the sandbox's policy in normal form (borrowed for the call). */
+typedef void (*sp_svc_policy_cb)(void *arg, json_t *policy, const sp_err_t *err);
+
+/* A team's sandbox's egress policy (stored, or derived from allow_internet_access). */
+int sp_svc_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_policy_cb cb,
+                         void *arg, sp_err_t *err);
+/* Replaces it (SP_EINVAL naming a bad rule, before anything is written); new connections of a
+ * running sandbox follow it at once. The callback gets the stored normal form. */
+int sp_svc_set_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                             const json_t *policy, sp_svc_policy_cb cb, void *arg, sp_err_t *err);
+
+typedef struct {
+    long long id;
+    char at[32];
+    char kind[8]; /* connect | http | dns */
+    char host[264];
+    int port;
+    char address[72];
+    bool allowed;
+    char reason[160];
+    long long bytes_up, bytes_down;
+    int duration_ms;
+} sp_egress_rec_t;
+
+typedef void (*sp_svc_egress_log_cb)(void *arg, const sp_egress_rec_t *recs, size_t n,
+                                     const char *next_cursor /* NULL at the end */,
+                                     const sp_err_t *err);
+
+/* A team's sandbox's audit rows, newest first: limit 1..1000, cursor from a previous page. */
+int sp_svc_egress_log(sp_svc_t *svc, const sp_auth_t *a, const char *id, int limit,
+                      const char *cursor, sp_svc_egress_log_cb cb, void *arg, sp_err_t *err);
 
 #endif

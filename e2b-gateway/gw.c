@@ -5,7 +5,9 @@
  * request to the part that answers it.
  *
  * Sandbox selection (spec 1.6): Host <port>-<id>.<domain> first; else, for envd
- * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone. A token that
+ * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone. Code-interpreter
+ * paths (/execute, /contexts...) on the API address are port 49999 traffic selected the
+ * same way (E2B_DEBUG sends them to localhost:49999 with only the token). A token that
  * does not match the sandbox is 401; an unknown sandbox, or another team's, 404.
  */
 #include "e2b-gateway/gw_int.h"
@@ -128,9 +130,10 @@ bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req)
         return true;
     /* envd paths on the API address (E2B_SANDBOX_URL): only with a sandbox selector. /files
      * may carry only a signature, which needs the sandbox from somewhere: the id header. */
-    return sp_e2b__is_envd_path(req) &&
-           (sp_http_header(req, "e2b-sandbox-id") != NULL ||
-            sp_http_header(req, "x-access-token") != NULL);
+    return (sp_e2b__is_envd_path(req) &&
+            (sp_http_header(req, "e2b-sandbox-id") != NULL ||
+             sp_http_header(req, "x-access-token") != NULL)) ||
+           (sp_e2b__is_code_path(req) && sp_http_header(req, "x-access-token") != NULL);
 }
 
 /* ---- sandbox traffic ---- */
@@ -169,10 +172,10 @@ static void on_agent(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
     sp_http_release(rs->hold); /* rs lived in the hold; the part takes over req from here */
     if (t.port == SP_E2B_ENVD_PORT)
         sp_e2b__envd(gw, req, &t);
-    else if (SP_E2B_FORWARDED_PORT(t.port))
-        sp_e2b__forward(gw, req, &t);
+    else if (t.port == SP_E2B_CODE_PORT)
+        sp_e2b__code(gw, req, &t);
     else
-        sp_e2b__error(req, 502, "this sandbox port is not served yet");
+        sp_e2b__forward(gw, req, &t);
 }
 
 static void on_woken(void *arg, const sp_err_t *err)
@@ -205,8 +208,11 @@ static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
         resolve_fail(rs, 502, "sandbox is not running");
         return;
     }
-    /* A forwarded port reached without a token: only if the sandbox allows public traffic. */
-    if (!rs->token_given && SP_E2B_FORWARDED_PORT(rs->t.port) && !sp_e2b__public_traffic(sb)) {
+    /* A forwarded port (or the code interpreter's context calls, see sandbox_traffic) reached
+     * without a token: only if the sandbox allows public traffic. */
+    if (!rs->token_given &&
+        (SP_E2B_FORWARDED_PORT(rs->t.port) || rs->t.port == SP_E2B_CODE_PORT) &&
+        !sp_e2b__public_traffic(sb)) {
         resolve_fail(rs, 401, "this sandbox does not allow public traffic: send X-Access-Token");
         return;
     }
@@ -232,11 +238,18 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
 {
     const char *token = sp_http_header(req, "x-access-token");
     bool fwd = id != NULL && SP_E2B_FORWARDED_PORT(port);
-    if (token == NULL && fwd) /* what E2B gives allowPublicTraffic=false sandboxes' ports */
+    /* The code interpreter: /execute always needs the token (both SDKs send it there). The
+     * JS SDK sends no X-Access-Token on its context calls (createCodeContext, list, remove,
+     * restart), which E2B's interpreter never checks: those go on like a forwarded port's
+     * traffic (public unless network.allowPublicTraffic is false). */
+    bool code_open = port == SP_E2B_CODE_PORT && (path_is(req, "/contexts") ||
+                                                  path_starts(req, "/contexts/"));
+    /* E2B-Traffic-Access-Token: what E2B gives allowPublicTraffic=false sandboxes' ports. */
+    if (token == NULL && (fwd || port == SP_E2B_CODE_PORT))
         token = sp_http_header(req, "e2b-traffic-access-token");
     /* Without a token only /files with a signature may go on; it is checked there. Forwarded
      * ports are public by default (spec 2.3 network.allowPublicTraffic): checked on lookup. */
-    if (token == NULL && !fwd &&
+    if (token == NULL && !fwd && !code_open &&
         !(path_is(req, "/files") && sp_http_query(req, "signature") != NULL) &&
         !path_is(req, "/health")) {
         sp_e2b__error(req, 401, "missing X-Access-Token");
@@ -280,6 +293,15 @@ void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req)
             return;
         }
         sandbox_traffic(gw, req, hid, SP_E2B_ENVD_PORT);
+        return;
+    }
+    if (sp_e2b__is_code_path(req)) {
+        const char *hid = sp_http_header(req, "e2b-sandbox-id");
+        if (hid != NULL && !sp_ids_valid(hid)) {
+            sp_e2b__error(req, 404, "sandbox not found");
+            return;
+        }
+        sandbox_traffic(gw, req, hid, SP_E2B_CODE_PORT);
         return;
     }
     sp_e2b__error(req, 404, "no such path");

@@ -3,6 +3,7 @@
  * request and resolves the sandbox for sandbox traffic; the parts answer:
  *   route_sandboxes.c  control plane (sp_e2b__control)
  *   envd_*.c           envd on port 49983 (sp_e2b__envd)
+ *   envd_code.c        the code interpreter on port 49999 (sp_e2b__code)
  *   forward.c          other guest ports (sp_e2b__forward)
  */
 #ifndef SP_E2B_GW_INT_H
@@ -47,6 +48,13 @@ void sp_e2b__envd(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
 void sp_e2b__envd_free(sp_e2b_t *gw);
 /* Whether path is an envd path. */
 bool sp_e2b__is_envd_path(h2o_req_t *req);
+
+/* The code interpreter (port 49999, spec 4) over core/code.h: POST /execute (NDJSON stream),
+ * POST/GET /contexts, DELETE /contexts/{id}, POST /contexts/{id}/restart, GET /health. */
+void sp_e2b__code(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
+/* Whether path is a code-interpreter path (/execute, /contexts...): on the API address these
+ * are routed by X-Access-Token (E2B_DEBUG mode or a gateway serving localhost:49999). */
+bool sp_e2b__is_code_path(h2o_req_t *req);
 
 /* Other guest ports (not envd, not the code interpreter): forwarded to 127.0.0.1:<port> in
  * the guest as HTTP/1.1, WebSocket upgrades included (forward.c). */

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/egress_policy.h"
 #include "core/log.h"
 #include "e2b-gateway/gw_int.h"
 #include "e2b-gateway/route_int.h"
@@ -271,6 +272,57 @@ static json_t *body_obj(ctl_t *c, const char *key, bool *bad)
     return v;
 }
 
+/*
+ * E2B's outbound settings as an egress policy (core/egress_policy.h): allow_internet_access
+ * false, or ALL_TRAFFIC ("0.0.0.0/0", "::/0") in network.denyOut, turn the internet off so
+ * that only network.allowOut opens destinations; other denyOut entries become deny rules,
+ * allowOut entries (domains, "*.domain", IPs, CIDRs) allow rules. One difference: E2B lets an
+ * allowOut entry override a wider denyOut range; here deny rules always win. NULL (with *bad
+ * false) when nothing beyond the default was asked for; on a bad entry a 400 names it.
+ */
+static json_t *e2b_egress(ctl_t *c, bool internet, const json_t *network, bool *bad)
+{
+    *bad = false;
+    json_t *allow = json_array(), *deny = json_array();
+    static const char *const keys[] = {"allowOut", "denyOut"};
+    char msg[256] = "";
+    for (int k = 0; k < 2 && network != NULL && msg[0] == '\0'; k++) {
+        const json_t *arr = json_object_get(network, keys[k]);
+        if (arr == NULL || json_is_null(arr))
+            continue;
+        if (!json_is_array(arr) || json_array_size(arr) > SP_EGP_MAX_RULES) {
+            snprintf(msg, sizeof(msg), "network.%s must be an array of at most %d strings",
+                     keys[k], SP_EGP_MAX_RULES);
+            break;
+        }
+        for (size_t i = 0; i < json_array_size(arr) && msg[0] == '\0'; i++) {
+            const json_t *v = json_array_get(arr, i);
+            const char *t = json_string_value(v);
+            sp_egp_rule_t rule;
+            sp_err_t e;
+            if (t == NULL || strlen(t) != json_string_length(v))
+                snprintf(msg, sizeof(msg), "network.%s[%zu] must be a string", keys[k], i);
+            else if (sp_egp_rule_parse(t, &rule, &e) < 0)
+                snprintf(msg, sizeof(msg), "network.%s[%zu] '%.60s': %.120s", keys[k], i, t,
+                         e.msg);
+            else if (k == 1 && rule.kind == SP_EGP_R_CIDR && rule.prefix == 0 && rule.port == 0)
+                internet = false; /* ALL_TRAFFIC: everything but allowOut */
+            else
+                json_array_append_new(k == 0 ? allow : deny, json_string(t));
+        }
+    }
+    if (msg[0] != '\0') {
+        sp_e2b__ctl_fail(c, 400, msg);
+        *bad = true;
+    }
+    if (*bad || (internet && json_array_size(allow) == 0 && json_array_size(deny) == 0)) {
+        json_decref(allow);
+        json_decref(deny);
+        return NULL;
+    }
+    return json_pack("{s:b,s:o,s:o}", "internet", internet, "allow", allow, "deny", deny);
+}
+
 /* ---- POST /sandboxes ---- */
 
 static void on_create_deleted(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
@@ -356,9 +408,14 @@ static void route_create(ctl_t *c)
     r.allow_internet = internet_set ? (internet ? 1 : -1) : 0;
     r.network = network;
     r.envd_version = SP_E2B_ENVD_VERSION;
+    json_t *egress = e2b_egress(c, internet, network, &bad);
+    if (bad)
+        return;
+    r.egress = egress;
     sp_err_t e;
     if (sp_svc_create_sandbox(c->gw->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
+    json_decref(egress);
 }
 
 /* ---- GET /sandboxes/{id} ---- */

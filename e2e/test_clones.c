@@ -6,13 +6,16 @@
  * picks auto|kvm|tcg; SP_TEST_TIMEOUT_MULT stretches timeouts.
  *
  * Two concurrent first creates of a size with no snapshot share one snapshot
- * build; a damaged snapshot is moved aside and rebuilt. Two clones of `base`: both answer, read
+ * build; a damaged snapshot is kept while a clone uses it (creates cold-boot), removed once
+ * unused and rebuilt. Two clones of `base`: both answer, read
  * different bytes from /dev/urandom, have their own hostnames and sandbox IDs, and do not see each
  * other's files. A clone suspends (its RAM goes into the stream) and wakes into a RAM file of its
  * own with its files and a background process; it then suspends and wakes again by device state
  * only. A clone is re-adopted across a driver restart. Destroy leaves no process, directory or
  * cgroup; the template snapshot stays and later creates reuse it (same directory, not rebuilt).
  * Prints clone create-to-agent-ready (median of 5) beside a cold boot with cold_boot set.
+ * Template warmup and snapshot collection on hand-made template builds (base's root filesystem
+ * linked): see warmup_and_gc.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -23,6 +26,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <jansson.h>
 
 #include "core/agentconn.h"
 #include "core/cgroup.h"
@@ -322,6 +327,143 @@ static void check_gone(const char *id, pid_t pid)
     }
 }
 
+/* A template build made by hand from base's (its root filesystem linked, not rebuilt: this
+ * test runs no mmdebstrap), with warmup (a JSON array) in its manifest as `spaced template
+ * build` writes it, made current. hash: any 64 hex digits. */
+static void fake_template(const sp_tmplbuild_paths_t *base, const char *name, const char *hash,
+                          const char *warmup)
+{
+    char dir[4096], p[4400];
+    snprintf(dir, sizeof dir, "%s/templates/%s/%s", data_dir, name, hash);
+    snprintf(p, sizeof p, "mkdir -p '%s'", dir);
+    CHECK(system(p) == 0);
+    snprintf(p, sizeof p, "%s/rootfs.qcow2", dir);
+    unlink(p);
+    CHECK(symlink(base->rootfs, p) == 0);
+    json_t *m = json_load_file(base->manifest, 0, NULL);
+    CHECK(m != NULL);
+    json_object_set_new(m, "name", json_string(name));
+    json_object_set_new(m, "hash", json_string(hash));
+    json_object_set_new(m, "warmup", json_loads(warmup, 0, NULL));
+    snprintf(p, sizeof p, "%s/manifest.json", dir);
+    CHECK(json_dump_file(m, p, JSON_INDENT(2)) == 0);
+    json_decref(m);
+    char cur[4400];
+    snprintf(p, sizeof p, "%s/templates/%s/current.tmp", data_dir, name);
+    snprintf(cur, sizeof cur, "%s/templates/%s/current", data_dir, name);
+    unlink(p);
+    CHECK(symlink(hash, p) == 0 && rename(p, cur) == 0);
+}
+
+struct tsres {
+    struct res r;
+    sp_qemu_tsnap_info_t info;
+};
+
+/* sp_qemu_template_snapshot, waited for. */
+static void template_snapshot(sp_driver_t *d, const char *name, struct tsres *t)
+{
+    memset(t, 0, sizeof *t);
+    sp_err_t e;
+    CHECK(sp_qemu_template_snapshot(d, name, 0, 0, &t->info, on_res, &t->r, &e) == 0);
+    CHECK(wait_for(&t->r.done, 180000) == 0);
+}
+
+static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id, .template_name = tmpl, .hostname = id};
+    struct res r = {0};
+    sp_err_t e;
+    CHECK(d->ops->boot(d, &spec, on_res, &r, &e) == 0);
+    CHECK(wait_for(&r.done, 180000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "boot %s: %s\n", id, r.err.msg);
+    CHECK(r.ok);
+}
+
+/* A template's warmup runs in the snapshot builder before the snapshot: its clones have the
+ * process it left running and the file it wrote without running anything. A warmup that fails
+ * fails the snapshot (with why), and boots cold-boot without the warmup. Template snapshots of
+ * a build that is no longer current are removed, but only once no clone uses them. */
+static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *base)
+{
+    char w[64], w2[64], c1[64], c2[64], buf[8192], p[4400];
+    snprintf(w, sizeof w, "warm%d", (int)getpid());
+    snprintf(w2, sizeof w2, "warmfail%d", (int)getpid());
+    snprintf(c1, sizeof c1, "clone-%d-w1", (int)getpid());
+    snprintf(c2, sizeof c2, "clone-%d-w2", (int)getpid());
+    const char *h1 = "1111111111111111111111111111111111111111111111111111111111111111";
+    const char *h2 = "2222222222222222222222222222222222222222222222222222222222222222";
+    fake_template(base, w, h1,
+                  "[\"/bin/sh\", \"-c\", \"echo warm > /root/warm && setsid sh -c 'echo $$ > "
+                  "/root/warm.pid; exec sleep 100000' </dev/null >/dev/null 2>&1 & while [ ! -s "
+                  "/root/warm.pid ]; do sleep 0.05; done\"]");
+
+    /* built on request (what `spaced template build` does), then found */
+    struct tsres t;
+    double t0 = now_ms();
+    template_snapshot(d, w, &t);
+    if (!t.r.ok)
+        fprintf(stderr, "template snapshot: %s\n", t.r.err.msg);
+    CHECK(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h1) != NULL);
+    printf("template snapshot with warmup built on request: %.0f ms\n", now_ms() - t0);
+    char s1[4096];
+    snprintf(s1, sizeof s1, "%s", t.info.dir);
+    template_snapshot(d, w, &t);
+    CHECK(t.r.ok && t.info.built == 0 && strcmp(t.info.dir, s1) == 0);
+
+    boot_tmpl(d, c1, w);
+    vm_file(c1, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, s1) != NULL); /* a clone */
+    run_cmd(d, c1, "cat /root/warm; p=$(cat /root/warm.pid); kill -0 $p && cat /proc/$p/comm", buf,
+            sizeof buf);
+    printf("clone of a warmed-up template: %s\n", buf);
+    CHECK(strcmp(buf, "warm\nsleep") == 0);
+
+    /* the template moves on (a new build is current): the old snapshot stays while c1 uses
+     * it, at driver start as after a snapshot commit */
+    fake_template(base, w, h2, "[\"/bin/true\"]");
+    sp_driver_destroy(d);
+    d = make_driver(0);
+    struct stat st;
+    CHECK(stat(s1, &st) == 0);
+    CHECK(d->ops->probe(d, c1) == SP_VM_RUNNING);
+    pid_t pc = vm_pid(c1);
+    op(d, d->ops->destroy, c1);
+    check_gone(c1, pc);
+    /* unused now: the next commit (the new build's snapshot) collects it */
+    template_snapshot(d, w, &t);
+    CHECK(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h2) != NULL);
+    CHECK(stat(s1, &st) < 0 && errno == ENOENT);
+    printf("old template snapshot: kept while a clone used it, removed after\n");
+    /* one of a key the current build no longer makes goes at driver start */
+    snprintf(p, sizeof p, "%s/snapshot-tcg-256M-1c-0123456789abcdef", base->build_dir);
+    CHECK(mkdir(p, 0700) == 0);
+    sp_driver_destroy(d);
+    d = make_driver(0);
+    CHECK(stat(p, &st) < 0 && errno == ENOENT);
+    CHECK(stat(t.info.dir, &st) == 0); /* the current one stays */
+
+    /* a failing warmup fails the snapshot, saying why; boots cold-boot without it */
+    fake_template(base, w2, h1,
+                  "[\"/bin/sh\", \"-c\", \"echo x > /root/warm; echo warmup broke >&2; exit 3\"]");
+    template_snapshot(d, w2, &t);
+    printf("failing warmup: %s\n", t.r.ok ? "(ok?)" : t.r.err.msg);
+    CHECK(!t.r.ok && strstr(t.r.err.msg, "exited with status 3") != NULL);
+    boot_tmpl(d, c2, w2);
+    vm_file(c2, "vm.json", buf, sizeof buf);
+    CHECK(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
+    run_cmd(d, c2, "test -e /root/warm && echo ran || echo not-run", buf, sizeof buf);
+    CHECK(strcmp(buf, "not-run") == 0);
+    pc = vm_pid(c2);
+    op(d, d->ops->destroy, c2);
+    check_gone(c2, pc);
+
+    snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", data_dir, w, data_dir, w2);
+    CHECK(system(p) == 0);
+    return d;
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -384,13 +526,11 @@ int main(void)
         run_cmd(d, x, "awk '/MemTotal/{print ($2 > 200000)}' /proc/meminfo", buf, sizeof buf);
         CHECK(strcmp(buf, "1") == 0);
         pid_t px = vm_pid(x), py = vm_pid(y);
-        op(d, d->ops->destroy, x);
         op(d, d->ops->destroy, y);
-        check_gone(x, px);
         check_gone(y, py);
 
-        /* a damaged snapshot (device state changed) is moved aside, not used, and rebuilt by
-         * the next driver's first create */
+        /* a damaged snapshot (device state changed) that clone x still uses is kept (x's
+         * overlay has its disk as backing file): the next create cold-boots */
         char cmd[8400];
         snprintf(cmd, sizeof cmd,
                  "chmod u+w '%s/snapshot/devstate' && echo x >> "
@@ -399,19 +539,34 @@ int main(void)
         CHECK(system(cmd) == 0);
         sp_driver_destroy(d);
         d = make_driver(0);
+        boot_sized(d, y, 320);
+        vm_file(y, "vm.json", sy, sizeof sy);
+        CHECK(sy[0] != '\0' && strstr(sy, "ram_src") == NULL); /* cold */
+        struct stat st;
+        snprintf(cmd, sizeof cmd, "%s/snapshot/devstate", sdir);
+        CHECK(stat(cmd, &st) == 0);
+        run_cmd(d, x, "echo x-still-works", buf, sizeof buf);
+        CHECK(strcmp(buf, "x-still-works") == 0);
+        printf("damaged template snapshot in use: kept, next create cold-booted\n");
+        py = vm_pid(y);
+        op(d, d->ops->destroy, x);
+        op(d, d->ops->destroy, y);
+        check_gone(x, px);
+        check_gone(y, py);
+
+        /* unused now: the next driver removes it at start, the next create rebuilds it */
+        sp_driver_destroy(d);
+        d = make_driver(0);
+        CHECK(stat(sdir, &st) < 0 && errno == ENOENT);
         boot_sized(d, x, 320);
         char sdir2[4096];
         tsnap_dir_ex(&tp, "-320M-1c-", sdir2, sizeof sdir2, 0);
         vm_file(x, "vm.json", sx, sizeof sx);
         CHECK(strstr(sx, sdir2) != NULL);
-        snprintf(cmd, sizeof cmd, "ls -d '%s'.bad-* >/dev/null", sdir);
-        CHECK(system(cmd) == 0);
-        printf("damaged template snapshot: moved aside and rebuilt\n");
+        printf("damaged template snapshot unused: removed and rebuilt\n");
         px = vm_pid(x);
         op(d, d->ops->destroy, x);
         check_gone(x, px);
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'.bad-*", sdir);
-        CHECK(system(cmd) == 0);
         tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 1);
     }
 
@@ -518,6 +673,8 @@ int main(void)
     CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino);
     qsort(t, 5, sizeof t[0], cmp_d);
     printf("clone create to agent ready: median %.0f ms (%.0f-%.0f)\n", t[2], t[0], t[4]);
+    d = warmup_and_gc(d, &tp);
+    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
     sp_driver_destroy(d);
 
     /* cold_boot: no snapshot, no ram_src */

@@ -10,7 +10,11 @@
  * restarts the driver (VM keeps running) and checks it is re-adopted,
  * suspends and restores it across another driver restart (same guest boot
  * id, disk kept), then destroys it and checks no process, overlay or socket
- * is left. All boots here are cold boots (opts.cold_boot). Measures
+ * is left. Between suspend and restore, damages the snapshot: a manifest that
+ * does not parse, a flipped byte of the device state and a truncated RAM file
+ * are refused at once with a clear error, a flipped RAM byte is caught by the checksum check before
+ * the vCPUs run (the wake fails, the snapshot is kept and marked corrupt, later wakes are refused
+ * at once); repaired, the wake succeeds. All boots here are cold boots (opts.cold_boot). Measures
  * cold boot-to-agent-ready over three more boots and prints the median.
  *
  * Where the host has a cgroup layout (core/cgroup.h), checks after each boot,
@@ -19,6 +23,7 @@
  * dead QEMU leave no group behind.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -335,6 +340,122 @@ static void check_no_cgroup(const char *id)
     }
 }
 
+/* Reads a small file into out ("" if missing). */
+static void slurp(const char *path, char *out, size_t n)
+{
+    out[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return;
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    fclose(f);
+}
+
+static void flip_byte(const char *path, off_t off)
+{
+    int fd = open(path, O_RDWR);
+    CHECK(fd >= 0);
+    unsigned char c;
+    CHECK(pread(fd, &c, 1, off) == 1);
+    c ^= 0xff;
+    CHECK(pwrite(fd, &c, 1, off) == 1);
+    close(fd);
+}
+
+/* Offset of the first non-zero byte of a file (the guest's RAM has data early). */
+static off_t first_data(const char *path)
+{
+    int fd = open(path, O_RDONLY);
+    CHECK(fd >= 0);
+    static unsigned char buf[1 << 20];
+    off_t off = 0;
+    for (;;) {
+        ssize_t r = pread(fd, buf, sizeof buf, off);
+        CHECK(r > 0);
+        for (ssize_t i = 0; i < r; i++) {
+            if (buf[i] != 0) {
+                close(fd);
+                return off + i;
+            }
+        }
+        off += r;
+    }
+}
+
+static int try_restore(sp_driver_t *d, const char *id, sp_err_t *e)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
+    struct res r = {0};
+    return d->ops->restore(d, &spec, on_res, &r, e);
+}
+
+/* A suspended sandbox's snapshot, damaged three ways: each wake is refused (or fails) with a
+ * clear error, the snapshot stays; then repaired. */
+static void damaged_snapshot(sp_driver_t *d, const char *id)
+{
+    char vd[4096], p[4200], man[4096];
+    snprintf(vd, sizeof vd, "%s/vms/%s", data_dir, id);
+    snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
+    slurp(p, man, sizeof man);
+    printf("suspend manifest: %s\n", man);
+    CHECK(strstr(man, "\"ram_checksum\":\"") != NULL &&
+          strstr(man, "\"devstate_checksum\":\"") != NULL &&
+          strstr(man, "\"disk_checksum\":\"") != NULL && strstr(man, "\"disk_bytes\":") != NULL);
+    sp_err_t e;
+
+    /* a manifest that does not parse: refused at once, still SUSPENDED */
+    snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
+    FILE *f = fopen(p, "w");
+    CHECK(f != NULL && fputs("{\"version\":2,\"memory_", f) >= 0 && fclose(f) == 0);
+    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
+          strstr(e.msg, "manifest is damaged") != NULL);
+    printf("damaged manifest -> %s\n", e.msg);
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    f = fopen(p, "w");
+    CHECK(f != NULL && fputs(man, f) >= 0 && fclose(f) == 0);
+
+    /* a flipped byte of the device state: refused at once */
+    snprintf(p, sizeof p, "%s/snapshot/devstate", vd);
+    flip_byte(p, 1000);
+    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
+          strstr(e.msg, "device state does not match its checksum") != NULL);
+    printf("corrupt device state -> %s\n", e.msg);
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    flip_byte(p, 1000);
+
+    /* a truncated RAM file: refused at once */
+    snprintf(p, sizeof p, "%s/mem.ram", vd);
+    struct stat st;
+    CHECK(stat(p, &st) == 0 && st.st_size == 256 << 20);
+    static unsigned char tail[4096];
+    int fd = open(p, O_RDWR);
+    CHECK(fd >= 0 && pread(fd, tail, sizeof tail, st.st_size - 4096) == 4096);
+    CHECK(ftruncate(fd, st.st_size - 4096) == 0);
+    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME && strstr(e.msg, "RAM has") != NULL);
+    printf("truncated RAM file -> %s\n", e.msg);
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    CHECK(ftruncate(fd, st.st_size) == 0 && pwrite(fd, tail, 4096, st.st_size - 4096) == 4096);
+    close(fd);
+
+    /* a flipped RAM byte: the wake starts, the checksum check stops it before the vCPUs run */
+    off_t off = first_data(p);
+    flip_byte(p, off);
+    sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
+    struct res r = {0};
+    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+    CHECK(wait_for(&r.done, 60000) == 0);
+    CHECK(!r.ok && strstr(r.err.msg, "RAM does not match its checksum") != NULL);
+    printf("corrupt RAM (byte %lld) -> %s\n", (long long)off, r.err.msg);
+    run_for(100);
+    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    CHECK(try_restore(d, id, &e) < 0 && strstr(e.msg, "failed its checksum check") != NULL);
+    printf("and again -> %s\n", e.msg);
+    flip_byte(p, off);
+    snprintf(p, sizeof p, "%s/snapshot/corrupt", vd);
+    CHECK(unlink(p) == 0);
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -442,6 +563,7 @@ int main(void)
     sp_driver_destroy(d); /* a restart in between: the snapshot is on disk */
     d = make_driver();
     CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    damaged_snapshot(d, id);
     {
         sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
         struct res r = {0};

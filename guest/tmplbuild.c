@@ -36,6 +36,9 @@
 
 extern char **environ;
 
+/* The code daemon (guest/code/space-code) as embed.cmake names it. */
+#define SP_CODE_EMBED_NAME "code/space-code"
+
 /* ---- spec ---------------------------------------------------------------- */
 
 static int valid_name(const char *s)
@@ -99,6 +102,9 @@ void sp_tmplbuild_spec_free(sp_tmplbuild_spec_t *s)
         free(s->users[i].shell);
     }
     free(s->users);
+    for (size_t i = 0; i < s->n_warmup; i++)
+        free(s->warmup[i]);
+    free(s->warmup);
     free(s->canonical);
     free(s);
 }
@@ -166,9 +172,34 @@ static int parse_user(json_t *u, sp_tmplbuild_user_t *out, sp_err_t *err)
 }
 
 static const char *const known_fields[] = {
-    "name",  "description", "suite",     "variant",   "packages", "users",
-    "agent", "hostname",    "cpu_count", "memory_mb", "disk_mb",  NULL,
+    "name",     "description", "suite",     "variant", "packages",         "users",  "agent",
+    "hostname", "cpu_count",   "memory_mb", "disk_mb", "code_interpreter", "warmup", NULL,
 };
+
+/* "warmup": 1..SP_TMPLBUILD_WARMUP_MAX non-empty strings (an argv, run without a shell). */
+static int parse_warmup(json_t *wu, sp_tmplbuild_spec_t *s, sp_err_t *err)
+{
+    if (!json_is_array(wu) || json_array_size(wu) == 0 ||
+        json_array_size(wu) > SP_TMPLBUILD_WARMUP_MAX)
+        return sp_err_set(err, SP_EINVAL, "spec: warmup must be an array of 1..%d strings",
+                          SP_TMPLBUILD_WARMUP_MAX);
+    s->warmup = calloc(json_array_size(wu), sizeof(char *));
+    if (s->warmup == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    size_t i;
+    json_t *v;
+    json_array_foreach(wu, i, v)
+    {
+        /* jansson rejects NUL inside strings unless asked to allow it: argv stays C strings */
+        if (!json_is_string(v) || json_string_length(v) == 0 ||
+            json_string_length(v) > SP_TMPLBUILD_WARMUP_ARG)
+            return sp_err_set(err, SP_EINVAL, "spec: warmup[%zu] must be a string of 1..%d bytes",
+                              i, SP_TMPLBUILD_WARMUP_ARG);
+        if ((s->warmup[s->n_warmup++] = strdup(json_string_value(v))) == NULL)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    return 0;
+}
 
 int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **out, sp_err_t *err)
 {
@@ -226,6 +257,19 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
         goto out;
     }
     s->agent = agent == NULL || json_is_true(agent);
+    json_t *code = json_object_get(root, "code_interpreter");
+    if (code != NULL && !json_is_boolean(code)) {
+        sp_err_set(err, SP_EINVAL, "spec: code_interpreter must be a boolean");
+        goto out;
+    }
+    s->code_interpreter = code != NULL && json_is_true(code);
+    json_t *wu = json_object_get(root, "warmup");
+    if (wu != NULL && parse_warmup(wu, s, err) < 0)
+        goto out;
+    if (s->warmup != NULL && !s->agent) {
+        sp_err_set(err, SP_EINVAL, "spec: warmup needs the agent (it runs through it)");
+        goto out;
+    }
 
     json_t *pk = json_object_get(root, "packages");
     if (pk != NULL && !json_is_array(pk)) {
@@ -435,8 +479,30 @@ void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_
     }
     put_s(c, agent_sha256);
     put_s(c, kernel_version);
+    if (spec->code_interpreter) {
+        /* only then: a daemon change must not rebuild templates that do not carry it */
+        const sp_guest_file_t *f = embedded(SP_CODE_EMBED_NAME);
+        put_s(c, "code");
+        if (f != NULL)
+            put(c, f->data, f->size);
+        else
+            put_s(c, "absent"); /* the build then refuses, see sp_tmplbuild_run */
+    }
     EVP_DigestFinal_ex(c, md, &mdlen);
     EVP_MD_CTX_free(c);
+    hex(md, mdlen, out);
+}
+
+/* Hex SHA-256 of n bytes at p into out[65]. */
+static void mem_sha256(const void *p, size_t n, char out[SP_TMPLBUILD_HASH_LEN + 1])
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    if (EVP_Digest(p, n, md, &mdlen, EVP_sha256(), NULL) != 1) {
+        memset(out, '0', SP_TMPLBUILD_HASH_LEN); /* only without memory; never matches */
+        out[SP_TMPLBUILD_HASH_LEN] = '\0';
+        return;
+    }
     hex(md, mdlen, out);
 }
 
@@ -532,6 +598,8 @@ static int read_manifest(const char *data_dir, const char *name, const char *has
     out->cpu_count = (int)json_integer_value(json_object_get(m, "cpu_count"));
     out->memory_mb = (int)json_integer_value(json_object_get(m, "memory_mb"));
     out->disk_mb = (int)json_integer_value(json_object_get(m, "disk_mb"));
+    out->code_interpreter = json_is_true(json_object_get(m, "code_interpreter"));
+    out->warmup = json_is_array(json_object_get(m, "warmup"));
     rc = 0;
 out:
     json_decref(m);
@@ -865,8 +933,8 @@ static int make_env(build_t *b)
 
 static int write_manifest(const char *path, const sp_tmplbuild_spec_t *spec, const char *hash,
                           const char *kver, const char *initrd_rel, const char *agent_sha,
-                          long long rootfs_bytes, long long rootfs_alloc, const build_t *b,
-                          double total)
+                          const char *code_sha, long long rootfs_bytes, long long rootfs_alloc,
+                          const build_t *b, double total)
 {
     char kernel_rel[PATH_MAX], rootfs_rel[PATH_MAX], when[64];
     time_t t = time(NULL);
@@ -889,6 +957,20 @@ static int write_manifest(const char *path, const sp_tmplbuild_spec_t *spec, con
                           spec_json != NULL ? spec_json : json_null());
     if (m == NULL)
         return -1;
+    json_t *wu = json_null();
+    if (spec->warmup != NULL) {
+        wu = json_array();
+        for (size_t i = 0; wu != NULL && i < spec->n_warmup; i++)
+            json_array_append_new(wu, json_string(spec->warmup[i]));
+    }
+    if (wu == NULL ||
+        json_object_set_new(m, "code_interpreter", json_boolean(spec->code_interpreter)) < 0 ||
+        json_object_set_new(m, "code_sha256",
+                            code_sha != NULL ? json_string(code_sha) : json_null()) < 0 ||
+        json_object_set_new(m, "warmup", wu) < 0) {
+        json_decref(m);
+        return -1;
+    }
     int rc = json_dump_file(m, path, JSON_INDENT(2) | JSON_SORT_KEYS);
     json_decref(m);
     return rc;
@@ -948,6 +1030,21 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
         }
         if (sp_tmplbuild_file_sha256(o->agent_path, agent_sha, err) < 0)
             goto out;
+    }
+
+    /* Code daemon: compiled in (guest/code/space-code), like the scripts. */
+    const sp_guest_file_t *code = NULL;
+    char code_sha[SP_TMPLBUILD_HASH_LEN + 1];
+    if (spec->code_interpreter) {
+        code = embedded(SP_CODE_EMBED_NAME);
+        if (code == NULL) {
+            sp_err_set(err, SP_EUNAVAIL,
+                       "template %s wants code_interpreter, but this build carries no code "
+                       "daemon (guest/code/space-code)",
+                       o->name);
+            goto out;
+        }
+        mem_sha256(code->data, code->size, code_sha);
     }
 
     if (make_env(&b) < 0) {
@@ -1151,6 +1248,17 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
                 add_env(&b, "SP_PACKAGES", pk) < 0 || add_env(&b, "SP_USERS", us) < 0 ||
                 add_env(&b, "SP_HOSTNAME", spec->hostname) < 0 ||
                 add_env(&b, "SP_AGENT", spec->agent ? o->agent_path : "") < 0;
+        if (!e && code != NULL) {
+            char cpath[PATH_MAX];
+            if (fmt(cpath, sizeof cpath, err, "%s/space-code", work) < 0 ||
+                write_file(cpath, code->data, code->size, 0755) < 0) {
+                free(pk);
+                free(us);
+                sp_err_set(err, SP_EINTERNAL, "cannot write the code daemon: %s", strerror(errno));
+                goto out;
+            }
+            e = add_env(&b, "SP_CODE", cpath) < 0;
+        }
         const char *src = getenv("SP_APT_SOURCES");
         if (!e && src != NULL)
             e = add_env(&b, "SP_APT_SOURCES", src) < 0;
@@ -1199,8 +1307,8 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
     }
     fmt(p1, sizeof p1, err, "%s/manifest.json", outdir);
     if (write_manifest(p1, spec, hash, kver, initrd_rel, spec->agent ? agent_sha : NULL,
-                       (long long)sb.st_size, (long long)sb.st_blocks * 512, &b,
-                       now_s() - t_start) < 0) {
+                       code != NULL ? code_sha : NULL, (long long)sb.st_size,
+                       (long long)sb.st_blocks * 512, &b, now_s() - t_start) < 0) {
         sp_err_set(err, SP_EINTERNAL, "cannot write the manifest");
         goto out;
     }

@@ -26,7 +26,10 @@
  *       <hash>/manifest.json    {"name","hash","kernel_version","kernel",
  *                               "initramfs","rootfs" (paths relative to the
  *                               data dir),"cpu_count","memory_mb","disk_mb",
- *                               "rootfs_bytes","built_at","build_seconds"}
+ *                               "code_interpreter" (bool),"code_sha256" (the
+ *                               daemon's, or null),"warmup" (argv array or
+ *                               null),"rootfs_bytes","built_at","build_seconds",
+ *                               "spec"}
  *       current -> <hash>       swapped atomically (symlink + rename) when a
  *                               build is complete
  *       build.log               output of the last build that ran scripts
@@ -38,8 +41,11 @@
  *                               <name>) but never a partial <hash> or current.
  *
  * <hash> is the SHA-256 (hex) of: the canonical spec JSON, every builder
- * script, the agent binary's SHA-256 and the kernel version. Old <hash> dirs
- * are kept: running sandboxes' overlays point at them.
+ * script, the agent binary's SHA-256, the kernel version and, when the spec
+ * asks for code_interpreter, the code daemon (guest/code/space-code, compiled
+ * in like the scripts). Old <hash> dirs are kept: running sandboxes' overlays
+ * point at them. Template snapshots (core/qemu.h) live in snapshot-* dirs
+ * inside a <hash> dir; the runtime owns and removes those.
  */
 #ifndef SP_TMPLBUILD_H
 #define SP_TMPLBUILD_H
@@ -48,7 +54,10 @@
 
 #include "core/err.h"
 
-#define SP_TMPLBUILD_HASH_LEN 64 /* hex chars */
+#define SP_TMPLBUILD_HASH_LEN    64                          /* hex chars */
+#define SP_TMPLBUILD_WARMUP_MAX  32                          /* warmup argv entries */
+#define SP_TMPLBUILD_WARMUP_ARG  4096                        /* bytes in one warmup argv entry */
+#define SP_TMPLBUILD_CODE_DAEMON "/usr/local/bin/space-code" /* where code_interpreter puts it */
 
 typedef struct {
     char *name;
@@ -69,7 +78,10 @@ typedef struct {
     size_t n_packages;
     sp_tmplbuild_user_t *users;
     size_t n_users;
-    int agent; /* install /usr/local/bin/space-agent */
+    int agent;            /* install /usr/local/bin/space-agent */
+    int code_interpreter; /* install the code daemon as /usr/local/bin/space-code */
+    char **warmup;        /* argv the template-snapshot builder runs before the snapshot, */
+    size_t n_warmup;      /* or NULL/0; at most SP_TMPLBUILD_WARMUP_MAX entries */
     int cpu_count;
     int memory_mb;
     int disk_mb;
@@ -109,6 +121,8 @@ typedef struct {
     int cpu_count;
     int memory_mb;
     int disk_mb;
+    int code_interpreter; /* the image has the code daemon (SP_TMPLBUILD_CODE_DAEMON) */
+    int warmup;           /* the manifest has a warmup command (read it from "warmup") */
 } sp_tmplbuild_paths_t;
 
 /* Pure layout: fills build_dir, rootfs, manifest and kernel for the given

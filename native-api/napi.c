@@ -226,6 +226,30 @@ static const struct route routes[] = {
      {"v1", "sandboxes", "*", "sessions", "*", NULL},
      {sp_napi__sessions_get, NULL, sp_napi__sessions_delete},
      false},
+    {M_GET | M_POST,
+     {"v1", "sandboxes", "*", "contexts", NULL},
+     {sp_napi__contexts_list, sp_napi__contexts_create, NULL},
+     true},
+    {M_DELETE, {"v1", "sandboxes", "*", "contexts", "*", NULL},
+     {NULL, NULL, sp_napi__contexts_delete}, false},
+    {M_POST, {"v1", "sandboxes", "*", "contexts", "*", "restart", NULL},
+     {NULL, sp_napi__contexts_restart, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "contexts", "*", "interrupt", NULL},
+     {NULL, sp_napi__contexts_interrupt, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "contexts", "*", "execute", NULL},
+     {NULL, sp_napi__contexts_execute, NULL}, true},
+    {M_POST, {"v1", "sandboxes", "*", "execute", NULL}, {NULL, sp_napi__execute, NULL}, true},
+    /* Secrets and credential rules (route_secrets.c); PUT bodies are parsed by the route. */
+    {M_GET | M_POST, {"v1", "secrets", NULL}, {sp_napi__secrets_list, sp_napi__secrets_create, NULL},
+     true},
+    {M_PUT | M_DELETE, {"v1", "secrets", "*", NULL},
+     {NULL, NULL, sp_napi__secrets_delete, sp_napi__secrets_put}, false},
+    {M_GET | M_PUT, {"v1", "sandboxes", "*", "credentials", NULL},
+     {sp_napi__credentials_get, NULL, NULL, sp_napi__credentials_put}, false},
+    /* Outbound traffic (route_egress.c): audit rows; the policy (PUT body parsed there). */
+    {M_GET, {"v1", "sandboxes", "*", "egress", NULL}, {sp_napi__egress_log, NULL, NULL}, false},
+    {M_GET | M_PUT, {"v1", "sandboxes", "*", "egress", "policy", NULL},
+     {sp_napi__egress_policy_get, NULL, NULL, sp_napi__egress_policy_put}, false},
 };
 
 static const struct route *match(const char **segs, int n)
@@ -360,7 +384,12 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
             body = json_loadb(req->entity.base, req->entity.len,
                               JSON_REJECT_DUPLICATES | JSON_DISABLE_EOF_CHECK * 0, &je);
             if (body == NULL) {
-                sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text);
+                /* The parser's text quotes the body near the error: never for secrets. */
+                if (strcmp(segs[1], "secrets") == 0)
+                    sp_err_set(&e, SP_EINVAL, "malformed JSON (line %d, column %d)", je.line,
+                               je.column);
+                else
+                    sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text);
                 sp_http_error(req, &e);
                 return;
             }

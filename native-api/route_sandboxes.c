@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/egress_policy.h"
 #include "native-api/napi_int.h"
 
 /* ---- templates ---- */
@@ -125,7 +126,7 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
 {
     static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
                                           "timeout_s", "cpu_count", "memory_mb", "deadline_action",
-                                          NULL};
+                                          "credentials", "egress", NULL};
     sp_err_t e;
     json_t *b = c->body;
     if (b == NULL) {
@@ -159,6 +160,30 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
         sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "template may not contain NUL"), &e));
         return;
     }
+    /* Outbound policy (core/egress_policy.h): a bad rule is a 400 naming it. */
+    json_t *egress = json_object_get(b, "egress");
+    if (egress != NULL && !json_is_null(egress)) {
+        sp_egp_t *pol = sp_egp_from_json(egress, "egress", &e);
+        if (pol == NULL) {
+            sp_napi__fail(c, &e);
+            return;
+        }
+        sp_egp_free(pol);
+        r.egress = egress;
+    }
+    if (c->data == NULL) {
+        /* Credential rules: their secrets are looked up first, then this runs again. */
+        json_t *creds = NULL;
+        if (sp_napi__credentials_from_body(c, &creds, &e) < 0) {
+            sp_napi__fail(c, &e);
+            return;
+        }
+        if (creds != NULL) {
+            sp_napi__credentials_check(c, creds, sp_napi__sandboxes_create);
+            return;
+        }
+    }
+    r.credentials = c->data;
     if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

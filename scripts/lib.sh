@@ -12,6 +12,9 @@ SPACE_PKGS=(
   libnss-myhostname
 )
 SPACE_TEST_PKGS=(clang)
+# The guest code daemon's test (guest/tests/test_code_daemon.py) runs real IPython kernels.
+SPACE_TEST_PKGS+=(python3-ipykernel python3-jupyter-client python3-numpy python3-pandas
+  python3-matplotlib python3-matplotlib-inline)
 # Node.js and npm run the JS conformance suite (conformance/js). Debian's packages only when
 # the commands are missing: a Node installed another way ships its own npm, which Debian's
 # npm package conflicts with. (Debian 12's Node is 18; the pinned SDK wants 20.18 or later,

@@ -14,22 +14,27 @@
 #include <netinet/in.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
 
+#include "core/egress.h"
 #include "core/ids.h"
 #include "core/keys.h"
 #include "core/log.h"
 #include "core/migrate.h"
+#include "core/mitm.h"
 #include "core/pgcluster.h"
 #include "core/qemu.h"
 #include "core/recon.h"
+#include "core/secrets.h"
 #include "core/store.h"
 #include "core/svc.h"
 #include "guest/tmplbuild.h"
@@ -52,7 +57,12 @@ struct opts {
     const char *team;     /* keys create */
     const char *key_name; /* keys create */
     const char *agent;    /* template build: the guest agent binary */
+    const char *master_key_file; /* serve: secrets' master key (else SPACE_MASTER_KEY, else
+                                  * <data-dir>/master.key with the embedded database) */
     bool force;           /* template build: ignore the cache */
+    bool no_snapshot;     /* template build: do not build the template snapshot */
+    const char *templates_dir; /* template build: specs from here, not the built-in ones */
+    bool log_level_set;   /* --log-level was given */
 };
 
 static void usage(FILE *f)
@@ -61,10 +71,12 @@ static void usage(FILE *f)
             "usage: spaced serve [--listen ADDR:PORT] [--data-dir DIR] [--database-url URL]\n"
             "                    [--runtime qemu|none] [--log-level debug|info|warn|error]\n"
             "                    [--domain HOST[:PORT]] [--tls-cert FILE --tls-key FILE]\n"
+            "                    [--master-key-file FILE]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
-            "       spaced template build <name> [--force] [--agent PATH]\n"
+            "       spaced template build <name> [--force] [--agent PATH] [--no-snapshot]\n"
+            "                                    [--templates-dir DIR]\n"
             "       spaced template list\n"
             "       spaced version\n"
             "Common: --data-dir DIR (default $SPACE_DATA_DIR, else /var/lib/space as root,\n"
@@ -223,6 +235,85 @@ static const char *find_agent(const char *given)
     return NULL;
 }
 
+struct tsnap_wait {
+    int done;
+    sp_err_t err;
+    bool failed;
+};
+
+static void on_tsnap(void *arg, const sp_err_t *err)
+{
+    struct tsnap_wait *w = arg;
+    w->done = 1;
+    w->failed = err != NULL;
+    if (err != NULL)
+        w->err = *err;
+}
+
+/* The template snapshot the first create would otherwise build (core/qemu.h: boot a builder
+ * VM, run the template's warmup, snapshot it), built now so that first create is fast: a loop
+ * and a qemu driver of our own that adopts nothing (a serving spaced may share the data dir).
+ * For the template's default size; other sizes are still built on their first create. */
+static int template_snapshot(const struct opts *o, const char *name)
+{
+    const char *cold = getenv("SPACE_COLD_BOOT");
+    if (cold != NULL && strcmp(cold, "1") == 0) {
+        fprintf(stderr, "template %s: snapshot skipped (SPACE_COLD_BOOT=1)\n", name);
+        return 0;
+    }
+    sp_log_level_t saved = sp_log_min_level;
+    if (!o->log_level_set && sp_log_min_level < SP_LOG_WARN)
+        sp_log_min_level = SP_LOG_WARN; /* the progress lines say it; --log-level shows more */
+    int rc = 1;
+    sp_loop_t *loop = sp_loop_create();
+    sp_qemu_opts_t qo = {.data_dir = o->data_dir,
+                         .accel = getenv("SPACE_ACCEL"),
+                         .qemu = getenv("SPACE_QEMU"),
+                         .no_adopt = 1};
+    sp_err_t e;
+    sp_driver_t *d = loop != NULL ? sp_qemu_create(loop, &qo, &e) : NULL;
+    if (loop == NULL)
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+    bool tty = isatty(2);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    struct tsnap_wait w = {0};
+    sp_qemu_tsnap_info_t info;
+    if (d != NULL && sp_qemu_template_snapshot(d, name, 0, 0, &info, on_tsnap, &w, &e) == 0) {
+        fprintf(stderr, "template %s: snapshot (boot, warmup, freeze) ...%s", name,
+                tty ? "" : "\n");
+        while (!w.done) {
+            sp_loop_run_once(loop, 200);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            if (tty)
+                fprintf(stderr, "\r\033[Ktemplate %s: snapshot (boot, warmup, freeze) ... %.1fs",
+                        name, (double)(t1.tv_sec - t0.tv_sec) +
+                                  (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double secs =
+            (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+        if (tty)
+            fprintf(stderr, "\r\033[K");
+        if (w.failed) {
+            e = w.err;
+        } else {
+            fprintf(stderr, "template %s: snapshot %s in %.1fs (%s)\n", name,
+                    info.built ? "built" : "up to date", secs, info.dir);
+            rc = 0;
+        }
+    }
+    if (rc != 0)
+        fprintf(stderr,
+                "spaced: template %s: the image is built, but its snapshot is not: %s (creates "
+                "will try again; --no-snapshot skips this step)\n",
+                name, e.msg);
+    sp_driver_destroy(d);
+    sp_loop_destroy(loop);
+    sp_log_min_level = saved;
+    return rc;
+}
+
 static int cmd_template(struct opts *o, int argc, char **argv)
 {
     if (argc >= 1 && strcmp(argv[0], "list") == 0) {
@@ -247,6 +338,7 @@ static int cmd_template(struct opts *o, int argc, char **argv)
     }
     sp_tmplbuild_opts_t bo = {.name = argv[1],
                               .data_dir = o->data_dir,
+                              .templates_dir = o->templates_dir,
                               .agent_path = agent,
                               .force = o->force,
                               .progress = 1};
@@ -256,6 +348,8 @@ static int cmd_template(struct opts *o, int argc, char **argv)
         fprintf(stderr, "spaced: template %s: %s\n", argv[1], e.msg);
         return 1;
     }
+    if (!o->no_snapshot && template_snapshot(o, argv[1]) != 0)
+        return 1;
     printf("template %s ready: %s\n", argv[1], p.rootfs);
     return 0;
 }
@@ -504,6 +598,57 @@ static void worker_id(const char *data_dir, char out[SP_ID_LEN + 1])
     }
 }
 
+/*
+ * Secrets and credential injection. The master key comes from SPACE_MASTER_KEY, from
+ * --master-key-file, or (the embedded default only) from <data-dir>/master.key, created on
+ * first start; never from the database. Without one, both stay off and the secrets API says
+ * how to configure a key. The test binary may trust an extra CA for upstream destinations
+ * (SPACE_TEST_UPSTREAM_CA), for loopback test servers; the shipped binary never does.
+ */
+static int setup_secrets(const struct opts *o, sp_loop_t *loop, sp_store_t *store,
+                         sp_svc_t *svc, bool test_binary, sp_secrets_t **sec_out,
+                         sp_mitm_t **mitm_out)
+{
+    unsigned char key[SP_SECRETS_KEY_LEN];
+    sp_secrets_key_source_t src;
+    sp_err_t e;
+    if (sp_secrets_load_key(o->master_key_file, o->database_url == NULL ? o->data_dir : NULL,
+                            key, &src, &e) < 0) {
+        fprintf(stderr, "spaced: master key: %s\n", e.msg);
+        return -1;
+    }
+    sp_secrets_t *sec =
+        sp_secrets_create(loop, store, src != SP_SECRETS_KEY_NONE ? key : NULL, &e);
+    sodium_memzero(key, sizeof(key));
+    if (sec == NULL) {
+        fprintf(stderr, "spaced: secrets: %s\n", e.msg);
+        return -1;
+    }
+    *sec_out = sec;
+    sp_svc_set_secrets(svc, sec);
+    static const char *const from[] = {"none", "environment", "file", "created"};
+    sp_log(src == SP_SECRETS_KEY_NONE ? SP_LOG_WARN : SP_LOG_INFO, "server",
+           "secrets master_key=%s%s", from[src],
+           src == SP_SECRETS_KEY_NONE ? " (secrets and credential injection are off: set "
+                                        "SPACE_MASTER_KEY or --master-key-file)"
+                                      : "");
+    if (src == SP_SECRETS_KEY_NONE)
+        return 0;
+    const char *ca = test_binary ? getenv("SPACE_TEST_UPSTREAM_CA") : NULL;
+    sp_mitm_opts_t mo = {.test_upstream_ca_file = ca != NULL && ca[0] != '\0' ? ca : NULL};
+    *mitm_out = sp_mitm_create(loop, store, sec, &mo, &e);
+    if (*mitm_out == NULL) {
+        fprintf(stderr, "spaced: credential injection: %s\n", e.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static void egress_policy_changed(void *arg, const char *sandbox_id, const json_t *policy)
+{
+    sp_egress_policy_set(arg, sandbox_id, policy);
+}
+
 static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
 {
     struct db db;
@@ -539,7 +684,18 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
+    sp_secrets_t *secrets = NULL;
+    sp_mitm_t *mitm = NULL;
     sp_driver_t *driver = NULL;
+    /* Outbound traffic: before the driver, which names the agent channels of the VMs it
+     * re-adopts as it starts (the proxy attaches to each). */
+    sp_egress_t *egress = svc ? sp_egress_create(s.loop, store, NULL, &e) : NULL;
+    if (svc != NULL && egress == NULL) {
+        fprintf(stderr, "spaced: egress proxy: %s\n", e.msg);
+        goto out_srv;
+    }
+    if (egress != NULL)
+        sp_svc_set_egress_hook(svc, egress_policy_changed, egress);
     const char *runtime = o->runtime ? o->runtime : "qemu";
     if (test_driver != NULL && strcmp(runtime, "test") == 0) {
         driver = test_driver(s.loop, o->data_dir);
@@ -560,6 +716,11 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         fprintf(stderr, "spaced: unknown runtime %s (qemu or none)\n", runtime);
         goto out_srv;
     }
+    if (svc != NULL &&
+        setup_secrets(o, s.loop, store, svc, test_driver != NULL, &secrets, &mitm) < 0)
+        goto out_srv;
+    if (egress != NULL && mitm != NULL)
+        sp_egress_set_mitm(egress, mitm); /* credentials for destinations with rules */
     if (svc != NULL && driver != NULL)
         sp_svc_set_driver(svc, driver); /* commands and files reach VMs through it */
     char wid[SP_ID_LEN + 1];
@@ -639,8 +800,11 @@ out_srv:
     sp_sniff_destroy(s.sniff);
     sp_sniff_destroy(s.sniff6);
     sp_recon_destroy(recon);
+    sp_egress_destroy(egress); /* closes its mitm handles and proxied connections */
+    sp_mitm_destroy(mitm);
     sp_store_destroy(store);
     sp_svc_destroy(svc);
+    sp_secrets_destroy(secrets);
     sp_napi_destroy(s.napi);
     sp_e2b_destroy(s.e2b);
     sp_driver_destroy(driver);
@@ -667,6 +831,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"agent", required_argument, NULL, 'a'},     {"force", no_argument, NULL, 'f'},
         {"domain", required_argument, NULL, 'D'},    {"tls-cert", required_argument, NULL, 'C'},
         {"tls-key", required_argument, NULL, 'K'},
+        {"no-snapshot", no_argument, NULL, 'S'},    {"templates-dir", required_argument, NULL, 'T'},
+        {"master-key-file", required_argument, NULL, 'M'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -695,6 +861,12 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'f':
             o.force = true;
             break;
+        case 'S':
+            o.no_snapshot = true;
+            break;
+        case 'T':
+            o.templates_dir = optarg;
+            break;
         case 'n':
             o.key_name = optarg;
             break;
@@ -710,6 +882,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'K':
             o.tls_key = optarg;
             break;
+        case 'M':
+            o.master_key_file = optarg;
+            break;
         case 'd':
             o.data_dir = optarg;
             break;
@@ -724,6 +899,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                 fprintf(stderr, "spaced: bad log level\n");
                 return 2;
             }
+            o.log_level_set = true;
             break;
         case 'h':
             usage(stdout);

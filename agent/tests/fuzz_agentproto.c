@@ -15,6 +15,7 @@ static void decode_payload(const sp_ap_hdr_t *h, const uint8_t *p)
 {
     static sp_ap_proc_start_t ps;
     static sp_ap_identity_t id;
+    static sp_ap_egress_config_t eg;
     sp_ap_hello_t hello;
     sp_ap_error_t err;
     sp_ap_entry_t e;
@@ -25,6 +26,7 @@ static void decode_payload(const sp_ap_hdr_t *h, const uint8_t *p)
     (void)sp_ap_check_from_host(h->type, h->stream, &code);
     (void)sp_ap_dec_proc_start(p, h->len, &ps, NULL);
     (void)sp_ap_dec_identity(p, h->len, &id, NULL);
+    (void)sp_ap_dec_egress_config(p, h->len, &eg, NULL);
     (void)sp_ap_dec_hello(p, h->len, &hello, NULL);
     (void)sp_ap_dec_error(p, h->len, &err, NULL);
     (void)sp_ap_dec_entry(p, h->len, &e, NULL);

@@ -225,6 +225,78 @@ static void test_agentproto_stream_rules(void)
     CHECK(strcmp(sp_ap_type_name(0x7777), "unknown") == 0);
 }
 
+/* Agent-opened streams: the host ends them (OK, ERROR, DNS_ANSWER), never opens there. */
+static void test_agentproto_egress_stream_rules(void)
+{
+    uint32_t code, a = SP_AP_STREAM_AGENT_BASE + 5;
+    CHECK(sp_ap_check_from_host(SP_AP_T_EGRESS_CONFIG, 1, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_EGRESS_CONFIG, a, &code) < 0 && code == SP_AP_E_PROTO);
+    CHECK(sp_ap_check_from_host(SP_AP_T_EGRESS_CONFIG, 0, &code) < 0 && code == SP_AP_E_PROTO);
+    CHECK(sp_ap_check_from_host(SP_AP_T_OK, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_ERROR, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_DNS_ANSWER, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_DATA, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_EOF, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_WINDOW, a, &code) == 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_RESET, a, &code) == 0);
+    /* ...but not on its own streams, nor control on stream 0 */
+    CHECK(sp_ap_check_from_host(SP_AP_T_OK, 1, &code) < 0 && code == SP_AP_E_TYPE);
+    CHECK(sp_ap_check_from_host(SP_AP_T_DNS_ANSWER, 1, &code) < 0 && code == SP_AP_E_TYPE);
+    CHECK(sp_ap_check_from_host(SP_AP_T_ERROR, 0, &code) < 0);
+    CHECK(sp_ap_check_from_host(SP_AP_T_EGRESS_OPEN, 1, &code) < 0 && code == SP_AP_E_TYPE);
+    CHECK(sp_ap_check_from_host(SP_AP_T_DNS_QUERY, a, &code) < 0);
+    CHECK(sp_ap_type_opens(SP_AP_T_EGRESS_OPEN) && sp_ap_type_opens(SP_AP_T_DNS_QUERY));
+    CHECK(!sp_ap_type_opens(SP_AP_T_DNS_ANSWER));
+    CHECK(strcmp(sp_ap_type_name(SP_AP_T_DNS_QUERY), "dns_query") == 0);
+}
+
+static void test_agentproto_egress_config(void)
+{
+    static uint8_t buf[8192];
+    static sp_ap_egress_config_t m, g;
+    sp_ap_writer_t w;
+    sp_err_t err;
+    m.proxy_port = 3128;
+    m.dns = true;
+    m.env[0] = S("HTTP_PROXY=http://127.0.0.1:3128");
+    m.env[1] = S("NO_PROXY=localhost");
+    m.envc = 2;
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    CHECK(sp_ap_enc_egress_config(&w, 9, &m) > 0);
+    sp_ap_hdr_t h;
+    sp_ap_hdr_decode(buf, &h);
+    CHECK(h.type == SP_AP_T_EGRESS_CONFIG && h.stream == 9);
+    CHECK(sp_ap_dec_egress_config(buf + SP_AP_HDR_SIZE, h.len, &g, &err) == 0);
+    CHECK(g.proxy_port == 3128 && g.dns && g.envc == 2);
+    CHECK(sv_eq(g.env[0], "HTTP_PROXY=http://127.0.0.1:3128") && sv_eq(g.env[1], "NO_PROXY=localhost"));
+    /* empty payload: everything off */
+    CHECK(sp_ap_dec_egress_config(buf, 0, &g, &err) == 0 && g.proxy_port == 0 && !g.dns);
+    /* rejections */
+    const struct {
+        const char *p;
+        size_t n;
+    } bad[] = {
+        {"\x5a\x00\x04\x00\x00\x00\x00\x00\x01\x00", 10}, /* port 65536 */
+        {"\x5a\x00\x02\x00\x00\x00\x50\x00", 8},             /* port not u32 */
+        {"\x5b\x00\x04\x00\x00\x00\x02\x00\x00\x00", 10}, /* dns 2 */
+        {"\x16\x00\x01\x00\x00\x00" "A", 7},                   /* env without '=' */
+        {"\x16\x00\x02\x00\x00\x00" "=v", 8},                  /* empty key */
+        {"\x16\x00\x00\x00\x00\x00", 6},                       /* empty env */
+        {"\x16\x00\x05\x00\x00\x00" "A=b", 9},                 /* truncated */
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK(sp_ap_dec_egress_config((const uint8_t *)bad[i].p, bad[i].n, &g, &err) < 0 &&
+              err.code == SP_EINVAL);
+    /* too many ENV entries */
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    sp_ap_frame_begin(&w, 1, SP_AP_T_EGRESS_CONFIG, 0);
+    for (int i = 0; i < SP_AP_MAX_ENV + 1; i++)
+        sp_ap_put_str(&w, SP_AP_K_ENV, "K=v");
+    long n = sp_ap_frame_end(&w);
+    CHECK(n > 0 && sp_ap_dec_egress_config(buf + SP_AP_HDR_SIZE, (size_t)n - SP_AP_HDR_SIZE, &g,
+                                           &err) < 0);
+}
+
 static void test_agentproto_writer_overflow(void)
 {
     uint8_t buf[20];
@@ -300,6 +372,8 @@ int main(void)
     test_agentproto_truncated_fields();
     test_agentproto_reader_split_and_oversize();
     test_agentproto_stream_rules();
+    test_agentproto_egress_stream_rules();
+    test_agentproto_egress_config();
     test_agentproto_writer_overflow();
     test_agentproto_messages_roundtrip();
     if (fails) {

@@ -10,6 +10,7 @@ import { cleanup, configProblem, registered, RUN_ID, TEMPLATE } from './lib.mjs'
 import './lifecycle.mjs'
 import './commands.mjs'
 import './files.mjs'
+import { cleanupCodeInterpreter } from './code_interpreter.mjs'
 
 const problem = configProblem()
 if (problem) {
@@ -63,7 +64,7 @@ for (const s of selected) {
   if (error && process.env.CONFORMANCE_VERBOSE) console.error(error)
 }
 
-const leftovers = await cleanup()
+const leftovers = [...(await cleanup()), ...(await cleanupCodeInterpreter())]
 
 function oneLine(e) {
   const name = e?.constructor?.name && e.constructor.name !== 'Error' ? `${e.constructor.name}: ` : ''

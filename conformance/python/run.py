@@ -17,36 +17,38 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def pinned_version():
+def pinned_version(dist="e2b"):
     with open(os.path.join(HERE, "requirements.txt")) as f:
         for line in f:
-            m = re.match(r"\s*e2b==([\w.]+)", line)
+            m = re.match(r"\s*%s==([\w.]+)" % re.escape(dist), line)
             if m:
                 return m.group(1)
     return None
 
 
 def check_sdk():
-    try:
-        import e2b  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "cannot run here"
-        print("conformance.python: SKIP: cannot import the e2b package (%s: %s); install the "
-              "pinned SDK: python3 -m venv .venv && .venv/bin/pip install -r requirements.txt"
-              % (type(e).__name__, e), file=sys.stderr)
-        sys.exit(77)
-    want = pinned_version()
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        have = version("e2b")
-    except PackageNotFoundError:
-        # A source checkout on PYTHONPATH has no distribution metadata.
-        print("conformance.python: note: e2b imported from %s without package metadata; "
-              "cannot confirm it is %s" % (os.path.dirname(e2b.__file__), want))
-        return
-    if have != want:
-        print("conformance.python: the installed e2b is %s, requirements.txt pins %s"
-              % (have, want), file=sys.stderr)
-        sys.exit(1)
+    # Both pinned packages: the SDK and the code interpreter SDK built on it.
+    for dist, module in (("e2b", "e2b"), ("e2b-code-interpreter", "e2b_code_interpreter")):
+        try:
+            mod = __import__(module)
+        except Exception as e:  # noqa: BLE001 - any import failure means "cannot run here"
+            print("conformance.python: SKIP: cannot import the %s package (%s: %s); install the "
+                  "pinned SDKs: python3 -m venv .venv && .venv/bin/pip install -r "
+                  "requirements.txt" % (module, type(e).__name__, e), file=sys.stderr)
+            sys.exit(77)
+        want = pinned_version(dist)
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+            have = version(dist)
+        except PackageNotFoundError:
+            # A source checkout on PYTHONPATH has no distribution metadata.
+            print("conformance.python: note: %s imported from %s without package metadata; "
+                  "cannot confirm it is %s" % (module, os.path.dirname(mod.__file__), want))
+            continue
+        if have != want:
+            print("conformance.python: the installed %s is %s, requirements.txt pins %s"
+                  % (dist, have, want), file=sys.stderr)
+            sys.exit(1)
 
 
 def one_line(e):
@@ -73,6 +75,7 @@ def main():
     import lifecycle  # noqa: F401 - registers scenarios
     import commands  # noqa: F401
     import files  # noqa: F401
+    import code_interpreter
 
     problem = lib.config_problem()
     if problem:
@@ -112,7 +115,7 @@ def main():
             import traceback
             traceback.print_exception(type(err), err, err.__traceback__)
 
-    leftovers = lib.cleanup()
+    leftovers = lib.cleanup() + code_interpreter.cleanup()
     failed = [r for r in results if not r["ok"]]
     print("\n" + table(results))
     print("\n%d/%d passed" % (len(results) - len(failed), len(results)))

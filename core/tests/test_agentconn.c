@@ -830,6 +830,166 @@ static void test_agentconn_reset_in_callback(void)
     fake_free(&f);
 }
 
+/* ---- streams the agent opens (egress) ---- */
+
+struct lis {
+    int up, down, gone;
+    int hooked;
+    char hooked_id[65];
+    sp_agentconn_listener_t *self;
+    bool unlisten_on_up;
+};
+
+static void lis_cb(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
+{
+    struct lis *l = arg;
+    if (ev == SP_AGENTCONN_UP)
+        l->up++;
+    else if (ev == SP_AGENTCONN_DOWN)
+        l->down++;
+    else
+        l->gone++;
+    if (ev == SP_AGENTCONN_UP && l->unlisten_on_up)
+        sp_agentconn_unlisten(l->self);
+}
+
+static void lis_hook(void *arg, sp_agentconn_t *c, const char *id)
+{
+    struct lis *l = arg;
+    l->hooked++;
+    snprintf(l->hooked_id, sizeof(l->hooked_id), "%s", id);
+}
+
+struct acc {
+    int offered;
+    uint16_t type;
+    bool refuse;
+    struct sink sink;
+    sp_agentstream_t *s;
+};
+
+static int acc_cb(void *arg, sp_agentstream_t *s, uint16_t type, const uint8_t *p, size_t len,
+                  sp_agentstream_cbs_t *cbs, void **sarg)
+{
+    struct acc *a = arg;
+    a->offered++;
+    a->type = type;
+    if (a->refuse)
+        return -1;
+    CHECK(sp_agentstream_agent_opened(s));
+    a->s = s;
+    *cbs = sink_cbs;
+    *sarg = &a->sink;
+    return 0;
+}
+
+static bool acc_offered(void *arg)
+{
+    return ((struct acc *)arg)->offered > 0;
+}
+
+/* The last frame the host sent on stream id, or NULL. */
+static const struct rx *fake_last_on(const struct fake *f, uint32_t id)
+{
+    for (int i = f->nrx - 1; i >= 0; i--)
+        if (f->rx[i].stream == id)
+            return &f->rx[i];
+    return NULL;
+}
+
+static void test_agentconn_agent_opened_streams(void)
+{
+    struct fake f;
+    struct state st = {0};
+    struct lis l = {0}, l2 = {.unlisten_on_up = true};
+    fake_init(&f, "egress.sock");
+    fake_listen(&f);
+    sp_agentconn_set_hook(lis_hook, &l);
+    sp_agentconn_t *c = sp_agentconn_create(loop, f.path, on_state, &st);
+    CHECK(strcmp(sp_agentconn_sandbox(c), "") == 0);
+    sp_agentconn_set_sandbox(c, "sbx1");
+    CHECK(l.hooked == 1 && strcmp(l.hooked_id, "sbx1") == 0);
+    CHECK(strcmp(sp_agentconn_sandbox(c), "sbx1") == 0);
+    sp_agentconn_set_hook(NULL, NULL);
+    CHECK(sp_agentconn_listen(c, lis_cb, &l) != NULL);
+    l2.self = sp_agentconn_listen(c, lis_cb, &l2);
+    CHECK(run_until(conn_is_up, c, 2000));
+    CHECK(l.up == 1 && l2.up == 1 && st.ups == 1);
+    CHECK(sp_agentconn_caps(c) == SP_AP_CAP_PTY);
+
+    /* No acceptor yet: refused with ERROR + END. */
+    const uint32_t a1 = SP_AP_STREAM_AGENT_BASE | 1;
+    fake_send(&f, a1, SP_AP_T_EGRESS_OPEN, 0, NULL, 0);
+    run_for(50);
+    const struct rx *r = fake_last_on(&f, a1);
+    CHECK(r != NULL && r->type == SP_AP_T_ERROR && (r->flags & SP_AP_F_END));
+
+    /* Accepted: DATA both ways, then the host ends it with OK + END. */
+    struct acc a = {0};
+    sp_agentconn_set_acceptor(c, acc_cb, &a);
+    const uint32_t a2 = SP_AP_STREAM_AGENT_BASE | 2;
+    fake_send(&f, a2, SP_AP_T_EGRESS_OPEN, 0, NULL, 0);
+    fake_send(&f, a2, SP_AP_T_DATA, 0, "GET", 3);
+    CHECK(run_until(acc_offered, &a, 1000));
+    run_for(30);
+    CHECK(a.type == SP_AP_T_EGRESS_OPEN && a.s != NULL);
+    CHECK(a.sink.frames == 1 && a.sink.types[0] == SP_AP_T_DATA);
+    CHECK(a.s != NULL && sp_agentstream_send(a.s, SP_AP_T_DATA, (const uint8_t *)"HTTP", 4) == 1);
+    run_for(30);
+    r = fake_last_on(&f, a2);
+    CHECK(r != NULL && r->type == SP_AP_T_DATA && r->len == 4);
+    /* Only OK, ERROR and DNS_ANSWER end it. */
+    CHECK(a.s != NULL && sp_agentstream_end(a.s, SP_AP_T_DATA, NULL, 0) == -1);
+    CHECK(a.s != NULL && sp_agentstream_end(a.s, SP_AP_T_OK, NULL, 0) == 0);
+    run_for(30);
+    r = fake_last_on(&f, a2);
+    CHECK(r != NULL && r->type == SP_AP_T_OK && (r->flags & SP_AP_F_END));
+    CHECK(a.sink.errors == 0);
+    fake_send(&f, a2, SP_AP_T_DATA, 0, "late", 4); /* crossed the END: dropped */
+    run_for(30);
+    CHECK(a.sink.frames == 1);
+
+    /* The guest abandons one with RESET: on_error. */
+    struct acc b = {0};
+    sp_agentconn_set_acceptor(c, acc_cb, &b);
+    const uint32_t a3 = SP_AP_STREAM_AGENT_BASE | 3;
+    fake_send(&f, a3, SP_AP_T_DNS_QUERY, 0, NULL, 0);
+    CHECK(run_until(acc_offered, &b, 1000));
+    CHECK(b.type == SP_AP_T_DNS_QUERY);
+    fake_send(&f, a3, SP_AP_T_RESET, 0, NULL, 0);
+    CHECK(run_until(sink_done, &b.sink, 1000));
+    CHECK(b.sink.errors == 1 && b.sink.err_code == SP_EUNAVAIL);
+
+    /* A refusing acceptor: ERROR + END. A host stream cannot be ended this way. */
+    struct acc d = {.refuse = true};
+    sp_agentconn_set_acceptor(c, acc_cb, &d);
+    const uint32_t a4 = SP_AP_STREAM_AGENT_BASE | 4;
+    fake_send(&f, a4, SP_AP_T_EGRESS_OPEN, 0, NULL, 0);
+    CHECK(run_until(acc_offered, &d, 1000));
+    run_for(30);
+    r = fake_last_on(&f, a4);
+    CHECK(r != NULL && r->type == SP_AP_T_ERROR && (r->flags & SP_AP_F_END));
+    struct sink k = {0};
+    uint32_t id;
+    sp_agentstream_t *hs = open_proc(c, &f, &k, &id);
+    CHECK(sp_agentstream_end(hs, SP_AP_T_OK, NULL, 0) == -1);
+    /* The host may not open the agent's stream types. */
+    sp_err_t err;
+    CHECK(sp_agentconn_open(c, SP_AP_T_EGRESS_OPEN, NULL, 0, &sink_cbs, &k, &err) == NULL);
+
+    /* Channel loss: DOWN for the listener still there, then UP again; destroy: GONE. */
+    sp_agentconn_set_acceptor(c, acc_cb, &b);
+    fake_client_close(&f);
+    CHECK(run_until(sink_done, &k, 1000));
+    CHECK(run_until(conn_is_up, c, 3000));
+    run_for(20);
+    CHECK(l.down == 1 && l.up == 2);
+    CHECK(l2.up == 1 && l2.down == 0); /* it left inside its first UP */
+    sp_agentconn_destroy(c);
+    CHECK(l.gone == 1 && l2.gone == 0);
+    fake_free(&f);
+}
+
 int main(void)
 {
     const char *lvl = getenv("SP_TEST_LOG");
@@ -850,6 +1010,7 @@ int main(void)
     test_agentconn_garbage_reconnects();
     test_agentconn_destroy_with_open_streams();
     test_agentconn_reset_in_callback();
+    test_agentconn_agent_opened_streams();
     for (int i = 0; i < 5; i++)
         sp_loop_run_once(loop, 1);
     rmdir(tmpdir);

@@ -1,7 +1,8 @@
 #!/bin/sh
 # customize.sh <root>: mmdebstrap customize hook for make-rootfs.sh.
-# Adds users (SP_USERS), hostname, the agent (SP_AGENT) and the mount points
-# the guest init moves /dev /proc /sys onto. Runs on the host as root.
+# Adds users (SP_USERS), hostname, the agent (SP_AGENT), the code daemon
+# (SP_CODE) and the mount points the guest init moves /dev /proc /sys onto.
+# Runs on the host as root.
 set -eu
 export PATH="$PATH:/usr/sbin:/sbin"
 r=$1
@@ -25,6 +26,10 @@ mkdir -p "$r/usr/local/bin" "$r/dev" "$r/proc" "$r/sys" "$r/run" "$r/tmp"
 if [ -n "$SP_AGENT" ]; then
     cp "$SP_AGENT" "$r/usr/local/bin/space-agent"
     chmod 755 "$r/usr/local/bin/space-agent"
+fi
+if [ -n "${SP_CODE:-}" ]; then
+    cp "$SP_CODE" "$r/usr/local/bin/space-code"
+    chmod 755 "$r/usr/local/bin/space-code"
 fi
 # Each sandbox gets its identity after boot or restore, not from the image.
 : >"$r/etc/machine-id"

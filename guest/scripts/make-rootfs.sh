@@ -12,6 +12,7 @@
 #   SP_USERS      lines "name:uid:home:shell:sudo" (sudo 1 = passwordless)
 #   SP_HOSTNAME   /etc/hostname                               (default space)
 #   SP_AGENT      the guest agent binary, installed as /usr/local/bin/space-agent
+#   SP_CODE       the code daemon, installed as /usr/local/bin/space-code (optional)
 #   SP_APT_SOURCES  sources file to use instead of the host's (optional)
 set -eu
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -25,6 +26,9 @@ command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed"
 [ "$(id -u)" = 0 ] || die "needs root (mmdebstrap --mode=root keeps file ownership right)"
 if [ -n "${SP_AGENT:-}" ]; then
     [ -f "$SP_AGENT" ] || die "agent binary $SP_AGENT not found"
+fi
+if [ -n "${SP_CODE:-}" ]; then
+    [ -f "$SP_CODE" ] || die "code daemon $SP_CODE not found"
 fi
 
 # The host's apt sources, in one format: deb822 files if there are any,
@@ -53,7 +57,8 @@ fi
 [ -s "$sources" ] || die "no apt sources found on the host"
 
 tmp=$(mktemp -d "${out}.tmp.XXXXXX")
-export SP_HOSTNAME="${SP_HOSTNAME:-space}" SP_USERS="${SP_USERS:-}" SP_AGENT="${SP_AGENT:-}"
+export SP_HOSTNAME="${SP_HOSTNAME:-space}" SP_USERS="${SP_USERS:-}" SP_AGENT="${SP_AGENT:-}" \
+    SP_CODE="${SP_CODE:-}"
 # Docs, man pages and translations are dropped: they cost image space and
 # every sandbox's page cache, and nobody reads them in a sandbox.
 mmdebstrap --mode=root --variant="${SP_VARIANT:-minbase}" \

@@ -1,6 +1,7 @@
 /*
- * test_tmplbuild.c - spec parsing, input-hash stability and sensitivity,
- * data-dir layout and the current-build lookup. No network, no root.
+ * test_tmplbuild.c - spec parsing (code_interpreter, warmup), input-hash
+ * stability and sensitivity, data-dir layout and the current-build lookup.
+ * No network, no root.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,6 +105,13 @@ static void test_tmplbuild_rejects_bad_specs(void)
         "{\"name\":\"x\",\"suite\":\"bookworm\",\"users\":[{\"name\":\"u\",\"uid\":1000},"
         "{\"name\":\"v\",\"uid\":1000}]}",
         "{\"name\":\"x\",\"name\":\"y\",\"suite\":\"bookworm\"}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"code_interpreter\":1}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":\"/bin/true\"}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[\"/bin/true\",1]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[\"\"]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[\"a\\u0000b\"]}",
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"agent\":false,\"warmup\":[\"/bin/true\"]}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         sp_err_t err = {0};
@@ -113,6 +121,34 @@ static void test_tmplbuild_rejects_bad_specs(void)
         CHECK(s == NULL && err.code == SP_EINVAL && err.msg[0] != '\0');
         sp_tmplbuild_spec_free(s);
     }
+    /* more than SP_TMPLBUILD_WARMUP_MAX argv entries */
+    char big[1024] = "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[";
+    for (int i = 0; i <= SP_TMPLBUILD_WARMUP_MAX; i++)
+        strcat(big, i ? ",\"a\"" : "\"a\"");
+    strcat(big, "]}");
+    sp_err_t err = {0};
+    sp_tmplbuild_spec_t *s = parse(big, &err);
+    CHECK(s == NULL && err.code == SP_EINVAL && strstr(err.msg, "warmup") != NULL);
+    sp_tmplbuild_spec_free(s);
+}
+
+static void test_tmplbuild_code_interpreter_and_warmup(void)
+{
+    sp_err_t err = {0};
+    sp_tmplbuild_spec_t *s = parse("{\"name\":\"t\",\"suite\":\"bookworm\"}", &err);
+    CHECK(s != NULL && s->code_interpreter == 0 && s->warmup == NULL && s->n_warmup == 0);
+    sp_tmplbuild_spec_free(s);
+    s = parse("{\"name\":\"t\",\"suite\":\"bookworm\",\"code_interpreter\":true,"
+              "\"warmup\":[\"/usr/local/bin/space-code\",\"start\",\"--warm\"]}",
+              &err);
+    CHECK(s != NULL);
+    if (s == NULL)
+        return;
+    CHECK(s->code_interpreter == 1 && s->n_warmup == 3);
+    CHECK(strcmp(s->warmup[0], "/usr/local/bin/space-code") == 0 &&
+          strcmp(s->warmup[2], "--warm") == 0);
+    CHECK(strstr(s->canonical, "\"warmup\":[") != NULL); /* what the hash sees */
+    sp_tmplbuild_spec_free(s);
 }
 
 static void hash_of(const char *json, const char *agent, const char *kver, char out[65])
@@ -150,6 +186,17 @@ static void test_tmplbuild_hash_stable_and_sensitive(void)
     CHECK(strcmp(a, f) != 0); /* any spec field changes it */
     hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"]}", agent, "k1", b);
     CHECK(strcmp(a, b) == 0); /* repeatable */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"],"
+            "\"code_interpreter\":true}",
+            agent, "k1", c);
+    CHECK(strcmp(a, c) != 0); /* the code daemon changes it */
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"],"
+            "\"warmup\":[\"/bin/true\"]}",
+            agent, "k1", d);
+    hash_of("{\"name\":\"t\",\"suite\":\"bookworm\",\"packages\":[\"curl\"],"
+            "\"warmup\":[\"/bin/false\"]}",
+            agent, "k1", e);
+    CHECK(strcmp(a, d) != 0 && strcmp(d, e) != 0); /* so does the warmup command */
 }
 
 static void test_tmplbuild_path_layout(void)
@@ -193,7 +240,8 @@ static void test_tmplbuild_current_reads_manifest(void)
         fprintf(f,
                 "{\"name\":\"base\",\"hash\":\"%s\",\"kernel_version\":\"kv\","
                 "\"initramfs\":\"images/initramfs-00.img\",\"cpu_count\":1,"
-                "\"memory_mb\":256,\"disk_mb\":2048}",
+                "\"memory_mb\":256,\"disk_mb\":2048,\"code_interpreter\":true,"
+                "\"warmup\":[\"/bin/true\"]}",
                 HASH);
         fclose(f);
     }
@@ -206,6 +254,7 @@ static void test_tmplbuild_current_reads_manifest(void)
     snprintf(want, sizeof want, "%s/images/kernel/kv/vmlinux", dir);
     CHECK(strcmp(p.kernel, want) == 0);
     CHECK(strcmp(p.hash, HASH) == 0 && p.memory_mb == 256 && p.disk_mb == 2048);
+    CHECK(p.code_interpreter == 1 && p.warmup == 1);
 
     /* a templates dir overrides the built-in specs */
     snprintf(path, sizeof path, "%s/specs", dir);
@@ -244,6 +293,7 @@ int main(void)
     test_tmplbuild_parses_builtin_base();
     test_tmplbuild_defaults();
     test_tmplbuild_rejects_bad_specs();
+    test_tmplbuild_code_interpreter_and_warmup();
     test_tmplbuild_hash_stable_and_sensitive();
     test_tmplbuild_path_layout();
     test_tmplbuild_current_reads_manifest();

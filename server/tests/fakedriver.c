@@ -193,6 +193,7 @@ static sp_agentconn_t *agent_ensure(fake_t *f, const char *id)
         char sock[4200];
         snprintf(sock, sizeof(sock), "%s/%s.sock", f->dir, id);
         v->conn = sp_agentconn_create(f->base.loop, sock, on_agent_state, f);
+        sp_agentconn_set_sandbox(v->conn, id); /* the egress proxy attaches here */
     }
     return v->conn;
 }

@@ -1,0 +1,837 @@
+/*
+ * envd_code.c - the E2B code interpreter (port 49999, spec e2b-wire.md section 4) over
+ * core/code.h: POST /execute streamed as NDJSON, the /contexts CRUD, GET /health.
+ *
+ * /execute answers with an HTTP error while the daemon has not accepted the execution (bad
+ * input 400, unknown context 404, ...), then 200 and one JSON object per line, in the order
+ * the daemon's events come: stdout/stderr, result (the Jupyter MIME bundle renamed to E2B's
+ * keys), error, and at the end number_of_executions and end_of_execution; the body ends with
+ * the execution. {"type":"keepalive"} goes out after KEEPALIVE_MS without another line.
+ * Lines are encoded ASCII-only: the Python SDK splits the body with str.splitlines(), which
+ * also breaks at U+0085, U+2028 and U+2029, so those must never appear raw.
+ *
+ * Flow control: stdout/stderr bytes are acknowledged to core only once h2o took the line that
+ * carried them, so a client that does not read holds the output in the guest. A client that
+ * leaves cancels the execution (the daemon then interrupts it). HTTP/2 tells us at once; over
+ * HTTP/1.x h2o does not read the socket while a response streams, so a write would notice
+ * only at the second keepalive after the close: the stream polls its socket for the peer's
+ * shutdown (POLLRDHUP) every PROBE_MS instead.
+ *
+ * Owns nothing past a request. Knows nothing of routing or tokens (gw.c checked them).
+ */
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/code.h"
+#include "core/log.h"
+#include "e2b-gateway/connectrpc.h"
+#include "e2b-gateway/gw_int.h"
+
+#define KEEPALIVE_MS  5000 /* what the real server uses; the SDK's read gap is 300 s */
+#define PROBE_MS      1000 /* HTTP/1.x: how often the socket is checked for the client's close */
+#define CODE_MAX_SEGS 4
+
+static size_t path_len(h2o_req_t *req)
+{
+    return req->query_at != SIZE_MAX ? req->query_at : req->path.len;
+}
+
+bool sp_e2b__is_code_path(h2o_req_t *req)
+{
+    size_t n = path_len(req);
+    const char *p = req->path.base;
+    return h2o_memis(p, n, H2O_STRLIT("/execute")) || h2o_memis(p, n, H2O_STRLIT("/contexts")) ||
+           (n > 10 && memcmp(p, "/contexts/", 10) == 0);
+}
+
+static void send_status(h2o_req_t *req, int status, const char *reason)
+{
+    req->res.status = status;
+    req->res.reason = reason;
+    h2o_send_inline(req, "", 0);
+}
+
+/* Parses the body as a JSON object; NULL (400 sent) when it is not one. Empty: {} if
+ * empty_ok. */
+static json_t *body_object(h2o_req_t *req, bool empty_ok)
+{
+    if (req->entity.base == NULL || req->entity.len == 0) {
+        if (empty_ok)
+            return json_object();
+        sp_e2b__error(req, 400, "the request body must be a JSON object");
+        return NULL;
+    }
+    json_error_t je;
+    json_t *o = json_loadb(req->entity.base, req->entity.len, 0, &je);
+    if (o == NULL || !json_is_object(o)) {
+        json_decref(o);
+        sp_e2b__error(req, 400, "the request body must be a JSON object");
+        return NULL;
+    }
+    return o;
+}
+
+/* Optional string member: NULL when absent or null (and, as the real server reads "", when
+ * empty if empty_is_null); -1 with a 400 sent on another type, or on a NUL character unless
+ * len is asked for (a cut name could name something else). Copied into req->pool. */
+static int opt_string(h2o_req_t *req, json_t *o, const char *key, bool empty_is_null,
+                      const char **out, size_t *len)
+{
+    json_t *v = json_object_get(o, key);
+    *out = NULL;
+    if (len != NULL)
+        *len = 0;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_string(v)) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "%s must be a string or null", key);
+        sp_e2b__error(req, 400, msg);
+        return -1;
+    }
+    size_t n = json_string_length(v);
+    if (n == 0 && empty_is_null)
+        return 0;
+    if (len == NULL && memchr(json_string_value(v), '\0', n) != NULL) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "%s must not contain NUL characters", key);
+        sp_e2b__error(req, 400, msg);
+        return -1;
+    }
+    char *s = h2o_mem_alloc_pool(&req->pool, n + 1);
+    memcpy(s, json_string_value(v), n + 1);
+    *out = s;
+    if (len != NULL)
+        *len = n;
+    return 0;
+}
+
+static void reply_ctx(h2o_req_t *req, const sp_code_ctx_t *ctx)
+{
+    sp_http_json(req, 200,
+                 json_pack("{s:s,s:s,s:s}", "id", ctx->id ? ctx->id : "", "language",
+                           ctx->language ? ctx->language : "", "cwd", ctx->cwd ? ctx->cwd : ""));
+}
+
+/* ---- unary context calls ---- */
+
+typedef struct {
+    sp_http_hold_t *hold;
+} unary_t;
+
+static unary_t *unary_new(h2o_req_t *req)
+{
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(unary_t));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return NULL;
+    }
+    unary_t *u = sp_http_hold_user(h);
+    u->hold = h;
+    return u;
+}
+
+/* Frees u (it lives in the hold); NULL when the client left. */
+static h2o_req_t *unary_take(void *arg)
+{
+    unary_t *u = arg;
+    return sp_http_release(u->hold);
+}
+
+static void unary_fail(h2o_req_t *req, const sp_err_t *err)
+{
+    sp_e2b__error_from(req, err);
+}
+
+static void on_ctx(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
+{
+    h2o_req_t *req = unary_take(arg);
+    if (req == NULL)
+        return;
+    if (err != NULL)
+        unary_fail(req, err);
+    else
+        reply_ctx(req, ctx);
+}
+
+/* restart: any 2xx for the SDK; no body like DELETE. */
+static void on_restarted(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
+{
+    h2o_req_t *req = unary_take(arg);
+    if (req == NULL)
+        return;
+    if (err != NULL)
+        unary_fail(req, err);
+    else
+        send_status(req, 204, "No Content");
+}
+
+static void on_done(void *arg, const sp_err_t *err)
+{
+    h2o_req_t *req = unary_take(arg);
+    if (req == NULL)
+        return;
+    if (err != NULL)
+        unary_fail(req, err);
+    else
+        send_status(req, 204, "No Content");
+}
+
+static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
+{
+    h2o_req_t *req = unary_take(arg);
+    if (req == NULL)
+        return;
+    if (err != NULL) {
+        unary_fail(req, err);
+        return;
+    }
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < n; i++) {
+        /* Per-language default contexts are made on demand and are not the caller's to
+         * remove: left out (E2B's own server lists its default kernels by their IDs). */
+        if (ctxs[i].is_default)
+            continue;
+        json_array_append_new(a, json_pack("{s:s,s:s,s:s}", "id", ctxs[i].id ? ctxs[i].id : "",
+                                           "language", ctxs[i].language ? ctxs[i].language : "",
+                                           "cwd", ctxs[i].cwd ? ctxs[i].cwd : ""));
+    }
+    char *s = a ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    if (s == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    req->res.status = 200;
+    req->res.reason = "OK";
+    h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
+                   H2O_STRLIT("application/json"));
+    h2o_send_inline(req, s, strlen(s));
+    free(s);
+}
+
+/* The call returned NULL: no callback will come; answer here. */
+static void unary_started(unary_t *u, sp_code_op_t *op, const sp_err_t *e)
+{
+    if (op != NULL)
+        return;
+    h2o_req_t *req = unary_take(u);
+    if (req != NULL)
+        unary_fail(req, e);
+}
+
+static void contexts_create(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
+{
+    json_t *o = body_object(req, true);
+    if (o == NULL)
+        return;
+    const char *language, *cwd;
+    int rc = opt_string(req, o, "language", true, &language, NULL);
+    if (rc == 0)
+        rc = opt_string(req, o, "cwd", true, &cwd, NULL);
+    json_decref(o);
+    if (rc < 0)
+        return;
+    unary_t *u = unary_new(req);
+    if (u == NULL)
+        return;
+    sp_err_t e;
+    unary_started(
+        u,
+        sp_code_create(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, language, cwd, on_ctx, u, &e),
+        &e);
+}
+
+static void contexts_list(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
+{
+    unary_t *u = unary_new(req);
+    if (u == NULL)
+        return;
+    sp_err_t e;
+    unary_started(u, sp_code_list(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, on_list, u, &e),
+                  &e);
+}
+
+static void contexts_delete(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t, const char *id)
+{
+    unary_t *u = unary_new(req);
+    if (u == NULL)
+        return;
+    sp_err_t e;
+    unary_started(
+        u, sp_code_delete(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, id, on_done, u, &e), &e);
+}
+
+static void contexts_restart(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t, const char *id)
+{
+    unary_t *u = unary_new(req);
+    if (u == NULL)
+        return;
+    sp_err_t e;
+    unary_started(
+        u, sp_code_restart(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, id, on_restarted, u, &e),
+        &e);
+}
+
+/* ---- /execute ---- */
+
+typedef struct xc {
+    h2o_req_t *req;   /* until the stream starts; NULL once the client left */
+    struct xc **hook; /* in req->pool: tells us the client left before the stream */
+    sp_code_op_t *op; /* NULL after the terminal event or a cancel */
+    sp_connect_stream_t *st;
+    sp_timer_t ka;
+    sp_timer_t probe;
+    int fd;    /* HTTP/1.x: the connection's socket (valid while st is), else -1 */
+    int depth; /* inside one of our callbacks: freeing waits */
+    bool dead;
+    char sandbox_id[65];
+} xc_t;
+
+static void xc_free_now(xc_t *x)
+{
+    sp_timer_stop(&x->ka);
+    sp_timer_stop(&x->probe);
+    if (x->hook != NULL)
+        *x->hook = NULL;
+    free(x);
+}
+
+/* Frees x now or when the outermost callback returns. */
+static void xc_free(xc_t *x)
+{
+    if (x->depth > 0) {
+        x->dead = true;
+        return;
+    }
+    xc_free_now(x);
+}
+
+static void xc_enter(xc_t *x)
+{
+    x->depth++;
+}
+
+/* GCC (-O2) cannot see that xc_free() inside a callback only marks x dead while depth > 0,
+ * and reports a use after free on the callers' xc_leave(); the depth count is what makes the
+ * free happen only here, last. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wuse-after-free"
+/* false when x was freed. */
+static bool xc_leave(xc_t *x)
+{
+    if (--x->depth == 0 && x->dead) {
+        xc_free_now(x);
+        return false;
+    }
+    return !x->dead;
+}
+#pragma GCC diagnostic pop
+
+static void xc_cancel(xc_t *x)
+{
+    if (x->op != NULL) {
+        sp_code_op_t *op = x->op;
+        x->op = NULL;
+        sp_code_cancel(op);
+    }
+}
+
+/* The client left before the stream started (the request's pool is going away). */
+static void on_req_gone(void *p)
+{
+    xc_t *x = *(xc_t **)p;
+    if (x == NULL)
+        return;
+    x->hook = NULL; /* the slot dies with the pool */
+    x->req = NULL;
+    xc_cancel(x);
+    xc_free(x);
+}
+
+static void on_sent(void *arg, size_t raw)
+{
+    xc_t *x = arg;
+    if (x->op == NULL)
+        return;
+    xc_enter(x);
+    sp_code_ack(x->op, raw);
+    xc_leave(x);
+}
+
+static void on_gone(void *arg)
+{
+    xc_t *x = arg;
+    x->st = NULL; /* freed by connectrpc after this call */
+    sp_log(SP_LOG_DEBUG, "e2b", "code client left mid-execution sandbox=%s", x->sandbox_id);
+    xc_cancel(x);
+    xc_free(x);
+}
+
+static const sp_connect_stream_cbs_t xc_cbs = {on_sent, on_gone};
+
+/* Ends the body (after the lines written so far) and frees x. */
+static void xc_end(xc_t *x, bool ok)
+{
+    xc_cancel(x);
+    if (x->st != NULL) {
+        sp_connect_stream_t *st = x->st;
+        x->st = NULL;
+        sp_connect_stream_end(st, ok);
+    }
+    xc_free(x);
+}
+
+/* One NDJSON line (o stolen); raw = the stdout/stderr bytes it carries. -1: the stream broke
+ * (x is ended and freed). */
+static int xc_line(xc_t *x, json_t *o, size_t raw)
+{
+    if (x->dead || x->st == NULL) { /* the client left inside this callback */
+        json_decref(o);
+        return -1;
+    }
+    /* ASCII only (see the top) and compact: never a raw newline inside a line. */
+    char *s = o ? json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII) : NULL;
+    json_decref(o);
+    if (s == NULL) {
+        sp_log(SP_LOG_WARN, "e2b", "cannot encode a code output line sandbox=%s", x->sandbox_id);
+        xc_end(x, false);
+        return -1;
+    }
+    size_t n = strlen(s);
+    s[n] = '\n'; /* replaces the NUL: the length below includes the newline */
+    int rc = sp_connect_stream_write(x->st, s, n + 1, raw);
+    free(s);
+    if (rc < 0) {
+        xc_end(x, false);
+        return -1;
+    }
+    if (x->st != NULL)
+        sp_timer_start(&x->ka, KEEPALIVE_MS);
+    return 0;
+}
+
+static void on_keepalive(sp_timer_t *t, void *arg)
+{
+    xc_t *x = arg;
+    if (x->st == NULL)
+        return;
+    xc_enter(x);
+    xc_line(x, json_pack("{s:s}", "type", "keepalive"), 0);
+    xc_leave(x);
+}
+
+/* HTTP/1.x: has the client closed its end? POLLRDHUP sees the FIN even behind bytes nobody
+ * read yet (a TLS close_notify). The fd stays valid while x->st is: h2o stops the stream
+ * (on_gone) before it closes the connection. */
+static void on_probe(sp_timer_t *t, void *arg)
+{
+    xc_t *x = arg;
+    if (x->st == NULL || x->fd < 0)
+        return;
+    struct pollfd pfd = {.fd = x->fd, .events = POLLRDHUP};
+    if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) {
+        sp_log(SP_LOG_DEBUG, "e2b", "code client closed its connection sandbox=%s", x->sandbox_id);
+        xc_enter(x);
+        xc_end(x, false);
+        xc_leave(x);
+        return;
+    }
+    sp_timer_start(&x->probe, PROBE_MS);
+}
+
+/* Length of the well-formed UTF-8 sequence at p[0..n), 0 when there is none (overlong forms,
+ * surrogates and code points past U+10FFFF are not well formed). */
+static size_t utf8_seq(const unsigned char *p, size_t n)
+{
+    if (p[0] < 0x80)
+        return 1;
+    size_t len = (p[0] & 0xe0) == 0xc0   ? 2
+                 : (p[0] & 0xf0) == 0xe0 ? 3
+                 : (p[0] & 0xf8) == 0xf0 ? 4
+                                         : 0;
+    if (len == 0 || len > n)
+        return 0;
+    uint32_t cp = p[0] & (0x7f >> len);
+    for (size_t i = 1; i < len; i++) {
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+        cp = cp << 6 | (p[i] & 0x3f);
+    }
+    static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+        return 0;
+    return len;
+}
+
+/* Text as a JSON string; bytes that are not UTF-8 become U+FFFD (the daemon sends UTF-8, but a
+ * line must never be lost to one bad byte). */
+static json_t *text_json(const char *p, size_t n)
+{
+    if (p == NULL)
+        return json_string("");
+    json_t *s = json_stringn(p, n);
+    if (s != NULL)
+        return s;
+    char *b = malloc(n * 3 + 1);
+    if (b == NULL)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t len = utf8_seq((const unsigned char *)p + i, n - i);
+        if (len > 0) {
+            memcpy(b + o, p + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(b + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    s = json_stringn(b, o);
+    free(b);
+    return s;
+}
+
+/* text/plain loses one pair of surrounding quotes, as the real server does (a lone quote
+ * character becomes ""). */
+static json_t *plain_text(json_t *v)
+{
+    if (!json_is_string(v))
+        return json_incref(v);
+    const char *s = json_string_value(v);
+    size_t n = json_string_length(v);
+    if (n >= 1 && (s[0] == '\'' || s[0] == '"') && s[n - 1] == s[0])
+        return json_stringn(n >= 2 ? s + 1 : "", n >= 2 ? n - 2 : 0);
+    return json_incref(v);
+}
+
+/* Jupyter MIME type -> E2B result key (spec 4). */
+static const struct {
+    const char *mime, *key;
+} mime_keys[] = {
+    {"text/plain", "text"},        {"text/html", "html"},
+    {"text/markdown", "markdown"}, {"image/svg+xml", "svg"},
+    {"image/png", "png"},          {"image/jpeg", "jpeg"},
+    {"application/pdf", "pdf"},    {"text/latex", "latex"},
+    {"application/json", "json"},  {"application/javascript", "javascript"},
+    {"e2b/data", "data"},          {"e2b/chart", "chart"},
+};
+
+static json_t *result_line(const sp_code_ev_t *ev)
+{
+    json_t *o = json_pack("{s:s}", "type", "result");
+    json_t *extra = json_object();
+    if (o == NULL || extra == NULL) {
+        json_decref(o);
+        json_decref(extra);
+        return NULL;
+    }
+    const char *mime;
+    json_t *v;
+    json_object_foreach(ev->data, mime, v)
+    {
+        if (json_is_null(v)) /* the real server drops null fields */
+            continue;
+        const char *key = NULL;
+        for (size_t i = 0; i < sizeof(mime_keys) / sizeof(mime_keys[0]); i++)
+            if (strcmp(mime, mime_keys[i].mime) == 0)
+                key = mime_keys[i].key;
+        if (key == NULL)
+            json_object_set(extra, mime, v);
+        else if (strcmp(key, "text") == 0)
+            json_object_set_new(o, key, plain_text(v));
+        else
+            json_object_set(o, key, v);
+    }
+    if (json_object_size(extra) > 0)
+        json_object_set_new(o, "extra", extra);
+    else
+        json_decref(extra);
+    json_object_set_new(o, "is_main_result", json_boolean(ev->is_main_result));
+    return o;
+}
+
+/* The traceback frames as one string, a newline between frames. */
+static json_t *traceback_json(json_t *tb)
+{
+    if (json_is_string(tb))
+        return json_incref(tb);
+    size_t total = 0, i;
+    json_t *f;
+    json_array_foreach(tb, i, f) total += json_string_length(f) + 1;
+    char *b = malloc(total + 1);
+    if (b == NULL)
+        return NULL;
+    size_t o = 0;
+    json_array_foreach(tb, i, f)
+    {
+        if (!json_is_string(f))
+            continue;
+        if (o > 0)
+            b[o++] = '\n';
+        memcpy(b + o, json_string_value(f), json_string_length(f));
+        o += json_string_length(f);
+    }
+    json_t *s = json_stringn(b, o);
+    free(b);
+    return s;
+}
+
+static json_t *error_line(const char *name, const char *value, json_t *traceback)
+{
+    json_t *o = json_pack("{s:s}", "type", "error");
+    if (o == NULL) {
+        json_decref(traceback);
+        return NULL;
+    }
+    json_object_set_new(o, "name", text_json(name ? name : "", name ? strlen(name) : 0));
+    json_object_set_new(o, "value", text_json(value ? value : "", value ? strlen(value) : 0));
+    json_object_set_new(o, "traceback", traceback ? traceback : json_string(""));
+    return o;
+}
+
+/* Starts the 200 NDJSON response; false when the client is gone (x freed, op cancelled). */
+static bool xc_begin(xc_t *x)
+{
+    if (x->st != NULL)
+        return true;
+    h2o_req_t *req = x->req;
+    x->req = NULL;
+    if (x->hook != NULL) {
+        *x->hook = NULL; /* the stream reports the client leaving from now on */
+        x->hook = NULL;
+    }
+    if (req != NULL && req->version < 0x200 && req->conn->callbacks->get_socket != NULL) {
+        h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
+        x->fd = sock != NULL ? h2o_socket_get_fd(sock) : -1;
+    }
+    if (req != NULL)
+        x->st = sp_connect_stream_start(req, 200, "application/x-ndjson", -1, &xc_cbs, x);
+    if (x->st == NULL) {
+        if (req != NULL)
+            sp_e2b__error(req, 500, "out of memory");
+        xc_cancel(x);
+        xc_free(x);
+        return false;
+    }
+    sp_timer_start(&x->ka, KEEPALIVE_MS);
+    if (x->fd >= 0)
+        sp_timer_start(&x->probe, PROBE_MS);
+    return true;
+}
+
+static void xc_event_in(xc_t *x, const sp_code_ev_t *ev)
+{
+    switch (ev->type) {
+    case SP_CODE_EV_START:
+        /* A first line now, so the headers go out now: the SDKs start their execution
+         * timeout when the response starts, and quiet code would otherwise delay it to the
+         * first keepalive. The SDKs ignore keepalive lines. */
+        if (xc_begin(x))
+            xc_line(x, json_pack("{s:s}", "type", "keepalive"), 0);
+        return;
+    case SP_CODE_EV_STDOUT:
+    case SP_CODE_EV_STDERR: {
+        if (!xc_begin(x))
+            return;
+        json_t *o = json_pack("{s:s}", "type", ev->type == SP_CODE_EV_STDOUT ? "stdout" : "stderr");
+        if (o != NULL) {
+            json_object_set_new(o, "text", text_json(ev->text, ev->len));
+            if (ev->timestamp != NULL)
+                json_object_set_new(o, "timestamp", json_string(ev->timestamp));
+        }
+        xc_line(x, o, ev->len);
+        return;
+    }
+    case SP_CODE_EV_RESULT:
+        if (xc_begin(x))
+            xc_line(x, result_line(ev), 0);
+        return;
+    case SP_CODE_EV_ERROR:
+        if (xc_begin(x))
+            xc_line(x, error_line(ev->name, ev->value, traceback_json(ev->traceback)), 0);
+        return;
+    case SP_CODE_EV_END:
+        x->op = NULL; /* terminal: the op is gone */
+        if (!xc_begin(x))
+            return;
+        if (ev->execution_count >= 0 &&
+            xc_line(x,
+                    json_pack("{s:s,s:i}", "type", "number_of_executions", "execution_count",
+                              ev->execution_count),
+                    0) < 0)
+            return;
+        if (xc_line(x, json_pack("{s:s}", "type", "end_of_execution"), 0) < 0)
+            return;
+        xc_end(x, true);
+        return;
+    case SP_CODE_EV_FAIL:
+        x->op = NULL;
+        if (x->st == NULL) {
+            /* Rejected before it ran: a plain HTTP error (404 unknown context, 400, ...). */
+            h2o_req_t *req = x->req;
+            x->req = NULL;
+            if (x->hook != NULL) {
+                *x->hook = NULL; /* answered: nothing to cancel when the pool goes */
+                x->hook = NULL;
+            }
+            if (req != NULL)
+                sp_e2b__error_from(req, ev->err);
+            xc_free(x);
+            return;
+        }
+        /* The daemon went away mid-execution: what the real server says when its kernel
+         * connection drops, then the normal end. */
+        sp_log(SP_LOG_INFO, "e2b", "code execution ended unexpectedly sandbox=%s err=%s",
+               x->sandbox_id, ev->err ? ev->err->msg : "");
+        if (xc_line(x,
+                    error_line("UnexpectedEndOfExecution",
+                               ev->err && ev->err->msg[0]
+                                   ? ev->err->msg
+                                   : "Connection to the execution was closed before the "
+                                     "execution was finished",
+                               json_string("")),
+                    0) < 0)
+            return;
+        if (xc_line(x, json_pack("{s:s}", "type", "end_of_execution"), 0) < 0)
+            return;
+        xc_end(x, true);
+        return;
+    }
+}
+
+static void on_event(void *arg, const sp_code_ev_t *ev)
+{
+    xc_t *x = arg;
+    if (x->dead)
+        return;
+    xc_enter(x);
+    xc_event_in(x, ev);
+    xc_leave(x);
+}
+
+static void execute(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
+{
+    json_t *o = body_object(req, false);
+    if (o == NULL)
+        return;
+    sp_code_exec_req_t r = {0};
+    json_t *code = json_object_get(o, "code");
+    json_t *env = json_object_get(o, "env_vars");
+    const char *msg = NULL;
+    if (!json_is_string(code))
+        msg = "code must be a string";
+    else if (env != NULL && !json_is_null(env) && !json_is_object(env))
+        msg = "env_vars must be an object of strings or null";
+    if (msg == NULL && json_is_object(env)) {
+        const char *k;
+        json_t *v;
+        json_object_foreach(env, k, v)
+        {
+            if (!json_is_string(v)) {
+                msg = "env_vars must be an object of strings or null";
+                break;
+            }
+        }
+    }
+    if (msg != NULL) {
+        json_decref(o);
+        sp_e2b__error(req, 400, msg);
+        return;
+    }
+    if (opt_string(req, o, "context_id", true, &r.context_id, NULL) < 0 ||
+        opt_string(req, o, "language", true, &r.language, NULL) < 0 ||
+        opt_string(req, o, "code", false, &r.code, &r.code_len) < 0) {
+        json_decref(o);
+        return;
+    }
+    if (r.context_id != NULL && r.language != NULL) {
+        json_decref(o);
+        sp_e2b__error(req, 400, "Only one of context_id or language can be provided");
+        return;
+    }
+    r.env = json_is_object(env) && json_object_size(env) > 0 ? env : NULL;
+    r.timeout_ms = 0; /* the SDK applies its own timeout as a read gap, client side */
+
+    xc_t *x = calloc(1, sizeof(*x));
+    if (x == NULL) {
+        json_decref(o);
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    x->req = req;
+    snprintf(x->sandbox_id, sizeof(x->sandbox_id), "%s", t->sandbox_id);
+    x->fd = -1;
+    sp_timer_init(&x->ka, sp_svc_loop(gw->svc), on_keepalive, x);
+    sp_timer_init(&x->probe, sp_svc_loop(gw->svc), on_probe, x);
+    sp_err_t e;
+    x->op = sp_code_execute(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, &r, on_event, x, &e);
+    json_decref(o); /* env was borrowed for the call only */
+    if (x->op == NULL) {
+        free(x);
+        sp_e2b__error_from(req, &e);
+        return;
+    }
+    x->hook = h2o_mem_alloc_shared(&req->pool, sizeof(*x->hook), on_req_gone);
+    *x->hook = x;
+}
+
+/* ---- dispatch ---- */
+
+void sp_e2b__code(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
+{
+    const char *segs[CODE_MAX_SEGS];
+    int n = sp_http_segments(req, segs, CODE_MAX_SEGS);
+    const char *allowed = NULL;
+    if (n == 1 && strcmp(segs[0], "health") == 0) {
+        if (sp_http_method_is(req, "GET") || sp_http_method_is(req, "HEAD")) {
+            req->res.status = 200;
+            req->res.reason = "OK";
+            h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
+                           H2O_STRLIT("application/json"));
+            h2o_send_inline(req, H2O_STRLIT("\"OK\""));
+            return;
+        }
+        allowed = "GET";
+    } else if (n == 1 && strcmp(segs[0], "execute") == 0) {
+        if (sp_http_method_is(req, "POST")) {
+            execute(gw, req, t);
+            return;
+        }
+        allowed = "POST";
+    } else if (n == 1 && strcmp(segs[0], "contexts") == 0) {
+        if (sp_http_method_is(req, "POST")) {
+            contexts_create(gw, req, t);
+            return;
+        }
+        if (sp_http_method_is(req, "GET")) {
+            contexts_list(gw, req, t);
+            return;
+        }
+        allowed = "GET, POST";
+    } else if (n == 2 && strcmp(segs[0], "contexts") == 0) {
+        if (sp_http_method_is(req, "DELETE")) {
+            contexts_delete(gw, req, t, segs[1]);
+            return;
+        }
+        allowed = "DELETE";
+    } else if (n == 3 && strcmp(segs[0], "contexts") == 0 && strcmp(segs[2], "restart") == 0) {
+        if (sp_http_method_is(req, "POST")) {
+            contexts_restart(gw, req, t, segs[1]);
+            return;
+        }
+        allowed = "POST";
+    }
+    if (allowed != NULL) {
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_ALLOW, NULL, allowed,
+                       strlen(allowed));
+        sp_e2b__error(req, 405, "method not allowed on this path");
+        return;
+    }
+    sp_e2b__error(req, 404, "no such path on the code interpreter");
+}

@@ -1,0 +1,495 @@
+/*
+ * route_contexts.c - /v1/sandboxes/{id}/contexts and .../execute: code contexts (core/code.h),
+ * long-lived Python and bash interpreters in the sandbox that keep state between executions.
+ *
+ * Parses and checks the JSON, resolves the sandbox's agent (sp_napi__with_agent), then hands
+ * the work to core/code.h. An execution streams as NDJSON: a "start" line once the daemon
+ * accepted it, its events, a "keepalive" line after KEEPALIVE_MS without one, and an "end"
+ * line. Output flows daemon -> NDJSON line -> client, and the daemon's bytes are acknowledged
+ * to core (sp_code_ack) only after h2o took the line (stream.c's on_sent), so a slow client
+ * holds the interpreter's output in the guest. A client that leaves cancels the execution's
+ * connection, which makes the daemon interrupt it. While an execution streams, the
+ * sandbox's activity is recorded every ACTIVITY_MS so the idle limit does not suspend it.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/code.h"
+#include "core/log.h"
+#include "native-api/napi_int.h"
+
+#define KEEPALIVE_MS  5000u
+#define ACTIVITY_MS   30000u
+#define MAX_TIMEOUT_S (24 * 3600)
+#define CWD_MAX       4096u
+
+/* ---- parsing ---- */
+
+/* Optional string field: *out borrowed from body (NULL when absent or null). */
+static int get_str(json_t *body, const char *key, size_t maxlen, const char **out, sp_err_t *err)
+{
+    json_t *v = body ? json_object_get(body, key) : NULL;
+    *out = NULL;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_string(v))
+        return sp_err_set(err, SP_EINVAL, "%s must be a string", key);
+    if (strlen(json_string_value(v)) != json_string_length(v))
+        return sp_err_set(err, SP_EINVAL, "%s may not contain NUL characters", key);
+    if (json_string_length(v) > maxlen)
+        return sp_err_set(err, SP_EINVAL, "%s is longer than %zu bytes", key, maxlen);
+    *out = json_string_value(v);
+    return 0;
+}
+
+static int check_language(const char *lang, sp_err_t *err)
+{
+    if (lang != NULL && sp_code_language(lang) == NULL)
+        return sp_err_set(err, SP_EINVAL, "unsupported language '%.32s' (supported: %s)", lang,
+                          SP_CODE_LANGUAGES);
+    return 0;
+}
+
+/* A body that may be absent and takes only the listed keys. */
+static int check_body(napi_ctx_t *c, const char *const *allowed, sp_err_t *err)
+{
+    return c->body != NULL ? sp_napi__only_keys(c->body, allowed, err) : 0;
+}
+
+static json_t *ctx_json(const sp_code_ctx_t *x)
+{
+    return json_pack("{s:s,s:s,s:s,s:b}", "id", x->id, "language", x->language, "cwd", x->cwd,
+                     "default", x->is_default);
+}
+
+static void reply_ctx(napi_ctx_t *c, int status, const sp_code_ctx_t *ctx, const sp_err_t *err)
+{
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *o = ctx_json(ctx);
+    if (o == NULL) {
+        sp_err_t e;
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "cannot encode the context"), &e));
+        return;
+    }
+    sp_napi__reply(c, status, o);
+}
+
+static void reply_204(napi_ctx_t *c, const sp_err_t *err)
+{
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    h2o_req_t *req = sp_napi__take(c);
+    if (req == NULL)
+        return;
+    req->res.status = 204;
+    req->res.reason = "No Content";
+    h2o_send_inline(req, "", 0);
+}
+
+/* ---- POST/GET .../contexts ---- */
+
+static void on_created(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
+{
+    reply_ctx(arg, 201, ctx, err);
+}
+
+static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    sp_err_t e;
+    const char *lang = NULL, *cwd = NULL;
+    get_str(c->body, "language", 64, &lang, &e); /* checked before */
+    get_str(c->body, "cwd", CWD_MAX, &cwd, &e);
+    if (sp_code_create(sp_napi__loop(c), conn, c->segs[2], lang, cwd, on_created, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__contexts_create(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"language", "cwd", NULL};
+    sp_err_t e;
+    const char *lang, *cwd;
+    if (check_body(c, allowed, &e) < 0 || get_str(c->body, "language", 64, &lang, &e) < 0 ||
+        get_str(c->body, "cwd", CWD_MAX, &cwd, &e) < 0 || check_language(lang, &e) < 0 ||
+        (cwd != NULL && cwd[0] == '\0' ? sp_err_set(&e, SP_EINVAL, "cwd is empty") : 0) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, create_with_agent);
+}
+
+static void on_listed(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < n; i++) {
+        if (json_array_append_new(arr, ctx_json(&ctxs[i])) < 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    json_t *o = arr ? json_pack("{s:o}", "contexts", arr) : NULL;
+    if (o == NULL) {
+        sp_err_t e;
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    sp_napi__reply(c, 200, o);
+}
+
+static void list_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    sp_err_t e;
+    if (sp_code_list(sp_napi__loop(c), conn, c->segs[2], on_listed, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__contexts_list(napi_ctx_t *c)
+{
+    sp_napi__with_agent(c, list_with_agent);
+}
+
+/* ---- DELETE .../contexts/{ctx}, POST .../restart and .../interrupt ---- */
+
+static void on_done(void *arg, const sp_err_t *err)
+{
+    reply_204(arg, err);
+}
+
+static void on_restarted(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
+{
+    reply_ctx(arg, 200, ctx, err);
+}
+
+static void delete_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    sp_err_t e;
+    if (sp_code_delete(sp_napi__loop(c), conn, c->segs[2], c->segs[4], on_done, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+static void restart_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    sp_err_t e;
+    if (sp_code_restart(sp_napi__loop(c), conn, c->segs[2], c->segs[4], on_restarted, c, &e) ==
+        NULL)
+        sp_napi__fail(c, &e);
+}
+
+static void interrupt_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    sp_err_t e;
+    if (sp_code_interrupt(sp_napi__loop(c), conn, c->segs[2], c->segs[4], on_done, c, &e) == NULL)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__contexts_delete(napi_ctx_t *c)
+{
+    sp_napi__with_agent(c, delete_with_agent);
+}
+
+static void ctx_action(napi_ctx_t *c, napi_agent_fn next)
+{
+    static const char *const none[] = {NULL};
+    sp_err_t e;
+    if (check_body(c, none, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, next);
+}
+
+void sp_napi__contexts_restart(napi_ctx_t *c)
+{
+    ctx_action(c, restart_with_agent);
+}
+
+void sp_napi__contexts_interrupt(napi_ctx_t *c)
+{
+    ctx_action(c, interrupt_with_agent);
+}
+
+/* ---- execute ---- */
+
+/* Fills req from the body (strings borrowed from it); context_id from the path when the
+ * route has one. */
+static int parse_exec(napi_ctx_t *c, bool in_context, sp_code_exec_req_t *req, sp_err_t *err)
+{
+    static const char *const ctx_keys[] = {"code", "env", "timeout_s", NULL};
+    static const char *const top_keys[] = {"code", "language",  "context_id",
+                                           "env",  "timeout_s", NULL};
+    json_t *b = c->body;
+    memset(req, 0, sizeof(*req));
+    if (b == NULL)
+        return sp_err_set(err, SP_EINVAL, "request body must be a JSON object");
+    if (sp_napi__only_keys(b, in_context ? ctx_keys : top_keys, err) < 0)
+        return -1;
+    json_t *code = json_object_get(b, "code");
+    if (!json_is_string(code))
+        return sp_err_set(err, SP_EINVAL, "code is required and must be a string");
+    req->code = json_string_value(code);
+    req->code_len = json_string_length(code);
+    if (in_context) {
+        req->context_id = c->segs[4];
+    } else if (get_str(b, "language", 64, &req->language, err) < 0 ||
+               get_str(b, "context_id", 256, &req->context_id, err) < 0 ||
+               check_language(req->language, err) < 0) {
+        return -1;
+    }
+    if (req->context_id != NULL && req->language != NULL)
+        return sp_err_set(err, SP_EINVAL, "give context_id or language, not both");
+    json_t *env = json_object_get(b, "env");
+    if (env != NULL && json_is_null(env))
+        env = NULL;
+    if (sp_svc_check_string_map(env, "env", err) < 0)
+        return -1;
+    req->env = env;
+    json_t *t = json_object_get(b, "timeout_s");
+    if (t != NULL && !json_is_null(t)) {
+        double s = json_is_number(t) ? json_number_value(t) : -1;
+        if (!(s > 0 && s <= MAX_TIMEOUT_S))
+            return sp_err_set(err, SP_EINVAL,
+                              "timeout_s must be a number of seconds above 0, "
+                              "at most %d",
+                              MAX_TIMEOUT_S);
+        double ms = s * 1000;
+        req->timeout_ms = (uint32_t)ms;
+        if ((double)req->timeout_ms < ms)
+            req->timeout_ms++; /* rounds up: 0.0001 s is 1 ms, not none */
+    }
+    return 0;
+}
+
+typedef struct {
+    napi_ctx_t *c; /* until the response starts */
+    napi_stream_t *st;
+    sp_code_op_t *op;
+    sp_loop_t *loop;
+    sp_timer_t keepalive;
+    sp_svc_t *svc; /* activity while streaming */
+    sp_auth_t auth;
+    char sandbox_id[65];
+    uint64_t touched_ms;
+} xs_t;
+
+static void xs_free(xs_t *xs)
+{
+    sp_timer_stop(&xs->keepalive);
+    free(xs);
+}
+
+static void xs_sent(void *arg, size_t raw)
+{
+    xs_t *xs = arg;
+    sp_code_ack(xs->op, raw);
+}
+
+static void xs_gone(void *arg)
+{
+    xs_t *xs = arg;
+    xs->st = NULL;
+    sp_code_cancel(xs->op); /* the daemon sees the connection close and interrupts */
+    xs_free(xs);
+}
+
+static const napi_stream_cbs_t xs_cbs = {xs_sent, xs_gone};
+
+static void touched(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
+{
+    /* Only the activity mattered; an error here is the next request's business. */
+}
+
+/* Records the sandbox's activity at most every ACTIVITY_MS while output streams. */
+static void xs_touch(xs_t *xs)
+{
+    uint64_t now = sp_loop_now_ms(xs->loop);
+    if (now - xs->touched_ms < ACTIVITY_MS)
+        return;
+    xs->touched_ms = now;
+    sp_err_t e;
+    if (sp_svc_sandbox_agent(xs->svc, &xs->auth, xs->sandbox_id, touched, NULL, &e) < 0)
+        sp_log(SP_LOG_INFO, "napi", "activity not recorded sandbox=%s err=%s", xs->sandbox_id,
+               e.msg);
+}
+
+/* Writes o (stolen) as one line standing for raw daemon bytes; -1 when out of memory. */
+static int xs_emit(xs_t *xs, json_t *o, size_t raw)
+{
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (s == NULL)
+        return -1;
+    size_t n = strlen(s);
+    s[n] = '\n';
+    int rc = sp_napi__stream_write(xs->st, s, n + 1, raw);
+    free(s);
+    sp_timer_start(&xs->keepalive, KEEPALIVE_MS);
+    xs_touch(xs);
+    return rc;
+}
+
+/* Cuts the response (the client sees a broken body) and stops the execution. */
+static void xs_abort(xs_t *xs)
+{
+    sp_code_cancel(xs->op);
+    sp_napi__stream_end(xs->st, false);
+    xs_free(xs);
+}
+
+static void on_keepalive(sp_timer_t *t, void *arg)
+{
+    xs_t *xs = arg;
+    if (xs_emit(xs, json_pack("{s:s}", "type", "keepalive"), 0) < 0)
+        xs_abort(xs);
+}
+
+static json_t *event_json(const sp_code_ev_t *ev)
+{
+    switch (ev->type) {
+    case SP_CODE_EV_STDOUT:
+    case SP_CODE_EV_STDERR:
+        return json_pack("{s:s,s:s%,s:s}", "type",
+                         ev->type == SP_CODE_EV_STDOUT ? "stdout" : "stderr", "text", ev->text,
+                         ev->len, "timestamp", ev->timestamp ? ev->timestamp : "");
+    case SP_CODE_EV_RESULT:
+        return json_pack("{s:s,s:b,s:O}", "type", "result", "is_main_result", ev->is_main_result,
+                         "data", ev->data);
+    case SP_CODE_EV_ERROR:
+        return json_pack("{s:s,s:s,s:s,s:O}", "type", "error", "name", ev->name, "value", ev->value,
+                         "traceback", ev->traceback);
+    case SP_CODE_EV_END: {
+        json_t *o = json_pack("{s:s,s:s}", "type", "end", "status", ev->status);
+        if (o != NULL)
+            json_object_set_new(o, "execution_count",
+                                ev->execution_count >= 0 ? json_integer(ev->execution_count)
+                                                         : json_null());
+        return o;
+    }
+    case SP_CODE_EV_FAIL:
+        return json_pack("{s:s,s:s,s:{s:s,s:s}}", "type", "end", "status", "failed", "error",
+                         "code", sp_err_name(ev->err->code), "message", ev->err->msg);
+    case SP_CODE_EV_START:
+        break;
+    }
+    return NULL;
+}
+
+static void xs_event(void *arg, const sp_code_ev_t *ev)
+{
+    xs_t *xs = arg;
+    if (xs->st == NULL) {
+        /* Not started: the first event decides between a JSON error and the stream. */
+        if (ev->type == SP_CODE_EV_FAIL) {
+            sp_napi__fail(xs->c, ev->err);
+            xs_free(xs);
+            return;
+        }
+        h2o_req_t *req = sp_napi__take(xs->c);
+        xs->c = NULL;
+        if (req == NULL) { /* the client left before the start */
+            sp_code_cancel(xs->op);
+            xs_free(xs);
+            return;
+        }
+        xs->st = sp_napi__stream_start(req, 200, "application/x-ndjson", -1, &xs_cbs, xs);
+        if (xs->st == NULL) {
+            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+            sp_code_cancel(xs->op);
+            xs_free(xs);
+            return;
+        }
+        json_t *o = json_pack("{s:s,s:o}", "type", "start", "context",
+                              ev->ctx ? ctx_json(ev->ctx) : json_null());
+        if (xs_emit(xs, o, 0) < 0) {
+            xs_abort(xs);
+            return;
+        }
+        if (ev->type == SP_CODE_EV_START)
+            return;
+    }
+    if (ev->type == SP_CODE_EV_START)
+        return;
+    bool terminal = ev->type == SP_CODE_EV_END || ev->type == SP_CODE_EV_FAIL;
+    size_t raw = ev->type == SP_CODE_EV_STDOUT || ev->type == SP_CODE_EV_STDERR ? ev->len : 0;
+    if (xs_emit(xs, event_json(ev), raw) < 0) {
+        if (terminal) { /* the op is finished: only the response is left to cut */
+            sp_napi__stream_end(xs->st, false);
+            xs_free(xs);
+        } else {
+            xs_abort(xs);
+        }
+        return;
+    }
+    if (terminal) {
+        sp_napi__stream_end(xs->st, true);
+        xs_free(xs);
+    }
+}
+
+static void exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn, bool in_context)
+{
+    sp_err_t e;
+    sp_code_exec_req_t req;
+    if (parse_exec(c, in_context, &req, &e) < 0) { /* checked before: cannot fail */
+        sp_napi__fail(c, &e);
+        return;
+    }
+    xs_t *xs = calloc(1, sizeof(*xs));
+    if (xs == NULL) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    xs->c = c;
+    xs->loop = sp_napi__loop(c);
+    xs->svc = c->n->svc;
+    xs->auth = c->auth;
+    snprintf(xs->sandbox_id, sizeof(xs->sandbox_id), "%s", c->segs[2]);
+    xs->touched_ms = sp_loop_now_ms(xs->loop); /* with_agent just recorded it */
+    sp_timer_init(&xs->keepalive, xs->loop, on_keepalive, xs);
+    xs->op = sp_code_execute(xs->loop, conn, c->segs[2], &req, xs_event, xs, &e);
+    if (xs->op == NULL) {
+        xs_free(xs);
+        sp_napi__fail(c, &e);
+    }
+}
+
+static void ctx_exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    exec_with_agent(c, conn, true);
+}
+
+static void top_exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
+{
+    exec_with_agent(c, conn, false);
+}
+
+void sp_napi__contexts_execute(napi_ctx_t *c)
+{
+    sp_err_t e;
+    sp_code_exec_req_t req;
+    if (parse_exec(c, true, &req, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, ctx_exec_with_agent);
+}
+
+void sp_napi__execute(napi_ctx_t *c)
+{
+    sp_err_t e;
+    sp_code_exec_req_t req;
+    if (parse_exec(c, false, &req, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__with_agent(c, top_exec_with_agent);
+}
