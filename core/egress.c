@@ -2279,6 +2279,11 @@ static void cfg_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
 
 static const sp_agentstream_cbs_t cfg_cbs = {cfg_frame, cfg_error, NULL};
 
+static void put_env(void *arg, const char *kv)
+{
+    sp_ap_put_str(arg, SP_AP_K_ENV, kv);
+}
+
 static void sb_send_config(struct sb *sb)
 {
     if (sb->conn == NULL || !sp_agentconn_up(sb->conn))
@@ -2298,7 +2303,7 @@ static void sb_send_config(struct sb *sb)
     uint16_t port = test_hooks.guest_port ? test_hooks.guest_port : SP_EGRESS_GUEST_PORT;
     char proxy[64];
     snprintf(proxy, sizeof(proxy), "http://127.0.0.1:%u", (unsigned)port);
-    uint8_t buf[4096];
+    uint8_t buf[16384]; /* room for the placeholders of SP_SECRETS_RULES_MAX rules */
     sp_ap_writer_t w;
     sp_ap_writer_init(&w, buf, sizeof(buf));
     sp_ap_put_u32(&w, SP_AP_K_PROXY_PORT, port);
@@ -2317,6 +2322,9 @@ static void sb_send_config(struct sb *sb)
         for (size_t i = 0; i < n; i++)
             sp_ap_put_str(&w, SP_AP_K_ENV, env[i]);
     }
+    /* Credential placeholders (core/mitm.h): names of secrets, never their values. */
+    if (sb->mitm != NULL)
+        sp_mitm_sb_placeholders(sb->mitm, put_env, &w);
     sp_err_t e;
     if (w.overflow) {
         sp_log(SP_LOG_ERROR, "egress", "egress config too large sandbox=%s", sb->id);
@@ -2474,6 +2482,14 @@ static void on_sb_retry(sp_timer_t *t, void *arg)
         sb_load(sb);
 }
 
+/* The sandbox's rule placeholders changed: later processes get the new set. */
+static void on_mitm_env(void *arg, struct sp_mitm_sb *h)
+{
+    struct sb *sb = arg;
+    if (!sb->dead && sb->mitm == h)
+        sb_send_config(sb);
+}
+
 static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
 {
     struct sb *sb = arg;
@@ -2495,6 +2511,12 @@ static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
                "through)",
                sb->id, err->msg);
     sb->mitm = h;
+    if (h != NULL) {
+        sp_mitm_sb_on_env(h, on_mitm_env, sb);
+        /* The config may have gone out before the rules were loaded. */
+        if (sp_mitm_sb_placeholders(h, NULL, NULL) > 0)
+            sb_send_config(sb);
+    }
     sb_policy_ready(sb);
 }
 

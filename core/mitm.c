@@ -132,6 +132,7 @@ struct rule {
     char header[65];
     char secret[SP_SECRETS_NAME_MAX + 1];
     char *format;
+    char env[SP_SECRETS_ENV_MAX + 1]; /* "": no placeholder in the guest */
     uint8_t *value; /* NULL: the secret is missing or does not open */
     size_t value_len;
 };
@@ -173,6 +174,8 @@ struct sp_mitm_sb {
     int queries;  /* statements in flight (the handle is freed when they return) */
     bool loading; /* a load (rules, CA) runs */
     bool reload;  /* a change arrived while it did */
+    sp_mitm_sb_env_cb env_cb;
+    void *env_arg;
     sp_mitm_conn_t *conns;
     sp_mitm_sb_t *prev, *next;
 };
@@ -292,6 +295,55 @@ bool sp_mitm_wants(const sp_mitm_sb_t *sb, const char *host, uint16_t port)
 size_t sp_mitm_rule_count(const sp_mitm_sb_t *sb)
 {
     return sb ? sb->nrules : 0;
+}
+
+/* The first rule from *i on that names an env no earlier rule names, or NULL. */
+static const struct rule *next_env(const struct rule *rs, size_t n, size_t *i)
+{
+    for (; *i < n; (*i)++) {
+        const struct rule *r = &rs[*i];
+        bool seen = r->env[0] == '\0';
+        for (size_t j = 0; j < *i && !seen; j++)
+            seen = strcmp(rs[j].env, r->env) == 0;
+        if (!seen)
+            return &rs[(*i)++];
+    }
+    return NULL;
+}
+
+size_t sp_mitm_sb_placeholders(const sp_mitm_sb_t *sb, void (*put)(void *arg, const char *kv),
+                               void *arg)
+{
+    size_t n = 0, i = 0;
+    const struct rule *r;
+    while (sb != NULL && (r = next_env(sb->rules, sb->nrules, &i)) != NULL) {
+        n++;
+        if (put != NULL) {
+            char kv[SP_SECRETS_ENV_MAX + sizeof(SP_SECRETS_PLACEHOLDER) + SP_SECRETS_NAME_MAX + 2];
+            snprintf(kv, sizeof(kv), "%s=" SP_SECRETS_PLACEHOLDER "%s", r->env, r->secret);
+            put(arg, kv);
+        }
+    }
+    return n;
+}
+
+void sp_mitm_sb_on_env(sp_mitm_sb_t *sb, sp_mitm_sb_env_cb cb, void *arg)
+{
+    sb->env_cb = cb;
+    sb->env_arg = arg;
+}
+
+/* Whether two rule sets give the guest the same placeholders (same names, same secrets). */
+static bool env_same(const struct rule *a, size_t na, const struct rule *b, size_t nb)
+{
+    size_t i = 0, j = 0;
+    for (;;) {
+        const struct rule *x = next_env(a, na, &i), *y = next_env(b, nb, &j);
+        if (x == NULL || y == NULL)
+            return x == y;
+        if (strcmp(x->env, y->env) != 0 || strcmp(x->secret, y->secret) != 0)
+            return false;
+    }
 }
 
 const char *sp_mitm_sb_ca_pem(const sp_mitm_sb_t *sb)
@@ -1123,10 +1175,13 @@ static void on_rules(void *arg, PGresult *res, const sp_err_t *err)
         const char *header = json_string_value(json_object_get(r, "header"));
         const char *secret = json_string_value(json_object_get(r, "secret"));
         const char *format = json_string_value(json_object_get(r, "format"));
+        const char *env = json_string_value(json_object_get(r, "env"));
         if (host == NULL || header == NULL || secret == NULL || format == NULL ||
             strstr(format, "{secret}") == NULL)
             continue; /* written through sp_secrets_rules_normalize: cannot happen */
         struct rule *x = &rs[k];
+        if (env != NULL && strlen(env) <= SP_SECRETS_ENV_MAX)
+            snprintf(x->env, sizeof(x->env), "%s", env);
         snprintf(x->host, sizeof(x->host), "%s", host);
         snprintf(x->header, sizeof(x->header), "%s", header);
         snprintf(x->secret, sizeof(x->secret), "%s", secret);
@@ -1150,10 +1205,13 @@ static void on_rules(void *arg, PGresult *res, const sp_err_t *err)
     }
     json_decref(rules);
     json_decref(boxes);
+    bool env_changed = !env_same(sb->rules, sb->nrules, rs, k);
     rules_free(sb->rules, sb->nrules);
     sb->rules = rs;
     sb->nrules = k;
     sp_log(SP_LOG_DEBUG, "mitm", "credentials loaded sandbox=%s rules=%zu", sb->id, k);
+    if (env_changed && sb->opened && sb->env_cb != NULL)
+        sb->env_cb(sb->env_arg, sb);
     if (k == 0) {
         sb_loaded(sb, NULL); /* no rule, no CA needed (yet) */
         return;

@@ -6,7 +6,11 @@
  * to 'Bearer {secret}' with secret X", core/secrets.h) are applied here, on the host, so
  * the secret never enters the guest: the guest sends its request without the credential
  * (or with any placeholder; the rule's header is replaced, never added twice) and the
- * request that leaves the host carries it.
+ * request that leaves the host carries it. A rule with "env": "NAME" also gives the guest's
+ * processes NAME=space-placeholder:<secret name> (sp_mitm_sb_placeholders, sent by the proxy
+ * in EGRESS_CONFIG ENV and re-sent when the rules change), so code that wants a key in its
+ * environment has one to send; the placeholder is made from the secret's name only, never
+ * its value.
  *
  *  - Plain HTTP: the proxy calls sp_mitm_rewrite_head on each request head it forwards to a
  *    destination with rules (sp_mitm_wants), or hands the whole connection to a
@@ -112,6 +116,19 @@ bool sp_mitm_wants(const sp_mitm_sb_t *sb, const char *host, uint16_t port);
 
 /* The number of rules loaded (for logs and tests). */
 size_t sp_mitm_rule_count(const sp_mitm_sb_t *sb);
+
+/* Calls put (when not NULL) with "NAME=" SP_SECRETS_PLACEHOLDER "<secret>" for each rule that
+ * names an env, once per NAME, in rule order; kv is borrowed for the call. Returns how many.
+ * Public material only: no value is read. */
+size_t sp_mitm_sb_placeholders(const sp_mitm_sb_t *sb, void (*put)(void *arg, const char *kv),
+                               void *arg);
+
+/* Called from the loop after a reload (NOTIFY) changed what sp_mitm_sb_placeholders gives,
+ * so the caller can re-send the guest's env; not for the first load (the caller asks when
+ * the open calls back). It must not close the handle. */
+typedef void (*sp_mitm_sb_env_cb)(void *arg, sp_mitm_sb_t *sb);
+/* Sets (cb NULL: clears) the handle's env callback. */
+void sp_mitm_sb_on_env(sp_mitm_sb_t *sb, sp_mitm_sb_env_cb cb, void *arg);
 
 /* The sandbox CA's certificate (PEM, borrowed until the next reload or close), or NULL while
  * the sandbox has had no rule. Public material: what the guest trusts. */

@@ -412,6 +412,39 @@ static int check_format(const char *f, sp_err_t *err)
     return 0;
 }
 
+/* A POSIX variable name the guest does not already depend on. */
+static int check_env(const char *v, sp_err_t *err)
+{
+    size_t n = strlen(v);
+    if (n == 0 || n > SP_SECRETS_ENV_MAX)
+        return sp_err_set(err, SP_EINVAL, "credential env must be 1 to %d characters",
+                          SP_SECRETS_ENV_MAX);
+    for (size_t i = 0; i < n; i++) {
+        char c = v[i];
+        bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_' ||
+                  (i > 0 && c >= '0' && c <= '9');
+        if (!ok)
+            return sp_err_set(err, SP_EINVAL,
+                              "credential env '%.64s' is not a variable name "
+                              "([A-Za-z_][A-Za-z0-9_]*)",
+                              v);
+    }
+    /* Set by the guest's login or by the egress proxy (core/egress.c, core/mitm.c). */
+    static const char *const taken[] = {
+        "PATH",          "HOME",           "USER",
+        "LOGNAME",       "SHELL",          "TERM",
+        "HTTP_PROXY",    "HTTPS_PROXY",    "http_proxy",
+        "https_proxy",   "NO_PROXY",       "no_proxy",
+        "ALL_PROXY",     "all_proxy",      "SSL_CERT_FILE",
+        "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+        NULL};
+    for (int i = 0; taken[i] != NULL; i++)
+        if (strcmp(v, taken[i]) == 0)
+            return sp_err_set(err, SP_EINVAL,
+                              "credential env may not be %s (the sandbox sets it itself)", v);
+    return 0;
+}
+
 json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err)
 {
     if (rules == NULL || json_is_null(rules))
@@ -438,7 +471,7 @@ json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err)
         json_object_foreach((json_t *)r, k, v)
         {
             if (strcmp(k, "host") != 0 && strcmp(k, "header") != 0 && strcmp(k, "secret") != 0 &&
-                strcmp(k, "format") != 0) {
+                strcmp(k, "format") != 0 && strcmp(k, "env") != 0) {
                 sp_err_set(err, SP_EINVAL, "credentials[%zu] has unknown field '%.64s'", i, k);
                 goto fail;
             }
@@ -452,6 +485,7 @@ json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err)
         const char *header = json_string_value(json_object_get(r, "header"));
         const char *secret = json_string_value(json_object_get(r, "secret"));
         const char *format = json_string_value(json_object_get(r, "format"));
+        const char *env = json_string_value(json_object_get(r, "env"));
         if (host == NULL || header == NULL || secret == NULL) {
             sp_err_set(err, SP_EINVAL, "credentials[%zu] needs host, header and secret", i);
             goto fail;
@@ -460,7 +494,8 @@ json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err)
         if (format == NULL)
             format = "{secret}";
         if (check_host(host, lhost, sizeof(lhost), err) < 0 || check_header_name(header, err) < 0 ||
-            sp_secrets_check_name(secret, err) < 0 || check_format(format, err) < 0)
+            sp_secrets_check_name(secret, err) < 0 || check_format(format, err) < 0 ||
+            (env != NULL && check_env(env, err) < 0))
             goto fail;
         /* One value per header and host: a second rule would be ambiguous. */
         size_t j;
@@ -474,9 +509,25 @@ json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err)
                            header, lhost);
                 goto fail;
             }
+            /* One placeholder per variable: the guest sees one value. */
+            const char *penv = json_string_value(json_object_get(prev, "env"));
+            if (env != NULL && penv != NULL && strcmp(env, penv) == 0 &&
+                strcmp(json_string_value(json_object_get(prev, "secret")), secret) != 0) {
+                sp_err_set(err, SP_EINVAL,
+                           "credentials[%zu] sets env %.64s to secret %.64s; another rule sets "
+                           "it to secret %.64s",
+                           i, env, secret, json_string_value(json_object_get(prev, "secret")));
+                goto fail;
+            }
         }
-        json_array_append_new(out, json_pack("{s:s,s:s,s:s,s:s}", "host", lhost, "header", header,
-                                             "secret", secret, "format", format));
+        json_t *o = json_pack("{s:s,s:s,s:s,s:s}", "host", lhost, "header", header, "secret",
+                              secret, "format", format);
+        if (o == NULL || (env != NULL && json_object_set_new(o, "env", json_string(env)) < 0)) {
+            json_decref(o);
+            sp_err_set(err, SP_EINTERNAL, "out of memory");
+            goto fail;
+        }
+        json_array_append_new(out, o);
     }
     return out;
 fail:

@@ -42,6 +42,10 @@ typedef struct sp_secrets sp_secrets_t;
 #define SP_SECRETS_VALUE_MAX  8192 /* bytes; no control characters (it goes into a header) */
 #define SP_SECRETS_RULES_MAX  32   /* rules per sandbox */
 #define SP_SECRETS_FORMAT_MAX 256  /* rule format, with "{secret}" once */
+#define SP_SECRETS_ENV_MAX    128  /* rule env name, [A-Za-z_][A-Za-z0-9_]* */
+/* What the guest sees in a rule's env variable: this prefix and the secret's name, never
+ * anything derived from the value. */
+#define SP_SECRETS_PLACEHOLDER "space-placeholder:"
 #define SP_SECRETS_ENV        "SPACE_MASTER_KEY"
 #define SP_SECRETS_NOTIFY     "space_credentials"
 
@@ -99,10 +103,18 @@ int sp_secrets_check_value(const char *value, size_t len, sp_err_t *err);
 /*
  * Checks a credentials array as the API takes it:
  *   [{"host": "api.example.com" | "*.example.com", "header": "Authorization",
- *     "secret": "NAME", "format": "Bearer {secret}" (optional, default "{secret}")}]
- * and returns its normalised copy (new reference: hosts lowercased, format filled in), or
- * NULL with SP_EINVAL. Headers that frame the message (Host, Content-Length,
- * Transfer-Encoding, Connection, ...) are refused.
+ *     "secret": "NAME", "format": "Bearer {secret}" (optional, default "{secret}"),
+ *     "env": "OPENAI_API_KEY" (optional)}]
+ * and returns its normalised copy (new reference: hosts lowercased, format filled in, env
+ * kept only when given), or NULL with SP_EINVAL. Headers that frame the message (Host,
+ * Content-Length, Transfer-Encoding, Connection, ...) are refused.
+ *
+ * env names a variable every later process in the guest gets, set to the placeholder
+ * SP_SECRETS_PLACEHOLDER "<secret>" (core/mitm.h): guest code can use it where it would use
+ * the key, and the rule's header is replaced on the way out. A POSIX name of at most
+ * SP_SECRETS_ENV_MAX characters; not one the guest's login or the egress proxy sets itself
+ * (PATH, HOME, HTTP_PROXY, SSL_CERT_FILE, ...); two rules naming the same env must name the
+ * same secret.
  */
 json_t *sp_secrets_rules_normalize(const json_t *rules, sp_err_t *err);
 

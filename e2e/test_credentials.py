@@ -7,6 +7,10 @@ with verification) and over plain HTTP. Test servers on the host's loopback stan
 the destinations: spaced-test resolves their names to 127.0.0.1 (SPACE_TEST_EGRESS_HOSTS)
 and trusts their test CA (SPACE_TEST_UPSTREAM_CA); the shipped spaced has neither.
 
+A rule with "env" gives the guest's processes a placeholder (space-placeholder:<secret name>)
+to send where the key would go; the proxy swaps the real value in, and when the rules drop
+the env, later processes no longer have it.
+
 Then the secret is searched for inside the guest: every file on every disk filesystem, the
 raw root block device, every process's environment and memory (the agent's included). The
 same search finds a decoy planted the way a leak would happen, so a clean result means
@@ -297,7 +301,7 @@ class CredentialsTest(unittest.TestCase):
         tport, pport, rport = (self.tls.server_address[1], self.plain.server_address[1],
                                self.rogue.server_address[1])
         rules = [{"host": "api.cred.test", "header": "Authorization", "secret": "API_TOKEN",
-                  "format": "Bearer {secret}"},
+                  "format": "Bearer {secret}", "env": "OPENAI_API_KEY"},
                  {"host": "plain.cred.test", "header": "Authorization", "secret": "API_TOKEN",
                   "format": "Bearer {secret}"},
                  {"host": "rogue.cred.test", "header": "Authorization", "secret": "API_TOKEN"}]
@@ -305,11 +309,22 @@ class CredentialsTest(unittest.TestCase):
         # The proxy settings and the sandbox CA reach the guest right after boot; wait for
         # both (and say so) rather than race them.
         t0 = time.time()
-        ready = "test -s /usr/local/share/ca-certificates/space-egress.crt && test -n \"$HTTPS_PROXY\""
+        ready = ("test -s /usr/local/share/ca-certificates/space-egress.crt"
+                 " && test -n \"$HTTPS_PROXY\" && test -n \"$OPENAI_API_KEY\"")
         while self.run_cmd(sid, ready)["exit_code"] != 0:
             self.assertLess(time.time() - t0, 30 * MULT, "no egress config or CA in the guest")
             time.sleep(0.2)
         print("\nguest ready for egress %.2f s after create" % (time.time() - t0), file=sys.stderr)
+
+        # The rule's env: a placeholder naming the secret, which the proxy swaps for the value.
+        r = self.run_cmd(sid, "echo \"$OPENAI_API_KEY\"; sh -lc 'echo \"$OPENAI_API_KEY\"'")
+        self.assertEqual(r["stdout"], "space-placeholder:API_TOKEN\n" * 2, r)
+        r = self.run_cmd(sid, "curl -sS --fail-with-body "
+                              "-H \"Authorization: Bearer $OPENAI_API_KEY\" "
+                              "https://api.cred.test:%d/ph" % tport)
+        self.assertEqual((r["exit_code"], r["stdout"]), (0, "ok /ph\n"), r)
+        auth = [q["auth"] for q in self.rec.snapshot() if q["path"] == "/ph"]
+        self.assertEqual(auth, [["Bearer " + SECRET]])
 
         # HTTPS, two requests on one kept-alive connection, the guest sending a placeholder.
         r = self.run_cmd(sid, "curl -sS --fail-with-body -H 'Authorization: Bearer placeholder' "
@@ -371,7 +386,22 @@ class CredentialsTest(unittest.TestCase):
         # Nor does any API answer, or the server's log.
         st, r = self.req("GET", "/v1/sandboxes/%s/credentials" % sid)
         self.assertEqual(st, 200)
+        self.assertEqual(r["credentials"][0].get("env"), "OPENAI_API_KEY", r)
         self.assertNotIn(SECRET, self.s.read_log())
+
+        # Rules without env: later processes no longer have the placeholder (nor do login
+        # shells, which read /etc/profile.d).
+        for rule in rules:
+            rule.pop("env", None)
+        st, r = self.req("PUT", "/v1/sandboxes/%s/credentials" % sid,
+                         raw=json.dumps({"credentials": rules}).encode())
+        self.assertEqual(st, 200, r)
+        t0 = time.time()
+        gone = "test -z \"${OPENAI_API_KEY+x}\" && sh -lc 'test -z \"${OPENAI_API_KEY+x}\"'"
+        while self.run_cmd(sid, gone)["exit_code"] != 0:
+            self.assertLess(time.time() - t0, 30 * MULT, "the placeholder stayed in the guest")
+            time.sleep(0.2)
+        print("placeholder gone %.2f s after PUT" % (time.time() - t0), file=sys.stderr)
 
     def test_rules_added_to_a_running_sandbox(self):
         """No rule at boot (no CA in the guest); a PUT adds one: the worker creates the CA,
@@ -382,15 +412,21 @@ class CredentialsTest(unittest.TestCase):
         sid = self.create(egress={"allow": ["127.0.0.1"]})
         r = self.run_cmd(sid, "test -e /usr/local/share/ca-certificates/space-egress.crt")
         self.assertNotEqual(r["exit_code"], 0)  # lazily: no rule, no CA
-        rules = [{"host": "api.cred.test", "header": "Authorization", "secret": "LATE_TOKEN"}]
+        r = self.run_cmd(sid, "test -z \"${LATE_KEY+x}\"")
+        self.assertEqual(r["exit_code"], 0, r)
+        rules = [{"host": "api.cred.test", "header": "Authorization", "secret": "LATE_TOKEN",
+                  "env": "LATE_KEY"}]
         st, r = self.req("PUT", "/v1/sandboxes/%s/credentials" % sid,
                          raw=json.dumps({"credentials": rules}).encode())
         self.assertEqual(st, 200, r)
         t0 = time.time()
         while self.run_cmd(sid, "test -s /usr/local/share/ca-certificates/space-egress.crt"
-                           )["exit_code"] != 0:
-            self.assertLess(time.time() - t0, 30 * MULT, "the CA never reached the guest")
+                           " && test -n \"$LATE_KEY\"")["exit_code"] != 0:
+            self.assertLess(time.time() - t0, 30 * MULT, "the CA or placeholder never reached "
+                            "the guest")
             time.sleep(0.2)
+        r = self.run_cmd(sid, "echo \"$LATE_KEY\"")
+        self.assertEqual(r["stdout"], "space-placeholder:LATE_TOKEN\n", r)
         port = self.tls.server_address[1]
         url = "https://api.cred.test:%d/late" % port
         r = self.run_cmd(sid, "curl -sS --fail-with-body %s" % url)

@@ -856,6 +856,72 @@ static void test_mitm_missing_secret_then_created(void)
     sp_mitm_sb_close(sb);
 }
 
+struct envs {
+    int changes;
+    char kv[512];
+};
+
+static void env_put(void *arg, const char *kv)
+{
+    struct envs *v = arg;
+    size_t n = strlen(v->kv);
+    snprintf(v->kv + n, sizeof(v->kv) - n, "%s;", kv);
+}
+
+static void env_changed(void *arg, sp_mitm_sb_t *sb)
+{
+    ((struct envs *)arg)->changes++;
+}
+
+/* Rules with env give the guest placeholders made of the secret's name (one per variable),
+ * never the value; a reload that changes them calls back, one that keeps them does not. */
+static void test_mitm_placeholders(void)
+{
+    set_rules("team1", "sbenv1",
+              "[{\"host\":\"localhost\",\"header\":\"Authorization\",\"secret\":\"TOKEN\","
+              "\"format\":\"Bearer {secret}\",\"env\":\"MY_KEY\"},"
+              "{\"host\":\"*.wild.test\",\"header\":\"Authorization\",\"secret\":\"TOKEN\","
+              "\"env\":\"MY_KEY\"},"
+              "{\"host\":\"localhost\",\"header\":\"X-Api-Key\",\"secret\":\"TOKEN2\"}]");
+    sp_mitm_sb_t *sb = open_sb("sbenv1");
+    CHECK(sb != NULL);
+    if (sb == NULL)
+        return;
+    struct envs v = {0};
+    sp_mitm_sb_on_env(sb, env_changed, &v);
+    CHECK(sp_mitm_sb_placeholders(sb, env_put, &v) == 1);
+    CHECK(strcmp(v.kv, "MY_KEY=" SP_SECRETS_PLACEHOLDER "TOKEN;") == 0);
+    CHECK(strstr(v.kv, SECRET) == NULL);
+
+    /* Same placeholders, another header: no call back. Then a second variable: one. */
+    set_rules("team1", "sbenv1",
+              "[{\"host\":\"localhost\",\"header\":\"Authorization\",\"secret\":\"TOKEN\","
+              "\"env\":\"MY_KEY\"}]");
+    for (int i = 0; i < 400 && sp_mitm_rule_count(sb) != 1; i++)
+        run_for(10);
+    CHECK(sp_mitm_rule_count(sb) == 1 && v.changes == 0);
+    if (sp_mitm_rule_count(sb) != 1 || v.changes != 0)
+        fprintf(stderr, "rules=%zu changes=%d\n", sp_mitm_rule_count(sb), v.changes);
+    set_rules("team1", "sbenv1",
+              "[{\"host\":\"localhost\",\"header\":\"Authorization\",\"secret\":\"TOKEN\","
+              "\"env\":\"MY_KEY\"},"
+              "{\"host\":\"localhost\",\"header\":\"X-Api-Key\",\"secret\":\"TOKEN2\","
+              "\"env\":\"OTHER\"}]");
+    for (int i = 0; i < 400 && v.changes == 0; i++)
+        run_for(10);
+    CHECK(v.changes == 1);
+    v.kv[0] = '\0';
+    CHECK(sp_mitm_sb_placeholders(sb, env_put, &v) == 2);
+    CHECK(strcmp(v.kv, "MY_KEY=" SP_SECRETS_PLACEHOLDER "TOKEN;OTHER=" SP_SECRETS_PLACEHOLDER
+                       "TOKEN2;") == 0);
+    /* Removed: none left, and the handle says so. */
+    set_rules("team1", "sbenv1", "[]");
+    for (int i = 0; i < 400 && v.changes == 1; i++)
+        run_for(10);
+    CHECK(v.changes == 2 && sp_mitm_sb_placeholders(sb, NULL, NULL) == 0);
+    sp_mitm_sb_close(sb);
+}
+
 /* Rules changed while open reach the handle (NOTIFY), and the CA stays the same one. */
 static void test_mitm_rules_reload(sp_mitm_sb_t *sb)
 {
@@ -956,6 +1022,7 @@ int main(void)
 
     fx_sandbox("team1", "sbmitm1");
     fx_sandbox("team1", "sbmiss1");
+    fx_sandbox("team1", "sbenv1");
     fx_sandbox("team1", "sbnone1");
     put_secret("team1", "TOKEN", SECRET, false);
     put_secret("team1", "TOKEN2", SECRET2, false);
@@ -982,6 +1049,7 @@ int main(void)
     test_mitm_ca_stored_sealed(sb);
     test_mitm_rules_reload(sb);
     test_mitm_missing_secret_then_created();
+    test_mitm_placeholders();
     test_mitm_close_with_open_conn();
 
     sp_mitm_sb_close(sb);

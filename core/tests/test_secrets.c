@@ -144,8 +144,42 @@ static void test_secrets_validation(void)
                  "api.example.com") == 0);
     CHECK(strcmp(json_string_value(json_object_get(json_array_get(out, 1), "format")),
                  "{secret}") == 0);
+    CHECK(json_object_get(json_array_get(out, 0), "env") == NULL); /* only when given */
     json_decref(in);
     json_decref(out);
+
+    /* env: kept as given; the same variable may serve two rules of one secret. */
+    in = json_loads("[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\","
+                    "\"env\":\"OPENAI_API_KEY\"},"
+                    "{\"host\":\"b.com\",\"header\":\"A\",\"secret\":\"K\","
+                    "\"env\":\"OPENAI_API_KEY\"},"
+                    "{\"host\":\"c.com\",\"header\":\"A\",\"secret\":\"L\",\"env\":\"_l9\"}]",
+                    0, &je);
+    out = sp_secrets_rules_normalize(in, &e);
+    CHECK(out != NULL && json_array_size(out) == 3);
+    CHECK(out != NULL && strcmp(json_string_value(json_object_get(json_array_get(out, 1), "env")),
+                                "OPENAI_API_KEY") == 0);
+    CHECK(out != NULL &&
+          strcmp(json_string_value(json_object_get(json_array_get(out, 2), "env")), "_l9") == 0);
+    json_decref(in);
+    json_decref(out);
+    char envmax[SP_SECRETS_ENV_MAX + 1], rule[400];
+    memset(envmax, 'E', SP_SECRETS_ENV_MAX);
+    envmax[SP_SECRETS_ENV_MAX] = '\0';
+    snprintf(rule, sizeof(rule),
+             "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"%s\"}]", envmax);
+    in = json_loads(rule, 0, &je);
+    out = sp_secrets_rules_normalize(in, &e);
+    CHECK(out != NULL); /* SP_SECRETS_ENV_MAX characters fit */
+    json_decref(in);
+    json_decref(out);
+    snprintf(rule, sizeof(rule),
+             "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"%sE\"}]",
+             envmax);
+    in = json_loads(rule, 0, &je);
+    out = sp_secrets_rules_normalize(in, &e);
+    CHECK(out == NULL && e.code == SP_EINVAL && strstr(e.msg, "env") != NULL);
+    json_decref(in);
     static const char *const bad[] = {
         "{}",
         "[1]",
@@ -163,6 +197,19 @@ static void test_secrets_validation(void)
         "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"extra\":1}]",
         "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\"},"
         " {\"host\":\"A.com\",\"header\":\"a\",\"secret\":\"L\"}]",
+        /* env: a POSIX name, not one the sandbox sets, one secret per variable */
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"1KEY\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"MY-KEY\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"K=V\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"A B\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":7}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":null}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"PATH\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"HTTPS_PROXY\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"SSL_CERT_FILE\"}]",
+        "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"KEY\"},"
+        " {\"host\":\"b.com\",\"header\":\"A\",\"secret\":\"L\",\"env\":\"KEY\"}]",
         NULL};
     for (int i = 0; bad[i] != NULL; i++) {
         in = json_loads(bad[i], 0, &je);
