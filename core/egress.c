@@ -769,8 +769,9 @@ static void pc_close(struct pconn *pc, enum close_mode mode, const char *why)
 }
 
 /* Answers the guest with an HTTP error (status line, one-line reason) and closes. */
-static void pc_respond(struct pconn *pc, int status, const char *text, const char *why)
+static void pc_respond(struct pconn *pc, int status, const char *why)
 {
+    const char *text = sp_mitm_http_reason(status);
     char body[256], msg[512];
     int bl = snprintf(body, sizeof(body), "space egress: %s\n", why);
     if (bl < 0 || (size_t)bl >= sizeof(body))
@@ -792,7 +793,7 @@ static void pc_deny(struct pconn *pc, const char *why)
     snprintf(pc->reason, sizeof(pc->reason), "%s", why);
     sp_log(SP_LOG_INFO, "egress", "denied sandbox=%s dest=%s:%u reason=%s", pc->sb->id, pc->host,
            (unsigned)pc->port, why);
-    pc_respond(pc, 403, "Forbidden", why);
+    pc_respond(pc, 403, why);
 }
 
 /* ---- HTTP request heads ---- */
@@ -1662,7 +1663,7 @@ static void pc_connect_next(struct pconn *pc)
     snprintf(why, sizeof(why), "cannot connect to %.80s port %u: %s", pc->host, (unsigned)pc->port,
              strerror(pc->last_errno ? pc->last_errno : ECONNREFUSED));
     pc->allowed = true;
-    pc_respond(pc, 502, "Bad Gateway", why);
+    pc_respond(pc, 502, why);
 }
 
 static void on_up_io(sp_watch_t *w, int events, void *arg)
@@ -1702,7 +1703,7 @@ static void pc_on_resolved(void *owner, struct rjob *j)
         char why[160];
         snprintf(why, sizeof(why), "cannot resolve %.100s: %s", pc->host, resolve_error(j->rc));
         pc->allowed = true;
-        pc_respond(pc, 502, "Bad Gateway", why);
+        pc_respond(pc, 502, why);
         return;
     }
     char first_why[128] = "";
@@ -1767,7 +1768,7 @@ static void pc_decide(struct pconn *pc)
     pc->phase = PH_RESOLVE;
     pc->job = resolve_start(sb, pc->host, AF_UNSPEC, pc_on_resolved, pc);
     if (pc->job == NULL)
-        pc_respond(pc, 503, "Service Unavailable", "out of memory");
+        pc_respond(pc, 503, "out of memory");
 }
 
 /* Looks for the end of the head; parses and decides once it is there. */
@@ -1790,7 +1791,7 @@ static void pc_head(struct pconn *pc)
         if (n >= SP_EGRESS_MAX_HEAD) {
             pc->kind = "http";
             snprintf(pc->host, sizeof(pc->host), "?");
-            pc_respond(pc, 431, "Request Header Fields Too Large", "request head is too large");
+            pc_respond(pc, 431, "request head is too large");
         } else if (pc->g_eof) {
             pc_close(pc, CLOSE_OK, NULL); /* the guest left before asking anything */
         }
@@ -1805,21 +1806,8 @@ static void pc_head(struct pconn *pc)
             pc->kind = "http";
         pc->log = true;
         pc->allowed = false;
-        static const struct {
-            int s;
-            const char *t;
-        } texts[] = {{400, "Bad Request"},
-                     {403, "Forbidden"},
-                     {431, "Request Header Fields Too Large"},
-                     {501, "Not Implemented"},
-                     {503, "Service Unavailable"},
-                     {505, "HTTP Version Not Supported"}};
-        const char *t = "Bad Request";
-        for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
-            if (texts[i].s == status)
-                t = texts[i].t;
         snprintf(pc->reason, sizeof(pc->reason), "%s", why);
-        pc_respond(pc, status, t, why);
+        pc_respond(pc, status, why);
         return;
     }
     if (!pc->connect && pc->sb->eg->mitm != NULL) {
@@ -1845,16 +1833,16 @@ static void on_pc_timer(sp_timer_t *t, void *arg)
         pc->kind = "http";
         snprintf(pc->host, sizeof(pc->host), "?");
         pc->log = true;
-        pc_respond(pc, 408, "Request Timeout", "request head not received in time");
+        pc_respond(pc, 408, "request head not received in time");
         return;
     case PH_WAIT:
         pc->allowed = false;
-        pc_respond(pc, 503, "Service Unavailable", "egress policy is not available; try again");
+        pc_respond(pc, 503, "egress policy is not available; try again");
         return;
     case PH_RESOLVE:
     case PH_CONNECT:
         pc->allowed = true;
-        pc_respond(pc, 504, "Gateway Timeout", "connecting took too long");
+        pc_respond(pc, 504, "connecting took too long");
         return;
     case PH_SNI:
         pc->allowed = false;

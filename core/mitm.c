@@ -1373,8 +1373,9 @@ static int guest_write(sp_mitm_conn_t *c, const void *p, size_t n)
 }
 
 /* Answers the guest's request with an error of our own and stops reading its requests. */
-static void answer_error(sp_mitm_conn_t *c, int status, const char *reason, const char *msg)
+static void answer_error(sp_mitm_conn_t *c, int status, const char *msg)
 {
+    const char *reason = sp_mitm_http_reason(status);
     char body[300], head[256];
     int bl = snprintf(body, sizeof(body), "space egress: %s\n", msg);
     if (bl < 0 || (size_t)bl >= sizeof(body))
@@ -1390,19 +1391,27 @@ static void answer_error(sp_mitm_conn_t *c, int status, const char *reason, cons
     conn_fail(c, status == 502 ? SP_EUNAVAIL : SP_EINVAL, msg);
 }
 
-static const char *reason_of(int status)
+const char *sp_mitm_http_reason(int status)
 {
     switch (status) {
     case 400:
         return "Bad Request";
+    case 403:
+        return "Forbidden";
+    case 408:
+        return "Request Timeout";
     case 421:
         return "Misdirected Request";
     case 431:
         return "Request Header Fields Too Large";
     case 501:
-        return "Not Implemented";
+        return "Not Implemented"; /* the HTTP reason phrase: a method the proxy does not serve */
     case 502:
         return "Bad Gateway";
+    case 503:
+        return "Service Unavailable";
+    case 504:
+        return "Gateway Timeout";
     case 505:
         return "HTTP Version Not Supported";
     default:
@@ -1474,16 +1483,16 @@ static bool step_parse(sp_mitm_conn_t *c)
             }
             if (hl == 0) {
                 if (n > HEAD_MAX)
-                    answer_error(c, 431, reason_of(431), "request head is larger than 64 KiB");
+                    answer_error(c, 431, "request head is larger than 64 KiB");
                 return progress;
             }
             if (hl > HEAD_MAX) {
-                answer_error(c, 431, reason_of(431), "request head is larger than 64 KiB");
+                answer_error(c, 431, "request head is larger than 64 KiB");
                 return true;
             }
             c->req_seen = true;
             if (c->up_error[0] != '\0') {
-                answer_error(c, 502, reason_of(502), c->up_error);
+                answer_error(c, 502, c->up_error);
                 return true;
             }
             char reqline[8192];
@@ -1500,7 +1509,7 @@ static bool step_parse(sp_mitm_conn_t *c)
                              "this proxy connection carries credentials for %.64s only; "
                              "open a new one for another destination",
                              c->host);
-                    answer_error(c, 421, reason_of(421), msg);
+                    answer_error(c, 421, msg);
                     return true;
                 }
                 if (o == 1)
@@ -1510,7 +1519,7 @@ static bool step_parse(sp_mitm_conn_t *c)
             sp_err_t e;
             if (rewrite_head(c->sb, c->host, (const char *)p, hl, rl, !c->tls, &c->uout, &info,
                              &e) < 0) {
-                answer_error(c, info.status, reason_of(info.status), e.msg);
+                answer_error(c, info.status, e.msg);
                 return true;
             }
             buf_drop(&c->gin, hl);
@@ -1545,14 +1554,14 @@ static bool step_parse(sp_mitm_conn_t *c)
             uint8_t *nl = memchr(p, '\n', n < 4096 ? n : 4096);
             if (nl == NULL) {
                 if (n >= 4096)
-                    answer_error(c, 400, reason_of(400), "chunked body line is too long");
+                    answer_error(c, 400, "chunked body line is too long");
                 return progress;
             }
             size_t ll = (size_t)(nl - p) + 1;
             size_t tl = ll - 1 - (ll >= 2 && p[ll - 2] == '\r' ? 1 : 0); /* text length */
             if (c->rq == RQ_CHUNK_CRLF) {
                 if (tl != 0) {
-                    answer_error(c, 400, reason_of(400), "chunk data is longer than its size");
+                    answer_error(c, 400, "chunk data is longer than its size");
                     return true;
                 }
                 c->rq = RQ_CHUNK_SIZE;
@@ -1565,14 +1574,14 @@ static bool step_parse(sp_mitm_conn_t *c)
                             : (p[i] >= 'A' && p[i] <= 'F') ? p[i] - 'A' + 10
                                                            : -1;
                     if (d < 0 || digits >= 15) {
-                        answer_error(c, 400, reason_of(400), "bad chunk size");
+                        answer_error(c, 400, "bad chunk size");
                         return true;
                     }
                     size = size * 16 + (uint64_t)d;
                     digits++;
                 }
                 if (digits == 0) {
-                    answer_error(c, 400, reason_of(400), "bad chunk size");
+                    answer_error(c, 400, "bad chunk size");
                     return true;
                 }
                 c->remaining = size;
@@ -1621,7 +1630,7 @@ static void up_failed(sp_mitm_conn_t *c, const char *fmt, const char *detail)
     if (c->relayed) {
         conn_fail(c, SP_EUNAVAIL, c->up_error);
     } else if (c->req_seen && c->rq != RQ_DEAD) {
-        answer_error(c, 502, reason_of(502), c->up_error);
+        answer_error(c, 502, c->up_error);
     }
 }
 

@@ -87,6 +87,9 @@ void sp_mitm_destroy(sp_mitm_t *m);
  * REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS, CURL_CA_BUNDLE. Static storage. */
 const char *const *sp_mitm_guest_env(size_t *n);
 
+/* The HTTP/1.1 reason phrase the proxy and the relay answer status with. */
+const char *sp_mitm_http_reason(int status);
+
 /* ---- one sandbox ---- */
 
 typedef void (*sp_mitm_sb_cb)(void *arg, sp_mitm_sb_t *sb, const sp_err_t *err);

@@ -74,6 +74,12 @@ typedef struct {
 napi_stream_t *sp_napi__stream_start(h2o_req_t *req, int status, const char *content_type,
                                      long long content_length, const napi_stream_cbs_t *cbs,
                                      void *arg);
+/* The first event of a streamed NDJSON route: a failure (err != NULL) answers as a JSON
+ * error, anything else starts a 200 application/x-ndjson stream. Consumes c either way. NULL
+ * when there is no stream (answered with err, the client is gone, or out of memory, answered
+ * 500): the caller stops its operation and frees its state. */
+napi_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err,
+                                     const napi_stream_cbs_t *cbs, void *arg);
 /* Queues n bytes (copied) standing for raw upstream bytes. -1 on allocation failure. */
 int sp_napi__stream_write(napi_stream_t *st, const void *p, size_t n, size_t raw);
 /* Finishes after the queued bytes; ok false aborts the response (the client sees a cut

@@ -325,22 +325,12 @@ static void cs_event(void *arg, const sp_exec_ev_t *ev)
     cmdstream_t *cs = arg;
     if (cs->st == NULL) {
         /* Not started: the first event decides between a JSON error and the stream. */
-        if (ev->type == SP_EXEC_EV_ERROR) {
-            sp_napi__fail(cs->c, ev->err);
-            cs_free(cs);
-            return;
-        }
-        h2o_req_t *req = sp_napi__take(cs->c);
+        bool failed = ev->type == SP_EXEC_EV_ERROR;
+        cs->st = sp_napi__ndjson_begin(cs->c, failed ? ev->err : NULL, &cs_cbs, cs);
         cs->c = NULL;
-        if (req == NULL) { /* the client left before the start */
-            sp_exec_cancel(cs->op);
-            cs_free(cs);
-            return;
-        }
-        cs->st = sp_napi__stream_start(req, 200, "application/x-ndjson", -1, &cs_cbs, cs);
         if (cs->st == NULL) {
-            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
-            sp_exec_cancel(cs->op);
+            if (!failed)
+                sp_exec_cancel(cs->op);
             cs_free(cs);
             return;
         }

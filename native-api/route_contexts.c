@@ -388,22 +388,12 @@ static void xs_event(void *arg, const sp_code_ev_t *ev)
     xs_t *xs = arg;
     if (xs->st == NULL) {
         /* Not started: the first event decides between a JSON error and the stream. */
-        if (ev->type == SP_CODE_EV_FAIL) {
-            sp_napi__fail(xs->c, ev->err);
-            xs_free(xs);
-            return;
-        }
-        h2o_req_t *req = sp_napi__take(xs->c);
+        bool failed = ev->type == SP_CODE_EV_FAIL;
+        xs->st = sp_napi__ndjson_begin(xs->c, failed ? ev->err : NULL, &xs_cbs, xs);
         xs->c = NULL;
-        if (req == NULL) { /* the client left before the start */
-            sp_code_cancel(xs->op);
-            xs_free(xs);
-            return;
-        }
-        xs->st = sp_napi__stream_start(req, 200, "application/x-ndjson", -1, &xs_cbs, xs);
         if (xs->st == NULL) {
-            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
-            sp_code_cancel(xs->op);
+            if (!failed)
+                sp_code_cancel(xs->op);
             xs_free(xs);
             return;
         }
