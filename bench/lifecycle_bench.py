@@ -5,19 +5,22 @@
 
 BUILD_DIR holds server/spaced (a release build). DATA_DIR (default BUILD_DIR/bench-data) gets the
 base template if it has none. Prints medians and p99 of:
-  - create -> first command from the template snapshot (clone), against
+  - create -> first command from the template snapshot: with a spare clone ready (creates
+    BENCH_GAP seconds apart, so the pool refills), and back to back (spares run out), against
+      * the same create without spares (spaced with SPACE_POOL_SIZE=0: QEMU restores the template
+        snapshot for each create),
       * a cold boot of the same template (spaced with SPACE_COLD_BOOT=1), and
       * QEMU alone restoring the same template snapshot with no control plane (the command line of
         a live clone started by hand, device state on an inherited fd, the same QMP steps; timed
         to the agent's HELLO and to a first `true` straight on the agent socket: the floor)
   - 20 concurrent creates (total wall time) against 20 x the single-create median
   - pause and wake (API round trips)
-  - suspend and wake of a 256 MiB and a 1 GiB clone: the first suspend streams the clone's RAM, later
-    ones write device state only (the RAM is in the sandbox's own file by then); snapshot bytes
+  - suspend and wake of a 256 MiB and a 1 GiB clone (device state + the RAM pages that differ from
+    the template's); snapshot bytes
   - host memory per idle sandbox: RSS and PSS of N idle clones' QEMU (and of a few cold-booted ones),
     MemAvailable before/after, and how many idle clones would fit in what is available
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
-Environment: BENCH_CREATES (20), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
+Environment: BENCH_CREATES (20), BENCH_GAP (1.0 s), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
 BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3).
 """
 import http.client
@@ -40,6 +43,7 @@ from agentwire import AgentWire  # noqa: E402
 from harness import PgCluster, Spaced  # noqa: E402
 
 N_CREATES = int(os.environ.get("BENCH_CREATES", "20"))
+GAP = float(os.environ.get("BENCH_GAP", "1.0"))
 N_COLD = int(os.environ.get("BENCH_COLD", "5"))
 N_FLOOR = int(os.environ.get("BENCH_FLOOR", "10"))
 N_CONC = int(os.environ.get("BENCH_CONC", "20"))
@@ -99,6 +103,16 @@ class Api:
                 raise AssertionError("first command: %d %r" % (st, b))
             time.sleep(0.003)
         return (time.perf_counter() - t0) * 1000, sid
+
+    def creates(self, n, gap=0.0):
+        """n x (create -> first command, delete), gap seconds before each: the ms list."""
+        out = []
+        for _ in range(n):
+            time.sleep(gap)
+            ms, sid = self.create_first_cmd()
+            out.append(ms)
+            self.delete(sid)
+        return out
 
     def create(self, **fields):
         st, b = self.call("POST", "/v1/sandboxes?wait=120", dict(template="base", **fields))
@@ -197,6 +211,11 @@ def floor_restore(data, sid, n):
     lists, both from QEMU's start; the overlay is made before the clock starts."""
     argv = cmdline(qemu_pid(data, sid))
     vdir = os.path.join(data, "vms", sid)
+    origin = os.path.join(vdir, "pool.origin")  # a taken spare's QEMU names its old dir
+    if os.path.exists(origin):
+        with open(origin) as f:
+            old = f.read().strip()
+        argv = [x.replace(old + "/", vdir + "/") for x in argv]
     with open(os.path.join(vdir, "vm.json")) as f:
         src = json.load(f)["ram_src"]
     hello, first = [], []
@@ -246,7 +265,7 @@ def main():
     env = {k: v for k, v in os.environ.items() if k != "SPACE_COLD_BOOT"}
     s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
     s.env = env
-    cold = None
+    cold = nop = None
     try:
         s.key = s.cli("keys", "create").stdout.strip()
         s.start()
@@ -262,13 +281,13 @@ def main():
         print("%-52s %8.0f ms" % ("first create (probe + template snapshot if none)",
                                   (time.perf_counter() - t0) * 1000), flush=True)
 
-        # 1. create -> first command from the template snapshot
-        clone = []
-        for _ in range(N_CREATES):
-            ms, sid = api.create_first_cmd()
-            clone.append(ms)
-            api.delete(sid)
-        line("create -> first command, template snapshot", clone)
+        # 1. create -> first command from the template snapshot: a spare clone ready, and back
+        #    to back
+        clone = api.creates(N_CREATES, GAP)
+        line("create -> first command, spare clone ready", clone)
+        time.sleep(GAP)
+        b2b = api.creates(N_CREATES)
+        line("create -> first command, back to back", b2b)
 
         # 2. QEMU alone restoring the same snapshot (the floor), argv of the warm clone
         hello, first = floor_restore(data, warm, N_FLOOR)
@@ -324,13 +343,13 @@ def main():
                 later_b = snapshot_bytes(data, sid)
                 later_w.append(api.verb(sid, "wake"))
             out = api.run(sid, "cat /root/mark")
-            print("%d MiB clone: create %.0f ms; first suspend (RAM streamed) %.0f ms, snapshot "
-                  "%.1f MB; wake %.0f ms" % (mem, made, s1, b1[0] / 1e6, w1), flush=True)
-            line("  %d MiB later suspend (device state + RAM file)" % mem, later_s)
+            print("%d MiB clone: create %.0f ms; first suspend %.0f ms, snapshot %.1f MB; first "
+                  "wake %.0f ms" % (mem, made, s1, (b1[0] + b1[1]) / 1e6, w1), flush=True)
+            line("  %d MiB later suspend" % mem, later_s)
             line("  %d MiB later wake" % mem, later_w)
-            print("  %d MiB later snapshot: device state %.1f KB + RAM file %.1f MB allocated; "
-                  "marker=%s" % (mem, later_b[0] / 1e3, later_b[1] / 1e6,
-                                 json.dumps(out.get("stdout", out))[:40]), flush=True)
+            print("  %d MiB later snapshot: device state + RAM delta %.1f MB, RAM file %.1f MB "
+                  "allocated; marker=%s" % (mem, later_b[0] / 1e6, later_b[1] / 1e6,
+                                           json.dumps(out.get("stdout", out))[:40]), flush=True)
             api.delete(sid)
 
         # 6. density: N idle clones
@@ -355,22 +374,41 @@ def main():
         for sid in ids:
             api.delete(sid)
 
-        # 7. baselines: cold boots (spaced with SPACE_COLD_BOOT=1, same data dir and database)
+        spares = [d for d in os.listdir(os.path.join(data, "vms")) if d.startswith(".pool-")
+                  and os.path.isdir(os.path.join(data, "vms", d))
+                  and not os.path.islink(os.path.join(data, "vms", d))]
+        sm = [mem_of(qemu_pid(data, d)) for d in spares]
+        print("%-52s %d kept, RSS %s MB, PSS %s MB" % (
+            "spare clones (all sizes created from)", len(sm),
+            "/".join("%.0f" % (m[0] / 1e6) for m in sm),
+            "/".join("%.0f" % (m[1] / 1e6) for m in sm)), flush=True)
+
+        # 7. baseline: the same creates without spares (spaced with SPACE_POOL_SIZE=0)
         s.stop()
+        nop = Spaced(binary=spaced, data_dir=data, database_url=pg.url,
+                     env={"SPACE_POOL_SIZE": "0"})
+        nop.key = s.key
+        nop.start()
+        napi = Api(nop)
+        nopool = napi.creates(N_CREATES, GAP)
+        line("create -> first command, no spare (baseline)", nopool)
+        ratio("no spare / spare clone ready (medians)", statistics.median(nopool),
+              statistics.median(clone))
+        nop.stop()
+
+        # 8. baselines: cold boots (spaced with SPACE_COLD_BOOT=1, same data dir and database)
         cold = Spaced(binary=spaced, data_dir=data, database_url=pg.url,
                       env={"SPACE_COLD_BOOT": "1"})
         cold.key = s.key
         cold.start()
         capi = Api(cold)
-        cb = []
-        for _ in range(N_COLD):
-            ms, sid = capi.create_first_cmd()
-            cb.append(ms)
-            capi.delete(sid)
+        cb = capi.creates(N_COLD)
         line("create -> first command, cold boot (baseline)", cb)
-        ratio("cold boot / template snapshot (medians)", statistics.median(cb),
+        ratio("cold boot / spare clone ready (medians)", statistics.median(cb),
               statistics.median(clone))
-        ratio("template snapshot / QEMU-alone floor (medians)", statistics.median(clone),
+        ratio("spare clone ready / QEMU-alone floor (medians)", statistics.median(clone),
+              statistics.median(first))
+        ratio("no spare / QEMU-alone floor (medians)", statistics.median(nopool),
               statistics.median(first))
         cids = [capi.create() for _ in range(N_DENSITY_COLD)]
         time.sleep(10)
@@ -381,6 +419,8 @@ def main():
             capi.delete(sid)
     finally:
         s.destroy()
+        if nop is not None:
+            nop.destroy()
         if cold is not None:
             cold.destroy()
         pg.destroy()

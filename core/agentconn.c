@@ -1193,6 +1193,19 @@ uint32_t sp_agentconn_caps(const sp_agentconn_t *c)
     return c->caps;
 }
 
+int sp_agentconn_set_path(sp_agentconn_t *c, const char *socket_path)
+{
+    struct sockaddr_un sa;
+    if (c == NULL || socket_path == NULL || strlen(socket_path) >= sizeof(sa.sun_path))
+        return -1;
+    char *p = strdup(socket_path);
+    if (p == NULL)
+        return -1;
+    free(c->path);
+    c->path = p;
+    return 0;
+}
+
 void sp_agentconn_set_sandbox(sp_agentconn_t *c, const char *sandbox_id)
 {
     if (c == NULL || sandbox_id == NULL)

@@ -89,6 +89,11 @@ sp_agentconn_t *sp_agentconn_create(sp_loop_t *loop, const char *socket_path,
  * NULL does nothing. */
 void sp_agentconn_destroy(sp_agentconn_t *c);
 
+/* Where later (re)connections go: the socket moved with its directory (a spare clone taken
+ * by a sandbox, core/qemu.c). The live connection is kept. -1 when the path does not fit a
+ * sockaddr_un or memory is short (the old path stays). */
+int sp_agentconn_set_path(sp_agentconn_t *c, const char *socket_path);
+
 bool sp_agentconn_up(const sp_agentconn_t *c);
 /* The agent's version string from its last HELLO ("" before). */
 const char *sp_agentconn_agent_version(const sp_agentconn_t *c);
@@ -196,7 +201,9 @@ uint32_t sp_agentconn_caps(const sp_agentconn_t *c);
 /* ---- which sandbox ---- */
 
 /* Names the sandbox this channel belongs to (its driver calls it right after create; id is
- * copied, at most 64 characters) and tells the process-wide hook, inside this call. */
+ * copied, at most 64 characters) and tells the process-wide hook, inside this call. Called
+ * again with another name (a spare clone taken by a sandbox), the hook hears the new name for
+ * the same channel. */
 void sp_agentconn_set_sandbox(sp_agentconn_t *c, const char *sandbox_id);
 /* The name given to set_sandbox, "" before. */
 const char *sp_agentconn_sandbox(const sp_agentconn_t *c);

@@ -644,6 +644,35 @@ int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id)
     return -1;
 }
 
+int sp_cgroup_vm_rename(sp_cgroup_t *cg, const char *from, const char *to)
+{
+    if (cg == NULL || cg->kind == SP_CGROUP_NONE)
+        return 0;
+    if (!valid_name(from) || !valid_name(to)) {
+        errno = EINVAL;
+        return -1;
+    }
+    char a[C_N][PATH_MAX], b[C_N][PATH_MAX];
+    int na = vm_dirs(cg, from, a);
+    int nb = vm_dirs(cg, to, b);
+    if (na != nb) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (int i = 0; i < na; i++) {
+        if (access(a[i], F_OK) < 0 && errno == ENOENT)
+            continue;
+        if (rename(a[i], b[i]) < 0) {
+            int e = errno;
+            for (int j = i - 1; j >= 0; j--)
+                (void)rename(b[j], a[j]);
+            errno = e;
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int sp_cgroup_vm_mem_used(const sp_cgroup_t *cg, const char *id, uint64_t *out)
 {
     char d[PATH_MAX], p[PATH_MAX + 32], buf[64];

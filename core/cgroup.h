@@ -111,6 +111,11 @@ bool sp_cgroup_vm_exists(const sp_cgroup_t *cg, const char *id);
  * -1 with errno when a group stays. */
 int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id);
 
+/* Renames VM from's groups to VM to's (a spare clone taken by a sandbox, core/qemu.c); the
+ * members stay where they are. 0 when done or when there are no groups; -1 with errno when a
+ * rename failed (the ones already done are undone). */
+int sp_cgroup_vm_rename(sp_cgroup_t *cg, const char *from, const char *to);
+
 /* Memory charged to VM id's group: memory.current (v2) / memory.usage_in_bytes (v1). */
 int sp_cgroup_vm_mem_used(const sp_cgroup_t *cg, const char *id, uint64_t *out);
 

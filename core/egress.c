@@ -162,6 +162,7 @@ struct sb {
     bool held;       /* credit is being held back (buffered reached the limit) */
     struct sp_mitm_sb *mitm;
     bool mitm_opening;
+    bool mitm_stale; /* renamed while the handle was being opened: reopen it */
     unsigned resolving;        /* its jobs on the resolver threads */
     struct rjob *rq, *rq_tail; /* its jobs waiting for one of those SB_RESOLVING places */
 };
@@ -2450,6 +2451,20 @@ static void sb_load(struct sb *sb)
         sb->reload = true;
         return;
     }
+    if (strchr(sb->id, ':') != NULL) {
+        /* not a sandbox (a spare clone, core/qemu.c, until a sandbox takes it): no row to
+         * read, nothing goes out */
+        sp_egp_t *p = sp_egp_default();
+        if (p == NULL) {
+            sp_timer_start(&sb->retry, POLICY_RETRY_MS);
+            return;
+        }
+        p->internet = false;
+        sp_egp_free(sb->policy);
+        sb->policy = p;
+        sb_policy_ready(sb);
+        return;
+    }
     const char *p[] = {sb->id};
     sp_err_t e;
     if (sp_store_query(eg->store,
@@ -2478,6 +2493,8 @@ static void on_mitm_env(void *arg, struct sp_mitm_sb *h)
         sb_send_config(sb);
 }
 
+static void sb_open_mitm(struct sb *sb);
+
 static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
 {
     struct sb *sb = arg;
@@ -2491,6 +2508,13 @@ static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
         sb_maybe_free(sb);
         if (eg->dying)
             egress_maybe_free(eg);
+        return;
+    }
+    if (sb->mitm_stale) { /* opened for the old name */
+        sb->mitm_stale = false;
+        if (h != NULL)
+            sp_mitm_sb_close(h);
+        sb_open_mitm(sb);
         return;
     }
     if (err != NULL)
@@ -2512,7 +2536,8 @@ static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
 static void sb_open_mitm(struct sb *sb)
 {
     sp_egress_t *eg = sb->eg;
-    if (eg->mitm == NULL || sb->mitm != NULL || sb->mitm_opening || sb->conn == NULL)
+    if (eg->mitm == NULL || sb->mitm != NULL || sb->mitm_opening || sb->conn == NULL ||
+        strchr(sb->id, ':') != NULL) /* no sandbox (sb_load), no credentials */
         return;
     sp_err_t e;
     sb->mitm_opening = true;
@@ -2550,9 +2575,40 @@ static void on_conn_event(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
     sb_maybe_free(sb);
 }
 
+/* The channel's VM now belongs to sandbox id (a spare clone taken by a sandbox, core/qemu.c):
+ * what was decided under the old name goes, the new one's policy and credentials load, and
+ * the config goes out again (the agent leaves files that did not change alone). */
+static void sb_rename(struct sb *sb, const char *id)
+{
+    if (strcmp(sb->id, id) == 0)
+        return;
+    sp_log(SP_LOG_DEBUG, "egress", "channel renamed sandbox=%s was=%s", id, sb->id);
+    snprintf(sb->id, sizeof(sb->id), "%s", id);
+    sb->team[0] = '\0';
+    sb_close_all(sb);
+    sp_egp_free(sb->policy);
+    sb->policy = NULL; /* connections wait for the new one */
+    if (sb->mitm != NULL) {
+        sp_mitm_sb_close(sb->mitm);
+        sb->mitm = NULL;
+    }
+    if (sb->mitm_opening)
+        sb->mitm_stale = true;
+    sb_load(sb);
+    sb_open_mitm(sb);
+    if (sp_agentconn_up(sb->conn))
+        sb_send_config(sb);
+}
+
 static void on_named(void *arg, sp_agentconn_t *c, const char *sandbox_id)
 {
     sp_egress_t *eg = arg;
+    for (struct sb *x = eg->sbs; x != NULL; x = x->next) {
+        if (x->conn == c && !x->dead) {
+            sb_rename(x, sandbox_id);
+            return;
+        }
+    }
     struct sb *sb = calloc(1, sizeof(*sb));
     if (sb == NULL) {
         sp_log(SP_LOG_ERROR, "egress", "out of memory attaching sandbox=%s", sandbox_id);

@@ -88,6 +88,7 @@
 #include "core/cgroup.h"
 #include "core/exec.h"
 #include "core/log.h"
+#include "core/migdelta.h"
 #include "core/qmp.h"
 #include "guest/bootargs.h"
 #include "guest/tmplbuild.h"
@@ -112,6 +113,13 @@
 #define SP_QEMU_SUM_CHUNK      (1u << 20)
 #define SP_QEMU_SUM_INLINE_MAX (4u << 20) /* a device state up to this is verified inline */
 #define SP_QEMU_SUM_THREADS    4          /* at most, and no more than CPUs */
+#define SP_QEMU_POOL_DEFAULT   2          /* spare clones per template size in use */
+#define SP_QEMU_POOL_MAX       16
+#define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
+#define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
+#define SP_QEMU_POOL_TICK_MS   100u       /* refill check while boots are in flight */
+#define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
+#define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
 
 typedef struct sp_qemu sp_qemu_t;
 
@@ -166,6 +174,7 @@ enum {
     SN_RECONT,      /* cont, */
     SN_RESTOP,      /* stop again (QEMU migrates no VM from postmigrate) */
     SN_CAPS,
+    SN_PARAMS, /* no bandwidth limit: the VM is stopped, nothing is gained by pacing */
     SN_GETFD,
     SN_MIGRATE,
     SN_POLL,
@@ -185,7 +194,9 @@ static const char *const sum_part[SUM_N] = {"ram", "devstate", "disk"};
 
 /* Checksums computed on a thread (sum_files over its parts), reported to the loop through an
  * eventfd. Owned by its VM (vm->sum) until the loop hears it finished; a VM that goes away
- * first abandons it (stop asks the thread to quit early) and whichever side is last frees it. */
+ * first abandons it (stop asks the thread to quit early) and whichever side is last frees it.
+ * The same machinery runs a clone's suspend stream through sp_migdelta_filter (delta: in_fd
+ * is the pipe QEMU migrates into, out_fd the device state file; vm->delta). */
 struct sumjob {
     pthread_mutex_t mu;
     bool finished, abandoned; /* under mu */
@@ -193,6 +204,12 @@ struct sumjob {
     int efd;
     sp_watch_t *w;
     struct vm *vm;
+    bool delta;
+    int in_fd, out_fd;           /* delta: owned by the job */
+    char base[PATH_MAX + 16];    /* delta: the template's RAM file */
+    int rc;                      /* delta: sp_migdelta_filter's */
+    char why[200];
+    sp_migdelta_stats_t st;
     bool verify;                     /* compare with want[] */
     char path[SUM_N][PATH_MAX + 32]; /* "" = not part of this job */
     char want[SUM_N][65];
@@ -263,6 +280,12 @@ struct vm {
     struct child *sync;
     uint64_t snap_start_ms;
     struct sumjob *sum;     /* checksums in flight (suspend: computing; restore: verifying) */
+    struct sumjob *delta;   /* suspend of a clone: the stream's RAM delta being filtered */
+    bool mig_done;          /* suspend: QEMU finished the migration (the delta may not yet) */
+    bool delta_ok;          /* suspend: the device state holds the RAM delta ("ram":"delta") */
+    bool delta_failed;      /* suspend: the filter refused the stream: migrate again, whole */
+    bool no_delta;          /* this VM's clone suspends stream the whole RAM (filter refused) */
+    sp_migdelta_stats_t delta_st;
     bool sync_done, sum_ok; /* suspend: both before the commit */
     char sums[SUM_N][65];   /* suspend: the parts' checksums for the manifest */
     uint64_t sum_sizes[SUM_N];
@@ -285,9 +308,28 @@ struct vm {
     bool clone_boot;      /* this boot restores clone_src's device state */
     bool cold;            /* this boot must not use a template snapshot */
     bool restore_stream;  /* restoring a snapshot whose stream carries the RAM */
+    bool restore_delta;   /* restoring a clone's snapshot: template RAM + the stream's delta */
     bool restore_running; /* the loaded VM came up running (never: sources are stopped) */
     uint64_t cpu_ticks, cpu_ms;
     double cpu_pct;
+    /* spare clones (pool_*) */
+    bool pooled;        /* a spare: no sandbox yet, invisible to vm_find */
+    bool pool_ready;    /* warmed and stopped: pool_take may hand it out */
+    bool pool_drop;     /* to be stopped by the pool timer (a safe place to free it) */
+    int pool_warm_step; /* the next of pool_warm_cmds to run */
+    char pool_key[17];  /* its template snapshot's key */
+};
+
+/* A template size recently created from: the pool keeps spare clones of it (pool_fill). */
+struct poolwant {
+    struct poolwant *next; /* most recently used first */
+    char key[17];
+    char template_name[128];
+    sp_tmplbuild_paths_t tp;
+    int cpu_count, memory_mb;
+    uint64_t disk_total;
+    uint64_t used_ms;  /* mono_ms() of the last create of this size */
+    uint64_t retry_ms; /* no new spare before this (one failed) */
 };
 
 struct sp_qemu {
@@ -313,6 +355,10 @@ struct sp_qemu {
     unsigned req_seq;               /* ids of template snapshot requests */
     char qemu_ident[PATH_MAX + 96]; /* resolved QEMU binary + size + mtime: part of snapshot keys */
     struct tsnap *tsnaps;
+    int pool_size; /* spare clones kept per template size in use; 0: none */
+    unsigned pool_seq;
+    sp_timer_t pool_timer;
+    struct poolwant *wants;
 };
 
 static void vm_stop(struct vm *vm, bool graceful);
@@ -332,6 +378,12 @@ static void tsnap_settle(struct vm *vm);
 static void tsnap_warmup(struct vm *vm);
 static bool tsnap_tmp_foreign(const char *name);
 static void tsnap_gc(sp_qemu_t *d);
+static void pool_warm(struct vm *vm);
+static void on_pool_timer(sp_timer_t *t, void *arg);
+static int tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
+                         int memory_mb, char key[17]);
+static void pool_kick(sp_qemu_t *d);
+static void pool_failed(sp_qemu_t *d, const char *key);
 
 /* ---------- small helpers ---------- */
 
@@ -792,6 +844,10 @@ static void sumjob_free(struct sumjob *j)
     pthread_mutex_destroy(&j->mu);
     if (j->efd >= 0)
         close(j->efd);
+    if (j->in_fd >= 0)
+        close(j->in_fd);
+    if (j->out_fd >= 0)
+        close(j->out_fd);
     free(j);
 }
 
@@ -799,6 +855,13 @@ static void *sum_thread(void *arg)
 {
     struct sumjob *j = arg;
     uint64_t t0 = mono_ms();
+    if (j->delta) {
+        j->rc = sp_migdelta_filter(j->in_fd, j->out_fd, j->base, "mem", &j->st, j->why,
+                                   sizeof j->why);
+        close(j->in_fd); /* a writer still at it gets EPIPE rather than blocking */
+        j->in_fd = -1;
+        goto done;
+    }
     const char *paths[SUM_N];
     int idx[SUM_N], n = 0, bad = -1;
     for (int i = 0; i < SUM_N; i++) {
@@ -823,6 +886,7 @@ static void *sum_thread(void *arg)
         if (j->verify && strcmp(hex[k], j->want[idx[k]]) != 0)
             j->bad = idx[k];
     }
+done:
     j->ms = mono_ms() - t0;
     /* The eventfd is written under the lock: once the loop saw `finished` it may free j. */
     pthread_mutex_lock(&j->mu);
@@ -853,6 +917,8 @@ static struct sumjob *sumjob_new(struct vm *vm, bool verify)
     j->vm = vm;
     j->verify = verify;
     j->bad = -1;
+    j->in_fd = -1;
+    j->out_fd = -1;
     j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (j->efd < 0) {
         sumjob_free(j);
@@ -905,6 +971,7 @@ static void sumjob_abandon(struct sumjob *j)
 
 static void suspend_sums_done(struct vm *vm, struct sumjob *j);
 static void restore_sums_done(struct vm *vm, struct sumjob *j);
+static void suspend_delta_done(struct vm *vm, struct sumjob *j);
 
 static void on_sum_done(sp_watch_t *w, int events, void *arg)
 {
@@ -915,11 +982,16 @@ static void on_sum_done(sp_watch_t *w, int events, void *arg)
     sp_watch_destroy(j->w);
     j->w = NULL;
     struct vm *vm = j->vm;
-    vm->sum = NULL;
-    if (j->verify)
-        restore_sums_done(vm, j);
-    else
-        suspend_sums_done(vm, j);
+    if (j->delta) {
+        vm->delta = NULL;
+        suspend_delta_done(vm, j);
+    } else {
+        vm->sum = NULL;
+        if (j->verify)
+            restore_sums_done(vm, j);
+        else
+            suspend_sums_done(vm, j);
+    }
     pthread_mutex_lock(&j->mu); /* the thread is past its critical section */
     pthread_mutex_unlock(&j->mu);
     sumjob_free(j);
@@ -1201,7 +1273,7 @@ static void cg_remove(sp_qemu_t *d, const char *id)
 static struct vm *vm_find(sp_qemu_t *d, const char *id)
 {
     for (struct vm *v = d->vms; v != NULL; v = v->next)
-        if (strcmp(v->id, id) == 0)
+        if (!v->pooled && strcmp(v->id, id) == 0)
             return v;
     return NULL;
 }
@@ -1286,6 +1358,8 @@ static void vm_free(struct vm *vm)
         close(vm->snap_fd);
     sumjob_abandon(vm->sum);
     vm->sum = NULL;
+    sumjob_abandon(vm->delta);
+    vm->delta = NULL;
     struct waiter *lists[3] = {vm->boot_w, vm->destroy_w, vm->snap_w};
     for (int i = 0; i < 3; i++) {
         while (lists[i] != NULL) {
@@ -1336,6 +1410,17 @@ static pid_t live_qemu_pid(const char *dir)
         char needle[PATH_MAX + 8];
         sfmt(needle, sizeof needle, "%s/", dir);
         ours = strstr(cmd, needle) != NULL;
+        if (!ours) {
+            /* a spare clone taken by this sandbox: its command line names the spare's dir,
+             * which pool_take recorded before moving it here */
+            char org[PATH_MAX], op[PATH_MAX + 16];
+            sfmt(op, sizeof op, "%s/pool.origin", dir);
+            ssize_t k = read_small(op, org, sizeof org);
+            if (k > 0 && org[0] == '/') {
+                sfmt(needle, sizeof needle, "%s/", org);
+                ours = strstr(cmd, needle) != NULL;
+            }
+        }
     }
     free(cmd);
     return ours ? (pid_t)pid : 0;
@@ -1463,6 +1548,22 @@ static uint64_t snapshot_bytes(const char *dir)
 }
 
 /* Removes the per-boot files of a VM dir; keeps the logs for debugging. */
+/* A taken spare's QEMU is gone: the link its old directory name left (pool_take) and the
+ * record of that name go too. */
+static void pool_origin_remove(const struct vm *vm)
+{
+    char op[PATH_MAX + 16], org[PATH_MAX];
+    vm_path(vm, "pool.origin", op, sizeof op);
+    if (read_small(op, org, sizeof org) <= 0)
+        return;
+    struct stat st;
+    const char *base = strrchr(org, '/');
+    if (base != NULL && strncmp(base + 1, ".pool-", 6) == 0 && lstat(org, &st) == 0 &&
+        S_ISLNK(st.st_mode))
+        unlink(org);
+    unlink(op);
+}
+
 static void remove_runtime_files(const struct vm *vm)
 {
     static const char *const names[] = {"disk.qcow2", "qmp.sock", "agent.sock", "qemu.pid",
@@ -1580,6 +1681,8 @@ static void vm_finish(struct vm *vm)
         kill(vm->pid, SIGKILL);
     }
     cg_remove(d, vm->id);
+    if (!vm->pooled)
+        pool_origin_remove(vm);
     if (vm->tsnap_build != NULL) {
         tsnap_failed(vm, vm->boot_failed ? vm->boot_err.msg : "the builder VM went away");
     } else if (vm->clone_boot && vm->destroy_w == NULL && vm->boot_w != NULL && vm->tp != NULL) {
@@ -1609,7 +1712,11 @@ static void vm_finish(struct vm *vm)
         kick(d);
         return;
     }
-    if (vm->restoring && vm->destroy_w == NULL) {
+    if (vm->pooled) {
+        if (vm->boot_failed)
+            pool_failed(d, vm->pool_key);
+        rm_rf(vm->dir); /* a spare's logs were logged (console tail) when it failed */
+    } else if (vm->restoring && vm->destroy_w == NULL) {
         /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
         static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused",
                                             "booting"};
@@ -1790,17 +1897,23 @@ static void boot_done(struct vm *vm)
         tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
         return;
     }
-    free(vm->tp);
-    vm->tp = NULL;
     if (vm->clone_boot) {
         vm->clone_boot = false;
         vm->restoring = false;
         vm->snap_step = SN_NONE;
     }
+    if (vm->pooled) {
+        pool_warm(vm); /* keeps tp: a sandbox that takes it may still fall back to a boot */
+        return;
+    }
+    free(vm->tp);
+    vm->tp = NULL;
+    pool_kick(vm->d); /* spares wait for boots in flight: maybe this was the last one */
     if (vm->restore_stream) {
         vm_json_own_ram(vm);
         vm->restore_stream = false;
     }
+    vm->restore_delta = false; /* still a clone of the template's RAM: ram_src stays */
     if (vm->restoring) {
         /* From here on the disk moves on: the snapshot must never be restored again. */
         char p[PATH_MAX + 32];
@@ -1913,7 +2026,8 @@ static void agent_start(struct vm *vm)
     if (vm->agent == NULL && vm->ph < PH_UP)
         boot_fail(vm, "%s", "cannot create the agent channel");
     else if (vm->agent != NULL && vm->tsnap_build == NULL)
-        sp_agentconn_set_sandbox(vm->agent, vm->id); /* the egress proxy attaches here */
+        sp_agentconn_set_sandbox(vm->agent, vm->id); /* the egress proxy attaches here (a
+                                                      * spare: renamed by pool_take) */
 }
 
 static void on_boot_timeout(sp_timer_t *t, void *arg)
@@ -1983,6 +2097,7 @@ static void start_qemu(struct vm *vm)
     vm_path(vm, "qemu.pid", pidf, sizeof pidf);
     unlink(agent);
     unlink(qmp);
+    pool_origin_remove(vm); /* this QEMU names this directory */
 
     sp_bootargs_qemu_t q = {
         .qemu = d->qemu,
@@ -2017,6 +2132,11 @@ static void start_qemu(struct vm *vm)
             continue;
         }
         argv[n++] = base[i];
+    }
+    if (vm->restore_delta && vm->clone_src == NULL) {
+        free(base);
+        boot_fail(vm, "restore failed: %s", "out of memory");
+        return;
     }
     /* Guest RAM in a shared file: suspend then writes device state only (x-ignore-shared). */
     char memobj[PATH_MAX + 128];
@@ -2482,6 +2602,18 @@ static void vm_adopt_connect(struct vm *vm)
     agent_start(vm);
 }
 
+/* A builder's or spare's dir an earlier driver left: its QEMU, files and cgroup (cid) go. */
+static void remove_leftover(sp_qemu_t *d, const char *dir, const char *cid)
+{
+    pid_t pid = live_qemu_pid(dir);
+    if (pid > 0) {
+        kill(-pid, SIGKILL);
+        kill(pid, SIGKILL);
+    }
+    rm_rf(dir);
+    cg_remove(d, cid);
+}
+
 static void adopt_all(sp_qemu_t *d)
 {
     DIR *dir = opendir(d->vms_dir);
@@ -2495,17 +2627,33 @@ static void adopt_all(sp_qemu_t *d)
              * (one of a live driver in another process is left to it) */
             if (tsnap_tmp_foreign(de->d_name))
                 continue;
-            char tdir[PATH_MAX];
+            char tdir[PATH_MAX], cid[SP_QEMU_ID_MAX + 1];
             sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
-            pid_t pid = live_qemu_pid(tdir);
-            if (pid > 0) {
-                kill(-pid, SIGKILL);
-                kill(pid, SIGKILL);
-            }
-            rm_rf(tdir);
-            char cid[SP_QEMU_ID_MAX + 1];
             sfmt(cid, sizeof cid, "tsnap:%.16s", de->d_name + 7);
-            cg_remove(d, cid);
+            remove_leftover(d, tdir, cid);
+            continue;
+        }
+        if (strncmp(de->d_name, ".pool-", 6) == 0) {
+            char pdir[PATH_MAX];
+            sfmt(pdir, sizeof pdir, "%s/%s", d->vms_dir, de->d_name);
+            struct stat lst;
+            if (lstat(pdir, &lst) == 0 && S_ISLNK(lst.st_mode)) {
+                /* the old name of a taken spare: kept while its QEMU runs */
+                char tgt[PATH_MAX];
+                ssize_t k = readlink(pdir, tgt, sizeof tgt - 1);
+                tgt[k > 0 ? k : 0] = '\0';
+                char tdir[PATH_MAX * 2];
+                snprintf(tdir, sizeof tdir, "%s/%s", d->vms_dir, tgt);
+                if (k <= 0 || strchr(tgt, '/') != NULL || live_qemu_pid(tdir) <= 0)
+                    unlink(pdir);
+                continue;
+            }
+            /* a spare clone of an earlier driver: no sandbox, never adopted */
+            if (tsnap_tmp_foreign(de->d_name))
+                continue;
+            char cid[SP_QEMU_ID_MAX + 1];
+            sfmt(cid, sizeof cid, "pool:%.40s", de->d_name + 6);
+            remove_leftover(d, pdir, cid);
             continue;
         }
         if (d->no_adopt || !valid_id(de->d_name) || vm_find(d, de->d_name) != NULL)
@@ -2519,6 +2667,411 @@ static void adopt_all(sp_qemu_t *d)
     closedir(dir);
     if (n > 0)
         sp_log(SP_LOG_INFO, "qemu", "re-adopting running vms count=%d", n);
+}
+
+/* ---------- spare clones (the pool) ----------
+ *
+ * Restoring a clone costs a new QEMU process (~40 ms), the device state, the agent's
+ * reconnection, and then a first command that runs slowly because TCG translates every
+ * guest code path afresh in each process. A spare is a clone made ahead of time for a
+ * template size that was recently created from: restored, up, warmed by running a few
+ * commands (so its translation cache holds the exec path), then stopped (no CPU). A create
+ * of that size takes one: its directory and cgroup are renamed to the sandbox's, the vCPUs
+ * start, and IDENTITY gives it the sandbox's hostname, env, RNG seed and clock, exactly as
+ * after a restore. Spares are refilled one at a time and only while no other boot is in
+ * flight; they are never adopted by a later driver (killed instead) and go with the driver.
+ */
+
+/* Warm-up of a spare: the exec path the first commands of a sandbox take. */
+static const struct {
+    const char *argv[4];
+    const char *user;
+} pool_warm_cmds[] = {
+    {{"true"}, NULL},
+    {{"/bin/sh", "-c", "true"}, "user"},
+};
+
+static struct poolwant *pool_want(sp_qemu_t *d, const char *key)
+{
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next)
+        if (strcmp(w->key, key) == 0)
+            return w;
+    return NULL;
+}
+
+static void pool_failed(sp_qemu_t *d, const char *key)
+{
+    struct poolwant *w = pool_want(d, key);
+    if (w != NULL)
+        w->retry_ms = mono_ms() + SP_QEMU_POOL_RETRY_MS;
+}
+
+static void pool_kick(sp_qemu_t *d)
+{
+    if (d->pool_size > 0)
+        sp_timer_start(&d->pool_timer, 1);
+}
+
+/* Marks the spares of key (NULL: of template tname's builds other than build) to be stopped
+ * by the pool timer: callers may be iterating the VM list, and stopping may free a VM. */
+static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const char *build)
+{
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->pooled && (key != NULL ? strcmp(v->pool_key, key) == 0
+                                      : v->tp != NULL && strcmp(v->template_name, tname) == 0 &&
+                                            strcmp(v->tp->hash, build) != 0)) {
+            v->pool_drop = true;
+            pool_kick(d);
+        }
+    }
+}
+
+/* A create of this size: remember it (most recent first), forget the least recently used size
+ * beyond SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
+static void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
+{
+    struct poolwant **pp = &d->wants, *w = NULL;
+    for (; *pp != NULL; pp = &(*pp)->next) {
+        if (strcmp((*pp)->key, key) == 0) {
+            w = *pp;
+            *pp = w->next;
+            break;
+        }
+    }
+    if (w == NULL) {
+        w = calloc(1, sizeof(*w));
+        if (w == NULL)
+            return;
+        sfmt(w->key, sizeof w->key, "%s", key);
+        sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
+        w->tp = *vm->tp;
+        w->cpu_count = vm->cpu_count;
+        w->memory_mb = vm->memory_mb;
+        w->disk_total = vm->disk_total;
+        /* other builds of this template: no create will match them again */
+        pool_drop(d, NULL, vm->template_name, vm->tp->hash);
+        for (struct poolwant **q = &d->wants; *q != NULL;) {
+            if (strcmp((*q)->template_name, vm->template_name) == 0 &&
+                strcmp((*q)->tp.hash, vm->tp->hash) != 0) {
+                struct poolwant *x = *q;
+                *q = x->next;
+                free(x);
+            } else {
+                q = &(*q)->next;
+            }
+        }
+    }
+    w->used_ms = mono_ms();
+    w->next = d->wants;
+    d->wants = w;
+    int n = 0;
+    for (pp = &d->wants; *pp != NULL;) {
+        if (++n > SP_QEMU_POOL_KEYS) {
+            struct poolwant *x = *pp;
+            *pp = x->next;
+            pool_drop(d, x->key, NULL, NULL);
+            free(x);
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
+    pool_kick(d);
+}
+
+/* Starts one spare of w's size. */
+static void pool_start(sp_qemu_t *d, struct poolwant *w)
+{
+    unsigned seq = ++d->pool_seq;
+    char id[SP_QEMU_ID_MAX + 1];
+    sfmt(id, sizeof id, "pool:%u-%d", seq, (int)getpid()); /* ':': no sandbox id, no API */
+    sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
+    struct vm *vm = tp != NULL ? vm_new(d, id) : NULL;
+    if (vm == NULL) {
+        free(tp);
+        return;
+    }
+    *tp = w->tp;
+    vm->tp = tp;
+    sfmt(vm->dir, sizeof vm->dir, "%s/.pool-%u-%d", d->vms_dir, seq, (int)getpid());
+    sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
+    sfmt(vm->pool_key, sizeof vm->pool_key, "%s", w->key);
+    vm->pooled = true;
+    vm->cpu_count = w->cpu_count;
+    vm->memory_mb = w->memory_mb;
+    vm->disk_total = w->disk_total;
+    vm->hostname = strdup("space");
+    vm->ph = PH_WAIT_ACCEL;
+    vm->boot_start_ms = mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    sp_log(SP_LOG_DEBUG, "qemu", "making a spare clone spare=%s template=%s key=%s", id,
+           w->template_name, w->key);
+    kick(d);
+}
+
+/* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go), then starts the
+ * next missing spare of the most recently used size, one at a time and only when no other
+ * boot is in flight: a spare never competes with a sandbox for the CPU. */
+static void on_pool_timer(sp_timer_t *t, void *arg)
+{
+    sp_qemu_t *d = arg;
+    uint64_t now = mono_ms();
+    for (struct vm *v = d->vms; v != NULL;) {
+        struct vm *next = v->next; /* vm_stop may free v */
+        if (v->pooled && v->pool_drop && v->ph != PH_STOPPING) {
+            sp_log(SP_LOG_INFO, "qemu", "spare clone dropped spare=%s key=%s", v->id, v->pool_key);
+            vm_stop(v, false);
+        }
+        v = next;
+    }
+    for (struct poolwant **pp = &d->wants; *pp != NULL;) {
+        struct poolwant *w = *pp;
+        if (now - w->used_ms > SP_QEMU_POOL_IDLE_MS) {
+            *pp = w->next;
+            pool_drop(d, w->key, NULL, NULL);
+            free(w);
+        } else {
+            pp = &w->next;
+        }
+    }
+    if (d->wants == NULL || d->pool_size <= 0 || d->accel < 0)
+        return;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->tsnap_req)
+            continue;
+        if (v->ph < PH_UP || v->ph == PH_SUSPENDING || (v->pooled && !v->pool_ready)) {
+            sp_timer_start(&d->pool_timer, SP_QEMU_POOL_TICK_MS);
+            return;
+        }
+    }
+    uint64_t wait = 60000; /* idle sizes are looked at again within a minute */
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next) {
+        if (now < w->retry_ms) {
+            wait = w->retry_ms - now < wait ? w->retry_ms - now : wait;
+            continue;
+        }
+        int n = 0;
+        for (struct vm *v = d->vms; v != NULL; v = v->next)
+            n += v->pooled && !v->pool_drop && v->ph != PH_STOPPING &&
+                 strcmp(v->pool_key, w->key) == 0;
+        if (n < d->pool_size) {
+            pool_start(d, w);
+            wait = SP_QEMU_POOL_TICK_MS;
+            break;
+        }
+    }
+    sp_timer_start(&d->pool_timer, wait);
+}
+
+static void on_pool_stopped(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (!vm->pooled || vm->ph != PH_UP)
+        return;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "spare clone not stopped spare=%s err=%s", vm->id, err->msg);
+        vm->boot_failed = true;
+        vm_stop(vm, false);
+        return;
+    }
+    vm->paused = true;
+    vm->pool_ready = true;
+    sp_log(SP_LOG_INFO, "qemu", "spare clone ready spare=%s key=%s ms=%llu", vm->id, vm->pool_key,
+           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+    pool_kick(vm->d);
+}
+
+static void on_pool_warm(void *arg, const sp_exec_result_t *res, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    vm->warm = NULL;
+    if (!vm->pooled || vm->ph != PH_UP)
+        return;
+    if (err != NULL || !res->exited || res->exit_code != 0)
+        sp_log(SP_LOG_DEBUG, "qemu", "spare warm-up command failed spare=%s step=%d err=%s",
+               vm->id, vm->pool_warm_step, err != NULL ? err->msg : "exit status");
+    vm->pool_warm_step++;
+    pool_warm(vm);
+}
+
+/* A spare is up: run the warm-up commands one after the other, then stop its vCPUs. */
+static void pool_warm(struct vm *vm)
+{
+    sp_err_t e;
+    int n = (int)(sizeof pool_warm_cmds / sizeof pool_warm_cmds[0]);
+    while (vm->pool_warm_step < n) {
+        const char *const *argv = pool_warm_cmds[vm->pool_warm_step].argv;
+        size_t argc = 0;
+        while (argc < 4 && argv[argc] != NULL)
+            argc++;
+        sp_exec_cmd_t cmd = {.argv = argv,
+                             .argc = argc,
+                             .user = pool_warm_cmds[vm->pool_warm_step].user,
+                             .timeout_ms = SP_QEMU_POOL_WARM_MS};
+        vm->warm = sp_exec_run(vm->d->base.loop, vm->agent, &cmd, 4096, on_pool_warm, vm, &e);
+        if (vm->warm != NULL)
+            return;
+        vm->pool_warm_step++;
+    }
+    if (vm->qmp == NULL ||
+        sp_qmp_command(vm->qmp, "stop", NULL, -1, on_pool_stopped, vm, &e) < 0) {
+        vm->boot_failed = true;
+        vm_stop(vm, false);
+    }
+}
+
+/* A spare of key for a create: a ready one, else the one furthest along: finishing it beats
+ * starting another restore beside it. NULL when there is none. */
+static struct vm *pool_pick(sp_qemu_t *d, const char *key)
+{
+    struct vm *best = NULL;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (!v->pooled || v->pool_drop || v->ph > PH_UP || v->img != NULL ||
+            strcmp(v->pool_key, key) != 0)
+            continue;
+        if (v->ph == PH_UP && (v->qmp == NULL || sp_qmp_closed(v->qmp) || v->agent == NULL))
+            continue; /* cannot be started and told who it is */
+        if (v->pool_ready)
+            return v;
+        if (best == NULL || v->ph > best->ph)
+            best = v;
+    }
+    return best;
+}
+
+static void on_take_cont(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (err != NULL && vm->ph < PH_UP) {
+        sp_log(SP_LOG_WARN, "qemu", "taken spare did not start sandbox=%s err=%s", vm->id,
+               err->msg);
+        boot_fail(vm, "guest did not come up: %s", "its vCPUs did not start");
+    }
+}
+
+/* Gives the ready spare vm to sandbox spec->sandbox_id: its directory and cgroup take the
+ * sandbox's names, its vCPUs start and IDENTITY follows (boot_done answers cb). -1 when it
+ * cannot (nothing changed, or the spare was dropped): the caller boots the ordinary way. */
+static int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg)
+{
+    sp_qemu_t *d = vm->d;
+    char ndir[PATH_MAX], op[PATH_MAX + 16], old_id[SP_QEMU_ID_MAX + 1];
+    sfmt(ndir, sizeof ndir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    struct stat st;
+    if (lstat(ndir, &st) == 0 || errno != ENOENT)
+        return -1; /* files of an earlier boot of this id: the ordinary boot deals with them */
+    char *host = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+    char *env = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (host == NULL || w == NULL || (spec->env_json != NULL && env == NULL)) {
+        free(host);
+        free(env);
+        free(w);
+        return -1;
+    }
+    bool started = vm->pid > 0, ok = true, cg_moved = false;
+    if (started) {
+        /* QEMU's command line keeps naming the spare's directory: live_qemu_pid reads this */
+        vm_path(vm, "pool.origin", op, sizeof op);
+        ok = write_atomic(op, vm->dir, strlen(vm->dir)) == 0;
+    }
+    if (ok && vm->cg) {
+        ok = sp_cgroup_vm_rename(d->cg, vm->id, spec->sandbox_id) == 0;
+        cg_moved = ok;
+    }
+    if (ok && started) {
+        /* QEMU opens files by the names it was given (its sockets while it starts, its disk
+         * again when a migration completes): the old name must keep working, at every
+         * instant, while this QEMU runs. A link at the new name whose target is the new name
+         * is exchanged with the directory: then the directory has the new name and the link
+         * the old one, pointing to it. */
+        ok = symlink(spec->sandbox_id, ndir) == 0;
+        if (ok && renameat2(AT_FDCWD, vm->dir, AT_FDCWD, ndir, RENAME_EXCHANGE) < 0) {
+            int e = errno;
+            unlink(ndir);
+            /* no exchange on this filesystem: move, then link (a window of microseconds) */
+            ok = (e == EINVAL || e == ENOSYS) && rename(vm->dir, ndir) == 0;
+            if (ok && symlink(spec->sandbox_id, vm->dir) < 0) {
+                e = errno;
+                rename(ndir, vm->dir);
+                ok = false;
+            }
+            errno = e;
+        }
+    } else if (ok && rename(vm->dir, ndir) < 0 && errno != ENOENT) {
+        ok = false; /* not started: nothing holds its names (no directory yet: fine) */
+    }
+    if (!ok) {
+        sp_log(SP_LOG_WARN, "qemu", "spare clone not taken spare=%s sandbox=%s err=%s", vm->id,
+               spec->sandbox_id, strerror(errno));
+        if (cg_moved)
+            sp_cgroup_vm_rename(d->cg, spec->sandbox_id, vm->id);
+        free(host);
+        free(env);
+        free(w);
+        vm->pool_drop = true;
+        pool_kick(d);
+        return -1;
+    }
+    sfmt(old_id, sizeof old_id, "%s", vm->id);
+    bool was_ready = vm->pool_ready;
+    sfmt(vm->id, sizeof vm->id, "%s", spec->sandbox_id);
+    sfmt(vm->dir, sizeof vm->dir, "%s", ndir);
+    vm->pooled = false;
+    vm->pool_ready = false;
+    free(vm->hostname);
+    vm->hostname = host;
+    free(vm->env_json);
+    vm->env_json = env;
+    w->cb = cb;
+    w->arg = arg;
+    w->next = vm->boot_w;
+    vm->boot_w = w;
+    /* Until the agent has taken IDENTITY, a later driver must not adopt it; and a failure
+     * before that falls back to a boot of the sandbox (vm_finish), as a failed clone does. */
+    char p[PATH_MAX + 16];
+    vm_path(vm, "booting", p, sizeof p);
+    write_atomic(p, "", 0);
+    vm_path(vm, "agent.sock", p, sizeof p);
+    if (vm->agent != NULL) { /* else agent_start makes it, by the new path and name */
+        sp_agentconn_set_path(vm->agent, p);
+        sp_agentconn_set_sandbox(vm->agent, vm->id);
+    }
+    vm->clone_boot = true;
+    vm->boot_start_ms = mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    const char *how = "ready";
+    if (vm->ph < PH_UP) {
+        /* still being made: its boot goes on as the sandbox's (the restore, then IDENTITY with
+         * the sandbox's names; one already sent with the spare's is sent again) */
+        how = vm->ph < PH_START ? "queued" : vm->ph == PH_START ? "restoring" : "connecting";
+        if (vm->ph == PH_IDENTITY) {
+            sp_agentstream_t *old = vm->ident;
+            vm->ident = NULL;
+            sp_agentstream_reset(old);
+            vm->ph = PH_AGENT;
+            if (sp_agentconn_up(vm->agent))
+                send_identity(vm);
+        }
+    } else {
+        /* up: stopped, or warming (its warm-up dropped; a `stop` already sent is undone by the
+         * `cont` queued behind it) */
+        if (!was_ready)
+            how = "warming";
+        sp_exec_cancel(vm->warm);
+        vm->warm = NULL;
+        sp_err_t e;
+        if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_take_cont, vm, &e) < 0) {
+            boot_fail(vm, "guest did not come up: %s", e.msg);
+            return 0; /* answered through vm_finish */
+        }
+        vm->paused = false;
+        vm->ph = PH_AGENT;
+        if (sp_agentconn_up(vm->agent))
+            send_identity(vm);
+    }
+    sp_log(SP_LOG_INFO, "qemu", "sandbox from a spare clone sandbox=%s spare=%s key=%s spare_was=%s",
+           vm->id, old_id, vm->pool_key, how);
+    return 0;
 }
 
 /* ---------- driver ops ---------- */
@@ -2567,6 +3120,22 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         free(tp);
         sp_log(SP_LOG_WARN, "qemu", "template not usable template=%s err=%s", tname, te.msg);
         return sp_err_set(err, SP_ERUNTIME, "template %s is not built on this host", tname);
+    }
+    if (d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0) {
+        int cpus = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
+        int mem = spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
+        char key[17];
+        if (tsnap_key_for(d, tp, cpus, mem, key) == 0) {
+            struct poolwant *pw = pool_want(d, key);
+            if (pw != NULL)
+                pw->used_ms = mono_ms();
+            struct vm *spare = pool_pick(d, key);
+            if (spare != NULL && pool_take(spare, spec, cb, arg) == 0) {
+                free(tp);
+                pool_kick(d);
+                return 0;
+            }
+        }
     }
     vm = vm_new(d, spec->sandbox_id);
     if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
@@ -2701,6 +3270,8 @@ static void snap_fail(struct vm *vm, const char *what, const char *detail)
     sp_timer_stop(&vm->snap_timer);
     sumjob_abandon(vm->sum); /* a running `sync` child is reaped by on_sync_exit */
     vm->sum = NULL;
+    sumjob_abandon(vm->delta); /* its thread ends when QEMU closes the pipe */
+    vm->delta = NULL;
     vm->snap_step = SN_NONE;
     sp_err_t e;
     sp_err_set(&e, SP_ERUNTIME, "suspend failed: %s", what);
@@ -2741,6 +3312,7 @@ static void snap_commit(struct vm *vm)
     vm_path(vm, "mem.ram", ram, sizeof ram);
     struct stat sd, sr = {0};
     bool stream = vm->clone_src != NULL; /* the RAM went into the device state stream */
+    bool delta = stream && vm->delta_ok; /* only its pages that differ from the template's */
     if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || (!stream && stat(ram, &sr) < 0)) {
         snap_fail(vm, "cannot commit the snapshot", strerror(errno));
         return;
@@ -2751,7 +3323,11 @@ static void snap_commit(struct vm *vm)
     json_t *o = json_pack(
         "{s:i, s:i, s:i, s:s, s:s, s:I, s:s, s:I, s:s, s:I, s:I, s:s, s:s, s:s}", "version",
         SP_QEMU_SNAP_VERSION, "cpu_count", vm->cpu_count, "memory_mb", vm->memory_mb, "accel",
-        vm->d->accel == 1 ? "kvm" : "tcg", "ram", stream ? "stream" : "mem.ram", "ram_bytes",
+        vm->d->accel == 1 ? "kvm" : "tcg", "ram",
+        delta    ? "delta"
+        : stream ? "stream"
+                 : "mem.ram",
+        "ram_bytes",
         (json_int_t)(stream ? 0 : vm->sum_sizes[SUM_RAM]), "devstate", "snapshot/devstate",
         "devstate_bytes", (json_int_t)vm->sum_sizes[SUM_DEV], "disk", "disk.qcow2", "disk_bytes",
         (json_int_t)vm->sum_sizes[SUM_DISK], "created_at", (json_int_t)ts.tv_sec, "checksum",
@@ -2759,6 +3335,8 @@ static void snap_commit(struct vm *vm)
         vm->sums[SUM_DISK]);
     if (o != NULL && !stream)
         json_object_set_new(o, "ram_checksum", json_string(vm->sums[SUM_RAM]));
+    if (o != NULL && delta)
+        json_object_set_new(o, "ram_base", json_string(vm->clone_src));
     if (o != NULL && vm->tsnap_build == NULL && (uint64_t)sd.st_size != vm->sum_sizes[SUM_DEV]) {
         json_decref(o); /* cannot happen: the file was ours alone since QEMU closed it */
         snap_fail(vm, "the device state changed while it was checksummed", NULL);
@@ -2780,9 +3358,10 @@ static void snap_commit(struct vm *vm)
     }
     fsync_path(dir, O_RDONLY | O_DIRECTORY); /* the rename itself is durable */
     sp_log(SP_LOG_INFO, "qemu",
-           "snapshot committed sandbox=%s devstate_bytes=%lld ram_bytes=%lld disk_bytes=%lld "
-           "checksum_ms=%llu ms=%llu",
-           vm->id, (long long)sd.st_size, (long long)sr.st_size, (long long)vm->sum_sizes[SUM_DISK],
+           "snapshot committed sandbox=%s ram=%s devstate_bytes=%lld ram_bytes=%lld "
+           "disk_bytes=%lld checksum_ms=%llu ms=%llu",
+           vm->id, delta ? "delta" : stream ? "stream" : "file", (long long)sd.st_size,
+           (long long)sr.st_size, (long long)vm->sum_sizes[SUM_DISK],
            (unsigned long long)vm->sum_ms, (unsigned long long)(mono_ms() - vm->snap_start_ms));
     vm->snap_step = SN_QUIT;
     snap_send(vm, "quit", NULL, -1);
@@ -2870,6 +3449,80 @@ static void snap_sync(struct vm *vm)
         snap_fail(vm, "cannot flush the snapshot to disk", e.msg);
 }
 
+/* A clone's suspend: QEMU migrates into a pipe and a thread writes the device state file
+ * from it with only the RAM pages that differ from the template's (core/migdelta.h). The fd
+ * to give QEMU: the pipe's write end, or the device state file itself when there is no
+ * delta to make (own RAM file, template builder, or the filter refused this VM before). */
+static int suspend_delta_start(struct vm *vm)
+{
+    vm->mig_done = false;
+    vm->delta_ok = false;
+    vm->delta_failed = false;
+    if (vm->clone_src == NULL || vm->no_delta || vm->tsnap_build != NULL)
+        return vm->snap_fd;
+    int pfd[2];
+    struct sumjob *j = sumjob_new(vm, false);
+    if (j == NULL)
+        return vm->snap_fd;
+    if (pipe2(pfd, O_CLOEXEC) < 0) {
+        sumjob_free(j);
+        return vm->snap_fd;
+    }
+    (void)fcntl(pfd[1], F_SETPIPE_SZ, 1 << 20); /* fewer wake-ups; the default still works */
+    j->delta = true;
+    j->in_fd = pfd[0];
+    j->out_fd = fcntl(vm->snap_fd, F_DUPFD_CLOEXEC, 0);
+    sfmt(j->base, sizeof j->base, "%s/mem.ram", vm->clone_src);
+    if (j->out_fd < 0 || sumjob_run(vm->d, j) < 0) { /* sumjob_run frees j when it fails */
+        if (j->out_fd < 0)
+            sumjob_free(j);
+        close(pfd[1]);
+        return vm->snap_fd;
+    }
+    vm->delta = j;
+    return pfd[1];
+}
+
+/* QEMU's migration completed (and the delta filter, if any, is through). */
+static void suspend_migrated(struct vm *vm)
+{
+    if (vm->delta_failed) {
+        /* The VM sits in postmigrate: SN_STATUS runs it through cont/stop again and migrates
+         * the whole RAM this time. */
+        vm->no_delta = true;
+        vm->delta_failed = false;
+        vm->snap_step = SN_STATUS;
+        snap_send(vm, "query-status", NULL, -1);
+        return;
+    }
+    snap_sync(vm);
+}
+
+static void suspend_delta_done(struct vm *vm, struct sumjob *j)
+{
+    if (vm->ph != PH_SUSPENDING || vm->snap_step < SN_GETFD || vm->snap_step > SN_POLL)
+        return;
+    vm->delta_st = j->st;
+    if (j->rc < 0) {
+        sp_log(SP_LOG_WARN, "qemu",
+               "suspend: RAM delta refused sandbox=%s reason=\"%s\" (streaming the whole RAM "
+               "instead)",
+               vm->id, j->why);
+        vm->delta_failed = true;
+    } else {
+        vm->delta_ok = true;
+        sp_log(SP_LOG_DEBUG, "qemu",
+               "suspend: RAM delta sandbox=%s pages=%llu/%llu zero=%llu/%llu bytes=%llu->%llu "
+               "ms=%llu",
+               vm->id, (unsigned long long)j->st.pages_kept, (unsigned long long)j->st.pages_in,
+               (unsigned long long)j->st.zero_kept, (unsigned long long)j->st.zero_in,
+               (unsigned long long)j->st.bytes_in, (unsigned long long)j->st.bytes_out,
+               (unsigned long long)j->ms);
+    }
+    if (vm->mig_done)
+        suspend_migrated(vm);
+}
+
 static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
 {
     struct vm *vm = arg;
@@ -2922,7 +3575,16 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         snap_send(vm, "migrate-set-capabilities", a, -1);
         break;
     }
-    case SN_CAPS: {
+    case SN_CAPS:
+        /* QEMU paces a migration at 32 MiB/s by default; a clone's streamed RAM would take
+         * seconds. Unlimited, and a downtime limit that lets it finish in one pass. */
+        vm->snap_step = SN_PARAMS;
+        snap_send(vm, "migrate-set-parameters",
+                  json_pack("{s:I, s:I}", "max-bandwidth", (json_int_t)1 << 40, "downtime-limit",
+                            (json_int_t)60000),
+                  -1);
+        break;
+    case SN_PARAMS: {
         char dir[PATH_MAX + 16], tmp[PATH_MAX + 32];
         vm_path(vm, "snapshot", dir, sizeof dir);
         snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
@@ -2930,13 +3592,18 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
             snap_fail(vm, "cannot create the snapshot directory", strerror(errno));
             return;
         }
+        if (vm->snap_fd >= 0)
+            close(vm->snap_fd); /* a second try (the delta was refused) starts afresh */
         vm->snap_fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
         if (vm->snap_fd < 0) {
             snap_fail(vm, "cannot create the device state file", strerror(errno));
             return;
         }
+        int qfd = suspend_delta_start(vm);
         vm->snap_step = SN_GETFD;
-        snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), vm->snap_fd);
+        snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), qfd);
+        if (qfd != vm->snap_fd)
+            close(qfd); /* the QMP client sends its own dup */
         break;
     }
     case SN_GETFD:
@@ -2950,7 +3617,9 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
     case SN_POLL: {
         const char *st = json_string_value(json_object_get(ret, "status"));
         if (st != NULL && strcmp(st, "completed") == 0) {
-            snap_sync(vm);
+            vm->mig_done = true;
+            if (vm->delta == NULL) /* else suspend_delta_done goes on */
+                suspend_migrated(vm);
         } else if (st != NULL && (strcmp(st, "failed") == 0 || strcmp(st, "cancelled") == 0)) {
             const char *desc = json_string_value(json_object_get(ret, "error-desc"));
             snap_fail(vm, "migration failed", desc);
@@ -3128,7 +3797,7 @@ static void restore_verify(struct vm *vm, json_t *man)
     long long dev_bytes = man_size(man, "devstate_bytes");
     if (dev_bytes >= 0 && (uint64_t)dev_bytes <= SP_QEMU_SUM_INLINE_MAX)
         dev = NULL; /* snap_check did it */
-    if (vm->restore_stream)
+    if (vm->restore_stream || vm->restore_delta)
         ram = NULL;
     if (ram == NULL && dev == NULL && disk == NULL)
         return;
@@ -3179,7 +3848,7 @@ static void restore_begin(struct vm *vm)
     vm->snap_step = RS_CAPS;
     /* RAM in a file (ours, or the template's for a clone): device state only. */
     json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
-                          "state", vm->restore_stream ? 0 : 1);
+                          "state", vm->restore_stream || vm->restore_delta ? 0 : 1);
     if (sp_qmp_command(vm->qmp, "migrate-set-capabilities", a, -1, on_restore_reply, vm, &e) < 0)
         boot_fail(vm, "restore failed: %s", e.msg);
 }
@@ -3202,6 +3871,7 @@ static void suspend_finish(struct vm *vm)
     sp_qemu_t *d = vm->d;
     vm_disconnect(vm);
     cg_remove(d, vm->id);
+    pool_origin_remove(vm);
     static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
     char p[PATH_MAX + 16];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -3953,11 +4623,20 @@ static void boot_begin(struct vm *vm)
         return;
     }
     struct tsnap *t = tsnap_for(vm);
+    if (vm->pooled && (t == NULL || t->state == TS_FAILED)) {
+        sp_log(SP_LOG_INFO, "qemu", "spare clone not made key=%s reason=\"no template snapshot\"",
+               vm->pool_key);
+        vm->boot_failed = true; /* retried later */
+        vm_stop(vm, false);
+        return;
+    }
     if (t == NULL) {
         vm->cold = true;
         start_disk(vm);
         return;
     }
+    if (!vm->pooled && d->pool_size > 0)
+        pool_note(d, t->key, vm); /* spares of this size from now on */
     switch (t->state) {
     case TS_READY:
         vm->clone_src = strdup(t->dir);
@@ -4058,10 +4737,26 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
     int cpus = (int)json_integer_value(json_object_get(man, "cpu_count"));
     const char *ram = json_string_value(json_object_get(man, "ram"));
     bool stream = ram != NULL && strcmp(ram, "stream") == 0;
+    bool delta = ram != NULL && strcmp(ram, "delta") == 0;
+    /* a delta is loaded over the template's RAM file, which must still be there as it was */
+    const char *base_dir = json_string_value(json_object_get(vj, "ram_src"));
+    const char *man_base = json_string_value(json_object_get(man, "ram_base"));
+    char base_ram[PATH_MAX + 16];
+    struct stat bst;
+    bool base_ok = delta && base_dir != NULL && man_base != NULL &&
+                   strcmp(base_dir, man_base) == 0 &&
+                   sfmt(base_ram, sizeof base_ram, "%s/mem.ram", base_dir) > 0 &&
+                   stat(base_ram, &bst) == 0 && (uint64_t)bst.st_size == (uint64_t)mem << 20;
     sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
     int rc = 0;
     if (tp == NULL) {
         rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
+    } else if (delta && !base_ok && json_is_object(man) && mem > 0) {
+        sp_log(SP_LOG_WARN, "qemu", "wake refused sandbox=%s reason=\"template RAM %s unusable\"",
+               spec->sandbox_id, base_dir != NULL ? base_dir : "(none)");
+        rc = sp_err_set(err, SP_ERUNTIME,
+                        "cannot wake: the template snapshot this sandbox's memory is based on is "
+                        "gone or changed; the snapshot is kept");
     } else if (!json_is_object(man) || mem <= 0 || cpus < 0) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot manifest unreadable sandbox=%s", spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME,
@@ -4071,7 +4766,7 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
         sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (vm.json or images)",
                spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");
-    } else if (snap_check(vdir, man, mem, stream, err) < 0) {
+    } else if (snap_check(vdir, man, mem, stream || delta, err) < 0) {
         sp_log(SP_LOG_WARN, "qemu", "wake refused sandbox=%s reason=\"%s\"", spec->sandbox_id,
                err != NULL ? err->msg : "");
         rc = -1;
@@ -4103,6 +4798,9 @@ static int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb c
             vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
             vm->restoring = true;
             vm->restore_stream = stream;
+            vm->restore_delta = delta;
+            if (delta)
+                vm->clone_src = strdup(base_dir); /* NULL: start_qemu fails the restore */
             vm->ph = PH_WAIT_ACCEL;
             vm->boot_start_ms = mono_ms();
             sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
@@ -4265,14 +4963,20 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
 static void q_free(sp_driver_t *base)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    /* VMs keep running: they are re-adopted by the next driver on this data dir. A template
-     * snapshot builder is no sandbox and nobody would adopt it: it goes. */
+    /* VMs keep running: they are re-adopted by the next driver on this data dir. Template
+     * snapshot builders and spare clones are no sandboxes and nobody would adopt them: they
+     * go. */
     while (d->vms != NULL) {
         struct vm *vm = d->vms;
         d->vms = vm->next;
-        if (vm->tsnap_build != NULL && vm->pid > 0 && !vm->exited) {
+        if ((vm->tsnap_build != NULL || vm->pooled) && vm->pid > 0 && !vm->exited) {
             kill(-vm->pid, SIGKILL);
             kill(vm->pid, SIGKILL);
+            if (vm->pidfd >= 0) { /* and reap it if it is our child */
+                struct pollfd pf = {.fd = vm->pidfd, .events = POLLIN};
+                poll(&pf, 1, 1000);
+                waitpid(vm->pid, NULL, WNOHANG);
+            }
             cg_remove(d, vm->id); /* waits briefly for the group to empty */
             rm_rf(vm->dir);
         }
@@ -4296,6 +5000,12 @@ static void q_free(sp_driver_t *base)
     sp_timer_stop(&d->done_timer);
     sp_timer_stop(&d->kick_timer);
     sp_timer_stop(&d->console_timer);
+    sp_timer_stop(&d->pool_timer);
+    while (d->wants != NULL) {
+        struct poolwant *w = d->wants;
+        d->wants = w->next;
+        free(w);
+    }
     while (d->tsnaps != NULL) {
         struct tsnap *t = d->tsnaps;
         d->tsnaps = t->next;
@@ -4366,6 +5076,24 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     sp_timer_init(&d->done_timer, loop, on_done_timer, d);
     sp_timer_init(&d->kick_timer, loop, on_kick, d);
     sp_timer_init(&d->console_timer, loop, on_console_tick, d);
+    sp_timer_init(&d->pool_timer, loop, on_pool_timer, d);
+    {
+        long ps = o->pool_size;
+        const char *env = getenv("SPACE_POOL_SIZE");
+        if (ps == 0 && env != NULL && *env != '\0') {
+            char *end;
+            ps = strtol(env, &end, 10);
+            if (*end != '\0' || ps < 0)
+                ps = SP_QEMU_POOL_DEFAULT;
+            else if (ps == 0)
+                ps = -1;
+        } else if (ps == 0) {
+            ps = SP_QEMU_POOL_DEFAULT;
+        }
+        d->pool_size = ps < 0 || o->no_adopt || o->cold_boot ? 0
+                       : ps > SP_QEMU_POOL_MAX               ? SP_QEMU_POOL_MAX
+                                                             : (int)ps;
+    }
     if (d->qemu == NULL || d->qemu_img == NULL) {
         q_free(&d->base);
         sp_err_set(err, SP_EINTERNAL, "out of memory");
@@ -4386,8 +5114,10 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         else
             sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s", d->qemu);
     }
-    if (d->cold_only)
+    if (d->cold_only) {
         sp_log(SP_LOG_INFO, "qemu", "template snapshots off: every boot is a cold boot");
+        d->pool_size = 0;
+    }
     if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
         q_free(&d->base);
@@ -4432,6 +5162,16 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     tsnap_gc(d); /* a no-op until the accelerator is known (then on_kvm_probe runs it) */
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
     return &d->base;
+}
+
+int sp_qemu_pool_ready(sp_driver_t *base)
+{
+    if (base == NULL || base->ops != &qemu_ops)
+        return 0;
+    int n = 0;
+    for (struct vm *v = ((sp_qemu_t *)base)->vms; v != NULL; v = v->next)
+        n += v->pooled && v->pool_ready && !v->pool_drop;
+    return n;
 }
 
 int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int cpu_count,

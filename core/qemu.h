@@ -28,9 +28,10 @@
  *   snapshot/    devstate (QEMU device state, ~60 KB) and manifest.json; the
  *                manifest is renamed into place last, so its presence is the
  *                commit: a VM dir without a live QEMU but with it -> SP_VM_SUSPENDED.
- *                manifest.json (version 2): cpu_count, memory_mb, accel, ram ("mem.ram"
- *                or "stream"), and the size and checksum of every part: ram_bytes +
- *                ram_checksum (not for "stream"), devstate_bytes + devstate_checksum,
+ *                manifest.json (version 2): cpu_count, memory_mb, accel, ram ("mem.ram",
+ *                "delta" with ram_base, or "stream"), and the size and checksum of every
+ *                part: ram_bytes + ram_checksum (only for "mem.ram"), devstate_bytes +
+ *                devstate_checksum,
  *                disk_bytes + disk_checksum; "checksum" names the algorithm (qemu.c,
  *                sum_files: SHA-256 of the non-zero 4 KiB pages, per 1 MiB chunk).
  *                corrupt: written when a wake found a part that does not match its
@@ -56,23 +57,41 @@
  * pages they have not written), -incoming defer
  * with x-ignore-shared and the template's device state, cont, then IDENTITY
  * (hostname, sandbox id, env, fresh RNG seed, clock). vm.json names the RAM
- * source ("ram_src"). A clone has no RAM file of its own, so its suspend streams
- * the whole RAM with the device state (x-ignore-shared off; manifest "ram":
- * "stream"); its restore loads that stream into a fresh share=on mem.ram, after
- * which it is an ordinary VM. When no snapshot can be made or a clone fails to
+ * source ("ram_src"). A clone has no RAM file of its own, so its suspend migrates
+ * the whole RAM (x-ignore-shared off, no bandwidth limit) into a pipe, and a thread
+ * (core/migdelta.h) writes the device state file from it with only the pages that
+ * differ from the template's RAM file (manifest "ram": "delta", "ram_base": the
+ * template snapshot dir): a few MB instead of everything the guest ever touched. Its
+ * wake maps the template's RAM share=off again and loads the delta over it, so it
+ * stays a clone sharing the template's pages. Should the filter refuse the stream,
+ * the same suspend migrates again without it ("ram": "stream", logged); that restore
+ * loads the stream into a fresh share=on mem.ram, after which the sandbox has its own
+ * RAM file and suspends by device state only. When no snapshot can be made or a clone fails to
  * come up, the boot falls back to a cold boot (logged; a cold boot never runs the
  * warmup); a failed snapshot build is retried after 10 minutes.
+ *
+ * Spare clones (the pool): after a create of a template size, the driver keeps up to
+ * pool_size clones of that size ready (SP_QEMU_POOL_KEYS sizes, least recently used
+ * first to go; a size nobody created for 30 minutes loses them). A spare is restored in
+ * <data-dir>/vms/.pool-<n>-<pid>/ (cgroup "pool:<n>-<pid>"), warmed by a few commands
+ * through the agent (TCG's translation cache then holds the exec path), and stopped. A
+ * create of its size takes one: cgroup and directory are renamed to the sandbox's
+ * (pool.origin records the old directory, which QEMU's command line still names, for
+ * re-adoption), the vCPUs start, IDENTITY as above. Spares are made one at a time and
+ * only while no other boot is in flight; a driver kills the spares it finds at start,
+ * and its own at sp_driver_destroy.
  *
  * Template snapshots nobody will clone again (of a template build that is no longer
  * current, of a key the current build no longer makes, or damaged) are removed at driver
  * start (once the accelerator is known) and after each snapshot commit, but only when no
- * sandbox uses them: a clone maps the snapshot's mem.ram until its first restore
- * (vm.json "ram_src") and keeps its disk.qcow2 as backing file for life. A damaged one in
+ * sandbox uses them: a clone maps the snapshot's mem.ram, and its suspended delta
+ * refers to it, for as long as vm.json names it ("ram_src"), and keeps its disk.qcow2 as
+ * backing file for life. A damaged one in
  * use stays where it is (clones go cold until it is unused, then it is rebuilt).
  *
- * snapshot() = stop, migrate device state only (x-ignore-shared) to a passed
- * fd, fdatasync RAM file + device state + overlay while a thread checksums
- * them, commit, quit QEMU.
+ * snapshot() = stop, migrate device state only (x-ignore-shared; a clone: with its
+ * RAM delta, above) to a passed fd, fdatasync RAM file + device state + overlay while
+ * a thread checksums them, commit, quit QEMU.
  * restore() = check sizes and the device state's checksum (refused at once
  * on a mismatch or an unreadable manifest: the sandbox stays SUSPENDED),
  * QEMU on the same files with -incoming defer, migrate-incoming from a
@@ -92,6 +111,7 @@
  * connections but leaves every VM running.
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
+ * SPACE_POOL_SIZE (default 2, 0 = none) spare clones per size, unless opts say;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
  */
@@ -108,6 +128,8 @@ typedef struct {
     const char *qemu;     /* qemu-system-x86_64 binary; NULL: from PATH */
     const char *qemu_img; /* qemu-img binary; NULL: from PATH */
     int cold_boot;        /* 1: never create from a template snapshot */
+    int pool_size;        /* spare clones kept ready per template size recently created from:
+                           * 0 = $SPACE_POOL_SIZE, else 2; -1 = none (see below) */
     int no_adopt;         /* 1: a tool's driver (spaced template build) on a data dir a
                            * serving spaced may use: adopts no VM, leaves other live processes'
                            * snapshot builders alone, refuses boot and restore; only
@@ -135,5 +157,8 @@ typedef struct {
 int sp_qemu_template_snapshot(sp_driver_t *d, const char *template_name, int cpu_count,
                               int memory_mb, sp_qemu_tsnap_info_t *info, sp_driver_cb cb, void *arg,
                               sp_err_t *err);
+
+/* Spare clones ready to be taken (for tests and logs). 0 for another driver. */
+int sp_qemu_pool_ready(sp_driver_t *d);
 
 #endif

@@ -87,16 +87,26 @@ static void run_for(double ms)
         sp_loop_run_once(loop, 10);
 }
 
-static sp_driver_t *make_driver(int cold)
+/* pool: spare clones per size (sp_qemu_opts_t.pool_size); -1 none */
+static sp_driver_t *make_driver_pool(int cold, int pool)
 {
     const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto", .cold_boot = cold};
+    sp_qemu_opts_t o = {.data_dir = data_dir,
+                        .accel = accel ? accel : "auto",
+                        .cold_boot = cold,
+                        .pool_size = pool};
     sp_err_t e;
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     if (d == NULL)
         fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
     CHECK(d != NULL);
     return d;
+}
+
+/* The sections below count on exactly the VMs they make: no spares. */
+static sp_driver_t *make_driver(int cold)
+{
+    return make_driver_pool(cold, -1);
 }
 
 static void start_boot(sp_driver_t *d, const char *id, int mem_mb, struct res *r)
@@ -470,6 +480,175 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The spare dirs (.pool-*) under vms/; the pid of the last one's QEMU into *pid. links:
+ * count the links a taken spare leaves under its old name instead. */
+static int spare_entries(pid_t *pid, int links)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s/vms", data_dir);
+    DIR *dir = opendir(p);
+    CHECK(dir != NULL);
+    int n = 0;
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        char own[32]; /* this process's driver's: others may be left by a crashed run */
+        snprintf(own, sizeof own, "-%d", (int)getpid());
+        size_t nl = strlen(de->d_name), ol = strlen(own);
+        if (strncmp(de->d_name, ".pool-", 6) != 0 || nl < ol ||
+            strcmp(de->d_name + nl - ol, own) != 0)
+            continue;
+        char full[4400];
+        struct stat st;
+        snprintf(full, sizeof full, "%s/%s", p, de->d_name);
+        if (lstat(full, &st) < 0 || (links ? !S_ISLNK(st.st_mode) : !S_ISDIR(st.st_mode)))
+            continue;
+        n++;
+        char id[300];
+        snprintf(id, sizeof id, "%s", de->d_name);
+        if (pid != NULL)
+            *pid = vm_pid(id);
+    }
+    closedir(dir);
+    return n;
+}
+
+static int spare_dirs(pid_t *pid)
+{
+    return spare_entries(pid, 0);
+}
+
+static int wait_spares(sp_driver_t *d, int want, double timeout_ms)
+{
+    double end = now_ms() + timeout_ms * mult;
+    while (sp_qemu_pool_ready(d) < want && now_ms() < end)
+        sp_loop_run_once(loop, 20);
+    return sp_qemu_pool_ready(d) >= want ? 0 : -1;
+}
+
+/* Spare clones: a create after one is ready takes it (same QEMU process, renamed dir and
+ * cgroup) with its own identity; it suspends, wakes, is re-adopted by a new driver, and
+ * goes; spares never outlive their driver. */
+static void pool_section(const sp_tmplbuild_paths_t *tp)
+{
+    sp_driver_t *d = make_driver_pool(0, 1);
+    char p1[64], p2[64], p3[64], buf[8192], r1[128], r2[128];
+    snprintf(p1, sizeof p1, "clone-%d-p1", (int)getpid());
+    snprintf(p2, sizeof p2, "clone-%d-p2", (int)getpid());
+    snprintf(p3, sizeof p3, "clone-%d-p3", (int)getpid());
+    CHECK(sp_qemu_pool_ready(d) == 0 && spare_dirs(NULL) == 0);
+    boot(d, p1); /* the first create of the size: ordinary clone; spares from now on */
+    CHECK(wait_spares(d, 1, 120000) == 0);
+    pid_t spare = 0;
+    CHECK(spare_dirs(&spare) == 1 && spare > 0);
+    run_for(300);
+    CHECK(sp_qemu_pool_ready(d) == 1 && spare_dirs(NULL) == 1); /* pool_size 1: no more */
+
+    double t0 = now_ms();
+    double tb = boot(d, p2);
+    (void)t0;
+    CHECK(vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
+    CHECK(spare_entries(NULL, 1) == 1); /* its old name, for QEMU's reopen of the disk */
+    CHECK(d->ops->probe(d, p2) == SP_VM_RUNNING);
+    static const char *const ctl[] = {"cpu", "memory", "pids"};
+    for (size_t i = 0; i < 3; i++) {
+        char dir[4096], procs[4200];
+        if (sp_cgroup_vm_dir(cgl, ctl[i], p2, dir, sizeof dir) < 0)
+            continue;
+        snprintf(procs, sizeof procs, "%s/cgroup.procs", dir);
+        FILE *f = fopen(procs, "r");
+        CHECK(f != NULL);
+        int found = 0, x;
+        while (fscanf(f, "%d", &x) == 1)
+            found |= x == (int)spare;
+        fclose(f);
+        CHECK(found);
+    }
+    const char *rnd = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+    run_cmd(d, p1, rnd, r1, sizeof r1);
+    run_cmd(d, p2, rnd, r2, sizeof r2);
+    CHECK(strlen(r1) == 64 && strlen(r2) == 64 && strcmp(r1, r2) != 0);
+    run_cmd(d, p2, "hostname; echo $CLONE_TEST; date +%Y", buf, sizeof buf);
+    char want[256];
+    time_t now = time(NULL);
+    struct tm tmv;
+    gmtime_r(&now, &tmv);
+    snprintf(want, sizeof want, "%s\n1\n%d", p2, tmv.tm_year + 1900);
+    printf("taken spare: create to agent ready %.0f ms; hostname/env/year: %s\n", tb, buf);
+    CHECK(strcmp(buf, want) == 0);
+    vm_file(p2, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram_src\"") != NULL); /* a clone like any other */
+    CHECK(wait_spares(d, 1, 120000) == 0);       /* refilled */
+
+    /* suspend and wake keep its files and processes */
+    char bgpid[32], cmd[160];
+    run_cmd(d, p2, "echo in-p2 > /root/p2; setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!",
+            bgpid, sizeof bgpid);
+    CHECK(atoi(bgpid) > 0);
+    op(d, d->ops->snapshot, p2);
+    CHECK(d->ops->probe(d, p2) == SP_VM_SUSPENDED);
+    CHECK(spare_entries(NULL, 1) == 0); /* that QEMU is gone: so is the link */
+    restore(d, p2);
+    snprintf(cmd, sizeof cmd, "cat /root/p2; kill -0 %s && echo alive; hostname", bgpid);
+    run_cmd(d, p2, cmd, buf, sizeof buf);
+    snprintf(want, sizeof want, "in-p2\nalive\n%s", p2);
+    CHECK(strcmp(buf, want) == 0);
+
+    /* a create while the next spare is still being made takes that one: take the ready
+     * spare (p4), wait for the next one's QEMU to be up, create p3 */
+    char p4[64];
+    snprintf(p4, sizeof p4, "clone-%d-p4", (int)getpid());
+    CHECK(wait_spares(d, 1, 120000) == 0);
+    boot(d, p4);
+    pid_t pid4 = vm_pid(p4);
+    pid_t next = 0;
+    double until = now_ms() + 30000 * mult;
+    while (now_ms() < until) {
+        next = 0;
+        if (spare_dirs(&next) == 1 && next > 0 && next != pid4)
+            break;
+        sp_loop_run_once(loop, 1);
+    }
+    CHECK(next > 0 && next != pid4);
+    run_for(30); /* QMP connects within a few ms of QEMU's start */
+    int was_ready = sp_qemu_pool_ready(d);
+    boot(d, p3);
+    pid_t pid3 = vm_pid(p3);
+    printf("create while a spare was being made (ready=%d): took it: %s\n", was_ready,
+           pid3 == next ? "yes" : "no");
+    CHECK(pid3 == next);
+    run_cmd(d, p3, "hostname; echo $CLONE_TEST", buf, sizeof buf);
+    snprintf(want, sizeof want, "%s\n1", p3);
+    CHECK(strcmp(buf, want) == 0);
+
+    /* a new driver kills the old one's spares but re-adopts taken ones (their QEMU still
+     * names the spare's directory) */
+    CHECK(wait_spares(d, 1, 120000) == 0);
+    pid_t left = 0;
+    CHECK(spare_dirs(&left) == 1 && left > 0);
+    sp_driver_destroy(d); /* its spares go with it */
+    run_for(200);
+    CHECK(spare_dirs(NULL) == 0 && kill(left, 0) < 0);
+    CHECK(kill(pid3, 0) == 0);
+    d = make_driver_pool(0, 1);
+    CHECK(d->ops->probe(d, p3) == SP_VM_RUNNING);
+    run_cmd(d, p3, "hostname", buf, sizeof buf);
+    CHECK(strcmp(buf, p3) == 0);
+    CHECK(d->ops->probe(d, p4) == SP_VM_RUNNING);
+    pid_t pid1 = vm_pid(p1), pid2 = vm_pid(p2);
+    op(d, d->ops->destroy, p1);
+    op(d, d->ops->destroy, p2);
+    op(d, d->ops->destroy, p3);
+    op(d, d->ops->destroy, p4);
+    check_gone(p1, pid1);
+    check_gone(p2, pid2);
+    check_gone(p3, pid3);
+    check_gone(p4, pid4);
+    sp_driver_destroy(d);
+    CHECK(spare_dirs(NULL) == 0 && spare_entries(NULL, 1) == 0);
+    (void)tp;
+    printf("spare clones: taken, identity, suspend/wake, re-adopted, none left\n");
+}
+
 int main(void)
 {
     data_dir = getenv("SP_TEST_DATA_DIR");
@@ -604,35 +783,83 @@ int main(void)
     run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
     CHECK(strcmp(buf, "no") == 0);
 
-    /* suspend a clone (RAM into the stream), wake it into its own RAM file */
+    /* suspend a clone: its RAM pages that differ from the template's go into the device
+     * state; the wake maps the template's RAM again and loads them over it */
     char bgpid[32];
     run_cmd(d, a, "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!", bgpid, sizeof bgpid);
     CHECK(atoi(bgpid) > 0);
+    /* 8 MB of fresh pages (and the guest's page cache dropped: pages the template holds
+     * become free and are reused) must come back exactly */
+    run_cmd(d, a,
+            "head -c 8000000 /dev/urandom > /root/big; md5sum < /root/big | cut -c1-32; "
+            "echo 3 > /proc/sys/vm/drop_caches",
+            buf, sizeof buf);
+    char big_md5[64];
+    snprintf(big_md5, sizeof big_md5, "%.32s", buf);
+    CHECK(strlen(big_md5) == 32);
     double t0 = now_ms();
     op(d, d->ops->snapshot, a);
     double susp1 = now_ms() - t0;
     CHECK(d->ops->probe(d, a) == SP_VM_SUSPENDED);
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL && strstr(buf, sdir) != NULL);
+    struct stat dst;
+    char dpath[4200];
+    snprintf(dpath, sizeof dpath, "%s/vms/%s/snapshot/devstate", data_dir, a);
+    CHECK(stat(dpath, &dst) == 0);
+    long long dev1 = (long long)dst.st_size;
     double wake1 = restore(d, a);
     vm_file(a, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "ram_src") == NULL);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "cat /root/only-a; kill -0 %s && echo alive", bgpid);
+    CHECK(strstr(buf, "ram_src") != NULL); /* still a clone of the template's RAM */
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "cat /root/only-a; kill -0 %s && echo alive; md5sum < /root/big",
+             bgpid);
+    char want[256];
+    snprintf(want, sizeof want, "only-a\nalive\n%s  -", big_md5);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, "only-a\nalive") == 0);
-    /* the second suspend is device state only */
+    CHECK(strcmp(buf, want) == 0);
+    /* and again: each suspend writes the delta */
     t0 = now_ms();
     op(d, d->ops->snapshot, a);
     double susp2 = now_ms() - t0;
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"mem.ram\"") != NULL);
+    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL);
     double wake2 = restore(d, a);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, "only-a\nalive") == 0);
-    printf("clone suspend (RAM streamed) %.0f ms, wake %.0f ms; then suspend %.0f ms, wake %.0f "
-           "ms\n",
-           susp1, wake1, susp2, wake2);
+    CHECK(strcmp(buf, want) == 0);
+    printf("clone suspend (RAM delta, device state %lld bytes) %.0f ms, wake %.0f ms; then "
+           "suspend %.0f ms, wake %.0f ms\n",
+           dev1, susp1, wake1, susp2, wake2);
+    /* the whole RAM would be more than the 8 MB written plus what the guest had: the delta
+     * holds what changed, not the template's pages */
+    run_cmd(d, a, "awk '/^(MemTotal|MemFree):/{v[$1]=$2} END{print (v[\"MemTotal:\"]-v[\"MemFree:\"])*1024}' /proc/meminfo",
+            buf, sizeof buf);
+    printf("guest memory in use %s bytes, delta %lld bytes\n", buf, dev1);
+    CHECK(dev1 < atoll(buf));
+
+    /* the filter cannot read the template's RAM: the suspend migrates the whole RAM instead
+     * ("stream"), the wake loads it into the sandbox's own RAM file, later suspends write
+     * device state only */
+    char tram[4200], tram2[4300];
+    snprintf(tram, sizeof tram, "%s/mem.ram", sdir);
+    snprintf(tram2, sizeof tram2, "%s/mem.ram.away", sdir);
+    CHECK(rename(tram, tram2) == 0);
+    op(d, d->ops->snapshot, a);
+    CHECK(rename(tram2, tram) == 0);
+    vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    restore(d, a);
+    vm_file(a, "vm.json", buf, sizeof buf);
+    CHECK(strstr(buf, "ram_src") == NULL);
+    run_cmd(d, a, cmd, buf, sizeof buf);
+    CHECK(strcmp(buf, want) == 0);
+    op(d, d->ops->snapshot, a);
+    vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
+    CHECK(strstr(buf, "\"ram\":\"mem.ram\"") != NULL);
+    restore(d, a);
+    run_cmd(d, a, cmd, buf, sizeof buf);
+    CHECK(strcmp(buf, want) == 0);
+    printf("delta refused: whole RAM streamed, then the sandbox's own RAM file\n");
 
     /* a driver restart re-adopts a running clone */
     pid_t pb = vm_pid(b);
@@ -646,7 +873,7 @@ int main(void)
     /* and it still suspends the clone way after re-adoption */
     op(d, d->ops->snapshot, b);
     vm_file(b, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL);
     restore(d, b);
     run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
     CHECK(strcmp(buf, "no") == 0);
@@ -676,6 +903,8 @@ int main(void)
     d = warmup_and_gc(d, &tp);
     CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
     sp_driver_destroy(d);
+
+    pool_section(&tp);
 
     /* cold_boot: no snapshot, no ram_src */
     d = make_driver(1);

@@ -49,7 +49,7 @@ static void test_bootargs_qemu_tcg(void)
     if (av == NULL)
         return;
     CHECK(strcmp(av[0], "qemu-system-x86_64") == 0);
-    CHECK(has(av, "-accel", "tcg") && has(av, "-cpu", "max") && !has(av, "-enable-kvm", NULL));
+    CHECK(has(av, "-accel", "tcg,tb-size=256") && has(av, "-cpu", "max") && !has(av, "-enable-kvm", NULL));
     CHECK(has(av, "-M", "microvm,x-option-roms=off,pit=on,pic=on,rtc=on,isa-serial=on"));
     CHECK(has(av, "-m", "256") && has(av, "-smp", "1") && has(av, "-no-reboot", NULL));
     CHECK(has(av, "-kernel", "/k/vmlinux") && has(av, "-initrd", "/k/i.img"));

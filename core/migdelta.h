@@ -1,0 +1,51 @@
+/*
+ * migdelta.h - shrink a QEMU migration stream to the guest RAM pages that differ from a base.
+ *
+ * A clone's guest RAM is a private copy-on-write map of its template's RAM file. When the
+ * clone is suspended QEMU streams all of its RAM; this filter drops every page record of one
+ * RAM block that would write what the template's file already holds, so the snapshot keeps
+ * only the clone's own pages. Loading the filtered stream into a QEMU that maps the same base
+ * file (share=off) gives the same guest RAM as loading the whole stream.
+ *
+ * Understands the savevm stream (version 3) that QEMU 7.2 writes for a plain precopy
+ * migration: configuration section, the iterative "ram" section (START/PART/END with
+ * MEM_SIZE, ZERO, PAGE and EOS records, 4 KiB target pages), then device state, which is
+ * passed through unread. Refuses what it cannot follow exactly (XBZRLE, compression, RDMA
+ * hooks, postcopy, multifd, other iterative sections such as block migration) so the caller
+ * can fall back to the unfiltered stream. Pure: no globals, no logging, safe on any thread.
+ */
+#ifndef SP_MIGDELTA_H
+#define SP_MIGDELTA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct sp_migdelta_stats {
+    uint64_t pages_in, pages_kept; /* RAM_SAVE_FLAG_PAGE records of the filtered block */
+    uint64_t zero_in, zero_kept;   /* RAM_SAVE_FLAG_ZERO records of the filtered block */
+    uint64_t bytes_in, bytes_out;
+} sp_migdelta_stats_t;
+
+/*
+ * Reads a migration stream from in_fd (a pipe or file) to EOF and writes to out_fd the same
+ * stream minus every record of RAM block `block` (e.g. "mem") whose page equals the base:
+ * a PAGE record whose bytes equal base[offset .. offset+4096), a ZERO record whose fill byte
+ * (QEMU writes 0) fills the base page exactly; bytes at or beyond the base file's size count
+ * as zero. A record for a page whose earlier record was kept is always kept (a later copy
+ * must overwrite the earlier one on load). Other blocks' records and every non-RAM section
+ * are copied byte for byte. Block headers are re-encoded (RAM_SAVE_FLAG_CONTINUE set only
+ * when the previous KEPT record named the same block; otherwise the idstr is written) so the
+ * output loads. base_path is mapped read-only for the call and must not shrink meanwhile
+ * (a truncated mapping faults). in_fd and out_fd stay open; st (may be NULL) is filled even
+ * on failure, with what was seen so far.
+ *
+ * Returns 0; or -1 with a client-safe reason in why (a stream this filter does not
+ * understand, a read/write error): the caller then falls back to an unfiltered stream, and
+ * out_fd holds a partial stream to discard. On any failure but a read error it still reads
+ * in_fd to EOF (so a writer on a pipe never blocks). why (may be NULL) gets a NUL-terminated
+ * message of at most why_len - 1 bytes.
+ */
+int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
+                       sp_migdelta_stats_t *st, char *why, size_t why_len);
+
+#endif
