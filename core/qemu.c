@@ -285,7 +285,6 @@ struct vm {
     bool delta_ok;          /* suspend: the device state holds the RAM delta ("ram":"delta") */
     bool delta_failed;      /* suspend: the filter refused the stream: migrate again, whole */
     bool no_delta;          /* this VM's clone suspends stream the whole RAM (filter refused) */
-    sp_migdelta_stats_t delta_st;
     bool sync_done, sum_ok; /* suspend: both before the commit */
     char sums[SUM_N][65];   /* suspend: the parts' checksums for the manifest */
     uint64_t sum_sizes[SUM_N];
@@ -3468,7 +3467,6 @@ static int suspend_delta_start(struct vm *vm)
         sumjob_free(j);
         return vm->snap_fd;
     }
-    (void)fcntl(pfd[1], F_SETPIPE_SZ, 1 << 20); /* fewer wake-ups; the default still works */
     j->delta = true;
     j->in_fd = pfd[0];
     j->out_fd = fcntl(vm->snap_fd, F_DUPFD_CLOEXEC, 0);
@@ -3502,7 +3500,6 @@ static void suspend_delta_done(struct vm *vm, struct sumjob *j)
 {
     if (vm->ph != PH_SUSPENDING || vm->snap_step < SN_GETFD || vm->snap_step > SN_POLL)
         return;
-    vm->delta_st = j->st;
     if (j->rc < 0) {
         sp_log(SP_LOG_WARN, "qemu",
                "suspend: RAM delta refused sandbox=%s reason=\"%s\" (streaming the whole RAM "
