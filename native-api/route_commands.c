@@ -288,12 +288,13 @@ static int cs_emit(cmdstream_t *cs, json_t *o, size_t raw)
 static int cs_output(cmdstream_t *cs, int fd, const uint8_t *p, size_t n, bool final)
 {
     size_t total = cs->ncarry[fd] + n;
-    if (total * 3 + 1 > cs->line_cap) {
-        char *nb = realloc(cs->line, total * 3 + 1 + total);
+    size_t need = total * 3 + 1 + total; /* the output area, then the staged input */
+    if (need > cs->line_cap) {
+        char *nb = realloc(cs->line, need);
         if (nb == NULL)
             return -1;
         cs->line = nb;
-        cs->line_cap = total * 3 + 1 + total;
+        cs->line_cap = need;
     }
     /* Input staged after the output area: [0, 3*total] output, then the input bytes. */
     uint8_t *in = (uint8_t *)cs->line + total * 3 + 1;
