@@ -194,6 +194,7 @@ static void on_hello(const sp_ap_hdr_t *h, const uint8_t *p)
         .caps = SP_AP_CAP_PTY | SP_AP_CAP_WATCH | SP_AP_CAP_TCP | SP_AP_CAP_IDENTITY |
                 SP_AP_CAP_EGRESS,
         .boot_ns = boot_ns(),
+        .session = in.session, /* which HELLO this answers (see core/agentproto.h) */
     };
     sp_ap_writer_t *w = sp_chan_begin(0, SP_AP_T_HELLO, 0, 256);
     if (w == NULL)

@@ -30,8 +30,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/log.h"
@@ -99,6 +101,7 @@ struct sp_agentconn {
     int watch_events;
     bool connecting; /* connect() in progress */
     bool up;         /* agent answered HELLO */
+    uint64_t session; /* in our HELLO of this connection; the agent echoes it */
     bool failing;    /* output queue overflowed or a send failed: teardown queued */
     bool oq_blocked; /* a stream in wantw waits for the queue to drain below OUTQ_LOW */
     bool destroyed;  /* sp_agentconn_destroy was called */
@@ -515,6 +518,19 @@ static void conn_fail(sp_agentconn_t *c, const char *why)
 
 static void on_io(sp_watch_t *w, int events, void *arg);
 
+/* A nonzero random number: it must differ from any earlier connection's to this agent,
+ * including a previous spaced's. */
+static uint64_t new_session(void)
+{
+    uint64_t v = 0;
+    if (getrandom(&v, sizeof(v), GRND_NONBLOCK) != (ssize_t)sizeof(v)) {
+        struct timespec ts; /* no entropy yet: time and pid still differ between hosts */
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 20);
+    }
+    return v != 0 ? v : 1;
+}
+
 static void conn_connected(sp_agentconn_t *c)
 {
     c->connecting = false;
@@ -522,9 +538,11 @@ static void conn_connected(sp_agentconn_t *c)
     uint8_t buf[128];
     sp_ap_writer_t w;
     sp_ap_writer_init(&w, buf, sizeof(buf));
+    c->session = new_session();
     sp_ap_hello_t hello = {
         .version = SP_AP_VERSION,
         .client = {"spaced", 6},
+        .session = c->session,
     };
     long n = sp_ap_enc_hello(&w, &hello);
     /* Our own fixed-size message: assert-worthy, but fail soft. */
@@ -603,12 +621,20 @@ static void on_agent_hello(sp_agentconn_t *c, const uint8_t *p, uint32_t len)
 {
     sp_ap_hello_t h;
     sp_err_t err;
+    bool ok = sp_ap_dec_hello(p, len, &h, &err) == 0;
+    if (ok && h.session != 0 && h.session != c->session) {
+        /* The answer to an earlier host's HELLO that the guest read late (see
+         * core/agentproto.h): not about this connection. */
+        sp_log(SP_LOG_INFO, "agentconn", "ignored the answer to an earlier hello path=%s",
+               c->path);
+        return;
+    }
     if (c->up) {
         /* Only our HELLO starts a session: an unsolicited one means the agent lost track. */
         conn_fail(c, "unexpected hello");
         return;
     }
-    if (sp_ap_dec_hello(p, len, &h, &err) < 0) {
+    if (!ok) {
         conn_fail(c, "malformed hello");
         return;
     }

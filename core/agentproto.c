@@ -689,6 +689,8 @@ long sp_ap_enc_hello(sp_ap_writer_t *w, const sp_ap_hello_t *m)
         sp_ap_put_u32(w, SP_AP_K_CAPS, m->caps);
     if (m->boot_ns != 0)
         sp_ap_put_u64(w, SP_AP_K_BOOT_NS, m->boot_ns);
+    if (m->session != 0)
+        sp_ap_put_u64(w, SP_AP_K_SESSION, m->session);
     return sp_ap_frame_end(w);
 }
 
@@ -702,7 +704,8 @@ int sp_ap_dec_hello(const uint8_t *p, size_t n, sp_ap_hello_t *m, sp_err_t *err)
     if (sp_ap_get_str(p, n, SP_AP_K_AGENT_VERSION, &m->agent_version) < 0 ||
         sp_ap_get_str(p, n, SP_AP_K_CLIENT, &m->client) < 0 ||
         sp_ap_get_u32(p, n, SP_AP_K_CAPS, &m->caps) < 0 ||
-        sp_ap_get_u64(p, n, SP_AP_K_BOOT_NS, &m->boot_ns) < 0)
+        sp_ap_get_u64(p, n, SP_AP_K_BOOT_NS, &m->boot_ns) < 0 ||
+        sp_ap_get_u64(p, n, SP_AP_K_SESSION, &m->session) < 0)
         return sp_err_set(err, SP_EINVAL, "malformed hello payload");
     return 0;
 }

@@ -31,6 +31,14 @@
  * session. Processes outlive sessions: the host lists them (PROC_LIST) and
  * re-attaches (PROC_ATTACH) after reconnecting.
  *
+ * The host's HELLO carries a random SESSION, which the agent's answer echoes.
+ * A host can go away (killed, or reconnecting) after its HELLO reached the
+ * guest but before the agent read it: the agent was busy, or the VM stopped
+ * first. The agent then answers that HELLO on the next connection, ahead of
+ * the answer to the next host's own. So a host ignores a HELLO with another
+ * SESSION and, as always, every other frame before its own answer. An answer
+ * without SESSION (an older agent) is taken as the answer to this host.
+ *
  * ---- Errors ----
  * A payload that does not parse, a missing field, a bad type for the stream
  * or a window violation ends that stream with ERROR (code, errno, message);
@@ -61,7 +69,8 @@
  *
  * ---- Messages (direction, stream, payload) ----
  *  HELLO        h->a, a->h, 0   VERSION u32, CLIENT str (h) | VERSION, AGENT_VERSION str,
- *                               CAPS u32 (SP_AP_CAP_*), BOOT_NS u64 (agent start, CLOCK_BOOTTIME)
+ *                               CAPS u32 (SP_AP_CAP_*), BOOT_NS u64 (agent start, CLOCK_BOOTTIME);
+ *                               both: SESSION u64 (the host's, echoed)
  *  PING/PONG    h->a / a->h, 0  raw bytes (<= 64), echoed
  *  OK           a->h, END       request done; may carry fields (FS entry, PID...)
  *  ERROR        a->h, END       CODE u32 (SP_AP_E_*), ERRNO u32 (guest errno or 0), MSG str
@@ -225,6 +234,7 @@ typedef enum {
     SP_AP_K_CAPS = 3,          /* u32 SP_AP_CAP_* */
     SP_AP_K_CLIENT = 4,        /* str */
     SP_AP_K_BOOT_NS = 5,       /* u64 */
+    SP_AP_K_SESSION = 6,       /* u64, nonzero */
 
     SP_AP_K_CODE = 10,   /* u32 SP_AP_E_* */
     SP_AP_K_ERRNO = 11,  /* u32 */
@@ -507,6 +517,7 @@ typedef struct {
     sp_ap_str_t client;        /* from the host */
     uint32_t caps;
     uint64_t boot_ns;
+    uint64_t session; /* the host's, echoed by the agent; 0: absent */
 } sp_ap_hello_t;
 
 long sp_ap_enc_hello(sp_ap_writer_t *w, const sp_ap_hello_t *m);

@@ -27,10 +27,10 @@ class FaultTest(unittest.TestCase):
         print("\nfault test seed %d" % seed, file=sys.stderr)
         pg = PgCluster()
         s = Spaced(binary=os.environ["SPACED"], data_dir=DATA, database_url=pg.url)
+        ids = []
         try:
             s.key = s.cli("keys", "create").stdout.strip()
             s.start()
-            ids = []
             desired = {}
             for i in range(5):
                 st, r = s.request("POST", "/v1/sandboxes?wait=%d" % (120 * MULT),
@@ -90,9 +90,13 @@ class FaultTest(unittest.TestCase):
                                   {"cmd": "cat /home/user/mark"}, timeout=60)
                 self.assertEqual((st, c.get("stdout")), (200, "%s-%d\n" % (sid, i)),
                                  (sid, c, s.read_log()))
-            for sid in ids:
-                s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         finally:
+            # Also after a failure: VMs left running would load the tests that follow.
+            for sid in ids:
+                try:
+                    s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+                except OSError:
+                    pass
             s.destroy()
             pg.destroy()
 

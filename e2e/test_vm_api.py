@@ -229,6 +229,28 @@ class VmApiTest(unittest.TestCase):
             st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % x, timeout=70)
             self.assertEqual(r["operation"]["status"], "succeeded", r)
 
+    def test_agent_channel_survives_hellos_left_by_earlier_spaceds(self):
+        # A spaced killed after its HELLO reached the guest but before the agent read it
+        # (the agent was busy, or the VM stopped) leaves that HELLO for the agent to answer
+        # later, ahead of the answer to the next spaced's. The next spaced must take only the
+        # answer to its own HELLO and keep the channel. The agent is stopped inside the guest
+        # for a few seconds here, so the HELLOs of two spaced starts wait for it.
+        sid = self.create()
+        self.addCleanup(self.req, "DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+        self.run_cmd(sid, {"cmd": "echo before > /tmp/marker"})
+        self.run_cmd(sid, {"cmd": "w=$(pidof -o 1 space-agent); sleep 1; kill -STOP $w;"
+                                  " sleep 8; kill -CONT $w", "background": True})
+        time.sleep(2)
+        for _ in range(2):
+            self.s.kill()  # SIGKILL: no cleanup
+            self.s.start()  # re-adopts the VM, connects, sends HELLO: no answer yet
+            time.sleep(0.5)
+        r = self.run_cmd(sid, {"cmd": "cat /tmp/marker"})  # waits for the agent
+        self.assertEqual(r["stdout"], "before\n")
+        log = self.s.read_log()
+        self.assertIn("ignored the answer to an earlier hello", log)
+        self.assertNotIn("unexpected hello", log)
+        self.assertEqual(log.count("channel up path=%s" % os.path.join(DATA, "vms", sid)), 1, log)
 
 if __name__ == "__main__":
     unittest.main()

@@ -170,12 +170,17 @@ static void connect_agent(void)
     REQUIRE(!"cannot connect to the agent");
 }
 
-static void hello(void)
+static void send_hello(uint64_t session)
 {
-    sp_ap_hello_t h = {.version = SP_AP_VERSION, .client = {"test", 4}};
+    sp_ap_hello_t h = {.version = SP_AP_VERSION, .client = {"test", 4}, .session = session};
     sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
     REQUIRE(sp_ap_enc_hello(&W, &h) > 0);
     write_all(wbuf, W.len);
+}
+
+/* Waits for the agent's HELLO and checks it answers the one that carried session. */
+static void hello_answer(uint64_t session)
+{
     frame_t f = wait_on(0);
     REQUIRE(f.h.type == SP_AP_T_HELLO);
     sp_ap_hello_t got;
@@ -183,6 +188,16 @@ static void hello(void)
     CHECK(got.version == SP_AP_VERSION);
     CHECK(got.agent_version.n > 0);
     CHECK(got.caps & SP_AP_CAP_PTY);
+    CHECK(got.session == session);
+}
+
+static uint64_t sessions;
+
+static void hello(void)
+{
+    uint64_t s = ++sessions * 0x9e3779b97f4a7c15ull;
+    send_hello(s);
+    hello_answer(s);
 }
 
 static void start_agent(void)
@@ -854,6 +869,19 @@ static void test_agent_malformed(void)
     CHECK(agent_alive());
 }
 
+/* Two HELLOs read together (an earlier host's, unanswered, and the next one's, as a guest
+ * finds them on resume): one answer each, in order, each naming its HELLO's session. */
+static void test_agent_hello_answers_name_the_session(void)
+{
+    send_hello(0x1111);
+    send_hello(0x2222);
+    hello_answer(0x1111);
+    hello_answer(0x2222);
+    send_hello(0); /* a host that sends none gets none */
+    hello_answer(0);
+    ping_ok();
+}
+
 int main(void)
 {
     if (geteuid() != 0) {
@@ -882,6 +910,7 @@ int main(void)
     test_agent_tcp();
     test_agent_flow_control();
     test_agent_reattach();
+    test_agent_hello_answers_name_the_session();
     test_agent_malformed();
     CHECK(agent_alive());
     kill(agent_pid, SIGTERM);

@@ -50,7 +50,9 @@ struct fake {
     uint8_t *rbuf;
     sp_ap_reader_t rd;
     bool paused;     /* not reading: the agent is stuck */
-    int hello_reply; /* 0: proper HELLO, 1: unparseable, 2: wrong version */
+    int hello_reply; /* 0: proper HELLO, 1: unparseable, 2: wrong version, 3: proper, after
+                        an answer to an earlier host's HELLO and that session's output */
+    uint64_t session; /* in the host's last HELLO */
     int accepts;
     int hellos;
     int eofs;
@@ -109,6 +111,21 @@ static void fake_send_window(struct fake *f, uint32_t stream, uint32_t n)
     fake_send(f, stream, SP_AP_T_WINDOW, 0, buf, w.len);
 }
 
+/* Our HELLO, answering the host HELLO that carried session. */
+static void fake_send_hello(struct fake *f, uint64_t session)
+{
+    uint8_t buf[256];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    sp_ap_hello_t out = {.version = f->hello_reply == 2 ? SP_AP_VERSION + 1 : SP_AP_VERSION,
+                         .agent_version = {"fake-1.0", 8},
+                         .caps = SP_AP_CAP_PTY,
+                         .boot_ns = 1,
+                         .session = session};
+    long len = sp_ap_enc_hello(&w, &out);
+    fake_write(f, buf, (size_t)len);
+}
+
 static void fake_on_hello(struct fake *f, const uint8_t *p, uint32_t n)
 {
     sp_ap_hello_t in;
@@ -117,21 +134,18 @@ static void fake_on_hello(struct fake *f, const uint8_t *p, uint32_t n)
     if (sp_ap_dec_hello(p, n, &in, &err) < 0)
         return;
     f->hello_version = in.version;
+    f->session = in.session;
     snprintf(f->hello_client, sizeof(f->hello_client), "%.*s", (int)in.client.n,
              in.client.p ? in.client.p : "");
-    uint8_t buf[256];
-    sp_ap_writer_t w;
-    sp_ap_writer_init(&w, buf, sizeof(buf));
     if (f->hello_reply == 1) {
         fake_send(f, 0, SP_AP_T_HELLO, 0, "\x01\x00", 2);
         return;
     }
-    sp_ap_hello_t out = {.version = f->hello_reply == 2 ? SP_AP_VERSION + 1 : SP_AP_VERSION,
-                         .agent_version = {"fake-1.0", 8},
-                         .caps = SP_AP_CAP_PTY,
-                         .boot_ns = 1};
-    long len = sp_ap_enc_hello(&w, &out);
-    fake_write(f, buf, (size_t)len);
+    if (f->hello_reply == 3) {
+        fake_send_hello(f, in.session ^ 0x5a5a);
+        fake_send(f, 1, SP_AP_T_PROC_STDOUT, 0, "old", 3);
+    }
+    fake_send_hello(f, in.session);
 }
 
 static void fake_on_io(sp_watch_t *w, int events, void *arg)
@@ -722,6 +736,33 @@ static void test_agentconn_garbage_reconnects(void)
     run_for(50);
     CHECK(st.downs == 3);
     CHECK(run_until(conn_is_up, c, 2000));
+    CHECK(f.session != 0);
+    fake_send_hello(&f, f.session);
+    run_for(50);
+    CHECK(st.downs == 4);
+    CHECK(run_until(conn_is_up, c, 2000));
+    /* A HELLO answering another session's (read late by the guest) changes nothing. */
+    uint64_t first = f.session;
+    fake_send_hello(&f, f.session + 1);
+    run_for(50);
+    CHECK(st.downs == 4 && sp_agentconn_up(c));
+    sp_agentconn_destroy(c);
+
+    /* The guest answers an earlier host's HELLO, and sends that session's output, before
+     * ours: both are ignored, and the channel comes up once, on our answer. */
+    struct state st3 = {0};
+    f.hello_reply = 3;
+    c = connect_up(&f, &st3);
+    run_for(50);
+    CHECK(st3.ups == 1 && st3.downs == 0 && sp_agentconn_up(c));
+    CHECK(f.session != 0 && f.session != first); /* a new session per connection */
+    struct sink k3 = {0};
+    open_proc(c, &f, &k3, &id); /* the channel works */
+    fake_send(&f, id, SP_AP_T_PROC_STDOUT, 0, "new", 3);
+    fake_send(&f, id, SP_AP_T_PROC_EXIT, SP_AP_F_END, NULL, 0);
+    CHECK(run_until(sink_done, &k3, 1000));
+    CHECK(k3.errors == 0 && k3.dlen == 3 && memcmp(k3.data, "new", 3) == 0);
+    f.hello_reply = 0;
     sp_agentconn_destroy(c);
 
     /* Answers to our HELLO that do not parse, or speak another version: never up, retried. */
