@@ -239,7 +239,7 @@ class VmApiTest(unittest.TestCase):
         self.addCleanup(self.req, "DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         self.run_cmd(sid, {"cmd": "echo before > /tmp/marker"})
         self.run_cmd(sid, {"cmd": "w=$(pidof -o 1 space-agent); sleep 1; kill -STOP $w;"
-                                  " sleep 8; kill -CONT $w", "background": True})
+                                  " sleep %d; kill -CONT $w" % (8 * MULT), "background": True})
         time.sleep(2)
         for _ in range(2):
             self.s.kill()  # SIGKILL: no cleanup
