@@ -33,6 +33,7 @@ struct sp_stream {
     void *obj;
     uint64_t send_credit; /* bytes of DATA/STDOUT/STDERR we may still send */
     uint64_t recv_credit; /* bytes of DATA the host may still send */
+    uint32_t grant_pending; /* consumed, not yet given back (see sp_stream_grant) */
     bool closing;
     sp_stream_t *next;
 };
