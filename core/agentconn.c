@@ -30,11 +30,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
+
+#include <sodium.h>
 
 #include "core/log.h"
 
@@ -518,16 +518,12 @@ static void conn_fail(sp_agentconn_t *c, const char *why)
 
 static void on_io(sp_watch_t *w, int events, void *arg);
 
-/* A nonzero random number: it must differ from any earlier connection's to this agent,
- * including a previous spaced's. */
+/* A nonzero random number (libsodium, as for ids): it must differ from any earlier
+ * connection's to this agent, including a previous spaced's. */
 static uint64_t new_session(void)
 {
     uint64_t v = 0;
-    if (getrandom(&v, sizeof(v), GRND_NONBLOCK) != (ssize_t)sizeof(v)) {
-        struct timespec ts; /* no entropy yet: time and pid still differ between hosts */
-        clock_gettime(CLOCK_REALTIME, &ts);
-        v = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 20);
-    }
+    randombytes_buf(&v, sizeof(v));
     return v != 0 ? v : 1;
 }
 
