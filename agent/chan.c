@@ -5,6 +5,15 @@
  * disconnects, read() returns 0 and poll() keeps reporting POLLHUP, so the
  * port is paused and retried every CHAN_RETRY_MS instead of spinning. A unix
  * socket client that leaves is closed; a new client replaces the old one.
+ *
+ * A port's hangup is not ordered with its data. The guest learns that the
+ * host left or came back from control messages, which its kernel handles
+ * after data, so the next host's HELLO can be read before the port reports
+ * that the last host left, or while it still reports so. A hangup therefore
+ * drops the streams and a partly written frame, but keeps the whole frames
+ * queued: the answer to that HELLO is among them, and the host side drops
+ * everything before the answer to its own HELLO (answers carry its session,
+ * core/agentproto.h). A unix client's queue goes with it.
  */
 #include "agent/chan.h"
 
@@ -37,9 +46,19 @@ static struct {
     sp_ap_reader_t rd;
     uint8_t *tx;
     size_t tx_len, tx_off, tx_cap;
+    size_t tx_bound; /* end of the frame tx_off is in (tx_off itself between frames) */
     sp_ap_writer_t w;
     bool w_open;
 } ch = {.fd = -1, .listen_fd = -1};
+
+static sp_chan_read_fn port_read = read;
+static sp_chan_write_fn port_write = write;
+
+void sp_chan_set_port_io(sp_chan_read_fn r, sp_chan_write_fn w)
+{
+    port_read = r != NULL ? r : read;
+    port_write = w != NULL ? w : write;
+}
 
 static uint64_t now_ms(void)
 {
@@ -59,11 +78,35 @@ static int init_buffers(void)
     return 0;
 }
 
-/* The host is gone: forget what was in flight and every stream. */
+static void tx_clear(void)
+{
+    ch.tx_len = ch.tx_off = ch.tx_bound = 0;
+}
+
+/* Moves tx_bound past the frames tx_off has entered. Frames are queued whole, so a header
+ * starts at tx_bound while it is below tx_off. */
+static void tx_track(void)
+{
+    while (ch.tx_bound < ch.tx_off) {
+        sp_ap_hdr_t h;
+        sp_ap_hdr_decode(ch.tx + ch.tx_bound, &h);
+        ch.tx_bound += SP_AP_HDR_SIZE + (size_t)h.len;
+    }
+    if (ch.tx_off == ch.tx_len)
+        tx_clear();
+}
+
+/* The host is gone: forget its streams and a frame half read or half written. A port keeps
+ * its whole queued frames (see the top of this file); a unix client's queue goes with it. */
 static void lost_host(void)
 {
     ch.connected = false;
-    ch.tx_len = ch.tx_off = 0;
+    if (ch.is_port) {
+        ch.tx_off = ch.tx_bound; /* the rest of a frame the host got the start of */
+        tx_track();
+    } else {
+        tx_clear();
+    }
     sp_ap_reader_reset(&ch.rd);
     sp_sess_reset();
 }
@@ -119,7 +162,7 @@ static void do_read(void)
 {
     size_t avail;
     uint8_t *dst = sp_ap_reader_space(&ch.rd, &avail);
-    ssize_t n = read(ch.fd, dst, avail);
+    ssize_t n = ch.is_port ? port_read(ch.fd, dst, avail) : read(ch.fd, dst, avail);
     if (n > 0) {
         if (!ch.connected)
             sp_log(SP_LOG_INFO, "chan", "host connected");
@@ -137,7 +180,9 @@ static void do_read(void)
 static void do_write(void)
 {
     while (ch.tx_off < ch.tx_len) {
-        ssize_t n = write(ch.fd, ch.tx + ch.tx_off, ch.tx_len - ch.tx_off);
+        const uint8_t *p = ch.tx + ch.tx_off;
+        size_t len = ch.tx_len - ch.tx_off;
+        ssize_t n = ch.is_port ? port_write(ch.fd, p, len) : write(ch.fd, p, len);
         if (n < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 ch.tx_off = ch.tx_len; /* peer gone: what is queued is lost anyway */
@@ -145,8 +190,7 @@ static void do_write(void)
         }
         ch.tx_off += (size_t)n;
     }
-    if (ch.tx_off == ch.tx_len)
-        ch.tx_off = ch.tx_len = 0;
+    tx_track();
 }
 
 static void on_fd(int fd, short rev, void *arg)
@@ -234,12 +278,13 @@ bool sp_chan_tx_ok(void)
 static int tx_reserve(size_t need)
 {
     if (ch.tx_off > 0 && ch.tx_off == ch.tx_len)
-        ch.tx_off = ch.tx_len = 0;
+        tx_clear();
     if (ch.tx_cap - ch.tx_len >= need)
         return 0;
     if (ch.tx_off > 0) { /* reclaim the written prefix before growing */
         memmove(ch.tx, ch.tx + ch.tx_off, ch.tx_len - ch.tx_off);
         ch.tx_len -= ch.tx_off;
+        ch.tx_bound -= ch.tx_off;
         ch.tx_off = 0;
         if (ch.tx_cap - ch.tx_len >= need)
             return 0;

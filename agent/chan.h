@@ -4,8 +4,9 @@
  *
  * Owns the channel fd, the frame reader and the transmit queue. Frames read
  * are handed to sess; frames to send are built in place in the queue. When
- * the host goes away the queue is dropped and sess is reset; the channel is
- * then re-polled (virtio) or the next client accepted (unix).
+ * the host goes away sess is reset and the queue loses a partly written frame
+ * (all of it for a unix client); the channel is then re-polled (virtio) or
+ * the next client accepted (unix).
  */
 #ifndef SP_AGENT_CHAN_H
 #define SP_AGENT_CHAN_H
@@ -13,6 +14,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "core/agentproto.h"
 
@@ -38,6 +40,12 @@ sp_ap_writer_t *sp_chan_begin(uint32_t stream, uint16_t type, uint16_t flags, si
 /* Queues the frame begun last; drops it on overflow. 0 or -1. A frame that
  * is begun but never ended is simply discarded by the next sp_chan_begin. */
 int sp_chan_end(sp_ap_writer_t *w);
+
+/* The port's read(2) and write(2), which a test replaces to play the port's host side and
+ * its hangups (agent/tests/test_chan.c). NULL restores the real call. */
+typedef ssize_t (*sp_chan_read_fn)(int fd, void *buf, size_t n);
+typedef ssize_t (*sp_chan_write_fn)(int fd, const void *buf, size_t n);
+void sp_chan_set_port_io(sp_chan_read_fn r, sp_chan_write_fn w);
 
 /* Timeout for the next poll (ms, -1 = none) that chan needs for re-polling. */
 int sp_chan_timeout_ms(void);

@@ -38,6 +38,9 @@
  * the answer to the next host's own. So a host ignores a HELLO with another
  * SESSION and, as always, every other frame before its own answer. An answer
  * without SESSION (an older agent) is taken as the answer to this host.
+ * For the same reason an agent that sees the host leave keeps the whole
+ * frames it has queued: the guest may report the hangup only after it handed
+ * over the next host's HELLO, and the answer to it is then in that queue.
  *
  * ---- Errors ----
  * A payload that does not parse, a missing field, a bad type for the stream
