@@ -40,6 +40,8 @@
 
 #define BACKOFF_LO_MS 100u
 #define BACKOFF_HI_MS 2000u
+#define HELLO_WAIT_MS     5000u               /* an unanswered HELLO is said again after this */
+#define HELLO_WAIT_MAX_MS (10u * 60u * 1000u) /* ... doubling each time, up to this */
 #define OUTQ_INIT     (64u * 1024u)        /* bytes */
 #define OUTQ_KEEP     (256u * 1024u)       /* shrink back to OUTQ_INIT above this once empty */
 #define OUTQ_SOFT     (1024u * 1024u)      /* DATA refused at or above this many queued bytes */
@@ -111,6 +113,8 @@ struct sp_agentconn {
 
     sp_timer_t retry; /* reconnect */
     sp_timer_t kick;  /* zero-delay: waiters, writable notifications, queued failure */
+    sp_timer_t hello; /* our HELLO is unanswered: say it again */
+    unsigned hello_first_ms, hello_wait_ms;
 
     uint8_t *rbuf;
     sp_ap_reader_t rd;
@@ -487,6 +491,7 @@ static void conn_close(sp_agentconn_t *c)
     c->up = false;
     c->oq_off = c->oq_len = 0;
     sp_ap_reader_reset(&c->rd);
+    sp_timer_stop(&c->hello);
 }
 
 static void schedule_retry(sp_agentconn_t *c)
@@ -527,10 +532,9 @@ static uint64_t new_session(void)
     return v != 0 ? v : 1;
 }
 
-static void conn_connected(sp_agentconn_t *c)
+/* Says HELLO with a new session. 0, or -1 after conn_fail. */
+static int send_hello(sp_agentconn_t *c)
 {
-    c->connecting = false;
-    sp_log(SP_LOG_DEBUG, "agentconn", "connected path=%s", c->path);
     uint8_t buf[128];
     sp_ap_writer_t w;
     sp_ap_writer_init(&w, buf, sizeof(buf));
@@ -544,13 +548,25 @@ static void conn_connected(sp_agentconn_t *c)
     /* Our own fixed-size message: assert-worthy, but fail soft. */
     if (n < (long)SP_AP_HDR_SIZE) {
         conn_fail(c, "cannot encode hello");
-        return;
+        return -1;
     }
     sp_ap_hdr_t h;
     sp_ap_hdr_decode(buf, &h);
-    set_interest(c, SP_IO_READ);
-    if (send_frame(c, 0, SP_AP_T_HELLO, 0, buf + SP_AP_HDR_SIZE, h.len) < 0)
+    if (send_frame(c, 0, SP_AP_T_HELLO, 0, buf + SP_AP_HDR_SIZE, h.len) < 0) {
         conn_fail(c, "cannot send hello");
+        return -1;
+    }
+    sp_timer_start(&c->hello, c->hello_wait_ms);
+    return 0;
+}
+
+static void conn_connected(sp_agentconn_t *c)
+{
+    c->connecting = false;
+    sp_log(SP_LOG_DEBUG, "agentconn", "connected path=%s", c->path);
+    set_interest(c, SP_IO_READ);
+    c->hello_wait_ms = c->hello_first_ms;
+    send_hello(c);
 }
 
 static void conn_connect(sp_agentconn_t *c)
@@ -653,6 +669,7 @@ static void on_agent_hello(sp_agentconn_t *c, const uint8_t *p, uint32_t len)
     c->up = true;
     c->backoff_ms = 0;
     c->logged_down = false;
+    sp_timer_stop(&c->hello);
     sp_log(SP_LOG_INFO, "agentconn", "channel up path=%s agent_version=%s caps=0x%x", c->path,
            c->agent_version, h.caps);
     c->on_state(c->arg, true);
@@ -915,6 +932,24 @@ static void on_kick(sp_timer_t *t, void *arg)
     conn_leave(c);
 }
 
+/* No answer to our HELLO. Its answer can be lost in the guest (agent/chan.c), or the agent
+ * is slow or stopped (a paused VM). HELLO again on the same connection, with a new session:
+ * an answer to the earlier one is then ignored, and reconnecting would send the guest a
+ * hangup and a connect for every try, which a stopped guest would have to queue. */
+static void on_hello_wait(sp_timer_t *t, void *arg)
+{
+    sp_agentconn_t *c = arg;
+    conn_enter(c);
+    if (!c->destroyed && c->fd >= 0 && !c->connecting && !c->up && !c->failing) {
+        sp_log(SP_LOG_INFO, "agentconn", "no answer to hello within %u ms: saying it again path=%s",
+               c->hello_wait_ms, c->path);
+        c->hello_wait_ms = c->hello_wait_ms < HELLO_WAIT_MAX_MS / 2 ? c->hello_wait_ms * 2
+                                                                     : HELLO_WAIT_MAX_MS;
+        send_hello(c);
+    }
+    conn_leave(c);
+}
+
 static void on_waiter_timeout(sp_timer_t *t, void *arg)
 {
     struct waiter *w = arg;
@@ -960,6 +995,8 @@ sp_agentconn_t *sp_agentconn_create(sp_loop_t *loop, const char *socket_path,
     list_init(&c->waiters);
     sp_timer_init(&c->retry, loop, on_retry, c);
     sp_timer_init(&c->kick, loop, on_kick, c);
+    sp_timer_init(&c->hello, loop, on_hello_wait, c);
+    c->hello_first_ms = HELLO_WAIT_MS;
     sp_timer_start(&c->retry, 0); /* first attempt on the next turn */
     return c;
 }
@@ -976,6 +1013,7 @@ static void conn_finalize(sp_agentconn_t *c)
     listeners_purge(c, true);
     sp_timer_stop(&c->retry);
     sp_timer_stop(&c->kick);
+    sp_timer_stop(&c->hello);
     free(c->oq);
     free(c->rbuf);
     free(c->path);
@@ -990,6 +1028,11 @@ void sp_agentconn_destroy(sp_agentconn_t *c)
     sp_log(SP_LOG_DEBUG, "agentconn", "destroy path=%s streams=%zu", c->path, c->nstreams);
     if (c->depth == 0)
         conn_finalize(c);
+}
+
+void sp_agentconn_set_hello_wait(sp_agentconn_t *c, uint32_t ms)
+{
+    c->hello_first_ms = ms > 0 ? ms : HELLO_WAIT_MS;
 }
 
 bool sp_agentconn_up(const sp_agentconn_t *c)

@@ -26,7 +26,10 @@
  * frames keep coming) means the channel is dead: closed and reconnected.
  *
  * Reconnect backoff: 100 ms doubling to 2 s, reset by each successful HELLO.
- * There is no PING liveness probe: a paused VM cannot answer one.
+ * There is no PING liveness probe: a paused VM cannot answer one. A HELLO
+ * without an answer for 5 s is said again on the same connection, with a new
+ * session (the wait doubling to 10 minutes): an answer lost in the guest then
+ * costs that wait, not the channel, and a paused VM only queues a few HELLOs.
  *
  * Re-entrancy: sp_agentconn_destroy may be called from any callback of the
  * connection or its streams (the teardown finishes when that callback
@@ -93,6 +96,10 @@ void sp_agentconn_destroy(sp_agentconn_t *c);
  * by a sandbox, core/qemu.c). The live connection is kept. -1 when the path does not fit a
  * sockaddr_un or memory is short (the old path stays). */
 int sp_agentconn_set_path(sp_agentconn_t *c, const char *socket_path);
+
+/* How long the first HELLO of a connection waits for its answer before it is said again
+ * (tests; 0 restores the default, 5 s). Applies from the next connection. */
+void sp_agentconn_set_hello_wait(sp_agentconn_t *c, uint32_t ms);
 
 bool sp_agentconn_up(const sp_agentconn_t *c);
 /* The agent's version string from its last HELLO ("" before). */

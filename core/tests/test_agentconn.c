@@ -53,6 +53,7 @@ struct fake {
     int hello_reply; /* 0: proper HELLO, 1: unparseable, 2: wrong version, 3: proper, after
                         an answer to an earlier host's HELLO and that session's output */
     uint64_t session; /* in the host's last HELLO */
+    int lose_answers; /* this many HELLOs get no answer (it was lost in the guest) */
     int accepts;
     int hellos;
     int eofs;
@@ -137,6 +138,10 @@ static void fake_on_hello(struct fake *f, const uint8_t *p, uint32_t n)
     f->session = in.session;
     snprintf(f->hello_client, sizeof(f->hello_client), "%.*s", (int)in.client.n,
              in.client.p ? in.client.p : "");
+    if (f->lose_answers > 0) {
+        f->lose_answers--;
+        return;
+    }
     if (f->hello_reply == 1) {
         fake_send(f, 0, SP_AP_T_HELLO, 0, "\x01\x00", 2);
         return;
@@ -781,6 +786,48 @@ static void test_agentconn_garbage_reconnects(void)
     fake_free(&f);
 }
 
+/* An answer lost in the guest costs a wait, not the channel: the HELLO is said again on the
+ * same connection, waiting twice as long each time; one read late (the agent was stopped)
+ * answers an earlier session and is ignored. */
+static void test_agentconn_unanswered_hello_is_said_again(void)
+{
+    struct fake f;
+    struct state st = {0};
+    fake_init(&f, "hello-again.sock");
+    fake_listen(&f);
+    f.lose_answers = 2;
+    sp_agentconn_t *c = sp_agentconn_create(loop, f.path, on_state, &st);
+    sp_agentconn_set_hello_wait(c, 100);
+    uint64_t t0 = sp_loop_now_ms(loop);
+    CHECK(run_until(conn_is_up, c, 3000));
+    uint64_t took = sp_loop_now_ms(loop) - t0;
+    CHECK(took >= 280 && took < 2000); /* 100 ms, then 200 ms */
+    CHECK(f.accepts == 1 && f.hellos == 3 && st.ups == 1 && st.downs == 0);
+    run_for(500);
+    CHECK(f.hellos == 3 && sp_agentconn_up(c)); /* nothing more once answered */
+
+    sp_agentconn_destroy(c);
+    fake_free(&f);
+
+    /* The agent reads nothing (a paused VM) across two waits, then answers all three HELLOs
+     * in order: only the last one's answer counts, and none is taken as unexpected. */
+    struct state st2 = {0};
+    fake_init(&f, "hello-late.sock");
+    fake_pause(&f, true);
+    fake_listen(&f);
+    c = sp_agentconn_create(loop, f.path, on_state, &st2);
+    sp_agentconn_set_hello_wait(c, 100);
+    run_for(400); /* HELLOs at about 0, 100 and 300 ms */
+    CHECK(f.accepts == 1 && f.hellos == 0 && !sp_agentconn_up(c));
+    fake_pause(&f, false);
+    CHECK(run_until(conn_is_up, c, 1000));
+    CHECK(f.hellos == 3);
+    run_for(300);
+    CHECK(sp_agentconn_up(c) && st2.ups == 1 && st2.downs == 0 && f.accepts == 1);
+    sp_agentconn_destroy(c);
+    fake_free(&f);
+}
+
 static bool fake_saw_eof(void *arg)
 {
     return ((struct fake *)arg)->eofs > 0;
@@ -1049,6 +1096,7 @@ int main(void)
     test_agentconn_output_bounded();
     test_agentconn_server_close_reconnects();
     test_agentconn_garbage_reconnects();
+    test_agentconn_unanswered_hello_is_said_again();
     test_agentconn_destroy_with_open_streams();
     test_agentconn_reset_in_callback();
     test_agentconn_agent_opened_streams();
