@@ -51,13 +51,13 @@ static struct {
     bool w_open;
 } ch = {.fd = -1, .listen_fd = -1};
 
-static sp_chan_read_fn port_read = read;
-static sp_chan_write_fn port_write = write;
+static sp_chan_read_fn io_read = read;
+static sp_chan_write_fn io_write = write;
 
-void sp_chan_set_port_io(sp_chan_read_fn r, sp_chan_write_fn w)
+void sp_chan_set_io(sp_chan_read_fn r, sp_chan_write_fn w)
 {
-    port_read = r != NULL ? r : read;
-    port_write = w != NULL ? w : write;
+    io_read = r != NULL ? r : read;
+    io_write = w != NULL ? w : write;
 }
 
 static uint64_t now_ms(void)
@@ -162,7 +162,7 @@ static void do_read(void)
 {
     size_t avail;
     uint8_t *dst = sp_ap_reader_space(&ch.rd, &avail);
-    ssize_t n = ch.is_port ? port_read(ch.fd, dst, avail) : read(ch.fd, dst, avail);
+    ssize_t n = io_read(ch.fd, dst, avail);
     if (n > 0) {
         if (!ch.connected)
             sp_log(SP_LOG_INFO, "chan", "host connected");
@@ -180,9 +180,7 @@ static void do_read(void)
 static void do_write(void)
 {
     while (ch.tx_off < ch.tx_len) {
-        const uint8_t *p = ch.tx + ch.tx_off;
-        size_t len = ch.tx_len - ch.tx_off;
-        ssize_t n = ch.is_port ? port_write(ch.fd, p, len) : write(ch.fd, p, len);
+        ssize_t n = io_write(ch.fd, ch.tx + ch.tx_off, ch.tx_len - ch.tx_off);
         if (n < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 ch.tx_off = ch.tx_len; /* peer gone: what is queued is lost anyway */

@@ -41,11 +41,11 @@ sp_ap_writer_t *sp_chan_begin(uint32_t stream, uint16_t type, uint16_t flags, si
  * is begun but never ended is simply discarded by the next sp_chan_begin. */
 int sp_chan_end(sp_ap_writer_t *w);
 
-/* The port's read(2) and write(2), which a test replaces to play the port's host side and
- * its hangups (agent/tests/test_chan.c). NULL restores the real call. */
+/* The channel's read(2) and write(2), which a test replaces to play a virtio port's host
+ * side and its hangups (agent/tests/test_chan.c). NULL restores the real call. */
 typedef ssize_t (*sp_chan_read_fn)(int fd, void *buf, size_t n);
 typedef ssize_t (*sp_chan_write_fn)(int fd, const void *buf, size_t n);
-void sp_chan_set_port_io(sp_chan_read_fn r, sp_chan_write_fn w);
+void sp_chan_set_io(sp_chan_read_fn r, sp_chan_write_fn w);
 
 /* Timeout for the next poll (ms, -1 = none) that chan needs for re-polling. */
 int sp_chan_timeout_ms(void);

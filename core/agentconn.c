@@ -932,15 +932,16 @@ static void on_kick(sp_timer_t *t, void *arg)
     conn_leave(c);
 }
 
-/* No answer to our HELLO. Its answer can be lost in the guest (agent/chan.c), or the agent
- * is slow or stopped (a paused VM). HELLO again on the same connection, with a new session:
- * an answer to the earlier one is then ignored, and reconnecting would send the guest a
- * hangup and a connect for every try, which a stopped guest would have to queue. */
+/* No answer to our HELLO (the timer runs only then: the answer and conn_close stop it). Its
+ * answer can be lost in the guest (agent/chan.c), or the agent is slow or stopped (a paused
+ * VM). HELLO again on the same connection, with a new session: an answer to the earlier one
+ * is then ignored, and reconnecting would send the guest a hangup and a connect for every
+ * try, which a stopped guest would have to queue. */
 static void on_hello_wait(sp_timer_t *t, void *arg)
 {
     sp_agentconn_t *c = arg;
     conn_enter(c);
-    if (!c->destroyed && c->fd >= 0 && !c->connecting && !c->up && !c->failing) {
+    if (!c->failing) { /* else the teardown queued on kick closes the connection */
         sp_log(SP_LOG_INFO, "agentconn", "no answer to hello within %u ms: saying it again path=%s",
                c->hello_wait_ms, c->path);
         c->hello_wait_ms = c->hello_wait_ms < HELLO_WAIT_MAX_MS / 2 ? c->hello_wait_ms * 2

@@ -61,16 +61,8 @@ class VmApiTest(unittest.TestCase):
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
         sid = r["sandbox"]["id"]
-        self.addCleanup(self.delete_quietly, sid)
+        self.addCleanup(self.s.delete_quietly, sid)
         return sid
-
-    def delete_quietly(self, sid):
-        # After a failure too: a VM left running would be re-adopted by every later spaced
-        # on this data dir. A sandbox the test deleted answers 404 here.
-        try:
-            self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
-        except Exception as e:  # spaced is down: the next test's spaced re-adopts the VM
-            print("cleanup of %s: %s" % (sid, e), file=sys.stderr)
 
     def lifecycle(self, sid, verb, want):
         st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, 60 * MULT), timeout=70 * MULT)
@@ -260,6 +252,7 @@ class VmApiTest(unittest.TestCase):
         self.assertIn("ignored the answer to an earlier hello", log)
         self.assertNotIn("unexpected hello", log)
         self.assertEqual(log.count("channel up path=%s" % os.path.join(DATA, "vms", sid)), 1, log)
+
 
 if __name__ == "__main__":
     unittest.main()

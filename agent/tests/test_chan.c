@@ -1,11 +1,11 @@
 /*
  * test_chan.c - unit tests for the agent's channel on a virtio-serial port.
  *
- * The port is played by replacing its read and write (sp_chan_set_port_io) over
+ * The port is played by replacing its read and write (sp_chan_set_io) over
  * /dev/null, which poll() always reports ready. Like the guest kernel's port, the fake
  * returns queued data before it reports a hangup, returns 0 from read while the host is
- * away, and refuses writes (EAGAIN) while it is away. Sessions are a stub that answers
- * every frame with a frame of the same stream, type and payload.
+ * away, and refuses writes (EAGAIN) while it is away. In place of agent/sess.c, a fake
+ * session answers every frame with a frame of the same stream, type and payload.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -26,7 +26,7 @@ static int fails;
         }                                                                                          \
     } while (0)
 
-#define T_BIG 0x7777 /* the stub answers this one with a frame of BIG_LEN bytes */
+#define T_BIG 0x7777 /* the fake session answers this one with a frame of BIG_LEN bytes */
 #define BIG_LEN 40000u
 
 static struct {
@@ -40,7 +40,7 @@ static struct {
 
 static int resets;
 
-/* ---- the stub session ---- */
+/* ---- the fake session (agent/sess.h) ---- */
 
 void sp_sess_on_frame(const sp_ap_hdr_t *h, const uint8_t *p)
 {
@@ -234,7 +234,7 @@ static void test_chan_hangup_keeps_whole_frames(void)
 
 int main(void)
 {
-    sp_chan_set_port_io(fake_read, fake_write);
+    sp_chan_set_io(fake_read, fake_write);
     if (sp_chan_open_path("/dev/null") < 0) {
         fprintf(stderr, "cannot open /dev/null\n");
         return 1;
