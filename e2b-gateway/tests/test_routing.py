@@ -222,11 +222,16 @@ class NamedHTTPS(http.client.HTTPSConnection):
     """HTTPS to 127.0.0.1 with SNI, Host and certificate check for a sandbox name (independent of
     how the name resolves; test_name_resolution checks that separately)."""
 
-    def __init__(self, name, port, context, timeout):
+    def __init__(self, name, port, context, timeout, rcvbuf=None):
         super().__init__(name, port, context=context, timeout=timeout)
+        self.rcvbuf = rcvbuf
 
     def connect(self):
-        raw = socket.create_connection(("127.0.0.1", self.port), self.timeout)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if self.rcvbuf is not None:  # fixed: no growing up to tcp_rmem for a reader that stops
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+        raw.settimeout(self.timeout)
+        raw.connect(("127.0.0.1", self.port))
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
 
 
@@ -287,8 +292,8 @@ class RoutingTest(unittest.TestCase):
             c.set_alpn_protocols(alpn)
         return c
 
-    def https(self, port=None, sid=None, timeout=60):
-        return NamedHTTPS(self.name(port, sid), self.s.port, self.ctx(), timeout * MULT)
+    def https(self, port=None, sid=None, timeout=60, rcvbuf=None):
+        return NamedHTTPS(self.name(port, sid), self.s.port, self.ctx(), timeout * MULT, rcvbuf)
 
     def plain(self, timeout=60):
         return http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout * MULT)
@@ -495,7 +500,7 @@ class RoutingTest(unittest.TestCase):
 
     def test_slow_client_slows_the_guest(self):
         import time
-        c = self.https(timeout=60)
+        c = self.https(timeout=60, rcvbuf=128 * 1024)
         c.request("GET", "/firehose", headers={"Host": self.host()})
         r = c.getresponse()
         self.assertEqual(len(r.read(1 << 20)), 1 << 20)

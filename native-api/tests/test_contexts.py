@@ -88,8 +88,15 @@ class Client:
     def base(self, sid):
         return "/v1/sandboxes/%s" % sid
 
-    def open_stream(self, path, body=None, raw=None, key=None, timeout=120):
+    def open_stream(self, path, body=None, raw=None, key=None, timeout=120, rcvbuf=None):
         c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout * MULT)
+        if rcvbuf is not None:
+            # a fixed receive buffer: the kernel's autotuning could otherwise take tens of
+            # MiB (tcp_rmem) for an idle reader, hiding whether spaced holds the sender back
+            c.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            c.sock.settimeout(timeout * MULT)
+            c.sock.connect(("127.0.0.1", self.s.port))
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None
                                             else None)
         h = {"Authorization": "Bearer " + (key or self.s.key)}
@@ -923,10 +930,13 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
         self.assertTrue(self.fake.closed.wait(20 * MULT))
 
     def test_slow_client_holds_output_in_the_guest(self):
-        # 20 MiB: far more than the kernel buffers between the daemon, the agent, spaced and
-        # an idle client hold (a few MiB here), so a daemon that got it all out was not held
+        # 40 MiB, of which a daemon held back gets out only what the buffers in between hold:
+        # the agent's window (256 KiB), the socket buffers from the daemon to the agent and
+        # from spaced to the client (the kernel sizes these; 8 to 11 MiB seen here), so less
+        # than half. The client's receive buffer is fixed, or the kernel could grow it to tcp_rmem's
+        # 32 MiB for a reader that stopped.
         chunk = "y" * 65536
-        total = 320
+        total = 640
 
         def flood(req, conn, rfile):
             send(conn, {"ok": True, "context": CTX})
@@ -937,12 +947,19 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
             send(conn, {"type": "end", "status": "ok", "execution_count": 1})
         self.fake.listen(flood)
         rss0 = self.rss_kb()
-        c, r = self.cl.open_stream(self.base() + "/execute", {"code": "1"})
+        c, r = self.cl.open_stream(self.base() + "/execute", {"code": "1"}, rcvbuf=128 * 1024)
         self.assertEqual(r.status, 200)
-        time.sleep(3)  # nobody reads: the daemon must be stuck well before the end
-        with self.fake.lock:
-            stuck_at = self.fake.sent
-        self.assertLess(stuck_at, total // 2, "the daemon was not held back")
+        # nobody reads: the daemon must come to a stop well before the end
+        stuck_at, deadline = -1, time.time() + 20 * MULT
+        while time.time() < deadline:
+            time.sleep(1)
+            with self.fake.lock:
+                now = self.fake.sent
+            if now == stuck_at or now == total:
+                break
+            stuck_at = now
+        self.assertLess(now, total // 2, "the daemon was not held back")
+        self.assertEqual(now, stuck_at, "the daemon did not stop")
         sys.stderr.write("(daemon stuck after %d KiB; spaced grew %d KiB) " % (stuck_at * 64,
                                                                             self.rss_kb() - rss0))
         grown = self.rss_kb() - rss0
