@@ -36,14 +36,7 @@
 #include "core/loop.h"
 #include "core/qemu.h"
 #include "guest/tmplbuild.h"
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop;
 static const char *data_dir;
@@ -99,7 +92,7 @@ static sp_driver_t *make_driver_pool(int cold, int pool)
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     if (d == NULL)
         fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    CHECK(d != NULL);
+    REQUIRE(d != NULL);
     return d;
 }
 
@@ -127,10 +120,10 @@ static void boot_sized(sp_driver_t *d, const char *id, int mem_mb)
 {
     struct res r = {0};
     start_boot(d, id, mem_mb, &r);
-    CHECK(wait_for(&r.done, 180000) == 0);
+    REQUIRE(wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
 }
 
 /* Boots sandbox id of `base` with its id as hostname; ms to agent ready. */
@@ -149,10 +142,10 @@ static double boot(sp_driver_t *d, const char *id)
         fprintf(stderr, "boot %s: %s\n", id, e.msg);
         exit(1);
     }
-    CHECK(wait_for(&r.done, 180000) == 0);
+    REQUIRE(wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
     return now_ms() - t0;
 }
 
@@ -166,10 +159,10 @@ static void op(sp_driver_t *d,
         fprintf(stderr, "op %s: %s\n", id, e.msg);
         exit(1);
     }
-    CHECK(wait_for(&r.done, 60000) == 0);
+    REQUIRE(wait_for(&r.done, 60000) == 0);
     if (!r.ok)
         fprintf(stderr, "op %s failed: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
 }
 
 static double restore(sp_driver_t *d, const char *id)
@@ -178,11 +171,11 @@ static double restore(sp_driver_t *d, const char *id)
     struct res r = {0};
     sp_err_t e;
     double t0 = now_ms();
-    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-    CHECK(wait_for(&r.done, 60000) == 0);
+    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+    REQUIRE(wait_for(&r.done, 60000) == 0);
     if (!r.ok)
         fprintf(stderr, "restore %s: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
     return now_ms() - t0;
 }
 
@@ -229,23 +222,23 @@ static void on_up(void *arg, const sp_err_t *err)
 static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
 {
     sp_agentconn_t *c = d->ops->agent(d, id);
-    CHECK(c != NULL);
+    REQUIRE(c != NULL);
     struct res up = {0};
-    CHECK(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
-    CHECK(wait_for(&up.done, 25000) == 0 && up.ok);
+    REQUIRE(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
+    REQUIRE(wait_for(&up.done, 25000) == 0 && up.ok);
     uint8_t buf[512];
     sp_ap_writer_t w;
     sp_ap_writer_init(&w, buf, sizeof buf);
     sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
     sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
-    CHECK(!w.overflow);
+    REQUIRE(!w.overflow);
     static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
     struct proc pr = {0};
     sp_err_t e;
     sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
-    CHECK(s != NULL);
-    CHECK(wait_for(&pr.exited, 30000) == 0);
-    CHECK(!pr.failed);
+    REQUIRE(s != NULL);
+    REQUIRE(wait_for(&pr.exited, 30000) == 0);
+    REQUIRE(!pr.failed);
     while (pr.n > 0 && pr.out[pr.n - 1] == '\n')
         pr.out[--pr.n] = '\0';
     snprintf(out, n, "%s", pr.out);
@@ -285,7 +278,7 @@ static ino_t tsnap_dir_ex(const sp_tmplbuild_paths_t *tp, const char *tag, char 
                           int remove)
 {
     DIR *dir = opendir(tp->build_dir);
-    CHECK(dir != NULL);
+    REQUIRE(dir != NULL);
     struct dirent *de;
     ino_t ino = 0;
     int count = 0;
@@ -301,7 +294,7 @@ static ino_t tsnap_dir_ex(const sp_tmplbuild_paths_t *tp, const char *tag, char 
         char m[4200];
         if (remove) {
             snprintf(m, sizeof m, "rm -rf '%s'", out);
-            CHECK(system(m) == 0);
+            REQUIRE(system(m) == 0);
             continue;
         }
         snprintf(m, sizeof m, "%s/template-snapshot.json", out);
@@ -312,7 +305,7 @@ static ino_t tsnap_dir_ex(const sp_tmplbuild_paths_t *tp, const char *tag, char 
         }
     }
     closedir(dir);
-    CHECK(remove || count == 1);
+    REQUIRE(remove || count == 1);
     return ino;
 }
 
@@ -324,16 +317,16 @@ static ino_t tsnap_dir(const sp_tmplbuild_paths_t *tp, char *out, size_t n)
 static void check_gone(const char *id, pid_t pid)
 {
     run_for(100);
-    CHECK(pid <= 0 || (kill(pid, 0) < 0 && errno == ESRCH));
+    REQUIRE(pid <= 0 || (kill(pid, 0) < 0 && errno == ESRCH));
     char p[4096];
     struct stat st;
     snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
-    CHECK(stat(p, &st) < 0 && errno == ENOENT);
+    REQUIRE(stat(p, &st) < 0 && errno == ENOENT);
     static const char *const ctl[] = {"cpu", "memory", "pids"};
     for (size_t i = 0; i < 3; i++) {
         char dir[4096];
         if (sp_cgroup_vm_dir(cgl, ctl[i], id, dir, sizeof dir) == 0)
-            CHECK(stat(dir, &st) < 0 && errno == ENOENT);
+            REQUIRE(stat(dir, &st) < 0 && errno == ENOENT);
     }
 }
 
@@ -346,23 +339,23 @@ static void fake_template(const sp_tmplbuild_paths_t *base, const char *name, co
     char dir[4096], p[4400];
     snprintf(dir, sizeof dir, "%s/templates/%s/%s", data_dir, name, hash);
     snprintf(p, sizeof p, "mkdir -p '%s'", dir);
-    CHECK(system(p) == 0);
+    REQUIRE(system(p) == 0);
     snprintf(p, sizeof p, "%s/rootfs.qcow2", dir);
     unlink(p);
-    CHECK(symlink(base->rootfs, p) == 0);
+    REQUIRE(symlink(base->rootfs, p) == 0);
     json_t *m = json_load_file(base->manifest, 0, NULL);
-    CHECK(m != NULL);
+    REQUIRE(m != NULL);
     json_object_set_new(m, "name", json_string(name));
     json_object_set_new(m, "hash", json_string(hash));
     json_object_set_new(m, "warmup", json_loads(warmup, 0, NULL));
     snprintf(p, sizeof p, "%s/manifest.json", dir);
-    CHECK(json_dump_file(m, p, JSON_INDENT(2)) == 0);
+    REQUIRE(json_dump_file(m, p, JSON_INDENT(2)) == 0);
     json_decref(m);
     char cur[4400];
     snprintf(p, sizeof p, "%s/templates/%s/current.tmp", data_dir, name);
     snprintf(cur, sizeof cur, "%s/templates/%s/current", data_dir, name);
     unlink(p);
-    CHECK(symlink(hash, p) == 0 && rename(p, cur) == 0);
+    REQUIRE(symlink(hash, p) == 0 && rename(p, cur) == 0);
 }
 
 struct tsres {
@@ -375,8 +368,8 @@ static void template_snapshot(sp_driver_t *d, const char *name, struct tsres *t)
 {
     memset(t, 0, sizeof *t);
     sp_err_t e;
-    CHECK(sp_qemu_template_snapshot(d, name, 0, 0, &t->info, on_res, &t->r, &e) == 0);
-    CHECK(wait_for(&t->r.done, 180000) == 0);
+    REQUIRE(sp_qemu_template_snapshot(d, name, 0, 0, &t->info, on_res, &t->r, &e) == 0);
+    REQUIRE(wait_for(&t->r.done, 180000) == 0);
 }
 
 static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
@@ -384,11 +377,11 @@ static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = tmpl, .hostname = id};
     struct res r = {0};
     sp_err_t e;
-    CHECK(d->ops->boot(d, &spec, on_res, &r, &e) == 0);
-    CHECK(wait_for(&r.done, 180000) == 0);
+    REQUIRE(d->ops->boot(d, &spec, on_res, &r, &e) == 0);
+    REQUIRE(wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
 }
 
 /* A template's warmup runs in the snapshot builder before the snapshot: its clones have the
@@ -415,20 +408,20 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     template_snapshot(d, w, &t);
     if (!t.r.ok)
         fprintf(stderr, "template snapshot: %s\n", t.r.err.msg);
-    CHECK(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h1) != NULL);
+    REQUIRE(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h1) != NULL);
     printf("template snapshot with warmup built on request: %.0f ms\n", now_ms() - t0);
     char s1[4096];
     snprintf(s1, sizeof s1, "%s", t.info.dir);
     template_snapshot(d, w, &t);
-    CHECK(t.r.ok && t.info.built == 0 && strcmp(t.info.dir, s1) == 0);
+    REQUIRE(t.r.ok && t.info.built == 0 && strcmp(t.info.dir, s1) == 0);
 
     boot_tmpl(d, c1, w);
     vm_file(c1, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, s1) != NULL); /* a clone */
+    REQUIRE(strstr(buf, s1) != NULL); /* a clone */
     run_cmd(d, c1, "cat /root/warm; p=$(cat /root/warm.pid); kill -0 $p && cat /proc/$p/comm", buf,
             sizeof buf);
     printf("clone of a warmed-up template: %s\n", buf);
-    CHECK(strcmp(buf, "warm\nsleep") == 0);
+    REQUIRE(strcmp(buf, "warm\nsleep") == 0);
 
     /* the template moves on (a new build is current): the old snapshot stays while c1 uses
      * it, at driver start as after a snapshot commit */
@@ -436,41 +429,41 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     sp_driver_destroy(d);
     d = make_driver(0);
     struct stat st;
-    CHECK(stat(s1, &st) == 0);
-    CHECK(d->ops->probe(d, c1) == SP_VM_RUNNING);
+    REQUIRE(stat(s1, &st) == 0);
+    REQUIRE(d->ops->probe(d, c1) == SP_VM_RUNNING);
     pid_t pc = vm_pid(c1);
     op(d, d->ops->destroy, c1);
     check_gone(c1, pc);
     /* unused now: the next commit (the new build's snapshot) collects it */
     template_snapshot(d, w, &t);
-    CHECK(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h2) != NULL);
-    CHECK(stat(s1, &st) < 0 && errno == ENOENT);
+    REQUIRE(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h2) != NULL);
+    REQUIRE(stat(s1, &st) < 0 && errno == ENOENT);
     printf("old template snapshot: kept while a clone used it, removed after\n");
     /* one of a key the current build no longer makes goes at driver start */
     snprintf(p, sizeof p, "%s/snapshot-tcg-256M-1c-0123456789abcdef", base->build_dir);
-    CHECK(mkdir(p, 0700) == 0);
+    REQUIRE(mkdir(p, 0700) == 0);
     sp_driver_destroy(d);
     d = make_driver(0);
-    CHECK(stat(p, &st) < 0 && errno == ENOENT);
-    CHECK(stat(t.info.dir, &st) == 0); /* the current one stays */
+    REQUIRE(stat(p, &st) < 0 && errno == ENOENT);
+    REQUIRE(stat(t.info.dir, &st) == 0); /* the current one stays */
 
     /* a failing warmup fails the snapshot, saying why; boots cold-boot without it */
     fake_template(base, w2, h1,
                   "[\"/bin/sh\", \"-c\", \"echo x > /root/warm; echo warmup broke >&2; exit 3\"]");
     template_snapshot(d, w2, &t);
     printf("failing warmup: %s\n", t.r.ok ? "(ok?)" : t.r.err.msg);
-    CHECK(!t.r.ok && strstr(t.r.err.msg, "exited with status 3") != NULL);
+    REQUIRE(!t.r.ok && strstr(t.r.err.msg, "exited with status 3") != NULL);
     boot_tmpl(d, c2, w2);
     vm_file(c2, "vm.json", buf, sizeof buf);
-    CHECK(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
+    REQUIRE(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
     run_cmd(d, c2, "test -e /root/warm && echo ran || echo not-run", buf, sizeof buf);
-    CHECK(strcmp(buf, "not-run") == 0);
+    REQUIRE(strcmp(buf, "not-run") == 0);
     pc = vm_pid(c2);
     op(d, d->ops->destroy, c2);
     check_gone(c2, pc);
 
     snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", data_dir, w, data_dir, w2);
-    CHECK(system(p) == 0);
+    REQUIRE(system(p) == 0);
     return d;
 }
 
@@ -487,7 +480,7 @@ static int spare_entries(pid_t *pid, int links)
     char p[4096];
     snprintf(p, sizeof p, "%s/vms", data_dir);
     DIR *dir = opendir(p);
-    CHECK(dir != NULL);
+    REQUIRE(dir != NULL);
     int n = 0;
     struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
@@ -535,18 +528,18 @@ static void pool_section(void)
     snprintf(p1, sizeof p1, "clone-%d-p1", (int)getpid());
     snprintf(p2, sizeof p2, "clone-%d-p2", (int)getpid());
     snprintf(p3, sizeof p3, "clone-%d-p3", (int)getpid());
-    CHECK(sp_qemu_pool_ready(d) == 0 && spare_dirs(NULL) == 0);
+    REQUIRE(sp_qemu_pool_ready(d) == 0 && spare_dirs(NULL) == 0);
     boot(d, p1); /* the first create of the size: ordinary clone; spares from now on */
-    CHECK(wait_spares(d, 1, 120000) == 0);
+    REQUIRE(wait_spares(d, 1, 120000) == 0);
     pid_t spare = 0;
-    CHECK(spare_dirs(&spare) == 1 && spare > 0);
+    REQUIRE(spare_dirs(&spare) == 1 && spare > 0);
     run_for(300);
-    CHECK(sp_qemu_pool_ready(d) == 1 && spare_dirs(NULL) == 1); /* pool_size 1: no more */
+    REQUIRE(sp_qemu_pool_ready(d) == 1 && spare_dirs(NULL) == 1); /* pool_size 1: no more */
 
     double tb = boot(d, p2);
-    CHECK(vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
-    CHECK(spare_entries(NULL, 1) == 1); /* its old name, for QEMU's reopen of the disk */
-    CHECK(d->ops->probe(d, p2) == SP_VM_RUNNING);
+    REQUIRE(vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
+    REQUIRE(spare_entries(NULL, 1) == 1); /* its old name, for QEMU's reopen of the disk */
+    REQUIRE(d->ops->probe(d, p2) == SP_VM_RUNNING);
     static const char *const ctl[] = {"cpu", "memory", "pids"};
     for (size_t i = 0; i < 3; i++) {
         char dir[4096], procs[4200];
@@ -554,17 +547,17 @@ static void pool_section(void)
             continue;
         snprintf(procs, sizeof procs, "%s/cgroup.procs", dir);
         FILE *f = fopen(procs, "r");
-        CHECK(f != NULL);
+        REQUIRE(f != NULL);
         int found = 0, x;
         while (fscanf(f, "%d", &x) == 1)
             found |= x == (int)spare;
         fclose(f);
-        CHECK(found);
+        REQUIRE(found);
     }
     const char *rnd = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
     run_cmd(d, p1, rnd, r1, sizeof r1);
     run_cmd(d, p2, rnd, r2, sizeof r2);
-    CHECK(strlen(r1) == 64 && strlen(r2) == 64 && strcmp(r1, r2) != 0);
+    REQUIRE(strlen(r1) == 64 && strlen(r2) == 64 && strcmp(r1, r2) != 0);
     run_cmd(d, p2, "hostname; echo $CLONE_TEST; date +%Y", buf, sizeof buf);
     char want[256];
     time_t now = time(NULL);
@@ -572,30 +565,30 @@ static void pool_section(void)
     gmtime_r(&now, &tmv);
     snprintf(want, sizeof want, "%s\n1\n%d", p2, tmv.tm_year + 1900);
     printf("taken spare: create to agent ready %.0f ms; hostname/env/year: %s\n", tb, buf);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
     vm_file(p2, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram_src\"") != NULL); /* a clone like any other */
-    CHECK(wait_spares(d, 1, 120000) == 0);       /* refilled */
+    REQUIRE(strstr(buf, "\"ram_src\"") != NULL); /* a clone like any other */
+    REQUIRE(wait_spares(d, 1, 120000) == 0);       /* refilled */
 
     /* suspend and wake keep its files and processes */
     char bgpid[32], cmd[160];
     run_cmd(d, p2, "echo in-p2 > /root/p2; setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!",
             bgpid, sizeof bgpid);
-    CHECK(atoi(bgpid) > 0);
+    REQUIRE(atoi(bgpid) > 0);
     op(d, d->ops->snapshot, p2);
-    CHECK(d->ops->probe(d, p2) == SP_VM_SUSPENDED);
-    CHECK(spare_entries(NULL, 1) == 0); /* that QEMU is gone: so is the link */
+    REQUIRE(d->ops->probe(d, p2) == SP_VM_SUSPENDED);
+    REQUIRE(spare_entries(NULL, 1) == 0); /* that QEMU is gone: so is the link */
     restore(d, p2);
     snprintf(cmd, sizeof cmd, "cat /root/p2; kill -0 %s && echo alive; hostname", bgpid);
     run_cmd(d, p2, cmd, buf, sizeof buf);
     snprintf(want, sizeof want, "in-p2\nalive\n%s", p2);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
 
     /* a create while the next spare is still being made takes that one: take the ready
      * spare (p4), wait for the next one's QEMU to be up, create p3 */
     char p4[64];
     snprintf(p4, sizeof p4, "clone-%d-p4", (int)getpid());
-    CHECK(wait_spares(d, 1, 120000) == 0);
+    REQUIRE(wait_spares(d, 1, 120000) == 0);
     boot(d, p4);
     pid_t pid4 = vm_pid(p4);
     pid_t next = 0;
@@ -606,32 +599,32 @@ static void pool_section(void)
             break;
         sp_loop_run_once(loop, 1);
     }
-    CHECK(next > 0 && next != pid4);
+    REQUIRE(next > 0 && next != pid4);
     run_for(30); /* QMP connects within a few ms of QEMU's start */
     int was_ready = sp_qemu_pool_ready(d);
     boot(d, p3);
     pid_t pid3 = vm_pid(p3);
     printf("create while a spare was being made (ready=%d): took it: %s\n", was_ready,
            pid3 == next ? "yes" : "no");
-    CHECK(pid3 == next);
+    REQUIRE(pid3 == next);
     run_cmd(d, p3, "hostname; echo $CLONE_TEST", buf, sizeof buf);
     snprintf(want, sizeof want, "%s\n1", p3);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
 
     /* a new driver kills the old one's spares but re-adopts taken ones (their QEMU still
      * names the spare's directory) */
-    CHECK(wait_spares(d, 1, 120000) == 0);
+    REQUIRE(wait_spares(d, 1, 120000) == 0);
     pid_t left = 0;
-    CHECK(spare_dirs(&left) == 1 && left > 0);
+    REQUIRE(spare_dirs(&left) == 1 && left > 0);
     sp_driver_destroy(d); /* its spares go with it */
     run_for(200);
-    CHECK(spare_dirs(NULL) == 0 && kill(left, 0) < 0);
-    CHECK(kill(pid3, 0) == 0);
+    REQUIRE(spare_dirs(NULL) == 0 && kill(left, 0) < 0);
+    REQUIRE(kill(pid3, 0) == 0);
     d = make_driver_pool(0, 1);
-    CHECK(d->ops->probe(d, p3) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, p3) == SP_VM_RUNNING);
     run_cmd(d, p3, "hostname", buf, sizeof buf);
-    CHECK(strcmp(buf, p3) == 0);
-    CHECK(d->ops->probe(d, p4) == SP_VM_RUNNING);
+    REQUIRE(strcmp(buf, p3) == 0);
+    REQUIRE(d->ops->probe(d, p4) == SP_VM_RUNNING);
     pid_t pid1 = vm_pid(p1), pid2 = vm_pid(p2);
     op(d, d->ops->destroy, p1);
     op(d, d->ops->destroy, p2);
@@ -642,7 +635,7 @@ static void pool_section(void)
     check_gone(p3, pid3);
     check_gone(p4, pid4);
     sp_driver_destroy(d);
-    CHECK(spare_dirs(NULL) == 0 && spare_entries(NULL, 1) == 0);
+    REQUIRE(spare_dirs(NULL) == 0 && spare_entries(NULL, 1) == 0);
     printf("spare clones: taken, identity, suspend/wake, re-adopted, none left\n");
 }
 
@@ -672,9 +665,9 @@ int main(void)
     if (getenv("SPACE_COLD_BOOT") != NULL)
         unsetenv("SPACE_COLD_BOOT");
     loop = sp_loop_create();
-    CHECK(loop != NULL);
+    REQUIRE(loop != NULL);
     cgl = sp_cgroup_create();
-    CHECK(cgl != NULL);
+    REQUIRE(cgl != NULL);
     char a[64], b[64], c[64];
     snprintf(a, sizeof a, "clone-%d-a", (int)getpid());
     snprintf(b, sizeof b, "clone-%d-b", (int)getpid());
@@ -692,15 +685,15 @@ int main(void)
         double t0 = now_ms();
         start_boot(d, x, 320, &rx);
         start_boot(d, y, 320, &ry);
-        CHECK(wait_for(&rx.done, 180000) == 0 && wait_for(&ry.done, 180000) == 0);
-        CHECK(rx.ok && ry.ok);
+        REQUIRE(wait_for(&rx.done, 180000) == 0 && wait_for(&ry.done, 180000) == 0);
+        REQUIRE(rx.ok && ry.ok);
         printf("two concurrent first creates (one snapshot build): %.0f ms\n", now_ms() - t0);
         tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 0); /* exactly one */
         vm_file(x, "vm.json", sx, sizeof sx);
         vm_file(y, "vm.json", sy, sizeof sy);
-        CHECK(strstr(sx, sdir) != NULL && strstr(sy, sdir) != NULL); /* both are clones */
+        REQUIRE(strstr(sx, sdir) != NULL && strstr(sy, sdir) != NULL); /* both are clones */
         run_cmd(d, x, "awk '/MemTotal/{print ($2 > 200000)}' /proc/meminfo", buf, sizeof buf);
-        CHECK(strcmp(buf, "1") == 0);
+        REQUIRE(strcmp(buf, "1") == 0);
         pid_t px = vm_pid(x), py = vm_pid(y);
         op(d, d->ops->destroy, y);
         check_gone(y, py);
@@ -712,17 +705,17 @@ int main(void)
                  "chmod u+w '%s/snapshot/devstate' && echo x >> "
                  "'%s/snapshot/devstate'",
                  sdir, sdir);
-        CHECK(system(cmd) == 0);
+        REQUIRE(system(cmd) == 0);
         sp_driver_destroy(d);
         d = make_driver(0);
         boot_sized(d, y, 320);
         vm_file(y, "vm.json", sy, sizeof sy);
-        CHECK(sy[0] != '\0' && strstr(sy, "ram_src") == NULL); /* cold */
+        REQUIRE(sy[0] != '\0' && strstr(sy, "ram_src") == NULL); /* cold */
         struct stat st;
         snprintf(cmd, sizeof cmd, "%s/snapshot/devstate", sdir);
-        CHECK(stat(cmd, &st) == 0);
+        REQUIRE(stat(cmd, &st) == 0);
         run_cmd(d, x, "echo x-still-works", buf, sizeof buf);
-        CHECK(strcmp(buf, "x-still-works") == 0);
+        REQUIRE(strcmp(buf, "x-still-works") == 0);
         printf("damaged template snapshot in use: kept, next create cold-booted\n");
         py = vm_pid(y);
         op(d, d->ops->destroy, x);
@@ -733,12 +726,12 @@ int main(void)
         /* unused now: the next driver removes it at start, the next create rebuilds it */
         sp_driver_destroy(d);
         d = make_driver(0);
-        CHECK(stat(sdir, &st) < 0 && errno == ENOENT);
+        REQUIRE(stat(sdir, &st) < 0 && errno == ENOENT);
         boot_sized(d, x, 320);
         char sdir2[4096];
         tsnap_dir_ex(&tp, "-320M-1c-", sdir2, sizeof sdir2, 0);
         vm_file(x, "vm.json", sx, sizeof sx);
-        CHECK(strstr(sx, sdir2) != NULL);
+        REQUIRE(strstr(sx, sdir2) != NULL);
         printf("damaged template snapshot unused: removed and rebuilt\n");
         px = vm_pid(x);
         op(d, d->ops->destroy, x);
@@ -752,11 +745,11 @@ int main(void)
     printf("template snapshot: %s\n", sdir);
     double tb = boot(d, b);
     printf("second clone: %.0f ms\n", tb);
-    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* reused, not rebuilt */
+    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* reused, not rebuilt */
     vm_file(a, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram_src\"") != NULL && strstr(buf, sdir) != NULL);
+    REQUIRE(strstr(buf, "\"ram_src\"") != NULL && strstr(buf, sdir) != NULL);
     vm_file(b, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram_src\"") != NULL);
+    REQUIRE(strstr(buf, "\"ram_src\"") != NULL);
 
     /* identity: own hostname, own random numbers, same template boot */
     char ha[128], hb[128], ra[128], rb[128], ba[128], bb[128], ea[64];
@@ -770,21 +763,21 @@ int main(void)
     run_cmd(d, a, "echo $CLONE_TEST", ea, sizeof ea);
     printf("urandom a=%s\nurandom b=%s\nhostnames %s / %s, boot_id %s / %s, env=%s\n", ra, rb, ha,
            hb, ba, bb, ea);
-    CHECK(strlen(ra) == 64 && strlen(rb) == 64 && strcmp(ra, rb) != 0);
-    CHECK(strcmp(ha, a) == 0 && strcmp(hb, b) == 0);
-    CHECK(strcmp(ea, "1") == 0);
+    REQUIRE(strlen(ra) == 64 && strlen(rb) == 64 && strcmp(ra, rb) != 0);
+    REQUIRE(strcmp(ha, a) == 0 && strcmp(hb, b) == 0);
+    REQUIRE(strcmp(ea, "1") == 0);
 
     /* disks are private */
     run_cmd(d, a, "echo only-a > /root/only-a; sync; cat /root/only-a", buf, sizeof buf);
-    CHECK(strcmp(buf, "only-a") == 0);
+    REQUIRE(strcmp(buf, "only-a") == 0);
     run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
-    CHECK(strcmp(buf, "no") == 0);
+    REQUIRE(strcmp(buf, "no") == 0);
 
     /* suspend a clone: its RAM pages that differ from the template's go into the device
      * state; the wake maps the template's RAM again and loads them over it */
     char bgpid[32];
     run_cmd(d, a, "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!", bgpid, sizeof bgpid);
-    CHECK(atoi(bgpid) > 0);
+    REQUIRE(atoi(bgpid) > 0);
     /* 8 MB of fresh pages (and the guest's page cache dropped: pages the template holds
      * become free and are reused) must come back exactly */
     run_cmd(d, a,
@@ -793,37 +786,37 @@ int main(void)
             buf, sizeof buf);
     char big_md5[64];
     snprintf(big_md5, sizeof big_md5, "%.32s", buf);
-    CHECK(strlen(big_md5) == 32);
+    REQUIRE(strlen(big_md5) == 32);
     double t0 = now_ms();
     op(d, d->ops->snapshot, a);
     double susp1 = now_ms() - t0;
-    CHECK(d->ops->probe(d, a) == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->probe(d, a) == SP_VM_SUSPENDED);
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL && strstr(buf, sdir) != NULL);
+    REQUIRE(strstr(buf, "\"ram\":\"delta\"") != NULL && strstr(buf, sdir) != NULL);
     struct stat dst;
     char dpath[4200];
     snprintf(dpath, sizeof dpath, "%s/vms/%s/snapshot/devstate", data_dir, a);
-    CHECK(stat(dpath, &dst) == 0);
+    REQUIRE(stat(dpath, &dst) == 0);
     long long dev1 = (long long)dst.st_size;
     double wake1 = restore(d, a);
     vm_file(a, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "ram_src") != NULL); /* still a clone of the template's RAM */
+    REQUIRE(strstr(buf, "ram_src") != NULL); /* still a clone of the template's RAM */
     char cmd[160];
     snprintf(cmd, sizeof cmd, "cat /root/only-a; kill -0 %s && echo alive; md5sum < /root/big",
              bgpid);
     char want[256];
     snprintf(want, sizeof want, "only-a\nalive\n%s  -", big_md5);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
     /* and again: each suspend writes the delta */
     t0 = now_ms();
     op(d, d->ops->snapshot, a);
     double susp2 = now_ms() - t0;
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL);
+    REQUIRE(strstr(buf, "\"ram\":\"delta\"") != NULL);
     double wake2 = restore(d, a);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
     printf("clone suspend (RAM delta, device state %lld bytes) %.0f ms, wake %.0f ms; then "
            "suspend %.0f ms, wake %.0f ms\n",
            dev1, susp1, wake1, susp2, wake2);
@@ -832,7 +825,7 @@ int main(void)
     run_cmd(d, a, "awk '/^(MemTotal|MemFree):/{v[$1]=$2} END{print (v[\"MemTotal:\"]-v[\"MemFree:\"])*1024}' /proc/meminfo",
             buf, sizeof buf);
     printf("guest memory in use %s bytes, delta %lld bytes\n", buf, dev1);
-    CHECK(dev1 < atoll(buf));
+    REQUIRE(dev1 < atoll(buf));
 
     /* the filter cannot read the template's RAM: the suspend migrates the whole RAM instead
      * ("stream"), the wake loads it into the sandbox's own RAM file, later suspends write
@@ -840,40 +833,40 @@ int main(void)
     char tram[4200], tram2[4300];
     snprintf(tram, sizeof tram, "%s/mem.ram", sdir);
     snprintf(tram2, sizeof tram2, "%s/mem.ram.away", sdir);
-    CHECK(rename(tram, tram2) == 0);
+    REQUIRE(rename(tram, tram2) == 0);
     op(d, d->ops->snapshot, a);
-    CHECK(rename(tram2, tram) == 0);
+    REQUIRE(rename(tram2, tram) == 0);
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"stream\"") != NULL);
+    REQUIRE(strstr(buf, "\"ram\":\"stream\"") != NULL);
     restore(d, a);
     vm_file(a, "vm.json", buf, sizeof buf);
-    CHECK(strstr(buf, "ram_src") == NULL);
+    REQUIRE(strstr(buf, "ram_src") == NULL);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
     op(d, d->ops->snapshot, a);
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"mem.ram\"") != NULL);
+    REQUIRE(strstr(buf, "\"ram\":\"mem.ram\"") != NULL);
     restore(d, a);
     run_cmd(d, a, cmd, buf, sizeof buf);
-    CHECK(strcmp(buf, want) == 0);
+    REQUIRE(strcmp(buf, want) == 0);
     printf("delta refused: whole RAM streamed, then the sandbox's own RAM file\n");
 
     /* a driver restart re-adopts a running clone */
     pid_t pb = vm_pid(b);
     sp_driver_destroy(d);
     run_for(100);
-    CHECK(kill(pb, 0) == 0);
+    REQUIRE(kill(pb, 0) == 0);
     d = make_driver(0);
-    CHECK(d->ops->probe(d, b) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, b) == SP_VM_RUNNING);
     run_cmd(d, b, "hostname", buf, sizeof buf);
-    CHECK(strcmp(buf, b) == 0);
+    REQUIRE(strcmp(buf, b) == 0);
     /* and it still suspends the clone way after re-adoption */
     op(d, d->ops->snapshot, b);
     vm_file(b, "snapshot/manifest.json", buf, sizeof buf);
-    CHECK(strstr(buf, "\"ram\":\"delta\"") != NULL);
+    REQUIRE(strstr(buf, "\"ram\":\"delta\"") != NULL);
     restore(d, b);
     run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
-    CHECK(strcmp(buf, "no") == 0);
+    REQUIRE(strcmp(buf, "no") == 0);
 
     pid_t pa = vm_pid(a);
     pb = vm_pid(b);
@@ -881,7 +874,7 @@ int main(void)
     op(d, d->ops->destroy, b);
     check_gone(a, pa);
     check_gone(b, pb);
-    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* the template snapshot stays */
+    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* the template snapshot stays */
 
     /* later creates reuse it: create-to-agent-ready, median of 5 */
     double t[5];
@@ -889,16 +882,16 @@ int main(void)
         snprintf(c, sizeof c, "clone-%d-c%d", (int)getpid(), i);
         t[i] = boot(d, c);
         run_cmd(d, c, "echo hi", buf, sizeof buf);
-        CHECK(strcmp(buf, "hi") == 0);
+        REQUIRE(strcmp(buf, "hi") == 0);
         pid_t pc = vm_pid(c);
         op(d, d->ops->destroy, c);
         check_gone(c, pc);
     }
-    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino);
+    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino);
     qsort(t, 5, sizeof t[0], cmp_d);
     printf("clone create to agent ready: median %.0f ms (%.0f-%.0f)\n", t[2], t[0], t[4]);
     d = warmup_and_gc(d, &tp);
-    CHECK(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
+    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
     sp_driver_destroy(d);
 
     pool_section();
@@ -908,7 +901,7 @@ int main(void)
     snprintf(c, sizeof c, "clone-%d-cold", (int)getpid());
     double tc = boot(d, c);
     vm_file(c, "vm.json", buf, sizeof buf);
-    CHECK(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
+    REQUIRE(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
     printf("cold boot to agent ready (cold_boot=1): %.0f ms\n", tc);
     pid_t pc = vm_pid(c);
     op(d, d->ops->destroy, c);

@@ -39,14 +39,7 @@
 #include "core/loop.h"
 #include "core/qemu.h"
 #include "guest/tmplbuild.h"
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop;
 static const char *data_dir;
@@ -99,7 +92,7 @@ static sp_driver_t *make_driver(void)
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     if (d == NULL)
         fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    CHECK(d != NULL);
+    REQUIRE(d != NULL);
     return d;
 }
 
@@ -118,12 +111,12 @@ static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
         fprintf(stderr, "boot %s: %s\n", id, e.msg);
         exit(1);
     }
-    CHECK(r.done == 0);
-    CHECK(wait_for(&r.done, 120000) == 0);
+    REQUIRE(r.done == 0);
+    REQUIRE(wait_for(&r.done, 120000) == 0);
     double ms = now_ms() - t0;
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    CHECK(r.ok);
+    REQUIRE(r.ok);
     return ms;
 }
 
@@ -136,10 +129,10 @@ static void destroy(sp_driver_t *d, const char *id)
 {
     struct res r = {0};
     sp_err_t e;
-    CHECK(d->ops->destroy(d, id, on_res, &r, &e) == 0);
-    CHECK(r.done == 0);
-    CHECK(wait_for(&r.done, 20000) == 0);
-    CHECK(r.ok);
+    REQUIRE(d->ops->destroy(d, id, on_res, &r, &e) == 0);
+    REQUIRE(r.done == 0);
+    REQUIRE(wait_for(&r.done, 20000) == 0);
+    REQUIRE(r.ok);
 }
 
 static void simple(sp_driver_t *d,
@@ -152,8 +145,8 @@ static void simple(sp_driver_t *d,
         fprintf(stderr, "op: %s\n", e.msg);
         exit(1);
     }
-    CHECK(wait_for(&r.done, 10000) == 0);
-    CHECK(r.ok);
+    REQUIRE(wait_for(&r.done, 10000) == 0);
+    REQUIRE(r.ok);
 }
 
 /* ---- commands over the agent ---- */
@@ -201,23 +194,23 @@ static void on_up(void *arg, const sp_err_t *err)
 static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
 {
     sp_agentconn_t *c = d->ops->agent(d, id);
-    CHECK(c != NULL);
+    REQUIRE(c != NULL);
     struct res up = {0};
-    CHECK(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
-    CHECK(wait_for(&up.done, 25000) == 0 && up.ok);
+    REQUIRE(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
+    REQUIRE(wait_for(&up.done, 25000) == 0 && up.ok);
     uint8_t buf[256];
     sp_ap_writer_t w;
     sp_ap_writer_init(&w, buf, sizeof buf);
     sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
     sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
-    CHECK(!w.overflow);
+    REQUIRE(!w.overflow);
     static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
     struct proc pr = {0};
     sp_err_t e;
     sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
-    CHECK(s != NULL);
-    CHECK(wait_for(&pr.exited, 20000) == 0);
-    CHECK(!pr.failed);
+    REQUIRE(s != NULL);
+    REQUIRE(wait_for(&pr.exited, 20000) == 0);
+    REQUIRE(!pr.failed);
     while (pr.n > 0 && (pr.out[pr.n - 1] == '\n'))
         pr.out[--pr.n] = '\0';
     snprintf(out, n, "%s", pr.out);
@@ -257,7 +250,7 @@ static int read_text(const char *dir, const char *file, char *out, size_t n)
 static unsigned long long read_ull(const char *dir, const char *file)
 {
     char b[64];
-    CHECK(read_text(dir, file, b, sizeof b) == 0);
+    REQUIRE(read_text(dir, file, b, sizeof b) == 0);
     return strtoull(b, NULL, 10);
 }
 
@@ -283,7 +276,7 @@ static int accel_is_kvm(void)
 {
     char p[4096], b[16] = "";
     snprintf(p, sizeof p, "%s/vms", data_dir);
-    CHECK(read_text(p, "accel", b, sizeof b) == 0);
+    REQUIRE(read_text(p, "accel", b, sizeof b) == 0);
     return strncmp(b, "kvm", 3) == 0;
 }
 
@@ -294,10 +287,10 @@ static void check_cgroup(const char *id, pid_t pid, int cpus, int mem_mb)
         return;
     unsigned long long want_mem = ((unsigned long long)mem_mb + (accel_is_kvm() ? 128 : 512)) << 20;
     char mem[4096], cpu[4096], pids[4096];
-    CHECK(sp_cgroup_vm_dir(cgl, "memory", id, mem, sizeof mem) == 0);
-    CHECK(sp_cgroup_vm_dir(cgl, "cpu", id, cpu, sizeof cpu) == 0);
-    CHECK(procs_has(mem, pid));
-    CHECK(procs_has(cpu, pid));
+    REQUIRE(sp_cgroup_vm_dir(cgl, "memory", id, mem, sizeof mem) == 0);
+    REQUIRE(sp_cgroup_vm_dir(cgl, "cpu", id, cpu, sizeof cpu) == 0);
+    REQUIRE(procs_has(mem, pid));
+    REQUIRE(procs_has(cpu, pid));
     if (sp_cgroup_kind(cgl) == SP_CGROUP_V1) {
         unsigned long long lim = read_ull(mem, "memory.limit_in_bytes");
         unsigned long long period = read_ull(cpu, "cpu.cfs_period_us");
@@ -305,26 +298,26 @@ static void check_cgroup(const char *id, pid_t pid, int cpus, int mem_mb)
         printf("cgroup v1 %s: pid %d in memory+cpu groups, memory.limit_in_bytes=%llu "
                "cpu.cfs_quota_us=%llu cpu.cfs_period_us=%llu\n",
                id, (int)pid, lim, quota, period);
-        CHECK(lim == want_mem);
-        CHECK(period == 100000ull && quota == 100000ull * (unsigned long long)cpus);
+        REQUIRE(lim == want_mem);
+        REQUIRE(period == 100000ull && quota == 100000ull * (unsigned long long)cpus);
         char sw[4200];
         snprintf(sw, sizeof sw, "%s/memory.memsw.limit_in_bytes", mem);
         if (access(sw, F_OK) == 0)
-            CHECK(read_ull(mem, "memory.memsw.limit_in_bytes") == want_mem);
+            REQUIRE(read_ull(mem, "memory.memsw.limit_in_bytes") == want_mem);
     } else {
         char cm[64];
-        CHECK(read_text(cpu, "cpu.max", cm, sizeof cm) == 0);
+        REQUIRE(read_text(cpu, "cpu.max", cm, sizeof cm) == 0);
         unsigned long long lim = read_ull(mem, "memory.max");
         printf("cgroup v2 %s: pid %d in its group, memory.max=%llu cpu.max=%s", id, (int)pid, lim,
                cm);
-        CHECK(lim == want_mem);
+        REQUIRE(lim == want_mem);
         char want_cpu[64];
         snprintf(want_cpu, sizeof want_cpu, "%llu 100000\n", 100000ull * (unsigned long long)cpus);
-        CHECK(strcmp(cm, want_cpu) == 0);
+        REQUIRE(strcmp(cm, want_cpu) == 0);
     }
     if (sp_cgroup_vm_dir(cgl, "pids", id, pids, sizeof pids) == 0) {
-        CHECK(procs_has(pids, pid));
-        CHECK(read_ull(pids, "pids.max") == 512ull);
+        REQUIRE(procs_has(pids, pid));
+        REQUIRE(read_ull(pids, "pids.max") == 512ull);
     }
 }
 
@@ -336,7 +329,7 @@ static void check_no_cgroup(const char *id)
     for (size_t i = 0; i < sizeof ctl / sizeof ctl[0]; i++) {
         char dir[4096];
         if (sp_cgroup_vm_dir(cgl, ctl[i], id, dir, sizeof dir) == 0)
-            CHECK(stat(dir, &sb) < 0 && errno == ENOENT);
+            REQUIRE(stat(dir, &sb) < 0 && errno == ENOENT);
     }
 }
 
@@ -355,11 +348,11 @@ static void slurp(const char *path, char *out, size_t n)
 static void flip_byte(const char *path, off_t off)
 {
     int fd = open(path, O_RDWR);
-    CHECK(fd >= 0);
+    REQUIRE(fd >= 0);
     unsigned char c;
-    CHECK(pread(fd, &c, 1, off) == 1);
+    REQUIRE(pread(fd, &c, 1, off) == 1);
     c ^= 0xff;
-    CHECK(pwrite(fd, &c, 1, off) == 1);
+    REQUIRE(pwrite(fd, &c, 1, off) == 1);
     close(fd);
 }
 
@@ -367,12 +360,12 @@ static void flip_byte(const char *path, off_t off)
 static off_t first_data(const char *path)
 {
     int fd = open(path, O_RDONLY);
-    CHECK(fd >= 0);
+    REQUIRE(fd >= 0);
     static unsigned char buf[1 << 20];
     off_t off = 0;
     for (;;) {
         ssize_t r = pread(fd, buf, sizeof buf, off);
-        CHECK(r > 0);
+        REQUIRE(r > 0);
         for (ssize_t i = 0; i < r; i++) {
             if (buf[i] != 0) {
                 close(fd);
@@ -399,7 +392,7 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
     slurp(p, man, sizeof man);
     printf("suspend manifest: %s\n", man);
-    CHECK(strstr(man, "\"ram_checksum\":\"") != NULL &&
+    REQUIRE(strstr(man, "\"ram_checksum\":\"") != NULL &&
           strstr(man, "\"devstate_checksum\":\"") != NULL &&
           strstr(man, "\"disk_checksum\":\"") != NULL && strstr(man, "\"disk_bytes\":") != NULL);
     sp_err_t e;
@@ -407,35 +400,35 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     /* a manifest that does not parse: refused at once, still SUSPENDED */
     snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
     FILE *f = fopen(p, "w");
-    CHECK(f != NULL && fputs("{\"version\":2,\"memory_", f) >= 0 && fclose(f) == 0);
-    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
+    REQUIRE(f != NULL && fputs("{\"version\":2,\"memory_", f) >= 0 && fclose(f) == 0);
+    REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
           strstr(e.msg, "manifest is damaged") != NULL);
     printf("damaged manifest -> %s\n", e.msg);
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     f = fopen(p, "w");
-    CHECK(f != NULL && fputs(man, f) >= 0 && fclose(f) == 0);
+    REQUIRE(f != NULL && fputs(man, f) >= 0 && fclose(f) == 0);
 
     /* a flipped byte of the device state: refused at once */
     snprintf(p, sizeof p, "%s/snapshot/devstate", vd);
     flip_byte(p, 1000);
-    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
+    REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
           strstr(e.msg, "device state does not match its checksum") != NULL);
     printf("corrupt device state -> %s\n", e.msg);
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     flip_byte(p, 1000);
 
     /* a truncated RAM file: refused at once */
     snprintf(p, sizeof p, "%s/mem.ram", vd);
     struct stat st;
-    CHECK(stat(p, &st) == 0 && st.st_size == 256 << 20);
+    REQUIRE(stat(p, &st) == 0 && st.st_size == 256 << 20);
     static unsigned char tail[4096];
     int fd = open(p, O_RDWR);
-    CHECK(fd >= 0 && pread(fd, tail, sizeof tail, st.st_size - 4096) == 4096);
-    CHECK(ftruncate(fd, st.st_size - 4096) == 0);
-    CHECK(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME && strstr(e.msg, "RAM has") != NULL);
+    REQUIRE(fd >= 0 && pread(fd, tail, sizeof tail, st.st_size - 4096) == 4096);
+    REQUIRE(ftruncate(fd, st.st_size - 4096) == 0);
+    REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME && strstr(e.msg, "RAM has") != NULL);
     printf("truncated RAM file -> %s\n", e.msg);
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
-    CHECK(ftruncate(fd, st.st_size) == 0 && pwrite(fd, tail, 4096, st.st_size - 4096) == 4096);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(ftruncate(fd, st.st_size) == 0 && pwrite(fd, tail, 4096, st.st_size - 4096) == 4096);
     close(fd);
 
     /* a flipped RAM byte: the wake starts, the checksum check stops it before the vCPUs run */
@@ -443,17 +436,17 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     flip_byte(p, off);
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
     struct res r = {0};
-    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-    CHECK(wait_for(&r.done, 60000) == 0);
-    CHECK(!r.ok && strstr(r.err.msg, "RAM does not match its checksum") != NULL);
+    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+    REQUIRE(wait_for(&r.done, 60000) == 0);
+    REQUIRE(!r.ok && strstr(r.err.msg, "RAM does not match its checksum") != NULL);
     printf("corrupt RAM (byte %lld) -> %s\n", (long long)off, r.err.msg);
     run_for(100);
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
-    CHECK(try_restore(d, id, &e) < 0 && strstr(e.msg, "failed its checksum check") != NULL);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(try_restore(d, id, &e) < 0 && strstr(e.msg, "failed its checksum check") != NULL);
     printf("and again -> %s\n", e.msg);
     flip_byte(p, off);
     snprintf(p, sizeof p, "%s/snapshot/corrupt", vd);
-    CHECK(unlink(p) == 0);
+    REQUIRE(unlink(p) == 0);
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -483,63 +476,63 @@ int main(void)
         return 77;
     }
     loop = sp_loop_create();
-    CHECK(loop != NULL);
+    REQUIRE(loop != NULL);
     char id[64];
     snprintf(id, sizeof id, "e2e-%d", (int)getpid());
 
     sp_driver_t *d = make_driver();
     cgl = sp_cgroup_create();
-    CHECK(cgl != NULL);
+    REQUIRE(cgl != NULL);
     printf("cgroup layout: %s\n", sp_cgroup_why(cgl));
     /* cleanup of nothing succeeds; there is nothing to suspend */
     destroy(d, id);
-    CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
-    CHECK(d->ops->snapshot(d, id, on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_ABSENT);
+    REQUIRE(d->ops->snapshot(d, id, on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
     sp_vm_stats_t st;
-    CHECK(d->ops->stats(d, id, &st, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->stats(d, id, &st, &e) < 0 && e.code == SP_ENOTFOUND);
 
     double first = boot(d, id);
     printf("first boot (includes the accelerator probe): %.0f ms\n", first);
-    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
     char rel[256];
     run_cmd(d, id, "uname -r", rel, sizeof rel);
     printf("uname -r in the guest: %s\n", rel);
-    CHECK(rel[0] != '\0');
-    CHECK(strstr(tp.kernel_version, rel) == tp.kernel_version); /* "<abi>_<debian version>" */
+    REQUIRE(rel[0] != '\0');
+    REQUIRE(strstr(tp.kernel_version, rel) == tp.kernel_version); /* "<abi>_<debian version>" */
     check_cgroup(id, vm_pid(id), 1, 256);
 
     /* boot again is idempotent */
     boot(d, id);
 
-    CHECK(d->ops->stats(d, id, &st, &e) == 0);
+    REQUIRE(d->ops->stats(d, id, &st, &e) == 0);
     run_for(600);
-    CHECK(d->ops->stats(d, id, &st, &e) == 0);
+    REQUIRE(d->ops->stats(d, id, &st, &e) == 0);
     printf("stats: cpu=%.1f%% mem=%llu/%llu disk=%llu/%llu\n", st.cpu_used_pct,
            (unsigned long long)st.mem_used_bytes, (unsigned long long)st.mem_total_bytes,
            (unsigned long long)st.disk_used_bytes, (unsigned long long)st.disk_total_bytes);
-    CHECK(st.mem_used_bytes > 0 && st.disk_used_bytes > 0 && st.mem_total_bytes == 256u << 20);
+    REQUIRE(st.mem_used_bytes > 0 && st.disk_used_bytes > 0 && st.mem_total_bytes == 256u << 20);
 
     double t0 = now_ms();
     simple(d, d->ops->pause, id);
     double tp_ms = now_ms() - t0;
-    CHECK(d->ops->probe(d, id) == SP_VM_PAUSED);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_PAUSED);
     t0 = now_ms();
     simple(d, d->ops->resume, id);
     printf("pause %.2f ms, resume %.2f ms (including a loop turn)\n", tp_ms, now_ms() - t0);
-    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
 
     /* pause, then restart the driver: the new one must see PAUSED from disk */
     simple(d, d->ops->pause, id);
     pid_t pid = vm_pid(id);
-    CHECK(pid > 0);
+    REQUIRE(pid > 0);
     sp_driver_destroy(d);
     run_for(200);
-    CHECK(kill(pid, 0) == 0); /* the VM survived its driver */
+    REQUIRE(kill(pid, 0) == 0); /* the VM survived its driver */
     d = make_driver();
-    CHECK(d->ops->probe(d, id) == SP_VM_PAUSED);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_PAUSED);
     run_for(300);
     simple(d, d->ops->resume, id);
-    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
     run_cmd(d, id, "uname -r", rel, sizeof rel);
     printf("after driver restart: re-adopted, uname -r: %s\n", rel);
     check_cgroup(id, pid, 1, 256); /* the groups outlived the driver */
@@ -547,7 +540,7 @@ int main(void)
     /* a second driver restart, then probe (not just create) re-adopts */
     sp_driver_destroy(d);
     d = make_driver();
-    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
 
     /* suspend and restore: same guest boot (memory came back), disk kept */
     char bid1[128], bid2[128], mark[64];
@@ -556,43 +549,43 @@ int main(void)
     t0 = now_ms();
     simple(d, d->ops->snapshot, id);
     printf("suspend: %.0f ms\n", now_ms() - t0);
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
-    CHECK(d->ops->agent(d, id) == NULL);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->agent(d, id) == NULL);
     run_for(100);
-    CHECK(kill(pid, 0) < 0);
+    REQUIRE(kill(pid, 0) < 0);
     sp_driver_destroy(d); /* a restart in between: the snapshot is on disk */
     d = make_driver();
-    CHECK(d->ops->probe(d, id) == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     damaged_snapshot(d, id);
     {
         sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
         struct res r = {0};
         t0 = now_ms();
-        CHECK(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-        CHECK(wait_for(&r.done, 60000) == 0);
+        REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
+        REQUIRE(wait_for(&r.done, 60000) == 0);
         if (!r.ok)
             fprintf(stderr, "restore: %s\n", r.err.msg);
-        CHECK(r.ok);
+        REQUIRE(r.ok);
         printf("restore to agent ready: %.0f ms\n", now_ms() - t0);
     }
-    CHECK(d->ops->probe(d, id) == SP_VM_RUNNING);
+    REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
     run_cmd(d, id, "cat /proc/sys/kernel/random/boot_id", bid2, sizeof bid2);
     run_cmd(d, id, "cat /root/marker", mark, sizeof mark);
     printf("guest boot_id before/after suspend: %s / %s, marker=%s\n", bid1, bid2, mark);
-    CHECK(strcmp(bid1, bid2) == 0 && strcmp(mark, "kept") == 0);
+    REQUIRE(strcmp(bid1, bid2) == 0 && strcmp(mark, "kept") == 0);
     pid = vm_pid(id);
-    CHECK(pid > 0);
+    REQUIRE(pid > 0);
     check_cgroup(id, pid, 1, 256); /* the restored QEMU is a new process: limited too */
 
     destroy(d, id);
     run_for(100);
-    CHECK(kill(pid, 0) < 0 && errno == ESRCH);
+    REQUIRE(kill(pid, 0) < 0 && errno == ESRCH);
     char p[4096];
     snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
     struct stat sb;
-    CHECK(stat(p, &sb) < 0 && errno == ENOENT); /* no overlay, socket or pidfile */
-    CHECK(d->ops->probe(d, id) == SP_VM_ABSENT);
-    CHECK(d->ops->agent(d, id) == NULL);
+    REQUIRE(stat(p, &sb) < 0 && errno == ENOENT); /* no overlay, socket or pidfile */
+    REQUIRE(d->ops->probe(d, id) == SP_VM_ABSENT);
+    REQUIRE(d->ops->agent(d, id) == NULL);
     check_no_cgroup(id);
 
     /* spaced killed outright (SIGKILL, no cleanup): its VM keeps running and is re-adopted */
@@ -601,7 +594,7 @@ int main(void)
         snprintf(kid, sizeof kid, "%s-k", id);
         fflush(NULL);
         pid_t child = fork();
-        CHECK(child >= 0);
+        REQUIRE(child >= 0);
         if (child == 0) {
             loop = sp_loop_create();
             sp_driver_t *cd = make_driver();
@@ -609,17 +602,17 @@ int main(void)
             raise(SIGKILL);
         }
         int cst;
-        CHECK(waitpid(child, &cst, 0) == child && WIFSIGNALED(cst));
+        REQUIRE(waitpid(child, &cst, 0) == child && WIFSIGNALED(cst));
         pid_t kp = vm_pid(kid);
-        CHECK(kp > 0 && kill(kp, 0) == 0);
-        CHECK(d->ops->probe(d, kid) == SP_VM_RUNNING);
+        REQUIRE(kp > 0 && kill(kp, 0) == 0);
+        REQUIRE(d->ops->probe(d, kid) == SP_VM_RUNNING);
         run_cmd(d, kid, "echo alive", rel, sizeof rel);
-        CHECK(strcmp(rel, "alive") == 0);
+        REQUIRE(strcmp(rel, "alive") == 0);
         /* the exact QEMU command line, for the record */
         char cl[4096];
         snprintf(p, sizeof p, "/proc/%d/cmdline", (int)kp);
         FILE *f = fopen(p, "r");
-        CHECK(f != NULL);
+        REQUIRE(f != NULL);
         size_t cn = fread(cl, 1, sizeof cl - 1, f);
         fclose(f);
         for (size_t i = 0; i < cn; i++)
@@ -631,22 +624,22 @@ int main(void)
         /* a guest printing forever cannot fill the disk: console.log is cut to its tail */
         snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, kid);
         f = fopen(p, "a");
-        CHECK(f != NULL);
+        REQUIRE(f != NULL);
         static char junk[1 << 20];
         memset(junk, 'x', sizeof junk);
         for (int i = 0; i < 3; i++)
-            CHECK(fwrite(junk, 1, sizeof junk, f) == sizeof junk);
+            REQUIRE(fwrite(junk, 1, sizeof junk, f) == sizeof junk);
         fclose(f);
-        CHECK(d->ops->stats(d, kid, &st, &e) == 0);
-        CHECK(stat(p, &sb) == 0 && sb.st_size <= (2 << 20));
+        REQUIRE(d->ops->stats(d, kid, &st, &e) == 0);
+        REQUIRE(stat(p, &sb) == 0 && sb.st_size <= (2 << 20));
 
         /* QEMU dies under us: the driver notices, probe says ABSENT and cleans up */
         kill(kp, SIGKILL);
         run_for(300);
-        CHECK(d->ops->agent(d, kid) == NULL);
-        CHECK(d->ops->probe(d, kid) == SP_VM_ABSENT);
+        REQUIRE(d->ops->agent(d, kid) == NULL);
+        REQUIRE(d->ops->probe(d, kid) == SP_VM_ABSENT);
         snprintf(p, sizeof p, "%s/vms/%s", data_dir, kid);
-        CHECK(stat(p, &sb) < 0 && errno == ENOENT);
+        REQUIRE(stat(p, &sb) < 0 && errno == ENOENT);
         check_no_cgroup(kid);
         destroy(d, kid);
     }
@@ -679,13 +672,13 @@ int main(void)
         snprintf(bid, sizeof bid, "%s-x", id);
         sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
         struct res rb = {0}, rd = {0};
-        CHECK(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
+        REQUIRE(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
         run_for(700);
-        CHECK(d->ops->destroy(d, bid, on_res, &rd, &e) == 0);
-        CHECK(wait_for(&rd.done, 20000) == 0 && rd.ok);
-        CHECK(rb.done == 1 && !rb.ok);
+        REQUIRE(d->ops->destroy(d, bid, on_res, &rd, &e) == 0);
+        REQUIRE(wait_for(&rd.done, 20000) == 0 && rd.ok);
+        REQUIRE(rb.done == 1 && !rb.ok);
         snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
-        CHECK(stat(p, &sb) < 0);
+        REQUIRE(stat(p, &sb) < 0);
     }
 
     /* boot timeout: the VM is killed, console.log is kept, the error says why */
@@ -698,18 +691,18 @@ int main(void)
         snprintf(bid, sizeof bid, "%s-t", id);
         sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
         struct res rb = {0};
-        CHECK(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
-        CHECK(wait_for(&rb.done, 20000) == 0);
-        CHECK(!rb.ok && strstr(rb.err.msg, "guest did not come up") != NULL);
+        REQUIRE(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
+        REQUIRE(wait_for(&rb.done, 20000) == 0);
+        REQUIRE(!rb.ok && strstr(rb.err.msg, "guest did not come up") != NULL);
         printf("boot timeout: %s\n", rb.err.msg);
         run_for(100);
         snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, bid);
-        CHECK(stat(p, &sb) == 0);
+        REQUIRE(stat(p, &sb) == 0);
         snprintf(p, sizeof p, "%s/vms/%s/disk.qcow2", data_dir, bid);
-        CHECK(stat(p, &sb) < 0);
-        CHECK(d->ops->probe(d, bid) == SP_VM_ABSENT); /* and the leftovers go */
+        REQUIRE(stat(p, &sb) < 0);
+        REQUIRE(d->ops->probe(d, bid) == SP_VM_ABSENT); /* and the leftovers go */
         snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
-        CHECK(stat(p, &sb) < 0);
+        REQUIRE(stat(p, &sb) < 0);
     }
 
     sp_driver_destroy(d);

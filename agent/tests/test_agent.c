@@ -24,22 +24,7 @@
 #include <unistd.h>
 
 #include "core/agentproto.h"
-
-static int fails;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            fails++;                                                                               \
-        }                                                                                          \
-    } while (0)
-#define REQUIRE(c)                                                                                 \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: REQUIRE failed: %s\n", __FILE__, __LINE__, #c);                \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static char tmpdir[64], sock_path[100];
 static pid_t agent_pid;
@@ -919,8 +904,8 @@ int main(void)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0)
         fprintf(stderr, "cleanup failed\n");
-    if (fails) {
-        fprintf(stderr, "%d check(s) failed\n", fails);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
     }
     fprintf(stderr, "all agent checks passed\n");

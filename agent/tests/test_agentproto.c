@@ -6,15 +6,7 @@
 #include <string.h>
 
 #include "core/agentproto.h"
-
-static int fails;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            fails++;                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static uint8_t big[SP_AP_MAX_FRAME + 4096];
 
@@ -376,8 +368,8 @@ int main(void)
     test_agentproto_egress_config();
     test_agentproto_writer_overflow();
     test_agentproto_messages_roundtrip();
-    if (fails) {
-        fprintf(stderr, "%d check(s) failed\n", fails);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
     }
     return 0;

@@ -16,15 +16,7 @@
 #include "agent/chan.h"
 #include "agent/ev.h"
 #include "agent/sess.h"
-
-static int fails;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            fails++;                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 #define T_BIG 0x7777 /* the fake session answers this one with a frame of BIG_LEN bytes */
 #define BIG_LEN 40000u
@@ -62,7 +54,7 @@ void sp_sess_on_bad_header(const sp_ap_hdr_t *h, bool oversize)
 {
     (void)h;
     (void)oversize;
-    fails++;
+    failures++;
     fprintf(stderr, "bad header read\n");
 }
 
@@ -242,8 +234,8 @@ int main(void)
     test_chan_answer_read_before_the_port_reports_the_host_is_kept();
     test_chan_hangup_cuts_a_half_written_frame();
     test_chan_hangup_keeps_whole_frames();
-    if (fails) {
-        fprintf(stderr, "%d check(s) failed\n", fails);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
     }
     printf("ok\n");

@@ -16,15 +16,7 @@
 
 #include "core/agentconn.h"
 #include "core/log.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop; /* one per process: h2o's evloop has no destructor */
 static char tmpdir[64];

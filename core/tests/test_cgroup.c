@@ -7,15 +7,7 @@
 #include <string.h>
 
 #include "core/cgroup.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 /* A systemd "hybrid" host: v1 controllers, each alone, plus an empty unified v2 mount. */
 static const char hybrid[] =

@@ -8,6 +8,7 @@
  * without the `postgres` system user). Takes a few seconds.
  */
 #include "core/pgcluster.h"
+#include "tests/check.h"
 
 #include <errno.h>
 #include <ftw.h>
@@ -21,16 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int failures;
 static char dir[64];
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                        \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
 
 static double now_ms(void)
 {

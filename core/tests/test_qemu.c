@@ -15,14 +15,7 @@
 
 #include "core/loop.h"
 #include "core/qemu.h"
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop;
 static char dir[] = "/tmp/test_qemu_XXXXXX";
@@ -50,7 +43,7 @@ static void put(const char *rel, const char *text)
     char p[512];
     snprintf(p, sizeof p, "%s/%s", dir, rel);
     FILE *f = fopen(p, "w");
-    CHECK(f != NULL);
+    REQUIRE(f != NULL);
     fputs(text, f);
     fclose(f);
 }
@@ -68,7 +61,7 @@ static sp_driver_t *make(void)
         .data_dir = dir, .accel = "tcg", .qemu = "/bin/true", .qemu_img = "/bin/true"};
     sp_err_t e;
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
-    CHECK(d != NULL);
+    REQUIRE(d != NULL);
     return d;
 }
 
@@ -76,9 +69,9 @@ static void test_qemu_bad_options(void)
 {
     sp_err_t e;
     sp_qemu_opts_t o = {.data_dir = dir, .accel = "fast"};
-    CHECK(sp_qemu_create(loop, &o, &e) == NULL && e.code == SP_EINVAL);
+    REQUIRE(sp_qemu_create(loop, &o, &e) == NULL && e.code == SP_EINVAL);
     sp_qemu_opts_t o2 = {.data_dir = dir, .qemu = "/nonexistent/qemu"};
-    CHECK(sp_qemu_create(loop, &o2, &e) == NULL && e.code == SP_ERUNTIME);
+    REQUIRE(sp_qemu_create(loop, &o2, &e) == NULL && e.code == SP_ERUNTIME);
 }
 
 /* Destroy of a sandbox that has nothing succeeds, on the next loop turn. */
@@ -87,11 +80,11 @@ static void test_qemu_destroy_absent_succeeds(void)
     sp_driver_t *d = make();
     struct res r = {0};
     sp_err_t e;
-    CHECK(d->ops->destroy(d, "sb1", on_res, &r, &e) == 0);
-    CHECK(r.done == 0);
+    REQUIRE(d->ops->destroy(d, "sb1", on_res, &r, &e) == 0);
+    REQUIRE(r.done == 0);
     pump();
-    CHECK(r.done == 1 && r.ok);
-    CHECK(d->ops->destroy(d, "../etc", on_res, &r, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(r.done == 1 && r.ok);
+    REQUIRE(d->ops->destroy(d, "../etc", on_res, &r, &e) < 0 && e.code == SP_EINVAL);
     sp_driver_destroy(d);
 }
 
@@ -99,44 +92,44 @@ static void test_qemu_destroy_absent_succeeds(void)
 static void test_qemu_probe_leftovers_and_snapshot(void)
 {
     sp_driver_t *d = make();
-    CHECK(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/dead"), 0700) == 0);
+    REQUIRE(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/dead"), 0700) == 0);
     put("vms/dead/qemu.pid", "999999999\n"); /* no such process */
     put("vms/dead/disk.qcow2", "x");
-    CHECK(d->ops->probe(d, "dead") == SP_VM_ABSENT);
-    CHECK(!exists("vms/dead"));
+    REQUIRE(d->ops->probe(d, "dead") == SP_VM_ABSENT);
+    REQUIRE(!exists("vms/dead"));
 
     /* a live process that is not our QEMU (its cmdline does not name the dir) */
-    CHECK(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/other"), 0700) == 0);
+    REQUIRE(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/other"), 0700) == 0);
     char pid[32];
     snprintf(pid, sizeof pid, "%d\n", (int)getpid());
     put("vms/other/qemu.pid", pid);
-    CHECK(d->ops->probe(d, "other") == SP_VM_ABSENT);
-    CHECK(!exists("vms/other"));
+    REQUIRE(d->ops->probe(d, "other") == SP_VM_ABSENT);
+    REQUIRE(!exists("vms/other"));
 
-    CHECK(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/susp"), 0700) == 0);
-    CHECK(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/susp/snapshot"), 0700) == 0);
+    REQUIRE(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/susp"), 0700) == 0);
+    REQUIRE(mkdir(strcat(strcpy((char[512]){0}, dir), "/vms/susp/snapshot"), 0700) == 0);
     put("vms/susp/snapshot/manifest.json", "{}");
-    CHECK(d->ops->probe(d, "susp") == SP_VM_SUSPENDED);
-    CHECK(d->ops->agent(d, "susp") == NULL);
+    REQUIRE(d->ops->probe(d, "susp") == SP_VM_SUSPENDED);
+    REQUIRE(d->ops->agent(d, "susp") == NULL);
     sp_vm_stats_t st;
     sp_err_t e;
-    CHECK(d->ops->stats(d, "susp", &st, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->stats(d, "susp", &st, &e) < 0 && e.code == SP_ENOTFOUND);
     /* suspending what is suspended succeeds; booting over a snapshot is refused */
     struct res r = {0};
-    CHECK(d->ops->snapshot(d, "susp", on_res, &r, &e) == 0);
+    REQUIRE(d->ops->snapshot(d, "susp", on_res, &r, &e) == 0);
     pump();
-    CHECK(r.done == 1 && r.ok);
+    REQUIRE(r.done == 1 && r.ok);
     sp_vm_spec_t spec = {.sandbox_id = "susp", .template_name = "base"};
-    CHECK(d->ops->boot(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->boot(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ECONFLICT);
     /* the snapshot lacks its files: restore refuses at once, keeps it */
-    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ERUNTIME);
-    CHECK(exists("vms/susp/snapshot/manifest.json"));
+    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ERUNTIME);
+    REQUIRE(exists("vms/susp/snapshot/manifest.json"));
     /* destroy removes it all */
     struct res rd = {0};
-    CHECK(d->ops->destroy(d, "susp", on_res, &rd, &e) == 0);
+    REQUIRE(d->ops->destroy(d, "susp", on_res, &rd, &e) == 0);
     pump();
-    CHECK(rd.done == 1 && rd.ok && !exists("vms/susp"));
-    CHECK(d->ops->probe(d, "susp") == SP_VM_ABSENT);
+    REQUIRE(rd.done == 1 && rd.ok && !exists("vms/susp"));
+    REQUIRE(d->ops->probe(d, "susp") == SP_VM_ABSENT);
     sp_driver_destroy(d);
 }
 
@@ -146,25 +139,25 @@ static void test_qemu_refusals(void)
     sp_err_t e;
     struct res r = {0};
     sp_vm_spec_t spec = {.sandbox_id = "sb2", .template_name = "nosuch"};
-    CHECK(d->ops->boot(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ERUNTIME);
+    REQUIRE(d->ops->boot(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ERUNTIME);
     sp_vm_spec_t bad = {.sandbox_id = "a/b", .template_name = "base"};
-    CHECK(d->ops->boot(d, &bad, on_res, &r, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->boot(d, &bad, on_res, &r, &e) < 0 && e.code == SP_EINVAL);
     sp_vm_spec_t env = {.sandbox_id = "sb2", .template_name = "base", .env_json = "[1]"};
-    CHECK(d->ops->boot(d, &env, on_res, &r, &e) < 0 && e.code == SP_EINVAL);
-    CHECK(d->ops->pause(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
-    CHECK(d->ops->resume(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
-    CHECK(d->ops->snapshot(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
-    CHECK(d->ops->restore(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->boot(d, &env, on_res, &r, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->pause(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->resume(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->snapshot(d, "sb2", on_res, &r, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) < 0 && e.code == SP_ECONFLICT);
     pump();
-    CHECK(r.done == 0);
+    REQUIRE(r.done == 0);
     sp_driver_destroy(d);
 }
 
 int main(void)
 {
-    CHECK(mkdtemp(dir) != NULL);
+    REQUIRE(mkdtemp(dir) != NULL);
     loop = sp_loop_create();
-    CHECK(loop != NULL);
+    REQUIRE(loop != NULL);
     test_qemu_bad_options();
     test_qemu_destroy_absent_succeeds();
     test_qemu_probe_leftovers_and_snapshot();
@@ -173,7 +166,7 @@ int main(void)
     sp_loop_destroy(loop);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    REQUIRE(system(cmd) == 0);
     printf("qemu driver unit: all tests passed\n");
     return 0;
 }

@@ -17,14 +17,7 @@
 
 #include "core/loop.h"
 #include "core/qmp.h"
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);                  \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop;
 
@@ -123,7 +116,7 @@ static json_t *fake_read(int fd, int *passed_fd)
 static void fake_write(int fd, const char *s)
 {
     size_t l = strlen(s);
-    CHECK(write(fd, s, l) == (ssize_t)l);
+    REQUIRE(write(fd, s, l) == (ssize_t)l);
 }
 
 static const char *greeting =
@@ -132,10 +125,10 @@ static const char *greeting =
 
 static sp_qmp_t *setup(int sv[2], struct rec *rec)
 {
-    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
     sp_err_t e;
     sp_qmp_t *q = sp_qmp_create(loop, sv[0], &cbs, rec, &e);
-    CHECK(q != NULL);
+    REQUIRE(q != NULL);
     flen = 0;
     return q;
 }
@@ -148,31 +141,31 @@ static void test_qmp_negotiate_and_match(void)
     sp_qmp_t *q = setup(sv, &rec);
     struct reply a = {0}, b = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "query-status", NULL, -1, on_reply, &a, &e) == 0);
-    CHECK(sp_qmp_command(q, "query-name", json_pack("{s:i}", "x", 1), -1, on_reply, &b, &e) == 0);
-    CHECK(a.called == 0); /* never inside the call */
+    REQUIRE(sp_qmp_command(q, "query-status", NULL, -1, on_reply, &a, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "query-name", json_pack("{s:i}", "x", 1), -1, on_reply, &b, &e) == 0);
+    REQUIRE(a.called == 0); /* never inside the call */
     pump(3);
     /* nothing may be sent before the greeting */
     char tmp[16];
-    CHECK(recv(sv[1], tmp, sizeof tmp, MSG_DONTWAIT) < 0 && errno == EAGAIN);
+    REQUIRE(recv(sv[1], tmp, sizeof tmp, MSG_DONTWAIT) < 0 && errno == EAGAIN);
     fake_write(sv[1], greeting);
     json_t *m = fake_read(sv[1], NULL);
-    CHECK(m != NULL);
-    CHECK(strcmp(json_string_value(json_object_get(m, "execute")), "qmp_capabilities") == 0);
+    REQUIRE(m != NULL);
+    REQUIRE(strcmp(json_string_value(json_object_get(m, "execute")), "qmp_capabilities") == 0);
     json_int_t cid = json_integer_value(json_object_get(m, "id"));
     json_decref(m);
     pump(3);
-    CHECK(recv(sv[1], tmp, sizeof tmp, MSG_DONTWAIT | MSG_PEEK) < 0); /* held until negotiated */
+    REQUIRE(recv(sv[1], tmp, sizeof tmp, MSG_DONTWAIT | MSG_PEEK) < 0); /* held until negotiated */
     char line[256];
     snprintf(line, sizeof line, "{\"return\": {}, \"id\": %lld}\r\n", (long long)cid);
     fake_write(sv[1], line);
     json_t *m1 = fake_read(sv[1], NULL);
     json_t *m2 = fake_read(sv[1], NULL);
-    CHECK(rec.ready == 1);
-    CHECK(m1 && m2);
-    CHECK(strcmp(json_string_value(json_object_get(m1, "execute")), "query-status") == 0);
-    CHECK(strcmp(json_string_value(json_object_get(m2, "execute")), "query-name") == 0);
-    CHECK(json_integer_value(json_object_get(json_object_get(m2, "arguments"), "x")) == 1);
+    REQUIRE(rec.ready == 1);
+    REQUIRE(m1 && m2);
+    REQUIRE(strcmp(json_string_value(json_object_get(m1, "execute")), "query-status") == 0);
+    REQUIRE(strcmp(json_string_value(json_object_get(m2, "execute")), "query-name") == 0);
+    REQUIRE(json_integer_value(json_object_get(json_object_get(m2, "arguments"), "x")) == 1);
     json_int_t id1 = json_integer_value(json_object_get(m1, "id"));
     json_int_t id2 = json_integer_value(json_object_get(m2, "id"));
     json_decref(m1);
@@ -186,10 +179,10 @@ static void test_qmp_negotiate_and_match(void)
     fake_write(sv[1], line);
     for (int i = 0; i < 50 && !(a.called && b.called); i++)
         pump(1);
-    CHECK(a.called == 1 && a.ok && strstr(a.ret, "\"running\"") != NULL);
-    CHECK(b.called == 1 && b.ok && strstr(b.ret, "\"vm\"") != NULL);
-    CHECK(rec.events == 1 && strcmp(rec.last_event, "STOP") == 0);
-    CHECK(rec.closed == 0);
+    REQUIRE(a.called == 1 && a.ok && strstr(a.ret, "\"running\"") != NULL);
+    REQUIRE(b.called == 1 && b.ok && strstr(b.ret, "\"vm\"") != NULL);
+    REQUIRE(rec.events == 1 && strcmp(rec.last_event, "STOP") == 0);
+    REQUIRE(rec.closed == 0);
     sp_qmp_destroy(q);
     close(sv[1]);
 }
@@ -199,7 +192,7 @@ static sp_qmp_t *negotiated(int sv[2], struct rec *rec)
     sp_qmp_t *q = setup(sv, rec);
     fake_write(sv[1], greeting);
     json_t *m = fake_read(sv[1], NULL);
-    CHECK(m != NULL);
+    REQUIRE(m != NULL);
     char line[128];
     snprintf(line, sizeof line, "{\"return\": {}, \"id\": %lld}\n",
              (long long)json_integer_value(json_object_get(m, "id")));
@@ -207,7 +200,7 @@ static sp_qmp_t *negotiated(int sv[2], struct rec *rec)
     fake_write(sv[1], line);
     for (int i = 0; i < 50 && !rec->ready; i++)
         pump(1);
-    CHECK(rec->ready == 1);
+    REQUIRE(rec->ready == 1);
     return q;
 }
 
@@ -218,9 +211,9 @@ static void test_qmp_error_reply(void)
     sp_qmp_t *q = negotiated(sv, &rec);
     struct reply a = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "bogus", NULL, -1, on_reply, &a, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "bogus", NULL, -1, on_reply, &a, &e) == 0);
     json_t *m = fake_read(sv[1], NULL);
-    CHECK(m != NULL);
+    REQUIRE(m != NULL);
     char line[256];
     snprintf(line, sizeof line,
              "{\"error\": {\"class\": \"CommandNotFound\", \"desc\": \"The command bogus has "
@@ -230,8 +223,8 @@ static void test_qmp_error_reply(void)
     fake_write(sv[1], line);
     for (int i = 0; i < 50 && !a.called; i++)
         pump(1);
-    CHECK(a.called == 1 && !a.ok && a.code == SP_ERUNTIME);
-    CHECK(strstr(a.msg, "bogus has not been found") != NULL);
+    REQUIRE(a.called == 1 && !a.ok && a.code == SP_ERUNTIME);
+    REQUIRE(strstr(a.msg, "bogus has not been found") != NULL);
     sp_qmp_destroy(q);
     close(sv[1]);
 }
@@ -242,25 +235,25 @@ static void test_qmp_fd_passing(void)
     struct rec rec = {0};
     sp_qmp_t *q = negotiated(sv, &rec);
     int p[2];
-    CHECK(pipe(p) == 0);
+    REQUIRE(pipe(p) == 0);
     struct reply a = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "getfd", json_pack("{s:s}", "fdname", "mig"), p[1], on_reply, &a, &e) ==
+    REQUIRE(sp_qmp_command(q, "getfd", json_pack("{s:s}", "fdname", "mig"), p[1], on_reply, &a, &e) ==
           0);
     close(p[1]); /* the client dup'd it */
     int got = -1;
     json_t *m = fake_read(sv[1], &got);
-    CHECK(m != NULL);
-    CHECK(got >= 0);
-    CHECK(write(got, "x", 1) == 1);
+    REQUIRE(m != NULL);
+    REQUIRE(got >= 0);
+    REQUIRE(write(got, "x", 1) == 1);
     char c = 0;
-    CHECK(read(p[0], &c, 1) == 1 && c == 'x');
+    REQUIRE(read(p[0], &c, 1) == 1 && c == 'x');
     close(got);
     close(p[0]);
     json_decref(m);
     sp_qmp_destroy(q); /* with a command pending: its callback is dropped */
     pump(2);
-    CHECK(a.called == 0);
+    REQUIRE(a.called == 0);
     close(sv[1]);
 }
 
@@ -272,18 +265,18 @@ static void test_qmp_peer_dies_mid_command(void)
     sp_qmp_t *q = negotiated(sv, &rec);
     struct reply a = {0}, b = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
-    CHECK(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) == 0);
     json_t *m = fake_read(sv[1], NULL);
     json_decref(m);
     close(sv[1]);
     for (int i = 0; i < 50 && !rec.closed; i++)
         pump(1);
-    CHECK(a.called == 1 && !a.ok && a.code == SP_EUNAVAIL);
-    CHECK(b.called == 1 && !b.ok && b.code == SP_EUNAVAIL);
-    CHECK(rec.closed == 1);
-    CHECK(sp_qmp_closed(q));
-    CHECK(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) < 0 && e.code == SP_EUNAVAIL);
+    REQUIRE(a.called == 1 && !a.ok && a.code == SP_EUNAVAIL);
+    REQUIRE(b.called == 1 && !b.ok && b.code == SP_EUNAVAIL);
+    REQUIRE(rec.closed == 1);
+    REQUIRE(sp_qmp_closed(q));
+    REQUIRE(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) < 0 && e.code == SP_EUNAVAIL);
     sp_qmp_destroy(q);
 }
 
@@ -294,11 +287,11 @@ static void test_qmp_garbage_closes(void)
     sp_qmp_t *q = negotiated(sv, &rec);
     struct reply a = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
     fake_write(sv[1], "{\"return\": {}, \"id\": \n\x01\x02 not json\n");
     for (int i = 0; i < 50 && !rec.closed; i++)
         pump(1);
-    CHECK(rec.closed == 1 && a.called == 1 && !a.ok);
+    REQUIRE(rec.closed == 1 && a.called == 1 && !a.ok);
     sp_qmp_destroy(q);
     close(sv[1]);
 }
@@ -311,11 +304,11 @@ static void test_qmp_destroy_inside_callback(void)
     sp_qmp_t *q = negotiated(sv, &rec);
     struct reply a = {.rec = &rec}, b = {0};
     sp_err_t e;
-    CHECK(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
-    CHECK(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "stop", NULL, -1, on_reply, &a, &e) == 0);
+    REQUIRE(sp_qmp_command(q, "cont", NULL, -1, on_reply, &b, &e) == 0);
     json_t *m1 = fake_read(sv[1], NULL);
     json_t *m2 = fake_read(sv[1], NULL);
-    CHECK(m1 && m2);
+    REQUIRE(m1 && m2);
     char line[256];
     snprintf(line, sizeof line, "{\"return\": {}, \"id\": %lld}\n{\"return\": {}, \"id\": %lld}\n",
              (long long)json_integer_value(json_object_get(m1, "id")),
@@ -327,14 +320,14 @@ static void test_qmp_destroy_inside_callback(void)
     for (int i = 0; i < 20 && !a.called; i++)
         pump(1);
     pump(3);
-    CHECK(a.called == 1 && b.called == 0 && rec.closed == 0);
+    REQUIRE(a.called == 1 && b.called == 0 && rec.closed == 0);
     close(sv[1]);
 }
 
 int main(void)
 {
     loop = sp_loop_create();
-    CHECK(loop != NULL);
+    REQUIRE(loop != NULL);
     test_qmp_negotiate_and_match();
     test_qmp_error_reply();
     test_qmp_fd_passing();

@@ -5,15 +5,7 @@
 #include <string.h>
 
 #include "core/sandbox.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 /* Requests: the expected outcome for every (request, desired) with a healthy observed state. */
 static void test_sandbox_requests(void)

@@ -15,15 +15,7 @@
 #include "core/migrate.h"
 #include "core/pgcluster.h"
 #include "core/store.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static sp_loop_t *loop;
 static const char *dsn;

@@ -7,16 +7,7 @@
 #include <string.h>
 
 #include "e2b-gateway/multipart.h"
-
-static int failures;
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static const char *CT = "multipart/form-data; boundary=b0und";
 

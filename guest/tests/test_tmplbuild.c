@@ -10,15 +10,7 @@
 #include <unistd.h>
 
 #include "guest/tmplbuild.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "tests/check.h"
 
 static const char *HASH = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
