@@ -1463,165 +1463,21 @@ const char *sp_connect_stream_ctype(sp_connect_codec_t codec)
 
 /* ---- streams ---- */
 
-struct sp_connect_stream {
-    h2o_generator_t gen; /* first: h2o hands it back */
-    h2o_req_t *req;
-    sp_connect_stream_cbs_t cbs;
-    void *arg;
-    uint8_t *pend, *fly;
-    size_t pend_len, pend_cap, fly_cap, fly_len;
-    size_t pend_raw, fly_raw;
-    bool flying; /* an h2o_send waits for proceed: at most one in flight (h2o 2.2) */
-    bool ending, ok;
-    int depth; /* inside h2o_send or a callback */
-    bool freed;
-};
-
-static void st_free(sp_connect_stream_t *st)
-{
-    if (st->depth > 0) {
-        st->freed = true;
-        return;
-    }
-    free(st->pend);
-    free(st->fly);
-    free(st);
-}
-
-static void st_flush(sp_connect_stream_t *st)
-{
-    if (st->flying || st->req == NULL || (st->pend_len == 0 && !st->ending))
-        return;
-    h2o_req_t *req = st->req;
-    if (st->ending) {
-        /* Copied into the pool: this struct is freed now, h2o may still be writing. */
-        h2o_iovec_t buf = {NULL, 0};
-        if (st->pend_len > 0) {
-            buf.base = h2o_mem_alloc_pool(&req->pool, st->pend_len);
-            memcpy(buf.base, st->pend, st->pend_len);
-            buf.len = st->pend_len;
-        }
-        st->req = NULL;
-        st->depth++;
-        h2o_send(req, &buf, buf.len ? 1 : 0, st->ok ? H2O_SEND_STATE_FINAL : H2O_SEND_STATE_ERROR);
-        st->depth--;
-        st_free(st);
-        return;
-    }
-    uint8_t *t = st->fly;
-    size_t tc = st->fly_cap;
-    st->fly = st->pend;
-    st->fly_cap = st->pend_cap;
-    st->fly_len = st->pend_len;
-    st->fly_raw = st->pend_raw;
-    h2o_iovec_t buf = {(char *)st->fly, st->pend_len};
-    st->pend = t;
-    st->pend_cap = tc;
-    st->pend_len = 0;
-    st->pend_raw = 0;
-    st->flying = true;
-    st->depth++;
-    h2o_send(req, &buf, 1, H2O_SEND_STATE_IN_PROGRESS);
-    st->depth--;
-    if (st->freed)
-        st_free(st);
-}
-
-static void st_proceed(h2o_generator_t *gen, h2o_req_t *req)
-{
-    sp_connect_stream_t *st = (sp_connect_stream_t *)gen;
-    st->flying = false;
-    st->fly_len = 0;
-    size_t raw = st->fly_raw;
-    st->fly_raw = 0;
-    if (raw > 0 && !st->ending && st->cbs.on_sent != NULL) {
-        st->depth++;
-        st->cbs.on_sent(st->arg, raw);
-        st->depth--;
-        if (st->freed) {
-            st_free(st);
-            return;
-        }
-    }
-    st_flush(st);
-}
-
-static void st_stop(h2o_generator_t *gen, h2o_req_t *req)
-{
-    sp_connect_stream_t *st = (sp_connect_stream_t *)gen;
-    st->req = NULL;
-    if (!st->ending && st->cbs.on_gone != NULL) {
-        st->depth++;
-        st->cbs.on_gone(st->arg);
-        st->depth--;
-    }
-    st_free(st);
-}
-
-sp_connect_stream_t *sp_connect_stream_start(h2o_req_t *req, int status, const char *ctype,
-                                             long long content_length,
-                                             const sp_connect_stream_cbs_t *cbs, void *arg)
-{
-    sp_connect_stream_t *st = calloc(1, sizeof(*st));
-    if (st == NULL)
-        return NULL;
-    st->gen.proceed = st_proceed;
-    st->gen.stop = st_stop;
-    st->req = req;
-    st->cbs = *cbs;
-    st->arg = arg;
-    req->res.status = status;
-    req->res.reason = status < 300 ? "OK" : "Error";
-    if (content_length >= 0)
-        req->res.content_length = (size_t)content_length;
-    h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL, ctype,
-                   strlen(ctype));
-    h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CACHE_CONTROL, NULL,
-                   H2O_STRLIT("no-store"));
-    h2o_start_response(req, &st->gen);
-    return st;
-}
-
-int sp_connect_stream_write(sp_connect_stream_t *st, const void *p, size_t n, size_t raw)
-{
-    if (st->pend_len + n > st->pend_cap) {
-        size_t cap = st->pend_cap ? st->pend_cap : 16384;
-        while (cap < st->pend_len + n)
-            cap *= 2;
-        uint8_t *nb = realloc(st->pend, cap);
-        if (nb == NULL)
-            return -1;
-        st->pend = nb;
-        st->pend_cap = cap;
-    }
-    if (n > 0)
-        memcpy(st->pend + st->pend_len, p, n);
-    st->pend_len += n;
-    st->pend_raw += raw;
-    st_flush(st);
-    return 0;
-}
-
-int sp_connect_stream_msg(sp_connect_stream_t *st, sp_connect_codec_t codec, const sp_cdesc_t *d,
+int sp_connect_stream_msg(sp_stream_t *st, sp_connect_codec_t codec, const sp_cdesc_t *d,
                           const void *msg, size_t raw)
 {
     sp_cbuf_t pl = {0}, env = {0};
     int rc = sp_connect_encode(codec, d, msg, &pl);
     if (rc == 0) {
         sp_connect_envelope_add(&env, 0, pl.p, pl.len);
-        rc = env.oom ? -1 : sp_connect_stream_write(st, env.p, env.len, raw);
+        rc = env.oom ? -1 : sp_stream_write(st, env.p, env.len, raw);
     }
     sp_cbuf_free(&pl);
     sp_cbuf_free(&env);
     return rc;
 }
 
-size_t sp_connect_stream_pending(const sp_connect_stream_t *st)
-{
-    return st->pend_len + st->fly_len;
-}
-
-void sp_connect_stream_finish(sp_connect_stream_t *st, sp_connect_code_t code, const char *msg)
+void sp_connect_stream_finish(sp_stream_t *st, sp_connect_code_t code, const char *msg)
 {
     char *s = NULL;
     if (code != SP_CC_OK) {
@@ -1636,32 +1492,6 @@ void sp_connect_stream_finish(sp_connect_stream_t *st, sp_connect_code_t code, c
     sp_cbuf_t env = {0};
     sp_connect_envelope_add(&env, SP_CONNECT_FLAG_END, body, strlen(body));
     free(s);
-    bool ok = !env.oom;
-    if (ok) {
-        /* Appended without flushing: it joins the final h2o_send. */
-        if (st->pend_len + env.len > st->pend_cap) {
-            uint8_t *nb = realloc(st->pend, st->pend_len + env.len);
-            if (nb == NULL) {
-                ok = false;
-            } else {
-                st->pend = nb;
-                st->pend_cap = st->pend_len + env.len;
-            }
-        }
-        if (ok) {
-            memcpy(st->pend + st->pend_len, env.p, env.len);
-            st->pend_len += env.len;
-        }
-    }
+    sp_stream_end(st, env.p, env.len, !env.oom);
     sp_cbuf_free(&env);
-    st->ending = true;
-    st->ok = ok;
-    st_flush(st); /* or on proceed, when a send is in flight */
-}
-
-void sp_connect_stream_end(sp_connect_stream_t *st, bool ok)
-{
-    st->ending = true;
-    st->ok = ok;
-    st_flush(st);
 }

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "core/err.h"
+#include "server/stream.h"
 
 /* ---- buffers and arenas ---- */
 
@@ -433,34 +434,14 @@ void sp_connect_reply(h2o_req_t *req, const sp_connect_req_t *cr, const sp_cdesc
 /* Unary (or not yet started stream) error: status from the code, JSON {code, message}. */
 void sp_connect_reply_error(h2o_req_t *req, sp_connect_code_t code, const char *msg);
 
-/*
- * Streamed responses (also raw bytes, for /files downloads). Owns two buffers: the one h2o
- * writes and the one appended to; each h2o_send carries whole envelopes, so an envelope's
- * header and payload always travel in one buffer. on_sent(raw) says the client took the
- * bytes written with that `raw` count (the time to grant upstream credit); on_gone says the
- * client left: the stream is freed after it, and no other call may follow. After
- * sp_connect_stream_end the stream is gone too.
- */
-typedef struct sp_connect_stream sp_connect_stream_t;
-typedef struct {
-    void (*on_sent)(void *arg, size_t raw);
-    void (*on_gone)(void *arg);
-} sp_connect_stream_cbs_t;
-
-/* content_length < 0: chunked. NULL when out of memory (nothing was sent). */
-sp_connect_stream_t *sp_connect_stream_start(h2o_req_t *req, int status, const char *ctype,
-                                             long long content_length,
-                                             const sp_connect_stream_cbs_t *cbs, void *arg);
-int sp_connect_stream_write(sp_connect_stream_t *st, const void *p, size_t n, size_t raw);
+/* Connect server streams, on server/stream.h (which also carries raw bytes, for /files
+ * downloads). Each write is whole envelopes, so an envelope's header and payload always travel
+ * in one buffer. */
 /* One message as a data envelope. */
-int sp_connect_stream_msg(sp_connect_stream_t *st, sp_connect_codec_t codec, const sp_cdesc_t *d,
+int sp_connect_stream_msg(sp_stream_t *st, sp_connect_codec_t codec, const sp_cdesc_t *d,
                           const void *msg, size_t raw);
-/* Bytes written but not yet taken by the client. */
-size_t sp_connect_stream_pending(const sp_connect_stream_t *st);
 /* The end-stream envelope ({} or {"error":{code,message}}), then the end of the body. */
-void sp_connect_stream_finish(sp_connect_stream_t *st, sp_connect_code_t code, const char *msg);
-/* Ends the body (ok false: aborted, the client sees a broken response). */
-void sp_connect_stream_end(sp_connect_stream_t *st, bool ok);
+void sp_connect_stream_finish(sp_stream_t *st, sp_connect_code_t code, const char *msg);
 
 /* Content type of a Connect stream in this codec. */
 const char *sp_connect_stream_ctype(sp_connect_codec_t codec);

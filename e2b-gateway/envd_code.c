@@ -281,7 +281,7 @@ typedef struct xc {
     h2o_req_t *req;   /* until the stream starts; NULL once the client left */
     struct xc **hook; /* in req->pool: tells us the client left before the stream */
     sp_code_op_t *op; /* NULL after the terminal event or a cancel */
-    sp_connect_stream_t *st;
+    sp_stream_t *st;
     sp_timer_t ka;
     sp_timer_t probe;
     int fd;    /* HTTP/1.x: the connection's socket (valid while st is), else -1 */
@@ -371,16 +371,16 @@ static void on_gone(void *arg)
     xc_free(x);
 }
 
-static const sp_connect_stream_cbs_t xc_cbs = {on_sent, on_gone};
+static const sp_stream_cbs_t xc_cbs = {on_sent, on_gone};
 
 /* Ends the body (after the lines written so far) and frees x. */
 static void xc_end(xc_t *x, bool ok)
 {
     xc_cancel(x);
     if (x->st != NULL) {
-        sp_connect_stream_t *st = x->st;
+        sp_stream_t *st = x->st;
         x->st = NULL;
-        sp_connect_stream_end(st, ok);
+        sp_stream_end(st, NULL, 0, ok);
     }
     xc_free(x);
 }
@@ -403,7 +403,7 @@ static int xc_line(xc_t *x, json_t *o, size_t raw)
     }
     size_t n = strlen(s);
     s[n] = '\n'; /* replaces the NUL: the length below includes the newline */
-    int rc = sp_connect_stream_write(x->st, s, n + 1, raw);
+    int rc = sp_stream_write(x->st, s, n + 1, raw);
     free(s);
     if (rc < 0) {
         xc_end(x, false);
@@ -611,7 +611,7 @@ static bool xc_begin(xc_t *x)
         x->fd = sock != NULL ? h2o_socket_get_fd(sock) : -1;
     }
     if (req != NULL)
-        x->st = sp_connect_stream_start(req, 200, "application/x-ndjson", -1, &xc_cbs, x);
+        x->st = sp_stream_start(req, 200, "application/x-ndjson", -1, &xc_cbs, x);
     if (x->st == NULL) {
         if (req != NULL)
             sp_e2b__error(req, 500, "out of memory");

@@ -97,8 +97,8 @@ void sp_e2b__envd_fail(envd_call_t *c, sp_connect_code_t code, const char *msg)
     if (req != NULL && c->cr.streaming) {
         /* Streaming clients (connect-web) read only the status of a non-200 answer (404 would
          * be "unimplemented"): a stream error is 200 with the end-stream envelope. */
-        static const sp_connect_stream_cbs_t none = {NULL, NULL};
-        sp_connect_stream_t *st = sp_connect_stream_start(
+        static const sp_stream_cbs_t none = {NULL, NULL};
+        sp_stream_t *st = sp_stream_start(
             req, 200, sp_connect_stream_ctype(c->cr.codec), -1, &none, NULL);
         if (st != NULL)
             sp_connect_stream_finish(st, code, msg);
@@ -271,7 +271,7 @@ static int files_auth(h2o_req_t *req, envd_call_t *c, bool write, const char *pa
 
 typedef struct {
     envd_call_t *c; /* until the response starts */
-    sp_connect_stream_t *st;
+    sp_stream_t *st;
     sp_exec_t *op;
     long long length;
     char *path;
@@ -296,15 +296,14 @@ static void dl_gone(void *arg)
     dl_free(d);
 }
 
-static const sp_connect_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
+static const sp_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
 
 static bool dl_start(dl_t *d)
 {
     h2o_req_t *req = sp_e2b__envd_take(d->c);
     d->c = NULL;
     if (req != NULL)
-        d->st =
-            sp_connect_stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
+        d->st = sp_stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
     if (d->st == NULL) {
         if (req != NULL)
             sp_e2b__error(req, 500, "out of memory");
@@ -320,9 +319,9 @@ static void dl_data(void *arg, const uint8_t *p, size_t n)
     dl_t *d = arg;
     if (d->st == NULL && !dl_start(d))
         return;
-    if (sp_connect_stream_write(d->st, p, n, n) < 0) {
+    if (sp_stream_write(d->st, p, n, n) < 0) {
         sp_exec_cancel(d->op);
-        sp_connect_stream_end(d->st, false);
+        sp_stream_end(d->st, NULL, 0, false);
         dl_free(d);
     }
 }
@@ -340,7 +339,7 @@ static void dl_done(void *arg, uint64_t total, const sp_err_t *err)
             return;
     }
     bool ok = err == NULL && (d->length < 0 || (long long)total == d->length);
-    sp_connect_stream_end(d->st, ok);
+    sp_stream_end(d->st, NULL, 0, ok);
     dl_free(d);
 }
 

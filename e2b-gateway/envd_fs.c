@@ -487,7 +487,7 @@ static void watch_stat(envd_call_t *c, const char *path, watch_next_t next)
 
 typedef struct {
     envd_call_t *c; /* until started */
-    sp_connect_stream_t *st;
+    sp_stream_t *st;
     sp_exec_t *op;
     sp_connect_codec_t codec;
     char *root;
@@ -514,12 +514,12 @@ static void wd_gone(void *arg)
     wd_free(w);
 }
 
-static const sp_connect_stream_cbs_t wd_cbs = {NULL, wd_gone};
+static const sp_stream_cbs_t wd_cbs = {NULL, wd_gone};
 
 static void wd_send(wd_t *w, const sp_cf_watch_resp_t *m)
 {
     sp_timer_start(&w->ka, w->ka_ms);
-    if (sp_connect_stream_pending(w->st) > WATCH_PENDING_MAX) {
+    if (sp_stream_pending(w->st) > WATCH_PENDING_MAX) {
         sp_log(SP_LOG_WARN, "envd", "WatchDir client is not reading: event dropped");
         return;
     }
@@ -532,8 +532,7 @@ static void wd_started(void *arg)
     h2o_req_t *req = sp_e2b__envd_take(w->c);
     w->c = NULL;
     if (req != NULL)
-        w->st =
-            sp_connect_stream_start(req, 200, sp_connect_stream_ctype(w->codec), -1, &wd_cbs, w);
+        w->st = sp_stream_start(req, 200, sp_connect_stream_ctype(w->codec), -1, &wd_cbs, w);
     if (w->st == NULL) {
         if (req != NULL)
             sp_connect_reply_error(req, SP_CC_INTERNAL, "out of memory");

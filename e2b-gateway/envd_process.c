@@ -227,7 +227,7 @@ void sp_e2b__envd_process_free(struct sp_envd *ev)
 typedef struct {
     struct sp_envd *ev;
     envd_call_t *c; /* until the response starts */
-    sp_connect_stream_t *st;
+    sp_stream_t *st;
     sp_exec_t *op;
     sp_connect_codec_t codec;
     bool is_start, pty, started, gone;
@@ -280,7 +280,7 @@ static void pst_gone(void *arg)
     pst_detach(s);
 }
 
-static const sp_connect_stream_cbs_t pst_cbs = {pst_sent, pst_gone};
+static const sp_stream_cbs_t pst_cbs = {pst_sent, pst_gone};
 
 /* Starts the response; false when the client is gone (s is then freed, op detached). */
 static bool pst_begin(pst_t *s)
@@ -290,8 +290,7 @@ static bool pst_begin(pst_t *s)
     h2o_req_t *req = sp_e2b__envd_take(s->c);
     s->c = NULL;
     if (req != NULL)
-        s->st =
-            sp_connect_stream_start(req, 200, sp_connect_stream_ctype(s->codec), -1, &pst_cbs, s);
+        s->st = sp_stream_start(req, 200, sp_connect_stream_ctype(s->codec), -1, &pst_cbs, s);
     if (s->st == NULL) {
         if (req != NULL)
             sp_connect_reply_error(req, SP_CC_INTERNAL, "out of memory");
@@ -322,7 +321,7 @@ static void pst_ka(sp_timer_t *t, void *arg)
     if (pst_send(s, &ev, 0) < 0) {
         sp_exec_cancel(s->op);
         s->op = NULL;
-        sp_connect_stream_end(s->st, false);
+        sp_stream_end(s->st, NULL, 0, false);
         s->st = NULL;
         pst_free(s);
     }
@@ -462,7 +461,7 @@ static void pst_event(void *arg, const sp_exec_ev_t *e)
 broken:
     sp_exec_cancel(s->op);
     s->op = NULL;
-    sp_connect_stream_end(s->st, false);
+    sp_stream_end(s->st, NULL, 0, false);
     s->st = NULL;
     pst_free(s);
 }
@@ -890,8 +889,8 @@ static void sinput_done(void *arg, const sp_err_t *err)
     }
     h2o_req_t *req = sp_e2b__envd_req(c);
     if (req != NULL) {
-        static const sp_connect_stream_cbs_t none = {NULL, NULL};
-        sp_connect_stream_t *st = sp_connect_stream_start(
+        static const sp_stream_cbs_t none = {NULL, NULL};
+        sp_stream_t *st = sp_stream_start(
             req, 200, sp_connect_stream_ctype(c->cr.codec), -1, &none, NULL);
         if (st != NULL) {
             sp_cempty_t empty = {0};

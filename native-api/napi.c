@@ -102,6 +102,22 @@ void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err)
         sp_http_error(req, err);
 }
 
+sp_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err, const sp_stream_cbs_t *cbs,
+                                   void *arg)
+{
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return NULL;
+    }
+    h2o_req_t *req = sp_napi__take(c);
+    if (req == NULL)
+        return NULL; /* the client left before the start */
+    sp_stream_t *st = sp_stream_start(req, 200, "application/x-ndjson", -1, cbs, arg);
+    if (st == NULL)
+        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+    return st;
+}
+
 /* ---- rendering ---- */
 
 static json_t *str_or_null(const char *s)

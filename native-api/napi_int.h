@@ -7,6 +7,7 @@
 #include "core/session.h"
 #include "native-api/napi.h"
 #include "server/http.h"
+#include "server/stream.h"
 
 #define NAPI_MAX_BODY (1024 * 1024) /* JSON bodies; larger is 413 */
 #define NAPI_MAX_SEGS 8
@@ -58,33 +59,12 @@ h2o_req_t *sp_napi__take(napi_ctx_t *c);
 void sp_napi__with_agent(napi_ctx_t *c, napi_agent_fn next);
 sp_loop_t *sp_napi__loop(napi_ctx_t *c);
 
-/* ---- streamed responses (stream.c) ----
- * Bytes queued with write go out as the client takes them; on_sent reports the raw (agent)
- * bytes whose encoded form the client took, so the caller can grant that much credit
- * upstream. Memory is what the caller queued and not yet sent: bounded by its upstream
- * window. After on_gone (client left) or end, the handle is invalid. */
-typedef struct napi_stream napi_stream_t;
-typedef struct {
-    void (*on_sent)(void *arg, size_t raw);
-    void (*on_gone)(void *arg);
-} napi_stream_cbs_t;
-
-/* Sends status and headers; content_length < 0: chunked. NULL on allocation failure (then
- * nothing was sent). */
-napi_stream_t *sp_napi__stream_start(h2o_req_t *req, int status, const char *content_type,
-                                     long long content_length, const napi_stream_cbs_t *cbs,
-                                     void *arg);
-/* The first event of a streamed NDJSON route: a failure (err != NULL) answers as a JSON
- * error, anything else starts a 200 application/x-ndjson stream. Consumes c either way. NULL
- * when there is no stream (answered with err, the client is gone, or out of memory, answered
- * 500): the caller stops its operation and frees its state. */
-napi_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err,
-                                     const napi_stream_cbs_t *cbs, void *arg);
-/* Queues n bytes (copied) standing for raw upstream bytes. -1 on allocation failure. */
-int sp_napi__stream_write(napi_stream_t *st, const void *p, size_t n, size_t raw);
-/* Finishes after the queued bytes; ok false aborts the response (the client sees a cut
- * body). No callbacks after this call. */
-void sp_napi__stream_end(napi_stream_t *st, bool ok);
+/* The first event of a streamed NDJSON route (server/stream.h): a failure (err != NULL)
+ * answers as a JSON error, anything else starts a 200 application/x-ndjson stream. Consumes c
+ * either way. NULL when there is no stream (answered with err, the client is gone, or out of
+ * memory, answered 500): the caller stops its operation and frees its state. */
+sp_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err, const sp_stream_cbs_t *cbs,
+                                   void *arg);
 
 /* Body helpers: check that obj has only the listed keys ("a,b,c"). */
 int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *err);

@@ -4,7 +4,7 @@
  *
  * Parses and checks the JSON, resolves the sandbox's agent (sp_napi__with_agent), then hands
  * the work to core/exec.h. A streamed command's output flows agent -> NDJSON line -> client,
- * and the agent gets credit back only after h2o took the line (stream.c's on_sent), so a
+ * and the agent gets credit back only after h2o took the line (server/stream.c's on_sent), so a
  * client that reads slowly or not at all holds one agent window here, never more. A client
  * that leaves only detaches: the process keeps running and can be re-attached.
  *
@@ -241,7 +241,7 @@ static runspec_t *parse_run(json_t *b, h2o_req_t *req, sp_err_t *err)
 
 typedef struct {
     napi_ctx_t *c; /* until the response starts */
-    napi_stream_t *st;
+    sp_stream_t *st;
     sp_exec_t *op;
     uint8_t carry[2][4]; /* an incomplete UTF-8 sequence at the end of a chunk, per fd */
     size_t ncarry[2];
@@ -269,7 +269,7 @@ static void cs_gone(void *arg)
     cs_free(cs);
 }
 
-static const napi_stream_cbs_t cs_cbs = {cs_sent, cs_gone};
+static const sp_stream_cbs_t cs_cbs = {cs_sent, cs_gone};
 
 static int cs_emit(cmdstream_t *cs, json_t *o, size_t raw)
 {
@@ -279,7 +279,7 @@ static int cs_emit(cmdstream_t *cs, json_t *o, size_t raw)
         return -1;
     size_t n = strlen(s);
     s[n] = '\n';
-    int rc = sp_napi__stream_write(cs->st, s, n + 1, raw);
+    int rc = sp_stream_write(cs->st, s, n + 1, raw);
     free(s);
     return rc;
 }
@@ -305,7 +305,7 @@ static int cs_output(cmdstream_t *cs, int fd, const uint8_t *p, size_t n, bool f
     cs->ncarry[fd] = total - used; /* at most 3: an incomplete sequence */
     memcpy(cs->carry[fd], in + used, cs->ncarry[fd]);
     if (len == 0)
-        return sp_napi__stream_write(cs->st, "", 0, n); /* nothing to show yet: credit back */
+        return sp_stream_write(cs->st, "", 0, n); /* nothing to show yet: credit back */
     json_t *o = json_object();
     json_object_set_new(o, "type", json_string(fd == 0 ? "stdout" : "stderr"));
     json_object_set_new(o, "data", json_stringn_nocheck(cs->line, len));
@@ -349,7 +349,7 @@ static void cs_event(void *arg, const sp_exec_ev_t *ev)
         if (cs_output(cs, ev->type == SP_EXEC_EV_STDOUT ? 0 : 1, ev->data, ev->len, false) < 0) {
             /* Out of memory: cut the response; the process keeps running. */
             sp_exec_cancel(cs->op);
-            sp_napi__stream_end(cs->st, false);
+            sp_stream_end(cs->st, NULL, 0, false);
             cs_free(cs);
         }
         return;
@@ -360,7 +360,7 @@ static void cs_event(void *arg, const sp_exec_ev_t *ev)
         json_t *o = exit_json(ev->exited, ev->exit_code, ev->signal, ev->timed_out);
         json_object_set_new(o, "type", json_string("exit"));
         cs_emit(cs, o, 0);
-        sp_napi__stream_end(cs->st, true);
+        sp_stream_end(cs->st, NULL, 0, true);
         cs_free(cs);
         return;
     }
@@ -369,7 +369,7 @@ static void cs_event(void *arg, const sp_exec_ev_t *ev)
                 json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "code",
                           sp_err_name(ev->err->code), "message", ev->err->msg),
                 0);
-        sp_napi__stream_end(cs->st, true);
+        sp_stream_end(cs->st, NULL, 0, true);
         cs_free(cs);
         return;
     }

@@ -6,7 +6,7 @@
  * the work to core/code.h. An execution streams as NDJSON: a "start" line once the daemon
  * accepted it, its events, a "keepalive" line after KEEPALIVE_MS without one, and an "end"
  * line. Output flows daemon -> NDJSON line -> client, and the daemon's bytes are acknowledged
- * to core (sp_code_ack) only after h2o took the line (stream.c's on_sent), so a slow client
+ * to core (sp_code_ack) only after h2o took the line (server/stream.c's on_sent), so a slow client
  * holds the interpreter's output in the guest. A client that leaves cancels the execution's
  * connection, which makes the daemon interrupt it. While an execution streams, the
  * sandbox's activity is recorded every ACTIVITY_MS so the idle limit does not suspend it.
@@ -271,7 +271,7 @@ static int parse_exec(napi_ctx_t *c, bool in_context, sp_code_exec_req_t *req, s
 
 typedef struct {
     napi_ctx_t *c; /* until the response starts */
-    napi_stream_t *st;
+    sp_stream_t *st;
     sp_code_op_t *op;
     sp_loop_t *loop;
     sp_timer_t keepalive;
@@ -301,7 +301,7 @@ static void xs_gone(void *arg)
     xs_free(xs);
 }
 
-static const napi_stream_cbs_t xs_cbs = {xs_sent, xs_gone};
+static const sp_stream_cbs_t xs_cbs = {xs_sent, xs_gone};
 
 static void touched(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
 {
@@ -330,7 +330,7 @@ static int xs_emit(xs_t *xs, json_t *o, size_t raw)
         return -1;
     size_t n = strlen(s);
     s[n] = '\n';
-    int rc = sp_napi__stream_write(xs->st, s, n + 1, raw);
+    int rc = sp_stream_write(xs->st, s, n + 1, raw);
     free(s);
     sp_timer_start(&xs->keepalive, KEEPALIVE_MS);
     xs_touch(xs);
@@ -341,7 +341,7 @@ static int xs_emit(xs_t *xs, json_t *o, size_t raw)
 static void xs_abort(xs_t *xs)
 {
     sp_code_cancel(xs->op);
-    sp_napi__stream_end(xs->st, false);
+    sp_stream_end(xs->st, NULL, 0, false);
     xs_free(xs);
 }
 
@@ -412,7 +412,7 @@ static void xs_event(void *arg, const sp_code_ev_t *ev)
     size_t raw = ev->type == SP_CODE_EV_STDOUT || ev->type == SP_CODE_EV_STDERR ? ev->len : 0;
     if (xs_emit(xs, event_json(ev), raw) < 0) {
         if (terminal) { /* the op is finished: only the response is left to cut */
-            sp_napi__stream_end(xs->st, false);
+            sp_stream_end(xs->st, NULL, 0, false);
             xs_free(xs);
         } else {
             xs_abort(xs);
@@ -420,7 +420,7 @@ static void xs_event(void *arg, const sp_code_ev_t *ev)
         return;
     }
     if (terminal) {
-        sp_napi__stream_end(xs->st, true);
+        sp_stream_end(xs->st, NULL, 0, true);
         xs_free(xs);
     }
 }

@@ -283,7 +283,7 @@ void sp_napi__files_move(napi_ctx_t *c)
 
 typedef struct {
     napi_ctx_t *c; /* until the response starts */
-    napi_stream_t *st;
+    sp_stream_t *st;
     sp_exec_t *op;
     long long length; /* Content-Length, or -1: chunked */
 } dl_t;
@@ -301,7 +301,7 @@ static void dl_gone(void *arg)
     free(d);
 }
 
-static const napi_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
+static const sp_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
 
 /* Starts the response; false (d freed, op cancelled) when the client is gone. */
 static bool dl_start(dl_t *d)
@@ -309,7 +309,7 @@ static bool dl_start(dl_t *d)
     h2o_req_t *req = sp_napi__take(d->c);
     d->c = NULL;
     if (req != NULL)
-        d->st = sp_napi__stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
+        d->st = sp_stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
     if (d->st == NULL) {
         if (req != NULL)
             sp_http_error_code(req, SP_EINTERNAL, "out of memory");
@@ -325,9 +325,9 @@ static void dl_data(void *arg, const uint8_t *p, size_t n)
     dl_t *d = arg;
     if (d->st == NULL && !dl_start(d))
         return;
-    if (sp_napi__stream_write(d->st, p, n, n) < 0) {
+    if (sp_stream_write(d->st, p, n, n) < 0) {
         sp_exec_cancel(d->op);
-        sp_napi__stream_end(d->st, false);
+        sp_stream_end(d->st, NULL, 0, false);
         free(d);
     }
 }
@@ -346,7 +346,7 @@ static void dl_done(void *arg, uint64_t total, const sp_err_t *err)
     }
     /* A file that shrank after stat cannot fill its Content-Length: cut the response. */
     bool ok = err == NULL && (d->length < 0 || (long long)total == d->length);
-    sp_napi__stream_end(d->st, ok);
+    sp_stream_end(d->st, NULL, 0, ok);
     free(d);
 }
 

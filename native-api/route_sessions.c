@@ -26,7 +26,7 @@
  * WebSocket; over plain HTTP it is /dev/null.
  *
  * Flow control: output credit goes back to the agent only once the bytes were written to the
- * client's socket (NDJSON: stream.c's on_sent; WebSocket: when wslay's queue has drained and
+ * client's socket (NDJSON: server/stream.c's on_sent; WebSocket: when wslay's queue has drained and
  * no socket write is pending). Stdin beyond the agent's credit is kept here up to
  * WS_STDIN_MAX; past that the socket is not read until the process takes stdin again.
  */
@@ -285,7 +285,7 @@ void sp_napi__sessions_delete(napi_ctx_t *c)
 
 typedef struct {
     sp_http_hold_t *hold; /* until the response starts */
-    napi_stream_t *st;
+    sp_stream_t *st;
     sp_session_att_t *att;
     char sid[SP_SESSION_ID_LEN + 1];
     uint8_t carry[2][4];
@@ -314,7 +314,7 @@ static void ndj_gone(void *arg)
     ndj_free(n);
 }
 
-static const napi_stream_cbs_t ndj_cbs = {ndj_sent, ndj_gone};
+static const sp_stream_cbs_t ndj_cbs = {ndj_sent, ndj_gone};
 
 static int ndj_emit(ndj_t *n, json_t *o, size_t raw)
 {
@@ -324,7 +324,7 @@ static int ndj_emit(ndj_t *n, json_t *o, size_t raw)
         return -1;
     size_t len = strlen(s);
     s[len] = '\n'; /* over the NUL: the string is not used as one again */
-    int rc = sp_napi__stream_write(n->st, s, len + 1, raw);
+    int rc = sp_stream_write(n->st, s, len + 1, raw);
     free(s);
     return rc;
 }
@@ -348,7 +348,7 @@ static int ndj_output(ndj_t *n, int fd, const uint8_t *p, size_t len, bool final
     n->ncarry[fd] = total - used;
     memcpy(n->carry[fd], in + used, n->ncarry[fd]);
     if (olen == 0)
-        return sp_napi__stream_write(n->st, "", 0, len);
+        return sp_stream_write(n->st, "", 0, len);
     json_t *o = json_object();
     json_object_set_new(o, "type", json_string(fd == 0 ? "stdout" : "stderr"));
     json_object_set_new(o, "data", json_stringn_nocheck(n->line, olen));
@@ -393,7 +393,7 @@ static void ndj_event(void *arg, const sp_exec_ev_t *ev)
             ndj_free(n);
             return;
         }
-        n->st = sp_napi__stream_start(req, 200, "application/x-ndjson", -1, &ndj_cbs, n);
+        n->st = sp_stream_start(req, 200, "application/x-ndjson", -1, &ndj_cbs, n);
         if (n->st == NULL) {
             sp_http_error_code(req, SP_EINTERNAL, "out of memory");
             sp_session_detach(n->att);
@@ -412,7 +412,7 @@ static void ndj_event(void *arg, const sp_exec_ev_t *ev)
     case SP_EXEC_EV_STDERR:
         if (ndj_output(n, ev->type == SP_EXEC_EV_STDOUT ? 0 : 1, ev->data, ev->len, false) < 0) {
             sp_session_detach(n->att);
-            sp_napi__stream_end(n->st, false);
+            sp_stream_end(n->st, NULL, 0, false);
             ndj_free(n);
         }
         return;
@@ -421,12 +421,12 @@ static void ndj_event(void *arg, const sp_exec_ev_t *ev)
             if (n->ncarry[fd] > 0)
                 ndj_output(n, fd, NULL, 0, true);
         ndj_emit(n, exit_json(ev), 0);
-        sp_napi__stream_end(n->st, true);
+        sp_stream_end(n->st, NULL, 0, true);
         ndj_free(n);
         return;
     case SP_EXEC_EV_ERROR:
         ndj_emit(n, error_json(ev->err), 0);
-        sp_napi__stream_end(n->st, true);
+        sp_stream_end(n->st, NULL, 0, true);
         ndj_free(n);
         return;
     }

@@ -1,33 +1,33 @@
 /*
- * stream.c - streamed responses for the data-plane routes (napi_int.h).
+ * stream.c - streamed response bodies (stream.h).
  *
- * Owns two buffers: the one h2o is writing (fly) and the one callers append to (pend). h2o
- * 2.2 wants each buffer kept until its proceed callback, and at most one h2o_send in flight,
- * so pend is swapped in on proceed. The raw byte count travelling with each buffer goes back
- * to the caller through on_sent once the client took it: that is when upstream credit may
- * be granted, so a slow client bounds what we hold. The final buffer is copied into the
- * request's pool, since this struct is freed at once and h2o may still be writing it.
+ * Owns two buffers: the one h2o is writing (fly) and the one writes append to (pend). h2o 2.2
+ * wants a buffer kept until its proceed callback, and at most one h2o_send in flight, so pend
+ * is swapped in on proceed. The raw count travelling with each buffer goes back through
+ * on_sent once h2o calls proceed for it. The last buffer is copied into the request's pool,
+ * since this struct is freed at once and h2o may still be writing it.
  */
+#include "server/stream.h"
+
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "native-api/napi_int.h"
-
-struct napi_stream {
+struct sp_stream {
     h2o_generator_t gen; /* first: h2o hands it back */
-    h2o_req_t *req;
-    napi_stream_cbs_t cbs;
+    h2o_req_t *req;      /* NULL once the client left or the end was sent */
+    sp_stream_cbs_t cbs;
     void *arg;
-    char *pend, *fly;
-    size_t pend_len, pend_cap, fly_cap;
+    uint8_t *pend, *fly;
+    size_t pend_len, pend_cap, fly_len, fly_cap;
     size_t pend_raw, fly_raw;
-    bool flying; /* an h2o_send is waiting for proceed */
+    bool flying; /* an h2o_send waits for proceed */
     bool ending, ok;
-    int depth;   /* inside h2o_send or a callback */
-    bool freed;  /* free once depth is 0 */
+    int depth;  /* inside h2o_send or a callback */
+    bool freed; /* free once depth is 0 */
 };
 
-static void st_free(napi_stream_t *st)
+static void st_free(sp_stream_t *st)
 {
     if (st->depth > 0) {
         st->freed = true;
@@ -38,7 +38,7 @@ static void st_free(napi_stream_t *st)
     free(st);
 }
 
-static void flush(napi_stream_t *st)
+static void flush(sp_stream_t *st)
 {
     if (st->flying || st->req == NULL || (st->pend_len == 0 && !st->ending))
         return;
@@ -52,18 +52,18 @@ static void flush(napi_stream_t *st)
         }
         st->req = NULL;
         st->depth++;
-        h2o_send(req, &buf, buf.len ? 1 : 0,
-                 st->ok ? H2O_SEND_STATE_FINAL : H2O_SEND_STATE_ERROR);
+        h2o_send(req, &buf, buf.len ? 1 : 0, st->ok ? H2O_SEND_STATE_FINAL : H2O_SEND_STATE_ERROR);
         st->depth--;
         st_free(st);
         return;
     }
-    char *t = st->fly;
+    uint8_t *t = st->fly;
     size_t tc = st->fly_cap;
     st->fly = st->pend;
     st->fly_cap = st->pend_cap;
+    st->fly_len = st->pend_len;
     st->fly_raw = st->pend_raw;
-    h2o_iovec_t buf = {st->fly, st->pend_len};
+    h2o_iovec_t buf = {(char *)st->fly, st->fly_len};
     st->pend = t;
     st->pend_cap = tc;
     st->pend_len = 0;
@@ -78,8 +78,9 @@ static void flush(napi_stream_t *st)
 
 static void on_proceed(h2o_generator_t *gen, h2o_req_t *req)
 {
-    napi_stream_t *st = (napi_stream_t *)gen;
+    sp_stream_t *st = (sp_stream_t *)gen;
     st->flying = false;
+    st->fly_len = 0;
     size_t raw = st->fly_raw;
     st->fly_raw = 0;
     if (raw > 0 && !st->ending && st->cbs.on_sent != NULL) {
@@ -96,7 +97,7 @@ static void on_proceed(h2o_generator_t *gen, h2o_req_t *req)
 
 static void on_stop(h2o_generator_t *gen, h2o_req_t *req)
 {
-    napi_stream_t *st = (napi_stream_t *)gen;
+    sp_stream_t *st = (sp_stream_t *)gen;
     st->req = NULL;
     if (!st->ending && st->cbs.on_gone != NULL) {
         st->depth++;
@@ -106,11 +107,10 @@ static void on_stop(h2o_generator_t *gen, h2o_req_t *req)
     st_free(st);
 }
 
-napi_stream_t *sp_napi__stream_start(h2o_req_t *req, int status, const char *content_type,
-                                     long long content_length, const napi_stream_cbs_t *cbs,
-                                     void *arg)
+sp_stream_t *sp_stream_start(h2o_req_t *req, int status, const char *content_type,
+                             long long content_length, const sp_stream_cbs_t *cbs, void *arg)
 {
-    napi_stream_t *st = calloc(1, sizeof(*st));
+    sp_stream_t *st = calloc(1, sizeof(*st));
     if (st == NULL)
         return NULL;
     st->gen.proceed = on_proceed;
@@ -130,44 +130,42 @@ napi_stream_t *sp_napi__stream_start(h2o_req_t *req, int status, const char *con
     return st;
 }
 
-int sp_napi__stream_write(napi_stream_t *st, const void *p, size_t n, size_t raw)
+/* Appends to pend, growing it by doubling from 16 KiB. */
+static int append(sp_stream_t *st, const void *p, size_t n)
 {
     if (st->pend_len + n > st->pend_cap) {
         size_t cap = st->pend_cap ? st->pend_cap : 16384;
         while (cap < st->pend_len + n)
             cap *= 2;
-        char *nb = realloc(st->pend, cap);
+        uint8_t *nb = realloc(st->pend, cap);
         if (nb == NULL)
             return -1;
         st->pend = nb;
         st->pend_cap = cap;
     }
-    memcpy(st->pend + st->pend_len, p, n);
+    if (n > 0)
+        memcpy(st->pend + st->pend_len, p, n);
     st->pend_len += n;
+    return 0;
+}
+
+int sp_stream_write(sp_stream_t *st, const void *p, size_t n, size_t raw)
+{
+    if (append(st, p, n) < 0)
+        return -1;
     st->pend_raw += raw;
     flush(st);
     return 0;
 }
 
-void sp_napi__stream_end(napi_stream_t *st, bool ok)
+size_t sp_stream_pending(const sp_stream_t *st)
 {
-    st->ending = true;
-    st->ok = ok;
-    flush(st); /* or on proceed, when a send is in flight */
+    return st->pend_len + st->fly_len;
 }
 
-napi_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err,
-                                     const napi_stream_cbs_t *cbs, void *arg)
+void sp_stream_end(sp_stream_t *st, const void *tail, size_t n, bool ok)
 {
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return NULL;
-    }
-    h2o_req_t *req = sp_napi__take(c);
-    if (req == NULL)
-        return NULL; /* the client left before the start */
-    napi_stream_t *st = sp_napi__stream_start(req, 200, "application/x-ndjson", -1, cbs, arg);
-    if (st == NULL)
-        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
-    return st;
+    st->ending = true;
+    st->ok = ok && append(st, tail, n) == 0; /* joins the final h2o_send */
+    flush(st); /* or on proceed, when a send is in flight */
 }
