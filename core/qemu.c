@@ -118,6 +118,8 @@
 #define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
 #define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
 #define SP_QEMU_POOL_TICK_MS   100u       /* refill check while boots are in flight */
+#define SP_QEMU_POOL_SETTLE_MS 250u /* no refill this soon after a sandbox came up: its first
+                                     * commands, not a spare's restore, get the CPUs */
 #define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
 
@@ -358,6 +360,7 @@ struct sp_qemu {
     unsigned pool_seq;
     sp_timer_t pool_timer;
     struct poolwant *wants;
+    uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
 };
 
 static void vm_stop(struct vm *vm, bool graceful);
@@ -1892,6 +1895,8 @@ static void boot_done(struct vm *vm)
            : vm->restoring ? "restore"
                            : "cold",
            (unsigned long long)(mono_ms() - vm->boot_start_ms));
+    if (!vm->pooled && vm->tsnap_build == NULL)
+        vm->d->pool_quiet_until = mono_ms() + SP_QEMU_POOL_SETTLE_MS;
     if (vm->tsnap_build != NULL) {
         tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
         return;
@@ -2809,7 +2814,9 @@ static void pool_start(sp_qemu_t *d, struct poolwant *w)
 
 /* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go), then starts the
  * next missing spare of the most recently used size, one at a time and only when no other
- * boot is in flight: a spare never competes with a sandbox for the CPU. */
+ * boot is in flight: a spare never competes with a sandbox's boot for the CPU. Nor, while
+ * a size still has a spare, with the first commands of a sandbox that came up in the last
+ * SP_QEMU_POOL_SETTLE_MS; a size with none left is refilled at once. */
 static void on_pool_timer(sp_timer_t *t, void *arg)
 {
     sp_qemu_t *d = arg;
@@ -2852,6 +2859,10 @@ static void on_pool_timer(sp_timer_t *t, void *arg)
         for (struct vm *v = d->vms; v != NULL; v = v->next)
             n += v->pooled && !v->pool_drop && v->ph != PH_STOPPING &&
                  strcmp(v->pool_key, w->key) == 0;
+        if (n > 0 && n < d->pool_size && now < d->pool_quiet_until) {
+            wait = d->pool_quiet_until - now < wait ? d->pool_quiet_until - now : wait;
+            continue; /* a spare is still there for the next create */
+        }
         if (n < d->pool_size) {
             pool_start(d, w);
             wait = SP_QEMU_POOL_TICK_MS;

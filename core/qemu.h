@@ -78,8 +78,10 @@
  * create of its size takes one: cgroup and directory are renamed to the sandbox's
  * (pool.origin records the old directory, which QEMU's command line still names, for
  * re-adoption), the vCPUs start, IDENTITY as above. Spares are made one at a time and
- * only while no other boot is in flight; a driver kills the spares it finds at start,
- * and its own at sp_driver_destroy.
+ * only while no other boot is in flight; while a size still has a spare, not in the 250 ms
+ * after a sandbox came up either, so its first commands get the CPUs (under TCG a restore
+ * beside them made the first command twice as slow). A driver kills the spares it finds at
+ * start, and its own at sp_driver_destroy.
  *
  * Template snapshots nobody will clone again (of a template build that is no longer
  * current, of a key the current build no longer makes, or damaged) are removed at driver
