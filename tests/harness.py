@@ -46,6 +46,22 @@ def free_port():
     return port
 
 
+def connect_local(port, timeout, rcvbuf=None):
+    """A TCP connection to 127.0.0.1:port. rcvbuf fixes its receive buffer (set before the
+    connect): otherwise the kernel grows it, up to tcp_rmem's maximum (32 MiB here), for a
+    reader that stopped, hiding whether the server holds the sender back."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(timeout)
+    try:
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def tmpdir(prefix):
     d = tempfile.mkdtemp(prefix=prefix)
     os.chmod(d, 0o711)

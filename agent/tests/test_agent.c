@@ -904,10 +904,5 @@ int main(void)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0)
         fprintf(stderr, "cleanup failed\n");
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    fprintf(stderr, "all agent checks passed\n");
-    return 0;
+    return check_report("agent");
 }

@@ -368,9 +368,5 @@ int main(void)
     test_agentproto_egress_config();
     test_agentproto_writer_overflow();
     test_agentproto_messages_roundtrip();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    return 0;
+    return check_report("agentproto");
 }

@@ -234,10 +234,5 @@ int main(void)
     test_chan_answer_read_before_the_port_reports_the_host_is_kept();
     test_chan_hangup_cuts_a_half_written_frame();
     test_chan_hangup_keeps_whole_frames();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("chan");
 }

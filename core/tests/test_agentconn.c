@@ -1095,10 +1095,5 @@ int main(void)
     for (int i = 0; i < 5; i++)
         sp_loop_run_once(loop, 1);
     rmdir(tmpdir);
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("agentconn: ok\n");
-    return 0;
+    return check_report("agentconn");
 }

@@ -170,10 +170,5 @@ int main(void)
     }
     unlink(sock);
     rmdir(dir);
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("agentconn_real: ok\n");
-    return 0;
+    return check_report("agentconn_real");
 }

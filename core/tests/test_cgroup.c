@@ -151,10 +151,5 @@ int main(void)
     test_cgroup_tokens();
     test_cgroup_limits_from_size();
     test_cgroup_no_layout();
-    if (failures != 0) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("cgroup: ok\n");
-    return 0;
+    return check_report("cgroup");
 }

@@ -531,10 +531,5 @@ int main(void)
     unlink(script);
     unlink(starts);
     rmdir(dir);
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("code: ok\n");
-    return 0;
+    return check_report("code");
 }

@@ -430,10 +430,5 @@ int main(void)
     test_egress_policy_default_denied_ranges();
     test_egress_policy_internet_off();
     test_egress_policy_hosts();
-    if (failures > 0) {
-        fprintf(stderr, "%d failure(s)\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("egress_policy");
 }

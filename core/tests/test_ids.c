@@ -69,10 +69,5 @@ int main(void)
     test_ids_sandbox_alphabet();
     test_ids_valid_rejects();
     test_ids_key_and_hash();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("ids: ok\n");
-    return 0;
+    return check_report("ids");
 }

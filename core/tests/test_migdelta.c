@@ -1668,10 +1668,5 @@ int main(int argc, char **argv)
     }
     test_migdelta_qemu_round_trip();
     rm_dir();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("migdelta: ok\n");
-    return 0;
+    return check_report("migdelta");
 }

@@ -1075,10 +1075,5 @@ int main(void)
     EVP_PKEY_free(k3);
     unlink(cafile);
     fx_stop();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("mitm: ok\n");
-    return 0;
+    return check_report("mitm");
 }

@@ -174,10 +174,5 @@ int main(void)
     test_sandbox_next_action();
     test_sandbox_recover();
     test_sandbox_names_round_trip();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("sandbox: ok\n");
-    return 0;
+    return check_report("sandbox");
 }

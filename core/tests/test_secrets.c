@@ -457,10 +457,5 @@ int main(void)
     snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir_path);
     if (system(cmd) != 0)
         fprintf(stderr, "cleanup failed\n");
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("secrets: ok\n");
-    return 0;
+    return check_report("secrets");
 }

@@ -234,10 +234,5 @@ int main(void)
         if (getenv("SP_TEST_KEEP") == NULL && system(cmd) != 0)
             fprintf(stderr, "cleanup failed\n");
     }
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("store: ok\n");
-    return 0;
+    return check_report("store");
 }

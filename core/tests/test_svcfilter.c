@@ -57,10 +57,5 @@ int main(void)
 {
     test_svcfilter_metadata_pairs();
     test_svcfilter_string_maps();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("svcfilter: ok\n");
-    return 0;
+    return check_report("svcfilter");
 }

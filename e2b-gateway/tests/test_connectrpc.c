@@ -461,10 +461,5 @@ int main(void)
     test_connectrpc_envelopes();
     test_connectrpc_codes_and_headers();
     sp_carena_free(&A);
-    if (failures) {
-        fprintf(stderr, "%d failures\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("connectrpc");
 }

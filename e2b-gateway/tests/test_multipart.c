@@ -145,10 +145,5 @@ int main(void)
     test_multipart_quoted_filenames();
     test_multipart_binary_content();
     test_multipart_truncated_and_hostile();
-    if (failures) {
-        fprintf(stderr, "%d failures\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("multipart");
 }

@@ -23,7 +23,8 @@ import threading
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, free_port, skip_unless_pg  # noqa: E402
+from harness import (MULT, PgCluster, Spaced, connect_local, free_port,  # noqa: E402
+                     skip_unless_pg)
 
 BIG = 5 * 1024 * 1024
 FIREHOSE = 64 * 1024 * 1024
@@ -227,11 +228,7 @@ class NamedHTTPS(http.client.HTTPSConnection):
         self.rcvbuf = rcvbuf
 
     def connect(self):
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if self.rcvbuf is not None:  # fixed: no growing up to tcp_rmem for a reader that stops
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
-        raw.settimeout(self.timeout)
-        raw.connect(("127.0.0.1", self.port))
+        raw = connect_local(self.port, self.timeout, self.rcvbuf)
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
 
 

@@ -80,10 +80,5 @@ int main(void)
     test_bootargs_cmdline();
     test_bootargs_qemu_tcg();
     test_bootargs_tsc_khz_plausible();
-    if (failures != 0) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("bootargs");
 }

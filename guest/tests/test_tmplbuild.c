@@ -289,10 +289,5 @@ int main(void)
     test_tmplbuild_hash_stable_and_sensitive();
     test_tmplbuild_path_layout();
     test_tmplbuild_current_reads_manifest();
-    if (failures != 0) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("ok\n");
-    return 0;
+    return check_report("tmplbuild");
 }

@@ -26,7 +26,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, free_port, skip_unless_pg  # noqa: E402
+from harness import (MULT, PgCluster, Spaced, connect_local, free_port,  # noqa: E402
+                     skip_unless_pg)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DAEMON = os.path.join(REPO, "guest", "code", "space-code")
@@ -91,12 +92,7 @@ class Client:
     def open_stream(self, path, body=None, raw=None, key=None, timeout=120, rcvbuf=None):
         c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout * MULT)
         if rcvbuf is not None:
-            # a fixed receive buffer: the kernel's autotuning could otherwise take tens of
-            # MiB (tcp_rmem) for an idle reader, hiding whether spaced holds the sender back
-            c.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-            c.sock.settimeout(timeout * MULT)
-            c.sock.connect(("127.0.0.1", self.s.port))
+            c.sock = connect_local(self.s.port, timeout * MULT, rcvbuf)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None
                                             else None)
         h = {"Authorization": "Bearer " + (key or self.s.key)}

@@ -185,7 +185,5 @@ int main(void)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
         fprintf(stderr, "cleanup failed\n");
-    if (failures)
-        fprintf(stderr, "%d failure(s)\n", failures);
-    return failures ? 1 : 0;
+    return check_report("tls");
 }
