@@ -4,6 +4,8 @@
 #ifndef SP_AGENT_AGENT_H
 #define SP_AGENT_AGENT_H
 
+#include "core/agentproto.h"
+
 #define SP_AGENT_VERSION "0.1.0"
 
 /* Login-like PATH every process starts with. */
@@ -12,5 +14,12 @@
 /* Set by --init/--channel: identity may change hostname, clock and RNG. Off in
  * --listen-unix mode, which runs on a developer's or CI host. */
 extern int sp_agent_apply_system;
+
+/* Where IDENTITY's env is written for programs started before it (the code daemon reads it
+ * so the sandbox's env reaches interpreters that a template snapshot already held): NUL-
+ * separated K=V, mode 0600, replaced atomically. NULL: not written. The guest default is
+ * SP_AGENT_ENV_FILE; --env-file sets it (host tests). */
+#define SP_AGENT_ENV_FILE SP_AP_ENV_FILE
+extern const char *sp_agent_env_file;
 
 #endif

@@ -33,7 +33,7 @@ typedef struct {
     char path[PATH_MAX];
 } req_t;
 
-/* Resolves a string field to an absolute path under the user's home. */
+/* Resolves a string field to an absolute path for the user (sp_users_resolve_path). */
 static int get_path(req_t *r, uint16_t tag, char *out, size_t cap)
 {
     sp_ap_str_t s;
@@ -41,13 +41,9 @@ static int get_path(req_t *r, uint16_t tag, char *out, size_t cap)
         sp_sess_error(r->id, SP_AP_E_INVAL, 0, "missing or bad path");
         return -1;
     }
-    int len;
-    if (s.p[0] == '/')
-        len = snprintf(out, cap, "%.*s", (int)s.n, s.p);
-    else
-        len = snprintf(out, cap, "%s/%.*s", r->user.home, (int)s.n, s.p);
-    if (len < 0 || (size_t)len >= cap) {
-        sp_sess_error(r->id, SP_AP_E_INVAL, ENAMETOOLONG, "path too long");
+    sp_err_t err;
+    if (sp_users_resolve_path(&r->user, s.p, s.n, out, cap, &err) < 0) {
+        sp_sess_error(r->id, SP_AP_E_INVAL, 0, "%s", err.msg);
         return -1;
     }
     return 0;
@@ -142,13 +138,22 @@ static void id_name(unsigned id, bool is_group, char *out, size_t cap)
 /* Appends entry fields for path (already lstat'ed into st) to w. */
 static void put_entry(sp_ap_writer_t *w, const char *path, const struct stat *st)
 {
-    char owner[64], group[64], link[PATH_MAX] = "";
+    char owner[64], group[64], link[PATH_MAX] = "", target[PATH_MAX] = "";
+    struct stat tst;
     id_name(st->st_uid, false, owner, sizeof(owner));
     id_name(st->st_gid, true, group, sizeof(group));
     if (S_ISLNK(st->st_mode)) {
         ssize_t n = readlink(path, link, sizeof(link) - 1);
         link[n > 0 ? n : 0] = 0;
+        /* What the link finally names, and what that is (envd reports a link by its target). */
+        if (realpath(path, target) == NULL || stat(target, &tst) < 0)
+            target[0] = 0;
     }
+    uint32_t special = S_ISFIFO(st->st_mode)   ? SP_AP_SPECIAL_FIFO
+                       : S_ISSOCK(st->st_mode) ? SP_AP_SPECIAL_SOCKET
+                       : S_ISCHR(st->st_mode)  ? SP_AP_SPECIAL_CHAR
+                       : S_ISBLK(st->st_mode)  ? SP_AP_SPECIAL_BLOCK
+                                               : 0;
     sp_ap_entry_t e = {
         .path = sv(path),
         .name = sv(base_name(path)),
@@ -161,6 +166,10 @@ static void put_entry(sp_ap_writer_t *w, const char *path, const struct stat *st
         .group = sv(group),
         .mtime_ns = (uint64_t)st->st_mtim.tv_sec * 1000000000u + (uint64_t)st->st_mtim.tv_nsec,
         .link = link[0] ? sv(link) : (sp_ap_str_t){NULL, 0},
+        .target = target[0] ? sv(target) : (sp_ap_str_t){NULL, 0},
+        .target_ftype = target[0] ? ftype_of(tst.st_mode) : 0,
+        .target_mode = target[0] ? (uint32_t)(tst.st_mode & 07777) : 0,
+        .special = special,
     };
     sp_ap_put_entry(w, &e);
 }

@@ -24,6 +24,7 @@
 #include "core/log.h"
 
 int sp_agent_apply_system;
+const char *sp_agent_env_file;
 
 typedef struct {
     const char *channel;
@@ -88,7 +89,7 @@ static int init_worker(void *arg)
 static int usage(void)
 {
     fprintf(stderr, "usage: space-agent --init | --channel PATH | --listen-unix PATH "
-                    "[--log-level LEVEL]\n");
+                    "[--log-level LEVEL] [--env-file PATH]\n");
     return 2;
 }
 
@@ -103,6 +104,8 @@ int main(int argc, char **argv)
             o.channel = argv[++i];
         } else if (strcmp(argv[i], "--listen-unix") == 0 && i + 1 < argc) {
             o.listen = argv[++i];
+        } else if (strcmp(argv[i], "--env-file") == 0 && i + 1 < argc) {
+            sp_agent_env_file = argv[++i];
         } else if (strcmp(argv[i], "--log-level") == 0 && i + 1 < argc) {
             if (sp_log_parse_level(argv[++i], &sp_log_min_level) < 0)
                 return usage();
@@ -117,6 +120,8 @@ int main(int argc, char **argv)
         return usage();
     /* Only in the guest may identity change hostname, clock and the RNG. */
     sp_agent_apply_system = o.listen == NULL;
+    if (sp_agent_env_file == NULL && sp_agent_apply_system)
+        sp_agent_env_file = SP_AGENT_ENV_FILE;
     if (init) {
         sp_sysinit_mounts();
         if (getpid() == 1)

@@ -15,6 +15,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
@@ -641,18 +642,15 @@ static char **build_argv(const sp_ap_proc_start_t *m)
     return argv;
 }
 
-static char *resolve_cwd(sp_ap_str_t cwd, const char *home)
+static char *resolve_cwd(sp_ap_str_t cwd, const sp_user_t *u)
 {
     if (cwd.p == NULL || cwd.n == 0)
-        return strdup(home);
-    char *c = dup_sv(cwd);
-    if (c == NULL || c[0] == '/')
-        return c;
-    char *abs = malloc(strlen(home) + strlen(c) + 2);
-    if (abs != NULL)
-        sprintf(abs, "%s/%s", home, c);
-    free(c);
-    return abs;
+        return strdup(u->home);
+    char buf[PATH_MAX];
+    sp_err_t err;
+    if (sp_users_resolve_path(u, cwd.p, cwd.n, buf, sizeof(buf), &err) < 0)
+        return dup_sv(cwd); /* left as given: the chdir fails and says so */
+    return strdup(buf);
 }
 
 /* Fills sp from the payload; on failure sends ERROR and returns -1. */
@@ -678,7 +676,7 @@ static int parse_spec(uint32_t id, const uint8_t *p, uint32_t n, spec_t *sp)
     }
     sp->argv = build_argv(&m);
     sp->env = build_env(&m, &sp->user);
-    sp->cwd = resolve_cwd(m.cwd, sp->user.home);
+    sp->cwd = resolve_cwd(m.cwd, &sp->user);
     sp->cwd_defaulted = m.cwd.p == NULL || m.cwd.n == 0;
     sp->tag = m.tag.p ? dup_sv(m.tag) : NULL;
     sp->pty = m.pty;

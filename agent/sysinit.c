@@ -12,6 +12,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,6 +152,36 @@ static void set_default_env(const sp_ap_identity_t *m)
     }
 }
 
+/* Writes the default env to sp_agent_env_file (see agent.h). Best effort: a failure is
+ * logged, and processes started later still get the env from the agent. */
+static void write_env_file(void)
+{
+    const char *path = sp_agent_env_file;
+    if (path == NULL)
+        return;
+    char dir[256], tmp[300];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL && slash != dir) {
+        *slash = '\0';
+        mkdir(dir, 0755);
+    }
+    snprintf(tmp, sizeof(tmp), "%s.new", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    bool ok = fd >= 0;
+    for (int i = 0; ok && i < sp_sess_default_envc; i++) {
+        const char *kv = sp_sess_default_env[i];
+        size_t n = strlen(kv) + 1; /* with its NUL, the separator */
+        ok = write(fd, kv, n) == (ssize_t)n;
+    }
+    if (fd >= 0 && close(fd) < 0)
+        ok = false;
+    if (!ok || rename(tmp, path) < 0) {
+        sp_log(SP_LOG_WARN, "init", "writing the env file failed path=%s errno=%d", path, errno);
+        unlink(tmp);
+    }
+}
+
 /* Credits the seed to the kernel pool and forces a CRNG reseed; clones of one
  * snapshot otherwise share their RNG state. Returns 0 or an errno. */
 static int mix_seed(const sp_ap_str_t *seed)
@@ -207,6 +238,7 @@ void sp_sysinit_on_identity(uint32_t id, const uint8_t *p, uint32_t n)
         return;
     }
     set_default_env(&m);
+    write_env_file();
     int e = 0;
     if (m.seed.p != NULL && m.seed.n > 0)
         e = mix_seed(&m.seed);

@@ -193,3 +193,56 @@ void sp_users_leave(void)
     setfsgid(0);
     setgroups(0, NULL);
 }
+
+/* Lexical clean of an absolute path in place, as Go's filepath.Clean: "//" and "/./" drop,
+ * "/x/.." goes back a level (never above "/"), no trailing slash except "/" itself. */
+static void clean_abs(char *p)
+{
+    char *w = p; /* p[0] == '/' */
+    const char *r = p;
+    *w++ = '/';
+    while (*r != '\0') {
+        while (*r == '/')
+            r++;
+        const char *s = r;
+        while (*r != '\0' && *r != '/')
+            r++;
+        size_t n = (size_t)(r - s);
+        if (n == 0 || (n == 1 && s[0] == '.'))
+            continue;
+        if (n == 2 && s[0] == '.' && s[1] == '.') {
+            if (w > p + 1) {
+                w--; /* the slash after the last element */
+                while (w > p + 1 && w[-1] != '/')
+                    w--;
+            }
+            continue;
+        }
+        memmove(w, s, n);
+        w += n;
+        *w++ = '/';
+    }
+    if (w > p + 1)
+        w--;
+    *w = '\0';
+}
+
+int sp_users_resolve_path(const sp_user_t *u, const char *path, size_t n, char *out, size_t cap,
+                          sp_err_t *err)
+{
+    int len;
+    if (n > 0 && path[0] == '/') {
+        len = snprintf(out, cap, "%.*s", (int)n, path); /* absolute: as given, as envd does */
+    } else if (n > 0 && path[0] == '~') {
+        if (n > 1 && path[1] != '/')
+            return sp_err_set(err, SP_EINVAL, "cannot expand another user's home directory");
+        len = snprintf(out, cap, "%s/%.*s", u->home, (int)(n - 1), path + 1);
+    } else {
+        len = snprintf(out, cap, "%s/%.*s", u->home, (int)n, path);
+    }
+    if (len < 0 || (size_t)len >= cap)
+        return sp_err_set(err, SP_EINVAL, "path too long");
+    if (path[0] != '/' && out[0] == '/')
+        clean_abs(out);
+    return 0;
+}

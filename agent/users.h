@@ -36,6 +36,13 @@ int sp_users_group_gid(const char *name, gid_t *gid);
 /* Overrides the files read (tests); NULL restores /etc. */
 void sp_users_set_root(const char *etc_dir);
 
+/* A path as the API gives it, made absolute for u the way E2B's envd does: absolute paths
+ * are kept as given; "~" and "~/x" are u's home and below it; other relative paths are under
+ * u's home; both of those are cleaned lexically ("..", "." and "//" resolved, no trailing
+ * slash). -1 with SP_EINVAL for "~name" forms and paths that do not fit cap. */
+int sp_users_resolve_path(const sp_user_t *u, const char *path, size_t n, char *out, size_t cap,
+                          sp_err_t *err);
+
 /* Filesystem access as u until sp_users_leave(). 0 or -1 (errno set). */
 int sp_users_enter(const sp_user_t *u);
 void sp_users_leave(void);

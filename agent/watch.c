@@ -209,14 +209,12 @@ void sp_watch_on_start(uint32_t id, const uint8_t *p, uint32_t n)
         sp_sess_error(id, SP_AP_E_NOTFOUND, 0, "%s", err.msg);
         return;
     }
-    int len = path.p[0] == '/' ? snprintf(full, sizeof(full), "%.*s", (int)path.n, path.p)
-                               : snprintf(full, sizeof(full), "%s/%.*s", w->user.home,
-                                          (int)path.n, path.p);
+    bool resolved = sp_users_resolve_path(&w->user, path.p, path.n, full, sizeof(full), &err) == 0;
     w->recursive = rec != 0;
     w->fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
     int rc = -1;
-    if (len < 0 || (size_t)len >= sizeof(full))
-        sp_sess_error(id, SP_AP_E_INVAL, ENAMETOOLONG, "path too long");
+    if (!resolved)
+        sp_sess_error(id, SP_AP_E_INVAL, 0, "%s", err.msg);
     else if (w->fd < 0)
         sp_sess_error_errno(id, errno, "inotify");
     else

@@ -10,7 +10,9 @@ runs conformance/<sdk>/run.sh and stops everything again. Exit status is the sui
 77 (skip) with the reason on stderr when it cannot run here.
 
 Environment: SPACED (the binary; ctest sets it), SP_TEST_DATA_DIR, SP_TEST_KEEP=1 (keep
-logs), SP_TEST_TIMEOUT_MULT, SPACE_ACCEL (default auto).
+logs), SP_TEST_TIMEOUT_MULT, SPACE_ACCEL (default auto), SP_CONFORMANCE_MODE=host (host
+routing over TLS instead of one plain address), CONFORMANCE_PYTHON (python: the interpreter;
+default ../shared/pysdk/python3 beside the project when it exists).
 """
 import os
 import shutil
@@ -39,6 +41,12 @@ def main():
     if sdk == "js" and (shutil.which("node") is None or shutil.which("npm") is None):
         skip("node and npm are not installed (scripts/lib.sh installs them)")
     if sdk == "python":
+        # The pinned SDKs beside the project (../shared/pysdk, importable by Debian's
+        # python3 without PyPI) unless another interpreter was named.
+        pysdk = os.path.join(HERE, "..", "..", "shared", "pysdk", "python3")
+        if not os.environ.get("CONFORMANCE_PYTHON") and os.access(pysdk, os.X_OK):
+            os.environ["CONFORMANCE_PYTHON"] = os.path.abspath(pysdk)
+            os.environ["CONFORMANCE_REQUIRE_SDK"] = "1"  # there: an import error is a failure
         # Before starting anything: the SDK must import (run.sh picks the interpreter).
         rc = subprocess.call([os.path.join(HERE, "python", "run.sh"), "--check-sdk"])
         if rc != 0:

@@ -723,6 +723,13 @@ void sp_ap_put_entry(sp_ap_writer_t *w, const sp_ap_entry_t *e)
     put_sv(w, SP_AP_K_GROUP_NAME, e->group);
     sp_ap_put_u64(w, SP_AP_K_MTIME_NS, e->mtime_ns);
     put_sv(w, SP_AP_K_LINK, e->link);
+    if (e->target.p != NULL) {
+        put_sv(w, SP_AP_K_TARGET, e->target);
+        sp_ap_put_u32(w, SP_AP_K_TARGET_FTYPE, e->target_ftype);
+        sp_ap_put_u32(w, SP_AP_K_TARGET_MODE, e->target_mode);
+    }
+    if (e->special != 0)
+        sp_ap_put_u32(w, SP_AP_K_SPECIAL, e->special);
 }
 
 int sp_ap_dec_entry(const uint8_t *p, size_t n, sp_ap_entry_t *e, sp_err_t *err)
@@ -738,7 +745,11 @@ int sp_ap_dec_entry(const uint8_t *p, size_t n, sp_ap_entry_t *e, sp_err_t *err)
         sp_ap_get_str(p, n, SP_AP_K_OWNER, &e->owner) < 0 ||
         sp_ap_get_str(p, n, SP_AP_K_GROUP_NAME, &e->group) < 0 ||
         sp_ap_get_u64(p, n, SP_AP_K_MTIME_NS, &e->mtime_ns) < 0 ||
-        sp_ap_get_str(p, n, SP_AP_K_LINK, &e->link) < 0)
+        sp_ap_get_str(p, n, SP_AP_K_LINK, &e->link) < 0 ||
+        sp_ap_get_str(p, n, SP_AP_K_TARGET, &e->target) < 0 ||
+        sp_ap_get_u32(p, n, SP_AP_K_TARGET_FTYPE, &e->target_ftype) < 0 ||
+        sp_ap_get_u32(p, n, SP_AP_K_TARGET_MODE, &e->target_mode) < 0 ||
+        sp_ap_get_u32(p, n, SP_AP_K_SPECIAL, &e->special) < 0)
         return sp_err_set(err, SP_EINVAL, "malformed entry payload");
     if (e->path.p == NULL)
         return sp_err_set(err, SP_EINVAL, "entry without path");

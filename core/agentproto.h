@@ -119,7 +119,11 @@
  *  FS_CHOWN     h->a, opens     PATH, USER, OWNER str and/or GROUP_NAME str -> OK {entry}
  *  FS_ENTRY     a->h            entry fields: PATH, NAME, FTYPE u32 (SP_AP_FT_*), SIZE u64,
  *                               MODE u32 (permission bits), UID, GID, OWNER, GROUP_NAME,
- *                               MTIME_NS u64, LINK str (symlink target)
+ *                               MTIME_NS u64, LINK str (symlink target); symlinks also
+ *                               TARGET str (the fully resolved target, absent when it does
+ *                               not resolve), TARGET_FTYPE u32 and TARGET_MODE u32 (the
+ *                               target's type and permission bits); FTYPE OTHER also
+ *                               SPECIAL u32 (SP_AP_SPECIAL_*)
  *  WATCH_START  h->a, opens     PATH, USER, RECURSIVE u32 -> WATCH_STARTED, WATCH_EVENT*
  *                               until RESET (or ERROR if the directory goes away)
  *  WATCH_EVENT  a->h            PATH (full), NAME, EVENT u32 (SP_AP_EV_* bits), FTYPE
@@ -170,6 +174,9 @@
 #define SP_AP_LIST_MAX          100000u                 /* entries per FS_LIST */
 #define SP_AP_PING_MAX          64u                     /* bytes */
 #define SP_AP_STREAM_AGENT_BASE 0x80000000u             /* agent-opened ids have this bit */
+/* In the guest, IDENTITY's env is also written here (NUL-separated K=V, root only) for
+ * programs that started before it, such as the code daemon; E2B's /envs reads it. */
+#define SP_AP_ENV_FILE          "/run/space/env"
 
 /* Frame flags. */
 enum {
@@ -281,6 +288,10 @@ typedef enum {
     SP_AP_K_LINK = 56,       /* str */
     SP_AP_K_EVENT = 57,      /* u32 SP_AP_EV_* */
     SP_AP_K_TRUNCATED = 58,  /* u32 bool */
+    SP_AP_K_TARGET = 59,       /* str */
+    SP_AP_K_TARGET_FTYPE = 60, /* u32 SP_AP_FT_* */
+    SP_AP_K_TARGET_MODE = 61,  /* u32 */
+    SP_AP_K_SPECIAL = 62,      /* u32 SP_AP_SPECIAL_* */
 
     SP_AP_K_HOSTNAME = 70,   /* str */
     SP_AP_K_SANDBOX_ID = 71, /* str */
@@ -316,6 +327,13 @@ typedef enum {
 
 /* File types in FTYPE. */
 enum { SP_AP_FT_OTHER = 0, SP_AP_FT_FILE = 1, SP_AP_FT_DIR = 2, SP_AP_FT_SYMLINK = 3 };
+/* What an OTHER entry is, in SPECIAL (0: unknown). */
+enum {
+    SP_AP_SPECIAL_FIFO = 1,
+    SP_AP_SPECIAL_SOCKET = 2,
+    SP_AP_SPECIAL_CHAR = 3,
+    SP_AP_SPECIAL_BLOCK = 4,
+};
 
 /* Watch event bits in EVENT. */
 enum {
@@ -538,6 +556,10 @@ typedef struct {
     sp_ap_str_t group;
     uint64_t mtime_ns;
     sp_ap_str_t link;
+    sp_ap_str_t target;    /* symlinks: resolved target (absent: none or dangling) */
+    uint32_t target_ftype; /* with target */
+    uint32_t target_mode;  /* with target */
+    uint32_t special;      /* FTYPE OTHER: SP_AP_SPECIAL_*, 0 unknown */
 } sp_ap_entry_t;
 
 /* Appends entry fields to the current frame. */

@@ -1005,6 +1005,14 @@ static json_t *entry_json(const uint8_t *p, size_t n)
     json_object_set_new(o, "mtime", json_string(ts));
     if (e.link.p != NULL)
         json_object_set_new(o, "link", json_sv(e.link));
+    if (e.target.p != NULL) {
+        json_object_set_new(o, "target", json_sv(e.target));
+        json_object_set_new(o, "target_type", json_string(ftype_name(e.target_ftype)));
+        json_object_set_new(o, "target_mode", json_integer(e.target_mode));
+    }
+    static const char *const special[] = {NULL, "fifo", "socket", "char", "block"};
+    if (e.ftype == SP_AP_FT_OTHER && e.special > 0 && e.special < 5)
+        json_object_set_new(o, "special", json_string(special[e.special]));
     return o;
 }
 

@@ -151,7 +151,9 @@ sp_exec_t *sp_exec_resize(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, uint
  * Paths: 1..SP_EXEC_PATH_MAX bytes, no NUL (SP_EINVAL otherwise); relative ones resolve
  * against the user's home. Operations run with the user's credentials (NULL: root).
  * Entries are JSON objects: {path, name, type (file|dir|symlink|other), size, mode, uid, gid,
- * owner, group, mtime, link (symlinks only)}. */
+ * owner, group, mtime, link (symlinks only: the raw link), target, target_type, target_mode
+ * (symlinks that resolve: the final target, its type and permission bits), special (type
+ * other: fifo|socket|char|block)}. */
 
 typedef enum {
     SP_EXEC_FS_STAT = 0, /* -> entry */

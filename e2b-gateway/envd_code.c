@@ -190,10 +190,8 @@ static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err
     }
     json_t *a = json_array();
     for (size_t i = 0; a != NULL && i < n; i++) {
-        /* Per-language default contexts are made on demand and are not the caller's to
-         * remove: left out (E2B's own server lists its default kernels by their IDs). */
-        if (ctxs[i].is_default)
-            continue;
+        /* Default contexts too: E2B's server lists every kernel it holds, the default
+         * Python one (made at start) and those made on demand for a language. */
         json_array_append_new(a, json_pack("{s:s,s:s,s:s}", "id", ctxs[i].id ? ctxs[i].id : "",
                                            "language", ctxs[i].language ? ctxs[i].language : "",
                                            "cwd", ctxs[i].cwd ? ctxs[i].cwd : ""));

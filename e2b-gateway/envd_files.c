@@ -694,12 +694,10 @@ static void envs_done(void *arg, const sp_exec_result_t *res, const sp_err_t *er
         files_fail_err(c, err);
         return;
     }
-    if (!res->exited || res->exit_code != 0) {
-        files_fail(c, 500, "could not read the environment");
-        return;
-    }
     json_t *o = json_object();
-    const char *p = (const char *)res->out, *end = p + res->out_len;
+    if (!res->exited || res->exit_code != 0)
+        res = NULL; /* no file: a sandbox that was never given an env (or an older agent) */
+    const char *p = res ? (const char *)res->out : "", *end = p + (res ? res->out_len : 0);
     while (p < end) {
         const char *z = memchr(p, '\0', (size_t)(end - p));
         size_t n = z ? (size_t)(z - p) : (size_t)(end - p);
@@ -723,10 +721,12 @@ static void envs_done(void *arg, const sp_exec_result_t *res, const sp_err_t *er
     sp_e2b__envd_call_free(c);
 }
 
+/* envd's /envs answers the sandbox's own variables (those given at create), not a process's
+ * whole environment: the file the agent writes at IDENTITY. */
 static void envs_get(envd_call_t *c)
 {
-    static const char *const argv[] = {"/usr/bin/env", "-0"};
-    sp_exec_cmd_t cmd = {.argv = argv, .argc = 2, .user = c->user, .timeout_ms = 10000};
+    static const char *const argv[] = {"/bin/cat", SP_AP_ENV_FILE};
+    sp_exec_cmd_t cmd = {.argv = argv, .argc = 2, .user = NULL, .timeout_ms = 10000};
     sp_err_t e;
     if (sp_exec_run(sp_e2b__envd_loop(c), c->conn, &cmd, 1 << 20, envs_done, c, &e) == NULL)
         files_fail_err(c, &e);

@@ -3,9 +3,8 @@
  * WatchDir (stream), and the polling watchers CreateWatcher / GetWatcherEvents /
  * RemoveWatcher.
  *
- * EntryInfo always carries a type: a symlink is reported as its target's type (envd does
- * the same), with symlinkTarget set; the target is looked up with one more FS_STAT per link
- * (at most RESOLVE_MAX links per answer, the rest count as files).
+ * EntryInfo describes a symlink by the entry it finally names (type and permission bits), as
+ * envd does, with symlinkTarget the resolved path; the agent reports both with the link.
  *
  * Owns the watcher table: each watcher is an agent WATCH stream whose events are buffered
  * (at most WATCHER_EVENTS_MAX, the oldest dropped) until polled; a watcher nobody polled for
@@ -20,7 +19,6 @@
 #include "core/log.h"
 #include "e2b-gateway/envd_int.h"
 
-#define RESOLVE_MAX        256
 #define WATCHER_EVENTS_MAX 10000
 #define WATCHER_IDLE_MS    (5u * 60 * 1000)
 #define WATCHERS_MAX       1024
@@ -55,138 +53,72 @@ static int parse_mtime(const char *s, sp_ctime_t *t)
     return 0;
 }
 
+/* Go's os.FileMode.String() of an lstat mode, which is envd's `permissions`: one letter per
+ * type and special bit in Go's order (d L D p S u g c t), "-" when none, then rwx x3. */
+static void go_mode_string(char out[16], const char *type, const char *special, uint32_t mode)
+{
+    int w = 0;
+    bool chr = special && strcmp(special, "char") == 0;
+    if (type && strcmp(type, "dir") == 0)
+        out[w++] = 'd';
+    if (type && strcmp(type, "symlink") == 0)
+        out[w++] = 'L';
+    if (chr || (special && strcmp(special, "block") == 0))
+        out[w++] = 'D';
+    if (special && strcmp(special, "fifo") == 0)
+        out[w++] = 'p';
+    if (special && strcmp(special, "socket") == 0)
+        out[w++] = 'S';
+    if (mode & 04000)
+        out[w++] = 'u';
+    if (mode & 02000)
+        out[w++] = 'g';
+    if (chr)
+        out[w++] = 'c';
+    if (mode & 01000)
+        out[w++] = 't';
+    if (w == 0)
+        out[w++] = '-';
+    static const char rwx[] = "rwxrwxrwx";
+    for (int i = 0; i < 9; i++)
+        out[w++] = (mode & (0400u >> i)) ? rwx[i] : '-';
+    out[w] = '\0';
+}
+
 int sp_e2b__envd_entry(json_t *e, sp_cf_entry_t *out, sp_carena_t *a)
 {
     memset(out, 0, sizeof(*out));
     const char *type = json_string_value(json_object_get(e, "type"));
-    bool dir = type && strcmp(type, "dir") == 0, link = type && strcmp(type, "symlink") == 0;
-    uint32_t perm = (uint32_t)json_integer_value(json_object_get(e, "mode")) & 0777;
+    const char *special = json_string_value(json_object_get(e, "special"));
+    uint32_t mode = (uint32_t)json_integer_value(json_object_get(e, "mode"));
+    bool link = type && strcmp(type, "symlink") == 0;
+    /* envd describes a link by what it finally names: that entry's type (unknown when it does
+     * not resolve) and permission bits; symlinkTarget is the resolved path. */
+    const char *what = type;
+    uint32_t perm = mode & 0777;
+    if (link) {
+        const char *target = json_string_value(json_object_get(e, "target"));
+        what = json_string_value(json_object_get(e, "target_type"));
+        perm = (uint32_t)json_integer_value(json_object_get(e, "target_mode")) & 0777;
+        out->symlink_target = acopy(a, target ? target : json_string_value(json_object_get(e, "path")));
+        out->has_symlink_target = true;
+    }
     out->name = acopy(a, json_string_value(json_object_get(e, "name")));
     out->path = acopy(a, json_string_value(json_object_get(e, "path")));
     out->owner = acopy(a, json_string_value(json_object_get(e, "owner")));
     out->group = acopy(a, json_string_value(json_object_get(e, "group")));
-    out->type = dir ? SP_CF_TYPE_DIRECTORY : SP_CF_TYPE_FILE;
+    out->type = what && strcmp(what, "dir") == 0    ? SP_CF_TYPE_DIRECTORY
+                : what && strcmp(what, "file") == 0 ? SP_CF_TYPE_FILE
+                                                    : SP_CF_TYPE_UNSPECIFIED;
     out->size = (int64_t)json_integer_value(json_object_get(e, "size"));
-    /* Go's os.FileMode: type bits above the permissions (ModeDir 1<<31, ModeSymlink 1<<27). */
-    out->mode = perm | (dir ? 0x80000000u : 0) | (link ? 0x08000000u : 0);
-    char *p = sp_carena_alloc(a, 11);
-    if (p != NULL) {
-        p[0] = dir ? 'd' : link ? 'L' : '-';
-        static const char rwx[] = "rwxrwxrwx";
-        for (int i = 0; i < 9; i++)
-            p[1 + i] = (perm & (0400u >> i)) ? rwx[i] : '-';
-        p[10] = '\0';
-    }
+    out->mode = perm; /* Go's FileMode.Perm(): no type or special bits */
+    char *p = sp_carena_alloc(a, 16);
+    if (p != NULL)
+        go_mode_string(p, type, special, mode);
     out->permissions = p;
     if (parse_mtime(json_string_value(json_object_get(e, "mtime")), &out->modified_time) == 0)
         out->has_modified_time = true;
-    if (link) {
-        const char *l = json_string_value(json_object_get(e, "link"));
-        out->symlink_target = acopy(a, l ? l : "");
-        out->has_symlink_target = true;
-    }
     return out->name && out->path && out->permissions ? 0 : -1;
-}
-
-/* Absolute target of a symlink at path with raw target link (one level). */
-static char *link_target(sp_carena_t *a, const char *path, const char *link)
-{
-    if (link[0] == '/')
-        return (char *)acopy(a, link);
-    const char *slash = strrchr(path, '/');
-    size_t dl = slash ? (size_t)(slash - path) : 0;
-    char *t = sp_carena_alloc(a, dl + strlen(link) + 2);
-    if (t == NULL)
-        return NULL;
-    memcpy(t, path, dl);
-    t[dl] = '/';
-    strcpy(t + dl + 1, link);
-    return t;
-}
-
-/* ---- symlink resolution over a set of entries ---- */
-
-typedef void (*resolved_cb)(envd_call_t *c);
-
-typedef struct {
-    envd_call_t *c;
-    sp_agentconn_t *conn;
-    sp_cf_entry_t **links; /* entries that are symlinks */
-    size_t n, cur;
-    int hops;
-    char *target;
-    resolved_cb done;
-} resolve_t;
-
-static void resolve_step(resolve_t *r);
-
-static void resolve_statted(void *arg, json_t *entry, const sp_err_t *err)
-{
-    resolve_t *r = arg;
-    sp_cf_entry_t *e = r->links[r->cur];
-    const char *type = err ? NULL : json_string_value(json_object_get(entry, "type"));
-    if (type != NULL && strcmp(type, "symlink") == 0 && r->hops < 8) {
-        const char *l = json_string_value(json_object_get(entry, "link"));
-        char *nt = l ? link_target(&r->c->arena, r->target, l) : NULL;
-        if (nt != NULL) {
-            r->target = nt;
-            r->hops++;
-            resolve_step(r);
-            return;
-        }
-    }
-    if (type != NULL && strcmp(type, "dir") == 0) {
-        e->type = SP_CF_TYPE_DIRECTORY;
-    }
-    if (err == NULL)
-        e->symlink_target = r->target;
-    r->cur++;
-    r->hops = 0;
-    resolve_step(r);
-}
-
-static void resolve_step(resolve_t *r)
-{
-    while (r->cur < r->n) {
-        sp_cf_entry_t *e = r->links[r->cur];
-        if (r->hops == 0)
-            r->target = link_target(&r->c->arena, e->path, e->symlink_target);
-        if (r->target != NULL) {
-            sp_exec_fs_req_t fr = {.op = SP_EXEC_FS_STAT, .path = r->target, .user = r->c->user};
-            sp_err_t err;
-            if (sp_exec_fs(r->c->ev->loop, r->conn, &fr, resolve_statted, r, &err) != NULL)
-                return;
-        }
-        r->cur++;
-        r->hops = 0;
-    }
-    envd_call_t *c = r->c;
-    resolved_cb done = r->done;
-    free(r->links);
-    free(r);
-    done(c);
-}
-
-/* Resolves the symlinks among entries[0..n), then calls done(c). */
-static void resolve(envd_call_t *c, sp_agentconn_t *conn, sp_cf_entry_t *entries, size_t n,
-                    resolved_cb done)
-{
-    resolve_t *r = calloc(1, sizeof(*r));
-    if (r != NULL)
-        r->links = calloc(n < RESOLVE_MAX ? n + 1 : RESOLVE_MAX, sizeof(*r->links));
-    if (r == NULL || r->links == NULL) {
-        if (r != NULL)
-            free(r);
-        done(c);
-        return;
-    }
-    r->c = c;
-    r->conn = conn;
-    r->done = done;
-    for (size_t i = 0; i < n && r->n < RESOLVE_MAX; i++)
-        if (entries[i].has_symlink_target)
-            r->links[r->n++] = &entries[i];
-    resolve_step(r);
 }
 
 /* ---- Stat / MakeDir / Move ---- */
@@ -194,7 +126,6 @@ static void resolve(envd_call_t *c, sp_agentconn_t *conn, sp_cf_entry_t *entries
 typedef struct {
     sp_cf_entry_resp_t one;
     sp_cf_listdir_resp_t list;
-    sp_agentconn_t *conn;
 } fsdata_t;
 
 static fsdata_t *fsdata(envd_call_t *c)
@@ -211,12 +142,6 @@ static void fs_fail(envd_call_t *c, const sp_err_t *err)
     sp_e2b__envd_fail_err(c, err);
 }
 
-static void one_resolved(envd_call_t *c)
-{
-    fsdata_t *d = c->data;
-    sp_e2b__envd_reply(c, &sp_cd_entry_resp, &d->one);
-}
-
 static void on_entry(void *arg, json_t *entry, const sp_err_t *err)
 {
     envd_call_t *c = arg;
@@ -230,7 +155,7 @@ static void on_entry(void *arg, json_t *entry, const sp_err_t *err)
         return;
     }
     d->one.has_entry = true;
-    resolve(c, d->conn, &d->one.entry, 1, one_resolved);
+    sp_e2b__envd_reply(c, &sp_cd_entry_resp, &d->one);
 }
 
 static void fs_op(envd_call_t *c, sp_exec_fsop_t op, const char *path, const char *dest,
@@ -242,7 +167,6 @@ static void fs_op(envd_call_t *c, sp_exec_fsop_t op, const char *path, const cha
         sp_e2b__envd_fail(c, SP_CC_INTERNAL, "out of memory");
         return;
     }
-    d->conn = c->conn;
     sp_exec_fs_req_t fr = {
         .op = op, .path = path, .dest = dest, .user = c->user, .depth = depth, .recursive = true};
     if (sp_exec_fs(c->ev->loop, c->conn, &fr, cb, c, &e) == NULL)
@@ -310,12 +234,6 @@ static void rpc_remove(envd_call_t *c)
 
 /* ---- ListDir ---- */
 
-static void list_resolved(envd_call_t *c)
-{
-    fsdata_t *d = c->data;
-    sp_e2b__envd_reply(c, &sp_cd_listdir_resp, &d->list);
-}
-
 static void on_list(void *arg, json_t *res, const sp_err_t *err)
 {
     envd_call_t *c = arg;
@@ -338,7 +256,7 @@ static void on_list(void *arg, json_t *res, const sp_err_t *err)
         if (sp_e2b__envd_entry(e, &d->list.entries[d->list.n_entries], &c->arena) == 0)
             d->list.n_entries++;
     }
-    resolve(c, d->conn, d->list.entries, d->list.n_entries, list_resolved);
+    sp_e2b__envd_reply(c, &sp_cd_listdir_resp, &d->list);
 }
 
 static void rpc_list_dir(envd_call_t *c)

@@ -428,6 +428,11 @@ static void pst_event(void *arg, const sp_exec_ev_t *e)
         if (e->timed_out) {
             ev.end.error = "context deadline exceeded";
             ev.end.has_error = true;
+        } else if (!e->exited || e->exit_code != 0) {
+            /* envd reports Go's cmd.Wait() error, which reads as the status ("exit status 3",
+             * "signal: killed"); the SDKs put it in CommandExitError.error. */
+            ev.end.error = status;
+            ev.end.has_error = true;
         }
         pst_send(s, &ev, 0);
         if (e->timed_out)

@@ -63,6 +63,7 @@ struct fwd {
     sp_agentstream_t *s; /* NULL once ended or reset */
     enum phase phase;
     int port;
+    char sandbox_id[65];
     bool upgrade;        /* the client asked for an HTTP/1.1 upgrade */
     bool no_body;        /* HEAD */
 
@@ -167,6 +168,39 @@ static void f_fail(struct fwd *f, int status, const char *msg)
             f->s = NULL;
         }
         return;
+    }
+    f_kill(f);
+}
+
+/* Nothing listens on the port: E2B's edge answers 502 with the sandbox and the port (JSON, or a
+ * page for a browser), which clients tell apart from a sandbox that is gone. */
+static void f_port_closed(struct fwd *f)
+{
+    h2o_req_t *req = f->req;
+    if (req == NULL || f->phase > P_HEAD) {
+        f_fail(f, 502, "the sandbox's port is not open");
+        return;
+    }
+    f->req = NULL;
+    const char *accept = sp_http_header(req, "accept");
+    if (accept != NULL && strstr(accept, "text/html") != NULL) {
+        char *page = h2o_mem_alloc_pool(&req->pool, 1024);
+        int n = snprintf(page, 1024,
+                         "<!doctype html><html><head><meta charset=\"utf-8\"><title>Port not "
+                         "open</title></head><body><h1>Port %d is not open</h1><p>Sandbox "
+                         "<code>%s</code> is running, but nothing in it listens on port %d "
+                         "yet.</p></body></html>\n",
+                         f->port, f->sandbox_id, f->port);
+        req->res.status = 502;
+        req->res.reason = "Bad Gateway";
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
+                       H2O_STRLIT("text/html; charset=utf-8"));
+        h2o_send_inline(req, page, (size_t)n);
+    } else {
+        sp_http_json(req, 502,
+                     json_pack("{s:s,s:s,s:i,s:i}", "sandboxId", f->sandbox_id, "message",
+                               "The sandbox is running but port is not open", "port", f->port,
+                               "code", 502));
     }
     f_kill(f);
 }
@@ -900,9 +934,9 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
         else
             snprintf(msg, sizeof(msg), "error");
         if (f->phase == P_CONNECT) {
-            char m[160];
-            snprintf(m, sizeof(m), "port %d in the sandbox is not answering (%s)", f->port, msg);
-            f_fail(f, 502, m);
+            sp_log(SP_LOG_DEBUG, "e2b", "guest port closed sandbox=%s port=%d err=%s",
+                   f->sandbox_id, f->port, msg);
+            f_port_closed(f);
         } else {
             sp_log(SP_LOG_INFO, "e2b", "guest connection failed port=%d err=%s", f->port, msg);
             if (f->phase >= P_UPGRADING && f->phase <= P_PIPE) {
@@ -960,6 +994,7 @@ void sp_e2b__forward(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
     f->gw = gw;
     f->req = req;
     f->port = t->port;
+    snprintf(f->sandbox_id, sizeof(f->sandbox_id), "%s", t->sandbox_id);
     f->no_body = sp_http_method_is(req, "HEAD");
     /* Upgrades exist only in HTTP/1.1 (HTTP/2 has none; h2c is h2o's own business). */
     f->upgrade = req->version < 0x200 && req->upgrade.base != NULL &&

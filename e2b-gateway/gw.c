@@ -5,10 +5,12 @@
  * request to the part that answers it.
  *
  * Sandbox selection (spec 1.6): Host <port>-<id>.<domain> first; else, for envd
- * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone. Code-interpreter
+ * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone (an envd path with
+ * neither is 401, as envd answers a request without its token). Code-interpreter
  * paths (/execute, /contexts...) on the API address are port 49999 traffic selected the
  * same way (E2B_DEBUG sends them to localhost:49999 with only the token). A token that
- * does not match the sandbox is 401; an unknown sandbox, or another team's, 404.
+ * does not match the sandbox is 401; an unknown sandbox, or another team's, 404 (502
+ * "not found" behind a forwarded port's host, as E2B's edge answers).
  */
 #include "e2b-gateway/gw_int.h"
 
@@ -84,10 +86,8 @@ bool sp_e2b__is_control_path(h2o_req_t *req)
  * Host "<port>-<id>.<domain>[:port]": fills port and id; false when the host is not a sandbox
  * host of our domain. The domain's own ":port" (if any) is compared too.
  */
-static bool parse_sandbox_host(sp_e2b_t *gw, h2o_req_t *req, int *port, char id[65])
+static bool parse_sandbox_name(sp_e2b_t *gw, const char *h, size_t n, int *port, char id[65])
 {
-    const char *h = req->authority.base;
-    size_t n = req->authority.len;
     const char *dot = memchr(h, '.', n);
     if (dot == NULL)
         return false;
@@ -120,6 +120,20 @@ static bool parse_sandbox_host(sp_e2b_t *gw, h2o_req_t *req, int *port, char id[
     return true;
 }
 
+static bool parse_sandbox_host(sp_e2b_t *gw, h2o_req_t *req, int *port, char id[65])
+{
+    return parse_sandbox_name(gw, req->authority.base, req->authority.len, port, id);
+}
+
+bool sp_e2b_http1_only(sp_e2b_t *gw, const char *server_name)
+{
+    int port;
+    char id[65];
+    return server_name != NULL &&
+           parse_sandbox_name(gw, server_name, strlen(server_name), &port, id) &&
+           port == SP_E2B_CODE_PORT;
+}
+
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req)
 {
     int port;
@@ -128,11 +142,10 @@ bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req)
         return true;
     if (sp_e2b__is_control_path(req))
         return true;
-    /* envd paths on the API address (E2B_SANDBOX_URL): only with a sandbox selector. /files
-     * may carry only a signature, which needs the sandbox from somewhere: the id header. */
-    return (sp_e2b__is_envd_path(req) &&
-            (sp_http_header(req, "e2b-sandbox-id") != NULL ||
-             sp_http_header(req, "x-access-token") != NULL)) ||
+    /* envd paths on the API address (E2B_SANDBOX_URL) are always ours (the native API has
+     * none of them): without a sandbox selector they answer 401 as envd does for a request
+     * without its token, which the SDKs report as an authentication error. */
+    return sp_e2b__is_envd_path(req) ||
            (sp_e2b__is_code_path(req) && sp_http_header(req, "x-access-token") != NULL);
 }
 
@@ -143,6 +156,7 @@ struct resolve {
     sp_http_hold_t *hold;
     sp_e2b_target_t t;
     bool token_given;
+    char asked[65]; /* the id from the host name, "" when none */
 };
 
 static void resolve_fail(struct resolve *rs, int status, const char *msg)
@@ -194,6 +208,18 @@ static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
 {
     struct resolve *rs = arg;
     if (err != NULL) {
+        if (err->code == SP_ENOTFOUND && SP_E2B_FORWARDED_PORT(rs->t.port) && !rs->token_given &&
+            rs->asked[0] != '\0') {
+            /* E2B's edge: an unknown sandbox behind a port host is 502 "not found". */
+            json_t *body = json_pack("{s:s,s:s,s:i}", "sandboxId", rs->asked, "message",
+                                     "The sandbox was not found", "code", 502);
+            h2o_req_t *req = sp_http_release(rs->hold); /* frees rs */
+            if (req != NULL)
+                sp_http_json(req, 502, body);
+            else
+                json_decref(body);
+            return;
+        }
         if (err->code == SP_ENOTFOUND)
             resolve_fail(rs, rs->token_given ? 401 : 404,
                          rs->token_given ? "invalid access token for this sandbox"
@@ -269,6 +295,7 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
     rs->hold = h;
     rs->t.port = port;
     rs->token_given = token != NULL;
+    snprintf(rs->asked, sizeof(rs->asked), "%s", id ? id : "");
     sp_err_t e;
     if (sp_svc_sandbox_by_token(gw->svc, id, token, on_sandbox, rs, &e) < 0)
         on_sandbox(rs, NULL, NULL, &e);

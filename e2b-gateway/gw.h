@@ -30,6 +30,12 @@ void sp_e2b_destroy(sp_e2b_t *gw);
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);
 
+/* Whether a TLS connection for server_name (SNI) should speak HTTP/1.1 only: the code
+ * interpreter's host <49999>-<id>.<domain>. The Python SDKs keep HTTP/2 connections and, when
+ * a run_code times out on their side, drop the stream without a reset; over HTTP/1.1 they close
+ * the connection instead, which is how the server learns to interrupt the abandoned cell. */
+bool sp_e2b_http1_only(sp_e2b_t *gw, const char *server_name);
+
 /* Answers req (now or later). */
 void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req);
 

@@ -455,6 +455,30 @@ static void put_s(EVP_MD_CTX *c, const char *s)
     put(c, s != NULL ? s : "", s != NULL ? strlen(s) : 0);
 }
 
+/* Hex SHA-256 over the code daemon's files (code/ in the binary: names and contents) into
+ * out[65]; all zeros only without memory (then no cache entry matches). */
+static void code_sha256(char out[SP_TMPLBUILD_HASH_LEN + 1])
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    if (c == NULL || EVP_DigestInit_ex(c, EVP_sha256(), NULL) != 1) {
+        memset(out, '0', SP_TMPLBUILD_HASH_LEN);
+        out[SP_TMPLBUILD_HASH_LEN] = '\0';
+        EVP_MD_CTX_free(c);
+        return;
+    }
+    for (unsigned i = 0; i < sp_guest_nfiles; i++) {
+        if (strncmp(sp_guest_files[i].name, "code/", 5) != 0)
+            continue;
+        put_s(c, sp_guest_files[i].name);
+        put(c, sp_guest_files[i].data, sp_guest_files[i].size);
+    }
+    EVP_DigestFinal_ex(c, md, &mdlen);
+    EVP_MD_CTX_free(c);
+    hex(md, mdlen, out);
+}
+
 void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_sha256,
                              const char *kernel_version, char out[SP_TMPLBUILD_HASH_LEN + 1])
 {
@@ -481,28 +505,17 @@ void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_
     put_s(c, kernel_version);
     if (spec->code_interpreter) {
         /* only then: a daemon change must not rebuild templates that do not carry it */
-        const sp_guest_file_t *f = embedded(SP_CODE_EMBED_NAME);
+        char sha[SP_TMPLBUILD_HASH_LEN + 1];
         put_s(c, "code");
-        if (f != NULL)
-            put(c, f->data, f->size);
-        else
+        if (embedded(SP_CODE_EMBED_NAME) == NULL) {
             put_s(c, "absent"); /* the build then refuses, see sp_tmplbuild_run */
+        } else {
+            code_sha256(sha);
+            put_s(c, sha);
+        }
     }
     EVP_DigestFinal_ex(c, md, &mdlen);
     EVP_MD_CTX_free(c);
-    hex(md, mdlen, out);
-}
-
-/* Hex SHA-256 of n bytes at p into out[65]. */
-static void mem_sha256(const void *p, size_t n, char out[SP_TMPLBUILD_HASH_LEN + 1])
-{
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned mdlen = 0;
-    if (EVP_Digest(p, n, md, &mdlen, EVP_sha256(), NULL) != 1) {
-        memset(out, '0', SP_TMPLBUILD_HASH_LEN); /* only without memory; never matches */
-        out[SP_TMPLBUILD_HASH_LEN] = '\0';
-        return;
-    }
     hex(md, mdlen, out);
 }
 
@@ -1044,7 +1057,7 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
                        o->name);
             goto out;
         }
-        mem_sha256(code->data, code->size, code_sha);
+        code_sha256(code_sha); /* every file of the daemon */
     }
 
     if (make_env(&b) < 0) {
@@ -1249,15 +1262,23 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
                 add_env(&b, "SP_HOSTNAME", spec->hostname) < 0 ||
                 add_env(&b, "SP_AGENT", spec->agent ? o->agent_path : "") < 0;
         if (!e && code != NULL) {
-            char cpath[PATH_MAX];
-            if (fmt(cpath, sizeof cpath, err, "%s/space-code", work) < 0 ||
-                write_file(cpath, code->data, code->size, 0755) < 0) {
+            /* The daemon's files into work/code: space-code and the modules beside it. */
+            char cdir[PATH_MAX], cpath[PATH_MAX];
+            int bad = fmt(cdir, sizeof cdir, err, "%s/code", work) < 0 || mkdir(cdir, 0755) < 0;
+            for (unsigned i = 0; !bad && i < sp_guest_nfiles; i++) {
+                const sp_guest_file_t *f = &sp_guest_files[i];
+                if (strncmp(f->name, "code/", 5) != 0)
+                    continue;
+                bad = fmt(cpath, sizeof cpath, err, "%s/%s", work, f->name) < 0 ||
+                      write_file(cpath, f->data, f->size, f == code ? 0755 : 0644) < 0;
+            }
+            if (bad) {
                 free(pk);
                 free(us);
                 sp_err_set(err, SP_EINTERNAL, "cannot write the code daemon: %s", strerror(errno));
                 goto out;
             }
-            e = add_env(&b, "SP_CODE", cpath) < 0;
+            e = add_env(&b, "SP_CODE", cdir) < 0;
         }
         const char *src = getenv("SP_APT_SOURCES");
         if (!e && src != NULL)

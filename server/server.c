@@ -63,7 +63,13 @@ struct opts {
     bool no_snapshot;     /* template build: do not build the template snapshot */
     const char *templates_dir; /* template build: specs from here, not the built-in ones */
     bool log_level_set;   /* --log-level was given */
+    unsigned idle_timeout_s; /* serve: how long an idle client connection is kept open */
 };
+
+/* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
+ * ten minutes; h2o's defaults (10 s) closed them under a pooled HTTP/2 connection, which the
+ * SDK then reported as an error on the next call. */
+#define SP_SERVER_IDLE_TIMEOUT_S 610
 
 static void usage(FILE *f)
 {
@@ -71,7 +77,7 @@ static void usage(FILE *f)
             "usage: spaced serve [--listen ADDR:PORT] [--data-dir DIR] [--database-url URL]\n"
             "                    [--runtime qemu|none] [--log-level debug|info|warn|error]\n"
             "                    [--domain HOST[:PORT]] [--tls-cert FILE --tls-key FILE]\n"
-            "                    [--master-key-file FILE]\n"
+            "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -541,6 +547,12 @@ static void serve_domain(const struct opts *o, char *out, size_t cap)
 }
 
 /* TLS for the shared port: the operator's certificate, or the local CA's wildcard one. */
+static bool http1_only(void *arg, const char *server_name)
+{
+    struct srv *s = arg;
+    return s->e2b != NULL && sp_e2b_http1_only(s->e2b, server_name);
+}
+
 static int setup_tls(struct srv *s, const struct opts *o, const char *domain,
                      sp_tls_files_t *files)
 {
@@ -565,6 +577,7 @@ static int setup_tls(struct srv *s, const struct opts *o, const char *domain,
         fprintf(stderr, "spaced: TLS set-up failed: %s\n", e.msg);
         return -1;
     }
+    sp_tls_set_http1_only(s->ssl_ctx, http1_only, s);
     s->tls_accept_ctx = s->accept_ctx;
     s->tls_accept_ctx.ssl_ctx = s->ssl_ctx;
     return 0;
@@ -741,6 +754,10 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
 
     h2o_config_init(&s.config);
     s.config.max_request_entity_size = (size_t)8 << 30;
+    /* One idle limit for both protocols: HTTP/1.1 keep-alive between requests (h2o's request
+     * timeout) and an HTTP/2 connection without streams. */
+    s.config.http1.req_timeout = (uint64_t)o->idle_timeout_s * 1000;
+    s.config.http2.idle_timeout = (uint64_t)o->idle_timeout_s * 1000;
     h2o_hostconf_t *host =
         h2o_config_register_host(&s.config, h2o_iovec_init(H2O_STRLIT("default")), 65535);
     h2o_pathconf_t *path = h2o_config_register_path(host, "/", 0);
@@ -822,7 +839,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         fprintf(stderr, "spaced: libsodium failed to initialise\n");
         return 1;
     }
-    struct opts o = {.listen = "127.0.0.1:3000"};
+    struct opts o = {.listen = "127.0.0.1:3000", .idle_timeout_s = SP_SERVER_IDLE_TIMEOUT_S};
     static const struct option lopts[] = {
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
@@ -833,6 +850,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"tls-key", required_argument, NULL, 'K'},
         {"no-snapshot", no_argument, NULL, 'S'},    {"templates-dir", required_argument, NULL, 'T'},
         {"master-key-file", required_argument, NULL, 'M'},
+        {"idle-timeout", required_argument, NULL, 'I'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -885,6 +903,16 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'M':
             o.master_key_file = optarg;
             break;
+        case 'I': {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < 1 || v > 86400) {
+                fprintf(stderr, "spaced: --idle-timeout wants seconds (1..86400)\n");
+                return 2;
+            }
+            o.idle_timeout_s = (unsigned)v;
+            break;
+        }
         case 'd':
             o.data_dir = optarg;
             break;

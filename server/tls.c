@@ -366,3 +366,35 @@ SSL_CTX *sp_tls_server_ctx(const char *cert_file, const char *key_file, sp_err_t
     h2o_ssl_register_alpn_protocols(ctx, h2o_alpn_protocols);
     return ctx;
 }
+
+struct alpn {
+    sp_tls_http1_only_fn fn;
+    void *arg;
+};
+
+static int alpn_select(SSL *ssl, const unsigned char **out, unsigned char *outlen,
+                       const unsigned char *in, unsigned int inlen, void *arg)
+{
+    static const unsigned char both[] = "\x02h2\x08http/1.1", h1[] = "\x08http/1.1";
+    struct alpn *a = arg;
+    const char *sni = SSL_get_servername(ssl, TLSEXT_NAMETYPE_host_name);
+    bool only1 = a->fn(a->arg, sni);
+    const unsigned char *ours = only1 ? h1 : both;
+    unsigned int ours_len = only1 ? sizeof(h1) - 1 : sizeof(both) - 1;
+    /* Server preference: the first of ours the client offered. */
+    if (SSL_select_next_proto((unsigned char **)out, outlen, ours, ours_len, in, inlen) !=
+        OPENSSL_NPN_NEGOTIATED)
+        return SSL_TLSEXT_ERR_NOACK; /* no common protocol: HTTP/1.1 without ALPN */
+    return SSL_TLSEXT_ERR_OK;
+}
+
+int sp_tls_set_http1_only(SSL_CTX *ctx, sp_tls_http1_only_fn fn, void *arg)
+{
+    /* Lives as long as the context: freed with it through ex_data would need an index for
+     * one pointer; the server makes one context per process. */
+    static struct alpn a;
+    a.fn = fn;
+    a.arg = arg;
+    SSL_CTX_set_alpn_select_cb(ctx, alpn_select, &a);
+    return 0;
+}

@@ -53,4 +53,12 @@ int sp_tls_ensure(const char *data_dir, const char *host, sp_tls_files_t *out, s
  */
 SSL_CTX *sp_tls_server_ctx(const char *cert_file, const char *key_file, sp_err_t *err);
 
+/*
+ * Replaces ctx's ALPN choice: h2 then http/1.1 as before, except for connections whose SNI
+ * name fn(arg, name) accepts (name may be NULL), which get http/1.1 only. One such
+ * selector per process (it is kept in a static); fn runs during handshakes, on the loop.
+ */
+typedef bool (*sp_tls_http1_only_fn)(void *arg, const char *server_name);
+int sp_tls_set_http1_only(SSL_CTX *ctx, sp_tls_http1_only_fn fn, void *arg);
+
 #endif

@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -191,7 +192,10 @@ static void start_agent(void)
     REQUIRE(bin != NULL);
     agent_pid = fork();
     if (agent_pid == 0) {
-        execl(bin, bin, "--listen-unix", sock_path, "--log-level", "warn", (char *)NULL);
+        char env_file[600];
+        snprintf(env_file, sizeof(env_file), "%s/identity.env", tmpdir);
+        execl(bin, bin, "--listen-unix", sock_path, "--log-level", "warn", "--env-file", env_file,
+              (char *)NULL);
         _exit(127);
     }
     connect_agent();
@@ -687,6 +691,76 @@ static void test_agent_file_permissions(void)
     CHECK(err_code(&f) == SP_AP_E_PERM);
 }
 
+static void str_eq(const frame_t *f, uint16_t tag, const char *want)
+{
+    sp_ap_str_t v = {0};
+    CHECK(sp_ap_get_str(f->p, f->h.len, tag, &v) == 0);
+    if (want == NULL) {
+        CHECK(v.p == NULL);
+        return;
+    }
+    CHECK(v.p != NULL && v.n == strlen(want) && memcmp(v.p, want, v.n) == 0);
+    if (v.p == NULL || v.n != strlen(want) || memcmp(v.p, want, v.n) != 0)
+        fprintf(stderr, "  got %.*s, want %s\n", (int)v.n, v.p ? v.p : "", want);
+}
+
+static void test_agent_paths_resolve_like_envd(void)
+{
+    /* root's home is /root: "~", "~/", "~/x/.." and "x/.." are all it; absolute paths are
+     * taken as given. No writes: only stats. */
+    const char *home_forms[] = {"~", "~/", "~/.", "~/x/..", "x/..", ".", "x//../."};
+    for (size_t i = 0; i < sizeof(home_forms) / sizeof(home_forms[0]); i++) {
+        frame_t f = fs_req(SP_AP_T_FS_STAT, home_forms[i], NULL);
+        CHECK(f.h.type == SP_AP_T_OK);
+        str_eq(&f, SP_AP_K_PATH, "/root");
+    }
+    frame_t f = fs_req(SP_AP_T_FS_STAT, "~nobody", NULL);
+    CHECK(err_code(&f) == SP_AP_E_INVAL);
+    f = fs_req(SP_AP_T_FS_STAT, "/", NULL);
+    str_eq(&f, SP_AP_K_PATH, "/");
+}
+
+static void test_agent_entry_targets_and_specials(void)
+{
+    char dir[300], link[320], flink[320], dang[320], fifo[320], file[320];
+    snprintf(dir, sizeof(dir), "%s/links/d", tmpdir);
+    snprintf(file, sizeof(file), "%s/links/f", tmpdir);
+    snprintf(link, sizeof(link), "%s/links/to-d", tmpdir);
+    snprintf(flink, sizeof(flink), "%s/links/to-to-f", tmpdir);
+    snprintf(dang, sizeof(dang), "%s/links/dangling", tmpdir);
+    snprintf(fifo, sizeof(fifo), "%s/links/fifo", tmpdir);
+    frame_t f = fs_req(SP_AP_T_FS_MKDIR, dir, NULL);
+    CHECK(f.h.type == SP_AP_T_OK);
+    CHECK(chmod(dir, 0750) == 0);
+    CHECK(write_file(file, NULL, (const uint8_t *)"f", 1) == 0);
+    CHECK(chmod(file, 0640) == 0);
+    char rel[330];
+    snprintf(rel, sizeof(rel), "%s/links/to-f", tmpdir);
+    CHECK(symlink(dir, link) == 0 && symlink("f", rel) == 0 && symlink("to-f", flink) == 0 &&
+          symlink("nowhere", dang) == 0 && mkfifo(fifo, 0644) == 0);
+    char real_dir[PATH_MAX], real_file[PATH_MAX];
+    REQUIRE(realpath(dir, real_dir) != NULL && realpath(file, real_file) != NULL);
+
+    f = fs_req(SP_AP_T_FS_STAT, link, NULL);
+    CHECK(ftype_of_entry(&f) == SP_AP_FT_SYMLINK);
+    str_eq(&f, SP_AP_K_TARGET, real_dir);
+    CHECK(u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_DIR);
+    CHECK(u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0750);
+    f = fs_req(SP_AP_T_FS_STAT, flink, NULL); /* two links deep */
+    str_eq(&f, SP_AP_K_LINK, "to-f");
+    str_eq(&f, SP_AP_K_TARGET, real_file);
+    CHECK(u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_FILE);
+    CHECK(u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0640);
+    f = fs_req(SP_AP_T_FS_STAT, dang, NULL);
+    CHECK(ftype_of_entry(&f) == SP_AP_FT_SYMLINK);
+    str_eq(&f, SP_AP_K_TARGET, NULL);
+    f = fs_req(SP_AP_T_FS_STAT, fifo, NULL);
+    CHECK(ftype_of_entry(&f) == SP_AP_FT_OTHER);
+    CHECK(u32_of(&f, SP_AP_K_SPECIAL, 0) == SP_AP_SPECIAL_FIFO);
+    f = fs_req(SP_AP_T_FS_STAT, dir, NULL);
+    CHECK(u32_of(&f, SP_AP_K_SPECIAL, 99) == 99); /* absent for plain types */
+}
+
 static void test_agent_watch(void)
 {
     char dir[512], file[600];
@@ -761,6 +835,16 @@ static void test_agent_identity_and_ping(void)
     CHECK(f.h.type == SP_AP_T_OK);
     result_t *r = run("echo $SPACE_TEST_ENV", NULL);
     CHECK(strcmp(r->out, "from-identity\n") == 0);
+    /* The env is also in the env file, for programs that started before IDENTITY. */
+    char env_file[600], buf[128];
+    snprintf(env_file, sizeof(env_file), "%s/identity.env", tmpdir);
+    struct stat st;
+    CHECK(stat(env_file, &st) == 0 && (st.st_mode & 0777) == 0600);
+    FILE *ef = fopen(env_file, "rb");
+    size_t en = ef ? fread(buf, 1, sizeof(buf), ef) : 0;
+    if (ef)
+        fclose(ef);
+    CHECK(en == 29 && memcmp(buf, "SPACE_TEST_ENV=from-identity\0", 29) == 0);
 
     sp_ap_put_raw(begin(0, SP_AP_T_PING), "abc", 3);
     send_frame();
@@ -891,6 +975,8 @@ int main(void)
     test_agent_file_roundtrip();
     test_agent_file_ops();
     test_agent_file_permissions();
+    test_agent_paths_resolve_like_envd();
+    test_agent_entry_targets_and_specials();
     test_agent_watch();
     test_agent_tcp();
     test_agent_flow_control();

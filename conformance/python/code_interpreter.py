@@ -28,7 +28,8 @@ _lock = threading.Lock()
 
 def new_ci_sandbox(group):
     kw = dict(timeout=SANDBOX_TIMEOUT, request_timeout=REQUEST_TIMEOUT,
-              metadata={"conformance": RUN_ID, "group": group})
+              metadata={"conformance": RUN_ID, "group": group},
+              envs={"CI_SANDBOX_ENV": "from-create " + RUN_ID})
     sbx = CiSandbox.create(CI_TEMPLATE, **kw) if CI_TEMPLATE else CiSandbox.create(**kw)
     with _lock:
         _created.add(sbx.sandbox_id)
@@ -302,6 +303,88 @@ def _envs():
                             envs={"CI_CALL_VAR": "bash-value"})) == "[bash-value]\n"
     assert out(sbx.run_code('echo "[$CI_CALL_VAR]"', context=b)) == "[]\n"
     sbx.remove_code_context(b)
+
+
+@scenario(A, "the sandbox's envs reach every context")
+def _sandbox_envs():
+    # E2B's server reads the sandbox's env from envd and sets it in each kernel, so code sees
+    # what Sandbox.create(envs=...) gave, like every command does.
+    sbx = sandbox()
+    want = "from-create " + RUN_ID
+    code = 'import os\nprint(os.environ.get("CI_SANDBOX_ENV"))'
+    assert out(sbx.run_code(code)) == want + "\n", "default context"
+    ctx = sbx.create_code_context()
+    assert out(sbx.run_code(code, context=ctx)) == want + "\n", "a new context"
+    over = sbx.run_code(code, context=ctx, envs={"CI_SANDBOX_ENV": "per-call"})
+    assert out(over) == "per-call\n", over.logs
+    assert out(sbx.run_code(code, context=ctx)) == want + "\n", "back to the sandbox's value"
+    sbx.remove_code_context(ctx)
+    b = sbx.run_code('echo "$CI_SANDBOX_ENV"', language="bash")
+    assert out(b) == want + "\n", b.logs
+    assert sbx.commands.run("echo $CI_SANDBOX_ENV").stdout == want + "\n"
+
+
+@scenario(A, "the default context is listed")
+def _default_listed():
+    sbx = sandbox()
+    sbx.run_code("1")
+    listed = sbx.list_code_contexts()
+    py = [c for c in listed if c.language == "python" and c.cwd == "/home/user"]
+    assert py, "the default Python context is listed: %s" % [(c.id, c.language, c.cwd)
+                                                               for c in listed]
+    # It is the one run_code uses without a context.
+    sbx.run_code("default_marker_%s = 1" % RUN_ID)
+    assert sbx.run_code("default_marker_%s + 1" % RUN_ID, context=py[0]).text == "2"
+
+
+@scenario(A, "rich results: json, data, chart")
+def _rich():
+    sbx = sandbox()
+    j = sbx.run_code('{"a": 1, "b": [1, 2.5, None], "c": {"d": "e"}}')
+    no_error(j, "dict")
+    assert j.results[0].json == {"a": 1, "b": [1, 2.5, None], "c": {"d": "e"}}, j.results
+    assert "json" in j.results[0].formats()
+    lst = sbx.run_code("import numpy as np\n[1, np.int64(2), float('nan')]")
+    assert lst.results[0].json == [1, 2, None], lst.results[0].json
+    df = sbx.run_code('import pandas as pd\npd.DataFrame({"name": ["ada", "grace"], '
+                      '"year": [1815, 1906]})')
+    no_error(df, "DataFrame")
+    m = [r for r in df.results if r.is_main_result][0]
+    assert m.data == {"name": ["ada", "grace"], "year": [1815, 1906]}, m.data
+    assert m.html and "data" in m.formats()
+    plain = sbx.run_code("1 + 1").results[0]
+    assert (plain.json, plain.data, plain.chart) == (None, None, None), plain.formats()
+    ch = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "fig, ax = plt.subplots()\n"
+        "ax.plot([1, 2, 3], [2, 4, 8], label='growth')\n"
+        "ax.set_title('Growth')\nax.set_xlabel('day')\nax.set_ylabel('size')\n"
+        "plt.show()")
+    no_error(ch, "line chart")
+    charts = [r.chart for r in ch.results if r.chart is not None]
+    assert len(charts) == 1, [r.formats() for r in ch.results]
+    from e2b_code_interpreter.charts import ChartType, LineChart
+    c = charts[0]
+    assert isinstance(c, LineChart) and c.type == ChartType.LINE, type(c)
+    assert (c.title, c.x_label, c.y_label) == ("Growth", "day", "size"), c.to_dict()
+    assert c.elements[0].label == "growth"
+    assert [tuple(map(float, p)) for p in c.elements[0].points] == [(1, 2), (2, 4), (3, 8)]
+    bar = sbx.run_code("import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\n"
+                       "ax.bar(['x', 'y'], [3, 5])\nplt.show()")
+    bc = [r.chart for r in bar.results if r.chart is not None][0]
+    assert bc.type == ChartType.BAR, bc.to_dict()
+    assert sorted((e.label, float(e.value)) for e in bc.elements) == [("x", 3.0), ("y", 5.0)]
+
+
+@scenario(A, "run_code after the client was idle", timeout=120)
+def _idle():
+    # The interpreter's connection (TLS) stays pooled in the SDK between calls.
+    sbx = sandbox()
+    no_error(sbx.run_code("idle_%s = 1" % RUN_ID), "before")
+    time.sleep(float(os.environ.get("CONFORMANCE_IDLE_WAIT", "15")))
+    after = sbx.run_code("idle_%s + 1" % RUN_ID)
+    no_error(after, "after the idle time")
+    assert after.text == "2", after
 
 
 @scenario(A, "execution timeout keeps the context usable", timeout=120)

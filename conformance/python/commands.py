@@ -52,6 +52,13 @@ def _nonzero():
     sbx = sandbox()
     e = raises(CommandExitException, sbx.commands.run, "echo partial; echo broken >&2; exit 3")
     assert (e.exit_code, e.stdout, e.stderr) == (3, "partial\n", "broken\n")
+    # envd's end event carries Go's wait error, which the SDK keeps as .error.
+    assert e.error == "exit status 3", repr(e.error)
+    k = raises(CommandExitException, sbx.commands.run, "kill -KILL $$")
+    assert (k.exit_code, k.error) == (-1, "signal: killed"), (k.exit_code, k.error)
+    t = raises(CommandExitException, sbx.commands.run, "kill -TERM $$")
+    assert t.error == "signal: terminated", repr(t.error)
+    assert sbx.commands.run("true").error in (None, ""), "no error text on success"
     e = raises(CommandExitException, sbx.commands.run, "no-such-command-" + RUN_ID)
     assert e.exit_code == 127 and "not found" in e.stderr
 
@@ -88,13 +95,16 @@ def _stdin():
     sbx = sandbox()
     # stdin=False (default) gives the command end-of-file at once.
     assert sbx.commands.run("cat; echo eof", timeout=30).stdout == "eof\n"
-    h = sbx.commands.run("head -n 2", background=True, stdin=True)
+    # bash's echo writes each line at once (cat or head would buffer a pipe until exit).
+    h = sbx.commands.run('while read -r l; do echo "got $l"; [ "$l" = end ] && break; done',
+                         background=True, stdin=True)
     rd = Reader(h)
     sbx.commands.send_stdin(h.pid, "first line\n")
-    wait_for("the first line back", lambda: rd.out == "first line\n")
-    sbx.commands.send_stdin(h.pid, "second ✓\n")
+    wait_for("the first line back", lambda: rd.out == "got first line\n")
+    sbx.commands.send_stdin(h.pid, "second ✓\nend\n")
     rd.join()
-    assert rd.error is None and rd.result.stdout == "first line\nsecond ✓\n", (rd.error, rd.out)
+    assert rd.error is None and rd.result.stdout == "got first line\ngot second ✓\ngot end\n", \
+        (rd.error, rd.out)
     raises(NotFoundException, sbx.commands.send_stdin, h.pid, "late")
 
 

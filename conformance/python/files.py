@@ -10,7 +10,10 @@ from e2b import (AsyncSandbox, FileNotFoundException, FilesystemEventType, FileT
                  InvalidArgumentException)
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 
-from lib import API, raises, scenario, sha256, shared_sandbox, wait_for
+import httpx
+
+from lib import (API, RUN_ID, host_routing_only, raises, scenario, sha256, shared_sandbox,
+                 wait_for)
 
 A = "files"
 sandbox = shared_sandbox(metadata={"group": "files"})
@@ -22,7 +25,8 @@ def _text():
     sbx = sandbox()
     text = "héllo wörld ✓\nsecond line\n"
     info = sbx.files.write(H + "/hello.txt", text)
-    assert (info.name, info.path, info.type) == ("hello.txt", H + "/hello.txt", FileType.FILE), info
+    # The SDK builds WriteInfo from envd's upload JSON as is: type is the string "file".
+    assert (info.name, info.path, info.type) == ("hello.txt", H + "/hello.txt", "file"), info
     assert sbx.files.read(H + "/hello.txt") == text
     r = sbx.commands.run("cat %s/hello.txt; stat -c %%U %s/hello.txt" % (H, H))
     assert r.stdout == text + "user\n"
@@ -214,3 +218,81 @@ def _big():
     assert sbx.files.get_info(H + "/big.bin").size == 20 << 20
     assert sbx.commands.run("sha256sum %s/big.bin" % H, timeout=120).stdout.split()[0] == want
     assert sha256(bytes(sbx.files.read(H + "/big.bin", format="bytes"))) == want
+
+
+@scenario(A, "modes and permissions as envd reports them")
+def _modes():
+    sbx = sandbox()
+    sbx.commands.run("mkdir -p %s/modes/d && chmod 750 %s/modes/d && "
+                     "printf x > %s/modes/f && chmod 640 %s/modes/f && "
+                     "ln -sfn %s/modes/d %s/modes/to-dir && ln -sfn f %s/modes/to-file && "
+                     "ln -sfn nowhere %s/modes/dangling" % ((H,) * 8))
+    d = sbx.files.get_info(H + "/modes/d")
+    # mode is the permission bits only (Go's FileMode.Perm()), permissions Go's String().
+    assert (d.type, d.mode, d.permissions) == (FileType.DIR, 0o750, "drwxr-x---"), \
+        (d.type, oct(d.mode), d.permissions)
+    f = sbx.files.get_info(H + "/modes/f")
+    assert (f.type, f.mode, f.permissions) == (FileType.FILE, 0o640, "-rw-r-----"), \
+        (f.type, oct(f.mode), f.permissions)
+    # A link is described by what it names, with the resolved target.
+    ld = sbx.files.get_info(H + "/modes/to-dir")
+    assert (ld.type, ld.mode, ld.permissions, ld.symlink_target) == (
+        FileType.DIR, 0o750, "Lrwxrwxrwx", H + "/modes/d"), vars(ld)
+    lf = sbx.files.get_info(H + "/modes/to-file")
+    assert (lf.type, lf.mode, lf.symlink_target) == (FileType.FILE, 0o640, H + "/modes/f"), \
+        vars(lf)
+    dl = sbx.files.get_info(H + "/modes/dangling")
+    assert dl.type is None and dl.permissions == "Lrwxrwxrwx", vars(dl)
+    # Special bits: /tmp is sticky, sudo setuid.
+    t = sbx.files.get_info("/tmp")
+    assert t.permissions == "dtrwxrwxrwx" and t.mode == 0o777, (t.permissions, oct(t.mode))
+    listed = {e.name: e for e in sbx.files.list(H + "/modes")}
+    assert listed["to-dir"].type == FileType.DIR and listed["d"].mode == 0o750, listed
+
+
+@scenario(A, "~ paths are the user's home")
+def _tilde():
+    sbx = sandbox()
+    sbx.files.write("~/tilde-%s.txt" % RUN_ID, "home")
+    assert sbx.files.read(H + "/tilde-%s.txt" % RUN_ID) == "home"
+    assert sbx.files.read("~/tilde-%s.txt" % RUN_ID) == "home"
+    sbx.files.write("~/t/../tilde-root.txt", "r", user="root")
+    assert sbx.files.read("/root/tilde-root.txt", user="root") == "r"
+    assert sbx.files.get_info("~", user="root").path == "/root"
+    assert sbx.files.get_info("~/").name == "user"
+    assert sbx.files.exists("~/tilde-%s.txt" % RUN_ID) is True
+    assert any(e.name == "tilde-%s.txt" % RUN_ID for e in sbx.files.list("~"))
+    assert sbx.files.make_dir("~/tilde-dir") is True and sbx.files.exists(H + "/tilde-dir")
+    sbx.files.rename("~/tilde-dir", "~/tilde-dir2")
+    assert sbx.files.exists(H + "/tilde-dir2")
+    assert sbx.commands.run("pwd", cwd="~/tilde-dir2").stdout == H + "/tilde-dir2\n"
+    raises(InvalidArgumentException, sbx.files.read, "~root/.bashrc",
+           what="another user's ~ is refused, as envd does")
+
+
+@scenario(A, "signed upload and download URLs with a plain HTTP client")
+def _signed_urls():
+    # With E2B_SANDBOX_URL the SDK finds the sandbox by a header a plain client does not send.
+    host_routing_only("a signed URL names its sandbox only in its host")
+    sbx = sandbox()
+    path = H + "/signed-%s.bin" % RUN_ID
+    payload = os.urandom(100000)
+    up = sbx.upload_url(path)
+    assert "signature=" in up, up
+    with httpx.Client(verify=os.environ.get("SSL_CERT_FILE") or True, timeout=60) as c:
+        r = c.post(up, files={"file": ("x.bin", payload)})
+        assert r.status_code == 200, (r.status_code, r.text)
+        assert r.json()[0]["path"] == path, r.text
+        down = sbx.download_url(path)
+        r = c.get(down)
+        assert r.status_code == 200 and r.content == payload, r.status_code
+        # A signature is bound to its path and operation.
+        assert c.get(down.replace("signed-", "other-")).status_code in (401, 403)
+        assert c.get(up).status_code in (401, 403), "an upload signature does not read"
+        # Expiring signatures.
+        exp = sbx.download_url(path, use_signature_expiration=60)
+        assert "signature_expiration=" in exp
+        assert c.get(exp).content == payload
+        gone = sbx.download_url(path, use_signature_expiration=-120)
+        assert c.get(gone).status_code in (401, 403), "an expired signature is refused"
+    assert sha256(bytes(sbx.files.read(path, format="bytes"))) == sha256(payload)

@@ -29,6 +29,18 @@ _created = set()
 _lock = threading.Lock()
 
 
+class Skip(Exception):
+    """Raised by a scenario that cannot apply to this configuration (reported, not failed)."""
+
+
+SINGLE_ADDRESS = bool(os.environ.get("E2B_SANDBOX_URL"))
+
+
+def host_routing_only(why):
+    if SINGLE_ADDRESS:
+        raise Skip("needs host routing: " + why)
+
+
 def scenario(area, name, timeout=180):
     def deco(fn):
         _scenarios.append((area, name, fn, timeout * MULT))
@@ -49,6 +61,12 @@ def new_sandbox(metadata=None, **kw):
     with _lock:
         _created.add(sbx.sandbox_id)
     return sbx
+
+
+def remember(sandbox_id):
+    """Kills sandbox_id at the end of the run (sandboxes made without new_sandbox)."""
+    with _lock:
+        _created.add(sandbox_id)
 
 
 def forget(sandbox_id):

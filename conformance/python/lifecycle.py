@@ -1,6 +1,8 @@
 """Control plane through the Python SDK (twin of ../js/lifecycle.mjs): create, connect, list
 with metadata filter and pagination, get_info, set_timeout and expiry, pause + connect with
 files and a background process intact, kill, and the error cases."""
+import os
+import time
 from datetime import datetime, timezone
 
 from e2b import (
@@ -19,6 +21,8 @@ from lib import (API, REQUEST_TIMEOUT, RUN_ID, TEMPLATE, forget, gone, new_sandb
 
 A = "lifecycle"
 UNKNOWN_ID = "nosuchsandbox" + RUN_ID
+# Seconds of silence on the pooled connections (h2o's own default closed them after 10).
+IDLE_WAIT = float(os.environ.get("CONFORMANCE_IDLE_WAIT", "15"))
 main = shared_sandbox(metadata={"group": "main", "purpose": "lifecycle"}, envs={"LC": "yes"})
 
 
@@ -218,6 +222,67 @@ def _forged():
     raises(AuthenticationException, forged.files.read, "/etc/hostname", what="read")
     raises(AuthenticationException, forged.files.write, "/tmp/forged", "x", what="write")
     assert sbx.files.exists("/tmp/forged") is False
+
+
+@scenario(A, "lifecycle on_timeout pause, then connect resumes with files", timeout=300)
+def _on_timeout_pause():
+    sbx = new_sandbox(metadata={"group": "on-timeout-pause"}, lifecycle={"on_timeout": "pause"})
+    sbx.files.write("/home/user/kept.txt", "through the timeout")
+    sbx.set_timeout(3)
+    wait_for("the timeout to pause the sandbox",
+             lambda: Sandbox.get_info(sbx.sandbox_id, **API).state == SandboxState.PAUSED,
+             timeout=120, interval=1)
+    assert sbx.is_running() is False
+    back = Sandbox.connect(sbx.sandbox_id, timeout=600, **API)
+    assert back.get_info().state == SandboxState.RUNNING
+    assert back.files.read("/home/user/kept.txt") == "through the timeout"
+    back.kill()
+    forget(sbx.sandbox_id)
+
+
+@scenario(A, "lifecycle auto_resume wakes on traffic", timeout=300)
+def _auto_resume():
+    sbx = new_sandbox(metadata={"group": "auto-resume"},
+                      lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sbx.files.write("/home/user/auto.txt", "resumed by traffic")
+    sbx.pause()
+    assert Sandbox.get_info(sbx.sandbox_id, **API).state == SandboxState.PAUSED
+    # No connect: the envd call itself wakes it.
+    assert sbx.files.read("/home/user/auto.txt") == "resumed by traffic"
+    assert Sandbox.get_info(sbx.sandbox_id, **API).state == SandboxState.RUNNING
+    sbx.kill()
+    forget(sbx.sandbox_id)
+
+
+@scenario(A, "get_metrics")
+def _metrics():
+    sbx = main()
+    sbx.commands.run("head -c 20000000 /dev/zero | md5sum >/dev/null")
+    ms = wait_for("a metrics sample", lambda: sbx.get_metrics(), timeout=60, interval=1)
+    m = ms[-1]
+    assert m.cpu_count > 0 and 0 <= m.cpu_used_pct <= 100 * m.cpu_count, vars(m)
+    assert m.mem_total > 0 and 0 < m.mem_used <= m.mem_total, vars(m)
+    assert m.disk_total > 0 and 0 <= m.disk_used <= m.disk_total, vars(m)
+    assert abs((now() - m.timestamp).total_seconds()) < 600, m.timestamp
+    again = Sandbox.get_metrics(sbx.sandbox_id, **API)
+    assert again and again[-1].mem_total == m.mem_total
+
+
+@scenario(A, "an idle pooled connection stays usable", timeout=300)
+def _idle_connection():
+    # The SDK keeps its connections (HTTP/2 over TLS in host routing, and always for the code
+    # interpreter) pooled for 300 s; a server that drops them after a few seconds of silence
+    # makes the next call fail with "EOF occurred in violation of protocol".
+    sbx = main()
+    assert sbx.commands.run("echo before").stdout == "before\n"
+    sbx.files.write("/tmp/idle.txt", "idle")  # the envd connection, last used now
+    assert sbx.get_info().state == SandboxState.RUNNING  # and the API's
+    time.sleep(IDLE_WAIT)
+    # Requests with a body are what a closed connection breaks (their second write fails).
+    sbx.files.write("/tmp/idle.txt", "after idle")
+    sbx.set_timeout(900)
+    assert sbx.files.read("/tmp/idle.txt") == "after idle"
+    assert sbx.commands.run("echo after").stdout == "after\n"
 
 
 @scenario(A, "kill the main sandbox")

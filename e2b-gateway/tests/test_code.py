@@ -501,10 +501,15 @@ class CodeTest(unittest.TestCase):
         self.assertEqual(st, 404, body)
         self.execute("1", context_id=ctx["id"], expect=404)
 
-    def test_list_has_no_default_contexts(self):
+    def test_list_includes_default_contexts(self):
+        # E2B's server lists the kernels it holds, its default Python one included.
         self.execute("1")
+        self.execute("echo 1", language="bash")
         st, listed, _ = self.call("GET", "/contexts")
         self.assertEqual(st, 200, listed)
+        ids = {c["id"]: c["language"] for c in listed}
+        self.assertEqual(ids.get("default-python"), "python", listed)
+        self.assertEqual(ids.get("default-bash"), "bash", listed)
         mine = self.new_context()
         st, after, _ = self.call("GET", "/contexts")
         self.assertEqual(len(after), len(listed) + 1, (listed, after))

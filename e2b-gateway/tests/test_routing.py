@@ -311,11 +311,23 @@ class RoutingTest(unittest.TestCase):
         self.assertEqual(self.sb.get("domain"), self.domain)
 
     def test_tls_alpn_h2_and_http11(self):
-        for offered, want in ((["h2", "http/1.1"], "h2"), (["http/1.1"], "http/1.1")):
+        for port, offered, want in ((49983, ["h2", "http/1.1"], "h2"),
+                                    (8080, ["h2", "http/1.1"], "h2"),
+                                    (49983, ["http/1.1"], "http/1.1"),
+                                    # The code interpreter's host speaks HTTP/1.1 only: an SDK
+                                    # that gives up on a cell closes the connection, which
+                                    # interrupts it (an HTTP/2 stream is dropped silently).
+                                    (49999, ["h2", "http/1.1"], "http/1.1")):
             raw = socket.create_connection(("127.0.0.1", self.s.port), timeout=30 * MULT)
-            with self.ctx(offered).wrap_socket(raw, server_hostname=self.name(49999)) as t:
-                self.assertEqual(t.selected_alpn_protocol(), want)
+            with self.ctx(offered).wrap_socket(raw, server_hostname=self.name(port)) as t:
+                self.assertEqual(t.selected_alpn_protocol(), want, (port, offered))
                 self.assertGreaterEqual(t.version(), "TLSv1.2")
+        # Without SNI (an IP literal) the default applies.
+        raw = socket.create_connection(("127.0.0.1", self.s.port), timeout=30 * MULT)
+        c = self.ctx(["h2", "http/1.1"])
+        c.check_hostname = False
+        with c.wrap_socket(raw) as t:
+            self.assertEqual(t.selected_alpn_protocol(), "h2")
 
     def test_tls_bundle_and_wrong_name(self):
         bundle = os.path.join(self.s.data_dir, "tls", "bundle.pem")
@@ -521,8 +533,15 @@ class RoutingTest(unittest.TestCase):
         r, body = self.fetch(c, "GET", "/", host=self.host(closed))
         self.assertEqual(r.status, 502, body)
         err = json.loads(body)
-        self.assertEqual(err["code"], 502)
-        self.assertIsInstance(err["message"], str)
+        # E2B's closed-port error: the sandbox, the port and a fixed message.
+        self.assertEqual(err, {"code": 502, "port": closed, "sandboxId": self.sid,
+                               "message": "The sandbox is running but port is not open"})
+        # A browser gets a page saying the same.
+        r, body = self.fetch(c, "GET", "/", host=self.host(closed),
+                             headers={"Accept": "text/html,application/xhtml+xml"})
+        self.assertEqual(r.status, 502, body)
+        self.assertTrue(r.getheader("content-type").startswith("text/html"))
+        self.assertIn(b"Port %d is not open" % closed, body)
         c.close()
 
     # ---- authentication and lookup ----
@@ -553,11 +572,13 @@ class RoutingTest(unittest.TestCase):
         self.assertEqual(r.status, 200, body)
         c.close()
 
-    def test_unknown_sandbox_is_404(self):
+    def test_unknown_sandbox_is_502_not_found(self):
+        # E2B's edge answers a port host of an unknown sandbox with 502 and the sandbox id.
         c = self.plain()
         r, body = self.fetch(c, "GET", "/", host=self.host(sid="nosuchsandbox0"))
-        self.assertEqual(r.status, 404, body)
-        self.assertEqual(json.loads(body)["code"], 404)
+        self.assertEqual(r.status, 502, body)
+        self.assertEqual(json.loads(body), {"code": 502, "sandboxId": "nosuchsandbox0",
+                                            "message": "The sandbox was not found"})
         c.close()
 
     def test_private_sandbox_needs_token(self):

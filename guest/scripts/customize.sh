@@ -28,8 +28,16 @@ if [ -n "$SP_AGENT" ]; then
     chmod 755 "$r/usr/local/bin/space-agent"
 fi
 if [ -n "${SP_CODE:-}" ]; then
-    cp "$SP_CODE" "$r/usr/local/bin/space-code"
+    # SP_CODE is a directory: space-code goes on the PATH, the modules it loads beside it
+    # in /usr/local/lib/space-code.
+    cp "$SP_CODE/space-code" "$r/usr/local/bin/space-code"
     chmod 755 "$r/usr/local/bin/space-code"
+    mkdir -p "$r/usr/local/lib/space-code"
+    for f in "$SP_CODE"/*; do
+        [ "$(basename "$f")" = space-code ] && continue
+        cp "$f" "$r/usr/local/lib/space-code/"
+        chmod 644 "$r/usr/local/lib/space-code/$(basename "$f")"
+    done
 fi
 # Each sandbox gets its identity after boot or restore, not from the image.
 : >"$r/etc/machine-id"

@@ -12,7 +12,9 @@
 #   SP_USERS      lines "name:uid:home:shell:sudo" (sudo 1 = passwordless)
 #   SP_HOSTNAME   /etc/hostname                               (default space)
 #   SP_AGENT      the guest agent binary, installed as /usr/local/bin/space-agent
-#   SP_CODE       the code daemon, installed as /usr/local/bin/space-code (optional)
+#   SP_CODE       a directory with the code daemon: space-code, installed as
+#                 /usr/local/bin/space-code, and its modules, in /usr/local/lib/space-code
+#                 (optional)
 #   SP_APT_SOURCES  sources file to use instead of the host's (optional)
 set -eu
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -28,7 +30,7 @@ if [ -n "${SP_AGENT:-}" ]; then
     [ -f "$SP_AGENT" ] || die "agent binary $SP_AGENT not found"
 fi
 if [ -n "${SP_CODE:-}" ]; then
-    [ -f "$SP_CODE" ] || die "code daemon $SP_CODE not found"
+    [ -f "$SP_CODE/space-code" ] || die "code daemon $SP_CODE/space-code not found"
 fi
 
 # The host's apt sources, in one format: deb822 files if there are any,

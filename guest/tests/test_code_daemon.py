@@ -62,10 +62,13 @@ class Daemon:
         self.log = os.path.join(self.dir, "space-code.log")
         self.port = free_port()
         self.user = user or pwd.getpwuid(os.geteuid()).pw_name
+        # The sandbox env file the agent writes at IDENTITY (agent/agent.h), here a temp file.
+        self.env_file = os.path.join(self.dir, "sandbox.env")
         self.proc = subprocess.Popen(
             [interpreter(), SCRIPT, "serve", "--port", str(self.port), "--log", self.log,
              "--kernel-user", self.user],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=dict(os.environ, SPACE_ENV_FILE=self.env_file))
         end = time.monotonic() + 30 * MULT
         while time.monotonic() < end:
             try:
@@ -335,6 +338,50 @@ class CodeDaemonTest(unittest.TestCase):
         self.assertEqual(c2, c1 + 1)
         st, _ = run("1", ctx, env={"A": 1})
         self.assertEqual(st["error"]["code"], "invalid")
+
+    def write_sandbox_env(self, env):
+        tmp = D.env_file + ".new"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(("%s=%s" % kv).encode() + b"\0" for kv in env.items()))
+        os.replace(tmp, D.env_file)
+
+    def test_sandbox_env_reaches_every_context(self):
+        # What Sandbox.create(envs=...) gave reaches interpreters that were running before the
+        # sandbox existed (a template snapshot's), and follows the file when it changes.
+        self.addCleanup(lambda: os.path.exists(D.env_file) and os.unlink(D.env_file))
+        py, sh = self.create()["id"], self.create("bash")["id"]
+        self.write_sandbox_env({"SBX_ONE": "1 one", "SBX_TWO": "two"})
+        show = "import os\nprint(os.environ.get('SBX_ONE'), os.environ.get('SBX_TWO'))"
+        self.assertEqual(text(self.ok(show, py)), "1 one two\n")
+        self.assertEqual(text(self.ok('echo "$SBX_ONE|$SBX_TWO"', sh)), "1 one|two\n")
+        self.assertEqual(text(self.ok(show)), "1 one two\n")  # the default context too
+        # A per-call value wins for that call, then the sandbox's comes back.
+        self.assertEqual(text(self.ok(show, py, env={"SBX_ONE": "call"})), "call two\n")
+        self.assertEqual(text(self.ok(show, py)), "1 one two\n")
+        self.assertEqual(text(self.ok('echo "$SBX_ONE"', sh, env={"SBX_ONE": "c"})), "c\n")
+        self.assertEqual(text(self.ok('echo "$SBX_ONE"', sh)), "1 one\n")
+        # Changed and removed variables follow the file.
+        time.sleep(0.01)
+        self.write_sandbox_env({"SBX_ONE": "changed"})
+        self.assertEqual(text(self.ok(show, py)), "changed None\n")
+        self.assertEqual(text(self.ok('echo "$SBX_ONE|${SBX_TWO-unset}"', sh)), "changed|unset\n")
+        # A restarted context gets it again.
+        self.assertTrue(op("restart", context_id=py)["ok"])
+        self.assertEqual(text(self.ok(show, py)), "changed None\n")
+
+    @unittest.skipUnless(has_modules("matplotlib", "pandas"), "no matplotlib/pandas")
+    def test_kernels_register_the_e2b_formatters(self):
+        # space_formatters.py (beside the daemon) gives dicts JSON, DataFrames e2b/data and
+        # figures e2b/chart; guest/tests/test_formatters.py covers their content.
+        ctx = self.create()["id"]
+        data = results(self.ok("{'a': [1, 2]}", ctx))[0]["data"]
+        self.assertEqual(data["application/json"], {"a": [1, 2]})
+        data = results(self.ok("import pandas as pd\npd.DataFrame({'x': [1]})", ctx))[0]["data"]
+        self.assertEqual(data["e2b/data"], {"x": [1]})
+        evs = self.ok("import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()", ctx)
+        charts = [r["data"]["e2b/chart"] for r in results(evs) if "e2b/chart" in r["data"]]
+        self.assertEqual([c["type"] for c in charts], ["line"], evs)
+        self.assertEqual(set(results(self.ok("1 + 1", ctx))[0]["data"]), {"text/plain"})
 
     def test_python_timeout_keeps_context(self):
         ctx = self.create()["id"]
