@@ -4,7 +4,7 @@
 #ifndef SP_AGENT_AGENT_H
 #define SP_AGENT_AGENT_H
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 
 #define SP_AGENT_VERSION "0.1.0"
 

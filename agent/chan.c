@@ -13,7 +13,7 @@
  * drops the streams and a partly written frame, but keeps the whole frames
  * queued: the answer to that HELLO is among them, and the host side drops
  * everything before the answer to its own HELLO (answers carry its session,
- * core/agentproto.h). A unix client's queue goes with it.
+ * base/agentproto.h). A unix client's queue goes with it.
  */
 #include "agent/chan.h"
 
@@ -29,7 +29,7 @@
 
 #include "agent/ev.h"
 #include "agent/sess.h"
-#include "core/log.h"
+#include "base/log.h"
 
 #define CHAN_RETRY_MS 100
 

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 
 /* Opens a virtio-serial port (or any character device / FIFO pair). 0 or -1. */
 int sp_chan_open_path(const char *path);

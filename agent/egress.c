@@ -42,7 +42,7 @@
 #include "agent/chan.h"
 #include "agent/ev.h"
 #include "agent/sess.h"
-#include "core/log.h"
+#include "base/log.h"
 
 #define ACCEPT_BATCH      64    /* accepts per wakeup, so one listener cannot starve the loop */
 #define UDP_BATCH         64    /* datagrams per wakeup */
@@ -1109,7 +1109,7 @@ static int profile_apply(bool on)
         *slash = 0;
         mkdir(dir, 0755); /* /etc/profile.d may not exist in a minimal image */
     }
-    /* Unchanged (a wake, or a spare clone taken by a sandbox: core/qemu.c): nothing to do. */
+    /* Unchanged (a wake, or a spare clone taken by a sandbox: core/runtime/qemu.c): nothing to do. */
     int rc = file_is_n(path, out, n) ? 0 : write_atomic(path, out, n);
     free(out);
     return rc;

@@ -22,7 +22,7 @@
 #include "agent/chan.h"
 #include "agent/sess.h"
 #include "agent/users.h"
-#include "core/log.h"
+#include "base/log.h"
 
 /* A request's common arguments. */
 typedef struct {

@@ -21,7 +21,7 @@
 #include "agent/proc.h"
 #include "agent/sess.h"
 #include "agent/sysinit.h"
-#include "core/log.h"
+#include "base/log.h"
 
 int sp_agent_apply_system;
 const char *sp_agent_env_file;

@@ -37,7 +37,7 @@
 #include "agent/ring.h"
 #include "agent/sess.h"
 #include "agent/users.h"
-#include "core/log.h"
+#include "base/log.h"
 
 #define PROC_KEEP_FINISHED 32 /* finished processes kept for late attach */
 #define PROC_MAX_ATTACH    16 /* streams per process */

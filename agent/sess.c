@@ -24,7 +24,7 @@
 #include "agent/sysinit.h"
 #include "agent/tcp.h"
 #include "agent/watch.h"
-#include "core/log.h"
+#include "base/log.h"
 
 #define GRANT_MIN (SP_AP_INITIAL_WINDOW / 4) /* bytes of credit given back at once */
 
@@ -205,7 +205,7 @@ static void on_hello(const sp_ap_hdr_t *h, const uint8_t *p)
         .caps = SP_AP_CAP_PTY | SP_AP_CAP_WATCH | SP_AP_CAP_TCP | SP_AP_CAP_IDENTITY |
                 SP_AP_CAP_EGRESS,
         .boot_ns = boot_ns(),
-        .session = in.session, /* which HELLO this answers (see core/agentproto.h) */
+        .session = in.session, /* which HELLO this answers (see base/agentproto.h) */
     };
     sp_ap_writer_t *w = sp_chan_begin(0, SP_AP_T_HELLO, 0, 256);
     if (w == NULL)

@@ -13,7 +13,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 
 typedef struct sp_stream sp_stream_t;
 

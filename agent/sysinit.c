@@ -26,7 +26,7 @@
 #include "agent/agent.h"
 #include "agent/chan.h"
 #include "agent/sess.h"
-#include "core/log.h"
+#include "base/log.h"
 
 /* From linux/random.h, which musl's toolchain does not ship. The ABI is stable. */
 #ifndef RNDADDENTROPY

@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <sys/types.h>
 
-#include "core/err.h"
+#include "base/err.h"
 
 #define SP_USER_MAX_GROUPS 64
 

@@ -1,4 +1,4 @@
-"""A minimal host-side client of the agent protocol (core/agentproto.h), for benchmarks that
+"""A minimal host-side client of the agent protocol (base/agentproto.h), for benchmarks that
 need the floor: the same request sent straight to a VM's agent socket, with no spaced."""
 import socket
 import struct

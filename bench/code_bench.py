@@ -33,7 +33,7 @@ TEMPLATE = "code-interpreter-v1"
 N_CREATE = int(os.environ.get("BENCH_CREATES", "5"))
 N_RTT = max(50, int(os.environ.get("BENCH_RTT", "100")))
 
-# Runs inside the guest: N executions of `1+1` straight to the code daemon (core/code.h's
+# Runs inside the guest: N executions of `1+1` straight to the code daemon (core/channel/code.h's
 # protocol: one request line, a status line, event lines up to "end", then the daemon closes).
 GUEST_CLIENT = r"""
 import json, socket, sys, time

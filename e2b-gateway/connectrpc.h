@@ -20,8 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "core/err.h"
-#include "server/stream.h"
+#include "base/err.h"
+#include "http/stream.h"
 
 /* ---- buffers and arenas ---- */
 
@@ -434,7 +434,7 @@ void sp_connect_reply(h2o_req_t *req, const sp_connect_req_t *cr, const sp_cdesc
 /* Unary (or not yet started stream) error: status from the code, JSON {code, message}. */
 void sp_connect_reply_error(h2o_req_t *req, sp_connect_code_t code, const char *msg);
 
-/* Connect server streams, on server/stream.h (which also carries raw bytes, for /files
+/* Connect server streams, on http/stream.h (which also carries raw bytes, for /files
  * downloads). Each write is whole envelopes, so an envelope's header and payload always travel
  * in one buffer. */
 /* One message as a data envelope. */

@@ -1,6 +1,6 @@
 /*
  * envd_code.c - the E2B code interpreter (port 49999, spec e2b-wire.md section 4) over
- * core/code.h: POST /execute streamed as NDJSON, the /contexts CRUD, GET /health.
+ * core/channel/code.h: POST /execute streamed as NDJSON, the /contexts CRUD, GET /health.
  *
  * /execute answers with an HTTP error while the daemon has not accepted the execution (bad
  * input 400, unknown context 404, ...), then 200 and one JSON object per line, in the order
@@ -24,8 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/code.h"
-#include "core/log.h"
+#include "core/channel/code.h"
+#include "base/log.h"
 #include "e2b-gateway/connectrpc.h"
 #include "e2b-gateway/gw_int.h"
 

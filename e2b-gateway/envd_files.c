@@ -24,7 +24,7 @@
 #include <time.h>
 #include <zlib.h>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "e2b-gateway/envd_int.h"
 #include "e2b-gateway/multipart.h"
 

@@ -1,5 +1,5 @@
 /*
- * envd_fs.c - filesystem.Filesystem over core/exec.h: Stat, MakeDir, Move, ListDir, Remove,
+ * envd_fs.c - filesystem.Filesystem over core/channel/exec.h: Stat, MakeDir, Move, ListDir, Remove,
  * WatchDir (stream), and the polling watchers CreateWatcher / GetWatcherEvents /
  * RemoveWatcher.
  *
@@ -15,8 +15,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/ids.h"
-#include "core/log.h"
+#include "base/ids.h"
+#include "base/log.h"
 #include "e2b-gateway/envd_int.h"
 
 #define WATCHER_EVENTS_MAX 10000

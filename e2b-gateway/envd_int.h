@@ -6,7 +6,7 @@
 #ifndef SP_E2B_ENVD_INT_H
 #define SP_E2B_ENVD_INT_H
 
-#include "core/exec.h"
+#include "core/channel/exec.h"
 #include "e2b-gateway/connectrpc.h"
 #include "e2b-gateway/gw_int.h"
 

@@ -1,5 +1,5 @@
 /*
- * envd_process.c - process.Process over core/exec.h: Start, Connect, List, SendInput,
+ * envd_process.c - process.Process over core/channel/exec.h: Start, Connect, List, SendInput,
  * StreamInput, SendSignal, CloseStdin, Update.
  *
  * A Start/Connect stream passes the process's output agent -> envelope -> client, and the
@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "e2b-gateway/envd_int.h"
 
 #define PROC_TABLE_MAX 4096

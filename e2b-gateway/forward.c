@@ -28,7 +28,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "e2b-gateway/gw_int.h"
 
 #include <h2o/http1.h> /* h2o_http1_upgrade; needs h2o.h first */

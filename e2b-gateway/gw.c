@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/log.h"
+#include "base/log.h"
 
 sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o)
 {

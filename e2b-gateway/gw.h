@@ -14,7 +14,7 @@
 #include <h2o.h>
 #include <stdbool.h>
 
-#include "core/svc.h"
+#include "core/control/svc.h"
 
 typedef struct sp_e2b sp_e2b_t;
 

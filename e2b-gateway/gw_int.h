@@ -9,9 +9,9 @@
 #ifndef SP_E2B_GW_INT_H
 #define SP_E2B_GW_INT_H
 
-#include "core/agentconn.h"
+#include "core/channel/agentconn.h"
 #include "e2b-gateway/gw.h"
-#include "server/http.h"
+#include "http/http.h"
 
 #define SP_E2B_ENVD_PORT 49983
 #define SP_E2B_CODE_PORT 49999
@@ -49,7 +49,7 @@ void sp_e2b__envd_free(sp_e2b_t *gw);
 /* Whether path is an envd path. */
 bool sp_e2b__is_envd_path(h2o_req_t *req);
 
-/* The code interpreter (port 49999, spec 4) over core/code.h: POST /execute (NDJSON stream),
+/* The code interpreter (port 49999, spec 4) over core/channel/code.h: POST /execute (NDJSON stream),
  * POST/GET /contexts, DELETE /contexts/{id}, POST /contexts/{id}/restart, GET /health. */
 void sp_e2b__code(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
 /* Whether path is a code-interpreter path (/execute, /contexts...): on the API address these

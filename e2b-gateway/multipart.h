@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "core/err.h"
+#include "base/err.h"
 
 #define SP_MULTIPART_BOUNDARY_MAX 200   /* bytes of boundary (RFC 2046 says 70) */
 #define SP_MULTIPART_HEADERS_MAX  16384 /* bytes of one part's header block */

@@ -14,8 +14,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/egress_policy.h"
-#include "core/log.h"
+#include "core/egress/egress_policy.h"
+#include "base/log.h"
 #include "e2b-gateway/gw_int.h"
 #include "e2b-gateway/route_int.h"
 
@@ -273,7 +273,7 @@ static json_t *body_obj(ctl_t *c, const char *key, bool *bad)
 }
 
 /*
- * E2B's outbound settings as an egress policy (core/egress_policy.h): allow_internet_access
+ * E2B's outbound settings as an egress policy (core/egress/egress_policy.h): allow_internet_access
  * false, or ALL_TRAFFIC ("0.0.0.0/0", "::/0") in network.denyOut, turn the internet off so
  * that only network.allowOut opens destinations; other denyOut entries become deny rules,
  * allowOut entries (domains, "*.domain", IPs, CIDRs) allow rules. One difference: E2B lets an

@@ -29,12 +29,12 @@
 
 #include <jansson.h>
 
-#include "core/agentconn.h"
-#include "core/cgroup.h"
-#include "core/driver.h"
-#include "core/log.h"
-#include "core/loop.h"
-#include "core/qemu.h"
+#include "core/channel/agentconn.h"
+#include "core/runtime/cgroup.h"
+#include "core/runtime/driver.h"
+#include "base/log.h"
+#include "loop/loop.h"
+#include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 #include "tests/check.h"
 

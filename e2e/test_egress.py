@@ -2,7 +2,7 @@
 
 The guests have no network device: curl and Python in the guest reach the host's test servers
 (HTTP and HTTPS on 127.0.0.1, standing in for the internet) only through the agent's proxy
-port and spaced's egress proxy (core/egress.h), which applies each sandbox's policy. Uses
+port and spaced's egress proxy (core/egress/egress.h), which applies each sandbox's policy. Uses
 spaced-test for its test-only resolver override (SPACE_TEST_EGRESS_HOSTS), which makes names
 like ok.test and rebind.test resolve to 127.0.0.1; the default policy denies loopback, so the
 tests open 127.0.0.1 by an explicit IP rule where they need it.

@@ -17,7 +17,7 @@
  * at once); repaired, the wake succeeds. All boots here are cold boots (opts.cold_boot). Measures
  * cold boot-to-agent-ready over three more boots and prints the median.
  *
- * Where the host has a cgroup layout (core/cgroup.h), checks after each boot,
+ * Where the host has a cgroup layout (core/runtime/cgroup.h), checks after each boot,
  * re-adoption and restore that the QEMU pid is in the VM's cpu and memory
  * (and pids) groups with the limits from its size, and that destroy and a
  * dead QEMU leave no group behind.
@@ -33,11 +33,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/agentconn.h"
-#include "core/cgroup.h"
-#include "core/driver.h"
-#include "core/loop.h"
-#include "core/qemu.h"
+#include "core/channel/agentconn.h"
+#include "core/runtime/cgroup.h"
+#include "core/runtime/driver.h"
+#include "loop/loop.h"
+#include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 #include "tests/check.h"
 

@@ -31,7 +31,7 @@
 #include <jansson.h>
 #include <openssl/evp.h>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "guest/embedded.h"
 
 extern char **environ;

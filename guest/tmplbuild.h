@@ -44,7 +44,7 @@
  * script, the agent binary's SHA-256, the kernel version and, when the spec
  * asks for code_interpreter, the code daemon (guest/code/space-code, compiled
  * in like the scripts). Old <hash> dirs are kept: running sandboxes' overlays
- * point at them. Template snapshots (core/qemu.h) live in snapshot-* dirs
+ * point at them. Template snapshots (core/runtime/qemu.h) live in snapshot-* dirs
  * inside a <hash> dir; the runtime owns and removes those.
  */
 #ifndef SP_TMPLBUILD_H
@@ -52,7 +52,7 @@
 
 #include <stddef.h>
 
-#include "core/err.h"
+#include "base/err.h"
 
 #define SP_TMPLBUILD_HASH_LEN    64                          /* hex chars */
 #define SP_TMPLBUILD_WARMUP_MAX  32                          /* warmup argv entries */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/log.h"
+#include "base/log.h"
 
 sp_napi_t *sp_napi_create(sp_svc_t *svc)
 {

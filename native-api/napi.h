@@ -2,8 +2,8 @@
  * napi.h - the native HTTP API (/v1/..., /healthz).
  *
  * Parses and authenticates (Authorization: Bearer <key>), calls one core
- * operation (core/svc.h), renders JSON. Its only state is the table of command
- * sessions (core/session.h), which lives in this process's memory.
+ * operation (core/control/svc.h), renders JSON. Its only state is the table of command
+ * sessions (core/channel/session.h), which lives in this process's memory.
  */
 #ifndef SP_NAPI_H
 #define SP_NAPI_H
@@ -11,7 +11,7 @@
 #include <h2o.h>
 #include <stdbool.h>
 
-#include "core/svc.h"
+#include "core/control/svc.h"
 
 typedef struct sp_napi sp_napi_t;
 

@@ -4,10 +4,10 @@
 #ifndef SP_NAPI_INT_H
 #define SP_NAPI_INT_H
 
-#include "core/session.h"
+#include "core/channel/session.h"
 #include "native-api/napi.h"
-#include "server/http.h"
-#include "server/stream.h"
+#include "http/http.h"
+#include "http/stream.h"
 
 #define NAPI_MAX_BODY (1024 * 1024) /* JSON bodies; larger is 413 */
 #define NAPI_MAX_SEGS 8
@@ -59,7 +59,7 @@ h2o_req_t *sp_napi__take(napi_ctx_t *c);
 void sp_napi__with_agent(napi_ctx_t *c, napi_agent_fn next);
 sp_loop_t *sp_napi__loop(napi_ctx_t *c);
 
-/* The first event of a streamed NDJSON route (server/stream.h): a failure (err != NULL)
+/* The first event of a streamed NDJSON route (http/stream.h): a failure (err != NULL)
  * answers as a JSON error, anything else starts a 200 application/x-ndjson stream. Consumes c
  * either way. NULL when there is no stream (answered with err, the client is gone, or out of
  * memory, answered 500): the caller stops its operation and frees its state. */

@@ -3,8 +3,8 @@
  * the background), list, re-attach to output, stdin, signals.
  *
  * Parses and checks the JSON, resolves the sandbox's agent (sp_napi__with_agent), then hands
- * the work to core/exec.h. A streamed command's output flows agent -> NDJSON line -> client,
- * and the agent gets credit back only after h2o took the line (server/stream.c's on_sent), so a
+ * the work to core/channel/exec.h. A streamed command's output flows agent -> NDJSON line -> client,
+ * and the agent gets credit back only after h2o took the line (http/stream.c's on_sent), so a
  * client that reads slowly or not at all holds one agent window here, never more. A client
  * that leaves only detaches: the process keeps running and can be re-attached.
  *
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/exec.h"
+#include "core/channel/exec.h"
 #include "native-api/napi_int.h"
 
 #define MAX_TIMEOUT_S (24 * 3600)

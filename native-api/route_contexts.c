@@ -1,12 +1,12 @@
 /*
- * route_contexts.c - /v1/sandboxes/{id}/contexts and .../execute: code contexts (core/code.h),
+ * route_contexts.c - /v1/sandboxes/{id}/contexts and .../execute: code contexts (core/channel/code.h),
  * long-lived Python and bash interpreters in the sandbox that keep state between executions.
  *
  * Parses and checks the JSON, resolves the sandbox's agent (sp_napi__with_agent), then hands
- * the work to core/code.h. An execution streams as NDJSON: a "start" line once the daemon
+ * the work to core/channel/code.h. An execution streams as NDJSON: a "start" line once the daemon
  * accepted it, its events, a "keepalive" line after KEEPALIVE_MS without one, and an "end"
  * line. Output flows daemon -> NDJSON line -> client, and the daemon's bytes are acknowledged
- * to core (sp_code_ack) only after h2o took the line (server/stream.c's on_sent), so a slow client
+ * to core (sp_code_ack) only after h2o took the line (http/stream.c's on_sent), so a slow client
  * holds the interpreter's output in the guest. A client that leaves cancels the execution's
  * connection, which makes the daemon interrupt it. While an execution streams, the
  * sandbox's activity is recorded every ACTIVITY_MS so the idle limit does not suspend it.
@@ -15,8 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/code.h"
-#include "core/log.h"
+#include "core/channel/code.h"
+#include "base/log.h"
 #include "native-api/napi_int.h"
 
 #define KEEPALIVE_MS  5000u

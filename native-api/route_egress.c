@@ -5,7 +5,7 @@
  *   GET /v1/sandboxes/{id}/egress/policy   {"internet", "allow", "deny"} in normal form
  *   PUT /v1/sandboxes/{id}/egress/policy   replaces it; new connections follow at once
  *
- * The rules and their meaning are core/egress_policy.h's; the proxy is core/egress.h.
+ * The rules and their meaning are core/egress/egress_policy.h's; the proxy is core/egress/egress.h.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/exec.h"
+#include "core/channel/exec.h"
 #include "native-api/napi_int.h"
 
 typedef struct {

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/egress_policy.h"
+#include "core/egress/egress_policy.h"
 #include "native-api/napi_int.h"
 
 /* ---- templates ---- */
@@ -160,7 +160,7 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
         sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "template may not contain NUL"), &e));
         return;
     }
-    /* Outbound policy (core/egress_policy.h): a bad rule is a 400 naming it. */
+    /* Outbound policy (core/egress/egress_policy.h): a bad rule is a 400 naming it. */
     json_t *egress = json_object_get(b, "egress");
     if (egress != NULL && !json_is_null(egress)) {
         sp_egp_t *pol = sp_egp_from_json(egress, "egress", &e);

@@ -1,7 +1,7 @@
 /*
  * route_secrets.c - /v1/secrets and /v1/sandboxes/{id}/credentials.
  *
- * A secret's value goes one way: in with POST or PUT, sealed at once (core/secrets.h), and
+ * A secret's value goes one way: in with POST or PUT, sealed at once (core/egress/secrets.h), and
  * never out again: responses carry names and times, and no error message quotes a body
  * (the JSON parser's own messages are replaced for these routes). Credential rules name
  * secrets; they are not secret themselves and are shown as stored.
@@ -11,7 +11,7 @@
 
 #include <sodium.h>
 
-#include "core/secrets.h"
+#include "core/egress/secrets.h"
 #include "native-api/napi_int.h"
 
 static sp_secrets_t *secrets_of(napi_ctx_t *c, sp_err_t *err)

@@ -5,7 +5,7 @@
  * Creating a session is the only step that asks the database (team scope, sandbox running);
  * attaching resolves the sandbox's agent channel through the runtime driver and never
  * touches PostgreSQL, so in a multi-host deployment attach_url names the worker that owns
- * the VM (here: this server, as a path). core/session.h owns the table and the process.
+ * the VM (here: this server, as a path). core/channel/session.h owns the table and the process.
  *
  * Attach without an upgrade streams NDJSON events exactly like POST .../commands?stream=true:
  *   {"type":"start","id","pid","session"}, {"type":"stdout"|"stderr","data"}, then
@@ -26,7 +26,7 @@
  * WebSocket; over plain HTTP it is /dev/null.
  *
  * Flow control: output credit goes back to the agent only once the bytes were written to the
- * client's socket (NDJSON: server/stream.c's on_sent; WebSocket: when wslay's queue has drained and
+ * client's socket (NDJSON: http/stream.c's on_sent; WebSocket: when wslay's queue has drained and
  * no socket write is pending). Stdin beyond the agent's credit is kept here up to
  * WS_STDIN_MAX; past that the socket is not read until the process takes stdin again.
  */
@@ -39,9 +39,9 @@
 
 #include <h2o/websocket.h>
 
-#include "core/exec.h"
-#include "core/log.h"
-#include "core/session.h"
+#include "core/channel/exec.h"
+#include "base/log.h"
+#include "core/channel/session.h"
 #include "native-api/napi_int.h"
 
 #define WS_MAX_MSG     (1024 * 1024)  /* bytes per client message */

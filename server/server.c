@@ -25,24 +25,24 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
-#include "core/egress.h"
-#include "core/ids.h"
-#include "core/keys.h"
-#include "core/log.h"
-#include "core/migrate.h"
-#include "core/mitm.h"
-#include "core/pgcluster.h"
-#include "core/qemu.h"
-#include "core/recon.h"
-#include "core/secrets.h"
-#include "core/store.h"
-#include "core/svc.h"
+#include "core/egress/egress.h"
+#include "base/ids.h"
+#include "core/control/keys.h"
+#include "base/log.h"
+#include "core/store/migrate.h"
+#include "core/egress/mitm.h"
+#include "core/store/pgcluster.h"
+#include "core/runtime/qemu.h"
+#include "core/control/recon.h"
+#include "core/egress/secrets.h"
+#include "core/store/store.h"
+#include "core/control/svc.h"
 #include "guest/tmplbuild.h"
 #include "e2b-gateway/gw.h"
 #include "native-api/napi.h"
-#include "server/http.h"
-#include "server/sniff.h"
-#include "server/tls.h"
+#include "http/http.h"
+#include "http/sniff.h"
+#include "http/tls.h"
 
 #define SPACE_VERSION "0.1.0"
 
@@ -256,7 +256,7 @@ static void on_tsnap(void *arg, const sp_err_t *err)
         w->err = *err;
 }
 
-/* The template snapshot the first create would otherwise build (core/qemu.h: boot a builder
+/* The template snapshot the first create would otherwise build (core/runtime/qemu.h: boot a builder
  * VM, run the template's warmup, snapshot it), built now so that first create is fast: a loop
  * and a qemu driver of our own that adopts nothing (a serving spaced may share the data dir).
  * For the template's default size; other sizes are still built on their first create. */

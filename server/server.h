@@ -8,7 +8,7 @@
 #ifndef SP_SERVER_H
 #define SP_SERVER_H
 
-#include "core/driver.h"
+#include "core/runtime/driver.h"
 
 typedef sp_driver_t *(*sp_server_driver_factory)(sp_loop_t *loop, const char *data_dir);
 

@@ -10,7 +10,7 @@ mkdir -p "$work/corpus"
 command -v clang >/dev/null 2>&1 || { echo "skip: no clang"; exit 77; }
 if ! clang -std=gnu11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined \
     -fno-sanitize-recover=all -I"$root" \
-    "$here/fuzz_agentproto.c" "$root/core/agentproto.c" "$root/core/err.c" \
+    "$here/fuzz_agentproto.c" "$root/base/agentproto.c" "$root/base/err.c" \
     -o "$work/fuzz_agentproto" 2>"$work/build.log"; then
     if grep -q "libclang_rt.fuzzer\|fuzzer.*not found\|cannot find" "$work/build.log"; then
         echo "skip: clang has no libFuzzer runtime"; exit 77

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100];

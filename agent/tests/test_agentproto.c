@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 #include "tests/check.h"
 
 static uint8_t big[SP_AP_MAX_FRAME + 4096];

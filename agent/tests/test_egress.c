@@ -36,7 +36,7 @@
 #include <unistd.h>
 
 #include "agent/egress.h"
-#include "core/agentproto.h"
+#include "base/agentproto.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100], resolv_path[128], profile_path[160];

@@ -1,7 +1,7 @@
 """The guest code-interpreter daemon (guest/code/space-code) on the host, over its socket.
 
 Starts `space-code serve` on a free port as the current user and speaks the protocol of
-core/code.h to it: contexts (create/list/delete/restart), Python through a real IPython
+core/channel/code.h to it: contexts (create/list/delete/restart), Python through a real IPython
 kernel (state, stream order, rich results, errors, env, timeout, interrupt, disconnect,
 kernel death, reseeding), bash (state, exit status, timeout), bad requests, concurrency
 and a client that does not read. Also `space-code start` (detached, idempotent).

@@ -513,7 +513,7 @@ CTX = {"id": "c1", "language": "python", "cwd": "/home/user", "default": False}
 
 
 class FakeDaemon:
-    """A stand-in that speaks the daemon protocol (core/code.h) the way a test wants, including
+    """A stand-in that speaks the daemon protocol (core/channel/code.h) the way a test wants, including
     ways the real one never would. behavior(req, conn, rfile) answers one connection."""
 
     def __init__(self, port):

@@ -28,10 +28,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/agentconn.h"
+#include "core/channel/agentconn.h"
 
-#include "core/driver.h"
-#include "core/ids.h"
+#include "core/runtime/driver.h"
+#include "base/ids.h"
 #include "server/tests/fakedriver.h"
 
 struct vm {

@@ -4,7 +4,7 @@
 #ifndef SP_TEST_FAKEDRIVER_H
 #define SP_TEST_FAKEDRIVER_H
 
-#include "core/driver.h"
+#include "core/runtime/driver.h"
 
 sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir);
 

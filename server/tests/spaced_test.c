@@ -1,6 +1,6 @@
 /*
  * spaced_test.c - `spaced` plus the test-only driver, selected with --runtime test, and the
- * egress proxy's test hooks (core/egress.h), read from the environment:
+ * egress proxy's test hooks (core/egress/egress.h), read from the environment:
  *
  *   SPACE_TEST_EGRESS_HOSTS    a hosts-style file ("ADDRESS NAME..." lines, '#' comments)
  *                              the egress resolver consults before DNS, re-read on each
@@ -18,7 +18,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "core/egress.h"
+#include "core/egress/egress.h"
 #include "server/server.h"
 #include "server/tests/fakedriver.h"
 

@@ -1,0 +1,124 @@
+/*
+ * keys.c - administrative key management over a blocking connection.
+ */
+#include "core/control/keys.h"
+
+#include <sodium.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+
+static PGresult *run(PGconn *c, const char *sql, int n, const char *const *p, sp_err_t *err)
+{
+    PGresult *r = PQexecParams(c, sql, n, NULL, p, NULL, NULL, 0);
+    ExecStatusType st = PQresultStatus(r);
+    if (st != PGRES_TUPLES_OK && st != PGRES_COMMAND_OK) {
+        sp_log(SP_LOG_ERROR, "keys", "statement failed err=%s", PQresultErrorMessage(r));
+        sp_err_set(err, SP_EUNAVAIL, "database error");
+        PQclear(r);
+        return NULL;
+    }
+    return r;
+}
+
+int sp_keys_hash_key(PGconn *c, unsigned char out[SP_HASHKEY_LEN], sp_err_t *err)
+{
+    unsigned char fresh[SP_HASHKEY_LEN];
+    char hex[SP_HASHKEY_LEN * 2 + 1];
+    randombytes_buf(fresh, sizeof(fresh));
+    sodium_bin2hex(hex, sizeof(hex), fresh, sizeof(fresh));
+    const char *p[] = {hex};
+    /* Insert-if-missing then read: two servers starting together agree on one key. */
+    PGresult *r = run(c,
+                      "WITH ins AS (INSERT INTO settings(name, value) VALUES ('key_hash_key', $1)"
+                      " ON CONFLICT (name) DO NOTHING RETURNING value)"
+                      " SELECT value FROM ins UNION ALL"
+                      " SELECT value FROM settings WHERE name = 'key_hash_key' LIMIT 1",
+                      1, p, err);
+    if (r == NULL)
+        return -1;
+    int ok = PQntuples(r) == 1 &&
+             sodium_hex2bin(out, SP_HASHKEY_LEN, PQgetvalue(r, 0, 0), strlen(PQgetvalue(r, 0, 0)),
+                            NULL, NULL, NULL) == 0;
+    PQclear(r);
+    sodium_memzero(fresh, sizeof(fresh));
+    if (!ok)
+        return sp_err_set(err, SP_EINTERNAL, "bad key hash setting");
+    return 0;
+}
+
+int sp_keys_create(PGconn *c, const char *team, const char *name, char key[SP_KEY_LEN + 1],
+                   char key_id[SP_ID_LEN + 1], sp_err_t *err)
+{
+    unsigned char hk[SP_HASHKEY_LEN];
+    if (sp_keys_hash_key(c, hk, err) < 0)
+        return -1;
+    char team_id[SP_ID_LEN + 1], hash[SP_KEYHASH_HEX + 1], prefix[SP_KEY_PREFIX + 1];
+    sp_ids_sandbox(team_id);
+    sp_ids_sandbox(key_id);
+    sp_ids_api_key(key);
+    sp_ids_key_hash(hk, key, hash);
+    sodium_memzero(hk, sizeof(hk));
+    memcpy(prefix, key, SP_KEY_PREFIX);
+    prefix[SP_KEY_PREFIX] = '\0';
+    const char *p[] = {team ? team : "default", team_id, key_id, prefix, hash, name ? name : ""};
+    PGresult *r = run(c,
+                      "WITH t AS (INSERT INTO teams(id, name) VALUES ($2, $1)"
+                      " ON CONFLICT (name) DO UPDATE SET name = excluded.name RETURNING id)"
+                      " INSERT INTO api_keys(id, team_id, prefix, hash, name)"
+                      " SELECT $3, t.id, $4, $5, $6 FROM t",
+                      6, p, err);
+    if (r == NULL)
+        return -1;
+    PQclear(r);
+    return 0;
+}
+
+int sp_keys_list(PGconn *c, FILE *out, sp_err_t *err)
+{
+    PGresult *r = run(c,
+                      "SELECT k.id, t.name, k.prefix, k.name,"
+                      " to_char(k.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+                      " coalesce(to_char(k.revoked_at AT TIME ZONE 'UTC',"
+                      " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), '-')"
+                      " FROM api_keys k JOIN teams t ON t.id = k.team_id ORDER BY k.created_at",
+                      0, NULL, err);
+    if (r == NULL)
+        return -1;
+    fprintf(out, "%-20s  %-16s  %-11s  %-20s  %-20s  %s\n", "ID", "TEAM", "PREFIX", "CREATED",
+            "REVOKED", "NAME");
+    for (int i = 0; i < PQntuples(r); i++)
+        fprintf(out, "%-20s  %-16s  %-11s  %-20s  %-20s  %s\n", PQgetvalue(r, i, 0),
+                PQgetvalue(r, i, 1), PQgetvalue(r, i, 2), PQgetvalue(r, i, 4),
+                PQgetvalue(r, i, 5), PQgetvalue(r, i, 3));
+    PQclear(r);
+    return 0;
+}
+
+int sp_keys_revoke(PGconn *c, const char *id_or_prefix, sp_err_t *err)
+{
+    const char *p[] = {id_or_prefix};
+    PGresult *r = run(c,
+                      "WITH k AS (UPDATE api_keys SET revoked_at = now()"
+                      " WHERE (id = $1 OR prefix = $1) AND revoked_at IS NULL RETURNING id)"
+                      " SELECT count(*), pg_notify('space_keys', 'revoked') FROM k",
+                      1, p, err);
+    if (r == NULL)
+        return -1;
+    long n = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    if (n == 0)
+        return sp_err_set(err, SP_ENOTFOUND, "no active key matches");
+    return 0;
+}
+
+int sp_keys_team_count(PGconn *c, long *out, sp_err_t *err)
+{
+    PGresult *r = run(c, "SELECT count(*) FROM teams", 0, NULL, err);
+    if (r == NULL)
+        return -1;
+    *out = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return 0;
+}

@@ -1,0 +1,565 @@
+/*
+ * recon.c - the controller loop: claim, act through the driver, record.
+ *
+ * A task is one sandbox this worker is acting on; at most one per sandbox.
+ * Its steps: [recover a crash leftover] -> begin (record the transitional
+ * state) -> driver call -> record the outcome (retried until the database
+ * takes it, so an outcome is never lost to an outage) -> release and
+ * rescan. Every record statement is guarded by the observed state it
+ * expects and by this worker's claim.
+ */
+#include "core/control/recon.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "core/control/sandbox.h"
+
+#define RECON_TICK_MS   1000 /* rescan even without NOTIFY */
+#define RECON_RETRY_MS  500  /* retry a record the database did not take */
+#define RECON_BATCH     "32"
+#define RECON_LEASE     "'120 seconds'"
+
+struct task {
+    sp_recon_t *r; /* NULL once the controller is gone: the task only frees itself */
+    char id[65];
+    char template_name[65];
+    char *env_json;
+    int cpu_count, memory_mb;
+    sp_desired_t desired;  /* at claim time */
+    sp_observed_t from;    /* observed before the action */
+    sp_action_t act;
+    sp_observed_t result;  /* to record */
+    bool failed;
+    char err_code[40];
+    char err_msg[160];
+    int stage; /* 0 begin, 1 running, 2 recording outcome */
+    sp_timer_t retry;
+    struct task *prev, *next;
+};
+
+struct sp_recon {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    sp_driver_t *driver;
+    char worker_id[65];
+    sp_timer_t tick;
+    sp_timer_t sweep; /* deadlines and idle limits */
+    bool sweeping;
+    bool scanning, rescan;
+    bool dying; /* destroyed while a scan or sweep was in flight: freed by its callback */
+    struct task *tasks;
+    int ntasks;
+};
+
+static void scan(sp_recon_t *r);
+static void task_next(struct task *t);
+
+static void task_free(struct task *t)
+{
+    if (t->r != NULL) {
+        if (t->prev)
+            t->prev->next = t->next;
+        else
+            t->r->tasks = t->next;
+        if (t->next)
+            t->next->prev = t->prev;
+        t->r->ntasks--;
+    }
+    sp_timer_stop(&t->retry);
+    free(t->env_json);
+    free(t);
+}
+
+int sp_recon_busy(const sp_recon_t *r)
+{
+    return r->ntasks;
+}
+
+/* ---- recording ---- */
+
+static const char *record_sql =
+    "WITH u AS (UPDATE sandboxes SET observed_state = $2, action = $10, updated_at = now(),"
+    "   error = CASE WHEN $3::text IS NULL THEN error ELSE $4 END,"
+    "   desired_state = CASE WHEN $6::text IS NOT NULL AND desired_state = $5 THEN $6"
+    "     ELSE desired_state END,"
+    "   claim_until = CASE WHEN $8::bool THEN NULL ELSE claim_until END,"
+    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes)"
+    "  WHERE id = $1 AND observed_state = $9 AND worker_id = $7"
+    "  RETURNING id, desired_state, observed_state),"
+    " f AS (UPDATE operations o SET"
+    "   status = CASE WHEN o.target = u.observed_state THEN 'succeeded' ELSE 'failed' END,"
+    "   error_code = CASE WHEN o.target = u.observed_state THEN NULL"
+    "     WHEN $3::text IS NOT NULL AND (o.target = $5 OR u.observed_state = 'failed') THEN $3"
+    "     WHEN u.observed_state = 'failed' THEN 'sandbox_failed' ELSE 'superseded' END,"
+    "   error_message = CASE WHEN o.target = u.observed_state THEN NULL"
+    "     WHEN $3::text IS NOT NULL AND (o.target = $5 OR u.observed_state = 'failed') THEN $4"
+    "     WHEN u.observed_state = 'failed' THEN 'the sandbox failed'"
+    "     ELSE 'superseded by a later request' END,"
+    "   finished_at = now()"
+    "  FROM u WHERE o.sandbox_id = u.id AND o.status IN ('pending', 'running')"
+    "   AND (o.target = u.observed_state OR u.observed_state = u.desired_state"
+    "     OR u.observed_state = 'failed' OR ($3::text IS NOT NULL AND o.target = $5))"
+    "  RETURNING o.id),"
+    " g AS (UPDATE operations o SET status = 'running' FROM u"
+    "  WHERE o.sandbox_id = u.id AND o.status = 'pending'"
+    "   AND u.observed_state IN ('starting', 'pausing', 'suspending', 'waking', 'stopping')"
+    "  RETURNING o.id),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT u.id, $11, coalesce($3, '') FROM u RETURNING 1)"
+    " SELECT (SELECT count(*) FROM u), (SELECT count(pg_notify('space_ops', f.id)) FROM f),"
+    "  (SELECT count(*) FROM g), (SELECT count(*) FROM ev)";
+
+typedef void (*record_done_fn)(struct task *t, bool applied);
+
+struct record_ctx {
+    struct task *t;
+    record_done_fn done;
+};
+
+static void on_recorded(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct record_ctx *rc = arg;
+    struct task *t = rc->t;
+    record_done_fn done = rc->done;
+    free(rc);
+    if (t->r == NULL) {
+        task_free(t);
+        return;
+    }
+    if (err != NULL) {
+        /* Keep the outcome and try again: an outage must not lose it. */
+        sp_log(SP_LOG_WARN, "recon", "record failed sandbox=%s err=%s; retrying", t->id, err->msg);
+        sp_timer_start(&t->retry, RECON_RETRY_MS);
+        return;
+    }
+    done(t, atoi(PQgetvalue(res, 0, 0)) == 1);
+}
+
+/* Records observed := to (guarded by expect), finishing operations; done runs once it is stored. */
+static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool release,
+                   const char *event, record_done_fn done)
+{
+    sp_recon_t *r = t->r;
+    struct record_ctx *rc = malloc(sizeof(*rc));
+    if (rc == NULL) {
+        sp_timer_start(&t->retry, RECON_RETRY_MS);
+        return;
+    }
+    rc->t = t;
+    rc->done = done;
+    bool failed = t->failed && t->stage == 2;
+    const char *fail_target = failed ? sp_desired_name(t->desired) : NULL;
+    /* A failed action rolls the desired state back to where it can rest, unless a later request
+     * already changed it. A failed boot rests in failed, so it keeps its desired state. */
+    const char *rollback = NULL;
+    if (failed && to != SP_OBS_FAILED && to != SP_OBS_DELETED)
+        rollback = sp_observed_name(to);
+    /* The snapshot's size is what a suspended sandbox costs: kept on the row for the API. */
+    char snap[24];
+    const char *snap_p = NULL;
+    if (to == SP_OBS_SUSPENDED || to == SP_OBS_RUNNING || to == SP_OBS_DELETED) {
+        sp_vm_stats_t st;
+        sp_err_t se;
+        uint64_t bytes = 0;
+        if (to == SP_OBS_SUSPENDED && r->driver->ops->stats(r->driver, t->id, &st, &se) == 0)
+            bytes = st.snapshot_bytes;
+        snprintf(snap, sizeof(snap), "%llu", (unsigned long long)bytes);
+        snap_p = snap;
+    }
+    const char *p[] = {t->id,
+                       sp_observed_name(to),
+                       failed ? t->err_code : NULL,
+                       failed ? t->err_msg : NULL,
+                       fail_target,
+                       rollback,
+                       r->worker_id,
+                       release ? "true" : "false",
+                       sp_observed_name(expect),
+                       sp_observed_transitional(to) ? sp_action_name(t->act) : NULL,
+                       event,
+                       snap_p};
+    sp_err_t e;
+    if (sp_store_query(r->store, record_sql, 12, p, on_recorded, rc, &e) < 0) {
+        free(rc);
+        sp_timer_start(&t->retry, RECON_RETRY_MS);
+    }
+}
+
+/* ---- task steps ---- */
+
+static void after_outcome(struct task *t, bool applied)
+{
+    sp_recon_t *r = t->r;
+    if (!applied)
+        sp_log(SP_LOG_WARN, "recon", "outcome not applied (claim lost?) sandbox=%s", t->id);
+    else
+        sp_log(SP_LOG_INFO, "recon", "sandbox=%s action=%s result=%s%s%s", t->id,
+               sp_action_name(t->act), sp_observed_name(t->result), t->failed ? " err=" : "",
+               t->failed ? t->err_msg : "");
+    task_free(t);
+    /* The desired state may have moved while we acted. */
+    r->rescan = true;
+    sp_timer_start(&r->tick, 0);
+}
+
+static void record_outcome(struct task *t)
+{
+    record(t, sp_action_during(t->act), t->result, true, t->failed ? "action_failed" : "action_done",
+           after_outcome);
+}
+
+static void on_driver_done(void *arg, const sp_err_t *err)
+{
+    struct task *t = arg;
+    if (t->r == NULL) {
+        task_free(t);
+        return;
+    }
+    t->stage = 2;
+    if (err != NULL) {
+        t->failed = true;
+        snprintf(t->err_code, sizeof(t->err_code), "%s", sp_err_name(err->code));
+        snprintf(t->err_msg, sizeof(t->err_msg), "%s", err->msg);
+        t->result = sp_action_failure(t->act, t->from);
+    } else {
+        t->result = sp_action_success(t->act);
+    }
+    record_outcome(t);
+}
+
+static void run_driver(struct task *t)
+{
+    sp_driver_t *d = t->r->driver;
+    sp_vm_spec_t spec = {.sandbox_id = t->id,
+                         .template_name = t->template_name,
+                         .cpu_count = t->cpu_count,
+                         .memory_mb = t->memory_mb,
+                         .hostname = t->id,
+                         .env_json = t->env_json};
+    sp_err_t e = {0};
+    int rc = -1;
+    t->stage = 1;
+    switch (t->act) {
+    case SP_ACT_BOOT:
+        rc = d->ops->boot(d, &spec, on_driver_done, t, &e);
+        break;
+    case SP_ACT_PAUSE:
+        rc = d->ops->pause(d, t->id, on_driver_done, t, &e);
+        break;
+    case SP_ACT_RESUME:
+        rc = d->ops->resume(d, t->id, on_driver_done, t, &e);
+        break;
+    case SP_ACT_SUSPEND:
+        rc = d->ops->snapshot(d, t->id, on_driver_done, t, &e);
+        break;
+    case SP_ACT_RESTORE:
+        rc = d->ops->restore(d, &spec, on_driver_done, t, &e);
+        break;
+    case SP_ACT_DESTROY:
+        rc = d->ops->destroy(d, t->id, on_driver_done, t, &e);
+        break;
+    default:
+        sp_err_set(&e, SP_EINTERNAL, "no action");
+        break;
+    }
+    if (rc < 0)
+        on_driver_done(t, &e); /* failed at once: same path as a failed callback */
+}
+
+static void after_begin(struct task *t, bool applied)
+{
+    if (!applied) {
+        /* Someone else moved the row (another worker, or a crash recovery): let a rescan decide. */
+        sp_recon_t *r = t->r;
+        task_free(t);
+        r->rescan = true;
+        sp_timer_start(&r->tick, RECON_RETRY_MS);
+        return;
+    }
+    run_driver(t);
+}
+
+static void after_settle(struct task *t, bool applied)
+{
+    task_free(t);
+}
+
+static void after_recover(struct task *t, bool applied)
+{
+    if (!applied) {
+        task_free(t);
+        return;
+    }
+    task_next(t);
+}
+
+/* From a stable observed state: act, or settle operations and release. */
+static void task_next(struct task *t)
+{
+    t->act = sp_sandbox_next_action(t->from, t->desired);
+    if (t->act == SP_ACT_NONE) {
+        t->stage = 0;
+        record(t, t->from, t->from, true, "settled", after_settle);
+        return;
+    }
+    t->stage = 0;
+    record(t, t->from, sp_action_during(t->act), false, sp_action_name(t->act), after_begin);
+}
+
+static void on_task_retry(sp_timer_t *tm, void *arg)
+{
+    struct task *t = arg;
+    if (t->stage == 2)
+        record_outcome(t);
+    else
+        task_next(t);
+}
+
+static struct task *task_find(sp_recon_t *r, const char *id)
+{
+    for (struct task *t = r->tasks; t != NULL; t = t->next)
+        if (strcmp(t->id, id) == 0)
+            return t;
+    return NULL;
+}
+
+static void start_task(sp_recon_t *r, PGresult *res, int row)
+{
+    const char *id = PQgetvalue(res, row, 0);
+    if (task_find(r, id) != NULL)
+        return;
+    sp_desired_t d;
+    sp_observed_t o;
+    if (sp_desired_parse(PQgetvalue(res, row, 1), &d) < 0 ||
+        sp_observed_parse(PQgetvalue(res, row, 2), &o) < 0) {
+        sp_log(SP_LOG_ERROR, "recon", "corrupt state sandbox=%s", id);
+        return;
+    }
+    struct task *t = calloc(1, sizeof(*t));
+    if (t == NULL)
+        return;
+    t->r = r;
+    snprintf(t->id, sizeof(t->id), "%s", id);
+    snprintf(t->template_name, sizeof(t->template_name), "%s", PQgetvalue(res, row, 3));
+    t->cpu_count = atoi(PQgetvalue(res, row, 4));
+    t->memory_mb = atoi(PQgetvalue(res, row, 5));
+    t->env_json = strdup(PQgetvalue(res, row, 6));
+    t->desired = d;
+    t->from = o;
+    sp_timer_init(&t->retry, r->loop, on_task_retry, t);
+    t->next = r->tasks;
+    if (t->next)
+        t->next->prev = t;
+    r->tasks = t;
+    r->ntasks++;
+
+    if (sp_observed_transitional(o)) {
+        /* No live task owns this row, so the worker that began the action is gone. */
+        sp_vm_state_t vm = r->driver->ops->probe(r->driver, id);
+        sp_observed_t rec = sp_sandbox_recover(o, vm);
+        sp_log(SP_LOG_INFO, "recon", "recovering sandbox=%s observed=%s vm=%d -> %s", id,
+               sp_observed_name(o), (int)vm, sp_observed_name(rec));
+        if (rec == SP_OBS_STOPPING) {
+            t->act = SP_ACT_DESTROY;
+            t->from = o;
+            run_driver(t);
+            return;
+        }
+        t->from = rec;
+        record(t, o, rec, false, "recovered", after_recover);
+        return;
+    }
+    task_next(t);
+}
+
+/* ---- deadlines and idle limits ---- */
+
+/*
+ * One statement turns due limits into requests, exactly as a client would: the
+ * desired state changes and an operation is recorded (kind "deadline" or "idle").
+ * A hard deadline deletes or suspends (deadline_action) and is then cleared; an idle
+ * limit suspends a running or paused sandbox whose last activity is older than it.
+ * SKIP LOCKED lets several workers sweep at once without doing a row twice.
+ */
+static const char *sweep_sql =
+    "WITH due AS (SELECT id, (deadline_at IS NOT NULL AND deadline_at <= now()) AS hard"
+    "  FROM sandboxes WHERE observed_state NOT IN ('deleted', 'failed')"
+    "   AND desired_state <> 'deleted'"
+    "   AND ((deadline_at IS NOT NULL AND deadline_at <= now())"
+    "     OR (desired_state IN ('running', 'paused')"
+    "         AND last_activity_at + make_interval(secs => idle_timeout_s) <= now()))"
+    "  ORDER BY id LIMIT 64 FOR UPDATE SKIP LOCKED),"
+    " u AS (UPDATE sandboxes s SET"
+    "   desired_state = CASE WHEN due.hard AND s.deadline_action = 'delete' THEN 'deleted'"
+    "     ELSE 'suspended' END,"
+    "   deadline_at = CASE WHEN due.hard THEN NULL ELSE s.deadline_at END,"
+    "   updated_at = now()"
+    "  FROM due WHERE s.id = due.id"
+    "  RETURNING s.id, s.team_id, s.desired_state, due.hard,"
+    "   (SELECT d.desired_state FROM sandboxes d WHERE d.id = s.id) AS was),"
+    " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+    "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
+    "   u.id, u.team_id, CASE WHEN u.hard THEN 'deadline' ELSE 'idle' END, u.desired_state"
+    "  FROM u WHERE u.was <> u.desired_state RETURNING sandbox_id),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT u.id, CASE WHEN u.hard THEN 'deadline' ELSE 'idle' END, u.desired_state FROM u"
+    "  RETURNING 1)"
+    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM o),"
+    "  (SELECT count(*) FROM ev) FROM u";
+
+/* After sp_recon_destroy: the last in-flight statement's callback frees the controller. */
+static bool reap_if_dying(sp_recon_t *r)
+{
+    if (!r->dying)
+        return false;
+    if (!r->scanning && !r->sweeping)
+        free(r);
+    return true;
+}
+
+static void on_swept(void *arg, PGresult *res, const sp_err_t *err)
+{
+    sp_recon_t *r = arg;
+    r->sweeping = false;
+    if (reap_if_dying(r))
+        return;
+    if (err == NULL && atoi(PQgetvalue(res, 0, 0)) > 0)
+        sp_log(SP_LOG_INFO, "recon", "limits reached sandboxes=%s", PQgetvalue(res, 0, 0));
+    sp_timer_start(&r->sweep, RECON_TICK_MS);
+}
+
+static void on_sweep(sp_timer_t *tm, void *arg)
+{
+    sp_recon_t *r = arg;
+    sp_err_t e;
+    if (sp_store_query(r->store, sweep_sql, 0, NULL, on_swept, r, &e) < 0)
+        sp_timer_start(&r->sweep, RECON_TICK_MS);
+    else
+        r->sweeping = true;
+}
+
+/* ---- scanning ---- */
+
+static void on_claimed(void *arg, PGresult *res, const sp_err_t *err)
+{
+    sp_recon_t *r = arg;
+    r->scanning = false;
+    if (reap_if_dying(r))
+        return;
+    if (err != NULL) {
+        sp_timer_start(&r->tick, RECON_TICK_MS);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res); i++)
+        start_task(r, res, i);
+    if (r->rescan || PQntuples(res) == atoi(RECON_BATCH)) {
+        r->rescan = false;
+        sp_timer_start(&r->tick, 0);
+    } else {
+        sp_timer_start(&r->tick, RECON_TICK_MS);
+    }
+}
+
+static void scan(sp_recon_t *r)
+{
+    if (r->scanning) {
+        r->rescan = true;
+        return;
+    }
+    r->rescan = false;
+    /* Rows this worker is already acting on, as a text[] literal of validated IDs. */
+    size_t cap = 4 + (size_t)r->ntasks * 68;
+    char *busy = malloc(cap);
+    if (busy == NULL) {
+        sp_timer_start(&r->tick, RECON_TICK_MS);
+        return;
+    }
+    size_t off = (size_t)snprintf(busy, cap, "{");
+    for (struct task *t = r->tasks; t != NULL; t = t->next)
+        off += (size_t)snprintf(busy + off, cap - off, "%s%s", off > 1 ? "," : "", t->id);
+    snprintf(busy + off, cap - off, "}");
+    const char *p[] = {r->worker_id, busy};
+    sp_err_t e;
+    int rc = sp_store_query(
+        r->store,
+        "UPDATE sandboxes s SET worker_id = $1, claim_until = now() + interval " RECON_LEASE
+        " WHERE s.id IN (SELECT c.id FROM sandboxes c"
+        "  WHERE c.observed_state <> 'deleted'"
+        "   AND (c.claim_until IS NULL OR c.claim_until < now() OR c.worker_id = $1)"
+        "   AND NOT (c.id = ANY($2::text[]))"
+        "   AND ((c.desired_state <> c.observed_state"
+        "         AND NOT (c.observed_state = 'failed' AND c.desired_state <> 'deleted'))"
+        "     OR EXISTS (SELECT 1 FROM operations o WHERE o.sandbox_id = c.id"
+        "                AND o.status IN ('pending', 'running')))"
+        "  ORDER BY c.updated_at LIMIT " RECON_BATCH " FOR UPDATE SKIP LOCKED)"
+        " RETURNING s.id, s.desired_state, s.observed_state, s.template, s.cpu_count,"
+        "  s.memory_mb, s.env::text",
+        2, p, on_claimed, r, &e);
+    free(busy);
+    if (rc < 0) {
+        sp_timer_start(&r->tick, RECON_TICK_MS);
+        return;
+    }
+    r->scanning = true;
+}
+
+static void on_tick(sp_timer_t *tm, void *arg)
+{
+    scan(arg);
+}
+
+static void on_notify(void *arg, const char *channel, const char *payload)
+{
+    sp_recon_t *r = arg;
+    if (!sp_timer_armed(&r->tick) || r->scanning) {
+        r->rescan = true;
+        return;
+    }
+    sp_timer_start(&r->tick, 0);
+}
+
+sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
+                            const char *worker_id, sp_err_t *err)
+{
+    sp_recon_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    r->loop = loop;
+    r->store = store;
+    r->driver = driver;
+    snprintf(r->worker_id, sizeof(r->worker_id), "%s", worker_id);
+    sp_timer_init(&r->tick, loop, on_tick, r);
+    sp_timer_init(&r->sweep, loop, on_sweep, r);
+    if (sp_store_listen(store, "space_sandbox", on_notify, r, err) < 0) {
+        free(r);
+        return NULL;
+    }
+    sp_timer_start(&r->tick, 0);
+    sp_timer_start(&r->sweep, RECON_TICK_MS);
+    return r;
+}
+
+void sp_recon_destroy(sp_recon_t *r)
+{
+    if (r == NULL)
+        return;
+    sp_timer_stop(&r->tick);
+    sp_timer_stop(&r->sweep);
+    /* Tasks waiting on the driver or the store free themselves when called back. */
+    for (struct task *t = r->tasks, *n; t != NULL; t = n) {
+        n = t->next;
+        sp_timer_stop(&t->retry);
+        t->r = NULL;
+        if (t->stage == 0 && !sp_timer_armed(&t->retry)) {
+            /* waiting on the store: its shutdown calls back */
+        }
+    }
+    r->tasks = NULL;
+    r->dying = true;
+    reap_if_dying(r);
+}

@@ -1,0 +1,1466 @@
+/*
+ * svc.c - core operations over the store.
+ *
+ * Each call is one statement (data-modifying CTEs keep multi-row changes
+ * atomic) whose result is parsed into records here; the HTTP layers render
+ * them. Operation waits are woken by NOTIFY space_ops (payload: operation
+ * ID) from the controller, re-checked after the listener reconnects, and
+ * bounded by their own timers.
+ */
+#include "core/control/svc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/egress/egress_policy.h"
+#include "base/log.h"
+
+#define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+
+#define SANDBOX_COLS                                                                               \
+    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " TS("s.created_at") ", "    \
+    TS("s.last_activity_at") ", coalesce(" TS("s.deadline_at") ", ''), s.deadline_action, "       \
+    "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
+    "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
+    "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
+    "coalesce(s.envd_version, ''), " TS("coalesce(s.deadline_at, s.created_at + make_interval("   \
+    "secs => coalesce(s.deadline_s, 315360000)))")
+#define SANDBOX_NCOLS 22
+
+#define OP_COLS                                                                                    \
+    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
+    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", '')"
+#define OP_NCOLS 8
+
+struct waiter {
+    sp_svc_t *svc;
+    char team_id[SP_ID_LEN + 1];
+    char op_id[65];
+    sp_svc_op_cb cb;
+    void *arg;
+    sp_timer_t timer;
+    bool checking; /* a re-check query is in flight */
+    bool recheck;  /* a NOTIFY arrived while it was: its answer may predate the change */
+    bool expired;  /* timer fired: answer with whatever the next check finds */
+    struct waiter *prev, *next;
+};
+
+/* Authenticated keys, so a request costs one query instead of two. Entries live
+ * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all. */
+#define AUTH_SLOTS  1024
+#define AUTH_TTL_MS 60000
+
+struct auth_entry {
+    char hash[SP_KEYHASH_HEX + 1]; /* "" = empty slot */
+    sp_auth_t auth;
+    uint64_t expires_ms;
+};
+
+struct sp_svc {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    unsigned char hashkey[SP_HASHKEY_LEN];
+    struct waiter *waiters;
+    struct auth_entry auth_cache[AUTH_SLOTS];
+    sp_driver_t *driver; /* borrowed; NULL: no data plane */
+    struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
+    void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
+    void *egress_hook_arg;
+};
+
+/* One in-flight statement's context. */
+struct call {
+    sp_svc_t *svc;
+    void (*done)(struct call *c, PGresult *res, const sp_err_t *err);
+    void *cb;
+    void *arg;
+    int kind;
+    struct waiter *w;
+};
+
+static void copy(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static void on_result(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct call *c = arg;
+    c->done(c, res, err);
+    free(c);
+}
+
+static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
+                  void (*done)(struct call *, PGresult *, const sp_err_t *), void *cb, void *arg,
+                  int kind, sp_err_t *err)
+{
+    struct call *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    c->svc = svc;
+    c->done = done;
+    c->cb = cb;
+    c->arg = arg;
+    c->kind = kind;
+    if (sp_store_query(svc->store, sql, n, p, on_result, c, err) < 0) {
+        free(c);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- row parsing ---- */
+
+static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    copy(s->id, sizeof(s->id), PQgetvalue(r, row, col + 0));
+    copy(s->team_id, sizeof(s->team_id), PQgetvalue(r, row, col + 1));
+    copy(s->template_name, sizeof(s->template_name), PQgetvalue(r, row, col + 2));
+    copy(s->desired, sizeof(s->desired), PQgetvalue(r, row, col + 3));
+    copy(s->observed, sizeof(s->observed), PQgetvalue(r, row, col + 4));
+    copy(s->created_at, sizeof(s->created_at), PQgetvalue(r, row, col + 5));
+    copy(s->last_activity_at, sizeof(s->last_activity_at), PQgetvalue(r, row, col + 6));
+    copy(s->deadline_at, sizeof(s->deadline_at), PQgetvalue(r, row, col + 7));
+    copy(s->deadline_action, sizeof(s->deadline_action), PQgetvalue(r, row, col + 8));
+    s->idle_timeout_s = atoi(PQgetvalue(r, row, col + 9));
+    s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
+    s->memory_mb = atoi(PQgetvalue(r, row, col + 11));
+    s->snapshot_bytes = atoll(PQgetvalue(r, row, col + 12));
+    copy(s->access_token, sizeof(s->access_token), PQgetvalue(r, row, col + 13));
+    copy(s->error, sizeof(s->error), PQgetvalue(r, row, col + 14));
+    s->metadata = json_loads(PQgetvalue(r, row, col + 15), 0, NULL);
+    if (s->metadata == NULL)
+        s->metadata = json_object();
+    s->auto_resume = PQgetvalue(r, row, col + 16)[0] == 't';
+    s->deadline_s = atoi(PQgetvalue(r, row, col + 17));
+    s->allow_internet = atoi(PQgetvalue(r, row, col + 18));
+    const char *net = PQgetvalue(r, row, col + 19);
+    s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
+    copy(s->envd_version, sizeof(s->envd_version), PQgetvalue(r, row, col + 20));
+    copy(s->end_at, sizeof(s->end_at), PQgetvalue(r, row, col + 21));
+}
+
+static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    copy(o->id, sizeof(o->id), PQgetvalue(r, row, col + 0));
+    copy(o->sandbox_id, sizeof(o->sandbox_id), PQgetvalue(r, row, col + 1));
+    copy(o->kind, sizeof(o->kind), PQgetvalue(r, row, col + 2));
+    copy(o->status, sizeof(o->status), PQgetvalue(r, row, col + 3));
+    copy(o->error_code, sizeof(o->error_code), PQgetvalue(r, row, col + 4));
+    copy(o->error_message, sizeof(o->error_message), PQgetvalue(r, row, col + 5));
+    copy(o->created_at, sizeof(o->created_at), PQgetvalue(r, row, col + 6));
+    copy(o->finished_at, sizeof(o->finished_at), PQgetvalue(r, row, col + 7));
+}
+
+static bool op_finished(const sp_op_rec_t *o)
+{
+    return strcmp(o->status, "succeeded") == 0 || strcmp(o->status, "failed") == 0;
+}
+
+/* ---- authentication ---- */
+
+static struct auth_entry *auth_slot(sp_svc_t *svc, const char *hash)
+{
+    /* The hash is uniformly random hex: its first 3 digits spread keys over the slots. */
+    unsigned idx = (unsigned)strtoul((char[4]){hash[0], hash[1], hash[2], 0}, NULL, 16);
+    return &svc->auth_cache[idx % AUTH_SLOTS];
+}
+
+static void auth_cache_clear(void *arg, const char *channel, const char *payload)
+{
+    sp_svc_t *svc = arg;
+    memset(svc->auth_cache, 0, sizeof(svc->auth_cache));
+}
+
+struct auth_hit {
+    sp_svc_auth_cb cb;
+    void *arg;
+    sp_auth_t auth;
+};
+
+static void auth_hit_fire(void *p)
+{
+    struct auth_hit *h = p;
+    h->cb(h->arg, &h->auth, NULL);
+    free(h);
+}
+
+static void auth_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EAUTH, "invalid or revoked API key");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    sp_auth_t a;
+    copy(a.team_id, sizeof(a.team_id), PQgetvalue(res, 0, 0));
+    copy(a.key_id, sizeof(a.key_id), PQgetvalue(res, 0, 1));
+    const char *hash = PQgetvalue(res, 0, 2);
+    struct auth_entry *slot = auth_slot(c->svc, hash);
+    copy(slot->hash, sizeof(slot->hash), hash);
+    slot->auth = a;
+    slot->expires_ms = sp_loop_now_ms(c->svc->loop) + AUTH_TTL_MS;
+    cb(c->arg, &a, NULL);
+}
+
+int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void *arg,
+                        sp_err_t *err)
+{
+    if (key == NULL || key[0] == '\0')
+        return sp_err_set(err, SP_EAUTH, "missing API key");
+    if (strlen(key) > 256)
+        return sp_err_set(err, SP_EAUTH, "invalid or revoked API key");
+    char hash[SP_KEYHASH_HEX + 1];
+    sp_ids_key_hash(svc->hashkey, key, hash);
+    struct auth_entry *slot = auth_slot(svc, hash);
+    if (strcmp(slot->hash, hash) == 0 && slot->expires_ms > sp_loop_now_ms(svc->loop)) {
+        struct auth_hit *h = malloc(sizeof(*h));
+        if (h != NULL) {
+            h->cb = cb;
+            h->arg = arg;
+            h->auth = slot->auth;
+            if (sp_loop_defer(svc->loop, auth_hit_fire, h) == 0)
+                return 0;
+            free(h);
+        }
+    }
+    const char *p[] = {hash};
+    return submit(svc,
+                  "SELECT team_id, id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL",
+                  1, p, auth_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- templates ---- */
+
+static void templates_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_templates_cb cb = (sp_svc_templates_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, err);
+        return;
+    }
+    int n = PQntuples(res);
+    if (c->kind == 1 && n == 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_ENOTFOUND, "template not found");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    sp_template_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        copy(recs[i].name, sizeof(recs[i].name), PQgetvalue(res, i, 0));
+        copy(recs[i].description, sizeof(recs[i].description), PQgetvalue(res, i, 1));
+        recs[i].cpu_count = atoi(PQgetvalue(res, i, 2));
+        recs[i].memory_mb = atoi(PQgetvalue(res, i, 3));
+        copy(recs[i].status, sizeof(recs[i].status), PQgetvalue(res, i, 4));
+        copy(recs[i].updated_at, sizeof(recs[i].updated_at), PQgetvalue(res, i, 5));
+    }
+    cb(c->arg, recs, (size_t)n, NULL);
+    free(recs);
+}
+
+int sp_svc_templates(sp_svc_t *svc, const char *name, sp_svc_templates_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    const char *p[] = {name};
+    return submit(svc,
+                  "SELECT name, description, cpu_count, memory_mb, status, " TS("updated_at")
+                  " FROM templates WHERE $1::text IS NULL OR name = $1 ORDER BY name",
+                  1, p, templates_done, (void *)cb, arg, name != NULL, err);
+}
+
+/* ---- sandboxes ---- */
+
+int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err)
+{
+    if (obj == NULL || json_is_null(obj))
+        return 0;
+    if (!json_is_object(obj))
+        return sp_err_set(err, SP_EINVAL, "%s must be an object of strings", what);
+    if (json_object_size(obj) > 256)
+        return sp_err_set(err, SP_EINVAL, "%s has more than 256 entries", what);
+    const char *k;
+    const json_t *v;
+    size_t total = 0;
+    json_object_foreach((json_t *)obj, k, v)
+    {
+        size_t kl = strlen(k);
+        if (kl == 0 || kl > 256)
+            return sp_err_set(err, SP_EINVAL, "%s keys must be 1 to 256 characters", what);
+        if (!json_is_string(v))
+            return sp_err_set(err, SP_EINVAL, "%s value for '%.64s' must be a string", what, k);
+        if (memchr(k, '\0', kl) != NULL || strlen(json_string_value(v)) != json_string_length(v))
+            return sp_err_set(err, SP_EINVAL, "%s may not contain NUL characters", what);
+        total += kl + json_string_length(v);
+    }
+    if (total > 64 * 1024)
+        return sp_err_set(err, SP_EINVAL, "%s is larger than 64 KiB", what);
+    return 0;
+}
+
+static void sandbox_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_t e;
+        if (c->kind == 1)
+            sp_err_set(&e, SP_ENOTFOUND, "template not found");
+        else
+            sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, NULL, &e);
+        return;
+    }
+    sp_sandbox_rec_t sb;
+    sp_op_rec_t op;
+    parse_sandbox(res, 0, 0, &sb);
+    if (PQnfields(res) >= SANDBOX_NCOLS + OP_NCOLS) {
+        parse_op(res, 0, SANDBOX_NCOLS, &op);
+        cb(c->arg, &sb, &op, NULL);
+    } else {
+        cb(c->arg, &sb, NULL, NULL);
+    }
+    json_decref(sb.metadata);
+    json_decref(sb.network);
+}
+
+int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
+                          sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (req->template_name == NULL || req->template_name[0] == '\0' ||
+        strlen(req->template_name) > 64)
+        return sp_err_set(err, SP_EINVAL, "template must be a name of 1 to 64 characters");
+    if (sp_svc_check_string_map(req->metadata, "metadata", err) < 0 ||
+        sp_svc_check_string_map(req->env, "env", err) < 0)
+        return -1;
+    if (req->cpu_count < 0 || req->cpu_count > SP_SVC_MAX_CPUS)
+        return sp_err_set(err, SP_EINVAL, "cpu_count must be 1 to %d", SP_SVC_MAX_CPUS);
+    if (req->memory_mb != 0 &&
+        (req->memory_mb < SP_SVC_MIN_MEMORY_MB || req->memory_mb > SP_SVC_MAX_MEMORY_MB))
+        return sp_err_set(err, SP_EINVAL, "memory_mb must be %d to %d", SP_SVC_MIN_MEMORY_MB,
+                          SP_SVC_MAX_MEMORY_MB);
+    if (req->idle_timeout_s < 0 || req->idle_timeout_s > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "idle_timeout_s must be 1 to %d",
+                          SP_SVC_MAX_TIMEOUT_S);
+    if (req->timeout_s < 0 || req->timeout_s > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "timeout_s must be 1 to %d", SP_SVC_MAX_TIMEOUT_S);
+    const char *action = req->deadline_action ? req->deadline_action : "delete";
+    if (strcmp(action, "delete") != 0 && strcmp(action, "suspend") != 0)
+        return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
+    if (req->network != NULL && !json_is_object(req->network))
+        return sp_err_set(err, SP_EINVAL, "network must be an object");
+    if (req->envd_version != NULL && strlen(req->envd_version) > 31)
+        return sp_err_set(err, SP_EINVAL, "envd_version is too long");
+    char *egress = NULL; /* the policy in normal form, or NULL: derived from allow_internet */
+    if (req->egress != NULL && !json_is_null(req->egress)) {
+        sp_egp_t *pol = sp_egp_from_json(req->egress, "egress", err);
+        if (pol == NULL)
+            return -1;
+        json_t *norm = sp_egp_to_json(pol);
+        sp_egp_free(pol);
+        egress = norm ? json_dumps(norm, JSON_COMPACT) : NULL;
+        json_decref(norm);
+        if (egress == NULL)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+
+    char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
+    sp_ids_sandbox(id);
+    sp_ids_operation(opid);
+    sp_ids_token(token);
+    /* NULL maps are stored as {} (the parameters below fall back to it). */
+    char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
+    char *env = req->env ? json_dumps(req->env, JSON_COMPACT) : NULL;
+    char idle[16], tmo[16], cpus[16], mem[16];
+    snprintf(idle, sizeof(idle), "%d", req->idle_timeout_s ? req->idle_timeout_s
+                                                            : SP_SVC_DEFAULT_IDLE_S);
+    snprintf(tmo, sizeof(tmo), "%d", req->timeout_s);
+    snprintf(cpus, sizeof(cpus), "%d", req->cpu_count);
+    snprintf(mem, sizeof(mem), "%d", req->memory_mb);
+    char *net = req->network ? json_dumps(req->network, JSON_COMPACT) : NULL;
+    char *creds = req->credentials ? json_dumps(req->credentials, JSON_COMPACT) : NULL;
+    const char *inet = req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL;
+    const char *p[] = {id, a->team_id, req->template_name, md ? md : "{}", env ? env : "{}",
+                       idle, req->timeout_s ? tmo : NULL, action,
+                       req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid,
+                       req->auto_resume ? "true" : "false", inet, net, req->envd_version,
+                       creds, egress};
+    int rc = submit(
+        svc,
+        "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
+        " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
+        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
+        "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
+        "  egress)"
+        "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
+        "   now() + make_interval(secs => $7::int), $8,"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
+        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
+        "   $18::jsonb FROM t"
+        "  RETURNING *),"
+        " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+        "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
+        " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
+        " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+        " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
+        18, p, sandbox_done, (void *)cb, arg, 1, err);
+    free(md);
+    free(env);
+    free(net);
+    free(creds);
+    free(egress);
+    return rc;
+}
+
+int sp_svc_get_sandbox(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_sandbox_cb cb,
+                       void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT " SANDBOX_COLS " FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
+                            sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (token == NULL && id == NULL)
+        return sp_err_set(err, SP_EAUTH, "missing access token");
+    if (token != NULL && (token[0] == '\0' || strlen(token) > 128))
+        return sp_err_set(err, SP_EAUTH, "missing or invalid access token");
+    if (id != NULL && !sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, token};
+    /* The token is the credential: the team comes from the row it opens. Deleted rows are
+     * returned too (observed "deleted"), so a client can be told "gone" rather than "bad token". */
+    return submit(svc,
+                  "SELECT " SANDBOX_COLS " FROM sandboxes s"
+                  " WHERE ($1::text IS NULL OR s.id = $1)"
+                  " AND ($2::text IS NULL OR s.access_token = $2)",
+                  2, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+static void list_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_list_cb cb = (sp_svc_list_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, NULL, err);
+        return;
+    }
+    int n = PQntuples(res);
+    int limit = c->kind;
+    bool more = n > limit;
+    if (more)
+        n = limit;
+    sp_sandbox_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        parse_sandbox(res, i, 0, &recs[i]);
+    char cursor[128] = "";
+    if (more && n > 0)
+        snprintf(cursor, sizeof(cursor), "%s_%s", PQgetvalue(res, n - 1, SANDBOX_NCOLS),
+                 recs[n - 1].id);
+    cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
+    for (int i = 0; i < n; i++) {
+        json_decref(recs[i].metadata);
+        json_decref(recs[i].network);
+    }
+    free(recs);
+}
+
+/* Cursor: "<created_at in epoch microseconds>_<id>", both validated. */
+static int parse_cursor(const char *cur, char *micros, size_t mcap, char *id, size_t icap)
+{
+    const char *us = strchr(cur, '_');
+    if (us == NULL || us == cur || (size_t)(us - cur) >= mcap || us - cur > 19)
+        return -1;
+    for (const char *q = cur; q < us; q++)
+        if (*q < '0' || *q > '9')
+            return -1;
+    memcpy(micros, cur, (size_t)(us - cur));
+    micros[us - cur] = '\0';
+    if (!sp_ids_valid(us + 1) || strlen(us + 1) >= icap)
+        return -1;
+    strcpy(id, us + 1);
+    return 0;
+}
+
+int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t *req,
+                          sp_svc_list_cb cb, void *arg, sp_err_t *err)
+{
+    if (req->limit < 1 || req->limit > 1000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
+    char micros[24] = "", cid[65] = "";
+    if (req->cursor != NULL && req->cursor[0] != '\0' &&
+        parse_cursor(req->cursor, micros, sizeof(micros), cid, sizeof(cid)) < 0)
+        return sp_err_set(err, SP_EINVAL, "invalid cursor");
+    /* States as a text[] literal; names come from our own table, never from the client. */
+    char states[256] = "{";
+    for (int i = 0; i < SP_OBS__COUNT; i++) {
+        bool want = req->states ? (req->states & (1u << i)) != 0 : i != SP_OBS_DELETED;
+        if (want) {
+            strcat(states, sp_observed_name((sp_observed_t)i));
+            strcat(states, ",");
+        }
+    }
+    size_t sl = strlen(states);
+    if (states[sl - 1] == ',')
+        states[sl - 1] = '}';
+    else
+        strcat(states, "}");
+    char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
+    char lim[16];
+    snprintf(lim, sizeof(lim), "%d", req->limit + 1);
+    const char *p[] = {a->team_id, states, md, micros[0] ? micros : NULL, cid, lim};
+    int rc = submit(svc,
+                    "SELECT " SANDBOX_COLS ", (extract(epoch FROM s.created_at) * 1000000)::bigint"
+                    " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
+                    " AND ($3::jsonb IS NULL OR s.metadata @> $3::jsonb)"
+                    " AND ($4::bigint IS NULL OR"
+                    "  ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id) < ($4::bigint, $5))"
+                    " ORDER BY s.created_at DESC, s.id DESC LIMIT $6::int",
+                    6, p, list_done, (void *)cb, arg, req->limit, err);
+    free(md);
+    return rc;
+}
+
+json_t *sp_svc_metadata_filter(const char *query, sp_err_t *err)
+{
+    json_t *o = json_object();
+    if (query == NULL || query[0] == '\0')
+        return o;
+    if (strlen(query) > 8192) {
+        json_decref(o);
+        sp_err_set(err, SP_EINVAL, "metadata filter too long");
+        return NULL;
+    }
+    char *dup = strdup(query);
+    char *save = NULL;
+    for (char *pair = strtok_r(dup, "&", &save); pair != NULL; pair = strtok_r(NULL, "&", &save)) {
+        char *eq = strchr(pair, '=');
+        if (eq == NULL || eq == pair) {
+            free(dup);
+            json_decref(o);
+            sp_err_set(err, SP_EINVAL, "metadata filter must be key=value pairs");
+            return NULL;
+        }
+        *eq = '\0';
+        json_object_set_new(o, pair, json_string(eq + 1));
+    }
+    free(dup);
+    return o;
+}
+
+/* ---- lifecycle requests ---- */
+
+/* The deadline change of an sp_deadline_t, given the parameters holding its mode (M),
+ * seconds (S) and action or NULL (A). */
+#define DEADLINE_SQL(M, S, A)                                                                      \
+    "deadline_at = CASE " M "::int WHEN 1 THEN NULL"                                               \
+    "  WHEN 2 THEN now() + make_interval(secs => " S "::int)"                                      \
+    "  WHEN 3 THEN CASE WHEN deadline_at IS NULL THEN NULL"                                        \
+    "    ELSE greatest(deadline_at, now() + make_interval(secs => " S "::int)) END"                \
+    "  ELSE deadline_at END,"                                                                      \
+    " deadline_s = CASE " M "::int WHEN 2 THEN " S "::int ELSE deadline_s END,"                    \
+    " deadline_action = coalesce(" A "::text, deadline_action)"
+#define DEADLINE_SET DEADLINE_SQL("$7", "$8", "$9")
+
+struct req_ctx {
+    sp_svc_t *svc;
+    sp_auth_t auth;
+    char id[65];
+    sp_request_t req;
+    sp_deadline_t dl; /* KEEP for plain requests */
+    char dl_action[16];
+    sp_svc_op_cb cb;
+    void *arg;
+    int tries;
+};
+
+static void req_read(struct req_ctx *rc);
+
+static void req_fail(struct req_ctx *rc, const sp_err_t *err)
+{
+    rc->cb(rc->arg, NULL, err);
+    free(rc);
+}
+
+static void req_written(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct req_ctx *rc = c->arg;
+    if (err != NULL) {
+        req_fail(rc, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        /* The desired state changed between our read and write: read again. */
+        if (++rc->tries < 5) {
+            req_read(rc);
+            return;
+        }
+        sp_err_t e;
+        sp_err_set(&e, SP_ECONFLICT, "sandbox is changing; try again");
+        req_fail(rc, &e);
+        return;
+    }
+    sp_op_rec_t op;
+    parse_op(res, 0, 0, &op);
+    rc->cb(rc->arg, &op, NULL);
+    free(rc);
+}
+
+static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct req_ctx *rc = c->arg;
+    if (err != NULL) {
+        req_fail(rc, err);
+        return;
+    }
+    sp_err_t e;
+    sp_desired_t d, nd;
+    sp_observed_t o;
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        req_fail(rc, &e);
+        return;
+    }
+    if (sp_desired_parse(PQgetvalue(res, 0, 0), &d) < 0 ||
+        sp_observed_parse(PQgetvalue(res, 0, 1), &o) < 0) {
+        sp_log(SP_LOG_ERROR, "svc", "corrupt state sandbox=%s", rc->id);
+        sp_err_set(&e, SP_EINTERNAL, "sandbox record is corrupt");
+        req_fail(rc, &e);
+        return;
+    }
+    if (sp_sandbox_request(d, o, rc->req, &nd, &e) < 0) {
+        req_fail(rc, &e);
+        return;
+    }
+    char opid[SP_OPID_LEN + 1];
+    sp_ids_operation(opid);
+    char mode[8], secs[16];
+    snprintf(mode, sizeof(mode), "%d", (int)rc->dl.mode);
+    snprintf(secs, sizeof(secs), "%d", rc->dl.secs);
+    const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
+                       sp_request_name(rc->req), mode, secs,
+                       rc->dl_action[0] ? rc->dl_action : NULL};
+    if (submit(rc->svc,
+               "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
+               "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
+               "   " DEADLINE_SET
+               "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
+               " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+               "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
+               " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+               "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
+               " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+               " SELECT " OP_COLS " FROM o, n, ev",
+               9, p, req_written, NULL, rc, 0, &e) < 0)
+        req_fail(rc, &e);
+}
+
+static void req_read(struct req_ctx *rc)
+{
+    sp_err_t e;
+    const char *p[] = {rc->id, rc->auth.team_id};
+    if (submit(rc->svc,
+               "SELECT desired_state, observed_state FROM sandboxes"
+               " WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'",
+               2, p, req_got_state, NULL, rc, 0, &e) < 0)
+        req_fail(rc, &e); /* only reached on a retry, from a callback: calling back is allowed */
+}
+
+int sp_svc_request(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
+                   sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
+    return sp_svc_request_deadline(svc, a, id, req, NULL, cb, arg, err);
+}
+
+static int check_deadline(const sp_deadline_t *dl, sp_err_t *err)
+{
+    if ((unsigned)dl->mode > SP_DEADLINE_EXTEND)
+        return sp_err_set(err, SP_EINVAL, "unknown deadline mode");
+    if (dl->secs < 0 || dl->secs > SP_SVC_MAX_TIMEOUT_S)
+        return sp_err_set(err, SP_EINVAL, "timeout must be 0 to %d seconds", SP_SVC_MAX_TIMEOUT_S);
+    if (dl->action != NULL && strcmp(dl->action, "delete") != 0 &&
+        strcmp(dl->action, "suspend") != 0)
+        return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
+    return 0;
+}
+
+int sp_svc_request_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_request_t req,
+                            const sp_deadline_t *dl, sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if ((unsigned)req >= SP_REQ__COUNT)
+        return sp_err_set(err, SP_EINVAL, "unknown request");
+    if (dl != NULL && check_deadline(dl, err) < 0)
+        return -1;
+    struct req_ctx *rc = calloc(1, sizeof(*rc));
+    if (rc == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    rc->svc = svc;
+    rc->auth = *a;
+    copy(rc->id, sizeof(rc->id), id);
+    rc->req = req;
+    if (dl != NULL) {
+        rc->dl = *dl;
+        copy(rc->dl_action, sizeof(rc->dl_action), dl->action);
+        rc->dl.action = NULL; /* the copy in dl_action is what is used */
+    }
+    rc->cb = cb;
+    rc->arg = arg;
+    const char *p[] = {rc->id, rc->auth.team_id};
+    if (submit(svc,
+               "SELECT desired_state, observed_state FROM sandboxes"
+               " WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'",
+               2, p, req_got_state, NULL, rc, 0, err) < 0) {
+        free(rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- operations and waits ---- */
+
+static void waiter_unlink(struct waiter *w)
+{
+    if (w->prev)
+        w->prev->next = w->next;
+    else
+        w->svc->waiters = w->next;
+    if (w->next)
+        w->next->prev = w->prev;
+    sp_timer_stop(&w->timer);
+}
+
+static void waiter_check(struct waiter *w);
+
+static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    struct waiter *w = c->w;
+    w->checking = false;
+    bool again = w->recheck;
+    w->recheck = false;
+    sp_op_rec_t op;
+    bool have = err == NULL && PQntuples(res) == 1;
+    if (have)
+        parse_op(res, 0, 0, &op);
+    if (err != NULL || !have || op_finished(&op) || w->expired) {
+        sp_err_t e;
+        if (err == NULL && !have)
+            sp_err_set(&e, SP_ENOTFOUND, "operation not found");
+        waiter_unlink(w);
+        w->cb(w->arg, have ? &op : NULL, err ? err : have ? NULL : &e);
+        free(w);
+        return;
+    }
+    if (again)
+        waiter_check(w); /* the notification may have been for a state this answer missed */
+}
+
+static void waiter_check(struct waiter *w)
+{
+    if (w->checking) {
+        w->recheck = true;
+        return;
+    }
+    const char *p[] = {w->op_id, w->team_id};
+    struct call *c = calloc(1, sizeof(*c));
+    sp_err_t e;
+    if (c == NULL) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        waiter_unlink(w);
+        w->cb(w->arg, NULL, &e);
+        free(w);
+        return;
+    }
+    c->svc = w->svc;
+    c->done = waiter_checked;
+    c->w = w;
+    w->checking = true;
+    if (sp_store_query(w->svc->store,
+                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
+                       p, on_result, c, &e) < 0) {
+        free(c);
+        waiter_unlink(w);
+        w->cb(w->arg, NULL, &e);
+        free(w);
+    }
+}
+
+static void on_waiter_timer(sp_timer_t *t, void *arg)
+{
+    struct waiter *w = arg;
+    w->expired = true;
+    waiter_check(w);
+}
+
+static void on_ops_notify(void *arg, const char *channel, const char *payload)
+{
+    sp_svc_t *svc = arg;
+    struct waiter *w = svc->waiters, *next;
+    for (; w != NULL; w = next) {
+        next = w->next; /* waiter_check can finish and free w only from a later callback */
+        if (payload == NULL || strcmp(payload, w->op_id) == 0)
+            waiter_check(w);
+    }
+}
+
+int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, uint32_t wait_ms,
+                         sp_svc_op_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(op_id))
+        return sp_err_set(err, SP_ENOTFOUND, "operation not found");
+    if (wait_ms > SP_SVC_MAX_WAIT_MS)
+        wait_ms = SP_SVC_MAX_WAIT_MS;
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->svc = svc;
+    copy(w->team_id, sizeof(w->team_id), a->team_id);
+    copy(w->op_id, sizeof(w->op_id), op_id);
+    w->cb = cb;
+    w->arg = arg;
+    w->expired = wait_ms == 0;
+    sp_timer_init(&w->timer, svc->loop, on_waiter_timer, w);
+    /* Link first so a NOTIFY racing the first check is not missed. */
+    w->next = svc->waiters;
+    if (w->next)
+        w->next->prev = w;
+    svc->waiters = w;
+    if (wait_ms > 0)
+        sp_timer_start(&w->timer, wait_ms);
+    const char *p[] = {w->op_id, w->team_id};
+    struct call *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        waiter_unlink(w);
+        free(w);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    c->svc = svc;
+    c->done = waiter_checked;
+    c->w = w;
+    w->checking = true;
+    if (sp_store_query(svc->store,
+                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
+                       p, on_result, c, err) < 0) {
+        free(c);
+        waiter_unlink(w);
+        free(w);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the data plane ---- */
+
+void sp_svc_set_driver(sp_svc_t *svc, sp_driver_t *driver)
+{
+    svc->driver = driver;
+}
+
+sp_loop_t *sp_svc_loop(sp_svc_t *svc)
+{
+    return svc->loop;
+}
+
+void sp_svc_set_secrets(sp_svc_t *svc, struct sp_secrets *secrets)
+{
+    svc->secrets = secrets;
+}
+
+struct sp_secrets *sp_svc_secrets(sp_svc_t *svc)
+{
+    return svc->secrets;
+}
+
+static void touched(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    if (err != NULL) /* activity is best effort: the idle timer may fire a little early */
+        sp_log(SP_LOG_WARN, "svc", "last_activity_at update failed err=%s", err->msg);
+}
+
+/* A running sandbox whose channel is not up yet (spaced just restarted and is re-adopting the
+ * VM, or the agent is reconnecting) is waited for, up to AGENT_WAIT_MS, instead of failing. */
+#define AGENT_WAIT_MS 15000
+
+struct agent_wait {
+    sp_svc_agent_cb cb;
+    void *arg;
+    sp_agentconn_t *conn;
+};
+
+static void agent_up(void *p, const sp_err_t *err)
+{
+    struct agent_wait *w = p;
+    if (err != NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox agent did not answer");
+        w->cb(w->arg, NULL, &e);
+    } else {
+        w->cb(w->arg, w->conn, NULL);
+    }
+    free(w);
+}
+
+static void agent_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    const char *id = PQgetvalue(res, 0, 0);
+    const char *obs = PQgetvalue(res, 0, 1);
+    if (strcmp(obs, "running") != 0) {
+        if (strcmp(obs, "paused") == 0 || strcmp(obs, "suspended") == 0)
+            sp_err_set(&e, SP_ECONFLICT, "sandbox is %s; wake it first", obs);
+        else
+            sp_err_set(&e, SP_ECONFLICT, "sandbox is %s, not running", obs);
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    sp_agentconn_t *conn = NULL;
+    if (c->svc->driver != NULL && c->svc->driver->ops->agent != NULL)
+        conn = c->svc->driver->ops->agent(c->svc->driver, id);
+    if (conn == NULL) {
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox VM is not reachable");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    /* Fire and forget: the reply does not wait for this write. At most one per second per
+     * sandbox actually changes the row. */
+    const char *p[] = {id};
+    if (submit(c->svc,
+               "UPDATE sandboxes SET last_activity_at = now() WHERE id = $1"
+               " AND last_activity_at < now() - interval '1 second'",
+               1, p, touched, NULL, NULL, 0, &e) < 0)
+        sp_log(SP_LOG_WARN, "svc", "last_activity_at update not sent err=%s", e.msg);
+    if (!sp_agentconn_up(conn)) {
+        struct agent_wait *w = malloc(sizeof(*w));
+        if (w != NULL) {
+            w->cb = cb;
+            w->arg = c->arg;
+            w->conn = conn;
+            if (sp_agentconn_when_up(conn, AGENT_WAIT_MS, agent_up, w) == 0)
+                return;
+            free(w);
+        }
+    }
+    cb(c->arg, conn, NULL);
+}
+
+int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_agent_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT s.id, s.observed_state FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, agent_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- health ---- */
+
+static void health_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    ((sp_svc_done_cb)c->cb)(c->arg, err);
+}
+
+int sp_svc_health(sp_svc_t *svc, sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    return submit(svc, "SELECT 1", 0, NULL, health_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- lifetime ---- */
+
+sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
+                        const unsigned char hashkey[SP_HASHKEY_LEN], sp_err_t *err)
+{
+    sp_svc_t *svc = calloc(1, sizeof(*svc));
+    if (svc == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    svc->loop = loop;
+    svc->store = store;
+    memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
+    if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
+        sp_store_listen(store, "space_keys", auth_cache_clear, svc, err) < 0) {
+        free(svc);
+        return NULL;
+    }
+    return svc;
+}
+
+void sp_svc_destroy(sp_svc_t *svc)
+{
+    if (svc == NULL)
+        return;
+    while (svc->waiters != NULL) {
+        struct waiter *w = svc->waiters;
+        waiter_unlink(w);
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "shutting down");
+        if (!w->checking) {
+            w->cb(w->arg, NULL, &e);
+            free(w);
+        }
+        /* A waiter with a check in flight is answered and freed by the store's shutdown. */
+    }
+    free(svc);
+}
+
+/* ---- deadlines ---- */
+
+int sp_svc_set_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                        const sp_deadline_t *dl, sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (check_deadline(dl, err) < 0)
+        return -1;
+    char mode[8], secs[16];
+    snprintf(mode, sizeof(mode), "%d", (int)dl->mode);
+    snprintf(secs, sizeof(secs), "%d", dl->secs);
+    const char *p[] = {id, a->team_id, mode, secs, dl->action};
+    /* Asleep (suspended, or on its way there) has no running deadline to change. */
+    return submit(svc,
+                  "WITH s AS (UPDATE sandboxes SET " DEADLINE_SQL("$3", "$4", "$5") ","
+                  "   updated_at = now()"
+                  "  WHERE id = $1 AND team_id = $2 AND desired_state IN ('running', 'paused')"
+                  "   AND observed_state NOT IN ('deleted', 'failed', 'stopping', 'suspending',"
+                  "    'suspended')"
+                  "  RETURNING *)"
+                  " SELECT " SANDBOX_COLS " FROM s",
+                  5, p, sandbox_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- automatic wake (E2B autoResume) ---- */
+
+#define WAKE_POLL_MS 100
+
+struct wake_ctx {
+    sp_svc_t *svc;
+    sp_auth_t auth;
+    char id[65];
+    uint64_t until_ms; /* give up waiting at this loop time */
+    sp_svc_done_cb cb;
+    void *arg;
+    sp_timer_t poll;
+};
+
+static void wake_finish(struct wake_ctx *w, const sp_err_t *err)
+{
+    sp_timer_stop(&w->poll);
+    w->cb(w->arg, err);
+    free(w);
+}
+
+static void wake_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                     const sp_err_t *err);
+
+static void on_wake_poll(sp_timer_t *t, void *arg)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (sp_svc_get_sandbox(w->svc, &w->auth, w->id, wake_got, w, &e) < 0)
+        wake_finish(w, &e);
+}
+
+/* Someone else's start or wake is under way: look again shortly, until the time is up. */
+static void wake_poll_later(struct wake_ctx *w)
+{
+    if (sp_loop_now_ms(w->svc->loop) >= w->until_ms) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox is still waking; try again");
+        wake_finish(w, &e);
+        return;
+    }
+    sp_timer_start(&w->poll, WAKE_POLL_MS);
+}
+
+static void wake_op_done(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (err != NULL) {
+        wake_finish(w, err);
+    } else if (strcmp(op->status, "succeeded") == 0) {
+        wake_finish(w, NULL);
+    } else if (strcmp(op->status, "failed") == 0) {
+        sp_err_set(&e, SP_EUNAVAIL, "waking the sandbox failed: %.100s", op->error_message);
+        wake_finish(w, &e);
+    } else {
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox is still waking; try again");
+        wake_finish(w, &e);
+    }
+}
+
+static void wake_requested(void *arg, const sp_op_rec_t *op, const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    if (err != NULL) {
+        if (err->code == SP_ECONFLICT) /* a concurrent request changed it: look again */
+            wake_poll_later(w);
+        else
+            wake_finish(w, err);
+        return;
+    }
+    uint64_t now = sp_loop_now_ms(w->svc->loop);
+    uint32_t left = w->until_ms > now ? (uint32_t)(w->until_ms - now) : 1;
+    sp_err_t e;
+    if (sp_svc_get_operation(w->svc, &w->auth, op->id, left, wake_op_done, w, &e) < 0)
+        wake_finish(w, &e);
+}
+
+static void wake_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
+                     const sp_err_t *err)
+{
+    struct wake_ctx *w = arg;
+    sp_err_t e;
+    if (err != NULL) {
+        wake_finish(w, err);
+        return;
+    }
+    sp_desired_t d;
+    sp_observed_t o;
+    if (sp_desired_parse(sb->desired, &d) < 0 || sp_observed_parse(sb->observed, &o) < 0) {
+        wake_finish(w, (sp_err_set(&e, SP_EINTERNAL, "sandbox record is corrupt"), &e));
+        return;
+    }
+    if (d == SP_DESIRED_DELETED || o == SP_OBS_STOPPING) {
+        wake_finish(w, (sp_err_set(&e, SP_ENOTFOUND, "sandbox not found"), &e));
+        return;
+    }
+    if (o == SP_OBS_FAILED) {
+        wake_finish(w, (sp_err_set(&e, SP_ECONFLICT, "sandbox has failed"), &e));
+        return;
+    }
+    if (d == SP_DESIRED_RUNNING) {
+        if (o == SP_OBS_RUNNING)
+            wake_finish(w, NULL);
+        else
+            wake_poll_later(w);
+        return;
+    }
+    if (!sb->auto_resume) {
+        wake_finish(w, (sp_err_set(&e, SP_ECONFLICT, "sandbox is paused"), &e));
+        return;
+    }
+    sp_deadline_t dl = {.mode = sb->deadline_s > 0 ? SP_DEADLINE_SET : SP_DEADLINE_KEEP,
+                        .secs = sb->deadline_s > 0 ? sb->deadline_s : 0};
+    sp_log(SP_LOG_INFO, "svc", "auto-resume sandbox=%s", sb->id);
+    if (sp_svc_request_deadline(w->svc, &w->auth, w->id, SP_REQ_WAKE, &dl, wake_requested, w,
+                                &e) < 0)
+        wake_finish(w, &e);
+}
+
+int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                              uint32_t wait_ms, sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (wait_ms > SP_SVC_MAX_WAIT_MS)
+        wait_ms = SP_SVC_MAX_WAIT_MS;
+    struct wake_ctx *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->svc = svc;
+    w->auth = *a;
+    copy(w->id, sizeof(w->id), id);
+    w->until_ms = sp_loop_now_ms(svc->loop) + wait_ms;
+    w->cb = cb;
+    w->arg = arg;
+    sp_timer_init(&w->poll, svc->loop, on_wake_poll, w);
+    if (sp_svc_get_sandbox(svc, a, id, wake_got, w, err) < 0) {
+        free(w);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- figures and events ---- */
+
+int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (svc->driver == NULL || svc->driver->ops->stats == NULL)
+        return sp_err_set(err, SP_EUNAVAIL, "no runtime on this server");
+    memset(out, 0, sizeof(*out));
+    return svc->driver->ops->stats(svc->driver, id, out, err);
+}
+
+static void events_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_events_cb cb = (sp_svc_events_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, err);
+        return;
+    }
+    int rows = PQntuples(res);
+    if (rows == 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    sp_event_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    size_t n = 0;
+    for (int i = 0; i < rows; i++) {
+        if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (matching) events */
+            continue;
+        recs[n].id = atoll(PQgetvalue(res, i, 0));
+        copy(recs[n].at, sizeof(recs[n].at), PQgetvalue(res, i, 1));
+        recs[n].at_ms = atoll(PQgetvalue(res, i, 2));
+        copy(recs[n].kind, sizeof(recs[n].kind), PQgetvalue(res, i, 3));
+        copy(recs[n].detail, sizeof(recs[n].detail), PQgetvalue(res, i, 4));
+        n++;
+    }
+    cb(c->arg, recs, n, NULL);
+    free(recs);
+}
+
+int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, long long since_ms,
+                          int limit, sp_svc_events_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (limit < 1 || limit > 10000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 10000");
+    if (since_ms < 0)
+        return sp_err_set(err, SP_EINVAL, "start must not be negative");
+    char since[24], lim[16];
+    snprintf(since, sizeof(since), "%lld", since_ms);
+    snprintf(lim, sizeof(lim), "%d", limit);
+    const char *p[] = {id, a->team_id, since, lim};
+    return submit(svc,
+                  "SELECT e.id, " TS("e.at") ", (extract(epoch FROM e.at) * 1000)::bigint,"
+                  " e.kind, e.detail FROM sandboxes s LEFT JOIN LATERAL"
+                  " (SELECT * FROM events ev WHERE ev.sandbox_id = s.id"
+                  "   AND ev.at >= to_timestamp($3::bigint / 1000.0) ORDER BY ev.id LIMIT $4::int)"
+                  " e ON true"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'"
+                  " ORDER BY e.id",
+                  4, p, events_done, (void *)cb, arg, 0, err);
+}
+
+/* ---- outbound traffic ---- */
+
+void sp_svc_set_egress_hook(sp_svc_t *svc,
+                            void (*fn)(void *arg, const char *sandbox_id, const json_t *policy),
+                            void *arg)
+{
+    svc->egress_hook = fn;
+    svc->egress_hook_arg = arg;
+}
+
+/* The policy a row stands for: its egress column, else allow_internet_access alone. */
+static json_t *policy_of_row(PGresult *res, int row, int col)
+{
+    const char *js = PQgetvalue(res, row, col);
+    int aia = atoi(PQgetvalue(res, row, col + 1));
+    sp_egp_t *p = NULL;
+    if (js[0] != '\0') {
+        json_t *o = json_loads(js, 0, NULL);
+        p = o ? sp_egp_from_json(o, "egress", NULL) : NULL;
+        json_decref(o);
+    } else {
+        p = sp_egp_default();
+        if (p != NULL)
+            p->internet = aia != 0;
+    }
+    json_t *j = p ? sp_egp_to_json(p) : NULL;
+    sp_egp_free(p);
+    return j;
+}
+
+static void policy_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_policy_cb cb = (sp_svc_policy_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) != 1) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    json_t *j = policy_of_row(res, 0, 1);
+    if (j == NULL) {
+        sp_log(SP_LOG_ERROR, "svc", "stored egress policy unreadable sandbox=%s",
+               PQgetvalue(res, 0, 0));
+        sp_err_set(&e, SP_EINTERNAL, "stored egress policy is unreadable");
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    if (c->kind == 1 && c->svc->egress_hook != NULL)
+        c->svc->egress_hook(c->svc->egress_hook_arg, PQgetvalue(res, 0, 0), j);
+    cb(c->arg, j, NULL);
+    json_decref(j);
+}
+
+int sp_svc_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_policy_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id, a->team_id};
+    return submit(svc,
+                  "SELECT s.id, coalesce(s.egress::text, ''),"
+                  " coalesce(s.allow_internet_access::int, -1) FROM sandboxes s"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
+                  2, p, policy_done, (void *)cb, arg, 0, err);
+}
+
+int sp_svc_set_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id,
+                             const json_t *policy, sp_svc_policy_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (policy == NULL || !json_is_object(policy))
+        return sp_err_set(err, SP_EINVAL, "the policy must be a JSON object");
+    sp_egp_t *pol = sp_egp_from_json(policy, "policy", err);
+    if (pol == NULL)
+        return -1;
+    json_t *norm = sp_egp_to_json(pol);
+    sp_egp_free(pol);
+    char *js = norm ? json_dumps(norm, JSON_COMPACT) : NULL;
+    json_decref(norm);
+    if (js == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {id, a->team_id, js};
+    int rc = submit(svc,
+                    "WITH u AS (UPDATE sandboxes SET egress = $3::jsonb, updated_at = now()"
+                    "  WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'"
+                    "  RETURNING id, egress, allow_internet_access),"
+                    " n AS (SELECT pg_notify('space_egress', u.id) FROM u)"
+                    " SELECT u.id, u.egress::text, coalesce(u.allow_internet_access::int, -1)"
+                    " FROM u, n",
+                    3, p, policy_done, (void *)cb, arg, 1, err);
+    free(js);
+    return rc;
+}
+
+static void egress_log_done(struct call *c, PGresult *res, const sp_err_t *err)
+{
+    sp_svc_egress_log_cb cb = (sp_svc_egress_log_cb)c->cb;
+    sp_err_t e;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, NULL, err);
+        return;
+    }
+    int rows = PQntuples(res);
+    if (rows == 0) {
+        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    sp_egress_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
+    if (recs == NULL) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, NULL, &e);
+        return;
+    }
+    size_t n = 0;
+    int limit = c->kind;
+    bool more = false;
+    for (int i = 0; i < rows; i++) {
+        if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (more) rows */
+            continue;
+        if ((int)n == limit) {
+            more = true;
+            break;
+        }
+        sp_egress_rec_t *r = &recs[n++];
+        r->id = atoll(PQgetvalue(res, i, 0));
+        copy(r->at, sizeof(r->at), PQgetvalue(res, i, 1));
+        copy(r->kind, sizeof(r->kind), PQgetvalue(res, i, 2));
+        copy(r->host, sizeof(r->host), PQgetvalue(res, i, 3));
+        r->port = atoi(PQgetvalue(res, i, 4));
+        copy(r->address, sizeof(r->address), PQgetvalue(res, i, 5));
+        r->allowed = PQgetvalue(res, i, 6)[0] == 't';
+        copy(r->reason, sizeof(r->reason), PQgetvalue(res, i, 7));
+        r->bytes_up = atoll(PQgetvalue(res, i, 8));
+        r->bytes_down = atoll(PQgetvalue(res, i, 9));
+        r->duration_ms = atoi(PQgetvalue(res, i, 10));
+    }
+    char cursor[32] = "";
+    if (more && n > 0)
+        snprintf(cursor, sizeof(cursor), "%lld", recs[n - 1].id);
+    cb(c->arg, recs, n, more ? cursor : NULL, NULL);
+    free(recs);
+}
+
+int sp_svc_egress_log(sp_svc_t *svc, const sp_auth_t *a, const char *id, int limit,
+                      const char *cursor, sp_svc_egress_log_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    if (limit < 1 || limit > 1000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
+    char before[24] = "";
+    if (cursor != NULL && cursor[0] != '\0') {
+        size_t cl = strlen(cursor);
+        if (cl > 19 || strspn(cursor, "0123456789") != cl)
+            return sp_err_set(err, SP_EINVAL, "invalid cursor");
+        copy(before, sizeof(before), cursor);
+    }
+    char lim[16];
+    snprintf(lim, sizeof(lim), "%d", limit + 1);
+    const char *p[] = {id, a->team_id, before[0] ? before : NULL, lim};
+    return submit(svc,
+                  "SELECT l.id, " TS("l.at") ", l.kind, l.host, l.port, l.address, l.allowed,"
+                  " l.reason, l.bytes_up, l.bytes_down, l.duration_ms"
+                  " FROM sandboxes s LEFT JOIN LATERAL"
+                  " (SELECT * FROM egress_log e WHERE e.sandbox_id = s.id"
+                  "   AND ($3::bigint IS NULL OR e.id < $3::bigint)"
+                  "   ORDER BY e.id DESC LIMIT $4::int) l ON true"
+                  " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'"
+                  " ORDER BY l.id DESC",
+                  4, p, egress_log_done, (void *)cb, arg, limit, err);
+}

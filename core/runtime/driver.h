@@ -1,0 +1,94 @@
+/*
+ * driver.h - the runtime driver interface: what the controller asks of a
+ * microVM implementation (QEMU microvm here; Firecracker could sit behind it).
+ *
+ * Every lifecycle call is asynchronous on the process loop. A call that fails
+ * at once returns -1, fills err and never calls cb; one that returns 0 calls
+ * cb exactly once, never before returning. Calls are keyed by sandbox ID and
+ * are idempotent where the controller may repeat them after a crash:
+ * destroy of a missing VM succeeds; boot of a VM that already runs succeeds.
+ * A driver owns its VMs' files under its data directory; the controller owns
+ * the database.
+ */
+#ifndef SP_DRIVER_H
+#define SP_DRIVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/err.h"
+#include "loop/loop.h"
+
+typedef struct sp_driver sp_driver_t;
+
+/* What a VM is made from; strings are borrowed for the duration of the call. */
+typedef struct {
+    const char *sandbox_id;
+    const char *template_name;
+    int cpu_count;
+    int memory_mb;
+    const char *hostname;
+    const char *env_json; /* JSON object of env vars for processes in the guest, or NULL */
+} sp_vm_spec_t;
+
+/* What a driver finds for a sandbox when asked (after a restart, say). */
+typedef enum {
+    SP_VM_ABSENT = 0,  /* no VM and no snapshot */
+    SP_VM_RUNNING,     /* VM process alive, vCPUs running */
+    SP_VM_PAUSED,      /* VM process alive, vCPUs stopped */
+    SP_VM_SUSPENDED,   /* no VM process; a committed snapshot exists */
+} sp_vm_state_t;
+
+typedef struct {
+    double cpu_used_pct; /* of the VM's allotment, over the last sample interval */
+    int cpu_count;
+    uint64_t mem_used_bytes;
+    uint64_t mem_total_bytes;
+    uint64_t disk_used_bytes;
+    uint64_t disk_total_bytes;
+    uint64_t snapshot_bytes; /* size of the committed snapshot, 0 if none */
+} sp_vm_stats_t;
+
+typedef void (*sp_driver_cb)(void *arg, const sp_err_t *err /* NULL on success */);
+
+typedef struct {
+    const char *name;
+    /* Starts a VM for spec->sandbox_id (cold boot or template-snapshot restore) until its agent answers. */
+    int (*boot)(sp_driver_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Stops / restarts the vCPUs; memory stays resident. */
+    int (*pause)(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
+    int (*resume)(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Writes a durable snapshot (memory, devices, disk), commits it, then releases the VM. */
+    int (*snapshot)(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Starts a VM from the sandbox's committed snapshot, until its agent answers. */
+    int (*restore)(sp_driver_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                   sp_err_t *err);
+    /* Kills the VM and removes everything the sandbox had: overlay, snapshot, sockets. */
+    int (*destroy)(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Synchronous, cheap: what exists for the sandbox now. Re-adopts a live VM it finds. */
+    sp_vm_state_t (*probe)(sp_driver_t *d, const char *id);
+    /* The VM's agent channel (core/channel/agentconn.h), owned by the driver; NULL when there is no
+     * running VM. Valid until the VM is paused-then-suspended, destroyed, or the driver freed. */
+    struct sp_agentconn *(*agent)(sp_driver_t *d, const char *id);
+    /* Synchronous, cheap: resource figures. -1 with SP_ENOTFOUND when there is no VM. */
+    int (*stats)(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t *err);
+    void (*free)(sp_driver_t *d);
+} sp_driver_ops_t;
+
+/* Implementations embed this first. */
+struct sp_driver {
+    const sp_driver_ops_t *ops;
+    sp_loop_t *loop;
+};
+
+/*
+ * The driver a build ships when no microVM runtime can be used: every boot
+ * and restore fails with "runtime_unavailable: <why>", every other call
+ * succeeds on the absent VM. why is copied.
+ */
+sp_driver_t *sp_driver_unavailable_create(sp_loop_t *loop, const char *why);
+
+/* d->ops->free(d); NULL does nothing. */
+void sp_driver_destroy(sp_driver_t *d);
+
+#endif

@@ -1,0 +1,646 @@
+/*
+ * migdelta.c - drop the guest RAM pages of a migration stream that a base image already has.
+ *
+ * Owns one call's state (read and write buffers, the read-only map of the base file, the
+ * RAM block table and a bitmap of kept pages); nothing outlives the call. Parses only what
+ * QEMU 7.2 writes before the device state of a precopy migration:
+ *
+ *   be32 "QEVM", be32 3
+ *   0x07 configuration: be32 len + machine type; then subsections 0x05, u8 len + name,
+ *        be32 version, fields (target-page-bits: be32; capabilities: be32 count, each u8 len
+ *        + name; uuid: 16 bytes). No terminator: the next byte is a section type.
+ *   0x01 START: be32 section id, u8 len + idstr, be32 instance, be32 version, payload
+ *   0x02 PART / 0x03 END: be32 section id, payload
+ *   0x7e + be32 section id: footer after each section (on for machine types without
+ *        compatibility settings, e.g. microvm; read when present, checked against the id)
+ *   0x08 command: be16 command, be16 len, data (only OPEN_RETURN_PATH and PING pass)
+ *   0x04 FULL (device state) or 0x00 EOF: from here the rest is copied unread.
+ *
+ * The "ram" payload (version 4) is a list of records, each opened by a be64 word whose low
+ * 12 bits are flags and the rest the page offset in its block: MEM_SIZE (total bytes; then
+ * per block u8 len + idstr, be64 used length, and a be64 guest address when x-ignore-shared
+ * is on), ZERO (+ fill byte), PAGE (+ 4096 bytes), EOS (ends the payload). ZERO and PAGE
+ * name their block (u8 len + idstr) unless CONTINUE says "same block as the record before";
+ * the loader remembers that block across sections, and so do both ends here.
+ *
+ * Never trusts a length: every field is read through need(), which fails on a short
+ * stream; names are at most 255 bytes, page records fit the read buffer, block lengths and
+ * counts are capped. Each loop turn consumes input, so a garbled stream ends in an error.
+ */
+#include "core/runtime/migdelta.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MD_MAGIC   0x5145564dU
+#define MD_VERSION 3
+
+#define SEC_EOF     0x00
+#define SEC_START   0x01
+#define SEC_PART    0x02
+#define SEC_END     0x03
+#define SEC_FULL    0x04
+#define SEC_SUB     0x05
+#define SEC_CONFIG  0x07
+#define SEC_COMMAND 0x08
+#define SEC_FOOTER  0x7e
+
+#define CMD_OPEN_RETURN_PATH 1
+#define CMD_PING             2
+
+#define RAM_ZERO     0x02
+#define RAM_MEM_SIZE 0x04
+#define RAM_PAGE     0x08
+#define RAM_EOS      0x10
+#define RAM_CONTINUE 0x20
+#define RAM_XBZRLE   0x40
+#define RAM_HOOK     0x80
+#define RAM_COMPRESS 0x100
+
+#define PAGE_SIZE_MD 4096 /* x86 TARGET_PAGE_SIZE; the stream says otherwise only via a */
+#define PAGE_BITS_MD 12   /* target-page-bits subsection, which is refused unless 12 */
+#define FLAG_MASK    ((uint64_t)PAGE_SIZE_MD - 1)
+
+#define RD_CAP      (1u << 20) /* holds any single record (at most 8 + 1 + 255 + 4096) */
+#define WR_CAP      (1u << 20)
+#define MAX_BLOCKS  256
+#define MAX_BLOCK   ((uint64_t)1 << 40) /* 1 TiB: bounds the kept-page bitmap (32 MiB) */
+#define MAX_MACHINE 1024                /* machine type name length */
+#define MAX_CAPS    64
+#define RAM_VERSION 4
+
+struct blk {
+    uint8_t len;
+    char name[256];
+    uint64_t used; /* used_length from MEM_SIZE: records must lie below it */
+};
+
+struct md {
+    int in_fd, out_fd;
+    uint8_t *rbuf;
+    size_t rpos, rend;
+    bool eof, rerr, failed;
+    uint8_t *wbuf;
+    size_t wlen;
+
+    const uint8_t *base;
+    size_t base_size;
+    const char *target;
+    size_t target_len;
+
+    struct blk *blocks;
+    int nblocks;
+    bool have_sizes;
+    int filt;       /* index of the filtered block, -1 while unknown or absent */
+    uint64_t *kept; /* one bit per page of the filtered block: a record of it was kept */
+    int in_cur;     /* block of the previous input ZERO/PAGE record, -1 none */
+    int out_cur;    /* block of the previous emitted ZERO/PAGE record, -1 none */
+    bool ignore_shared;
+    bool ram_started, ram_ended;
+    uint32_t ram_id;
+
+    sp_migdelta_stats_t *st;
+    char *why;
+    size_t why_len;
+};
+
+static const uint8_t zero_page[PAGE_SIZE_MD];
+
+__attribute__((format(printf, 2, 3))) static int fail(struct md *m, const char *fmt, ...)
+{
+    if (m->failed)
+        return -1;
+    m->failed = true;
+    if (m->why != NULL && m->why_len > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(m->why, m->why_len, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+static uint16_t be16(const uint8_t *p)
+{
+    return (uint16_t)((p[0] << 8) | p[1]);
+}
+
+static uint32_t be32(const uint8_t *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static uint64_t be64(const uint8_t *p)
+{
+    return ((uint64_t)be32(p) << 32) | be32(p + 4);
+}
+
+static void put_be64(uint8_t *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+}
+
+/* Makes n bytes (n <= RD_CAP) available at rbuf + rpos; -1 on a short stream or read error. */
+static int need(struct md *m, size_t n)
+{
+    if (m->rend - m->rpos >= n)
+        return 0;
+    if (m->rpos > 0) {
+        memmove(m->rbuf, m->rbuf + m->rpos, m->rend - m->rpos);
+        m->rend -= m->rpos;
+        m->rpos = 0;
+    }
+    while (m->rend < n) {
+        if (m->eof)
+            return fail(m, "the migration stream ends early");
+        ssize_t r = read(m->in_fd, m->rbuf + m->rend, RD_CAP - m->rend);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            m->rerr = true;
+            return fail(m, "cannot read the migration stream (errno %d)", errno);
+        }
+        if (r == 0)
+            m->eof = true;
+        m->rend += (size_t)r;
+        m->st->bytes_in += (uint64_t)r;
+    }
+    return 0;
+}
+
+static int write_all(struct md *m, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(m->out_fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return fail(m, "cannot write the filtered stream (errno %d)", w < 0 ? errno : 0);
+        p += w;
+        n -= (size_t)w;
+        m->st->bytes_out += (uint64_t)w;
+    }
+    return 0;
+}
+
+static int flush(struct md *m)
+{
+    size_t n = m->wlen;
+    m->wlen = 0;
+    return write_all(m, m->wbuf, n);
+}
+
+static int out(struct md *m, const void *p, size_t n)
+{
+    if (m->wlen + n > WR_CAP && flush(m) < 0)
+        return -1;
+    if (n >= WR_CAP)
+        return write_all(m, p, n);
+    memcpy(m->wbuf + m->wlen, p, n);
+    m->wlen += n;
+    return 0;
+}
+
+/* Copies the next n input bytes to the output; returns them (valid until the next need()). */
+static const uint8_t *take(struct md *m, size_t n)
+{
+    if (need(m, n) < 0)
+        return NULL;
+    const uint8_t *p = m->rbuf + m->rpos;
+    if (out(m, p, n) < 0)
+        return NULL;
+    m->rpos += n;
+    return p;
+}
+
+/* Everything left, unread: device state and the JSON description that follows it. */
+static int copy_rest(struct md *m)
+{
+    if (out(m, m->rbuf + m->rpos, m->rend - m->rpos) < 0 || flush(m) < 0)
+        return -1;
+    m->rpos = m->rend = 0;
+    while (!m->eof) {
+        ssize_t r = read(m->in_fd, m->rbuf, RD_CAP);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            m->rerr = true;
+            return fail(m, "cannot read the migration stream (errno %d)", errno);
+        }
+        if (r == 0) {
+            m->eof = true;
+            break;
+        }
+        m->st->bytes_in += (uint64_t)r;
+        if (write_all(m, m->rbuf, (size_t)r) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* After a failure: read to EOF so a writer on a pipe finishes (or fails) instead of blocking. */
+static void drain(struct md *m)
+{
+    while (!m->eof && !m->rerr) {
+        ssize_t r = read(m->in_fd, m->rbuf, RD_CAP);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            m->rerr = true;
+        else if (r == 0)
+            m->eof = true;
+        else
+            m->st->bytes_in += (uint64_t)r;
+    }
+}
+
+static bool name_is(const uint8_t *p, size_t len, const char *s)
+{
+    return strlen(s) == len && memcmp(p, s, len) == 0;
+}
+
+static int parse_config(struct md *m)
+{
+    const uint8_t *p = take(m, 5); /* type byte + be32 name length */
+    if (p == NULL)
+        return -1;
+    if (p[0] != SEC_CONFIG)
+        return fail(m, "the migration stream has no configuration section");
+    uint32_t len = be32(p + 1);
+    if (len == 0 || len > MAX_MACHINE)
+        return fail(m, "bad machine type length in the migration stream");
+    if (take(m, len) == NULL)
+        return -1;
+    for (;;) {
+        if (need(m, 1) < 0)
+            return -1;
+        if (m->rbuf[m->rpos] != SEC_SUB)
+            return 0;
+        if (need(m, 2) < 0)
+            return -1;
+        size_t nlen = m->rbuf[m->rpos + 1];
+        if ((p = take(m, 2 + nlen + 4)) == NULL)
+            return -1;
+        const uint8_t *name = p + 2;
+        if (be32(p + 2 + nlen) != 1)
+            return fail(m, "unknown configuration subsection version");
+        if (name_is(name, nlen, "configuration/target-page-bits")) {
+            if ((p = take(m, 4)) == NULL)
+                return -1;
+            if (be32(p) != PAGE_BITS_MD)
+                return fail(m, "target page size is not 4 KiB");
+        } else if (name_is(name, nlen, "configuration/capabilities")) {
+            if ((p = take(m, 4)) == NULL)
+                return -1;
+            uint32_t n = be32(p);
+            if (n > MAX_CAPS)
+                return fail(m, "too many capabilities in the migration stream");
+            for (uint32_t i = 0; i < n; i++) {
+                if (need(m, 1) < 0)
+                    return -1;
+                size_t clen = m->rbuf[m->rpos];
+                if ((p = take(m, 1 + clen)) == NULL)
+                    return -1;
+                if (name_is(p + 1, clen, "x-ignore-shared"))
+                    m->ignore_shared = true;
+                else
+                    return fail(m, "unsupported migration capability in the stream");
+            }
+        } else if (name_is(name, nlen, "configuration/uuid")) {
+            if (take(m, 16) == NULL)
+                return -1;
+        } else {
+            return fail(m, "unknown configuration subsection in the migration stream");
+        }
+    }
+}
+
+/* MEM_SIZE: the word (already taken) carries the total; entries follow until it is used up. */
+static int parse_mem_size(struct md *m, uint64_t total)
+{
+    if (m->have_sizes)
+        return fail(m, "RAM block list sent twice");
+    m->have_sizes = true;
+    while (total > 0) {
+        if (need(m, 1) < 0)
+            return -1;
+        size_t nlen = m->rbuf[m->rpos];
+        size_t extra = m->ignore_shared ? 8 : 0;
+        const uint8_t *p = take(m, 1 + nlen + 8 + extra);
+        if (p == NULL)
+            return -1;
+        uint64_t used = be64(p + 1 + nlen);
+        if (nlen == 0)
+            return fail(m, "RAM block without a name");
+        if (used == 0 || used > total || used > MAX_BLOCK)
+            return fail(m, "bad RAM block length in the migration stream");
+        if (m->nblocks == MAX_BLOCKS)
+            return fail(m, "too many RAM blocks in the migration stream");
+        for (int i = 0; i < m->nblocks; i++)
+            if (m->blocks[i].len == nlen && memcmp(m->blocks[i].name, p + 1, nlen) == 0)
+                return fail(m, "RAM block listed twice");
+        struct blk *b = &m->blocks[m->nblocks];
+        b->len = (uint8_t)nlen;
+        memcpy(b->name, p + 1, nlen);
+        b->name[nlen] = '\0';
+        b->used = used;
+        if (nlen == m->target_len && memcmp(b->name, m->target, nlen) == 0) {
+            uint64_t pages = (used + PAGE_SIZE_MD - 1) >> PAGE_BITS_MD;
+            m->kept = calloc((size_t)((pages + 63) / 64), sizeof(uint64_t));
+            if (m->kept == NULL)
+                return fail(m, "out of memory");
+            m->filt = m->nblocks;
+        }
+        m->nblocks++;
+        total -= used;
+    }
+    return 0;
+}
+
+/* Whether the 4 KiB at off of the base (zero past its end) equal page. */
+static bool base_equals(const struct md *m, uint64_t off, const uint8_t *page)
+{
+    size_t have = 0;
+    if (off < m->base_size) {
+        have = m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
+        if (memcmp(page, m->base + off, have) != 0)
+            return false;
+    }
+    return memcmp(page + have, zero_page, PAGE_SIZE_MD - have) == 0;
+}
+
+/* Whether every byte of the base page at off (zero past its end) is ch. */
+static bool base_filled(const struct md *m, uint64_t off, uint8_t ch)
+{
+    size_t have = 0;
+    if (off < m->base_size) {
+        have = m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
+        const uint8_t *b = m->base + off;
+        /* all bytes equal b[0], and b[0] is ch */
+        if (b[0] != ch || memcmp(b, b + 1, have - 1) != 0)
+            return false;
+    }
+    return have == PAGE_SIZE_MD || ch == 0;
+}
+
+/* One ZERO or PAGE record; w is its first word, not yet consumed. */
+static int ram_record(struct md *m, uint64_t w, unsigned rec)
+{
+    uint64_t off = w & ~FLAG_MASK;
+    size_t hlen = 8;
+    int b;
+    if (w & RAM_CONTINUE) {
+        if (m->in_cur < 0)
+            return fail(m, "RAM record continues a block that was never named");
+        b = m->in_cur;
+    } else {
+        if (need(m, 9) < 0)
+            return -1;
+        size_t nlen = m->rbuf[m->rpos + 8];
+        if (need(m, 9 + nlen) < 0)
+            return -1;
+        const uint8_t *name = m->rbuf + m->rpos + 9;
+        for (b = 0; b < m->nblocks; b++)
+            if (m->blocks[b].len == nlen && memcmp(m->blocks[b].name, name, nlen) == 0)
+                break;
+        if (b == m->nblocks)
+            return fail(m, "RAM record names a block that was not announced");
+        hlen = 9 + nlen;
+    }
+    const struct blk *bk = &m->blocks[b];
+    if (off >= bk->used)
+        return fail(m, "RAM record beyond the end of its block");
+    size_t plen = rec == RAM_PAGE ? PAGE_SIZE_MD : 1;
+    if (need(m, hlen + plen) < 0)
+        return -1;
+    const uint8_t *data = m->rbuf + m->rpos + hlen;
+    m->in_cur = b;
+
+    if (b == m->filt) {
+        uint64_t idx = off >> PAGE_BITS_MD;
+        uint64_t bit = (uint64_t)1 << (idx & 63);
+        bool kept_before = (m->kept[idx / 64] & bit) != 0;
+        bool same;
+        if (rec == RAM_PAGE) {
+            m->st->pages_in++;
+            same = !kept_before && base_equals(m, off, data);
+        } else {
+            m->st->zero_in++;
+            same = !kept_before && base_filled(m, off, data[0]);
+        }
+        if (same) {
+            m->rpos += hlen + plen;
+            return 0;
+        }
+        m->kept[idx / 64] |= bit;
+        if (rec == RAM_PAGE)
+            m->st->pages_kept++;
+        else
+            m->st->zero_kept++;
+    }
+
+    uint8_t hdr[9];
+    bool cont = m->out_cur == b;
+    put_be64(hdr, off | rec | (cont ? RAM_CONTINUE : 0));
+    hdr[8] = bk->len;
+    if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
+        out(m, data, plen) < 0)
+        return -1;
+    m->out_cur = b;
+    m->rpos += hlen + plen;
+    return 0;
+}
+
+/* A ram section's payload, up to and including its EOS word. */
+static int ram_payload(struct md *m)
+{
+    for (;;) {
+        if (need(m, 8) < 0)
+            return -1;
+        uint64_t w = be64(m->rbuf + m->rpos);
+        unsigned flags = (unsigned)(w & FLAG_MASK);
+        unsigned rec = flags & ~(unsigned)RAM_CONTINUE;
+        switch (rec) {
+        case RAM_EOS:
+            return take(m, 8) == NULL ? -1 : 0;
+        case RAM_MEM_SIZE:
+            if (take(m, 8) == NULL || parse_mem_size(m, w & ~FLAG_MASK) < 0)
+                return -1;
+            break;
+        case RAM_ZERO:
+        case RAM_PAGE:
+            if (ram_record(m, w, rec) < 0)
+                return -1;
+            break;
+        default:
+            if (flags & RAM_XBZRLE)
+                return fail(m, "XBZRLE-encoded RAM is not supported");
+            if (flags & RAM_COMPRESS)
+                return fail(m, "compressed RAM is not supported");
+            if (flags & RAM_HOOK)
+                return fail(m, "RDMA RAM hooks are not supported");
+            return fail(m, "unknown RAM record flags 0x%x", flags);
+        }
+    }
+}
+
+/* Optional footer: 0x7e + the section id. */
+static int footer(struct md *m, uint32_t id)
+{
+    if (need(m, 1) < 0)
+        return -1;
+    if (m->rbuf[m->rpos] != SEC_FOOTER)
+        return 0;
+    const uint8_t *p = take(m, 5);
+    if (p == NULL)
+        return -1;
+    if (be32(p + 1) != id)
+        return fail(m, "section footer does not match its section");
+    return 0;
+}
+
+static int parse(struct md *m)
+{
+    const uint8_t *p = take(m, 8);
+    if (p == NULL)
+        return -1;
+    if (be32(p) != MD_MAGIC)
+        return fail(m, "not a QEMU migration stream");
+    if (be32(p + 4) != MD_VERSION)
+        return fail(m, "unsupported migration stream version");
+    if (parse_config(m) < 0)
+        return -1;
+    for (;;) {
+        if (need(m, 1) < 0)
+            return -1;
+        uint8_t type = m->rbuf[m->rpos];
+        switch (type) {
+        case SEC_START: {
+            if (need(m, 6) < 0)
+                return -1;
+            size_t ilen = m->rbuf[m->rpos + 5];
+            if ((p = take(m, 6 + ilen + 8)) == NULL)
+                return -1;
+            if (!name_is(p + 6, ilen, "ram") || m->ram_started)
+                return fail(m, "the migration stream has an iterative section other than RAM");
+            if (be32(p + 6 + ilen + 4) != RAM_VERSION)
+                return fail(m, "unsupported RAM section version");
+            m->ram_started = true;
+            m->ram_id = be32(p + 1);
+            if (ram_payload(m) < 0 || footer(m, m->ram_id) < 0)
+                return -1;
+            break;
+        }
+        case SEC_PART:
+        case SEC_END:
+            if ((p = take(m, 5)) == NULL)
+                return -1;
+            if (!m->ram_started || m->ram_ended || be32(p + 1) != m->ram_id)
+                return fail(m, "the migration stream continues an unknown section");
+            if (ram_payload(m) < 0 || footer(m, m->ram_id) < 0)
+                return -1;
+            m->ram_ended = type == SEC_END;
+            break;
+        case SEC_COMMAND: {
+            if (need(m, 5) < 0)
+                return -1;
+            uint16_t cmd = be16(m->rbuf + m->rpos + 1);
+            uint16_t len = be16(m->rbuf + m->rpos + 3);
+            if (!(cmd == CMD_OPEN_RETURN_PATH && len == 0) && !(cmd == CMD_PING && len == 4))
+                return fail(m, "unsupported migration command %u", cmd);
+            if (take(m, 5 + (size_t)len) == NULL)
+                return -1;
+            break;
+        }
+        case SEC_FULL:
+        case SEC_EOF:
+            return copy_rest(m);
+        default:
+            return fail(m, "unknown section type 0x%02x in the migration stream", type);
+        }
+    }
+}
+
+static int map_base(struct md *m, const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return fail(m, "cannot open the base RAM image");
+    struct stat sb;
+    if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return fail(m, "the base RAM image is not a regular file");
+    }
+    if (sb.st_size > 0) {
+        void *p = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+            close(fd);
+            return fail(m, "cannot map the base RAM image");
+        }
+        madvise(p, (size_t)sb.st_size, MADV_SEQUENTIAL); /* a hint; failure is harmless */
+        m->base = p;
+        m->base_size = (size_t)sb.st_size;
+    }
+    close(fd);
+    return 0;
+}
+
+int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
+                       sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    sp_migdelta_stats_t local;
+    struct md m = {.in_fd = in_fd,
+                   .out_fd = out_fd,
+                   .filt = -1,
+                   .in_cur = -1,
+                   .out_cur = -1,
+                   .st = st != NULL ? st : &local,
+                   .why = why,
+                   .why_len = why_len};
+    memset(m.st, 0, sizeof *m.st);
+    if (why != NULL && why_len > 0)
+        why[0] = '\0';
+    m.rbuf = malloc(RD_CAP);
+    m.wbuf = malloc(WR_CAP);
+    m.blocks = calloc(MAX_BLOCKS, sizeof *m.blocks);
+    int rc;
+    if (m.rbuf == NULL || m.wbuf == NULL || m.blocks == NULL) {
+        rc = fail(&m, "out of memory");
+    } else if (block == NULL || block[0] == '\0' || strlen(block) > 255 || base_path == NULL) {
+        rc = fail(&m, "bad RAM block name or base image");
+    } else {
+        m.target = block;
+        m.target_len = strlen(block);
+        rc = map_base(&m, base_path);
+        if (rc == 0)
+            rc = parse(&m);
+        if (rc == 0)
+            rc = flush(&m);
+    }
+    if (rc < 0 && m.rbuf != NULL)
+        drain(&m);
+    else if (rc < 0) /* no buffer for draining: a small one on the stack will do */
+        for (char tmp[4096];;) {
+            ssize_t r = read(in_fd, tmp, sizeof tmp);
+            if (r == 0 || (r < 0 && errno != EINTR))
+                break;
+        }
+    if (m.base != NULL)
+        munmap((void *)m.base, m.base_size);
+    free(m.kept);
+    free(m.blocks);
+    free(m.wbuf);
+    free(m.rbuf);
+    return rc;
+}

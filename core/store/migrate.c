@@ -1,0 +1,224 @@
+/*
+ * migrate.c - schema versions and their application.
+ *
+ * Append new versions at the end; never edit an applied one.
+ */
+#include "core/store/migrate.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+
+/* Any constant works; it only has to be the same in every server. */
+#define MIGRATE_LOCK_ID "7367302"
+
+static const char *const migrations[] = {
+    /* 1: the control plane's tables */
+    "CREATE TABLE teams ("
+    "  id text PRIMARY KEY,"
+    "  name text NOT NULL UNIQUE,"
+    "  created_at timestamptz NOT NULL DEFAULT now());"
+    "CREATE TABLE api_keys ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  prefix text NOT NULL,"
+    "  hash text NOT NULL UNIQUE,"
+    "  name text NOT NULL DEFAULT '',"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  last_used_at timestamptz,"
+    "  revoked_at timestamptz);"
+    "CREATE TABLE settings ("
+    "  name text PRIMARY KEY,"
+    "  value text NOT NULL);"
+    "CREATE TABLE templates ("
+    "  name text PRIMARY KEY,"
+    "  description text NOT NULL DEFAULT '',"
+    "  cpu_count int NOT NULL DEFAULT 1,"
+    "  memory_mb int NOT NULL DEFAULT 256,"
+    "  status text NOT NULL DEFAULT 'unbuilt',"
+    "  build_id text,"
+    "  updated_at timestamptz NOT NULL DEFAULT now());"
+    "CREATE TABLE sandboxes ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  template text NOT NULL REFERENCES templates(name),"
+    "  desired_state text NOT NULL DEFAULT 'running',"
+    "  observed_state text NOT NULL DEFAULT 'pending',"
+    "  worker_id text,"
+    "  claim_until timestamptz,"
+    "  action text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  updated_at timestamptz NOT NULL DEFAULT now(),"
+    "  last_activity_at timestamptz NOT NULL DEFAULT now(),"
+    "  idle_timeout_s int NOT NULL DEFAULT 21600,"
+    "  deadline_at timestamptz,"
+    "  deadline_action text NOT NULL DEFAULT 'delete',"
+    "  metadata jsonb NOT NULL DEFAULT '{}',"
+    "  env jsonb NOT NULL DEFAULT '{}',"
+    "  cpu_count int NOT NULL,"
+    "  memory_mb int NOT NULL,"
+    "  access_token text NOT NULL UNIQUE,"
+    "  snapshot_bytes bigint NOT NULL DEFAULT 0,"
+    "  error text);"
+    "CREATE INDEX sandboxes_team_created ON sandboxes (team_id, created_at DESC, id DESC);"
+    "CREATE INDEX sandboxes_unsettled ON sandboxes (id) WHERE observed_state <> 'deleted';"
+    "CREATE INDEX sandboxes_metadata ON sandboxes USING gin (metadata jsonb_path_ops);"
+    "CREATE TABLE operations ("
+    "  id text PRIMARY KEY,"
+    "  sandbox_id text NOT NULL REFERENCES sandboxes(id),"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  kind text NOT NULL,"
+    "  target text NOT NULL,"
+    "  status text NOT NULL DEFAULT 'pending',"
+    "  error_code text,"
+    "  error_message text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  finished_at timestamptz);"
+    "CREATE INDEX operations_active ON operations (sandbox_id) WHERE status IN ('pending','running');"
+    "CREATE TABLE events ("
+    "  id bigserial PRIMARY KEY,"
+    "  sandbox_id text NOT NULL,"
+    "  kind text NOT NULL,"
+    "  detail text NOT NULL DEFAULT '',"
+    "  at timestamptz NOT NULL DEFAULT now());"
+    "CREATE INDEX events_sandbox ON events (sandbox_id, id);",
+    /* 2: what the E2B surface keeps per sandbox. deadline_s is the last timeout length asked
+     * for (an automatic wake starts a new deadline of that length); allow_internet_access and
+     * network are stored for outbound rules and not yet enforced. */
+    "ALTER TABLE sandboxes ADD COLUMN auto_resume boolean NOT NULL DEFAULT false;"
+    "ALTER TABLE sandboxes ADD COLUMN deadline_s int;"
+    "ALTER TABLE sandboxes ADD COLUMN allow_internet_access boolean;"
+    "ALTER TABLE sandboxes ADD COLUMN network jsonb;"
+    "ALTER TABLE sandboxes ADD COLUMN envd_version text;",
+    /* 3: outbound traffic (core/egress/egress.h). egress is the sandbox's policy
+     * {"internet","allow","deny"} (NULL: derived from allow_internet_access); egress_log
+     * is the audit of its connections and DNS answers, newest kept per sandbox (the proxy
+     * trims it). */
+    "ALTER TABLE sandboxes ADD COLUMN egress jsonb;"
+    "CREATE TABLE egress_log ("
+    "  id bigserial PRIMARY KEY,"
+    "  sandbox_id text NOT NULL,"
+    "  team_id text NOT NULL,"
+    "  at timestamptz NOT NULL DEFAULT now(),"
+    "  kind text NOT NULL,"
+    "  host text NOT NULL,"
+    "  port int NOT NULL,"
+    "  address text NOT NULL DEFAULT '',"
+    "  allowed boolean NOT NULL,"
+    "  reason text NOT NULL DEFAULT '',"
+    "  bytes_up bigint NOT NULL DEFAULT 0,"
+    "  bytes_down bigint NOT NULL DEFAULT 0,"
+    "  duration_ms int NOT NULL DEFAULT 0);"
+    "CREATE INDEX egress_log_sandbox ON egress_log (sandbox_id, id DESC);",
+    /* 4: credentials added outside the VM (core/egress/secrets.h, core/egress/mitm.h). box is the value
+     * sealed with the master key, which is never stored here; credentials are the sandbox's
+     * rules; sandbox_cas holds each sandbox's egress CA, its key sealed the same way. */
+    "CREATE TABLE secrets ("
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  name text NOT NULL,"
+    "  box text NOT NULL,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  updated_at timestamptz NOT NULL DEFAULT now(),"
+    "  PRIMARY KEY (team_id, name));"
+    "ALTER TABLE sandboxes ADD COLUMN credentials jsonb NOT NULL DEFAULT '[]';"
+    "CREATE TABLE sandbox_cas ("
+    "  sandbox_id text PRIMARY KEY REFERENCES sandboxes(id),"
+    "  cert_pem text NOT NULL,"
+    "  key_box text NOT NULL,"
+    "  created_at timestamptz NOT NULL DEFAULT now());",
+};
+
+int sp_migrate_latest(void)
+{
+    return (int)(sizeof(migrations) / sizeof(migrations[0]));
+}
+
+static int exec_ok(PGconn *c, const char *sql, sp_err_t *err)
+{
+    PGresult *r = PQexec(c, sql);
+    ExecStatusType st = PQresultStatus(r);
+    int ok = st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
+    if (!ok) {
+        sp_log(SP_LOG_ERROR, "migrate", "statement failed err=%s", PQresultErrorMessage(r));
+        sp_err_set(err, SP_EUNAVAIL, "database migration failed");
+    }
+    PQclear(r);
+    return ok ? 0 : -1;
+}
+
+static int record_version(PGconn *c, int v, sp_err_t *err)
+{
+    char num[16];
+    snprintf(num, sizeof(num), "%d", v);
+    const char *p[] = {num};
+    PGresult *r = PQexecParams(c, "INSERT INTO schema_migrations(version) VALUES ($1::int)", 1,
+                               NULL, p, NULL, NULL, 0);
+    int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    if (!ok)
+        sp_log(SP_LOG_ERROR, "migrate", "recording version failed err=%s",
+               PQresultErrorMessage(r));
+    PQclear(r);
+    return ok ? 0 : sp_err_set(err, SP_EUNAVAIL, "database migration failed");
+}
+
+static int current_version(PGconn *c, int *v, sp_err_t *err)
+{
+    PGresult *r = PQexec(c, "SELECT coalesce(max(version),0) FROM schema_migrations");
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        sp_log(SP_LOG_ERROR, "migrate", "reading version failed err=%s",
+               PQresultErrorMessage(r));
+        PQclear(r);
+        return sp_err_set(err, SP_EUNAVAIL, "cannot read schema version");
+    }
+    *v = atoi(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return 0;
+}
+
+int sp_migrate_apply(PGconn *c, int *applied, sp_err_t *err)
+{
+    *applied = 0;
+    /* The bookkeeping table is created under the same lock as the migrations, so servers
+     * starting together do not race on CREATE TABLE IF NOT EXISTS. */
+    if (exec_ok(c, "SET client_min_messages = warning", err) < 0 || exec_ok(c, "BEGIN", err) < 0)
+        return -1;
+    if (exec_ok(c, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK_ID ")", err) < 0 ||
+        exec_ok(c,
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+                err) < 0 ||
+        exec_ok(c, "COMMIT", err) < 0) {
+        PQclear(PQexec(c, "ROLLBACK"));
+        return -1;
+    }
+    for (;;) {
+        if (exec_ok(c, "BEGIN", err) < 0)
+            return -1;
+        int v = 0;
+        if (exec_ok(c, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK_ID ")", err) < 0 ||
+            current_version(c, &v, err) < 0) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return -1;
+        }
+        if (v > sp_migrate_latest()) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return sp_err_set(err, SP_EINTERNAL,
+                              "database schema version %d is newer than this server (%d)", v,
+                              sp_migrate_latest());
+        }
+        if (v == sp_migrate_latest()) {
+            PQclear(PQexec(c, "COMMIT"));
+            return 0;
+        }
+        if (exec_ok(c, migrations[v], err) < 0 || record_version(c, v + 1, err) < 0) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return -1;
+        }
+        if (exec_ok(c, "COMMIT", err) < 0)
+            return -1;
+        sp_log(SP_LOG_INFO, "migrate", "applied version=%d", v + 1);
+        (*applied)++;
+    }
+}

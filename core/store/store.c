@@ -1,0 +1,543 @@
+/*
+ * store.c - asynchronous libpq pool and listener on the process loop.
+ *
+ * Owns every PGconn and PGresult. Never blocks the loop: connections are
+ * opened with PQconnectStart/PQconnectPoll, statements sent with
+ * PQsendQueryParams in non-blocking mode and finished from socket readiness.
+ * A broken connection fails its in-flight statement with SP_EUNAVAIL and is
+ * reopened with backoff; statements not yet sent wait for a live connection
+ * (at most SP_STORE_QUEUE_MS) or fail at once when none is up or coming up.
+ */
+#include "core/store/store.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+
+#define SP_STORE_QUEUE_MS   5000 /* longest a statement waits for a connection */
+#define SP_STORE_QUEUE_MAX  4096 /* statements waiting at once */
+#define SP_STORE_BACKOFF_LO 100
+#define SP_STORE_BACKOFF_HI 2000
+
+enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
+
+struct query {
+    char *sql;
+    int nparams;
+    char **params;
+    sp_store_cb cb;
+    void *arg;
+    uint64_t queued_ms;
+    struct query *next;
+};
+
+struct conn {
+    sp_store_t *s;
+    PGconn *pg;
+    sp_watch_t *w;
+    int watched_fd;
+    enum conn_state st;
+    bool listener;
+    struct query *q;  /* in flight */
+    PGresult *last;   /* last result of the in-flight statement */
+    sp_timer_t retry; /* reconnect */
+    unsigned backoff_ms;
+    bool logged_down;
+};
+
+struct sub {
+    char *channel;
+    sp_store_notify_cb cb;
+    void *arg;
+};
+
+struct sp_store {
+    sp_loop_t *loop;
+    char *conninfo;
+    struct conn *conns;
+    int nconns; /* pool; the listener is conns[nconns] */
+    struct query *head, *tail;
+    size_t queued;
+    sp_timer_t sweep; /* expires queued statements */
+    sp_timer_t kick;  /* zero-delay dispatch after sp_store_query */
+    struct sub *subs;
+    size_t nsubs;
+    bool dying;
+};
+
+static void conn_start(struct conn *c);
+static void dispatch(sp_store_t *s);
+static void on_io(sp_watch_t *w, int events, void *arg);
+
+const char *sp_store_sqlstate(const PGresult *res)
+{
+    const char *st = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    return st ? st : "";
+}
+
+static void query_free(struct query *q)
+{
+    if (q == NULL)
+        return;
+    for (int i = 0; i < q->nparams; i++)
+        free(q->params[i]);
+    free(q->params);
+    free(q->sql);
+    free(q);
+}
+
+static void query_finish(struct query *q, PGresult *res, sp_code_t code, const char *msg)
+{
+    if (code == SP_OK) {
+        q->cb(q->arg, res, NULL);
+    } else {
+        sp_err_t e;
+        sp_err_set(&e, code, "%s", msg);
+        q->cb(q->arg, res, &e);
+    }
+    query_free(q);
+}
+
+static bool any_state(const sp_store_t *s, enum conn_state a, enum conn_state b)
+{
+    for (int i = 0; i < s->nconns; i++)
+        if (s->conns[i].st == a || s->conns[i].st == b)
+            return true;
+    return false;
+}
+
+bool sp_store_up(const sp_store_t *s)
+{
+    return any_state(s, C_IDLE, C_BUSY);
+}
+
+static void fail_queue(sp_store_t *s, const char *msg)
+{
+    while (s->head != NULL) {
+        struct query *q = s->head;
+        s->head = q->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        s->queued--;
+        query_finish(q, NULL, SP_EUNAVAIL, msg);
+    }
+}
+
+/* ---- connection state ---- */
+
+static void set_watch(struct conn *c, int events)
+{
+    int fd = c->pg ? PQsocket(c->pg) : -1;
+    if (fd != c->watched_fd) {
+        sp_watch_destroy(c->w);
+        c->w = NULL;
+        c->watched_fd = -1;
+    }
+    if (fd < 0)
+        return;
+    if (c->w == NULL) {
+        c->w = sp_watch_create(c->s->loop, fd, on_io, c);
+        if (c->w == NULL)
+            return;
+        c->watched_fd = fd;
+    }
+    sp_watch_set(c->w, events);
+}
+
+static void conn_close(struct conn *c)
+{
+    sp_watch_destroy(c->w);
+    c->w = NULL;
+    c->watched_fd = -1;
+    if (c->last != NULL) {
+        PQclear(c->last);
+        c->last = NULL;
+    }
+    if (c->pg != NULL) {
+        PQfinish(c->pg);
+        c->pg = NULL;
+    }
+}
+
+static void conn_down(struct conn *c, const char *why)
+{
+    sp_store_t *s = c->s;
+    if (!c->logged_down) {
+        sp_log(SP_LOG_WARN, "store", "connection lost listener=%d err=%s", c->listener,
+               why ? why : "unknown");
+        c->logged_down = true;
+    }
+    struct query *q = c->q;
+    c->q = NULL;
+    conn_close(c);
+    c->st = C_DOWN;
+    if (q != NULL)
+        query_finish(q, NULL, SP_EUNAVAIL, "database unavailable");
+    if (s->dying)
+        return;
+    c->backoff_ms = c->backoff_ms ? c->backoff_ms * 2 : SP_STORE_BACKOFF_LO;
+    if (c->backoff_ms > SP_STORE_BACKOFF_HI)
+        c->backoff_ms = SP_STORE_BACKOFF_HI;
+    sp_timer_start(&c->retry, c->backoff_ms);
+    if (!c->listener && !any_state(s, C_IDLE, C_BUSY) && !any_state(s, C_CONNECTING, C_CONNECTING))
+        fail_queue(s, "database unavailable");
+}
+
+static void on_retry(sp_timer_t *t, void *arg)
+{
+    conn_start(arg);
+}
+
+static void send_listens(struct conn *c)
+{
+    sp_store_t *s = c->s;
+    if (s->nsubs == 0)
+        return;
+    size_t cap = 16;
+    for (size_t i = 0; i < s->nsubs; i++)
+        cap += strlen(s->subs[i].channel) * 2 + 16;
+    char *sql = malloc(cap);
+    if (sql == NULL)
+        return;
+    size_t off = 0;
+    for (size_t i = 0; i < s->nsubs; i++) {
+        char *id = PQescapeIdentifier(c->pg, s->subs[i].channel, strlen(s->subs[i].channel));
+        if (id == NULL)
+            continue;
+        off += (size_t)snprintf(sql + off, cap - off, "LISTEN %s;", id);
+        PQfreemem(id);
+    }
+    /* The result of LISTEN is drained by the read path like any other. */
+    if (!PQsendQuery(c->pg, sql))
+        sp_log(SP_LOG_WARN, "store", "LISTEN failed err=%s", PQerrorMessage(c->pg));
+    else
+        c->st = C_BUSY;
+    free(sql);
+}
+
+static void conn_ready(struct conn *c)
+{
+    sp_store_t *s = c->s;
+    PQsetnonblocking(c->pg, 1);
+    c->st = C_IDLE;
+    c->backoff_ms = 0;
+    if (c->logged_down)
+        sp_log(SP_LOG_INFO, "store", "connection restored listener=%d", c->listener);
+    c->logged_down = false;
+    set_watch(c, SP_IO_READ);
+    if (c->listener) {
+        send_listens(c);
+        for (size_t i = 0; i < s->nsubs; i++)
+            s->subs[i].cb(s->subs[i].arg, s->subs[i].channel, NULL);
+    } else {
+        dispatch(s);
+    }
+}
+
+static void connect_step(struct conn *c)
+{
+    switch (PQconnectPoll(c->pg)) {
+    case PGRES_POLLING_READING:
+        set_watch(c, SP_IO_READ);
+        break;
+    case PGRES_POLLING_WRITING:
+        set_watch(c, SP_IO_WRITE);
+        break;
+    case PGRES_POLLING_OK:
+        conn_ready(c);
+        break;
+    default:
+        conn_down(c, PQerrorMessage(c->pg));
+        break;
+    }
+}
+
+/* Server notices (and the FATAL sent before a shutdown) go to the debug log, not stderr. */
+static void on_notice(void *arg, const char *msg)
+{
+    sp_log(SP_LOG_DEBUG, "store", "server notice: %s", msg);
+}
+
+static void conn_start(struct conn *c)
+{
+    c->pg = PQconnectStart(c->s->conninfo);
+    if (c->pg != NULL)
+        PQsetNoticeProcessor(c->pg, on_notice, NULL);
+    if (c->pg == NULL || PQstatus(c->pg) == CONNECTION_BAD) {
+        conn_down(c, c->pg ? PQerrorMessage(c->pg) : "out of memory");
+        return;
+    }
+    c->st = C_CONNECTING;
+    set_watch(c, SP_IO_WRITE);
+}
+
+/* ---- statements ---- */
+
+static void flush_out(struct conn *c)
+{
+    int r = PQflush(c->pg);
+    if (r < 0)
+        conn_down(c, PQerrorMessage(c->pg));
+    else
+        set_watch(c, r == 1 ? SP_IO_READ | SP_IO_WRITE : SP_IO_READ);
+}
+
+static bool send_query(struct conn *c, struct query *q)
+{
+    if (!PQsendQueryParams(c->pg, q->sql, q->nparams, NULL, (const char *const *)q->params, NULL,
+                           NULL, 0))
+        return false;
+    c->q = q;
+    c->st = C_BUSY;
+    flush_out(c);
+    return true;
+}
+
+static void dispatch(sp_store_t *s)
+{
+    for (int i = 0; i < s->nconns && s->head != NULL; i++) {
+        struct conn *c = &s->conns[i];
+        if (c->st != C_IDLE)
+            continue;
+        struct query *q = s->head;
+        s->head = q->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        s->queued--;
+        q->next = NULL;
+        if (!send_query(c, q)) {
+            /* Not sent: put it back first in line and take this connection down. */
+            q->next = s->head;
+            s->head = q;
+            if (s->tail == NULL)
+                s->tail = q;
+            s->queued++;
+            conn_down(c, PQerrorMessage(c->pg));
+        }
+    }
+}
+
+static void drain_notifies(struct conn *c)
+{
+    sp_store_t *s = c->s;
+    PGnotify *n;
+    while (c->pg != NULL && (n = PQnotifies(c->pg)) != NULL) {
+        for (size_t i = 0; i < s->nsubs; i++)
+            if (strcmp(s->subs[i].channel, n->relname) == 0)
+                s->subs[i].cb(s->subs[i].arg, n->relname, n->extra);
+        PQfreemem(n);
+    }
+}
+
+static void finish_results(struct conn *c)
+{
+    while (c->pg != NULL && !PQisBusy(c->pg)) {
+        PGresult *r = PQgetResult(c->pg);
+        if (r != NULL) {
+            if (c->last != NULL)
+                PQclear(c->last);
+            c->last = r;
+            continue;
+        }
+        /* NULL: the statement is complete. */
+        PGresult *res = c->last;
+        c->last = NULL;
+        struct query *q = c->q;
+        c->q = NULL;
+        c->st = C_IDLE;
+        if (q != NULL) {
+            ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
+            if (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) {
+                query_finish(q, res, SP_OK, NULL);
+            } else {
+                const char *state = sp_store_sqlstate(res);
+                /* Class 57 (operator intervention) and 08 (connection): the server is going away. */
+                bool gone = strncmp(state, "57", 2) == 0 || strncmp(state, "08", 2) == 0;
+                if (!gone)
+                    sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,
+                           res ? PQresultErrorMessage(res) : "no result");
+                query_finish(q, res, gone ? SP_EUNAVAIL : SP_EINTERNAL,
+                             gone ? "database unavailable" : "internal database error");
+            }
+        } else if (res != NULL && PQresultStatus(res) != PGRES_COMMAND_OK) {
+            sp_log(SP_LOG_WARN, "store", "listener statement failed err=%s",
+                   PQresultErrorMessage(res));
+        }
+        if (res != NULL)
+            PQclear(res);
+        if (c->pg != NULL && PQstatus(c->pg) == CONNECTION_BAD) {
+            conn_down(c, "server closed the connection");
+            return;
+        }
+        if (!c->listener)
+            dispatch(c->s);
+        return;
+    }
+}
+
+static void on_io(sp_watch_t *w, int events, void *arg)
+{
+    struct conn *c = arg;
+    if (c->st == C_CONNECTING) {
+        connect_step(c);
+        return;
+    }
+    if (c->pg == NULL)
+        return;
+    if (events & SP_IO_WRITE) {
+        flush_out(c);
+        if (c->pg == NULL)
+            return;
+    }
+    if (events & SP_IO_READ) {
+        if (!PQconsumeInput(c->pg)) {
+            conn_down(c, PQerrorMessage(c->pg));
+            return;
+        }
+        drain_notifies(c);
+        if (c->st == C_BUSY)
+            finish_results(c);
+        else if (PQstatus(c->pg) == CONNECTION_BAD)
+            conn_down(c, "server closed the connection");
+        else {
+            /* An idle connection that becomes readable without a statement is the server
+             * saying goodbye (or a notice); consume it and check again next time. */
+            PGresult *r;
+            while (!PQisBusy(c->pg) && (r = PQgetResult(c->pg)) != NULL)
+                PQclear(r);
+        }
+    }
+}
+
+static void on_sweep(sp_timer_t *t, void *arg)
+{
+    sp_store_t *s = arg;
+    uint64_t now = sp_loop_now_ms(s->loop);
+    while (s->head != NULL && now - s->head->queued_ms > SP_STORE_QUEUE_MS) {
+        struct query *q = s->head;
+        s->head = q->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        s->queued--;
+        query_finish(q, NULL, SP_EUNAVAIL, "database busy or unavailable");
+    }
+    sp_timer_start(&s->sweep, 250);
+}
+
+static void on_kick(sp_timer_t *t, void *arg)
+{
+    dispatch(arg);
+}
+
+/* ---- public ---- */
+
+sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size, sp_err_t *err)
+{
+    if (pool_size < 1)
+        pool_size = 1;
+    sp_store_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return NULL;
+    s->loop = loop;
+    s->conninfo = strdup(conninfo);
+    s->nconns = pool_size;
+    s->conns = calloc((size_t)pool_size + 1, sizeof(*s->conns));
+    if (s->conninfo == NULL || s->conns == NULL) {
+        free(s->conninfo);
+        free(s->conns);
+        free(s);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    for (int i = 0; i <= pool_size; i++) {
+        struct conn *c = &s->conns[i];
+        c->s = s;
+        c->watched_fd = -1;
+        c->listener = (i == pool_size);
+        sp_timer_init(&c->retry, loop, on_retry, c);
+        conn_start(c);
+    }
+    sp_timer_init(&s->sweep, loop, on_sweep, s);
+    sp_timer_init(&s->kick, loop, on_kick, s);
+    sp_timer_start(&s->sweep, 250);
+    return s;
+}
+
+void sp_store_destroy(sp_store_t *s)
+{
+    if (s == NULL)
+        return;
+    s->dying = true;
+    sp_timer_stop(&s->sweep);
+    sp_timer_stop(&s->kick);
+    for (int i = 0; i <= s->nconns; i++) {
+        sp_timer_stop(&s->conns[i].retry);
+        conn_down(&s->conns[i], "shutting down");
+    }
+    fail_queue(s, "shutting down");
+    for (size_t i = 0; i < s->nsubs; i++)
+        free(s->subs[i].channel);
+    free(s->subs);
+    free(s->conns);
+    free(s->conninfo);
+    free(s);
+}
+
+int sp_store_query(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                   sp_store_cb cb, void *arg, sp_err_t *err)
+{
+    if (!any_state(s, C_IDLE, C_BUSY) && !any_state(s, C_CONNECTING, C_CONNECTING))
+        return sp_err_set(err, SP_EUNAVAIL, "database unavailable");
+    if (s->queued >= SP_STORE_QUEUE_MAX)
+        return sp_err_set(err, SP_EUNAVAIL, "database busy");
+    struct query *q = calloc(1, sizeof(*q));
+    if (q == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    q->sql = strdup(sql);
+    q->nparams = nparams;
+    q->params = calloc((size_t)(nparams > 0 ? nparams : 1), sizeof(char *));
+    bool ok = q->sql != NULL && q->params != NULL;
+    for (int i = 0; ok && i < nparams; i++) {
+        if (params[i] != NULL) {
+            q->params[i] = strdup(params[i]);
+            ok = q->params[i] != NULL;
+        }
+    }
+    if (!ok) {
+        query_free(q);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    q->cb = cb;
+    q->arg = arg;
+    q->queued_ms = sp_loop_now_ms(s->loop);
+    if (s->tail != NULL)
+        s->tail->next = q;
+    else
+        s->head = q;
+    s->tail = q;
+    s->queued++;
+    /* Dispatch on the next turn so the callback can never run inside this call. */
+    if (!sp_timer_armed(&s->kick))
+        sp_timer_start(&s->kick, 0);
+    return 0;
+}
+
+int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
+                    sp_err_t *err)
+{
+    struct sub *n = realloc(s->subs, (s->nsubs + 1) * sizeof(*n));
+    if (n == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    s->subs = n;
+    s->subs[s->nsubs].channel = strdup(channel);
+    s->subs[s->nsubs].cb = cb;
+    s->subs[s->nsubs].arg = arg;
+    if (s->subs[s->nsubs].channel == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    s->nsubs++;
+    struct conn *l = &s->conns[s->nconns];
+    if (l->st == C_IDLE)
+        send_listens(l); /* re-LISTENs all; harmless */
+    return 0;
+}

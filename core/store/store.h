@@ -1,0 +1,54 @@
+/*
+ * store.h - PostgreSQL on the event loop: a small pool of asynchronous libpq
+ * connections, and one listening connection for LISTEN/NOTIFY.
+ *
+ * Every statement is one round trip with $n parameters (text format); the
+ * core keeps multi-step changes atomic by writing them as one statement with
+ * data-modifying CTEs. When the server goes away, calls fail with SP_EUNAVAIL
+ * at once (no connection) or when their connection breaks, and the pool
+ * reconnects by itself in the background. Knows no HTTP and no schema.
+ */
+#ifndef SP_STORE_H
+#define SP_STORE_H
+
+#include <libpq-fe.h>
+#include <stdbool.h>
+
+#include "base/err.h"
+#include "loop/loop.h"
+
+typedef struct sp_store sp_store_t;
+
+/*
+ * Result callback, called exactly once per accepted query, never before
+ * sp_store_query returns. On success err is NULL and res is a
+ * PGRES_TUPLES_OK/COMMAND_OK result. On failure err is set (SP_EUNAVAIL when
+ * the database is unreachable or the query timed out, SP_EINTERNAL for a
+ * server-side error) and res is the error result when there is one (for its
+ * SQLSTATE) or NULL. res is borrowed: it is cleared after the callback.
+ */
+typedef void (*sp_store_cb)(void *arg, PGresult *res, const sp_err_t *err);
+
+/* Notification callback: payload is NULL once after each (re)connect of the listener, meaning "re-scan, you may have missed some". */
+typedef void (*sp_store_notify_cb)(void *arg, const char *channel, const char *payload);
+
+/* Opens pool_size connections in the background; a server that is down is not an error here. */
+sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size, sp_err_t *err);
+/* Fails every pending query with SP_EUNAVAIL (callbacks run inside this call) and closes. NULL does nothing. */
+void sp_store_destroy(sp_store_t *s);
+
+/* Queues one statement. params are copied. -1 with SP_EUNAVAIL when no connection is up. */
+int sp_store_query(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                   sp_store_cb cb, void *arg, sp_err_t *err);
+
+/* Subscribes to channel on the listening connection (re-LISTENed after each reconnect). */
+int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
+                    sp_err_t *err);
+
+/* True when at least one pool connection is up. */
+bool sp_store_up(const sp_store_t *s);
+
+/* SQLSTATE of an error result ("23505"), or "" */
+const char *sp_store_sqlstate(const PGresult *res);
+
+#endif

@@ -1,0 +1,238 @@
+/*
+ * test_store.c - the asynchronous store and migrations against a real PostgreSQL.
+ *
+ * Uses SP_TEST_PG_DSN when set, else starts a private cluster (core/store/pgcluster)
+ * in a temporary directory. Exits 77 when PostgreSQL is not installed.
+ */
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "loop/loop.h"
+#include "core/store/migrate.h"
+#include "core/store/pgcluster.h"
+#include "core/store/store.h"
+#include "tests/check.h"
+
+static sp_loop_t *loop;
+static const char *dsn;
+
+struct result {
+    int done;
+    sp_code_t code;
+    char value[128];
+    char sqlstate[8];
+};
+
+static void on_res(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct result *r = arg;
+    r->done++;
+    r->code = err ? err->code : SP_OK;
+    if (res != NULL && PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) > 0)
+        snprintf(r->value, sizeof(r->value), "%s", PQgetvalue(res, 0, 0));
+    snprintf(r->sqlstate, sizeof(r->sqlstate), "%s", sp_store_sqlstate(res));
+}
+
+static void run_until(int *flag, int want, int ms)
+{
+    for (int i = 0; i < ms / 10 && *flag < want; i++)
+        sp_loop_run_once(loop, 10);
+}
+
+/* Four processes race to migrate a fresh database: each version is applied once. */
+static void test_store_migrations_apply_once(void)
+{
+    pid_t kids[4];
+    for (int i = 0; i < 4; i++) {
+        kids[i] = fork();
+        if (kids[i] == 0) {
+            PGconn *c = PQconnectdb(dsn);
+            sp_err_t e;
+            int applied = 0;
+            int rc = PQstatus(c) == CONNECTION_OK ? sp_migrate_apply(c, &applied, &e) : -1;
+            PQfinish(c);
+            _exit(rc == 0 ? 0 : 1);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        int st;
+        waitpid(kids[i], &st, 0);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    PGconn *c = PQconnectdb(dsn);
+    PGresult *r = PQexec(c, "SELECT count(*), count(DISTINCT version), max(version)"
+                            " FROM schema_migrations");
+    CHECK(PQresultStatus(r) == PGRES_TUPLES_OK);
+    CHECK(atoi(PQgetvalue(r, 0, 0)) == sp_migrate_latest());
+    CHECK(atoi(PQgetvalue(r, 0, 1)) == sp_migrate_latest());
+    CHECK(atoi(PQgetvalue(r, 0, 2)) == sp_migrate_latest());
+    PQclear(r);
+    int applied = -1;
+    sp_err_t e;
+    CHECK(sp_migrate_apply(c, &applied, &e) == 0 && applied == 0);
+    PQfinish(c);
+}
+
+static void test_store_queries_and_errors(sp_store_t *s)
+{
+    struct result a = {0}, b = {0}, c = {0};
+    const char *p[] = {"hello", NULL};
+    sp_err_t e;
+    CHECK(sp_store_query(s, "SELECT $1::text || coalesce($2, '!')", 2, p, on_res, &a, &e) == 0);
+    CHECK(a.done == 0); /* never called back inside the call */
+    const char *bad[] = {"x"};
+    CHECK(sp_store_query(s, "SELECT $1::int", 1, bad, on_res, &b, &e) == 0);
+    CHECK(sp_store_query(s, "SELECT pg_sleep(0.05), 7", 0, NULL, on_res, &c, &e) == 0);
+    run_until(&c.done, 1, 5000);
+    run_until(&a.done, 1, 5000);
+    run_until(&b.done, 1, 5000);
+    CHECK(a.done == 1 && a.code == SP_OK && strcmp(a.value, "hello!") == 0);
+    CHECK(b.done == 1 && b.code == SP_EINTERNAL && strcmp(b.sqlstate, "22P02") == 0);
+    CHECK(c.done == 1 && c.code == SP_OK);
+    /* Many at once: more than the pool, all answered in order of completion. */
+    struct result many[50];
+    memset(many, 0, sizeof(many));
+    int total = 0;
+    for (int i = 0; i < 50; i++) {
+        char n[16];
+        snprintf(n, sizeof(n), "%d", i);
+        const char *pp[] = {n};
+        CHECK(sp_store_query(s, "SELECT $1::int * 2", 1, pp, on_res, &many[i], &e) == 0);
+    }
+    for (int t = 0; t < 500 && total < 50; t++) {
+        sp_loop_run_once(loop, 10);
+        total = 0;
+        for (int i = 0; i < 50; i++)
+            total += many[i].done;
+    }
+    CHECK(total == 50);
+    for (int i = 0; i < 50; i++)
+        CHECK(atoi(many[i].value) == i * 2);
+}
+
+struct note {
+    int got, reconnects;
+    char payload[64];
+};
+
+static void on_note(void *arg, const char *ch, const char *payload)
+{
+    struct note *n = arg;
+    if (payload == NULL) {
+        n->reconnects++;
+        return;
+    }
+    n->got++;
+    snprintf(n->payload, sizeof(n->payload), "%s", payload);
+}
+
+static void test_store_notify(sp_store_t *s, struct note *n)
+{
+    run_until(&n->reconnects, 1, 5000);
+    CHECK(n->reconnects >= 1);
+    struct result r = {0};
+    sp_err_t e;
+    /* the listener may still be sending LISTEN; give it a turn */
+    for (int i = 0; i < 20; i++)
+        sp_loop_run_once(loop, 10);
+    CHECK(sp_store_query(s, "SELECT pg_notify('sp_test', 'ping')", 0, NULL, on_res, &r, &e) == 0);
+    run_until(&n->got, 1, 5000);
+    CHECK(n->got == 1 && strcmp(n->payload, "ping") == 0);
+}
+
+static sp_pgcluster_t *g_cluster;
+static char g_tmp[256];
+static int stop_cluster(void);
+
+static void test_store_outage_and_recovery(sp_store_t *s, sp_pgcluster_t *cl, struct note *n)
+{
+    if (cl == NULL)
+        return; /* an external server is not ours to stop */
+    sp_err_t e;
+    int before = n->reconnects;
+    /* Stop the server under the pool (fast shutdown terminates every session). */
+    struct result r = {0};
+    CHECK(stop_cluster() == 0);
+    for (int i = 0; i < 50; i++)
+        sp_loop_run_once(loop, 10);
+    int rc = sp_store_query(s, "SELECT 1", 0, NULL, on_res, &r, &e);
+    if (rc == 0) {
+        run_until(&r.done, 1, 10000);
+        CHECK(r.code == SP_EUNAVAIL);
+    } else {
+        CHECK(e.code == SP_EUNAVAIL);
+    }
+    CHECK(!sp_store_up(s) || r.code == SP_EUNAVAIL);
+    CHECK(sp_pgcluster_ensure_running(cl, &e) == 0);
+    /* Recovers by itself: a query succeeds within a few seconds. */
+    struct result ok = {.code = SP_EUNAVAIL};
+    for (int t = 0; t < 100 && ok.code != SP_OK; t++) {
+        memset(&ok, 0, sizeof(ok));
+        ok.code = SP_EUNAVAIL;
+        if (sp_store_query(s, "SELECT 42", 0, NULL, on_res, &ok, &e) == 0)
+            run_until(&ok.done, 1, 2000);
+        else
+            for (int i = 0; i < 10; i++)
+                sp_loop_run_once(loop, 10);
+    }
+    if (ok.code != SP_OK)
+        fprintf(stderr, "recovery: code=%d value=%s state=%s\n", ok.code, ok.value, ok.sqlstate);
+    CHECK(ok.code == SP_OK && strcmp(ok.value, "42") == 0);
+    run_until(&n->reconnects, before + 1, 5000);
+    CHECK(n->reconnects > before); /* the listener came back and said so */
+}
+
+static int stop_cluster(void)
+{
+    char cmd[1024];
+    const char *as = geteuid() == 0 ? "runuser -u postgres -- " : "";
+    snprintf(cmd, sizeof(cmd),
+             "%s$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)/pg_ctl -D %s/pg/data -m fast "
+             "-w stop >/dev/null 2>&1",
+             as, g_tmp);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+int main(void)
+{
+    sp_err_t e;
+    dsn = getenv("SP_TEST_PG_DSN");
+    if (dsn == NULL || dsn[0] == '\0') {
+        if (!sp_pgcluster_available()) {
+            printf("skip: PostgreSQL is not installed\n");
+            return 77;
+        }
+        snprintf(g_tmp, sizeof(g_tmp), "/tmp/sp-store-XXXXXX");
+        if (mkdtemp(g_tmp) == NULL)
+            return 1;
+        g_cluster = sp_pgcluster_start(g_tmp, &e);
+        if (g_cluster == NULL) {
+            fprintf(stderr, "cluster: %s\n", e.msg);
+            return 1;
+        }
+        dsn = sp_pgcluster_conninfo(g_cluster);
+    }
+    loop = sp_loop_create();
+    test_store_migrations_apply_once();
+    sp_store_t *s = sp_store_create(loop, dsn, 3, &e);
+    CHECK(s != NULL);
+    struct note n = {0};
+    CHECK(sp_store_listen(s, "sp_test", on_note, &n, &e) == 0);
+    test_store_queries_and_errors(s);
+    test_store_notify(s, &n);
+    test_store_outage_and_recovery(s, g_cluster, &n);
+    sp_store_destroy(s);
+    sp_loop_destroy(loop);
+    if (g_cluster != NULL) {
+        sp_pgcluster_stop(g_cluster, &e);
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd), "rm -rf %s", g_tmp);
+        if (getenv("SP_TEST_KEEP") == NULL && system(cmd) != 0)
+            fprintf(stderr, "cleanup failed\n");
+    }
+    return check_report("store");
+}
