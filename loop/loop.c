@@ -9,6 +9,8 @@
  */
 #include "loop/loop.h"
 
+#include "loop/loop_int.h"
+
 #include <h2o.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +29,13 @@ struct sp_loop {
     size_t heap_len, heap_cap;
     struct deferred *defer_head, *defer_tail;
     uint64_t now_ms;
+    sp_workpool_t *work; /* work.c, made on first sp_loop_work */
 };
+
+sp_workpool_t **sp_loop__work(sp_loop_t *loop)
+{
+    return &loop->work;
+}
 
 struct sp_watch {
     sp_loop_t *loop;
@@ -67,6 +75,7 @@ void sp_loop_destroy(sp_loop_t *loop)
         free(d);
         d = n;
     }
+    sp_loop__work_destroy(loop);
     free(loop->heap);
     /* Closed sockets are freed by the loop on its next turns. h2o 2.2 has no evloop
      * destructor, so the evloop itself stays (scripts/lsan.supp names it). */

@@ -3,8 +3,8 @@
  *
  * One loop per process, one thread. The implementation (loop/loop.c) sits
  * on h2o's evloop so HTTP and core share the thread; core sees only this
- * header. Nothing here blocks. Callbacks never run before the call that
- * arms them returns.
+ * header. Nothing here blocks: blocking work goes to worker threads through
+ * sp_loop_work. Callbacks never run before the call that arms them returns.
  */
 #ifndef SP_LOOP_H
 #define SP_LOOP_H
@@ -66,5 +66,37 @@ bool sp_timer_armed(const sp_timer_t *t);
 
 /* Runs cb(arg) on the next iteration: for "never call back before returning". 0 or -1 (ENOMEM). */
 int sp_loop_defer(sp_loop_t *loop, void (*cb)(void *arg), void *arg);
+
+/* ---- work off the loop ----
+ *
+ * Blocking work (name resolution, checksums over gigabytes, stream filters) runs on worker
+ * threads and reports back on the loop. Two lanes, each with its own threads so that long
+ * jobs never hold up short ones: SP_WORK_SHORT (latency-bound: DNS; SP_LOOP_SHORT_THREADS) and
+ * SP_WORK_LONG (CPU or disk-bound, seconds: checksums; SP_LOOP_LONG_THREADS). Threads start
+ * on first use with every signal blocked (the program takes its signals on the loop). */
+
+#define SP_LOOP_SHORT_THREADS 8
+#define SP_LOOP_LONG_THREADS  4
+
+typedef enum { SP_WORK_SHORT = 0, SP_WORK_LONG = 1 } sp_work_lane_t;
+typedef struct sp_work sp_work_t;
+
+/* Runs on a worker thread: must not touch the loop or anything the loop owns. */
+typedef void (*sp_work_fn)(sp_work_t *w, void *arg);
+/* Runs on the loop once fn has returned (or without fn, when cancelled before it started).
+ * Called exactly once per accepted job, never before sp_loop_work returns. After a cancel,
+ * cancelled is true: the owner has let go and done only frees what arg holds. */
+typedef void (*sp_work_done_cb)(void *arg, bool cancelled);
+
+/* Queues fn(arg) on lane; done(arg, cancelled) follows on the loop. NULL (nothing queued,
+ * done never called) when memory or threads are short. */
+sp_work_t *sp_loop_work(sp_loop_t *loop, sp_work_lane_t lane, sp_work_fn fn,
+                        sp_work_done_cb done, void *arg);
+/* The owner no longer wants the result: a job not yet started never runs, a running one sees
+ * sp_work_cancelled() turn true (it should poll it and return early); done still comes, with
+ * cancelled set. Loop thread only. NULL does nothing. */
+void sp_work_cancel(sp_work_t *w);
+/* For fn: whether the job was cancelled (safe from the worker thread). */
+bool sp_work_cancelled(const sp_work_t *w);
 
 #endif
