@@ -36,60 +36,21 @@
 #include "loop/loop.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
+#include "e2e/vmtest.h"
 #include "tests/check.h"
 
-static sp_loop_t *loop;
-static const char *data_dir;
-static double mult = 1.0;
 static sp_cgroup_t *cgl;
-
-struct res {
-    int done;
-    int ok;
-    sp_err_t err;
-};
-
-static void on_res(void *arg, const sp_err_t *err)
-{
-    struct res *r = arg;
-    r->done++;
-    r->ok = err == NULL;
-    if (err != NULL)
-        r->err = *err;
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1000.0 + (double)ts.tv_nsec / 1e6;
-}
-
-static int wait_for(int *flag, double timeout_ms)
-{
-    double end = now_ms() + timeout_ms * mult;
-    while (!*flag && now_ms() < end)
-        sp_loop_run_once(loop, 20);
-    return *flag ? 0 : -1;
-}
-
-static void run_for(double ms)
-{
-    double end = now_ms() + ms;
-    while (now_ms() < end)
-        sp_loop_run_once(loop, 10);
-}
 
 /* pool: spare clones per size (sp_qemu_opts_t.pool_size); -1 none */
 static sp_driver_t *make_driver_pool(int cold, int pool)
 {
     const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = data_dir,
+    sp_qemu_opts_t o = {.data_dir = vt_data_dir,
                         .accel = accel ? accel : "auto",
                         .cold_boot = cold,
                         .pool_size = pool};
     sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
     if (d == NULL)
         fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
     REQUIRE(d != NULL);
@@ -102,7 +63,7 @@ static sp_driver_t *make_driver(int cold)
     return make_driver_pool(cold, -1);
 }
 
-static void start_boot(sp_driver_t *d, const char *id, int mem_mb, struct res *r)
+static void start_boot(sp_driver_t *d, const char *id, int mem_mb, vt_res_t *r)
 {
     sp_vm_spec_t spec = {.sandbox_id = id,
                          .template_name = "base",
@@ -110,7 +71,7 @@ static void start_boot(sp_driver_t *d, const char *id, int mem_mb, struct res *r
                          .memory_mb = mem_mb,
                          .hostname = id};
     sp_err_t e;
-    if (d->ops->boot(d, &spec, on_res, r, &e) < 0) {
+    if (d->ops->boot(d, &spec, vt_on_res, r, &e) < 0) {
         fprintf(stderr, "boot %s: %s\n", id, e.msg);
         exit(1);
     }
@@ -118,9 +79,9 @@ static void start_boot(sp_driver_t *d, const char *id, int mem_mb, struct res *r
 
 static void boot_sized(sp_driver_t *d, const char *id, int mem_mb)
 {
-    struct res r = {0};
+    vt_res_t r = {0};
     start_boot(d, id, mem_mb, &r);
-    REQUIRE(wait_for(&r.done, 180000) == 0);
+    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
@@ -135,134 +96,51 @@ static double boot(sp_driver_t *d, const char *id)
                          .memory_mb = 256,
                          .hostname = id,
                          .env_json = "{\"CLONE_TEST\":\"1\"}"};
-    struct res r = {0};
+    vt_res_t r = {0};
     sp_err_t e;
-    double t0 = now_ms();
-    if (d->ops->boot(d, &spec, on_res, &r, &e) < 0) {
+    double t0 = vt_now_ms();
+    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
         fprintf(stderr, "boot %s: %s\n", id, e.msg);
         exit(1);
     }
-    REQUIRE(wait_for(&r.done, 180000) == 0);
+    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
-    return now_ms() - t0;
+    return vt_now_ms() - t0;
 }
 
 static void op(sp_driver_t *d,
                int (*fn)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
                const char *id)
 {
-    struct res r = {0};
-    sp_err_t e;
-    if (fn(d, id, on_res, &r, &e) < 0) {
-        fprintf(stderr, "op %s: %s\n", id, e.msg);
-        exit(1);
-    }
-    REQUIRE(wait_for(&r.done, 60000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "op %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_op(d, fn, id, 60000);
 }
 
 static double restore(sp_driver_t *d, const char *id)
 {
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = id};
-    struct res r = {0};
+    vt_res_t r = {0};
     sp_err_t e;
-    double t0 = now_ms();
-    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-    REQUIRE(wait_for(&r.done, 60000) == 0);
+    double t0 = vt_now_ms();
+    REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
+    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
     if (!r.ok)
         fprintf(stderr, "restore %s: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
-    return now_ms() - t0;
+    return vt_now_ms() - t0;
 }
 
-struct proc {
-    char out[512];
-    size_t n;
-    int exited;
-    int failed;
-};
-
-static void p_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                    size_t len, void *arg)
-{
-    struct proc *pr = arg;
-    if (type == SP_AP_T_PROC_STDOUT) {
-        size_t k = len < sizeof pr->out - 1 - pr->n ? len : sizeof pr->out - 1 - pr->n;
-        memcpy(pr->out + pr->n, p, k);
-        pr->n += k;
-        pr->out[pr->n] = '\0';
-        sp_agentstream_grant(s, (uint32_t)len);
-    }
-    if (flags & SP_AP_F_END) {
-        if (type != SP_AP_T_PROC_EXIT)
-            pr->failed = 1;
-        pr->exited = 1;
-    }
-}
-
-static void p_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
-{
-    struct proc *pr = arg;
-    pr->failed = 1;
-    pr->exited = 1;
-}
-
-static void on_up(void *arg, const sp_err_t *err)
-{
-    struct res *r = arg;
-    r->done = 1;
-    r->ok = err == NULL;
-}
-
-/* Runs `sh -c cmd` in the guest; its stdout without trailing newlines into out. */
 static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
 {
-    sp_agentconn_t *c = d->ops->agent(d, id);
-    REQUIRE(c != NULL);
-    struct res up = {0};
-    REQUIRE(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
-    REQUIRE(wait_for(&up.done, 25000) == 0 && up.ok);
-    uint8_t buf[512];
-    sp_ap_writer_t w;
-    sp_ap_writer_init(&w, buf, sizeof buf);
-    sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
-    sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
-    REQUIRE(!w.overflow);
-    static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
-    struct proc pr = {0};
-    sp_err_t e;
-    sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
-    REQUIRE(s != NULL);
-    REQUIRE(wait_for(&pr.exited, 30000) == 0);
-    REQUIRE(!pr.failed);
-    while (pr.n > 0 && pr.out[pr.n - 1] == '\n')
-        pr.out[--pr.n] = '\0';
-    snprintf(out, n, "%s", pr.out);
-}
-
-static pid_t vm_pid(const char *id)
-{
-    char p[4096], b[32];
-    snprintf(p, sizeof p, "%s/vms/%s/qemu.pid", data_dir, id);
-    FILE *f = fopen(p, "r");
-    if (f == NULL)
-        return 0;
-    pid_t pid = 0;
-    if (fgets(b, sizeof b, f) != NULL)
-        pid = (pid_t)atoi(b);
-    fclose(f);
-    return pid;
+    vt_run_cmd(d, id, cmd, out, n, 30000);
 }
 
 /* Contents of a small file of the VM dir ("" when missing). */
 static void vm_file(const char *id, const char *name, char *out, size_t n)
 {
     char p[4096];
-    snprintf(p, sizeof p, "%s/vms/%s/%s", data_dir, id, name);
+    snprintf(p, sizeof p, "%s/vms/%s/%s", vt_data_dir, id, name);
     out[0] = '\0';
     FILE *f = fopen(p, "r");
     if (f == NULL)
@@ -316,11 +194,11 @@ static ino_t tsnap_dir(const sp_tmplbuild_paths_t *tp, char *out, size_t n)
 
 static void check_gone(const char *id, pid_t pid)
 {
-    run_for(100);
+    vt_run_for(100);
     REQUIRE(pid <= 0 || (kill(pid, 0) < 0 && errno == ESRCH));
     char p[4096];
     struct stat st;
-    snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
+    snprintf(p, sizeof p, "%s/vms/%s", vt_data_dir, id);
     REQUIRE(stat(p, &st) < 0 && errno == ENOENT);
     static const char *const ctl[] = {"cpu", "memory", "pids"};
     for (size_t i = 0; i < 3; i++) {
@@ -337,7 +215,7 @@ static void fake_template(const sp_tmplbuild_paths_t *base, const char *name, co
                           const char *warmup)
 {
     char dir[4096], p[4400];
-    snprintf(dir, sizeof dir, "%s/templates/%s/%s", data_dir, name, hash);
+    snprintf(dir, sizeof dir, "%s/templates/%s/%s", vt_data_dir, name, hash);
     snprintf(p, sizeof p, "mkdir -p '%s'", dir);
     REQUIRE(system(p) == 0);
     snprintf(p, sizeof p, "%s/rootfs.qcow2", dir);
@@ -352,14 +230,14 @@ static void fake_template(const sp_tmplbuild_paths_t *base, const char *name, co
     REQUIRE(json_dump_file(m, p, JSON_INDENT(2)) == 0);
     json_decref(m);
     char cur[4400];
-    snprintf(p, sizeof p, "%s/templates/%s/current.tmp", data_dir, name);
-    snprintf(cur, sizeof cur, "%s/templates/%s/current", data_dir, name);
+    snprintf(p, sizeof p, "%s/templates/%s/current.tmp", vt_data_dir, name);
+    snprintf(cur, sizeof cur, "%s/templates/%s/current", vt_data_dir, name);
     unlink(p);
     REQUIRE(symlink(hash, p) == 0 && rename(p, cur) == 0);
 }
 
 struct tsres {
-    struct res r;
+    vt_res_t r;
     sp_qemu_tsnap_info_t info;
 };
 
@@ -368,17 +246,17 @@ static void template_snapshot(sp_driver_t *d, const char *name, struct tsres *t)
 {
     memset(t, 0, sizeof *t);
     sp_err_t e;
-    REQUIRE(sp_qemu_template_snapshot(d, name, 0, 0, &t->info, on_res, &t->r, &e) == 0);
-    REQUIRE(wait_for(&t->r.done, 180000) == 0);
+    REQUIRE(sp_qemu_template_snapshot(d, name, 0, 0, &t->info, vt_on_res, &t->r, &e) == 0);
+    REQUIRE(vt_wait_for(&t->r.done, 180000) == 0);
 }
 
 static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
 {
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = tmpl, .hostname = id};
-    struct res r = {0};
+    vt_res_t r = {0};
     sp_err_t e;
-    REQUIRE(d->ops->boot(d, &spec, on_res, &r, &e) == 0);
-    REQUIRE(wait_for(&r.done, 180000) == 0);
+    REQUIRE(d->ops->boot(d, &spec, vt_on_res, &r, &e) == 0);
+    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
     if (!r.ok)
         fprintf(stderr, "boot %s: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
@@ -404,12 +282,12 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
 
     /* built on request (what `spaced template build` does), then found */
     struct tsres t;
-    double t0 = now_ms();
+    double t0 = vt_now_ms();
     template_snapshot(d, w, &t);
     if (!t.r.ok)
         fprintf(stderr, "template snapshot: %s\n", t.r.err.msg);
     REQUIRE(t.r.ok && t.info.built == 1 && strstr(t.info.dir, h1) != NULL);
-    printf("template snapshot with warmup built on request: %.0f ms\n", now_ms() - t0);
+    printf("template snapshot with warmup built on request: %.0f ms\n", vt_now_ms() - t0);
     char s1[4096];
     snprintf(s1, sizeof s1, "%s", t.info.dir);
     template_snapshot(d, w, &t);
@@ -431,7 +309,7 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     struct stat st;
     REQUIRE(stat(s1, &st) == 0);
     REQUIRE(d->ops->probe(d, c1) == SP_VM_RUNNING);
-    pid_t pc = vm_pid(c1);
+    pid_t pc = vt_vm_pid(c1);
     op(d, d->ops->destroy, c1);
     check_gone(c1, pc);
     /* unused now: the next commit (the new build's snapshot) collects it */
@@ -458,11 +336,11 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     REQUIRE(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
     run_cmd(d, c2, "test -e /root/warm && echo ran || echo not-run", buf, sizeof buf);
     REQUIRE(strcmp(buf, "not-run") == 0);
-    pc = vm_pid(c2);
+    pc = vt_vm_pid(c2);
     op(d, d->ops->destroy, c2);
     check_gone(c2, pc);
 
-    snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", data_dir, w, data_dir, w2);
+    snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", vt_data_dir, w, vt_data_dir, w2);
     REQUIRE(system(p) == 0);
     return d;
 }
@@ -478,7 +356,7 @@ static int cmp_d(const void *a, const void *b)
 static int spare_entries(pid_t *pid, int links)
 {
     char p[4096];
-    snprintf(p, sizeof p, "%s/vms", data_dir);
+    snprintf(p, sizeof p, "%s/vms", vt_data_dir);
     DIR *dir = opendir(p);
     REQUIRE(dir != NULL);
     int n = 0;
@@ -499,7 +377,7 @@ static int spare_entries(pid_t *pid, int links)
         char id[300];
         snprintf(id, sizeof id, "%s", de->d_name);
         if (pid != NULL)
-            *pid = vm_pid(id);
+            *pid = vt_vm_pid(id);
     }
     closedir(dir);
     return n;
@@ -512,9 +390,9 @@ static int spare_dirs(pid_t *pid)
 
 static int wait_spares(sp_driver_t *d, int want, double timeout_ms)
 {
-    double end = now_ms() + timeout_ms * mult;
-    while (sp_qemu_pool_ready(d) < want && now_ms() < end)
-        sp_loop_run_once(loop, 20);
+    double end = vt_now_ms() + timeout_ms * vt_mult;
+    while (sp_qemu_pool_ready(d) < want && vt_now_ms() < end)
+        sp_loop_run_once(vt_loop, 20);
     return sp_qemu_pool_ready(d) >= want ? 0 : -1;
 }
 
@@ -533,11 +411,11 @@ static void pool_section(void)
     REQUIRE(wait_spares(d, 1, 120000) == 0);
     pid_t spare = 0;
     REQUIRE(spare_dirs(&spare) == 1 && spare > 0);
-    run_for(300);
+    vt_run_for(300);
     REQUIRE(sp_qemu_pool_ready(d) == 1 && spare_dirs(NULL) == 1); /* pool_size 1: no more */
 
     double tb = boot(d, p2);
-    REQUIRE(vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
+    REQUIRE(vt_vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
     REQUIRE(spare_entries(NULL, 1) == 1); /* its old name, for QEMU's reopen of the disk */
     REQUIRE(d->ops->probe(d, p2) == SP_VM_RUNNING);
     static const char *const ctl[] = {"cpu", "memory", "pids"};
@@ -590,20 +468,20 @@ static void pool_section(void)
     snprintf(p4, sizeof p4, "clone-%d-p4", (int)getpid());
     REQUIRE(wait_spares(d, 1, 120000) == 0);
     boot(d, p4);
-    pid_t pid4 = vm_pid(p4);
+    pid_t pid4 = vt_vm_pid(p4);
     pid_t next = 0;
-    double until = now_ms() + 30000 * mult;
-    while (now_ms() < until) {
+    double until = vt_now_ms() + 30000 * vt_mult;
+    while (vt_now_ms() < until) {
         next = 0;
         if (spare_dirs(&next) == 1 && next > 0 && next != pid4)
             break;
-        sp_loop_run_once(loop, 1);
+        sp_loop_run_once(vt_loop, 1);
     }
     REQUIRE(next > 0 && next != pid4);
-    run_for(30); /* QMP connects within a few ms of QEMU's start */
+    vt_run_for(30); /* QMP connects within a few ms of QEMU's start */
     int was_ready = sp_qemu_pool_ready(d);
     boot(d, p3);
-    pid_t pid3 = vm_pid(p3);
+    pid_t pid3 = vt_vm_pid(p3);
     printf("create while a spare was being made (ready=%d): took it: %s\n", was_ready,
            pid3 == next ? "yes" : "no");
     REQUIRE(pid3 == next);
@@ -617,7 +495,7 @@ static void pool_section(void)
     pid_t left = 0;
     REQUIRE(spare_dirs(&left) == 1 && left > 0);
     sp_driver_destroy(d); /* its spares go with it */
-    run_for(200);
+    vt_run_for(200);
     REQUIRE(spare_dirs(NULL) == 0 && kill(left, 0) < 0);
     REQUIRE(kill(pid3, 0) == 0);
     d = make_driver_pool(0, 1);
@@ -625,7 +503,7 @@ static void pool_section(void)
     run_cmd(d, p3, "hostname", buf, sizeof buf);
     REQUIRE(strcmp(buf, p3) == 0);
     REQUIRE(d->ops->probe(d, p4) == SP_VM_RUNNING);
-    pid_t pid1 = vm_pid(p1), pid2 = vm_pid(p2);
+    pid_t pid1 = vt_vm_pid(p1), pid2 = vt_vm_pid(p2);
     op(d, d->ops->destroy, p1);
     op(d, d->ops->destroy, p2);
     op(d, d->ops->destroy, p3);
@@ -641,31 +519,12 @@ static void pool_section(void)
 
 int main(void)
 {
-    data_dir = getenv("SP_TEST_DATA_DIR");
-    const char *m = getenv("SP_TEST_TIMEOUT_MULT");
-    if (m != NULL && atof(m) > 0)
-        mult = atof(m);
-    if (system("command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null") != 0) {
-        printf("skip: qemu-system-x86_64 or qemu-img not installed\n");
-        return 77;
-    }
-    if (data_dir == NULL) {
-        printf("skip: SP_TEST_DATA_DIR (a data dir with a built base template) is not set\n");
-        return 77;
-    }
-    sp_tmplbuild_paths_t tp;
-    sp_err_t e;
-    if (sp_tmplbuild_current(data_dir, "base", &tp, &e) < 0) {
-        printf("skip: template base is not built in SP_TEST_DATA_DIR: %s\n", e.msg);
-        return 77;
-    }
+    vt_init();
     sp_log_level_t lv;
     if (getenv("SP_TEST_LOG") != NULL && sp_log_parse_level(getenv("SP_TEST_LOG"), &lv) == 0)
         sp_log_min_level = lv;
     if (getenv("SPACE_COLD_BOOT") != NULL)
         unsetenv("SPACE_COLD_BOOT");
-    loop = sp_loop_create();
-    REQUIRE(loop != NULL);
     cgl = sp_cgroup_create();
     REQUIRE(cgl != NULL);
     char a[64], b[64], c[64];
@@ -678,23 +537,23 @@ int main(void)
      * it, so removing its snapshot cannot break another sandbox) share one snapshot build. */
     {
         char x[64], y[64], sx[8192], sy[8192];
-        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 1);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir, sizeof sdir, 1);
         snprintf(x, sizeof x, "clone-%d-x", (int)getpid());
         snprintf(y, sizeof y, "clone-%d-y", (int)getpid());
-        struct res rx = {0}, ry = {0};
-        double t0 = now_ms();
+        vt_res_t rx = {0}, ry = {0};
+        double t0 = vt_now_ms();
         start_boot(d, x, 320, &rx);
         start_boot(d, y, 320, &ry);
-        REQUIRE(wait_for(&rx.done, 180000) == 0 && wait_for(&ry.done, 180000) == 0);
+        REQUIRE(vt_wait_for(&rx.done, 180000) == 0 && vt_wait_for(&ry.done, 180000) == 0);
         REQUIRE(rx.ok && ry.ok);
-        printf("two concurrent first creates (one snapshot build): %.0f ms\n", now_ms() - t0);
-        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 0); /* exactly one */
+        printf("two concurrent first creates (one snapshot build): %.0f ms\n", vt_now_ms() - t0);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir, sizeof sdir, 0); /* exactly one */
         vm_file(x, "vm.json", sx, sizeof sx);
         vm_file(y, "vm.json", sy, sizeof sy);
         REQUIRE(strstr(sx, sdir) != NULL && strstr(sy, sdir) != NULL); /* both are clones */
         run_cmd(d, x, "awk '/MemTotal/{print ($2 > 200000)}' /proc/meminfo", buf, sizeof buf);
         REQUIRE(strcmp(buf, "1") == 0);
-        pid_t px = vm_pid(x), py = vm_pid(y);
+        pid_t px = vt_vm_pid(x), py = vt_vm_pid(y);
         op(d, d->ops->destroy, y);
         check_gone(y, py);
 
@@ -717,7 +576,7 @@ int main(void)
         run_cmd(d, x, "echo x-still-works", buf, sizeof buf);
         REQUIRE(strcmp(buf, "x-still-works") == 0);
         printf("damaged template snapshot in use: kept, next create cold-booted\n");
-        py = vm_pid(y);
+        py = vt_vm_pid(y);
         op(d, d->ops->destroy, x);
         op(d, d->ops->destroy, y);
         check_gone(x, px);
@@ -729,23 +588,23 @@ int main(void)
         REQUIRE(stat(sdir, &st) < 0 && errno == ENOENT);
         boot_sized(d, x, 320);
         char sdir2[4096];
-        tsnap_dir_ex(&tp, "-320M-1c-", sdir2, sizeof sdir2, 0);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir2, sizeof sdir2, 0);
         vm_file(x, "vm.json", sx, sizeof sx);
         REQUIRE(strstr(sx, sdir2) != NULL);
         printf("damaged template snapshot unused: removed and rebuilt\n");
-        px = vm_pid(x);
+        px = vt_vm_pid(x);
         op(d, d->ops->destroy, x);
         check_gone(x, px);
-        tsnap_dir_ex(&tp, "-320M-1c-", sdir, sizeof sdir, 1);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir, sizeof sdir, 1);
     }
 
     double ta = boot(d, a);
     printf("first clone (builds the template snapshot unless there is one): %.0f ms\n", ta);
-    ino_t ino = tsnap_dir(&tp, sdir, sizeof sdir);
+    ino_t ino = tsnap_dir(&vt_base, sdir, sizeof sdir);
     printf("template snapshot: %s\n", sdir);
     double tb = boot(d, b);
     printf("second clone: %.0f ms\n", tb);
-    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* reused, not rebuilt */
+    REQUIRE(tsnap_dir(&vt_base, sdir, sizeof sdir) == ino); /* reused, not rebuilt */
     vm_file(a, "vm.json", buf, sizeof buf);
     REQUIRE(strstr(buf, "\"ram_src\"") != NULL && strstr(buf, sdir) != NULL);
     vm_file(b, "vm.json", buf, sizeof buf);
@@ -787,15 +646,15 @@ int main(void)
     char big_md5[64];
     snprintf(big_md5, sizeof big_md5, "%.32s", buf);
     REQUIRE(strlen(big_md5) == 32);
-    double t0 = now_ms();
+    double t0 = vt_now_ms();
     op(d, d->ops->snapshot, a);
-    double susp1 = now_ms() - t0;
+    double susp1 = vt_now_ms() - t0;
     REQUIRE(d->ops->probe(d, a) == SP_VM_SUSPENDED);
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
     REQUIRE(strstr(buf, "\"ram\":\"delta\"") != NULL && strstr(buf, sdir) != NULL);
     struct stat dst;
     char dpath[4200];
-    snprintf(dpath, sizeof dpath, "%s/vms/%s/snapshot/devstate", data_dir, a);
+    snprintf(dpath, sizeof dpath, "%s/vms/%s/snapshot/devstate", vt_data_dir, a);
     REQUIRE(stat(dpath, &dst) == 0);
     long long dev1 = (long long)dst.st_size;
     double wake1 = restore(d, a);
@@ -809,9 +668,9 @@ int main(void)
     run_cmd(d, a, cmd, buf, sizeof buf);
     REQUIRE(strcmp(buf, want) == 0);
     /* and again: each suspend writes the delta */
-    t0 = now_ms();
+    t0 = vt_now_ms();
     op(d, d->ops->snapshot, a);
-    double susp2 = now_ms() - t0;
+    double susp2 = vt_now_ms() - t0;
     vm_file(a, "snapshot/manifest.json", buf, sizeof buf);
     REQUIRE(strstr(buf, "\"ram\":\"delta\"") != NULL);
     double wake2 = restore(d, a);
@@ -852,9 +711,9 @@ int main(void)
     printf("delta refused: whole RAM streamed, then the sandbox's own RAM file\n");
 
     /* a driver restart re-adopts a running clone */
-    pid_t pb = vm_pid(b);
+    pid_t pb = vt_vm_pid(b);
     sp_driver_destroy(d);
-    run_for(100);
+    vt_run_for(100);
     REQUIRE(kill(pb, 0) == 0);
     d = make_driver(0);
     REQUIRE(d->ops->probe(d, b) == SP_VM_RUNNING);
@@ -868,13 +727,13 @@ int main(void)
     run_cmd(d, b, "test -e /root/only-a && echo yes || echo no", buf, sizeof buf);
     REQUIRE(strcmp(buf, "no") == 0);
 
-    pid_t pa = vm_pid(a);
-    pb = vm_pid(b);
+    pid_t pa = vt_vm_pid(a);
+    pb = vt_vm_pid(b);
     op(d, d->ops->destroy, a);
     op(d, d->ops->destroy, b);
     check_gone(a, pa);
     check_gone(b, pb);
-    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* the template snapshot stays */
+    REQUIRE(tsnap_dir(&vt_base, sdir, sizeof sdir) == ino); /* the template snapshot stays */
 
     /* later creates reuse it: create-to-agent-ready, median of 5 */
     double t[5];
@@ -883,15 +742,15 @@ int main(void)
         t[i] = boot(d, c);
         run_cmd(d, c, "echo hi", buf, sizeof buf);
         REQUIRE(strcmp(buf, "hi") == 0);
-        pid_t pc = vm_pid(c);
+        pid_t pc = vt_vm_pid(c);
         op(d, d->ops->destroy, c);
         check_gone(c, pc);
     }
-    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino);
+    REQUIRE(tsnap_dir(&vt_base, sdir, sizeof sdir) == ino);
     qsort(t, 5, sizeof t[0], cmp_d);
     printf("clone create to agent ready: median %.0f ms (%.0f-%.0f)\n", t[2], t[0], t[4]);
-    d = warmup_and_gc(d, &tp);
-    REQUIRE(tsnap_dir(&tp, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
+    d = warmup_and_gc(d, &vt_base);
+    REQUIRE(tsnap_dir(&vt_base, sdir, sizeof sdir) == ino); /* base's snapshot was never touched */
     sp_driver_destroy(d);
 
     pool_section();
@@ -903,12 +762,12 @@ int main(void)
     vm_file(c, "vm.json", buf, sizeof buf);
     REQUIRE(buf[0] != '\0' && strstr(buf, "ram_src") == NULL);
     printf("cold boot to agent ready (cold_boot=1): %.0f ms\n", tc);
-    pid_t pc = vm_pid(c);
+    pid_t pc = vt_vm_pid(c);
     op(d, d->ops->destroy, c);
     check_gone(c, pc);
     sp_driver_destroy(d);
 
-    sp_loop_destroy(loop);
+    sp_loop_destroy(vt_loop);
     sp_cgroup_destroy(cgl);
     printf("clones e2e: ok\n");
     return 0;

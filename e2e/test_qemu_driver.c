@@ -39,57 +39,18 @@
 #include "loop/loop.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
+#include "e2e/vmtest.h"
 #include "tests/check.h"
 
-static sp_loop_t *loop;
-static const char *data_dir;
-static double mult = 1.0;
-
-struct res {
-    int done;
-    int ok;
-    sp_err_t err;
-};
-
-static void on_res(void *arg, const sp_err_t *err)
-{
-    struct res *r = arg;
-    r->done++;
-    r->ok = err == NULL;
-    if (err != NULL)
-        r->err = *err;
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1000.0 + (double)ts.tv_nsec / 1e6;
-}
-
-static int wait_for(int *flag, double timeout_ms)
-{
-    double end = now_ms() + timeout_ms * mult;
-    while (!*flag && now_ms() < end)
-        sp_loop_run_once(loop, 20);
-    return *flag ? 0 : -1;
-}
-
-static void run_for(double ms)
-{
-    double end = now_ms() + ms;
-    while (now_ms() < end)
-        sp_loop_run_once(loop, 10);
-}
 
 static sp_driver_t *make_driver(void)
 {
     const char *accel = getenv("SP_TEST_ACCEL");
     /* cold boots: this test is about them (timeouts, destroy mid-boot); e2e/test_clones.c
      * covers create from a template snapshot */
-    sp_qemu_opts_t o = {.data_dir = data_dir, .accel = accel ? accel : "auto", .cold_boot = 1};
+    sp_qemu_opts_t o = {.data_dir = vt_data_dir, .accel = accel ? accel : "auto", .cold_boot = 1};
     sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
     if (d == NULL)
         fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
     REQUIRE(d != NULL);
@@ -104,16 +65,16 @@ static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
                          .memory_mb = mem_mb,
                          .hostname = "e2e",
                          .env_json = "{\"E2E\":\"1\"}"};
-    struct res r = {0};
+    vt_res_t r = {0};
     sp_err_t e;
-    double t0 = now_ms();
-    if (d->ops->boot(d, &spec, on_res, &r, &e) < 0) {
+    double t0 = vt_now_ms();
+    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
         fprintf(stderr, "boot %s: %s\n", id, e.msg);
         exit(1);
     }
     REQUIRE(r.done == 0);
-    REQUIRE(wait_for(&r.done, 120000) == 0);
-    double ms = now_ms() - t0;
+    REQUIRE(vt_wait_for(&r.done, 120000) == 0);
+    double ms = vt_now_ms() - t0;
     if (!r.ok)
         fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
@@ -127,107 +88,26 @@ static double boot(sp_driver_t *d, const char *id)
 
 static void destroy(sp_driver_t *d, const char *id)
 {
-    struct res r = {0};
+    vt_res_t r = {0};
     sp_err_t e;
-    REQUIRE(d->ops->destroy(d, id, on_res, &r, &e) == 0);
+    REQUIRE(d->ops->destroy(d, id, vt_on_res, &r, &e) == 0);
     REQUIRE(r.done == 0);
-    REQUIRE(wait_for(&r.done, 20000) == 0);
+    REQUIRE(vt_wait_for(&r.done, 20000) == 0);
     REQUIRE(r.ok);
 }
 
 static void simple(sp_driver_t *d,
-                   int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
+                   int (*fn)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
                    const char *id)
 {
-    struct res r = {0};
-    sp_err_t e;
-    if (op(d, id, on_res, &r, &e) < 0) {
-        fprintf(stderr, "op: %s\n", e.msg);
-        exit(1);
-    }
-    REQUIRE(wait_for(&r.done, 10000) == 0);
-    REQUIRE(r.ok);
+    vt_op(d, fn, id, 10000);
 }
 
 /* ---- commands over the agent ---- */
 
-struct proc {
-    char out[256];
-    size_t n;
-    int exited;
-    int failed;
-};
-
-static void p_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                    size_t len, void *arg)
-{
-    struct proc *pr = arg;
-    if (type == SP_AP_T_PROC_STDOUT) {
-        size_t k = len < sizeof pr->out - 1 - pr->n ? len : sizeof pr->out - 1 - pr->n;
-        memcpy(pr->out + pr->n, p, k);
-        pr->n += k;
-        pr->out[pr->n] = '\0';
-        sp_agentstream_grant(s, (uint32_t)len);
-    }
-    if (flags & SP_AP_F_END) {
-        if (type != SP_AP_T_PROC_EXIT)
-            pr->failed = 1;
-        pr->exited = 1;
-    }
-}
-
-static void p_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
-{
-    struct proc *pr = arg;
-    pr->failed = 1;
-    pr->exited = 1;
-}
-
-static void on_up(void *arg, const sp_err_t *err)
-{
-    struct res *r = arg;
-    r->done = 1;
-    r->ok = err == NULL;
-}
-
-/* Runs `sh -c cmd` in the guest; its stdout, without trailing newlines, into out. */
 static void run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n)
 {
-    sp_agentconn_t *c = d->ops->agent(d, id);
-    REQUIRE(c != NULL);
-    struct res up = {0};
-    REQUIRE(sp_agentconn_when_up(c, (uint32_t)(20000 * mult), on_up, &up) == 0);
-    REQUIRE(wait_for(&up.done, 25000) == 0 && up.ok);
-    uint8_t buf[256];
-    sp_ap_writer_t w;
-    sp_ap_writer_init(&w, buf, sizeof buf);
-    sp_ap_put_str(&w, SP_AP_K_CMD, cmd);
-    sp_ap_put_u32(&w, SP_AP_K_STDIN, 0);
-    REQUIRE(!w.overflow);
-    static const sp_agentstream_cbs_t cbs = {p_frame, p_error, NULL};
-    struct proc pr = {0};
-    sp_err_t e;
-    sp_agentstream_t *s = sp_agentconn_open(c, SP_AP_T_PROC_START, buf, w.len, &cbs, &pr, &e);
-    REQUIRE(s != NULL);
-    REQUIRE(wait_for(&pr.exited, 20000) == 0);
-    REQUIRE(!pr.failed);
-    while (pr.n > 0 && (pr.out[pr.n - 1] == '\n'))
-        pr.out[--pr.n] = '\0';
-    snprintf(out, n, "%s", pr.out);
-}
-
-static pid_t vm_pid(const char *id)
-{
-    char p[4096], b[32];
-    snprintf(p, sizeof p, "%s/vms/%s/qemu.pid", data_dir, id);
-    FILE *f = fopen(p, "r");
-    if (f == NULL)
-        return 0;
-    pid_t pid = 0;
-    if (fgets(b, sizeof b, f) != NULL)
-        pid = (pid_t)atoi(b);
-    fclose(f);
-    return pid;
+    vt_run_cmd(d, id, cmd, out, n, 20000);
 }
 
 /* ---- cgroups ---- */
@@ -275,7 +155,7 @@ static int procs_has(const char *dir, pid_t pid)
 static int accel_is_kvm(void)
 {
     char p[4096], b[16] = "";
-    snprintf(p, sizeof p, "%s/vms", data_dir);
+    snprintf(p, sizeof p, "%s/vms", vt_data_dir);
     REQUIRE(read_text(p, "accel", b, sizeof b) == 0);
     return strncmp(b, "kvm", 3) == 0;
 }
@@ -379,8 +259,8 @@ static off_t first_data(const char *path)
 static int try_restore(sp_driver_t *d, const char *id, sp_err_t *e)
 {
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
-    struct res r = {0};
-    return d->ops->restore(d, &spec, on_res, &r, e);
+    vt_res_t r = {0};
+    return d->ops->restore(d, &spec, vt_on_res, &r, e);
 }
 
 /* A suspended sandbox's snapshot, damaged three ways: each wake is refused (or fails) with a
@@ -388,7 +268,7 @@ static int try_restore(sp_driver_t *d, const char *id, sp_err_t *e)
 static void damaged_snapshot(sp_driver_t *d, const char *id)
 {
     char vd[4096], p[4200], man[4096];
-    snprintf(vd, sizeof vd, "%s/vms/%s", data_dir, id);
+    snprintf(vd, sizeof vd, "%s/vms/%s", vt_data_dir, id);
     snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
     slurp(p, man, sizeof man);
     printf("suspend manifest: %s\n", man);
@@ -435,12 +315,12 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     off_t off = first_data(p);
     flip_byte(p, off);
     sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
-    struct res r = {0};
-    REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-    REQUIRE(wait_for(&r.done, 60000) == 0);
+    vt_res_t r = {0};
+    REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
+    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
     REQUIRE(!r.ok && strstr(r.err.msg, "RAM does not match its checksum") != NULL);
     printf("corrupt RAM (byte %lld) -> %s\n", (long long)off, r.err.msg);
-    run_for(100);
+    vt_run_for(100);
     REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     REQUIRE(try_restore(d, id, &e) < 0 && strstr(e.msg, "failed its checksum check") != NULL);
     printf("and again -> %s\n", e.msg);
@@ -457,26 +337,8 @@ static int cmp_d(const void *a, const void *b)
 
 int main(void)
 {
-    data_dir = getenv("SP_TEST_DATA_DIR");
-    const char *m = getenv("SP_TEST_TIMEOUT_MULT");
-    if (m != NULL && atof(m) > 0)
-        mult = atof(m);
-    if (system("command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null") != 0) {
-        printf("skip: qemu-system-x86_64 or qemu-img not installed\n");
-        return 77;
-    }
-    if (data_dir == NULL) {
-        printf("skip: SP_TEST_DATA_DIR (a data dir with a built base template) is not set\n");
-        return 77;
-    }
-    sp_tmplbuild_paths_t tp;
+    vt_init();
     sp_err_t e;
-    if (sp_tmplbuild_current(data_dir, "base", &tp, &e) < 0) {
-        printf("skip: template base is not built in SP_TEST_DATA_DIR: %s\n", e.msg);
-        return 77;
-    }
-    loop = sp_loop_create();
-    REQUIRE(loop != NULL);
     char id[64];
     snprintf(id, sizeof id, "e2e-%d", (int)getpid());
 
@@ -487,7 +349,7 @@ int main(void)
     /* cleanup of nothing succeeds; there is nothing to suspend */
     destroy(d, id);
     REQUIRE(d->ops->probe(d, id) == SP_VM_ABSENT);
-    REQUIRE(d->ops->snapshot(d, id, on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->snapshot(d, id, vt_on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
     sp_vm_stats_t st;
     REQUIRE(d->ops->stats(d, id, &st, &e) < 0 && e.code == SP_ENOTFOUND);
 
@@ -498,39 +360,39 @@ int main(void)
     run_cmd(d, id, "uname -r", rel, sizeof rel);
     printf("uname -r in the guest: %s\n", rel);
     REQUIRE(rel[0] != '\0');
-    REQUIRE(strstr(tp.kernel_version, rel) == tp.kernel_version); /* "<abi>_<debian version>" */
-    check_cgroup(id, vm_pid(id), 1, 256);
+    REQUIRE(strstr(vt_base.kernel_version, rel) == vt_base.kernel_version); /* "<abi>_<debian version>" */
+    check_cgroup(id, vt_vm_pid(id), 1, 256);
 
     /* boot again is idempotent */
     boot(d, id);
 
     REQUIRE(d->ops->stats(d, id, &st, &e) == 0);
-    run_for(600);
+    vt_run_for(600);
     REQUIRE(d->ops->stats(d, id, &st, &e) == 0);
     printf("stats: cpu=%.1f%% mem=%llu/%llu disk=%llu/%llu\n", st.cpu_used_pct,
            (unsigned long long)st.mem_used_bytes, (unsigned long long)st.mem_total_bytes,
            (unsigned long long)st.disk_used_bytes, (unsigned long long)st.disk_total_bytes);
     REQUIRE(st.mem_used_bytes > 0 && st.disk_used_bytes > 0 && st.mem_total_bytes == 256u << 20);
 
-    double t0 = now_ms();
+    double t0 = vt_now_ms();
     simple(d, d->ops->pause, id);
-    double tp_ms = now_ms() - t0;
+    double tp_ms = vt_now_ms() - t0;
     REQUIRE(d->ops->probe(d, id) == SP_VM_PAUSED);
-    t0 = now_ms();
+    t0 = vt_now_ms();
     simple(d, d->ops->resume, id);
-    printf("pause %.2f ms, resume %.2f ms (including a loop turn)\n", tp_ms, now_ms() - t0);
+    printf("pause %.2f ms, resume %.2f ms (including a vt_loop turn)\n", tp_ms, vt_now_ms() - t0);
     REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
 
     /* pause, then restart the driver: the new one must see PAUSED from disk */
     simple(d, d->ops->pause, id);
-    pid_t pid = vm_pid(id);
+    pid_t pid = vt_vm_pid(id);
     REQUIRE(pid > 0);
     sp_driver_destroy(d);
-    run_for(200);
+    vt_run_for(200);
     REQUIRE(kill(pid, 0) == 0); /* the VM survived its driver */
     d = make_driver();
     REQUIRE(d->ops->probe(d, id) == SP_VM_PAUSED);
-    run_for(300);
+    vt_run_for(300);
     simple(d, d->ops->resume, id);
     REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
     run_cmd(d, id, "uname -r", rel, sizeof rel);
@@ -546,12 +408,12 @@ int main(void)
     char bid1[128], bid2[128], mark[64];
     run_cmd(d, id, "echo kept > /root/marker; sync; cat /proc/sys/kernel/random/boot_id", bid1,
             sizeof bid1);
-    t0 = now_ms();
+    t0 = vt_now_ms();
     simple(d, d->ops->snapshot, id);
-    printf("suspend: %.0f ms\n", now_ms() - t0);
+    printf("suspend: %.0f ms\n", vt_now_ms() - t0);
     REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     REQUIRE(d->ops->agent(d, id) == NULL);
-    run_for(100);
+    vt_run_for(100);
     REQUIRE(kill(pid, 0) < 0);
     sp_driver_destroy(d); /* a restart in between: the snapshot is on disk */
     d = make_driver();
@@ -559,29 +421,29 @@ int main(void)
     damaged_snapshot(d, id);
     {
         sp_vm_spec_t spec = {.sandbox_id = id, .template_name = "base", .hostname = "e2e"};
-        struct res r = {0};
-        t0 = now_ms();
-        REQUIRE(d->ops->restore(d, &spec, on_res, &r, &e) == 0);
-        REQUIRE(wait_for(&r.done, 60000) == 0);
+        vt_res_t r = {0};
+        t0 = vt_now_ms();
+        REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
+        REQUIRE(vt_wait_for(&r.done, 60000) == 0);
         if (!r.ok)
             fprintf(stderr, "restore: %s\n", r.err.msg);
         REQUIRE(r.ok);
-        printf("restore to agent ready: %.0f ms\n", now_ms() - t0);
+        printf("restore to agent ready: %.0f ms\n", vt_now_ms() - t0);
     }
     REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);
     run_cmd(d, id, "cat /proc/sys/kernel/random/boot_id", bid2, sizeof bid2);
     run_cmd(d, id, "cat /root/marker", mark, sizeof mark);
     printf("guest boot_id before/after suspend: %s / %s, marker=%s\n", bid1, bid2, mark);
     REQUIRE(strcmp(bid1, bid2) == 0 && strcmp(mark, "kept") == 0);
-    pid = vm_pid(id);
+    pid = vt_vm_pid(id);
     REQUIRE(pid > 0);
     check_cgroup(id, pid, 1, 256); /* the restored QEMU is a new process: limited too */
 
     destroy(d, id);
-    run_for(100);
+    vt_run_for(100);
     REQUIRE(kill(pid, 0) < 0 && errno == ESRCH);
     char p[4096];
-    snprintf(p, sizeof p, "%s/vms/%s", data_dir, id);
+    snprintf(p, sizeof p, "%s/vms/%s", vt_data_dir, id);
     struct stat sb;
     REQUIRE(stat(p, &sb) < 0 && errno == ENOENT); /* no overlay, socket or pidfile */
     REQUIRE(d->ops->probe(d, id) == SP_VM_ABSENT);
@@ -596,14 +458,14 @@ int main(void)
         pid_t child = fork();
         REQUIRE(child >= 0);
         if (child == 0) {
-            loop = sp_loop_create();
+            vt_loop = sp_loop_create();
             sp_driver_t *cd = make_driver();
             boot(cd, kid);
             raise(SIGKILL);
         }
         int cst;
         REQUIRE(waitpid(child, &cst, 0) == child && WIFSIGNALED(cst));
-        pid_t kp = vm_pid(kid);
+        pid_t kp = vt_vm_pid(kid);
         REQUIRE(kp > 0 && kill(kp, 0) == 0);
         REQUIRE(d->ops->probe(d, kid) == SP_VM_RUNNING);
         run_cmd(d, kid, "echo alive", rel, sizeof rel);
@@ -622,7 +484,7 @@ int main(void)
         printf("qemu argv: %s\n", cl);
 
         /* a guest printing forever cannot fill the disk: console.log is cut to its tail */
-        snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, kid);
+        snprintf(p, sizeof p, "%s/vms/%s/console.log", vt_data_dir, kid);
         f = fopen(p, "a");
         REQUIRE(f != NULL);
         static char junk[1 << 20];
@@ -635,10 +497,10 @@ int main(void)
 
         /* QEMU dies under us: the driver notices, probe says ABSENT and cleans up */
         kill(kp, SIGKILL);
-        run_for(300);
+        vt_run_for(300);
         REQUIRE(d->ops->agent(d, kid) == NULL);
         REQUIRE(d->ops->probe(d, kid) == SP_VM_ABSENT);
-        snprintf(p, sizeof p, "%s/vms/%s", data_dir, kid);
+        snprintf(p, sizeof p, "%s/vms/%s", vt_data_dir, kid);
         REQUIRE(stat(p, &sb) < 0 && errno == ENOENT);
         check_no_cgroup(kid);
         destroy(d, kid);
@@ -649,7 +511,7 @@ int main(void)
         char sid[80];
         snprintf(sid, sizeof sid, "%s-s", id);
         boot_sized(d, sid, 2, 384);
-        check_cgroup(sid, vm_pid(sid), 2, 384);
+        check_cgroup(sid, vt_vm_pid(sid), 2, 384);
         destroy(d, sid);
         check_no_cgroup(sid);
     }
@@ -671,13 +533,13 @@ int main(void)
         char bid[80];
         snprintf(bid, sizeof bid, "%s-x", id);
         sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
-        struct res rb = {0}, rd = {0};
-        REQUIRE(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
-        run_for(700);
-        REQUIRE(d->ops->destroy(d, bid, on_res, &rd, &e) == 0);
-        REQUIRE(wait_for(&rd.done, 20000) == 0 && rd.ok);
+        vt_res_t rb = {0}, rd = {0};
+        REQUIRE(d->ops->boot(d, &spec, vt_on_res, &rb, &e) == 0);
+        vt_run_for(700);
+        REQUIRE(d->ops->destroy(d, bid, vt_on_res, &rd, &e) == 0);
+        REQUIRE(vt_wait_for(&rd.done, 20000) == 0 && rd.ok);
         REQUIRE(rb.done == 1 && !rb.ok);
-        snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
+        snprintf(p, sizeof p, "%s/vms/%s", vt_data_dir, bid);
         REQUIRE(stat(p, &sb) < 0);
     }
 
@@ -690,23 +552,23 @@ int main(void)
         char bid[80];
         snprintf(bid, sizeof bid, "%s-t", id);
         sp_vm_spec_t spec = {.sandbox_id = bid, .template_name = "base"};
-        struct res rb = {0};
-        REQUIRE(d->ops->boot(d, &spec, on_res, &rb, &e) == 0);
-        REQUIRE(wait_for(&rb.done, 20000) == 0);
+        vt_res_t rb = {0};
+        REQUIRE(d->ops->boot(d, &spec, vt_on_res, &rb, &e) == 0);
+        REQUIRE(vt_wait_for(&rb.done, 20000) == 0);
         REQUIRE(!rb.ok && strstr(rb.err.msg, "guest did not come up") != NULL);
         printf("boot timeout: %s\n", rb.err.msg);
-        run_for(100);
-        snprintf(p, sizeof p, "%s/vms/%s/console.log", data_dir, bid);
+        vt_run_for(100);
+        snprintf(p, sizeof p, "%s/vms/%s/console.log", vt_data_dir, bid);
         REQUIRE(stat(p, &sb) == 0);
-        snprintf(p, sizeof p, "%s/vms/%s/disk.qcow2", data_dir, bid);
+        snprintf(p, sizeof p, "%s/vms/%s/disk.qcow2", vt_data_dir, bid);
         REQUIRE(stat(p, &sb) < 0);
         REQUIRE(d->ops->probe(d, bid) == SP_VM_ABSENT); /* and the leftovers go */
-        snprintf(p, sizeof p, "%s/vms/%s", data_dir, bid);
+        snprintf(p, sizeof p, "%s/vms/%s", vt_data_dir, bid);
         REQUIRE(stat(p, &sb) < 0);
     }
 
     sp_driver_destroy(d);
-    sp_loop_destroy(loop);
+    sp_loop_destroy(vt_loop);
     sp_cgroup_destroy(cgl);
     printf("qemu driver e2e: ok\n");
     return 0;

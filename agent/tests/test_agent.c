@@ -25,149 +25,26 @@
 #include <unistd.h>
 
 #include "base/agentproto.h"
+#include "agent/tests/agenthost.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100];
-static pid_t agent_pid;
-static int fd = -1;
-static uint32_t next_stream = 1;
 
-typedef struct {
-    sp_ap_hdr_t h;
-    const uint8_t *p;
-} frame_t;
-
-/* ---- transport ---- */
-
-static void write_all(const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t w = write(fd, b, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        REQUIRE(w > 0);
-        b += w;
-        n -= (size_t)w;
-    }
-}
-
-static int read_full(void *p, size_t n, int timeout_ms)
-{
-    uint8_t *b = p;
-    while (n > 0) {
-        struct pollfd pf = {.fd = fd, .events = POLLIN};
-        if (poll(&pf, 1, timeout_ms) <= 0)
-            return -1;
-        ssize_t r = read(fd, b, n);
-        if (r <= 0)
-            return -1;
-        b += r;
-        n -= (size_t)r;
-    }
-    return 0;
-}
-
-/* Next frame from the agent; the payload lives until the next call. */
-static int recv_frame(frame_t *f, int timeout_ms)
-{
-    static uint8_t buf[SP_AP_MAX_FRAME];
-    uint8_t hdr[SP_AP_HDR_SIZE];
-    if (read_full(hdr, sizeof(hdr), timeout_ms) < 0)
-        return -1;
-    sp_ap_hdr_decode(hdr, &f->h);
-    REQUIRE(sp_ap_hdr_check(&f->h, NULL) == 0);
-    REQUIRE(read_full(buf, f->h.len, timeout_ms) == 0);
-    f->p = buf;
-    return 0;
-}
-
-/* Frames on other streams are skipped: tests run one request at a time. */
-static frame_t wait_on(uint32_t stream)
-{
-    frame_t f;
-    for (;;) {
-        if (recv_frame(&f, 15000) < 0) {
-            fprintf(stderr, "timeout or EOF waiting on stream %u\n", stream);
-            exit(1);
-        }
-        if (f.h.stream == stream)
-            return f;
-    }
-}
-
-static sp_ap_writer_t W;
-static uint8_t wbuf[SP_AP_MAX_FRAME + 64];
-
-static sp_ap_writer_t *begin(uint32_t stream, uint16_t type)
-{
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    sp_ap_frame_begin(&W, stream, type, 0);
-    return &W;
-}
-
-static void send_frame(void)
-{
-    long n = sp_ap_frame_end(&W);
-    REQUIRE(n > 0);
-    write_all(wbuf, (size_t)n);
-}
-
-static void send_empty(uint32_t stream, uint16_t type)
-{
-    begin(stream, type);
-    send_frame();
-}
-
-static void grant(uint32_t stream, uint32_t n)
-{
-    sp_ap_put_u32(begin(stream, SP_AP_T_WINDOW), SP_AP_K_WINDOW, n);
-    send_frame();
-}
-
-static uint32_t u32_of(const frame_t *f, uint16_t tag, uint32_t dflt)
-{
-    uint32_t v = dflt;
-    REQUIRE(sp_ap_get_u32(f->p, f->h.len, tag, &v) == 0);
-    return v;
-}
-
-static uint32_t err_code(const frame_t *f)
-{
-    return f->h.type == SP_AP_T_ERROR ? u32_of(f, SP_AP_K_CODE, 0) : 0;
-}
 
 /* ---- agent lifecycle ---- */
-
-static void connect_agent(void)
-{
-    if (fd >= 0)
-        close(fd);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock_path);
-    for (int i = 0; i < 200; i++) {
-        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
-            return;
-        close(fd);
-        fd = -1;
-        usleep(20000);
-    }
-    REQUIRE(!"cannot connect to the agent");
-}
 
 static void send_hello(uint64_t session)
 {
     sp_ap_hello_t h = {.version = SP_AP_VERSION, .client = {"test", 4}, .session = session};
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_hello(&W, &h) > 0);
-    write_all(wbuf, W.len);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_hello(&ah_w, &h) > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
 }
 
 /* Waits for the agent's HELLO and checks it answers the one that carried session. */
 static void hello_answer(uint64_t session)
 {
-    frame_t f = wait_on(0);
+    frame_t f = ah_wait_on(0, false);
     REQUIRE(f.h.type == SP_AP_T_HELLO);
     sp_ap_hello_t got;
     REQUIRE(sp_ap_dec_hello(f.p, f.h.len, &got, NULL) == 0);
@@ -190,34 +67,15 @@ static void start_agent(void)
 {
     const char *bin = getenv("SP_AGENT_BIN");
     REQUIRE(bin != NULL);
-    agent_pid = fork();
-    if (agent_pid == 0) {
+    ah_agent_pid = fork();
+    if (ah_agent_pid == 0) {
         char env_file[600];
         snprintf(env_file, sizeof(env_file), "%s/identity.env", tmpdir);
         execl(bin, bin, "--listen-unix", sock_path, "--log-level", "warn", "--env-file", env_file,
               (char *)NULL);
         _exit(127);
     }
-    connect_agent();
-}
-
-static bool agent_alive(void)
-{
-    return waitpid(agent_pid, NULL, WNOHANG) == 0;
-}
-
-static long agent_rss_kb(void)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)agent_pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f != NULL && fgets(line, sizeof(line), f) != NULL)
-        if (sscanf(line, "VmRSS: %ld", &kb) == 1)
-            break;
-    if (f != NULL)
-        fclose(f);
-    return kb;
+    ah_connect(sock_path);
 }
 
 /* ---- processes ---- */
@@ -236,8 +94,8 @@ typedef struct {
 
 static uint32_t start_proc(const char *cmd, const char *user, bool pty, const char *tag)
 {
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_PROC_START);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_PROC_START, 0);
     sp_ap_put_str(w, SP_AP_K_CMD, cmd);
     sp_ap_put_str(w, SP_AP_K_USER, user);
     sp_ap_put_str(w, SP_AP_K_TAG, tag);
@@ -246,7 +104,7 @@ static uint32_t start_proc(const char *cmd, const char *user, bool pty, const ch
         sp_ap_put_u32(w, SP_AP_K_ROWS, 30);
         sp_ap_put_u32(w, SP_AP_K_COLS, 100);
     }
-    send_frame();
+    ah_send_frame();
     return id;
 }
 
@@ -265,27 +123,27 @@ static bool proc_frame(uint32_t id, const frame_t *f, result_t *r, bool auto_gra
 {
     switch (f->h.type) {
     case SP_AP_T_PROC_STARTED:
-        r->pid = u32_of(f, SP_AP_K_PID, 0);
+        r->pid = ah_u32_of(f, SP_AP_K_PID, 0);
         return false;
     case SP_AP_T_PROC_STDOUT:
         append(r->out, &r->out_len, sizeof(r->out), f->p, f->h.len);
         r->total_out += f->h.len;
         if (auto_grant)
-            grant(id, f->h.len);
+            ah_grant(id, f->h.len);
         return false;
     case SP_AP_T_PROC_STDERR:
         append(r->err, &r->err_len, sizeof(r->err), f->p, f->h.len);
         if (auto_grant)
-            grant(id, f->h.len);
+            ah_grant(id, f->h.len);
         return false;
     case SP_AP_T_PROC_EXIT:
         r->exit_code = -1;
         REQUIRE(sp_ap_get_i32(f->p, f->h.len, SP_AP_K_EXIT_CODE, &r->exit_code) == 0);
-        r->sig = u32_of(f, SP_AP_K_SIGNAL, 0);
+        r->sig = ah_u32_of(f, SP_AP_K_SIGNAL, 0);
         CHECK(f->h.flags & SP_AP_F_END);
         return true;
     case SP_AP_T_ERROR:
-        r->error = err_code(f);
+        r->error = ah_err_code(f);
         return true;
     default:
         return false; /* WINDOW for stdin */
@@ -296,7 +154,7 @@ static void collect(uint32_t id, result_t *r)
 {
     frame_t f;
     do
-        f = wait_on(id);
+        f = ah_wait_on(id, false);
     while (!proc_frame(id, &f, r, true));
 }
 
@@ -304,7 +162,7 @@ static void collect(uint32_t id, result_t *r)
 static void read_until(uint32_t id, result_t *r, const char *needle)
 {
     while (strstr(r->out, needle) == NULL) {
-        frame_t f = wait_on(id);
+        frame_t f = ah_wait_on(id, false);
         REQUIRE(!proc_frame(id, &f, r, true));
     }
 }
@@ -319,8 +177,8 @@ static result_t *run(const char *cmd, const char *user)
 
 static void send_data(uint32_t id, const void *p, size_t n)
 {
-    sp_ap_put_raw(begin(id, SP_AP_T_DATA), p, n);
-    send_frame();
+    sp_ap_put_raw(ah_begin(id, SP_AP_T_DATA, 0), p, n);
+    ah_send_frame();
 }
 
 static void test_agent_process_basics(void)
@@ -342,11 +200,11 @@ static void test_agent_process_basics(void)
     CHECK(r->error == SP_AP_E_NOTFOUND);
 
     /* argv form, command not found */
-    uint32_t id = next_stream++;
-    sp_ap_put_str(begin(id, SP_AP_T_PROC_START), SP_AP_K_ARGV, "definitely-not-a-command-xyz");
-    send_frame();
-    frame_t f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_NOTFOUND);
+    uint32_t id = ah_next_stream++;
+    sp_ap_put_str(ah_begin(id, SP_AP_T_PROC_START, 0), SP_AP_K_ARGV, "definitely-not-a-command-xyz");
+    ah_send_frame();
+    frame_t f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_NOTFOUND);
 }
 
 static void test_agent_stdin_and_signal(void)
@@ -355,25 +213,25 @@ static void test_agent_stdin_and_signal(void)
     uint32_t id = start_proc("cat", NULL, false, NULL);
     send_data(id, "hello\n", 6);
     read_until(id, &r, "hello\n");
-    send_empty(id, SP_AP_T_EOF);
+    ah_send_empty(id, SP_AP_T_EOF, 0);
     collect(id, &r);
     CHECK(strcmp(r.out, "hello\n") == 0 && r.exit_code == 0);
 
     memset(&r, 0, sizeof(r));
     id = start_proc("echo started; exec sleep 30", NULL, false, NULL);
     read_until(id, &r, "started");
-    sp_ap_put_u32(begin(id, SP_AP_T_PROC_SIGNAL), SP_AP_K_SIGNAL, SIGTERM);
-    send_frame();
+    sp_ap_put_u32(ah_begin(id, SP_AP_T_PROC_SIGNAL, 0), SP_AP_K_SIGNAL, SIGTERM);
+    ah_send_frame();
     collect(id, &r);
     CHECK(r.sig == SIGTERM);
 }
 
 static void resize(uint32_t id, uint32_t rows, uint32_t cols)
 {
-    sp_ap_writer_t *w = begin(id, SP_AP_T_PROC_RESIZE);
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_PROC_RESIZE, 0);
     sp_ap_put_u32(w, SP_AP_K_ROWS, rows);
     sp_ap_put_u32(w, SP_AP_K_COLS, cols);
-    send_frame();
+    ah_send_frame();
 }
 
 static void test_agent_pty(void)
@@ -392,7 +250,7 @@ static void test_agent_pty(void)
 
 static void test_agent_flow_control(void)
 {
-    long rss0 = agent_rss_kb();
+    long rss0 = ah_agent_rss_kb();
     result_t r = {0};
     uint32_t id = start_proc("yes | head -c 50000000", NULL, false, NULL);
     /* Grant nothing: the agent must stop at the initial window. */
@@ -403,38 +261,38 @@ static void test_agent_flow_control(void)
         clock_gettime(CLOCK_MONOTONIC, &t1);
         if (t1.tv_sec - t0.tv_sec >= 1)
             break;
-        if (recv_frame(&f, 200) < 0)
+        if (ah_recv_frame(&f, 200) < 0)
             continue;
         if (f.h.stream == id)
             REQUIRE(!proc_frame(id, &f, &r, false));
     }
     CHECK(r.total_out <= SP_AP_INITIAL_WINDOW);
-    long rss1 = agent_rss_kb();
+    long rss1 = ah_agent_rss_kb();
     CHECK(rss1 - rss0 < 16 * 1024); /* ring (1 MiB) + tx queue, not 50 MB */
-    grant(id, (uint32_t)r.total_out);
+    ah_grant(id, (uint32_t)r.total_out);
     collect(id, &r);
     CHECK(r.total_out == 50000000);
     if (r.total_out != 50000000)
         fprintf(stderr, "flood: got %llu bytes\n", (unsigned long long)r.total_out);
     CHECK(r.exit_code == 0);
-    long rss2 = agent_rss_kb();
+    long rss2 = ah_agent_rss_kb();
     CHECK(rss2 - rss0 < 32 * 1024);
     fprintf(stderr, "flood: rss %ld -> %ld -> %ld kB\n", rss0, rss1, rss2);
 }
 
 static void list_procs(uint32_t want_pid, bool *found, bool *running)
 {
-    uint32_t id = next_stream++;
-    send_empty(id, SP_AP_T_PROC_LIST);
+    uint32_t id = ah_next_stream++;
+    ah_send_empty(id, SP_AP_T_PROC_LIST, 0);
     *found = *running = false;
     for (;;) {
-        frame_t f = wait_on(id);
+        frame_t f = ah_wait_on(id, false);
         if (f.h.type == SP_AP_T_OK)
             return;
         REQUIRE(f.h.type == SP_AP_T_PROC_INFO);
-        if (u32_of(&f, SP_AP_K_PID, 0) == want_pid) {
+        if (ah_u32_of(&f, SP_AP_K_PID, 0) == want_pid) {
             *found = true;
-            *running = u32_of(&f, SP_AP_K_RUNNING, 0) != 0;
+            *running = ah_u32_of(&f, SP_AP_K_RUNNING, 0) != 0;
             sp_ap_str_t tag;
             REQUIRE(sp_ap_get_str(f.p, f.h.len, SP_AP_K_TAG, &tag) == 0);
             CHECK(tag.n == 2 && memcmp(tag.p, "bg", 2) == 0);
@@ -449,16 +307,16 @@ static void test_agent_reattach(void)
                              false, "bg");
     read_until(id, &r, "line2\n");
     uint32_t pid = r.pid;
-    connect_agent(); /* the old connection is dropped: as after a spaced restart */
+    ah_connect(sock_path); /* the old connection is dropped: as after a spaced restart */
     hello();
     bool found, running;
     list_procs(pid, &found, &running);
     CHECK(found && running);
-    uint32_t aid = next_stream++;
-    sp_ap_writer_t *w = begin(aid, SP_AP_T_PROC_ATTACH);
+    uint32_t aid = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(aid, SP_AP_T_PROC_ATTACH, 0);
     sp_ap_put_u32(w, SP_AP_K_PID, pid);
     sp_ap_put_u32(w, SP_AP_K_REPLAY, 1);
-    send_frame();
+    ah_send_frame();
     memset(&r, 0, sizeof(r));
     collect(aid, &r);
     CHECK(r.pid == pid);
@@ -466,41 +324,41 @@ static void test_agent_reattach(void)
     CHECK(strstr(r.out, "line30\n") != NULL);
     CHECK(r.exit_code == 0);
     /* Attaching to an unknown pid fails on that stream only. */
-    aid = next_stream++;
-    sp_ap_put_u32(begin(aid, SP_AP_T_PROC_ATTACH), SP_AP_K_PID, 0x7ffffff0);
-    send_frame();
-    frame_t f = wait_on(aid);
-    CHECK(err_code(&f) == SP_AP_E_NOTFOUND);
+    aid = ah_next_stream++;
+    sp_ap_put_u32(ah_begin(aid, SP_AP_T_PROC_ATTACH, 0), SP_AP_K_PID, 0x7ffffff0);
+    ah_send_frame();
+    frame_t f = ah_wait_on(aid, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_NOTFOUND);
 }
 
 /* ---- files ---- */
 
 static frame_t fs_req(uint16_t type, const char *path, const char *user)
 {
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, type);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, type, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, path);
     sp_ap_put_str(w, SP_AP_K_USER, user);
-    send_frame();
-    return wait_on(id);
+    ah_send_frame();
+    return ah_wait_on(id, false);
 }
 
 static uint32_t write_file(const char *path, const char *user, const uint8_t *data, size_t n)
 {
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_FS_WRITE);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_FS_WRITE, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, path);
     sp_ap_put_str(w, SP_AP_K_USER, user);
     sp_ap_put_u32(w, SP_AP_K_MKDIRS, 1);
-    send_frame();
+    ah_send_frame();
     uint64_t credit = SP_AP_INITIAL_WINDOW;
     size_t off = 0;
     while (off < n) {
         if (credit == 0) {
-            frame_t f = wait_on(id);
+            frame_t f = ah_wait_on(id, false);
             if (f.h.type != SP_AP_T_WINDOW)
-                return err_code(&f);
-            credit += u32_of(&f, SP_AP_K_WINDOW, 0);
+                return ah_err_code(&f);
+            credit += ah_u32_of(&f, SP_AP_K_WINDOW, 0);
             continue;
         }
         size_t k = n - off < SP_AP_MAX_DATA ? n - off : SP_AP_MAX_DATA;
@@ -510,13 +368,13 @@ static uint32_t write_file(const char *path, const char *user, const uint8_t *da
         off += k;
         credit -= k;
     }
-    send_empty(id, SP_AP_T_EOF);
+    ah_send_empty(id, SP_AP_T_EOF, 0);
     for (;;) {
-        frame_t f = wait_on(id);
+        frame_t f = ah_wait_on(id, false);
         if (f.h.type == SP_AP_T_OK)
             return 0;
         if (f.h.type == SP_AP_T_ERROR)
-            return err_code(&f);
+            return ah_err_code(&f);
     }
 }
 
@@ -524,23 +382,23 @@ static uint32_t write_file(const char *path, const char *user, const uint8_t *da
 static long read_file(const char *path, const char *user, uint8_t *out, size_t cap)
 {
     frame_t f;
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_FS_READ);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_FS_READ, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, path);
     sp_ap_put_str(w, SP_AP_K_USER, user);
-    send_frame();
+    ah_send_frame();
     size_t n = 0;
     for (;;) {
-        f = wait_on(id);
+        f = ah_wait_on(id, false);
         if (f.h.type != SP_AP_T_DATA)
             break;
         REQUIRE(n + f.h.len <= cap);
         memcpy(out + n, f.p, f.h.len);
         n += f.h.len;
-        grant(id, f.h.len);
+        ah_grant(id, f.h.len);
     }
     if (f.h.type == SP_AP_T_ERROR)
-        return -(long)err_code(&f);
+        return -(long)ah_err_code(&f);
     uint64_t size = 0;
     REQUIRE(sp_ap_get_u64(f.p, f.h.len, SP_AP_K_SIZE, &size) == 0);
     CHECK(size == n);
@@ -577,20 +435,20 @@ static void test_agent_file_roundtrip(void)
 
 static uint32_t ftype_of_entry(const frame_t *f)
 {
-    return u32_of(f, SP_AP_K_FTYPE, 99);
+    return ah_u32_of(f, SP_AP_K_FTYPE, 99);
 }
 
 static int count_list(const char *path, uint32_t depth, const char *want_name, bool *seen)
 {
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_FS_LIST);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_FS_LIST, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, path);
     sp_ap_put_u32(w, SP_AP_K_DEPTH, depth);
-    send_frame();
+    ah_send_frame();
     int count = 0;
     *seen = false;
     for (;;) {
-        frame_t f = wait_on(id);
+        frame_t f = ah_wait_on(id, false);
         if (f.h.type != SP_AP_T_FS_ENTRY) {
             CHECK(f.h.type == SP_AP_T_OK);
             return count;
@@ -622,27 +480,27 @@ static void test_agent_file_ops(void)
     CHECK(count_list(a, 1, "x.txt", &seen) == 1 && !seen);
     CHECK(count_list(a, 3, "x.txt", &seen) == 3 && seen);
 
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_FS_MOVE);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_FS_MOVE, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, file);
     sp_ap_put_str(w, SP_AP_K_DEST, moved);
-    send_frame();
-    f = wait_on(id);
+    ah_send_frame();
+    f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_OK);
     f = fs_req(SP_AP_T_FS_STAT, file, NULL);
-    CHECK(err_code(&f) == SP_AP_E_NOTFOUND);
+    CHECK(ah_err_code(&f) == SP_AP_E_NOTFOUND);
 
     f = fs_req(SP_AP_T_FS_REMOVE, a, NULL); /* not recursive: not empty */
-    CHECK(err_code(&f) == SP_AP_E_EXISTS);
-    id = next_stream++;
-    w = begin(id, SP_AP_T_FS_REMOVE);
+    CHECK(ah_err_code(&f) == SP_AP_E_EXISTS);
+    id = ah_next_stream++;
+    w = ah_begin(id, SP_AP_T_FS_REMOVE, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, a);
     sp_ap_put_u32(w, SP_AP_K_RECURSIVE, 1);
-    send_frame();
-    f = wait_on(id);
+    ah_send_frame();
+    f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_OK);
     f = fs_req(SP_AP_T_FS_STAT, a, NULL);
-    CHECK(err_code(&f) == SP_AP_E_NOTFOUND);
+    CHECK(ah_err_code(&f) == SP_AP_E_NOTFOUND);
 }
 
 static void test_agent_file_permissions(void)
@@ -652,43 +510,43 @@ static void test_agent_file_permissions(void)
     snprintf(pub, sizeof(pub), "%s/perm/pub", tmpdir);
     snprintf(nob, sizeof(nob), "%s/perm/nobody-dir", tmpdir);
     CHECK(write_file(secret, NULL, (const uint8_t *)"s", 1) == 0);
-    uint32_t id = next_stream++;
-    sp_ap_writer_t *w = begin(id, SP_AP_T_FS_CHMOD);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(id, SP_AP_T_FS_CHMOD, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, secret);
     sp_ap_put_u32(w, SP_AP_K_MODE, 0600);
-    send_frame();
-    frame_t f = wait_on(id);
-    CHECK(f.h.type == SP_AP_T_OK && u32_of(&f, SP_AP_K_MODE, 0) == 0600);
+    ah_send_frame();
+    frame_t f = ah_wait_on(id, false);
+    CHECK(f.h.type == SP_AP_T_OK && ah_u32_of(&f, SP_AP_K_MODE, 0) == 0600);
     uint8_t buf[16];
     CHECK(read_file(secret, "nobody", buf, sizeof(buf)) == -(long)SP_AP_E_PERM);
     CHECK(write_file(pub, "nobody", (const uint8_t *)"x", 1) == SP_AP_E_PERM);
     f = fs_req(SP_AP_T_FS_MKDIR, nob, "nobody");
-    CHECK(err_code(&f) == SP_AP_E_PERM);
+    CHECK(ah_err_code(&f) == SP_AP_E_PERM);
 
     /* chown to nobody, then nobody may write inside. */
     f = fs_req(SP_AP_T_FS_MKDIR, nob, NULL);
     CHECK(f.h.type == SP_AP_T_OK);
-    id = next_stream++;
-    w = begin(id, SP_AP_T_FS_CHOWN);
+    id = ah_next_stream++;
+    w = ah_begin(id, SP_AP_T_FS_CHOWN, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, nob);
     sp_ap_put_str(w, SP_AP_K_OWNER, "nobody");
-    send_frame();
-    f = wait_on(id);
-    CHECK(f.h.type == SP_AP_T_OK && u32_of(&f, SP_AP_K_UID, 0) == 65534);
+    ah_send_frame();
+    f = ah_wait_on(id, false);
+    CHECK(f.h.type == SP_AP_T_OK && ah_u32_of(&f, SP_AP_K_UID, 0) == 65534);
     char inside[600];
     snprintf(inside, sizeof(inside), "%s/mine", nob);
     CHECK(write_file(inside, "nobody", (const uint8_t *)"m", 1) == 0);
     f = fs_req(SP_AP_T_FS_STAT, inside, "nobody");
-    CHECK(f.h.type == SP_AP_T_OK && u32_of(&f, SP_AP_K_UID, 0) == 65534);
+    CHECK(f.h.type == SP_AP_T_OK && ah_u32_of(&f, SP_AP_K_UID, 0) == 65534);
     /* nobody cannot give its file away */
-    id = next_stream++;
-    w = begin(id, SP_AP_T_FS_CHOWN);
+    id = ah_next_stream++;
+    w = ah_begin(id, SP_AP_T_FS_CHOWN, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, inside);
     sp_ap_put_str(w, SP_AP_K_USER, "nobody");
     sp_ap_put_str(w, SP_AP_K_OWNER, "root");
-    send_frame();
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_PERM);
+    ah_send_frame();
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_PERM);
 }
 
 static void str_eq(const frame_t *f, uint16_t tag, const char *want)
@@ -715,7 +573,7 @@ static void test_agent_paths_resolve_like_envd(void)
         str_eq(&f, SP_AP_K_PATH, "/root");
     }
     frame_t f = fs_req(SP_AP_T_FS_STAT, "~nobody", NULL);
-    CHECK(err_code(&f) == SP_AP_E_INVAL);
+    CHECK(ah_err_code(&f) == SP_AP_E_INVAL);
     f = fs_req(SP_AP_T_FS_STAT, "/", NULL);
     str_eq(&f, SP_AP_K_PATH, "/");
 }
@@ -744,21 +602,21 @@ static void test_agent_entry_targets_and_specials(void)
     f = fs_req(SP_AP_T_FS_STAT, link, NULL);
     CHECK(ftype_of_entry(&f) == SP_AP_FT_SYMLINK);
     str_eq(&f, SP_AP_K_TARGET, real_dir);
-    CHECK(u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_DIR);
-    CHECK(u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0750);
+    CHECK(ah_u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_DIR);
+    CHECK(ah_u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0750);
     f = fs_req(SP_AP_T_FS_STAT, flink, NULL); /* two links deep */
     str_eq(&f, SP_AP_K_LINK, "to-f");
     str_eq(&f, SP_AP_K_TARGET, real_file);
-    CHECK(u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_FILE);
-    CHECK(u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0640);
+    CHECK(ah_u32_of(&f, SP_AP_K_TARGET_FTYPE, 99) == SP_AP_FT_FILE);
+    CHECK(ah_u32_of(&f, SP_AP_K_TARGET_MODE, 0) == 0640);
     f = fs_req(SP_AP_T_FS_STAT, dang, NULL);
     CHECK(ftype_of_entry(&f) == SP_AP_FT_SYMLINK);
     str_eq(&f, SP_AP_K_TARGET, NULL);
     f = fs_req(SP_AP_T_FS_STAT, fifo, NULL);
     CHECK(ftype_of_entry(&f) == SP_AP_FT_OTHER);
-    CHECK(u32_of(&f, SP_AP_K_SPECIAL, 0) == SP_AP_SPECIAL_FIFO);
+    CHECK(ah_u32_of(&f, SP_AP_K_SPECIAL, 0) == SP_AP_SPECIAL_FIFO);
     f = fs_req(SP_AP_T_FS_STAT, dir, NULL);
-    CHECK(u32_of(&f, SP_AP_K_SPECIAL, 99) == 99); /* absent for plain types */
+    CHECK(ah_u32_of(&f, SP_AP_K_SPECIAL, 99) == 99); /* absent for plain types */
 }
 
 static void test_agent_watch(void)
@@ -768,22 +626,22 @@ static void test_agent_watch(void)
     snprintf(file, sizeof(file), "%s/new.txt", dir);
     frame_t f = fs_req(SP_AP_T_FS_MKDIR, dir, NULL);
     CHECK(f.h.type == SP_AP_T_OK);
-    uint32_t wid = next_stream++;
-    sp_ap_writer_t *w = begin(wid, SP_AP_T_WATCH_START);
+    uint32_t wid = ah_next_stream++;
+    sp_ap_writer_t *w = ah_begin(wid, SP_AP_T_WATCH_START, 0);
     sp_ap_put_str(w, SP_AP_K_PATH, dir);
-    send_frame();
-    f = wait_on(wid);
+    ah_send_frame();
+    f = ah_wait_on(wid, false);
     CHECK(f.h.type == SP_AP_T_WATCH_STARTED);
     CHECK(write_file(file, NULL, (const uint8_t *)"hi", 2) == 0);
     bool seen = false;
     for (int i = 0; i < 20 && !seen; i++) {
-        f = wait_on(wid);
+        f = ah_wait_on(wid, false);
         sp_ap_str_t name;
         REQUIRE(sp_ap_get_str(f.p, f.h.len, SP_AP_K_NAME, &name) == 0);
         seen = f.h.type == SP_AP_T_WATCH_EVENT && name.n == 7 && memcmp(name.p, "new.txt", 7) == 0;
     }
     CHECK(seen);
-    send_empty(wid, SP_AP_T_RESET);
+    ah_send_empty(wid, SP_AP_T_RESET, 0);
 }
 
 static void test_agent_tcp(void)
@@ -793,10 +651,10 @@ static void test_agent_tcp(void)
     socklen_t sl = sizeof(sa);
     REQUIRE(bind(l, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(l, 1) == 0);
     REQUIRE(getsockname(l, (struct sockaddr *)&sa, &sl) == 0);
-    uint32_t id = next_stream++;
-    sp_ap_put_u32(begin(id, SP_AP_T_TCP_CONNECT), SP_AP_K_PORT, ntohs(sa.sin_port));
-    send_frame();
-    frame_t f = wait_on(id);
+    uint32_t id = ah_next_stream++;
+    sp_ap_put_u32(ah_begin(id, SP_AP_T_TCP_CONNECT, 0), SP_AP_K_PORT, ntohs(sa.sin_port));
+    ah_send_frame();
+    frame_t f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_TCP_CONNECTED);
     int c = accept(l, NULL, NULL);
     REQUIRE(c >= 0);
@@ -805,33 +663,33 @@ static void test_agent_tcp(void)
     CHECK(read(c, buf, 5) == 5 && memcmp(buf, "GET /", 5) == 0);
     CHECK(write(c, "200 OK", 6) == 6);
     do
-        f = wait_on(id);
+        f = ah_wait_on(id, false);
     while (f.h.type == SP_AP_T_WINDOW); /* credit back for "GET /" */
     CHECK(f.h.type == SP_AP_T_DATA && f.h.len == 6 && memcmp(f.p, "200 OK", 6) == 0);
     close(c);
-    f = wait_on(id);
+    f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_EOF);
-    send_empty(id, SP_AP_T_EOF);
-    f = wait_on(id);
+    ah_send_empty(id, SP_AP_T_EOF, 0);
+    f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_OK && (f.h.flags & SP_AP_F_END));
     close(l);
     /* Nobody listening: refused, on that stream. */
-    id = next_stream++;
-    sp_ap_put_u32(begin(id, SP_AP_T_TCP_CONNECT), SP_AP_K_PORT, ntohs(sa.sin_port));
-    send_frame();
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_UNAVAIL);
+    id = ah_next_stream++;
+    sp_ap_put_u32(ah_begin(id, SP_AP_T_TCP_CONNECT, 0), SP_AP_K_PORT, ntohs(sa.sin_port));
+    ah_send_frame();
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_UNAVAIL);
 }
 
 static void test_agent_identity_and_ping(void)
 {
-    uint32_t id = next_stream++;
+    uint32_t id = ah_next_stream++;
     sp_ap_identity_t m = {.sandbox_id = {"sbx-1", 5}, .env = {{"SPACE_TEST_ENV=from-identity", 28}},
                           .envc = 1, .seed = {"\x01\x02\x00\x03", 4}};
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_identity(&W, id, &m) > 0);
-    write_all(wbuf, W.len);
-    frame_t f = wait_on(id);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_identity(&ah_w, id, &m) > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
+    frame_t f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_OK);
     result_t *r = run("echo $SPACE_TEST_ENV", NULL);
     CHECK(strcmp(r->out, "from-identity\n") == 0);
@@ -846,96 +704,88 @@ static void test_agent_identity_and_ping(void)
         fclose(ef);
     CHECK(en == 29 && memcmp(buf, "SPACE_TEST_ENV=from-identity\0", 29) == 0);
 
-    sp_ap_put_raw(begin(0, SP_AP_T_PING), "abc", 3);
-    send_frame();
-    f = wait_on(0);
+    sp_ap_put_raw(ah_begin(0, SP_AP_T_PING, 0), "abc", 3);
+    ah_send_frame();
+    f = ah_wait_on(0, false);
     CHECK(f.h.type == SP_AP_T_PONG && f.h.len == 3 && memcmp(f.p, "abc", 3) == 0);
-}
-
-static void ping_ok(void)
-{
-    sp_ap_put_raw(begin(0, SP_AP_T_PING), "z", 1);
-    send_frame();
-    frame_t f = wait_on(0);
-    CHECK(f.h.type == SP_AP_T_PONG);
 }
 
 static void test_agent_malformed(void)
 {
     /* Unknown type on a stream. */
-    uint32_t id = next_stream++;
-    begin(id, 0x7777);
-    send_frame();
-    frame_t f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_TYPE && (f.h.flags & SP_AP_F_END));
+    uint32_t id = ah_next_stream++;
+    ah_begin(id, 0x7777, 0);
+    ah_send_frame();
+    frame_t f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_TYPE && (f.h.flags & SP_AP_F_END));
 
     /* A request type on stream 0. */
-    send_empty(0, SP_AP_T_PROC_LIST);
-    f = wait_on(0);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
+    ah_send_empty(0, SP_AP_T_PROC_LIST, 0);
+    f = ah_wait_on(0, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
 
     /* Truncated TLV in PROC_START. */
-    id = next_stream++;
-    sp_ap_put_raw(begin(id, SP_AP_T_PROC_START), "\x15\x00\xff\xff\x00\x00ls", 8);
-    send_frame();
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_INVAL);
+    id = ah_next_stream++;
+    sp_ap_put_raw(ah_begin(id, SP_AP_T_PROC_START, 0), "\x15\x00\xff\xff\x00\x00ls", 8);
+    ah_send_frame();
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_INVAL);
 
     /* Oversized frame: rejected on its stream, skipped, channel stays in sync. */
-    id = next_stream++;
+    id = ah_next_stream++;
     size_t big = SP_AP_MAX_PAYLOAD + 4096;
     uint8_t *junk = calloc(1, SP_AP_HDR_SIZE + big);
     sp_ap_hdr_t h = {.len = (uint32_t)big, .stream = id, .type = SP_AP_T_FS_STAT};
     sp_ap_hdr_encode(junk, &h);
-    write_all(junk, SP_AP_HDR_SIZE + big);
+    ah_write_all(junk, SP_AP_HDR_SIZE + big);
     free(junk);
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_TOOBIG);
-    ping_ok();
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_TOOBIG);
+    ah_ping_ok();
 
     /* Reserved flags. */
-    id = next_stream++;
-    begin(id, SP_AP_T_FS_STAT);
-    W.buf[10] = 0x00;
-    W.buf[11] = 0x80;
-    send_frame();
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
+    id = ah_next_stream++;
+    ah_begin(id, SP_AP_T_FS_STAT, 0);
+    ah_w.buf[10] = 0x00;
+    ah_w.buf[11] = 0x80;
+    ah_send_frame();
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
 
     /* Opening on the agent's id space; reusing an open stream id. */
-    send_empty(SP_AP_STREAM_AGENT_BASE + 1, SP_AP_T_PROC_LIST);
-    f = wait_on(SP_AP_STREAM_AGENT_BASE + 1);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
+    ah_send_empty(SP_AP_STREAM_AGENT_BASE + 1, SP_AP_T_PROC_LIST, 0);
+    f = ah_wait_on(SP_AP_STREAM_AGENT_BASE + 1, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
     id = start_proc("sleep 5", NULL, false, NULL);
-    f = wait_on(id);
+    f = ah_wait_on(id, false);
     CHECK(f.h.type == SP_AP_T_PROC_STARTED);
-    send_empty(id, SP_AP_T_PROC_LIST);
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_BUSY);
+    ah_send_empty(id, SP_AP_T_PROC_LIST, 0);
+    f = ah_wait_on(id, false);
+    CHECK(ah_err_code(&f) == SP_AP_E_BUSY);
 
     /* DATA beyond the window. */
     id = start_proc("sleep 5", NULL, false, NULL);
-    f = wait_on(id);
+    f = ah_wait_on(id, false);
     uint8_t *blob = calloc(1, SP_AP_INITIAL_WINDOW + 1);
     send_data(id, blob, SP_AP_INITIAL_WINDOW + 1);
     free(blob);
     do
-        f = wait_on(id);
+        f = ah_wait_on(id, false);
     while (f.h.type == SP_AP_T_WINDOW);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
-    ping_ok();
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
+    ah_ping_ok();
 
     /* Garbage: the host reconnects, the agent lives on. */
     uint8_t g[4096];
     for (size_t i = 0; i < sizeof(g); i++)
         g[i] = (uint8_t)(i * 131 + 7);
-    write_all(g, sizeof(g));
+    ah_write_all(g, sizeof(g));
     usleep(100000);
-    CHECK(agent_alive());
-    connect_agent();
+    CHECK(ah_agent_alive());
+    ah_connect(sock_path);
     hello();
-    ping_ok();
-    CHECK(agent_alive());
+    ah_ping_ok();
+    CHECK(ah_agent_alive());
 }
 
 /* Two HELLOs read together (an earlier host's, unanswered, and the next one's, as a guest
@@ -948,7 +798,7 @@ static void test_agent_hello_answers_name_the_session(void)
     hello_answer(0x2222);
     send_hello(0); /* a host that sends none gets none */
     hello_answer(0);
-    ping_ok();
+    ah_ping_ok();
 }
 
 int main(void)
@@ -983,9 +833,9 @@ int main(void)
     test_agent_reattach();
     test_agent_hello_answers_name_the_session();
     test_agent_malformed();
-    CHECK(agent_alive());
-    kill(agent_pid, SIGTERM);
-    waitpid(agent_pid, NULL, 0);
+    CHECK(ah_agent_alive());
+    kill(ah_agent_pid, SIGTERM);
+    waitpid(ah_agent_pid, NULL, 0);
     char cmd[400];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0)

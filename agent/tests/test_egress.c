@@ -37,18 +37,11 @@
 
 #include "agent/egress.h"
 #include "base/agentproto.h"
+#include "agent/tests/agenthost.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100], resolv_path[128], profile_path[160];
-static pid_t agent_pid;
-static int fd = -1; /* the channel: we are the host */
-static uint32_t next_stream = 1;
 static int dns_port;
-
-typedef struct {
-    sp_ap_hdr_t h;
-    const uint8_t *p;
-} frame_t;
 
 static uint64_t now_ms(void)
 {
@@ -57,146 +50,15 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-/* ---- channel ---- */
-
-static void write_all(const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t w = write(fd, b, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        REQUIRE(w > 0);
-        b += w;
-        n -= (size_t)w;
-    }
-}
-
-static int read_full(void *p, size_t n, int timeout_ms)
-{
-    uint8_t *b = p;
-    while (n > 0) {
-        struct pollfd pf = {.fd = fd, .events = POLLIN};
-        if (poll(&pf, 1, timeout_ms) <= 0)
-            return -1;
-        ssize_t r = read(fd, b, n);
-        if (r <= 0)
-            return -1;
-        b += r;
-        n -= (size_t)r;
-    }
-    return 0;
-}
-
-/* Next frame from the agent; the payload lives until the next call. -1 on timeout. */
-static int recv_frame(frame_t *f, int timeout_ms)
-{
-    static uint8_t buf[SP_AP_MAX_FRAME];
-    uint8_t hdr[SP_AP_HDR_SIZE];
-    if (read_full(hdr, sizeof(hdr), timeout_ms) < 0)
-        return -1;
-    sp_ap_hdr_decode(hdr, &f->h);
-    REQUIRE(sp_ap_hdr_check(&f->h, NULL) == 0);
-    REQUIRE(read_full(buf, f->h.len, 10000) == 0);
-    f->p = buf;
-    return 0;
-}
-
-/* Next frame on `stream` that is not a WINDOW; others are skipped. */
-static frame_t wait_on(uint32_t stream)
-{
-    frame_t f;
-    for (;;) {
-        if (recv_frame(&f, 15000) < 0) {
-            fprintf(stderr, "timeout or EOF waiting on stream %u\n", stream);
-            exit(1);
-        }
-        if (f.h.stream == stream && f.h.type != SP_AP_T_WINDOW)
-            return f;
-    }
-}
-
-static sp_ap_writer_t W;
-static uint8_t wbuf[SP_AP_MAX_FRAME + 64];
-
-static sp_ap_writer_t *begin(uint32_t stream, uint16_t type, uint16_t flags)
-{
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    sp_ap_frame_begin(&W, stream, type, flags);
-    return &W;
-}
-
-static void send_frame(void)
-{
-    long n = sp_ap_frame_end(&W);
-    REQUIRE(n > 0);
-    write_all(wbuf, (size_t)n);
-}
-
-static void send_empty(uint32_t stream, uint16_t type, uint16_t flags)
-{
-    begin(stream, type, flags);
-    send_frame();
-}
-
-static void send_data(uint32_t stream, const void *p, size_t n)
-{
-    sp_ap_put_raw(begin(stream, SP_AP_T_DATA, 0), p, n);
-    send_frame();
-}
-
-static void grant(uint32_t stream, uint32_t n)
-{
-    sp_ap_put_u32(begin(stream, SP_AP_T_WINDOW, 0), SP_AP_K_WINDOW, n);
-    send_frame();
-}
-
-static uint32_t u32_of(const frame_t *f, uint16_t tag, uint32_t dflt)
-{
-    uint32_t v = dflt;
-    REQUIRE(sp_ap_get_u32(f->p, f->h.len, tag, &v) == 0);
-    return v;
-}
-
-static uint32_t err_code(const frame_t *f)
-{
-    return f->h.type == SP_AP_T_ERROR ? u32_of(f, SP_AP_K_CODE, 0) : 0;
-}
-
-static void ping_ok(void)
-{
-    sp_ap_put_raw(begin(0, SP_AP_T_PING, 0), "z", 1);
-    send_frame();
-    frame_t f = wait_on(0);
-    CHECK(f.h.type == SP_AP_T_PONG);
-}
-
 /* ---- agent ---- */
-
-static void connect_agent(void)
-{
-    if (fd >= 0)
-        close(fd);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock_path);
-    for (int i = 0; i < 200; i++) {
-        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
-            return;
-        close(fd);
-        fd = -1;
-        usleep(20000);
-    }
-    REQUIRE(!"cannot connect to the agent");
-}
 
 static uint32_t hello(void)
 {
     sp_ap_hello_t h = {.version = SP_AP_VERSION, .client = {"test", 4}};
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_hello(&W, &h) > 0);
-    write_all(wbuf, W.len);
-    frame_t f = wait_on(0);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_hello(&ah_w, &h) > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
+    frame_t f = ah_wait_on(0, true);
     REQUIRE(f.h.type == SP_AP_T_HELLO);
     sp_ap_hello_t got;
     REQUIRE(sp_ap_dec_hello(f.p, f.h.len, &got, NULL) == 0);
@@ -219,7 +81,7 @@ static pid_t spawn_agent(const char *sock)
 static int agent_fds(void)
 {
     char path[64];
-    snprintf(path, sizeof(path), "/proc/%d/fd", (int)agent_pid);
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)ah_agent_pid);
     DIR *d = opendir(path);
     if (d == NULL)
         return -1;
@@ -231,25 +93,11 @@ static int agent_fds(void)
     return n;
 }
 
-static long agent_rss_kb(void)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)agent_pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f != NULL && fgets(line, sizeof(line), f) != NULL)
-        if (sscanf(line, "VmRSS: %ld", &kb) == 1)
-            break;
-    if (f != NULL)
-        fclose(f);
-    return kb;
-}
-
 /* Lists the agent's fds on stderr (for a leak report). */
 static void dump_agent_fds(void)
 {
     char path[64], link[128], target[256];
-    snprintf(path, sizeof(path), "/proc/%d/fd", (int)agent_pid);
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)ah_agent_pid);
     DIR *d = opendir(path);
     for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
         if (e->d_name[0] == '.')
@@ -276,15 +124,10 @@ static int agent_fds_settle(int want)
     return n;
 }
 
-static bool agent_alive(void)
-{
-    return waitpid(agent_pid, NULL, WNOHANG) == 0;
-}
-
 static void kill_agent(void)
 {
-    if (agent_pid > 0)
-        kill(agent_pid, SIGKILL);
+    if (ah_agent_pid > 0)
+        kill(ah_agent_pid, SIGKILL);
 }
 
 /* ---- guest side ---- */
@@ -355,11 +198,11 @@ static int sock_end(int s, int timeout_ms)
 
 static frame_t config_raw(const sp_ap_egress_config_t *m)
 {
-    uint32_t id = next_stream++;
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_egress_config(&W, id, m) > 0);
-    write_all(wbuf, W.len);
-    return wait_on(id);
+    uint32_t id = ah_next_stream++;
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_egress_config(&ah_w, id, m) > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
+    return ah_wait_on(id, true);
 }
 
 /* Sends EGRESS_CONFIG with the usual proxy env for `port`; returns OK(0) or the error code. */
@@ -378,7 +221,7 @@ static uint32_t configure(uint32_t port, bool dns)
     }
     frame_t f = config_raw(&m);
     CHECK(f.h.flags & SP_AP_F_END);
-    return f.h.type == SP_AP_T_OK ? 0 : err_code(&f);
+    return f.h.type == SP_AP_T_OK ? 0 : ah_err_code(&f);
 }
 
 /* Waits for EGRESS_OPEN on an agent stream; checks KIND and returns the id. */
@@ -386,13 +229,13 @@ static uint32_t wait_open(int *peer_port)
 {
     frame_t f;
     for (;;) {
-        REQUIRE(recv_frame(&f, 15000) == 0);
+        REQUIRE(ah_recv_frame(&f, 15000) == 0);
         if (f.h.type == SP_AP_T_EGRESS_OPEN)
             break;
     }
     CHECK(f.h.stream >= SP_AP_STREAM_AGENT_BASE);
-    CHECK(u32_of(&f, SP_AP_K_KIND, 0) == SP_AP_EGRESS_PROXY);
-    *peer_port = (int)u32_of(&f, SP_AP_K_PEER_PORT, 0);
+    CHECK(ah_u32_of(&f, SP_AP_K_KIND, 0) == SP_AP_EGRESS_PROXY);
+    *peer_port = (int)ah_u32_of(&f, SP_AP_K_PEER_PORT, 0);
     return f.h.stream;
 }
 
@@ -435,13 +278,13 @@ static void test_egress_caps_and_bad_config(void)
          9},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        uint32_t id = next_stream++;
-        sp_ap_put_raw(begin(id, SP_AP_T_EGRESS_CONFIG, 0), bad[i].p, bad[i].n);
-        send_frame();
-        frame_t f = wait_on(id);
-        if (err_code(&f) != SP_AP_E_INVAL)
+        uint32_t id = ah_next_stream++;
+        sp_ap_put_raw(ah_begin(id, SP_AP_T_EGRESS_CONFIG, 0), bad[i].p, bad[i].n);
+        ah_send_frame();
+        frame_t f = ah_wait_on(id, true);
+        if (ah_err_code(&f) != SP_AP_E_INVAL)
             fprintf(stderr, "bad config '%s' not rejected\n", bad[i].what);
-        CHECK(err_code(&f) == SP_AP_E_INVAL && (f.h.flags & SP_AP_F_END));
+        CHECK(ah_err_code(&f) == SP_AP_E_INVAL && (f.h.flags & SP_AP_F_END));
     }
     /* A port someone else holds: ERROR, and the agent carries on. */
     int busy = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -452,18 +295,18 @@ static void test_egress_caps_and_bad_config(void)
     CHECK(configure(ntohs(sa.sin_port), false) != 0);
     close(busy);
     /* The host may not send agent-only types, nor open on the agent's ids. */
-    uint32_t id = next_stream++;
-    send_empty(id, SP_AP_T_EGRESS_OPEN, 0);
-    frame_t f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_TYPE);
-    id = next_stream++;
-    send_empty(id, SP_AP_T_DNS_ANSWER, SP_AP_F_END);
-    f = wait_on(id);
-    CHECK(err_code(&f) == SP_AP_E_TYPE);
-    send_empty(SP_AP_STREAM_AGENT_BASE + 7, SP_AP_T_EGRESS_CONFIG, 0);
-    f = wait_on(SP_AP_STREAM_AGENT_BASE + 7);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
-    ping_ok();
+    uint32_t id = ah_next_stream++;
+    ah_send_empty(id, SP_AP_T_EGRESS_OPEN, 0);
+    frame_t f = ah_wait_on(id, true);
+    CHECK(ah_err_code(&f) == SP_AP_E_TYPE);
+    id = ah_next_stream++;
+    ah_send_empty(id, SP_AP_T_DNS_ANSWER, SP_AP_F_END);
+    f = ah_wait_on(id, true);
+    CHECK(ah_err_code(&f) == SP_AP_E_TYPE);
+    ah_send_empty(SP_AP_STREAM_AGENT_BASE + 7, SP_AP_T_EGRESS_CONFIG, 0);
+    f = ah_wait_on(SP_AP_STREAM_AGENT_BASE + 7, true);
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
+    ah_ping_ok();
 }
 
 static void test_egress_files_and_env(int port)
@@ -521,25 +364,25 @@ static void test_egress_files_and_env(int port)
 
     /* ENV reaches later PROC_START: over IDENTITY's, under the request's own. */
     if (geteuid() == 0) {
-        uint32_t id = next_stream++;
+        uint32_t id = ah_next_stream++;
         sp_ap_identity_t idm = {.env = {{"SPACE_Q=from-identity", 21}, {"SPACE_I=ident", 13}},
                                 .envc = 2};
-        sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-        REQUIRE(sp_ap_enc_identity(&W, id, &idm) > 0);
-        write_all(wbuf, W.len);
-        f = wait_on(id);
+        sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+        REQUIRE(sp_ap_enc_identity(&ah_w, id, &idm) > 0);
+        ah_write_all(ah_wbuf, ah_w.len);
+        f = ah_wait_on(id, true);
         CHECK(f.h.type == SP_AP_T_OK);
         CHECK(configure((uint32_t)port, true) == 0); /* the usual proxy env again */
-        id = next_stream++;
-        sp_ap_writer_t *w = begin(id, SP_AP_T_PROC_START, 0);
+        id = ah_next_stream++;
+        sp_ap_writer_t *w = ah_begin(id, SP_AP_T_PROC_START, 0);
         sp_ap_put_str(w, SP_AP_K_CMD, "echo \"$HTTP_PROXY|$https_proxy|$SPACE_I|$NO_PROXY\"");
         sp_ap_put_str(w, SP_AP_K_ENV, "NO_PROXY=mine");
         sp_ap_put_u32(w, SP_AP_K_STDIN, 0); /* no stdin pipe kept after exit: fd count stays */
-        send_frame();
+        ah_send_frame();
         char out[512] = "";
         size_t ol = 0;
         for (;;) {
-            f = wait_on(id);
+            f = ah_wait_on(id, true);
             if (f.h.type == SP_AP_T_PROC_STDOUT && ol + f.h.len < sizeof(out)) {
                 memcpy(out + ol, f.p, f.h.len);
                 ol += f.h.len;
@@ -577,44 +420,44 @@ static void test_egress_proxy_roundtrip(int port)
     char got[256];
     size_t gl = 0;
     while (gl < sizeof(req) - 1) {
-        frame_t f = wait_on(s);
+        frame_t f = ah_wait_on(s, true);
         REQUIRE(f.h.type == SP_AP_T_DATA && gl + f.h.len < sizeof(got));
         memcpy(got + gl, f.p, f.h.len);
         gl += f.h.len;
     }
     CHECK(gl == sizeof(req) - 1 && memcmp(got, req, gl) == 0);
     const char resp[] = "HTTP/1.1 200 Connection established\r\n\r\n";
-    send_data(s, resp, sizeof(resp) - 1);
+    ah_send_data(s, resp, sizeof(resp) - 1);
     char rb[64];
     CHECK(sock_read(c, rb, sizeof(resp) - 1, 5000) == 0 && memcmp(rb, resp, sizeof(resp) - 1) == 0);
     /* The agent grants back what reached the guest, in steps of a quarter window rather
      * than per write: nothing yet for these few bytes, all of it once a quarter is in. */
     frame_t f;
     uint32_t granted = 0;
-    while (recv_frame(&f, 300) == 0)
+    while (ah_recv_frame(&f, 300) == 0)
         if (f.h.stream == s && f.h.type == SP_AP_T_WINDOW)
-            granted += u32_of(&f, SP_AP_K_WINDOW, 0);
+            granted += ah_u32_of(&f, SP_AP_K_WINDOW, 0);
     CHECK(granted == 0);
     static char chunk[16384];
     memset(chunk, 'x', sizeof(chunk));
     size_t more = SP_AP_INITIAL_WINDOW / 4, total = sizeof(resp) - 1 + more;
     for (size_t sent = 0; sent < more; sent += sizeof(chunk))
-        send_data(s, chunk, sizeof(chunk));
+        ah_send_data(s, chunk, sizeof(chunk));
     static char sink[SP_AP_INITIAL_WINDOW / 4];
     CHECK(sock_read(c, sink, more, 5000) == 0);
-    while (granted < total && recv_frame(&f, 5000) == 0)
+    while (granted < total && ah_recv_frame(&f, 5000) == 0)
         if (f.h.stream == s && f.h.type == SP_AP_T_WINDOW)
-            granted += u32_of(&f, SP_AP_K_WINDOW, 0);
+            granted += ah_u32_of(&f, SP_AP_K_WINDOW, 0);
     CHECK(granted == total);
 
     /* Guest half-close: EOF to the host, bytes still flow the other way. */
     shutdown(c, SHUT_WR);
-    f = wait_on(s);
+    f = ah_wait_on(s, true);
     CHECK(f.h.type == SP_AP_T_EOF);
-    send_data(s, "tail", 4);
+    ah_send_data(s, "tail", 4);
     CHECK(sock_read(c, rb, 4, 5000) == 0 && memcmp(rb, "tail", 4) == 0);
     /* Host OK: the guest sees the end. */
-    send_empty(s, SP_AP_T_OK, SP_AP_F_END);
+    ah_send_empty(s, SP_AP_T_OK, SP_AP_F_END);
     CHECK(sock_end(c, 5000) == 0);
     close(c);
 
@@ -625,9 +468,9 @@ static void test_egress_proxy_roundtrip(int port)
         blob[i] = (uint8_t)(i * 31 + 7);
     for (size_t off = 0; off < sizeof(blob); off += SP_AP_MAX_DATA) {
         size_t k = sizeof(blob) - off < SP_AP_MAX_DATA ? sizeof(blob) - off : SP_AP_MAX_DATA;
-        send_data(s, blob + off, k);
+        ah_send_data(s, blob + off, k);
     }
-    send_empty(s, SP_AP_T_OK, SP_AP_F_END);
+    ah_send_empty(s, SP_AP_T_OK, SP_AP_F_END);
     static uint8_t back[sizeof(blob)];
     CHECK(sock_read(c, back, sizeof(back), 5000) == 0 && memcmp(back, blob, sizeof(blob)) == 0);
     CHECK(sock_end(c, 5000) == 0);
@@ -635,16 +478,16 @@ static void test_egress_proxy_roundtrip(int port)
 
     /* Host ERROR: the guest connection is reset. */
     c = proxy_client(port, &s);
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_error(&W, s, SP_AP_E_PERM, 0, "denied by policy") > 0);
-    write_all(wbuf, W.len);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_error(&ah_w, s, SP_AP_E_PERM, 0, "denied by policy") > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
     int e = sock_end(c, 5000);
     CHECK(e == -ECONNRESET || e == 0);
     close(c);
 
     /* Host RESET: same. */
     c = proxy_client(port, &s);
-    send_empty(s, SP_AP_T_RESET, 0);
+    ah_send_empty(s, SP_AP_T_RESET, 0);
     e = sock_end(c, 5000);
     CHECK(e == -ECONNRESET || e == 0);
     close(c);
@@ -654,19 +497,19 @@ static void test_egress_proxy_roundtrip(int port)
     struct linger lg = {1, 0};
     setsockopt(c, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
     close(c);
-    f = wait_on(s);
+    f = ah_wait_on(s, true);
     CHECK(f.h.type == SP_AP_T_RESET);
 
     /* Guest full close while the host still sends: EOF, then RESET when the write fails. */
     c = proxy_client(port, &s);
     close(c);
-    f = wait_on(s);
+    f = ah_wait_on(s, true);
     CHECK(f.h.type == SP_AP_T_EOF);
     bool reset = false;
     uint64_t until = now_ms() + 5000;
     while (!reset && now_ms() < until) {
-        send_data(s, "more", 4);
-        while (!reset && recv_frame(&f, 50) == 0)
+        ah_send_data(s, "more", 4);
+        while (!reset && ah_recv_frame(&f, 50) == 0)
             reset = f.h.stream == s && f.h.type == SP_AP_T_RESET;
     }
     CHECK(reset);
@@ -674,21 +517,21 @@ static void test_egress_proxy_roundtrip(int port)
     /* A window violation by the host ends the stream; the agent carries on. */
     c = proxy_client(port, &s);
     uint8_t *big = calloc(1, SP_AP_INITIAL_WINDOW + 1);
-    send_data(s, big, SP_AP_INITIAL_WINDOW + 1);
+    ah_send_data(s, big, SP_AP_INITIAL_WINDOW + 1);
     free(big);
-    f = wait_on(s);
-    CHECK(err_code(&f) == SP_AP_E_PROTO);
+    f = ah_wait_on(s, true);
+    CHECK(ah_err_code(&f) == SP_AP_E_PROTO);
     e = sock_end(c, 5000);
     CHECK(e == -ECONNRESET || e == 0);
     close(c);
-    ping_ok();
+    ah_ping_ok();
 }
 
 /* 20 MiB each way at once; the host grants late and in large steps so both windows fill. */
 static void test_egress_bulk(int port)
 {
     const uint64_t total = 20u << 20;
-    long rss0 = agent_rss_kb();
+    long rss0 = ah_agent_rss_kb();
     uint32_t s;
     int c = proxy_client(port, &s);
     fcntl(c, F_SETFL, O_NONBLOCK);
@@ -698,7 +541,7 @@ static void test_egress_bulk(int port)
     static uint8_t chunk[SP_AP_MAX_DATA], rb[65536];
     uint64_t deadline = now_ms() + 120000;
     while ((!up_eof || down_got < total) && now_ms() < deadline) {
-        struct pollfd pf[2] = {{.fd = fd, .events = POLLIN},
+        struct pollfd pf[2] = {{.fd = ah_fd, .events = POLLIN},
                                {.fd = c, .events = POLLIN | (up_sent < total ? POLLOUT : 0)}};
         poll(pf, 2, 1000);
         if (pf[1].revents & POLLOUT) {
@@ -721,7 +564,7 @@ static void test_egress_bulk(int port)
         }
         if (pf[0].revents & POLLIN) {
             frame_t f;
-            REQUIRE(recv_frame(&f, 5000) == 0);
+            REQUIRE(ah_recv_frame(&f, 5000) == 0);
             if (f.h.stream == s && f.h.type == SP_AP_T_DATA) {
                 for (uint32_t i = 0; i < f.h.len; i++)
                     if (f.p[i] != (uint8_t)((up_got + i) * 13 + ((up_got + i) >> 12)))
@@ -731,11 +574,11 @@ static void test_egress_bulk(int port)
                     window_ok = false;
                 /* Grant in 192 KiB steps: the agent runs dry before each. */
                 if (up_got - up_granted >= 192 * 1024) {
-                    grant(s, (uint32_t)(up_got - up_granted));
+                    ah_grant(s, (uint32_t)(up_got - up_granted));
                     up_granted = up_got;
                 }
             } else if (f.h.stream == s && f.h.type == SP_AP_T_WINDOW) {
-                down_credit += u32_of(&f, SP_AP_K_WINDOW, 0);
+                down_credit += ah_u32_of(&f, SP_AP_K_WINDOW, 0);
             } else if (f.h.stream == s && f.h.type == SP_AP_T_EOF) {
                 up_eof = true;
             } else if (f.h.stream == s) {
@@ -753,18 +596,18 @@ static void test_egress_bulk(int port)
                 k = (size_t)(total - down_sent);
             for (size_t i = 0; i < k; i++)
                 chunk[i] = (uint8_t)((down_sent + i) * 7 + 3);
-            send_data(s, chunk, k);
+            ah_send_data(s, chunk, k);
             down_sent += k;
             down_credit -= k;
             if (down_sent - down_got > 4 * SP_AP_INITIAL_WINDOW)
                 break; /* let the guest side catch up */
         }
         if (down_sent == total && !down_eof_sent) {
-            send_empty(s, SP_AP_T_EOF, 0);
+            ah_send_empty(s, SP_AP_T_EOF, 0);
             down_eof_sent = true;
         }
     }
-    long rss1 = agent_rss_kb();
+    long rss1 = ah_agent_rss_kb();
     fprintf(stderr, "bulk: up %llu/%llu down %llu/%llu, agent rss %ld -> %ld kB\n",
             (unsigned long long)up_got, (unsigned long long)total, (unsigned long long)down_got,
             (unsigned long long)total, rss0, rss1);
@@ -775,7 +618,7 @@ static void test_egress_bulk(int port)
     /* Both directions done: the guest sees EOF; the host ends the stream. */
     fcntl(c, F_SETFL, 0);
     CHECK(sock_end(c, 5000) == 0);
-    send_empty(s, SP_AP_T_OK, SP_AP_F_END);
+    ah_send_empty(s, SP_AP_T_OK, SP_AP_F_END);
     close(c);
 }
 
@@ -805,10 +648,10 @@ static void test_egress_many(int port)
     }
     int opened = 0;
     frame_t f;
-    while (opened < MANY && recv_frame(&f, 15000) == 0) {
+    while (opened < MANY && ah_recv_frame(&f, 15000) == 0) {
         if (f.h.type != SP_AP_T_EGRESS_OPEN)
             continue;
-        int peer = (int)u32_of(&f, SP_AP_K_PEER_PORT, 0);
+        int peer = (int)ah_u32_of(&f, SP_AP_K_PEER_PORT, 0);
         for (int i = 0; i < MANY; i++) {
             if (lport[i] == peer && sid[i] == 0) {
                 sid[i] = f.h.stream;
@@ -831,10 +674,10 @@ static void test_egress_many(int port)
         CHECK(send(cl[i], m, (size_t)n, 0) == n);
         n = snprintf(m, sizeof(m), "h%04d", i);
         if (sid[i] != 0)
-            send_data(sid[i], m, (size_t)n);
+            ah_send_data(sid[i], m, (size_t)n);
     }
     int got_up = 0;
-    while (got_up < MANY && recv_frame(&f, 15000) == 0) {
+    while (got_up < MANY && ah_recv_frame(&f, 15000) == 0) {
         if (f.h.type != SP_AP_T_DATA)
             continue;
         for (int i = 0; i < MANY; i++) {
@@ -859,7 +702,7 @@ static void test_egress_many(int port)
     /* The host ends them all; every guest sees EOF; the agent closes every socket. */
     for (int i = 0; i < MANY; i++)
         if (sid[i] != 0)
-            send_empty(sid[i], SP_AP_T_OK, SP_AP_F_END);
+            ah_send_empty(sid[i], SP_AP_T_OK, SP_AP_F_END);
     int eofs = 0;
     for (int i = 0; i < MANY; i++) {
         if (sock_end(cl[i], 10000) == 0)
@@ -871,7 +714,7 @@ static void test_egress_many(int port)
     fprintf(stderr, "many: done in %llu ms, agent fds %d -> %d\n",
             (unsigned long long)(now_ms() - t0), base_fds, fds);
     CHECK(fds == base_fds);
-    ping_ok();
+    ah_ping_ok();
 }
 
 /* At the cap, a new connection is accepted and closed at once; the rest keep working. */
@@ -899,7 +742,7 @@ static void test_egress_cap(int port)
     }
     int opened = 0;
     frame_t f;
-    while (opened < n && recv_frame(&f, 15000) == 0)
+    while (opened < n && ah_recv_frame(&f, 15000) == 0)
         opened += f.h.type == SP_AP_T_EGRESS_OPEN;
     CHECK(opened == n);
     fprintf(stderr, "cap: %d connections opened in %llu ms\n", opened,
@@ -913,7 +756,7 @@ static void test_egress_cap(int port)
         close(extra);
     }
     bool opened_more = false;
-    while (recv_frame(&f, 300) == 0)
+    while (ah_recv_frame(&f, 300) == 0)
         opened_more |= f.h.type == SP_AP_T_EGRESS_OPEN;
     CHECK(!opened_more);
     /* A new HELLO forgets every stream: all guest connections are reset, every fd freed. */
@@ -934,7 +777,7 @@ static void test_egress_cap(int port)
             (unsigned long long)(now_ms() - t0), base_fds, fds);
     CHECK(fds == base_fds);
     CHECK(configure((uint32_t)port, false) == 0);
-    ping_ok();
+    ah_ping_ok();
 }
 
 static void test_egress_reconfigure(int port)
@@ -947,19 +790,19 @@ static void test_egress_reconfigure(int port)
     CHECK(tcp_connect(port) < 0 && errno == ECONNREFUSED);
     uint32_t s_new;
     int c_new = proxy_client(port2, &s_new);
-    send_data(s_old, "old", 3);
+    ah_send_data(s_old, "old", 3);
     char b[4];
     CHECK(sock_read(c_old, b, 3, 5000) == 0 && memcmp(b, "old", 3) == 0);
     /* Port 0: no listener, every proxy connection reset, the profile file removed. */
     CHECK(access(profile_path, F_OK) == 0);
-    uint32_t id = next_stream++;
+    uint32_t id = ah_next_stream++;
     sp_ap_egress_config_t off = {0};
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_egress_config(&W, id, &off) > 0);
-    write_all(wbuf, W.len);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_egress_config(&ah_w, id, &off) > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
     bool r_old = false, r_new = false, ok = false;
     frame_t f;
-    while (!ok && recv_frame(&f, 5000) == 0) {
+    while (!ok && ah_recv_frame(&f, 5000) == 0) {
         r_old |= f.h.stream == s_old && f.h.type == SP_AP_T_RESET;
         r_new |= f.h.stream == s_new && f.h.type == SP_AP_T_RESET;
         ok = f.h.stream == id && f.h.type == SP_AP_T_OK;
@@ -1011,7 +854,7 @@ static uint32_t wait_query(void)
 {
     frame_t f;
     for (;;) {
-        REQUIRE(recv_frame(&f, 15000) == 0);
+        REQUIRE(ah_recv_frame(&f, 15000) == 0);
         if (f.h.type == SP_AP_T_DNS_QUERY)
             break;
     }
@@ -1026,8 +869,8 @@ static void answer(uint32_t s)
 {
     uint8_t a[128];
     size_t n = dns_answer(a);
-    sp_ap_put_bytes(begin(s, SP_AP_T_DNS_ANSWER, SP_AP_F_END), SP_AP_K_QUERY, a, n);
-    send_frame();
+    sp_ap_put_bytes(ah_begin(s, SP_AP_T_DNS_ANSWER, SP_AP_F_END), SP_AP_K_QUERY, a, n);
+    ah_send_frame();
 }
 
 static bool is_answer(const uint8_t *m, ssize_t n)
@@ -1068,9 +911,9 @@ static void test_egress_dns(int port)
     /* ERROR: SERVFAIL with the question, at once. */
     CHECK(send(u, dns_q, sizeof(dns_q), 0) == (ssize_t)sizeof(dns_q));
     s = wait_query();
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_error(&W, s, SP_AP_E_PERM, 0, "blocked") > 0);
-    write_all(wbuf, W.len);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_error(&ah_w, s, SP_AP_E_PERM, 0, "blocked") > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
     n = udp_recv(u, buf, sizeof(buf), 2000);
     CHECK(is_servfail(buf, n));
 
@@ -1083,7 +926,7 @@ static void test_egress_dns(int port)
     CHECK(is_servfail(buf, n));
     CHECK(waited >= 4900 && waited < 7000);
     fprintf(stderr, "dns: SERVFAIL after %llu ms without an answer\n", (unsigned long long)waited);
-    frame_t f = wait_on(s);
+    frame_t f = ah_wait_on(s, true);
     CHECK(f.h.type == SP_AP_T_RESET);
     answer(s); /* late: dropped */
 
@@ -1094,7 +937,7 @@ static void test_egress_dns(int port)
     n = udp_recv(u, buf, sizeof(buf), 2000);
     CHECK(n >= 12 && buf[0] == 0x12 && (buf[3] & 0x0f) == 1);
     CHECK(send(u, "\x01\x02\x03", 3, 0) == 3);
-    ping_ok();
+    ah_ping_ok();
 
     /* TCP: two pipelined length-prefixed queries, answered in reverse order. */
     int t = tcp_connect(dns_port);
@@ -1108,9 +951,9 @@ static void test_egress_dns(int port)
     uint32_t s1 = wait_query(), s2 = wait_query();
     CHECK(s1 != s2);
     answer(s2);
-    sp_ap_writer_init(&W, wbuf, sizeof(wbuf));
-    REQUIRE(sp_ap_enc_error(&W, s1, SP_AP_E_UNAVAIL, 0, "upstream down") > 0);
-    write_all(wbuf, W.len);
+    sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
+    REQUIRE(sp_ap_enc_error(&ah_w, s1, SP_AP_E_UNAVAIL, 0, "upstream down") > 0);
+    ah_write_all(ah_wbuf, ah_w.len);
     uint8_t lb[2];
     CHECK(sock_read(t, lb, 2, 5000) == 0);
     size_t l = (size_t)(lb[0] << 8 | lb[1]);
@@ -1134,8 +977,8 @@ static void test_egress_disconnect(int port)
     int u = udp_client();
     CHECK(send(u, dns_q, sizeof(dns_q), 0) == (ssize_t)sizeof(dns_q));
     wait_query();
-    close(fd);
-    fd = -1;
+    close(ah_fd);
+    ah_fd = -1;
     int e = sock_end(c, 5000);
     CHECK(e == 0 || e == -ECONNRESET);
     close(c);
@@ -1157,11 +1000,11 @@ static void test_egress_disconnect(int port)
     CHECK(is_servfail(buf, n));
     CHECK(now_ms() - t0 < 1500);
 
-    connect_agent();
+    ah_connect(sock_path);
     CHECK(hello() & SP_AP_CAP_EGRESS);
     CHECK(configure((uint32_t)port, true) == 0);
     c = proxy_client(port, &s);
-    send_data(s, "back", 4);
+    ah_send_data(s, "back", 4);
     char b[4];
     CHECK(sock_read(c, b, 4, 5000) == 0 && memcmp(b, "back", 4) == 0);
     /* A new HELLO forgets the stream: the guest connection is reset. */
@@ -1180,18 +1023,18 @@ static void test_egress_host_mode_dns_refused(void)
     snprintf(sock2, sizeof(sock2), "%s/agent2.sock", tmpdir);
     unsetenv("SP_AGENT_EGRESS_DNS_PORT");
     pid_t p2 = spawn_agent(sock2);
-    int keep = fd;
+    int keep = ah_fd;
     char keep_path[sizeof(sock_path)];
     memcpy(keep_path, sock_path, sizeof(sock_path));
     snprintf(sock_path, sizeof(sock_path), "%s", sock2);
-    fd = -1;
-    connect_agent();
+    ah_fd = -1;
+    ah_connect(sock_path);
     hello();
     CHECK(configure(0, true) == SP_AP_E_UNAVAIL);
-    close(fd);
+    close(ah_fd);
     kill(p2, SIGTERM);
     waitpid(p2, NULL, 0);
-    fd = keep;
+    ah_fd = keep;
     memcpy(sock_path, keep_path, sizeof(sock_path));
 }
 
@@ -1214,9 +1057,9 @@ int main(void)
     setenv("SP_AGENT_EGRESS_DNS_PORT", dp, 1);
     setenv("SP_AGENT_EGRESS_RESOLV_CONF", resolv_path, 1);
     setenv("SP_AGENT_EGRESS_PROFILE", profile_path, 1);
-    agent_pid = spawn_agent(sock_path);
+    ah_agent_pid = spawn_agent(sock_path);
     atexit(kill_agent); /* REQUIRE exits early */
-    connect_agent();
+    ah_connect(sock_path);
 
     int port = free_port(SOCK_STREAM);
     test_egress_caps_and_bad_config();
@@ -1236,11 +1079,11 @@ int main(void)
     if (fds1 != fds0)
         dump_agent_fds();
     test_egress_host_mode_dns_refused();
-    CHECK(agent_alive());
+    CHECK(ah_agent_alive());
 
-    kill(agent_pid, SIGTERM);
-    waitpid(agent_pid, NULL, 0);
-    agent_pid = 0;
+    kill(ah_agent_pid, SIGTERM);
+    waitpid(ah_agent_pid, NULL, 0);
+    ah_agent_pid = 0;
     char cmd[200];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0)
