@@ -21,13 +21,13 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced  # noqa: E402
+sys.path.insert(0, HERE)
+from benchlib import Platform, line  # noqa: E402
 
 TEMPLATE = "code-interpreter-v1"
 N_CREATE = int(os.environ.get("BENCH_CREATES", "5"))
@@ -62,16 +62,6 @@ print(json.dumps(out))
 """
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
-
-
-def line(name, xs, unit="ms"):
-    print("%-50s median %8.2f %s   p99 %8.2f %s   (n=%d)" % (name, statistics.median(xs), unit,
-                                                          pct(xs, 99), unit, len(xs)))
-
-
 def accelerator(log_path):
     """What spaced's probe picked (its log says accelerator=kvm|tcg)."""
     with open(log_path, errors="replace") as f:
@@ -87,20 +77,10 @@ def main():
     if len(sys.argv) < 2:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    build = os.path.abspath(sys.argv[1])
-    data = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else os.path.join(build, "bench-data"))
-    spaced = os.path.join(build, "server", "spaced")
-    os.makedirs(data, exist_ok=True)
-    t0 = time.time()
-    subprocess.run([spaced, "template", "build", TEMPLATE, "--data-dir", data], check=True,
-                   stdout=subprocess.DEVNULL)
-    print("template %s ready in %.1f s (cached when unchanged)" % (TEMPLATE, time.time() - t0))
-    pg = PgCluster()
-    s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
+    p = Platform(sys.argv, templates=(TEMPLATE,), drop_env=()).start()
+    s, pg = p.s, p.pg
     made = []
     try:
-        s.key = s.cli("keys", "create").stdout.strip()
-        s.start()
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300)
 
         def call(method, path, body=None, headers=None):

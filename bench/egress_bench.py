@@ -17,7 +17,6 @@ import http.client
 import http.server
 import json
 import os
-import socket
 import socketserver
 import statistics
 import subprocess
@@ -27,7 +26,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced  # noqa: E402
+sys.path.insert(0, HERE)
+from benchlib import Platform, line  # noqa: E402
 
 N_CONN = int(os.environ.get("BENCH_EGRESS_CONNS", "200"))
 MIB = int(os.environ.get("BENCH_EGRESS_MIB", "256"))
@@ -117,32 +117,14 @@ while True:
 """
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
-
-
-def line(name, xs, unit="ms"):
-    print("%-52s median %8.2f %s   p99 %8.2f %s   (n=%d)" % (name, statistics.median(xs), unit,
-                                                          pct(xs, 99), unit, len(xs)))
-
-
 def main():
-    build = os.path.abspath(sys.argv[1])
-    data = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else os.path.join(build, "bench-data"))
-    spaced = os.path.join(build, "server", "spaced")
-    os.makedirs(data, exist_ok=True)
-    subprocess.run([spaced, "template", "build", "base", "--data-dir", data], check=True,
-                   stdout=subprocess.DEVNULL)
+    p = Platform(sys.argv, templates=("base",), drop_env=()).start()
+    data, s, pg = p.data, p.s, p.pg
     srv = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
-    pg = PgCluster()
-    s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
     sid = None
     try:
-        s.key = s.cli("keys", "create").stdout.strip()
-        s.start()
         st, r = s.request("POST", "/v1/sandboxes?wait=120",
                           {"template": "base", "egress": {"allow": ["127.0.0.1"]}}, timeout=130)
         assert st == 200 and r["operation"]["status"] == "succeeded", r

@@ -39,8 +39,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
+from benchlib import Platform, line, ratio  # noqa: E402
+from harness import Spaced  # noqa: E402
 from agentwire import AgentWire  # noqa: E402
-from harness import PgCluster, Spaced  # noqa: E402
 
 N_CREATES = int(os.environ.get("BENCH_CREATES", "20"))
 GAP = float(os.environ.get("BENCH_GAP", "1.0"))
@@ -51,20 +52,6 @@ N_PAUSE = int(os.environ.get("BENCH_PAUSE", "20"))
 N_SUSPEND = int(os.environ.get("BENCH_SUSPEND", "3"))
 N_DENSITY = int(os.environ.get("BENCH_DENSITY", "20"))
 N_DENSITY_COLD = int(os.environ.get("BENCH_DENSITY_COLD", "3"))
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
-
-
-def line(name, xs, unit="ms"):
-    print("%-52s median %8.1f %s   p99 %8.1f %s   (n=%d)" % (
-        name, statistics.median(xs), unit, pct(xs, 99), unit, len(xs)), flush=True)
-
-
-def ratio(name, a, b):
-    print("%-52s %.2fx" % (name, a / b), flush=True)
 
 
 class Api:
@@ -255,20 +242,10 @@ def floor_restore(data, sid, n):
 
 
 def main():
-    build = os.path.abspath(sys.argv[1])
-    data = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else os.path.join(build, "bench-data"))
-    spaced = os.path.join(build, "server", "spaced")
-    os.makedirs(data, exist_ok=True)
-    subprocess.run([spaced, "template", "build", "base", "--data-dir", data], check=True,
-                   stdout=subprocess.DEVNULL)
-    pg = PgCluster()
-    env = {k: v for k, v in os.environ.items() if k != "SPACE_COLD_BOOT"}
-    s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
-    s.env = env
+    p = Platform(sys.argv, templates=("base",), drop_env=("SPACE_COLD_BOOT",)).start()
+    data, spaced, s, pg = p.data, p.spaced, p.s, p.pg
     cold = nop = None
     try:
-        s.key = s.cli("keys", "create").stdout.strip()
-        s.start()
         api = Api(s)
         print("space lifecycle benchmarks (accelerator: %s)" % open(
             os.path.join(data, "vms", "accel")).readline().strip()

@@ -15,42 +15,23 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
+from benchlib import Platform, line  # noqa: E402
 from agentwire import AgentWire  # noqa: E402
-from harness import PgCluster, Spaced  # noqa: E402
 
 N_CREATE = int(os.environ.get("BENCH_CREATES", "5"))
 N_RTT = int(os.environ.get("BENCH_RTT", "200"))
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
-
-
-def line(name, xs, unit="ms"):
-    print("%-46s median %8.2f %s   p99 %8.2f %s   (n=%d)" % (name, statistics.median(xs), unit,
-                                                          pct(xs, 99), unit, len(xs)))
-
-
 def main():
-    build = os.path.abspath(sys.argv[1])
-    data = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else os.path.join(build, "bench-data"))
-    spaced = os.path.join(build, "server", "spaced")
-    os.makedirs(data, exist_ok=True)
-    subprocess.run([spaced, "template", "build", "base", "--data-dir", data], check=True,
-                   stdout=subprocess.DEVNULL)
-    pg = PgCluster()
-    s = Spaced(binary=spaced, data_dir=data, database_url=pg.url)
+    p = Platform(sys.argv, templates=("base",), drop_env=()).start()
+    data, s, pg = p.data, p.s, p.pg
     try:
-        s.key = s.cli("keys", "create").stdout.strip()
-        s.start()
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300)
         hdr = {"Authorization": "Bearer " + s.key, "Content-Type": "application/json"}
 

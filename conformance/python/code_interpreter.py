@@ -10,20 +10,17 @@ import base64
 import os
 import re
 import struct
-import threading
 import time
 
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import Sandbox as CiSandbox
 
-from lib import MULT, REQUEST_TIMEOUT, RUN_ID, SANDBOX_TIMEOUT, new_sandbox, raises, scenario
+from lib import (MULT, REQUEST_TIMEOUT, RUN_ID, SANDBOX_TIMEOUT, new_sandbox, raises, remember,
+                 scenario, shared_sandbox)
 
 A = "code_interpreter"
 CI_TEMPLATE = os.environ.get("CONFORMANCE_CI_TEMPLATE", "")
 EXPECTED_TEMPLATE = CI_TEMPLATE or "code-interpreter-v1"
-_created = set()
-_state = {}
-_lock = threading.Lock()
 
 
 def new_ci_sandbox(group):
@@ -31,39 +28,11 @@ def new_ci_sandbox(group):
               metadata={"conformance": RUN_ID, "group": group},
               envs={"CI_SANDBOX_ENV": "from-create " + RUN_ID})
     sbx = CiSandbox.create(CI_TEMPLATE, **kw) if CI_TEMPLATE else CiSandbox.create(**kw)
-    with _lock:
-        _created.add(sbx.sandbox_id)
+    remember(sbx.sandbox_id)  # killed by lib.cleanup at the end
     return sbx
 
 
-def sandbox():
-    """The area's shared sandbox; a failed creation is remembered, not retried."""
-    with _lock:
-        mine = "ev" not in _state
-        if mine:
-            _state["ev"] = threading.Event()
-    if mine:
-        try:
-            _state["sbx"] = new_ci_sandbox("code_interpreter")
-        except Exception as e:  # noqa: BLE001 - reported by every scenario that needs it
-            _state["err"] = e
-        _state["ev"].set()
-    _state["ev"].wait()
-    if "err" in _state:
-        raise _state["err"]
-    return _state["sbx"]
-
-
-def cleanup():
-    """Kills what this area created (run.py calls it beside lib.cleanup)."""
-    failures = []
-    for sid in list(_created):
-        try:
-            CiSandbox.kill(sid, request_timeout=60 * MULT)
-        except Exception as e:  # noqa: BLE001
-            failures.append("%s: %s" % (sid, e))
-    _created.clear()
-    return failures
+sandbox = shared_sandbox(new_ci_sandbox, group="code_interpreter")
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

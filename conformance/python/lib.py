@@ -74,8 +74,10 @@ def forget(sandbox_id):
         _created.discard(sandbox_id)
 
 
-def shared_sandbox(**kw):
-    """A lazily created sandbox for one area; a failed creation is remembered, not retried."""
+def shared_sandbox(factory=None, **kw):
+    """A lazily created sandbox for one area (factory(**kw), default new_sandbox); a failed
+    creation is remembered, not retried."""
+    factory = factory or new_sandbox
     state = {}
 
     def get():
@@ -87,7 +89,7 @@ def shared_sandbox(**kw):
                 mine = False
         if mine:
             try:
-                state["sbx"] = new_sandbox(**kw)
+                state["sbx"] = factory(**kw)
             except Exception as e:  # noqa: BLE001 - reported by every scenario that needs it
                 state["err"] = e
             state["ev"].set()

@@ -1,0 +1,74 @@
+"""What the bench scripts share: percentiles and result lines, and the platform they measure
+(a built template, a private PostgreSQL and one spaced of the given build on a data dir).
+
+    p = Platform(sys.argv, templates=("base",)).start()  # p.s: harness.Spaced, p.data
+    try:
+        ...
+    finally:
+        p.stop()
+"""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from harness import PgCluster, Spaced  # noqa: E402
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
+
+
+def line(name, xs, unit="ms", width=52):
+    print("%-*s median %8.2f %s   p99 %8.2f %s   (n=%d)" % (
+        width, name, statistics.median(xs), unit, pct(xs, 99), unit, len(xs)), flush=True)
+
+
+def ratio(name, a, b, width=52):
+    print("%-*s %.2fx" % (width, name, a / b), flush=True)
+
+
+class Platform:
+    """argv: [script, BUILD_DIR, DATA_DIR?]. Builds the templates (cached when unchanged),
+    starts PostgreSQL and BUILD_DIR's spaced with one key; stops both on exit."""
+
+    def __init__(self, argv, templates=("base",), env=None, drop_env=()):
+        if len(argv) < 2:
+            raise SystemExit("usage: %s BUILD_DIR [DATA_DIR]" % os.path.basename(argv[0]))
+        self.build = os.path.abspath(argv[1])
+        self.data = os.path.abspath(argv[2] if len(argv) > 2 else
+                                    os.path.join(self.build, "bench-data"))
+        self.spaced = os.path.join(self.build, "server", "spaced")
+        self.templates, self.env, self.drop_env = templates, env, drop_env
+        self.pg = self.s = None
+
+    def start(self):
+        os.makedirs(self.data, exist_ok=True)
+        for t in self.templates:
+            t0 = time.time()
+            subprocess.run([self.spaced, "template", "build", t, "--data-dir", self.data],
+                           check=True, stdout=subprocess.DEVNULL)
+            print("template %s ready in %.1f s (cached when unchanged)" % (t, time.time() - t0),
+                  flush=True)
+        self.pg = PgCluster()
+        try:
+            self.s = Spaced(binary=self.spaced, data_dir=self.data, database_url=self.pg.url,
+                            env=self.env)
+            for k in self.drop_env:
+                self.s.env.pop(k, None)
+            self.s.key = self.s.cli("keys", "create").stdout.strip()
+            self.s.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self):
+        if self.s is not None:
+            self.s.destroy()
+        if self.pg is not None:
+            self.pg.destroy()
