@@ -24,7 +24,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, PgCluster, Spaced, pg_bindir  # noqa: E402
+from harness import KEEP, MULT, Platform, pg_bindir  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SECRET = "cred-" + base64.b32encode(os.urandom(15)).decode().lower()
@@ -234,15 +233,14 @@ class CredentialsTest(unittest.TestCase):
         hosts = os.path.join(cls.tmp, "hosts")
         with open(hosts, "w") as f:
             f.write("127.0.0.1 api.cred.test plain.cred.test rogue.cred.test\n")
-        cls.pg = PgCluster()
         cls.master = base64.b64encode(os.urandom(32)).decode()
-        cls.s = Spaced(binary=os.environ["SPACED_TEST"], data_dir=DATA,
-                       database_url=cls.pg.url,
-                       env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto"),
-                            "SPACE_MASTER_KEY": cls.master,
-                            "SPACE_TEST_UPSTREAM_CA": os.path.join(cls.tmp, "ca.pem"),
-                            "SPACE_TEST_EGRESS_HOSTS": hosts})
-        cls.s.key = cls.s.cli("keys", "create").stdout.strip()
+        cls.p = Platform(teams=(None,), start=False, binary=os.environ["SPACED_TEST"],
+                         data_dir=DATA,
+                         env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto"),
+                              "SPACE_MASTER_KEY": cls.master,
+                              "SPACE_TEST_UPSTREAM_CA": os.path.join(cls.tmp, "ca.pem"),
+                              "SPACE_TEST_EGRESS_HOSTS": hosts})
+        cls.s, cls.pg = cls.p.s, cls.p.pg
         cls.sids = []
         cls.s.start()
 
@@ -254,8 +252,7 @@ class CredentialsTest(unittest.TestCase):
                               timeout=70 * MULT)
             except OSError:
                 pass
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         for srv in (cls.tls, cls.plain, cls.rogue):
             srv.shutdown()
         if not KEEP:

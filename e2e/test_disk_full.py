@@ -10,7 +10,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, PgCluster, Spaced  # noqa: E402
+from harness import MULT, Platform  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -19,11 +19,10 @@ DATA = os.environ.get("SP_TEST_DATA_DIR")
 @unittest.skipIf(skip_reason(), skip_reason())
 class DiskFullTest(unittest.TestCase):
     def test_failed_snapshot_keeps_the_sandbox(self):
-        pg = PgCluster()
-        s = Spaced(binary=os.environ["SPACED"], data_dir=DATA, database_url=pg.url)
+        p = Platform(teams=(None,), start=False, binary=os.environ["SPACED"], data_dir=DATA)
+        s = p.s
         mnt = None
         try:
-            s.key = s.cli("keys", "create").stdout.strip()
             s.start()
             st, r = s.request("POST", "/v1/sandboxes?wait=%d" % (120 * MULT), {"template": "base"},
                               timeout=130 * MULT)
@@ -62,8 +61,7 @@ class DiskFullTest(unittest.TestCase):
         finally:
             if mnt is not None:
                 subprocess.run(["umount", mnt])
-            s.destroy()
-            pg.destroy()
+            p.destroy()
 
 
 if __name__ == "__main__":

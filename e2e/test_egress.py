@@ -30,7 +30,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, PgCluster, Spaced, free_port, pg_bindir  # noqa: E402
+from harness import KEEP, MULT, Platform, free_port, pg_bindir  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SPACED_TEST = os.environ.get("SPACED_TEST")
@@ -164,12 +164,10 @@ class EgressTest(unittest.TestCase):
         with open(cls.hosts, "w") as f:
             f.write("# test names for the egress resolver\n"
                     "127.0.0.1 ok.test blocked.test a.wild.test wild.test rebind.test\n")
-        cls.pg = PgCluster()
-        cls.s = Spaced(binary=SPACED_TEST, data_dir=DATA, database_url=cls.pg.url,
-                       env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto"),
-                            "SPACE_TEST_EGRESS_HOSTS": cls.hosts})
-        cls.s.key = cls.s.cli("keys", "create").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=(None,), binary=SPACED_TEST, data_dir=DATA,
+                         env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto"),
+                              "SPACE_TEST_EGRESS_HOSTS": cls.hosts})
+        cls.s, cls.pg = cls.p.s, cls.p.pg
         cls.sandboxes = []
 
     @classmethod
@@ -179,8 +177,7 @@ class EgressTest(unittest.TestCase):
                 cls.s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
             except OSError:
                 pass
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         for srv in (cls.http, cls.https, cls.other):
             srv.shutdown()
         if not KEEP:
@@ -639,15 +636,13 @@ class ProxyProtocolTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.up = RawUpstream()
-        cls.pg = PgCluster()
         cls.pport = free_port()
-        cls.s = Spaced(binary=SPACED_TEST, database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_AGENT": os.environ["SPACE_FAKE_AGENT"],
-                            "SPACE_FAKE_DELAY_MS": "10",
-                            "SPACE_TEST_EGRESS_PORT": str(cls.pport),
-                            "SPACE_TEST_EGRESS_NO_DNS": "1"})
-        cls.s.key = cls.s.cli("keys", "create").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=(None,), binary=SPACED_TEST, runtime="test",
+                         env={"SPACE_FAKE_AGENT": os.environ["SPACE_FAKE_AGENT"],
+                              "SPACE_FAKE_DELAY_MS": "10",
+                              "SPACE_TEST_EGRESS_PORT": str(cls.pport),
+                              "SPACE_TEST_EGRESS_NO_DNS": "1"})
+        cls.s, cls.pg = cls.p.s, cls.p.pg
         st, r = cls.s.request("POST", "/v1/sandboxes?wait=30",
                               {"template": "base", "egress": {"allow": ["127.0.0.1", "::1"]}})
         assert st == 200 and r["operation"]["status"] == "succeeded", r
@@ -662,8 +657,7 @@ class ProxyProtocolTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         cls.up.close()
 
     def exchange(self, data, read_timeout=10):

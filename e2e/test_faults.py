@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, PgCluster, Spaced  # noqa: E402
+from harness import MULT, Platform  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -25,11 +25,10 @@ class FaultTest(unittest.TestCase):
         seed = int(os.environ.get("SP_TEST_SEED", str(int(time.time()))))
         rnd = random.Random(seed)
         print("\nfault test seed %d" % seed, file=sys.stderr)
-        pg = PgCluster()
-        s = Spaced(binary=os.environ["SPACED"], data_dir=DATA, database_url=pg.url)
+        p = Platform(teams=(None,), start=False, binary=os.environ["SPACED"], data_dir=DATA)
+        s = p.s
         ids = []
         try:
-            s.key = s.cli("keys", "create").stdout.strip()
             s.start()
             desired = {}
             for i in range(5):
@@ -93,8 +92,7 @@ class FaultTest(unittest.TestCase):
         finally:
             for sid in ids:  # after a failure too
                 s.delete_quietly(sid)
-            s.destroy()
-            pg.destroy()
+            p.destroy()
 
 
 if __name__ == "__main__":

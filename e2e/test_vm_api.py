@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, PgCluster, Spaced, pg_bindir  # noqa: E402
+from harness import MULT, Platform, pg_bindir  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 
@@ -36,16 +36,13 @@ def vm_processes(sid):
 class VmApiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.s = Spaced(binary=os.environ["SPACED"], data_dir=DATA, database_url=cls.pg.url,
-                       env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
-        cls.s.key = cls.s.cli("keys", "create").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=(None,), binary=os.environ["SPACED"], data_dir=DATA,
+                         env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+        cls.s, cls.pg = cls.p.s, cls.p.pg
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
 
     def req(self, *a, **kw):
         return self.s.request(*a, **kw)

@@ -262,3 +262,35 @@ class Spaced:
 
 def q(s):
     return urllib.parse.quote(s, safe="")
+
+
+class Platform:
+    """The start-up every Python suite shares: a private PostgreSQL and one spaced on it, with
+    one API key per team made before the start (keys[team]; spaced.key is the first team's;
+    a team of None is the default team).
+
+        p = Platform(teams=("alpha", "beta"), runtime="test", env={...})   # started
+        p.s.request(...); p.keys["beta"]
+        p.destroy()                                                       # both stopped
+
+    Everything else (binary, data_dir, runtime, env) goes to Spaced. start=False leaves spaced
+    stopped (a suite that adds keys or files first calls p.s.start())."""
+
+    def __init__(self, teams=("alpha",), start=True, **spaced_kw):
+        self.pg = PgCluster()
+        self.s = None
+        try:
+            self.s = Spaced(database_url=self.pg.url, **spaced_kw)
+            self.keys = {t: self.s.cli("keys", "create", *(["--team", t] if t else []))
+                         .stdout.strip() for t in teams}
+            self.s.key = self.keys[teams[0]] if teams else None
+            if start:
+                self.s.start()
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self):
+        if self.s is not None:
+            self.s.destroy()
+        self.pg.destroy()

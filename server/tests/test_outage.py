@@ -6,16 +6,15 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, skip_unless_pg  # noqa: E402
 
 
 @skip_unless_pg
 class OutageTest(unittest.TestCase):
     def test_postgres_goes_away_and_comes_back(self):
-        pg = PgCluster()
-        s = Spaced(database_url=pg.url, runtime="test", env={"SPACE_FAKE_DELAY_MS": "20"})
+        p = Platform(teams=(None,), start=False, runtime="test", env={"SPACE_FAKE_DELAY_MS": "20"})
+        s, pg = p.s, p.pg
         try:
-            s.key = s.cli("keys", "create").stdout.strip()
             s.start()
             sid, _ = s.create()
             pg.stop()
@@ -49,8 +48,7 @@ class OutageTest(unittest.TestCase):
             st, sb = s.request("GET", "/v1/sandboxes/" + sid2)
             self.assertEqual(sb["state"], "running")
         finally:
-            s.destroy()
-            pg.destroy()
+            p.destroy()
 
 
 if __name__ == "__main__":
