@@ -80,8 +80,7 @@ void sp_egress__log(struct sb *sb, const char *kind, const char *host, int port,
         sp_timer_start(&eg->flush, eg->o.log_flush_ms);
 }
 
-/* Appends one element to a PostgreSQL array literal being built ("{" already
- * there). */
+/* Appends one element to a PostgreSQL array literal being built ("{" already there). */
 static void arr_str(sp_buf_t *b, const char *s)
 {
     if (b->len > 1)
@@ -166,8 +165,8 @@ static void on_flush(sp_timer_t *t, void *arg)
         p[NCOL] = gc ? "true" : "false";
         p[NCOL + 1] = keep;
         sp_err_t e;
-        /* The trim and the clean-up see the table as it was before this INSERT, so
-         * a trimmed sandbox keeps SP_EGRESS_LOG_KEEP older rows plus this batch. */
+        /* The trim and the clean-up see the table as it was before this INSERT, so a trimmed
+         * sandbox keeps SP_EGRESS_LOG_KEEP older rows plus this batch. */
         int rc =
             sp_store_query(eg->store,
                            "WITH ins AS (INSERT INTO egress_log (sandbox_id, team_id, at, kind, "
@@ -203,8 +202,8 @@ static void on_flush(sp_timer_t *t, void *arg)
     }
     for (int c = 0; c < NCOL; c++)
         sp_buf_free(&cols[c]);
-    /* Rows are dropped from memory once handed to the store (or if it refused
-     * them): an outage loses audit rows rather than growing without bound. */
+    /* Rows are dropped from memory once handed to the store (or if it refused them): an
+     * outage loses audit rows rather than growing without bound. */
     memmove(eg->rows, eg->rows + n, (eg->nrows - n) * sizeof(eg->rows[0]));
     eg->nrows -= n;
     if (!eg->flushing && eg->nrows > 0)

@@ -210,8 +210,8 @@ static void dns_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
 
 static const sp_agentstream_cbs_t dns_cbs = {dns_frame, dns_error, NULL};
 
-/* Parses a query's header and question into q; the rcode to answer with on
- * failure, or -1 when not even a header is there. */
+/* Parses a query's header and question into q; the rcode to answer with on failure, or -1
+ * when not even a header is there. */
 static int dns_parse(struct dnsq *q, const uint8_t *m, size_t n)
 {
     if (n < 12)

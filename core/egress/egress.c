@@ -129,8 +129,7 @@ static void sb_send_config(struct sb *sb)
         for (size_t i = 0; i < n; i++)
             sp_ap_put_str(&w, SP_AP_K_ENV, env[i]);
     }
-    /* Credential placeholders (core/egress/mitm.h): names of secrets, never their
-     * values. */
+    /* Credential placeholders (core/egress/mitm.h): names of secrets, never their values. */
     if (sb->mitm != NULL)
         sp_mitm_sb_placeholders(sb->mitm, put_env, &w);
     sp_err_t e;
@@ -209,8 +208,7 @@ static void on_policy(void *arg, PGresult *res, const sp_err_t *err)
         sp_timer_start(&sb->retry, POLICY_RETRY_MS);
         return;
     }
-    if (sb->reload) { /* changed while this was in flight: the answer may be the
-                         old one */
+    if (sb->reload) { /* changed while this was in flight: the answer may be the old one */
         sb->reload = false;
         if (PQntuples(res) == 1)
             snprintf(sb->team, sizeof(sb->team), "%s", PQgetvalue(res, 0, 0));
@@ -266,8 +264,8 @@ static void sb_load(struct sb *sb)
         return;
     }
     if (strchr(sb->id, ':') != NULL) {
-        /* not a sandbox (a spare clone, core/runtime/qemu.c, until a sandbox takes
-         * it): no row to read, nothing goes out */
+        /* not a sandbox (a spare clone, core/runtime/qemu.c, until a sandbox takes it): no row to
+         * read, nothing goes out */
         sp_egp_t *p = sp_egp_default();
         if (p == NULL) {
             sp_timer_start(&sb->retry, POLICY_RETRY_MS);
@@ -347,8 +345,7 @@ static void on_mitm_open(void *arg, struct sp_mitm_sb *h, const sp_err_t *err)
     sb_policy_ready(sb);
 }
 
-/* Opens the sandbox's credential handle (core/egress/mitm.h) when credential
- * injection is on. */
+/* Opens the sandbox's credential handle (core/egress/mitm.h) when credential injection is on. */
 static void sb_open_mitm(struct sb *sb)
 {
     sp_egress_t *eg = sb->eg;
@@ -392,9 +389,9 @@ static void on_conn_event(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
 }
 
 /* The channel's VM now belongs to sandbox id (a spare clone taken by a sandbox,
- * core/runtime/qemu.c): what was decided under the old name goes, the new one's
- * policy and credentials load, and the config goes out again (the agent leaves
- * files that did not change alone). */
+ * core/runtime/qemu.c): what was decided under the old name goes, the new one's policy and
+ * credentials load, and the config goes out again (the agent leaves files that did not change
+ * alone). */
 static void sb_rename(struct sb *sb, const char *id)
 {
     if (strcmp(sb->id, id) == 0)
@@ -494,8 +491,8 @@ static void on_notify(void *arg, const char *channel, const char *payload)
 
 static void raise_nofile(void)
 {
-    /* Every proxied connection holds a socket (and the loop a dup of it): lift
-     * the soft limit to the hard one, up to 65536. */
+    /* Every proxied connection holds a socket (and the loop a dup of it): lift the soft limit
+     * to the hard one, up to 65536. */
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max && rl.rlim_cur < 65536) {
         rlim_t want = rl.rlim_max < 65536 ? rl.rlim_max : 65536;
@@ -540,8 +537,8 @@ sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egres
 void sp_egress_set_mitm(sp_egress_t *eg, struct sp_mitm *m)
 {
     eg->mitm = m;
-    /* Channels attached before (VMs re-adopted at start): their handles, and the
-     * guest env that points programs at the sandbox CA. */
+    /* Channels attached before (VMs re-adopted at start): their handles, and the guest env
+     * that points programs at the sandbox CA. */
     for (struct sb *sb = eg->sbs; sb != NULL && m != NULL; sb = sb->next) {
         sb_open_mitm(sb);
         if (sb->conn != NULL && sp_agentconn_up(sb->conn))

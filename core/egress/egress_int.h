@@ -98,8 +98,7 @@ struct sb {
     unsigned ndns;
     unsigned log_since_trim;
     bool trim;
-    size_t buffered; /* guest bytes held in its connections, not yet taken
-                        upstream */
+    size_t buffered; /* guest bytes held in its connections, not yet taken upstream */
     bool held;       /* credit is being held back (buffered reached the limit) */
     struct sp_mitm_sb *mitm;
     bool mitm_opening;

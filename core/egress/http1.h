@@ -4,7 +4,7 @@
  * header fields, Host) and where its body ends.
  *
  * Both core/egress/proxy.c (which decides on the destination a request names)
- * and core/egress/mitm.c (which relays keep-alive requests with credentials)
+ * and core/egress/mitm_conn.c (which relays keep-alive requests with credentials)
  * read requests through this module only, so the two can never see different
  * request boundaries or a different Host in the same bytes. It is strict where
  * leniency lets two readers disagree (request smuggling); every refusal carries

@@ -102,8 +102,7 @@ size_t sp_mitm_rule_count(const sp_mitm_sb_t *sb)
     return sb ? sb->nrules : 0;
 }
 
-/* The first rule from *i on that names an env no earlier rule names, or NULL.
- */
+/* The first rule from *i on that names an env no earlier rule names, or NULL. */
 static const struct rule *next_env(const struct rule *rs, size_t n, size_t *i)
 {
     for (; *i < n; (*i)++) {
@@ -139,8 +138,7 @@ void sp_mitm_sb_on_env(sp_mitm_sb_t *sb, sp_mitm_sb_env_cb cb, void *arg)
     sb->env_arg = arg;
 }
 
-/* Whether two rule sets give the guest the same placeholders (same names, same
- * secrets). */
+/* Whether two rule sets give the guest the same placeholders (same names, same secrets). */
 static bool env_same(const struct rule *a, size_t na, const struct rule *b, size_t nb)
 {
     size_t i = 0, j = 0;
@@ -325,8 +323,8 @@ static int alpn_select(SSL *ssl, const unsigned char **out, unsigned char *outle
 
 static int servername_cb(SSL *ssl, int *alert, void *arg)
 {
-    /* The guest must ask for the host it sent CONNECT for: the leaf is minted for
-     * that one and the credential belongs to it. */
+    /* The guest must ask for the host it sent CONNECT for: the leaf is minted for that one
+     * and the credential belongs to it. */
     sp_mitm_conn_t *c = SSL_get_app_data(ssl);
     const char *sni = SSL_get_servername(ssl, TLSEXT_NAMETYPE_host_name);
     if (c == NULL || sni == NULL)
@@ -534,8 +532,8 @@ static void sb_free(sp_mitm_sb_t *sb)
     free(sb);
 }
 
-/* A statement of this handle finished: false when the handle was closed
- * meanwhile (then it is freed here and the caller must not touch it). */
+/* A statement of this handle finished: false when the handle was closed meanwhile (then it
+ * is freed here and the caller must not touch it). */
 static bool sb_query_back(sp_mitm_sb_t *sb)
 {
     sb->queries--;
@@ -592,8 +590,7 @@ static void on_installed(void *arg, const sp_exec_result_t *res, const sp_err_t 
     sb_loaded(sb, NULL);
 }
 
-/* Writes the CA into the guest's trust store: its own file, and the bundle
- * once. */
+/* Writes the CA into the guest's trust store: its own file, and the bundle once. */
 static const char install_script[] =
     "set -e; ca=" SP_MITM_GUEST_CA_PATH "; bundle=" SP_MITM_GUEST_BUNDLE_PATH ";"
     " mkdir -p \"$(dirname \"$ca\")\" \"$(dirname \"$bundle\")\";"
@@ -638,8 +635,8 @@ static void on_channel_up(void *arg, const sp_err_t *err)
     sb_install_now(sb);
 }
 
-/* Waits for the channel (the handle may be opened before the agent's HELLO),
- * then installs. The wait counts like a statement: the handle outlives it. */
+/* Waits for the channel (the handle may be opened before the agent's HELLO), then
+ * installs. The wait counts like a statement: the handle outlives it. */
 static void sb_install(sp_mitm_sb_t *sb)
 {
     sb->install_waiting = true;
@@ -696,8 +693,7 @@ static void on_ca_stored(void *arg, PGresult *res, const sp_err_t *err)
         sb_loaded(sb, err);
         return;
     }
-    /* Read back whichever CA won (another worker may have stored one at the same
-     * time). */
+    /* Read back whichever CA won (another worker may have stored one at the same time). */
     const char *p[] = {sb->id};
     sp_err_t e;
     if (sp_store_query(sb->m->store,
@@ -744,8 +740,7 @@ static void sb_create_ca(sp_mitm_sb_t *sb)
     sb->queries++;
 }
 
-/* Columns: credentials, team_id, {name: box} of the named secrets, CA cert, CA
- * key box. */
+/* Columns: credentials, team_id, {name: box} of the named secrets, CA cert, CA key box. */
 static void on_rules(void *arg, PGresult *res, const sp_err_t *err)
 {
     sp_mitm_sb_t *sb = arg;
@@ -895,8 +890,7 @@ int sp_mitm_sb_open(sp_mitm_t *m, const char *sandbox_id, sp_agentconn_t *conn, 
     sb->conn = conn;
     sb->open_cb = cb;
     sb->open_arg = arg;
-    /* Deferred so the callback never runs inside this call, even when the query
-     * is refused. */
+    /* Deferred so the callback never runs inside this call, even when the query is refused. */
     if (sp_loop_defer(m->loop, open_fire, sb) < 0) {
         free(sb);
         return sp_err_set(err, SP_EINTERNAL, "out of memory");

@@ -36,8 +36,7 @@
 #define HEAD_MAX      (64u * 1024)  /* a request head; longer gets 431 */
 #define LINGER_MS     10000         /* after the guest closed: wait this long for upstream */
 
-/* ---- byte buffers (zeroed as they are consumed: request bytes may hold a
- * secret) ---- */
+/* ---- byte buffers (zeroed as they are consumed: request bytes may hold a secret) ---- */
 
 static int buf_put(struct buf *b, const void *d, size_t n)
 {
@@ -234,8 +233,7 @@ static int guest_write(sp_mitm_conn_t *c, const void *p, size_t n)
     return 0;
 }
 
-/* Answers the guest's request with an error of our own and stops reading its
- * requests. */
+/* Answers the guest's request with an error of our own and stops reading its requests. */
 static void answer_error(sp_mitm_conn_t *c, int status, const char *msg)
 {
     const char *reason = sp_mitm_http_reason(status);
@@ -268,8 +266,7 @@ const char *sp_mitm_http_reason(int status)
     case 431:
         return "Request Header Fields Too Large";
     case 501:
-        return "Not Implemented"; /* the HTTP reason phrase: a method the proxy does
-                                     not serve */
+        return "Not Implemented"; /* the HTTP reason phrase: a method the proxy does not serve */
     case 502:
         return "Bad Gateway";
     case 503:
@@ -314,8 +311,7 @@ static int plain_target(const sp_mitm_conn_t *c, const sp_http1_req_t *r)
     return 1;
 }
 
-/* Parses what the guest sent into request bytes for the upstream. True on
- * progress. */
+/* Parses what the guest sent into request bytes for the upstream. True on progress. */
 static bool step_parse(sp_mitm_conn_t *c)
 {
     bool progress = false;
@@ -422,8 +418,7 @@ static bool step_parse(sp_mitm_conn_t *c)
     return progress;
 }
 
-/* Upstream failed: remember why; the guest hears it as a 502 to its next
- * request. */
+/* Upstream failed: remember why; the guest hears it as a 502 to its next request. */
 static void up_failed(sp_mitm_conn_t *c, const char *fmt, const char *detail)
 {
     if (c->up_error[0] == '\0') {
@@ -434,8 +429,8 @@ static void up_failed(sp_mitm_conn_t *c, const char *fmt, const char *detail)
     c->up_eof = true;
     if (c->watch != NULL)
         sp_watch_set(c->watch, 0);
-    /* A response already reached the guest: the connection just ends. Otherwise
-     * the guest gets the reason as a 502 to the request it sent or sends next. */
+    /* A response already reached the guest: the connection just ends. Otherwise the guest
+     * gets the reason as a 502 to the request it sent or sends next. */
     if (c->relayed) {
         conn_fail(c, SP_EUNAVAIL, c->up_error);
     } else if (c->req_seen && c->rq != RQ_DEAD) {
@@ -716,8 +711,7 @@ static bool step_guest_out(sp_mitm_conn_t *c)
     return progress;
 }
 
-/* Half-closes: the guest's end toward the upstream once its requests are out.
- */
+/* Half-closes: the guest's end toward the upstream once its requests are out. */
 static bool step_eofs(sp_mitm_conn_t *c)
 {
     bool guest_done =
@@ -810,8 +804,7 @@ static void pump(sp_mitm_conn_t *c)
         if (drained && c->failed) {
             conn_end(c, &c->err);
         } else if (drained && c->up_error[0] != '\0') {
-            /* The guest gets the reason with its next request; without one, it left.
-             */
+            /* The guest gets the reason with its next request; without one, it left. */
             if (guest_done) {
                 sp_err_t e;
                 sp_err_set(&e, SP_EUNAVAIL, "%s", c->up_error);
@@ -895,8 +888,7 @@ sp_mitm_conn_t *sp_mitm_conn_create(sp_mitm_sb_t *sb, const char *host, uint16_t
         SSL_set_bio(c->gssl, c->grbio, c->gwbio); /* the SSL owns them now */
         SSL_set_accept_state(c->gssl);
         SSL_set_app_data(c->gssl, c);
-        /* Full verification: chain to the trust store, and the name we connect for.
-         */
+        /* Full verification: chain to the trust store, and the name we connect for. */
         bool ip = sp_mitm__is_ip_literal(c->host);
         if ((!ip && SSL_set_tlsext_host_name(c->ussl, c->host) != 1) ||
             (!ip && SSL_set1_host(c->ussl, c->host) != 1) ||

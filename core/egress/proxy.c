@@ -28,17 +28,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "base/buf.h"
 #include "base/log.h"
 #include "core/egress/egress_int.h"
 #include "core/egress/http1.h"
 #include "core/egress/mitm.h"
 #include "core/egress/sni.h"
 
-#define G_INIT 4096 /* guest buffer, grows to one window */
-#define GRANT_BATCH                                                                                \
-    (64u * 1024u)        /* credit given back in steps of this much                                \
-                          */
-#define READS_PER_TURN 4 /* upstream reads per readiness callback */
+#define GRANT_BATCH    (64u * 1024u) /* credit given back in steps of this much */
+#define READS_PER_TURN 4             /* upstream reads per readiness callback */
 
 enum phase {
     PH_HEAD = 0, /* reading the request head */
@@ -61,8 +59,8 @@ struct pconn {
     uint64_t t0;
 
     /* guest bytes received and not yet consumed (= not yet granted back) */
-    uint8_t *g;
-    size_t g_off, g_len, g_cap;
+    sp_buf_t g;
+    size_t g_off;
     size_t grant_pending;
     bool g_eof;
 
@@ -108,10 +106,9 @@ struct pconn {
 
 /* ---- guest stream helpers ---- */
 
-/* Gives consumed bytes back to the agent as credit, in GRANT_BATCH steps. While
- * the sandbox holds SP_EGRESS_MAX_BUFFERED guest bytes that upstreams have not
- * taken, credit is held back (every connection still has what is left of its
- * window). */
+/* Gives consumed bytes back to the agent as credit, in GRANT_BATCH steps. While the sandbox
+ * holds SP_EGRESS_MAX_BUFFERED guest bytes that upstreams have not taken, credit is held
+ * back (every connection still has what is left of its window). */
 static void pc_grant(struct pconn *pc, size_t n, bool force)
 {
     struct sb *sb = pc->sb;
@@ -126,8 +123,7 @@ static void pc_grant(struct pconn *pc, size_t n, bool force)
     }
 }
 
-/* The sandbox's buffered guest bytes went down by n: release held credit below
- * half. */
+/* The sandbox's buffered guest bytes went down by n: release held credit below half. */
 static void sb_unbuffer(struct sb *sb, size_t n)
 {
     sb->buffered -= n < sb->buffered ? n : sb->buffered;
@@ -143,35 +139,24 @@ static void sb_unbuffer(struct sb *sb, size_t n)
 static void g_consume(struct pconn *pc, size_t n)
 {
     pc->g_off += n;
-    if (pc->g_off == pc->g_len)
-        pc->g_off = pc->g_len = 0;
+    if (pc->g_off == pc->g.len)
+        pc->g_off = pc->g.len = 0;
     sb_unbuffer(pc->sb, n);
     pc_grant(pc, n, false);
 }
 
 static int g_append(struct pconn *pc, const uint8_t *p, size_t n)
 {
-    if (pc->g_off > 0 && pc->g_cap - pc->g_len < n) {
-        memmove(pc->g, pc->g + pc->g_off, pc->g_len - pc->g_off);
-        pc->g_len -= pc->g_off;
+    if (pc->g_off > 0 && pc->g.cap - pc->g.len < n + 1) {
+        sp_buf_consume(&pc->g, pc->g_off);
         pc->g_off = 0;
     }
-    if (pc->g_cap - pc->g_len < n) {
-        size_t cap = pc->g_cap ? pc->g_cap : G_INIT;
-        while (cap - pc->g_len < n)
-            cap *= 2;
-        /* The agent cannot send past the window: more than that is a bug, not a
-         * load. */
-        if (cap > 2 * SP_AP_INITIAL_WINDOW + SP_AP_MAX_DATA)
-            return -1;
-        uint8_t *g = realloc(pc->g, cap);
-        if (g == NULL)
-            return -1;
-        pc->g = g;
-        pc->g_cap = cap;
-    }
-    memcpy(pc->g + pc->g_len, p, n);
-    pc->g_len += n;
+    /* The agent cannot send past the window: more than that is a bug, not a load. */
+    if (pc->g.len - pc->g_off + n > 2 * SP_AP_INITIAL_WINDOW + SP_AP_MAX_DATA)
+        return -1;
+    sp_buf_add(&pc->g, p, n);
+    if (pc->g.oom)
+        return -1;
     pc->sb->buffered += n;
     return 0;
 }
@@ -248,8 +233,8 @@ static void pc_close(struct pconn *pc, enum close_mode mode, const char *why)
         pc->next->prev = pc->prev;
     sb->nconns--;
     eg->st.conns--;
-    sb_unbuffer(sb, pc->g_len - pc->g_off);
-    free(pc->g);
+    sb_unbuffer(sb, pc->g.len - pc->g_off);
+    sp_buf_free(&pc->g);
     free(pc->head);
     if (pc->orig_head != NULL)
         memset(pc->orig_head, 0, pc->orig_len);
@@ -258,8 +243,7 @@ static void pc_close(struct pconn *pc, enum close_mode mode, const char *why)
     sp_egress__sb_maybe_free(sb);
 }
 
-/* Answers the guest with an HTTP error (status line, one-line reason) and
- * closes. */
+/* Answers the guest with an HTTP error (status line, one-line reason) and closes. */
 static void pc_respond(struct pconn *pc, int status, const char *why)
 {
     const char *text = sp_mitm_http_reason(status);
@@ -432,7 +416,7 @@ static void pc_set_interest(struct pconn *pc)
         return;
     int ev = 0;
     bool pending_up = pc->head_off < pc->head_len ||
-                      (pc->phase == PH_RELAY && pc->fwd_ok > 0 && pc->g_len > pc->g_off);
+                      (pc->phase == PH_RELAY && pc->fwd_ok > 0 && pc->g.len > pc->g_off);
     if (pc->phase == PH_CONNECT || pending_up)
         ev |= SP_IO_WRITE;
     if (pc->phase == PH_RELAY && !pc->up_rd_eof && pc->st != NULL) {
@@ -450,11 +434,11 @@ static void pc_set_interest(struct pconn *pc)
 /* Closes pc when both directions are done; true when it did (pc is gone). */
 static bool pc_check_done(struct pconn *pc)
 {
-    /* Upstream said all it will say. Plain HTTP is one request per connection:
-     * done. A tunnel waits for the guest to finish too (half-close both ways). */
+    /* Upstream said all it will say. Plain HTTP is one request per connection: done. A
+     * tunnel waits for the guest to finish too (half-close both ways). */
     if (!pc->up_rd_eof)
         return false;
-    bool guest_done = pc->g_eof && pc->g_len == pc->g_off && pc->head_off == pc->head_len;
+    bool guest_done = pc->g_eof && pc->g.len == pc->g_off && pc->head_off == pc->head_len;
     if ((pc->body == BODY_RAW || pc->connect) && !guest_done && !pc->up_wr_shut)
         return false;
     pc_close(pc, CLOSE_OK, NULL);
@@ -479,7 +463,7 @@ static int pump_up(struct pconn *pc)
         pc->head_off += (size_t)n;
     }
     for (;;) {
-        size_t avail = pc->g_len - pc->g_off;
+        size_t avail = pc->g.len - pc->g_off;
         if (avail == 0)
             break;
         if (pc->fwd_ok == 0) {
@@ -490,20 +474,20 @@ static int pump_up(struct pconn *pc)
                 pc->body_left -= pc->fwd_ok;
             } else if (pc->body == BODY_CHUNKED && !pc->cs_done) {
                 int rc =
-                    sp_http1_chunked_scan(&pc->cs, pc->g + pc->g_off, avail, &pc->fwd_ok, NULL);
+                    sp_http1_chunked_scan(&pc->cs, pc->g.p + pc->g_off, avail, &pc->fwd_ok, NULL);
                 pc->cs_done = rc == 1;
                 if (rc < 0) {
                     pc_close(pc, CLOSE_ERROR, "malformed chunked request body");
                     return -1;
                 }
             } else {
-                /* The request is complete: what follows (a pipelined request) is
-                 * dropped; the guest sees the connection close after this response. */
+                /* The request is complete: what follows (a pipelined request) is dropped;
+                 * the guest sees the connection close after this response. */
                 g_consume(pc, avail);
                 break;
             }
         }
-        ssize_t n = send(pc->fd, pc->g + pc->g_off, pc->fwd_ok, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t n = send(pc->fd, pc->g.p + pc->g_off, pc->fwd_ok, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -517,7 +501,7 @@ static int pump_up(struct pconn *pc)
         eg->st.bytes_up += (size_t)n;
         g_consume(pc, (size_t)n);
     }
-    if (pc->g_eof && pc->g_len == pc->g_off && pc->head_off == pc->head_len && !pc->up_wr_shut) {
+    if (pc->g_eof && pc->g.len == pc->g_off && pc->head_off == pc->head_len && !pc->up_wr_shut) {
         shutdown(pc->fd, SHUT_WR);
         pc->up_wr_shut = true;
         if (pc_check_done(pc))
@@ -593,8 +577,7 @@ static void mitm_end(void *arg, const sp_err_t *err)
 {
     struct pconn *pc = arg;
     struct sp_mitm_conn *m = pc->mitm;
-    pc->mitm = NULL; /* ending: it must not be destroyed from inside its own
-                        callback twice */
+    pc->mitm = NULL; /* ending: it must not be destroyed from inside its own callback twice */
     if (err != NULL && pc->reason[0] == '\0')
         snprintf(pc->reason, sizeof(pc->reason), "%s", err->msg);
     pc_close(pc, err ? CLOSE_ERROR : CLOSE_OK, err ? err->msg : NULL);
@@ -625,11 +608,11 @@ static void pc_to_mitm(struct pconn *pc, bool tls)
         free(pc->orig_head);
         pc->orig_head = NULL;
     }
-    size_t avail = pc->g_len - pc->g_off;
+    size_t avail = pc->g.len - pc->g_off;
     if (avail > 0) {
         /* Handed over unconsumed: the mitm's `consumed` grants them. */
-        sp_mitm_conn_from_guest(pc->mitm, pc->g + pc->g_off, avail);
-        pc->g_off = pc->g_len = 0;
+        sp_mitm_conn_from_guest(pc->mitm, pc->g.p + pc->g_off, avail);
+        pc->g_off = pc->g.len = 0;
         sb_unbuffer(pc->sb, avail);
     }
     if (pc->g_eof)
@@ -645,13 +628,13 @@ static bool mitm_wants(struct pconn *pc)
 
 static void pc_sni(struct pconn *pc)
 {
-    size_t avail = pc->g_len - pc->g_off;
+    size_t avail = pc->g.len - pc->g_off;
     if (avail == 0) {
         if (pc->g_eof)
             pc_relay(pc);
         return;
     }
-    const uint8_t *p = pc->g + pc->g_off;
+    const uint8_t *p = pc->g.p + pc->g_off;
     if (mitm_wants(pc)) {
         pc_to_mitm(pc, p[0] == 0x16);
         return;
@@ -897,8 +880,8 @@ static void pc_decide(struct pconn *pc)
 /* Reads the head (http1.h) once it is all there; parses and decides. */
 static void pc_head(struct pconn *pc)
 {
-    const uint8_t *p = pc->g + pc->g_off;
-    size_t n = pc->g_len - pc->g_off;
+    const uint8_t *p = pc->g.p + pc->g_off;
+    size_t n = pc->g.len - pc->g_off;
     sp_http1_field_t fields[SP_HTTP1_MAX_FIELDS];
     sp_http1_req_t req;
     int rc = sp_http1_parse_head(p, n, SP_EGRESS_MAX_HEAD, fields, SP_HTTP1_MAX_FIELDS, &req);
@@ -943,7 +926,7 @@ static void on_pc_timer(sp_timer_t *t, void *arg)
     struct pconn *pc = arg;
     switch (pc->phase) {
     case PH_HEAD:
-        if (pc->g_len == pc->g_off) {
+        if (pc->g.len == pc->g_off) {
             pc_close(pc, CLOSE_OK, NULL); /* an idle connection that never asked */
             return;
         }
