@@ -13,12 +13,13 @@
  *    EGRESS_CONFIG (proxy port, DNS on, HTTP(S)_PROXY / NO_PROXY for the
  *    guest's processes) after every HELLO, and takes the streams the agent
  *    opens;
- *  - parses the proxy request: CONNECT host:port, or a plain-HTTP request in
+ *  - parses the proxy request (core/egress/http1.h, the parser the credential
+ *    relay uses too): CONNECT host:port, or a plain-HTTP request in
  *    absolute form (rewritten to origin form with "Connection: close"; one
  *    request per upstream connection; the URI host and the Host header must
- *    agree); anything else gets a 400;
+ *    agree); anything else gets a 400 (or the status http1.h gives);
  *  - decides: the name first, then every address it resolves to (resolved
- *    once, off the loop thread, by a small resolver pool); the connection goes
+ *    once, off the loop thread, as loop work on SP_WORK_SHORT); the connection goes
  *    only to an address that passed, never to a name resolved again; a denial
  *    is an HTTP 403 with a one-line reason;
  *  - for CONNECT, peeks at the TLS ClientHello: a server name (SNI) that is
@@ -42,8 +43,8 @@
  * until they drain, so a guest cannot make the host buffer more), a request head
  * of at most SP_EGRESS_MAX_HEAD bytes within SP_EGRESS_HEAD_TIMEOUT_MS, and
  * a connect timeout. Everything runs on the loop; only getaddrinfo runs on
- * the resolver threads, which share nothing with the loop but their job
- * queue and a result queue read through an eventfd.
+ * the loop's worker threads (sp_loop_work, lane SP_WORK_SHORT), at most
+ * resolver_threads lookups at once and 4 per sandbox.
  *
  * Policy changes (PUT /v1/sandboxes/{id}/egress/policy) apply to new
  * connections and queries: the process that wrote them calls
@@ -76,17 +77,19 @@ struct sp_mitm;
 #define SP_EGRESS_NOTIFY          "space_egress"
 
 typedef struct {
-    int resolver_threads;        /* 0: 8 (a sandbox holds at most 4 of them at once) */
+    int resolver_threads;        /* lookups on the work lane at once; 0: 8 (4 per sandbox) */
     uint32_t connect_timeout_ms; /* 0: 10000 */
     uint32_t log_flush_ms;       /* 0: 250 (audit batching) */
 } sp_egress_opts_t;
 
 /* store is borrowed and outlives eg. Registers the agentconn hook (sp_agentconn_set_hook)
- * and LISTENs on SP_EGRESS_NOTIFY. NULL with err when threads or memory are short. */
+ * and LISTENs on SP_EGRESS_NOTIFY. NULL with err when memory is short or LISTEN fails. */
 sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egress_opts_t *o,
                               sp_err_t *err);
 /* Closes every proxied connection (the guest sees them reset), detaches from every channel,
- * flushes nothing more, joins the resolver threads. NULL does nothing. */
+ * flushes nothing more, cancels its lookups. NULL does nothing. Lookups already running
+ * (getaddrinfo cannot be interrupted) and store queries in flight keep the memory until they
+ * come back to the loop, or until sp_loop_destroy. */
 void sp_egress_destroy(sp_egress_t *eg);
 
 /* Credential injection (core/egress/mitm.h), borrowed; NULL (the default): connections are only
@@ -104,7 +107,7 @@ typedef struct {
     unsigned sandboxes;            /* attached */
     unsigned conns;                /* proxy connections open */
     unsigned dns;                  /* DNS queries in flight */
-    unsigned resolving;            /* jobs queued or running on the resolver threads */
+    unsigned resolving;            /* lookups waiting, queued or running */
     uint64_t bytes_up, bytes_down; /* relayed since start */
     uint64_t allowed, denied;      /* decisions since start (connections and queries) */
 } sp_egress_stats_t;
@@ -114,7 +117,7 @@ void sp_egress_stats(const sp_egress_t *eg, sp_egress_stats_t *out);
 /* ---- test hooks (spaced-test only; the shipped spaced never sets them) ---- */
 
 /*
- * A resolver consulted before getaddrinfo, on a resolver thread (so it must be thread-safe):
+ * A resolver consulted before getaddrinfo, on a worker thread (so it must be thread-safe):
  * fills up to max addresses (port 0) for name and returns how many, 0 to fall through to
  * getaddrinfo, or -1 for "no such name".
  */

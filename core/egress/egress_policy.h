@@ -2,7 +2,7 @@
  * egress_policy.h - a sandbox's outbound rules and the pure decisions over them.
  *
  * No I/O, no loop, no allocation beyond the parsed policy itself: the proxy
- * (core/egress/egress.c) asks two questions, first about the name a guest asked for
+ * (core/egress/proxy.c, dns.c) asks two questions, first about the name a guest asked for
  * (before resolving it), then about every address the name resolved to (or
  * the literal address it gave). Only an address that passed is ever
  * connected to, which is what stops DNS rebinding: a name allowed by a

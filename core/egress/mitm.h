@@ -180,7 +180,9 @@ typedef struct {
  * socket to the destination, connected or with a non-blocking connect in progress; the
  * conn owns it from here (also on failure: it is closed). tls: the guest speaks TLS (HTTPS
  * via CONNECT) and so does the upstream. Plain (tls false) requests may use absolute form
- * for host (rewritten to origin form); one for another host gets a 502 and ends the conn.
+ * for host (rewritten to origin form); one that names another destination (in its target
+ * or its Host header) gets a 421 and ends the conn. Requests are read with
+ * core/egress/http1.h, as the proxy reads them.
  * NULL with err (and fd closed) on allocation failure or a bad host.
  */
 sp_mitm_conn_t *sp_mitm_conn_create(sp_mitm_sb_t *sb, const char *host, uint16_t port, bool tls,

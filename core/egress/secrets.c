@@ -4,7 +4,7 @@
  * Owns the master key (a copy, zeroed on destroy) and every plaintext it produces until the
  * caller wipes it. Sealing happens on the caller's stack before a statement is queued, so a
  * value never travels to the database in the clear, and the statement parameters that hold
- * the sealed text are copied by the store. Knows no HTTP; core/egress/mitm.c applies the rules.
+ * the sealed text are copied by the store. Knows no HTTP; core/egress/mitm.h applies the rules.
  */
 #include "core/egress/secrets.h"
 
@@ -429,7 +429,7 @@ static int check_env(const char *v, sp_err_t *err)
                               "([A-Za-z_][A-Za-z0-9_]*)",
                               v);
     }
-    /* Set by the guest's login or by the egress proxy (core/egress/egress.c, core/egress/mitm.c). */
+    /* Set by the guest's login or by the egress proxy (core/egress/proxy.c, core/egress/mitm.c). */
     static const char *const taken[] = {
         "PATH",          "HOME",           "USER",
         "LOGNAME",       "SHELL",          "TERM",

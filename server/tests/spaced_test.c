@@ -22,7 +22,7 @@
 #include "server/server.h"
 #include "server/tests/fakedriver.h"
 
-/* Runs on the egress resolver threads: no shared state, the file is read each time. */
+/* Runs on the egress lookups' worker threads (SP_WORK_SHORT): no shared state, the file is read each time. */
 static int hosts_resolve(const char *name, struct sockaddr_storage *out, int max)
 {
     const char *path = getenv("SPACE_TEST_EGRESS_HOSTS");

@@ -775,6 +775,45 @@ static void test_mitm_plain_http(sp_mitm_sb_t *sb)
     guest_free(&g);
 }
 
+/* Plain mode reads requests as the proxy does (core/egress/http1.h): a later request whose
+ * Host names another destination than the connection's is refused like one whose target
+ * does, and a smuggling attempt (Content-Length with Transfer-Encoding) never reaches the
+ * destination. */
+static void test_mitm_plain_same_request_rules_as_the_proxy(sp_mitm_sb_t *sb)
+{
+    struct guest g;
+    guest_init(&g, NULL, NULL);
+    sp_err_t e;
+    int before = server_nreq(&plain);
+    g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)plain.port, false, connect_to(plain.port),
+                              &gcbs, &g, &e);
+    CHECK(g.c != NULL);
+    char r1[256];
+    int n =
+        snprintf(r1, sizeof(r1),
+                 "GET http://localhost:%d/h HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n", plain.port);
+    guest_send(&g, r1, (size_t)n);
+    drive(&g, "HTTP/1.1 421", 1, 10000);
+    drive_end(&g, 5000);
+    CHECK(count_status(&g, "HTTP/1.1 421") == 1 && g.ended == 1);
+    guest_free(&g);
+
+    guest_init(&g, NULL, NULL);
+    g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)plain.port, false, connect_to(plain.port),
+                              &gcbs, &g, &e);
+    CHECK(g.c != NULL);
+    n = snprintf(r1, sizeof(r1),
+                 "POST http://localhost:%d/s HTTP/1.1\r\nHost: localhost:%d\r\n"
+                 "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                 plain.port, plain.port);
+    guest_send(&g, r1, (size_t)n);
+    drive(&g, "HTTP/1.1 400", 1, 10000);
+    drive_end(&g, 5000);
+    CHECK(count_status(&g, "HTTP/1.1 400") == 1 && g.ended == 1);
+    guest_free(&g);
+    CHECK(server_nreq(&plain) == before);
+}
+
 /* The head rewrite the proxy calls for plain requests it forwards itself. */
 static void test_mitm_rewrite_head(sp_mitm_sb_t *sb)
 {
@@ -1046,6 +1085,7 @@ int main(void)
     test_mitm_tls_bad_upstream_gets_502(sb, &wrongname, "hostname mismatch");
     test_mitm_sni_mismatch_refused(sb);
     test_mitm_plain_http(sb);
+    test_mitm_plain_same_request_rules_as_the_proxy(sb);
     test_mitm_ca_stored_sealed(sb);
     test_mitm_rules_reload(sb);
     test_mitm_missing_secret_then_created();

@@ -1,0 +1,321 @@
+/*
+ * dns.c - DNS queries from the guest (DNS_QUERY streams): the name is decided
+ * against the sandbox's policy, resolved (resolve.c), and answered with the
+ * addresses that pass, or NXDOMAIN for a denied name.
+ *
+ * Owns one `struct dnsq` per query (its header and question, the lookup in
+ * flight, a timer that answers SERVFAIL before the agent gives up). Answers
+ * only A and AAAA with addresses; other types of an allowed name get an empty
+ * answer. Each query is an audit row.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "core/egress/egress_int.h"
+
+#define DNS_WAIT_MS 4000 /* answer SERVFAIL before the agent's 5 s */
+#define DNS_TTL     30   /* seconds, in answers */
+
+struct dnsq {
+    struct sb *sb;
+    struct dnsq *prev, *next;
+    sp_agentstream_t *st;
+    uint8_t msg[512 + 16]; /* header + question of the query */
+    size_t msg_len;
+    uint16_t qtype;
+    char name[SP_EGP_NAME_MAX + 1];
+    bool by_name;
+    struct rjob *job;
+    sp_timer_t timer;
+    bool waiting;
+};
+
+enum {
+    RC_NOERROR = 0,
+    RC_FORMERR = 1,
+    RC_SERVFAIL = 2,
+    RC_NXDOMAIN = 3,
+    RC_NOTIMP = 4,
+    RC_REFUSED = 5
+};
+
+static void dns_free(struct dnsq *q)
+{
+    struct sb *sb = q->sb;
+    sp_egress__resolve_cancel(q->job);
+    sp_timer_stop(&q->timer);
+    if (q->st != NULL) {
+        sp_agentstream_t *st = q->st;
+        q->st = NULL;
+        sp_agentstream_reset(st);
+    }
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        sb->dnsqs = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    sb->ndns--;
+    sb->eg->st.dns--;
+    free(q);
+    sp_egress__sb_maybe_free(sb);
+}
+
+/* Answers with rcode and the addresses (of the query's type) and frees q. */
+static void dns_answer(struct dnsq *q, int rcode, const sp_egp_addr_t *addrs, int n, bool allowed,
+                       const char *why)
+{
+    uint8_t out[sizeof(q->msg) + SP_EGRESS__MAX_ADDRS * 28 + 64];
+    size_t o = 0;
+    memcpy(out, q->msg, q->msg_len);
+    o = q->msg_len;
+    uint16_t qflags = (uint16_t)(q->msg[2] << 8 | q->msg[3]);
+    uint16_t flags =
+        (uint16_t)(0x8000 | (qflags & 0x7800) | (qflags & 0x0100) | 0x0080 | (rcode & 0xf));
+    out[2] = (uint8_t)(flags >> 8);
+    out[3] = (uint8_t)flags;
+    int an = 0;
+    char list[72] = "";
+    for (int i = 0; i < n; i++) {
+        const sp_egp_addr_t *a = &addrs[i];
+        size_t alen = a->family == 4 ? 4 : 16;
+        if ((q->qtype == 1 && a->family != 4) || (q->qtype == 28 && a->family != 6))
+            continue;
+        out[o++] = 0xc0;
+        out[o++] = 0x0c; /* the name in the question */
+        out[o++] = (uint8_t)(q->qtype >> 8);
+        out[o++] = (uint8_t)q->qtype;
+        out[o++] = 0;
+        out[o++] = 1; /* IN */
+        out[o++] = 0;
+        out[o++] = 0;
+        out[o++] = 0;
+        out[o++] = DNS_TTL;
+        out[o++] = 0;
+        out[o++] = (uint8_t)alen;
+        memcpy(out + o, a->b, alen);
+        o += alen;
+        an++;
+        if (strlen(list) < 40) {
+            char t[64];
+            sp_egp_addr_format(a, t, sizeof(t));
+            snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%s", list[0] ? "," : "",
+                     t);
+        }
+    }
+    out[6] = (uint8_t)(an >> 8);
+    out[7] = (uint8_t)an;
+    memset(out + 8, 0, 4); /* no authority or additional records (EDNS dropped) */
+    uint8_t buf[sizeof(out) + 16];
+    sp_ap_writer_t w;
+    sp_ap_writer_init(&w, buf, sizeof(buf));
+    sp_ap_put_bytes(&w, SP_AP_K_QUERY, out, o);
+    if (q->st != NULL && !w.overflow) {
+        sp_agentstream_t *st = q->st;
+        q->st = NULL;
+        sp_agentstream_end(st, SP_AP_T_DNS_ANSWER, buf, w.len);
+    }
+    char host[SP_EGP_NAME_MAX + 8];
+    snprintf(host, sizeof(host), "%s", q->name[0] ? q->name : "?");
+    char reason[160];
+    snprintf(reason, sizeof(reason), "%s", why ? why : "");
+    sp_egress__log(q->sb, "dns", host, 53, list, allowed, reason, 0, 0, 0);
+    dns_free(q);
+}
+
+static void dns_on_resolved(void *owner, struct rjob *j)
+{
+    struct dnsq *q = owner;
+    q->job = NULL;
+    if (j->rc != 0) {
+        bool nx = j->rc == EAI_NONAME;
+#ifdef EAI_NODATA
+        bool nodata = j->rc == EAI_NODATA;
+#else
+        bool nodata = false;
+#endif
+        dns_answer(q,
+                   nx       ? RC_NXDOMAIN
+                   : nodata ? RC_NOERROR
+                            : RC_SERVFAIL,
+                   NULL, 0, true, sp_egress__resolve_error(j->rc));
+        return;
+    }
+    sp_egp_addr_t pass[SP_EGRESS__MAX_ADDRS];
+    int n = 0, removed = 0;
+    char first[128] = "";
+    for (int i = 0; i < j->n; i++) {
+        sp_egp_addr_t a;
+        char why[128];
+        if (sp_egp_addr_from_sockaddr((struct sockaddr *)&j->addrs[i], &a) < 0)
+            continue;
+        if (sp_egp_check_addr(q->sb->policy, &a, 0, q->by_name, why, sizeof(why)))
+            pass[n++] = a;
+        else if (removed++ == 0)
+            snprintf(first, sizeof(first), "addresses removed: %.100s", why);
+    }
+    dns_answer(q, RC_NOERROR, pass, n, n > 0 || removed == 0, removed ? first : NULL);
+}
+
+static void dns_decide(struct dnsq *q)
+{
+    struct sb *sb = q->sb;
+    if (!sp_egress__sb_ready(sb)) {
+        q->waiting = true;
+        return;
+    }
+    q->waiting = false;
+    char why[160];
+    if (!sp_egp_check_name(sb->policy, q->name, 0, &q->by_name, why, sizeof(why))) {
+        dns_answer(q, RC_NXDOMAIN, NULL, 0, false, why);
+        return;
+    }
+    if (q->qtype != 1 && q->qtype != 28) {
+        dns_answer(q, RC_NOERROR, NULL, 0, true, NULL); /* allowed name, no such records here */
+        return;
+    }
+    q->job =
+        sp_egress__resolve(sb, q->name, q->qtype == 1 ? AF_INET : AF_INET6, dns_on_resolved, q);
+    if (q->job == NULL)
+        dns_answer(q, RC_SERVFAIL, NULL, 0, true, "out of memory");
+}
+
+static void on_dns_timer(sp_timer_t *t, void *arg)
+{
+    struct dnsq *q = arg;
+    if (q->waiting)
+        dns_answer(q, RC_SERVFAIL, NULL, 0, false, "egress policy is not available");
+    else
+        dns_answer(q, RC_SERVFAIL, NULL, 0, true, "name lookup timed out");
+}
+
+static void dns_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
+                      size_t len, void *arg)
+{
+    struct dnsq *q = arg;
+    if (flags & SP_AP_F_END) {
+        q->st = NULL;
+        dns_free(q);
+    }
+}
+
+static void dns_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+{
+    struct dnsq *q = arg;
+    q->st = NULL;
+    dns_free(q);
+}
+
+static const sp_agentstream_cbs_t dns_cbs = {dns_frame, dns_error, NULL};
+
+/* Parses a query's header and question into q; the rcode to answer with on failure, or -1
+ * when not even a header is there. */
+static int dns_parse(struct dnsq *q, const uint8_t *m, size_t n)
+{
+    if (n < 12)
+        return -1;
+    uint16_t flags = (uint16_t)(m[2] << 8 | m[3]);
+    uint16_t qd = (uint16_t)(m[4] << 8 | m[5]);
+    memcpy(q->msg, m, 12);
+    q->msg[4] = 0;
+    q->msg[5] = 0; /* a refusal before the question is parsed carries none */
+    q->msg_len = 12;
+    if (flags & 0x8000)
+        return RC_FORMERR;
+    if (((flags >> 11) & 0xf) != 0)
+        return RC_NOTIMP;
+    if (qd != 1)
+        return RC_FORMERR;
+    size_t off = 12, nl = 0;
+    char name[SP_EGP_NAME_MAX + 2];
+    for (;;) {
+        if (off >= n)
+            return RC_FORMERR;
+        unsigned l = m[off++];
+        if (l == 0)
+            break;
+        if (l > 63 || off + l > n || nl + l + 1 > SP_EGP_NAME_MAX + 1)
+            return RC_FORMERR; /* compression pointers have no place in a question */
+        if (nl > 0)
+            name[nl++] = '.';
+        memcpy(name + nl, m + off, l);
+        nl += l;
+        off += l;
+    }
+    if (off + 4 > n || off + 4 > sizeof(q->msg))
+        return RC_FORMERR;
+    q->qtype = (uint16_t)(m[off] << 8 | m[off + 1]);
+    uint16_t qclass = (uint16_t)(m[off + 2] << 8 | m[off + 3]);
+    off += 4;
+    memcpy(q->msg, m, off);
+    q->msg[4] = 0;
+    q->msg[5] = 1;
+    memset(q->msg + 6, 0, 6);
+    q->msg_len = off;
+    if (nl == 0)
+        return RC_REFUSED;
+    sp_egp_addr_t a;
+    if (memchr(name, '\0', nl) != NULL ||
+        sp_egp_host_parse(name, nl, q->name, &a) != SP_EGP_HOST_NAME) {
+        snprintf(q->name, sizeof(q->name), "?");
+        return RC_NXDOMAIN;
+    }
+    if (qclass != 1)
+        return RC_REFUSED;
+    return RC_NOERROR;
+}
+
+int sp_egress__dns_accept(struct sb *sb, sp_agentstream_t *s, const uint8_t *payload, size_t len,
+                          sp_agentstream_cbs_t *cbs, void **sarg)
+{
+    sp_egress_t *eg = sb->eg;
+    if (sb->ndns >= SP_EGRESS_MAX_DNS)
+        return -1;    /* the agent answers SERVFAIL */
+    sp_ap_field_t qs; /* raw bytes: NULs are fine */
+    if (sp_ap_find(payload, len, SP_AP_K_QUERY, &qs) != 1)
+        return -1;
+    struct dnsq *q = calloc(1, sizeof(*q));
+    if (q == NULL)
+        return -1;
+    q->sb = sb;
+    q->st = s;
+    sp_timer_init(&q->timer, eg->loop, on_dns_timer, q);
+    q->next = sb->dnsqs;
+    if (q->next)
+        q->next->prev = q;
+    sb->dnsqs = q;
+    sb->ndns++;
+    eg->st.dns++;
+    *cbs = dns_cbs;
+    *sarg = q;
+    int rc = dns_parse(q, qs.val, qs.len);
+    if (rc < 0) {
+        q->st = NULL;
+        dns_free(q);
+        return -1;
+    }
+    if (rc != RC_NOERROR) {
+        dns_answer(q, rc, NULL, 0, false, "malformed or unsupported query");
+        return 0;
+    }
+    sp_timer_start(&q->timer, DNS_WAIT_MS);
+    dns_decide(q);
+    return 0;
+}
+
+void sp_egress__dns_policy_ready(struct sb *sb)
+{
+    for (struct dnsq *q = sb->dnsqs, *next; q != NULL; q = next) {
+        next = q->next;
+        if (q->waiting)
+            dns_decide(q);
+    }
+}
+
+void sp_egress__dns_close_all(struct sb *sb)
+{
+    while (sb->dnsqs != NULL)
+        dns_free(sb->dnsqs);
+}
