@@ -24,6 +24,7 @@
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -714,6 +715,18 @@ static void show_log_tail(build_t *b)
 /* Runs argv (argv[0] found on PATH) with the build env, output appended to
  * the log (or into capture when not NULL), redrawing the elapsed time on a
  * tty. Returns the exit status, or -1 if it could not run. */
+/* Closes every fd from lo up (close_range where the kernel has it, else one by one). */
+static void closefrom_safe(int lo)
+{
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, (unsigned)lo, ~0u, 0) == 0)
+        return;
+#endif
+    long max = sysconf(_SC_OPEN_MAX);
+    for (int fd = lo; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+        close(fd);
+}
+
 static int run(build_t *b, char *const argv[], char *capture, size_t cap)
 {
     int pfd[2] = {-1, -1};
@@ -738,6 +751,10 @@ static int run(build_t *b, char *const argv[], char *capture, size_t cap)
         dup2(devnull, 0);
         dup2(outfd, 1);
         dup2(errfd, 2);
+        /* Nothing else of ours reaches the scripts: mmdebstrap's shell hooks redirect to fds
+         * above 9, which a /bin/sh cannot use once such a number is already taken, and a
+         * server's sockets have no business in a build. */
+        closefrom_safe(3);
         execvpe(argv[0], argv, b->env);
         _exit(127);
     }
