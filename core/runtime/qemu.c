@@ -73,7 +73,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -194,18 +193,15 @@ enum {
 enum { SUM_RAM = 0, SUM_DEV, SUM_DISK, SUM_N };
 static const char *const sum_part[SUM_N] = {"ram", "devstate", "disk"};
 
-/* Checksums computed on a thread (sum_files over its parts), reported to the loop through an
- * eventfd. Owned by its VM (vm->sum) until the loop hears it finished; a VM that goes away
- * first abandons it (stop asks the thread to quit early) and whichever side is last frees it.
- * The same machinery runs a clone's suspend stream through sp_migdelta_filter (delta: in_fd
- * is the pipe QEMU migrates into, out_fd the device state file; vm->delta). */
+/* Checksums computed off the loop (sum_files over its parts, on the loop's SP_WORK_LONG lane).
+ * Owned by its VM (vm->sum) until the loop hears it finished; a VM that goes away first
+ * abandons it (sp_work_cancel: sum_files stops at its next chunk) and the done callback, which
+ * always comes, only frees it. The same machinery runs a clone's suspend stream through
+ * sp_migdelta_filter (delta: in_fd is the pipe QEMU migrates into, out_fd the device state
+ * file; vm->delta). */
 struct sumjob {
-    pthread_mutex_t mu;
-    bool finished, abandoned; /* under mu */
-    atomic_int stop;
-    int efd;
-    sp_watch_t *w;
-    struct vm *vm;
+    sp_work_t *work;
+    struct vm *vm; /* NULL once abandoned */
     bool delta;
     int in_fd, out_fd;           /* delta: owned by the job */
     char base[PATH_MAX + 16];    /* delta: the template's RAM file */
@@ -615,7 +611,7 @@ struct sumwork {
     atomic_ulong next;
     atomic_int err; /* the first errno */
     int err_part;   /* and its file (written once, by the thread that set err) */
-    atomic_int *stop;
+    const sp_work_t *work; /* NULL, or the job whose cancel ends this early */
 };
 
 static void sum_error(struct sumwork *w, int part, int e)
@@ -655,7 +651,7 @@ static void *sum_worker(void *arg)
         bool seek = true;            /* SEEK_DATA works on this file system */
         int e = 0;
         for (uint64_t c = c0; c < c1 && e == 0; c++) {
-            if (w->stop != NULL && atomic_load(w->stop)) {
+            if (w->work != NULL && sp_work_cancelled(w->work)) {
                 e = ECANCELED;
                 break;
             }
@@ -744,13 +740,13 @@ static void *sum_worker(void *arg)
  * parallel (up to SP_QEMU_SUM_THREADS threads, one per CPU, this one included).
  * SHA-256 because OpenSSL's uses the CPU's SHA extensions here: 1.5 GB/s a core, against
  * 1.0 GB/s for libsodium's BLAKE2b (qemu.h). pread, not mmap: a file that shrinks under a
- * mapping raises SIGBUS. A set *stop ends it early (ECANCELED). Thread-safe. 0, or -1 with
- * errno and *bad set to the file that failed (-1 when none did in particular). */
-static int sum_files(const char *const *paths, int n, int threads, atomic_int *stop, uint64_t *size,
-                     char (*hex)[65], int *bad)
+ * mapping raises SIGBUS. A cancel of work (not NULL) ends it early (ECANCELED). Thread-safe.
+ * 0, or -1 with errno and *bad set to the file that failed (-1 when none did in particular). */
+static int sum_files(const char *const *paths, int n, int threads, const sp_work_t *work,
+                     uint64_t *size, char (*hex)[65], int *bad)
 {
     struct sumpart p[SUM_N];
-    struct sumwork w = {.p = p, .n = n, .stop = stop, .err_part = -1};
+    struct sumwork w = {.p = p, .n = n, .work = work, .err_part = -1};
     atomic_init(&w.next, 0);
     atomic_init(&w.err, 0);
     *bad = -1;
@@ -834,18 +830,15 @@ out:
     return rc;
 }
 
-static int sum_file(const char *path, atomic_int *stop, uint64_t *size, char hex[65])
+static int sum_file(const char *path, uint64_t *size, char hex[65])
 {
     int bad;
     char(*h)[65] = (char(*)[65])hex;
-    return sum_files(&path, 1, 1, stop, size, h, &bad);
+    return sum_files(&path, 1, 1, NULL, size, h, &bad);
 }
 
 static void sumjob_free(struct sumjob *j)
 {
-    pthread_mutex_destroy(&j->mu);
-    if (j->efd >= 0)
-        close(j->efd);
     if (j->in_fd >= 0)
         close(j->in_fd);
     if (j->out_fd >= 0)
@@ -853,7 +846,8 @@ static void sumjob_free(struct sumjob *j)
     free(j);
 }
 
-static void *sum_thread(void *arg)
+/* The job itself, on a worker thread (sp_loop_work): touches nothing but j. */
+static void sum_run(sp_work_t *w, void *arg)
 {
     struct sumjob *j = arg;
     uint64_t t0 = mono_ms();
@@ -878,7 +872,7 @@ static void *sum_thread(void *arg)
      * (one thread fewer) measured the same on 2 CPUs, the wait only moved to the checksums. */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = cpus < 1 ? 1 : (int)(cpus > SP_QEMU_SUM_THREADS ? SP_QEMU_SUM_THREADS : cpus);
-    if (n > 0 && sum_files(paths, n, threads, &j->stop, size, hex, &bad) < 0) {
+    if (n > 0 && sum_files(paths, n, threads, w, size, hex, &bad) < 0) {
         j->bad = bad >= 0 ? idx[bad] : idx[0];
         j->err_no = errno != 0 ? errno : EIO;
     }
@@ -890,23 +884,7 @@ static void *sum_thread(void *arg)
     }
 done:
     j->ms = mono_ms() - t0;
-    /* The eventfd is written under the lock: once the loop saw `finished` it may free j. */
-    pthread_mutex_lock(&j->mu);
-    j->finished = true;
-    bool gone = j->abandoned;
-    if (!gone) {
-        uint64_t one = 1;
-        if (write(j->efd, &one, sizeof one) < 0) {
-            /* cannot fail: a non-blocking eventfd written once */
-        }
-    }
-    pthread_mutex_unlock(&j->mu);
-    if (gone)
-        sumjob_free(j);
-    return NULL;
 }
-
-static void on_sum_done(sp_watch_t *w, int events, void *arg);
 
 /* A job for vm, not started: fill path[] (and want[] with verify), then sumjob_run. */
 static struct sumjob *sumjob_new(struct vm *vm, bool verify)
@@ -914,76 +892,54 @@ static struct sumjob *sumjob_new(struct vm *vm, bool verify)
     struct sumjob *j = calloc(1, sizeof(*j));
     if (j == NULL)
         return NULL;
-    pthread_mutex_init(&j->mu, NULL);
-    atomic_init(&j->stop, 0);
     j->vm = vm;
     j->verify = verify;
     j->bad = -1;
     j->in_fd = -1;
     j->out_fd = -1;
-    j->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (j->efd < 0) {
-        sumjob_free(j);
-        return NULL;
-    }
     return j;
 }
 
-/* Starts j's thread; on failure frees j. 0 when started. */
+static void on_sum_done(void *arg, bool cancelled);
+
+/* Queues j on the loop's SP_WORK_LONG lane; on failure frees j. 0 when queued. */
 static int sumjob_run(sp_qemu_t *d, struct sumjob *j)
 {
-    j->w = sp_watch_create(d->base.loop, j->efd, on_sum_done, j);
-    if (j->w == NULL) {
-        sumjob_free(j);
-        return -1;
-    }
-    sp_watch_set(j->w, SP_IO_READ);
-    pthread_attr_t a;
-    pthread_t th;
-    int rc = pthread_attr_init(&a);
-    if (rc == 0) {
-        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-        rc = pthread_create(&th, &a, sum_thread, j);
-        pthread_attr_destroy(&a);
-    }
-    if (rc != 0) {
-        sp_watch_destroy(j->w);
+    j->work = sp_loop_work(d->base.loop, SP_WORK_LONG, sum_run, on_sum_done, j);
+    if (j->work == NULL) {
         sumjob_free(j);
         return -1;
     }
     return 0;
 }
 
-/* The VM no longer wants the result: the thread stops at its next chunk and frees j, unless
- * it already finished (then j is freed here). NULL does nothing. */
+/* The VM no longer wants the result: the job stops at its next chunk (a delta filter: once
+ * QEMU closes the pipe) and on_sum_done frees it. NULL does nothing. */
 static void sumjob_abandon(struct sumjob *j)
 {
     if (j == NULL)
         return;
-    sp_watch_destroy(j->w);
-    j->w = NULL;
-    atomic_store(&j->stop, 1);
-    pthread_mutex_lock(&j->mu);
-    j->abandoned = true;
-    bool fin = j->finished;
-    pthread_mutex_unlock(&j->mu);
-    if (fin)
-        sumjob_free(j);
+    j->vm = NULL;
+    sp_work_cancel(j->work);
 }
 
 static void suspend_sums_done(struct vm *vm, struct sumjob *j);
 static void restore_sums_done(struct vm *vm, struct sumjob *j);
 static void suspend_delta_done(struct vm *vm, struct sumjob *j);
 
-static void on_sum_done(sp_watch_t *w, int events, void *arg)
+static void on_sum_done(void *arg, bool cancelled)
 {
     struct sumjob *j = arg;
-    uint64_t v;
-    if (read(j->efd, &v, sizeof v) < 0 && errno == EAGAIN)
-        return; /* spurious */
-    sp_watch_destroy(j->w);
-    j->w = NULL;
     struct vm *vm = j->vm;
+    if (cancelled) {
+        /* Abandoned (vm NULL), or cancelled by the loop going away first: the VM lets go too. */
+        if (vm != NULL && vm->sum == j)
+            vm->sum = NULL;
+        if (vm != NULL && vm->delta == j)
+            vm->delta = NULL;
+        sumjob_free(j);
+        return;
+    }
     if (j->delta) {
         vm->delta = NULL;
         suspend_delta_done(vm, j);
@@ -994,8 +950,6 @@ static void on_sum_done(sp_watch_t *w, int events, void *arg)
         else
             suspend_sums_done(vm, j);
     }
-    pthread_mutex_lock(&j->mu); /* the thread is past its critical section */
-    pthread_mutex_unlock(&j->mu);
     sumjob_free(j);
 }
 
@@ -1521,7 +1475,7 @@ static int snap_check(const char *dir, json_t *man, int memory_mb, bool stream, 
     if (dsum != NULL && stat(p, &st) == 0 && (uint64_t)st.st_size <= SP_QEMU_SUM_INLINE_MAX) {
         char got[65];
         uint64_t n;
-        if (sum_file(p, NULL, &n, got) < 0)
+        if (sum_file(p, &n, got) < 0)
             return sp_err_set(err, SP_ERUNTIME, "cannot wake: cannot read the snapshot: %s",
                               strerror(errno));
         if (strcmp(got, dsum) != 0)
