@@ -20,28 +20,23 @@
  * RAM file and the disk move on from there).
  *
  * Snapshot checksums (sum_files): SHA-256 through OpenSSL, which uses the CPU's
- * SHA extensions here: 176 ms per 256 MiB on one core against 271 ms for
- * libsodium's BLAKE2b (measured on a 256 MiB file in the page cache). Only
- * non-zero 4 KiB pages are hashed (holes are skipped with SEEK_DATA, written
- * zeros by a scan), and 1 MiB chunks are spread over one thread per CPU (at
- * most 4): a template's 256 MiB RAM file (72 MB allocated) takes 36-60 ms on
- * 2 cores, a dense 256 MiB file 95-150 ms. A wake checks sizes and the device
- * state's checksum (60 KB, inline) before it starts anything: a mismatch or an
- * unreadable manifest refuses the wake and the sandbox stays suspended. The RAM
- * file's and the disk's checksums cannot be verified after the wake (the RAM
- * file is mapped shared and the guest writes it, and the disk, as soon as its
- * vCPUs run), and verifying them first would add the hash time to every wake
- * (far above the 30 ms per 256 MiB that would be free). So they are verified on
- * a thread from the moment the wake is asked for, alongside QEMU's start and
- * device state load (40-80 ms that the wake spends anyway), and the vCPUs start
- * only once they match (RS_VERIFY): the wake waits only for what the hash takes
- * beyond that. A mismatch stops QEMU (which has written nothing: the source was
- * stopped, so the guest stays paused), keeps the snapshot and marks it corrupt.
- * Measured through the API (release build, 2 shared CPUs, RAM files of 103 and
- * 115 MB allocated): suspend 38 -> 44 ms (256 MiB) and 34 -> 49 ms (1 GiB), wake
- * 88 -> 98 ms and 86 -> 99 ms; the checksums took 30-60 ms on suspend and 35-55
- * ms on wake, where the vCPUs waited for them 0-3 ms (the rest is QEMU sharing
- * the CPUs with the hash threads: with one thread fewer the wait grew instead).
+ * SHA extensions here and beats libsodium's BLAKE2b on one core. Only non-zero
+ * 4 KiB pages are hashed (holes are skipped with SEEK_DATA, written zeros by a
+ * scan), and 1 MiB chunks are spread over one thread per CPU (at most 4), so a
+ * RAM file costs what it holds rather than its size. A wake checks sizes and the
+ * device state's checksum (60 KB, inline) before it starts anything: a mismatch
+ * or an unreadable manifest refuses the wake and the sandbox stays suspended.
+ * The RAM file's and the disk's checksums cannot be verified after the wake (the
+ * RAM file is mapped shared and the guest writes it, and the disk, as soon as
+ * its vCPUs run), and verifying them first would add the whole hash time to
+ * every wake. So they are verified off the loop from the moment the wake is
+ * asked for, alongside QEMU's start and device state load (time the wake spends
+ * anyway), and the vCPUs start only once they match (RS_VERIFY): the wake waits
+ * only for what the hash takes beyond that. A mismatch stops QEMU (which has
+ * written nothing: the source was stopped, so the guest stays paused), keeps the
+ * snapshot and marks it corrupt. The vCPUs seldom wait for the checksums: what
+ * they add to a wake is QEMU sharing the CPUs with the hash threads (with one
+ * thread fewer the wait grew instead; bench/lifecycle_bench.py prints figures).
  *
  * Template snapshots (qemu.h): a builder VM (a struct vm with tsnap_build set,
  * an id no API call can name, its work dir vms/.tsnap-<key>-<pid>) boots cold,
@@ -93,8 +88,8 @@
 #include "guest/tmplbuild.h"
 
 #define SP_QEMU_ID_MAX          64
-#define SP_QEMU_BOOT_TIMEOUT_MS 60000u /* TCG boots in ~2.5 s; a busy host needs slack */
-#define SP_QEMU_KVM_PROBE_MS    4000u  /* real KVM reaches the probe's panic in < 1 s */
+#define SP_QEMU_BOOT_TIMEOUT_MS 60000u /* TCG boots in seconds; a busy host needs slack */
+#define SP_QEMU_KVM_PROBE_MS    4000u  /* real KVM reaches the probe's panic well within it */
 #define SP_QEMU_SANDBOX_PROBE   5000u
 #define SP_QEMU_QUIT_GRACE_MS   3000u      /* QMP quit, then SIGKILL to the process group */
 #define SP_QEMU_CONSOLE_MAX     (2u << 20) /* bytes; trimmed to the tail beyond this */
@@ -738,8 +733,8 @@ static void *sum_worker(void *arg)
  * of a hash, so a sparse RAM file costs what it holds even when the guest scattered it, and
  * the value does not depend on how the file system stores zeros. Chunks are hashed in
  * parallel (up to SP_QEMU_SUM_THREADS threads, one per CPU, this one included).
- * SHA-256 because OpenSSL's uses the CPU's SHA extensions here: 1.5 GB/s a core, against
- * 1.0 GB/s for libsodium's BLAKE2b (qemu.h). pread, not mmap: a file that shrinks under a
+ * SHA-256 because OpenSSL's uses the CPU's SHA extensions here: faster a core than
+ * libsodium's BLAKE2b. pread, not mmap: a file that shrinks under a
  * mapping raises SIGBUS. A cancel of work (not NULL) ends it early (ECANCELED). Thread-safe.
  * 0, or -1 with errno and *bad set to the file that failed (-1 when none did in particular). */
 static int sum_files(const char *const *paths, int n, int threads, const sp_work_t *work,
@@ -869,7 +864,7 @@ static void sum_run(sp_work_t *w, void *arg)
     uint64_t size[SUM_N] = {0};
     char hex[SUM_N][65];
     /* One thread per CPU. On a wake QEMU loads the device state meanwhile: leaving it a CPU
-     * (one thread fewer) measured the same on 2 CPUs, the wait only moved to the checksums. */
+     * (one thread fewer) did not help on 2 CPUs: the wait only moved to the checksums. */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = cpus < 1 ? 1 : (int)(cpus > SP_QEMU_SUM_THREADS ? SP_QEMU_SUM_THREADS : cpus);
     if (n > 0 && sum_files(paths, n, threads, w, size, hex, &bad) < 0) {
@@ -1797,11 +1792,11 @@ static void qmp_try_connect(struct vm *vm)
     if (vm->qmp != NULL)
         return;
     vm->qmp_tries++;
-    /* Booting: QEMU creates the socket within ~100 ms; the boot timer bounds us.
+    /* Booting: QEMU creates the socket soon after exec; the boot timer bounds us.
      * Adopted: back off to 1 s and give up after a minute (the VM stays usable via its agent). */
     if (vm->ph == PH_START) {
-        sp_timer_start(&vm->qmp_timer, 1); /* QEMU listens ~40 ms after exec under TCG; a
-                                            * failed connect costs microseconds */
+        sp_timer_start(&vm->qmp_timer, 1); /* QEMU listens shortly after exec; a failed
+                                            * connect costs microseconds */
     } else if (vm->qmp_tries < 120) {
         sp_timer_start(&vm->qmp_timer, vm->qmp_tries < 10 ? 100 : 1000);
     } else {
@@ -2629,7 +2624,7 @@ static void adopt_all(sp_qemu_t *d)
 
 /* ---------- spare clones (the pool) ----------
  *
- * Restoring a clone costs a new QEMU process (~40 ms), the device state, the agent's
+ * Restoring a clone costs a new QEMU process, the device state, the agent's
  * reconnection, and then a first command that runs slowly because TCG translates every
  * guest code path afresh in each process. A spare is a clone made ahead of time for a
  * template size that was recently created from: restored, up, warmed by running a few
