@@ -27,12 +27,12 @@
 
 /* ---------- QMP ---------- */
 
-void boot_fail(struct vm *vm, const char *fmt, const char *detail)
+void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail)
 {
     vm->boot_failed = true;
     sp_err_set(&vm->boot_err, SP_ERUNTIME, fmt, detail);
     vm->keep_logs = true;
-    vm_stop(vm, false);
+    sp_qemu__vm_stop(vm, false);
 }
 
 static void on_status(void *arg, json_t *ret, const sp_err_t *err)
@@ -45,9 +45,9 @@ static void on_status(void *arg, json_t *ret, const sp_err_t *err)
     const char *st = json_string_value(json_object_get(ret, "status"));
     vm->paused = st != NULL && strcmp(st, "running") != 0;
     char p[PATH_MAX + 16];
-    vm_path(vm, "paused", p, sizeof p);
-    if (vm->adopted && vm->ph == PH_UP && vm->qmp != NULL && st != NULL && !file_exists(p) &&
-        (strcmp(st, "postmigrate") == 0 || strcmp(st, "paused") == 0)) {
+    sp_qemu__vm_path(vm, "paused", p, sizeof p);
+    if (vm->adopted && vm->ph == PH_UP && vm->qmp != NULL && st != NULL &&
+        !sp_qemu__file_exists(p) && (strcmp(st, "postmigrate") == 0 || strcmp(st, "paused") == 0)) {
         /* Stopped, but not by pause() (which leaves the marker): a suspend that an earlier
          * driver never committed. Give it back running, as probe() reported it. */
         sp_err_t e;
@@ -60,7 +60,7 @@ static void on_status(void *arg, json_t *ret, const sp_err_t *err)
     }
     if (vm->ph == PH_UP) {
         if (vm->paused)
-            write_atomic(p, "", 0);
+            sp_qemu__write_atomic(p, "", 0);
         else
             unlink(p);
     }
@@ -74,9 +74,9 @@ static void on_qmp_ready(sp_qmp_t *q, void *arg)
     struct vm *vm = arg;
     sp_err_t e;
     sp_log(SP_LOG_DEBUG, "qemu", "qmp ready sandbox=%s ms=%llu", vm->id,
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
     if (vm->ph == PH_START && vm->restoring) {
-        restore_begin(vm);
+        sp_qemu__restore_begin(vm);
         return;
     }
     /* An earlier driver may have died mid-suspend: its migration would stop the VM when it
@@ -86,7 +86,7 @@ static void on_qmp_ready(sp_qmp_t *q, void *arg)
     sp_qmp_command(q, "query-status", NULL, -1, on_status, vm, &e);
     if (vm->ph == PH_START) {
         vm->ph = PH_AGENT;
-        agent_start(vm);
+        sp_qemu__agent_start(vm);
     }
 }
 
@@ -115,10 +115,10 @@ static void on_qmp_closed(sp_qmp_t *q, const sp_err_t *err, void *arg)
 
 static const sp_qmp_cbs_t qmp_cbs = {on_qmp_ready, on_qmp_event, on_qmp_closed};
 
-void qmp_try_connect(struct vm *vm)
+void sp_qemu__qmp_try_connect(struct vm *vm)
 {
     char p[PATH_MAX + 16];
-    vm_path(vm, "qmp.sock", p, sizeof p);
+    sp_qemu__vm_path(vm, "qmp.sock", p, sizeof p);
     sp_err_t e;
     vm->qmp = sp_qmp_connect(vm->d->base.loop, p, &qmp_cbs, vm, &e);
     if (vm->qmp != NULL)
@@ -136,11 +136,11 @@ void qmp_try_connect(struct vm *vm)
     }
 }
 
-void on_qmp_timer(sp_timer_t *t, void *arg)
+void sp_qemu__on_qmp_timer(sp_timer_t *t, void *arg)
 {
     struct vm *vm = arg;
     if (vm->qmp == NULL && vm->ph != PH_STOPPING && !vm->exited)
-        qmp_try_connect(vm);
+        sp_qemu__qmp_try_connect(vm);
 }
 
 /* ---------- agent, identity ---------- */
@@ -149,14 +149,14 @@ void on_qmp_timer(sp_timer_t *t, void *arg)
 static void vm_json_own_ram(struct vm *vm)
 {
     char p[PATH_MAX + 16];
-    vm_path(vm, "vm.json", p, sizeof p);
+    sp_qemu__vm_path(vm, "vm.json", p, sizeof p);
     json_t *o = json_load_file(p, 0, NULL);
     if (o == NULL)
         return;
     json_object_del(o, "ram_src");
     char *js = json_dumps(o, JSON_COMPACT);
     json_decref(o);
-    if (js == NULL || write_atomic(p, js, strlen(js)) < 0)
+    if (js == NULL || sp_qemu__write_atomic(p, js, strlen(js)) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot update vm.json sandbox=%s", vm->id);
     free(js);
 }
@@ -167,19 +167,19 @@ static void boot_done(struct vm *vm)
     sp_timer_stop(&vm->boot_timer);
     {
         char p[PATH_MAX + 16];
-        vm_path(vm, "booting", p, sizeof p);
-        unlink(p); /* a later driver adopts this VM as it is (live_vm_pid) */
+        sp_qemu__vm_path(vm, "booting", p, sizeof p);
+        unlink(p); /* a later driver adopts this VM as it is (sp_qemu__live_vm_pid) */
     }
     sp_log(SP_LOG_INFO, "qemu", "vm up sandbox=%s pid=%d accel=%s how=%s boot_ms=%llu", vm->id,
            (int)vm->pid, vm->d->accel == 1 ? "kvm" : "tcg",
            vm->clone_boot  ? "clone"
            : vm->restoring ? "restore"
                            : "cold",
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
     if (!vm->pooled && vm->tsnap_build == NULL)
-        vm->d->pool_quiet_until = mono_ms() + SP_QEMU_POOL_SETTLE_MS;
+        vm->d->pool_quiet_until = sp_qemu__mono_ms() + SP_QEMU_POOL_SETTLE_MS;
     if (vm->tsnap_build != NULL) {
-        tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
+        sp_qemu__tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
         return;
     }
     if (vm->clone_boot) {
@@ -188,12 +188,13 @@ static void boot_done(struct vm *vm)
         vm->snap_step = SN_NONE;
     }
     if (vm->pooled) {
-        pool_warm(vm); /* keeps tp: a sandbox that takes it may still fall back to a boot */
+        /* keeps tp: a sandbox that takes it may still fall back to a boot */
+        sp_qemu__pool_warm(vm);
         return;
     }
     free(vm->tp);
     vm->tp = NULL;
-    pool_kick(vm->d); /* spares wait for boots in flight: maybe this was the last one */
+    sp_qemu__pool_kick(vm->d); /* spares wait for boots in flight: maybe this was the last one */
     if (vm->restore_stream) {
         vm_json_own_ram(vm);
         vm->restore_stream = false;
@@ -202,14 +203,14 @@ static void boot_done(struct vm *vm)
     if (vm->restoring) {
         /* From here on the disk moves on: the snapshot must never be restored again. */
         char p[PATH_MAX + 32];
-        vm_path(vm, "snapshot/manifest.json", p, sizeof p);
+        sp_qemu__vm_path(vm, "snapshot/manifest.json", p, sizeof p);
         unlink(p);
-        vm_path(vm, "snapshot", p, sizeof p);
-        rm_rf(p);
+        sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
+        sp_qemu__rm_rf(p);
         vm->restoring = false;
         vm->snap_step = SN_NONE;
     }
-    complete_all(vm->d, &vm->boot_w, NULL);
+    sp_qemu__complete_all(vm->d, &vm->boot_w, NULL);
 }
 
 static void on_ident_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags,
@@ -226,7 +227,7 @@ static void on_ident_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags,
     } else {
         sp_log(SP_LOG_WARN, "qemu", "guest rejected identity sandbox=%s type=%u", vm->id,
                (unsigned)type);
-        boot_fail(vm, "guest did not come up: %s", "the agent rejected its identity");
+        sp_qemu__boot_fail(vm, "guest did not come up: %s", "the agent rejected its identity");
     }
 }
 
@@ -241,12 +242,12 @@ static void on_ident_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
 static const sp_agentstream_cbs_t ident_cbs = {on_ident_frame, on_ident_error, NULL};
 
 /* IDENTITY: hostname, sandbox id, default env, fresh RNG seed, wall clock. */
-void send_identity(struct vm *vm)
+void sp_qemu__send_identity(struct vm *vm)
 {
     size_t cap = 256 * 1024;
     uint8_t *buf = malloc(cap);
     if (buf == NULL) {
-        boot_fail(vm, "%s", "out of memory");
+        sp_qemu__boot_fail(vm, "%s", "out of memory");
         return;
     }
     sp_ap_writer_t w;
@@ -277,7 +278,7 @@ void send_identity(struct vm *vm)
     sp_ap_put_u64(&w, SP_AP_K_TIME_NS, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
     if (w.overflow) {
         free(buf);
-        boot_fail(vm, "%s", "sandbox environment is too large");
+        sp_qemu__boot_fail(vm, "%s", "sandbox environment is too large");
         return;
     }
     sp_err_t e;
@@ -296,30 +297,30 @@ static void on_agent_state(void *arg, bool up)
     if (vm->agent == NULL)
         return; /* being destroyed */
     sp_log(SP_LOG_DEBUG, "qemu", "agent channel sandbox=%s up=%d ms=%llu", vm->id, (int)up,
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
     if (up && vm->ph == PH_AGENT)
-        send_identity(vm);
+        sp_qemu__send_identity(vm);
 }
 
-void agent_start(struct vm *vm)
+void sp_qemu__agent_start(struct vm *vm)
 {
     if (vm->agent != NULL)
         return;
     char p[PATH_MAX + 16];
-    vm_path(vm, "agent.sock", p, sizeof p);
+    sp_qemu__vm_path(vm, "agent.sock", p, sizeof p);
     vm->agent = sp_agentconn_create(vm->d->base.loop, p, on_agent_state, vm);
     if (vm->agent == NULL && vm->ph < PH_UP)
-        boot_fail(vm, "%s", "cannot create the agent channel");
+        sp_qemu__boot_fail(vm, "%s", "cannot create the agent channel");
     else if (vm->agent != NULL && vm->tsnap_build == NULL)
         sp_agentconn_set_sandbox(vm->agent, vm->id); /* the egress proxy attaches here (a
-                                                      * spare: renamed by pool_take) */
+                                                      * spare: renamed by sp_qemu__pool_take) */
 }
 
-void on_boot_timeout(sp_timer_t *t, void *arg)
+void sp_qemu__on_boot_timeout(sp_timer_t *t, void *arg)
 {
     struct vm *vm = arg;
     char tail[1024];
-    console_tail(vm, tail, sizeof tail);
+    sp_qemu__console_tail(vm, tail, sizeof tail);
     sp_log(SP_LOG_WARN, "qemu",
            "guest did not come up sandbox=%s timeout_ms=%u phase=%d console=%s (console.log "
            "kept in the VM directory)",
@@ -328,7 +329,7 @@ void on_boot_timeout(sp_timer_t *t, void *arg)
     sp_err_set(&vm->boot_err, SP_ERUNTIME, "guest did not come up within %u ms",
                vm->d->boot_timeout_ms);
     vm->keep_logs = true;
-    vm_stop(vm, false);
+    sp_qemu__vm_stop(vm, false);
 }
 
 /* ---------- starting QEMU ---------- */
@@ -347,16 +348,16 @@ static int write_vm_json(struct vm *vm)
     if (s == NULL)
         return -1;
     char p[PATH_MAX + 16];
-    vm_path(vm, "vm.json", p, sizeof p);
-    int rc = write_atomic(p, s, strlen(s));
+    sp_qemu__vm_path(vm, "vm.json", p, sizeof p);
+    int rc = sp_qemu__write_atomic(p, s, strlen(s));
     free(s);
     return rc;
 }
 
-void read_vm_json(struct vm *vm)
+void sp_qemu__read_vm_json(struct vm *vm)
 {
     char p[PATH_MAX + 16];
-    vm_path(vm, "vm.json", p, sizeof p);
+    sp_qemu__vm_path(vm, "vm.json", p, sizeof p);
     json_t *o = json_load_file(p, 0, NULL);
     vm->cpu_count = (int)json_integer_value(json_object_get(o, "cpu_count"));
     vm->memory_mb = (int)json_integer_value(json_object_get(o, "memory_mb"));
@@ -374,15 +375,15 @@ static void start_qemu(struct vm *vm)
     sp_qemu_t *d = vm->d;
     char disk[PATH_MAX + 16], agent[PATH_MAX + 16], qmp[PATH_MAX + 16], con[PATH_MAX + 16],
         log[PATH_MAX + 16], pidf[PATH_MAX + 16];
-    vm_path(vm, "disk.qcow2", disk, sizeof disk);
-    vm_path(vm, "agent.sock", agent, sizeof agent);
-    vm_path(vm, "qmp.sock", qmp, sizeof qmp);
-    vm_path(vm, "console.log", con, sizeof con);
-    vm_path(vm, "qemu.log", log, sizeof log);
-    vm_path(vm, "qemu.pid", pidf, sizeof pidf);
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    sp_qemu__vm_path(vm, "agent.sock", agent, sizeof agent);
+    sp_qemu__vm_path(vm, "qmp.sock", qmp, sizeof qmp);
+    sp_qemu__vm_path(vm, "console.log", con, sizeof con);
+    sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
+    sp_qemu__vm_path(vm, "qemu.pid", pidf, sizeof pidf);
     unlink(agent);
     unlink(qmp);
-    pool_origin_remove(vm); /* this QEMU names this directory */
+    sp_qemu__pool_origin_remove(vm); /* this QEMU names this directory */
 
     sp_bootargs_qemu_t q = {
         .qemu = d->qemu,
@@ -398,13 +399,13 @@ static void start_qemu(struct vm *vm)
     };
     char **base = sp_bootargs_qemu_argv(&q);
     if (base == NULL) {
-        boot_fail(vm, "%s", "cannot build the QEMU command line");
+        sp_qemu__boot_fail(vm, "%s", "cannot build the QEMU command line");
         return;
     }
     /* Copy, with the serial console moved to an append-mode file chardev (so console.log
      * can be trimmed under QEMU) and the seccomp sandbox added where QEMU has it. */
     char conarg[PATH_MAX + 64];
-    sfmt(conarg, sizeof conarg, "file,id=con0,path=%s,append=on", con);
+    sp_qemu__sfmt(conarg, sizeof conarg, "file,id=con0,path=%s,append=on", con);
     char *argv[96];
     int n = 0;
     for (int i = 0; base[i] != NULL && n < 88; i++) {
@@ -420,22 +421,22 @@ static void start_qemu(struct vm *vm)
     }
     if (vm->restore_delta && vm->clone_src == NULL) {
         free(base);
-        boot_fail(vm, "restore failed: %s", "out of memory");
+        sp_qemu__boot_fail(vm, "restore failed: %s", "out of memory");
         return;
     }
     /* Guest RAM in a shared file: suspend then writes device state only (x-ignore-shared). */
     char memobj[PATH_MAX + 128];
     if (vm->clone_src != NULL) /* private copy-on-write map of the template's RAM */
-        sfmt(memobj, sizeof memobj,
-             "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=off", vm->memory_mb,
-             vm->clone_src);
+        sp_qemu__sfmt(memobj, sizeof memobj,
+                      "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=off",
+                      vm->memory_mb, vm->clone_src);
     else
-        sfmt(memobj, sizeof memobj,
-             "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=on", vm->memory_mb,
-             vm->dir);
+        sp_qemu__sfmt(memobj, sizeof memobj,
+                      "memory-backend-file,id=mem,size=%dM,mem-path=%s/mem.ram,share=on",
+                      vm->memory_mb, vm->dir);
     if (vm->restore_stream) { /* the stream fills a fresh RAM file of our own */
         char ram[PATH_MAX + 16];
-        vm_path(vm, "mem.ram", ram, sizeof ram);
+        sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
         unlink(ram);
     }
     argv[n++] = "-object";
@@ -455,35 +456,35 @@ static void start_qemu(struct vm *vm)
     char cmd[8192];
     size_t off = 0;
     for (int i = 0; i < n && off < sizeof cmd - 1; i++)
-        off += (size_t)sfmt(cmd + off, sizeof cmd - off, "%s%s", i ? " " : "", argv[i]);
+        off += (size_t)sp_qemu__sfmt(cmd + off, sizeof cmd - off, "%s%s", i ? " " : "", argv[i]);
     sp_log(SP_LOG_DEBUG, "qemu", "starting sandbox=%s argv=%s", vm->id, cmd);
 
     /* Until the agent has taken IDENTITY, a driver that finds this QEMU must not adopt it. */
     char booting[PATH_MAX + 16];
-    vm_path(vm, "booting", booting, sizeof booting);
-    if (write_atomic(booting, "", 0) < 0)
+    sp_qemu__vm_path(vm, "booting", booting, sizeof booting);
+    if (sp_qemu__write_atomic(booting, "", 0) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write the boot marker sandbox=%s err=%s", vm->id,
                strerror(errno));
 
     sp_cgroup_join_t join;
-    bool cg = cg_create(vm, &join);
+    bool cg = sp_qemu__cg_create(vm, &join);
     struct spawn_opts so = {.out_path = log,
                             .stdin_fd = -1,
                             .cg = cg ? &join : NULL,
                             .sandbox = vm->id,
                             .new_session = true};
     sp_err_t e;
-    vm->pid = spawn(argv, &so, &vm->pidfd, &e);
+    vm->pid = sp_qemu__spawn(argv, &so, &vm->pidfd, &e);
     free(base);
     sp_cgroup_join_close(&join);
     if (vm->pid < 0) {
         vm->pid = 0;
-        boot_fail(vm, "%s", e.msg);
+        sp_qemu__boot_fail(vm, "%s", e.msg);
         return;
     }
     char pidbuf[32];
-    int pl = sfmt(pidbuf, sizeof pidbuf, "%d\n", (int)vm->pid);
-    if (write_atomic(pidf, pidbuf, (size_t)pl) < 0)
+    int pl = sp_qemu__sfmt(pidbuf, sizeof pidbuf, "%d\n", (int)vm->pid);
+    if (sp_qemu__write_atomic(pidf, pidbuf, (size_t)pl) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write pidfile sandbox=%s err=%s", vm->id,
                strerror(errno));
     on_vm_started(vm);
@@ -492,35 +493,35 @@ static void start_qemu(struct vm *vm)
 /* Common to a fresh start and re-adoption: watch the process. */
 static void on_vm_started(struct vm *vm)
 {
-    vm->pw = sp_watch_create(vm->d->base.loop, vm->pidfd, on_vm_exit, vm);
+    vm->pw = sp_watch_create(vm->d->base.loop, vm->pidfd, sp_qemu__on_vm_exit, vm);
     if (vm->pw == NULL) {
-        boot_fail(vm, "%s", "cannot watch the VM process");
+        sp_qemu__boot_fail(vm, "%s", "cannot watch the VM process");
         return;
     }
     sp_watch_set(vm->pw, SP_IO_READ);
     if (vm->ph == PH_DISK) {
         vm->ph = PH_START;
-        qmp_try_connect(vm);
+        sp_qemu__qmp_try_connect(vm);
     }
 }
 
 static void on_img_exit(struct child *c, int st, bool timed_out, void *arg)
 {
     struct vm *vm = arg;
-    child_free(c);
+    sp_qemu__child_free(c);
     vm->img = NULL;
     if (vm->ph == PH_STOPPING) {
-        vm_finish(vm);
+        sp_qemu__vm_finish(vm);
         return;
     }
     if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
         sp_log(SP_LOG_ERROR, "qemu", "qemu-img create failed sandbox=%s status=%d (see qemu.log)",
                vm->id, st);
-        boot_fail(vm, "%s", "cannot create the sandbox disk");
+        sp_qemu__boot_fail(vm, "%s", "cannot create the sandbox disk");
         return;
     }
     sp_log(SP_LOG_DEBUG, "qemu", "overlay made sandbox=%s ms=%llu", vm->id,
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
     start_qemu(vm);
 }
 
@@ -608,25 +609,25 @@ static void start_disk(struct vm *vm)
     vm->ph = PH_DISK;
     if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
-        boot_fail(vm, "%s", "cannot create the VM directory");
+        sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");
         return;
     }
-    rm_rf(vm->dir); /* leftovers of a failed boot; boot() checked there is no snapshot */
+    sp_qemu__rm_rf(vm->dir); /* leftovers of a failed boot; boot() checked there is no snapshot */
     if (mkdir(vm->dir, 0700) < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", vm->dir, strerror(errno));
-        boot_fail(vm, "%s", "cannot create the VM directory");
+        sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");
         return;
     }
     if (write_vm_json(vm) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write vm.json sandbox=%s", vm->id);
     char disk[PATH_MAX + 16], log[PATH_MAX + 16], backing[PATH_MAX + 16];
-    vm_path(vm, "disk.qcow2", disk, sizeof disk);
-    vm_path(vm, "qemu.log", log, sizeof log);
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
     /* A clone's chain: template base <- template snapshot's frozen overlay <- ours. */
     if (vm->clone_src != NULL)
-        sfmt(backing, sizeof backing, "%s/disk.qcow2", vm->clone_src);
+        sp_qemu__sfmt(backing, sizeof backing, "%s/disk.qcow2", vm->clone_src);
     else
-        sfmt(backing, sizeof backing, "%s", vm->tp->rootfs);
+        sp_qemu__sfmt(backing, sizeof backing, "%s", vm->tp->rootfs);
     if (vm->clone_src != NULL) {
         if (write_overlay(disk, backing) == 0) {
             start_qemu(vm);
@@ -640,14 +641,14 @@ static void start_disk(struct vm *vm)
                     "qcow2",     "-b",     backing, disk, NULL};
     struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
-    vm->img = child_start(d, argv, &so, 30000, on_img_exit, vm, &e);
+    vm->img = sp_qemu__child_start(d, argv, &so, 30000, on_img_exit, vm, &e);
     if (vm->img == NULL)
-        boot_fail(vm, "%s", e.msg);
+        sp_qemu__boot_fail(vm, "%s", e.msg);
 }
 
 /* ---------- accelerator and sandbox probes ---------- */
 
-void kick(sp_qemu_t *d)
+void sp_qemu__kick(sp_qemu_t *d)
 {
     if (!sp_timer_armed(&d->kick_timer))
         sp_timer_start(&d->kick_timer, 0);
@@ -657,21 +658,21 @@ void kick(sp_qemu_t *d)
  * and hardware settings do not change under a running kernel). "" if unknown. */
 static void host_boot_id(char *out, size_t n)
 {
-    if (read_small("/proc/sys/kernel/random/boot_id", out, n) <= 0)
+    if (sp_qemu__read_small("/proc/sys/kernel/random/boot_id", out, n) <= 0)
         out[0] = '\0';
     out[strcspn(out, "\n")] = '\0';
 }
 
 /* <vms>/accel is "kvm|tcg\n<reason>\n[probe boot_id=<id>]\n". Returns the accelerator a
  * probe decided earlier in this host boot, or -1. */
-int cached_probe_verdict(sp_qemu_t *d)
+int sp_qemu__cached_probe_verdict(sp_qemu_t *d)
 {
     char p[PATH_MAX + 16], buf[1024], bid[64], want[128];
-    sfmt(p, sizeof p, "%s/accel", d->vms_dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/accel", d->vms_dir);
     host_boot_id(bid, sizeof bid);
-    if (bid[0] == '\0' || read_small(p, buf, sizeof buf) <= 0)
+    if (bid[0] == '\0' || sp_qemu__read_small(p, buf, sizeof buf) <= 0)
         return -1;
-    sfmt(want, sizeof want, "\nprobe boot_id=%s\n", bid);
+    sp_qemu__sfmt(want, sizeof want, "\nprobe boot_id=%s\n", bid);
     if (strstr(buf, want) == NULL)
         return -1;
     if (strncmp(buf, "kvm\n", 4) == 0)
@@ -684,17 +685,17 @@ int cached_probe_verdict(sp_qemu_t *d)
 static void record_accel_ex(sp_qemu_t *d, const char *why, bool probed)
 {
     char p[PATH_MAX + 16], buf[768], bid[64] = "";
-    sfmt(p, sizeof p, "%s/accel", d->vms_dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/accel", d->vms_dir);
     if (probed)
         host_boot_id(bid, sizeof bid);
-    int n = sfmt(buf, sizeof buf, "%s\n%s\n%s%s%s", d->accel == 1 ? "kvm" : "tcg", why,
-                 bid[0] ? "probe boot_id=" : "", bid, bid[0] ? "\n" : "");
+    int n = sp_qemu__sfmt(buf, sizeof buf, "%s\n%s\n%s%s%s", d->accel == 1 ? "kvm" : "tcg", why,
+                          bid[0] ? "probe boot_id=" : "", bid, bid[0] ? "\n" : "");
     if (mkdir(d->vms_dir, 0755) == 0 || errno == EEXIST)
-        write_atomic(p, buf, (size_t)n);
+        sp_qemu__write_atomic(p, buf, (size_t)n);
     sp_log(SP_LOG_INFO, "qemu", "accelerator=%s reason=\"%s\"", d->accel == 1 ? "kvm" : "tcg", why);
 }
 
-void record_accel(sp_qemu_t *d, const char *why)
+void sp_qemu__record_accel(sp_qemu_t *d, const char *why)
 {
     record_accel_ex(d, why, false);
 }
@@ -702,29 +703,29 @@ void record_accel(sp_qemu_t *d, const char *why)
 static void on_kvm_probe(struct child *c, int st, bool timed_out, void *arg)
 {
     sp_qemu_t *d = arg;
-    child_free(c);
+    sp_qemu__child_free(c);
     d->kvm_probe = NULL;
     char why[256];
     if (!timed_out && st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
         d->accel = 1;
-        sfmt(why, sizeof why, "a probe guest booted under /dev/kvm");
+        sp_qemu__sfmt(why, sizeof why, "a probe guest booted under /dev/kvm");
     } else {
         d->accel = 0;
         if (timed_out)
-            sfmt(why, sizeof why,
-                 "/dev/kvm opens but a probe guest did not boot within %u ms (software "
-                 "KVM such as PVM, or broken); falling back to TCG",
-                 d->probe_ms);
+            sp_qemu__sfmt(why, sizeof why,
+                          "/dev/kvm opens but a probe guest did not boot within %u ms (software "
+                          "KVM such as PVM, or broken); falling back to TCG",
+                          d->probe_ms);
         else
-            sfmt(why, sizeof why,
-                 "a probe guest under /dev/kvm failed (status %d, see vms/kvm-probe.log); "
-                 "falling back to TCG",
-                 st);
+            sp_qemu__sfmt(why, sizeof why,
+                          "a probe guest under /dev/kvm failed (status %d, see vms/kvm-probe.log); "
+                          "falling back to TCG",
+                          st);
     }
     record_accel_ex(d, why, true);
     if (!d->gc_done)
-        tsnap_gc(d); /* keys depend on the accelerator: this is the first chance */
-    kick(d);
+        sp_qemu__tsnap_gc(d); /* keys depend on the accelerator: this is the first chance */
+    sp_qemu__kick(d);
 }
 
 /* Boots the guest kernel under KVM with no init to find: a kernel that works panics at
@@ -732,8 +733,8 @@ static void on_kvm_probe(struct child *c, int st, bool timed_out, void *arg)
 static void start_kvm_probe(sp_qemu_t *d, const char *kernel)
 {
     char log[PATH_MAX + 32], serial[PATH_MAX + 40];
-    sfmt(log, sizeof log, "%s/kvm-probe.log", d->vms_dir);
-    sfmt(serial, sizeof serial, "file:%s", log);
+    sp_qemu__sfmt(log, sizeof log, "%s/kvm-probe.log", d->vms_dir);
+    sp_qemu__sfmt(serial, sizeof serial, "file:%s", log);
     unlink(log);
     char *argv[] = {d->qemu,
                     "-M",
@@ -760,18 +761,18 @@ static void start_kvm_probe(sp_qemu_t *d, const char *kernel)
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL, .new_session = true};
     sp_err_t e;
     sp_log(SP_LOG_INFO, "qemu", "probing KVM timeout_ms=%u", d->probe_ms);
-    d->kvm_probe = child_start(d, argv, &so, d->probe_ms, on_kvm_probe, d, &e);
+    d->kvm_probe = sp_qemu__child_start(d, argv, &so, d->probe_ms, on_kvm_probe, d, &e);
     if (d->kvm_probe == NULL) {
         d->accel = 0;
-        record_accel(d, "cannot start the KVM probe; using TCG");
-        kick(d);
+        sp_qemu__record_accel(d, "cannot start the KVM probe; using TCG");
+        sp_qemu__kick(d);
     }
 }
 
 static void on_sandbox_probe(struct child *c, int st, bool timed_out, void *arg)
 {
     sp_qemu_t *d = arg;
-    child_free(c);
+    sp_qemu__child_free(c);
     d->sandbox_probe = NULL;
     d->sandbox = !timed_out && st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
     if (d->sandbox)
@@ -779,11 +780,11 @@ static void on_sandbox_probe(struct child *c, int st, bool timed_out, void *arg)
                SP_QEMU_SANDBOX_ARG);
     else
         sp_log(SP_LOG_WARN, "qemu", "qemu has no usable -sandbox: VMs run without seccomp");
-    kick(d);
+    sp_qemu__kick(d);
 }
 
 /* Starts QEMU with no machine and the sandbox flags, feeding QMP on stdin a quit. */
-void start_sandbox_probe(sp_qemu_t *d)
+void sp_qemu__start_sandbox_probe(sp_qemu_t *d)
 {
     int p[2];
     if (pipe2(p, O_CLOEXEC) < 0) {
@@ -812,7 +813,8 @@ void start_sandbox_probe(sp_qemu_t *d)
                     NULL};
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = p[0], .cg = NULL};
     sp_err_t e;
-    d->sandbox_probe = child_start(d, argv, &so, SP_QEMU_SANDBOX_PROBE, on_sandbox_probe, d, &e);
+    d->sandbox_probe =
+        sp_qemu__child_start(d, argv, &so, SP_QEMU_SANDBOX_PROBE, on_sandbox_probe, d, &e);
     close(p[0]);
     if (d->sandbox_probe == NULL)
         d->sandbox = 0;
@@ -822,7 +824,7 @@ static void boot_begin(struct vm *vm);
 
 /* Moves boots along once the verdicts are in; starts the KVM probe on the first boot
  * (it needs a guest kernel, which only a boot names). */
-void on_kick(sp_timer_t *t, void *arg)
+void sp_qemu__on_kick(sp_timer_t *t, void *arg)
 {
     sp_qemu_t *d = arg;
     for (struct vm *vm = d->vms; vm != NULL;) {
@@ -842,7 +844,7 @@ static void boot_begin(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
     if (vm->tsnap_req) {
-        tsnap_req_step(vm);
+        sp_qemu__tsnap_req_step(vm);
         return;
     }
     if (vm->restoring) {
@@ -854,12 +856,12 @@ static void boot_begin(struct vm *vm)
         start_disk(vm);
         return;
     }
-    struct tsnap *t = tsnap_for(vm);
+    struct tsnap *t = sp_qemu__tsnap_for(vm);
     if (vm->pooled && (t == NULL || t->state == TS_FAILED)) {
         sp_log(SP_LOG_INFO, "qemu", "spare clone not made key=%s reason=\"no template snapshot\"",
                vm->pool_key);
         vm->boot_failed = true; /* retried later */
-        vm_stop(vm, false);
+        sp_qemu__vm_stop(vm, false);
         return;
     }
     if (t == NULL) {
@@ -868,7 +870,7 @@ static void boot_begin(struct vm *vm)
         return;
     }
     if (!vm->pooled && d->pool_size > 0)
-        pool_note(d, t->key, vm); /* spares of this size from now on */
+        sp_qemu__pool_note(d, t->key, vm); /* spares of this size from now on */
     switch (t->state) {
     case TS_READY:
         vm->clone_src = strdup(t->dir);
@@ -879,7 +881,8 @@ static void boot_begin(struct vm *vm)
         }
         vm->tsnap_wait = t;
         vm->clone_boot = true;
-        vm->restoring = true; /* start_qemu: -incoming defer; on_qmp_ready: restore_begin */
+        /* start_qemu: -incoming defer; on_qmp_ready: sp_qemu__restore_begin */
+        vm->restoring = true;
         start_disk(vm);
         return;
     case TS_BUILDING:

@@ -51,7 +51,7 @@ static void on_done_timer(sp_timer_t *t, void *arg)
 }
 
 /* Queues cb for the next loop turn. Only fails on allocation. */
-int complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err)
+int sp_qemu__complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err)
 {
     struct done *x = calloc(1, sizeof(*x));
     if (x == NULL)
@@ -72,20 +72,20 @@ int complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err)
     return 0;
 }
 
-void complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err)
+void sp_qemu__complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err)
 {
     struct waiter *w = *list;
     *list = NULL;
     while (w != NULL) {
         struct waiter *n = w->next;
-        if (complete(d, w->cb, w->arg, err) < 0)
+        if (sp_qemu__complete(d, w->cb, w->arg, err) < 0)
             sp_log(SP_LOG_ERROR, "qemu", "out of memory: a driver callback is lost");
         free(w);
         w = n;
     }
 }
 
-int add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err)
+int sp_qemu__add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err)
 {
     struct waiter *w = calloc(1, sizeof(*w));
     if (w == NULL)
@@ -99,7 +99,7 @@ int add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err)
 
 /* ---------- VM table ---------- */
 
-struct vm *vm_find(sp_qemu_t *d, const char *id)
+struct vm *sp_qemu__vm_find(sp_qemu_t *d, const char *id)
 {
     for (struct vm *v = d->vms; v != NULL; v = v->next)
         if (!v->pooled && strcmp(v->id, id) == 0)
@@ -107,7 +107,7 @@ struct vm *vm_find(sp_qemu_t *d, const char *id)
     return NULL;
 }
 
-void vm_unlink(struct vm *vm)
+void sp_qemu__vm_unlink(struct vm *vm)
 {
     struct vm **pp = &vm->d->vms;
     while (*pp != NULL && *pp != vm)
@@ -118,19 +118,19 @@ void vm_unlink(struct vm *vm)
 
 static void on_kill_timer(sp_timer_t *t, void *arg);
 
-struct vm *vm_new(sp_qemu_t *d, const char *id)
+struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id)
 {
     struct vm *vm = calloc(1, sizeof(*vm));
     if (vm == NULL)
         return NULL;
     vm->d = d;
-    sfmt(vm->id, sizeof vm->id, "%s", id);
-    sfmt(vm->dir, sizeof vm->dir, "%s/%s", d->vms_dir, id);
+    sp_qemu__sfmt(vm->id, sizeof vm->id, "%s", id);
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s/%s", d->vms_dir, id);
     vm->pidfd = -1;
-    sp_timer_init(&vm->qmp_timer, d->base.loop, on_qmp_timer, vm);
-    sp_timer_init(&vm->boot_timer, d->base.loop, on_boot_timeout, vm);
+    sp_timer_init(&vm->qmp_timer, d->base.loop, sp_qemu__on_qmp_timer, vm);
+    sp_timer_init(&vm->boot_timer, d->base.loop, sp_qemu__on_boot_timeout, vm);
     sp_timer_init(&vm->kill_timer, d->base.loop, on_kill_timer, vm);
-    sp_timer_init(&vm->snap_timer, d->base.loop, on_snap_timer, vm);
+    sp_timer_init(&vm->snap_timer, d->base.loop, sp_qemu__on_snap_timer, vm);
     vm->snap_fd = -1;
     vm->next = d->vms;
     d->vms = vm;
@@ -138,7 +138,7 @@ struct vm *vm_new(sp_qemu_t *d, const char *id)
 }
 
 /* Drops every connection and watcher of the VM (not the process). */
-void vm_disconnect(struct vm *vm)
+void sp_qemu__vm_disconnect(struct vm *vm)
 {
     sp_timer_stop(&vm->qmp_timer);
     sp_timer_stop(&vm->boot_timer);
@@ -167,24 +167,24 @@ void vm_disconnect(struct vm *vm)
     vm->pw = NULL;
 }
 
-void vm_free(struct vm *vm)
+void sp_qemu__vm_free(struct vm *vm)
 {
-    vm_disconnect(vm);
+    sp_qemu__vm_disconnect(vm);
     if (vm->img != NULL) { /* driver going away mid-boot: let qemu-img finish on its own */
-        child_free(vm->img);
+        sp_qemu__child_free(vm->img);
         vm->img = NULL;
     }
     if (vm->sync != NULL) {
-        child_free(vm->sync);
+        sp_qemu__child_free(vm->sync);
         vm->sync = NULL;
     }
     if (vm->pidfd >= 0)
         close(vm->pidfd);
     if (vm->snap_fd >= 0)
         close(vm->snap_fd);
-    sumjob_abandon(vm->sum);
+    sp_qemu__sumjob_abandon(vm->sum);
     vm->sum = NULL;
-    sumjob_abandon(vm->delta);
+    sp_qemu__sumjob_abandon(vm->delta);
     vm->delta = NULL;
     struct waiter *lists[3] = {vm->boot_w, vm->destroy_w, vm->snap_w};
     for (int i = 0; i < 3; i++) {
@@ -203,23 +203,23 @@ void vm_free(struct vm *vm)
 
 /* The pid in the VM dir's qemu.pid if that process is alive and is QEMU running this VM
  * (its command line names the VM directory), else 0. */
-pid_t live_qemu_pid(const char *dir)
+pid_t sp_qemu__live_qemu_pid(const char *dir)
 {
     char p[PATH_MAX + 16], buf[64];
-    sfmt(p, sizeof p, "%s/qemu.pid", dir);
-    if (read_small(p, buf, sizeof buf) <= 0)
+    sp_qemu__sfmt(p, sizeof p, "%s/qemu.pid", dir);
+    if (sp_qemu__read_small(p, buf, sizeof buf) <= 0)
         return 0;
     long pid = strtol(buf, NULL, 10);
     if (pid <= 1 || pid > INT_MAX)
         return 0;
-    sfmt(p, sizeof p, "/proc/%ld/stat", pid);
+    sp_qemu__sfmt(p, sizeof p, "/proc/%ld/stat", pid);
     char st[512];
-    if (read_small(p, st, sizeof st) <= 0)
+    if (sp_qemu__read_small(p, st, sizeof st) <= 0)
         return 0;
     char *rp = strrchr(st, ')');
     if (rp == NULL || rp[1] != ' ' || rp[2] == 'Z' || rp[2] == 'X')
         return 0; /* a zombie is dead for our purposes */
-    sfmt(p, sizeof p, "/proc/%ld/cmdline", pid);
+    sp_qemu__sfmt(p, sizeof p, "/proc/%ld/cmdline", pid);
     int fd = open(p, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return 0;
@@ -234,16 +234,16 @@ pid_t live_qemu_pid(const char *dir)
                 cmd[i] = ' ';
         cmd[n] = '\0';
         char needle[PATH_MAX + 8];
-        sfmt(needle, sizeof needle, "%s/", dir);
+        sp_qemu__sfmt(needle, sizeof needle, "%s/", dir);
         ours = strstr(cmd, needle) != NULL;
         if (!ours) {
             /* a spare clone taken by this sandbox: its command line names the spare's dir,
-             * which pool_take recorded before moving it here */
+             * which sp_qemu__pool_take recorded before moving it here */
             char org[PATH_MAX], op[PATH_MAX + 16];
-            sfmt(op, sizeof op, "%s/pool.origin", dir);
-            ssize_t k = read_small(op, org, sizeof org);
+            sp_qemu__sfmt(op, sizeof op, "%s/pool.origin", dir);
+            ssize_t k = sp_qemu__read_small(op, org, sizeof org);
             if (k > 0 && org[0] == '/') {
-                sfmt(needle, sizeof needle, "%s/", org);
+                sp_qemu__sfmt(needle, sizeof needle, "%s/", org);
                 ours = strstr(cmd, needle) != NULL;
             }
         }
@@ -252,22 +252,22 @@ pid_t live_qemu_pid(const char *dir)
     return ours ? (pid_t)pid : 0;
 }
 
-/* live_qemu_pid() for a VM dir, except that a QEMU an earlier driver left before its boot or
- * restore finished (<vm>/booting is written before QEMU starts and removed once the agent has
+/* sp_qemu__live_qemu_pid() for a VM dir, except that a QEMU an earlier driver left before its boot
+ * or restore finished (<vm>/booting is written before QEMU starts and removed once the agent has
  * taken IDENTITY) is killed and 0 returned: its state is unknown (maybe still waiting for its
  * device state, maybe paused, surely without its identity). A committed snapshot then makes
  * the sandbox SUSPENDED again, anything else ABSENT: the controller boots or wakes it again.
  * Blocks up to a second for the process to die. */
-pid_t live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir)
+pid_t sp_qemu__live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir)
 {
-    pid_t pid = live_qemu_pid(vdir);
+    pid_t pid = sp_qemu__live_qemu_pid(vdir);
     char p[PATH_MAX + 16];
-    sfmt(p, sizeof p, "%s/booting", vdir);
-    if (pid <= 0 || !file_exists(p) || vm_find(d, id) != NULL)
+    sp_qemu__sfmt(p, sizeof p, "%s/booting", vdir);
+    if (pid <= 0 || !sp_qemu__file_exists(p) || sp_qemu__vm_find(d, id) != NULL)
         return pid;
     sp_log(SP_LOG_WARN, "qemu", "killing a vm left mid-boot by an earlier driver sandbox=%s pid=%d",
            id, (int)pid);
-    int pfd = pidfd_open_(pid);
+    int pfd = sp_qemu__pidfd_open(pid);
     kill(-pid, SIGKILL);
     kill(pid, SIGKILL);
     if (pfd >= 0) {
@@ -275,10 +275,10 @@ pid_t live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir)
         poll(&pf, 1, 1000);
         close(pfd);
     }
-    cg_remove(d, id);
+    sp_qemu__cg_remove(d, id);
     static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused", "booting"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        sfmt(p, sizeof p, "%s/%s", vdir, names[i]);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", vdir, names[i]);
         unlink(p);
     }
     return 0;
@@ -291,14 +291,14 @@ static void remove_runtime_files(const struct vm *vm)
                                         "paused",     "vm.json",  "mem.ram",    "booting"};
     char p[PATH_MAX + 16];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        vm_path(vm, names[i], p, sizeof p);
+        sp_qemu__vm_path(vm, names[i], p, sizeof p);
         unlink(p);
     }
 }
 
 /* ---------- process exit, stopping ---------- */
 
-void on_vm_exit(sp_watch_t *w, int events, void *arg)
+void sp_qemu__on_vm_exit(sp_watch_t *w, int events, void *arg)
 {
     struct vm *vm = arg;
     {
@@ -316,15 +316,15 @@ void on_vm_exit(sp_watch_t *w, int events, void *arg)
     sp_watch_destroy(vm->pw);
     vm->pw = NULL;
     if (vm->ph == PH_STOPPING) {
-        vm_finish(vm);
+        sp_qemu__vm_finish(vm);
         return;
     }
     if (vm->ph == PH_SUSPENDING && vm->snap_step == SN_QUIT) {
-        suspend_finish(vm);
+        sp_qemu__suspend_finish(vm);
         return;
     }
     char tail[1024];
-    console_tail(vm, tail, sizeof tail);
+    sp_qemu__console_tail(vm, tail, sizeof tail);
     if (vm->ph < PH_UP) {
         sp_log(SP_LOG_WARN, "qemu", "guest did not come up: qemu exited sandbox=%s console=%s",
                vm->id, tail);
@@ -335,7 +335,7 @@ void on_vm_exit(sp_watch_t *w, int events, void *arg)
     }
     vm->keep_logs = true;
     vm->ph = PH_STOPPING;
-    vm_finish(vm);
+    sp_qemu__vm_finish(vm);
 }
 
 static void on_kill_timer(sp_timer_t *t, void *arg)
@@ -354,8 +354,8 @@ static void on_quit_reply(void *arg, json_t *ret, const sp_err_t *err)
     /* Nothing: the pidfd tells us when QEMU is gone; the kill timer backs it up. */
 }
 
-/* Starts tearing the VM down. graceful: QMP quit first. vm_finish runs once it is dead. */
-void vm_stop(struct vm *vm, bool graceful)
+/* Starts tearing the VM down. graceful: QMP quit first. sp_qemu__vm_finish runs once it is dead. */
+void sp_qemu__vm_stop(struct vm *vm, bool graceful)
 {
     if (vm->ph == PH_STOPPING)
         return;
@@ -379,7 +379,7 @@ void vm_stop(struct vm *vm, bool graceful)
         return;
     }
     if (vm->pid <= 0 || vm->exited || vm->pw == NULL) {
-        vm_finish(vm);
+        sp_qemu__vm_finish(vm);
         return;
     }
     sp_err_t e;
@@ -393,19 +393,19 @@ void vm_stop(struct vm *vm, bool graceful)
 
 /* The VM's process is gone (or never started): remove what it had and answer waiters.
  * Always runs from a loop callback, never inside a driver call. */
-void vm_finish(struct vm *vm)
+void sp_qemu__vm_finish(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
-    vm_disconnect(vm);
+    sp_qemu__vm_disconnect(vm);
     if (vm->pid > 0 && !vm->exited && kill(vm->pid, 0) == 0) {
         kill(-vm->pid, SIGKILL); /* lost its pidfd watch somehow: make sure */
         kill(vm->pid, SIGKILL);
     }
-    cg_remove(d, vm->id);
+    sp_qemu__cg_remove(d, vm->id);
     if (!vm->pooled)
-        pool_origin_remove(vm);
+        sp_qemu__pool_origin_remove(vm);
     if (vm->tsnap_build != NULL) {
-        tsnap_failed(vm, vm->boot_failed ? vm->boot_err.msg : "the builder VM went away");
+        sp_qemu__tsnap_failed(vm, vm->boot_failed ? vm->boot_err.msg : "the builder VM went away");
     } else if (vm->clone_boot && vm->destroy_w == NULL && vm->boot_w != NULL && vm->tp != NULL) {
         /* A clone that did not come up: cold-boot the same sandbox instead; later boots
          * keep cloning (a snapshot that QEMU refuses fails every clone the same way, and
@@ -430,35 +430,35 @@ void vm_finish(struct vm *vm)
         vm->paused = false;
         vm->ph = PH_WAIT_ACCEL;
         sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
-        kick(d);
+        sp_qemu__kick(d);
         return;
     }
     if (vm->pooled) {
         if (vm->boot_failed)
-            pool_failed(d, vm->pool_key);
-        rm_rf(vm->dir); /* a spare's logs were logged (console tail) when it failed */
+            sp_qemu__pool_failed(d, vm->pool_key);
+        sp_qemu__rm_rf(vm->dir); /* a spare's logs were logged (console tail) when it failed */
     } else if (vm->restoring && vm->destroy_w == NULL) {
         /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
         static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused",
                                             "booting"};
         char p[PATH_MAX + 16];
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-            vm_path(vm, names[i], p, sizeof p);
+            sp_qemu__vm_path(vm, names[i], p, sizeof p);
             unlink(p);
         }
     } else if (vm->keep_logs && vm->destroy_w == NULL) {
         remove_runtime_files(vm);
     } else {
-        rm_rf(vm->dir);
+        sp_qemu__rm_rf(vm->dir);
     }
-    vm_unlink(vm);
+    sp_qemu__vm_unlink(vm);
     sp_err_t cancel;
     sp_err_set(&cancel, SP_ERUNTIME, "boot cancelled: the sandbox was deleted");
-    complete_all(d, &vm->boot_w, vm->boot_failed ? &vm->boot_err : &cancel);
+    sp_qemu__complete_all(d, &vm->boot_w, vm->boot_failed ? &vm->boot_err : &cancel);
     sp_err_set(&cancel, SP_ERUNTIME, "suspend failed: the VM went away");
-    complete_all(d, &vm->snap_w, &cancel);
-    complete_all(d, &vm->destroy_w, NULL);
-    vm_free(vm);
+    sp_qemu__complete_all(d, &vm->snap_w, &cancel);
+    sp_qemu__complete_all(d, &vm->destroy_w, NULL);
+    sp_qemu__vm_free(vm);
 }
 
 static void on_console_tick(sp_timer_t *t, void *arg)
@@ -466,7 +466,7 @@ static void on_console_tick(sp_timer_t *t, void *arg)
     sp_qemu_t *d = arg;
     for (struct vm *vm = d->vms; vm != NULL; vm = vm->next)
         if (vm->ph >= PH_START && vm->ph < PH_STOPPING)
-            console_trim(vm);
+            sp_qemu__console_trim(vm);
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
 }
 
@@ -474,13 +474,13 @@ static void on_console_tick(sp_timer_t *t, void *arg)
 
 /* Takes over a live QEMU found on disk: watch it, reconnect QMP and the agent channel.
  * NULL when pid is not watchable (gone in between). */
-struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
+struct vm *sp_qemu__vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
 {
-    int pfd = pidfd_open_(pid);
+    int pfd = sp_qemu__pidfd_open(pid);
     if (pfd < 0)
         return NULL;
     fcntl(pfd, F_SETFD, FD_CLOEXEC);
-    struct vm *vm = vm_new(d, id);
+    struct vm *vm = sp_qemu__vm_new(d, id);
     if (vm == NULL) {
         close(pfd);
         return NULL;
@@ -489,15 +489,15 @@ struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
     vm->pidfd = pfd;
     vm->adopted = true;
     vm->ph = PH_UP;
-    read_vm_json(vm);
+    sp_qemu__read_vm_json(vm);
     char p[PATH_MAX + 16];
-    vm_path(vm, "paused", p, sizeof p);
-    vm->paused = file_exists(p);
+    sp_qemu__vm_path(vm, "paused", p, sizeof p);
+    vm->paused = sp_qemu__file_exists(p);
     vm->cg = sp_cgroup_vm_exists(d->cg, id); /* groups outlive spaced: nothing to redo */
-    vm->pw = sp_watch_create(d->base.loop, vm->pidfd, on_vm_exit, vm);
+    vm->pw = sp_watch_create(d->base.loop, vm->pidfd, sp_qemu__on_vm_exit, vm);
     if (vm->pw == NULL) {
-        vm_unlink(vm);
-        vm_free(vm);
+        sp_qemu__vm_unlink(vm);
+        sp_qemu__vm_free(vm);
         return NULL;
     }
     sp_watch_set(vm->pw, SP_IO_READ);
@@ -507,20 +507,20 @@ struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
 
 static void vm_adopt_connect(struct vm *vm)
 {
-    qmp_try_connect(vm);
-    agent_start(vm);
+    sp_qemu__qmp_try_connect(vm);
+    sp_qemu__agent_start(vm);
 }
 
 /* A builder's or spare's dir an earlier driver left: its QEMU, files and cgroup (cid) go. */
 static void remove_leftover(sp_qemu_t *d, const char *dir, const char *cid)
 {
-    pid_t pid = live_qemu_pid(dir);
+    pid_t pid = sp_qemu__live_qemu_pid(dir);
     if (pid > 0) {
         kill(-pid, SIGKILL);
         kill(pid, SIGKILL);
     }
-    rm_rf(dir);
-    cg_remove(d, cid);
+    sp_qemu__rm_rf(dir);
+    sp_qemu__cg_remove(d, cid);
 }
 
 static void adopt_all(sp_qemu_t *d)
@@ -534,17 +534,17 @@ static void adopt_all(sp_qemu_t *d)
         if (strncmp(de->d_name, ".tsnap-", 7) == 0) {
             /* a template snapshot builder of an earlier driver: never finished, never adopted
              * (one of a live driver in another process is left to it) */
-            if (tsnap_tmp_foreign(de->d_name))
+            if (sp_qemu__tsnap_tmp_foreign(de->d_name))
                 continue;
             char tdir[PATH_MAX], cid[SP_QEMU_ID_MAX + 1];
-            sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
-            sfmt(cid, sizeof cid, "tsnap:%.16s", de->d_name + 7);
+            sp_qemu__sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
+            sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.16s", de->d_name + 7);
             remove_leftover(d, tdir, cid);
             continue;
         }
         if (strncmp(de->d_name, ".pool-", 6) == 0) {
             char pdir[PATH_MAX];
-            sfmt(pdir, sizeof pdir, "%s/%s", d->vms_dir, de->d_name);
+            sp_qemu__sfmt(pdir, sizeof pdir, "%s/%s", d->vms_dir, de->d_name);
             struct stat lst;
             if (lstat(pdir, &lst) == 0 && S_ISLNK(lst.st_mode)) {
                 /* the old name of a taken spare: kept while its QEMU runs */
@@ -553,24 +553,25 @@ static void adopt_all(sp_qemu_t *d)
                 tgt[k > 0 ? k : 0] = '\0';
                 char tdir[PATH_MAX * 2];
                 snprintf(tdir, sizeof tdir, "%s/%s", d->vms_dir, tgt);
-                if (k <= 0 || strchr(tgt, '/') != NULL || live_qemu_pid(tdir) <= 0)
+                if (k <= 0 || strchr(tgt, '/') != NULL || sp_qemu__live_qemu_pid(tdir) <= 0)
                     unlink(pdir);
                 continue;
             }
             /* a spare clone of an earlier driver: no sandbox, never adopted */
-            if (tsnap_tmp_foreign(de->d_name))
+            if (sp_qemu__tsnap_tmp_foreign(de->d_name))
                 continue;
             char cid[SP_QEMU_ID_MAX + 1];
-            sfmt(cid, sizeof cid, "pool:%.40s", de->d_name + 6);
+            sp_qemu__sfmt(cid, sizeof cid, "pool:%.40s", de->d_name + 6);
             remove_leftover(d, pdir, cid);
             continue;
         }
-        if (d->no_adopt || !valid_id(de->d_name) || vm_find(d, de->d_name) != NULL)
+        if (d->no_adopt || !sp_qemu__valid_id(de->d_name) ||
+            sp_qemu__vm_find(d, de->d_name) != NULL)
             continue;
         char vdir[PATH_MAX];
-        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, de->d_name);
-        pid_t pid = live_vm_pid(d, de->d_name, vdir);
-        if (pid > 0 && vm_adopt(d, de->d_name, pid) != NULL)
+        sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, de->d_name);
+        pid_t pid = sp_qemu__live_vm_pid(d, de->d_name, vdir);
+        if (pid > 0 && sp_qemu__vm_adopt(d, de->d_name, pid) != NULL)
             n++;
     }
     closedir(dir);
@@ -584,29 +585,29 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
                   sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (spec == NULL || !valid_id(spec->sandbox_id))
+    if (spec == NULL || !sp_qemu__valid_id(spec->sandbox_id))
         return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
     if (d->no_adopt)
         return sp_err_set(err, SP_ECONFLICT, "this driver only builds template snapshots");
-    struct vm *vm = vm_find(d, spec->sandbox_id);
+    struct vm *vm = sp_qemu__vm_find(d, spec->sandbox_id);
     if (vm == NULL) {
         char vdir[PATH_MAX];
-        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
-        pid_t pid = live_vm_pid(d, spec->sandbox_id, vdir);
+        sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+        pid_t pid = sp_qemu__live_vm_pid(d, spec->sandbox_id, vdir);
         if (pid > 0)
-            vm = vm_adopt(d, spec->sandbox_id, pid);
-        else if (snapshot_committed(vdir))
+            vm = sp_qemu__vm_adopt(d, spec->sandbox_id, pid);
+        else if (sp_qemu__snapshot_committed(vdir))
             return sp_err_set(err, SP_ECONFLICT, "sandbox has a snapshot: restore it instead");
     }
     if (vm != NULL) {
         if (vm->ph == PH_STOPPING)
             return sp_err_set(err, SP_ECONFLICT, "sandbox is being deleted");
         if (vm->ph == PH_UP) {
-            if (complete(d, cb, arg, NULL) < 0)
+            if (sp_qemu__complete(d, cb, arg, NULL) < 0)
                 return sp_err_set(err, SP_EINTERNAL, "out of memory");
             return 0;
         }
-        return add_waiter(&vm->boot_w, cb, arg, err); /* joins the boot in progress */
+        return sp_qemu__add_waiter(&vm->boot_w, cb, arg, err); /* joins the boot in progress */
     }
     if (spec->env_json != NULL) {
         json_t *env = json_loads(spec->env_json, 0, NULL);
@@ -629,29 +630,29 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         int cpus = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
         int mem = spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
         char key[17];
-        if (tsnap_key_for(d, tp, cpus, mem, key) == 0) {
-            struct poolwant *pw = pool_want(d, key);
+        if (sp_qemu__tsnap_key_for(d, tp, cpus, mem, key) == 0) {
+            struct poolwant *pw = sp_qemu__pool_want(d, key);
             if (pw != NULL)
-                pw->used_ms = mono_ms();
-            struct vm *spare = pool_pick(d, key);
-            if (spare != NULL && pool_take(spare, spec, cb, arg) == 0) {
+                pw->used_ms = sp_qemu__mono_ms();
+            struct vm *spare = sp_qemu__pool_pick(d, key);
+            if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
                 free(tp);
-                pool_kick(d);
+                sp_qemu__pool_kick(d);
                 return 0;
             }
         }
     }
-    vm = vm_new(d, spec->sandbox_id);
-    if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
+    vm = sp_qemu__vm_new(d, spec->sandbox_id);
+    if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
         free(tp);
         if (vm != NULL) {
-            vm_unlink(vm);
-            vm_free(vm);
+            sp_qemu__vm_unlink(vm);
+            sp_qemu__vm_free(vm);
         }
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
     vm->tp = tp;
-    sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
+    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
     vm->cpu_count = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
     vm->memory_mb =
         spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
@@ -659,15 +660,15 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
     vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
     vm->ph = PH_WAIT_ACCEL;
-    vm->boot_start_ms = mono_ms();
+    vm->boot_start_ms = sp_qemu__mono_ms();
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
-    kick(d);
+    sp_qemu__kick(d);
     return 0;
 }
 
-struct vm *running_vm(sp_qemu_t *d, const char *id, sp_err_t *err)
+struct vm *sp_qemu__running_vm(sp_qemu_t *d, const char *id, sp_err_t *err)
 {
-    struct vm *vm = id != NULL && valid_id(id) ? vm_find(d, id) : NULL;
+    struct vm *vm = id != NULL && sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
     if (vm == NULL) {
         sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
         return NULL;
@@ -705,10 +706,10 @@ static void on_pause_resume(void *arg, json_t *ret, const sp_err_t *err)
     if (err == NULL) {
         struct vm *vm = op->vm;
         char p[PATH_MAX + 16];
-        vm_path(vm, "paused", p, sizeof p);
+        sp_qemu__vm_path(vm, "paused", p, sizeof p);
         vm->paused = op->pause;
         if (op->pause)
-            write_atomic(p, "", 0);
+            sp_qemu__write_atomic(p, "", 0);
         else
             unlink(p);
     } else {
@@ -719,7 +720,7 @@ static void on_pause_resume(void *arg, json_t *ret, const sp_err_t *err)
     if (err != NULL)
         sp_err_set(&e, err->code == SP_EUNAVAIL ? SP_EUNAVAIL : SP_ERUNTIME, "%s failed: %s",
                    op->pause ? "pause" : "resume", err->msg);
-    complete(op->d, op->cb, op->arg, err != NULL ? &e : NULL);
+    sp_qemu__complete(op->d, op->cb, op->arg, err != NULL ? &e : NULL);
     free(op);
 }
 
@@ -727,7 +728,7 @@ static int pause_resume(sp_driver_t *base, const char *id, bool pause, sp_driver
                         sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    struct vm *vm = running_vm(d, id, err);
+    struct vm *vm = sp_qemu__running_vm(d, id, err);
     if (vm == NULL)
         return -1;
     struct pr_op *op = calloc(1, sizeof(*op));
@@ -754,33 +755,33 @@ static int q_resume(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg, 
 static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (!valid_id(id))
+    if (!sp_qemu__valid_id(id))
         return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
-    struct vm *vm = vm_find(d, id);
+    struct vm *vm = sp_qemu__vm_find(d, id);
     char vdir[PATH_MAX];
-    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
     if (vm == NULL) {
-        pid_t pid = live_vm_pid(d, id, vdir);
+        pid_t pid = sp_qemu__live_vm_pid(d, id, vdir);
         if (pid > 0)
-            vm = vm_adopt(d, id, pid);
+            vm = sp_qemu__vm_adopt(d, id, pid);
         if (vm == NULL && pid > 0) { /* could not watch it: kill it the blunt way */
             kill(-pid, SIGKILL);
             kill(pid, SIGKILL);
         }
     }
     if (vm == NULL) {
-        cg_remove(d, id);
-        rm_rf(vdir);
-        if (complete(d, cb, arg, NULL) < 0)
+        sp_qemu__cg_remove(d, id);
+        sp_qemu__rm_rf(vdir);
+        if (sp_qemu__complete(d, cb, arg, NULL) < 0)
             return sp_err_set(err, SP_EINTERNAL, "out of memory");
         return 0;
     }
-    if (add_waiter(&vm->destroy_w, cb, arg, err) < 0)
+    if (sp_qemu__add_waiter(&vm->destroy_w, cb, arg, err) < 0)
         return -1;
     if (vm->ph != PH_STOPPING) {
         vm->keep_logs = false;
-        /* vm_stop may finish at once (nothing running): that only queues completions. */
-        vm_stop(vm, vm->ph == PH_UP);
+        /* sp_qemu__vm_stop may finish at once (nothing running): that only queues completions. */
+        sp_qemu__vm_stop(vm, vm->ph == PH_UP);
     }
     return 0;
 }
@@ -788,37 +789,37 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
 static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (!valid_id(id))
+    if (!sp_qemu__valid_id(id))
         return SP_VM_ABSENT;
-    struct vm *vm = vm_find(d, id);
+    struct vm *vm = sp_qemu__vm_find(d, id);
     if (vm != NULL) {
         if (vm->ph == PH_STOPPING)
             return SP_VM_ABSENT;
         return vm->paused ? SP_VM_PAUSED : SP_VM_RUNNING;
     }
     char vdir[PATH_MAX];
-    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
-    pid_t pid = live_vm_pid(d, id, vdir);
+    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+    pid_t pid = sp_qemu__live_vm_pid(d, id, vdir);
     if (pid > 0) {
-        vm = vm_adopt(d, id, pid);
+        vm = sp_qemu__vm_adopt(d, id, pid);
         if (vm != NULL)
             return vm->paused ? SP_VM_PAUSED : SP_VM_RUNNING;
     }
-    if (snapshot_committed(vdir))
+    if (sp_qemu__snapshot_committed(vdir))
         return SP_VM_SUSPENDED;
     struct stat st;
     if (stat(vdir, &st) == 0) {
         sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
-        rm_rf(vdir);
+        sp_qemu__rm_rf(vdir);
     }
-    cg_remove(d, id);
+    sp_qemu__cg_remove(d, id);
     return SP_VM_ABSENT;
 }
 
 static struct sp_agentconn *q_agent(sp_driver_t *base, const char *id)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
+    struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
     if (vm == NULL || vm->ph == PH_STOPPING)
         return NULL;
     return vm->agent;
@@ -827,14 +828,14 @@ static struct sp_agentconn *q_agent(sp_driver_t *base, const char *id)
 static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
+    struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
     if (vm == NULL || vm->pid <= 0 || vm->ph == PH_STOPPING) {
         /* Suspended: no process, but the snapshot's size is what the sandbox costs. */
         char dir[PATH_MAX + 80];
         uint64_t snap = 0;
-        if (valid_id(id)) {
-            sfmt(dir, sizeof dir, "%s/%s", d->vms_dir, id);
-            snap = snapshot_bytes(dir);
+        if (sp_qemu__valid_id(id)) {
+            sp_qemu__sfmt(dir, sizeof dir, "%s/%s", d->vms_dir, id);
+            snap = sp_qemu__snapshot_bytes(dir);
         }
         if (snap == 0)
             return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
@@ -848,14 +849,14 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
     out->disk_total_bytes = vm->disk_total;
 
     char p[PATH_MAX + 32], buf[1024];
-    sfmt(p, sizeof p, "/proc/%d/stat", (int)vm->pid);
-    if (read_small(p, buf, sizeof buf) > 0) {
+    sp_qemu__sfmt(p, sizeof p, "/proc/%d/stat", (int)vm->pid);
+    if (sp_qemu__read_small(p, buf, sizeof buf) > 0) {
         char *rp = strrchr(buf, ')');
         unsigned long long ut = 0, stt = 0;
         /* fields after ")": state(3) ... utime(14) stime(15) */
         if (rp != NULL && sscanf(rp + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
                                  &ut, &stt) == 2) {
-            uint64_t ticks = ut + stt, now = mono_ms();
+            uint64_t ticks = ut + stt, now = sp_qemu__mono_ms();
             long hz = sysconf(_SC_CLK_TCK);
             if (vm->cpu_ms != 0 && now > vm->cpu_ms && hz > 0) {
                 double used_ms = (double)(ticks - vm->cpu_ticks) * 1000.0 / (double)hz;
@@ -875,7 +876,7 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
     if (vm->cg && sp_cgroup_vm_mem_used(d->cg, vm->id, &out->mem_used_bytes) == 0)
         mem = out->mem_used_bytes > 0;
     if (!mem) {
-        sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);
+        sp_qemu__sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);
         FILE *f = fopen(p, "re");
         if (f != NULL) {
             while (fgets(buf, sizeof buf, f) != NULL) {
@@ -889,11 +890,11 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
         }
     }
     struct stat st;
-    vm_path(vm, "disk.qcow2", p, sizeof p);
+    sp_qemu__vm_path(vm, "disk.qcow2", p, sizeof p);
     if (stat(p, &st) == 0)
         out->disk_used_bytes = (uint64_t)st.st_blocks * 512u;
-    out->snapshot_bytes = snapshot_bytes(vm->dir);
-    console_trim(vm);
+    out->snapshot_bytes = sp_qemu__snapshot_bytes(vm->dir);
+    sp_qemu__console_trim(vm);
     return 0;
 }
 
@@ -914,20 +915,20 @@ static void q_free(sp_driver_t *base)
                 poll(&pf, 1, 1000);
                 waitpid(vm->pid, NULL, WNOHANG);
             }
-            cg_remove(d, vm->id); /* waits briefly for the group to empty */
-            rm_rf(vm->dir);
+            sp_qemu__cg_remove(d, vm->id); /* waits briefly for the group to empty */
+            sp_qemu__rm_rf(vm->dir);
         }
-        vm_free(vm);
+        sp_qemu__vm_free(vm);
     }
     if (d->kvm_probe != NULL) {
         kill(d->kvm_probe->pid, SIGKILL);
         waitpid(d->kvm_probe->pid, NULL, 0); /* killed: returns at once */
-        child_free(d->kvm_probe);
+        sp_qemu__child_free(d->kvm_probe);
     }
     if (d->sandbox_probe != NULL) {
         kill(d->sandbox_probe->pid, SIGKILL);
         waitpid(d->sandbox_probe->pid, NULL, 0);
-        child_free(d->sandbox_probe);
+        sp_qemu__child_free(d->sandbox_probe);
     }
     while (d->done_head != NULL) { /* the owner is going away: drop its callbacks */
         struct done *x = d->done_head;
@@ -954,13 +955,13 @@ static void q_free(sp_driver_t *base)
     free(d);
 }
 
-const sp_driver_ops_t qemu_ops = {
+const sp_driver_ops_t sp_qemu__ops = {
     .name = "qemu",
     .boot = q_boot,
     .pause = q_pause,
     .resume = q_resume,
-    .snapshot = q_snapshot,
-    .restore = q_restore,
+    .snapshot = sp_qemu__q_snapshot,
+    .restore = sp_qemu__q_restore,
     .destroy = q_destroy,
     .probe = q_probe,
     .agent = q_agent,
@@ -990,7 +991,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_err_set(err, SP_EINTERNAL, "out of memory");
         return NULL;
     }
-    d->base.ops = &qemu_ops;
+    d->base.ops = &sp_qemu__ops;
     d->base.loop = loop;
     d->want = want;
     char abs[PATH_MAX];
@@ -1000,20 +1001,20 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         return NULL;
     }
     if (realpath(o->data_dir, abs) == NULL)
-        sfmt(abs, sizeof abs, "%s", o->data_dir);
-    sfmt(d->data_dir, sizeof d->data_dir, "%s", abs);
-    sfmt(d->vms_dir, sizeof d->vms_dir, "%s/vms", abs);
+        sp_qemu__sfmt(abs, sizeof abs, "%s", o->data_dir);
+    sp_qemu__sfmt(d->data_dir, sizeof d->data_dir, "%s", abs);
+    sp_qemu__sfmt(d->vms_dir, sizeof d->vms_dir, "%s/vms", abs);
     d->qemu = strdup(o->qemu != NULL ? o->qemu : "qemu-system-x86_64");
     d->qemu_img = strdup(o->qemu_img != NULL ? o->qemu_img : "qemu-img");
-    d->boot_timeout_ms = env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
-    d->probe_ms = env_ms("SPACE_KVM_PROBE_MS", SP_QEMU_KVM_PROBE_MS);
+    d->boot_timeout_ms = sp_qemu__env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
+    d->probe_ms = sp_qemu__env_ms("SPACE_KVM_PROBE_MS", SP_QEMU_KVM_PROBE_MS);
     const char *cold = getenv("SPACE_COLD_BOOT");
     d->cold_only = o->cold_boot || (cold != NULL && strcmp(cold, "1") == 0);
     d->no_adopt = o->no_adopt != 0;
     sp_timer_init(&d->done_timer, loop, on_done_timer, d);
-    sp_timer_init(&d->kick_timer, loop, on_kick, d);
+    sp_timer_init(&d->kick_timer, loop, sp_qemu__on_kick, d);
     sp_timer_init(&d->console_timer, loop, on_console_tick, d);
-    sp_timer_init(&d->pool_timer, loop, on_pool_timer, d);
+    sp_timer_init(&d->pool_timer, loop, sp_qemu__on_pool_timer, d);
     {
         long ps = o->pool_size;
         const char *env = getenv("SPACE_POOL_SIZE");
@@ -1036,7 +1037,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_err_set(err, SP_EINTERNAL, "out of memory");
         return NULL;
     }
-    if (!have_program(d->qemu) || !have_program(d->qemu_img)) {
+    if (!sp_qemu__have_program(d->qemu) || !sp_qemu__have_program(d->qemu_img)) {
         sp_log(SP_LOG_WARN, "qemu", "qemu not found qemu=%s qemu_img=%s", d->qemu, d->qemu_img);
         q_free(&d->base);
         sp_err_set(err, SP_ERUNTIME, "QEMU (qemu-system-x86_64, qemu-img) is not installed");
@@ -1045,11 +1046,11 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     {
         char qp[PATH_MAX];
         struct stat qs;
-        if (resolve_program(d->qemu, qp) && stat(qp, &qs) == 0)
-            sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s:%lld:%lld", qp, (long long)qs.st_size,
-                 (long long)qs.st_mtime);
+        if (sp_qemu__resolve_program(d->qemu, qp) && stat(qp, &qs) == 0)
+            sp_qemu__sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s:%lld:%lld", qp,
+                          (long long)qs.st_size, (long long)qs.st_mtime);
         else
-            sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s", d->qemu);
+            sp_qemu__sfmt(d->qemu_ident, sizeof d->qemu_ident, "%s", d->qemu);
     }
     if (d->cold_only) {
         sp_log(SP_LOG_INFO, "qemu", "template snapshots off: every boot is a cold boot");
@@ -1065,20 +1066,21 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     d->accel = -1;
     if (want == 1) {
         d->accel = 1;
-        record_accel(d, "accel=kvm configured");
+        sp_qemu__record_accel(d, "accel=kvm configured");
     } else if (want == 2) {
         d->accel = 0;
-        record_accel(d, "accel=tcg configured");
+        sp_qemu__record_accel(d, "accel=tcg configured");
     } else {
         int fd = open("/dev/kvm", O_RDWR | O_CLOEXEC);
         if (fd < 0) {
             char why[160];
-            sfmt(why, sizeof why, "/dev/kvm is not usable (%s); using TCG", strerror(errno));
+            sp_qemu__sfmt(why, sizeof why, "/dev/kvm is not usable (%s); using TCG",
+                          strerror(errno));
             d->accel = 0;
-            record_accel(d, why);
+            sp_qemu__record_accel(d, why);
         } else {
             close(fd); /* opening proves little (PVM opens fine): the first boot probes */
-            d->accel = cached_probe_verdict(d);
+            d->accel = sp_qemu__cached_probe_verdict(d);
             if (d->accel >= 0)
                 sp_log(SP_LOG_INFO, "qemu",
                        "accelerator=%s reason=\"verdict of an earlier probe in this host boot "
@@ -1087,7 +1089,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         }
     }
     d->sandbox = -1;
-    start_sandbox_probe(d);
+    sp_qemu__start_sandbox_probe(d);
     d->cg = sp_cgroup_create();
     if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE)
         sp_log(SP_LOG_WARN, "qemu",
@@ -1096,7 +1098,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     else
         sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
     adopt_all(d);
-    tsnap_gc(d); /* a no-op until the accelerator is known (then on_kvm_probe runs it) */
+    sp_qemu__tsnap_gc(d); /* a no-op until the accelerator is known (then on_kvm_probe runs it) */
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
     return &d->base;
 }

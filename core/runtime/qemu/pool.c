@@ -40,13 +40,13 @@ static const struct {
     {{"/bin/sh", "-c", "true"}, "user"},
 };
 
-/* A taken spare's QEMU is gone: the link its old directory name left (pool_take) and the
+/* A taken spare's QEMU is gone: the link its old directory name left (sp_qemu__pool_take) and the
  * record of that name go too. */
-void pool_origin_remove(const struct vm *vm)
+void sp_qemu__pool_origin_remove(const struct vm *vm)
 {
     char op[PATH_MAX + 16], org[PATH_MAX];
-    vm_path(vm, "pool.origin", op, sizeof op);
-    if (read_small(op, org, sizeof org) <= 0)
+    sp_qemu__vm_path(vm, "pool.origin", op, sizeof op);
+    if (sp_qemu__read_small(op, org, sizeof org) <= 0)
         return;
     struct stat st;
     const char *base = strrchr(org, '/');
@@ -56,7 +56,7 @@ void pool_origin_remove(const struct vm *vm)
     unlink(op);
 }
 
-struct poolwant *pool_want(sp_qemu_t *d, const char *key)
+struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key)
 {
     for (struct poolwant *w = d->wants; w != NULL; w = w->next)
         if (strcmp(w->key, key) == 0)
@@ -64,14 +64,14 @@ struct poolwant *pool_want(sp_qemu_t *d, const char *key)
     return NULL;
 }
 
-void pool_failed(sp_qemu_t *d, const char *key)
+void sp_qemu__pool_failed(sp_qemu_t *d, const char *key)
 {
-    struct poolwant *w = pool_want(d, key);
+    struct poolwant *w = sp_qemu__pool_want(d, key);
     if (w != NULL)
-        w->retry_ms = mono_ms() + SP_QEMU_POOL_RETRY_MS;
+        w->retry_ms = sp_qemu__mono_ms() + SP_QEMU_POOL_RETRY_MS;
 }
 
-void pool_kick(sp_qemu_t *d)
+void sp_qemu__pool_kick(sp_qemu_t *d)
 {
     if (d->pool_size > 0)
         sp_timer_start(&d->pool_timer, 1);
@@ -86,14 +86,14 @@ static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const ch
                                       : v->tp != NULL && strcmp(v->template_name, tname) == 0 &&
                                             strcmp(v->tp->hash, build) != 0)) {
             v->pool_drop = true;
-            pool_kick(d);
+            sp_qemu__pool_kick(d);
         }
     }
 }
 
 /* A create of this size: remember it (most recent first), forget the least recently used size
  * beyond SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
-void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
 {
     struct poolwant **pp = &d->wants, *w = NULL;
     for (; *pp != NULL; pp = &(*pp)->next) {
@@ -107,8 +107,8 @@ void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
         w = calloc(1, sizeof(*w));
         if (w == NULL)
             return;
-        sfmt(w->key, sizeof w->key, "%s", key);
-        sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
+        sp_qemu__sfmt(w->key, sizeof w->key, "%s", key);
+        sp_qemu__sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
         w->tp = *vm->tp;
         w->cpu_count = vm->cpu_count;
         w->memory_mb = vm->memory_mb;
@@ -126,7 +126,7 @@ void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
             }
         }
     }
-    w->used_ms = mono_ms();
+    w->used_ms = sp_qemu__mono_ms();
     w->next = d->wants;
     d->wants = w;
     int n = 0;
@@ -140,7 +140,7 @@ void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
             pp = &(*pp)->next;
         }
     }
-    pool_kick(d);
+    sp_qemu__pool_kick(d);
 }
 
 /* Starts one spare of w's size. */
@@ -148,29 +148,29 @@ static void pool_start(sp_qemu_t *d, struct poolwant *w)
 {
     unsigned seq = ++d->pool_seq;
     char id[SP_QEMU_ID_MAX + 1];
-    sfmt(id, sizeof id, "pool:%u-%d", seq, (int)getpid()); /* ':': no sandbox id, no API */
+    sp_qemu__sfmt(id, sizeof id, "pool:%u-%d", seq, (int)getpid()); /* ':': no sandbox id, no API */
     sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
-    struct vm *vm = tp != NULL ? vm_new(d, id) : NULL;
+    struct vm *vm = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
     if (vm == NULL) {
         free(tp);
         return;
     }
     *tp = w->tp;
     vm->tp = tp;
-    sfmt(vm->dir, sizeof vm->dir, "%s/.pool-%u-%d", d->vms_dir, seq, (int)getpid());
-    sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
-    sfmt(vm->pool_key, sizeof vm->pool_key, "%s", w->key);
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s/.pool-%u-%d", d->vms_dir, seq, (int)getpid());
+    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
+    sp_qemu__sfmt(vm->pool_key, sizeof vm->pool_key, "%s", w->key);
     vm->pooled = true;
     vm->cpu_count = w->cpu_count;
     vm->memory_mb = w->memory_mb;
     vm->disk_total = w->disk_total;
     vm->hostname = strdup("space");
     vm->ph = PH_WAIT_ACCEL;
-    vm->boot_start_ms = mono_ms();
+    vm->boot_start_ms = sp_qemu__mono_ms();
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
     sp_log(SP_LOG_DEBUG, "qemu", "making a spare clone spare=%s template=%s key=%s", id,
            w->template_name, w->key);
-    kick(d);
+    sp_qemu__kick(d);
 }
 
 /* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go), then starts the
@@ -178,15 +178,15 @@ static void pool_start(sp_qemu_t *d, struct poolwant *w)
  * boot is in flight: a spare never competes with a sandbox's boot for the CPU. Nor, while
  * a size still has a spare, with the first commands of a sandbox that came up in the last
  * SP_QEMU_POOL_SETTLE_MS; a size with none left is refilled at once. */
-void on_pool_timer(sp_timer_t *t, void *arg)
+void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
 {
     sp_qemu_t *d = arg;
-    uint64_t now = mono_ms();
+    uint64_t now = sp_qemu__mono_ms();
     for (struct vm *v = d->vms; v != NULL;) {
-        struct vm *next = v->next; /* vm_stop may free v */
+        struct vm *next = v->next; /* sp_qemu__vm_stop may free v */
         if (v->pooled && v->pool_drop && v->ph != PH_STOPPING) {
             sp_log(SP_LOG_INFO, "qemu", "spare clone dropped spare=%s key=%s", v->id, v->pool_key);
-            vm_stop(v, false);
+            sp_qemu__vm_stop(v, false);
         }
         v = next;
     }
@@ -241,14 +241,14 @@ static void on_pool_stopped(void *arg, json_t *ret, const sp_err_t *err)
     if (err != NULL) {
         sp_log(SP_LOG_WARN, "qemu", "spare clone not stopped spare=%s err=%s", vm->id, err->msg);
         vm->boot_failed = true;
-        vm_stop(vm, false);
+        sp_qemu__vm_stop(vm, false);
         return;
     }
     vm->paused = true;
     vm->pool_ready = true;
     sp_log(SP_LOG_INFO, "qemu", "spare clone ready spare=%s key=%s ms=%llu", vm->id, vm->pool_key,
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
-    pool_kick(vm->d);
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
+    sp_qemu__pool_kick(vm->d);
 }
 
 static void on_pool_warm(void *arg, const sp_exec_result_t *res, const sp_err_t *err)
@@ -261,11 +261,11 @@ static void on_pool_warm(void *arg, const sp_exec_result_t *res, const sp_err_t 
         sp_log(SP_LOG_DEBUG, "qemu", "spare warm-up command failed spare=%s step=%d err=%s",
                vm->id, vm->pool_warm_step, err != NULL ? err->msg : "exit status");
     vm->pool_warm_step++;
-    pool_warm(vm);
+    sp_qemu__pool_warm(vm);
 }
 
 /* A spare is up: run the warm-up commands one after the other, then stop its vCPUs. */
-void pool_warm(struct vm *vm)
+void sp_qemu__pool_warm(struct vm *vm)
 {
     sp_err_t e;
     int n = (int)(sizeof pool_warm_cmds / sizeof pool_warm_cmds[0]);
@@ -286,13 +286,13 @@ void pool_warm(struct vm *vm)
     if (vm->qmp == NULL ||
         sp_qmp_command(vm->qmp, "stop", NULL, -1, on_pool_stopped, vm, &e) < 0) {
         vm->boot_failed = true;
-        vm_stop(vm, false);
+        sp_qemu__vm_stop(vm, false);
     }
 }
 
 /* A spare of key for a create: a ready one, else the one furthest along: finishing it beats
  * starting another restore beside it. NULL when there is none. */
-struct vm *pool_pick(sp_qemu_t *d, const char *key)
+struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key)
 {
     struct vm *best = NULL;
     for (struct vm *v = d->vms; v != NULL; v = v->next) {
@@ -315,18 +315,18 @@ static void on_take_cont(void *arg, json_t *ret, const sp_err_t *err)
     if (err != NULL && vm->ph < PH_UP) {
         sp_log(SP_LOG_WARN, "qemu", "taken spare did not start sandbox=%s err=%s", vm->id,
                err->msg);
-        boot_fail(vm, "guest did not come up: %s", "its vCPUs did not start");
+        sp_qemu__boot_fail(vm, "guest did not come up: %s", "its vCPUs did not start");
     }
 }
 
 /* Gives the ready spare vm to sandbox spec->sandbox_id: its directory and cgroup take the
  * sandbox's names, its vCPUs start and IDENTITY follows (boot_done answers cb). -1 when it
  * cannot (nothing changed, or the spare was dropped): the caller boots the ordinary way. */
-int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg)
+int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg)
 {
     sp_qemu_t *d = vm->d;
     char ndir[PATH_MAX], op[PATH_MAX + 16], old_id[SP_QEMU_ID_MAX + 1];
-    sfmt(ndir, sizeof ndir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    sp_qemu__sfmt(ndir, sizeof ndir, "%s/%s", d->vms_dir, spec->sandbox_id);
     struct stat st;
     if (lstat(ndir, &st) == 0 || errno != ENOENT)
         return -1; /* files of an earlier boot of this id: the ordinary boot deals with them */
@@ -341,9 +341,10 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
     }
     bool started = vm->pid > 0, ok = true, cg_moved = false;
     if (started) {
-        /* QEMU's command line keeps naming the spare's directory: live_qemu_pid reads this */
-        vm_path(vm, "pool.origin", op, sizeof op);
-        ok = write_atomic(op, vm->dir, strlen(vm->dir)) == 0;
+        /* QEMU's command line keeps naming the spare's directory: sp_qemu__live_qemu_pid reads this
+         */
+        sp_qemu__vm_path(vm, "pool.origin", op, sizeof op);
+        ok = sp_qemu__write_atomic(op, vm->dir, strlen(vm->dir)) == 0;
     }
     if (ok && vm->cg) {
         ok = sp_cgroup_vm_rename(d->cg, vm->id, spec->sandbox_id) == 0;
@@ -380,13 +381,13 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
         free(env);
         free(w);
         vm->pool_drop = true;
-        pool_kick(d);
+        sp_qemu__pool_kick(d);
         return -1;
     }
-    sfmt(old_id, sizeof old_id, "%s", vm->id);
+    sp_qemu__sfmt(old_id, sizeof old_id, "%s", vm->id);
     bool was_ready = vm->pool_ready;
-    sfmt(vm->id, sizeof vm->id, "%s", spec->sandbox_id);
-    sfmt(vm->dir, sizeof vm->dir, "%s", ndir);
+    sp_qemu__sfmt(vm->id, sizeof vm->id, "%s", spec->sandbox_id);
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s", ndir);
     vm->pooled = false;
     vm->pool_ready = false;
     free(vm->hostname);
@@ -398,17 +399,18 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
     w->next = vm->boot_w;
     vm->boot_w = w;
     /* Until the agent has taken IDENTITY, a later driver must not adopt it; and a failure
-     * before that falls back to a boot of the sandbox (vm_finish), as a failed clone does. */
+     * before that falls back to a boot of the sandbox (sp_qemu__vm_finish), as a failed clone does.
+     */
     char p[PATH_MAX + 16];
-    vm_path(vm, "booting", p, sizeof p);
-    write_atomic(p, "", 0);
-    vm_path(vm, "agent.sock", p, sizeof p);
-    if (vm->agent != NULL) { /* else agent_start makes it, by the new path and name */
+    sp_qemu__vm_path(vm, "booting", p, sizeof p);
+    sp_qemu__write_atomic(p, "", 0);
+    sp_qemu__vm_path(vm, "agent.sock", p, sizeof p);
+    if (vm->agent != NULL) { /* else sp_qemu__agent_start makes it, by the new path and name */
         sp_agentconn_set_path(vm->agent, p);
         sp_agentconn_set_sandbox(vm->agent, vm->id);
     }
     vm->clone_boot = true;
-    vm->boot_start_ms = mono_ms();
+    vm->boot_start_ms = sp_qemu__mono_ms();
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
     const char *how = "ready";
     if (vm->ph < PH_UP) {
@@ -421,7 +423,7 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
             sp_agentstream_reset(old);
             vm->ph = PH_AGENT;
             if (sp_agentconn_up(vm->agent))
-                send_identity(vm);
+                sp_qemu__send_identity(vm);
         }
     } else {
         /* up: stopped, or warming (its warm-up dropped; a `stop` already sent is undone by the
@@ -432,13 +434,13 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
         vm->warm = NULL;
         sp_err_t e;
         if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_take_cont, vm, &e) < 0) {
-            boot_fail(vm, "guest did not come up: %s", e.msg);
-            return 0; /* answered through vm_finish */
+            sp_qemu__boot_fail(vm, "guest did not come up: %s", e.msg);
+            return 0; /* answered through sp_qemu__vm_finish */
         }
         vm->paused = false;
         vm->ph = PH_AGENT;
         if (sp_agentconn_up(vm->agent))
-            send_identity(vm);
+            sp_qemu__send_identity(vm);
     }
     sp_log(SP_LOG_INFO, "qemu", "sandbox from a spare clone sandbox=%s spare=%s key=%s spare_was=%s",
            vm->id, old_id, vm->pool_key, how);
@@ -447,7 +449,7 @@ int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *ar
 
 int sp_qemu_pool_ready(sp_driver_t *base)
 {
-    if (base == NULL || base->ops != &qemu_ops)
+    if (base == NULL || base->ops != &sp_qemu__ops)
         return 0;
     int n = 0;
     for (struct vm *v = ((sp_qemu_t *)base)->vms; v != NULL; v = v->next)

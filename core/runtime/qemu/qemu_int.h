@@ -63,6 +63,7 @@
 
 typedef struct sp_qemu sp_qemu_t;
 
+/* A caller waiting for a boot, suspend or destroy to finish (sp_qemu__complete_all). */
 struct waiter {
     sp_driver_cb cb;
     void *arg;
@@ -167,11 +168,14 @@ struct tsnap {
                          * its unix sockets; no sandbox id starts with '.') */
     char template_name[128];
     int state;
-    uint64_t failed_ms; /* mono_ms() of the last failure */
+    uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
     uint64_t start_ms;
     char why[160]; /* the last failure, client-safe */
 };
 
+/* A VM of the driver: a sandbox's (booting, up, suspending, stopping), a spare clone (pooled),
+ * a template snapshot builder (tsnap_build) or a request for a template snapshot (tsnap_req,
+ * never a QEMU). In the driver's list d->vms from sp_qemu__vm_new to sp_qemu__vm_unlink. */
 struct vm {
     sp_qemu_t *d;
     struct vm *next;
@@ -229,7 +233,8 @@ struct vm {
     uint64_t verify_wait_ms; /* restore: when the loaded VM began to wait for them */
     int verify_bad;          /* the part that failed, and the errno of a read error (0: */
     int verify_errno;        /* a mismatch) */
-    bool cg;                 /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
+    /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
+    bool cg;
     /* template snapshots */
     struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
     struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
@@ -248,14 +253,15 @@ struct vm {
     uint64_t cpu_ticks, cpu_ms;
     double cpu_pct;
     /* spare clones (pool_*) */
-    bool pooled;        /* a spare: no sandbox yet, invisible to vm_find */
-    bool pool_ready;    /* warmed and stopped: pool_take may hand it out */
+    bool pooled;        /* a spare: no sandbox yet, invisible to sp_qemu__vm_find */
+    bool pool_ready;    /* warmed and stopped: sp_qemu__pool_take may hand it out */
     bool pool_drop;     /* to be stopped by the pool timer (a safe place to free it) */
     int pool_warm_step; /* the next of pool_warm_cmds to run */
     char pool_key[17];  /* its template snapshot's key */
 };
 
-/* A template size recently created from: the pool keeps spare clones of it (on_pool_timer). */
+/* A template size recently created from: the pool keeps spare clones of it
+ * (sp_qemu__on_pool_timer). */
 struct poolwant {
     struct poolwant *next; /* most recently used first */
     char key[17];
@@ -263,10 +269,11 @@ struct poolwant {
     sp_tmplbuild_paths_t tp;
     int cpu_count, memory_mb;
     uint64_t disk_total;
-    uint64_t used_ms;  /* mono_ms() of the last create of this size */
+    uint64_t used_ms;  /* sp_qemu__mono_ms() of the last create of this size */
     uint64_t retry_ms; /* no new spare before this (one failed) */
 };
 
+/* The driver (sp_driver_t first: the ops get it as their base). */
 struct sp_qemu {
     sp_driver_t base;
     char data_dir[PATH_MAX];
@@ -297,6 +304,7 @@ struct sp_qemu {
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
 };
 
+/* How sp_qemu__spawn starts a child. */
 struct spawn_opts {
     const char *out_path;       /* stdout+stderr (appended); NULL: /dev/null */
     int stdin_fd;               /* -1: /dev/null */
@@ -305,109 +313,113 @@ struct spawn_opts {
     bool new_session;
 };
 
-/* ---- driver.c ---- */
+/* The functions one file calls in another, by the file that defines them; each is described
+ * where it is defined. */
 
-int complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err);
-void complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err);
-int add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err);
-struct vm *vm_find(sp_qemu_t *d, const char *id);
-void vm_unlink(struct vm *vm);
-struct vm *vm_new(sp_qemu_t *d, const char *id);
-void vm_disconnect(struct vm *vm);
-void vm_free(struct vm *vm);
-pid_t live_qemu_pid(const char *dir);
-pid_t live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir);
-void on_vm_exit(sp_watch_t *w, int events, void *arg);
-void vm_stop(struct vm *vm, bool graceful);
-void vm_finish(struct vm *vm);
-struct vm *vm_adopt(sp_qemu_t *d, const char *id, pid_t pid);
-struct vm *running_vm(sp_qemu_t *d, const char *id, sp_err_t *err);
-extern const sp_driver_ops_t qemu_ops;
+/* ---- driver.c: completions, the VM table, stopping and finishing, re-adoption, ops ---- */
 
-/* ---- boot.c ---- */
+int sp_qemu__complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err);
+void sp_qemu__complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err);
+int sp_qemu__add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err);
+struct vm *sp_qemu__vm_find(sp_qemu_t *d, const char *id);
+void sp_qemu__vm_unlink(struct vm *vm);
+struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id);
+void sp_qemu__vm_disconnect(struct vm *vm);
+void sp_qemu__vm_free(struct vm *vm);
+pid_t sp_qemu__live_qemu_pid(const char *dir);
+pid_t sp_qemu__live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir);
+void sp_qemu__on_vm_exit(sp_watch_t *w, int events, void *arg);
+void sp_qemu__vm_stop(struct vm *vm, bool graceful);
+void sp_qemu__vm_finish(struct vm *vm);
+struct vm *sp_qemu__vm_adopt(sp_qemu_t *d, const char *id, pid_t pid);
+struct vm *sp_qemu__running_vm(sp_qemu_t *d, const char *id, sp_err_t *err);
+extern const sp_driver_ops_t sp_qemu__ops;
 
-void boot_fail(struct vm *vm, const char *fmt, const char *detail);
-void qmp_try_connect(struct vm *vm);
-void on_qmp_timer(sp_timer_t *t, void *arg);
-void send_identity(struct vm *vm);
-void agent_start(struct vm *vm);
-void on_boot_timeout(sp_timer_t *t, void *arg);
-void read_vm_json(struct vm *vm);
-void kick(sp_qemu_t *d);
-int cached_probe_verdict(sp_qemu_t *d);
-void record_accel(sp_qemu_t *d, const char *why);
-void start_sandbox_probe(sp_qemu_t *d);
-void on_kick(sp_timer_t *t, void *arg);
+/* ---- boot.c: from boot_begin to up; the probes ---- */
 
-/* ---- snapshot.c ---- */
+void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail);
+void sp_qemu__qmp_try_connect(struct vm *vm);
+void sp_qemu__on_qmp_timer(sp_timer_t *t, void *arg);
+void sp_qemu__send_identity(struct vm *vm);
+void sp_qemu__agent_start(struct vm *vm);
+void sp_qemu__on_boot_timeout(sp_timer_t *t, void *arg);
+void sp_qemu__read_vm_json(struct vm *vm);
+void sp_qemu__kick(sp_qemu_t *d);
+int sp_qemu__cached_probe_verdict(sp_qemu_t *d);
+void sp_qemu__record_accel(sp_qemu_t *d, const char *why);
+void sp_qemu__start_sandbox_probe(sp_qemu_t *d);
+void sp_qemu__on_kick(sp_timer_t *t, void *arg);
 
-bool snapshot_committed(const char *dir);
-uint64_t snapshot_bytes(const char *dir);
-void suspend_sums_done(struct vm *vm, struct sumjob *j);
-void suspend_delta_done(struct vm *vm, struct sumjob *j);
-void snap_send(struct vm *vm, const char *cmd, json_t *args, int fd);
-void restore_sums_done(struct vm *vm, struct sumjob *j);
-void restore_begin(struct vm *vm);
-void on_snap_timer(sp_timer_t *t, void *arg);
-void suspend_finish(struct vm *vm);
-int q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err);
-int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
-              sp_err_t *err);
+/* ---- snapshot.c: suspend and wake ---- */
 
-/* ---- sums.c ---- */
+bool sp_qemu__snapshot_committed(const char *dir);
+uint64_t sp_qemu__snapshot_bytes(const char *dir);
+void sp_qemu__suspend_sums_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__suspend_delta_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__snap_send(struct vm *vm, const char *cmd, json_t *args, int fd);
+void sp_qemu__restore_sums_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__restore_begin(struct vm *vm);
+void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg);
+void sp_qemu__suspend_finish(struct vm *vm);
+int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg,
+                        sp_err_t *err);
+int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err);
 
-int sum_file(const char *path, uint64_t *size, char hex[65]);
-void sumjob_free(struct sumjob *j);
-struct sumjob *sumjob_new(struct vm *vm, bool verify);
-int sumjob_run(sp_qemu_t *d, struct sumjob *j);
-void sumjob_abandon(struct sumjob *j);
+/* ---- sums.c: checksum and delta jobs ---- */
 
-/* ---- tsnap.c ---- */
+int sp_qemu__sum_file(const char *path, uint64_t *size, char hex[65]);
+void sp_qemu__sumjob_free(struct sumjob *j);
+struct sumjob *sp_qemu__sumjob_new(struct vm *vm, bool verify);
+int sp_qemu__sumjob_run(sp_qemu_t *d, struct sumjob *j);
+void sp_qemu__sumjob_abandon(struct sumjob *j);
 
-int tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
-                  int memory_mb, char key[17]);
-void tsnap_gc(sp_qemu_t *d);
-bool tsnap_tmp_foreign(const char *name);
-struct tsnap *tsnap_for(struct vm *vm);
-void tsnap_failed(struct vm *vm, const char *why);
-void tsnap_warmup(struct vm *vm);
-void tsnap_commit(struct vm *vm);
-void tsnap_req_step(struct vm *vm);
+/* ---- tsnap.c: template snapshots ---- */
 
-/* ---- pool.c ---- */
+int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
+                           int memory_mb, char key[17]);
+void sp_qemu__tsnap_gc(sp_qemu_t *d);
+bool sp_qemu__tsnap_tmp_foreign(const char *name);
+struct tsnap *sp_qemu__tsnap_for(struct vm *vm);
+void sp_qemu__tsnap_failed(struct vm *vm, const char *why);
+void sp_qemu__tsnap_warmup(struct vm *vm);
+void sp_qemu__tsnap_commit(struct vm *vm);
+void sp_qemu__tsnap_req_step(struct vm *vm);
 
-void pool_origin_remove(const struct vm *vm);
-struct poolwant *pool_want(sp_qemu_t *d, const char *key);
-void pool_failed(sp_qemu_t *d, const char *key);
-void pool_kick(sp_qemu_t *d);
-void pool_note(sp_qemu_t *d, const char *key, const struct vm *vm);
-void on_pool_timer(sp_timer_t *t, void *arg);
-void pool_warm(struct vm *vm);
-struct vm *pool_pick(sp_qemu_t *d, const char *key);
-int pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
+/* ---- pool.c: spare clones ---- */
 
-/* ---- util.c ---- */
+void sp_qemu__pool_origin_remove(const struct vm *vm);
+struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key);
+void sp_qemu__pool_failed(sp_qemu_t *d, const char *key);
+void sp_qemu__pool_kick(sp_qemu_t *d);
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm);
+void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
+void sp_qemu__pool_warm(struct vm *vm);
+struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);
+int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
 
-int sfmt(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-uint64_t mono_ms(void);
-uint32_t env_ms(const char *name, uint32_t dflt);
-bool resolve_program(const char *name, char *out);
-bool have_program(const char *name);
-bool valid_id(const char *id);
-void vm_path(const struct vm *vm, const char *name, char *out, size_t n);
-bool file_exists(const char *p);
-ssize_t read_small(const char *path, char *buf, size_t n);
-int write_atomic(const char *path, const char *data, size_t len);
-void rm_rf(const char *path);
-int pidfd_open_(pid_t pid);
-void console_tail(const struct vm *vm, char *out, size_t n);
-void console_trim(const struct vm *vm);
-pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err);
-void child_free(struct child *c);
-struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
-                          uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err);
-bool cg_create(struct vm *vm, sp_cgroup_join_t *join);
-void cg_remove(sp_qemu_t *d, const char *id);
-int fsync_path(const char *p, int flags);
+/* ---- util.c: helpers ---- */
+
+int sp_qemu__sfmt(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+uint64_t sp_qemu__mono_ms(void);
+uint32_t sp_qemu__env_ms(const char *name, uint32_t dflt);
+bool sp_qemu__resolve_program(const char *name, char *out);
+bool sp_qemu__have_program(const char *name);
+bool sp_qemu__valid_id(const char *id);
+void sp_qemu__vm_path(const struct vm *vm, const char *name, char *out, size_t n);
+bool sp_qemu__file_exists(const char *p);
+ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n);
+int sp_qemu__write_atomic(const char *path, const char *data, size_t len);
+void sp_qemu__rm_rf(const char *path);
+int sp_qemu__pidfd_open(pid_t pid);
+void sp_qemu__console_tail(const struct vm *vm, char *out, size_t n);
+void sp_qemu__console_trim(const struct vm *vm);
+pid_t sp_qemu__spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err);
+void sp_qemu__child_free(struct child *c);
+struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
+                                   uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err);
+bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join);
+void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
+int sp_qemu__fsync_path(const char *p, int flags);
 
 #endif

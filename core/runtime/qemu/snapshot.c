@@ -49,11 +49,11 @@ static void restore_corrupt(struct vm *vm);
 
 /* A committed snapshot in the VM dir: snap_commit() renames snapshot/manifest.json into
  * place as its very last step, and boot_done() removes it after a restore. */
-bool snapshot_committed(const char *dir)
+bool sp_qemu__snapshot_committed(const char *dir)
 {
     char p[PATH_MAX + 32];
-    sfmt(p, sizeof p, "%s/snapshot/manifest.json", dir);
-    return file_exists(p);
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", dir);
+    return sp_qemu__file_exists(p);
 }
 
 static const char *const sum_part[SUM_N] = {"ram", "devstate", "disk"};
@@ -76,8 +76,8 @@ static int snap_check(const char *dir, json_t *man, int memory_mb, bool stream, 
 {
     char p[PATH_MAX + 32], buf[64];
     struct stat st;
-    sfmt(p, sizeof p, "%s/snapshot/corrupt", dir);
-    if (read_small(p, buf, sizeof buf) >= 0) {
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/corrupt", dir);
+    if (sp_qemu__read_small(p, buf, sizeof buf) >= 0) {
         buf[strcspn(buf, "\n")] = '\0';
         return sp_err_set(err, SP_ERUNTIME,
                           "cannot wake: the snapshot failed its checksum check earlier (%s); it "
@@ -92,7 +92,7 @@ static int snap_check(const char *dir, json_t *man, int memory_mb, bool stream, 
     for (int i = 0; i < SUM_N; i++) {
         if (i == SUM_RAM && stream)
             continue;
-        sfmt(p, sizeof p, "%s/%s", dir, files[i]);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", dir, files[i]);
         if (stat(p, &st) < 0)
             return sp_err_set(err, SP_ERUNTIME, "cannot wake: the snapshot's %s is missing",
                               sum_label[i]);
@@ -106,11 +106,11 @@ static int snap_check(const char *dir, json_t *man, int memory_mb, bool stream, 
                               sum_label[i], (long long)st.st_size, want);
     }
     const char *dsum = json_string_value(json_object_get(man, "devstate_checksum"));
-    sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
     if (dsum != NULL && stat(p, &st) == 0 && (uint64_t)st.st_size <= SP_QEMU_SUM_INLINE_MAX) {
         char got[65];
         uint64_t n;
-        if (sum_file(p, &n, got) < 0)
+        if (sp_qemu__sum_file(p, &n, got) < 0)
             return sp_err_set(err, SP_ERUNTIME, "cannot wake: cannot read the snapshot: %s",
                               strerror(errno));
         if (strcmp(got, dsum) != 0)
@@ -122,17 +122,17 @@ static int snap_check(const char *dir, json_t *man, int memory_mb, bool stream, 
 }
 
 /* Bytes a committed snapshot holds on disk (RAM file allocation + device state), or 0. */
-uint64_t snapshot_bytes(const char *dir)
+uint64_t sp_qemu__snapshot_bytes(const char *dir)
 {
-    if (!snapshot_committed(dir))
+    if (!sp_qemu__snapshot_committed(dir))
         return 0;
     char p[PATH_MAX + 32];
     struct stat st;
     uint64_t n = 0;
-    sfmt(p, sizeof p, "%s/mem.ram", dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", dir);
     if (stat(p, &st) == 0)
         n += (uint64_t)st.st_blocks * 512u;
-    sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
     if (stat(p, &st) == 0)
         n += (uint64_t)st.st_size;
     return n;
@@ -142,7 +142,7 @@ uint64_t snapshot_bytes(const char *dir)
 
 static void snap_path(const struct vm *vm, const char *name, char *out, size_t n)
 {
-    sfmt(out, n, "%s/snapshot/%s", vm->dir, name);
+    sp_qemu__sfmt(out, n, "%s/snapshot/%s", vm->dir, name);
 }
 
 static void snap_fail(struct vm *vm, const char *what, const char *detail)
@@ -157,19 +157,19 @@ static void snap_fail(struct vm *vm, const char *what, const char *detail)
     snap_path(vm, "devstate.tmp", p, sizeof p);
     unlink(p);
     sp_timer_stop(&vm->snap_timer);
-    sumjob_abandon(vm->sum); /* a running `sync` child is reaped by on_sync_exit */
+    sp_qemu__sumjob_abandon(vm->sum); /* a running `sync` child is reaped by on_sync_exit */
     vm->sum = NULL;
-    sumjob_abandon(vm->delta); /* its thread ends when QEMU closes the pipe */
+    sp_qemu__sumjob_abandon(vm->delta); /* its thread ends when QEMU closes the pipe */
     vm->delta = NULL;
     vm->snap_step = SN_NONE;
     sp_err_t e;
     sp_err_set(&e, SP_ERUNTIME, "suspend failed: %s", what);
-    complete_all(vm->d, &vm->snap_w, &e);
+    sp_qemu__complete_all(vm->d, &vm->snap_w, &e);
     if (vm->tsnap_build != NULL) {
         vm->boot_failed = true;
         sp_err_set(&vm->boot_err, SP_ERUNTIME, "template snapshot failed: %s", what);
         vm->ph = PH_UP;
-        vm_stop(vm, false); /* vm_finish gives up on this snapshot */
+        sp_qemu__vm_stop(vm, false); /* sp_qemu__vm_finish gives up on this snapshot */
         return;
     }
     if (vm->ph == PH_SUSPENDING) {
@@ -187,8 +187,8 @@ static void snap_commit(struct vm *vm)
     snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
     snap_path(vm, "devstate", dev, sizeof dev);
     snap_path(vm, "manifest.json", man, sizeof man);
-    vm_path(vm, "snapshot", dir, sizeof dir);
-    vm_path(vm, "mem.ram", ram, sizeof ram);
+    sp_qemu__vm_path(vm, "snapshot", dir, sizeof dir);
+    sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
     struct stat sd, sr = {0};
     bool stream = vm->clone_src != NULL; /* the RAM went into the device state stream */
     bool delta = stream && vm->delta_ok; /* only its pages that differ from the template's */
@@ -224,7 +224,7 @@ static void snap_commit(struct vm *vm)
     char *js = o != NULL ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     char mtmp[PATH_MAX + 40];
-    sfmt(mtmp, sizeof mtmp, "%s.tmp", man);
+    sp_qemu__sfmt(mtmp, sizeof mtmp, "%s.tmp", man);
     int fd = js != NULL ? open(mtmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
     bool ok = fd >= 0 && write(fd, js, strlen(js)) == (ssize_t)strlen(js) && fsync(fd) == 0;
     if (fd >= 0)
@@ -235,22 +235,26 @@ static void snap_commit(struct vm *vm)
         snap_fail(vm, "cannot write the snapshot manifest", strerror(errno));
         return;
     }
-    fsync_path(dir, O_RDONLY | O_DIRECTORY); /* the rename itself is durable */
+    sp_qemu__fsync_path(dir, O_RDONLY | O_DIRECTORY); /* the rename itself is durable */
     sp_log(SP_LOG_INFO, "qemu",
            "snapshot committed sandbox=%s ram=%s devstate_bytes=%lld ram_bytes=%lld "
            "disk_bytes=%lld checksum_ms=%llu ms=%llu",
-           vm->id, delta ? "delta" : stream ? "stream" : "file", (long long)sd.st_size,
-           (long long)sr.st_size, (long long)vm->sum_sizes[SUM_DISK],
-           (unsigned long long)vm->sum_ms, (unsigned long long)(mono_ms() - vm->snap_start_ms));
+           vm->id,
+           delta    ? "delta"
+           : stream ? "stream"
+                    : "file",
+           (long long)sd.st_size, (long long)sr.st_size, (long long)vm->sum_sizes[SUM_DISK],
+           (unsigned long long)vm->sum_ms,
+           (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     vm->snap_step = SN_QUIT;
-    snap_send(vm, "quit", NULL, -1);
+    sp_qemu__snap_send(vm, "quit", NULL, -1);
     sp_timer_start(&vm->kill_timer, SP_QEMU_QUIT_GRACE_MS);
 }
 
 static void on_sync_exit(struct child *c, int st, bool timed_out, void *arg)
 {
     struct vm *vm = arg;
-    child_free(c);
+    sp_qemu__child_free(c);
     vm->sync = NULL;
     if (vm->ph != PH_SUSPENDING || vm->snap_step != SN_SYNC)
         return;
@@ -264,7 +268,7 @@ static void on_sync_exit(struct child *c, int st, bool timed_out, void *arg)
 }
 
 /* The parts' checksums are in (computed while `sync` flushed them): commit once both are. */
-void suspend_sums_done(struct vm *vm, struct sumjob *j)
+void sp_qemu__suspend_sums_done(struct vm *vm, struct sumjob *j)
 {
     if (vm->ph != PH_SUSPENDING || vm->snap_step != SN_SYNC)
         return;
@@ -289,9 +293,9 @@ static void snap_sync(struct vm *vm)
         vm->snap_fd = -1;
     }
     char ram[PATH_MAX + 16], dev[PATH_MAX + 32], disk[PATH_MAX + 16];
-    vm_path(vm, "mem.ram", ram, sizeof ram);
+    sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
     snap_path(vm, "devstate.tmp", dev, sizeof dev);
-    vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
     char *argv[] = {"sync", "--data", dev, disk, vm->clone_src == NULL ? ram : NULL, NULL};
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
@@ -308,14 +312,14 @@ static void snap_sync(struct vm *vm)
     /* Checksums of every part on a thread while `sync` flushes them (a template snapshot
      * builder has its own manifest and skips them). */
     if (vm->tsnap_build == NULL) {
-        struct sumjob *j = sumjob_new(vm, false);
+        struct sumjob *j = sp_qemu__sumjob_new(vm, false);
         if (j != NULL) {
-            sfmt(j->path[SUM_DEV], sizeof j->path[SUM_DEV], "%s", dev);
-            sfmt(j->path[SUM_DISK], sizeof j->path[SUM_DISK], "%s", disk);
+            sp_qemu__sfmt(j->path[SUM_DEV], sizeof j->path[SUM_DEV], "%s", dev);
+            sp_qemu__sfmt(j->path[SUM_DISK], sizeof j->path[SUM_DISK], "%s", disk);
             if (vm->clone_src == NULL)
-                sfmt(j->path[SUM_RAM], sizeof j->path[SUM_RAM], "%s", ram);
+                sp_qemu__sfmt(j->path[SUM_RAM], sizeof j->path[SUM_RAM], "%s", ram);
         }
-        if (j == NULL || sumjob_run(vm->d, j) < 0) {
+        if (j == NULL || sp_qemu__sumjob_run(vm->d, j) < 0) {
             snap_fail(vm, "cannot checksum the snapshot", "no thread");
             return;
         }
@@ -323,7 +327,7 @@ static void snap_sync(struct vm *vm)
     } else {
         vm->sum_ok = true;
     }
-    vm->sync = child_start(vm->d, argv, &so, 120000, on_sync_exit, vm, &e);
+    vm->sync = sp_qemu__child_start(vm->d, argv, &so, 120000, on_sync_exit, vm, &e);
     if (vm->sync == NULL)
         snap_fail(vm, "cannot flush the snapshot to disk", e.msg);
 }
@@ -340,20 +344,21 @@ static int suspend_delta_start(struct vm *vm)
     if (vm->clone_src == NULL || vm->no_delta || vm->tsnap_build != NULL)
         return vm->snap_fd;
     int pfd[2];
-    struct sumjob *j = sumjob_new(vm, false);
+    struct sumjob *j = sp_qemu__sumjob_new(vm, false);
     if (j == NULL)
         return vm->snap_fd;
     if (pipe2(pfd, O_CLOEXEC) < 0) {
-        sumjob_free(j);
+        sp_qemu__sumjob_free(j);
         return vm->snap_fd;
     }
     j->delta = true;
     j->in_fd = pfd[0];
     j->out_fd = fcntl(vm->snap_fd, F_DUPFD_CLOEXEC, 0);
-    sfmt(j->base, sizeof j->base, "%s/mem.ram", vm->clone_src);
-    if (j->out_fd < 0 || sumjob_run(vm->d, j) < 0) { /* sumjob_run frees j when it fails */
+    sp_qemu__sfmt(j->base, sizeof j->base, "%s/mem.ram", vm->clone_src);
+    /* sp_qemu__sumjob_run frees j when it fails */
+    if (j->out_fd < 0 || sp_qemu__sumjob_run(vm->d, j) < 0) {
         if (j->out_fd < 0)
-            sumjob_free(j);
+            sp_qemu__sumjob_free(j);
         close(pfd[1]);
         return vm->snap_fd;
     }
@@ -370,13 +375,13 @@ static void suspend_migrated(struct vm *vm)
         vm->no_delta = true;
         vm->delta_failed = false;
         vm->snap_step = SN_STATUS;
-        snap_send(vm, "query-status", NULL, -1);
+        sp_qemu__snap_send(vm, "query-status", NULL, -1);
         return;
     }
     snap_sync(vm);
 }
 
-void suspend_delta_done(struct vm *vm, struct sumjob *j)
+void sp_qemu__suspend_delta_done(struct vm *vm, struct sumjob *j)
 {
     if (vm->ph != PH_SUSPENDING || vm->snap_step < SN_GETFD || vm->snap_step > SN_POLL)
         return;
@@ -412,11 +417,11 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
     switch (vm->snap_step) {
     case SN_STOP:
         vm->snap_step = SN_CANCEL;
-        snap_send(vm, "migrate_cancel", NULL, -1);
+        sp_qemu__snap_send(vm, "migrate_cancel", NULL, -1);
         break;
     case SN_CANCEL:
         vm->snap_step = SN_CANCEL_POLL;
-        snap_send(vm, "query-migrate", NULL, -1);
+        sp_qemu__snap_send(vm, "query-migrate", NULL, -1);
         break;
     case SN_CANCEL_POLL: {
         /* A migration an earlier driver started (and died in) still writes to its fd:
@@ -428,7 +433,7 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
             break;
         }
         vm->snap_step = SN_STATUS;
-        snap_send(vm, "query-status", NULL, -1);
+        sp_qemu__snap_send(vm, "query-status", NULL, -1);
         break;
     }
     case SN_STATUS:
@@ -437,33 +442,33 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         const char *st = json_string_value(json_object_get(ret, "status"));
         if (vm->snap_step == SN_STATUS && st != NULL && strcmp(st, "postmigrate") == 0) {
             vm->snap_step = SN_RECONT;
-            snap_send(vm, "cont", NULL, -1);
+            sp_qemu__snap_send(vm, "cont", NULL, -1);
             break;
         }
         if (vm->snap_step == SN_RECONT) {
             vm->snap_step = SN_RESTOP;
-            snap_send(vm, "stop", NULL, -1);
+            sp_qemu__snap_send(vm, "stop", NULL, -1);
             break;
         }
         vm->snap_step = SN_CAPS;
         /* A clone's RAM is a private map of the template's file: stream all of it. */
         json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
                               "state", vm->clone_src == NULL ? 1 : 0);
-        snap_send(vm, "migrate-set-capabilities", a, -1);
+        sp_qemu__snap_send(vm, "migrate-set-capabilities", a, -1);
         break;
     }
     case SN_CAPS:
         /* QEMU paces a migration at 32 MiB/s by default; a clone's streamed RAM would take
          * seconds. Unlimited, and a downtime limit that lets it finish in one pass. */
         vm->snap_step = SN_PARAMS;
-        snap_send(vm, "migrate-set-parameters",
-                  json_pack("{s:I, s:I}", "max-bandwidth", (json_int_t)1 << 40, "downtime-limit",
-                            (json_int_t)60000),
-                  -1);
+        sp_qemu__snap_send(vm, "migrate-set-parameters",
+                           json_pack("{s:I, s:I}", "max-bandwidth", (json_int_t)1 << 40,
+                                     "downtime-limit", (json_int_t)60000),
+                           -1);
         break;
     case SN_PARAMS: {
         char dir[PATH_MAX + 16], tmp[PATH_MAX + 32];
-        vm_path(vm, "snapshot", dir, sizeof dir);
+        sp_qemu__vm_path(vm, "snapshot", dir, sizeof dir);
         snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
         if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
             snap_fail(vm, "cannot create the snapshot directory", strerror(errno));
@@ -478,14 +483,14 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         }
         int qfd = suspend_delta_start(vm);
         vm->snap_step = SN_GETFD;
-        snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), qfd);
+        sp_qemu__snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), qfd);
         if (qfd != vm->snap_fd)
             close(qfd); /* the QMP client sends its own dup */
         break;
     }
     case SN_GETFD:
         vm->snap_step = SN_MIGRATE;
-        snap_send(vm, "migrate", json_pack("{s:s}", "uri", "fd:spmig"), -1);
+        sp_qemu__snap_send(vm, "migrate", json_pack("{s:s}", "uri", "fd:spmig"), -1);
         break;
     case SN_MIGRATE:
         vm->snap_step = SN_POLL;
@@ -495,13 +500,13 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         const char *st = json_string_value(json_object_get(ret, "status"));
         if (st != NULL && strcmp(st, "completed") == 0) {
             vm->mig_done = true;
-            if (vm->delta == NULL) /* else suspend_delta_done goes on */
+            if (vm->delta == NULL) /* else sp_qemu__suspend_delta_done goes on */
                 suspend_migrated(vm);
         } else if (st != NULL && (strcmp(st, "failed") == 0 || strcmp(st, "cancelled") == 0)) {
             const char *desc = json_string_value(json_object_get(ret, "error-desc"));
             snap_fail(vm, "migration failed", desc);
         } else { /* device state alone takes a few ms: poll closely at first */
-            sp_timer_start(&vm->snap_timer, mono_ms() - vm->snap_start_ms < 200 ? 1 : 5);
+            sp_timer_start(&vm->snap_timer, sp_qemu__mono_ms() - vm->snap_start_ms < 200 ? 1 : 5);
         }
         break;
     }
@@ -510,7 +515,7 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
     }
 }
 
-void snap_send(struct vm *vm, const char *cmd, json_t *args, int fd)
+void sp_qemu__snap_send(struct vm *vm, const char *cmd, json_t *args, int fd)
 {
     sp_err_t e;
     if (vm->qmp == NULL) {
@@ -533,7 +538,7 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
     if (err != NULL) {
         sp_log(SP_LOG_WARN, "qemu", "restore step failed sandbox=%s step=%d err=%s", vm->id,
                vm->snap_step, err->msg);
-        boot_fail(vm, "restore failed: %s", "qemu refused the snapshot");
+        sp_qemu__boot_fail(vm, "restore failed: %s", "qemu refused the snapshot");
         return;
     }
     sp_err_t e;
@@ -541,12 +546,12 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
     case RS_CAPS: {
         char dev[PATH_MAX + 32];
         if (vm->clone_boot)
-            sfmt(dev, sizeof dev, "%s/snapshot/devstate", vm->clone_src);
+            sp_qemu__sfmt(dev, sizeof dev, "%s/snapshot/devstate", vm->clone_src);
         else
             snap_path(vm, "devstate", dev, sizeof dev);
         int fd = open(dev, O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
-            boot_fail(vm, "restore failed: %s", "the device state is missing");
+            sp_qemu__boot_fail(vm, "restore failed: %s", "the device state is missing");
             return;
         }
         vm->snap_step = RS_GETFD;
@@ -554,14 +559,14 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
                                 on_restore_reply, vm, &e);
         close(fd); /* the client holds its own dup until sent */
         if (rc < 0)
-            boot_fail(vm, "restore failed: %s", e.msg);
+            sp_qemu__boot_fail(vm, "restore failed: %s", e.msg);
         return;
     }
     case RS_GETFD:
         vm->snap_step = RS_INCOMING;
         if (sp_qmp_command(vm->qmp, "migrate-incoming", json_pack("{s:s}", "uri", "fd:spin"), -1,
                            on_restore_reply, vm, &e) < 0)
-            boot_fail(vm, "restore failed: %s", e.msg);
+            sp_qemu__boot_fail(vm, "restore failed: %s", e.msg);
         return;
     case RS_INCOMING:
         vm->snap_step = RS_POLL;
@@ -570,14 +575,14 @@ static void on_restore_reply(void *arg, json_t *ret, const sp_err_t *err)
     case RS_POLL: {
         const char *st = json_string_value(json_object_get(ret, "status"));
         if (st == NULL || strcmp(st, "inmigrate") == 0) { /* a clone loads in a few ms */
-            sp_timer_start(&vm->snap_timer, mono_ms() - vm->boot_start_ms < 500 ? 1 : 5);
+            sp_timer_start(&vm->snap_timer, sp_qemu__mono_ms() - vm->boot_start_ms < 500 ? 1 : 5);
             return;
         }
         /* Loaded; "paused" (the source was stopped), so nothing has touched RAM or disk yet. */
         vm->restore_running = strcmp(st, "running") == 0;
         if (vm->verify == VERIFY_RUNNING) {
-            vm->snap_step = RS_VERIFY; /* restore_sums_done goes on */
-            vm->verify_wait_ms = mono_ms();
+            vm->snap_step = RS_VERIFY; /* sp_qemu__restore_sums_done goes on */
+            vm->verify_wait_ms = sp_qemu__mono_ms();
             return;
         }
         restore_loaded(vm);
@@ -608,7 +613,7 @@ static void restore_loaded(struct vm *vm)
          * replaces). A clone keeps its marker: its template snapshot never changes, so
          * killing it and starting over stays safe until it has its identity. */
         char p[PATH_MAX + 32];
-        vm_path(vm, "booting", p, sizeof p);
+        sp_qemu__vm_path(vm, "booting", p, sizeof p);
         unlink(p);
         snap_path(vm, "manifest.json", p, sizeof p);
         unlink(p);
@@ -616,7 +621,7 @@ static void restore_loaded(struct vm *vm)
     if (!vm->restore_running) { /* paused after incoming: start the vCPUs */
         vm->snap_step = RS_CONT;
         if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_restore_reply, vm, &e) < 0)
-            boot_fail(vm, "restore failed: %s", e.msg);
+            sp_qemu__boot_fail(vm, "restore failed: %s", e.msg);
         return;
     }
     restore_up(vm);
@@ -626,10 +631,10 @@ static void restore_up(struct vm *vm)
 {
     sp_log(SP_LOG_INFO, "qemu", "restored vm state sandbox=%s from=%s ms=%llu", vm->id,
            vm->clone_boot ? "template-snapshot" : "own-snapshot",
-           (unsigned long long)(mono_ms() - vm->boot_start_ms));
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
     vm->paused = false;
     vm->ph = PH_AGENT;
-    agent_start(vm);
+    sp_qemu__agent_start(vm);
 }
 
 /* A part did not match its checksum (or could not be read): QEMU goes, the snapshot stays,
@@ -642,22 +647,23 @@ static void restore_corrupt(struct vm *vm)
         sp_log(SP_LOG_WARN, "qemu",
                "cannot read the snapshot to verify it sandbox=%s part=%s err=%s", vm->id,
                sum_part[part], strerror(vm->verify_errno));
-        sfmt(why, sizeof why, "the snapshot's %s cannot be read; it is kept", sum_label[part]);
+        sp_qemu__sfmt(why, sizeof why, "the snapshot's %s cannot be read; it is kept",
+                      sum_label[part]);
     } else {
         snap_path(vm, "corrupt", p, sizeof p);
         char line[64];
-        int n = sfmt(line, sizeof line, "%s checksum mismatch\n", sum_label[part]);
-        if (write_atomic(p, line, (size_t)n) < 0)
+        int n = sp_qemu__sfmt(line, sizeof line, "%s checksum mismatch\n", sum_label[part]);
+        if (sp_qemu__write_atomic(p, line, (size_t)n) < 0)
             sp_log(SP_LOG_WARN, "qemu", "cannot mark the snapshot corrupt sandbox=%s err=%s",
                    vm->id, strerror(errno));
         sp_log(SP_LOG_ERROR, "qemu",
                "snapshot does not match its checksum sandbox=%s part=%s: not restored, kept and "
                "marked corrupt (snapshot/corrupt)",
                vm->id, sum_part[part]);
-        sfmt(why, sizeof why, "the snapshot's %s does not match its checksum; it is kept",
-             sum_label[part]);
+        sp_qemu__sfmt(why, sizeof why, "the snapshot's %s does not match its checksum; it is kept",
+                      sum_label[part]);
     }
-    boot_fail(vm, "cannot wake: %s", why);
+    sp_qemu__boot_fail(vm, "cannot wake: %s", why);
 }
 
 /* The big parts' checksums (RAM file, disk, a device state too big for snap_check) are
@@ -678,7 +684,7 @@ static void restore_verify(struct vm *vm, json_t *man)
         ram = NULL;
     if (ram == NULL && dev == NULL && disk == NULL)
         return;
-    struct sumjob *j = sumjob_new(vm, true);
+    struct sumjob *j = sp_qemu__sumjob_new(vm, true);
     if (j == NULL) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot checksums not verified sandbox=%s (no memory)",
                vm->id);
@@ -689,10 +695,10 @@ static void restore_verify(struct vm *vm, json_t *man)
     for (int i = 0; i < SUM_N; i++) {
         if (want[i] == NULL)
             continue;
-        vm_path(vm, files[i], j->path[i], sizeof j->path[i]);
-        sfmt(j->want[i], sizeof j->want[i], "%.64s", want[i]);
+        sp_qemu__vm_path(vm, files[i], j->path[i], sizeof j->path[i]);
+        sp_qemu__sfmt(j->want[i], sizeof j->want[i], "%.64s", want[i]);
     }
-    if (sumjob_run(vm->d, j) < 0) {
+    if (sp_qemu__sumjob_run(vm->d, j) < 0) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot checksums not verified sandbox=%s (no thread)",
                vm->id);
         return;
@@ -701,7 +707,7 @@ static void restore_verify(struct vm *vm, json_t *man)
     vm->verify = VERIFY_RUNNING;
 }
 
-void restore_sums_done(struct vm *vm, struct sumjob *j)
+void sp_qemu__restore_sums_done(struct vm *vm, struct sumjob *j)
 {
     vm->verify = j->bad < 0 ? VERIFY_OK : VERIFY_FAILED;
     vm->verify_bad = j->bad;
@@ -711,7 +717,7 @@ void restore_sums_done(struct vm *vm, struct sumjob *j)
            "snapshot checksums sandbox=%s result=%s ms=%llu wake_waited_ms=%llu ram_bytes=%llu "
            "disk_bytes=%llu",
            vm->id, j->bad < 0 ? "ok" : "failed", (unsigned long long)j->ms,
-           (unsigned long long)(waited ? mono_ms() - vm->verify_wait_ms : 0),
+           (unsigned long long)(waited ? sp_qemu__mono_ms() - vm->verify_wait_ms : 0),
            (unsigned long long)j->size[SUM_RAM], (unsigned long long)j->size[SUM_DISK]);
     if (waited)
         restore_loaded(vm);
@@ -719,7 +725,7 @@ void restore_sums_done(struct vm *vm, struct sumjob *j)
         restore_corrupt(vm); /* before QEMU loaded anything: no need to wait for it */
 }
 
-void restore_begin(struct vm *vm)
+void sp_qemu__restore_begin(struct vm *vm)
 {
     sp_err_t e;
     vm->snap_step = RS_CAPS;
@@ -727,10 +733,10 @@ void restore_begin(struct vm *vm)
     json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
                           "state", vm->restore_stream || vm->restore_delta ? 0 : 1);
     if (sp_qmp_command(vm->qmp, "migrate-set-capabilities", a, -1, on_restore_reply, vm, &e) < 0)
-        boot_fail(vm, "restore failed: %s", e.msg);
+        sp_qemu__boot_fail(vm, "restore failed: %s", e.msg);
 }
 
-void on_snap_timer(sp_timer_t *t, void *arg)
+void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg)
 {
     struct vm *vm = arg;
     sp_err_t e;
@@ -743,74 +749,75 @@ void on_snap_timer(sp_timer_t *t, void *arg)
 }
 
 /* QEMU quit after the commit: the VM is released, its snapshot stays. */
-void suspend_finish(struct vm *vm)
+void sp_qemu__suspend_finish(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
-    vm_disconnect(vm);
-    cg_remove(d, vm->id);
-    pool_origin_remove(vm);
+    sp_qemu__vm_disconnect(vm);
+    sp_qemu__cg_remove(d, vm->id);
+    sp_qemu__pool_origin_remove(vm);
     static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused"};
     char p[PATH_MAX + 16];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        vm_path(vm, names[i], p, sizeof p);
+        sp_qemu__vm_path(vm, names[i], p, sizeof p);
         unlink(p);
     }
     if (vm->tsnap_build != NULL) {
-        tsnap_commit(vm);
+        sp_qemu__tsnap_commit(vm);
     } else {
         sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
-               (unsigned long long)(mono_ms() - vm->snap_start_ms));
+               (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     }
-    vm_unlink(vm);
-    complete_all(d, &vm->snap_w, NULL);
-    complete_all(d, &vm->boot_w, NULL);
-    vm_free(vm);
+    sp_qemu__vm_unlink(vm);
+    sp_qemu__complete_all(d, &vm->snap_w, NULL);
+    sp_qemu__complete_all(d, &vm->boot_w, NULL);
+    sp_qemu__vm_free(vm);
 }
 
-int q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg, sp_err_t *err)
+int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg,
+                        sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    struct vm *vm = valid_id(id) ? vm_find(d, id) : NULL;
-    if (vm == NULL && valid_id(id)) {
+    struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
+    if (vm == NULL && sp_qemu__valid_id(id)) {
         char vdir[PATH_MAX];
-        sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
-        if (live_vm_pid(d, id, vdir) == 0 && snapshot_committed(vdir)) {
-            if (complete(d, cb, arg, NULL) < 0) /* already suspended */
+        sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+        if (sp_qemu__live_vm_pid(d, id, vdir) == 0 && sp_qemu__snapshot_committed(vdir)) {
+            if (sp_qemu__complete(d, cb, arg, NULL) < 0) /* already suspended */
                 return sp_err_set(err, SP_EINTERNAL, "out of memory");
             return 0;
         }
     }
     if (vm != NULL && vm->ph == PH_SUSPENDING)
-        return add_waiter(&vm->snap_w, cb, arg, err);
-    vm = running_vm(d, id, err);
+        return sp_qemu__add_waiter(&vm->snap_w, cb, arg, err);
+    vm = sp_qemu__running_vm(d, id, err);
     if (vm == NULL)
         return -1;
-    if (add_waiter(&vm->snap_w, cb, arg, err) < 0)
+    if (sp_qemu__add_waiter(&vm->snap_w, cb, arg, err) < 0)
         return -1;
     vm->ph = PH_SUSPENDING;
     vm->snap_was_paused = vm->paused;
-    vm->snap_start_ms = mono_ms();
+    vm->snap_start_ms = sp_qemu__mono_ms();
     char man[PATH_MAX + 32];
     snap_path(vm, "manifest.json", man, sizeof man);
     unlink(man); /* an older snapshot is stale once the VM has run */
     vm->snap_step = SN_STOP;
-    snap_send(vm, "stop", NULL, -1); /* stop on a paused VM is a no-op */
+    sp_qemu__snap_send(vm, "stop", NULL, -1); /* stop on a paused VM is a no-op */
     return 0;
 }
 
-int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
-              sp_err_t *err)
+int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (spec == NULL || !valid_id(spec->sandbox_id))
+    if (spec == NULL || !sp_qemu__valid_id(spec->sandbox_id))
         return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
-    struct vm *vm = vm_find(d, spec->sandbox_id);
+    struct vm *vm = sp_qemu__vm_find(d, spec->sandbox_id);
     char vdir[PATH_MAX];
-    sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
     if (vm == NULL) {
-        pid_t pid = live_vm_pid(d, spec->sandbox_id, vdir);
+        pid_t pid = sp_qemu__live_vm_pid(d, spec->sandbox_id, vdir);
         if (pid > 0)
-            vm = vm_adopt(d, spec->sandbox_id, pid);
+            vm = sp_qemu__vm_adopt(d, spec->sandbox_id, pid);
     }
     if (vm != NULL) {
         if (vm->ph == PH_STOPPING)
@@ -818,20 +825,20 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
         if (vm->ph == PH_SUSPENDING)
             return sp_err_set(err, SP_ECONFLICT, "sandbox is being suspended");
         if (vm->ph == PH_UP) {
-            if (complete(d, cb, arg, NULL) < 0)
+            if (sp_qemu__complete(d, cb, arg, NULL) < 0)
                 return sp_err_set(err, SP_EINTERNAL, "out of memory");
             return 0;
         }
-        return add_waiter(&vm->boot_w, cb, arg, err);
+        return sp_qemu__add_waiter(&vm->boot_w, cb, arg, err);
     }
-    if (!snapshot_committed(vdir))
+    if (!sp_qemu__snapshot_committed(vdir))
         return sp_err_set(err, SP_ECONFLICT, "sandbox has no snapshot to restore");
     if (d->no_adopt)
         return sp_err_set(err, SP_ECONFLICT, "this driver only builds template snapshots");
     char p[PATH_MAX + 32];
-    sfmt(p, sizeof p, "%s/snapshot/manifest.json", vdir);
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", vdir);
     json_t *man = json_load_file(p, 0, NULL);
-    sfmt(p, sizeof p, "%s/vm.json", vdir);
+    sp_qemu__sfmt(p, sizeof p, "%s/vm.json", vdir);
     json_t *vj = json_load_file(p, 0, NULL);
     const char *kernel = json_string_value(json_object_get(vj, "kernel"));
     const char *initrd = json_string_value(json_object_get(vj, "initramfs"));
@@ -848,7 +855,7 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
     struct stat bst;
     bool base_ok = delta && base_dir != NULL && man_base != NULL &&
                    strcmp(base_dir, man_base) == 0 &&
-                   sfmt(base_ram, sizeof base_ram, "%s/mem.ram", base_dir) > 0 &&
+                   sp_qemu__sfmt(base_ram, sizeof base_ram, "%s/mem.ram", base_dir) > 0 &&
                    stat(base_ram, &bst) == 0 && (uint64_t)bst.st_size == (uint64_t)mem << 20;
     sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
     int rc = 0;
@@ -864,8 +871,8 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
         sp_log(SP_LOG_WARN, "qemu", "snapshot manifest unreadable sandbox=%s", spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME,
                         "cannot wake: the snapshot manifest is damaged; the snapshot is kept");
-    } else if (vj == NULL || kernel == NULL || initrd == NULL || !file_exists(kernel) ||
-               !file_exists(initrd)) {
+    } else if (vj == NULL || kernel == NULL || initrd == NULL || !sp_qemu__file_exists(kernel) ||
+               !sp_qemu__file_exists(initrd)) {
         sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (vm.json or images)",
                spec->sandbox_id);
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");
@@ -876,14 +883,14 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
     } else if (accel != NULL && d->accel >= 0 && strcmp(accel, d->accel == 1 ? "kvm" : "tcg")) {
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot was taken under %s", accel);
     } else {
-        sfmt(tp->kernel, sizeof tp->kernel, "%s", kernel);
-        sfmt(tp->initramfs, sizeof tp->initramfs, "%s", initrd);
+        sp_qemu__sfmt(tp->kernel, sizeof tp->kernel, "%s", kernel);
+        sp_qemu__sfmt(tp->initramfs, sizeof tp->initramfs, "%s", initrd);
         const char *tn = json_string_value(json_object_get(vj, "template"));
-        vm = vm_new(d, spec->sandbox_id);
-        if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
+        vm = sp_qemu__vm_new(d, spec->sandbox_id);
+        if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
             if (vm != NULL) {
-                vm_unlink(vm);
-                vm_free(vm);
+                sp_qemu__vm_unlink(vm);
+                sp_qemu__vm_free(vm);
             } else {
                 free(tp);
             }
@@ -892,7 +899,7 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
         } else {
             vm->tp = tp;
             tp = NULL;
-            sfmt(vm->template_name, sizeof vm->template_name, "%s", tn ? tn : "");
+            sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tn ? tn : "");
             vm->cpu_count = cpus > 0 ? cpus : 1;
             vm->memory_mb = mem;
             vm->disk_total = (uint64_t)json_integer_value(json_object_get(vj, "disk_bytes"));
@@ -905,10 +912,10 @@ int q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void
             if (delta)
                 vm->clone_src = strdup(base_dir); /* NULL: start_qemu fails the restore */
             vm->ph = PH_WAIT_ACCEL;
-            vm->boot_start_ms = mono_ms();
+            vm->boot_start_ms = sp_qemu__mono_ms();
             sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
             restore_verify(vm, man);
-            kick(d);
+            sp_qemu__kick(d);
         }
     }
     free(tp);

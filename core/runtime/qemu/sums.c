@@ -264,7 +264,7 @@ static int sum_files(const char *const *paths, int n, int threads, const sp_work
             goto out;
         }
         for (unsigned k = 0; k < mdlen; k++)
-            sfmt(hex[i] + 2 * k, 3, "%02x", md[k]);
+            sp_qemu__sfmt(hex[i] + 2 * k, 3, "%02x", md[k]);
         size[i] = p[i].size;
     }
     rc = 0;
@@ -280,14 +280,14 @@ out:
     return rc;
 }
 
-int sum_file(const char *path, uint64_t *size, char hex[65])
+int sp_qemu__sum_file(const char *path, uint64_t *size, char hex[65])
 {
     int bad;
     char(*h)[65] = (char(*)[65])hex;
     return sum_files(&path, 1, 1, NULL, size, h, &bad);
 }
 
-void sumjob_free(struct sumjob *j)
+void sp_qemu__sumjob_free(struct sumjob *j)
 {
     if (j->in_fd >= 0)
         close(j->in_fd);
@@ -300,7 +300,7 @@ void sumjob_free(struct sumjob *j)
 static void sum_run(sp_work_t *w, void *arg)
 {
     struct sumjob *j = arg;
-    uint64_t t0 = mono_ms();
+    uint64_t t0 = sp_qemu__mono_ms();
     if (j->delta) {
         j->rc = sp_migdelta_filter(j->in_fd, j->out_fd, j->base, "mem", &j->st, j->why,
                                    sizeof j->why);
@@ -333,11 +333,11 @@ static void sum_run(sp_work_t *w, void *arg)
             j->bad = idx[k];
     }
 done:
-    j->ms = mono_ms() - t0;
+    j->ms = sp_qemu__mono_ms() - t0;
 }
 
-/* A job for vm, not started: fill path[] (and want[] with verify), then sumjob_run. */
-struct sumjob *sumjob_new(struct vm *vm, bool verify)
+/* A job for vm, not started: fill path[] (and want[] with verify), then sp_qemu__sumjob_run. */
+struct sumjob *sp_qemu__sumjob_new(struct vm *vm, bool verify)
 {
     struct sumjob *j = calloc(1, sizeof(*j));
     if (j == NULL)
@@ -353,11 +353,11 @@ struct sumjob *sumjob_new(struct vm *vm, bool verify)
 static void on_sum_done(void *arg, bool cancelled);
 
 /* Queues j on the loop's SP_WORK_LONG lane; on failure frees j. 0 when queued. */
-int sumjob_run(sp_qemu_t *d, struct sumjob *j)
+int sp_qemu__sumjob_run(sp_qemu_t *d, struct sumjob *j)
 {
     j->work = sp_loop_work(d->base.loop, SP_WORK_LONG, sum_run, on_sum_done, j);
     if (j->work == NULL) {
-        sumjob_free(j);
+        sp_qemu__sumjob_free(j);
         return -1;
     }
     return 0;
@@ -365,7 +365,7 @@ int sumjob_run(sp_qemu_t *d, struct sumjob *j)
 
 /* The VM no longer wants the result: the job stops at its next chunk (a delta filter: once
  * QEMU closes the pipe) and on_sum_done frees it. NULL does nothing. */
-void sumjob_abandon(struct sumjob *j)
+void sp_qemu__sumjob_abandon(struct sumjob *j)
 {
     if (j == NULL)
         return;
@@ -383,18 +383,18 @@ static void on_sum_done(void *arg, bool cancelled)
             vm->sum = NULL;
         if (vm != NULL && vm->delta == j)
             vm->delta = NULL;
-        sumjob_free(j);
+        sp_qemu__sumjob_free(j);
         return;
     }
     if (j->delta) {
         vm->delta = NULL;
-        suspend_delta_done(vm, j);
+        sp_qemu__suspend_delta_done(vm, j);
     } else {
         vm->sum = NULL;
         if (j->verify)
-            restore_sums_done(vm, j);
+            sp_qemu__restore_sums_done(vm, j);
         else
-            suspend_sums_done(vm, j);
+            sp_qemu__suspend_sums_done(vm, j);
     }
-    sumjob_free(j);
+    sp_qemu__sumjob_free(j);
 }

@@ -2,17 +2,17 @@
  * tsnap.c - template snapshots (qemu.h): the snapshot a create of a template size clones,
  * built once per key, and their collection.
  *
- * A builder VM (a struct vm with tsnap_build set, an id no API call can name, its
- * work dir vms/.tsnap-<key>-<pid>) boots cold, runs the template's warmup
- * (tsnap_warmup, core/channel/exec.h on its agent), settles, and goes through the
- * same suspend steps (snapshot.c); suspend_finish then freezes its files and
- * renames the work dir into the template build (tsnap_commit). A request for a
- * snapshot without a sandbox (sp_qemu_template_snapshot) is a struct vm with
- * tsnap_req set that never starts QEMU: it waits like a boot and is answered and
- * freed in tsnap_req_step. Every transition of a boot waiting for a snapshot goes
- * through on_kick, so no completion frees a VM another loop over the table is
- * holding. tsnap_gc removes snapshots nobody will clone again once no sandbox uses
- * them (tsnap_refs: RAM mappings and overlay backing files, read from every VM dir).
+ * A builder VM (a struct vm with tsnap_build set, an id no API call can name, its work dir
+ * vms/.tsnap-<key>-<pid>) boots cold, runs the template's warmup (sp_qemu__tsnap_warmup,
+ * core/channel/exec.h on its agent), settles, and goes through the same suspend steps
+ * (snapshot.c); sp_qemu__suspend_finish then freezes its files and renames the work dir into
+ * the template build (sp_qemu__tsnap_commit). A request for a snapshot without a sandbox
+ * (sp_qemu_template_snapshot) is a struct vm with tsnap_req set that never starts QEMU: it
+ * waits like a boot and is answered and freed in sp_qemu__tsnap_req_step. Every transition of
+ * a boot waiting for a snapshot goes through sp_qemu__on_kick, so no completion frees a VM
+ * another loop over the table is holding. sp_qemu__tsnap_gc removes snapshots nobody will
+ * clone again once no sandbox uses them (tsnap_refs: RAM mappings and overlay backing files,
+ * read from every VM dir).
  *
  * Owns the driver's struct tsnap records. Does not clone (boot.c) nor keep spares (pool.c).
  */
@@ -49,8 +49,8 @@ static uint64_t fnv1a(uint64_t h, const char *s)
  * depend on (format, QEMU binary, template build, base image, and the QEMU command line
  * this driver would run, per-VM paths and the host-measured tsc_early_khz left out: a
  * restored guest keeps the clock setup of the boot that made the snapshot). */
-int tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
-                  int memory_mb, char key[17])
+int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
+                           int memory_mb, char key[17])
 {
     sp_bootargs_qemu_t q = {.qemu = d->qemu,
                             .kernel = tp->kernel,
@@ -74,13 +74,13 @@ int tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_co
     for (int i = 0; argv[i] != NULL; i++)
         h = fnv1a(h, argv[i]);
     free(argv);
-    sfmt(key, 17, "%016llx", (unsigned long long)h);
+    sp_qemu__sfmt(key, 17, "%016llx", (unsigned long long)h);
     return 0;
 }
 
 static int tsnap_key(const struct vm *vm, char key[17])
 {
-    return tsnap_key_for(vm->d, vm->tp, vm->cpu_count, vm->memory_mb, key);
+    return sp_qemu__tsnap_key_for(vm->d, vm->tp, vm->cpu_count, vm->memory_mb, key);
 }
 
 /* A committed snapshot dir that matches key and memory size; checks sizes and the device
@@ -88,7 +88,7 @@ static int tsnap_key(const struct vm *vm, char key[17])
 static bool tsnap_valid(const char *dir, const char *key, int memory_mb)
 {
     char p[PATH_MAX + 48];
-    sfmt(p, sizeof p, "%s/template-snapshot.json", dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/template-snapshot.json", dir);
     json_t *m = json_load_file(p, 0, NULL);
     if (m == NULL)
         return false;
@@ -100,15 +100,15 @@ static bool tsnap_valid(const char *dir, const char *key, int memory_mb)
               strcmp(k, key) == 0 && sum != NULL;
     struct stat st;
     if (ok) {
-        sfmt(p, sizeof p, "%s/mem.ram", dir);
+        sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", dir);
         ok = stat(p, &st) == 0 && (uint64_t)st.st_size == (uint64_t)memory_mb << 20;
     }
     if (ok) {
-        sfmt(p, sizeof p, "%s/disk.qcow2", dir);
+        sp_qemu__sfmt(p, sizeof p, "%s/disk.qcow2", dir);
         ok = stat(p, &st) == 0;
     }
     if (ok) {
-        sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
+        sp_qemu__sfmt(p, sizeof p, "%s/snapshot/devstate", dir);
         char got[SP_TMPLBUILD_HASH_LEN + 1];
         sp_err_t e;
         ok = stat(p, &st) == 0 && st.st_size == (off_t)dev_bytes &&
@@ -202,10 +202,10 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
         if (de->d_name[0] == '.')
             continue; /* ., .., builders (their disk backs onto the template's base) */
         char p[PATH_MAX + 80], b[PATH_MAX];
-        sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->vms_dir, de->d_name);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->vms_dir, de->d_name);
         if (qcow2_backing(p, b, sizeof b))
             refs_add(r, b);
-        sfmt(p, sizeof p, "%s/%s/vm.json", d->vms_dir, de->d_name);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->vms_dir, de->d_name);
         json_t *o = json_load_file(p, 0, NULL);
         const char *src = json_string_value(json_object_get(o, "ram_src"));
         if (src != NULL)
@@ -235,7 +235,7 @@ static const char *tsnap_stale(const sp_qemu_t *d, const sp_tmplbuild_paths_t *c
         return "not a template snapshot name (moved aside or left over)";
     if (strcmp(accel, d->accel == 1 ? "kvm" : "tcg") != 0)
         return "made under another accelerator";
-    if (tsnap_key_for(d, cur, cpus, mem, want) < 0)
+    if (sp_qemu__tsnap_key_for(d, cur, cpus, mem, want) < 0)
         return NULL; /* cannot tell: keep it */
     if (strcmp(key, want) != 0)
         return "superseded (QEMU binary or boot arguments changed)";
@@ -249,7 +249,7 @@ static const char *tsnap_stale(const sp_qemu_t *d, const sp_tmplbuild_paths_t *c
  * driver start (once the accelerator is known: keys depend on it) and after each snapshot
  * commit. Blocks on a readdir of the VM and template dirs and one 60 KB checksum per
  * snapshot: milliseconds. */
-void tsnap_gc(sp_qemu_t *d)
+void sp_qemu__tsnap_gc(sp_qemu_t *d)
 {
     if (d->accel < 0)
         return;
@@ -261,7 +261,7 @@ void tsnap_gc(sp_qemu_t *d)
         return;
     }
     char tdir[PATH_MAX];
-    sfmt(tdir, sizeof tdir, "%s/templates", d->data_dir);
+    sp_qemu__sfmt(tdir, sizeof tdir, "%s/templates", d->data_dir);
     DIR *td = opendir(tdir);
     int removed = 0, kept = 0;
     struct dirent *te;
@@ -271,7 +271,7 @@ void tsnap_gc(sp_qemu_t *d)
         sp_tmplbuild_paths_t cur;
         bool have = sp_tmplbuild_current(d->data_dir, te->d_name, &cur, NULL) == 0;
         char tpath[PATH_MAX];
-        sfmt(tpath, sizeof tpath, "%s/%s", tdir, te->d_name);
+        sp_qemu__sfmt(tpath, sizeof tpath, "%s/%s", tdir, te->d_name);
         DIR *hd = opendir(tpath);
         struct dirent *he;
         while (hd != NULL && (he = readdir(hd)) != NULL) {
@@ -279,14 +279,14 @@ void tsnap_gc(sp_qemu_t *d)
                 continue;
             bool is_cur = have && strcmp(he->d_name, cur.hash) == 0;
             char hpath[PATH_MAX];
-            sfmt(hpath, sizeof hpath, "%s/%s", tpath, he->d_name);
+            sp_qemu__sfmt(hpath, sizeof hpath, "%s/%s", tpath, he->d_name);
             DIR *sd = opendir(hpath);
             struct dirent *se;
             while (sd != NULL && (se = readdir(sd)) != NULL) {
                 if (strncmp(se->d_name, "snapshot-", 9) != 0)
                     continue;
                 char spath[PATH_MAX];
-                sfmt(spath, sizeof spath, "%s/%s", hpath, se->d_name);
+                sp_qemu__sfmt(spath, sizeof spath, "%s/%s", hpath, se->d_name);
                 const char *why = tsnap_stale(d, is_cur ? &cur : NULL, se->d_name, spath);
                 if (why == NULL)
                     continue;
@@ -303,7 +303,7 @@ void tsnap_gc(sp_qemu_t *d)
                 }
                 sp_log(SP_LOG_INFO, "qemu", "removing template snapshot dir=%s reason=\"%s\"",
                        spath, why);
-                rm_rf(spath);
+                sp_qemu__rm_rf(spath);
                 removed++;
             }
             if (sd != NULL)
@@ -322,7 +322,7 @@ void tsnap_gc(sp_qemu_t *d)
 
 /* A builder work dir .tsnap-<key>-<pid> of a live driver in another process (spaced serve
  * while `spaced template build` runs, say): not ours to kill or remove. */
-bool tsnap_tmp_foreign(const char *name)
+bool sp_qemu__tsnap_tmp_foreign(const char *name)
 {
     const char *dash = strrchr(name, '-');
     long pid = dash != NULL ? strtol(dash + 1, NULL, 10) : 0;
@@ -331,13 +331,13 @@ bool tsnap_tmp_foreign(const char *name)
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
-/* Boots waiting for t go back through on_kick, which sends them on by t's new state. */
+/* Boots waiting for t go back through sp_qemu__on_kick, which sends them on by t's new state. */
 static void tsnap_wake(sp_qemu_t *d, struct tsnap *t)
 {
     for (struct vm *v = d->vms; v != NULL; v = v->next)
         if (v->ph == PH_WAIT_TSNAP && v->tsnap_wait == t)
             v->ph = PH_WAIT_ACCEL;
-    kick(d);
+    sp_qemu__kick(d);
 }
 
 /* Kills a builder QEMU an earlier driver left in a work dir of this snapshot, removes the
@@ -346,24 +346,24 @@ static void tsnap_clean_tmp(sp_qemu_t *d, const struct tsnap *t)
 {
     char base[64];
     const char *parent = d->vms_dir;
-    sfmt(base, sizeof base, ".tsnap-%s-", t->key);
+    sp_qemu__sfmt(base, sizeof base, ".tsnap-%s-", t->key);
     DIR *dir = opendir(parent);
     if (dir == NULL)
         return;
     struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
-        if (strncmp(de->d_name, base, strlen(base)) != 0 || tsnap_tmp_foreign(de->d_name))
+        if (strncmp(de->d_name, base, strlen(base)) != 0 || sp_qemu__tsnap_tmp_foreign(de->d_name))
             continue;
         char p[PATH_MAX];
-        sfmt(p, sizeof p, "%s/%s", parent, de->d_name);
-        pid_t pid = live_qemu_pid(p);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", parent, de->d_name);
+        pid_t pid = sp_qemu__live_qemu_pid(p);
         if (pid > 0) {
             sp_log(SP_LOG_INFO, "qemu", "killing a stale template snapshot builder pid=%d",
                    (int)pid);
             kill(-pid, SIGKILL);
             kill(pid, SIGKILL);
         }
-        rm_rf(p);
+        sp_qemu__rm_rf(p);
     }
     closedir(dir);
 }
@@ -373,17 +373,18 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
 {
     tsnap_clean_tmp(d, t);
     char id[SP_QEMU_ID_MAX + 1];
-    sfmt(id, sizeof id, "tsnap:%s", t->key); /* ':' is not a valid sandbox id: no API reaches it */
+    /* ':' is not a valid sandbox id: no API reaches it */
+    sp_qemu__sfmt(id, sizeof id, "tsnap:%s", t->key);
     sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
-    struct vm *b = tp != NULL ? vm_new(d, id) : NULL;
+    struct vm *b = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
     if (b == NULL) {
         free(tp);
         return -1;
     }
     *tp = *vm->tp;
     b->tp = tp;
-    sfmt(b->dir, sizeof b->dir, "%s", t->tmp);
-    sfmt(b->template_name, sizeof b->template_name, "%s", vm->template_name);
+    sp_qemu__sfmt(b->dir, sizeof b->dir, "%s", t->tmp);
+    sp_qemu__sfmt(b->template_name, sizeof b->template_name, "%s", vm->template_name);
     b->cpu_count = vm->cpu_count;
     b->memory_mb = vm->memory_mb;
     b->disk_total = vm->disk_total;
@@ -391,20 +392,20 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
     b->tsnap_build = t;
     b->cold = true;
     b->ph = PH_WAIT_ACCEL;
-    b->boot_start_ms = mono_ms();
+    b->boot_start_ms = sp_qemu__mono_ms();
     t->start_ms = b->boot_start_ms;
     t->state = TS_BUILDING;
     sp_timer_start(&b->boot_timer, d->boot_timeout_ms);
     sp_log(SP_LOG_INFO, "qemu",
            "building template snapshot template=%s key=%s memory_mb=%d cpus=%d accel=%s",
            vm->template_name, t->key, vm->memory_mb, vm->cpu_count, d->accel == 1 ? "kvm" : "tcg");
-    kick(d);
+    sp_qemu__kick(d);
     return 0;
 }
 
 /* The snapshot record for a boot, found, adopted from disk, or being built. NULL (logged)
  * when none can be had: the boot goes cold. */
-struct tsnap *tsnap_for(struct vm *vm)
+struct tsnap *sp_qemu__tsnap_for(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
     char key[17];
@@ -419,15 +420,15 @@ struct tsnap *tsnap_for(struct vm *vm)
             break;
     if (t != NULL && t->state == TS_READY) {
         char p[PATH_MAX + 48];
-        sfmt(p, sizeof p, "%s/template-snapshot.json", t->dir);
-        if (file_exists(p))
+        sp_qemu__sfmt(p, sizeof p, "%s/template-snapshot.json", t->dir);
+        if (sp_qemu__file_exists(p))
             return t;
         t->state = TS_FAILED; /* removed under us: look again */
         t->failed_ms = 0;
     }
     if (t != NULL &&
         (t->state == TS_BUILDING || (t->state == TS_FAILED && t->failed_ms != 0 &&
-                                     mono_ms() - t->failed_ms < SP_QEMU_TSNAP_RETRY_MS)))
+                                     sp_qemu__mono_ms() - t->failed_ms < SP_QEMU_TSNAP_RETRY_MS)))
         return t;
     if (t == NULL) {
         t = calloc(1, sizeof(*t));
@@ -435,11 +436,11 @@ struct tsnap *tsnap_for(struct vm *vm)
             sp_log(SP_LOG_WARN, "qemu", "cold boot sandbox=%s reason=\"out of memory\"", vm->id);
             return NULL;
         }
-        sfmt(t->key, sizeof t->key, "%s", key);
-        sfmt(t->dir, sizeof t->dir, "%s/snapshot-%s-%dM-%dc-%s", vm->tp->build_dir,
-             d->accel == 1 ? "kvm" : "tcg", vm->memory_mb, vm->cpu_count, key);
-        sfmt(t->tmp, sizeof t->tmp, "%s/.tsnap-%s-%d", d->vms_dir, key, (int)getpid());
-        sfmt(t->template_name, sizeof t->template_name, "%s", vm->template_name);
+        sp_qemu__sfmt(t->key, sizeof t->key, "%s", key);
+        sp_qemu__sfmt(t->dir, sizeof t->dir, "%s/snapshot-%s-%dM-%dc-%s", vm->tp->build_dir,
+                      d->accel == 1 ? "kvm" : "tcg", vm->memory_mb, vm->cpu_count, key);
+        sp_qemu__sfmt(t->tmp, sizeof t->tmp, "%s/.tsnap-%s-%d", d->vms_dir, key, (int)getpid());
+        sp_qemu__sfmt(t->template_name, sizeof t->template_name, "%s", vm->template_name);
         t->next = d->tsnaps;
         d->tsnaps = t;
     }
@@ -463,30 +464,31 @@ struct tsnap *tsnap_for(struct vm *vm)
                    "cold-boot until it is unused dir=%s",
                    t->dir);
             t->state = TS_FAILED;
-            t->failed_ms = mono_ms();
-            sfmt(t->why, sizeof t->why, "the template snapshot is damaged and still in use");
+            t->failed_ms = sp_qemu__mono_ms();
+            sp_qemu__sfmt(t->why, sizeof t->why,
+                          "the template snapshot is damaged and still in use");
             return t;
         }
         sp_log(SP_LOG_WARN, "qemu", "template snapshot is damaged: removed, rebuilding dir=%s",
                t->dir);
-        rm_rf(t->dir);
+        sp_qemu__rm_rf(t->dir);
     }
     if (tsnap_build_start(d, t, vm) < 0) {
         t->state = TS_FAILED;
-        t->failed_ms = mono_ms();
-        sfmt(t->why, sizeof t->why, "cannot start the template snapshot builder");
+        t->failed_ms = sp_qemu__mono_ms();
+        sp_qemu__sfmt(t->why, sizeof t->why, "cannot start the template snapshot builder");
     }
     return t;
 }
 
 /* The builder is gone before its snapshot committed: boots waiting for it go cold. */
-void tsnap_failed(struct vm *vm, const char *why)
+void sp_qemu__tsnap_failed(struct vm *vm, const char *why)
 {
     struct tsnap *t = vm->tsnap_build;
     vm->tsnap_build = NULL;
     t->state = TS_FAILED;
-    t->failed_ms = mono_ms();
-    sfmt(t->why, sizeof t->why, "%s", why);
+    t->failed_ms = sp_qemu__mono_ms();
+    sp_qemu__sfmt(t->why, sizeof t->why, "%s", why);
     sp_log(SP_LOG_WARN, "qemu",
            "template snapshot failed template=%s key=%s err=\"%s\" (boots cold-boot; retried "
            "after %u s; builder logs in %s)",
@@ -498,9 +500,9 @@ static void tsnap_freeze(struct vm *vm)
 {
     vm->ph = PH_SUSPENDING;
     vm->snap_was_paused = false;
-    vm->snap_start_ms = mono_ms();
+    vm->snap_start_ms = sp_qemu__mono_ms();
     vm->snap_step = SN_STOP;
-    snap_send(vm, "stop", NULL, -1);
+    sp_qemu__snap_send(vm, "stop", NULL, -1);
 }
 
 static void on_settle_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags,
@@ -546,7 +548,8 @@ static void tsnap_settle(struct vm *vm)
 }
 
 /* The builder's warmup ended: settle and freeze on exit 0, else give up on this snapshot
- * (vm_finish -> tsnap_failed; boots cold-boot, and a cold boot never runs the warmup). */
+ * (sp_qemu__vm_finish -> sp_qemu__tsnap_failed; boots cold-boot, and a cold boot never runs the
+ * warmup). */
 static void on_warmup_done(void *arg, const sp_exec_result_t *res, const sp_err_t *err)
 {
     struct vm *vm = arg;
@@ -554,7 +557,7 @@ static void on_warmup_done(void *arg, const sp_exec_result_t *res, const sp_err_
     if (vm->ph != PH_UP || vm->tsnap_build == NULL)
         return;
     struct tsnap *t = vm->tsnap_build;
-    unsigned long long ms = (unsigned long long)(mono_ms() - vm->warm_start_ms);
+    unsigned long long ms = (unsigned long long)(sp_qemu__mono_ms() - vm->warm_start_ms);
     if (err == NULL && res->exited && res->exit_code == 0) {
         sp_log(SP_LOG_INFO, "qemu", "template warmup done template=%s key=%s ms=%llu",
                t->template_name, t->key, ms);
@@ -574,26 +577,28 @@ static void on_warmup_done(void *arg, const sp_exec_result_t *res, const sp_err_
         tail[k] = '\0';
     }
     if (err != NULL)
-        sfmt(why, sizeof why, "the template's warmup failed: %s", err->msg);
+        sp_qemu__sfmt(why, sizeof why, "the template's warmup failed: %s", err->msg);
     else if (res->timed_out)
-        sfmt(why, sizeof why, "the template's warmup did not finish within %u s",
-             SP_QEMU_WARMUP_MS / 1000u);
+        sp_qemu__sfmt(why, sizeof why, "the template's warmup did not finish within %u s",
+                      SP_QEMU_WARMUP_MS / 1000u);
     else if (!res->exited)
-        sfmt(why, sizeof why, "the template's warmup was killed by signal %d", res->signal);
+        sp_qemu__sfmt(why, sizeof why, "the template's warmup was killed by signal %d",
+                      res->signal);
     else
-        sfmt(why, sizeof why, "the template's warmup exited with status %d", res->exit_code);
+        sp_qemu__sfmt(why, sizeof why, "the template's warmup exited with status %d",
+                      res->exit_code);
     sp_log(SP_LOG_WARN, "qemu",
            "template warmup failed template=%s key=%s ms=%llu err=\"%s\" output_tail=\"%s\"",
            t->template_name, t->key, ms, why, tail);
     vm->boot_failed = true;
     sp_err_set(&vm->boot_err, SP_ERUNTIME, "%s", why);
     vm->keep_logs = true;
-    vm_stop(vm, false);
+    sp_qemu__vm_stop(vm, false);
 }
 
 /* Builder up: run the template's warmup command (as root, through the agent) if it has one,
  * then settle. Whatever it leaves running is in the snapshot. */
-void tsnap_warmup(struct vm *vm)
+void sp_qemu__tsnap_warmup(struct vm *vm)
 {
     if (!vm->tp->warmup) {
         tsnap_settle(vm);
@@ -611,7 +616,7 @@ void tsnap_warmup(struct vm *vm)
         sp_exec_cmd_t cmd = {.argv = argv, .argc = n, .timeout_ms = SP_QEMU_WARMUP_MS};
         /* the boot timer backs the command's own timeout (and its kill grace) */
         sp_timer_start(&vm->boot_timer, SP_QEMU_WARMUP_MS + SP_EXEC_KILL_GRACE_MS + 30000u);
-        vm->warm_start_ms = mono_ms();
+        vm->warm_start_ms = sp_qemu__mono_ms();
         vm->warm =
             sp_exec_run(vm->d->base.loop, vm->agent, &cmd, 64u << 10, on_warmup_done, vm, &e);
         ok = vm->warm != NULL;
@@ -628,13 +633,13 @@ void tsnap_warmup(struct vm *vm)
         vm->boot_failed = true;
         sp_err_set(&vm->boot_err, SP_ERUNTIME, "the template's warmup did not start: %s", e.msg);
         vm->keep_logs = true;
-        vm_stop(vm, false);
+        sp_qemu__vm_stop(vm, false);
     }
 }
 
 /* The builder's QEMU quit after its device state, RAM file and overlay were made durable
  * (snap_commit): freeze the files and commit the directory by rename. */
-void tsnap_commit(struct vm *vm)
+void sp_qemu__tsnap_commit(struct vm *vm)
 {
     struct tsnap *t = vm->tsnap_build;
     vm->tsnap_build = NULL;
@@ -642,15 +647,15 @@ void tsnap_commit(struct vm *vm)
     struct stat sr, sd, sk;
     sp_err_t e;
     const char *why = NULL;
-    vm_path(vm, "snapshot/manifest.json", p, sizeof p);
+    sp_qemu__vm_path(vm, "snapshot/manifest.json", p, sizeof p);
     unlink(p); /* a per-VM suspend manifest means nothing here */
-    vm_path(vm, "mem.ram", p, sizeof p);
+    sp_qemu__vm_path(vm, "mem.ram", p, sizeof p);
     if (stat(p, &sr) < 0 || chmod(p, 0444) < 0)
         why = "RAM file";
-    vm_path(vm, "disk.qcow2", p, sizeof p);
+    sp_qemu__vm_path(vm, "disk.qcow2", p, sizeof p);
     if (why == NULL && (stat(p, &sk) < 0 || chmod(p, 0444) < 0))
         why = "overlay";
-    vm_path(vm, "snapshot/devstate", p, sizeof p);
+    sp_qemu__vm_path(vm, "snapshot/devstate", p, sizeof p);
     if (why == NULL &&
         (stat(p, &sd) < 0 || chmod(p, 0444) < 0 || sp_tmplbuild_file_sha256(p, sum, &e) < 0))
         why = "device state";
@@ -667,9 +672,10 @@ void tsnap_commit(struct vm *vm)
                       (json_int_t)sr.st_blocks * 512, "disk_alloc_bytes",
                       (json_int_t)sk.st_blocks * 512, "devstate_bytes", (json_int_t)sd.st_size,
                       "devstate_sha256", sum, "devstate", "snapshot/devstate", "created_at",
-                      (json_int_t)ts.tv_sec, "build_ms", (json_int_t)(mono_ms() - t->start_ms));
+                      (json_int_t)ts.tv_sec, "build_ms",
+                      (json_int_t)(sp_qemu__mono_ms() - t->start_ms));
         char *js = o != NULL ? json_dumps(o, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
-        vm_path(vm, "template-snapshot.json", p, sizeof p);
+        sp_qemu__vm_path(vm, "template-snapshot.json", p, sizeof p);
         int fd = js != NULL ? open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444) : -1;
         bool ok = fd >= 0 && write(fd, js, strlen(js)) == (ssize_t)strlen(js) && fsync(fd) == 0;
         if (fd >= 0)
@@ -679,26 +685,27 @@ void tsnap_commit(struct vm *vm)
             why = "manifest";
     }
     if (why == NULL) {
-        fsync_path(vm->dir, O_RDONLY | O_DIRECTORY);
+        sp_qemu__fsync_path(vm->dir, O_RDONLY | O_DIRECTORY);
         if (rename(vm->dir, t->dir) < 0) {
             /* another spaced on this data dir committed the same key first: use theirs */
-            rm_rf(vm->dir);
+            sp_qemu__rm_rf(vm->dir);
             if (!tsnap_valid(t->dir, t->key, vm->memory_mb))
                 why = "commit";
         } else {
-            sfmt(p, sizeof p, "%s", t->dir);
+            sp_qemu__sfmt(p, sizeof p, "%s", t->dir);
             char *slash = strrchr(p, '/');
             if (slash != NULL) {
                 *slash = '\0';
-                fsync_path(p, O_RDONLY | O_DIRECTORY);
+                sp_qemu__fsync_path(p, O_RDONLY | O_DIRECTORY);
             }
         }
     }
-    sfmt(vm->dir, sizeof vm->dir, "%s", t->dir); /* vm_free must not look at the work dir */
+    /* sp_qemu__vm_free must not look at the work dir */
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s", t->dir);
     if (why != NULL) {
         t->state = TS_FAILED;
-        t->failed_ms = mono_ms();
-        sfmt(t->why, sizeof t->why, "cannot commit the template snapshot (%s)", why);
+        t->failed_ms = sp_qemu__mono_ms();
+        sp_qemu__sfmt(t->why, sizeof t->why, "cannot commit the template snapshot (%s)", why);
         sp_log(SP_LOG_WARN, "qemu", "template snapshot failed template=%s key=%s err=\"%s: %s\"",
                t->template_name, t->key, why, strerror(errno));
     } else {
@@ -706,22 +713,22 @@ void tsnap_commit(struct vm *vm)
         sp_log(SP_LOG_INFO, "qemu",
                "template snapshot ready template=%s key=%s ms=%llu ram_alloc_bytes=%lld "
                "devstate_bytes=%lld",
-               t->template_name, t->key, (unsigned long long)(mono_ms() - t->start_ms),
+               t->template_name, t->key, (unsigned long long)(sp_qemu__mono_ms() - t->start_ms),
                (long long)sr.st_blocks * 512, (long long)sd.st_size);
     }
     json_decref(o);
     if (why == NULL)
-        tsnap_gc(vm->d); /* it may supersede others */
+        sp_qemu__tsnap_gc(vm->d); /* it may supersede others */
     tsnap_wake(vm->d, t);
 }
 
 /* A template snapshot request (sp_qemu_template_snapshot) once the accelerator is known: it
  * waits in PH_WAIT_TSNAP while its snapshot is built and is answered (and freed) once the
  * snapshot is ready or failed. */
-void tsnap_req_step(struct vm *vm)
+void sp_qemu__tsnap_req_step(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
-    struct tsnap *t = d->cold_only ? NULL : tsnap_for(vm);
+    struct tsnap *t = d->cold_only ? NULL : sp_qemu__tsnap_for(vm);
     if (t != NULL && t->state == TS_BUILDING) {
         vm->ph = PH_WAIT_TSNAP;
         vm->tsnap_wait = t;
@@ -732,8 +739,8 @@ void tsnap_req_step(struct vm *vm)
     sp_err_t e;
     bool ok = t != NULL && t->state == TS_READY;
     if (ok && vm->req_info != NULL) {
-        sfmt(vm->req_info->dir, sizeof vm->req_info->dir, "%s", t->dir);
-        sfmt(vm->req_info->key, sizeof vm->req_info->key, "%s", t->key);
+        sp_qemu__sfmt(vm->req_info->dir, sizeof vm->req_info->dir, "%s", t->dir);
+        sp_qemu__sfmt(vm->req_info->key, sizeof vm->req_info->key, "%s", t->key);
     }
     if (d->cold_only)
         sp_err_set(&e, SP_ECONFLICT, "template snapshots are off (cold boot configured)");
@@ -742,16 +749,16 @@ void tsnap_req_step(struct vm *vm)
     else if (!ok)
         sp_err_set(&e, SP_ERUNTIME, "%s",
                    t->why[0] != '\0' ? t->why : "the template snapshot failed (see the log)");
-    complete_all(d, &vm->boot_w, ok ? NULL : &e);
-    vm_unlink(vm);
-    vm_free(vm);
+    sp_qemu__complete_all(d, &vm->boot_w, ok ? NULL : &e);
+    sp_qemu__vm_unlink(vm);
+    sp_qemu__vm_free(vm);
 }
 
 int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int cpu_count,
                               int memory_mb, sp_qemu_tsnap_info_t *info, sp_driver_cb cb, void *arg,
                               sp_err_t *err)
 {
-    if (base == NULL || base->ops != &qemu_ops)
+    if (base == NULL || base->ops != &sp_qemu__ops)
         return sp_err_set(err, SP_EINVAL, "not a qemu driver");
     sp_qemu_t *d = (sp_qemu_t *)base;
     if (d->cold_only)
@@ -767,13 +774,14 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
                           "template %.64s is not built on this host", tname);
     }
     char id[SP_QEMU_ID_MAX + 1];
-    sfmt(id, sizeof id, "tsreq:%u", ++d->req_seq); /* ':' keeps it out of every API's reach */
-    struct vm *vm = vm_new(d, id);
-    if (vm == NULL || add_waiter(&vm->boot_w, cb, arg, err) < 0) {
+    /* ':' keeps it out of every API's reach */
+    sp_qemu__sfmt(id, sizeof id, "tsreq:%u", ++d->req_seq);
+    struct vm *vm = sp_qemu__vm_new(d, id);
+    if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
         free(tp);
         if (vm != NULL) {
-            vm_unlink(vm);
-            vm_free(vm);
+            sp_qemu__vm_unlink(vm);
+            sp_qemu__vm_free(vm);
         }
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
@@ -782,12 +790,12 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
     vm->req_info = info;
     if (info != NULL)
         memset(info, 0, sizeof *info);
-    sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
+    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
     vm->cpu_count = cpu_count > 0 ? cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
     vm->memory_mb = memory_mb > 0 ? memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
     vm->disk_total = (uint64_t)(tp->disk_mb > 0 ? tp->disk_mb : 0) << 20;
     vm->ph = PH_WAIT_ACCEL;
-    vm->boot_start_ms = mono_ms();
-    kick(d);
+    vm->boot_start_ms = sp_qemu__mono_ms();
+    sp_qemu__kick(d);
     return 0;
 }

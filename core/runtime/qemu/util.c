@@ -28,7 +28,7 @@
 
 /* snprintf for paths and small values. Truncation cannot happen for paths: the data
  * directory is limited at creation to leave room below PATH_MAX for every name we add. */
-int sfmt(char *out, size_t n, const char *fmt, ...)
+int sp_qemu__sfmt(char *out, size_t n, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -37,14 +37,14 @@ int sfmt(char *out, size_t n, const char *fmt, ...)
     return r;
 }
 
-uint64_t mono_ms(void)
+uint64_t sp_qemu__mono_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-uint32_t env_ms(const char *name, uint32_t dflt)
+uint32_t sp_qemu__env_ms(const char *name, uint32_t dflt)
 {
     const char *s = getenv(name);
     if (s == NULL || *s == '\0')
@@ -57,10 +57,10 @@ uint32_t env_ms(const char *name, uint32_t dflt)
 }
 
 /* The executable execvp would run for name, into out[PATH_MAX]. false if none. */
-bool resolve_program(const char *name, char *out)
+bool sp_qemu__resolve_program(const char *name, char *out)
 {
     if (strchr(name, '/') != NULL) {
-        sfmt(out, PATH_MAX, "%s", name);
+        sp_qemu__sfmt(out, PATH_MAX, "%s", name);
         return access(name, X_OK) == 0;
     }
     const char *path = getenv("PATH");
@@ -69,7 +69,7 @@ bool resolve_program(const char *name, char *out)
     while (*path != '\0') {
         size_t l = strcspn(path, ":");
         if (l > 0 && l < PATH_MAX - 1 - strlen(name)) {
-            sfmt(out, PATH_MAX, "%.*s/%s", (int)l, path, name);
+            sp_qemu__sfmt(out, PATH_MAX, "%.*s/%s", (int)l, path, name);
             if (access(out, X_OK) == 0)
                 return true;
         }
@@ -80,13 +80,13 @@ bool resolve_program(const char *name, char *out)
     return false;
 }
 
-bool have_program(const char *name)
+bool sp_qemu__have_program(const char *name)
 {
     char p[PATH_MAX];
-    return resolve_program(name, p);
+    return sp_qemu__resolve_program(name, p);
 }
 
-bool valid_id(const char *id)
+bool sp_qemu__valid_id(const char *id)
 {
     size_t n = id != NULL ? strlen(id) : 0;
     if (n == 0 || n > SP_QEMU_ID_MAX || id[0] == '.')
@@ -99,18 +99,18 @@ bool valid_id(const char *id)
     return true;
 }
 
-void vm_path(const struct vm *vm, const char *name, char *out, size_t n)
+void sp_qemu__vm_path(const struct vm *vm, const char *name, char *out, size_t n)
 {
-    sfmt(out, n, "%s/%s", vm->dir, name);
+    sp_qemu__sfmt(out, n, "%s/%s", vm->dir, name);
 }
 
-bool file_exists(const char *p)
+bool sp_qemu__file_exists(const char *p)
 {
     return access(p, F_OK) == 0;
 }
 
 /* Reads at most n-1 bytes of a small file into buf, NUL-terminated. -1 on error. */
-ssize_t read_small(const char *path, char *buf, size_t n)
+ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -130,10 +130,10 @@ ssize_t read_small(const char *path, char *buf, size_t n)
 }
 
 /* Writes a file atomically (temp + rename). */
-int write_atomic(const char *path, const char *data, size_t len)
+int sp_qemu__write_atomic(const char *path, const char *data, size_t len)
 {
     char tmp[PATH_MAX + 8];
-    sfmt(tmp, sizeof tmp, "%s.tmp", path);
+    sp_qemu__sfmt(tmp, sizeof tmp, "%s.tmp", path);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0)
         return -1;
@@ -153,21 +153,21 @@ static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f)
     return 0;
 }
 
-void rm_rf(const char *path)
+void sp_qemu__rm_rf(const char *path)
 {
     nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
-int pidfd_open_(pid_t pid)
+int sp_qemu__pidfd_open(pid_t pid)
 {
     return (int)syscall(SYS_pidfd_open, pid, 0);
 }
 
 /* The last bytes of the console, made printable, for a log line. */
-void console_tail(const struct vm *vm, char *out, size_t n)
+void sp_qemu__console_tail(const struct vm *vm, char *out, size_t n)
 {
     char path[PATH_MAX + 16];
-    vm_path(vm, "console.log", path, sizeof path);
+    sp_qemu__vm_path(vm, "console.log", path, sizeof path);
     out[0] = '\0';
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -193,10 +193,10 @@ void console_tail(const struct vm *vm, char *out, size_t n)
 
 /* Keeps console.log bounded: QEMU writes it with O_APPEND, so after we cut it to its
  * tail QEMU's next write lands at the new end. A write racing the cut may be lost. */
-void console_trim(const struct vm *vm)
+void sp_qemu__console_trim(const struct vm *vm)
 {
     char path[PATH_MAX + 16];
-    vm_path(vm, "console.log", path, sizeof path);
+    sp_qemu__vm_path(vm, "console.log", path, sizeof path);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return;
@@ -235,8 +235,8 @@ static int await_join(int rd, pid_t pid, int *join_errno)
 
 /* fork + exec; the child only makes async-signal-safe calls. Returns the pid and a pidfd.
  * With o->cg, the child joins those cgroups before exec; if it cannot, it never execs and
- * spawn fails (a VM outside its limits is worse than no VM). */
-pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err)
+ * sp_qemu__spawn fails (a VM outside its limits is worse than no VM). */
+pid_t sp_qemu__spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err)
 {
     int out = open(o->out_path != NULL ? o->out_path : "/dev/null",
                    O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -298,7 +298,7 @@ pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t
         sp_err_set(err, SP_ERUNTIME, "cannot place the VM in its resource-limit cgroup");
         return -1;
     }
-    *pidfd = pidfd_open_(pid);
+    *pidfd = sp_qemu__pidfd_open(pid);
     if (*pidfd < 0) {
         e = errno;
         kill(pid, SIGKILL);
@@ -311,7 +311,7 @@ pid_t spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t
     return pid;
 }
 
-void child_free(struct child *c)
+void sp_qemu__child_free(struct child *c)
 {
     if (c == NULL)
         return;
@@ -347,8 +347,8 @@ static void on_child_timeout(sp_timer_t *t, void *arg)
     kill(c->pid, SIGKILL);
 }
 
-struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
-                          uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err)
+struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
+                                   uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err)
 {
     struct child *c = calloc(1, sizeof(*c));
     if (c == NULL) {
@@ -360,7 +360,7 @@ struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_o
     c->arg = arg;
     c->pidfd = -1;
     sp_timer_init(&c->timer, d->base.loop, on_child_timeout, c);
-    c->pid = spawn(argv, o, &c->pidfd, err);
+    c->pid = sp_qemu__spawn(argv, o, &c->pidfd, err);
     if (c->pid < 0) {
         free(c);
         return NULL;
@@ -369,7 +369,7 @@ struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_o
     if (c->w == NULL) {
         kill(c->pid, SIGKILL);
         waitpid(c->pid, NULL, 0);
-        child_free(c);
+        sp_qemu__child_free(c);
         sp_err_set(err, SP_EINTERNAL, "cannot watch process");
         return NULL;
     }
@@ -384,7 +384,7 @@ struct child *child_start(sp_qemu_t *d, char *const argv[], const struct spawn_o
 /* Makes the VM's cgroups (core/runtime/cgroup.h) with limits from its size; fills *join with the
  * cgroup.procs fds its QEMU joins before exec. false (no limits) when the host has no usable
  * layout or this VM's group cannot be made: the VM then boots without limits, logged. */
-bool cg_create(struct vm *vm, sp_cgroup_join_t *join)
+bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join)
 {
     sp_qemu_t *d = vm->d;
     vm->cg = false;
@@ -408,13 +408,13 @@ bool cg_create(struct vm *vm, sp_cgroup_join_t *join)
 }
 
 /* Kills anything left in the VM's cgroups and removes them. Nothing to do without any. */
-void cg_remove(sp_qemu_t *d, const char *id)
+void sp_qemu__cg_remove(sp_qemu_t *d, const char *id)
 {
     if (sp_cgroup_vm_remove(d->cg, id) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot remove cgroup sandbox=%s err=%s", id, strerror(errno));
 }
 
-int fsync_path(const char *p, int flags)
+int sp_qemu__fsync_path(const char *p, int flags)
 {
     int fd = open(p, flags | O_CLOEXEC);
     if (fd < 0)
