@@ -1109,7 +1109,8 @@ static int profile_apply(bool on)
         *slash = 0;
         mkdir(dir, 0755); /* /etc/profile.d may not exist in a minimal image */
     }
-    /* Unchanged (a wake, or a spare clone taken by a sandbox: core/runtime/qemu.c): nothing to do. */
+    /* Unchanged (a wake, or a spare clone taken by a sandbox: core/runtime/qemu/pool.c): nothing
+     * to do. */
     int rc = file_is_n(path, out, n) ? 0 : write_atomic(path, out, n);
     free(out);
     return rc;

@@ -150,8 +150,8 @@ char **sp_bootargs_qemu_argv(const sp_bootargs_qemu_t *q)
         add(&a, "microvm,x-option-roms=off,pit=on,pic=on,rtc=on,isa-serial=on");
         add(&a, "-accel");
         /* TCG's translation cache defaults to 1 GiB, filled as code is translated: a busy
-         * guest would grow QEMU past its cgroup's allowance (core/runtime/qemu.c, 512 MiB beyond
-         * guest RAM) and be OOM-killed. At the cap QEMU flushes the cache and goes on. */
+         * guest would grow QEMU past its cgroup's allowance (core/runtime/qemu/qemu_int.h, 512
+         * MiB beyond guest RAM) and be OOM-killed. At the cap QEMU flushes the cache and goes on. */
         add(&a, "tcg,tb-size=256");
         add(&a, "-cpu");
         add(&a, "max");

@@ -33,6 +33,7 @@ struct lane {
     sp_work_t *head, *tail;
     pthread_t *threads;
     int nthreads, max;
+    int idle; /* under mu: threads waiting for a job */
 };
 
 struct sp_workpool {
@@ -63,8 +64,11 @@ static void *worker(void *arg)
     free(arg);
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->stop && ln->head == NULL)
+        while (!p->stop && ln->head == NULL) {
+            ln->idle++;
             pthread_cond_wait(&p->cv, &p->mu);
+            ln->idle--;
+        }
         if (p->stop)
             break;
         sp_work_t *j = ln->head;
@@ -175,11 +179,12 @@ sp_work_t *sp_loop_work(sp_loop_t *loop, sp_work_lane_t lane, sp_work_fn fn,
     atomic_init(&j->cancelled, false);
     struct lane *ln = &p->lanes[lane];
     pthread_mutex_lock(&p->mu);
-    /* A new thread when every one of the lane's is busy (or there are none yet). */
+    /* A new thread when every one of the lane's is busy (or there are none yet): unless an idle
+     * thread is left over once each job already waiting has taken one. */
     int waiting = 0;
     for (sp_work_t *q = ln->head; q != NULL; q = q->next)
         waiting++;
-    if ((ln->nthreads == 0 || waiting >= 1) && grow(p, ln) < 0) {
+    if (ln->idle <= waiting && grow(p, ln) < 0) {
         pthread_mutex_unlock(&p->mu);
         free(j);
         return NULL;

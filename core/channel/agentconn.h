@@ -93,8 +93,8 @@ sp_agentconn_t *sp_agentconn_create(sp_loop_t *loop, const char *socket_path,
 void sp_agentconn_destroy(sp_agentconn_t *c);
 
 /* Where later (re)connections go: the socket moved with its directory (a spare clone taken
- * by a sandbox, core/runtime/qemu.c). The live connection is kept. -1 when the path does not fit a
- * sockaddr_un or memory is short (the old path stays). */
+ * by a sandbox, core/runtime/qemu/pool.c). The live connection is kept. -1 when the path does not
+ * fit a sockaddr_un or memory is short (the old path stays). */
 int sp_agentconn_set_path(sp_agentconn_t *c, const char *socket_path);
 
 /* How long the first HELLO of a connection waits for its answer before it is said again

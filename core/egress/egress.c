@@ -264,8 +264,8 @@ static void sb_load(struct sb *sb)
         return;
     }
     if (strchr(sb->id, ':') != NULL) {
-        /* not a sandbox (a spare clone, core/runtime/qemu.c, until a sandbox takes it): no row to
-         * read, nothing goes out */
+        /* not a sandbox (a spare clone, core/runtime/qemu/pool.c, until a sandbox takes it): no
+         * row to read, nothing goes out */
         sp_egp_t *p = sp_egp_default();
         if (p == NULL) {
             sp_timer_start(&sb->retry, POLICY_RETRY_MS);
@@ -389,7 +389,7 @@ static void on_conn_event(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
 }
 
 /* The channel's VM now belongs to sandbox id (a spare clone taken by a sandbox,
- * core/runtime/qemu.c): what was decided under the old name goes, the new one's policy and
+ * core/runtime/qemu/pool.c): what was decided under the old name goes, the new one's policy and
  * credentials load, and the config goes out again (the agent leaves files that did not change
  * alone). */
 static void sb_rename(struct sb *sb, const char *id)

@@ -21,6 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/buf.h"
+
 #define V2_SLICE      "space.slice"
 #define V1_PARENT     "space"
 #define RM_TRIES      100 /* rmdir attempts while the kernel still counts exiting tasks */
@@ -179,50 +181,44 @@ void sp_cgroup_limits(int cpu_count, int memory_mb, int overhead_mb, sp_cgroup_l
 
 /* ---------- file helpers ---------- */
 
-static char *read_all(const char *path, size_t max)
+/* The whole file into *out (empty, SP_BUF_INIT): 0, or -1 with errno (EFBIG: max bytes or
+ * more) and *out left empty. */
+static int read_all(const char *path, size_t max, sp_buf_t *out)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return NULL;
-    size_t cap = 8192, len = 0;
-    char *buf = malloc(cap);
-    while (buf != NULL) {
-        if (len + 1 >= cap) {
-            if (cap >= max) {
-                free(buf);
-                buf = NULL;
-                errno = EFBIG;
-                break;
-            }
-            char *nb = realloc(buf, cap * 2);
-            if (nb == NULL) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = nb;
-            cap *= 2;
+        return -1;
+    int e = 0;
+    for (;;) {
+        if (out->len >= max) {
+            e = EFBIG;
+            break;
         }
-        ssize_t r = read(fd, buf + len, cap - 1 - len);
+        if (sp_buf_reserve(out, 8192) == NULL) {
+            e = ENOMEM;
+            break;
+        }
+        size_t room = out->cap - out->len - 1; /* sp_buf_reserve keeps one for the NUL */
+        if (room > max - out->len)
+            room = max - out->len;
+        ssize_t r = read(fd, out->p + out->len, room);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0) {
-            int e = errno;
-            free(buf);
-            buf = NULL;
-            errno = e;
+            e = errno;
             break;
         }
-        if (r == 0) {
-            buf[len] = '\0';
+        if (r == 0)
             break;
-        }
-        len += (size_t)r;
+        sp_buf_commit(out, (size_t)r);
     }
-    int e = errno;
     close(fd);
-    errno = e;
-    return buf;
+    if (e != 0) {
+        sp_buf_free(out);
+        errno = e;
+        return -1;
+    }
+    return 0;
 }
 
 static int read_small(const char *path, char *buf, size_t n)
@@ -356,14 +352,14 @@ sp_cgroup_t *sp_cgroup_create(void)
         free(cg);
         return NULL;
     }
-    char *text = read_all("/proc/self/mountinfo", MOUNTINFO_MAX);
-    if (text == NULL) {
+    sp_buf_t text = SP_BUF_INIT;
+    if (read_all("/proc/self/mountinfo", MOUNTINFO_MAX, &text) < 0) {
         set_none(cg, "cannot read /proc/self/mountinfo: %s", strerror(errno));
         free(m);
         return cg;
     }
-    sp_cgroup_parse_mountinfo(text, m);
-    free(text);
+    sp_cgroup_parse_mountinfo(sp_buf_cstr(&text), m);
+    sp_buf_free(&text);
     char ctl[512] = "";
     if (m->v2[0] != '\0') {
         char p[PATH_MAX + 32];
@@ -592,10 +588,11 @@ static void kill_members(const char *dir)
 {
     char p[PATH_MAX + 32];
     sfmt(p, sizeof p, "%s/cgroup.procs", dir);
-    char *list = read_all(p, 1u << 20);
-    if (list == NULL)
+    sp_buf_t b = SP_BUF_INIT;
+    if (read_all(p, 1u << 20, &b) < 0)
         return;
-    for (char *s = list; *s != '\0';) {
+    const char *list = sp_buf_cstr(&b);
+    for (const char *s = list; *s != '\0';) {
         char *end;
         long pid = strtol(s, &end, 10);
         if (end == s)
@@ -606,7 +603,7 @@ static void kill_members(const char *dir)
         while (*s == '\n')
             s++;
     }
-    free(list);
+    sp_buf_free(&b);
 }
 
 int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id)

@@ -111,8 +111,8 @@ bool sp_cgroup_vm_exists(const sp_cgroup_t *cg, const char *id);
  * -1 with errno when a group stays. */
 int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id);
 
-/* Renames VM from's groups to VM to's (a spare clone taken by a sandbox, core/runtime/qemu.c); the
- * members stay where they are. 0 when done or when there are no groups; -1 with errno when a
+/* Renames VM from's groups to VM to's (a spare clone taken by a sandbox,
+ * core/runtime/qemu/pool.c); the members stay where they are. 0 when done or when there are no groups; -1 with errno when a
  * rename failed (the ones already done are undone). */
 int sp_cgroup_vm_rename(sp_cgroup_t *cg, const char *from, const char *to);
 

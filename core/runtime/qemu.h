@@ -32,7 +32,7 @@
  *                "delta" with ram_base, or "stream"), and the size and checksum of every
  *                part: ram_bytes + ram_checksum (only for "mem.ram"), devstate_bytes +
  *                devstate_checksum,
- *                disk_bytes + disk_checksum; "checksum" names the algorithm (qemu.c,
+ *                disk_bytes + disk_checksum; "checksum" names the algorithm (qemu/sums.c,
  *                sum_files: SHA-256 of the non-zero 4 KiB pages, per 1 MiB chunk).
  *                corrupt: written when a wake found a part that does not match its
  *                checksum; later wakes are refused at once (the snapshot is kept)

@@ -20,6 +20,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/buf.h"
 #include "base/log.h"
 
 #define SP_QMP_LINE_MAX (4u << 20) /* bytes: query-* replies are far smaller */
@@ -41,8 +42,7 @@ struct sp_qmp {
     sp_watch_t *w;
     sp_qmp_cbs_t cbs;
     void *arg;
-    char *rbuf;
-    size_t rlen, rcap;
+    sp_buf_t rb; /* received, not yet parsed into messages; < SP_QMP_LINE_MAX */
     struct cmd *head, *tail; /* in send order; sent ones wait for their reply */
     uint64_t next_id;
     bool greeted, ready, closed, dead;
@@ -82,7 +82,7 @@ static void really_free(sp_qmp_t *q)
     sp_watch_destroy(q->w);
     if (q->fd >= 0)
         close(q->fd);
-    free(q->rbuf);
+    sp_buf_free(&q->rb);
     free(q);
 }
 
@@ -325,21 +325,22 @@ static int handle(sp_qmp_t *q, json_t *msg)
     return 0;
 }
 
-/* Parses the complete lines in rbuf. -1: protocol violation. */
+/* Parses the complete lines in rb. -1: protocol violation. */
 static int parse_lines(sp_qmp_t *q)
 {
+    const char *rbuf = (const char *)q->rb.p;
     size_t start = 0;
     for (;;) {
-        char *nl = memchr(q->rbuf + start, '\n', q->rlen - start);
+        const char *nl = memchr(rbuf + start, '\n', q->rb.len - start);
         if (nl == NULL)
             break;
-        size_t end = (size_t)(nl - q->rbuf);
+        size_t end = (size_t)(nl - rbuf);
         size_t l = end - start;
-        while (l > 0 && (q->rbuf[start + l - 1] == '\r' || q->rbuf[start + l - 1] == ' '))
+        while (l > 0 && (rbuf[start + l - 1] == '\r' || rbuf[start + l - 1] == ' '))
             l--;
         if (l > 0) {
             json_error_t je;
-            json_t *msg = json_loadb(q->rbuf + start, l, 0, &je);
+            json_t *msg = json_loadb(rbuf + start, l, 0, &je);
             if (msg == NULL) {
                 sp_log(SP_LOG_WARN, "qmp", "unparsable message err=%s", je.text);
                 return -1;
@@ -353,8 +354,7 @@ static int parse_lines(sp_qmp_t *q)
         }
         start = end + 1;
     }
-    memmove(q->rbuf, q->rbuf + start, q->rlen - start);
-    q->rlen -= start;
+    sp_buf_consume(&q->rb, start);
     return 0;
 }
 
@@ -372,21 +372,17 @@ static void on_io(sp_watch_t *w, int events, void *arg)
     }
     if (events & SP_IO_READ) {
         for (int round = 0; round < 16 && !q->dead && !q->closed; round++) {
-            if (q->rcap - q->rlen < 4096) {
-                if (q->rcap >= SP_QMP_LINE_MAX) {
-                    close_conn(q, "message too long");
-                    goto out;
-                }
-                size_t nc = q->rcap ? q->rcap * 2 : 16384;
-                char *nb = realloc(q->rbuf, nc);
-                if (nb == NULL) {
-                    close_conn(q, "out of memory");
-                    goto out;
-                }
-                q->rbuf = nb;
-                q->rcap = nc;
+            /* room for 4 KiB more, the buffer staying within SP_QMP_LINE_MAX (it doubles) */
+            if (q->rb.len + 4096 >= SP_QMP_LINE_MAX) {
+                close_conn(q, "message too long");
+                goto out;
             }
-            ssize_t n = recv(q->fd, q->rbuf + q->rlen, q->rcap - q->rlen, MSG_DONTWAIT);
+            if (sp_buf_reserve(&q->rb, 4096) == NULL) {
+                close_conn(q, "out of memory");
+                goto out;
+            }
+            /* all the room there is, but the byte sp_buf_reserve keeps for a NUL */
+            ssize_t n = recv(q->fd, q->rb.p + q->rb.len, q->rb.cap - q->rb.len - 1, MSG_DONTWAIT);
             if (n == 0) {
                 close_conn(q, "eof");
                 goto out;
@@ -398,7 +394,7 @@ static void on_io(sp_watch_t *w, int events, void *arg)
                     close_conn(q, strerror(errno));
                 break;
             }
-            q->rlen += (size_t)n;
+            sp_buf_commit(&q->rb, (size_t)n);
             if (parse_lines(q) < 0) {
                 close_conn(q, "protocol error");
                 goto out;

@@ -1,7 +1,8 @@
 /*
  * test_work.c - loop/loop.h's work off the loop: results come back on the loop thread once
- * per job, lanes do not wait for each other, cancel before and during a job, and a loop
- * destroyed with jobs queued still calls every done.
+ * per job, lanes do not wait for each other, a job does not wait for a busy thread while the
+ * lane may grow, cancel before and during a job, and a loop destroyed with jobs queued still
+ * calls every done.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -89,6 +90,22 @@ static void test_work_short_lane_is_not_held_by_long_jobs(void)
     CHECK(ok);
 }
 
+static void test_work_job_does_not_wait_for_a_busy_thread(void)
+{
+    sp_loop_t *l = sp_loop_create();
+    struct job busy = {.sleep_ms = 3000}, quick = {.in = 4};
+    REQUIRE(sp_loop_work(l, SP_WORK_LONG, square, done, &busy) != NULL);
+    for (int i = 0; i < 200 && !atomic_load(&busy.started); i++)
+        usleep(10000);
+    REQUIRE(atomic_load(&busy.started)); /* the lane's only thread is taken */
+    REQUIRE(sp_loop_work(l, SP_WORK_LONG, square, done, &quick) != NULL);
+    run_until(l, &quick, 1, 2000);
+    CHECK(quick.dones == 1 && quick.out == 16);
+    CHECK(busy.dones == 0);
+    sp_loop_destroy(l);
+    CHECK(busy.dones == 1);
+}
+
 static void test_work_cancel(void)
 {
     sp_loop_t *l = sp_loop_create();
@@ -122,6 +139,7 @@ int main(void)
     loop_thread = pthread_self();
     test_work_results_come_back_on_the_loop();
     test_work_short_lane_is_not_held_by_long_jobs();
+    test_work_job_does_not_wait_for_a_busy_thread();
     test_work_cancel();
     return check_report("loop.work");
 }

@@ -1,0 +1,458 @@
+/*
+ * pool.c - spare clones (qemu.h): clones of a recently created template size, made ahead of
+ * time, warmed and stopped, and handed to a create of that size.
+ *
+ * Owns the driver's struct poolwant records (the sizes to keep spares of) and decides when a
+ * spare is made or dropped; a spare itself is a struct vm with pooled set, booted by boot.c
+ * and stopped by driver.c like any other. Spares are never adopted by a later driver.
+ */
+#include "core/runtime/qemu/qemu_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/log.h"
+
+/* ---------- spare clones (the pool) ----------
+ *
+ * Restoring a clone costs a new QEMU process, the device state, the agent's
+ * reconnection, and then a first command that runs slowly because TCG translates every
+ * guest code path afresh in each process. A spare is a clone made ahead of time for a
+ * template size that was recently created from: restored, up, warmed by running a few
+ * commands (so its translation cache holds the exec path), then stopped (no CPU). A create
+ * of that size takes one: its directory and cgroup are renamed to the sandbox's, the vCPUs
+ * start, and IDENTITY gives it the sandbox's hostname, env, RNG seed and clock, exactly as
+ * after a restore. Spares are refilled one at a time and only while no other boot is in
+ * flight; they are never adopted by a later driver (killed instead) and go with the driver.
+ */
+
+/* Warm-up of a spare: the exec path the first commands of a sandbox take. */
+static const struct {
+    const char *argv[4];
+    const char *user;
+} pool_warm_cmds[] = {
+    {{"true"}, NULL},
+    {{"/bin/sh", "-c", "true"}, "user"},
+};
+
+/* A taken spare's QEMU is gone: the link its old directory name left (sp_qemu__pool_take) and the
+ * record of that name go too. */
+void sp_qemu__pool_origin_remove(const struct vm *vm)
+{
+    char op[PATH_MAX + 16], org[PATH_MAX];
+    sp_qemu__vm_path(vm, "pool.origin", op, sizeof op);
+    if (sp_qemu__read_small(op, org, sizeof org) <= 0)
+        return;
+    struct stat st;
+    const char *base = strrchr(org, '/');
+    if (base != NULL && strncmp(base + 1, ".pool-", 6) == 0 && lstat(org, &st) == 0 &&
+        S_ISLNK(st.st_mode))
+        unlink(org);
+    unlink(op);
+}
+
+struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key)
+{
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next)
+        if (strcmp(w->key, key) == 0)
+            return w;
+    return NULL;
+}
+
+void sp_qemu__pool_failed(sp_qemu_t *d, const char *key)
+{
+    struct poolwant *w = sp_qemu__pool_want(d, key);
+    if (w != NULL)
+        w->retry_ms = sp_qemu__mono_ms() + SP_QEMU_POOL_RETRY_MS;
+}
+
+void sp_qemu__pool_kick(sp_qemu_t *d)
+{
+    if (d->pool_size > 0)
+        sp_timer_start(&d->pool_timer, 1);
+}
+
+/* Marks the spares of key (NULL: of template tname's builds other than build) to be stopped
+ * by the pool timer: callers may be iterating the VM list, and stopping may free a VM. */
+static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const char *build)
+{
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->pooled && (key != NULL ? strcmp(v->pool_key, key) == 0
+                                      : v->tp != NULL && strcmp(v->template_name, tname) == 0 &&
+                                            strcmp(v->tp->hash, build) != 0)) {
+            v->pool_drop = true;
+            sp_qemu__pool_kick(d);
+        }
+    }
+}
+
+/* A create of this size: remember it (most recent first), forget the least recently used size
+ * beyond SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
+{
+    struct poolwant **pp = &d->wants, *w = NULL;
+    for (; *pp != NULL; pp = &(*pp)->next) {
+        if (strcmp((*pp)->key, key) == 0) {
+            w = *pp;
+            *pp = w->next;
+            break;
+        }
+    }
+    if (w == NULL) {
+        w = calloc(1, sizeof(*w));
+        if (w == NULL)
+            return;
+        sp_qemu__sfmt(w->key, sizeof w->key, "%s", key);
+        sp_qemu__sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
+        w->tp = *vm->tp;
+        w->cpu_count = vm->cpu_count;
+        w->memory_mb = vm->memory_mb;
+        w->disk_total = vm->disk_total;
+        /* other builds of this template: no create will match them again */
+        pool_drop(d, NULL, vm->template_name, vm->tp->hash);
+        for (struct poolwant **q = &d->wants; *q != NULL;) {
+            if (strcmp((*q)->template_name, vm->template_name) == 0 &&
+                strcmp((*q)->tp.hash, vm->tp->hash) != 0) {
+                struct poolwant *x = *q;
+                *q = x->next;
+                free(x);
+            } else {
+                q = &(*q)->next;
+            }
+        }
+    }
+    w->used_ms = sp_qemu__mono_ms();
+    w->next = d->wants;
+    d->wants = w;
+    int n = 0;
+    for (pp = &d->wants; *pp != NULL;) {
+        if (++n > SP_QEMU_POOL_KEYS) {
+            struct poolwant *x = *pp;
+            *pp = x->next;
+            pool_drop(d, x->key, NULL, NULL);
+            free(x);
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
+    sp_qemu__pool_kick(d);
+}
+
+/* Starts one spare of w's size. */
+static void pool_start(sp_qemu_t *d, struct poolwant *w)
+{
+    unsigned seq = ++d->pool_seq;
+    char id[SP_QEMU_ID_MAX + 1];
+    sp_qemu__sfmt(id, sizeof id, "pool:%u-%d", seq, (int)getpid()); /* ':': no sandbox id, no API */
+    sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
+    struct vm *vm = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
+    if (vm == NULL) {
+        free(tp);
+        return;
+    }
+    *tp = w->tp;
+    vm->tp = tp;
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s/.pool-%u-%d", d->vms_dir, seq, (int)getpid());
+    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
+    sp_qemu__sfmt(vm->pool_key, sizeof vm->pool_key, "%s", w->key);
+    vm->pooled = true;
+    vm->cpu_count = w->cpu_count;
+    vm->memory_mb = w->memory_mb;
+    vm->disk_total = w->disk_total;
+    vm->hostname = strdup("space");
+    vm->ph = PH_WAIT_ACCEL;
+    vm->boot_start_ms = sp_qemu__mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    sp_log(SP_LOG_DEBUG, "qemu", "making a spare clone spare=%s template=%s key=%s", id,
+           w->template_name, w->key);
+    sp_qemu__kick(d);
+}
+
+/* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go), then starts the
+ * next missing spare of the most recently used size, one at a time and only when no other
+ * boot is in flight: a spare never competes with a sandbox's boot for the CPU. Nor, while
+ * a size still has a spare, with the first commands of a sandbox that came up in the last
+ * SP_QEMU_POOL_SETTLE_MS; a size with none left is refilled at once. */
+void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
+{
+    sp_qemu_t *d = arg;
+    uint64_t now = sp_qemu__mono_ms();
+    for (struct vm *v = d->vms; v != NULL;) {
+        struct vm *next = v->next; /* sp_qemu__vm_stop may free v */
+        if (v->pooled && v->pool_drop && v->ph != PH_STOPPING) {
+            sp_log(SP_LOG_INFO, "qemu", "spare clone dropped spare=%s key=%s", v->id, v->pool_key);
+            sp_qemu__vm_stop(v, false);
+        }
+        v = next;
+    }
+    for (struct poolwant **pp = &d->wants; *pp != NULL;) {
+        struct poolwant *w = *pp;
+        if (now - w->used_ms > SP_QEMU_POOL_IDLE_MS) {
+            *pp = w->next;
+            pool_drop(d, w->key, NULL, NULL);
+            free(w);
+        } else {
+            pp = &w->next;
+        }
+    }
+    if (d->wants == NULL || d->pool_size <= 0 || d->accel < 0)
+        return;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->tsnap_req)
+            continue;
+        if (v->ph < PH_UP || v->ph == PH_SUSPENDING || (v->pooled && !v->pool_ready)) {
+            sp_timer_start(&d->pool_timer, SP_QEMU_POOL_TICK_MS);
+            return;
+        }
+    }
+    uint64_t wait = 60000; /* idle sizes are looked at again within a minute */
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next) {
+        if (now < w->retry_ms) {
+            wait = w->retry_ms - now < wait ? w->retry_ms - now : wait;
+            continue;
+        }
+        int n = 0;
+        for (struct vm *v = d->vms; v != NULL; v = v->next)
+            n += v->pooled && !v->pool_drop && v->ph != PH_STOPPING &&
+                 strcmp(v->pool_key, w->key) == 0;
+        if (n > 0 && n < d->pool_size && now < d->pool_quiet_until) {
+            wait = d->pool_quiet_until - now < wait ? d->pool_quiet_until - now : wait;
+            continue; /* a spare is still there for the next create */
+        }
+        if (n < d->pool_size) {
+            pool_start(d, w);
+            wait = SP_QEMU_POOL_TICK_MS;
+            break;
+        }
+    }
+    sp_timer_start(&d->pool_timer, wait);
+}
+
+static void on_pool_stopped(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (!vm->pooled || vm->ph != PH_UP)
+        return;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "spare clone not stopped spare=%s err=%s", vm->id, err->msg);
+        vm->boot_failed = true;
+        sp_qemu__vm_stop(vm, false);
+        return;
+    }
+    vm->paused = true;
+    vm->pool_ready = true;
+    sp_log(SP_LOG_INFO, "qemu", "spare clone ready spare=%s key=%s ms=%llu", vm->id, vm->pool_key,
+           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
+    sp_qemu__pool_kick(vm->d);
+}
+
+static void on_pool_warm(void *arg, const sp_exec_result_t *res, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    vm->warm = NULL;
+    if (!vm->pooled || vm->ph != PH_UP)
+        return;
+    if (err != NULL || !res->exited || res->exit_code != 0)
+        sp_log(SP_LOG_DEBUG, "qemu", "spare warm-up command failed spare=%s step=%d err=%s",
+               vm->id, vm->pool_warm_step, err != NULL ? err->msg : "exit status");
+    vm->pool_warm_step++;
+    sp_qemu__pool_warm(vm);
+}
+
+/* A spare is up: run the warm-up commands one after the other, then stop its vCPUs. */
+void sp_qemu__pool_warm(struct vm *vm)
+{
+    sp_err_t e;
+    int n = (int)(sizeof pool_warm_cmds / sizeof pool_warm_cmds[0]);
+    while (vm->pool_warm_step < n) {
+        const char *const *argv = pool_warm_cmds[vm->pool_warm_step].argv;
+        size_t argc = 0;
+        while (argc < 4 && argv[argc] != NULL)
+            argc++;
+        sp_exec_cmd_t cmd = {.argv = argv,
+                             .argc = argc,
+                             .user = pool_warm_cmds[vm->pool_warm_step].user,
+                             .timeout_ms = SP_QEMU_POOL_WARM_MS};
+        vm->warm = sp_exec_run(vm->d->base.loop, vm->agent, &cmd, 4096, on_pool_warm, vm, &e);
+        if (vm->warm != NULL)
+            return;
+        vm->pool_warm_step++;
+    }
+    if (vm->qmp == NULL ||
+        sp_qmp_command(vm->qmp, "stop", NULL, -1, on_pool_stopped, vm, &e) < 0) {
+        vm->boot_failed = true;
+        sp_qemu__vm_stop(vm, false);
+    }
+}
+
+/* A spare of key for a create: a ready one, else the one furthest along: finishing it beats
+ * starting another restore beside it. NULL when there is none. */
+struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key)
+{
+    struct vm *best = NULL;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (!v->pooled || v->pool_drop || v->ph > PH_UP || v->img != NULL ||
+            strcmp(v->pool_key, key) != 0)
+            continue;
+        if (v->ph == PH_UP && (v->qmp == NULL || sp_qmp_closed(v->qmp) || v->agent == NULL))
+            continue; /* cannot be started and told who it is */
+        if (v->pool_ready)
+            return v;
+        if (best == NULL || v->ph > best->ph)
+            best = v;
+    }
+    return best;
+}
+
+static void on_take_cont(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (err != NULL && vm->ph < PH_UP) {
+        sp_log(SP_LOG_WARN, "qemu", "taken spare did not start sandbox=%s err=%s", vm->id,
+               err->msg);
+        sp_qemu__boot_fail(vm, "guest did not come up: %s", "its vCPUs did not start");
+    }
+}
+
+/* Gives the ready spare vm to sandbox spec->sandbox_id: its directory and cgroup take the
+ * sandbox's names, its vCPUs start and IDENTITY follows (boot_done answers cb). -1 when it
+ * cannot (nothing changed, or the spare was dropped): the caller boots the ordinary way. */
+int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg)
+{
+    sp_qemu_t *d = vm->d;
+    char ndir[PATH_MAX], op[PATH_MAX + 16], old_id[SP_QEMU_ID_MAX + 1];
+    sp_qemu__sfmt(ndir, sizeof ndir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    struct stat st;
+    if (lstat(ndir, &st) == 0 || errno != ENOENT)
+        return -1; /* files of an earlier boot of this id: the ordinary boot deals with them */
+    char *host = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+    char *env = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (host == NULL || w == NULL || (spec->env_json != NULL && env == NULL)) {
+        free(host);
+        free(env);
+        free(w);
+        return -1;
+    }
+    bool started = vm->pid > 0, ok = true, cg_moved = false;
+    if (started) {
+        /* QEMU's command line keeps naming the spare's directory: sp_qemu__live_qemu_pid reads this
+         */
+        sp_qemu__vm_path(vm, "pool.origin", op, sizeof op);
+        ok = sp_qemu__write_atomic(op, vm->dir, strlen(vm->dir)) == 0;
+    }
+    if (ok && vm->cg) {
+        ok = sp_cgroup_vm_rename(d->cg, vm->id, spec->sandbox_id) == 0;
+        cg_moved = ok;
+    }
+    if (ok && started) {
+        /* QEMU opens files by the names it was given (its sockets while it starts, its disk
+         * again when a migration completes): the old name must keep working, at every
+         * instant, while this QEMU runs. A link at the new name whose target is the new name
+         * is exchanged with the directory: then the directory has the new name and the link
+         * the old one, pointing to it. */
+        ok = symlink(spec->sandbox_id, ndir) == 0;
+        if (ok && renameat2(AT_FDCWD, vm->dir, AT_FDCWD, ndir, RENAME_EXCHANGE) < 0) {
+            int e = errno;
+            unlink(ndir);
+            /* no exchange on this filesystem: move, then link (a window of microseconds) */
+            ok = (e == EINVAL || e == ENOSYS) && rename(vm->dir, ndir) == 0;
+            if (ok && symlink(spec->sandbox_id, vm->dir) < 0) {
+                e = errno;
+                rename(ndir, vm->dir);
+                ok = false;
+            }
+            errno = e;
+        }
+    } else if (ok && rename(vm->dir, ndir) < 0 && errno != ENOENT) {
+        ok = false; /* not started: nothing holds its names (no directory yet: fine) */
+    }
+    if (!ok) {
+        sp_log(SP_LOG_WARN, "qemu", "spare clone not taken spare=%s sandbox=%s err=%s", vm->id,
+               spec->sandbox_id, strerror(errno));
+        if (cg_moved)
+            sp_cgroup_vm_rename(d->cg, spec->sandbox_id, vm->id);
+        free(host);
+        free(env);
+        free(w);
+        vm->pool_drop = true;
+        sp_qemu__pool_kick(d);
+        return -1;
+    }
+    sp_qemu__sfmt(old_id, sizeof old_id, "%s", vm->id);
+    bool was_ready = vm->pool_ready;
+    sp_qemu__sfmt(vm->id, sizeof vm->id, "%s", spec->sandbox_id);
+    sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s", ndir);
+    vm->pooled = false;
+    vm->pool_ready = false;
+    free(vm->hostname);
+    vm->hostname = host;
+    free(vm->env_json);
+    vm->env_json = env;
+    w->cb = cb;
+    w->arg = arg;
+    w->next = vm->boot_w;
+    vm->boot_w = w;
+    /* Until the agent has taken IDENTITY, a later driver must not adopt it; and a failure
+     * before that falls back to a boot of the sandbox (sp_qemu__vm_finish), as a failed clone does.
+     */
+    char p[PATH_MAX + 16];
+    sp_qemu__vm_path(vm, "booting", p, sizeof p);
+    sp_qemu__write_atomic(p, "", 0);
+    sp_qemu__vm_path(vm, "agent.sock", p, sizeof p);
+    if (vm->agent != NULL) { /* else sp_qemu__agent_start makes it, by the new path and name */
+        sp_agentconn_set_path(vm->agent, p);
+        sp_agentconn_set_sandbox(vm->agent, vm->id);
+    }
+    vm->clone_boot = true;
+    vm->boot_start_ms = sp_qemu__mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    const char *how = "ready";
+    if (vm->ph < PH_UP) {
+        /* still being made: its boot goes on as the sandbox's (the restore, then IDENTITY with
+         * the sandbox's names; one already sent with the spare's is sent again) */
+        how = vm->ph < PH_START ? "queued" : vm->ph == PH_START ? "restoring" : "connecting";
+        if (vm->ph == PH_IDENTITY) {
+            sp_agentstream_t *old = vm->ident;
+            vm->ident = NULL;
+            sp_agentstream_reset(old);
+            vm->ph = PH_AGENT;
+            if (sp_agentconn_up(vm->agent))
+                sp_qemu__send_identity(vm);
+        }
+    } else {
+        /* up: stopped, or warming (its warm-up dropped; a `stop` already sent is undone by the
+         * `cont` queued behind it) */
+        if (!was_ready)
+            how = "warming";
+        sp_exec_cancel(vm->warm);
+        vm->warm = NULL;
+        sp_err_t e;
+        if (sp_qmp_command(vm->qmp, "cont", NULL, -1, on_take_cont, vm, &e) < 0) {
+            sp_qemu__boot_fail(vm, "guest did not come up: %s", e.msg);
+            return 0; /* answered through sp_qemu__vm_finish */
+        }
+        vm->paused = false;
+        vm->ph = PH_AGENT;
+        if (sp_agentconn_up(vm->agent))
+            sp_qemu__send_identity(vm);
+    }
+    sp_log(SP_LOG_INFO, "qemu", "sandbox from a spare clone sandbox=%s spare=%s key=%s spare_was=%s",
+           vm->id, old_id, vm->pool_key, how);
+    return 0;
+}
+
+int sp_qemu_pool_ready(sp_driver_t *base)
+{
+    if (base == NULL || base->ops != &sp_qemu__ops)
+        return 0;
+    int n = 0;
+    for (struct vm *v = ((sp_qemu_t *)base)->vms; v != NULL; v = v->next)
+        n += v->pooled && v->pool_ready && !v->pool_drop;
+    return n;
+}

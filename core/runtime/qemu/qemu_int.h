@@ -1,0 +1,425 @@
+/*
+ * qemu_int.h - what the files of the QEMU driver (core/runtime/qemu.h) share: the driver's
+ * and each VM's state, the records of template snapshots, spares and checksum jobs, and the
+ * functions one file calls in another.
+ *
+ *   driver.c    the ops, the VM table, stopping and finishing a VM, completions,
+ *               re-adoption of running VMs, creation and free
+ *   boot.c      a boot up to IDENTITY: probes, overlay, QEMU's command line and process,
+ *               QMP, the agent channel
+ *   snapshot.c  suspend and wake of a sandbox's own snapshot
+ *   sums.c      snapshot checksums and the RAM delta filter, off the loop
+ *   tsnap.c     template snapshots: keys, builders, warmup, commit, collection
+ *   pool.c      spare clones
+ *   util.c      small helpers: files, child processes, cgroups, console log
+ *
+ * Everything runs on the driver's loop but the jobs of sums.c. For core/runtime/qemu/ only.
+ */
+#ifndef SP_QEMU_INT_H
+#define SP_QEMU_INT_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "core/channel/agentconn.h"
+#include "core/channel/exec.h"
+#include "core/runtime/cgroup.h"
+#include "core/runtime/migdelta.h"
+#include "core/runtime/qemu.h"
+#include "core/runtime/qmp.h"
+#include "guest/tmplbuild.h"
+
+#define SP_QEMU_ID_MAX          64
+#define SP_QEMU_BOOT_TIMEOUT_MS 60000u /* TCG boots in seconds; a busy host needs slack */
+#define SP_QEMU_KVM_PROBE_MS    4000u  /* real KVM reaches the probe's panic well within it */
+#define SP_QEMU_SANDBOX_PROBE   5000u
+#define SP_QEMU_QUIT_GRACE_MS   3000u      /* QMP quit, then SIGKILL to the process group */
+#define SP_QEMU_CONSOLE_MAX     (2u << 20) /* bytes; trimmed to the tail beyond this */
+#define SP_QEMU_CONSOLE_KEEP    (256u << 10)
+#define SP_QEMU_CONSOLE_TICK_MS 5000u
+#define SP_QEMU_OVERHEAD_TCG_MB 512 /* QEMU beyond guest RAM: TCG's translation cache */
+#define SP_QEMU_OVERHEAD_KVM_MB 128
+#define SP_QEMU_SANDBOX_ARG                                                                        \
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#define SP_QEMU_TSNAP_RETRY_MS 600000u /* a failed template snapshot is retried after this */
+#define SP_QEMU_TSNAP_FORMAT   "space-tsnap-1" /* bump when the snapshot layout changes */
+#define SP_QEMU_WARMUP_MS      600000u /* a template's warmup command must exit 0 within this */
+#define SP_QEMU_SNAP_VERSION   2       /* suspend manifest: 2 added sizes + checksums */
+#define SP_QEMU_SUM_ALGO       "sha256-c1m-p4k" /* see sum_files */
+#define SP_QEMU_SUM_CHUNK      (1u << 20)
+#define SP_QEMU_SUM_INLINE_MAX (4u << 20) /* a device state up to this is verified inline */
+#define SP_QEMU_SUM_THREADS    4          /* at most, and no more than CPUs */
+#define SP_QEMU_POOL_DEFAULT   2          /* spare clones per template size in use */
+#define SP_QEMU_POOL_MAX       16
+#define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
+#define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
+#define SP_QEMU_POOL_TICK_MS   100u       /* refill check while boots are in flight */
+#define SP_QEMU_POOL_SETTLE_MS 250u /* no refill this soon after a sandbox came up: its first
+                                     * commands, not a spare's restore, get the CPUs */
+#define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
+#define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
+
+typedef struct sp_qemu sp_qemu_t;
+
+/* A caller waiting for a boot, suspend or destroy to finish (sp_qemu__complete_all). */
+struct waiter {
+    sp_driver_cb cb;
+    void *arg;
+    struct waiter *next;
+};
+
+/* A finished call waiting for the next loop turn. */
+struct done {
+    sp_driver_cb cb;
+    void *arg;
+    bool failed;
+    sp_err_t err;
+    struct done *next;
+};
+
+/* A short-lived child (qemu-img, probes) watched through its pidfd. */
+struct child;
+typedef void (*child_cb)(struct child *c, int wstatus, bool timed_out, void *arg);
+struct child {
+    sp_qemu_t *d;
+    pid_t pid;
+    int pidfd;
+    sp_watch_t *w;
+    sp_timer_t timer;
+    bool timed_out;
+    child_cb cb;
+    void *arg;
+};
+
+enum phase {
+    PH_WAIT_ACCEL = 0, /* boot waits for the accelerator / sandbox verdicts */
+    PH_WAIT_TSNAP,     /* boot waits for its template snapshot to be built */
+    PH_DISK,           /* qemu-img is making the overlay */
+    PH_START,          /* QEMU started; connecting QMP */
+    PH_AGENT,          /* QMP up; waiting for the agent's HELLO */
+    PH_IDENTITY,       /* agent up; IDENTITY sent */
+    PH_UP,             /* running (or paused) and usable */
+    PH_SUSPENDING,     /* snapshot in progress; QEMU quits at the end */
+    PH_STOPPING,       /* being killed; finish() removes it */
+};
+
+/* Steps of a suspend (vm->snap_step) and of a restore (the same field while restoring). */
+enum {
+    SN_NONE = 0,
+    SN_STOP,
+    SN_CANCEL,      /* migrate_cancel: an earlier driver may have died mid-suspend */
+    SN_CANCEL_POLL, /* until no migration is in flight */
+    SN_STATUS,      /* a migration that completed leaves QEMU in postmigrate: */
+    SN_RECONT,      /* cont, */
+    SN_RESTOP,      /* stop again (QEMU migrates no VM from postmigrate) */
+    SN_CAPS,
+    SN_PARAMS, /* no bandwidth limit: the VM is stopped, nothing is gained by pacing */
+    SN_GETFD,
+    SN_MIGRATE,
+    SN_POLL,
+    SN_SYNC,
+    SN_QUIT,
+    RS_CAPS,
+    RS_GETFD,
+    RS_INCOMING,
+    RS_POLL,
+    RS_VERIFY, /* loaded and paused; waiting for the snapshot's checksums (sumjob) */
+    RS_CONT,
+};
+
+/* Parts of a snapshot that carry a checksum (suspend manifest, qemu.h). */
+enum { SUM_RAM = 0, SUM_DEV, SUM_DISK, SUM_N };
+
+/* Checksums computed off the loop (sum_files over its parts, on the loop's SP_WORK_LONG lane).
+ * Owned by its VM (vm->sum) until the loop hears it finished; a VM that goes away first
+ * abandons it (sp_work_cancel: sum_files stops at its next chunk) and the done callback, which
+ * always comes, only frees it. The same machinery runs a clone's suspend stream through
+ * sp_migdelta_filter (delta: in_fd is the pipe QEMU migrates into, out_fd the device state
+ * file; vm->delta). */
+struct sumjob {
+    sp_work_t *work;
+    struct vm *vm; /* NULL once abandoned */
+    bool delta;
+    int in_fd, out_fd;           /* delta: owned by the job */
+    char base[PATH_MAX + 16];    /* delta: the template's RAM file */
+    int rc;                      /* delta: sp_migdelta_filter's */
+    char why[200];
+    sp_migdelta_stats_t st;
+    bool verify;                     /* compare with want[] */
+    char path[SUM_N][PATH_MAX + 32]; /* "" = not part of this job */
+    char want[SUM_N][65];
+    char got[SUM_N][65];
+    uint64_t size[SUM_N];
+    int bad; /* -1, or the part that failed: err_no != 0 read error, else mismatch */
+    int err_no;
+    uint64_t ms;
+};
+enum { VERIFY_NONE = 0, VERIFY_RUNNING, VERIFY_OK, VERIFY_FAILED };
+
+/* One template snapshot (qemu.h), keyed by everything its device state depends on. */
+enum { TS_BUILDING = 0, TS_READY, TS_FAILED };
+struct tsnap {
+    struct tsnap *next;
+    char key[17];       /* 16 hex digits */
+    char dir[PATH_MAX]; /* the committed directory */
+    char tmp[PATH_MAX]; /* where the builder works: <vms>/.tsnap-<key>-<pid> (short paths for
+                         * its unix sockets; no sandbox id starts with '.') */
+    char template_name[128];
+    int state;
+    uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
+    uint64_t start_ms;
+    char why[160]; /* the last failure, client-safe */
+};
+
+/* A VM of the driver: a sandbox's (booting, up, suspending, stopping), a spare clone (pooled),
+ * a template snapshot builder (tsnap_build) or a request for a template snapshot (tsnap_req,
+ * never a QEMU). In the driver's list d->vms from sp_qemu__vm_new to sp_qemu__vm_unlink. */
+struct vm {
+    sp_qemu_t *d;
+    struct vm *next;
+    char id[SP_QEMU_ID_MAX + 1];
+    char dir[PATH_MAX];
+    enum phase ph;
+    bool adopted;
+    /* boot inputs (NULL once QEMU is started) */
+    sp_tmplbuild_paths_t *tp;
+    char template_name[128];
+    char *hostname;
+    char *env_json;
+    int cpu_count;
+    int memory_mb;
+    uint64_t disk_total;
+    /* process */
+    pid_t pid;
+    int pidfd;
+    sp_watch_t *pw;
+    bool exited;
+    struct child *img;
+    sp_qmp_t *qmp;
+    sp_timer_t qmp_timer;
+    unsigned qmp_tries;
+    sp_agentconn_t *agent;
+    sp_agentstream_t *ident;
+    bool paused;
+    sp_timer_t boot_timer;
+    uint64_t boot_start_ms;
+    sp_timer_t kill_timer;
+    bool keep_logs; /* a failed boot keeps console.log and qemu.log */
+    bool boot_failed;
+    sp_err_t boot_err;
+    struct waiter *boot_w, *destroy_w;
+    /* suspend / restore */
+    bool restoring;
+    struct waiter *snap_w;
+    int snap_step;
+    int snap_fd;
+    bool snap_was_paused;
+    sp_timer_t snap_timer;
+    struct child *sync;
+    uint64_t snap_start_ms;
+    struct sumjob *sum;     /* checksums in flight (suspend: computing; restore: verifying) */
+    struct sumjob *delta;   /* suspend of a clone: the stream's RAM delta being filtered */
+    bool mig_done;          /* suspend: QEMU finished the migration (the delta may not yet) */
+    bool delta_ok;          /* suspend: the device state holds the RAM delta ("ram":"delta") */
+    bool delta_failed;      /* suspend: the filter refused the stream: migrate again, whole */
+    bool no_delta;          /* this VM's clone suspends stream the whole RAM (filter refused) */
+    bool sync_done, sum_ok; /* suspend: both before the commit */
+    char sums[SUM_N][65];   /* suspend: the parts' checksums for the manifest */
+    uint64_t sum_sizes[SUM_N];
+    uint64_t sum_ms;
+    int verify;              /* restore: VERIFY_* of the big parts' checksums */
+    uint64_t verify_wait_ms; /* restore: when the loaded VM began to wait for them */
+    int verify_bad;          /* the part that failed, and the errno of a read error (0: */
+    int verify_errno;        /* a mismatch) */
+    /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
+    bool cg;
+    /* template snapshots */
+    struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
+    struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
+    sp_agentstream_t *settle;  /* builder: `sync` in the guest before the snapshot */
+    sp_exec_t *warm;           /* builder: the template's warmup command */
+    uint64_t warm_start_ms;
+    bool tsnap_req;                 /* no VM: a request for a template snapshot (sp_qemu_template_
+                                     * snapshot), answered through boot_w */
+    sp_qemu_tsnap_info_t *req_info; /* the request's caller's, filled before its callback */
+    char *clone_src;      /* template snapshot dir our RAM is mapped from; NULL: own RAM */
+    bool clone_boot;      /* this boot restores clone_src's device state */
+    bool cold;            /* this boot must not use a template snapshot */
+    bool restore_stream;  /* restoring a snapshot whose stream carries the RAM */
+    bool restore_delta;   /* restoring a clone's snapshot: template RAM + the stream's delta */
+    bool restore_running; /* the loaded VM came up running (never: sources are stopped) */
+    uint64_t cpu_ticks, cpu_ms;
+    double cpu_pct;
+    /* spare clones (pool_*) */
+    bool pooled;        /* a spare: no sandbox yet, invisible to sp_qemu__vm_find */
+    bool pool_ready;    /* warmed and stopped: sp_qemu__pool_take may hand it out */
+    bool pool_drop;     /* to be stopped by the pool timer (a safe place to free it) */
+    int pool_warm_step; /* the next of pool_warm_cmds to run */
+    char pool_key[17];  /* its template snapshot's key */
+};
+
+/* A template size recently created from: the pool keeps spare clones of it
+ * (sp_qemu__on_pool_timer). */
+struct poolwant {
+    struct poolwant *next; /* most recently used first */
+    char key[17];
+    char template_name[128];
+    sp_tmplbuild_paths_t tp;
+    int cpu_count, memory_mb;
+    uint64_t disk_total;
+    uint64_t used_ms;  /* sp_qemu__mono_ms() of the last create of this size */
+    uint64_t retry_ms; /* no new spare before this (one failed) */
+};
+
+/* The driver (sp_driver_t first: the ops get it as their base). */
+struct sp_qemu {
+    sp_driver_t base;
+    char data_dir[PATH_MAX];
+    char vms_dir[PATH_MAX];
+    char *qemu, *qemu_img;
+    int want;    /* 0 auto, 1 kvm, 2 tcg */
+    int accel;   /* -1 undecided, 0 TCG, 1 KVM */
+    int sandbox; /* -1 unknown, 0 unsupported, 1 supported */
+    struct child *kvm_probe, *sandbox_probe;
+    sp_cgroup_t *cg; /* the host's cgroup layout, detected once; NULL: out of memory */
+    struct vm *vms;
+    struct done *done_head, *done_tail;
+    sp_timer_t done_timer;
+    sp_timer_t kick_timer;
+    sp_timer_t console_timer;
+    uint32_t boot_timeout_ms;
+    uint32_t probe_ms;
+    bool cold_only;                 /* opts.cold_boot or SPACE_COLD_BOOT=1 */
+    bool no_adopt;                  /* opts.no_adopt: a tool's driver, see qemu.h */
+    bool gc_done;                   /* template snapshots were collected since the verdict */
+    unsigned req_seq;               /* ids of template snapshot requests */
+    char qemu_ident[PATH_MAX + 96]; /* resolved QEMU binary + size + mtime: part of snapshot keys */
+    struct tsnap *tsnaps;
+    int pool_size; /* spare clones kept per template size in use; 0: none */
+    unsigned pool_seq;
+    sp_timer_t pool_timer;
+    struct poolwant *wants;
+    uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+};
+
+/* How sp_qemu__spawn starts a child. */
+struct spawn_opts {
+    const char *out_path;       /* stdout+stderr (appended); NULL: /dev/null */
+    int stdin_fd;               /* -1: /dev/null */
+    const sp_cgroup_join_t *cg; /* NULL: stay in our cgroup; else join before exec or fail */
+    const char *sandbox;        /* for log lines; NULL for helpers */
+    bool new_session;
+};
+
+/* The functions one file calls in another, by the file that defines them; each is described
+ * where it is defined. */
+
+/* ---- driver.c: completions, the VM table, stopping and finishing, re-adoption, ops ---- */
+
+int sp_qemu__complete(sp_qemu_t *d, sp_driver_cb cb, void *arg, const sp_err_t *err);
+void sp_qemu__complete_all(sp_qemu_t *d, struct waiter **list, const sp_err_t *err);
+int sp_qemu__add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err_t *err);
+struct vm *sp_qemu__vm_find(sp_qemu_t *d, const char *id);
+void sp_qemu__vm_unlink(struct vm *vm);
+struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id);
+void sp_qemu__vm_disconnect(struct vm *vm);
+void sp_qemu__vm_free(struct vm *vm);
+pid_t sp_qemu__live_qemu_pid(const char *dir);
+pid_t sp_qemu__live_vm_pid(sp_qemu_t *d, const char *id, const char *vdir);
+void sp_qemu__on_vm_exit(sp_watch_t *w, int events, void *arg);
+void sp_qemu__vm_stop(struct vm *vm, bool graceful);
+void sp_qemu__vm_finish(struct vm *vm);
+struct vm *sp_qemu__vm_adopt(sp_qemu_t *d, const char *id, pid_t pid);
+struct vm *sp_qemu__running_vm(sp_qemu_t *d, const char *id, sp_err_t *err);
+extern const sp_driver_ops_t sp_qemu__ops;
+
+/* ---- boot.c: from boot_begin to up; the probes ---- */
+
+void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail);
+void sp_qemu__qmp_try_connect(struct vm *vm);
+void sp_qemu__on_qmp_timer(sp_timer_t *t, void *arg);
+void sp_qemu__send_identity(struct vm *vm);
+void sp_qemu__agent_start(struct vm *vm);
+void sp_qemu__on_boot_timeout(sp_timer_t *t, void *arg);
+void sp_qemu__read_vm_json(struct vm *vm);
+void sp_qemu__kick(sp_qemu_t *d);
+int sp_qemu__cached_probe_verdict(sp_qemu_t *d);
+void sp_qemu__record_accel(sp_qemu_t *d, const char *why);
+void sp_qemu__start_sandbox_probe(sp_qemu_t *d);
+void sp_qemu__on_kick(sp_timer_t *t, void *arg);
+
+/* ---- snapshot.c: suspend and wake ---- */
+
+bool sp_qemu__snapshot_committed(const char *dir);
+uint64_t sp_qemu__snapshot_bytes(const char *dir);
+void sp_qemu__suspend_sums_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__suspend_delta_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__snap_send(struct vm *vm, const char *cmd, json_t *args, int fd);
+void sp_qemu__restore_sums_done(struct vm *vm, struct sumjob *j);
+void sp_qemu__restore_begin(struct vm *vm);
+void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg);
+void sp_qemu__suspend_finish(struct vm *vm);
+int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void *arg,
+                        sp_err_t *err);
+int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err);
+
+/* ---- sums.c: checksum and delta jobs ---- */
+
+int sp_qemu__sum_file(const char *path, uint64_t *size, char hex[65]);
+void sp_qemu__sumjob_free(struct sumjob *j);
+struct sumjob *sp_qemu__sumjob_new(struct vm *vm, bool verify);
+int sp_qemu__sumjob_run(sp_qemu_t *d, struct sumjob *j);
+void sp_qemu__sumjob_abandon(struct sumjob *j);
+
+/* ---- tsnap.c: template snapshots ---- */
+
+int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
+                           int memory_mb, char key[17]);
+void sp_qemu__tsnap_gc(sp_qemu_t *d);
+bool sp_qemu__tsnap_tmp_foreign(const char *name);
+struct tsnap *sp_qemu__tsnap_for(struct vm *vm);
+void sp_qemu__tsnap_failed(struct vm *vm, const char *why);
+void sp_qemu__tsnap_warmup(struct vm *vm);
+void sp_qemu__tsnap_commit(struct vm *vm);
+void sp_qemu__tsnap_req_step(struct vm *vm);
+
+/* ---- pool.c: spare clones ---- */
+
+void sp_qemu__pool_origin_remove(const struct vm *vm);
+struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key);
+void sp_qemu__pool_failed(sp_qemu_t *d, const char *key);
+void sp_qemu__pool_kick(sp_qemu_t *d);
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm);
+void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
+void sp_qemu__pool_warm(struct vm *vm);
+struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);
+int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
+
+/* ---- util.c: helpers ---- */
+
+int sp_qemu__sfmt(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+uint64_t sp_qemu__mono_ms(void);
+uint32_t sp_qemu__env_ms(const char *name, uint32_t dflt);
+bool sp_qemu__resolve_program(const char *name, char *out);
+bool sp_qemu__have_program(const char *name);
+bool sp_qemu__valid_id(const char *id);
+void sp_qemu__vm_path(const struct vm *vm, const char *name, char *out, size_t n);
+bool sp_qemu__file_exists(const char *p);
+ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n);
+int sp_qemu__write_atomic(const char *path, const char *data, size_t len);
+void sp_qemu__rm_rf(const char *path);
+int sp_qemu__pidfd_open(pid_t pid);
+void sp_qemu__console_tail(const struct vm *vm, char *out, size_t n);
+void sp_qemu__console_trim(const struct vm *vm);
+pid_t sp_qemu__spawn(char *const argv[], const struct spawn_opts *o, int *pidfd, sp_err_t *err);
+void sp_qemu__child_free(struct child *c);
+struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struct spawn_opts *o,
+                                   uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err);
+bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join);
+void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
+int sp_qemu__fsync_path(const char *p, int flags);
+
+#endif
