@@ -4,7 +4,7 @@
  *
  * Also owns what every envd call shares: the call context (a hold on the request), the
  * effective user (Basic auth, username=, or the default user), the Connect error mapping,
- * and the per-gateway envd state (made on first use).
+ * and the per-gateway handles on the core tables envd state lives in (made on first use).
  *
  * Streaming both ways without holding a file twice: a download (core/channel/download.h,
  * with this file's sink) passes the agent's DATA to the client and grants the agent credit
@@ -39,6 +39,14 @@ struct sp_envd *sp_e2b__envd_state(sp_e2b_t *gw)
             return NULL;
         ev->gw = gw;
         ev->loop = sp_svc_loop(gw->svc);
+        ev->procs = sp_proctab_create(ev->loop, sp_e2b__envd_agent, gw);
+        ev->watchers = sp_fswatch_tab_create(ev->loop);
+        if (ev->procs == NULL || ev->watchers == NULL) {
+            sp_proctab_destroy(ev->procs);
+            sp_fswatch_tab_destroy(ev->watchers);
+            free(ev);
+            return NULL;
+        }
         gw->envd = ev;
     }
     return gw->envd;
@@ -48,10 +56,21 @@ void sp_e2b__envd_free(sp_e2b_t *gw)
 {
     if (gw == NULL || gw->envd == NULL)
         return;
-    sp_e2b__envd_fs_free(gw->envd);
-    sp_e2b__envd_process_free(gw->envd);
+    sp_fswatch_tab_destroy(gw->envd->watchers);
+    sp_proctab_destroy(gw->envd->procs);
     free(gw->envd);
     gw->envd = NULL;
+}
+
+const char *sp_e2b__envd_strdup(sp_carena_t *a, const char *s)
+{
+    if (s == NULL)
+        return NULL;
+    size_t n = strlen(s);
+    char *d = sp_carena_alloc(a, n + 1);
+    if (d != NULL)
+        memcpy(d, s, n + 1);
+    return d;
 }
 
 sp_loop_t *sp_e2b__envd_loop(envd_call_t *c)
