@@ -24,8 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/channel/code.h"
 #include "base/log.h"
+#include "core/channel/code.h"
+#include "core/channel/exec.h"
 #include "e2b-gateway/connectrpc.h"
 #include "e2b-gateway/gw_int.h"
 
@@ -441,58 +442,14 @@ static void on_probe(sp_timer_t *t, void *arg)
     sp_timer_start(&x->probe, PROBE_MS);
 }
 
-/* Length of the well-formed UTF-8 sequence at p[0..n), 0 when there is none (overlong forms,
- * surrogates and code points past U+10FFFF are not well formed). */
-static size_t utf8_seq(const unsigned char *p, size_t n)
-{
-    if (p[0] < 0x80)
-        return 1;
-    size_t len = (p[0] & 0xe0) == 0xc0   ? 2
-                 : (p[0] & 0xf0) == 0xe0 ? 3
-                 : (p[0] & 0xf8) == 0xf0 ? 4
-                                         : 0;
-    if (len == 0 || len > n)
-        return 0;
-    uint32_t cp = p[0] & (0x7f >> len);
-    for (size_t i = 1; i < len; i++) {
-        if ((p[i] & 0xc0) != 0x80)
-            return 0;
-        cp = cp << 6 | (p[i] & 0x3f);
-    }
-    static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
-    if (cp < min[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-        return 0;
-    return len;
-}
-
 /* Text as a JSON string; bytes that are not UTF-8 become U+FFFD (the daemon sends UTF-8, but a
- * line must never be lost to one bad byte). */
+ * line must never be lost to one bad byte). Valid text is taken as it is, without a copy. */
 static json_t *text_json(const char *p, size_t n)
 {
     if (p == NULL)
         return json_string("");
     json_t *s = json_stringn(p, n);
-    if (s != NULL)
-        return s;
-    char *b = malloc(n * 3 + 1);
-    if (b == NULL)
-        return NULL;
-    size_t o = 0;
-    for (size_t i = 0; i < n;) {
-        size_t len = utf8_seq((const unsigned char *)p + i, n - i);
-        if (len > 0) {
-            memcpy(b + o, p + i, len);
-            o += len;
-            i += len;
-        } else {
-            memcpy(b + o, "\xef\xbf\xbd", 3);
-            o += 3;
-            i++;
-        }
-    }
-    s = json_stringn(b, o);
-    free(b);
-    return s;
+    return s != NULL ? s : sp_exec_json_bytes(p, n);
 }
 
 /* text/plain loses one pair of surrounding quotes, as the real server does (a lone quote

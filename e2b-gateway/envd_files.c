@@ -4,13 +4,13 @@
  *
  * Also owns what every envd call shares: the call context (a hold on the request), the
  * effective user (Basic auth, username=, or the default user), the Connect error mapping,
- * and the per-gateway envd state (made on first use).
+ * and the per-gateway handles on the core tables envd state lives in (made on first use).
  *
- * Streaming both ways without holding a file twice: a download passes the agent's DATA to
- * the client and grants the agent credit only once h2o took the bytes (proceed); an upload
- * body is already in h2o's buffer and is sliced into agent DATA frames only as the agent's
- * credit allows (gzip bodies are inflated 64 KiB at a time, on demand). A client that leaves
- * stops the transfer.
+ * Streaming both ways without holding a file twice: a download (core/channel/download.h,
+ * with this file's sink) passes the agent's DATA to the client and grants the agent credit
+ * only once h2o took the bytes (proceed); an upload body is already in h2o's buffer and is
+ * sliced into agent DATA frames only as the agent's credit allows (gzip bodies are inflated
+ * 64 KiB at a time, on demand). A client that leaves stops the transfer.
  *
  * Paths are guest paths: `../../etc/passwd` resolves inside the guest, as the user, and
  * never touches the host (the agent runs in the VM).
@@ -25,6 +25,7 @@
 #include <zlib.h>
 
 #include "base/log.h"
+#include "core/channel/download.h"
 #include "e2b-gateway/envd_int.h"
 #include "e2b-gateway/multipart.h"
 
@@ -38,6 +39,14 @@ struct sp_envd *sp_e2b__envd_state(sp_e2b_t *gw)
             return NULL;
         ev->gw = gw;
         ev->loop = sp_svc_loop(gw->svc);
+        ev->procs = sp_proctab_create(ev->loop, sp_e2b__envd_agent, gw);
+        ev->watchers = sp_fswatch_tab_create(ev->loop);
+        if (ev->procs == NULL || ev->watchers == NULL) {
+            sp_proctab_destroy(ev->procs);
+            sp_fswatch_tab_destroy(ev->watchers);
+            free(ev);
+            return NULL;
+        }
         gw->envd = ev;
     }
     return gw->envd;
@@ -47,10 +56,21 @@ void sp_e2b__envd_free(sp_e2b_t *gw)
 {
     if (gw == NULL || gw->envd == NULL)
         return;
-    sp_e2b__envd_fs_free(gw->envd);
-    sp_e2b__envd_process_free(gw->envd);
+    sp_fswatch_tab_destroy(gw->envd->watchers);
+    sp_proctab_destroy(gw->envd->procs);
     free(gw->envd);
     gw->envd = NULL;
+}
+
+const char *sp_e2b__envd_strdup(sp_carena_t *a, const char *s)
+{
+    if (s == NULL)
+        return NULL;
+    size_t n = strlen(s);
+    char *d = sp_carena_alloc(a, n + 1);
+    if (d != NULL)
+        memcpy(d, s, n + 1);
+    return d;
 }
 
 sp_loop_t *sp_e2b__envd_loop(envd_call_t *c)
@@ -267,146 +287,44 @@ static int files_auth(h2o_req_t *req, envd_call_t *c, bool write, const char *pa
     return 0;
 }
 
-/* ---- GET /files ---- */
+/* ---- GET /files: the sink of core/channel/download.h ---- */
 
-typedef struct {
-    envd_call_t *c; /* until the response starts */
-    sp_stream_t *st;
-    sp_exec_t *op;
-    long long length;
-    char *path;
-} dl_t;
+static const sp_stream_cbs_t dl_stream_cbs = {sp_download_sent, sp_download_gone};
 
-static void dl_free(dl_t *d)
+static void *dl_begin(void *arg, long long length, sp_download_t *dl)
 {
-    free(d->path);
-    free(d);
-}
-
-static void dl_sent(void *arg, size_t raw)
-{
-    dl_t *d = arg;
-    sp_exec_ack(d->op, raw);
-}
-
-static void dl_gone(void *arg)
-{
-    dl_t *d = arg;
-    sp_exec_cancel(d->op);
-    dl_free(d);
-}
-
-static const sp_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
-
-static bool dl_start(dl_t *d)
-{
-    h2o_req_t *req = sp_e2b__envd_take(d->c);
-    d->c = NULL;
+    h2o_req_t *req = sp_e2b__envd_take(arg);
+    sp_stream_t *st = NULL;
     if (req != NULL)
-        d->st = sp_stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
-    if (d->st == NULL) {
-        if (req != NULL)
-            sp_e2b__error(req, 500, "out of memory");
-        sp_exec_cancel(d->op);
-        dl_free(d);
-        return false;
-    }
-    return true;
+        st = sp_stream_start(req, 200, "application/octet-stream", length, &dl_stream_cbs, dl);
+    if (st == NULL && req != NULL)
+        sp_e2b__error(req, 500, "out of memory");
+    return st;
 }
 
-static void dl_data(void *arg, const uint8_t *p, size_t n)
+static int dl_write(void *st, const uint8_t *p, size_t n)
 {
-    dl_t *d = arg;
-    if (d->st == NULL && !dl_start(d))
-        return;
-    if (sp_stream_write(d->st, p, n, n) < 0) {
-        sp_exec_cancel(d->op);
-        sp_stream_end(d->st, NULL, 0, false);
-        dl_free(d);
-    }
+    return sp_stream_write(st, p, n, n);
 }
 
-static void dl_done(void *arg, uint64_t total, const sp_err_t *err)
+static void dl_end(void *st, bool ok)
 {
-    dl_t *d = arg;
-    if (d->st == NULL) {
-        if (err != NULL) {
-            files_fail_err(d->c, err);
-            dl_free(d);
-            return;
-        }
-        if (!dl_start(d))
-            return;
-    }
-    bool ok = err == NULL && (d->length < 0 || (long long)total == d->length);
-    sp_stream_end(d->st, NULL, 0, ok);
-    dl_free(d);
+    sp_stream_end(st, NULL, 0, ok);
 }
 
-static const sp_exec_read_cbs_t dl_read_cbs = {dl_data, dl_done};
-
-typedef struct {
-    sp_agentconn_t *conn;
-    char *path;
-} dlreq_t;
-
-static void dlreq_free(void *p)
+static void dl_fail(void *arg, const sp_err_t *err)
 {
-    dlreq_t *r = p;
-    free(r->path);
-    free(r);
+    files_fail_err(arg, err);
 }
 
-static void dl_statted(void *arg, json_t *entry, const sp_err_t *err)
-{
-    envd_call_t *c = arg;
-    if (err != NULL) {
-        files_fail_err(c, err);
-        return;
-    }
-    dlreq_t *r = c->data;
-    const char *type = json_string_value(json_object_get(entry, "type"));
-    if (type != NULL && strcmp(type, "dir") == 0) {
-        files_fail(c, 400, "path is a directory");
-        return;
-    }
-    json_int_t size = json_integer_value(json_object_get(entry, "size"));
-    dl_t *d = calloc(1, sizeof(*d));
-    if (d == NULL) {
-        files_fail(c, 500, "out of memory");
-        return;
-    }
-    d->c = c;
-    bool sized = type != NULL && strcmp(type, "file") == 0;
-    d->length = sized ? (long long)size : -1;
-    sp_err_t e;
-    if (sized && size == 0) { /* nothing to read: an empty 200 */
-        if (dl_start(d))
-            dl_done(d, 0, NULL);
-        return;
-    }
-    d->op = sp_exec_read(sp_e2b__envd_loop(c), r->conn, r->path, c->user, 0,
-                         sized ? (uint64_t)size : 0, &dl_read_cbs, d, &e);
-    if (d->op == NULL) {
-        dl_free(d);
-        files_fail_err(c, &e);
-    }
-}
+static const sp_download_sink_t dl_sink = {dl_begin, dl_write, dl_end, dl_fail};
 
 static void files_get(envd_call_t *c, const char *path)
 {
+    /* envd answers an empty regular file with an empty body, without reading it. */
+    sp_download_req_t r = {.path = path, .user = c->user, .empty_if_zero = true};
     sp_err_t e;
-    dlreq_t *r = calloc(1, sizeof(*r));
-    if (r == NULL || (r->path = strdup(path)) == NULL) {
-        free(r);
-        files_fail(c, 500, "out of memory");
-        return;
-    }
-    r->conn = c->conn;
-    c->data = r;
-    c->data_free = dlreq_free;
-    sp_exec_fs_req_t fr = {.op = SP_EXEC_FS_STAT, .path = r->path, .user = c->user};
-    if (sp_exec_fs(sp_e2b__envd_loop(c), c->conn, &fr, dl_statted, c, &e) == NULL)
+    if (sp_download_start(sp_e2b__envd_loop(c), c->conn, &r, &dl_sink, c, &e) < 0)
         files_fail_err(c, &e);
 }
 

@@ -6,36 +6,21 @@
  * EntryInfo describes a symlink by the entry it finally names (type and permission bits), as
  * envd does, with symlinkTarget the resolved path; the agent reports both with the link.
  *
- * Owns the watcher table: each watcher is an agent WATCH stream whose events are buffered
- * (at most WATCHER_EVENTS_MAX, the oldest dropped) until polled; a watcher nobody polled for
- * WATCHER_IDLE_MS is removed. Knows no process state.
+ * Watch events are cooked by core/channel/fswatch.h (names relative to the watched directory,
+ * the agent's atomic writes as create + write); the polling watchers live in its table, so
+ * this file only translates them. Knows no process state.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "base/ids.h"
 #include "base/log.h"
 #include "e2b-gateway/envd_int.h"
 
-#define WATCHER_EVENTS_MAX 10000
-#define WATCHER_IDLE_MS    (5u * 60 * 1000)
-#define WATCHERS_MAX       1024
-#define WATCH_PENDING_MAX  (4u * 1024 * 1024) /* WatchDir bytes queued for a slow client */
+#define WATCH_PENDING_MAX (4u * 1024 * 1024) /* WatchDir bytes queued for a slow client */
 
 /* ---- entries ---- */
-
-static const char *acopy(sp_carena_t *a, const char *s)
-{
-    if (s == NULL)
-        return NULL;
-    size_t n = strlen(s);
-    char *d = sp_carena_alloc(a, n + 1);
-    if (d != NULL)
-        memcpy(d, s, n + 1);
-    return d;
-}
 
 static int parse_mtime(const char *s, sp_ctime_t *t)
 {
@@ -100,13 +85,14 @@ int sp_e2b__envd_entry(json_t *e, sp_cf_entry_t *out, sp_carena_t *a)
         const char *target = json_string_value(json_object_get(e, "target"));
         what = json_string_value(json_object_get(e, "target_type"));
         perm = (uint32_t)json_integer_value(json_object_get(e, "target_mode")) & 0777;
-        out->symlink_target = acopy(a, target ? target : json_string_value(json_object_get(e, "path")));
+        out->symlink_target =
+            sp_e2b__envd_strdup(a, target ? target : json_string_value(json_object_get(e, "path")));
         out->has_symlink_target = true;
     }
-    out->name = acopy(a, json_string_value(json_object_get(e, "name")));
-    out->path = acopy(a, json_string_value(json_object_get(e, "path")));
-    out->owner = acopy(a, json_string_value(json_object_get(e, "owner")));
-    out->group = acopy(a, json_string_value(json_object_get(e, "group")));
+    out->name = sp_e2b__envd_strdup(a, json_string_value(json_object_get(e, "name")));
+    out->path = sp_e2b__envd_strdup(a, json_string_value(json_object_get(e, "path")));
+    out->owner = sp_e2b__envd_strdup(a, json_string_value(json_object_get(e, "owner")));
+    out->group = sp_e2b__envd_strdup(a, json_string_value(json_object_get(e, "group")));
     out->type = what && strcmp(what, "dir") == 0    ? SP_CF_TYPE_DIRECTORY
                 : what && strcmp(what, "file") == 0 ? SP_CF_TYPE_FILE
                                                     : SP_CF_TYPE_UNSPECIFIED;
@@ -270,84 +256,21 @@ static void rpc_list_dir(envd_call_t *c)
 
 /* ---- watches: shared pieces ---- */
 
-static int ev_types(uint32_t bits, int32_t out[5])
+/* An agent event bit (core/channel/fswatch.h cooks one per event kind) as envd's EventType. */
+static int32_t ev_type(uint32_t bit)
 {
-    int n = 0;
-    if (bits & SP_AP_EV_CREATE)
-        out[n++] = SP_CF_EV_CREATE;
-    if (bits & SP_AP_EV_WRITE)
-        out[n++] = SP_CF_EV_WRITE;
-    if (bits & SP_AP_EV_REMOVE)
-        out[n++] = SP_CF_EV_REMOVE;
-    if (bits & SP_AP_EV_RENAME)
-        out[n++] = SP_CF_EV_RENAME;
-    if (bits & SP_AP_EV_CHMOD)
-        out[n++] = SP_CF_EV_CHMOD;
-    return n;
-}
-
-/* The event's name relative to the watched directory (envd reports it so). */
-static const char *rel_name(const char *root, const char *path, const char *name)
-{
-    size_t rl = strlen(root);
-    while (rl > 1 && root[rl - 1] == '/')
-        rl--;
-    if (strncmp(path, root, rl) == 0 && path[rl] == '/' && path[rl + 1] != '\0')
-        return path + rl + 1;
-    return name;
-}
-
-/*
- * The agent writes files atomically (a temporary ".<name>.sp-<pid>-<n>" beside the file, then
- * rename), where envd writes in place. So a watcher sees the temporary file's events and a
- * rename onto the name; envd clients wait for create/write of the name. Translated here: the
- * temporary file's events are dropped, and the rename that lands it reads as create + write.
- * pending holds the name (relative) whose temporary file was last renamed away.
- */
-static bool tmp_of(const char *rel, char *orig, size_t cap)
-{
-    const char *base = strrchr(rel, '/');
-    size_t dl = base ? (size_t)(base - rel) + 1 : 0;
-    base = base ? base + 1 : rel;
-    if (base[0] != '.')
-        return false;
-    const char *sp = strstr(base, ".sp-");
-    if (sp == NULL || sp == base + 1)
-        return false;
-    const char *p = sp + 4, *dash = NULL;
-    for (; *p; p++) {
-        if (*p == '-' && dash == NULL)
-            dash = p;
-        else if (*p < '0' || *p > '9')
-            return false;
+    switch (bit) {
+    case SP_AP_EV_CREATE:
+        return SP_CF_EV_CREATE;
+    case SP_AP_EV_WRITE:
+        return SP_CF_EV_WRITE;
+    case SP_AP_EV_REMOVE:
+        return SP_CF_EV_REMOVE;
+    case SP_AP_EV_RENAME:
+        return SP_CF_EV_RENAME;
+    default:
+        return SP_CF_EV_CHMOD;
     }
-    if (dash == NULL || dash == sp + 4 || dash[1] == '\0')
-        return false;
-    size_t bl = (size_t)(sp - base - 1);
-    if (dl + bl + 1 > cap)
-        return false;
-    memcpy(orig, rel, dl);
-    memcpy(orig + dl, base + 1, bl);
-    orig[dl + bl] = '\0';
-    return true;
-}
-
-/* Fills out[] with the envd event types for one agent event on rel; returns the count. */
-static int translate(char *pending, size_t cap, const char *rel, uint32_t bits, int32_t out[5])
-{
-    char orig[SP_EXEC_PATH_MAX + 1];
-    if (tmp_of(rel, orig, sizeof(orig))) {
-        if (bits & SP_AP_EV_RENAME)
-            snprintf(pending, cap, "%s", orig);
-        return 0;
-    }
-    if ((bits & SP_AP_EV_RENAME) && pending[0] != '\0' && strcmp(pending, rel) == 0) {
-        pending[0] = '\0';
-        out[0] = SP_CF_EV_CREATE;
-        out[1] = SP_CF_EV_WRITE;
-        return 2;
-    }
-    return ev_types(bits, out);
 }
 
 /* The watch target must be a directory: stat first, then watch its absolute path. */
@@ -372,7 +295,7 @@ static void watch_statted(void *arg, json_t *entry, const sp_err_t *err)
         sp_e2b__envd_fail(c, SP_CC_INVALID_ARGUMENT, "path is not a directory");
         return;
     }
-    const char *root = acopy(&c->arena, path);
+    const char *root = sp_e2b__envd_strdup(&c->arena, path);
     watch_next_t next = w->next;
     c->conn = w->conn; /* valid inside this callback */
     free(c->data);
@@ -411,7 +334,7 @@ typedef struct {
     char *root;
     sp_timer_t ka, deadline;
     uint32_t ka_ms, timeout_ms;
-    char pending[SP_EXEC_PATH_MAX + 1];
+    sp_fswatch_cook_t cook;
 } wd_t;
 
 static void wd_free(wd_t *w)
@@ -468,13 +391,13 @@ static void wd_event(void *arg, const char *path, const char *name, uint32_t bit
     wd_t *w = arg;
     if (w->st == NULL)
         return;
-    int32_t types[5];
-    const char *rel = rel_name(w->root, path, name);
-    int n = translate(w->pending, sizeof(w->pending), rel, bits, types);
+    const char *rel;
+    uint32_t evs[5];
+    int n = sp_fswatch_cook(&w->cook, w->root, path, name, bits, &rel, evs);
     for (int i = 0; i < n; i++) {
         sp_cf_watch_resp_t m = {.has_filesystem = true};
         m.filesystem.name = rel;
-        m.filesystem.type = types[i];
+        m.filesystem.type = ev_type(evs[i]);
         wd_send(w, &m);
     }
 }
@@ -549,166 +472,26 @@ static void rpc_watch_dir(envd_call_t *c)
     watch_stat(c, m->path, watchdir_start);
 }
 
-/* ---- polling watchers ---- */
+/* ---- polling watchers (core/channel/fswatch.h) ---- */
 
-typedef struct {
-    char *name;
-    int32_t type;
-} wev_t;
-
-struct envd_watcher {
-    envd_watcher_t *next;
-    struct sp_envd *ev;
-    envd_call_t *c; /* CreateWatcher, until the watch started */
-    char id[48];
-    char sandbox_id[65];
-    sp_exec_t *op;
-    char *root;
-    wev_t *events; /* ring of WATCHER_EVENTS_MAX */
-    size_t head, count;
-    uint64_t polled_ms;
-    bool failed;
-    char why[160];
-    char pending[SP_EXEC_PATH_MAX + 1];
-};
-
-static void watcher_clear(envd_watcher_t *w)
+static void created(void *arg, const char *id, const sp_err_t *err)
 {
-    for (size_t i = 0; i < w->count; i++)
-        free(w->events[(w->head + i) % WATCHER_EVENTS_MAX].name);
-    w->head = w->count = 0;
-}
-
-static void watcher_free(envd_watcher_t *w)
-{
-    for (envd_watcher_t **pp = &w->ev->watchers; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == w) {
-            *pp = w->next;
-            w->ev->nwatchers--;
-            break;
-        }
-    sp_exec_cancel(w->op);
-    if (w->c != NULL)
-        sp_e2b__envd_call_free(w->c);
-    if (w->events != NULL)
-        watcher_clear(w);
-    free(w->events);
-    free(w->root);
-    free(w);
-}
-
-static void sweep(sp_timer_t *t, void *arg)
-{
-    struct sp_envd *ev = arg;
-    uint64_t now = sp_loop_now_ms(ev->loop);
-    for (envd_watcher_t *w = ev->watchers, *next; w != NULL; w = next) {
-        next = w->next;
-        if (w->c == NULL && now - w->polled_ms > WATCHER_IDLE_MS) {
-            sp_log(SP_LOG_INFO, "envd", "watcher expired unpolled id=%s sandbox=%s", w->id,
-                   w->sandbox_id);
-            watcher_free(w);
-        }
-    }
-    if (ev->watchers != NULL)
-        sp_timer_start(&ev->sweep, 60000);
-}
-
-void sp_e2b__envd_fs_free(struct sp_envd *ev)
-{
-    while (ev->watchers != NULL)
-        watcher_free(ev->watchers);
-    if (ev->seq != 0)
-        sp_timer_stop(&ev->sweep);
-}
-
-static void wt_started(void *arg)
-{
-    envd_watcher_t *w = arg;
-    envd_call_t *c = w->c;
-    w->c = NULL;
-    w->polled_ms = sp_loop_now_ms(w->ev->loop);
-    sp_cf_watcher_t r = {.watcher_id = w->id};
-    sp_e2b__envd_reply(c, &sp_cd_watcher, &r);
-}
-
-static void wt_event(void *arg, const char *path, const char *name, uint32_t bits, uint32_t ftype)
-{
-    envd_watcher_t *w = arg;
-    int32_t types[5];
-    const char *rel = rel_name(w->root, path, name);
-    int n = translate(w->pending, sizeof(w->pending), rel, bits, types);
-    for (int i = 0; i < n; i++) {
-        if (w->count == WATCHER_EVENTS_MAX) { /* full: the oldest goes */
-            free(w->events[w->head].name);
-            w->head = (w->head + 1) % WATCHER_EVENTS_MAX;
-            w->count--;
-        }
-        char *nm = strdup(rel);
-        if (nm == NULL)
-            return;
-        wev_t *e = &w->events[(w->head + w->count) % WATCHER_EVENTS_MAX];
-        e->name = nm;
-        e->type = types[i];
-        w->count++;
-    }
-}
-
-static void wt_done(void *arg, const sp_err_t *err)
-{
-    envd_watcher_t *w = arg;
-    w->op = NULL;
-    if (w->c != NULL) { /* did not start */
-        envd_call_t *c = w->c;
-        w->c = NULL;
+    envd_call_t *c = arg;
+    if (err != NULL) {
         sp_e2b__envd_fail_err(c, err);
-        watcher_free(w);
         return;
     }
-    w->failed = true;
-    snprintf(w->why, sizeof(w->why), "%s", err->msg);
+    sp_cf_watcher_t r = {.watcher_id = id};
+    sp_e2b__envd_reply(c, &sp_cd_watcher, &r);
 }
-
-static const sp_exec_watch_cbs_t wt_cbs = {wt_started, wt_event, wt_done};
 
 static void create_watcher_start(envd_call_t *c, const char *root)
 {
     sp_cf_watch_req_t *m = c->msg;
-    struct sp_envd *ev = c->ev;
-    if (ev->nwatchers >= WATCHERS_MAX) {
-        sp_e2b__envd_fail(c, SP_CC_RESOURCE_EXHAUSTED, "too many watchers");
-        return;
-    }
-    envd_watcher_t *w = calloc(1, sizeof(*w));
-    if (w == NULL || (w->root = strdup(root)) == NULL ||
-        (w->events = calloc(WATCHER_EVENTS_MAX, sizeof(*w->events))) == NULL) {
-        if (w != NULL)
-            free(w->root);
-        free(w);
-        sp_e2b__envd_fail(c, SP_CC_INTERNAL, "out of memory");
-        return;
-    }
-    if (ev->seq == 0)
-        sp_timer_init(&ev->sweep, ev->loop, sweep, ev);
-    ev->seq++;
-    w->ev = ev;
-    w->c = c;
-    char rnd[SP_ID_LEN + 1];
-    sp_ids_random(rnd, SP_ID_LEN);
-    rnd[SP_ID_LEN] = '\0';
-    snprintf(w->id, sizeof(w->id), "w%s%llu", rnd, (unsigned long long)ev->seq);
-    snprintf(w->sandbox_id, sizeof(w->sandbox_id), "%s", c->sandbox_id);
-    w->next = ev->watchers;
-    ev->watchers = w;
-    ev->nwatchers++;
-    if (!sp_timer_armed(&ev->sweep))
-        sp_timer_start(&ev->sweep, 60000);
     sp_err_t e;
-    w->op = sp_exec_watch(ev->loop, c->conn, root, c->user, m->recursive, &wt_cbs, w, &e);
-    if (w->op == NULL) {
-        w->c = NULL;
-        watcher_free(w);
-        sp_e2b__envd_fail_err(c, &e);
-    }
+    if (sp_fswatch_create(c->ev->watchers, c->conn, c->sandbox_id, root, c->user, m->recursive,
+                          created, c, &e) < 0)
+        sp_e2b__envd_fail_err(c, &e); /* too many watchers: SP_ETOOBIG, resource_exhausted */
 }
 
 static void rpc_create_watcher(envd_call_t *c)
@@ -717,53 +500,57 @@ static void rpc_create_watcher(envd_call_t *c)
     watch_stat(c, m->path, create_watcher_start);
 }
 
-static envd_watcher_t *watcher_find(envd_call_t *c, const char *id)
+/* A lookup error as envd answers it: not_found, or unavailable with why the watch ended. */
+static void watcher_fail(envd_call_t *c, const sp_err_t *e)
 {
-    for (envd_watcher_t *w = c->ev->watchers; id != NULL && w != NULL; w = w->next)
-        if (w->c == NULL && strcmp(w->id, id) == 0 && strcmp(w->sandbox_id, c->sandbox_id) == 0)
-            return w;
-    return NULL;
+    sp_e2b__envd_fail(c,
+                      e->code == SP_ENOTFOUND  ? SP_CC_NOT_FOUND
+                      : e->code == SP_EUNAVAIL ? SP_CC_UNAVAILABLE
+                                               : SP_CC_INTERNAL,
+                      e->msg);
+}
+
+typedef struct {
+    envd_call_t *c;
+    sp_cf_events_resp_t r;
+} poll_t;
+
+static int polled(void *arg, const sp_fswatch_ev_t *evs, size_t n)
+{
+    poll_t *p = arg;
+    sp_carena_t *a = &p->c->arena;
+    p->r.events = sp_carena_alloc(a, (n + 1) * sizeof(sp_cf_event_t));
+    if (p->r.events == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        sp_cf_event_t *ev = &p->r.events[p->r.n_events];
+        ev->name = sp_e2b__envd_strdup(a, evs[i].name);
+        ev->type = ev_type(evs[i].ev);
+        if (ev->name != NULL)
+            p->r.n_events++;
+    }
+    return 0;
 }
 
 static void rpc_get_watcher_events(envd_call_t *c)
 {
     sp_cf_watcher_t *m = c->msg;
-    envd_watcher_t *w = watcher_find(c, m->watcher_id);
-    if (w == NULL) {
-        sp_e2b__envd_fail(c, SP_CC_NOT_FOUND, "watcher not found");
-        return;
-    }
-    w->polled_ms = sp_loop_now_ms(c->ev->loop);
-    if (w->count == 0 && w->failed) {
-        sp_e2b__envd_fail(c, SP_CC_UNAVAILABLE, w->why);
-        return;
-    }
-    sp_cf_events_resp_t r = {0};
-    r.events = sp_carena_alloc(&c->arena, (w->count + 1) * sizeof(sp_cf_event_t));
-    if (r.events == NULL) {
-        sp_e2b__envd_fail(c, SP_CC_INTERNAL, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < w->count; i++) {
-        wev_t *e = &w->events[(w->head + i) % WATCHER_EVENTS_MAX];
-        r.events[r.n_events].name = acopy(&c->arena, e->name);
-        r.events[r.n_events].type = e->type;
-        if (r.events[r.n_events].name != NULL)
-            r.n_events++;
-    }
-    watcher_clear(w);
-    sp_e2b__envd_reply(c, &sp_cd_events_resp, &r);
+    poll_t p = {.c = c};
+    sp_err_t e;
+    if (sp_fswatch_poll(c->ev->watchers, c->sandbox_id, m->watcher_id, polled, &p, &e) < 0)
+        watcher_fail(c, &e);
+    else
+        sp_e2b__envd_reply(c, &sp_cd_events_resp, &p.r);
 }
 
 static void rpc_remove_watcher(envd_call_t *c)
 {
     sp_cf_watcher_t *m = c->msg;
-    envd_watcher_t *w = watcher_find(c, m->watcher_id);
-    if (w == NULL) {
-        sp_e2b__envd_fail(c, SP_CC_NOT_FOUND, "watcher not found");
+    sp_err_t e;
+    if (sp_fswatch_remove(c->ev->watchers, c->sandbox_id, m->watcher_id, &e) < 0) {
+        watcher_fail(c, &e);
         return;
     }
-    watcher_free(w);
     sp_cempty_t empty = {0};
     sp_e2b__envd_reply(c, &sp_cd_empty, &empty);
 }

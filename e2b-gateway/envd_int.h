@@ -1,12 +1,14 @@
 /*
  * envd_int.h - what the envd parts share (envd_files.c dispatches; envd_process.c and
- * envd_fs.c answer the Connect services): one call's context, the per-gateway envd state,
- * user selection and error mapping.
+ * envd_fs.c answer the Connect services): one call's context, the per-gateway handles on core
+ * state, user selection and error mapping.
  */
 #ifndef SP_E2B_ENVD_INT_H
 #define SP_E2B_ENVD_INT_H
 
 #include "core/channel/exec.h"
+#include "core/channel/fswatch.h"
+#include "core/channel/proctab.h"
 #include "e2b-gateway/connectrpc.h"
 #include "e2b-gateway/gw_int.h"
 
@@ -14,22 +16,13 @@
  * SPACE_E2B_DEFAULT_USER overrides it (hosts without a `user` account, tests). */
 #define SP_ENVD_DEFAULT_USER "user"
 
-typedef struct envd_watcher envd_watcher_t;
-typedef struct envd_life envd_life_t;
-typedef struct envd_proc envd_proc_t;
-
-/* Per gateway, made on first use, freed by sp_e2b__envd_free. */
+/* Per gateway, made on first use, freed by sp_e2b__envd_free. The state itself lives in core
+ * (core/channel/proctab.h, core/channel/fswatch.h): the gateway only translates. */
 struct sp_envd {
     sp_e2b_t *gw;
     sp_loop_t *loop;
-    envd_watcher_t *watchers; /* CreateWatcher table, all sandboxes */
-    size_t nwatchers;
-    sp_timer_t sweep;   /* expires watchers nobody polls */
-    envd_life_t *lives; /* connect-timeout-ms of detached Start processes */
-    size_t nlives;
-    envd_proc_t *procs; /* configs of processes started by Start (for List) */
-    size_t nprocs;
-    uint64_t seq;
+    sp_proctab_t *procs;        /* what Start started processes with, and their lifetimes */
+    sp_fswatch_tab_t *watchers; /* CreateWatcher's polling watchers, all sandboxes */
 };
 
 /* One RPC or HTTP call: malloc'd, holds the request until answered. */
@@ -50,6 +43,8 @@ typedef struct {
 } envd_call_t;
 
 struct sp_envd *sp_e2b__envd_state(sp_e2b_t *gw);
+/* A copy of s in a (NULL for NULL, or when out of memory). */
+const char *sp_e2b__envd_strdup(sp_carena_t *a, const char *s);
 sp_loop_t *sp_e2b__envd_loop(envd_call_t *c);
 
 /* The request, or NULL when the client left. */
@@ -72,7 +67,8 @@ void sp_e2b__envd_fs(envd_call_t *c, const char *method);
 /* Fills a wire EntryInfo from an exec entry object (strings copied into arena). */
 int sp_e2b__envd_entry(json_t *e, sp_cf_entry_t *out, sp_carena_t *a);
 
-void sp_e2b__envd_fs_free(struct sp_envd *ev);
-void sp_e2b__envd_process_free(struct sp_envd *ev);
+/* The agent channel of team_id's sandbox_id for a lifetime kill (sp_proctab_agent_fn). */
+int sp_e2b__envd_agent(void *gw, const char *sandbox_id, const char *team_id,
+                       sp_proctab_agent_cb cb, void *arg);
 
 #endif

@@ -8,218 +8,70 @@
  * out after Keepalive-Ping-Interval seconds without another event. A client that leaves only
  * detaches: the process keeps running. connect-timeout-ms on Start is the process's lifetime:
  * while attached exec kills the process group at expiry (the stream then ends with
- * deadline_exceeded); once detached a lifetime timer here does it.
+ * deadline_exceeded); once detached core/channel/proctab.h keeps the deadline.
  *
- * Owns the lifetime timers and a bounded table of the configs of processes started through
- * Start (List reports cmd/args/envs/cwd from it; the agent itself keeps only a joined argv).
+ * Owns nothing past a call: what Start started a process with (List reports cmd/args/envs/cwd
+ * from it; the agent itself keeps only a joined argv) is recorded in core/channel/proctab.h.
  */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/log.h"
+#include "base/buf.h"
 #include "e2b-gateway/envd_int.h"
 
-#define PROC_TABLE_MAX 4096
-#define LIVES_MAX      10000 /* pending lifetime kills; past it the oldest is dropped (logged) */
+/* ---- process records (core/channel/proctab.h) ---- */
 
-/* ---- remembered configs ---- */
-
-struct envd_proc {
-    envd_proc_t *next;
-    char sandbox_id[65];
-    uint32_t pid;
-    bool pty;
-    sp_carena_t arena;
-    sp_cp_config_t cfg;
-};
-
-static const char *acopy(sp_carena_t *a, const char *s)
+/* A Start request's process as a record: arrays in a, strings borrowed from the request. NULL
+ * when out of memory (the process then goes unrecorded). */
+static const sp_proc_spec_t *spec_of(const sp_cp_config_t *cfg, bool pty, sp_carena_t *a)
 {
-    if (s == NULL)
+    sp_proc_spec_t *sp = sp_carena_alloc(a, sizeof(*sp));
+    sp_proc_env_t *envs = sp_carena_alloc(a, (cfg->n_envs + 1) * sizeof(*envs));
+    if (sp == NULL || envs == NULL)
         return NULL;
-    size_t n = strlen(s);
-    char *d = sp_carena_alloc(a, n + 1);
-    if (d != NULL)
-        memcpy(d, s, n + 1);
-    return d;
+    for (size_t i = 0; i < cfg->n_envs; i++)
+        envs[i] = (sp_proc_env_t){cfg->envs[i].key, cfg->envs[i].value};
+    *sp = (sp_proc_spec_t){.cmd = cfg->cmd ? cfg->cmd : "",
+                           .args = cfg->args,
+                           .nargs = cfg->n_args,
+                           .envs = envs,
+                           .nenvs = cfg->n_envs,
+                           .cwd = cfg->has_cwd ? cfg->cwd : NULL,
+                           .pty = pty};
+    return sp;
 }
 
-static envd_proc_t *proc_new(const char *sid, const sp_cp_config_t *cfg)
+/* A record as the wire's ProcessConfig: arrays in a, strings borrowed from the table (the
+ * reply is encoded before the table changes). */
+static int config_of(const sp_proc_spec_t *sp, sp_cp_config_t *cfg, sp_carena_t *a)
 {
-    envd_proc_t *p = calloc(1, sizeof(*p));
-    if (p == NULL)
-        return NULL;
-    snprintf(p->sandbox_id, sizeof(p->sandbox_id), "%s", sid);
-    p->cfg.cmd = acopy(&p->arena, cfg->cmd ? cfg->cmd : "");
-    p->cfg.args = sp_carena_alloc(&p->arena, (cfg->n_args + 1) * sizeof(char *));
-    p->cfg.envs = sp_carena_alloc(&p->arena, (cfg->n_envs + 1) * sizeof(sp_ckv_t));
-    if (p->cfg.args == NULL || p->cfg.envs == NULL) {
-        sp_carena_free(&p->arena);
-        free(p);
-        return NULL;
-    }
-    for (size_t i = 0; i < cfg->n_args; i++)
-        p->cfg.args[i] = acopy(&p->arena, cfg->args[i]);
-    p->cfg.n_args = cfg->n_args;
-    for (size_t i = 0; i < cfg->n_envs; i++) {
-        p->cfg.envs[i].key = acopy(&p->arena, cfg->envs[i].key);
-        p->cfg.envs[i].value = acopy(&p->arena, cfg->envs[i].value);
-    }
-    p->cfg.n_envs = cfg->n_envs;
-    if (cfg->has_cwd) {
-        p->cfg.cwd = acopy(&p->arena, cfg->cwd);
-        p->cfg.has_cwd = true;
-    }
-    return p;
+    const char **args = sp_carena_alloc(a, (sp->nargs + 1) * sizeof(*args));
+    sp_ckv_t *envs = sp_carena_alloc(a, (sp->nenvs + 1) * sizeof(*envs));
+    if (args == NULL || envs == NULL)
+        return -1;
+    for (size_t i = 0; i < sp->nargs; i++)
+        args[i] = sp->args[i];
+    for (size_t i = 0; i < sp->nenvs; i++)
+        envs[i] = (sp_ckv_t){sp->envs[i].key, sp->envs[i].value};
+    *cfg = (sp_cp_config_t){.cmd = sp->cmd,
+                            .args = args,
+                            .n_args = sp->nargs,
+                            .envs = envs,
+                            .n_envs = sp->nenvs,
+                            .cwd = sp->cwd,
+                            .has_cwd = sp->cwd != NULL};
+    return 0;
 }
 
-static void proc_free(envd_proc_t *p)
+int sp_e2b__envd_agent(void *gw, const char *sandbox_id, const char *team_id,
+                       sp_proctab_agent_cb cb, void *arg)
 {
-    sp_carena_free(&p->arena);
-    free(p);
-}
-
-static void proc_remove(struct sp_envd *ev, const char *sid, uint32_t pid)
-{
-    for (envd_proc_t **pp = &ev->procs; *pp != NULL; pp = &(*pp)->next) {
-        envd_proc_t *p = *pp;
-        if (p->pid == pid && strcmp(p->sandbox_id, sid) == 0) {
-            *pp = p->next;
-            proc_free(p);
-            ev->nprocs--;
-            return;
-        }
-    }
-}
-
-/* Adds p at the head; the oldest entries go when the table is full. */
-static void proc_add(struct sp_envd *ev, envd_proc_t *p)
-{
-    proc_remove(ev, p->sandbox_id, p->pid);
-    p->next = ev->procs;
-    ev->procs = p;
-    ev->nprocs++;
-    if (ev->nprocs > PROC_TABLE_MAX) {
-        envd_proc_t **pp = &ev->procs;
-        while ((*pp)->next != NULL)
-            pp = &(*pp)->next;
-        proc_free(*pp);
-        *pp = NULL;
-        ev->nprocs--;
-    }
-}
-
-static envd_proc_t *proc_find(struct sp_envd *ev, const char *sid, uint32_t pid)
-{
-    for (envd_proc_t *p = ev->procs; p != NULL; p = p->next)
-        if (p->pid == pid && strcmp(p->sandbox_id, sid) == 0)
-            return p;
-    return NULL;
-}
-
-/* ---- lifetimes of detached processes (connect-timeout-ms on Start) ---- */
-
-struct envd_life {
-    envd_life_t *next;
-    struct sp_envd *ev;
-    sp_loop_t *loop;
-    sp_timer_t timer;
-    char sandbox_id[65];
-    sp_auth_t auth;
-    uint32_t pid;
-};
-
-/* Takes l off the list (it stays allocated). */
-static void life_detach(envd_life_t *l)
-{
-    for (envd_life_t **pp = &l->ev->lives; *pp != NULL; pp = &(*pp)->next)
-        if (*pp == l) {
-            *pp = l->next;
-            l->ev->nlives--;
-            break;
-        }
-    sp_timer_stop(&l->timer);
-}
-
-static void life_unlink(envd_life_t *l)
-{
-    life_detach(l);
-    free(l);
-}
-
-static void life_killed(void *arg, const sp_err_t *err)
-{
-    uint32_t pid = (uint32_t)(uintptr_t)arg;
-    if (err != NULL && err->code != SP_ENOTFOUND && err->code != SP_ECONFLICT)
-        sp_log(SP_LOG_WARN, "envd", "lifetime kill failed pid=%u err=%s", pid, err->msg);
-}
-
-/* Runs after l left the list (it may outlive the envd state): uses only its own fields. */
-static void life_agent(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
-{
-    envd_life_t *l = arg;
-    if (err == NULL) {
-        sp_err_t e;
-        if (sp_exec_signal(l->loop, conn, l->pid, SIGKILL, true, life_killed,
-                           (void *)(uintptr_t)l->pid, &e) == NULL)
-            life_killed((void *)(uintptr_t)l->pid, &e);
-        else
-            sp_log(SP_LOG_INFO, "envd", "connect-timeout expired sandbox=%s pid=%u", l->sandbox_id,
-                   l->pid);
-    }
-    free(l);
-}
-
-static void life_fire(sp_timer_t *t, void *arg)
-{
-    envd_life_t *l = arg;
+    sp_auth_t auth = {0};
+    snprintf(auth.team_id, sizeof(auth.team_id), "%s", team_id);
     sp_err_t e;
-    sp_svc_t *svc = l->ev->gw->svc;
-    life_detach(l);
-    if (sp_svc_sandbox_agent(svc, &l->auth, l->sandbox_id, life_agent, l, &e) < 0)
-        free(l);
-}
-
-static void life_add(struct sp_envd *ev, const char *sid, const sp_auth_t *auth, uint32_t pid,
-                     uint64_t ms)
-{
-    envd_life_t *l = calloc(1, sizeof(*l));
-    if (l == NULL)
-        return;
-    l->ev = ev;
-    l->loop = ev->loop;
-    snprintf(l->sandbox_id, sizeof(l->sandbox_id), "%s", sid);
-    l->auth = *auth;
-    l->pid = pid;
-    sp_timer_init(&l->timer, ev->loop, life_fire, l);
-    sp_timer_start(&l->timer, ms);
-    l->next = ev->lives;
-    ev->lives = l;
-    ev->nlives++;
-    if (ev->nlives > LIVES_MAX) {
-        envd_life_t *old = ev->lives;
-        while (old->next != NULL)
-            old = old->next;
-        sp_log(SP_LOG_WARN, "envd",
-               "too many detached timed processes: dropping the limit "
-               "sandbox=%s pid=%u",
-               old->sandbox_id, old->pid);
-        life_unlink(old);
-    }
-}
-
-void sp_e2b__envd_process_free(struct sp_envd *ev)
-{
-    while (ev->lives != NULL)
-        life_unlink(ev->lives);
-    while (ev->procs != NULL) {
-        envd_proc_t *p = ev->procs;
-        ev->procs = p->next;
-        proc_free(p);
-    }
-    ev->nprocs = 0;
+    return sp_svc_sandbox_agent(((sp_e2b_t *)gw)->svc, &auth, sandbox_id, cb, arg, &e);
 }
 
 /* ---- Start / Connect streams ---- */
@@ -239,7 +91,7 @@ typedef struct {
     uint64_t deadline_at; /* loop ms */
     char sandbox_id[65];
     sp_auth_t auth;
-    envd_proc_t *cfg; /* Start: registered at START */
+    const sp_proc_spec_t *spec; /* Start: in c's arena, recorded at START (c still lives) */
     int depth;
 } pst_t;
 
@@ -247,8 +99,6 @@ static void pst_free(pst_t *s)
 {
     sp_timer_stop(&s->ka);
     sp_timer_stop(&s->deadline);
-    if (s->cfg != NULL)
-        proc_free(s->cfg);
     if (s->c != NULL)
         sp_e2b__envd_call_free(s->c);
     free(s);
@@ -262,7 +112,7 @@ static void pst_detach(pst_t *s)
     if (s->is_start && s->timeout_ms > 0 && s->pid != 0) {
         uint64_t now = sp_loop_now_ms(s->ev->loop);
         uint64_t left = s->deadline_at > now ? s->deadline_at - now : 1;
-        life_add(s->ev, s->sandbox_id, &s->auth, s->pid, left);
+        sp_proctab_kill_after(s->ev->procs, s->sandbox_id, s->auth.team_id, s->pid, left);
     }
     pst_free(s);
 }
@@ -378,11 +228,9 @@ static void pst_event(void *arg, const sp_exec_ev_t *e)
     case SP_EXEC_EV_START: {
         s->pid = e->pid;
         s->started = true;
-        if (s->cfg != NULL) {
-            s->cfg->pid = e->pid;
-            proc_add(s->ev, s->cfg);
-            s->cfg = NULL;
-        }
+        if (s->spec != NULL && s->c != NULL)
+            sp_proctab_put(s->ev->procs, s->sandbox_id, e->pid, s->spec);
+        s->spec = NULL;
         if (!pst_begin(s))
             return;
         sp_cp_event_t ev = {.has_start = true, .start = {.pid = e->pid}};
@@ -408,7 +256,7 @@ static void pst_event(void *arg, const sp_exec_ev_t *e)
     }
     case SP_EXEC_EV_EXIT: {
         s->op = NULL; /* terminal */
-        proc_remove(s->ev, s->sandbox_id, s->pid);
+        sp_proctab_forget(s->ev->procs, s->sandbox_id, s->pid);
         if (s->st == NULL && !pst_begin(s))
             return;
         char status[64];
@@ -562,9 +410,7 @@ static void rpc_start(envd_call_t *c)
     s->pty = pty;
     s->timeout_ms = c->cr.timeout_ms;
     s->deadline_at = sp_loop_now_ms(c->ev->loop) + c->cr.timeout_ms;
-    s->cfg = proc_new(c->sandbox_id, &m->process);
-    if (s->cfg != NULL)
-        s->cfg->pty = pty;
+    s->spec = spec_of(&m->process, pty, &c->arena);
     sp_err_t e;
     s->op = sp_exec_stream(c->ev->loop, c->conn, &cmd, pst_event, s, &e);
     if (s->op == NULL) {
@@ -665,7 +511,7 @@ static void connect_pid(envd_call_t *c, uint32_t pid)
         return;
     }
     /* Output of a PTY process started through Start goes out as pty bytes again. */
-    envd_proc_t *known = proc_find(c->ev, c->sandbox_id, pid);
+    const sp_proc_spec_t *known = sp_proctab_get(c->ev->procs, c->sandbox_id, pid);
     s->pty = known != NULL && known->pty;
     if (to > 0)
         sp_timer_start(&s->deadline, to);
@@ -709,17 +555,15 @@ static void list_done(void *arg, json_t *procs, const sp_err_t *err)
         info->has_config = true;
         const char *tag = json_string_value(json_object_get(p, "tag"));
         if (tag != NULL) {
-            info->tag = acopy(&c->arena, tag);
+            info->tag = sp_e2b__envd_strdup(&c->arena, tag);
             info->has_tag = info->tag != NULL;
         }
-        envd_proc_t *known = proc_find(c->ev, c->sandbox_id, pid);
-        if (known != NULL) {
-            info->config = known->cfg;
+        const sp_proc_spec_t *known = sp_proctab_get(c->ev->procs, c->sandbox_id, pid);
+        if (known != NULL && config_of(known, &info->config, &c->arena) == 0)
             continue;
-        }
         /* Not started through Start (or forgotten): the agent's joined argv, split. */
         const char *cmd = json_string_value(json_object_get(p, "cmd"));
-        char *line = (char *)acopy(&c->arena, cmd ? cmd : "");
+        char *line = (char *)sp_e2b__envd_strdup(&c->arena, cmd ? cmd : "");
         if (line == NULL)
             continue;
         size_t cap = 8, na = 0;
@@ -742,24 +586,17 @@ static void list_done(void *arg, json_t *procs, const sp_err_t *err)
         info->config.n_args = args ? na : 0;
         const char *cwd = json_string_value(json_object_get(p, "cwd"));
         if (cwd != NULL) {
-            info->config.cwd = acopy(&c->arena, cwd);
+            info->config.cwd = sp_e2b__envd_strdup(&c->arena, cwd);
             info->config.has_cwd = info->config.cwd != NULL;
         }
     }
-    /* Forget configs of processes that are gone. */
-    for (envd_proc_t **pp = &c->ev->procs; *pp != NULL;) {
-        envd_proc_t *q = *pp;
-        bool alive = strcmp(q->sandbox_id, c->sandbox_id) != 0;
-        for (size_t k = 0; !alive && k < r.n_processes; k++)
-            alive = r.processes[k].pid == q->pid;
-        if (alive) {
-            pp = &q->next;
-            continue;
-        }
-        /* Entries still referenced by r are alive by construction: safe to free. */
-        *pp = q->next;
-        proc_free(q);
-        c->ev->nprocs--;
+    /* Forget the records of processes that are gone. Those r refers to are of running
+     * processes, so they stay. */
+    uint32_t *running = sp_carena_alloc(&c->arena, (r.n_processes + 1) * sizeof(*running));
+    if (running != NULL) {
+        for (size_t k = 0; k < r.n_processes; k++)
+            running[k] = r.processes[k].pid;
+        sp_proctab_retain(c->ev->procs, c->sandbox_id, running, r.n_processes);
     }
     sp_e2b__envd_reply(c, &sp_cd_list_resp, &r);
 }
@@ -872,13 +709,13 @@ static void rpc_update(envd_call_t *c)
 /* ---- StreamInput (client streaming: all envelopes are in the body) ---- */
 
 typedef struct {
-    sp_cbuf_t data;
+    sp_buf_t data;
 } sinput_t;
 
 static void sinput_free(void *p)
 {
     sinput_t *s = p;
-    sp_cbuf_free(&s->data);
+    sp_buf_free(&s->data);
     free(s);
 }
 
@@ -955,7 +792,7 @@ static void rpc_stream_input(envd_call_t *c)
         if (m.has_data && m.data.has_input) {
             const sp_cbytes_t *b =
                 m.data.input.has_pty ? &m.data.input.pty : &m.data.input.stdin_data;
-            sp_cbuf_add(&s->data, b->p, b->n);
+            sp_buf_add(&s->data, b->p, b->n);
         }
     }
     if (rc < 0) {

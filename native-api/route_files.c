@@ -2,8 +2,9 @@
  * route_files.c - /v1/sandboxes/{id}/files: download, upload, remove, stat, list, mkdir,
  * move.
  *
- * Downloads stream: the agent's DATA goes to the client as it comes and the agent gets credit
- * back only after h2o took it, so a 1 GiB file passes through one agent window of memory.
+ * Downloads stream (core/channel/download.h; this file is its sink): the agent's DATA goes to
+ * the client as it comes and the agent gets credit back only after h2o took it, so a 1 GiB
+ * file passes through one agent window of memory.
  * Uploads: h2o hands us the whole body (large ones live in its temp-file-backed buffer, not
  * the heap); we slice it into DATA frames only as the agent's credit allows. Either way a
  * client that leaves stops the transfer (an upload is abandoned and the agent drops its
@@ -13,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/channel/download.h"
 #include "core/channel/exec.h"
 #include "native-api/napi_int.h"
 
@@ -23,7 +25,6 @@ typedef struct {
     uint32_t mode;
     uint32_t depth;
     bool flag; /* recursive (DELETE) or mkdirs (PUT) */
-    sp_agentconn_t *conn; /* GET: the channel the stat went over (borrowed) */
 } fsreq_t;
 
 static void fsreq_free(void *p)
@@ -279,121 +280,46 @@ void sp_napi__files_move(napi_ctx_t *c)
     sp_napi__with_agent(c, move_next);
 }
 
-/* ---- download ---- */
+/* ---- download: the sink of core/channel/download.h ---- */
 
-typedef struct {
-    napi_ctx_t *c; /* until the response starts */
-    sp_stream_t *st;
-    sp_exec_t *op;
-    long long length; /* Content-Length, or -1: chunked */
-} dl_t;
+static const sp_stream_cbs_t dl_stream_cbs = {sp_download_sent, sp_download_gone};
 
-static void dl_sent(void *arg, size_t raw)
+static void *dl_begin(void *arg, long long length, sp_download_t *dl)
 {
-    dl_t *d = arg;
-    sp_exec_ack(d->op, raw);
-}
-
-static void dl_gone(void *arg)
-{
-    dl_t *d = arg;
-    sp_exec_cancel(d->op);
-    free(d);
-}
-
-static const sp_stream_cbs_t dl_cbs = {dl_sent, dl_gone};
-
-/* Starts the response; false (d freed, op cancelled) when the client is gone. */
-static bool dl_start(dl_t *d)
-{
-    h2o_req_t *req = sp_napi__take(d->c);
-    d->c = NULL;
+    h2o_req_t *req = sp_napi__take(arg);
+    sp_stream_t *st = NULL;
     if (req != NULL)
-        d->st = sp_stream_start(req, 200, "application/octet-stream", d->length, &dl_cbs, d);
-    if (d->st == NULL) {
-        if (req != NULL)
-            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
-        sp_exec_cancel(d->op);
-        free(d);
-        return false;
-    }
-    return true;
+        st = sp_stream_start(req, 200, "application/octet-stream", length, &dl_stream_cbs, dl);
+    if (st == NULL && req != NULL)
+        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+    return st;
 }
 
-static void dl_data(void *arg, const uint8_t *p, size_t n)
+static int dl_write(void *st, const uint8_t *p, size_t n)
 {
-    dl_t *d = arg;
-    if (d->st == NULL && !dl_start(d))
-        return;
-    if (sp_stream_write(d->st, p, n, n) < 0) {
-        sp_exec_cancel(d->op);
-        sp_stream_end(d->st, NULL, 0, false);
-        free(d);
-    }
+    return sp_stream_write(st, p, n, n);
 }
 
-static void dl_done(void *arg, uint64_t total, const sp_err_t *err)
+static void dl_end(void *st, bool ok)
 {
-    dl_t *d = arg;
-    if (d->st == NULL) {
-        if (err != NULL) {
-            sp_napi__fail(d->c, err);
-            free(d);
-            return;
-        }
-        if (!dl_start(d))
-            return;
-    }
-    /* A file that shrank after stat cannot fill its Content-Length: cut the response. */
-    bool ok = err == NULL && (d->length < 0 || (long long)total == d->length);
-    sp_stream_end(d->st, NULL, 0, ok);
-    free(d);
+    sp_stream_end(st, NULL, 0, ok);
 }
 
-static const sp_exec_read_cbs_t dl_read_cbs = {dl_data, dl_done};
-
-/* The stat answered (inside the agent connection's callback, so conn is alive). */
-static void dl_statted(void *arg, json_t *entry, const sp_err_t *err)
+static void dl_fail(void *arg, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    sp_err_t e;
-    const char *type = json_string_value(json_object_get(entry, "type"));
-    if (type != NULL && strcmp(type, "dir") == 0) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "path is a directory (use files/list)"), &e));
-        return;
-    }
-    fsreq_t *f = c->data;
-    json_int_t size = json_integer_value(json_object_get(entry, "size"));
-    dl_t *d = calloc(1, sizeof(*d));
-    if (d == NULL) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
-        return;
-    }
-    d->c = c;
-    /* Regular files with a size: exactly that many bytes with Content-Length. Others (and
-     * /proc-like files that report 0): to the end, chunked. */
-    bool sized = type != NULL && strcmp(type, "file") == 0 && size > 0;
-    d->length = sized ? (long long)size : -1;
-    d->op = sp_exec_read(sp_napi__loop(c), f->conn, f->path, f->user, 0,
-                         sized ? (uint64_t)size : 0, &dl_read_cbs, d, &e);
-    if (d->op == NULL) {
-        free(d);
-        sp_napi__fail(c, &e);
-    }
+    sp_napi__fail(arg, err);
 }
+
+static const sp_download_sink_t dl_sink = {dl_begin, dl_write, dl_end, dl_fail};
 
 static void get_next(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     fsreq_t *f = c->data;
-    sp_exec_fs_req_t r = {.op = SP_EXEC_FS_STAT, .path = f->path, .user = f->user};
+    sp_download_req_t r = {.path = f->path,
+                           .user = f->user,
+                           .dir_msg = "path is a directory (use files/list)"};
     sp_err_t e;
-    /* The read is opened from the stat's callback, on the same channel: kept here. */
-    f->conn = conn;
-    if (sp_exec_fs(sp_napi__loop(c), conn, &r, dl_statted, c, &e) == NULL)
+    if (sp_download_start(sp_napi__loop(c), conn, &r, &dl_sink, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

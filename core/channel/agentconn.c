@@ -36,14 +36,14 @@
 
 #include <sodium.h>
 
+#include "base/buf.h"
 #include "base/log.h"
 
 #define BACKOFF_LO_MS 100u
 #define BACKOFF_HI_MS 2000u
 #define HELLO_WAIT_MS     5000u               /* an unanswered HELLO is said again after this */
 #define HELLO_WAIT_MAX_MS (10u * 60u * 1000u) /* ... doubling each time, up to this */
-#define OUTQ_INIT     (64u * 1024u)        /* bytes */
-#define OUTQ_KEEP     (256u * 1024u)       /* shrink back to OUTQ_INIT above this once empty */
+#define OUTQ_KEEP     (256u * 1024u)       /* bytes; a larger queue's memory is freed once empty */
 #define OUTQ_SOFT     (1024u * 1024u)      /* DATA refused at or above this many queued bytes */
 #define OUTQ_LOW      (OUTQ_SOFT / 2)      /* on_writable once below this */
 #define OUTQ_MAX      (8u * 1024u * 1024u) /* beyond this the channel is dead */
@@ -119,8 +119,8 @@ struct sp_agentconn {
     uint8_t *rbuf;
     sp_ap_reader_t rd;
 
-    uint8_t *oq;
-    size_t oq_cap, oq_off, oq_len; /* queued bytes are oq[oq_off, oq_len) */
+    sp_buf_t oq;    /* queued bytes are oq.p[oq_off, oq.len) */
+    size_t oq_off;
 
     struct sp_agentstream *buckets[NBUCKETS];
     size_t nstreams;
@@ -257,31 +257,21 @@ static uint32_t stream_alloc_id(sp_agentconn_t *c)
 
 static size_t oq_queued(const sp_agentconn_t *c)
 {
-    return c->oq_len - c->oq_off;
+    return c->oq.len - c->oq_off;
 }
 
-/* Room for n more bytes, or NULL when that would pass OUTQ_MAX (or malloc failed). */
+/* Room for n more bytes (sp_buf_commit them), or NULL when that would pass OUTQ_MAX or
+ * memory is short (the channel then fails; its next connection starts with an empty queue). */
 static uint8_t *oq_reserve(sp_agentconn_t *c, size_t n)
 {
     size_t queued = oq_queued(c);
     if (n > OUTQ_MAX || queued > OUTQ_MAX - n)
         return NULL;
-    if (c->oq_cap - c->oq_len < n && c->oq_off > 0) {
-        memmove(c->oq, c->oq + c->oq_off, queued);
+    if (c->oq.len + n >= c->oq.cap && c->oq_off > 0) { /* sent bytes make room first */
+        sp_buf_consume(&c->oq, c->oq_off);
         c->oq_off = 0;
-        c->oq_len = queued;
     }
-    if (c->oq_cap - c->oq_len < n) {
-        size_t cap = c->oq_cap ? c->oq_cap : OUTQ_INIT;
-        while (cap - c->oq_len < n)
-            cap *= 2;
-        uint8_t *p = realloc(c->oq, cap);
-        if (p == NULL)
-            return NULL;
-        c->oq = p;
-        c->oq_cap = cap;
-    }
-    return c->oq + c->oq_len;
+    return sp_buf_reserve(&c->oq, n);
 }
 
 static void set_interest(sp_agentconn_t *c, int events)
@@ -298,7 +288,7 @@ static int oq_flush(sp_agentconn_t *c)
     if (c->fd < 0 || c->connecting)
         return 0;
     while (oq_queued(c) > 0) {
-        ssize_t n = send(c->fd, c->oq + c->oq_off, oq_queued(c), MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t n = send(c->fd, c->oq.p + c->oq_off, oq_queued(c), MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -309,14 +299,10 @@ static int oq_flush(sp_agentconn_t *c)
         c->oq_off += (size_t)n;
     }
     if (oq_queued(c) == 0) {
-        c->oq_off = c->oq_len = 0;
-        if (c->oq_cap > OUTQ_KEEP) { /* give a burst's memory back */
-            uint8_t *p = realloc(c->oq, OUTQ_INIT);
-            if (p != NULL) {
-                c->oq = p;
-                c->oq_cap = OUTQ_INIT;
-            }
-        }
+        c->oq_off = 0;
+        sp_buf_reset(&c->oq);
+        if (c->oq.cap > OUTQ_KEEP) /* give a burst's memory back */
+            sp_buf_free(&c->oq);
     }
     set_interest(c, SP_IO_READ | (oq_queued(c) > 0 ? SP_IO_WRITE : 0));
     if (c->oq_blocked && oq_queued(c) < OUTQ_LOW)
@@ -351,7 +337,7 @@ static int send_frame(sp_agentconn_t *c, uint32_t stream, uint16_t type, uint16_
     sp_ap_hdr_encode(p, &h);
     if (len > 0)
         memcpy(p + SP_AP_HDR_SIZE, payload, len);
-    c->oq_len += SP_AP_HDR_SIZE + len;
+    sp_buf_commit(&c->oq, SP_AP_HDR_SIZE + len);
     if (oq_flush(c) < 0) {
         conn_fail_soon(c, strerror(errno));
         return -1;
@@ -489,7 +475,8 @@ static void conn_close(sp_agentconn_t *c)
     c->failing = false;
     c->oq_blocked = false;
     c->up = false;
-    c->oq_off = c->oq_len = 0;
+    c->oq_off = 0;
+    sp_buf_reset(&c->oq); /* also clears a failed allocation's mark */
     sp_ap_reader_reset(&c->rd);
     sp_timer_stop(&c->hello);
 }
@@ -1015,7 +1002,7 @@ static void conn_finalize(sp_agentconn_t *c)
     sp_timer_stop(&c->retry);
     sp_timer_stop(&c->kick);
     sp_timer_stop(&c->hello);
-    free(c->oq);
+    sp_buf_free(&c->oq);
     free(c->rbuf);
     free(c->path);
     free(c);

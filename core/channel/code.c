@@ -17,9 +17,9 @@
  * The daemon runs in the guest and is not trusted: a line that is too long, not JSON, too
  * complex for its size, or has a field of the wrong type ends the request with an error.
  *
- * Re-entrancy: every entry from the loop holds op->in_cb; cancel or a terminal delivery
- * marks the op dead (its stream reset at once) and the outermost entry frees it. Knows no
- * HTTP and no database.
+ * Re-entrancy (chanop_int.h): every entry from the loop is held; cancel or a terminal
+ * delivery marks the op dead (its stream reset at once) and the outermost entry frees it.
+ * Knows no HTTP and no database.
  */
 #include "core/channel/code.h"
 
@@ -30,8 +30,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/channel/exec.h"
+#include "base/buf.h"
 #include "base/log.h"
+#include "core/channel/chanop_int.h"
+#include "core/channel/exec.h"
 
 #define REPLY_MS        150000u /* answer deadline: above the daemon's 120 s kernel start */
 #define START_MS        180000u /* `space-code start` */
@@ -64,7 +66,7 @@ struct sp_code_op {
     kind_t kind;
     sp_loop_t *loop;
     sp_agentconn_t *conn;
-    sp_agentstream_t *s; /* NULL once ended or reset */
+    sp_chanop_t ch; /* the stream, the lifetime (ch.dead) and credit */
     void *arg;
     sp_code_ctx_cb ctx_cb;
     sp_code_list_cb list_cb;
@@ -76,14 +78,11 @@ struct sp_code_op {
     sp_code_op_t *next_wait; /* in starter->waiters */
     char *rq;                /* the request line; freed once sent */
     size_t rq_len, rq_off;
-    char *line; /* an incomplete line from the daemon */
-    size_t line_len, line_cap;
+    sp_buf_t line;       /* an incomplete line from the daemon */
     size_t line_owed;    /* bytes of it not granted back yet */
     struct ackent *acks; /* ring: output events not yet acknowledged */
     size_t ack_head, ack_n, ack_cap;
     sp_timer_t timer;
-    int in_cb;
-    bool dead;
 };
 
 /* One `space-code start` in progress for an agent connection. The exec op lives on that
@@ -211,11 +210,13 @@ static void unwait(sp_code_op_t *op)
     op->starter = NULL;
 }
 
-static void op_free(sp_code_op_t *op)
+static void op_free(void *arg)
 {
+    sp_code_op_t *op = arg;
     sp_timer_stop(&op->timer);
+    unwait(op);
     free(op->rq);
-    free(op->line);
+    sp_buf_free(&op->line);
     free(op->acks);
     free(op);
 }
@@ -223,42 +224,20 @@ static void op_free(sp_code_op_t *op)
 /* No more callbacks reach op; it is freed when the outermost entry leaves. */
 static void op_kill(sp_code_op_t *op)
 {
-    op->dead = true;
-    if (op->s != NULL) {
-        sp_agentstream_reset(op->s);
-        op->s = NULL;
-    }
+    sp_chanop__kill(&op->ch);
     sp_timer_stop(&op->timer);
     unwait(op);
 }
 
-static void enter(sp_code_op_t *op)
-{
-    op->in_cb++;
-}
-
-static void leave(sp_code_op_t *op)
-{
-    if (--op->in_cb == 0 && op->dead)
-        op_free(op);
-}
-
 void sp_code_cancel(sp_code_op_t *op)
 {
-    if (op == NULL || op->dead)
-        return;
-    op_kill(op);
-    if (op->in_cb == 0)
-        op_free(op);
+    if (op != NULL)
+        sp_chanop__cancel(&op->ch); /* op_free stops the timer and leaves the start's queue */
 }
 
 static void grant(sp_code_op_t *op, size_t n)
 {
-    while (n > 0 && op->s != NULL) {
-        uint32_t k = n > 0x40000000u ? 0x40000000u : (uint32_t)n;
-        sp_agentstream_grant(op->s, k);
-        n -= k;
-    }
+    sp_chanop__grant(&op->ch, n);
 }
 
 /* ---- terminal delivery (always from inside an entry) ---- */
@@ -301,12 +280,11 @@ static void malformed(sp_code_op_t *op, const char *why)
 
 /* ---- daemon starts ---- */
 
-static void on_stream_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                            size_t len, void *arg);
-static void on_stream_error(sp_agentstream_t *s, const sp_err_t *err, void *arg);
-static void on_stream_writable(sp_agentstream_t *s, void *arg);
-static const sp_agentstream_cbs_t stream_cbs = {on_stream_frame, on_stream_error,
-                                                on_stream_writable};
+static void on_stream_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len);
+static void on_stream_lost(void *arg, const sp_err_t *err);
+static void on_stream_writable(void *arg);
+static const sp_chanop_ops_t chan_ops = {on_stream_frame, on_stream_lost, on_stream_writable,
+                                         op_free};
 
 /* Opens the TCP stream to the daemon; -1 with err when the channel is down. */
 static int op_connect(sp_code_op_t *op, sp_err_t *err)
@@ -316,12 +294,8 @@ static int op_connect(sp_code_op_t *op, sp_err_t *err)
     sp_ap_writer_init(&w, buf, sizeof(buf));
     sp_ap_put_u32(&w, SP_AP_K_PORT, code_port());
     op->phase = P_CONNECT;
-    op->s = sp_agentconn_open(op->conn, SP_AP_T_TCP_CONNECT, buf, w.len, &stream_cbs, op, err);
-    if (op->s == NULL) {
-        if (err != NULL && err->code == SP_EUNAVAIL)
-            sp_err_set(err, SP_EUNAVAIL, "sandbox agent is not connected");
+    if (sp_chanop__open(&op->ch, op->conn, SP_AP_T_TCP_CONNECT, buf, w.len, err) < 0)
         return -1;
-    }
     sp_timer_start(&op->timer, REPLY_MS);
     return 0;
 }
@@ -380,20 +354,20 @@ static void on_started(void *arg, const sp_exec_result_t *res, const sp_err_t *e
     /* Hold every waiter first: one's callback may cancel another. */
     for (sp_code_op_t *w = list; w != NULL; w = w->next_wait) {
         w->starter = NULL;
-        enter(w);
+        sp_chanop__enter(&w->ch);
     }
     while (list != NULL) {
         sp_code_op_t *w = list;
         list = w->next_wait;
         w->next_wait = NULL;
-        if (!w->dead) {
+        if (!w->ch.dead) {
             sp_err_t ce;
             if (rc < 0)
                 deliver_fail(w, &e);
             else if (op_connect(w, &ce) < 0)
                 deliver_fail(w, &ce);
         }
-        leave(w);
+        sp_chanop__leave(&w->ch);
     }
 }
 
@@ -545,8 +519,7 @@ static void on_status(sp_code_op_t *op, json_t *j, size_t wire)
         sp_timer_stop(&op->timer); /* the daemon enforces timeout_ms */
         sp_code_ev_t ev = {.type = SP_CODE_EV_START, .ctx = &ctx, .execution_count = -1};
         op->ev_cb(op->arg, &ev);
-        if (!op->dead)
-            grant(op, wire);
+        grant(op, wire); /* nothing once the caller cancelled */
         return;
     }
     }
@@ -574,7 +547,7 @@ static bool ack_push(sp_code_op_t *op, size_t text, size_t wire)
 
 void sp_code_ack(sp_code_op_t *op, size_t n)
 {
-    if (op == NULL || op->dead)
+    if (op == NULL || op->ch.dead)
         return;
     while (n > 0 && op->ack_n > 0) {
         struct ackent *a = &op->acks[op->ack_head];
@@ -680,8 +653,7 @@ static void on_event(sp_code_op_t *op, json_t *j, size_t wire)
         return;
     }
     op->ev_cb(op->arg, &ev);
-    if (!op->dead)
-        grant(op, wire);
+    grant(op, wire); /* nothing once the caller cancelled */
 }
 
 /* One complete line (without its newline); wire = its agent bytes not granted back yet. */
@@ -714,28 +686,17 @@ static void on_line(sp_code_op_t *op, const char *line, size_t len, size_t wire)
 
 static int line_append(sp_code_op_t *op, const uint8_t *p, size_t n)
 {
-    if (op->line_len + n > op->line_cap) {
-        size_t cap = op->line_cap ? op->line_cap : 4096;
-        while (cap < op->line_len + n)
-            cap *= 2;
-        char *nb = realloc(op->line, cap);
-        if (nb == NULL)
-            return -1;
-        op->line = nb;
-        op->line_cap = cap;
-    }
-    memcpy(op->line + op->line_len, p, n);
-    op->line_len += n;
-    return 0;
+    sp_buf_add(&op->line, p, n);
+    return op->line.oom ? -1 : 0;
 }
 
 static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
 {
     size_t off = 0;
-    while (off < n && !op->dead) {
+    while (off < n && !op->ch.dead) {
         const uint8_t *nl = memchr(p + off, '\n', n - off);
         size_t seg = nl != NULL ? (size_t)(nl - (p + off)) : n - off;
-        if (op->line_len + seg > SP_CODE_LINE_MAX) {
+        if (op->line.len + seg > SP_CODE_LINE_MAX) {
             malformed(op, "line longer than 16 MiB");
             return;
         }
@@ -754,24 +715,21 @@ static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
         }
         const char *line = (const char *)p + off;
         size_t len = seg;
-        if (op->line_len > 0) {
+        if (op->line.len > 0) {
             if (line_append(op, p + off, seg) < 0) {
                 fail(op, SP_EINTERNAL, "out of memory");
                 return;
             }
-            line = op->line;
-            len = op->line_len;
+            line = (const char *)op->line.p;
+            len = op->line.len;
         }
         off += seg + 1;
         size_t wire = op->line_owed + seg + 1;
-        op->line_len = 0; /* the buffer stays intact until the next append */
+        sp_buf_reset(&op->line); /* the bytes stay intact until the next append */
         op->line_owed = 0;
         on_line(op, line, len, wire);
-        if (!op->dead && op->line_cap > LINE_KEEP) {
-            free(op->line);
-            op->line = NULL;
-            op->line_cap = 0;
-        }
+        if (!op->ch.dead && op->line.cap > LINE_KEEP)
+            sp_buf_free(&op->line);
     }
 }
 
@@ -779,17 +737,18 @@ static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
 
 static void pump(sp_code_op_t *op)
 {
-    if (op->s == NULL || op->rq == NULL || op->phase < P_TALK)
+    if (op->ch.s == NULL || op->rq == NULL || op->phase < P_TALK)
         return;
     while (op->rq_off < op->rq_len) {
         size_t n = op->rq_len - op->rq_off;
-        size_t credit = sp_agentstream_credit(op->s);
+        size_t credit = sp_agentstream_credit(op->ch.s);
         /* With no credit the send is still tried: only a refused send brings on_writable. */
         if (n > credit && credit > 0)
             n = credit;
         if (n > SP_AP_MAX_DATA)
             n = SP_AP_MAX_DATA;
-        int r = sp_agentstream_send(op->s, SP_AP_T_DATA, (const uint8_t *)op->rq + op->rq_off, n);
+        int r =
+            sp_agentstream_send(op->ch.s, SP_AP_T_DATA, (const uint8_t *)op->rq + op->rq_off, n);
         if (r <= 0)
             return; /* 0: on_writable comes; -1: on_error does */
         op->rq_off += n;
@@ -830,17 +789,10 @@ static void on_connect_error(sp_code_op_t *op, const uint8_t *p, size_t len)
     deliver_fail(op, &e);
 }
 
-static void on_stream_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                            size_t len, void *arg)
+/* Stream callbacks: entered and checked alive by chanop.c. */
+static void on_stream_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len)
 {
     sp_code_op_t *op = arg;
-    enter(op);
-    if (flags & SP_AP_F_END)
-        op->s = NULL; /* freed by the connection when this returns */
-    if (op->dead) {
-        leave(op);
-        return;
-    }
     switch (type) {
     case SP_AP_T_TCP_CONNECTED:
         if (op->phase == P_CONNECT) {
@@ -873,42 +825,32 @@ static void on_stream_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, 
             gone(op);
         break;
     }
-    leave(op);
 }
 
-static void on_stream_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+static void on_stream_lost(void *arg, const sp_err_t *err)
 {
     sp_code_op_t *op = arg;
-    enter(op);
-    op->s = NULL;
-    if (!op->dead) {
-        sp_log(SP_LOG_INFO, "code", "agent stream lost kind=%d err=%s", op->kind, err->msg);
-        if (op->phase == P_EVENTS)
-            fail(op, SP_EUNAVAIL, "the code interpreter went away");
-        else
-            fail(op, SP_EUNAVAIL, "connection to the sandbox agent was lost");
-    }
-    leave(op);
+    sp_log(SP_LOG_INFO, "code", "agent stream lost kind=%d err=%s", op->kind, err->msg);
+    if (op->phase == P_EVENTS)
+        fail(op, SP_EUNAVAIL, "the code interpreter went away");
+    else
+        fail(op, SP_EUNAVAIL, "connection to the sandbox agent was lost");
 }
 
-static void on_stream_writable(sp_agentstream_t *s, void *arg)
+static void on_stream_writable(void *arg)
 {
-    sp_code_op_t *op = arg;
-    enter(op);
-    if (!op->dead)
-        pump(op);
-    leave(op);
+    pump(arg);
 }
 
 static void on_timer(sp_timer_t *t, void *arg)
 {
     sp_code_op_t *op = arg;
-    enter(op);
-    if (!op->dead) {
+    sp_chanop__enter(&op->ch);
+    if (!op->ch.dead) {
         sp_log(SP_LOG_WARN, "code", "daemon did not answer kind=%d phase=%d", op->kind, op->phase);
         fail(op, SP_EUNAVAIL, "the code interpreter did not answer in time");
     }
-    leave(op);
+    sp_chanop__leave(&op->ch);
 }
 
 /* ---- requests ---- */
@@ -956,6 +898,7 @@ static sp_code_op_t *op_start(sp_loop_t *loop, sp_agentconn_t *c, kind_t kind,
     op->arg = arg;
     op->rq = line;
     op->rq_len = n + 1;
+    sp_chanop__init(&op->ch, &chan_ops, op);
     sp_timer_init(&op->timer, loop, on_timer, op);
     if (op_connect(op, err) < 0) {
         op_free(op);

@@ -7,10 +7,9 @@
  * buffer, and credit goes back to the agent only through sp_exec_ack, so a slow consumer
  * slows the guest instead of growing our memory.
  *
- * Re-entrancy: every entry from the loop (stream callbacks, timers) holds op->in_cb; a
- * cancel or a terminal callback inside it marks the operation dead and the outermost entry
- * frees it. A dead operation's stream is reset at once, so no callback reaches a freed op.
- * Knows no HTTP.
+ * Re-entrancy and credit: chanop_int.h. Every entry from the loop (stream callbacks,
+ * timers) is held; a cancel or a terminal callback inside it marks the operation dead (its
+ * stream reset at once) and the outermost entry frees it. Knows no HTTP.
  */
 #include "core/channel/exec.h"
 
@@ -22,6 +21,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/channel/chanop_int.h"
 
 typedef enum { K_STREAM, K_RUN, K_SPAWN, K_LIST, K_CTRL, K_FS, K_READ, K_WRITE, K_WATCH } kind_t;
 
@@ -29,10 +29,8 @@ struct sp_exec {
     kind_t kind;
     sp_loop_t *loop;
     sp_agentconn_t *conn;
-    sp_agentstream_t *s; /* NULL once the stream ended or was reset */
+    sp_chanop_t ch; /* the stream, the lifetime (ch.dead) and credit */
     void *arg;
-    int in_cb;
-    bool dead; /* terminal callback given or cancelled: free when in_cb drops to 0 */
     sp_timer_t timer; /* timeout_ms, reply deadline or idle limit */
     sp_timer_t grace; /* after a timeout's SIGKILL */
 
@@ -259,10 +257,27 @@ void sp_exec_agent_error(const uint8_t *p, size_t n, sp_err_t *out)
         sp_err_set(out, code, "%s", what);
 }
 
+int sp_exec_proc_exit(const uint8_t *p, size_t n, sp_exec_ev_t *ev)
+{
+    int32_t code = 0;
+    uint32_t sig = 0;
+    sp_ap_field_t f;
+    bool exited = sp_ap_find(p, n, SP_AP_K_EXIT_CODE, &f) == 1;
+    if (sp_ap_get_i32(p, n, SP_AP_K_EXIT_CODE, &code) < 0 ||
+        sp_ap_get_u32(p, n, SP_AP_K_SIGNAL, &sig) < 0 || sig > 64)
+        return -1;
+    *ev = (sp_exec_ev_t){.type = SP_EXEC_EV_EXIT,
+                         .exited = exited,
+                         .exit_code = exited ? code : 0,
+                         .signal = (int)sig};
+    return 0;
+}
+
 /* ---- lifetime ---- */
 
-static void op_free(sp_exec_t *op)
+static void op_free(void *arg)
 {
+    sp_exec_t *op = arg;
     sp_timer_stop(&op->timer);
     sp_timer_stop(&op->grace);
     free(op->in_buf);
@@ -275,33 +290,15 @@ static void op_free(sp_exec_t *op)
 /* Marks op dead: resets its stream (no more stream callbacks), stops timers. */
 static void op_kill(sp_exec_t *op)
 {
-    op->dead = true;
-    if (op->s != NULL) {
-        sp_agentstream_reset(op->s);
-        op->s = NULL;
-    }
+    sp_chanop__kill(&op->ch);
     sp_timer_stop(&op->timer);
     sp_timer_stop(&op->grace);
 }
 
-static void enter(sp_exec_t *op)
-{
-    op->in_cb++;
-}
-
-static void leave(sp_exec_t *op)
-{
-    if (--op->in_cb == 0 && op->dead)
-        op_free(op);
-}
-
 void sp_exec_cancel(sp_exec_t *op)
 {
-    if (op == NULL || op->dead)
-        return;
-    op_kill(op);
-    if (op->in_cb == 0)
-        op_free(op);
+    if (op != NULL)
+        sp_chanop__cancel(&op->ch); /* op_free stops the timers */
 }
 
 /* ---- terminal delivery (always from inside an entry: the entry's leave frees) ---- */
@@ -371,43 +368,33 @@ static void fail(sp_exec_t *op, sp_code_t code, const char *msg)
     deliver_error(op, &e);
 }
 
-/* ---- stream plumbing ---- */
+/* ---- stream plumbing (entered and checked alive by chanop.c) ---- */
 
-static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                     size_t len, void *arg);
+static void on_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len);
 
-static void on_stream_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
+static void on_lost(void *arg, const sp_err_t *err)
 {
     sp_exec_t *op = arg;
-    enter(op);
-    op->s = NULL; /* freed by the connection after this call */
-    if (!op->dead) {
-        sp_log(SP_LOG_INFO, "exec", "agent stream lost kind=%d pid=%u err=%s", op->kind,
-               op->pid, err->msg);
-        fail(op, SP_EUNAVAIL, "connection to the sandbox agent was lost");
-    }
-    leave(op);
+    sp_log(SP_LOG_INFO, "exec", "agent stream lost kind=%d pid=%u err=%s", op->kind, op->pid,
+           err->msg);
+    fail(op, SP_EUNAVAIL, "connection to the sandbox agent was lost");
 }
 
 static void feed_stdin(sp_exec_t *op);
 
-static void on_writable(sp_agentstream_t *s, void *arg)
+static void on_writable(void *arg)
 {
     sp_exec_t *op = arg;
-    enter(op);
-    if (!op->dead) {
-        if (op->kind == K_WRITE) {
-            sp_timer_start(&op->timer, SP_EXEC_IDLE_MS);
-            if (op->wcbs.on_writable != NULL)
-                op->wcbs.on_writable(op->arg);
-        } else {
-            feed_stdin(op);
-        }
+    if (op->kind == K_WRITE) {
+        sp_timer_start(&op->timer, SP_EXEC_IDLE_MS);
+        if (op->wcbs.on_writable != NULL)
+            op->wcbs.on_writable(op->arg);
+    } else {
+        feed_stdin(op);
     }
-    leave(op);
 }
 
-static const sp_agentstream_cbs_t stream_cbs = {on_frame, on_stream_error, on_writable};
+static const sp_chanop_ops_t chan_ops = {on_frame, on_lost, on_writable, op_free};
 
 static void on_timer(sp_timer_t *t, void *arg);
 static void on_grace(sp_timer_t *t, void *arg);
@@ -428,6 +415,7 @@ static sp_exec_t *op_new(sp_loop_t *loop, sp_agentconn_t *c, kind_t kind, void *
     op->loop = loop;
     op->conn = c;
     op->arg = arg;
+    sp_chanop__init(&op->ch, &chan_ops, op);
     sp_timer_init(&op->timer, loop, on_timer, op);
     sp_timer_init(&op->grace, loop, on_grace, op);
     return op;
@@ -437,13 +425,7 @@ static sp_exec_t *op_new(sp_loop_t *loop, sp_agentconn_t *c, kind_t kind, void *
 static int op_open_keep(sp_exec_t *op, uint16_t type, const uint8_t *payload, size_t len,
                         sp_err_t *err)
 {
-    op->s = sp_agentconn_open(op->conn, type, payload, len, &stream_cbs, op, err);
-    if (op->s == NULL) {
-        if (err != NULL && err->code == SP_EUNAVAIL)
-            sp_err_set(err, SP_EUNAVAIL, "sandbox agent is not connected");
-        return -1;
-    }
-    return 0;
+    return sp_chanop__open(&op->ch, op->conn, type, payload, len, err);
 }
 
 /* As op_open_keep, for a new op: frees it on failure. */
@@ -461,13 +443,13 @@ static int op_open(sp_exec_t *op, uint16_t type, const uint8_t *payload, size_t 
 
 static void feed_stdin(sp_exec_t *op)
 {
-    if (op->s == NULL)
+    if (op->ch.s == NULL)
         return;
     while (op->in_off < op->in_len) {
         size_t n = op->in_len - op->in_off;
         if (n > SP_AP_MAX_DATA)
             n = SP_AP_MAX_DATA;
-        int rc = sp_agentstream_send(op->s, SP_AP_T_DATA, op->in_buf + op->in_off, n);
+        int rc = sp_agentstream_send(op->ch.s, SP_AP_T_DATA, op->in_buf + op->in_off, n);
         if (rc <= 0)
             return; /* 0: on_writable will call again; -1: on_error follows */
         op->in_off += n;
@@ -475,7 +457,7 @@ static void feed_stdin(sp_exec_t *op)
             sp_timer_start(&op->timer, SP_EXEC_IDLE_MS);
     }
     if (op->in_eof && !op->in_eof_sent) {
-        if (sp_agentstream_send(op->s, SP_AP_T_EOF, NULL, 0) < 0)
+        if (sp_agentstream_send(op->ch.s, SP_AP_T_EOF, NULL, 0) < 0)
             return;
         op->in_eof_sent = true;
     }
@@ -558,17 +540,12 @@ static void proc_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t le
                                   len);
             }
             /* Collected, dropped (K_CTRL) or beyond the cap: consumed now. */
-            if (op->s != NULL && len > 0)
-                sp_agentstream_grant(op->s, (uint32_t)len);
+            sp_chanop__grant(&op->ch, len);
         }
         return;
     case SP_AP_T_PROC_EXIT: {
-        int32_t code = 0;
-        uint32_t sig = 0;
-        sp_ap_field_t f;
-        bool exited = sp_ap_find(p, len, SP_AP_K_EXIT_CODE, &f) == 1;
-        if (sp_ap_get_i32(p, len, SP_AP_K_EXIT_CODE, &code) < 0 ||
-            sp_ap_get_u32(p, len, SP_AP_K_SIGNAL, &sig) < 0 || sig > 64) {
+        sp_exec_ev_t ex;
+        if (sp_exec_proc_exit(p, len, &ex) < 0) {
             fail(op, SP_EINTERNAL, "sandbox agent sent a malformed exit");
             return;
         }
@@ -578,7 +555,7 @@ static void proc_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t le
             deliver_error(op, &e);
             return;
         }
-        deliver_exit(op, exited, exited ? code : 0, (int)sig);
+        deliver_exit(op, ex.exited, ex.exit_code, ex.signal);
         return;
     }
     default:
@@ -740,32 +717,27 @@ sp_exec_t *sp_exec_attach(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, bool
 
 void sp_exec_ack(sp_exec_t *op, size_t n)
 {
-    if (op == NULL || op->dead || op->s == NULL)
-        return;
-    while (n > 0) {
-        uint32_t k = n > 0x40000000u ? 0x40000000u : (uint32_t)n;
-        sp_agentstream_grant(op->s, k);
-        n -= k;
-    }
+    if (op != NULL)
+        sp_chanop__grant(&op->ch, n);
 }
 
 static void on_grace(sp_timer_t *t, void *arg)
 {
     sp_exec_t *op = arg;
-    enter(op);
-    if (!op->dead) {
+    sp_chanop__enter(&op->ch);
+    if (!op->ch.dead) {
         sp_log(SP_LOG_WARN, "exec", "process did not end after SIGKILL pid=%u", op->pid);
         deliver_exit(op, false, 0, 0);
     }
-    leave(op);
+    sp_chanop__leave(&op->ch);
 }
 
 static void on_timer(sp_timer_t *t, void *arg)
 {
     sp_exec_t *op = arg;
-    enter(op);
-    if (op->dead) {
-        leave(op);
+    sp_chanop__enter(&op->ch);
+    if (op->ch.dead) {
+        sp_chanop__leave(&op->ch);
         return;
     }
     switch (op->kind) {
@@ -778,8 +750,8 @@ static void on_timer(sp_timer_t *t, void *arg)
         sp_ap_put_u32(&w, SP_AP_K_SIGNAL, SIGKILL);
         sp_ap_put_u32(&w, SP_AP_K_GROUP, 1);
         op->timed_out = true;
-        if (op->s != NULL)
-            sp_agentstream_send(op->s, SP_AP_T_PROC_SIGNAL, buf, w.len);
+        if (op->ch.s != NULL)
+            sp_agentstream_send(op->ch.s, SP_AP_T_PROC_SIGNAL, buf, w.len);
         sp_timer_start(&op->grace, SP_EXEC_KILL_GRACE_MS);
         break;
     }
@@ -791,7 +763,7 @@ static void on_timer(sp_timer_t *t, void *arg)
         fail(op, SP_EUNAVAIL, "the sandbox agent did not answer in time");
         break;
     }
-    leave(op);
+    sp_chanop__leave(&op->ch);
 }
 
 /* ---- list ---- */
@@ -929,7 +901,7 @@ sp_exec_t *sp_exec_resize(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, uint
 /* The listing for a K_CTRL op ended: attach to the process if it runs. */
 static void ctrl_listed(sp_exec_t *op)
 {
-    op->s = NULL; /* the list stream ended */
+    op->ch.s = NULL; /* the list stream ended */
     sp_timer_stop(&op->timer);
     if (!op->found) {
         fail(op, SP_ENOTFOUND, "command not found");
@@ -953,14 +925,14 @@ static void ctrl_listed(sp_exec_t *op)
         sp_ap_writer_init(&w, buf, sizeof(buf));
         sp_ap_put_u32(&w, SP_AP_K_ROWS, op->rows);
         sp_ap_put_u32(&w, SP_AP_K_COLS, op->cols);
-        sp_agentstream_send(op->s, SP_AP_T_PROC_RESIZE, buf, w.len);
+        sp_agentstream_send(op->ch.s, SP_AP_T_PROC_RESIZE, buf, w.len);
     } else if (op->is_signal) {
         uint8_t buf[32];
         sp_ap_writer_t w;
         sp_ap_writer_init(&w, buf, sizeof(buf));
         sp_ap_put_u32(&w, SP_AP_K_SIGNAL, (uint32_t)op->sig);
         sp_ap_put_u32(&w, SP_AP_K_GROUP, op->group ? 1 : 0);
-        sp_agentstream_send(op->s, SP_AP_T_PROC_SIGNAL, buf, w.len);
+        sp_agentstream_send(op->ch.s, SP_AP_T_PROC_SIGNAL, buf, w.len);
     } else {
         feed_stdin(op);
     }
@@ -1162,14 +1134,14 @@ sp_exec_t *sp_exec_write(sp_loop_t *loop, sp_agentconn_t *c, const char *path, c
 
 long sp_exec_write_data(sp_exec_t *op, const void *p, size_t n)
 {
-    if (op == NULL || op->dead || op->s == NULL || op->write_failed)
+    if (op == NULL || op->ch.dead || op->ch.s == NULL || op->write_failed)
         return -1;
     size_t took = 0;
     while (took < n) {
         size_t k = n - took;
         if (k > SP_AP_MAX_DATA)
             k = SP_AP_MAX_DATA;
-        int rc = sp_agentstream_send(op->s, SP_AP_T_DATA, (const uint8_t *)p + took, k);
+        int rc = sp_agentstream_send(op->ch.s, SP_AP_T_DATA, (const uint8_t *)p + took, k);
         if (rc == 0)
             break;
         if (rc < 0) {
@@ -1185,9 +1157,9 @@ long sp_exec_write_data(sp_exec_t *op, const void *p, size_t n)
 
 void sp_exec_write_end(sp_exec_t *op)
 {
-    if (op == NULL || op->dead || op->s == NULL)
+    if (op == NULL || op->ch.dead || op->ch.s == NULL)
         return;
-    if (sp_agentstream_send(op->s, SP_AP_T_EOF, NULL, 0) < 0)
+    if (sp_agentstream_send(op->ch.s, SP_AP_T_EOF, NULL, 0) < 0)
         op->write_failed = true;
     sp_timer_start(&op->timer, SP_EXEC_IDLE_MS);
 }
@@ -1259,18 +1231,10 @@ static void watch_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t l
 
 /* ---- dispatch ---- */
 
-static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
-                     size_t len, void *arg)
+static void on_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len)
 {
     sp_exec_t *op = arg;
-    enter(op);
     bool end = (flags & SP_AP_F_END) != 0;
-    if (end)
-        op->s = NULL; /* the connection frees the stream after this call */
-    if (op->dead) {
-        leave(op);
-        return;
-    }
     if (type == SP_AP_T_ERROR) {
         sp_err_t e;
         sp_exec_agent_error(p, len, &e);
@@ -1280,7 +1244,6 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
                  op->pid != 0)
             sp_err_set(&e, SP_ENOTFOUND, "command not found");
         deliver_error(op, &e);
-        leave(op);
         return;
     }
     switch (op->kind) {
@@ -1330,7 +1293,7 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
         watch_frame(op, type, p, len);
         break;
     }
-    if (end && !op->dead && op->s == NULL) /* an END we did not expect (OK on a process stream, say) */
+    /* An END we did not expect (OK on a process stream, say). */
+    if (end && !op->ch.dead && op->ch.s == NULL)
         fail(op, SP_EINTERNAL, "sandbox agent ended the request unexpectedly");
-    leave(op);
 }

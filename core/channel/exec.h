@@ -180,6 +180,11 @@ int sp_exec_check_path(const char *path, sp_err_t *err);
  * agent's, and the guest's message made printable. For every module that reads agent streams. */
 void sp_exec_agent_error(const uint8_t *p, size_t n, sp_err_t *out);
 
+/* Decodes a PROC_EXIT payload into ev: type EXIT, exited, exit_code (0 unless exited) and
+ * signal; the rest zero. -1 when it is malformed. For every module that reads process
+ * streams. */
+int sp_exec_proc_exit(const uint8_t *p, size_t n, sp_exec_ev_t *ev);
+
 /* result is borrowed for the callback (NULL for REMOVE and on error). */
 sp_exec_t *sp_exec_fs(sp_loop_t *loop, sp_agentconn_t *c, const sp_exec_fs_req_t *req,
                       void (*cb)(void *arg, json_t *result, const sp_err_t *err), void *arg,

@@ -9,8 +9,8 @@
  *
  * Lifetime: a session is freed by the table, except while an attachment holds it: removal
  * then only unlinks it (lookups fail at once) and the attachment's end frees it.
- * Re-entrancy: stream callbacks hold a->in_cb; detach or a terminal event inside them marks
- * the attachment dead and the outermost callback frees it.
+ * Re-entrancy and credit (chanop_int.h): stream callbacks are held; detach or a terminal event
+ * inside them marks the attachment dead and the outermost callback frees it.
  */
 #include "core/channel/session.h"
 
@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/channel/chanop_int.h"
 
 #define HASH_LEN 32
 #define SWEEP_MS 1000
@@ -60,11 +61,9 @@ struct sp_session {
 
 struct sp_session_att {
     sp_session_t *s;
-    sp_agentstream_t *st; /* NULL once ended or reset */
+    sp_chanop_t ch; /* the stream, the lifetime (ch.dead) and credit */
     sp_session_att_cbs_t cbs;
     void *arg;
-    int in_cb;
-    bool dead;
     bool started;
 };
 
@@ -173,8 +172,6 @@ sp_session_tab_t *sp_session_tab_create(sp_loop_t *loop)
     return t;
 }
 
-static void att_free(sp_session_att_t *a);
-
 void sp_session_tab_destroy(sp_session_tab_t *t)
 {
     if (t == NULL)
@@ -185,14 +182,9 @@ void sp_session_tab_destroy(sp_session_tab_t *t)
         unlink_sess(s);
         if (s->att != NULL) {
             sp_session_att_t *a = s->att;
-            if (a->st != NULL)
-                sp_agentstream_reset(a->st);
-            a->st = NULL;
-            a->dead = true;
             s->att = NULL;
-            a->s = NULL;
-            if (a->in_cb == 0)
-                free(a);
+            a->s = NULL; /* its release frees only itself */
+            sp_chanop__cancel(&a->ch);
         }
         sess_free(s);
     }
@@ -398,8 +390,8 @@ void sp_session_remove(sp_session_tab_t *t, sp_session_t *s, sp_agentconn_t *con
     unlink_sess(s);
     if (s->att != NULL) {
         s->removed = true;
-        if (s->att->st != NULL)
-            send_signal(s->att->st, SIGKILL); /* the exit then ends the attachment */
+        if (s->att->ch.s != NULL)
+            send_signal(s->att->ch.s, SIGKILL); /* the exit then ends the attachment */
         return;
     }
     if (s->state == SP_SESSION_RUNNING && s->pid != 0 && conn != NULL) {
@@ -413,8 +405,9 @@ void sp_session_remove(sp_session_tab_t *t, sp_session_t *s, sp_agentconn_t *con
 
 /* ---- attachments ---- */
 
-static void att_free(sp_session_att_t *a)
+static void att_free(void *arg)
 {
+    sp_session_att_t *a = arg;
     sp_session_t *s = a->s;
     free(a);
     if (s == NULL)
@@ -428,31 +421,11 @@ static void att_free(sp_session_att_t *a)
         s->deadline_ms = sp_loop_now_ms(s->loop) + SP_SESSION_DETACHED_S * 1000u;
 }
 
-static void att_kill(sp_session_att_t *a)
-{
-    a->dead = true;
-    if (a->st != NULL) {
-        sp_agentstream_reset(a->st);
-        a->st = NULL;
-    }
-}
-
-static void enter(sp_session_att_t *a)
-{
-    a->in_cb++;
-}
-
-static void leave(sp_session_att_t *a)
-{
-    if (--a->in_cb == 0 && a->dead)
-        att_free(a);
-}
-
 static void deliver(sp_session_att_t *a, const sp_exec_ev_t *ev)
 {
     bool terminal = ev->type == SP_EXEC_EV_EXIT || ev->type == SP_EXEC_EV_ERROR;
     if (terminal)
-        att_kill(a);
+        sp_chanop__kill(&a->ch);
     a->cbs.on_event(a->arg, ev);
 }
 
@@ -464,15 +437,10 @@ static void deliver_error(sp_session_att_t *a, sp_code_t code, const char *msg)
     deliver(a, &ev);
 }
 
-static void att_frame(sp_agentstream_t *st, uint16_t type, uint16_t flags, const uint8_t *p,
-                      size_t len, void *arg)
+/* Stream callbacks: entered and checked alive by chanop.c. */
+static void att_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len)
 {
     sp_session_att_t *a = arg;
-    enter(a);
-    if (flags & SP_AP_F_END)
-        a->st = NULL; /* the connection frees the stream after this call */
-    if (a->dead)
-        goto out;
     sp_session_t *s = a->s;
     switch (type) {
     case SP_AP_T_PROC_STARTED: {
@@ -501,22 +469,17 @@ static void att_frame(sp_agentstream_t *st, uint16_t type, uint16_t flags, const
         break;
     }
     case SP_AP_T_PROC_EXIT: {
-        int32_t code = 0;
-        uint32_t sig = 0;
-        sp_ap_field_t f;
-        bool exited = sp_ap_find(p, len, SP_AP_K_EXIT_CODE, &f) == 1;
-        if (sp_ap_get_i32(p, len, SP_AP_K_EXIT_CODE, &code) < 0 ||
-            sp_ap_get_u32(p, len, SP_AP_K_SIGNAL, &sig) < 0 || sig > 64) {
+        sp_exec_ev_t ev;
+        if (sp_exec_proc_exit(p, len, &ev) < 0) {
             deliver_error(a, SP_EINTERNAL, "sandbox agent sent a malformed exit");
             break;
         }
         s->state = SP_SESSION_EXITED;
-        s->exited = exited;
-        s->exit_code = exited ? code : 0;
-        s->signal = (int)sig;
+        s->exited = ev.exited;
+        s->exit_code = ev.exit_code;
+        s->signal = ev.signal;
         s->exited_ms = sp_loop_now_ms(s->loop);
-        sp_exec_ev_t ev = {.type = SP_EXEC_EV_EXIT, .pid = s->pid, .exited = exited,
-                           .exit_code = s->exit_code, .signal = s->signal};
+        ev.pid = s->pid;
         deliver(a, &ev);
         break;
     }
@@ -532,35 +495,26 @@ static void att_frame(sp_agentstream_t *st, uint16_t type, uint16_t flags, const
     default:
         break; /* the protocol may grow */
     }
-    if (!a->dead && a->st == NULL) /* ended without EXIT or ERROR */
+    if (!a->ch.dead && a->ch.s == NULL) /* ended without EXIT or ERROR */
         deliver_error(a, SP_EINTERNAL, "sandbox agent ended the command stream");
-out:
-    leave(a);
 }
 
-static void att_error(sp_agentstream_t *st, const sp_err_t *err, void *arg)
+static void att_lost(void *arg, const sp_err_t *err)
 {
     sp_session_att_t *a = arg;
-    enter(a);
-    a->st = NULL;
-    if (!a->dead) {
-        sp_log(SP_LOG_INFO, "session", "agent stream lost session=%s err=%s",
-               a->s ? a->s->id : "-", err->msg);
-        deliver_error(a, SP_EUNAVAIL, "connection to the sandbox agent was lost");
-    }
-    leave(a);
+    sp_log(SP_LOG_INFO, "session", "agent stream lost session=%s err=%s", a->s ? a->s->id : "-",
+           err->msg);
+    deliver_error(a, SP_EUNAVAIL, "connection to the sandbox agent was lost");
 }
 
-static void att_writable(sp_agentstream_t *st, void *arg)
+static void att_writable(void *arg)
 {
     sp_session_att_t *a = arg;
-    enter(a);
-    if (!a->dead && a->cbs.on_writable != NULL)
+    if (a->cbs.on_writable != NULL)
         a->cbs.on_writable(a->arg);
-    leave(a);
 }
 
-static const sp_agentstream_cbs_t att_stream_cbs = {att_frame, att_error, att_writable};
+static const sp_chanop_ops_t att_ops = {att_frame, att_lost, att_writable, att_free};
 
 /* PROC_START fields for the session's command; malloc'd, *len set. NULL with err. */
 static uint8_t *enc_start(const sp_session_t *s, bool interactive, size_t *len, sp_err_t *err)
@@ -628,6 +582,8 @@ sp_session_att_t *sp_session_attach(sp_session_t *s, sp_agentconn_t *conn, bool 
     a->s = s;
     a->cbs = *cbs;
     a->arg = arg;
+    sp_chanop__init(&a->ch, &att_ops, a);
+    int rc;
     if (s->state == SP_SESSION_CREATED) {
         size_t len = 0;
         uint8_t *p = enc_start(s, interactive, &len, err);
@@ -635,7 +591,7 @@ sp_session_att_t *sp_session_attach(sp_session_t *s, sp_agentconn_t *conn, bool 
             free(a);
             return NULL;
         }
-        a->st = sp_agentconn_open(conn, SP_AP_T_PROC_START, p, len, &att_stream_cbs, a, err);
+        rc = sp_chanop__open(&a->ch, conn, SP_AP_T_PROC_START, p, len, err);
         free(p);
     } else {
         uint8_t buf[32];
@@ -643,11 +599,9 @@ sp_session_att_t *sp_session_attach(sp_session_t *s, sp_agentconn_t *conn, bool 
         sp_ap_writer_init(&w, buf, sizeof(buf));
         sp_ap_put_u32(&w, SP_AP_K_PID, s->pid);
         sp_ap_put_u32(&w, SP_AP_K_REPLAY, 1);
-        a->st = sp_agentconn_open(conn, SP_AP_T_PROC_ATTACH, buf, w.len, &att_stream_cbs, a, err);
+        rc = sp_chanop__open(&a->ch, conn, SP_AP_T_PROC_ATTACH, buf, w.len, err);
     }
-    if (a->st == NULL) {
-        if (err != NULL && err->code == SP_EUNAVAIL)
-            sp_err_set(err, SP_EUNAVAIL, "sandbox agent is not connected");
+    if (rc < 0) {
         free(a);
         return NULL;
     }
@@ -657,30 +611,25 @@ sp_session_att_t *sp_session_attach(sp_session_t *s, sp_agentconn_t *conn, bool 
 
 void sp_session_ack(sp_session_att_t *a, size_t n)
 {
-    if (a == NULL || a->dead || a->st == NULL)
-        return;
-    while (n > 0) {
-        uint32_t k = n > 0x40000000u ? 0x40000000u : (uint32_t)n;
-        sp_agentstream_grant(a->st, k);
-        n -= k;
-    }
+    if (a != NULL)
+        sp_chanop__grant(&a->ch, n);
 }
 
 long sp_session_write(sp_session_att_t *a, const void *p, size_t n)
 {
-    if (a == NULL || a->dead || a->st == NULL)
+    if (a == NULL || a->ch.dead || a->ch.s == NULL)
         return -1;
     size_t done = 0;
     while (done < n) {
         size_t k = n - done;
-        size_t credit = sp_agentstream_credit(a->st);
+        size_t credit = sp_agentstream_credit(a->ch.s);
         if (k > SP_AP_MAX_DATA)
             k = SP_AP_MAX_DATA;
         if (k > credit)
             k = credit;
         if (k == 0)
             break;
-        int rc = sp_agentstream_send(a->st, SP_AP_T_DATA, (const uint8_t *)p + done, k);
+        int rc = sp_agentstream_send(a->ch.s, SP_AP_T_DATA, (const uint8_t *)p + done, k);
         if (rc < 0)
             return -1;
         if (rc == 0)
@@ -692,7 +641,7 @@ long sp_session_write(sp_session_att_t *a, const void *p, size_t n)
 
 static int ctrl_check(sp_session_att_t *a, sp_err_t *err)
 {
-    if (a == NULL || a->dead || a->st == NULL)
+    if (a == NULL || a->ch.dead || a->ch.s == NULL)
         return sp_err_set(err, SP_ECONFLICT, "the command is no longer attached");
     return 0;
 }
@@ -701,7 +650,7 @@ int sp_session_eof(sp_session_att_t *a, sp_err_t *err)
 {
     if (ctrl_check(a, err) < 0)
         return -1;
-    if (sp_agentstream_send(a->st, SP_AP_T_EOF, NULL, 0) < 0)
+    if (sp_agentstream_send(a->ch.s, SP_AP_T_EOF, NULL, 0) < 0)
         return sp_err_set(err, SP_EUNAVAIL, "connection to the sandbox agent was lost");
     return 0;
 }
@@ -719,7 +668,7 @@ int sp_session_resize(sp_session_att_t *a, uint32_t rows, uint32_t cols, sp_err_
     sp_ap_writer_init(&w, buf, sizeof(buf));
     sp_ap_put_u32(&w, SP_AP_K_ROWS, rows);
     sp_ap_put_u32(&w, SP_AP_K_COLS, cols);
-    if (sp_agentstream_send(a->st, SP_AP_T_PROC_RESIZE, buf, w.len) < 0)
+    if (sp_agentstream_send(a->ch.s, SP_AP_T_PROC_RESIZE, buf, w.len) < 0)
         return sp_err_set(err, SP_EUNAVAIL, "connection to the sandbox agent was lost");
     return 0;
 }
@@ -730,15 +679,12 @@ int sp_session_signal(sp_session_att_t *a, int sig, sp_err_t *err)
         return sp_err_set(err, SP_EINVAL, "signal must be 1 to 64");
     if (ctrl_check(a, err) < 0)
         return -1;
-    send_signal(a->st, sig);
+    send_signal(a->ch.s, sig);
     return 0;
 }
 
 void sp_session_detach(sp_session_att_t *a)
 {
-    if (a == NULL || a->dead)
-        return;
-    att_kill(a);
-    if (a->in_cb == 0)
-        att_free(a);
+    if (a != NULL)
+        sp_chanop__cancel(&a->ch);
 }

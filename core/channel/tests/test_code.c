@@ -22,8 +22,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/channel/code.h"
 #include "base/log.h"
+#include "core/channel/code.h"
+#include "core/channel/tests/real_agent.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop;
@@ -77,43 +78,6 @@ static bool wait_file(const char *path, int ms)
     while (access(path, F_OK) != 0 && sp_loop_now_ms(loop) < end)
         sp_loop_run_once(loop, 10);
     return access(path, F_OK) == 0;
-}
-
-static void on_state(void *arg, bool up)
-{
-}
-
-struct agent {
-    pid_t pid;
-    char sock[300];
-    sp_agentconn_t *c;
-};
-
-static bool agent_start(struct agent *a, const char *name)
-{
-    snprintf(a->sock, sizeof(a->sock), "%s/%s.sock", dir, name);
-    a->c = sp_agentconn_create(loop, a->sock, on_state, NULL);
-    a->pid = fork();
-    if (a->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives a test that crashed */
-        execl(agent_bin, agent_bin, "--listen-unix", a->sock, "--log-level", "error", (char *)NULL);
-        _exit(127);
-    }
-    uint64_t end = sp_loop_now_ms(loop) + 10000;
-    while (a->c != NULL && !sp_agentconn_up(a->c) && sp_loop_now_ms(loop) < end)
-        sp_loop_run_once(loop, 10);
-    return a->c != NULL && sp_agentconn_up(a->c);
-}
-
-static void agent_stop(struct agent *a)
-{
-    sp_agentconn_destroy(a->c);
-    a->c = NULL;
-    if (a->pid > 0) {
-        kill(a->pid, SIGKILL);
-        waitpid(a->pid, NULL, 0);
-    }
-    unlink(a->sock);
 }
 
 /* ---- a stand-in daemon in a child process ---- */
@@ -347,7 +311,7 @@ static void test_code_conn_destroyed_while_starting(void)
     snprintf(body, sizeof(body), "echo \"$1\" >> %s\nsleep 3\n", starts);
     write_script(body);
     struct agent two = {0};
-    CHECK(agent_start(&two, "two"));
+    CHECK(agent_start(loop, agent_bin, dir, &two, "two"));
     struct rec a = {0};
     sp_err_t e;
     CHECK(sp_code_list(loop, two.c, "sb", on_list, &a, &e) != NULL);
@@ -359,7 +323,7 @@ static void test_code_conn_destroyed_while_starting(void)
     snprintf(body, sizeof(body), "echo \"$1\" >> %s\n", starts);
     write_script(body);
     struct agent three = {0};
-    CHECK(agent_start(&three, "three"));
+    CHECK(agent_start(loop, agent_bin, dir, &three, "three"));
     struct rec b = {0};
     CHECK(sp_code_list(loop, three.c, "sb", on_list, &b, &e) != NULL);
     CHECK(run_until(&b.calls, 10000));
@@ -485,24 +449,11 @@ static int free_port(void)
 int main(void)
 {
     test_code_language();
-    agent_bin = getenv("SPACE_AGENT_BIN");
-    if (agent_bin == NULL || *agent_bin == 0 || access(agent_bin, X_OK) != 0) {
-        printf("code: skipped the agent cases (set SPACE_AGENT_BIN to a space-agent binary)\n");
+    agent_bin = real_agent_bin("code");
+    if (agent_bin == NULL)
         return failures ? 1 : 77;
-    }
-    if (geteuid() != 0) {
-        printf("code: skipped the agent cases (space-agent needs root)\n");
-        return failures ? 1 : 77;
-    }
-    const char *lvl = getenv("SP_TEST_LOG");
-    if (lvl == NULL || sp_log_parse_level(lvl, &sp_log_min_level) < 0)
-        sp_log_min_level = SP_LOG_ERROR;
-    signal(SIGPIPE, SIG_IGN);
-    if (mkdtemp(dir) == NULL) {
-        perror("mkdtemp");
+    if (!real_agent_prepare(dir))
         return 1;
-    }
-    chmod(dir, 0755);
     snprintf(script, sizeof(script), "%s/space-code", dir);
     snprintf(starts, sizeof(starts), "%s/starts", dir);
     port = free_port();
@@ -515,7 +466,7 @@ int main(void)
 
     loop = sp_loop_create();
     struct agent one = {0};
-    CHECK(agent_start(&one, "one"));
+    CHECK(agent_start(loop, agent_bin, dir, &one, "one"));
     if (one.c != NULL && sp_agentconn_up(one.c) && sh != MAP_FAILED) {
         test_code_rejects_at_once(one.c);
         test_code_start_coalesced_and_cancelled(one.c);
