@@ -18,7 +18,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, pg_bindir  # noqa: E402
+from harness import MULT, pg_bindir, Platform, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 CI = "code-interpreter-v1"
@@ -106,7 +106,7 @@ class CodeTest(unittest.TestCase):
 
     def create(self, template=CI, **fields):
         t0 = time.time()
-        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % (120 * MULT),
+        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % wait_s(120),
                          dict(template=template, **fields), timeout=130 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
@@ -159,7 +159,7 @@ class CodeTest(unittest.TestCase):
         return r["contexts"]
 
     def lifecycle(self, sid, verb, want):
-        st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, 120 * MULT),
+        st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, wait_s(120)),
                          timeout=130 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", r)

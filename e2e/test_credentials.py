@@ -33,7 +33,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, Platform, pg_bindir  # noqa: E402
+from harness import KEEP, MULT, pg_bindir, Platform, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SECRET = "cred-" + base64.b32encode(os.urandom(15)).decode().lower()
@@ -248,7 +248,7 @@ class CredentialsTest(unittest.TestCase):
     def tearDownClass(cls):
         for sid in cls.sids:  # VMs outlive spaced: delete them first
             try:
-                cls.s.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sid, 60 * MULT),
+                cls.s.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sid, wait_s(60)),
                               timeout=70 * MULT)
             except OSError:
                 pass
@@ -273,7 +273,7 @@ class CredentialsTest(unittest.TestCase):
         return r
 
     def create(self, **fields):
-        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % (120 * MULT),
+        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % wait_s(120),
                          dict(template="base", **fields), timeout=130 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))

@@ -10,7 +10,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform  # noqa: E402
+from harness import MULT, Platform, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -24,7 +24,7 @@ class DiskFullTest(unittest.TestCase):
         mnt = None
         try:
             s.start()
-            st, r = s.request("POST", "/v1/sandboxes?wait=%d" % (120 * MULT), {"template": "base"},
+            st, r = s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(120), {"template": "base"},
                               timeout=130 * MULT)
             self.assertEqual(r["operation"]["status"], "succeeded", r)
             sid = r["sandbox"]["id"]
@@ -36,7 +36,7 @@ class DiskFullTest(unittest.TestCase):
             os.makedirs(mnt, exist_ok=True)
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", mnt], check=True)
 
-            st, r = s.request("POST", "/v1/sandboxes/%s/suspend?wait=%d" % (sid, 60 * MULT),
+            st, r = s.request("POST", "/v1/sandboxes/%s/suspend?wait=%d" % (sid, wait_s(60)),
                               timeout=70 * MULT)
             self.assertEqual(st, 200, r)
             self.assertEqual(r["operation"]["status"], "failed", r)
@@ -50,7 +50,7 @@ class DiskFullTest(unittest.TestCase):
             subprocess.run(["umount", mnt], check=True)
             mnt = None
             for verb, want in (("suspend", "suspended"), ("wake", "running")):
-                st, r = s.request("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, 60 * MULT),
+                st, r = s.request("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, wait_s(60)),
                                   timeout=70 * MULT)
                 self.assertEqual(r["operation"]["status"], "succeeded", r)
                 self.assertEqual(r["sandbox"]["state"], want)

@@ -30,7 +30,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, Platform, free_port, pg_bindir  # noqa: E402
+from harness import KEEP, MULT, free_port, pg_bindir, Platform, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SPACED_TEST = os.environ.get("SPACED_TEST")
@@ -192,7 +192,7 @@ class EgressTest(unittest.TestCase):
         body = dict(template="base", **fields)
         if egress is not None:
             body["egress"] = egress
-        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % (120 * MULT), body, timeout=130 * MULT)
+        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % wait_s(120), body, timeout=130 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
         sid = r["sandbox"]["id"]

@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform  # noqa: E402
+from harness import MULT, Platform, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -32,7 +32,7 @@ class FaultTest(unittest.TestCase):
             s.start()
             desired = {}
             for i in range(5):
-                st, r = s.request("POST", "/v1/sandboxes?wait=%d" % (120 * MULT),
+                st, r = s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(120),
                                   {"template": "base", "metadata": {"fault": str(seed)}},
                                   timeout=130 * MULT)
                 self.assertEqual(r["operation"]["status"], "succeeded", r)
@@ -82,7 +82,7 @@ class FaultTest(unittest.TestCase):
             # Files survived every path the sandbox took.
             for i, sid in enumerate(ids):
                 if desired[sid] != "running":
-                    st, r = s.request("POST", "/v1/sandboxes/%s/wake?wait=%d" % (sid, 60 * MULT),
+                    st, r = s.request("POST", "/v1/sandboxes/%s/wake?wait=%d" % (sid, wait_s(60)),
                                       timeout=70 * MULT)
                     self.assertEqual(r["operation"]["status"], "succeeded", r)
                 st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid,

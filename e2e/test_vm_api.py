@@ -12,7 +12,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, pg_bindir  # noqa: E402
+from harness import MULT, pg_bindir, Platform, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 
@@ -53,7 +53,7 @@ class VmApiTest(unittest.TestCase):
         return r
 
     def create(self, **fields):
-        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % (120 * MULT), dict(template="base", **fields),
+        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % wait_s(120), dict(template="base", **fields),
                          timeout=130 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
@@ -62,7 +62,7 @@ class VmApiTest(unittest.TestCase):
         return sid
 
     def lifecycle(self, sid, verb, want):
-        st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, 60 * MULT), timeout=70 * MULT)
+        st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, wait_s(60)), timeout=70 * MULT)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["operation"]["status"], "succeeded", r)
         self.assertEqual(r["sandbox"]["state"], want)
