@@ -302,22 +302,13 @@ static void *dl_begin(void *arg, long long length, sp_download_t *dl)
     return st;
 }
 
-static int dl_write(void *st, const uint8_t *p, size_t n)
-{
-    return sp_stream_write(st, p, n, n);
-}
-
-static void dl_end(void *st, bool ok)
-{
-    sp_stream_end(st, NULL, 0, ok);
-}
-
 static void dl_fail(void *arg, const sp_err_t *err)
 {
     files_fail_err(arg, err);
 }
 
-static const sp_download_sink_t dl_sink = {dl_begin, dl_write, dl_end, dl_fail};
+static const sp_download_sink_t dl_sink = {dl_begin, sp_stream_sink_write, sp_stream_sink_end,
+                                           dl_fail};
 
 static void files_get(envd_call_t *c, const char *path)
 {

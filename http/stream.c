@@ -169,3 +169,13 @@ void sp_stream_end(sp_stream_t *st, const void *tail, size_t n, bool ok)
     st->ok = ok && append(st, tail, n) == 0; /* joins the final h2o_send */
     flush(st); /* or on proceed, when a send is in flight */
 }
+
+int sp_stream_sink_write(void *st, const uint8_t *p, size_t n)
+{
+    return sp_stream_write(st, p, n, n);
+}
+
+void sp_stream_sink_end(void *st, bool ok)
+{
+    sp_stream_end(st, NULL, 0, ok);
+}

@@ -15,6 +15,7 @@
 
 #include <h2o.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stddef.h>
 
 typedef struct sp_stream sp_stream_t;
@@ -35,5 +36,10 @@ size_t sp_stream_pending(const sp_stream_t *st);
 /* Ends the body after what was queued, with tail (n bytes, may be 0) last. ok false, or no
  * memory for the tail, aborts the response: the client sees a cut body. */
 void sp_stream_end(sp_stream_t *st, const void *tail, size_t n, bool ok);
+
+/* The stream as a plain byte sink, for producers in core that take write/end callbacks with
+ * an opaque output (core/channel/download.h): every byte counts as raw, no tail. */
+int sp_stream_sink_write(void *st, const uint8_t *p, size_t n);
+void sp_stream_sink_end(void *st, bool ok);
 
 #endif

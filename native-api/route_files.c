@@ -295,22 +295,13 @@ static void *dl_begin(void *arg, long long length, sp_download_t *dl)
     return st;
 }
 
-static int dl_write(void *st, const uint8_t *p, size_t n)
-{
-    return sp_stream_write(st, p, n, n);
-}
-
-static void dl_end(void *st, bool ok)
-{
-    sp_stream_end(st, NULL, 0, ok);
-}
-
 static void dl_fail(void *arg, const sp_err_t *err)
 {
     sp_napi__fail(arg, err);
 }
 
-static const sp_download_sink_t dl_sink = {dl_begin, dl_write, dl_end, dl_fail};
+static const sp_download_sink_t dl_sink = {dl_begin, sp_stream_sink_write, sp_stream_sink_end,
+                                           dl_fail};
 
 static void get_next(napi_ctx_t *c, sp_agentconn_t *conn)
 {
