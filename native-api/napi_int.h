@@ -106,11 +106,6 @@ void sp_napi__secrets_put(napi_ctx_t *c);
 void sp_napi__secrets_delete(napi_ctx_t *c);
 void sp_napi__credentials_get(napi_ctx_t *c);
 void sp_napi__credentials_put(napi_ctx_t *c);
-/* POST /v1/sandboxes "credentials": checked and normalised (NULL when absent), then the
- * named secrets are looked up before the sandbox is created (route_secrets.c). */
-int sp_napi__credentials_from_body(napi_ctx_t *c, json_t **out, sp_err_t *err);
-/* Takes rules (into c->data), checks that their secrets exist, then calls next (or fails). */
-void sp_napi__credentials_check(napi_ctx_t *c, json_t *rules, napi_route_fn next);
 /* Outbound traffic (route_egress.c): audit rows, and the policy (PUT body parsed there). */
 void sp_napi__egress_log(napi_ctx_t *c);
 void sp_napi__egress_policy_get(napi_ctx_t *c);

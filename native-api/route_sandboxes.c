@@ -171,19 +171,8 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
         sp_egp_free(pol);
         r.egress = egress;
     }
-    if (c->data == NULL) {
-        /* Credential rules: their secrets are looked up first, then this runs again. */
-        json_t *creds = NULL;
-        if (sp_napi__credentials_from_body(c, &creds, &e) < 0) {
-            sp_napi__fail(c, &e);
-            return;
-        }
-        if (creds != NULL) {
-            sp_napi__credentials_check(c, creds, sp_napi__sandboxes_create);
-            return;
-        }
-    }
-    r.credentials = c->data;
+    /* Credential rules: core checks them and looks up the secrets they name. */
+    r.credentials = json_object_get(b, "credentials");
     if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

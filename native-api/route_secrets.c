@@ -205,51 +205,6 @@ void sp_napi__secrets_delete(napi_ctx_t *c)
 
 /* ---- credential rules ---- */
 
-static void free_json(void *p)
-{
-    json_decref(p);
-}
-
-int sp_napi__credentials_from_body(napi_ctx_t *c, json_t **out, sp_err_t *err)
-{
-    *out = NULL;
-    json_t *v = c->body ? json_object_get(c->body, "credentials") : NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    json_t *rules = sp_secrets_rules_normalize(v, err);
-    if (rules == NULL)
-        return -1;
-    if (json_array_size(rules) == 0) {
-        json_decref(rules);
-        return 0;
-    }
-    *out = rules;
-    return 0;
-}
-
-static void on_checked(void *arg, const sp_err_t *err)
-{
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    napi_route_fn next = c->route;
-    next(c);
-}
-
-void sp_napi__credentials_check(napi_ctx_t *c, json_t *rules, napi_route_fn next)
-{
-    sp_err_t e;
-    c->data = rules;
-    c->data_free = free_json;
-    c->route = next; /* on_checked continues there */
-    sp_secrets_t *s = secrets_of(c, &e);
-    if (s == NULL ||
-        sp_secrets_check_rule_secrets(s, c->auth.team_id, rules, on_checked, c, &e) < 0)
-        sp_napi__fail(c, &e);
-}
-
 static void on_rules(void *arg, json_t *rules, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
