@@ -83,22 +83,14 @@ void sp_napi__egress_policy_get(napi_ctx_t *c)
 
 void sp_napi__egress_policy_put(napi_ctx_t *c)
 {
-    h2o_req_t *req = sp_http_hold_req(c->hold);
     sp_err_t e;
-    if (req->entity.base == NULL || req->entity.len == 0) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "request body must be a JSON object"), &e));
+    json_t *b;
+    if (sp_napi__parse_body(sp_http_hold_req(c->hold), false, &b, &e) < 0 ||
+        (b == NULL ? sp_err_set(&e, SP_EINVAL, "request body must be a JSON object") : 0) < 0) {
+        sp_napi__fail(c, &e);
         return;
     }
-    if (req->entity.len > NAPI_MAX_BODY) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_ETOOBIG, "request body is larger than 1 MiB"), &e));
-        return;
-    }
-    json_error_t je;
-    json_t *b = json_loadb(req->entity.base, req->entity.len, JSON_REJECT_DUPLICATES, &je);
-    if (b == NULL) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text), &e));
-        return;
-    }
+    /* Any JSON value: core says what a policy must be. */
     int rc = sp_svc_set_egress_policy(c->n->svc, &c->auth, c->segs[2], b, on_policy, c, &e);
     json_decref(b);
     if (rc < 0)

@@ -9,6 +9,7 @@
  * client that leaves stops the transfer (an upload is abandoned and the agent drops its
  * temporary file).
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,19 +113,6 @@ static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
     return f;
 }
 
-/* A string field of the JSON body (NULL when absent); -1 when not a string or holds NUL. */
-static int body_str(json_t *b, const char *key, const char **out, sp_err_t *err)
-{
-    json_t *v = json_object_get(b, key);
-    *out = NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v) || strlen(json_string_value(v)) != json_string_length(v))
-        return sp_err_set(err, SP_EINVAL, "%s must be a string without NUL characters", key);
-    *out = json_string_value(v);
-    return 0;
-}
-
 /* ---- request/answer operations: stat, list, mkdir, move, remove ---- */
 
 static void on_fs(void *arg, json_t *result, const sp_err_t *err)
@@ -225,17 +213,16 @@ void sp_napi__files_mkdir(napi_ctx_t *c)
     sp_err_t e;
     json_t *b = c->body;
     const char *path, *user;
-    json_t *m = b ? json_object_get(b, "mode") : NULL;
+    json_t *m = sp_napi__field(b, "mode");
     uint32_t mode = 0;
-    if (b == NULL)
-        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "path", &path, &e) < 0 ||
-        body_str(b, "user", &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        sp_napi__opt_str(b, "path", SIZE_MAX, &path, &e) < 0 ||
+        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
         check_user(user, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
-    if (m != NULL && !json_is_null(m)) {
+    if (m != NULL) {
         if (json_is_integer(m) && json_integer_value(m) >= 0 && json_integer_value(m) <= 07777)
             mode = (uint32_t)json_integer_value(m);
         else if (!json_is_string(m) || parse_mode(json_string_value(m), &mode, &e) < 0) {
@@ -260,10 +247,10 @@ void sp_napi__files_move(napi_ctx_t *c)
     sp_err_t e;
     json_t *b = c->body;
     const char *from, *to, *user;
-    if (b == NULL)
-        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "from", &from, &e) < 0 ||
-        body_str(b, "to", &to, &e) < 0 || body_str(b, "user", &user, &e) < 0 ||
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        sp_napi__opt_str(b, "from", SIZE_MAX, &from, &e) < 0 ||
+        sp_napi__opt_str(b, "to", SIZE_MAX, &to, &e) < 0 ||
+        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 ||
         (from == NULL || to == NULL ? sp_err_set(&e, SP_EINVAL, "from and to are required") : 0) < 0 ||
         sp_exec_check_path(from, &e) < 0 || sp_exec_check_path(to, &e) < 0 ||
         check_user(user, &e) < 0) {

@@ -449,11 +449,9 @@ static int create_rules(sp_svc_t *svc, const json_t *given, json_t **out, sp_err
     return 0;
 }
 
-/* The fields other than the credential rules; *pol: the egress policy, when given. */
-static int create_check(const sp_create_req_t *req, const char *action, sp_egp_t **pol,
-                        sp_err_t *err)
+/* The fields other than the egress policy and the credential rules. */
+static int create_check(const sp_create_req_t *req, const char *action, sp_err_t *err)
 {
-    *pol = NULL;
     if (req->template_name == NULL || req->template_name[0] == '\0' ||
         strlen(req->template_name) > 64)
         return sp_err_set(err, SP_EINVAL, "template must be a name of 1 to 64 characters");
@@ -477,23 +475,24 @@ static int create_check(const sp_create_req_t *req, const char *action, sp_egp_t
         return sp_err_set(err, SP_EINVAL, "network must be an object");
     if (req->envd_version != NULL && strlen(req->envd_version) > 31)
         return sp_err_set(err, SP_EINVAL, "envd_version is too long");
-    if (req->egress != NULL && !json_is_null(req->egress) &&
-        (*pol = sp_egp_from_json(req->egress, "egress", err)) == NULL)
-        return -1;
     return 0;
 }
 
 int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
                           sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
 {
-    /* The credential rules first: a bad rule is named before the other fields are looked at
-     * (the order the native API has always answered in). */
-    json_t *rules = NULL;
-    if (create_rules(svc, req->credentials, &rules, err) < 0)
+    /* The egress policy, then the credential rules, then the rest: a bad rule is named
+     * before the other fields are looked at (the order the native API has always answered
+     * in). */
+    sp_egp_t *pol = NULL;
+    if (req->egress != NULL && !json_is_null(req->egress) &&
+        (pol = sp_egp_from_json(req->egress, "egress", err)) == NULL)
         return -1;
+    json_t *rules = NULL;
     const char *action = req->deadline_action ? req->deadline_action : "delete";
-    sp_egp_t *pol;
-    if (create_check(req, action, &pol, err) < 0) {
+    if (create_rules(svc, req->credentials, &rules, err) < 0 ||
+        create_check(req, action, err) < 0) {
+        sp_egp_free(pol);
         json_decref(rules);
         return -1;
     }

@@ -138,10 +138,11 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
 int sp_svc_templates(sp_svc_t *svc, const char *name /* NULL = all */, sp_svc_templates_cb cb,
                      void *arg, sp_err_t *err);
 
-/* Validates req (SP_EINVAL), creates the record and its "create" operation. Credential rules
- * are checked first (SP_EINVAL naming the bad one; SP_EUNAVAIL when secrets are not set up),
- * then the secrets they name are looked up before the record is written: a missing one is
- * SP_EINVAL "credentials name secret 'X', which does not exist", through the callback. */
+/* Validates req (SP_EINVAL), creates the record and its "create" operation. The egress
+ * policy and the credential rules are checked first (SP_EINVAL naming the bad rule; rules
+ * without secrets set up are SP_EUNAVAIL), the other fields next; then the secrets the rules
+ * name are looked up before the record is written: a missing one is SP_EINVAL "credentials
+ * name secret 'X', which does not exist", through the callback. */
 int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
                           sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);
 

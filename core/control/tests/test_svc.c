@@ -35,8 +35,7 @@ static int create(sp_svc_t *svc, const char *tmpl, json_t *creds, sp_err_t *e)
 
 static json_t *rule(const char *host, const char *secret)
 {
-    return json_pack("[{s:s,s:s,s:s}]", "host", host, "header", "Authorization", "secret",
-                     secret);
+    return json_pack("[{s:s,s:s,s:s}]", "host", host, "header", "Authorization", "secret", secret);
 }
 
 static void test_svc_create_checks_credentials_first(void)
@@ -46,8 +45,8 @@ static void test_svc_create_checks_credentials_first(void)
     sp_svc_t *svc = sp_svc_create(loop, store, hashkey, &e);
     REQUIRE(svc != NULL);
     json_t *bad = json_pack("{s:s}", "host", "a.com"); /* not an array */
-    json_t *framing = json_pack("[{s:s,s:s,s:s}]", "host", "a.com", "header", "Host", "secret",
-                                "GH");
+    json_t *framing =
+        json_pack("[{s:s,s:s,s:s}]", "host", "a.com", "header", "Host", "secret", "GH");
     json_t *good = rule("API.example.com", "GH");
     json_t *none = json_array();
 
@@ -96,8 +95,8 @@ int main(void)
     REQUIRE(loop != NULL);
     sp_err_t e;
     /* No server behind it: connections fail at once and are retried on timers never run. */
-    store = sp_store_create(loop, "host=/nonexistent/space-test dbname=none connect_timeout=1", 1,
-                            &e);
+    store =
+        sp_store_create(loop, "host=/nonexistent/space-test dbname=none connect_timeout=1", 1, &e);
     REQUIRE(store != NULL);
     test_svc_create_checks_credentials_first();
     sp_store_destroy(store);
