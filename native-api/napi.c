@@ -148,6 +148,13 @@ json_t *sp_napi__op_json(const sp_op_rec_t *op)
     return o;
 }
 
+void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const char *next)
+{
+    sp_napi__reply(c, 200,
+                   json_pack("{s:o,s:o}", key, items, "next_cursor",
+                             next ? json_string(next) : json_null()));
+}
+
 json_t *sp_napi__template_json(const sp_template_rec_t *t)
 {
     return json_pack("{s:s,s:s,s:i,s:i,s:s,s:s}", "name", t->name, "description",

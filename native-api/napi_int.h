@@ -52,6 +52,8 @@ void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err);
 json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s);
 json_t *sp_napi__op_json(const sp_op_rec_t *o);
 json_t *sp_napi__template_json(const sp_template_rec_t *t);
+/* A page of a list: {key: items (stolen), "next_cursor": next or null}, 200. */
+void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const char *next);
 
 /* Frees the context and hands back the request for a streamed reply (NULL: client gone). */
 h2o_req_t *sp_napi__take(napi_ctx_t *c);
@@ -84,10 +86,10 @@ typedef struct {
     sp_buf_t line;       /* scratch for one output line */
 } napi_ndjson_t;
 
-/* A STDOUT or STDERR event's bytes; -1 when out of memory (the caller cuts the stream). */
-int sp_napi__nd_output(napi_ndjson_t *nd, const sp_exec_ev_t *ev);
-/* An EXIT event: what the carries still hold, then the exit line. */
-void sp_napi__nd_exit(napi_ndjson_t *nd, const sp_exec_ev_t *ev);
+/* An event after the start line, as its line: 1 when it was the last (EXIT, after what the
+ * carries still held, or ERROR: the stream is ended), -1 when out of memory (the stream is
+ * cut; the caller stops or detaches the process), 0 otherwise. */
+int sp_napi__nd_event(napi_ndjson_t *nd, const sp_exec_ev_t *ev);
 void sp_napi__nd_clear(napi_ndjson_t *nd);
 /* {"exit_code","signal","timed_out"}: a collected command's result and the exit line. */
 json_t *sp_napi__exit_json(bool exited, int code, int sig, bool timed_out);
@@ -97,7 +99,7 @@ json_t *sp_napi__error_event(const sp_err_t *err);
 /* session: NULL, or the session the process runs in. */
 json_t *sp_napi__start_event(uint32_t pid, const char *session);
 
-/* ---- request bodies (body.c) ----
+/* ---- request input (input.c) ----
  * Optional fields: absent and JSON null alike leave *out as it was (strings: NULL) and
  * return 0; a wrong type or range is -1 with SP_EINVAL naming the field. b may be NULL
  * (no body): every field is then absent. Strings are borrowed from b. */
@@ -120,6 +122,10 @@ int sp_napi__opt_bool(const json_t *b, const char *key, bool *out, sp_err_t *err
 int sp_napi__opt_int(const json_t *b, const char *key, int lo, int hi, int *out, sp_err_t *err);
 /* A signal given as a number (1..64) or a name ("SIGTERM", "TERM"); -1 for anything else. */
 int sp_napi__signal(const json_t *v);
+/* Query parameters: absent leaves *out as it was. */
+int sp_napi__query_int(h2o_req_t *req, const char *name, int lo, int hi, int *out, sp_err_t *err);
+/* true/1 or false/0. */
+int sp_napi__query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err);
 
 /* ---- command specs (cmdspec.c) ----
  * The process a POST .../commands or .../sessions body describes: cmd or argv, env, cwd,

@@ -69,17 +69,30 @@ static int output(napi_ndjson_t *nd, int fd, const uint8_t *p, size_t n, bool fi
     return sp_napi__ndjson_line(nd->st, o, n);
 }
 
-int sp_napi__nd_output(napi_ndjson_t *nd, const sp_exec_ev_t *ev)
+int sp_napi__nd_event(napi_ndjson_t *nd, const sp_exec_ev_t *ev)
 {
-    return output(nd, ev->type == SP_EXEC_EV_STDOUT ? 0 : 1, ev->data, ev->len, false);
-}
-
-void sp_napi__nd_exit(napi_ndjson_t *nd, const sp_exec_ev_t *ev)
-{
-    for (int fd = 0; fd < 2; fd++)
-        if (nd->ncarry[fd] > 0)
-            output(nd, fd, NULL, 0, true);
-    sp_napi__ndjson_line(nd->st, sp_napi__exit_event(ev), 0);
+    switch (ev->type) {
+    case SP_EXEC_EV_START:
+        return 0;
+    case SP_EXEC_EV_STDOUT:
+    case SP_EXEC_EV_STDERR:
+        if (output(nd, ev->type == SP_EXEC_EV_STDOUT ? 0 : 1, ev->data, ev->len, false) < 0) {
+            sp_stream_end(nd->st, NULL, 0, false); /* the client sees a broken body */
+            return -1;
+        }
+        return 0;
+    case SP_EXEC_EV_EXIT:
+        for (int fd = 0; fd < 2; fd++)
+            if (nd->ncarry[fd] > 0)
+                output(nd, fd, NULL, 0, true);
+        sp_napi__ndjson_line(nd->st, sp_napi__exit_event(ev), 0);
+        break;
+    case SP_EXEC_EV_ERROR:
+        sp_napi__ndjson_line(nd->st, sp_napi__error_event(ev->err), 0);
+        break;
+    }
+    sp_stream_end(nd->st, NULL, 0, true);
+    return 1;
 }
 
 void sp_napi__nd_clear(napi_ndjson_t *nd)

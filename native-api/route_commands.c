@@ -21,12 +21,6 @@
 
 /* ---- parsing ---- */
 
-static bool query_true(h2o_req_t *req, const char *name)
-{
-    const char *v = req ? sp_http_query(req, name) : NULL;
-    return v != NULL && (strcmp(v, "true") == 0 || strcmp(v, "1") == 0);
-}
-
 /* Command ID -> pid: decimal, 1..2^31-1, no sign or leading zeros. 0 when invalid. */
 static uint32_t parse_cid(const char *s)
 {
@@ -64,7 +58,10 @@ static runspec_t *parse_run(json_t *b, h2o_req_t *req, sp_err_t *err)
                                           "cols", NULL};
     const char *in, *tag;
     int timeout_s = 0;
-    bool bg = false, stream = query_true(req, "stream");
+    bool bg = false, stream = false;
+    sp_err_t ignored; /* ?stream= other than true/1 has always meant false */
+    if (req != NULL)
+        sp_napi__query_bool(req, "stream", &stream, &ignored);
     if (sp_napi__body_keys(b, allowed, true, err) < 0 ||
         sp_napi__opt_str(b, "stdin", NAPI_MAX_BODY, &in, err) < 0 ||
         sp_napi__opt_str(b, "tag", 256, &tag, err) < 0 ||
@@ -156,29 +153,11 @@ static void cs_event(void *arg, const sp_exec_ev_t *ev)
         if (ev->type == SP_EXEC_EV_START)
             return;
     }
-    switch (ev->type) {
-    case SP_EXEC_EV_START:
-        return;
-    case SP_EXEC_EV_STDOUT:
-    case SP_EXEC_EV_STDERR:
-        if (sp_napi__nd_output(&cs->nd, ev) < 0) {
-            /* Out of memory: cut the response; the process keeps running. */
-            sp_exec_cancel(cs->op);
-            sp_stream_end(cs->nd.st, NULL, 0, false);
-            cs_free(cs);
-        }
-        return;
-    case SP_EXEC_EV_EXIT:
-        sp_napi__nd_exit(&cs->nd, ev);
-        sp_stream_end(cs->nd.st, NULL, 0, true);
+    int rc = sp_napi__nd_event(&cs->nd, ev);
+    if (rc < 0)
+        sp_exec_cancel(cs->op); /* out of memory: the process keeps running */
+    if (rc != 0)
         cs_free(cs);
-        return;
-    case SP_EXEC_EV_ERROR:
-        sp_napi__ndjson_line(cs->nd.st, sp_napi__error_event(ev->err), 0);
-        sp_stream_end(cs->nd.st, NULL, 0, true);
-        cs_free(cs);
-        return;
-    }
 }
 
 static cmdstream_t *cs_new(napi_ctx_t *c)

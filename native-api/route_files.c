@@ -76,20 +76,6 @@ static int parse_mode(const char *s, uint32_t *out, sp_err_t *err)
     return 0;
 }
 
-static int query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err)
-{
-    const char *v = sp_http_query(req, name);
-    if (v == NULL)
-        return 0;
-    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0)
-        *out = true;
-    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0)
-        *out = false;
-    else
-        return sp_err_set(err, SP_EINVAL, "%s must be true or false", name);
-    return 0;
-}
-
 /* path and user from the query string. */
 static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
 {
@@ -182,17 +168,12 @@ void sp_napi__files_list(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    const char *d = sp_http_query(sp_http_hold_req(c->hold), "depth");
-    f->depth = 1;
-    if (d != NULL) {
-        char *end;
-        long v = strtol(d, &end, 10);
-        if (d[0] == '\0' || *end != '\0' || v < 1 || v > 32) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "depth must be 1 to 32"), &e));
-            return;
-        }
-        f->depth = (uint32_t)v;
+    int depth = 1;
+    if (sp_napi__query_int(sp_http_hold_req(c->hold), "depth", 1, 32, &depth, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
     }
+    f->depth = (uint32_t)depth;
     sp_napi__with_agent(c, list_next);
 }
 
@@ -200,7 +181,7 @@ void sp_napi__files_delete(napi_ctx_t *c)
 {
     sp_err_t e;
     fsreq_t *f = from_query(c, &e);
-    if (f == NULL || query_bool(sp_http_hold_req(c->hold), "recursive", &f->flag, &e) < 0) {
+    if (f == NULL || sp_napi__query_bool(sp_http_hold_req(c->hold), "recursive", &f->flag, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -468,7 +449,7 @@ void sp_napi__files_put(napi_ctx_t *c)
     h2o_req_t *req = sp_http_hold_req(c->hold);
     if (f != NULL) {
         f->flag = true; /* mkdirs by default */
-        if (req == NULL || query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
+        if (req == NULL || sp_napi__query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
             parse_mode(sp_http_query(req, "mode"), &f->mode, &e) < 0)
             f = NULL;
     }

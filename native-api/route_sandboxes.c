@@ -176,9 +176,7 @@ static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const cha
     json_t *arr = json_array();
     for (size_t i = 0; i < n; i++)
         json_array_append_new(arr, sp_napi__sandbox_json(&recs[i]));
-    sp_napi__reply(c, 200,
-                   json_pack("{s:o,s:o}", "sandboxes", arr, "next_cursor",
-                             next ? json_string(next) : json_null()));
+    sp_napi__reply_page(c, "sandboxes", arr, next);
 }
 
 void sp_napi__sandboxes_list(napi_ctx_t *c)
@@ -186,18 +184,12 @@ void sp_napi__sandboxes_list(napi_ctx_t *c)
     h2o_req_t *req = sp_http_hold_req(c->hold);
     sp_err_t e;
     sp_list_req_t r = {.limit = 100};
-    const char *limit = sp_http_query(req, "limit");
     const char *state = sp_http_query(req, "state");
     const char *md = sp_http_query(req, "metadata");
     r.cursor = sp_http_query(req, "cursor");
-    if (limit != NULL) {
-        char *end;
-        long l = strtol(limit, &end, 10);
-        if (*limit == '\0' || *end != '\0' || l < 1 || l > 1000) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "limit must be 1 to 1000"), &e));
-            return;
-        }
-        r.limit = (int)l;
+    if (sp_napi__query_int(req, "limit", 1, 1000, &r.limit, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
     }
     if (state != NULL) {
         /* Comma-separated observed states. */

@@ -230,28 +230,11 @@ static void ndj_event(void *arg, const sp_exec_ev_t *ev)
         if (ev->type == SP_EXEC_EV_START)
             return;
     }
-    switch (ev->type) {
-    case SP_EXEC_EV_START:
-        return;
-    case SP_EXEC_EV_STDOUT:
-    case SP_EXEC_EV_STDERR:
-        if (sp_napi__nd_output(&n->nd, ev) < 0) {
-            sp_session_detach(n->att);
-            sp_stream_end(n->nd.st, NULL, 0, false);
-            ndj_free(n);
-        }
-        return;
-    case SP_EXEC_EV_EXIT:
-        sp_napi__nd_exit(&n->nd, ev);
-        sp_stream_end(n->nd.st, NULL, 0, true);
+    int rc = sp_napi__nd_event(&n->nd, ev);
+    if (rc < 0)
+        sp_session_detach(n->att);
+    if (rc != 0)
         ndj_free(n);
-        return;
-    case SP_EXEC_EV_ERROR:
-        sp_napi__ndjson_line(n->nd.st, sp_napi__error_event(ev->err), 0);
-        sp_stream_end(n->nd.st, NULL, 0, true);
-        ndj_free(n);
-        return;
-    }
 }
 
 static const sp_session_att_cbs_t ndj_att_cbs = {ndj_event, NULL};

@@ -1,11 +1,13 @@
 /*
- * body.c - reading the native API's JSON request bodies: the body itself and its fields.
+ * input.c - what the native API reads from a request: the JSON body, its fields, and the
+ * query parameters that more than one route takes.
  *
- * Every route reads its body with these, so a field of the wrong type gets the same answer
- * everywhere (400, naming the field). Optional fields: absent and JSON null are the same
+ * Every route reads its input with these, so a value of the wrong type gets the same answer
+ * everywhere (400, naming the field or parameter). Optional fields: absent and JSON null are the same
  * thing and leave the output as it was (strings: NULL). Strings are borrowed from the body.
  * Knows no route: which keys a body may have, and what they mean, is the route's.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "native-api/napi_int.h"
@@ -107,4 +109,31 @@ int sp_napi__signal(const json_t *v)
                    ? (int)json_integer_value(v)
                    : -1;
     return json_is_string(v) ? sp_exec_signal_number(json_string_value(v)) : -1;
+}
+
+int sp_napi__query_int(h2o_req_t *req, const char *name, int lo, int hi, int *out, sp_err_t *err)
+{
+    const char *v = sp_http_query(req, name);
+    if (v == NULL)
+        return 0;
+    char *end;
+    long l = strtol(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || l < lo || l > hi)
+        return sp_err_set(err, SP_EINVAL, "%s must be %d to %d", name, lo, hi);
+    *out = (int)l;
+    return 0;
+}
+
+int sp_napi__query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err)
+{
+    const char *v = sp_http_query(req, name);
+    if (v == NULL)
+        return 0;
+    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0)
+        *out = true;
+    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0)
+        *out = false;
+    else
+        return sp_err_set(err, SP_EINVAL, "%s must be true or false", name);
+    return 0;
 }
