@@ -137,7 +137,7 @@ typedef struct {
     size_t nstrs, cap;
 } napi_cmdspec_t;
 
-/* Fills *s from b (zeroed first; sp_napi__cmdspec_clear either way). */
+/* Fills *s from b: sp_napi__cmdspec_clear frees it; after -1 it holds nothing. */
 int sp_napi__cmdspec_parse(const json_t *b, napi_cmdspec_t *s, sp_err_t *err);
 /* A copy of n bytes of p (and a NUL) that lives as long as s; NULL when out of memory. */
 const char *sp_napi__cmdspec_keep(napi_cmdspec_t *s, const char *p, size_t n);
