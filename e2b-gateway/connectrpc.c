@@ -17,33 +17,7 @@
 #include <strings.h>
 #include <time.h>
 
-/* ---- buffers, arenas ---- */
-
-void sp_cbuf_add(sp_cbuf_t *b, const void *p, size_t n)
-{
-    if (b->oom || n == 0)
-        return;
-    if (b->len + n > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n)
-            cap *= 2;
-        uint8_t *nb = realloc(b->p, cap);
-        if (nb == NULL) {
-            b->oom = true;
-            return;
-        }
-        b->p = nb;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, p, n);
-    b->len += n;
-}
-
-void sp_cbuf_free(sp_cbuf_t *b)
-{
-    free(b->p);
-    memset(b, 0, sizeof(*b));
-}
+/* ---- arenas ---- */
 
 struct sp_carena_chunk {
     sp_carena_chunk_t *next;
@@ -843,7 +817,7 @@ static json_t *jenc_msg(const sp_cdesc_t *d, const void *msg)
 
 enum { WT_VARINT = 0, WT_I64 = 1, WT_LEN = 2, WT_I32 = 5 };
 
-static void pb_varint(sp_cbuf_t *b, uint64_t v)
+static void pb_varint(sp_buf_t *b, uint64_t v)
 {
     uint8_t t[10];
     size_t n = 0;
@@ -854,24 +828,24 @@ static void pb_varint(sp_cbuf_t *b, uint64_t v)
             t[n] |= 0x80;
         n++;
     } while (v);
-    sp_cbuf_add(b, t, n);
+    sp_buf_add(b, t, n);
 }
 
-static void pb_tag(sp_cbuf_t *b, uint32_t num, int wt)
+static void pb_tag(sp_buf_t *b, uint32_t num, int wt)
 {
     pb_varint(b, ((uint64_t)num << 3) | (uint64_t)wt);
 }
 
-static void pb_len(sp_cbuf_t *b, uint32_t num, const void *p, size_t n)
+static void pb_len(sp_buf_t *b, uint32_t num, const void *p, size_t n)
 {
     pb_tag(b, num, WT_LEN);
     pb_varint(b, n);
-    sp_cbuf_add(b, p, n);
+    sp_buf_add(b, p, n);
 }
 
-static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_cbuf_t *b);
+static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_buf_t *b);
 
-static void penc_value(const sp_cfield_t *f, const void *src, sp_cbuf_t *b)
+static void penc_value(const sp_cfield_t *f, const void *src, sp_buf_t *b)
 {
     switch (f->kind) {
     case SP_CK_STRING: {
@@ -906,7 +880,7 @@ static void penc_value(const sp_cfield_t *f, const void *src, sp_cbuf_t *b)
         return;
     case SP_CK_TIME: {
         const sp_ctime_t *t = src;
-        sp_cbuf_t sub = {0};
+        sp_buf_t sub = {0};
         if (t->seconds != 0) {
             pb_tag(&sub, 1, WT_VARINT);
             pb_varint(&sub, (uint64_t)t->seconds);
@@ -918,34 +892,34 @@ static void penc_value(const sp_cfield_t *f, const void *src, sp_cbuf_t *b)
         if (sub.oom)
             b->oom = true;
         pb_len(b, f->num, sub.p, sub.len);
-        sp_cbuf_free(&sub);
+        sp_buf_free(&sub);
         return;
     }
     case SP_CK_MSG: {
-        sp_cbuf_t sub = {0};
+        sp_buf_t sub = {0};
         penc_msg(f->sub, src, &sub);
         if (sub.oom)
             b->oom = true;
         pb_len(b, f->num, sub.p, sub.len);
-        sp_cbuf_free(&sub);
+        sp_buf_free(&sub);
         return;
     }
     case SP_CK_MAPSS: {
         const sp_ckv_t *kv = src;
-        sp_cbuf_t sub = {0};
+        sp_buf_t sub = {0};
         const char *k = kv->key ? kv->key : "", *v = kv->value ? kv->value : "";
         pb_len(&sub, 1, k, strlen(k));
         pb_len(&sub, 2, v, strlen(v));
         if (sub.oom)
             b->oom = true;
         pb_len(b, f->num, sub.p, sub.len);
-        sp_cbuf_free(&sub);
+        sp_buf_free(&sub);
         return;
     }
     }
 }
 
-static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_cbuf_t *b)
+static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_buf_t *b)
 {
     for (size_t i = 0; i < d->nfields; i++) {
         const sp_cfield_t *f = &d->fields[i];
@@ -1192,7 +1166,7 @@ int sp_connect_decode(sp_connect_codec_t codec, const sp_cdesc_t *d, const uint8
 }
 
 int sp_connect_encode(sp_connect_codec_t codec, const sp_cdesc_t *d, const void *msg,
-                      sp_cbuf_t *out)
+                      sp_buf_t *out)
 {
     if (codec == SP_CONNECT_PROTO) {
         penc_msg(d, msg, out);
@@ -1205,7 +1179,7 @@ int sp_connect_encode(sp_connect_codec_t codec, const sp_cdesc_t *d, const void 
     json_decref(o);
     if (s == NULL)
         return -1;
-    sp_cbuf_add(out, s, strlen(s));
+    sp_buf_add(out, s, strlen(s));
     free(s);
     return out->oom ? -1 : 0;
 }
@@ -1232,12 +1206,12 @@ int sp_connect_envelope_next(const uint8_t *buf, size_t n, size_t *off, uint8_t 
     return 1;
 }
 
-void sp_connect_envelope_add(sp_cbuf_t *out, uint8_t flags, const void *p, size_t n)
+void sp_connect_envelope_add(sp_buf_t *out, uint8_t flags, const void *p, size_t n)
 {
     uint8_t h[SP_CONNECT_ENV_HDR] = {flags, (uint8_t)(n >> 24), (uint8_t)(n >> 16),
                                      (uint8_t)(n >> 8), (uint8_t)n};
-    sp_cbuf_add(out, h, sizeof(h));
-    sp_cbuf_add(out, p, n);
+    sp_buf_add(out, h, sizeof(h));
+    sp_buf_add(out, p, n);
 }
 
 /* ---- error codes ---- */
@@ -1433,16 +1407,16 @@ static void send_body(h2o_req_t *req, int status, const char *ctype, const void 
 void sp_connect_reply(h2o_req_t *req, const sp_connect_req_t *cr, const sp_cdesc_t *d,
                       const void *msg)
 {
-    sp_cbuf_t b = {0};
+    sp_buf_t b = {0};
     if (sp_connect_encode(cr->codec, d, msg, &b) < 0) {
-        sp_cbuf_free(&b);
+        sp_buf_free(&b);
         sp_connect_reply_error(req, SP_CC_INTERNAL, "out of memory");
         return;
     }
     /* An empty proto message is a valid empty body; JSON is at least {}. */
     send_body(req, 200, cr->codec == SP_CONNECT_PROTO ? "application/proto" : "application/json",
               b.p ? (const char *)b.p : "", b.len);
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
 }
 
 void sp_connect_reply_error(h2o_req_t *req, sp_connect_code_t code, const char *msg)
@@ -1466,14 +1440,14 @@ const char *sp_connect_stream_ctype(sp_connect_codec_t codec)
 int sp_connect_stream_msg(sp_stream_t *st, sp_connect_codec_t codec, const sp_cdesc_t *d,
                           const void *msg, size_t raw)
 {
-    sp_cbuf_t pl = {0}, env = {0};
+    sp_buf_t pl = {0}, env = {0};
     int rc = sp_connect_encode(codec, d, msg, &pl);
     if (rc == 0) {
         sp_connect_envelope_add(&env, 0, pl.p, pl.len);
         rc = env.oom ? -1 : sp_stream_write(st, env.p, env.len, raw);
     }
-    sp_cbuf_free(&pl);
-    sp_cbuf_free(&env);
+    sp_buf_free(&pl);
+    sp_buf_free(&env);
     return rc;
 }
 
@@ -1489,9 +1463,9 @@ void sp_connect_stream_finish(sp_stream_t *st, sp_connect_code_t code, const cha
     const char *body = code == SP_CC_OK ? "{}"
                        : s              ? s
                                         : "{\"error\":{\"code\":\"internal\",\"message\":\"\"}}";
-    sp_cbuf_t env = {0};
+    sp_buf_t env = {0};
     sp_connect_envelope_add(&env, SP_CONNECT_FLAG_END, body, strlen(body));
     free(s);
     sp_stream_end(st, env.p, env.len, !env.oom);
-    sp_cbuf_free(&env);
+    sp_buf_free(&env);
 }

@@ -20,19 +20,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/buf.h"
 #include "base/err.h"
 #include "http/stream.h"
 
 /* ---- buffers and arenas ---- */
 
-typedef struct {
-    uint8_t *p;
-    size_t len, cap;
-    bool oom; /* an append failed: the content is incomplete */
-} sp_cbuf_t;
+/* Encoded messages and envelopes are built in base/buf.h's sp_buf_t. sp_cbuf_t is its old
+ * name here, kept (with the two calls) for the envd handlers that still use it. */
+typedef sp_buf_t sp_cbuf_t;
 
-void sp_cbuf_add(sp_cbuf_t *b, const void *p, size_t n);
-void sp_cbuf_free(sp_cbuf_t *b);
+static inline void sp_cbuf_add(sp_cbuf_t *b, const void *p, size_t n)
+{
+    sp_buf_add(b, p, n);
+}
+
+static inline void sp_cbuf_free(sp_cbuf_t *b)
+{
+    sp_buf_free(b);
+}
 
 typedef struct sp_carena_chunk sp_carena_chunk_t;
 typedef struct {
@@ -353,7 +359,7 @@ int sp_connect_decode(sp_connect_codec_t codec, const sp_cdesc_t *d, const uint8
 /* Appends the encoding of msg to out. -1 when memory ran out. JSON: compact, camelCase,
  * bytes base64 with padding, enums by name, int64 as strings, timestamps RFC 3339. */
 int sp_connect_encode(sp_connect_codec_t codec, const sp_cdesc_t *d, const void *msg,
-                      sp_cbuf_t *out);
+                      sp_buf_t *out);
 
 /* Base64 (standard alphabet, padded); decode also takes URL-safe and missing padding, and
  * skips nothing else. Decode returns the length or -1; out needs 3 * (n / 4 + 1) bytes. */
@@ -370,7 +376,7 @@ enum { SP_CONNECT_FLAG_COMPRESSED = 0x01, SP_CONNECT_FLAG_END = 0x02 };
 int sp_connect_envelope_next(const uint8_t *buf, size_t n, size_t *off, uint8_t *flags,
                              const uint8_t **payload, size_t *len, sp_err_t *err);
 /* Appends one envelope. */
-void sp_connect_envelope_add(sp_cbuf_t *out, uint8_t flags, const void *p, size_t n);
+void sp_connect_envelope_add(sp_buf_t *out, uint8_t flags, const void *p, size_t n);
 
 /* ---- error codes ---- */
 

@@ -102,22 +102,6 @@ void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err)
         sp_http_error(req, err);
 }
 
-sp_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err, const sp_stream_cbs_t *cbs,
-                                   void *arg)
-{
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return NULL;
-    }
-    h2o_req_t *req = sp_napi__take(c);
-    if (req == NULL)
-        return NULL; /* the client left before the start */
-    sp_stream_t *st = sp_stream_start(req, 200, "application/x-ndjson", -1, cbs, arg);
-    if (st == NULL)
-        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
-    return st;
-}
-
 /* ---- rendering ---- */
 
 static json_t *str_or_null(const char *s)
@@ -164,26 +148,18 @@ json_t *sp_napi__op_json(const sp_op_rec_t *op)
     return o;
 }
 
+void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const char *next)
+{
+    sp_napi__reply(c, 200,
+                   json_pack("{s:o,s:o}", key, items, "next_cursor",
+                             next ? json_string(next) : json_null()));
+}
+
 json_t *sp_napi__template_json(const sp_template_rec_t *t)
 {
     return json_pack("{s:s,s:s,s:i,s:i,s:s,s:s}", "name", t->name, "description",
                      t->description, "cpu_count", t->cpu_count, "memory_mb", t->memory_mb,
                      "status", t->status, "updated_at", t->updated_at);
-}
-
-int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *err)
-{
-    const char *k;
-    const json_t *v;
-    json_object_foreach((json_t *)obj, k, v)
-    {
-        bool ok = false;
-        for (int i = 0; allowed[i] != NULL && !ok; i++)
-            ok = strcmp(k, allowed[i]) == 0;
-        if (!ok)
-            return sp_err_set(err, SP_EINVAL, "unknown field '%.64s'", k);
-    }
-    return 0;
 }
 
 /* ---- routing ---- */
@@ -391,29 +367,15 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
         key = authz + 7;
     json_t *body = NULL;
     if (mb == M_POST && r->body) {
-        if (req->entity.len > NAPI_MAX_BODY) {
-            sp_http_error_code(req, SP_ETOOBIG, "request body is larger than 1 MiB");
+        /* Quiet for secrets: the parser's message would quote the value. */
+        if (sp_napi__parse_body(req, strcmp(segs[1], "secrets") == 0, &body, &e) < 0) {
+            sp_http_error(req, &e);
             return;
         }
-        if (req->entity.base != NULL && req->entity.len > 0) {
-            json_error_t je;
-            body = json_loadb(req->entity.base, req->entity.len,
-                              JSON_REJECT_DUPLICATES | JSON_DISABLE_EOF_CHECK * 0, &je);
-            if (body == NULL) {
-                /* The parser's text quotes the body near the error: never for secrets. */
-                if (strcmp(segs[1], "secrets") == 0)
-                    sp_err_set(&e, SP_EINVAL, "malformed JSON (line %d, column %d)", je.line,
-                               je.column);
-                else
-                    sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text);
-                sp_http_error(req, &e);
-                return;
-            }
-            if (!json_is_object(body)) {
-                json_decref(body);
-                sp_http_error_code(req, SP_EINVAL, "request body must be a JSON object");
-                return;
-            }
+        if (body != NULL && !json_is_object(body)) {
+            json_decref(body);
+            sp_http_error_code(req, SP_EINVAL, "request body must be a JSON object");
+            return;
         }
     }
     sp_http_hold_t *h = sp_http_hold(req, sizeof(napi_ctx_t));

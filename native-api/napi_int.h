@@ -4,6 +4,8 @@
 #ifndef SP_NAPI_INT_H
 #define SP_NAPI_INT_H
 
+#include "base/buf.h"
+#include "core/channel/exec.h"
 #include "core/channel/session.h"
 #include "native-api/napi.h"
 #include "http/http.h"
@@ -50,6 +52,8 @@ void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err);
 json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s);
 json_t *sp_napi__op_json(const sp_op_rec_t *o);
 json_t *sp_napi__template_json(const sp_template_rec_t *t);
+/* A page of a list: {key: items (stolen), "next_cursor": next or null}, 200. */
+void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const char *next);
 
 /* Frees the context and hands back the request for a streamed reply (NULL: client gone). */
 h2o_req_t *sp_napi__take(napi_ctx_t *c);
@@ -59,6 +63,8 @@ h2o_req_t *sp_napi__take(napi_ctx_t *c);
 void sp_napi__with_agent(napi_ctx_t *c, napi_agent_fn next);
 sp_loop_t *sp_napi__loop(napi_ctx_t *c);
 
+/* ---- streamed NDJSON (ndjson.c) ---- */
+
 /* The first event of a streamed NDJSON route (http/stream.h): a failure (err != NULL)
  * answers as a JSON error, anything else starts a 200 application/x-ndjson stream. Consumes c
  * either way. NULL when there is no stream (answered with err, the client is gone, or out of
@@ -66,8 +72,76 @@ sp_loop_t *sp_napi__loop(napi_ctx_t *c);
 sp_stream_t *sp_napi__ndjson_begin(napi_ctx_t *c, const sp_err_t *err, const sp_stream_cbs_t *cbs,
                                    void *arg);
 
-/* Body helpers: check that obj has only the listed keys ("a,b,c"). */
-int sp_napi__only_keys(const json_t *obj, const char *const *allowed, sp_err_t *err);
+/* Writes o (stolen; NULL: out of memory) as one line standing for raw agent bytes; -1 when
+ * out of memory. */
+int sp_napi__ndjson_line(sp_stream_t *st, json_t *o, size_t raw);
+
+/* A process's events as lines on st: {"type":"start","id","pid"[,"session"]},
+ * {"type":"stdout"|"stderr","data"}, {"exit_code","signal","timed_out","type":"exit"} or
+ * {"type":"error","error":{"code","message"}}. Zero it, set st once the stream started. */
+typedef struct {
+    sp_stream_t *st;
+    uint8_t carry[2][4]; /* an incomplete UTF-8 sequence at the end of a chunk, per fd */
+    size_t ncarry[2];
+    sp_buf_t line;       /* scratch for one output line */
+} napi_ndjson_t;
+
+/* An event after the start line, as its line: 1 when it was the last (EXIT, after what the
+ * carries still held, or ERROR: the stream is ended), -1 when out of memory (the stream is
+ * cut; the caller stops or detaches the process), 0 otherwise. */
+int sp_napi__nd_event(napi_ndjson_t *nd, const sp_exec_ev_t *ev);
+void sp_napi__nd_clear(napi_ndjson_t *nd);
+/* {"exit_code","signal","timed_out"}: a collected command's result and the exit line. */
+json_t *sp_napi__exit_json(bool exited, int code, int sig, bool timed_out);
+/* The lines of an EXIT event (the exit_json fields and "type") and of an error. */
+json_t *sp_napi__exit_event(const sp_exec_ev_t *ev);
+json_t *sp_napi__error_event(const sp_err_t *err);
+/* session: NULL, or the session the process runs in. */
+json_t *sp_napi__start_event(uint32_t pid, const char *session);
+
+/* ---- request input (input.c) ----
+ * Optional fields: absent and JSON null alike leave *out as it was (strings: NULL) and
+ * return 0; a wrong type or range is -1 with SP_EINVAL naming the field. b may be NULL
+ * (no body): every field is then absent. Strings are borrowed from b. */
+
+/* req's body as JSON (any value; *out NULL when the body is empty): 413 past NAPI_MAX_BODY,
+ * 400 when malformed. quiet: the parser's message, which quotes the text near the error, is
+ * replaced by its line and column (bodies that hold secrets). */
+int sp_napi__parse_body(h2o_req_t *req, bool quiet, json_t **out, sp_err_t *err);
+/* b has only the allowed keys (NULL-terminated list). b NULL: fine unless required ("request
+ * body must be a JSON object"). */
+int sp_napi__body_keys(const json_t *b, const char *const *allowed, bool required, sp_err_t *err);
+/* The field, or NULL when absent or null (borrowed). */
+json_t *sp_napi__field(const json_t *b, const char *key);
+/* A string without NUL of at most maxlen bytes. */
+int sp_napi__opt_str(const json_t *b, const char *key, size_t maxlen, const char **out,
+                     sp_err_t *err);
+/* A string that must be there (NUL allowed: the caller decides), or NULL with err. */
+json_t *sp_napi__req_string(const json_t *b, const char *key, sp_err_t *err);
+int sp_napi__opt_bool(const json_t *b, const char *key, bool *out, sp_err_t *err);
+int sp_napi__opt_int(const json_t *b, const char *key, int lo, int hi, int *out, sp_err_t *err);
+/* A signal given as a number (1..64) or a name ("SIGTERM", "TERM"); -1 for anything else. */
+int sp_napi__signal(const json_t *v);
+/* Query parameters: absent leaves *out as it was. */
+int sp_napi__query_int(h2o_req_t *req, const char *name, int lo, int hi, int *out, sp_err_t *err);
+/* true/1 or false/0. */
+int sp_napi__query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err);
+
+/* ---- command specs (cmdspec.c) ----
+ * The process a POST .../commands or .../sessions body describes: cmd or argv, env, cwd,
+ * user, pty, rows and cols, as an sp_exec_cmd_t whose strings are copies owned here. The
+ * route checks its keys first and reads its own fields (stdin, timeout_s, ...) itself. */
+typedef struct {
+    sp_exec_cmd_t cmd;
+    char **strs; /* what cmd points into */
+    size_t nstrs, cap;
+} napi_cmdspec_t;
+
+/* Fills *s from b: sp_napi__cmdspec_clear frees it; after -1 it holds nothing. */
+int sp_napi__cmdspec_parse(const json_t *b, napi_cmdspec_t *s, sp_err_t *err);
+/* A copy of n bytes of p (and a NUL) that lives as long as s; NULL when out of memory. */
+const char *sp_napi__cmdspec_keep(napi_cmdspec_t *s, const char *p, size_t n);
+void sp_napi__cmdspec_clear(napi_cmdspec_t *s);
 
 /* Route handlers (the context is authenticated and validated for shape). */
 void sp_napi__templates_list(napi_ctx_t *c);
@@ -106,11 +180,6 @@ void sp_napi__secrets_put(napi_ctx_t *c);
 void sp_napi__secrets_delete(napi_ctx_t *c);
 void sp_napi__credentials_get(napi_ctx_t *c);
 void sp_napi__credentials_put(napi_ctx_t *c);
-/* POST /v1/sandboxes "credentials": checked and normalised (NULL when absent), then the
- * named secrets are looked up before the sandbox is created (route_secrets.c). */
-int sp_napi__credentials_from_body(napi_ctx_t *c, json_t **out, sp_err_t *err);
-/* Takes rules (into c->data), checks that their secrets exist, then calls next (or fails). */
-void sp_napi__credentials_check(napi_ctx_t *c, json_t *rules, napi_route_fn next);
 /* Outbound traffic (route_egress.c): audit rows, and the policy (PUT body parsed there). */
 void sp_napi__egress_log(napi_ctx_t *c);
 void sp_napi__egress_policy_get(napi_ctx_t *c);

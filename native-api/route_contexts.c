@@ -26,35 +26,12 @@
 
 /* ---- parsing ---- */
 
-/* Optional string field: *out borrowed from body (NULL when absent or null). */
-static int get_str(json_t *body, const char *key, size_t maxlen, const char **out, sp_err_t *err)
-{
-    json_t *v = body ? json_object_get(body, key) : NULL;
-    *out = NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v))
-        return sp_err_set(err, SP_EINVAL, "%s must be a string", key);
-    if (strlen(json_string_value(v)) != json_string_length(v))
-        return sp_err_set(err, SP_EINVAL, "%s may not contain NUL characters", key);
-    if (json_string_length(v) > maxlen)
-        return sp_err_set(err, SP_EINVAL, "%s is longer than %zu bytes", key, maxlen);
-    *out = json_string_value(v);
-    return 0;
-}
-
 static int check_language(const char *lang, sp_err_t *err)
 {
     if (lang != NULL && sp_code_language(lang) == NULL)
         return sp_err_set(err, SP_EINVAL, "unsupported language '%.32s' (supported: %s)", lang,
                           SP_CODE_LANGUAGES);
     return 0;
-}
-
-/* A body that may be absent and takes only the listed keys. */
-static int check_body(napi_ctx_t *c, const char *const *allowed, sp_err_t *err)
-{
-    return c->body != NULL ? sp_napi__only_keys(c->body, allowed, err) : 0;
 }
 
 static json_t *ctx_json(const sp_code_ctx_t *x)
@@ -103,8 +80,8 @@ static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     sp_err_t e;
     const char *lang = NULL, *cwd = NULL;
-    get_str(c->body, "language", 64, &lang, &e); /* checked before */
-    get_str(c->body, "cwd", CWD_MAX, &cwd, &e);
+    sp_napi__opt_str(c->body, "language", 64, &lang, &e); /* checked before */
+    sp_napi__opt_str(c->body, "cwd", CWD_MAX, &cwd, &e);
     if (sp_code_create(sp_napi__loop(c), conn, c->segs[2], lang, cwd, on_created, c, &e) == NULL)
         sp_napi__fail(c, &e);
 }
@@ -114,8 +91,9 @@ void sp_napi__contexts_create(napi_ctx_t *c)
     static const char *const allowed[] = {"language", "cwd", NULL};
     sp_err_t e;
     const char *lang, *cwd;
-    if (check_body(c, allowed, &e) < 0 || get_str(c->body, "language", 64, &lang, &e) < 0 ||
-        get_str(c->body, "cwd", CWD_MAX, &cwd, &e) < 0 || check_language(lang, &e) < 0 ||
+    if (sp_napi__body_keys(c->body, allowed, false, &e) < 0 ||
+        sp_napi__opt_str(c->body, "language", 64, &lang, &e) < 0 ||
+        sp_napi__opt_str(c->body, "cwd", CWD_MAX, &cwd, &e) < 0 || check_language(lang, &e) < 0 ||
         (cwd != NULL && cwd[0] == '\0' ? sp_err_set(&e, SP_EINVAL, "cwd is empty") : 0) < 0) {
         sp_napi__fail(c, &e);
         return;
@@ -201,7 +179,7 @@ static void ctx_action(napi_ctx_t *c, napi_agent_fn next)
 {
     static const char *const none[] = {NULL};
     sp_err_t e;
-    if (check_body(c, none, &e) < 0) {
+    if (sp_napi__body_keys(c->body, none, false, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -227,34 +205,28 @@ static int parse_exec(napi_ctx_t *c, bool in_context, sp_code_exec_req_t *req, s
     static const char *const ctx_keys[] = {"code", "env", "timeout_s", NULL};
     static const char *const top_keys[] = {"code", "language",  "context_id",
                                            "env",  "timeout_s", NULL};
-    json_t *b = c->body;
+    json_t *b = c->body, *code;
     memset(req, 0, sizeof(*req));
-    if (b == NULL)
-        return sp_err_set(err, SP_EINVAL, "request body must be a JSON object");
-    if (sp_napi__only_keys(b, in_context ? ctx_keys : top_keys, err) < 0)
+    if (sp_napi__body_keys(b, in_context ? ctx_keys : top_keys, true, err) < 0 ||
+        (code = sp_napi__req_string(b, "code", err)) == NULL)
         return -1;
-    json_t *code = json_object_get(b, "code");
-    if (!json_is_string(code))
-        return sp_err_set(err, SP_EINVAL, "code is required and must be a string");
     req->code = json_string_value(code);
     req->code_len = json_string_length(code);
     if (in_context) {
         req->context_id = c->segs[4];
-    } else if (get_str(b, "language", 64, &req->language, err) < 0 ||
-               get_str(b, "context_id", 256, &req->context_id, err) < 0 ||
+    } else if (sp_napi__opt_str(b, "language", 64, &req->language, err) < 0 ||
+               sp_napi__opt_str(b, "context_id", 256, &req->context_id, err) < 0 ||
                check_language(req->language, err) < 0) {
         return -1;
     }
     if (req->context_id != NULL && req->language != NULL)
         return sp_err_set(err, SP_EINVAL, "give context_id or language, not both");
-    json_t *env = json_object_get(b, "env");
-    if (env != NULL && json_is_null(env))
-        env = NULL;
+    json_t *env = sp_napi__field(b, "env");
     if (sp_svc_check_string_map(env, "env", err) < 0)
         return -1;
     req->env = env;
-    json_t *t = json_object_get(b, "timeout_s");
-    if (t != NULL && !json_is_null(t)) {
+    json_t *t = sp_napi__field(b, "timeout_s");
+    if (t != NULL) {
         double s = json_is_number(t) ? json_number_value(t) : -1;
         if (!(s > 0 && s <= MAX_TIMEOUT_S))
             return sp_err_set(err, SP_EINVAL,
@@ -324,14 +296,9 @@ static void xs_touch(xs_t *xs)
 /* Writes o (stolen) as one line standing for raw daemon bytes; -1 when out of memory. */
 static int xs_emit(xs_t *xs, json_t *o, size_t raw)
 {
-    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (s == NULL)
+    if (o == NULL)
         return -1;
-    size_t n = strlen(s);
-    s[n] = '\n';
-    int rc = sp_stream_write(xs->st, s, n + 1, raw);
-    free(s);
+    int rc = sp_napi__ndjson_line(xs->st, o, raw);
     sp_timer_start(&xs->keepalive, KEEPALIVE_MS);
     xs_touch(xs);
     return rc;

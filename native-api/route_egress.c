@@ -40,9 +40,7 @@ static void on_log(void *arg, const sp_egress_rec_t *recs, size_t n, const char 
     json_t *arr = json_array();
     for (size_t i = 0; i < n; i++)
         json_array_append_new(arr, rec_json(&recs[i]));
-    sp_napi__reply(c, 200,
-                   json_pack("{s:o,s:o}", "entries", arr, "next_cursor",
-                             next ? json_string(next) : json_null()));
+    sp_napi__reply_page(c, "entries", arr, next);
 }
 
 void sp_napi__egress_log(napi_ctx_t *c)
@@ -50,17 +48,8 @@ void sp_napi__egress_log(napi_ctx_t *c)
     h2o_req_t *req = sp_http_hold_req(c->hold);
     sp_err_t e;
     int limit = 100;
-    const char *l = sp_http_query(req, "limit");
-    if (l != NULL) {
-        char *end;
-        long v = strtol(l, &end, 10);
-        if (*l == '\0' || *end != '\0' || v < 1 || v > 1000) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "limit must be 1 to 1000"), &e));
-            return;
-        }
-        limit = (int)v;
-    }
-    if (sp_svc_egress_log(c->n->svc, &c->auth, c->segs[2], limit, sp_http_query(req, "cursor"),
+    if (sp_napi__query_int(req, "limit", 1, 1000, &limit, &e) < 0 ||
+        sp_svc_egress_log(c->n->svc, &c->auth, c->segs[2], limit, sp_http_query(req, "cursor"),
                           on_log, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
@@ -83,22 +72,14 @@ void sp_napi__egress_policy_get(napi_ctx_t *c)
 
 void sp_napi__egress_policy_put(napi_ctx_t *c)
 {
-    h2o_req_t *req = sp_http_hold_req(c->hold);
     sp_err_t e;
-    if (req->entity.base == NULL || req->entity.len == 0) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "request body must be a JSON object"), &e));
+    json_t *b;
+    if (sp_napi__parse_body(sp_http_hold_req(c->hold), false, &b, &e) < 0 ||
+        (b == NULL ? sp_err_set(&e, SP_EINVAL, "request body must be a JSON object") : 0) < 0) {
+        sp_napi__fail(c, &e);
         return;
     }
-    if (req->entity.len > NAPI_MAX_BODY) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_ETOOBIG, "request body is larger than 1 MiB"), &e));
-        return;
-    }
-    json_error_t je;
-    json_t *b = json_loadb(req->entity.base, req->entity.len, JSON_REJECT_DUPLICATES, &je);
-    if (b == NULL) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "malformed JSON: %.100s", je.text), &e));
-        return;
-    }
+    /* Any JSON value: core says what a policy must be. */
     int rc = sp_svc_set_egress_policy(c->n->svc, &c->auth, c->segs[2], b, on_policy, c, &e);
     json_decref(b);
     if (rc < 0)

@@ -10,6 +10,7 @@
  * client that leaves stops the transfer (an upload is abandoned and the agent drops its
  * temporary file).
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,20 +77,6 @@ static int parse_mode(const char *s, uint32_t *out, sp_err_t *err)
     return 0;
 }
 
-static int query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err)
-{
-    const char *v = sp_http_query(req, name);
-    if (v == NULL)
-        return 0;
-    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0)
-        *out = true;
-    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0)
-        *out = false;
-    else
-        return sp_err_set(err, SP_EINVAL, "%s must be true or false", name);
-    return 0;
-}
-
 /* path and user from the query string. */
 static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
 {
@@ -111,19 +98,6 @@ static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
     if (f == NULL || set_str(&f->path, path, err) < 0 || set_str(&f->user, user, err) < 0)
         return NULL;
     return f;
-}
-
-/* A string field of the JSON body (NULL when absent); -1 when not a string or holds NUL. */
-static int body_str(json_t *b, const char *key, const char **out, sp_err_t *err)
-{
-    json_t *v = json_object_get(b, key);
-    *out = NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v) || strlen(json_string_value(v)) != json_string_length(v))
-        return sp_err_set(err, SP_EINVAL, "%s must be a string without NUL characters", key);
-    *out = json_string_value(v);
-    return 0;
 }
 
 /* ---- request/answer operations: stat, list, mkdir, move, remove ---- */
@@ -195,17 +169,12 @@ void sp_napi__files_list(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    const char *d = sp_http_query(sp_http_hold_req(c->hold), "depth");
-    f->depth = 1;
-    if (d != NULL) {
-        char *end;
-        long v = strtol(d, &end, 10);
-        if (d[0] == '\0' || *end != '\0' || v < 1 || v > 32) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "depth must be 1 to 32"), &e));
-            return;
-        }
-        f->depth = (uint32_t)v;
+    int depth = 1;
+    if (sp_napi__query_int(sp_http_hold_req(c->hold), "depth", 1, 32, &depth, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
     }
+    f->depth = (uint32_t)depth;
     sp_napi__with_agent(c, list_next);
 }
 
@@ -213,7 +182,7 @@ void sp_napi__files_delete(napi_ctx_t *c)
 {
     sp_err_t e;
     fsreq_t *f = from_query(c, &e);
-    if (f == NULL || query_bool(sp_http_hold_req(c->hold), "recursive", &f->flag, &e) < 0) {
+    if (f == NULL || sp_napi__query_bool(sp_http_hold_req(c->hold), "recursive", &f->flag, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -226,17 +195,16 @@ void sp_napi__files_mkdir(napi_ctx_t *c)
     sp_err_t e;
     json_t *b = c->body;
     const char *path, *user;
-    json_t *m = b ? json_object_get(b, "mode") : NULL;
+    json_t *m = sp_napi__field(b, "mode");
     uint32_t mode = 0;
-    if (b == NULL)
-        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "path", &path, &e) < 0 ||
-        body_str(b, "user", &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        sp_napi__opt_str(b, "path", SIZE_MAX, &path, &e) < 0 ||
+        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
         check_user(user, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
-    if (m != NULL && !json_is_null(m)) {
+    if (m != NULL) {
         if (json_is_integer(m) && json_integer_value(m) >= 0 && json_integer_value(m) <= 07777)
             mode = (uint32_t)json_integer_value(m);
         else if (!json_is_string(m) || parse_mode(json_string_value(m), &mode, &e) < 0) {
@@ -261,10 +229,10 @@ void sp_napi__files_move(napi_ctx_t *c)
     sp_err_t e;
     json_t *b = c->body;
     const char *from, *to, *user;
-    if (b == NULL)
-        sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || body_str(b, "from", &from, &e) < 0 ||
-        body_str(b, "to", &to, &e) < 0 || body_str(b, "user", &user, &e) < 0 ||
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        sp_napi__opt_str(b, "from", SIZE_MAX, &from, &e) < 0 ||
+        sp_napi__opt_str(b, "to", SIZE_MAX, &to, &e) < 0 ||
+        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 ||
         (from == NULL || to == NULL ? sp_err_set(&e, SP_EINVAL, "from and to are required") : 0) < 0 ||
         sp_exec_check_path(from, &e) < 0 || sp_exec_check_path(to, &e) < 0 ||
         check_user(user, &e) < 0) {
@@ -398,7 +366,7 @@ void sp_napi__files_put(napi_ctx_t *c)
     h2o_req_t *req = sp_http_hold_req(c->hold);
     if (f != NULL) {
         f->flag = true; /* mkdirs by default */
-        if (req == NULL || query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
+        if (req == NULL || sp_napi__query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
             parse_mode(sp_http_query(req, "mode"), &f->mode, &e) < 0)
             f = NULL;
     }

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/egress/egress_policy.h"
 #include "native-api/napi_int.h"
 
 /* ---- templates ---- */
@@ -111,79 +110,40 @@ static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
     accepted(c, sb, op);
 }
 
-static int get_int(json_t *body, const char *key, int lo, int hi, int *out, sp_err_t *err)
-{
-    json_t *v = json_object_get(body, key);
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
-        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %d to %d", key, lo, hi);
-    *out = (int)json_integer_value(v);
-    return 0;
-}
-
 void sp_napi__sandboxes_create(napi_ctx_t *c)
 {
     static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
                                           "timeout_s", "cpu_count", "memory_mb", "deadline_action",
                                           "credentials", "egress", NULL};
     sp_err_t e;
-    json_t *b = c->body;
-    if (b == NULL) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "request body must be a JSON object"), &e));
-        return;
-    }
+    json_t *b = c->body, *t;
     sp_create_req_t r = {0};
-    json_t *t = json_object_get(b, "template");
-    json_t *da = json_object_get(b, "deadline_action");
-    if (sp_napi__only_keys(b, allowed, &e) < 0 ||
-        (t == NULL || !json_is_string(t) ? sp_err_set(&e, SP_EINVAL, "template is required and must be a string") : 0) < 0 ||
-        (da != NULL && !json_is_null(da) && !json_is_string(da)
+    json_t *da = sp_napi__field(b, "deadline_action");
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        (t = sp_napi__req_string(b, "template", &e)) == NULL ||
+        (da != NULL && !json_is_string(da)
              ? sp_err_set(&e, SP_EINVAL, "deadline_action must be a string")
              : 0) < 0 ||
-        get_int(b, "idle_timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.idle_timeout_s, &e) < 0 ||
-        get_int(b, "timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.timeout_s, &e) < 0 ||
-        get_int(b, "cpu_count", 1, SP_SVC_MAX_CPUS, &r.cpu_count, &e) < 0 ||
-        get_int(b, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &r.memory_mb, &e) < 0) {
+        sp_napi__opt_int(b, "idle_timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.idle_timeout_s, &e) < 0 ||
+        sp_napi__opt_int(b, "timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.timeout_s, &e) < 0 ||
+        sp_napi__opt_int(b, "cpu_count", 1, SP_SVC_MAX_CPUS, &r.cpu_count, &e) < 0 ||
+        sp_napi__opt_int(b, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &r.memory_mb,
+                         &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
     r.template_name = json_string_value(t);
-    r.metadata = json_object_get(b, "metadata");
-    r.env = json_object_get(b, "env");
-    r.deadline_action = da && json_is_string(da) ? json_string_value(da) : NULL;
-    if (r.metadata != NULL && json_is_null(r.metadata))
-        r.metadata = NULL;
-    if (r.env != NULL && json_is_null(r.env))
-        r.env = NULL;
+    r.metadata = sp_napi__field(b, "metadata");
+    r.env = sp_napi__field(b, "env");
+    r.deadline_action = json_string_value(da); /* NULL when absent */
     if (strlen(r.template_name) != json_string_length(t)) {
         sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "template may not contain NUL"), &e));
         return;
     }
-    /* Outbound policy (core/egress/egress_policy.h): a bad rule is a 400 naming it. */
-    json_t *egress = json_object_get(b, "egress");
-    if (egress != NULL && !json_is_null(egress)) {
-        sp_egp_t *pol = sp_egp_from_json(egress, "egress", &e);
-        if (pol == NULL) {
-            sp_napi__fail(c, &e);
-            return;
-        }
-        sp_egp_free(pol);
-        r.egress = egress;
-    }
-    if (c->data == NULL) {
-        /* Credential rules: their secrets are looked up first, then this runs again. */
-        json_t *creds = NULL;
-        if (sp_napi__credentials_from_body(c, &creds, &e) < 0) {
-            sp_napi__fail(c, &e);
-            return;
-        }
-        if (creds != NULL) {
-            sp_napi__credentials_check(c, creds, sp_napi__sandboxes_create);
-            return;
-        }
-    }
-    r.credentials = c->data;
+    /* The outbound policy and the credential rules are core's to check (a bad rule is a 400
+     * naming it), and the secrets the rules name core's to look up. */
+    r.egress = sp_napi__field(b, "egress");
+    r.credentials = sp_napi__field(b, "credentials");
     if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
@@ -216,9 +176,7 @@ static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const cha
     json_t *arr = json_array();
     for (size_t i = 0; i < n; i++)
         json_array_append_new(arr, sp_napi__sandbox_json(&recs[i]));
-    sp_napi__reply(c, 200,
-                   json_pack("{s:o,s:o}", "sandboxes", arr, "next_cursor",
-                             next ? json_string(next) : json_null()));
+    sp_napi__reply_page(c, "sandboxes", arr, next);
 }
 
 void sp_napi__sandboxes_list(napi_ctx_t *c)
@@ -226,18 +184,12 @@ void sp_napi__sandboxes_list(napi_ctx_t *c)
     h2o_req_t *req = sp_http_hold_req(c->hold);
     sp_err_t e;
     sp_list_req_t r = {.limit = 100};
-    const char *limit = sp_http_query(req, "limit");
     const char *state = sp_http_query(req, "state");
     const char *md = sp_http_query(req, "metadata");
     r.cursor = sp_http_query(req, "cursor");
-    if (limit != NULL) {
-        char *end;
-        long l = strtol(limit, &end, 10);
-        if (*limit == '\0' || *end != '\0' || l < 1 || l > 1000) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "limit must be 1 to 1000"), &e));
-            return;
-        }
-        r.limit = (int)l;
+    if (sp_napi__query_int(req, "limit", 1, 1000, &r.limit, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
     }
     if (state != NULL) {
         /* Comma-separated observed states. */
@@ -290,7 +242,7 @@ void sp_napi__sandboxes_request(napi_ctx_t *c)
                                            : SP_REQ_WAKE;
     }
     static const char *const none[] = {NULL};
-    if (c->body != NULL && sp_napi__only_keys(c->body, none, &e) < 0) {
+    if (sp_napi__body_keys(c->body, none, false, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }

@@ -35,25 +35,14 @@ static json_t *secret_json(const sp_secret_rec_t *r)
 static json_t *put_body(napi_ctx_t *c, sp_err_t *err)
 {
     h2o_req_t *req = sp_http_hold_req(c->hold);
+    json_t *b = NULL;
     if (req == NULL) {
         sp_err_set(err, SP_EINTERNAL, "client gone");
         return NULL;
     }
-    if (req->entity.len > NAPI_MAX_BODY) {
-        sp_err_set(err, SP_ETOOBIG, "request body is larger than 1 MiB");
+    if (sp_napi__parse_body(req, true, &b, err) < 0)
         return NULL;
-    }
-    if (req->entity.base == NULL || req->entity.len == 0) {
-        sp_err_set(err, SP_EINVAL, "request body must be a JSON object");
-        return NULL;
-    }
-    json_error_t je;
-    json_t *b = json_loadb(req->entity.base, req->entity.len, JSON_REJECT_DUPLICATES, &je);
-    if (b == NULL) {
-        sp_err_set(err, SP_EINVAL, "malformed JSON (line %d, column %d)", je.line, je.column);
-        return NULL;
-    }
-    if (!json_is_object(b)) {
+    if (b == NULL || !json_is_object(b)) {
         json_decref(b);
         sp_err_set(err, SP_EINVAL, "request body must be a JSON object");
         return NULL;
@@ -64,9 +53,9 @@ static json_t *put_body(napi_ctx_t *c, sp_err_t *err)
 /* The "value" field: a string (never echoed in an error). */
 static int get_value(json_t *b, const char **v, size_t *len, sp_err_t *err)
 {
-    json_t *j = json_object_get(b, "value");
-    if (j == NULL || !json_is_string(j))
-        return sp_err_set(err, SP_EINVAL, "value is required and must be a string");
+    json_t *j = sp_napi__req_string(b, "value", err);
+    if (j == NULL)
+        return -1;
     *v = json_string_value(j);
     *len = json_string_length(j);
     return sp_secrets_check_value(*v, *len, err);
@@ -121,15 +110,11 @@ void sp_napi__secrets_create(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    json_t *name = b ? json_object_get(b, "name") : NULL;
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 ||
-        (name == NULL || !json_is_string(name)
-             ? sp_err_set(&e, SP_EINVAL, "name is required and must be a string")
-             : 0) < 0 ||
+    json_t *name;
+    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        (name = sp_napi__req_string(b, "name", &e)) == NULL ||
         sp_secrets_check_name(json_string_value(name), &e) < 0 ||
         get_value(b, &value, &len, &e) < 0) {
-        if (b == NULL)
-            sp_err_set(&e, SP_EINVAL, "request body must be a JSON object");
         wipe_request(c, b);
         sp_napi__fail(c, &e);
         return;
@@ -149,7 +134,8 @@ void sp_napi__secrets_put(napi_ctx_t *c)
     json_t *b = s ? put_body(c, &e) : NULL;
     const char *value = NULL;
     size_t len = 0;
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 || get_value(b, &value, &len, &e) < 0) {
+    if (b == NULL || sp_napi__body_keys(b, allowed, true, &e) < 0 ||
+        get_value(b, &value, &len, &e) < 0) {
         wipe_request(c, b);
         json_decref(b);
         sp_napi__fail(c, &e);
@@ -205,51 +191,6 @@ void sp_napi__secrets_delete(napi_ctx_t *c)
 
 /* ---- credential rules ---- */
 
-static void free_json(void *p)
-{
-    json_decref(p);
-}
-
-int sp_napi__credentials_from_body(napi_ctx_t *c, json_t **out, sp_err_t *err)
-{
-    *out = NULL;
-    json_t *v = c->body ? json_object_get(c->body, "credentials") : NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    json_t *rules = sp_secrets_rules_normalize(v, err);
-    if (rules == NULL)
-        return -1;
-    if (json_array_size(rules) == 0) {
-        json_decref(rules);
-        return 0;
-    }
-    *out = rules;
-    return 0;
-}
-
-static void on_checked(void *arg, const sp_err_t *err)
-{
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    napi_route_fn next = c->route;
-    next(c);
-}
-
-void sp_napi__credentials_check(napi_ctx_t *c, json_t *rules, napi_route_fn next)
-{
-    sp_err_t e;
-    c->data = rules;
-    c->data_free = free_json;
-    c->route = next; /* on_checked continues there */
-    sp_secrets_t *s = secrets_of(c, &e);
-    if (s == NULL ||
-        sp_secrets_check_rule_secrets(s, c->auth.team_id, rules, on_checked, c, &e) < 0)
-        sp_napi__fail(c, &e);
-}
-
 static void on_rules(void *arg, json_t *rules, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
@@ -279,7 +220,7 @@ void sp_napi__credentials_put(napi_ctx_t *c)
     sp_secrets_t *s = secrets_of(c, &e);
     json_t *b = s ? put_body(c, &e) : NULL;
     json_t *v = b ? json_object_get(b, "credentials") : NULL;
-    if (b == NULL || sp_napi__only_keys(b, allowed, &e) < 0 ||
+    if (b == NULL || sp_napi__body_keys(b, allowed, true, &e) < 0 ||
         (v == NULL ? sp_err_set(&e, SP_EINVAL, "credentials is required (an array, [] for none)")
                    : 0) < 0 ||
         sp_secrets_set_rules(s, c->auth.team_id, c->segs[2], v, on_rules, c, &e) < 0) {

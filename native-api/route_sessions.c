@@ -52,66 +52,15 @@
 /* ---- parsing the create body ---- */
 
 typedef struct {
-    sp_exec_cmd_t cmd;
+    napi_cmdspec_t spec;
     uint32_t ttl_s;
-    char **strs;
-    size_t nstrs;
 } spec_t;
 
-static void spec_free(spec_t *sp)
+static void spec_free(void *p)
 {
-    if (sp == NULL)
-        return;
-    for (size_t i = 0; i < sp->nstrs; i++)
-        free(sp->strs[i]);
-    free(sp->strs);
-    free((void *)sp->cmd.argv);
-    free((void *)sp->cmd.env);
+    spec_t *sp = p;
+    sp_napi__cmdspec_clear(&sp->spec);
     free(sp);
-}
-
-static void spec_free_v(void *p)
-{
-    spec_free(p);
-}
-
-static const char *keep(spec_t *sp, const char *s, size_t n)
-{
-    char *d = malloc(n + 1);
-    if (d == NULL)
-        return NULL;
-    memcpy(d, s, n);
-    d[n] = '\0';
-    sp->strs[sp->nstrs++] = d;
-    return d;
-}
-
-static int opt_str(json_t *b, const char *key, size_t maxlen, const char **out, sp_err_t *err)
-{
-    json_t *v = json_object_get(b, key);
-    *out = NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v) || strlen(json_string_value(v)) != json_string_length(v))
-        return sp_err_set(err, SP_EINVAL, "%s must be a string without NUL characters", key);
-    if (json_string_length(v) > maxlen)
-        return sp_err_set(err, SP_EINVAL, "%s is longer than %zu bytes", key, maxlen);
-    if (json_string_length(v) == 0)
-        return sp_err_set(err, SP_EINVAL, "%s is empty", key);
-    *out = json_string_value(v);
-    return 0;
-}
-
-static int opt_uint(json_t *b, const char *key, long long lo, long long hi, uint32_t *out,
-                    sp_err_t *err)
-{
-    json_t *v = json_object_get(b, key);
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
-        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %lld to %lld", key, lo, hi);
-    *out = (uint32_t)json_integer_value(v);
-    return 0;
 }
 
 static spec_t *parse_spec(json_t *b, sp_err_t *err)
@@ -119,85 +68,26 @@ static spec_t *parse_spec(json_t *b, sp_err_t *err)
     static const char *const allowed[] = {"cmd",  "argv", "env",  "cwd",
                                           "user", "pty",  "rows", "cols",
                                           "attach_timeout_s", NULL};
-    if (b == NULL) {
-        sp_err_set(err, SP_EINVAL, "request body must be a JSON object");
+    int ttl = 0;
+    if (sp_napi__body_keys(b, allowed, true, err) < 0 ||
+        sp_napi__opt_int(b, "attach_timeout_s", 1, MAX_ATTACH_TTL, &ttl, err) < 0)
         return NULL;
-    }
-    const char *cmd, *cwd, *user;
-    uint32_t rows = 0, cols = 0, ttl = 0;
-    json_t *argv = json_object_get(b, "argv"), *env = json_object_get(b, "env");
-    json_t *pty = json_object_get(b, "pty");
-    argv = json_is_null(argv) ? NULL : argv;
-    env = json_is_null(env) ? NULL : env;
-    if (sp_napi__only_keys(b, allowed, err) < 0 || opt_str(b, "cmd", 256 * 1024, &cmd, err) < 0 ||
-        opt_str(b, "cwd", SP_EXEC_PATH_MAX, &cwd, err) < 0 ||
-        opt_str(b, "user", 63, &user, err) < 0 || opt_uint(b, "rows", 1, 1000, &rows, err) < 0 ||
-        opt_uint(b, "cols", 1, 1000, &cols, err) < 0 ||
-        opt_uint(b, "attach_timeout_s", 1, MAX_ATTACH_TTL, &ttl, err) < 0 ||
-        sp_svc_check_string_map(env, "env", err) < 0)
-        return NULL;
-    if (pty != NULL && !json_is_null(pty) && !json_is_boolean(pty)) {
-        sp_err_set(err, SP_EINVAL, "pty must be true or false");
-        return NULL;
-    }
-    if ((cmd != NULL) == (argv != NULL)) {
-        sp_err_set(err, SP_EINVAL, "give exactly one of cmd and argv");
-        return NULL;
-    }
-    if (argv != NULL && (!json_is_array(argv) || json_array_size(argv) == 0 ||
-                         json_array_size(argv) > SP_AP_MAX_ARGV)) {
-        sp_err_set(err, SP_EINVAL, "argv must be an array of 1 to %d strings", SP_AP_MAX_ARGV);
-        return NULL;
-    }
-    if ((rows || cols) && !json_is_true(pty)) {
-        sp_err_set(err, SP_EINVAL, "rows and cols need pty");
-        return NULL;
-    }
-    size_t nargv = argv ? json_array_size(argv) : 0, nenv = env ? json_object_size(env) : 0;
     spec_t *sp = calloc(1, sizeof(*sp));
-    if (sp == NULL || (sp->strs = calloc(nargv + nenv + 4, sizeof(char *))) == NULL ||
-        (nargv && (sp->cmd.argv = calloc(nargv, sizeof(char *))) == NULL) ||
-        (nenv && (sp->cmd.env = calloc(nenv, sizeof(char *))) == NULL)) {
-        spec_free(sp);
+    if (sp == NULL) {
         sp_err_set(err, SP_EINTERNAL, "out of memory");
         return NULL;
     }
-    const char **av = (const char **)sp->cmd.argv, **ev = (const char **)sp->cmd.env;
-    for (size_t i = 0; i < nargv; i++) {
-        json_t *a = json_array_get(argv, i);
-        if (!json_is_string(a) || strlen(json_string_value(a)) != json_string_length(a) ||
-            (av[i] = keep(sp, json_string_value(a), json_string_length(a))) == NULL) {
-            spec_free(sp);
-            sp_err_set(err, SP_EINVAL, "argv must hold strings without NUL characters");
-            return NULL;
-        }
+    if (sp_napi__cmdspec_parse(b, &sp->spec, err) < 0) {
+        free(sp);
+        return NULL;
     }
-    sp->cmd.argc = nargv;
-    const char *k;
-    json_t *v;
-    json_object_foreach(env, k, v)
-    {
-        size_t kl = strlen(k), vl = json_string_length(v);
-        char *kv = strchr(k, '=') == NULL ? malloc(kl + vl + 2) : NULL;
-        if (kv == NULL) {
-            spec_free(sp);
-            sp_err_set(err, SP_EINVAL, "env names may not contain '='");
-            return NULL;
-        }
-        memcpy(kv, k, kl);
-        kv[kl] = '=';
-        memcpy(kv + kl + 1, json_string_value(v), vl);
-        kv[kl + 1 + vl] = '\0';
-        sp->strs[sp->nstrs++] = kv;
-        ev[sp->cmd.envc++] = kv;
+    /* Sessions refuse an empty cwd (a command takes "" as the user's home). */
+    if (sp->spec.cmd.cwd != NULL && sp->spec.cmd.cwd[0] == '\0') {
+        spec_free(sp);
+        sp_err_set(err, SP_EINVAL, "cwd is empty");
+        return NULL;
     }
-    sp->cmd.cmd = cmd ? keep(sp, cmd, strlen(cmd)) : NULL;
-    sp->cmd.cwd = cwd ? keep(sp, cwd, strlen(cwd)) : NULL;
-    sp->cmd.user = user ? keep(sp, user, strlen(user)) : NULL;
-    sp->cmd.pty = json_is_true(pty);
-    sp->cmd.rows = rows;
-    sp->cmd.cols = cols;
-    sp->ttl_s = ttl;
+    sp->ttl_s = (uint32_t)ttl;
     return sp;
 }
 
@@ -207,7 +97,7 @@ static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     spec_t *sp = c->data;
     sp_session_spec_t ss = {.team_id = c->auth.team_id, .sandbox_id = c->segs[2],
-                            .cmd = &sp->cmd, .attach_timeout_s = sp->ttl_s};
+                            .cmd = &sp->spec.cmd, .attach_timeout_s = sp->ttl_s};
     char token[SP_SESSION_TOKEN_LEN + 1];
     sp_err_t e;
     sp_session_t *s = sp_session_create(c->n->sessions, &ss, token, &e);
@@ -233,7 +123,7 @@ void sp_napi__sessions_create(napi_ctx_t *c)
         return;
     }
     c->data = sp;
-    c->data_free = spec_free_v;
+    c->data_free = spec_free;
     sp_napi__with_agent(c, create_with_agent);
 }
 
@@ -281,22 +171,18 @@ void sp_napi__sessions_delete(napi_ctx_t *c)
     sp_napi__reply(c, 200, o);
 }
 
-/* ---- NDJSON attach ---- */
+/* ---- NDJSON attach (lines: ndjson.c) ---- */
 
 typedef struct {
     sp_http_hold_t *hold; /* until the response starts */
-    sp_stream_t *st;
     sp_session_att_t *att;
     char sid[SP_SESSION_ID_LEN + 1];
-    uint8_t carry[2][4];
-    size_t ncarry[2];
-    char *line;
-    size_t line_cap;
+    napi_ndjson_t nd;
 } ndj_t;
 
 static void ndj_free(ndj_t *n)
 {
-    free(n->line);
+    sp_napi__nd_clear(&n->nd);
     free(n);
 }
 
@@ -309,77 +195,17 @@ static void ndj_sent(void *arg, size_t raw)
 static void ndj_gone(void *arg)
 {
     ndj_t *n = arg;
-    n->st = NULL;
+    n->nd.st = NULL;
     sp_session_detach(n->att); /* the process keeps running: re-attach replays */
     ndj_free(n);
 }
 
 static const sp_stream_cbs_t ndj_cbs = {ndj_sent, ndj_gone};
 
-static int ndj_emit(ndj_t *n, json_t *o, size_t raw)
-{
-    char *s = o != NULL ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (s == NULL)
-        return -1;
-    size_t len = strlen(s);
-    s[len] = '\n'; /* over the NUL: the string is not used as one again */
-    int rc = sp_stream_write(n->st, s, len + 1, raw);
-    free(s);
-    return rc;
-}
-
-static int ndj_output(ndj_t *n, int fd, const uint8_t *p, size_t len, bool final)
-{
-    size_t total = n->ncarry[fd] + len;
-    if (total * 4 + 1 > n->line_cap) {
-        char *nb = realloc(n->line, total * 4 + 1);
-        if (nb == NULL)
-            return -1;
-        n->line = nb;
-        n->line_cap = total * 4 + 1;
-    }
-    uint8_t *in = (uint8_t *)n->line + total * 3 + 1; /* input staged after the output area */
-    memcpy(in, n->carry[fd], n->ncarry[fd]);
-    if (len > 0)
-        memcpy(in + n->ncarry[fd], p, len);
-    size_t used = 0;
-    size_t olen = sp_exec_utf8_clean(in, total, n->line, final, &used);
-    n->ncarry[fd] = total - used;
-    memcpy(n->carry[fd], in + used, n->ncarry[fd]);
-    if (olen == 0)
-        return sp_stream_write(n->st, "", 0, len);
-    json_t *o = json_object();
-    json_object_set_new(o, "type", json_string(fd == 0 ? "stdout" : "stderr"));
-    json_object_set_new(o, "data", json_stringn_nocheck(n->line, olen));
-    return ndj_emit(n, o, len);
-}
-
-static json_t *exit_json(const sp_exec_ev_t *ev)
-{
-    return json_pack("{s:s,s:o,s:o,s:b}", "type", "exit", "exit_code",
-                     ev->exited ? json_integer(ev->exit_code) : json_null(), "signal",
-                     ev->signal ? json_integer(ev->signal) : json_null(), "timed_out", 0);
-}
-
-static json_t *start_json(const sp_exec_ev_t *ev, const char *sid)
-{
-    char id[16];
-    snprintf(id, sizeof(id), "%u", ev->pid);
-    return json_pack("{s:s,s:s,s:i,s:s}", "type", "start", "id", id, "pid", (int)ev->pid,
-                     "session", sid);
-}
-
-static json_t *error_json(const sp_err_t *err)
-{
-    return json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "code",
-                     sp_err_name(err->code), "message", err->msg);
-}
-
 static void ndj_event(void *arg, const sp_exec_ev_t *ev)
 {
     ndj_t *n = arg;
-    if (n->st == NULL) {
+    if (n->nd.st == NULL) {
         h2o_req_t *req = sp_http_release(n->hold);
         n->hold = NULL;
         if (ev->type == SP_EXEC_EV_ERROR) { /* nothing attached: a plain JSON error */
@@ -393,43 +219,22 @@ static void ndj_event(void *arg, const sp_exec_ev_t *ev)
             ndj_free(n);
             return;
         }
-        n->st = sp_stream_start(req, 200, "application/x-ndjson", -1, &ndj_cbs, n);
-        if (n->st == NULL) {
+        n->nd.st = sp_stream_start(req, 200, "application/x-ndjson", -1, &ndj_cbs, n);
+        if (n->nd.st == NULL) {
             sp_http_error_code(req, SP_EINTERNAL, "out of memory");
             sp_session_detach(n->att);
             ndj_free(n);
             return;
         }
-        sp_exec_ev_t start = *ev;
-        ndj_emit(n, start_json(&start, n->sid), 0);
+        sp_napi__ndjson_line(n->nd.st, sp_napi__start_event(ev->pid, n->sid), 0);
         if (ev->type == SP_EXEC_EV_START)
             return;
     }
-    switch (ev->type) {
-    case SP_EXEC_EV_START:
-        return;
-    case SP_EXEC_EV_STDOUT:
-    case SP_EXEC_EV_STDERR:
-        if (ndj_output(n, ev->type == SP_EXEC_EV_STDOUT ? 0 : 1, ev->data, ev->len, false) < 0) {
-            sp_session_detach(n->att);
-            sp_stream_end(n->st, NULL, 0, false);
-            ndj_free(n);
-        }
-        return;
-    case SP_EXEC_EV_EXIT:
-        for (int fd = 0; fd < 2; fd++)
-            if (n->ncarry[fd] > 0)
-                ndj_output(n, fd, NULL, 0, true);
-        ndj_emit(n, exit_json(ev), 0);
-        sp_stream_end(n->st, NULL, 0, true);
+    int rc = sp_napi__nd_event(&n->nd, ev);
+    if (rc < 0)
+        sp_session_detach(n->att);
+    if (rc != 0)
         ndj_free(n);
-        return;
-    case SP_EXEC_EV_ERROR:
-        ndj_emit(n, error_json(ev->err), 0);
-        sp_stream_end(n->st, NULL, 0, true);
-        ndj_free(n);
-        return;
-    }
 }
 
 static const sp_session_att_cbs_t ndj_att_cbs = {ndj_event, NULL};
@@ -460,11 +265,10 @@ typedef struct {
     h2o_websocket_conn_t *ws; /* NULL once closed */
     sp_session_att_t *att;    /* NULL once finished or detached */
     char sid[SP_SESSION_ID_LEN + 1];
-    uint8_t *wbuf;            /* the socket write in flight */
-    size_t wcap;
+    sp_buf_t wbuf;            /* the socket write in flight */
     size_t unacked;           /* output bytes queued to the client, credit not yet given */
-    uint8_t *in;              /* stdin not yet taken by the agent: in[in_off, in_len) */
-    size_t in_len, in_off, in_cap;
+    sp_buf_t in;              /* stdin not yet taken by the agent: from in_off on */
+    size_t in_off;
     bool eof_pending;
     bool paused;              /* socket reads stopped: too much stdin held */
     bool finished;            /* exit or fatal error queued: close once it was sent */
@@ -479,8 +283,8 @@ static void wsa_free(wsa_t *w)
 {
     sp_timer_stop(&w->pause_timer);
     sp_timer_stop(&w->close_timer);
-    free(w->wbuf);
-    free(w->in);
+    sp_buf_free(&w->wbuf);
+    sp_buf_free(&w->in);
     free(w);
 }
 
@@ -578,17 +382,13 @@ static ssize_t ws_send(wslay_event_context_ptr ctx, const uint8_t *data, size_t 
         wslay_event_set_error(ctx, WSLAY_ERR_WOULDBLOCK);
         return -1;
     }
-    if (len > w->wcap) {
-        uint8_t *nb = realloc(w->wbuf, len);
-        if (nb == NULL) {
-            wslay_event_set_error(ctx, WSLAY_ERR_CALLBACK_FAILURE);
-            return -1;
-        }
-        w->wbuf = nb;
-        w->wcap = len;
+    sp_buf_reset(&w->wbuf); /* the last write completed: h2o is not writing */
+    sp_buf_add(&w->wbuf, data, len);
+    if (w->wbuf.oom) {
+        wslay_event_set_error(ctx, WSLAY_ERR_CALLBACK_FAILURE);
+        return -1;
     }
-    memcpy(w->wbuf, data, len);
-    h2o_iovec_t buf = {(char *)w->wbuf, len};
+    h2o_iovec_t buf = {(char *)w->wbuf.p, len};
     h2o_socket_write(ws->sock, &buf, 1, ws_written);
     return (ssize_t)len;
 }
@@ -606,18 +406,19 @@ static void ws_feed(wsa_t *w)
 {
     if (w->att == NULL)
         return;
-    if (w->in_off < w->in_len) {
-        long k = sp_session_write(w->att, w->in + w->in_off, w->in_len - w->in_off);
+    if (w->in_off < w->in.len) {
+        long k = sp_session_write(w->att, w->in.p + w->in_off, w->in.len - w->in_off);
         if (k > 0)
             w->in_off += (size_t)k;
     }
-    if (w->in_off == w->in_len) {
-        w->in_off = w->in_len = 0;
+    if (w->in_off == w->in.len) {
+        sp_buf_reset(&w->in);
+        w->in_off = 0;
         if (w->eof_pending) {
             w->eof_pending = false;
             sp_err_t e;
             if (sp_session_eof(w->att, &e) < 0)
-                ws_queue_json(w, error_json(&e));
+                ws_queue_json(w, sp_napi__error_event(&e));
         }
     }
 }
@@ -626,31 +427,21 @@ static void ws_stdin(wsa_t *w, const uint8_t *p, size_t n)
 {
     if (n == 0)
         return;
-    if (w->in_off > 0 && w->in_off == w->in_len)
-        w->in_off = w->in_len = 0;
-    if (w->in_len + n > w->in_cap) {
-        if (w->in_off > 0) { /* compact first */
-            memmove(w->in, w->in + w->in_off, w->in_len - w->in_off);
-            w->in_len -= w->in_off;
-            w->in_off = 0;
-        }
-        size_t cap = w->in_cap ? w->in_cap : 4096;
-        while (cap < w->in_len + n)
-            cap *= 2;
-        uint8_t *nb = cap > w->in_cap ? realloc(w->in, cap) : w->in;
-        if (nb == NULL) {
-            sp_err_t e;
-            sp_err_set(&e, SP_EINTERNAL, "out of memory: stdin dropped");
-            ws_queue_json(w, error_json(&e));
-            return;
-        }
-        w->in = nb;
-        w->in_cap = cap;
+    if (w->in_off > 0 && w->in.len + n >= w->in.cap) { /* drop what was taken before growing */
+        sp_buf_consume(&w->in, w->in_off);
+        w->in_off = 0;
     }
-    memcpy(w->in + w->in_len, p, n);
-    w->in_len += n;
+    sp_buf_add(&w->in, p, n);
+    if (w->in.oom) {
+        /* This message is lost; what is held stays, and later stdin is taken again. */
+        w->in.oom = false;
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory: stdin dropped");
+        ws_queue_json(w, sp_napi__error_event(&e));
+        return;
+    }
     ws_feed(w);
-    if (w->in_len - w->in_off > WS_STDIN_MAX && !w->paused)
+    if (w->in.len - w->in_off > WS_STDIN_MAX && !w->paused)
         sp_timer_start(&w->pause_timer, 0); /* not from inside h2o's read path */
 }
 
@@ -684,10 +475,7 @@ static void ws_control(wsa_t *w, const uint8_t *p, size_t n)
             rc = sp_session_resize(w->att, (uint32_t)json_integer_value(r),
                                    (uint32_t)json_integer_value(c), &e);
     } else if (strcmp(type, "signal") == 0) {
-        json_t *sv = json_object_get(o, "signal");
-        int sig = json_is_integer(sv) && json_integer_value(sv) >= 1 && json_integer_value(sv) <= 64
-                      ? (int)json_integer_value(sv)
-                      : sp_exec_signal_number(json_string_value(sv));
+        int sig = sp_napi__signal(json_object_get(o, "signal"));
         if (sig < 0)
             rc = sp_err_set(&e, SP_EINVAL, "signal must be a name like \"SIGINT\" or 1 to 64");
         else
@@ -697,7 +485,7 @@ static void ws_control(wsa_t *w, const uint8_t *p, size_t n)
     }
     json_decref(o);
     if (rc < 0)
-        ws_queue_json(w, error_json(&e));
+        ws_queue_json(w, sp_napi__error_event(&e));
 }
 
 /* From wslay, inside h2o_websocket_proceed: never close or proceed from here. */
@@ -719,7 +507,7 @@ static void ws_msg(h2o_websocket_conn_t *ws, const struct wslay_event_on_msg_rec
 static void ws_pause(sp_timer_t *t, void *arg)
 {
     wsa_t *w = arg;
-    if (w->ws != NULL && w->ws->sock != NULL && w->in_len - w->in_off > WS_STDIN_MAX) {
+    if (w->ws != NULL && w->ws->sock != NULL && w->in.len - w->in_off > WS_STDIN_MAX) {
         w->paused = true;
         h2o_socket_read_stop(w->ws->sock);
     }
@@ -734,7 +522,7 @@ static void ws_writable(void *arg)
 {
     wsa_t *w = arg;
     ws_feed(w);
-    if (w->paused && w->in_len - w->in_off <= WS_STDIN_MAX / 2) {
+    if (w->paused && w->in.len - w->in_off <= WS_STDIN_MAX / 2) {
         w->paused = false;
         ws_pump(w);
     }
@@ -745,7 +533,7 @@ static void ws_event(void *arg, const sp_exec_ev_t *ev)
     wsa_t *w = arg;
     switch (ev->type) {
     case SP_EXEC_EV_START:
-        ws_queue_json(w, start_json(ev, w->sid));
+        ws_queue_json(w, sp_napi__start_event(ev->pid, w->sid));
         ws_feed(w); /* stdin that arrived before the start */
         break;
     case SP_EXEC_EV_STDOUT:
@@ -755,7 +543,7 @@ static void ws_event(void *arg, const sp_exec_ev_t *ev)
             sp_err_t e;
             sp_err_set(&e, SP_EINTERNAL, "out of memory");
             sp_session_detach(w->att);
-            ws_finish(w, error_json(&e));
+            ws_finish(w, sp_napi__error_event(&e));
             break;
         }
         m[0] = ev->type == SP_EXEC_EV_STDOUT ? 1 : 2;
@@ -766,10 +554,10 @@ static void ws_event(void *arg, const sp_exec_ev_t *ev)
         break;
     }
     case SP_EXEC_EV_EXIT:
-        ws_finish(w, exit_json(ev));
+        ws_finish(w, sp_napi__exit_event(ev));
         break;
     case SP_EXEC_EV_ERROR:
-        ws_finish(w, error_json(ev->err));
+        ws_finish(w, sp_napi__error_event(ev->err));
         break;
     }
     ws_pump(w);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "core/egress/egress_policy.h"
+#include "core/egress/secrets.h"
 #include "base/log.h"
 
 #define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
@@ -342,8 +343,114 @@ static void sandbox_done(struct call *c, PGresult *res, const sp_err_t *err)
     json_decref(sb.network);
 }
 
-int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
-                          sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+/* A create's statement, its parameters owned: kept while the secrets its credential rules name
+ * are looked up, then sent. */
+#define CREATE_NPARAMS 18
+
+struct create {
+    sp_svc_t *svc;
+    sp_svc_sandbox_cb cb;
+    void *arg;
+    char *p[CREATE_NPARAMS]; /* malloc'd or NULL (SQL NULL) */
+    bool oom;
+};
+
+static void create_free(struct create *cr)
+{
+    for (int i = 0; i < CREATE_NPARAMS; i++)
+        free(cr->p[i]);
+    free(cr);
+}
+
+/* Parameter i: a copy of s (NULL stays NULL). */
+static void create_param(struct create *cr, int i, const char *s)
+{
+    if (s != NULL && (cr->p[i] = strdup(s)) == NULL)
+        cr->oom = true;
+}
+
+/* Parameter i: an integer, or NULL when it is 0 and zero_is_null. */
+static void create_int(struct create *cr, int i, int v, bool zero_is_null)
+{
+    char t[16];
+    snprintf(t, sizeof(t), "%d", v);
+    create_param(cr, i, v == 0 && zero_is_null ? NULL : t);
+}
+
+/* Parameter i: o as compact JSON text (NULL stays NULL). */
+static void create_json(struct create *cr, int i, const json_t *o)
+{
+    if (o != NULL && (cr->p[i] = json_dumps(o, JSON_COMPACT)) == NULL)
+        cr->oom = true;
+}
+
+/* Sends the statement and frees cr either way (the store copies the parameters). */
+static int create_submit(struct create *cr, sp_err_t *err)
+{
+    int rc = submit(
+        cr->svc,
+        "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
+        " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
+        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
+        "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
+        "  egress)"
+        "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
+        "   now() + make_interval(secs => $7::int), $8,"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
+        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
+        "   $18::jsonb FROM t"
+        "  RETURNING *),"
+        " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+        "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
+        " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
+        " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+        " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
+        CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg, 1, err);
+    create_free(cr);
+    return rc;
+}
+
+/* The rules' secrets were looked up: a missing one fails the create, else it is sent. */
+static void on_rule_secrets(void *arg, const sp_err_t *err)
+{
+    struct create *cr = arg;
+    sp_svc_sandbox_cb cb = cr->cb;
+    void *cb_arg = cr->arg;
+    sp_err_t e;
+    if (err != NULL) {
+        create_free(cr);
+        cb(cb_arg, NULL, NULL, err);
+    } else if (create_submit(cr, &e) < 0) {
+        cb(cb_arg, NULL, NULL, &e);
+    }
+}
+
+/* A create's credential rules: *out is their normal form (new reference), or NULL for none
+ * (absent, null or []). Rules need the secrets module: SP_EUNAVAIL without it. */
+static int create_rules(sp_svc_t *svc, const json_t *given, json_t **out, sp_err_t *err)
+{
+    *out = NULL;
+    if (given == NULL || json_is_null(given))
+        return 0;
+    json_t *rules = sp_secrets_rules_normalize(given, err);
+    if (rules == NULL)
+        return -1;
+    if (json_array_size(rules) == 0) {
+        json_decref(rules);
+        return 0;
+    }
+    if (svc->secrets == NULL || sp_secrets_check_enabled(svc->secrets, err) < 0) {
+        json_decref(rules);
+        if (svc->secrets == NULL)
+            sp_err_set(err, SP_EUNAVAIL, "secrets are not available on this server");
+        return -1;
+    }
+    *out = rules;
+    return 0;
+}
+
+/* The fields other than the egress policy and the credential rules. */
+static int create_check(const sp_create_req_t *req, const char *action, sp_err_t *err)
 {
     if (req->template_name == NULL || req->template_name[0] == '\0' ||
         strlen(req->template_name) > 64)
@@ -362,71 +469,87 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
                           SP_SVC_MAX_TIMEOUT_S);
     if (req->timeout_s < 0 || req->timeout_s > SP_SVC_MAX_TIMEOUT_S)
         return sp_err_set(err, SP_EINVAL, "timeout_s must be 1 to %d", SP_SVC_MAX_TIMEOUT_S);
-    const char *action = req->deadline_action ? req->deadline_action : "delete";
     if (strcmp(action, "delete") != 0 && strcmp(action, "suspend") != 0)
         return sp_err_set(err, SP_EINVAL, "deadline_action must be delete or suspend");
     if (req->network != NULL && !json_is_object(req->network))
         return sp_err_set(err, SP_EINVAL, "network must be an object");
     if (req->envd_version != NULL && strlen(req->envd_version) > 31)
         return sp_err_set(err, SP_EINVAL, "envd_version is too long");
-    char *egress = NULL; /* the policy in normal form, or NULL: derived from allow_internet */
-    if (req->egress != NULL && !json_is_null(req->egress)) {
-        sp_egp_t *pol = sp_egp_from_json(req->egress, "egress", err);
-        if (pol == NULL)
-            return -1;
-        json_t *norm = sp_egp_to_json(pol);
-        sp_egp_free(pol);
-        egress = norm ? json_dumps(norm, JSON_COMPACT) : NULL;
-        json_decref(norm);
-        if (egress == NULL)
-            return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    }
+    return 0;
+}
 
+int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
+                          sp_svc_sandbox_cb cb, void *arg, sp_err_t *err)
+{
+    /* The egress policy, then the credential rules, then the rest: a bad rule is named
+     * before the other fields are looked at (the order the native API has always answered
+     * in). */
+    sp_egp_t *pol = NULL;
+    if (req->egress != NULL && !json_is_null(req->egress) &&
+        (pol = sp_egp_from_json(req->egress, "egress", err)) == NULL)
+        return -1;
+    json_t *rules = NULL;
+    const char *action = req->deadline_action ? req->deadline_action : "delete";
+    if (create_rules(svc, req->credentials, &rules, err) < 0 ||
+        create_check(req, action, err) < 0) {
+        sp_egp_free(pol);
+        json_decref(rules);
+        return -1;
+    }
+    struct create *cr = calloc(1, sizeof(*cr));
+    if (cr == NULL) {
+        sp_egp_free(pol);
+        json_decref(rules);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    cr->svc = svc;
+    cr->cb = cb;
+    cr->arg = arg;
     char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
     sp_ids_sandbox(id);
     sp_ids_operation(opid);
     sp_ids_token(token);
-    /* NULL maps are stored as {} (the parameters below fall back to it). */
-    char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
-    char *env = req->env ? json_dumps(req->env, JSON_COMPACT) : NULL;
-    char idle[16], tmo[16], cpus[16], mem[16];
-    snprintf(idle, sizeof(idle), "%d", req->idle_timeout_s ? req->idle_timeout_s
-                                                            : SP_SVC_DEFAULT_IDLE_S);
-    snprintf(tmo, sizeof(tmo), "%d", req->timeout_s);
-    snprintf(cpus, sizeof(cpus), "%d", req->cpu_count);
-    snprintf(mem, sizeof(mem), "%d", req->memory_mb);
-    char *net = req->network ? json_dumps(req->network, JSON_COMPACT) : NULL;
-    char *creds = req->credentials ? json_dumps(req->credentials, JSON_COMPACT) : NULL;
-    const char *inet = req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL;
-    const char *p[] = {id, a->team_id, req->template_name, md ? md : "{}", env ? env : "{}",
-                       idle, req->timeout_s ? tmo : NULL, action,
-                       req->cpu_count ? cpus : NULL, req->memory_mb ? mem : NULL, token, opid,
-                       req->auto_resume ? "true" : "false", inet, net, req->envd_version,
-                       creds, egress};
-    int rc = submit(
-        svc,
-        "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
-        " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
-        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
-        "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
-        "  egress)"
-        "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
-        "   now() + make_interval(secs => $7::int), $8,"
-        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
-        "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
-        "   $18::jsonb FROM t"
-        "  RETURNING *),"
-        " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
-        "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
-        " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
-        " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
-        " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
-        18, p, sandbox_done, (void *)cb, arg, 1, err);
-    free(md);
-    free(env);
-    free(net);
-    free(creds);
-    free(egress);
+    create_param(cr, 0, id);
+    create_param(cr, 1, a->team_id);
+    create_param(cr, 2, req->template_name);
+    create_json(cr, 3, req->metadata);
+    create_json(cr, 4, req->env);
+    for (int i = 3; i <= 4; i++) /* NULL maps are stored as {} */
+        if (cr->p[i] == NULL)
+            create_param(cr, i, "{}");
+    create_int(cr, 5, req->idle_timeout_s ? req->idle_timeout_s : SP_SVC_DEFAULT_IDLE_S, false);
+    create_int(cr, 6, req->timeout_s, true);
+    create_param(cr, 7, action);
+    create_int(cr, 8, req->cpu_count, true);
+    create_int(cr, 9, req->memory_mb, true);
+    create_param(cr, 10, token);
+    create_param(cr, 11, opid);
+    create_param(cr, 12, req->auto_resume ? "true" : "false");
+    create_param(cr, 13, req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL);
+    create_json(cr, 14, req->network);
+    create_param(cr, 15, req->envd_version);
+    create_json(cr, 16, rules);
+    if (pol != NULL) { /* the policy in normal form; NULL: derived from allow_internet */
+        json_t *norm = sp_egp_to_json(pol);
+        sp_egp_free(pol);
+        if (norm == NULL)
+            cr->oom = true;
+        create_json(cr, 17, norm);
+        json_decref(norm);
+    }
+    if (cr->oom) {
+        create_free(cr);
+        json_decref(rules);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    if (rules == NULL)
+        return create_submit(cr, err);
+    /* The secrets the rules name must exist: looked up first, then the statement is sent. */
+    int rc = sp_secrets_check_rule_secrets(svc->secrets, a->team_id, rules, on_rule_secrets, cr,
+                                           err);
+    json_decref(rules);
+    if (rc < 0)
+        create_free(cr);
     return rc;
 }
 

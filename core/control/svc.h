@@ -92,8 +92,9 @@ typedef struct {
     int allow_internet;       /* 0 not said, 1 allowed, -1 denied */
     json_t *network;          /* object or NULL; borrowed, stored as given */
     const char *envd_version; /* NULL = none */
-    /* Credential rules, normalised by sp_secrets_rules_normalize (core/egress/secrets.h), or NULL;
-     * borrowed. The caller has checked that the secrets they name exist. */
+    /* Credential rules as the API takes them (an array, core/egress/secrets.h's
+     * sp_secrets_rules_normalize), or NULL, null or [] for none; borrowed. Checked, normalised
+     * and stored here; the secrets they name must be the team's. */
     json_t *credentials;
     /* Outbound policy {"internet","allow","deny"} (core/egress/egress_policy.h) or NULL (derived
      * from allow_internet: default rules); borrowed, validated again and stored in normal
@@ -137,7 +138,11 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
 int sp_svc_templates(sp_svc_t *svc, const char *name /* NULL = all */, sp_svc_templates_cb cb,
                      void *arg, sp_err_t *err);
 
-/* Validates req (SP_EINVAL), creates the record and its "create" operation. */
+/* Validates req (SP_EINVAL), creates the record and its "create" operation. The egress
+ * policy and the credential rules are checked first (SP_EINVAL naming the bad rule; rules
+ * without secrets set up are SP_EUNAVAIL), the other fields next; then the secrets the rules
+ * name are looked up before the record is written: a missing one is SP_EINVAL "credentials
+ * name secret 'X', which does not exist", through the callback. */
 int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
                           sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);
 

@@ -12,9 +12,9 @@
 static sp_carena_t A;
 
 /* encode(m) == encode(decode(encode(m))) in codec k; returns the first encoding (malloc'd). */
-static sp_cbuf_t round_trip(sp_connect_codec_t k, const sp_cdesc_t *d, const void *m)
+static sp_buf_t round_trip(sp_connect_codec_t k, const sp_cdesc_t *d, const void *m)
 {
-    sp_cbuf_t a = {0}, b = {0};
+    sp_buf_t a = {0}, b = {0};
     CHECK(sp_connect_encode(k, d, m, &a) == 0);
     void *back = calloc(1, d->size);
     sp_err_t err;
@@ -28,35 +28,35 @@ static sp_cbuf_t round_trip(sp_connect_codec_t k, const sp_cdesc_t *d, const voi
         fprintf(stderr, "%s: %.*s != %.*s\n", d->name, (int)a.len, (char *)a.p, (int)b.len,
                 (char *)b.p);
     free(back);
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
     return a;
 }
 
 static void both(const sp_cdesc_t *d, const void *m)
 {
-    sp_cbuf_t j = round_trip(SP_CONNECT_JSON, d, m);
-    sp_cbuf_t p = round_trip(SP_CONNECT_PROTO, d, m);
-    sp_cbuf_free(&j);
-    sp_cbuf_free(&p);
+    sp_buf_t j = round_trip(SP_CONNECT_JSON, d, m);
+    sp_buf_t p = round_trip(SP_CONNECT_PROTO, d, m);
+    sp_buf_free(&j);
+    sp_buf_free(&p);
 }
 
 static bool json_is(const sp_cdesc_t *d, const void *m, const char *want)
 {
-    sp_cbuf_t b = {0};
+    sp_buf_t b = {0};
     sp_connect_encode(SP_CONNECT_JSON, d, m, &b);
     bool ok = b.len == strlen(want) && memcmp(b.p, want, b.len) == 0;
     if (!ok)
         fprintf(stderr, "got %.*s want %s\n", (int)b.len, (char *)b.p, want);
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
     return ok;
 }
 
 static bool proto_is(const sp_cdesc_t *d, const void *m, const uint8_t *want, size_t n)
 {
-    sp_cbuf_t b = {0};
+    sp_buf_t b = {0};
     sp_connect_encode(SP_CONNECT_PROTO, d, m, &b);
     bool ok = b.len == n && memcmp(b.p, want, n) == 0;
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
     return ok;
 }
 
@@ -233,14 +233,14 @@ static void test_connectrpc_proto_known_bytes(void)
     CHECK(back.process.n_envs == 1 && strcmp(back.process.envs[0].value, "1") == 0);
     /* Enum beyond the names, negative: ten-byte varint both ways. */
     sp_cp_send_signal_req_t sg = {.signal = -5};
-    sp_cbuf_t b = {0};
+    sp_buf_t b = {0};
     sp_connect_encode(SP_CONNECT_PROTO, &sp_cd_send_signal_req, &sg, &b);
     CHECK(b.len == 11);
     sp_cp_send_signal_req_t sg2;
     CHECK(sp_connect_decode(SP_CONNECT_PROTO, &sp_cd_send_signal_req, b.p, b.len, &sg2, &A, &err) ==
               0 &&
           sg2.signal == -5);
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
 }
 
 static void test_connectrpc_json_lenient_input(void)
@@ -382,7 +382,7 @@ static void test_connectrpc_hostile_inputs(void)
 
 static void test_connectrpc_envelopes(void)
 {
-    sp_cbuf_t b = {0};
+    sp_buf_t b = {0};
     sp_connect_envelope_add(&b, 0, "{}", 2);
     sp_connect_envelope_add(&b, SP_CONNECT_FLAG_END, "{\"x\":1}", 7);
     CHECK(b.len == 5 + 2 + 5 + 7);
@@ -413,7 +413,7 @@ static void test_connectrpc_envelopes(void)
     off = 0;
     CHECK(sp_connect_envelope_next(empty, sizeof(empty), &off, &fl, &p, &len, &err) == 1 &&
           len == 0);
-    sp_cbuf_free(&b);
+    sp_buf_free(&b);
 }
 
 static void test_connectrpc_codes_and_headers(void)
