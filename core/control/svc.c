@@ -73,7 +73,6 @@ struct sp_svc {
 /* One in-flight statement's context. */
 struct call {
     sp_svc_t *svc;
-    void (*done)(struct call *c, PGresult *res, const sp_err_t *err);
     void *cb;
     void *arg;
     int kind;
@@ -85,29 +84,17 @@ static void copy(char *dst, size_t cap, const char *src)
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-static void on_result(void *arg, PGresult *res, const sp_err_t *err)
+/* Queues sql with a call record; done gets the record (struct call *) and the answer. */
+static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p, sp_store_rec_cb done,
+                  void *cb, void *arg, int kind, sp_err_t *err)
 {
-    struct call *c = arg;
-    c->done(c, res, err);
-    free(c);
-}
-
-static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
-                  void (*done)(struct call *, PGresult *, const sp_err_t *), void *cb, void *arg,
-                  int kind, sp_err_t *err)
-{
-    struct call *c = calloc(1, sizeof(*c));
+    struct call *c = sp_store_call(svc->store, sql, n, p, sizeof(*c), done, err);
     if (c == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return -1;
     c->svc = svc;
-    c->done = done;
     c->cb = cb;
     c->arg = arg;
     c->kind = kind;
-    if (sp_store_query(svc->store, sql, n, p, on_result, c, err) < 0) {
-        free(c);
-        return -1;
-    }
     return 0;
 }
 
@@ -189,8 +176,9 @@ static void auth_hit_fire(void *p)
     free(h);
 }
 
-static void auth_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, err);
@@ -242,8 +230,9 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
 
 /* ---- templates ---- */
 
-static void templates_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void templates_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_templates_cb cb = (sp_svc_templates_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
@@ -314,8 +303,9 @@ int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err)
     return 0;
 }
 
-static void sandbox_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, NULL, err);
@@ -584,8 +574,9 @@ int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
                   2, p, sandbox_done, (void *)cb, arg, 0, err);
 }
 
-static void list_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_list_cb cb = (sp_svc_list_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, NULL, err);
@@ -734,8 +725,9 @@ static void req_fail(struct req_ctx *rc, const sp_err_t *err)
     free(rc);
 }
 
-static void req_written(struct call *c, PGresult *res, const sp_err_t *err)
+static void req_written(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     struct req_ctx *rc = c->arg;
     if (err != NULL) {
         req_fail(rc, err);
@@ -758,8 +750,9 @@ static void req_written(struct call *c, PGresult *res, const sp_err_t *err)
     free(rc);
 }
 
-static void req_got_state(struct call *c, PGresult *res, const sp_err_t *err)
+static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     struct req_ctx *rc = c->arg;
     if (err != NULL) {
         req_fail(rc, err);
@@ -885,8 +878,9 @@ static void waiter_unlink(struct waiter *w)
 
 static void waiter_check(struct waiter *w);
 
-static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
+static void waiter_checked(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     struct waiter *w = c->w;
     w->checking = false;
     bool again = w->recheck;
@@ -908,30 +902,29 @@ static void waiter_checked(struct call *c, PGresult *res, const sp_err_t *err)
         waiter_check(w); /* the notification may have been for a state this answer missed */
 }
 
+/* Reads the waiter's operation once; waiter_checked gets the answer. */
+static int waiter_query(struct waiter *w, sp_err_t *err)
+{
+    const char *p[] = {w->op_id, w->team_id};
+    struct call *c = sp_store_call(
+        w->svc->store, "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2",
+        2, p, sizeof(*c), waiter_checked, err);
+    if (c == NULL)
+        return -1;
+    c->svc = w->svc;
+    c->w = w;
+    w->checking = true;
+    return 0;
+}
+
 static void waiter_check(struct waiter *w)
 {
     if (w->checking) {
         w->recheck = true;
         return;
     }
-    const char *p[] = {w->op_id, w->team_id};
-    struct call *c = calloc(1, sizeof(*c));
     sp_err_t e;
-    if (c == NULL) {
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        waiter_unlink(w);
-        w->cb(w->arg, NULL, &e);
-        free(w);
-        return;
-    }
-    c->svc = w->svc;
-    c->done = waiter_checked;
-    c->w = w;
-    w->checking = true;
-    if (sp_store_query(w->svc->store,
-                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
-                       p, on_result, c, &e) < 0) {
-        free(c);
+    if (waiter_query(w, &e) < 0) {
         waiter_unlink(w);
         w->cb(w->arg, NULL, &e);
         free(w);
@@ -980,21 +973,7 @@ int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, u
     svc->waiters = w;
     if (wait_ms > 0)
         sp_timer_start(&w->timer, wait_ms);
-    const char *p[] = {w->op_id, w->team_id};
-    struct call *c = calloc(1, sizeof(*c));
-    if (c == NULL) {
-        waiter_unlink(w);
-        free(w);
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    }
-    c->svc = svc;
-    c->done = waiter_checked;
-    c->w = w;
-    w->checking = true;
-    if (sp_store_query(svc->store,
-                       "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
-                       p, on_result, c, err) < 0) {
-        free(c);
+    if (waiter_query(w, err) < 0) {
         waiter_unlink(w);
         free(w);
         return -1;
@@ -1024,8 +1003,9 @@ struct sp_secrets *sp_svc_secrets(sp_svc_t *svc)
     return svc->secrets;
 }
 
-static void touched(struct call *c, PGresult *res, const sp_err_t *err)
+static void touched(void *rec, PGresult *res, const sp_err_t *err)
 {
+    (void)rec;
     if (err != NULL) /* activity is best effort: the idle timer may fire a little early */
         sp_log(SP_LOG_WARN, "svc", "last_activity_at update failed err=%s", err->msg);
 }
@@ -1053,8 +1033,9 @@ static void agent_up(void *p, const sp_err_t *err)
     free(w);
 }
 
-static void agent_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {
@@ -1120,8 +1101,9 @@ int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_s
 
 /* ---- health ---- */
 
-static void health_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void health_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     ((sp_svc_done_cb)c->cb)(c->arg, err);
 }
 
@@ -1350,8 +1332,9 @@ int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t 
     return svc->driver->ops->stats(svc->driver, id, out, err);
 }
 
-static void events_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void events_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_events_cb cb = (sp_svc_events_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
@@ -1440,8 +1423,9 @@ static json_t *policy_of_row(PGresult *res, int row, int col)
     return j;
 }
 
-static void policy_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void policy_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_policy_cb cb = (sp_svc_policy_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {
@@ -1509,8 +1493,9 @@ int sp_svc_set_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id,
     return rc;
 }
 
-static void egress_log_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void egress_log_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_svc_egress_log_cb cb = (sp_svc_egress_log_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {

@@ -539,35 +539,22 @@ fail:
 
 struct call {
     sp_secrets_t *s;
-    void (*done)(struct call *c, PGresult *res, const sp_err_t *err);
     void *cb;
     void *arg;
     bool replace;
 };
 
-static void on_result(void *arg, PGresult *res, const sp_err_t *err)
+/* Queues sql with a call record; done gets the record (struct call *) and the answer. */
+static int submit(sp_secrets_t *s, const char *sql, int n, const char *const *p, sp_store_rec_cb done,
+                  void *cb, void *arg, bool replace, sp_err_t *err)
 {
-    struct call *c = arg;
-    c->done(c, res, err);
-    free(c);
-}
-
-static int submit(sp_secrets_t *s, const char *sql, int n, const char *const *p,
-                  void (*done)(struct call *, PGresult *, const sp_err_t *), void *cb, void *arg,
-                  bool replace, sp_err_t *err)
-{
-    struct call *c = calloc(1, sizeof(*c));
+    struct call *c = sp_store_call(s->store, sql, n, p, sizeof(*c), done, err);
     if (c == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return -1;
     c->s = s;
-    c->done = done;
     c->cb = cb;
     c->arg = arg;
     c->replace = replace;
-    if (sp_store_query(s->store, sql, n, p, on_result, c, err) < 0) {
-        free(c);
-        return -1;
-    }
     return 0;
 }
 
@@ -576,8 +563,9 @@ static void copy(char *dst, size_t cap, const char *src)
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-static void rec_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void rec_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_secrets_rec_cb cb = (sp_secrets_rec_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, err);
@@ -635,8 +623,9 @@ int sp_secrets_put(sp_secrets_t *s, const char *team_id, const char *name, const
     return rc;
 }
 
-static void list_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_secrets_list_cb cb = (sp_secrets_list_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
@@ -671,8 +660,9 @@ int sp_secrets_list(sp_secrets_t *s, const char *team_id, sp_secrets_list_cb cb,
                   1, p, list_done, (void *)cb, arg, false, err);
 }
 
-static void delete_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void delete_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_secrets_done_cb cb = (sp_secrets_done_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, err);
@@ -702,8 +692,9 @@ int sp_secrets_delete(sp_secrets_t *s, const char *team_id, const char *name, sp
                   2, p, delete_done, (void *)cb, arg, false, err);
 }
 
-static void missing_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void missing_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_secrets_done_cb cb = (sp_secrets_done_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, err);
@@ -737,8 +728,9 @@ int sp_secrets_check_rule_secrets(sp_secrets_t *s, const char *team_id, const js
     return rc;
 }
 
-static void rules_done(struct call *c, PGresult *res, const sp_err_t *err)
+static void rules_done(void *rec, PGresult *res, const sp_err_t *err)
 {
+    struct call *c = rec;
     sp_secrets_rules_cb cb = (sp_secrets_rules_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {

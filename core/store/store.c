@@ -10,6 +10,7 @@
  */
 #include "core/store/store.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -521,6 +522,35 @@ int sp_store_query(sp_store_t *s, const char *sql, int nparams, const char *cons
     if (!sp_timer_armed(&s->kick))
         sp_timer_start(&s->kick, 0);
     return 0;
+}
+
+/* sp_store_call's record: the callback, then the caller's bytes (aligned as malloc aligns). */
+struct rec {
+    sp_store_rec_cb done;
+    max_align_t data[];
+};
+
+static void on_rec(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct rec *r = arg;
+    r->done(r->data, res, err);
+    free(r);
+}
+
+void *sp_store_call(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                    size_t size, sp_store_rec_cb done, sp_err_t *err)
+{
+    struct rec *r = calloc(1, sizeof(*r) + size);
+    if (r == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    r->done = done;
+    if (sp_store_query(s, sql, nparams, params, on_rec, r, err) < 0) {
+        free(r);
+        return NULL;
+    }
+    return r->data;
 }
 
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,

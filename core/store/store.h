@@ -41,6 +41,17 @@ void sp_store_destroy(sp_store_t *s);
 int sp_store_query(sp_store_t *s, const char *sql, int nparams, const char *const *params,
                    sp_store_cb cb, void *arg, sp_err_t *err);
 
+/*
+ * A statement with a record of the caller's own, the shape of every caller that keeps who asked
+ * and what to call back per statement: allocates a zeroed record of size bytes, queues the
+ * statement, and once its answer arrived calls done(record, res, err) and frees the record. The
+ * answer never comes before this returns, so the caller fills the record afterwards. NULL with
+ * err set (and nothing queued, nothing to free) when it cannot be allocated or queued.
+ */
+typedef void (*sp_store_rec_cb)(void *rec, PGresult *res, const sp_err_t *err);
+void *sp_store_call(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                    size_t size, sp_store_rec_cb done, sp_err_t *err);
+
 /* Subscribes to channel on the listening connection (re-LISTENed after each reconnect). */
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
                     sp_err_t *err);
