@@ -24,7 +24,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, free_port, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, free_port, skip_unless_pg  # noqa: E402
 
 DAEMON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "guest", "code",
                       "space-code")
@@ -88,11 +88,11 @@ class CodeTest(unittest.TestCase):
         cls.cport = free_port()
         cls.dlog = open(os.path.join(cls.scratch, "space-code.log"), "w")
         cls.start_daemon()
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.cport)})
+        cls.p = Platform(teams=("alpha",), start=False, runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.cport)})
+        cls.s = cls.p.s
+        cls.key = cls.p.keys["alpha"]
         cls.s.env.pop("SPACE_E2B_DOMAIN", None)
-        cls.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
         cls.s.start()
         cls.domain = "space.localhost:%d" % cls.s.port
         sb = cls.create()
@@ -100,8 +100,7 @@ class CodeTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         cls.daemon.terminate()
         try:
             cls.daemon.wait(timeout=30)

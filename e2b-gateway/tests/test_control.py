@@ -9,7 +9,7 @@ import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, skip_unless_pg  # noqa: E402
 
 SANDBOX_KEYS = ("sandboxID", "templateID", "clientID", "envdVersion")
 LISTED_KEYS = ("clientID", "cpuCount", "diskSizeMB", "endAt", "envdVersion", "memoryMB",
@@ -35,17 +35,15 @@ def sdk_metadata_query(md):
 class E2BControlTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_E2B_DOMAIN": DOMAIN})
-        cls.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_E2B_DOMAIN": DOMAIN})
+        cls.s = cls.p.s
+        cls.key = cls.p.keys["alpha"]
+        cls.other_key = cls.p.keys["beta"]
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
 
     # ---- helpers ----
 

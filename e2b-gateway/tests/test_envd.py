@@ -28,7 +28,7 @@ import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, q, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, skip_unless_pg  # noqa: E402
 
 
 def skip_unless_agent(cls):
@@ -108,11 +108,9 @@ def _rd(data, off):
 class EnvdTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_E2B_DEFAULT_USER": "nobody"})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha",), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_E2B_DEFAULT_USER": "nobody"})
+        cls.s = cls.p.s
         cls.sid, cls.token = cls.make_sandbox()
         cls.sid2, cls.token2 = cls.make_sandbox()
         cls.scratch = tempfile.mkdtemp(prefix="sp-envd-")
@@ -127,8 +125,7 @@ class EnvdTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         shutil.rmtree(cls.scratch, ignore_errors=True)
 
     # ---- helpers ----

@@ -23,7 +23,7 @@ import threading
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (MULT, PgCluster, Spaced, connect_local, free_port,  # noqa: E402
+from harness import (MULT, Platform, connect_local, free_port,  # noqa: E402
                      skip_unless_pg)
 
 BIG = 5 * 1024 * 1024
@@ -241,12 +241,12 @@ class RoutingTest(unittest.TestCase):
         cls.gport = cls.guest.server_address[1]
         cls.ws = serve(WSServer(("127.0.0.1", 0), WSEchoHandler))
         cls.wsport = cls.ws.server_address[1]
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20"})
+        cls.p = Platform(teams=("alpha", "beta"), start=False, runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20"})
+        cls.s = cls.p.s
+        cls.key = cls.p.keys["alpha"]
+        cls.other_key = cls.p.keys["beta"]
         cls.s.env.pop("SPACE_E2B_DOMAIN", None)  # the default domain is under test
-        cls.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
         cls.s.start()
         cls.domain = "space.localhost:%d" % cls.s.port
         cls.ca = os.path.join(cls.s.data_dir, "tls", "ca.pem")
@@ -256,8 +256,7 @@ class RoutingTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         cls.guest.shutdown()
         cls.ws.shutdown()
 

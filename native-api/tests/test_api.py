@@ -1,29 +1,25 @@
 """Native API v1 against a real PostgreSQL and spaced-test (test-only driver)."""
-import json
 import os
 import sys
 import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import PgCluster, Spaced, q, skip_unless_pg  # noqa: E402
+from harness import Platform, Spaced, q, skip_unless_pg  # noqa: E402
 
 
 @skip_unless_pg
 class NativeApiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20"})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20"})
+        cls.s = cls.p.s
+        cls.other_key = cls.p.keys["beta"]
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
 
     def req(self, *a, **kw):
         return self.s.request(*a, **kw)
@@ -290,7 +286,7 @@ class NativeApiTest(unittest.TestCase):
 
     def test_shipped_binary_has_no_fake_runtime(self):
         # Its own database: a second controller on ours would share the work.
-        url = self.pg.createdb("shipped")
+        url = self.p.pg.createdb("shipped")
         shipped = Spaced(binary=os.environ["SPACED"], database_url=url, runtime="test")
         with self.assertRaises(AssertionError) as cm:
             shipped.start(timeout=20)

@@ -17,7 +17,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, q, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, q, skip_unless_pg  # noqa: E402
 
 
 def skip_unless_agent(cls):
@@ -33,20 +33,17 @@ def skip_unless_agent(cls):
 class CommandsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20"})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20"})
+        cls.s = cls.p.s
+        cls.other_key = cls.p.keys["beta"]
         cls.sid, _ = cls.s.create()
         cls.scratch = tempfile.mkdtemp(prefix="sp-cmd-")
         os.chmod(cls.scratch, 0o777)
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         shutil.rmtree(cls.scratch, ignore_errors=True)
 
     # ---- helpers ----

@@ -26,7 +26,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (MULT, PgCluster, Spaced, connect_local, free_port,  # noqa: E402
+from harness import (MULT, Platform, connect_local, free_port,  # noqa: E402
                      skip_unless_pg)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -160,13 +160,11 @@ class ContextsTest(unittest.TestCase, Assertions):
         if not wait_port(cls.code_port, 60):
             cls.stop_daemon()
             raise AssertionError("space-code did not listen:\n" + cls.daemon_output())
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.code_port),
-                            "SPACE_CODE_DAEMON": os.path.join(cls.tmp, "no-such-daemon")})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other_key = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.code_port),
+                              "SPACE_CODE_DAEMON": os.path.join(cls.tmp, "no-such-daemon")})
+        cls.s = cls.p.s
+        cls.other_key = cls.p.keys["beta"]
         cls.sid, _ = cls.s.create()
         cls.cl = Client(cls.s)
 
@@ -188,8 +186,7 @@ class ContextsTest(unittest.TestCase, Assertions):
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         cls.stop_daemon()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
@@ -590,20 +587,17 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
         cls.script = os.path.join(cls.tmp, "space-code")
         cls.code_port = free_port()
         cls.fake = FakeDaemon(cls.code_port)
-        cls.pg = PgCluster()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.code_port),
-                            "SPACE_CODE_DAEMON": cls.script})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha",), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_CODE_PORT": str(cls.code_port),
+                              "SPACE_CODE_DAEMON": cls.script})
+        cls.s = cls.p.s
         cls.sid, _ = cls.s.create()
         cls.cl = Client(cls.s)
 
     @classmethod
     def tearDownClass(cls):
         cls.fake.stop()
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def setUp(self):

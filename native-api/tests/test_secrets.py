@@ -12,7 +12,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import PgCluster, Spaced, skip_unless_pg  # noqa: E402
+from harness import PgCluster, Platform, Spaced, skip_unless_pg  # noqa: E402
 
 VALUE = "sk-test-VALUE-7c1e0a9b2d4f-never-shown"
 VALUE2 = "rotated-VALUE-5d6e7f8091a2"
@@ -30,18 +30,15 @@ def psql(pg, sql):
 class SecretsApiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pg = PgCluster()
         cls.master = base64.b64encode(os.urandom(32)).decode()
-        cls.s = Spaced(database_url=cls.pg.url, runtime="test",
-                       env={"SPACE_MASTER_KEY": cls.master, "SPACE_FAKE_DELAY_MS": "20"})
-        cls.s.key = cls.s.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.other = cls.s.cli("keys", "create", "--team", "beta").stdout.strip()
-        cls.s.start()
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_MASTER_KEY": cls.master, "SPACE_FAKE_DELAY_MS": "20"})
+        cls.s = cls.p.s
+        cls.other = cls.p.keys["beta"]
 
     @classmethod
     def tearDownClass(cls):
-        cls.s.destroy()
-        cls.pg.destroy()
+        cls.p.destroy()
 
     def req(self, method, path, body=None, key=None, raw=None):
         st, r = self.s.request(method, path, body, key=key, raw=raw)
@@ -80,7 +77,7 @@ class SecretsApiTest(unittest.TestCase):
         self.assertEqual(r["name"], "OPENAI")
         self.assertError(self.req("PUT", "/v1/secrets/NOPE", raw=b'{"value": "x"}'), 404)
         # Sealed in the database: neither value appears anywhere in the table.
-        dump = psql(self.pg, "SELECT team_id, name, box FROM secrets")
+        dump = psql(self.p.pg, "SELECT team_id, name, box FROM secrets")
         self.assertIn("OPENAI", dump)
         self.assertNotIn(VALUE, dump)
         self.assertNotIn(VALUE2, dump)
