@@ -180,14 +180,10 @@ static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct call *c = rec;
     sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EAUTH, "invalid or revoked API key");
-        cb(c->arg, NULL, &e);
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_EAUTH, "invalid or revoked API key", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, fail);
         return;
     }
     sp_auth_t a;
@@ -307,17 +303,11 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct call *c = rec;
     sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, NULL, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sp_err_t e;
-        if (c->kind == 1)
-            sp_err_set(&e, SP_ENOTFOUND, "template not found");
-        else
-            sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        cb(c->arg, NULL, NULL, &e);
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(
+        res, err, SP_ENOTFOUND, c->kind == 1 ? "template not found" : "sandbox not found", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, NULL, fail);
         return;
     }
     sp_sandbox_rec_t sb;
@@ -754,16 +744,12 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct call *c = rec;
     struct req_ctx *rc = c->arg;
-    if (err != NULL) {
-        req_fail(rc, err);
-        return;
-    }
     sp_err_t e;
     sp_desired_t d, nd;
     sp_observed_t o;
-    if (PQntuples(res) != 1) {
-        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        req_fail(rc, &e);
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
+    if (fail != NULL) {
+        req_fail(rc, fail);
         return;
     }
     if (sp_desired_parse(PQgetvalue(res, 0, 0), &d) < 0 ||
@@ -1038,13 +1024,9 @@ static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
     struct call *c = rec;
     sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
     sp_err_t e;
-    if (err != NULL) {
-        cb(c->arg, NULL, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        cb(c->arg, NULL, &e);
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, fail);
         return;
     }
     const char *id = PQgetvalue(res, 0, 0);
@@ -1428,13 +1410,9 @@ static void policy_done(void *rec, PGresult *res, const sp_err_t *err)
     struct call *c = rec;
     sp_svc_policy_cb cb = (sp_svc_policy_cb)c->cb;
     sp_err_t e;
-    if (err != NULL) {
-        cb(c->arg, NULL, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        cb(c->arg, NULL, &e);
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, fail);
         return;
     }
     json_t *j = policy_of_row(res, 0, 1);

@@ -669,12 +669,9 @@ static void on_ca_read(void *arg, PGresult *res, const sp_err_t *err)
     if (!sb_query_back(sb))
         return;
     sp_err_t e;
-    if (err != NULL) {
-        sb_loaded(sb, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sb_loaded(sb, (sp_err_set(&e, SP_EINTERNAL, "sandbox CA vanished"), &e));
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_EINTERNAL, "sandbox CA vanished", &e);
+    if (fail != NULL) {
+        sb_loaded(sb, fail);
         return;
     }
     if (load_ca(sb, PQgetvalue(res, 0, 0), PQgetvalue(res, 0, 1), &e) < 0) {
@@ -747,12 +744,9 @@ static void on_rules(void *arg, PGresult *res, const sp_err_t *err)
     if (!sb_query_back(sb))
         return;
     sp_err_t e;
-    if (err != NULL) {
-        sb_loaded(sb, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sb_loaded(sb, (sp_err_set(&e, SP_ENOTFOUND, "sandbox not found"), &e));
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
+    if (fail != NULL) {
+        sb_loaded(sb, fail);
         return;
     }
     snprintf(sb->team_id, sizeof(sb->team_id), "%s", PQgetvalue(res, 0, 1));

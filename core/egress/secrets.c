@@ -567,17 +567,13 @@ static void rec_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct call *c = rec;
     sp_secrets_rec_cb cb = (sp_secrets_rec_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, err);
-        return;
-    }
-    if (PQntuples(res) != 1) {
-        sp_err_t e;
-        if (c->replace)
-            sp_err_set(&e, SP_ENOTFOUND, "secret not found");
-        else
-            sp_err_set(&e, SP_ECONFLICT, "a secret with this name exists (PUT replaces it)");
-        cb(c->arg, NULL, &e);
+    sp_err_t e;
+    const sp_err_t *fail =
+        c->replace ? sp_store_one_row(res, err, SP_ENOTFOUND, "secret not found", &e)
+                   : sp_store_one_row(res, err, SP_ECONFLICT,
+                                      "a secret with this name exists (PUT replaces it)", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, fail);
         return;
     }
     sp_secret_rec_t r;

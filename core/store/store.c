@@ -524,6 +524,18 @@ int sp_store_query(sp_store_t *s, const char *sql, int nparams, const char *cons
     return 0;
 }
 
+const sp_err_t *sp_store_one_row(const PGresult *res, const sp_err_t *err, sp_code_t code,
+                                 const char *msg, sp_err_t *buf)
+{
+    if (err != NULL)
+        return err;
+    if (PQntuples(res) != 1) {
+        sp_err_set(buf, code, "%s", msg);
+        return buf;
+    }
+    return NULL;
+}
+
 /* sp_store_call's record: the callback, then the caller's bytes (aligned as malloc aligns). */
 struct rec {
     sp_store_rec_cb done;

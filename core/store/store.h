@@ -52,6 +52,11 @@ typedef void (*sp_store_rec_cb)(void *rec, PGresult *res, const sp_err_t *err);
 void *sp_store_call(sp_store_t *s, const char *sql, int nparams, const char *const *params,
                     size_t size, sp_store_rec_cb done, sp_err_t *err);
 
+/* What a read of one row tells its caller: the query's own error, else code/msg (set in *buf)
+ * when res does not hold exactly one row, else NULL (the row is there). */
+const sp_err_t *sp_store_one_row(const PGresult *res, const sp_err_t *err, sp_code_t code,
+                                 const char *msg, sp_err_t *buf);
+
 /* Subscribes to channel on the listening connection (re-LISTENed after each reconnect). */
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
                     sp_err_t *err);
