@@ -1,6 +1,6 @@
 /*
- * envd_int.h - what the envd parts share (envd_files.c dispatches; envd_process.c and
- * envd_fs.c answer the Connect services): one call's context, the per-gateway handles on core
+ * envd_int.h - what the envd parts share (envd.c dispatches; envd_files.c answers /files;
+ * envd_process.c and envd_fs.c the Connect services): one call's context, the per-gateway handles on core
  * state, user selection and error mapping.
  */
 #ifndef SP_E2B_ENVD_INT_H
@@ -59,6 +59,21 @@ void sp_e2b__envd_call_free(envd_call_t *c);
 
 /* Our error as a Connect code: "unknown user" from the agent is unauthenticated (spec 3.5). */
 sp_connect_code_t sp_e2b__envd_code(const sp_err_t *err);
+
+/* envd's plain-HTTP errors ({"code": status, "message"}, spec 3.6; free the call). */
+void sp_e2b__envd_http_fail(envd_call_t *c, int status, const char *msg);
+void sp_e2b__envd_http_fail_err(envd_call_t *c, const sp_err_t *e);
+
+/* The user a call runs as when it names none (SPACE_E2B_DEFAULT_USER, else envd's). */
+const char *sp_e2b__envd_default_user(void);
+/* Whether u[0..n) can be a user name (1-63 bytes, no controls, ':' or '/'). */
+bool sp_e2b__envd_user_ok(const char *u, size_t n);
+/* Authorization: Basic base64("<user>:") -> c->user (the default user when absent or empty).
+ * -1 when present but unusable. */
+int sp_e2b__envd_basic_user(h2o_req_t *req, envd_call_t *c);
+
+/* /files (envd_files.c): GET downloads, POST uploads. */
+void sp_e2b__envd_files(envd_call_t *c, h2o_req_t *req);
 
 /* Services; method is the last path segment. */
 void sp_e2b__envd_process(envd_call_t *c, const char *method);

@@ -21,7 +21,7 @@
 struct sp_e2b {
     sp_svc_t *svc;
     char domain[256];
-    struct sp_envd *envd; /* envd_*.c state (watchers, process lifetimes); lazily made */
+    struct sp_envd *envd; /* handles on the core tables envd uses (proctab, fswatch); lazily made */
 };
 
 /* A resolved, authenticated sandbox for one sandbox-traffic request. Borrowed for the call. */
