@@ -1,7 +1,7 @@
 /*
  * envd_int.h - what the envd parts share (envd.c dispatches; envd_files.c answers /files;
- * envd_process.c and envd_fs.c the Connect services): one call's context, the per-gateway handles on core
- * state, user selection and error mapping.
+ * envd_process.c and envd_fs.c the Connect services): one call's context, the per-gateway
+ * handles on core state, user selection and error mapping.
  */
 #ifndef SP_E2B_ENVD_INT_H
 #define SP_E2B_ENVD_INT_H
