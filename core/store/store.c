@@ -4,6 +4,10 @@
  * Owns every PGconn and PGresult. Never blocks the loop: connections are
  * opened with PQconnectStart/PQconnectPoll, statements sent with
  * PQsendQueryParams in non-blocking mode and finished from socket readiness.
+ * Each connection prepares a statement the first time it runs its text (one
+ * extra round trip, once) and runs it prepared from then on: PostgreSQL then
+ * parses and plans it once per connection, not once per request. Texts past
+ * SP_STORE_PREP_MAX per connection (ad hoc SQL) run unprepared.
  * A broken connection fails its in-flight statement with SP_EUNAVAIL and is
  * reopened with backoff; statements not yet sent wait for a live connection
  * (at most SP_STORE_QUEUE_MS) or fail at once when none is up or coming up.
@@ -11,6 +15,7 @@
 #include "core/store/store.h"
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +25,7 @@
 #define SP_STORE_QUEUE_MAX  4096 /* statements waiting at once */
 #define SP_STORE_BACKOFF_LO 100
 #define SP_STORE_BACKOFF_HI 2000
+#define SP_STORE_PREP_MAX   128 /* prepared statements per connection */
 
 enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
 
@@ -45,6 +51,9 @@ struct conn {
     sp_timer_t retry; /* reconnect */
     unsigned backoff_ms;
     bool logged_down;
+    char *prep[SP_STORE_PREP_MAX]; /* statement "sN" is prep[N]'s text; reset on reconnect */
+    int nprep;
+    int preparing; /* index whose Prepare is in flight before c->q runs, else -1 */
 };
 
 struct sub {
@@ -148,6 +157,10 @@ static void set_watch(struct conn *c, int events)
 
 static void conn_close(struct conn *c)
 {
+    for (int i = 0; i < c->nprep; i++)
+        free(c->prep[i]);
+    c->nprep = 0;
+    c->preparing = -1;
     sp_watch_destroy(c->w);
     c->w = NULL;
     c->watched_fd = -1;
@@ -284,10 +297,43 @@ static void flush_out(struct conn *c)
         set_watch(c, r == 1 ? SP_IO_READ | SP_IO_WRITE : SP_IO_READ);
 }
 
+static void prep_name(int i, char out[16])
+{
+    snprintf(out, 16, "s%d", i);
+}
+
+static bool send_prepared(struct conn *c, struct query *q, int i)
+{
+    char name[16];
+    prep_name(i, name);
+    return PQsendQueryPrepared(c->pg, name, q->nparams, (const char *const *)q->params, NULL, NULL,
+                               0) == 1;
+}
+
 static bool send_query(struct conn *c, struct query *q)
 {
-    if (!PQsendQueryParams(c->pg, q->sql, q->nparams, NULL, (const char *const *)q->params, NULL,
-                           NULL, 0))
+    int i = 0;
+    while (i < c->nprep && strcmp(c->prep[i], q->sql) != 0)
+        i++;
+    bool ok;
+    if (i < c->nprep) {
+        ok = send_prepared(c, q, i);
+    } else if (c->nprep < SP_STORE_PREP_MAX && (c->prep[i] = strdup(q->sql)) != NULL) {
+        char name[16];
+        prep_name(i, name);
+        c->nprep++;
+        c->preparing = i;
+        ok = PQsendPrepare(c->pg, name, q->sql, q->nparams, NULL) == 1;
+        if (!ok) {
+            free(c->prep[i]);
+            c->nprep--;
+            c->preparing = -1;
+        }
+    } else {
+        ok = PQsendQueryParams(c->pg, q->sql, q->nparams, NULL, (const char *const *)q->params,
+                               NULL, NULL, 0) == 1;
+    }
+    if (!ok)
         return false;
     c->q = q;
     c->st = C_BUSY;
@@ -344,6 +390,23 @@ static void finish_results(struct conn *c)
         /* NULL: the statement is complete. */
         PGresult *res = c->last;
         c->last = NULL;
+        if (c->preparing >= 0) {
+            /* The Prepare before c->q: run the statement now, or fail it with the error its
+             * text gives (and forget the text, so a later try prepares it again). */
+            int i = c->preparing;
+            c->preparing = -1;
+            if (res != NULL && PQresultStatus(res) == PGRES_COMMAND_OK) {
+                PQclear(res);
+                if (!send_prepared(c, c->q, i)) {
+                    conn_down(c, PQerrorMessage(c->pg));
+                    return;
+                }
+                flush_out(c);
+                continue;
+            }
+            free(c->prep[i]);
+            c->nprep = i; /* the Prepare in flight is always of the last text added */
+        }
         struct query *q = c->q;
         c->q = NULL;
         c->st = C_IDLE;
@@ -457,6 +520,7 @@ sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size
         c->watched_fd = -1;
         c->listener = (i == pool_size);
         sp_timer_init(&c->retry, loop, on_retry, c);
+        c->preparing = -1;
         conn_start(c);
     }
     sp_timer_init(&s->sweep, loop, on_sweep, s);

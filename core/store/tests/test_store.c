@@ -114,6 +114,44 @@ static void test_store_queries_and_errors(sp_store_t *s)
         CHECK(atoi(many[i].value) == i * 2);
 }
 
+/* Statements run prepared per connection: the same text again and again, a text that does not
+ * parse (its error each time: a failed Prepare is not kept), a statement whose prepared form
+ * sees a table made after it was first run, and more distinct texts than one connection
+ * prepares (the rest run unprepared). */
+static void test_store_prepared(sp_store_t *s)
+{
+    sp_err_t e;
+    for (int round = 0; round < 3; round++) {
+        struct result ok = {0}, bad = {0};
+        const char *p[] = {"21"};
+        CHECK(sp_store_query(s, "SELECT $1::int * 2", 1, p, on_res, &ok, &e) == 0);
+        CHECK(sp_store_query(s, "SELEC 1", 0, NULL, on_res, &bad, &e) == 0);
+        run_until(&ok.done, 1, 5000);
+        run_until(&bad.done, 1, 5000);
+        CHECK(ok.code == SP_OK && strcmp(ok.value, "42") == 0);
+        CHECK(bad.code == SP_EINTERNAL && strcmp(bad.sqlstate, "42601") == 0);
+    }
+    struct result t0 = {0}, mk = {0}, t1 = {0};
+    const char *q = "SELECT count(*) FROM pg_class WHERE relname = 'sp_prep_t'";
+    CHECK(sp_store_query(s, q, 0, NULL, on_res, &t0, &e) == 0);
+    run_until(&t0.done, 1, 5000);
+    CHECK(sp_store_query(s, "CREATE TABLE sp_prep_t (x int)", 0, NULL, on_res, &mk, &e) == 0);
+    run_until(&mk.done, 1, 5000);
+    CHECK(sp_store_query(s, q, 0, NULL, on_res, &t1, &e) == 0);
+    run_until(&t1.done, 1, 5000);
+    CHECK(strcmp(t0.value, "0") == 0 && mk.code == SP_OK && strcmp(t1.value, "1") == 0);
+    /* One at a time, so they all land on the first idle connection: past its 128. */
+    for (int i = 0; i < 200; i++) {
+        struct result r = {0};
+        char sql[64], want[16];
+        snprintf(sql, sizeof(sql), "SELECT %d + 0", i);
+        snprintf(want, sizeof(want), "%d", i);
+        CHECK(sp_store_query(s, sql, 0, NULL, on_res, &r, &e) == 0);
+        run_until(&r.done, 1, 5000);
+        CHECK(r.code == SP_OK && strcmp(r.value, want) == 0);
+    }
+}
+
 struct note {
     int got, reconnects;
     char payload[64];
@@ -223,6 +261,7 @@ int main(void)
     struct note n = {0};
     CHECK(sp_store_listen(s, "sp_test", on_note, &n, &e) == 0);
     test_store_queries_and_errors(s);
+    test_store_prepared(s);
     test_store_notify(s, &n);
     test_store_outage_and_recovery(s, g_cluster, &n);
     sp_store_destroy(s);

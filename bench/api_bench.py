@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Control-plane read path: requests per second of the API's reads, next to what the
+PostgreSQL under it does alone in the same run.
+
+  bench/api_bench.py BUILD_DIR [BUILD_DIR ...]
+
+Each BUILD_DIR holds server/spaced-test (any build; a release one for figures). With several,
+the builds take turns round by round (BENCH_ROUNDS, default 3) on one PostgreSQL cluster, so an
+A/B sees the same machine noise; each figure is the median over rounds. No VM: spaced runs the
+test runtime (sandboxes exist as rows and a fake agent). Prints, per build:
+  - GET /v1/sandboxes/{id} (native), GET /sandboxes/{id} and GET /v2/sandboxes (E2B),
+    GET /v1/sandboxes?limit=10, GET /healthz: wrk, BENCH_CONNS (32) connections, 2 threads,
+    BENCH_SECONDS (5) s each
+and once per round, the baseline: `pgbench -S` on the same cluster with as many clients as
+spaced's pool (4), simple and prepared protocol; each read's ratio to the simple figure.
+Needs wrk and pgbench (Debian: wrk, postgresql-contrib). Machines here are shared and noisy:
+read ratios, not absolutes.
+"""
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from harness import PgCluster, Spaced, pg_bindir  # noqa: E402
+
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+CONNS = int(os.environ.get("BENCH_CONNS", "32"))
+SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
+POOL = 4  # spaced's PostgreSQL pool (server/server.c)
+
+
+def wrk(port, path, headers):
+    argv = ["wrk", "-t2", "-c%d" % CONNS, "-d%ds" % SECONDS]
+    for k, v in headers.items():
+        argv += ["-H", "%s: %s" % (k, v)]
+    out = subprocess.run(argv + ["http://127.0.0.1:%d%s" % (port, path)], capture_output=True,
+                         text=True, check=True).stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if m is None or bad is not None:
+        raise SystemExit("wrk %s: %s" % (path, out))
+    return float(m.group(1))
+
+
+def pgbench(pg, mode):
+    argv = [os.path.join(pg_bindir(), "pgbench"), "-h", pg.sock, "-U", "postgres", "-S", "-n",
+            "-c%d" % POOL, "-j2", "-T%d" % SECONDS, "-M", mode, "bench"]
+    if os.geteuid() == 0:
+        argv = ["runuser", "-u", "postgres", "--"] + argv
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd="/").stdout
+    return float(re.search(r"tps = ([\d.]+)", out).group(1))
+
+
+def start(build, pg, n):
+    binary = os.path.join(os.path.abspath(build), "server", "spaced-test")
+    s = Spaced(binary=binary, database_url=pg.createdb("space%d" % n), runtime="test")
+    s.key = s.cli("keys", "create").stdout.strip()
+    s.start()
+    sid, _ = s.create()
+    for _ in range(9):
+        s.create()
+    st, sb = s.request("GET", "/v1/sandboxes/" + sid)
+    assert st == 200, sb
+    return s, sid, sb.get("envd_access_token") or sb.get("access_token")
+
+
+def main():
+    builds = sys.argv[1:]
+    if not builds:
+        raise SystemExit(__doc__)
+    pg = PgCluster()
+    runs = []
+    try:
+        pg._run(["createdb", "-h", pg.sock, "-U", "postgres", "bench"])
+        pg._run(["pgbench", "-h", pg.sock, "-U", "postgres", "-i", "-q", "-s", "10", "bench"])
+        for i, b in enumerate(builds):
+            runs.append(start(b, pg, i))
+        figs = {b: {} for b in builds}
+        base = {"simple": [], "prepared": []}
+        reads = [("GET /v1/sandboxes/{id}", lambda sid: "/v1/sandboxes/" + sid, "native"),
+                 ("E2B GET /sandboxes/{id}", lambda sid: "/sandboxes/" + sid, "e2b"),
+                 ("E2B GET /v2/sandboxes", lambda sid: "/v2/sandboxes", "e2b"),
+                 ("GET /v1/sandboxes?limit=10", lambda sid: "/v1/sandboxes?limit=10", "native"),
+                 ("GET /healthz", lambda sid: "/healthz", "none")]
+        for r in range(ROUNDS):
+            for mode in ("simple", "prepared"):
+                base[mode].append(pgbench(pg, mode))
+            for name, path, auth in reads:  # builds side by side on each read: same noise
+                for b, (s, sid, _) in zip(builds, runs):
+                    h = {"Authorization": "Bearer " + s.key} if auth == "native" else \
+                        {"X-API-Key": s.key} if auth == "e2b" else {}
+                    figs[b].setdefault(name, []).append(wrk(s.port, path(sid), h))
+            print("round %d done" % (r + 1), file=sys.stderr, flush=True)
+        simple = statistics.median(base["simple"])
+        print("%-44s %10.0f tps" % ("pgbench -S, %d clients, simple" % POOL, simple))
+        print("%-44s %10.0f tps" % ("pgbench -S, %d clients, prepared" % POOL,
+                                    statistics.median(base["prepared"])))
+        for b in builds:
+            print("build %s" % b)
+            for name, _, _ in reads:
+                v = statistics.median(figs[b][name])
+                print("  %-42s %10.0f req/s  %5.2fx pgbench -S simple" % (name, v, v / simple))
+        if len(builds) > 1:
+            first = builds[0]
+            for b in builds[1:]:
+                print("ratio %s / %s" % (b, first))
+                for name, _, _ in reads:
+                    print("  %-42s %5.2fx" % (name, statistics.median(figs[b][name]) /
+                                              statistics.median(figs[first][name])))
+    finally:
+        for s, _, _ in runs:
+            s.destroy()
+        pg.destroy()
+
+
+if __name__ == "__main__":
+    main()
