@@ -503,6 +503,14 @@ static void raise_nofile(void)
     }
 }
 
+/* The host's addresses change (DHCP, a new interface): read them again every minute. */
+static void on_host_addrs(sp_timer_t *t, void *arg)
+{
+    if (sp_egp_host_addrs_refresh() < 0)
+        sp_log(SP_LOG_WARN, "egress", "cannot list the host's addresses: %s", strerror(errno));
+    sp_timer_start(t, 60000);
+}
+
 sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egress_opts_t *o,
                               sp_err_t *err)
 {
@@ -531,6 +539,8 @@ sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egres
     }
     raise_nofile();
     sp_agentconn_set_hook(on_named, eg);
+    sp_timer_init(&eg->host_addrs, loop, on_host_addrs, eg);
+    on_host_addrs(&eg->host_addrs, eg);
     return eg;
 }
 
@@ -564,6 +574,7 @@ void sp_egress_destroy(sp_egress_t *eg)
     if (eg == NULL)
         return;
     sp_agentconn_set_hook(NULL, NULL);
+    sp_timer_stop(&eg->host_addrs);
     eg->dying = true;
     sp_egress__audit_stop(eg);
     while (eg->sbs != NULL) {

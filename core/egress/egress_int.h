@@ -73,6 +73,8 @@ struct sp_egress {
     uint64_t last_gc_ms;
     unsigned long long dropped;
 
+    sp_timer_t host_addrs; /* egress.c: re-reads the host's addresses (always denied) */
+
     /* store queries and lookups in flight; after destroy (dying) the last one
      * frees us */
     int inflight;

@@ -9,6 +9,8 @@
 
 #include <arpa/inet.h>
 #include <ctype.h>
+#include <ifaddrs.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,6 +78,7 @@ struct range {
 
 static const struct range ranges[] = {
     {4, 32, {169, 254, 169, 254}, "metadata address"},
+    {4, 32, {168, 63, 129, 16}, "metadata address"}, /* Azure's wire server */
     {4, 8, {0}, "unspecified address"},
     {4, 8, {10}, "private address"},
     {4, 10, {100, 64}, "shared (CGNAT) address"},
@@ -106,6 +109,55 @@ static const struct range ranges[] = {
 static const struct range nat64 = {6, 96, {0x00, 0x64, 0xff, 0x9b}, NULL};
 static const struct range sixto4 = {6, 16, {0x20, 0x02}, NULL};
 
+/* The host's own interface addresses: a guest must not reach the host's services by the host's
+ * public address either. Refreshed from the loop (sp_egp_host_addrs_refresh), read by checks;
+ * the lock makes a refresh and a check on another thread safe. */
+static pthread_mutex_t host_mu = PTHREAD_MUTEX_INITIALIZER;
+static sp_egp_addr_t host_addrs[SP_EGP_HOST_ADDRS_MAX];
+static size_t nhost_addrs;
+
+int sp_egp_host_addrs_refresh(void)
+{
+    struct ifaddrs *ifs;
+    if (getifaddrs(&ifs) < 0)
+        return -1;
+    sp_egp_addr_t got[SP_EGP_HOST_ADDRS_MAX];
+    size_t n = 0;
+    for (struct ifaddrs *i = ifs; i != NULL && n < SP_EGP_HOST_ADDRS_MAX; i = i->ifa_next) {
+        if (i->ifa_addr == NULL)
+            continue;
+        sp_egp_addr_t a = {0};
+        if (i->ifa_addr->sa_family == AF_INET) {
+            a.family = 4;
+            memcpy(a.b, &((struct sockaddr_in *)(void *)i->ifa_addr)->sin_addr, 4);
+        } else if (i->ifa_addr->sa_family == AF_INET6) {
+            a.family = 6;
+            memcpy(a.b, &((struct sockaddr_in6 *)(void *)i->ifa_addr)->sin6_addr, 16);
+        } else {
+            continue;
+        }
+        addr_normalize(&a);
+        got[n++] = a;
+    }
+    freeifaddrs(ifs);
+    pthread_mutex_lock(&host_mu);
+    memcpy(host_addrs, got, n * sizeof(got[0]));
+    nhost_addrs = n;
+    pthread_mutex_unlock(&host_mu);
+    return (int)n;
+}
+
+static bool is_host_addr(const sp_egp_addr_t *a)
+{
+    bool hit = false;
+    pthread_mutex_lock(&host_mu);
+    for (size_t i = 0; i < nhost_addrs && !hit; i++)
+        hit = host_addrs[i].family == a->family &&
+              memcmp(host_addrs[i].b, a->b, a->family == 4 ? 4 : 16) == 0;
+    pthread_mutex_unlock(&host_mu);
+    return hit;
+}
+
 /* The most specific always-denied range holding a (a normalized), or false. For NAT64 and
  * 6to4 addresses whose embedded IPv4 address is denied, the range is the translation prefix
  * itself (a rule must lie inside it to open the address) with the IPv4 label. */
@@ -120,6 +172,13 @@ static bool find_range(const sp_egp_addr_t *a, struct range *hit)
     }
     if (best != NULL) {
         *hit = *best;
+        return true;
+    }
+    if (is_host_addr(a)) { /* a range of one address (loopback and private ones matched above) */
+        hit->family = a->family;
+        hit->prefix = a->family == 4 ? 32 : 128;
+        memcpy(hit->b, a->b, sizeof(hit->b));
+        hit->label = "host address";
         return true;
     }
     const struct range *tr = NULL;

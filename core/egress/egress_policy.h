@@ -145,4 +145,10 @@ bool sp_egp_check_addr(const sp_egp_t *p, const sp_egp_addr_t *a, uint16_t port,
 /* The always-denied range holding a (with its label) or NULL: for tests and logs. */
 const char *sp_egp_special_range(const sp_egp_addr_t *a);
 
+/* The host's own interface addresses (all of them, up to SP_EGP_HOST_ADDRS_MAX) are denied as
+ * "host address" like the ranges above: read now from getifaddrs. The egress service calls it
+ * at start and every minute. The number of addresses, or -1 (the last list stays). */
+#define SP_EGP_HOST_ADDRS_MAX 256
+int sp_egp_host_addrs_refresh(void);
+
 #endif

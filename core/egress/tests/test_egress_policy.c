@@ -1,8 +1,12 @@
 /*
  * test_egress_policy.c - rule parsing and the two decision stages of core/egress/egress_policy.h.
  */
+#include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/egress/egress_policy.h"
 #include "tests/check.h"
@@ -419,6 +423,49 @@ static void test_egress_policy_hosts(void)
     CHECK(strcmp(fmt, "2001:db8::1") == 0);
 }
 
+/* The host's own addresses are denied like the fixed ranges (label "host address"), and only an
+ * explicit rule for the address opens one. In a network namespace of our own (root needed) lo
+ * gets a public-looking address, so the host's real ones (whatever they are) do not matter. */
+static void test_egress_policy_host_addresses(void)
+{
+    char why[128];
+    sp_egp_t *p = policy("{}");
+    CHECK(!allowed(p, "168.63.129.16", NULL, 80, why) && strcmp(why, "metadata address") == 0);
+    sp_egp_free(p);
+    CHECK(sp_egp_host_addrs_refresh() >= 1); /* lo at least */
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (unshare(CLONE_NEWNET) < 0)
+            _exit(77);
+        if (system("ip link set lo up && ip addr add 198.51.100.7/32 dev lo && "
+                   "ip addr add 2001:db8:5::7/128 dev lo") != 0)
+            _exit(2);
+        int bad = 0;
+        sp_egp_t *q = policy("{}");
+        bad += !allowed(q, "198.51.100.7", NULL, 80, why); /* not read yet */
+        bad += sp_egp_host_addrs_refresh() < 3;
+        bad += allowed(q, "198.51.100.7", NULL, 80, why) || strcmp(why, "host address") != 0;
+        bad += allowed(q, "2001:db8:5::7", NULL, 443, why) || strcmp(why, "host address") != 0;
+        bad += !allowed(q, "198.51.100.8", NULL, 80, why);
+        sp_egp_free(q);
+        q = policy("{\"allow\": [\"198.51.100.0/24\"]}"); /* wider: does not open it */
+        bad += allowed(q, "198.51.100.7", NULL, 80, why);
+        sp_egp_free(q);
+        q = policy("{\"allow\": [\"198.51.100.7\"]}");
+        bad += !allowed(q, "198.51.100.7", NULL, 80, why);
+        sp_egp_free(q);
+        if (bad != 0)
+            fprintf(stderr, "host addresses: %d checks failed (last reason: %s)\n", bad, why);
+        _exit(bad == 0 ? 0 : 1);
+    }
+    int st = 0;
+    CHECK(pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st));
+    if (WEXITSTATUS(st) == 77)
+        printf("host addresses in a namespace: skipped (no CAP_SYS_ADMIN)\n");
+    else
+        CHECK(WEXITSTATUS(st) == 0);
+}
+
 int main(void)
 {
     test_egress_policy_rule_forms();
@@ -430,5 +477,6 @@ int main(void)
     test_egress_policy_default_denied_ranges();
     test_egress_policy_internet_off();
     test_egress_policy_hosts();
+    test_egress_policy_host_addresses();
     return check_report("egress_policy");
 }
