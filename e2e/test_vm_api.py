@@ -100,7 +100,25 @@ class VmApiTest(unittest.TestCase):
         first = resp.readline()
         self.assertIn(b"start", first)
         c.close()  # the client goes away; the process must not
-        time.sleep(1.0)
+        # Until the guest printed tick 3 (a loaded TCG guest may need more than a second):
+        # re-attach for a moment at a time, each time reading the replay from the start.
+        deadline = time.time() + 60 * MULT
+        while time.time() < deadline:
+            c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=2)
+            c.request("GET", "/v1/sandboxes/%s/commands/%s/output" % (sid, cid),
+                      headers={"Authorization": "Bearer " + self.s.key})
+            resp, seen = c.getresponse(), b""
+            try:
+                while b"tick 3" not in seen:
+                    line = resp.readline()
+                    if not line:
+                        break
+                    seen += line
+            except OSError:  # the 2 s read timeout: nothing new yet
+                pass
+            c.close()
+            if b"tick 3" in seen:
+                break
         st, lst = self.req("GET", "/v1/sandboxes/%s/commands" % sid)
         mine = [x for x in lst["commands"] if x["id"] == cid]
         self.assertTrue(mine and mine[0]["running"], lst)
