@@ -1,5 +1,8 @@
 /*
  * agent.h - agent-wide constants.
+ *
+ * Folder: agent/ is space-agent, which runs inside every guest; it links base/ only.
+ * (ARCHITECTURE.md: the layers.)
  */
 #ifndef SP_AGENT_AGENT_H
 #define SP_AGENT_AGENT_H

@@ -3,6 +3,9 @@
  * official E2B SDKs send (../shared/spec/e2b-wire.md) to core operations.
  * Holds no state of its own beyond caches.
  *
+ * Folder: e2b-gateway/ is the other HTTP surface: E2B's wire translated to core calls.
+ * (ARCHITECTURE.md: the layers.)
+ *
  * Three kinds of traffic arrive on the same listener and are told apart per
  * request: the control plane (/sandboxes, /v2/sandboxes, X-API-Key), envd
  * (port 49983: Connect RPC + /files + /health) and other sandbox ports

@@ -2,6 +2,9 @@
  * tmplbuild.h - builds templates: guest kernel, initramfs and a template's
  * read-only base root filesystem, cached by the hash of their inputs.
  *
+ * Folder: guest/ makes what a VM boots: template images, kernel and initramfs, boot arguments.
+ * (ARCHITECTURE.md: the layers.)
+ *
  * Owns everything below <data-dir>/images and <data-dir>/templates. Does not
  * make per-sandbox overlays, boot VMs or take snapshots (the runtime does);
  * guest/bootargs.h has the kernel command line and QEMU flags to boot what

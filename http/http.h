@@ -2,6 +2,9 @@
  * http.h - what both HTTP surfaces share on top of h2o: holding a request
  * across asynchronous work, JSON replies, query parameters, headers.
  *
+ * Folder: http/ is the HTTP toolkit on h2o under both surfaces (holds, JSON, streams, TLS, one
+ * port for TLS and plain HTTP); it uses base/ and loop/. (ARCHITECTURE.md: the layers.)
+ *
  * A hold survives the client: if the connection goes away first, the hold's
  * request becomes NULL and the completion must not reply.
  */

@@ -1,6 +1,9 @@
 /*
  * loop.h - the event loop core runs on: fd readiness, timers, deferred calls.
  *
+ * Folder: loop/ is the event loop (fds, timers, work run off the loop); it uses base/ only.
+ * (ARCHITECTURE.md: the layers.)
+ *
  * One loop per process, one thread. The implementation (loop/loop.c) sits
  * on h2o's evloop so HTTP and core share the thread; core sees only this
  * header. Nothing here blocks: blocking work goes to worker threads through

@@ -1,6 +1,9 @@
 /*
  * napi.h - the native HTTP API (/v1/..., /healthz).
  *
+ * Folder: native-api/ is one of the two HTTP surfaces: it parses, authenticates, calls core and
+ * renders; it keeps no state. (ARCHITECTURE.md: the layers.)
+ *
  * Parses and authenticates (Authorization: Bearer <key>), calls one core
  * operation (core/control/svc.h), renders JSON. Its only state is the table of command
  * sessions (core/channel/session.h), which lives in this process's memory.

@@ -1,6 +1,9 @@
 /*
  * server.h - the `spaced` program: command line, start-up, the serve loop.
  *
+ * Folder: server/ is only the program: it wires the folders below it together. (ARCHITECTURE.md:
+ * the layers.)
+ *
  * The shipped binary calls sp_server_main with no extra driver. Test
  * binaries under tests/ may pass one (a test-only runtime), which the
  * shipped binary can never select.

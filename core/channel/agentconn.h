@@ -1,6 +1,9 @@
 /*
  * agentconn.h - the host end of one VM's agent channel (base/agentproto.h).
  *
+ * Folder: core/channel/ is the agent channel and what runs on it: exec, files, sessions, code, E2B
+ * process records and watchers. (ARCHITECTURE.md: the layers.)
+ *
  * One sp_agentconn_t per VM, owned by the runtime driver: it connects to the
  * unix socket QEMU exposes for the virtio-serial port, says HELLO, and
  * multiplexes streams over it on the process loop. If the channel drops

@@ -2,6 +2,9 @@
  * svc.h - the core operations both HTTP surfaces call: authenticate, list
  * templates, create/list/get sandboxes, lifecycle requests, operations.
  *
+ * Folder: core/control/ is sandboxes' lifecycle: these operations, states, the controller that
+ * reconciles them, API keys. (ARCHITECTURE.md: the layers.)
+ *
  * Every call is asynchronous on the loop and scoped by team: another team's
  * sandbox or operation is SP_ENOTFOUND, exactly like a missing one. A
  * lifecycle request writes the desired state, supersedes nothing and

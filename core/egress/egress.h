@@ -3,6 +3,9 @@
  * DNS answerer behind each sandbox's agent channel, with per-sandbox rules
  * (core/egress/egress_policy.h) and an audit log.
  *
+ * Folder: core/egress/ is guests' outbound traffic: proxy, DNS, policies, audit, team secrets and
+ * credential injection (mitm). (ARCHITECTURE.md: the layers.)
+ *
  * Guests have no network device. The agent (agent/egress.c) listens on
  * 127.0.0.1:SP_EGRESS_GUEST_PORT in the guest and on 127.0.0.1:53 for DNS,
  * and turns each connection into an EGRESS_OPEN stream and each query into a

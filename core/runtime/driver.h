@@ -2,6 +2,9 @@
  * driver.h - the runtime driver interface: what the controller asks of a
  * microVM implementation (QEMU microvm here; Firecracker could sit behind it).
  *
+ * Folder: core/runtime/ runs VMs: this interface, the QEMU driver (core/runtime/qemu/), QMP,
+ * cgroups, RAM deltas. (ARCHITECTURE.md: the layers.)
+ *
  * Every lifecycle call is asynchronous on the process loop. A call that fails
  * at once returns -1, fills err and never calls cb; one that returns 0 calls
  * cb exactly once, never before returning. Calls are keyed by sandbox ID and

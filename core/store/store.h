@@ -2,6 +2,9 @@
  * store.h - PostgreSQL on the event loop: a small pool of asynchronous libpq
  * connections, and one listening connection for LISTEN/NOTIFY.
  *
+ * Folder: core/store/ is PostgreSQL for core: this pool, migrations, the embedded cluster.
+ * (ARCHITECTURE.md: the layers.)
+ *
  * Every statement is one round trip with $n parameters (text format); the
  * core keeps multi-step changes atomic by writing them as one statement with
  * data-modifying CTEs. When the server goes away, calls fail with SP_EUNAVAIL

@@ -3,6 +3,9 @@
  * and each VM's state, the records of template snapshots, spares and checksum jobs, and the
  * functions one file calls in another.
  *
+ * Folder: core/runtime/qemu/ is the QEMU driver, one file per seam (driver, boot, snapshot, tsnap,
+ * pool, sums, util). (ARCHITECTURE.md: the layers.)
+ *
  *   driver.c    the ops, the VM table, stopping and finishing a VM, completions,
  *               re-adoption of running VMs, creation and free
  *   boot.c      a boot up to IDENTITY: probes, overlay, QEMU's command line and process,
