@@ -220,6 +220,17 @@ static void test_store_outage_and_recovery(sp_store_t *s, sp_pgcluster_t *cl, st
     if (ok.code != SP_OK)
         fprintf(stderr, "recovery: code=%d value=%s state=%s\n", ok.code, ok.value, ok.sqlstate);
     CHECK(ok.code == SP_OK && strcmp(ok.value, "42") == 0);
+    /* Statements prepared before the restart (test_store_prepared) are prepared again on the new
+     * connections: several at once, so every connection of the pool runs one. */
+    struct result again[8];
+    memset(again, 0, sizeof(again));
+    const char *p21[] = {"21"};
+    for (int i = 0; i < 8; i++)
+        CHECK(sp_store_query(s, "SELECT $1::int * 2", 1, p21, on_res, &again[i], &e) == 0);
+    for (int i = 0; i < 8; i++) {
+        run_until(&again[i].done, 1, 5000);
+        CHECK(again[i].code == SP_OK && strcmp(again[i].value, "42") == 0);
+    }
     run_until(&n->reconnects, before + 1, 5000);
     CHECK(n->reconnects > before); /* the listener came back and said so */
 }
