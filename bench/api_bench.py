@@ -8,6 +8,8 @@ Each BUILD_DIR holds server/spaced-test (any build; a release one for figures). 
 the builds take turns round by round (BENCH_ROUNDS, default 3) on one PostgreSQL cluster, so an
 A/B sees the same machine noise; each figure is the median over rounds. No VM: spaced runs the
 test runtime (sandboxes exist as rows and a fake agent). Prints, per build:
+  - POST /v1/sandboxes, request to 202 as a client sees it (BENCH_CREATES, 50, one at a time on
+    one keep-alive connection; each deleted after), median and p99 in ms
   - GET /v1/sandboxes/{id} (native), GET /sandboxes/{id} and GET /v2/sandboxes (E2B),
     GET /v1/sandboxes?limit=10, GET /healthz: wrk, BENCH_CONNS (32) connections, 2 threads,
     BENCH_SECONDS (5) s each
@@ -16,8 +18,11 @@ spaced's pool (4), simple and prepared protocol; each read's ratio to the simple
 Needs wrk and pgbench (Debian: wrk, postgresql-contrib). Machines here are shared and noisy:
 read ratios, not absolutes.
 """
+import http.client
+import json
 import os
 import re
+import time
 import statistics
 import subprocess
 import sys
@@ -30,6 +35,29 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 CONNS = int(os.environ.get("BENCH_CONNS", "32"))
 SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
 POOL = 4  # spaced's PostgreSQL pool (server/server.c)
+CREATES = int(os.environ.get("BENCH_CREATES", "50"))
+
+
+def creates(s):
+    """ms from sending POST /v1/sandboxes to its 202, one at a time; deletes them after."""
+    c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+    h = {"Authorization": "Bearer " + s.key, "Content-Type": "application/json"}
+    body = json.dumps({"template": "base"})
+    ms, ids = [], []
+    for _ in range(CREATES):
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/sandboxes", body=body, headers=h)
+        r = c.getresponse()
+        data = r.read()
+        ms.append((time.perf_counter() - t0) * 1000)
+        if r.status != 202:
+            raise SystemExit("create: %d %s" % (r.status, data))
+        ids.append(json.loads(data)["sandbox"]["id"])
+    for sid in ids:
+        c.request("DELETE", "/v1/sandboxes/" + sid, headers=h)
+        c.getresponse().read()
+    c.close()
+    return ms
 
 
 def wrk(port, path, headers):
@@ -88,6 +116,8 @@ def main():
         for r in range(ROUNDS):
             for mode in ("simple", "prepared"):
                 base[mode].append(pgbench(pg, mode))
+            for b, (s, sid, _) in zip(builds, runs):
+                figs[b].setdefault("create", []).extend(creates(s))
             for name, path, auth in reads:  # builds side by side on each read: same noise
                 for b, (s, sid, _) in zip(builds, runs):
                     h = {"Authorization": "Bearer " + s.key} if auth == "native" else \
@@ -100,6 +130,10 @@ def main():
                                     statistics.median(base["prepared"])))
         for b in builds:
             print("build %s" % b)
+            xs = sorted(figs[b]["create"])
+            print("  %-42s %10.2f ms median  %8.2f ms p99  (n=%d)" % (
+                "POST /v1/sandboxes to 202", statistics.median(xs),
+                xs[min(len(xs) - 1, int(0.99 * (len(xs) - 1)))], len(xs)))
             for name, _, _ in reads:
                 v = statistics.median(figs[b][name])
                 print("  %-42s %10.0f req/s  %5.2fx pgbench -S simple" % (name, v, v / simple))
@@ -107,6 +141,9 @@ def main():
             first = builds[0]
             for b in builds[1:]:
                 print("ratio %s / %s" % (b, first))
+                print("  %-42s %5.2fx (time)" % ("POST /v1/sandboxes to 202",
+                                                 statistics.median(figs[b]["create"]) /
+                                                 statistics.median(figs[first]["create"])))
                 for name, _, _ in reads:
                     print("  %-42s %5.2fx" % (name, statistics.median(figs[b][name]) /
                                               statistics.median(figs[first][name])))
