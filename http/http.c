@@ -2,6 +2,7 @@
  * http.c - shared HTTP helpers on h2o 2.2.
  */
 #include "http/http.h"
+#include "http/json.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -51,23 +52,26 @@ h2o_req_t *sp_http_release(sp_http_hold_t *h)
 
 void sp_http_json(h2o_req_t *req, int status, json_t *obj)
 {
-    char *s = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+    /* One buffer for every response (the loop is one thread), freed when a big one grew it. */
+    static sp_buf_t out = SP_BUF_INIT;
+    sp_buf_reset(&out);
+    bool ok = sp_json_write(&out, obj) == 0;
     json_decref(obj);
     req->res.status = status;
     req->res.reason = status < 300 ? "OK" : "Error";
     h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
                    H2O_STRLIT("application/json"));
-    if (s == NULL) {
+    sp_buf_add(&out, "\n", 1);
+    if (!ok || out.oom) {
         req->res.status = 500;
         static const char fallback[] =
             "{\"error\":{\"code\":\"internal\",\"message\":\"cannot encode response\"}}";
         h2o_send_inline(req, fallback, sizeof(fallback) - 1);
-        return;
+    } else {
+        h2o_send_inline(req, (const char *)out.p, out.len); /* copied into the request's pool */
     }
-    size_t n = strlen(s);
-    s[n] = '\n'; /* replaces the NUL: the length below excludes nothing else */
-    h2o_send_inline(req, s, n + 1);
-    free(s);
+    if (out.cap > (1u << 20))
+        sp_buf_free(&out);
 }
 
 void sp_http_error(h2o_req_t *req, const sp_err_t *err)
