@@ -180,6 +180,31 @@ static void pst_ka(sp_timer_t *t, void *arg)
 static void pst_deadline(sp_timer_t *t, void *arg)
 {
     pst_t *s = arg;
+    if (s->is_start) {
+        /* Start: the process's lifetime passed and the agent has not reported it killed yet
+         * (a loaded guest's timers run late). End the stream now, as envd's context does, so
+         * the client sees deadline_exceeded before its own read timeout; the kill is left to
+         * the agent's timer and, detached, the process table's (at once: the time is up). */
+        sp_exec_cancel(s->op);
+        s->op = NULL;
+        if (s->pid != 0)
+            sp_proctab_kill_after(s->ev->procs, s->sandbox_id, s->auth.team_id, s->pid, 1);
+        if (s->st == NULL && !pst_begin(s))
+            return;
+        /* The end event envd sends for a process its context killed. */
+        sp_cp_event_t ev = {.has_end = true};
+        ev.end.exited = false;
+        ev.end.exit_code = -1;
+        ev.end.status = "signal: killed";
+        ev.end.error = "context deadline exceeded";
+        ev.end.has_error = true;
+        pst_send(s, &ev, 0);
+        sp_connect_stream_finish(s->st, SP_CC_DEADLINE_EXCEEDED,
+                                 "the command's timeout (connect-timeout-ms) passed");
+        s->st = NULL;
+        pst_free(s);
+        return;
+    }
     sp_exec_cancel(s->op); /* Connect: the stream ends, the process goes on */
     s->op = NULL;
     if (s->st == NULL && !pst_begin(s))
@@ -417,7 +442,10 @@ static void rpc_start(envd_call_t *c)
         s->c = NULL;
         pst_free(s);
         sp_e2b__envd_fail_err(c, &e);
+        return;
     }
+    if (s->timeout_ms > 0)
+        sp_timer_start(&s->deadline, s->timeout_ms); /* from the request's arrival, as envd */
 }
 
 /* ---- selectors: pid, or tag through the agent's list ---- */
