@@ -6,6 +6,9 @@
  * accepted by every TLS stack the SDKs use). Certificates carry what strict
  * verifiers (Python 3.13's VERIFY_X509_STRICT) insist on: key identifiers,
  * a critical basicConstraints and keyUsage on the CA, serverAuth on the leaf.
+ * The CA is name-constrained to the sandbox domain, localhost and the loopback
+ * addresses: trusting it lets it vouch for nothing else (a CA made before, or
+ * for another domain, is replaced: ca.pem and bundle.pem keep their paths).
  * Files are written to a temporary name and renamed, keys 0600, so a crash
  * never leaves half a key behind. Start-up only: blocking.
  */
@@ -24,6 +27,7 @@
 #include <openssl/x509v3.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -183,10 +187,10 @@ static int add_ext(X509 *x, X509V3_CTX *ctx, int nid, const char *value)
 
 /*
  * One certificate for key, named cn, signed by (issuer, issuer_key); issuer NULL = self-signed.
- * sans (leaf only): an OpenSSL subjectAltName value.
+ * names: the leaf's subjectAltName value, or the CA's nameConstraints value.
  */
 static X509 *make_cert(EVP_PKEY *key, const char *cn, X509 *issuer, EVP_PKEY *issuer_key,
-                       long days, bool ca, const char *sans)
+                       long days, bool ca, const char *names)
 {
     X509 *x = X509_new();
     BIGNUM *bn = BN_new();
@@ -217,14 +221,15 @@ static X509 *make_cert(EVP_PKEY *key, const char *cn, X509 *issuer, EVP_PKEY *is
             ok = add_ext(x, &ctx, NID_basic_constraints, "critical,CA:TRUE,pathlen:0") == 0 &&
                  add_ext(x, &ctx, NID_key_usage, "critical,keyCertSign,cRLSign") == 0 &&
                  add_ext(x, &ctx, NID_subject_key_identifier, "hash") == 0 &&
-                 add_ext(x, &ctx, NID_authority_key_identifier, "keyid:always") == 0;
+                 add_ext(x, &ctx, NID_authority_key_identifier, "keyid:always") == 0 &&
+                 add_ext(x, &ctx, NID_name_constraints, names) == 0;
         } else {
             ok = add_ext(x, &ctx, NID_basic_constraints, "critical,CA:FALSE") == 0 &&
                  add_ext(x, &ctx, NID_key_usage, "critical,digitalSignature") == 0 &&
                  add_ext(x, &ctx, NID_ext_key_usage, "serverAuth") == 0 &&
                  add_ext(x, &ctx, NID_subject_key_identifier, "hash") == 0 &&
                  add_ext(x, &ctx, NID_authority_key_identifier, "keyid:always") == 0 &&
-                 add_ext(x, &ctx, NID_subject_alt_name, sans) == 0;
+                 add_ext(x, &ctx, NID_subject_alt_name, names) == 0;
         }
     }
     ok = ok && X509_sign(x, issuer_key, EVP_sha256()) > 0;
@@ -235,6 +240,73 @@ static X509 *make_cert(EVP_PKEY *key, const char *cn, X509 *issuer, EVP_PKEY *is
         return NULL;
     }
     return x;
+}
+
+/* The server certificate's names for host (an OpenSSL subjectAltName value). */
+static void leaf_names(const char *host, char *out, size_t cap)
+{
+    if (host_is_ip(host))
+        snprintf(out, cap, "IP:%s,DNS:localhost,IP:127.0.0.1,IP:::1", host);
+    else
+        snprintf(out, cap, "DNS:*.%s,DNS:%s,DNS:localhost,IP:127.0.0.1,IP:::1", host, host);
+}
+
+/* The CA's name constraints for host: it, its subdomains, localhost, loopback. */
+static void ca_constraints(const char *host, char *out, size_t cap)
+{
+    static const char v6all[] = "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff";
+    static const char rest[] = "permitted;DNS:localhost,permitted;IP:127.0.0.0/255.0.0.0,"
+                               "permitted;IP:::1/ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff";
+    if (!host_is_ip(host))
+        snprintf(out, cap, "critical,permitted;DNS:%s,%s", host, rest);
+    else if (strchr(host, ':') != NULL)
+        snprintf(out, cap, "critical,permitted;IP:%s/%s,%s", host, v6all, rest);
+    else
+        snprintf(out, cap, "critical,permitted;IP:%s/255.255.255.255,%s", host, rest);
+}
+
+/* Whether name lies in the DNS subtree base (the name itself or one below it). */
+static bool dns_under(const char *name, const ASN1_IA5STRING *base)
+{
+    size_t n = strlen(name), b = (size_t)base->length;
+    const char *bp = (const char *)base->data;
+    if (b == 0)
+        return true;
+    if (n == b)
+        return strncasecmp(name, bp, b) == 0;
+    return n > b && name[n - b - 1] == '.' && strncasecmp(name + n - b, bp, b) == 0;
+}
+
+/* Whether the address text host lies in the IP subtree base (address then mask bytes). */
+static bool ip_under(const char *host, const ASN1_OCTET_STRING *base)
+{
+    unsigned char a[16];
+    int len = inet_pton(AF_INET, host, a) == 1 ? 4 : inet_pton(AF_INET6, host, a) == 1 ? 16 : 0;
+    if (len == 0 || base->length != 2 * len)
+        return false;
+    for (int i = 0; i < len; i++)
+        if ((a[i] & base->data[len + i]) != (base->data[i] & base->data[len + i]))
+            return false;
+    return true;
+}
+
+/* The CA is name-constrained, and its permitted subtrees hold host (the server certificate's
+ * other names, localhost and loopback, are in every CA this file makes). */
+static bool ca_covers(X509 *ca, const char *host)
+{
+    NAME_CONSTRAINTS *nc = X509_get_ext_d2i(ca, NID_name_constraints, NULL, NULL);
+    bool ok = false;
+    bool ip = host_is_ip(host);
+    for (int i = 0; nc != NULL && !ok && i < sk_GENERAL_SUBTREE_num(nc->permittedSubtrees); i++) {
+        const GENERAL_NAME *g = sk_GENERAL_SUBTREE_value(nc->permittedSubtrees, i)->base;
+        if (!ip && g->type == GEN_DNS)
+            ok = dns_under(host, g->d.dNSName);
+        else if (ip && g->type == GEN_IPADD)
+            ok = ip_under(host, g->d.iPAddress);
+    }
+    NAME_CONSTRAINTS_free(nc);
+    ERR_clear_error();
+    return ok;
 }
 
 static EVP_PKEY *make_key(void)
@@ -279,12 +351,18 @@ int sp_tls_ensure(const char *data_dir, const char *host, sp_tls_files_t *out, s
     int rc = -1;
     X509 *ca = load_cert(out->ca_cert), *leaf = NULL;
     EVP_PKEY *ca_key = load_key(out->ca_key), *key = NULL;
-    if (ca == NULL || ca_key == NULL || !fresh(ca) || X509_check_private_key(ca, ca_key) != 1) {
+    if (ca == NULL || ca_key == NULL || !fresh(ca) || X509_check_private_key(ca, ca_key) != 1 ||
+        !ca_covers(ca, host)) {
+        if (ca != NULL && ca_key != NULL)
+            sp_log(SP_LOG_WARN, "tls", "the local CA is not limited to host=%s: making a new one "
+                   "(clients trust it again through the same files)", host);
         ERR_clear_error();
         X509_free(ca);
         EVP_PKEY_free(ca_key);
+        char nc[1024];
+        ca_constraints(host, nc, sizeof(nc));
         ca_key = make_key();
-        ca = ca_key ? make_cert(ca_key, "space local CA", NULL, ca_key, SP_TLS_CA_DAYS, true, NULL)
+        ca = ca_key ? make_cert(ca_key, "space local CA", NULL, ca_key, SP_TLS_CA_DAYS, true, nc)
                     : NULL;
         if (ca == NULL || write_file(out->ca_key, 0600, fill_key, ca_key) < 0 ||
             write_file(out->ca_cert, 0644, fill_cert, ca) < 0) {
@@ -302,11 +380,7 @@ int sp_tls_ensure(const char *data_dir, const char *host, sp_tls_files_t *out, s
         X509_free(leaf);
         EVP_PKEY_free(key);
         char sans[1024], cn[256];
-        if (host_is_ip(host))
-            snprintf(sans, sizeof(sans), "IP:%s,DNS:localhost,IP:127.0.0.1,IP:::1", host);
-        else
-            snprintf(sans, sizeof(sans), "DNS:*.%s,DNS:%s,DNS:localhost,IP:127.0.0.1,IP:::1", host,
-                     host);
+        leaf_names(host, sans, sizeof(sans));
         snprintf(cn, sizeof(cn), "%s", host);
         key = make_key();
         leaf = key ? make_cert(key, cn, ca, ca_key, SP_TLS_SERVER_DAYS, false, sans) : NULL;

@@ -89,7 +89,8 @@ static json_t *rand_value(int depth)
 
 int main(void)
 {
-    const char *fixed[] = {"{}", "[]", "{\"a\":[1,2.5,true,false,null,\"x\"]}", "[1e300, -0.0, 0.1]",
+    const char *fixed[] = {"{}", "[]", "{\"a\":[1,2.5,true,false,null,\"x\"]}",
+                           "[1e300, -0.0, 0.1]",
                            "{\"k\":\"\\u0000\\u001f\\u007f\\u00e9\\ud83d\\ude00\"}",
                            "[[[[[[]]]]],{\"\":{}}]", "-9223372036854775808", "\"\\/\""};
     for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++) {

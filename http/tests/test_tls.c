@@ -2,6 +2,8 @@
  * test_tls.c - the local CA and wildcard certificate (http/tls.h): what is made, what is
  * kept across starts, what is re-made, and that the SSL_CTX loads it.
  */
+#include <arpa/inet.h>
+#include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
@@ -50,7 +52,11 @@ static bool verifies(X509 *leaf, X509 *ca, const char *host)
     X509_VERIFY_PARAM *p = X509_STORE_CTX_get0_param(ctx);
     X509_VERIFY_PARAM_set_flags(p, X509_V_FLAG_X509_STRICT);
     X509_VERIFY_PARAM_set_purpose(p, X509_PURPOSE_SSL_SERVER);
-    X509_VERIFY_PARAM_set1_host(p, host, 0);
+    unsigned char ip[16];
+    if (inet_pton(AF_INET, host, ip) == 1 || inet_pton(AF_INET6, host, ip) == 1)
+        X509_VERIFY_PARAM_set1_ip_asc(p, host);
+    else
+        X509_VERIFY_PARAM_set1_host(p, host, 0);
     int ok = X509_verify_cert(ctx);
     if (ok != 1)
         fprintf(stderr, "verify %s: %s\n", host,
@@ -117,9 +123,15 @@ static void test_tls_remakes_for_new_domain(void)
 {
     sp_tls_files_t f;
     sp_err_t e;
+    char path[512];
+    snprintf(path, sizeof(path), "%s/tls/ca.pem", g_dir);
+    X509 *old_ca = load(path);
     CHECK(sp_tls_ensure(g_dir, "sbx.example.test", &f, &e) == 0);
-    CHECK(!f.created_ca && f.created_cert); /* same CA: clients keep trusting it */
+    /* A CA limited to the old domain cannot vouch for the new one: a new CA, same files. */
+    CHECK(f.created_ca && f.created_cert);
     X509 *leaf = load(f.cert), *ca = load(f.ca_cert);
+    CHECK(old_ca != NULL && leaf != NULL && !verifies(leaf, old_ca, "8080-abc.sbx.example.test"));
+    X509_free(old_ca);
     CHECK(leaf != NULL && X509_check_host(leaf, "8080-abc.sbx.example.test", 0, 0, NULL) == 1);
     CHECK(leaf != NULL && X509_check_host(leaf, "x.space.localhost", 0, 0, NULL) != 1);
     CHECK(leaf != NULL && ca != NULL && verifies(leaf, ca, "8080-abc.sbx.example.test"));
@@ -167,6 +179,72 @@ static void test_tls_ctx_loads(void)
     CHECK(sp_tls_server_ctx("/nonexistent/cert.pem", f.key, &e) == NULL);
 }
 
+/* The CA vouches only for the sandbox domain, localhost and loopback: a certificate it signed
+ * for any other name fails verification, whatever its key says. */
+static void test_tls_ca_is_name_constrained(void)
+{
+    sp_tls_files_t f;
+    sp_err_t e;
+    CHECK(sp_tls_ensure(g_dir, "space.localhost", &f, &e) == 0);
+    X509 *ca = load(f.ca_cert);
+    FILE *kf = fopen(f.ca_key, "r");
+    EVP_PKEY *ca_key = kf ? PEM_read_PrivateKey(kf, NULL, NULL, NULL) : NULL;
+    if (kf != NULL)
+        fclose(kf);
+    REQUIRE(ca != NULL && ca_key != NULL);
+    int crit = -1;
+    NAME_CONSTRAINTS *nc = X509_get_ext_d2i(ca, NID_name_constraints, &crit, NULL);
+    CHECK(nc != NULL && crit == 1);
+    NAME_CONSTRAINTS_free(nc);
+    const char *names[] = {"DNS:www.example.com", "DNS:1-abc.space.localhost", "DNS:localhost",
+                           "IP:127.0.0.1", "IP:10.0.0.1", "DNS:space.localhost.evil.com"};
+    const char *hosts[] = {"www.example.com", "1-abc.space.localhost", "localhost", "127.0.0.1",
+                           "10.0.0.1", "space.localhost.evil.com"};
+    const bool want[] = {false, true, true, true, false, false};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        EVP_PKEY *k = EVP_PKEY_Q_keygen(NULL, NULL, "EC", "P-256");
+        X509 *x = X509_new();
+        REQUIRE(k != NULL && x != NULL);
+        X509V3_CTX ctx;
+        X509V3_set_ctx_nodb(&ctx);
+        X509V3_set_ctx(&ctx, ca, x, NULL, NULL, 0);
+        X509_EXTENSION *bc =
+            X509V3_EXT_conf_nid(NULL, &ctx, NID_basic_constraints, "critical,CA:FALSE");
+        X509_EXTENSION *san = X509V3_EXT_conf_nid(NULL, &ctx, NID_subject_alt_name, names[i]);
+        X509_EXTENSION *eku = X509V3_EXT_conf_nid(NULL, &ctx, NID_ext_key_usage, "serverAuth");
+        X509_EXTENSION *ski = X509V3_EXT_conf_nid(NULL, &ctx, NID_subject_key_identifier, "hash");
+        X509_EXTENSION *aki =
+            X509V3_EXT_conf_nid(NULL, &ctx, NID_authority_key_identifier, "keyid:always");
+        ASN1_INTEGER_set(X509_get_serialNumber(x), (long)i + 100);
+        X509_set_version(x, 2);
+        X509_gmtime_adj(X509_getm_notBefore(x), -60);
+        X509_gmtime_adj(X509_getm_notAfter(x), 3600);
+        X509_NAME_add_entry_by_txt(X509_get_subject_name(x), "O", MBSTRING_ASC,
+                                   (const unsigned char *)"test", -1, -1, 0);
+        X509_set_issuer_name(x, X509_get_subject_name(ca));
+        X509_set_pubkey(x, k);
+        X509_add_ext(x, bc, -1);
+        X509_add_ext(x, san, -1);
+        X509_add_ext(x, eku, -1);
+        X509_add_ext(x, ski, -1);
+        X509_add_ext(x, aki, -1);
+        REQUIRE(X509_sign(x, ca_key, EVP_sha256()) > 0);
+        bool ok = verifies(x, ca, hosts[i]);
+        if (ok != want[i])
+            fprintf(stderr, "%s: verified=%d, want %d\n", names[i], ok, want[i]);
+        CHECK(ok == want[i]);
+        X509_EXTENSION_free(bc);
+        X509_EXTENSION_free(san);
+        X509_EXTENSION_free(eku);
+        X509_EXTENSION_free(ski);
+        X509_EXTENSION_free(aki);
+        X509_free(x);
+        EVP_PKEY_free(k);
+    }
+    X509_free(ca);
+    EVP_PKEY_free(ca_key);
+}
+
 int main(void)
 {
     const char *tmp = getenv("TMPDIR");
@@ -180,6 +258,7 @@ int main(void)
     test_tls_remakes_for_new_domain();
     test_tls_remakes_after_ca_loss();
     test_tls_rejects_bad_host();
+    test_tls_ca_is_name_constrained();
     test_tls_ctx_loads();
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", g_dir);
