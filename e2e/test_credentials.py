@@ -3,9 +3,10 @@
 A team secret and a sandbox rule ("for api.cred.test, set Authorization to 'Bearer {secret}'")
 make the host's egress proxy add the credential to the guest's requests: over HTTPS (the
 proxy terminates TLS with the sandbox's CA, which the guest trusts, and re-originates it
-with verification) and over plain HTTP. Test servers on the host's loopback stand in for
-the destinations: spaced-test resolves their names to 127.0.0.1 (SPACE_TEST_EGRESS_HOSTS)
-and trusts their test CA (SPACE_TEST_UPSTREAM_CA); the shipped spaced has neither.
+with verification); plain HTTP to such a destination is refused. Test servers on the host's
+loopback stand in for the destinations: spaced-test resolves their names to 127.0.0.1
+(SPACE_TEST_EGRESS_HOSTS) and trusts their test CA (SPACE_TEST_UPSTREAM_CA); the shipped
+spaced has neither.
 
 A rule with "env" gives the guest's processes a placeholder (space-placeholder:<secret name>)
 to send where the key would go; the proxy swaps the real value in, and when the rules drop
@@ -336,13 +337,16 @@ class CredentialsTest(unittest.TestCase):
                          % tport)
         self.assertEqual(r["exit_code"], 0, r)
         self.assertIn("ok /py", r["stdout"])
-        # Plain HTTP.
-        r = self.run_cmd(sid, "curl -sS --fail-with-body http://plain.cred.test:%d/plain" % pport)
-        self.assertEqual(r["exit_code"], 0, r)
-        self.assertEqual(r["stdout"], "ok /plain\n")
+        # Plain HTTP to a destination with a rule: refused, so the secret never crosses the
+        # network in clear, and the destination hears nothing.
+        r = self.run_cmd(sid, "curl -sS -o /tmp/plain.txt -w '%%{http_code}' "
+                              "http://plain.cred.test:%d/plain; cat /tmp/plain.txt" % pport)
+        self.assertTrue(r["stdout"].startswith("403"), r)
+        self.assertIn("over HTTPS only", r["stdout"])
 
         seen = {q["path"]: q for q in self.rec.snapshot()}
-        for path in ("/one", "/two", "/py", "/plain"):
+        self.assertNotIn("/plain", seen)
+        for path in ("/one", "/two", "/py"):
             self.assertIn(path, seen)
             self.assertEqual(seen[path]["auth"], ["Bearer " + SECRET], path)
         self.assertEqual(seen["/one"]["conn"], seen["/two"]["conn"])  # keep-alive upstream

@@ -12,9 +12,9 @@
  * environment has one to send; the placeholder is made from the secret's name only, never
  * its value.
  *
- *  - Plain HTTP: the proxy calls sp_mitm_rewrite_head on each request head it forwards to a
- *    destination with rules (sp_mitm_wants), or hands the whole connection to a
- *    sp_mitm_conn_t with tls = false.
+ *  - Plain HTTP to a destination with rules (sp_mitm_wants): the proxy hands the connection
+ *    to a sp_mitm_conn_t with tls = false, which refuses every request (403): a secret is
+ *    never added where it would cross the network in clear.
  *  - HTTPS (CONNECT host:443 to a destination with rules): the proxy answers the CONNECT,
  *    connects the upstream TCP socket and hands both ends to a sp_mitm_conn_t with
  *    tls = true. The conn is the TLS server toward the guest (over memory buffers: the

@@ -280,9 +280,10 @@ const char *sp_mitm_http_reason(int status)
     }
 }
 
-/* Whether an authority (host[:port], the port 80 when absent) names the conn's
- * destination. */
-static bool names_us(const sp_mitm_conn_t *c, sp_http1_str_t au)
+/* Whether an authority (host[:port]) names the conn's destination. A target without a port
+ * means the scheme's (443 over TLS, else 80); a Host field without one is taken as the
+ * connection's own (clients leave it out, and the name is what a server routes by). */
+static bool names_us(const sp_mitm_conn_t *c, sp_http1_str_t au, bool host_field)
 {
     sp_http1_authority_t a;
     char hp[300], h[256];
@@ -291,24 +292,32 @@ static bool names_us(const sp_mitm_conn_t *c, sp_http1_str_t au)
     memcpy(hp, a.host.p, a.host.n);
     hp[a.host.n] = '\0';
     return sp_mitm__norm_host(hp, h, sizeof(h)) && strcmp(h, c->host) == 0 &&
-           (a.has_port ? a.port : 80) == c->port;
+           (a.has_port ? a.port : host_field ? c->port : c->tls ? 443 : 80) == c->port;
 }
 
-/* Plain mode: the destination request r names (its absolute-form or CONNECT
- * target, and its Host) must be the conn's, as the proxy checked for the first
- * request. 1: an absolute-form target, to be sent in origin form; 0: keep the
- * request line; -1: another destination. */
-static int plain_target(const sp_mitm_conn_t *c, const sp_http1_req_t *r)
+/* The destination every request on the conn names (its absolute-form or CONNECT target, and
+ * its Host) must be the conn's, on every request of a kept-alive connection, in both modes: a
+ * server that routes by Host (a CDN, a shared front end) must never get the rule's secret on a
+ * request meant for another name. 1: an absolute-form target, to be sent in origin form; 0: keep
+ * the request line; -1: another destination. */
+static int req_target(const sp_mitm_conn_t *c, const sp_http1_req_t *r)
 {
-    if (r->host.p != NULL && !names_us(c, r->host))
+    if (r->host.p != NULL && !names_us(c, r->host, true))
         return -1;
     if (r->form == SP_HTTP1_AUTHORITY)
-        return names_us(c, r->authority) ? 0 : -1;
+        return names_us(c, r->authority, false) ? 0 : -1;
     if (r->form != SP_HTTP1_ABSOLUTE)
         return 0;
-    if (r->scheme.n != 4 || strncasecmp(r->scheme.p, "http", 4) != 0 || !names_us(c, r->authority))
+    const char *scheme = c->tls ? "https" : "http";
+    if (r->scheme.n != strlen(scheme) || strncasecmp(r->scheme.p, scheme, r->scheme.n) != 0 ||
+        !names_us(c, r->authority, false))
         return -1;
     return 1;
+}
+
+static bool method_is(const sp_http1_req_t *r, const char *m)
+{
+    return r->method.n == strlen(m) && memcmp(r->method.p, m, r->method.n) == 0;
 }
 
 /* Parses what the guest sent into request bytes for the upstream. True on progress. */
@@ -338,7 +347,22 @@ static bool step_parse(sp_mitm_conn_t *c)
                 answer_error(c, 502, c->up_error);
                 return true;
             }
-            int o = c->tls ? 0 : plain_target(c, &r);
+            if (!c->tls) {
+                /* A secret never crosses the network in clear: rules apply over HTTPS only. */
+                char msg[200];
+                snprintf(msg, sizeof(msg),
+                         "credentials for %.64s are added over HTTPS only; plain HTTP to it "
+                         "is refused",
+                         c->host);
+                answer_error(c, 403, msg);
+                return true;
+            }
+            if (method_is(&r, "TRACE") || method_is(&r, "TRACK")) {
+                /* They echo the request, injected header included, back to the guest. */
+                answer_error(c, 405, "TRACE and TRACK are refused where credentials are added");
+                return true;
+            }
+            int o = req_target(c, &r);
             if (o < 0) {
                 char msg[200];
                 snprintf(msg, sizeof(msg),

@@ -742,10 +742,11 @@ static void test_mitm_only_rule_hosts(sp_mitm_sb_t *sb)
           e.code == SP_EINVAL);
 }
 
-/* The plain-HTTP variant: absolute form becomes origin form, the credential is injected, a
- * request for another destination on the same connection is refused. */
+/* Plain HTTP to a destination with rules: refused (403), so a secret never crosses the network
+ * in clear; the destination hears nothing. */
 static void test_mitm_plain_http(sp_mitm_sb_t *sb)
 {
+    int before = server_nreq(&plain);
     struct guest g;
     guest_init(&g, NULL, NULL);
     sp_err_t e;
@@ -758,27 +759,19 @@ static void test_mitm_plain_http(sp_mitm_sb_t *sb)
                      "Proxy-Connection: keep-alive\r\n\r\n",
                      plain.port, plain.port);
     guest_send(&g, r1, (size_t)n);
-    drive(&g, "HTTP/1.1 200", 1, 10000);
-    CHECK(count_status(&g, "HTTP/1.1 200") == 1);
-    const char *r2 = "GET http://elsewhere.test/ HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n";
-    guest_send(&g, r2, strlen(r2));
-    drive(&g, "HTTP/1.1 421", 1, 10000);
+    drive(&g, "HTTP/1.1 403", 1, 10000);
     drive_end(&g, 5000);
-    CHECK(count_status(&g, "HTTP/1.1 421") == 1);
+    CHECK(count_status(&g, "HTTP/1.1 403") == 1);
+    CHECK(contains(g.got, g.gotlen, "over HTTPS only"));
     CHECK(g.ended == 1);
-    CHECK(server_nreq(&plain) == 1);
-    pthread_mutex_lock(&plain.mu);
-    CHECK(strcmp(plain.req[0].target, "/plain?q=1") == 0);
-    CHECK(plain.req[0].auth_count == 1 && strcmp(plain.req[0].auth, "Bearer " SECRET) == 0);
-    pthread_mutex_unlock(&plain.mu);
+    CHECK(server_nreq(&plain) == before);
     CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
     guest_free(&g);
 }
 
-/* Plain mode reads requests as the proxy does (core/egress/http1.h): a later request whose
- * Host names another destination than the connection's is refused like one whose target
- * does, and a smuggling attempt (Content-Length with Transfer-Encoding) never reaches the
- * destination. */
+/* Plain mode reads requests as the proxy does (core/egress/http1.h) and refuses them all: one
+ * whose Host names another destination, and a smuggling attempt (Content-Length with
+ * Transfer-Encoding, 400 before anything else), never reach the destination. */
 static void test_mitm_plain_same_request_rules_as_the_proxy(sp_mitm_sb_t *sb)
 {
     struct guest g;
@@ -793,9 +786,9 @@ static void test_mitm_plain_same_request_rules_as_the_proxy(sp_mitm_sb_t *sb)
         snprintf(r1, sizeof(r1),
                  "GET http://localhost:%d/h HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n", plain.port);
     guest_send(&g, r1, (size_t)n);
-    drive(&g, "HTTP/1.1 421", 1, 10000);
+    drive(&g, "HTTP/1.1 403", 1, 10000);
     drive_end(&g, 5000);
-    CHECK(count_status(&g, "HTTP/1.1 421") == 1 && g.ended == 1);
+    CHECK(count_status(&g, "HTTP/1.1 403") == 1 && g.ended == 1);
     guest_free(&g);
 
     guest_init(&g, NULL, NULL);
@@ -812,6 +805,42 @@ static void test_mitm_plain_same_request_rules_as_the_proxy(sp_mitm_sb_t *sb)
     CHECK(count_status(&g, "HTTP/1.1 400") == 1 && g.ended == 1);
     guest_free(&g);
     CHECK(server_nreq(&plain) == before);
+}
+
+/* Inside a TLS tunnel every request must name the tunnel's destination: a later request on the
+ * kept-alive connection with another Host, or an absolute-form target elsewhere, gets 421 and
+ * nothing is sent; TRACE (which would echo the injected header back) gets 405. The destination
+ * hears only the first request. */
+static void test_mitm_tls_same_destination_every_request(sp_mitm_sb_t *sb)
+{
+    const char *second[] = {
+        "GET /two HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n",
+        "GET https://elsewhere.test/two HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n",
+        "TRACE /two HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    };
+    const char *want[] = {"HTTP/1.1 421", "HTTP/1.1 421", "HTTP/1.1 405"};
+    for (size_t i = 0; i < sizeof(second) / sizeof(second[0]); i++) {
+        int before = server_nreq(&good);
+        struct guest g;
+        guest_init(&g, gctx, "localhost");
+        sp_err_t e;
+        g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)good.port, true,
+                                  connect_to(good.port), &gcbs, &g, &e);
+        CHECK(g.c != NULL);
+        char r1[256];
+        int n = snprintf(r1, sizeof(r1), "GET /first HTTP/1.1\r\nHost: localhost:%d\r\n\r\n",
+                         good.port);
+        guest_send(&g, r1, (size_t)n);
+        drive(&g, "HTTP/1.1 200", 1, 10000);
+        CHECK(count_status(&g, "HTTP/1.1 200") == 1);
+        guest_send(&g, second[i], strlen(second[i]));
+        drive(&g, want[i], 1, 10000);
+        drive_end(&g, 5000);
+        CHECK(count_status(&g, want[i]) == 1 && g.ended == 1);
+        CHECK(server_nreq(&good) == before + 1);
+        CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
+        guest_free(&g);
+    }
 }
 
 /* The head rewrite the proxy calls for plain requests it forwards itself. */
@@ -1086,6 +1115,7 @@ int main(void)
     test_mitm_sni_mismatch_refused(sb);
     test_mitm_plain_http(sb);
     test_mitm_plain_same_request_rules_as_the_proxy(sb);
+    test_mitm_tls_same_destination_every_request(sb);
     test_mitm_ca_stored_sealed(sb);
     test_mitm_rules_reload(sb);
     test_mitm_missing_secret_then_created();
