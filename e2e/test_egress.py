@@ -125,6 +125,30 @@ asyncio.run(main())
 """
 
 # CONNECT then TLS with a chosen server name; prints the HTTP status line or the error.
+# A keep-alive connection through the guest's proxy: one answered request, then a wait for
+# what comes next (EOF when spaced closes it).
+KEEPALIVE = r"""
+import socket, sys
+P = int(sys.argv[1])
+s = socket.create_connection(("127.0.0.1", 3128), timeout=60)
+s.sendall(b"GET http://127.0.0.1:%d/first HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (P, P))
+buf = b""
+while b"hello /first" not in buf:
+    d = s.recv(4096)
+    if not d:
+        break
+    buf += d
+print("first", b"hello /first" in buf, flush=True)
+open("/tmp/keepalive-up", "w").close()
+try:
+    d = s.recv(4096)
+    print("after", "closed" if d == b"" else "data", flush=True)
+except socket.timeout:
+    print("after timeout", flush=True)
+except OSError as e:
+    print("after closed", type(e).__name__, flush=True)
+"""
+
 SNI = r"""
 import socket, ssl, sys
 host, port, sni = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -443,6 +467,30 @@ class EgressTest(unittest.TestCase):
         http = [e for e in rows if e["kind"] == "http" and e["host"] == "rebind.test"]
         self.assertTrue(http and not http[0]["allowed"], rows)
         self.assertEqual(http[0]["address"], "127.0.0.1")
+
+    def test_egress_policy_change_closes_open_connections(self):
+        sid = self.create({"allow": ["127.0.0.1"]})
+        self.run_cmd(sid, "cat > /tmp/ka.py <<'EOF'\n%sEOF" % KEEPALIVE)
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            r=self.run_cmd(sid, "python3 /tmp/ka.py %d" % self.P)))
+        t.start()
+        deadline = time.time() + 60 * MULT
+        while time.time() < deadline:
+            if "up" in self.run_cmd(sid, "test -e /tmp/keepalive-up && echo up")["stdout"]:
+                break
+            time.sleep(0.5)
+        st, pol = self.put_policy(sid, {"allow": ["127.0.0.1"], "deny": ["127.0.0.0/8"]})
+        self.assertEqual(st, 200, pol)
+        t.join(120 * MULT)
+        self.assertFalse(t.is_alive())
+        lines = out["r"]["stdout"].splitlines()
+        self.assertEqual(lines[0], "first True", out)
+        self.assertTrue(lines[1].startswith("after closed"), out)  # not a 60 s timeout
+        rows = self.audit_until(sid, lambda rows: any(
+            "policy changed" in (e["reason"] or "") for e in rows))
+        self.assertTrue(any("policy changed: denied by rule '127.0.0.0/8'" == e["reason"]
+                            for e in rows), rows)
 
     def test_egress_sni_must_match(self):
         sid = self.create({"allow": ["127.0.0.1"]})

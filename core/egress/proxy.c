@@ -1059,12 +1059,47 @@ int sp_egress__proxy_accept(struct sb *sb, sp_agentstream_t *s, sp_agentstream_c
     return 0;
 }
 
+/* Whether the sandbox's policy (a new one) still lets pc go where it goes: its name, and the
+ * address it resolved to or is connected to. why gets the reason when not. */
+static bool pc_still_allowed(struct pconn *pc, char *why, size_t cap)
+{
+    const sp_egp_t *p = pc->sb->policy;
+    bool by_name = false;
+    if (!pc->host_is_addr && !sp_egp_check_name(p, pc->host, pc->port, &by_name, why, cap))
+        return false;
+    if (pc->phase == PH_RESOLVE) {
+        pc->by_name = by_name; /* the addresses are checked when they come, by this policy */
+        return true;
+    }
+    const sp_egp_addr_t *a = pc->host_is_addr ? &pc->lit
+                             : pc->naddrs > 0 ? &pc->addrs[pc->ai < pc->naddrs ? pc->ai : 0]
+                                              : NULL;
+    return a == NULL || sp_egp_check_addr(p, a, pc->port, by_name, why, cap);
+}
+
 void sp_egress__proxy_policy_ready(struct sb *sb)
 {
     for (struct pconn *pc = sb->conns, *next; pc != NULL; pc = next) {
         next = pc->next;
-        if (pc->phase == PH_WAIT)
+        if (pc->phase == PH_WAIT) {
             pc_decide(pc); /* may close pc, never another */
+            continue;
+        }
+        if (pc->phase == PH_HEAD || pc->st == NULL)
+            continue;
+        /* A policy change applies to connections already open too: one the new policy would
+         * refuse is refused (not yet answered) or closed (relaying), never left running. */
+        char why[160];
+        if (pc_still_allowed(pc, why, sizeof(why)))
+            continue;
+        if (pc->phase == PH_RESOLVE || pc->phase == PH_CONNECT) {
+            pc_deny(pc, why);
+        } else {
+            sp_log(SP_LOG_INFO, "egress", "closed by a policy change sandbox=%s dest=%s:%u "
+                   "reason=%s", sb->id, pc->host, (unsigned)pc->port, why);
+            snprintf(pc->reason, sizeof(pc->reason), "policy changed: %.140s", why);
+            pc_close(pc, CLOSE_ERROR, pc->reason);
+        }
     }
 }
 
