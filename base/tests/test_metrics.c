@@ -6,12 +6,12 @@
 #include "base/metrics.h"
 #include "tests/check.h"
 
-static sp_metric_t m_req = SP_METRIC_COUNTER("space_test_requests_total", "Requests.",
-                                             "surface,code");
+static sp_metric_t m_req =
+    SP_METRIC_COUNTER("space_test_requests_total", "Requests.", "surface,code");
 static sp_metric_t m_up = SP_METRIC_GAUGE("space_test_up", "Up.", "");
 static const double bounds[] = {0.1, 1};
-static sp_metric_t m_lat = SP_METRIC_HISTOGRAM("space_test_latency_seconds", "Latency.", "op",
-                                               bounds);
+static sp_metric_t m_lat =
+    SP_METRIC_HISTOGRAM("space_test_latency_seconds", "Latency.", "op", bounds);
 static sp_metric_t m_quiet = SP_METRIC_COUNTER("space_test_quiet_total", "Never moves.", "");
 
 static int collected;
@@ -40,11 +40,11 @@ int main(void)
     CHECK(sp_metrics_render(&b) == 0);
     const char *t = sp_buf_cstr(&b);
     CHECK(collected == 1);
-    CHECK(strstr(t, "# HELP space_test_requests_total Requests.\n"
-                    "# TYPE space_test_requests_total counter\n"
-                    "space_test_requests_total{surface=\"native\",code=\"200\"} 3\n"
-                    "space_test_requests_total{surface=\"e2b\",code=\"4\\\"04\\\\\\n\"} 1\n") !=
-          NULL);
+    CHECK(strstr(t,
+                 "# HELP space_test_requests_total Requests.\n"
+                 "# TYPE space_test_requests_total counter\n"
+                 "space_test_requests_total{surface=\"native\",code=\"200\"} 3\n"
+                 "space_test_requests_total{surface=\"e2b\",code=\"4\\\"04\\\\\\n\"} 1\n") != NULL);
     CHECK(strstr(t, "# TYPE space_test_up gauge\nspace_test_up 7\n") != NULL);
     CHECK(strstr(t, "space_test_latency_seconds_bucket{op=\"create\",le=\"0.1\"} 1\n"
                     "space_test_latency_seconds_bucket{op=\"create\",le=\"1\"} 2\n"
