@@ -1,5 +1,9 @@
 /*
- * log.h - one line per event on stderr: time, level, module, key=value fields.
+ * log.h - one line per event on stderr: time, level, module, key=value fields; as text
+ * (the default) or as one JSON object per line (sp_log_format = SP_LOG_JSON) with the keys
+ * ts (RFC 3339, UTC, milliseconds), level, component, msg (the whole message) and then each
+ * key=value field of the message under its key (value "quoted" or up to the next space; a
+ * field named like one of the four keys, or seen twice, is left in msg only).
  *
  * The macro tests the level before evaluating its arguments. Never log keys,
  * tokens or sandbox env values.
@@ -15,6 +19,16 @@ typedef enum {
 } sp_log_level_t;
 
 extern sp_log_level_t sp_log_min_level;
+
+typedef enum {
+    SP_LOG_TEXT = 0,
+    SP_LOG_JSON,
+} sp_log_format_t;
+
+extern sp_log_format_t sp_log_format;
+
+/* Parses "text|json"; returns -1 on anything else. */
+int sp_log_parse_format(const char *s, sp_log_format_t *out);
 
 /* Parses "debug|info|warn|error"; returns -1 on anything else. */
 int sp_log_parse_level(const char *s, sp_log_level_t *out);

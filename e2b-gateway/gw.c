@@ -149,6 +149,83 @@ bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req)
            (sp_e2b__is_code_path(req) && sp_http_header(req, "x-access-token") != NULL);
 }
 
+/* The n-th segment of the path (from 0, after the leading '/'): its start and length. */
+static bool path_seg(h2o_req_t *req, int n, const char **seg, size_t *len)
+{
+    const char *p = req->path.base, *end = p + path_len(req);
+    for (int i = 0; p < end; i++) {
+        p++; /* the '/' */
+        const char *e = memchr(p, '/', (size_t)(end - p));
+        if (e == NULL)
+            e = end;
+        if (i == n) {
+            *seg = p;
+            *len = (size_t)(e - p);
+            return true;
+        }
+        p = e;
+    }
+    return false;
+}
+
+static bool seg_is(h2o_req_t *req, int n, const char *s)
+{
+    const char *seg;
+    size_t len;
+    return path_seg(req, n, &seg, &len) && h2o_memis(seg, len, s, strlen(s));
+}
+
+void sp_e2b_classify(sp_e2b_t *gw, h2o_req_t *req, const char **surface, const char **route)
+{
+    int port = 0;
+    char id[65];
+    bool on_sandbox_host = parse_sandbox_host(gw, req, &port, id);
+    if (on_sandbox_host || !sp_e2b__is_control_path(req)) {
+        *surface = "envd";
+        if (on_sandbox_host && SP_E2B_FORWARDED_PORT(port))
+            *route = "guest_port";
+        else if (port == SP_E2B_CODE_PORT || sp_e2b__is_code_path(req))
+            *route = "code";
+        else if (path_starts(req, "/process.Process/"))
+            *route = "process";
+        else if (path_starts(req, "/filesystem.Filesystem/"))
+            *route = "filesystem";
+        else if (path_is(req, "/files"))
+            *route = "files";
+        else if (path_is(req, "/health") || path_is(req, "/envs"))
+            *route = "envd_info";
+        else
+            *route = "other";
+        return;
+    }
+    *surface = "e2b";
+    int b = seg_is(req, 0, "v2") ? 1 : 0; /* /v2/sandboxes... as /sandboxes... */
+    static const struct {
+        const char *seg, *route;
+    } subs[] = {{"pause", "sandbox_pause"},       {"resume", "sandbox_resume"},
+                {"connect", "sandbox_connect"},   {"timeout", "sandbox_timeout"},
+                {"refreshes", "sandbox_refresh"}, {"metrics", "sandbox_metrics"},
+                {"logs", "sandbox_logs"},         {"snapshots", "sandbox_snapshots"}};
+    const char *seg;
+    size_t len;
+    if (seg_is(req, b, "snapshots")) {
+        *route = "snapshots";
+    } else if (seg_is(req, b, "templates")) {
+        *route = "templates";
+    } else if (!path_seg(req, b + 1, &seg, &len) || len == 0) {
+        *route = "sandboxes";
+    } else if (h2o_memis(seg, len, H2O_STRLIT("metrics")) && !path_seg(req, b + 2, &seg, &len)) {
+        *route = "sandboxes_metrics";
+    } else if (!path_seg(req, b + 2, &seg, &len)) {
+        *route = "sandbox";
+    } else {
+        *route = "sandbox_other";
+        for (size_t i = 0; i < sizeof(subs) / sizeof(subs[0]); i++)
+            if (h2o_memis(seg, len, subs[i].seg, strlen(subs[i].seg)))
+                *route = subs[i].route;
+    }
+}
+
 /* ---- sandbox traffic ---- */
 
 struct resolve {

@@ -33,6 +33,11 @@ void sp_e2b_destroy(sp_e2b_t *gw);
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);
 
+/* For the request metrics (http/reqmetrics.h), of a request sp_e2b_owns: the surface, "e2b"
+ * (control plane) or "envd" (the data plane: envd, the code interpreter, guest ports), and a
+ * route class from a fixed set (static strings; never an id). */
+void sp_e2b_classify(sp_e2b_t *gw, h2o_req_t *req, const char **surface, const char **route);
+
 /* Whether a TLS connection for server_name (SNI) should speak HTTP/1.1 only: the code
  * interpreter's host <49999>-<id>.<domain>. The Python SDKs keep HTTP/2 connections and, when
  * a run_code times out on their side, drop the stream without a reset; over HTTP/1.1 they close

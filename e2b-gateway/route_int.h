@@ -53,6 +53,7 @@ struct ctl {
     json_t *filter;       /* metadata containment filter; owned */
     json_t *acc;          /* what is being collected for the answer; owned */
     json_t *ids;          /* metrics: the sandbox IDs asked for (array) or NULL; owned */
+    long long start_s, end_s; /* metrics: the series's bounds (unix s), 0: open */
 };
 
 /* Finish the request (answer if the client is still there) and free the context.

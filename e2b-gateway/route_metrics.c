@@ -1,7 +1,8 @@
 /*
- * route_metrics.c - the E2B control plane's read-only figures: a sandbox's metrics (from the
- * runtime driver's stats of its VM, sampled now: no history is kept), several sandboxes'
- * metrics at once, and a sandbox's logs (our lifecycle events for it, in E2B's shapes).
+ * route_metrics.c - the E2B control plane's read-only figures: a sandbox's metrics (its series
+ * of samples, taken by core every few seconds: core/control/sampler.h), several sandboxes'
+ * latest figures at once (sampled now), and a sandbox's logs (our lifecycle events for it, in
+ * E2B's shapes).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +33,26 @@ static int query_ll(ctl_t *c, h2o_req_t *req, const char *name, long long *out)
     return 0;
 }
 
+/* One SandboxMetric. */
+static json_t *metric_json(time_t at, int cpu_count, double cpu_used_pct, uint64_t mem_used,
+                           uint64_t mem_total, uint64_t disk_used, uint64_t disk_total)
+{
+    struct tm tm;
+    char ts[32];
+    gmtime_r(&at, &tm);
+    strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json_t *o = json_object();
+    json_object_set_new(o, "timestamp", json_string(ts));
+    json_object_set_new(o, "timestampUnix", json_integer((json_int_t)at));
+    json_object_set_new(o, "cpuCount", json_integer(cpu_count));
+    json_object_set_new(o, "cpuUsedPct", json_real(cpu_used_pct));
+    json_object_set_new(o, "memUsed", json_integer((json_int_t)mem_used));
+    json_object_set_new(o, "memTotal", json_integer((json_int_t)mem_total));
+    json_object_set_new(o, "diskUsed", json_integer((json_int_t)disk_used));
+    json_object_set_new(o, "diskTotal", json_integer((json_int_t)disk_total));
+    return o;
+}
+
 /* One SandboxMetric sampled now, or NULL when the sandbox has no VM to ask. */
 static json_t *metric_now(ctl_t *c, const char *id)
 {
@@ -39,21 +60,8 @@ static json_t *metric_now(ctl_t *c, const char *id)
     sp_err_t e;
     if (sp_svc_vm_stats(c->gw->svc, id, &st, &e) < 0)
         return NULL;
-    time_t now = time(NULL);
-    struct tm tm;
-    char ts[32];
-    gmtime_r(&now, &tm);
-    strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%SZ", &tm);
-    json_t *o = json_object();
-    json_object_set_new(o, "timestamp", json_string(ts));
-    json_object_set_new(o, "timestampUnix", json_integer((json_int_t)now));
-    json_object_set_new(o, "cpuCount", json_integer(st.cpu_count));
-    json_object_set_new(o, "cpuUsedPct", json_real(st.cpu_used_pct));
-    json_object_set_new(o, "memUsed", json_integer((json_int_t)st.mem_used_bytes));
-    json_object_set_new(o, "memTotal", json_integer((json_int_t)st.mem_total_bytes));
-    json_object_set_new(o, "diskUsed", json_integer((json_int_t)st.disk_used_bytes));
-    json_object_set_new(o, "diskTotal", json_integer((json_int_t)st.disk_total_bytes));
-    return o;
+    return metric_json(time(NULL), st.cpu_count, st.cpu_used_pct, st.mem_used_bytes,
+                       st.mem_total_bytes, st.disk_used_bytes, st.disk_total_bytes);
 }
 
 /* ---- GET /sandboxes/{id}/metrics ---- */
@@ -66,10 +74,19 @@ static void metrics_got(ctl_t *c, const sp_sandbox_rec_t *sb)
         return;
     }
     json_t *arr = json_array();
-    /* A paused sandbox has no VM, so nothing to sample: an empty series, as E2B gives. */
-    json_t *m = strcmp(state, "running") == 0 ? metric_now(c, sb->id) : NULL;
-    if (m != NULL)
-        json_array_append_new(arr, m);
+    /* The series core keeps while the sandbox runs. A paused sandbox answers an empty series,
+     * as E2B's does (core keeps its samples for when it runs again). */
+    bool running = strcmp(state, "running") == 0;
+    sp_sample_t *v = running ? malloc(SP_SAMPLER_RING * sizeof(*v)) : NULL;
+    size_t n = v != NULL ? sp_svc_vm_samples(c->gw->svc, sb->id, c->start_s, c->end_s, v,
+                                             SP_SAMPLER_RING)
+                         : 0;
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(arr, metric_json((time_t)(v[i].at_ms / 1000), v[i].cpu_count,
+                                               v[i].cpu_used_pct, v[i].mem_used_bytes,
+                                               v[i].mem_total_bytes, v[i].disk_used_bytes,
+                                               v[i].disk_total_bytes));
+    free(v);
     sp_e2b__ctl_reply(c, 200, arr);
 }
 
@@ -144,6 +161,8 @@ void sp_e2b__route_metrics(ctl_t *c, h2o_req_t *req)
     long long start = 0, end = 0;
     if (query_ll(c, req, "start", &start) < 0 || query_ll(c, req, "end", &end) < 0)
         return;
+    c->start_s = start;
+    c->end_s = end;
     sp_e2b__ctl_fetch(c, metrics_got);
 }
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, pg_bindir, Platform, wait_s  # noqa: E402
+from harness import MULT, free_port, pg_bindir, Platform, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 
@@ -36,8 +37,10 @@ def vm_processes(sid):
 class VmApiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
+        cls.mport = free_port()
         cls.p = Platform(teams=(None,), binary=os.environ["SPACED"], data_dir=DATA,
-                         env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+                         env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")},
+                         args=["--metrics-listen", "127.0.0.1:%d" % cls.mport])
         cls.s, cls.pg = cls.p.s, cls.p.pg
 
     @classmethod
@@ -60,6 +63,18 @@ class VmApiTest(unittest.TestCase):
         sid = r["sandbox"]["id"]
         self.addCleanup(self.s.delete_quietly, sid)
         return sid
+
+    def ops(self):
+        """space_lifecycle_operations_total{op=...,outcome="success"} by op, from /metrics."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.mport, timeout=30) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith('space_lifecycle_operations_total{') and \
+                    'outcome="success"' in line:
+                op = line.split('op="')[1].split('"')[0]
+                out[op] = float(line.rsplit(" ", 1)[1])
+        return out
 
     def lifecycle(self, sid, verb, want):
         st, r = self.req("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, wait_s(60)), timeout=70 * MULT)
@@ -176,6 +191,7 @@ class VmApiTest(unittest.TestCase):
         self.assertFalse(os.path.exists(vmdir))
 
     def test_pause_suspend_cycles_keep_files_and_processes(self):
+        before = self.ops()
         sid = self.create()
         self.run_cmd(sid, {"cmd": "echo keep > /home/user/kept.txt"})
         r = self.run_cmd(sid, {"cmd": "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
@@ -208,6 +224,11 @@ class VmApiTest(unittest.TestCase):
         st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         self.assertEqual(r["operation"]["status"], "succeeded", r)
         self.assertFalse(os.path.exists(vmdir))
+        # the operator's counters saw each operation on the real VM (--metrics-listen)
+        after = self.ops()
+        moved = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+        self.assertEqual(moved, {"create": 1, "pause": 5, "suspend": 6, "wake": 10, "delete": 1},
+                         moved)
 
     def test_idle_limit_suspends_a_real_vm(self):
         sid = self.create(idle_timeout_s=3)

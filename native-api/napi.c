@@ -46,6 +46,40 @@ bool sp_napi_owns(h2o_req_t *req)
            h2o_memis(req->path.base, len, H2O_STRLIT("/healthz"));
 }
 
+const char *sp_napi_route_class(h2o_req_t *req)
+{
+    static const char *const tops[][2] = {{"templates", "templates"},
+                                          {"operations", "operations"},
+                                          {"secrets", "secrets"},
+                                          {"attach", "attach"},
+                                          {"openapi.json", "openapi"}};
+    static const char *const subs[][2] = {
+        {"pause", "sandbox_pause"},       {"suspend", "sandbox_suspend"},
+        {"wake", "sandbox_wake"},         {"commands", "sandbox_commands"},
+        {"files", "sandbox_files"},       {"sessions", "sandbox_sessions"},
+        {"contexts", "sandbox_contexts"}, {"execute", "sandbox_execute"},
+        {"credentials", "sandbox_credentials"}, {"egress", "sandbox_egress"}};
+    const char *segs[NAPI_MAX_SEGS];
+    int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
+    if (ns == 1 && strcmp(segs[0], "healthz") == 0)
+        return "health";
+    if (ns < 2 || strcmp(segs[0], "v1") != 0)
+        return "other";
+    for (size_t i = 0; i < sizeof(tops) / sizeof(tops[0]); i++)
+        if (strcmp(segs[1], tops[i][0]) == 0)
+            return tops[i][1];
+    if (strcmp(segs[1], "sandboxes") != 0)
+        return "other";
+    if (ns == 2)
+        return "sandboxes";
+    if (ns == 3)
+        return "sandbox";
+    for (size_t i = 0; i < sizeof(subs) / sizeof(subs[0]); i++)
+        if (strcmp(segs[3], subs[i][0]) == 0)
+            return subs[i][1];
+    return "sandbox_other";
+}
+
 static void ctx_free(napi_ctx_t *c)
 {
     json_decref(c->body);

@@ -28,6 +28,10 @@ void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver);
 /* Whether path belongs to this API (/v1/ and /healthz). */
 bool sp_napi_owns(h2o_req_t *req);
 
+/* For the request metrics (http/reqmetrics.h), of a request sp_napi_owns: its route class, a
+ * static string from a fixed set ("sandboxes", "sandbox", "sandbox_commands", ...; never an id). */
+const char *sp_napi_route_class(h2o_req_t *req);
+
 /* Answers req (now or later). */
 void sp_napi_handle(sp_napi_t *n, h2o_req_t *req);
 

@@ -12,6 +12,9 @@ SPACE_PKGS=(
   libnss-myhostname
 )
 SPACE_TEST_PKGS=(clang)
+# promtool checks the /metrics exposition (server/tests/test_metrics.py); Debian ships it in
+# the prometheus package.
+SPACE_TEST_PKGS+=(prometheus)
 # The guest code daemon's test (guest/tests/test_code_daemon.py) runs real IPython kernels.
 SPACE_TEST_PKGS+=(python3-ipykernel python3-jupyter-client python3-numpy python3-pandas
   python3-matplotlib python3-matplotlib-inline)

@@ -43,6 +43,8 @@
 #include "http/http.h"
 #include "http/sniff.h"
 #include "http/tls.h"
+#include "http/reqmetrics.h"
+#include "server/opsrv.h"
 
 #define SPACE_VERSION "0.1.0"
 
@@ -64,6 +66,7 @@ struct opts {
     const char *templates_dir; /* template build: specs from here, not the built-in ones */
     bool log_level_set;   /* --log-level was given */
     unsigned idle_timeout_s; /* serve: how long an idle client connection is kept open */
+    const char *metrics_listen; /* serve: the operator listener for /metrics (server/opsrv.h) */
 };
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
@@ -78,6 +81,7 @@ static void usage(FILE *f)
             "                    [--runtime qemu|none] [--log-level debug|info|warn|error]\n"
             "                    [--domain HOST[:PORT]] [--tls-cert FILE --tls-key FILE]\n"
             "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
+            "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -476,6 +480,18 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
     return 0;
 }
 
+/* The request metrics' labels (http/reqmetrics.h): the surface that owns the request. */
+static void classify(void *arg, h2o_req_t *req, const char **surface, const char **route)
+{
+    struct srv *s = arg;
+    if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
+        sp_e2b_classify(s->e2b, req, surface, route);
+    } else if (sp_napi_owns(req)) {
+        *surface = "native";
+        *route = sp_napi_route_class(req);
+    }
+}
+
 static int listen_on(struct srv *s, const char *addr)
 {
     char host[256];
@@ -694,6 +710,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     struct srv s = {.listen_fd = -1};
     sp_tls_files_t tls_files;
     sp_recon_t *recon = NULL;
+    sp_opsrv_t *opsrv = NULL;
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
@@ -764,6 +781,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     struct handler *hd = (struct handler *)h2o_create_handler(path, sizeof(*hd));
     hd->super.on_req = on_req;
     hd->srv = &s;
+    if (sp_reqmetrics_attach(path, classify, &s) < 0)
+        goto out_srv;
     h2o_context_init(&s.ctx, sp_loop_native(s.loop), &s.config);
     s.accept_ctx.ctx = &s.ctx;
     s.accept_ctx.hosts = s.config.hosts;
@@ -772,6 +791,11 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     s.sniff = sp_sniff_create(s.loop, s.listen_fd, &s.accept_ctx, &s.tls_accept_ctx);
     if (s.sniff == NULL) {
         close(s.listen_fd);
+        goto out_srv;
+    }
+    if (o->metrics_listen != NULL &&
+        (opsrv = sp_opsrv_create(s.loop, o->metrics_listen, &e)) == NULL) {
+        fprintf(stderr, "spaced: metrics listener: %s\n", e.msg);
         goto out_srv;
     }
     int fd6 = listen_loopback6(o->listen);
@@ -803,6 +827,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (key[0])
         printf("API key: %s   (also in %s/api-key)\n", key, o->data_dir);
     printf("try: curl -H 'Authorization: Bearer <key>' http://%s/v1/templates\n", o->listen);
+    if (opsrv != NULL)
+        printf("metrics (operator only): http://%s/metrics\n", o->metrics_listen);
     fflush(stdout);
     sp_log(SP_LOG_INFO, "server", "serving listen=%s worker=%s runtime=%s", o->listen, wid,
            driver->ops->name);
@@ -814,6 +840,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     close(sfd);
     rc = 0;
 out_srv:
+    sp_opsrv_destroy(opsrv);
     sp_sniff_destroy(s.sniff);
     sp_sniff_destroy(s.sniff6);
     sp_recon_destroy(recon);
@@ -851,6 +878,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"no-snapshot", no_argument, NULL, 'S'},    {"templates-dir", required_argument, NULL, 'T'},
         {"master-key-file", required_argument, NULL, 'M'},
         {"idle-timeout", required_argument, NULL, 'I'},
+        {"metrics-listen", required_argument, NULL, 1601},
+        {"log-format", required_argument, NULL, 1602},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -928,6 +957,15 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                 return 2;
             }
             o.log_level_set = true;
+            break;
+        case 1601:
+            o.metrics_listen = optarg;
+            break;
+        case 1602:
+            if (sp_log_parse_format(optarg, &sp_log_format) < 0) {
+                fprintf(stderr, "spaced: --log-format wants text or json\n");
+                return 2;
+            }
             break;
         case 'h':
             usage(stdout);

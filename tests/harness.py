@@ -133,12 +133,14 @@ class PgCluster:
 class Spaced:
     """One spaced process; stdout/stderr go to a log file in its data dir."""
 
-    def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None):
+    def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None,
+                 args=()):
         self.binary = binary or os.environ.get("SPACED_TEST") or os.environ["SPACED"]
         self.owns_data = data_dir is None  # a shared data dir (templates) is never removed
         self.data_dir = data_dir or tmpdir("sp-data-")
         self.database_url = database_url
         self.runtime = runtime
+        self.args = list(args)  # more `serve` options
         self.port = free_port()
         self.env = dict(os.environ, **(env or {}))
         self.proc = None
@@ -160,6 +162,7 @@ class Spaced:
             argv += ["--database-url", self.database_url]
         if self.runtime:
             argv += ["--runtime", self.runtime]
+        argv += self.args
         self.log_path = os.path.join(self.data_dir, "spaced-%d.log" % int(time.time() * 1000))
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
@@ -279,8 +282,8 @@ class Platform:
         p.s.request(...); p.keys["beta"]
         p.destroy()                                                       # both stopped
 
-    Everything else (binary, data_dir, runtime, env) goes to Spaced. start=False leaves spaced
-    stopped (a suite that adds keys or files first calls p.s.start())."""
+    Everything else (binary, data_dir, runtime, env, args) goes to Spaced. start=False leaves
+    spaced stopped (a suite that adds keys or files first calls p.s.start())."""
 
     def __init__(self, teams=("alpha",), start=True, **spaced_kw):
         self.pg = PgCluster()

@@ -266,6 +266,16 @@ def _metrics():
     assert abs((now() - m.timestamp).total_seconds()) < 600, m.timestamp
     again = Sandbox.get_metrics(sbx.sandbox_id, **API)
     assert again and again[-1].mem_total == m.mem_total
+    # A series sampled every 5 s while the sandbox runs, oldest first, not one sample.
+    series = []
+
+    def two_samples():
+        series[:] = sbx.get_metrics()
+        return len(series) >= 2
+
+    wait_for("a second metrics sample", two_samples, timeout=30)
+    stamps = [x.timestamp for x in series]
+    assert stamps == sorted(stamps), stamps
 
 
 @scenario(A, "an idle pooled connection stays usable", timeout=300)

@@ -38,6 +38,7 @@
 
 #include "base/buf.h"
 #include "base/log.h"
+#include "base/metrics.h"
 
 #define BACKOFF_LO_MS 100u
 #define BACKOFF_HI_MS 2000u
@@ -49,6 +50,14 @@
 #define OUTQ_MAX      (8u * 1024u * 1024u) /* beyond this the channel is dead */
 #define READ_BUDGET   16                   /* reads per readiness callback, for fairness */
 #define NBUCKETS      256u                 /* stream table buckets (power of two) */
+
+static sp_metric_t m_connects = SP_METRIC_COUNTER(
+    "space_agent_channel_connects_total", "Agent channels that came up for the first time.", "");
+static sp_metric_t m_reconnects = SP_METRIC_COUNTER(
+    "space_agent_channel_reconnects_total",
+    "Agent channels that came up again after they were lost.", "");
+static sp_metric_t m_lost =
+    SP_METRIC_COUNTER("space_agent_channel_losses_total", "Agent channels lost while up.", "");
 #define MAX_STREAMS   65536u               /* open at once per channel */
 #define CREDIT_CAP    (1ull << 40)         /* clamp on credit an agent can grant */
 
@@ -110,6 +119,7 @@ struct sp_agentconn {
     int depth;       /* loop entries and callbacks on the stack */
     unsigned backoff_ms;
     bool logged_down; /* connect failures are logged once per outage */
+    bool was_ever_up; /* a later HELLO answered is a reconnection (metrics) */
 
     sp_timer_t retry; /* reconnect */
     sp_timer_t kick;  /* zero-delay: waiters, writable notifications, queued failure */
@@ -494,6 +504,8 @@ static void schedule_retry(sp_agentconn_t *c)
 static void conn_fail(sp_agentconn_t *c, const char *why)
 {
     bool was_up = c->up;
+    if (was_up)
+        sp_metrics_add(&m_lost, 1);
     if (was_up || !c->logged_down)
         sp_log(SP_LOG_WARN, "agentconn", "channel lost path=%s err=%s streams=%zu", c->path, why,
                c->nstreams);
@@ -656,6 +668,8 @@ static void on_agent_hello(sp_agentconn_t *c, const uint8_t *p, uint32_t len)
     c->up = true;
     c->backoff_ms = 0;
     c->logged_down = false;
+    sp_metrics_add(c->was_ever_up ? &m_reconnects : &m_connects, 1);
+    c->was_ever_up = true;
     sp_timer_stop(&c->hello);
     sp_log(SP_LOG_INFO, "agentconn", "channel up path=%s agent_version=%s caps=0x%x", c->path,
            c->agent_version, h.caps);
@@ -978,6 +992,8 @@ sp_agentconn_t *sp_agentconn_create(sp_loop_t *loop, const char *socket_path,
     c->arg = arg;
     c->fd = -1;
     c->next_id = 1;
+    sp_metrics_declare(&m_reconnects); /* listed at 0 from the first channel on */
+    sp_metrics_declare(&m_lost);
     sp_ap_reader_init(&c->rd, c->rbuf, SP_AP_MAX_FRAME);
     list_init(&c->wantw);
     list_init(&c->waiters);

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "base/metrics.h"
 #include "core/control/sandbox.h"
 
 #define RECON_TICK_MS   1000 /* rescan even without NOTIFY */
@@ -36,6 +37,7 @@ struct task {
     char err_code[40];
     char err_msg[160];
     int stage; /* 0 begin, 1 running, 2 recording outcome */
+    uint64_t driver_ms; /* when the driver call started (loop ms), for the metrics */
     sp_timer_t retry;
     struct task *prev, *next;
 };
@@ -53,6 +55,35 @@ struct sp_recon {
     struct task *tasks;
     int ntasks;
 };
+
+static sp_metric_t m_ops = SP_METRIC_COUNTER(
+    "space_lifecycle_operations_total",
+    "Lifecycle actions the controller ran through the runtime driver, by operation and outcome.",
+    "op,outcome");
+static sp_metric_t m_op_seconds = SP_METRIC_HISTOGRAM(
+    "space_lifecycle_operation_duration_seconds",
+    "Time the runtime driver took for a lifecycle action, by operation and outcome.",
+    "op,outcome", sp_metrics_buckets_ops);
+
+/* The operation an action carries out, as the metrics name it (resume and restore both wake). */
+static const char *op_name(sp_action_t a)
+{
+    switch (a) {
+    case SP_ACT_BOOT:
+        return "create";
+    case SP_ACT_PAUSE:
+        return "pause";
+    case SP_ACT_SUSPEND:
+        return "suspend";
+    case SP_ACT_RESUME:
+    case SP_ACT_RESTORE:
+        return "wake";
+    case SP_ACT_DESTROY:
+        return "delete";
+    default:
+        return "other";
+    }
+}
 
 static void scan(sp_recon_t *r);
 static void task_next(struct task *t);
@@ -219,6 +250,11 @@ static void on_driver_done(void *arg, const sp_err_t *err)
         return;
     }
     t->stage = 2;
+    const char *outcome = err != NULL ? "failure" : "success";
+    sp_metrics_add(&m_ops, 1, op_name(t->act), outcome);
+    sp_metrics_observe(&m_op_seconds,
+                       (double)(sp_loop_now_ms(t->r->loop) - t->driver_ms) / 1000.0,
+                       op_name(t->act), outcome);
     if (err != NULL) {
         t->failed = true;
         snprintf(t->err_code, sizeof(t->err_code), "%s", sp_err_name(err->code));
@@ -242,6 +278,7 @@ static void run_driver(struct task *t)
     sp_err_t e = {0};
     int rc = -1;
     t->stage = 1;
+    t->driver_ms = sp_loop_now_ms(t->r->loop);
     switch (t->act) {
     case SP_ACT_BOOT:
         rc = d->ops->boot(d, &spec, on_driver_done, t, &e);
@@ -535,6 +572,8 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     snprintf(r->worker_id, sizeof(r->worker_id), "%s", worker_id);
     sp_timer_init(&r->tick, loop, on_tick, r);
     sp_timer_init(&r->sweep, loop, on_sweep, r);
+    sp_metrics_declare(&m_ops);
+    sp_metrics_declare(&m_op_seconds);
     if (sp_store_listen(store, "space_sandbox", on_notify, r, err) < 0) {
         free(r);
         return NULL;

@@ -65,6 +65,7 @@ struct sp_svc {
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
     sp_driver_t *driver; /* borrowed; NULL: no data plane */
+    sp_sampler_t *sampler; /* with the driver: each sandbox's figures over time */
     struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
     void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
     void *egress_hook_arg;
@@ -975,6 +976,8 @@ int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, u
 void sp_svc_set_driver(sp_svc_t *svc, sp_driver_t *driver)
 {
     svc->driver = driver;
+    sp_sampler_destroy(svc->sampler);
+    svc->sampler = driver != NULL ? sp_sampler_create(svc->loop, svc->store, driver) : NULL;
 }
 
 sp_loop_t *sp_svc_loop(sp_svc_t *svc)
@@ -1133,6 +1136,7 @@ void sp_svc_destroy(sp_svc_t *svc)
         }
         /* A waiter with a check in flight is answered and freed by the store's shutdown. */
     }
+    sp_sampler_destroy(svc->sampler);
     free(svc);
 }
 
@@ -1315,6 +1319,14 @@ int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t 
         return sp_err_set(err, SP_EUNAVAIL, "no runtime on this server");
     memset(out, 0, sizeof(*out));
     return svc->driver->ops->stats(svc->driver, id, out, err);
+}
+
+size_t sp_svc_vm_samples(sp_svc_t *svc, const char *id, int64_t start_s, int64_t end_s,
+                         sp_sample_t *out, size_t cap)
+{
+    if (!sp_ids_valid(id) || svc->sampler == NULL)
+        return 0;
+    return sp_sampler_get(svc->sampler, id, start_s, end_s, out, cap);
 }
 
 static void events_done(void *rec, PGresult *res, const sp_err_t *err)

@@ -25,6 +25,7 @@
 #include "base/err.h"
 #include "base/ids.h"
 #include "loop/loop.h"
+#include "core/control/sampler.h"
 #include "core/control/sandbox.h"
 #include "core/store/store.h"
 
@@ -247,6 +248,11 @@ int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
 /* Synchronous: the runtime driver's figures for the sandbox's VM. The caller has checked
  * that the sandbox is the caller's. SP_ENOTFOUND without a VM; SP_EUNAVAIL without a driver. */
 int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err);
+
+/* The sandbox's figures over time (core/control/sampler.h: sp_sampler_get), oldest first; 0
+ * without a driver or any sample. The caller has checked that the sandbox is the caller's. */
+size_t sp_svc_vm_samples(sp_svc_t *svc, const char *id, int64_t start_s, int64_t end_s,
+                         sp_sample_t *out, size_t cap);
 
 typedef struct {
     long long id;

@@ -23,6 +23,7 @@
 #include <sys/resource.h>
 
 #include "base/log.h"
+#include "base/metrics.h"
 #include "core/egress/egress_int.h"
 #include "core/egress/mitm.h"
 
@@ -511,6 +512,28 @@ static void on_host_addrs(sp_timer_t *t, void *arg)
     sp_timer_start(t, 60000);
 }
 
+static sp_metric_t m_open =
+    SP_METRIC_GAUGE("space_egress_connections_open", "Proxied guest connections open now.", "");
+static sp_metric_t m_bytes = SP_METRIC_COUNTER(
+    "space_egress_bytes_total",
+    "Bytes relayed between guests and destinations, by direction (up: from the guest).",
+    "direction");
+static sp_metric_t m_decisions = SP_METRIC_COUNTER(
+    "space_egress_decisions_total",
+    "Egress policy decisions on connections and DNS queries, by decision (allowed, denied).",
+    "decision");
+
+/* Runs in sp_metrics_render, on the loop (base/metrics.h): mirrors the proxy's own counts. */
+static void collect(void *arg)
+{
+    const sp_egress_t *eg = arg;
+    sp_metrics_set(&m_open, eg->st.conns);
+    sp_metrics_set(&m_bytes, (double)eg->st.bytes_up, "up");
+    sp_metrics_set(&m_bytes, (double)eg->st.bytes_down, "down");
+    sp_metrics_set(&m_decisions, (double)eg->st.allowed, "allowed");
+    sp_metrics_set(&m_decisions, (double)eg->st.denied, "denied");
+}
+
 sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egress_opts_t *o,
                               sp_err_t *err)
 {
@@ -541,6 +564,8 @@ sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egres
     sp_agentconn_set_hook(on_named, eg);
     sp_timer_init(&eg->host_addrs, loop, on_host_addrs, eg);
     on_host_addrs(&eg->host_addrs, eg);
+    if (sp_metrics_collector_add(collect, eg) < 0)
+        sp_log(SP_LOG_WARN, "egress", "egress metrics off: out of memory");
     return eg;
 }
 
@@ -575,6 +600,7 @@ void sp_egress_destroy(sp_egress_t *eg)
         return;
     sp_agentconn_set_hook(NULL, NULL);
     sp_timer_stop(&eg->host_addrs);
+    sp_metrics_collector_remove(collect, eg);
     eg->dying = true;
     sp_egress__audit_stop(eg);
     while (eg->sbs != NULL) {

@@ -30,10 +30,15 @@
 
 #include "base/buf.h"
 #include "base/log.h"
+#include "base/metrics.h"
 #include "core/egress/egress_int.h"
 #include "core/egress/http1.h"
 #include "core/egress/mitm.h"
 #include "core/egress/sni.h"
+
+static sp_metric_t m_conns = SP_METRIC_COUNTER(
+    "space_egress_connections_total", "Proxied connections guests opened (CONNECT or plain HTTP).",
+    "");
 
 #define GRANT_BATCH    (64u * 1024u) /* credit given back in steps of this much */
 #define READS_PER_TURN 4             /* upstream reads per readiness callback */
@@ -1054,6 +1059,7 @@ int sp_egress__proxy_accept(struct sb *sb, sp_agentstream_t *s, sp_agentstream_c
     sb->conns = pc;
     sb->nconns++;
     eg->st.conns++;
+    sp_metrics_add(&m_conns, 1);
     *cbs = pc_cbs;
     *sarg = pc;
     return 0;

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "base/metrics.h"
 
 #define SP_STORE_QUEUE_MS   5000 /* longest a statement waits for a connection */
 #define SP_STORE_QUEUE_MAX  4096 /* statements waiting at once */
@@ -28,6 +29,16 @@
 #define SP_STORE_PREP_MAX   128 /* prepared statements per connection */
 
 enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
+
+static sp_metric_t m_wait = SP_METRIC_HISTOGRAM(
+    "space_pg_pool_wait_seconds",
+    "Time a statement waited for a free PostgreSQL connection of the pool before it was sent.",
+    "", sp_metrics_buckets_wait);
+static sp_metric_t m_errors = SP_METRIC_COUNTER(
+    "space_pg_errors_total",
+    "PostgreSQL failures: statements that failed (statement), statements not run because the "
+    "database was unavailable or busy (unavailable), connections lost or not made (connection).",
+    "kind");
 
 struct query {
     char *sql;
@@ -102,6 +113,7 @@ static void query_finish(struct query *q, PGresult *res, sp_code_t code, const c
     if (code == SP_OK) {
         q->cb(q->arg, res, NULL);
     } else {
+        sp_metrics_add(&m_errors, 1, code == SP_EUNAVAIL ? "unavailable" : "statement");
         sp_err_t e;
         sp_err_set(&e, code, "%s", msg);
         q->cb(q->arg, res, &e);
@@ -182,6 +194,8 @@ static void conn_down(struct conn *c, const char *why)
                why ? why : "unknown");
         c->logged_down = true;
     }
+    if (!s->dying)
+        sp_metrics_add(&m_errors, 1, "connection");
     struct query *q = c->q;
     c->q = NULL;
     conn_close(c);
@@ -353,6 +367,7 @@ static void dispatch(sp_store_t *s)
             s->tail = NULL;
         s->queued--;
         q->next = NULL;
+        uint64_t waited = sp_loop_now_ms(s->loop) - q->queued_ms;
         if (!send_query(c, q)) {
             /* Not sent: put it back first in line and take this connection down. */
             q->next = s->head;
@@ -361,6 +376,8 @@ static void dispatch(sp_store_t *s)
                 s->tail = q;
             s->queued++;
             conn_down(c, PQerrorMessage(c->pg));
+        } else {
+            sp_metrics_observe(&m_wait, (double)waited / 1000.0);
         }
     }
 }
@@ -526,6 +543,8 @@ sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size
     sp_timer_init(&s->sweep, loop, on_sweep, s);
     sp_timer_init(&s->kick, loop, on_kick, s);
     sp_timer_start(&s->sweep, 250);
+    sp_metrics_declare(&m_wait);
+    sp_metrics_declare(&m_errors);
     return s;
 }
 

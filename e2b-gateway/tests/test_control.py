@@ -410,6 +410,33 @@ class E2BControlTest(unittest.TestCase):
         st, other = self.req("GET", "/sandboxes/metrics?sandbox_ids=" + sid, key=self.other_key)
         self.assertEqual((st, other), (200, {"sandboxes": {}}))
 
+    def test_metrics_series(self):
+        """A running sandbox's metrics are a series sampled every 5 s, not a single sample;
+        start/end (unix seconds) select from it."""
+        sid = self.create(timeout=300)["sandboxID"]
+        first = time.time()
+        deadline = first + 15 * MULT
+        while True:
+            st, ms = self.req("GET", "/sandboxes/%s/metrics" % sid)
+            self.assertEqual(st, 200, ms)
+            if len(ms) >= 2 or time.time() > deadline:
+                break
+            time.sleep(1)
+        self.assertGreaterEqual(len(ms), 2, "no second sample after %.0f s" % (time.time() - first))
+        for m in ms:
+            self.check_metric(m)
+        ts = [m["timestampUnix"] for m in ms]
+        self.assertEqual(ts, sorted(ts))
+        st, later = self.req("GET", "/sandboxes/%s/metrics?start=%d" % (sid, ts[-1] + 3600))
+        self.assertEqual((st, later), (200, []))
+        st, early = self.req("GET", "/sandboxes/%s/metrics?end=%d" % (sid, ts[0]))
+        self.assertEqual(st, 200, early)
+        self.assertGreaterEqual(len(early), 1, early)
+        self.assertTrue(all(m["timestampUnix"] <= ts[0] for m in early), early)
+        st, last = self.req("GET", "/sandboxes/%s/metrics?start=%d" % (sid, ts[-1]))
+        self.assertEqual(st, 200, last)
+        self.assertTrue(last and all(m["timestampUnix"] >= ts[-1] for m in last), last)
+
     def test_logs(self):
         sid = self.create()["sandboxID"]
         st, _ = self.req("POST", "/sandboxes/%s/pause" % sid)

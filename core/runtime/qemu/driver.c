@@ -637,9 +637,11 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
             struct vm *spare = sp_qemu__pool_pick(d, key);
             if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
                 free(tp);
+                sp_qemu__pool_count(true);
                 sp_qemu__pool_kick(d);
                 return 0;
             }
+            sp_qemu__pool_count(false);
         }
     }
     vm = sp_qemu__vm_new(d, spec->sandbox_id);
@@ -939,6 +941,7 @@ static void q_free(sp_driver_t *base)
     sp_timer_stop(&d->kick_timer);
     sp_timer_stop(&d->console_timer);
     sp_timer_stop(&d->pool_timer);
+    sp_qemu__pool_metrics_stop(d);
     while (d->wants != NULL) {
         struct poolwant *w = d->wants;
         d->wants = w->next;
@@ -1098,6 +1101,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     else
         sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
     adopt_all(d);
+    sp_qemu__pool_metrics_start(d);
     sp_qemu__tsnap_gc(d); /* a no-op until the accelerator is known (then on_kvm_probe runs it) */
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);
     return &d->base;

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/metrics.h"
 
 /* ---------- spare clones (the pool) ----------
  *
@@ -445,6 +446,47 @@ int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb,
     sp_log(SP_LOG_INFO, "qemu", "sandbox from a spare clone sandbox=%s spare=%s key=%s spare_was=%s",
            vm->id, old_id, vm->pool_key, how);
     return 0;
+}
+
+static sp_metric_t m_takes = SP_METRIC_COUNTER(
+    "space_spare_pool_requests_total",
+    "Creates of a template size the spare pool serves, by whether a spare clone was there.",
+    "result");
+static sp_metric_t m_size = SP_METRIC_GAUGE(
+    "space_spare_pool_size", "Spare clones by state (warming: being made; ready: can be taken).",
+    "state");
+
+void sp_qemu__pool_count(bool hit)
+{
+    sp_metrics_add(&m_takes, 1, hit ? "hit" : "miss");
+}
+
+/* Runs in sp_metrics_render, on the loop (base/metrics.h): the VM list is ours to read. */
+static void pool_collect(void *arg)
+{
+    sp_qemu_t *d = arg;
+    int ready = 0, warming = 0;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (!v->pooled || v->pool_drop)
+            continue;
+        ready += v->pool_ready;
+        warming += !v->pool_ready;
+    }
+    sp_metrics_set(&m_size, ready, "ready");
+    sp_metrics_set(&m_size, warming, "warming");
+}
+
+void sp_qemu__pool_metrics_start(sp_qemu_t *d)
+{
+    sp_metrics_declare(&m_takes);
+    sp_qemu__tsnap_metrics_declare();
+    if (sp_metrics_collector_add(pool_collect, d) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "spare pool metrics off: out of memory");
+}
+
+void sp_qemu__pool_metrics_stop(sp_qemu_t *d)
+{
+    sp_metrics_collector_remove(pool_collect, d);
 }
 
 int sp_qemu_pool_ready(sp_driver_t *base)

@@ -400,6 +400,13 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
 void sp_qemu__pool_warm(struct vm *vm);
 struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);
 int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
+/* tsnap.c: the template snapshot build metrics listed before the first build. */
+void sp_qemu__tsnap_metrics_declare(void);
+/* A create of a size the pool serves: counts whether a spare was there (base/metrics.h). */
+void sp_qemu__pool_count(bool hit);
+/* The pool's size as a gauge, read at each scrape while the driver lives. */
+void sp_qemu__pool_metrics_start(sp_qemu_t *d);
+void sp_qemu__pool_metrics_stop(sp_qemu_t *d);
 
 /* ---- util.c: helpers ---- */
 

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/metrics.h"
 #include "guest/bootargs.h"
 
 /* ---------- template snapshots ---------- */
@@ -481,11 +482,33 @@ struct tsnap *sp_qemu__tsnap_for(struct vm *vm)
     return t;
 }
 
+static sp_metric_t m_builds = SP_METRIC_COUNTER(
+    "space_template_snapshot_builds_total",
+    "Template snapshot builds (boot a builder, warm up, freeze, commit), by outcome.", "outcome");
+static sp_metric_t m_build_seconds = SP_METRIC_HISTOGRAM(
+    "space_template_snapshot_build_duration_seconds",
+    "Time a template snapshot build took, by outcome.", "outcome", sp_metrics_buckets_ops);
+
+void sp_qemu__tsnap_metrics_declare(void)
+{
+    sp_metrics_declare(&m_builds);
+    sp_metrics_declare(&m_build_seconds);
+}
+
+static void count_build(const struct tsnap *t, bool ok)
+{
+    const char *outcome = ok ? "success" : "failure";
+    sp_metrics_add(&m_builds, 1, outcome);
+    sp_metrics_observe(&m_build_seconds, (double)(sp_qemu__mono_ms() - t->start_ms) / 1000.0,
+                       outcome);
+}
+
 /* The builder is gone before its snapshot committed: boots waiting for it go cold. */
 void sp_qemu__tsnap_failed(struct vm *vm, const char *why)
 {
     struct tsnap *t = vm->tsnap_build;
     vm->tsnap_build = NULL;
+    count_build(t, false);
     t->state = TS_FAILED;
     t->failed_ms = sp_qemu__mono_ms();
     sp_qemu__sfmt(t->why, sizeof t->why, "%s", why);
@@ -702,6 +725,7 @@ void sp_qemu__tsnap_commit(struct vm *vm)
     }
     /* sp_qemu__vm_free must not look at the work dir */
     sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s", t->dir);
+    count_build(t, why == NULL);
     if (why != NULL) {
         t->state = TS_FAILED;
         t->failed_ms = sp_qemu__mono_ms();
