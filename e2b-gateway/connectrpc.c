@@ -1381,9 +1381,9 @@ int sp_connect_read_msg(h2o_req_t *req, const sp_connect_req_t *cr, const sp_cde
     if (!cr->streaming)
         return sp_connect_decode(cr->codec, d, body, n, msg, a, err);
     size_t off = 0;
-    uint8_t flags;
-    const uint8_t *p;
-    size_t len;
+    uint8_t flags = 0;
+    const uint8_t *p = NULL;
+    size_t len = 0;
     int rc = sp_connect_envelope_next(body, n, &off, &flags, &p, &len, err);
     if (rc < 0)
         return -1;
