@@ -783,7 +783,7 @@ static json_t *jenc_msg(const sp_cdesc_t *d, const void *msg)
         json_t *v = NULL;
         if (f->repeated) {
             size_t n = *CAT(msg, f->cnt_off, size_t);
-            const char *arr = *CAT(msg, f->off, const char *);
+            const char *arr = *CAT(msg, f->off, char *);
             if (n == 0)
                 continue;
             if (f->kind == SP_CK_MAPSS) {
@@ -925,7 +925,7 @@ static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_buf_t *b)
         const sp_cfield_t *f = &d->fields[i];
         if (f->repeated) {
             size_t n = *CAT(msg, f->cnt_off, size_t);
-            const char *arr = *CAT(msg, f->off, const char *);
+            const char *arr = *CAT(msg, f->off, char *);
             size_t es = kind_size(f);
             for (size_t k = 0; k < n; k++)
                 penc_value(f, arr + k * es, b);
