@@ -95,10 +95,17 @@ void sp_napi__admin_teams_create(napi_ctx_t *c)
     sp_err_t e;
     json_t *name;
     if (sp_napi__body_keys(c->body, allowed, true, &e) < 0 ||
-        (name = sp_napi__req_string(c->body, "name", &e)) == NULL ||
-        (strlen(json_string_value(name)) != json_string_length(name) &&
-         sp_err_set(&e, SP_EINVAL, "name may not contain NUL characters") < 0) ||
-        sp_admin_team_create(c->n->admin, json_string_value(name), on_team_created, c, &e) < 0)
+        (name = sp_napi__req_string(c->body, "name", &e)) == NULL) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    /* The name check reads a C string: one with a NUL inside would pass as its first part. */
+    if (strlen(json_string_value(name)) != json_string_length(name)) {
+        sp_err_set(&e, SP_EINVAL, "name may not contain NUL characters");
+        sp_napi__fail(c, &e);
+        return;
+    }
+    if (sp_admin_team_create(c->n->admin, json_string_value(name), on_team_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

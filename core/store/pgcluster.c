@@ -974,11 +974,11 @@ int sp_pgcluster_attach(const char *data_dir, char *out, size_t cap, sp_err_t *e
     /* Read-only and shared: probing must never keep a serving spaced from taking it. */
     int fd = open(lock, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) {
-        if (errno == ENOENT)
+        int e = errno;
+        if (e == ENOENT)
             return 0;
-        sp_log(SP_LOG_ERROR, "pgcluster", "lock open failed path=%s err=%s", lock,
-               strerror(errno));
-        return sp_err_set(err, errno == EACCES ? SP_EFORBIDDEN : SP_EINTERNAL,
+        sp_log(SP_LOG_ERROR, "pgcluster", "lock open failed path=%s err=%s", lock, strerror(e));
+        return sp_err_set(err, e == EACCES ? SP_EFORBIDDEN : SP_EINTERNAL,
                           "cannot read the embedded PostgreSQL's lock (another user's data "
                           "directory?)");
     }
@@ -990,8 +990,8 @@ int sp_pgcluster_attach(const char *data_dir, char *out, size_t cap, sp_err_t *e
     close(fd);
     if (!held)
         return 0;
-    int n = snprintf(out, cap, "host='%s/pg/run' port=%d dbname=%s user=%s", real, PG_PORT,
-                     PG_DB, PG_USER);
+    int n = snprintf(out, cap, "host='%s/pg/run' port=%d dbname=%s user=%s", real, PG_PORT, PG_DB,
+                     PG_USER);
     if (n < 0 || (size_t)n >= cap)
         return sp_err_set(err, SP_EINVAL, "data directory path too long");
     return 1;
