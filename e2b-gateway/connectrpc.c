@@ -783,7 +783,7 @@ static json_t *jenc_msg(const sp_cdesc_t *d, const void *msg)
         json_t *v = NULL;
         if (f->repeated) {
             size_t n = *CAT(msg, f->cnt_off, size_t);
-            const char *arr = *CAT(msg, f->off, const char *);
+            const char *arr = *CAT(msg, f->off, char *);
             if (n == 0)
                 continue;
             if (f->kind == SP_CK_MAPSS) {
@@ -925,7 +925,7 @@ static void penc_msg(const sp_cdesc_t *d, const void *msg, sp_buf_t *b)
         const sp_cfield_t *f = &d->fields[i];
         if (f->repeated) {
             size_t n = *CAT(msg, f->cnt_off, size_t);
-            const char *arr = *CAT(msg, f->off, const char *);
+            const char *arr = *CAT(msg, f->off, char *);
             size_t es = kind_size(f);
             for (size_t k = 0; k < n; k++)
                 penc_value(f, arr + k * es, b);
@@ -1381,9 +1381,9 @@ int sp_connect_read_msg(h2o_req_t *req, const sp_connect_req_t *cr, const sp_cde
     if (!cr->streaming)
         return sp_connect_decode(cr->codec, d, body, n, msg, a, err);
     size_t off = 0;
-    uint8_t flags;
-    const uint8_t *p;
-    size_t len;
+    uint8_t flags = 0;
+    const uint8_t *p = NULL;
+    size_t len = 0;
     int rc = sp_connect_envelope_next(body, n, &off, &flags, &p, &len, err);
     if (rc < 0)
         return -1;

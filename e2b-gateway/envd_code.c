@@ -318,6 +318,7 @@ static void xc_enter(xc_t *x)
  * free happen only here, last. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wunknown-warning-option" /* clang: it has no such warning */
 #pragma GCC diagnostic ignored "-Wuse-after-free"
 /* false when x was freed. */
 static bool xc_leave(xc_t *x)

@@ -30,6 +30,11 @@ void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver)
     n->driver = driver;
 }
 
+void sp_napi_set_admin(sp_napi_t *n, sp_admin_t *admin)
+{
+    n->admin = admin;
+}
+
 void sp_napi_destroy(sp_napi_t *n)
 {
     if (n == NULL)
@@ -276,6 +281,13 @@ static const struct route routes[] = {
     {M_GET, {"v1", "sandboxes", "*", "egress", NULL}, {sp_napi__egress_log, NULL, NULL}, false},
     {M_GET | M_PUT, {"v1", "sandboxes", "*", "egress", "policy", NULL},
      {sp_napi__egress_policy_get, NULL, NULL, sp_napi__egress_policy_put}, false},
+    /* The operator's teams and keys (route_admin.c): /v1/admin/... takes the admin key. */
+    {M_GET | M_POST, {"v1", "admin", "teams", NULL},
+     {sp_napi__admin_teams_list, sp_napi__admin_teams_create, NULL}, true},
+    {M_GET | M_POST, {"v1", "admin", "teams", "*", "keys", NULL},
+     {sp_napi__admin_keys_list, sp_napi__admin_keys_create, NULL}, true},
+    {M_DELETE, {"v1", "admin", "teams", "*", "keys", "*", NULL},
+     {NULL, NULL, sp_napi__admin_keys_revoke}, false},
 };
 
 static const struct route *match(const char **segs, int n)
@@ -314,6 +326,15 @@ static void on_health(void *arg, const sp_err_t *err)
         sp_http_json(req, 503, json_pack("{s:s,s:s}", "status", "unavailable", "database", "down"));
     else
         sp_http_json(req, 200, json_pack("{s:s,s:s}", "status", "ok", "database", "up"));
+}
+
+static void on_admin_auth(void *arg, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        c->route(c);
 }
 
 static void on_auth(void *arg, const sp_auth_t *auth, const sp_err_t *err)
@@ -426,6 +447,13 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
     c->body = body;
     c->wait_ms = wait_ms;
     c->route = r->fn[mb == M_GET ? 0 : mb == M_POST ? 1 : mb == M_DELETE ? 2 : 3];
+    if (strcmp(r->pattern[1], "admin") == 0) {
+        if (n->admin == NULL)
+            sp_napi__fail(c, (sp_err_set(&e, SP_EUNAVAIL, "the admin API is off"), &e));
+        else if (sp_admin_authenticate(n->admin, key, on_admin_auth, c, &e) < 0)
+            sp_napi__fail(c, &e);
+        return;
+    }
     if (sp_svc_authenticate(n->svc, key, on_auth, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

@@ -4,8 +4,9 @@
  * Folder: native-api/ is one of the two HTTP surfaces: it parses, authenticates, calls core and
  * renders; it keeps no state. (ARCHITECTURE.md: the layers.)
  *
- * Parses and authenticates (Authorization: Bearer <key>), calls one core
- * operation (core/control/svc.h), renders JSON. Its only state is the table of command
+ * Parses and authenticates (Authorization: Bearer <key>: a team's API key, or on
+ * /v1/admin the installation's admin key), calls one core operation (core/control/svc.h,
+ * core/control/admin.h), renders JSON. Its only state is the table of command
  * sessions (core/channel/session.h), which lives in this process's memory.
  */
 #ifndef SP_NAPI_H
@@ -14,6 +15,7 @@
 #include <h2o.h>
 #include <stdbool.h>
 
+#include "core/control/admin.h"
 #include "core/control/svc.h"
 
 typedef struct sp_napi sp_napi_t;
@@ -24,6 +26,9 @@ void sp_napi_destroy(sp_napi_t *n);
 /* The runtime driver (borrowed; outlives n): command sessions attach to a VM's agent channel
  * through it, without the database. Without one, attaching answers 503. */
 void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver);
+
+/* The admin routes' operations (borrowed; outlives n). Without them, /v1/admin answers 503. */
+void sp_napi_set_admin(sp_napi_t *n, sp_admin_t *admin);
 
 /* Whether path belongs to this API (/v1/ and /healthz). */
 bool sp_napi_owns(h2o_req_t *req);

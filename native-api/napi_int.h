@@ -7,6 +7,7 @@
 #include "base/buf.h"
 #include "core/channel/exec.h"
 #include "core/channel/session.h"
+#include "core/control/admin.h"
 #include "native-api/napi.h"
 #include "http/http.h"
 #include "http/stream.h"
@@ -18,6 +19,7 @@ struct sp_napi {
     sp_svc_t *svc;
     sp_driver_t *driver;        /* the attach path's way to a VM's agent; may be NULL */
     sp_session_tab_t *sessions; /* command sessions (route_sessions.c) */
+    sp_admin_t *admin;          /* the /v1/admin routes' operations; NULL: they answer 503 */
 };
 
 /* One request's state across its asynchronous steps, in its hold. */
@@ -184,6 +186,12 @@ void sp_napi__credentials_put(napi_ctx_t *c);
 void sp_napi__egress_log(napi_ctx_t *c);
 void sp_napi__egress_policy_get(napi_ctx_t *c);
 void sp_napi__egress_policy_put(napi_ctx_t *c);
+/* Teams and keys (route_admin.c): authenticated with the admin key, not a team's. */
+void sp_napi__admin_teams_list(napi_ctx_t *c);
+void sp_napi__admin_teams_create(napi_ctx_t *c);
+void sp_napi__admin_keys_list(napi_ctx_t *c);
+void sp_napi__admin_keys_create(napi_ctx_t *c);
+void sp_napi__admin_keys_revoke(napi_ctx_t *c);
 /* GET /v1/attach/{sid}: authenticated by the session's attach token, not an API key. */
 void sp_napi__attach(sp_napi_t *n, h2o_req_t *req, const char *sid);
 

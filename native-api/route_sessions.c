@@ -288,8 +288,8 @@ static void wsa_free(wsa_t *w)
     free(w);
 }
 
-/* The WebSocket is gone (peer closed, error, or we close): detach and free. */
-static void ws_closed(wsa_t *w)
+/* Closes the WebSocket and leaves the session (ws_closed's first half). */
+static void ws_detach(wsa_t *w)
 {
     if (w->ws != NULL) {
         h2o_websocket_close(w->ws);
@@ -299,6 +299,12 @@ static void ws_closed(wsa_t *w)
         sp_session_detach(w->att); /* the process keeps running: re-attach replays */
         w->att = NULL;
     }
+}
+
+/* The WebSocket is gone (peer closed, error, or we close): detach and free. */
+static void ws_closed(wsa_t *w)
+{
+    ws_detach(w);
     if (w->depth > 0)
         w->free_pending = true;
     else
@@ -332,8 +338,11 @@ static bool ws_pump(wsa_t *w)
     w->depth++;
     if (w->paused) {
         if (!h2o_socket_is_writing(w->ws->sock) && wslay_event_want_write(w->ws->ws_ctx) &&
-            wslay_event_send(w->ws->ws_ctx) != 0)
-            ws_closed(w);
+            wslay_event_send(w->ws->ws_ctx) != 0) {
+            /* ws_closed with depth > 0, spelled out: gcc cannot see that it does not free. */
+            ws_detach(w);
+            w->free_pending = true;
+        }
     } else {
         h2o_websocket_proceed(w->ws); /* may end in ws_closed */
     }

@@ -68,10 +68,11 @@ ensure_nss_myhostname() {
   fi
 }
 
-# build DIR [cmake args...]
+# build DIR [cmake args...]: warnings are errors in our own builds (SPACE_WERROR is off by
+# default outside a git checkout, for packagers).
 build() {
   local dir=$1; shift
   log "building in ${dir#$SPACE_ROOT/}"
-  cmake -S "$SPACE_ROOT" -B "$dir" "$@" >/dev/null
+  cmake -S "$SPACE_ROOT" -B "$dir" -DSPACE_WERROR=ON "$@" >/dev/null
   cmake --build "$dir" -j"$(nproc)"
 }

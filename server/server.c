@@ -1,9 +1,12 @@
 /*
- * server.c - `spaced serve | keys | version`.
+ * server.c - `spaced serve | keys | teams | admin-key | template | version`.
  *
  * serve: data directory, database (embedded cluster or --database-url),
- * migrations, first-start key, then one h2o event loop running the HTTP
- * surfaces, the store and the controller until SIGINT/SIGTERM.
+ * migrations, first-start keys, then one h2o event loop running the HTTP
+ * surfaces, the store and the controller until SIGINT/SIGTERM. The management
+ * commands (keys, teams, admin-key) work beside a running serve: they use its
+ * embedded cluster through its socket rather than starting one.
+ * Options come from the config file (server/config.h) and then the command line.
  */
 #include "server/server.h"
 
@@ -27,6 +30,7 @@
 
 #include "core/egress/egress.h"
 #include "base/ids.h"
+#include "core/control/admin.h"
 #include "core/control/keys.h"
 #include "base/log.h"
 #include "core/store/migrate.h"
@@ -45,6 +49,7 @@
 #include "http/tls.h"
 #include "http/reqmetrics.h"
 #include "server/opsrv.h"
+#include "server/config.h"
 
 #define SPACE_VERSION "0.1.0"
 
@@ -83,15 +88,20 @@ static void usage(FILE *f)
             "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
             "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
-            "       spaced keys list\n"
+            "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
+            "       spaced teams list\n"
+            "       spaced teams create <name>\n"
+            "       spaced admin-key rotate\n"
             "       spaced template build <name> [--force] [--agent PATH] [--no-snapshot]\n"
             "                                    [--templates-dir DIR]\n"
             "       spaced template list\n"
             "       spaced version\n"
             "Common: --data-dir DIR (default $SPACE_DATA_DIR, else /var/lib/space as root,\n"
             "        else ~/.local/share/space), --database-url URL (default: the embedded\n"
-            "        cluster in the data directory).\n");
+            "        cluster in the data directory), --config FILE (default $SPACE_CONFIG,\n"
+            "        else " SP_CONFIG_DEFAULT_PATH " if it exists: `name = value` lines for\n"
+            "        any long option; the command line wins).\n");
 }
 
 static const char *default_data_dir(void)
@@ -131,17 +141,32 @@ struct db {
     char conninfo[1024];
 };
 
-static int db_open(const struct opts *o, struct db *db, bool start_cluster)
+/* serve starts (and locks) the embedded cluster. A management command (!serve) uses the
+ * cluster a running serve manages, through its socket, and starts it itself only when none
+ * does (then stops it when done, as before). */
+static int db_open(const struct opts *o, struct db *db, bool serve)
 {
     memset(db, 0, sizeof(*db));
     if (o->database_url != NULL) {
         snprintf(db->conninfo, sizeof(db->conninfo), "%s", o->database_url);
         return 0;
     }
-    if (!start_cluster)
-        return -1;
     sp_err_t e;
-    db->cluster = sp_pgcluster_start(o->data_dir, &e);
+    for (int attempt = 0; !serve && attempt < 2; attempt++) {
+        int shared = sp_pgcluster_attach(o->data_dir, db->conninfo, sizeof(db->conninfo), &e);
+        if (shared < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            return -1;
+        }
+        if (shared == 1)
+            return 0;
+        db->cluster = sp_pgcluster_start(o->data_dir, &e);
+        if (db->cluster != NULL || e.code != SP_ECONFLICT)
+            break;
+        /* A serve took the lock between our look and our start: use its cluster. */
+    }
+    if (serve)
+        db->cluster = sp_pgcluster_start(o->data_dir, &e);
     if (db->cluster == NULL) {
         fprintf(stderr, "spaced: cannot start the embedded PostgreSQL: %s\n", e.msg);
         return -1;
@@ -242,6 +267,11 @@ static const char *find_agent(const char *given)
         if (access(path, X_OK) == 0)
             return path;
     }
+#ifdef SP_INSTALL_AGENT
+    /* Where `cmake --install` put it, for a spaced that was copied or linked elsewhere. */
+    if (access(SP_INSTALL_AGENT, X_OK) == 0)
+        return SP_INSTALL_AGENT;
+#endif
     return NULL;
 }
 
@@ -366,12 +396,14 @@ static int cmd_template(struct opts *o, int argc, char **argv)
 
 /* ---- keys ---- */
 
-static int write_key_file(const char *data_dir, const char *key)
+/* <data_dir>/<name> (api-key, admin-key): the secret, 0600, replaced atomically. */
+static int write_key_file(const char *data_dir, const char *name, const char *key)
 {
     char path[4096], tmp[4200];
-    snprintf(path, sizeof(path), "%s/api-key", data_dir);
+    snprintf(path, sizeof(path), "%s/%s", data_dir, name);
     snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    unlink(tmp); /* a leftover could have other modes: O_CREAT keeps an existing file's */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_EXCL, 0600);
     if (fd < 0)
         return -1;
     size_t n = strlen(key);
@@ -407,7 +439,7 @@ static int cmd_keys(struct opts *o, int argc, char **argv)
     }
     const char *team = o->team, *name = o->key_name;
     struct db db;
-    if (db_open(o, &db, true) < 0)
+    if (db_open(o, &db, false) < 0)
         return 1;
     int rc = 1;
     PGconn *c = db_connect(db.conninfo);
@@ -425,7 +457,7 @@ static int cmd_keys(struct opts *o, int argc, char **argv)
                 team ? team : "default");
         rc = 0;
     } else if (strcmp(argv[0], "list") == 0) {
-        rc = sp_keys_list(c, stdout, &e) < 0 ? 1 : 0;
+        rc = sp_keys_list(c, team, stdout, &e) < 0 ? 1 : 0;
     } else if (strcmp(argv[0], "revoke") == 0 && argc >= 2) {
         if (sp_keys_revoke(c, argv[1], &e) < 0)
             fprintf(stderr, "spaced: %s\n", e.msg);
@@ -435,6 +467,82 @@ static int cmd_keys(struct opts *o, int argc, char **argv)
         usage(stderr);
         rc = 2;
     }
+out:
+    PQfinish(c);
+    if (db.cluster != NULL)
+        sp_pgcluster_stop(db.cluster, NULL);
+    return rc;
+}
+
+/* `teams list | create <name>`. Teams are also made by `keys create --team`. */
+static int cmd_teams(struct opts *o, int argc, char **argv)
+{
+    bool list = argc == 1 && strcmp(argv[0], "list") == 0;
+    bool create = argc == 2 && strcmp(argv[0], "create") == 0;
+    if (!list && !create) {
+        usage(stderr);
+        return 2;
+    }
+    sp_err_t e;
+    if (create && sp_keys_check_team_name(argv[1], &e) < 0) {
+        fprintf(stderr, "spaced: %s\n", e.msg);
+        return 2;
+    }
+    struct db db;
+    if (db_open(o, &db, false) < 0)
+        return 1;
+    int rc = 1;
+    PGconn *c = db_connect(db.conninfo);
+    if (c == NULL || db_prepare(c, o->data_dir) < 0)
+        goto out;
+    if (list) {
+        rc = sp_keys_team_list(c, stdout, &e) < 0 ? 1 : 0;
+    } else {
+        char id[SP_ID_LEN + 1];
+        if (sp_keys_team_create(c, argv[1], id, &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+        } else {
+            printf("%s\n", id);
+            fprintf(stderr, "created team %s (keys: spaced keys create --team %s)\n", argv[1],
+                    argv[1]);
+            rc = 0;
+        }
+    }
+out:
+    PQfinish(c);
+    if (db.cluster != NULL)
+        sp_pgcluster_stop(db.cluster, NULL);
+    return rc;
+}
+
+/* `admin-key rotate`: a new admin key (the old one stops working), written to
+ * <data-dir>/admin-key and printed. */
+static int cmd_admin_key(struct opts *o, int argc, char **argv)
+{
+    if (argc != 1 || strcmp(argv[0], "rotate") != 0) {
+        usage(stderr);
+        return 2;
+    }
+    struct db db;
+    if (db_open(o, &db, false) < 0)
+        return 1;
+    int rc = 1;
+    sp_err_t e;
+    char key[SP_KEY_LEN + 1];
+    PGconn *c = db_connect(db.conninfo);
+    if (c == NULL || db_prepare(c, o->data_dir) < 0)
+        goto out;
+    if (sp_keys_admin_create(c, true, key, &e) < 0) {
+        fprintf(stderr, "spaced: %s\n", e.msg);
+        goto out;
+    }
+    if (write_key_file(o->data_dir, "admin-key", key) < 0)
+        fprintf(stderr, "spaced: cannot write %s/admin-key: %s\n", o->data_dir, strerror(errno));
+    printf("%s\n", key);
+    fprintf(stderr, "new admin key (the old one no longer works); also in %s/admin-key\n",
+            o->data_dir);
+    sodium_memzero(key, sizeof(key));
+    rc = 0;
 out:
     PQfinish(c);
     if (db.cluster != NULL)
@@ -697,7 +805,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (o->database_url == NULL && sp_keys_team_count(c, &teams, &e) == 0 && teams == 0) {
         char kid[SP_ID_LEN + 1];
         if (sp_keys_create(c, "default", "first key", key, kid, &e) < 0 ||
-            write_key_file(o->data_dir, key) < 0) {
+            write_key_file(o->data_dir, "api-key", key) < 0) {
             fprintf(stderr, "spaced: cannot create the first API key\n");
             PQfinish(c);
             goto out_db;
@@ -705,6 +813,15 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     } else if (o->database_url == NULL) {
         read_key_file(o->data_dir, key, sizeof(key));
     }
+    /* The admin key (/v1/admin): made by whichever server starts first without one. */
+    char admin_key[SP_KEY_LEN + 1];
+    int made = sp_keys_admin_create(c, false, admin_key, &e);
+    if (made < 0 || (made == 1 && write_key_file(o->data_dir, "admin-key", admin_key) < 0)) {
+        fprintf(stderr, "spaced: cannot create the admin key\n");
+        PQfinish(c);
+        goto out_db;
+    }
+    sodium_memzero(admin_key, sizeof(admin_key));
     PQfinish(c);
 
     struct srv s = {.listen_fd = -1};
@@ -714,6 +831,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
+    sp_admin_t *admin = store ? sp_admin_create(store, hashkey) : NULL;
     sp_secrets_t *secrets = NULL;
     sp_mitm_t *mitm = NULL;
     sp_driver_t *driver = NULL;
@@ -757,14 +875,16 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     worker_id(o->data_dir, wid);
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     s.napi = svc ? sp_napi_create(svc) : NULL;
-    if (s.napi != NULL)
+    if (s.napi != NULL) {
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
+        sp_napi_set_admin(s.napi, admin);
+    }
     /* The E2B surface and the host suffix it returns as `domain`. */
     char domain[256];
     serve_domain(o, domain, sizeof(domain));
     sp_e2b_opts_t eo = {.domain = domain};
     s.e2b = svc ? sp_e2b_create(svc, &eo) : NULL;
-    if (recon == NULL || s.napi == NULL || s.e2b == NULL) {
+    if (recon == NULL || s.napi == NULL || s.e2b == NULL || admin == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;
     }
@@ -826,6 +946,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     }
     if (key[0])
         printf("API key: %s   (also in %s/api-key)\n", key, o->data_dir);
+    if (made == 1)
+        printf("admin key (teams and keys, /v1/admin) in %s/admin-key\n", o->data_dir);
     printf("try: curl -H 'Authorization: Bearer <key>' http://%s/v1/templates\n", o->listen);
     if (opsrv != NULL)
         printf("metrics (operator only): http://%s/metrics\n", o->metrics_listen);
@@ -850,6 +972,7 @@ out_srv:
     sp_svc_destroy(svc);
     sp_secrets_destroy(secrets);
     sp_napi_destroy(s.napi);
+    sp_admin_destroy(admin);
     sp_e2b_destroy(s.e2b);
     sp_driver_destroy(driver);
     if (s.ssl_ctx != NULL)
@@ -858,6 +981,40 @@ out_db:
     if (db.cluster != NULL && sp_pgcluster_stop(db.cluster, &e) < 0)
         fprintf(stderr, "spaced: stopping the embedded PostgreSQL failed: %s\n", e.msg);
     return rc;
+}
+
+/*
+ * The config file's settings (server/config.h) as options before the command line's, which
+ * come after them and win: argv becomes [0] program, [1] command, the file's, the rest.
+ * The new argv lives as long as the process (options point into it), like the original.
+ */
+static int with_config(int *argc, char ***argv, const struct option *lopts)
+{
+    static sp_config_args_t ca;
+    static char **all;
+    bool given;
+    const char *path = sp_config_path(*argc, *argv, 2, &given);
+    sp_err_t e;
+    if (sp_config_load(path, given, lopts, &ca, &e) < 0) {
+        fprintf(stderr, "spaced: config file %s: %s\n", path, e.msg);
+        return -1;
+    }
+    if (ca.argc == 0)
+        return 0;
+    all = calloc((size_t)*argc + (size_t)ca.argc + 1, sizeof(*all));
+    if (all == NULL) {
+        fprintf(stderr, "spaced: out of memory\n");
+        return -1;
+    }
+    all[0] = (*argv)[0];
+    all[1] = (*argv)[1];
+    for (int i = 0; i < ca.argc; i++)
+        all[2 + i] = ca.argv[i];
+    for (int i = 2; i < *argc; i++)
+        all[ca.argc + i] = (*argv)[i];
+    *argc += ca.argc;
+    *argv = all;
+    return 0;
 }
 
 int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
@@ -880,6 +1037,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"idle-timeout", required_argument, NULL, 'I'},
         {"metrics-listen", required_argument, NULL, 1601},
         {"log-format", required_argument, NULL, 1602},
+        {"config", required_argument, NULL, 'c'},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -894,6 +1052,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         usage(stdout);
         return 0;
     }
+    if (with_config(&argc, &argv, lopts) < 0)
+        return 2;
     /* Options may come anywhere after the command (GNU getopt permutes positionals to the end). */
     optind = 2;
     int ch;
@@ -970,6 +1130,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'h':
             usage(stdout);
             return 0;
+        case 'c':
+            break; /* read before parsing (sp_config_path) */
         default:
             usage(stderr);
             return 2;
@@ -995,6 +1157,10 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         return cmd_serve(&o, test_driver);
     if (strcmp(cmd, "keys") == 0)
         return cmd_keys(&o, argc - optind, argv + optind);
+    if (strcmp(cmd, "teams") == 0)
+        return cmd_teams(&o, argc - optind, argv + optind);
+    if (strcmp(cmd, "admin-key") == 0)
+        return cmd_admin_key(&o, argc - optind, argv + optind);
     if (strcmp(cmd, "template") == 0)
         return cmd_template(&o, argc - optind, argv + optind);
     usage(stderr);

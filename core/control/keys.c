@@ -4,6 +4,7 @@
 #include "core/control/keys.h"
 
 #include <sodium.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -75,15 +76,18 @@ int sp_keys_create(PGconn *c, const char *team, const char *name, char key[SP_KE
     return 0;
 }
 
-int sp_keys_list(PGconn *c, FILE *out, sp_err_t *err)
+int sp_keys_list(PGconn *c, const char *team, FILE *out, sp_err_t *err)
 {
+    const char *p[] = {team};
     PGresult *r = run(c,
                       "SELECT k.id, t.name, k.prefix, k.name,"
                       " to_char(k.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
                       " coalesce(to_char(k.revoked_at AT TIME ZONE 'UTC',"
                       " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), '-')"
-                      " FROM api_keys k JOIN teams t ON t.id = k.team_id ORDER BY k.created_at",
-                      0, NULL, err);
+                      " FROM api_keys k JOIN teams t ON t.id = k.team_id"
+                      " WHERE $1::text IS NULL OR t.name = $1 OR t.id = $1"
+                      " ORDER BY k.created_at, k.id",
+                      1, p, err);
     if (r == NULL)
         return -1;
     fprintf(out, "%-20s  %-16s  %-11s  %-20s  %-20s  %s\n", "ID", "TEAM", "PREFIX", "CREATED",
@@ -111,6 +115,89 @@ int sp_keys_revoke(PGconn *c, const char *id_or_prefix, sp_err_t *err)
     if (n == 0)
         return sp_err_set(err, SP_ENOTFOUND, "no active key matches");
     return 0;
+}
+
+int sp_keys_check_team_name(const char *name, sp_err_t *err)
+{
+    size_t n = name != NULL ? strlen(name) : 0;
+    bool ok = n >= 1 && n <= 64 && name[0] != '.' && name[0] != '-';
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
+             (name[i] >= '0' && name[i] <= '9') || strchr("._-", name[i]) != NULL;
+    if (!ok)
+        return sp_err_set(err, SP_EINVAL,
+                          "team name must be 1 to 64 of A-Z a-z 0-9 . _ - (not starting with . "
+                          "or -)");
+    return 0;
+}
+
+int sp_keys_team_create(PGconn *c, const char *name, char id[SP_ID_LEN + 1], sp_err_t *err)
+{
+    if (sp_keys_check_team_name(name, err) < 0)
+        return -1;
+    sp_ids_sandbox(id);
+    const char *p[] = {id, name};
+    PGresult *r = run(c,
+                      "INSERT INTO teams(id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING"
+                      " RETURNING id",
+                      2, p, err);
+    if (r == NULL)
+        return -1;
+    int made = PQntuples(r);
+    PQclear(r);
+    if (made != 1)
+        return sp_err_set(err, SP_ECONFLICT, "team %s exists", name);
+    return 0;
+}
+
+int sp_keys_team_list(PGconn *c, FILE *out, sp_err_t *err)
+{
+    PGresult *r = run(c,
+                      "SELECT t.id, t.name,"
+                      " to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+                      " (SELECT count(*) FROM api_keys k"
+                      "  WHERE k.team_id = t.id AND k.revoked_at IS NULL)"
+                      " FROM teams t ORDER BY t.created_at, t.name",
+                      0, NULL, err);
+    if (r == NULL)
+        return -1;
+    fprintf(out, "%-20s  %-24s  %-20s  %s\n", "ID", "NAME", "CREATED", "KEYS");
+    for (int i = 0; i < PQntuples(r); i++)
+        fprintf(out, "%-20s  %-24s  %-20s  %s\n", PQgetvalue(r, i, 0), PQgetvalue(r, i, 1),
+                PQgetvalue(r, i, 2), PQgetvalue(r, i, 3));
+    PQclear(r);
+    return 0;
+}
+
+int sp_keys_admin_create(PGconn *c, bool replace, char key[SP_KEY_LEN + 1], sp_err_t *err)
+{
+    unsigned char hk[SP_HASHKEY_LEN];
+    if (sp_keys_hash_key(c, hk, err) < 0)
+        return -1;
+    char fresh[SP_KEY_LEN + 1], hash[SP_KEYHASH_HEX + 1];
+    sp_ids_api_key(fresh);
+    sp_ids_key_hash(hk, fresh, hash);
+    sodium_memzero(hk, sizeof(hk));
+    const char *p[] = {hash};
+    /* Insert-if-missing: two servers starting together make one key, and only the one that
+     * made it learns (and writes out) the secret. */
+    PGresult *r = run(c,
+                      replace ? "INSERT INTO settings(name, value) VALUES ('admin_key_hash', $1)"
+                                " ON CONFLICT (name) DO UPDATE SET value = excluded.value"
+                                " RETURNING value"
+                              : "INSERT INTO settings(name, value) VALUES ('admin_key_hash', $1)"
+                                " ON CONFLICT (name) DO NOTHING RETURNING value",
+                      1, p, err);
+    if (r == NULL) {
+        sodium_memzero(fresh, sizeof(fresh));
+        return -1;
+    }
+    int made = PQntuples(r) == 1;
+    PQclear(r);
+    if (made)
+        memcpy(key, fresh, sizeof(fresh));
+    sodium_memzero(fresh, sizeof(fresh));
+    return made;
 }
 
 int sp_keys_team_count(PGconn *c, long *out, sp_err_t *err)

@@ -225,7 +225,7 @@ static void pc_close(struct pconn *pc, enum close_mode mode, const char *why)
     }
     if (pc->log) {
         if (pc->allowed && why != NULL && pc->reason[0] == '\0' && mode == CLOSE_ERROR)
-            snprintf(pc->reason, sizeof(pc->reason), "%s", why);
+            snprintf(pc->reason, sizeof(pc->reason), "%.*s", (int)sizeof(pc->reason) - 1, why);
         sp_egress__log(sb, pc->kind ? pc->kind : "http", pc->host, pc->port, pc->addr_text,
                        pc->allowed, pc->reason, pc->up_bytes, pc->down_bytes,
                        sp_loop_now_ms(eg->loop) - pc->t0);
@@ -263,14 +263,14 @@ static void pc_respond(struct pconn *pc, int status, const char *why)
     if (n > 0 && (size_t)n < sizeof(msg))
         pc_to_guest(pc, (const uint8_t *)msg, (size_t)n);
     if (pc->reason[0] == '\0')
-        snprintf(pc->reason, sizeof(pc->reason), "%s", why);
+        snprintf(pc->reason, sizeof(pc->reason), "%.*s", (int)sizeof(pc->reason) - 1, why);
     pc_close(pc, CLOSE_OK, NULL);
 }
 
 static void pc_deny(struct pconn *pc, const char *why)
 {
     pc->allowed = false;
-    snprintf(pc->reason, sizeof(pc->reason), "%s", why);
+    snprintf(pc->reason, sizeof(pc->reason), "%.*s", (int)sizeof(pc->reason) - 1, why);
     sp_log(SP_LOG_INFO, "egress", "denied sandbox=%s dest=%s:%u reason=%s", pc->sb->id, pc->host,
            (unsigned)pc->port, why);
     pc_respond(pc, 403, why);
@@ -910,7 +910,7 @@ static void pc_head(struct pconn *pc)
             pc->kind = "http";
         pc->log = true;
         pc->allowed = false;
-        snprintf(pc->reason, sizeof(pc->reason), "%s", why);
+        snprintf(pc->reason, sizeof(pc->reason), "%.*s", (int)sizeof(pc->reason) - 1, why);
         pc_respond(pc, status, why);
         return;
     }

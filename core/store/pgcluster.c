@@ -963,6 +963,40 @@ fail:
     return NULL;
 }
 
+int sp_pgcluster_attach(const char *data_dir, char *out, size_t cap, sp_err_t *err)
+{
+    char real[PATH_MAX], lock[PATH_MAX + 32];
+    if (data_dir == NULL || realpath(data_dir, real) == NULL)
+        return 0; /* no data directory yet: no cluster either */
+    if (check_path(real, err) != 0)
+        return -1;
+    snprintf(lock, sizeof(lock), "%s/pg/.spaced.lock", real);
+    /* Read-only and shared: probing must never keep a serving spaced from taking it. */
+    int fd = open(lock, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT)
+            return 0;
+        sp_log(SP_LOG_ERROR, "pgcluster", "lock open failed path=%s err=%s", lock, strerror(e));
+        return sp_err_set(err, e == EACCES ? SP_EFORBIDDEN : SP_EINTERNAL,
+                          "cannot read the embedded PostgreSQL's lock (another user's data "
+                          "directory?)");
+    }
+    int held = 0;
+    if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+        flock(fd, LOCK_UN);
+    else if (errno == EWOULDBLOCK)
+        held = 1;
+    close(fd);
+    if (!held)
+        return 0;
+    int n = snprintf(out, cap, "host='%s/pg/run' port=%d dbname=%s user=%s", real, PG_PORT, PG_DB,
+                     PG_USER);
+    if (n < 0 || (size_t)n >= cap)
+        return sp_err_set(err, SP_EINVAL, "data directory path too long");
+    return 1;
+}
+
 const char *sp_pgcluster_conninfo(const sp_pgcluster_t *c)
 {
     return c->conninfo;

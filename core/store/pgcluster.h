@@ -20,6 +20,8 @@
 #ifndef SP_PGCLUSTER_H
 #define SP_PGCLUSTER_H
 
+#include <stddef.h>
+
 #include "base/err.h"
 
 typedef struct sp_pgcluster sp_pgcluster_t;
@@ -38,6 +40,13 @@ int sp_pgcluster_available(void);
  * unusable data_dir. The returned handle is the caller's; free it with
  * sp_pgcluster_stop(). */
 sp_pgcluster_t *sp_pgcluster_start(const char *data_dir, sp_err_t *err);
+
+/* Management commands beside a running `spaced serve`: 1 when another process manages the
+ * cluster of data_dir (holds its lock), with that cluster's conninfo (as
+ * sp_pgcluster_conninfo) in out; 0 when nobody does (start it with sp_pgcluster_start);
+ * -1 when the lock cannot be read (e.g. another user's data directory). Starts and locks
+ * nothing, so a serve starting meanwhile still can. */
+int sp_pgcluster_attach(const char *data_dir, char *out, size_t cap, sp_err_t *err);
 
 /* libpq conninfo for database `space`, e.g.
  * "host='/var/lib/space/pg/run' port=5432 dbname=space user=postgres".

@@ -1,0 +1,135 @@
+/*
+ * route_admin.c - /v1/admin: teams and their API keys, for the operator's scripts.
+ *
+ * The routes authenticate with the admin key (core/control/admin.h; napi.c picks it by the
+ * route's flag), never a team's key, and the team routes never take the admin key. A new
+ * key's secret is in the create response only; listings show prefixes.
+ */
+#include <string.h>
+
+#include "core/control/admin.h"
+#include "native-api/napi_int.h"
+
+static json_t *team_json(const sp_admin_team_t *t)
+{
+    return json_pack("{s:s,s:s,s:s,s:I}", "id", t->id, "name", t->name, "created_at", t->created_at,
+                     "active_keys", (json_int_t)t->active_keys);
+}
+
+static json_t *key_json(const sp_admin_key_t *k)
+{
+    return json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:o}", "id", k->id, "team_id", k->team_id, "team",
+                     k->team, "prefix", k->prefix, "name", k->name, "created_at", k->created_at,
+                     "revoked_at", k->revoked_at[0] ? json_string(k->revoked_at) : json_null());
+}
+
+static void on_teams(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *items = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(items, team_json(&t[i]));
+    sp_napi__reply(c, 200, json_pack("{s:o}", "teams", items));
+}
+
+static void on_team_created(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 201, team_json(&t[0]));
+}
+
+static void on_keys(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,
+                    const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *items = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(items, key_json(&k[i]));
+    sp_napi__reply(c, 200, json_pack("{s:o}", "keys", items));
+}
+
+static void on_key_created(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,
+                           const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *o = key_json(&k[0]);
+    json_object_set_new(o, "key", json_string(secret)); /* shown this once */
+    sp_napi__reply(c, 201, o);
+}
+
+static void on_key_revoked(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,
+                           const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, key_json(&k[0]));
+}
+
+void sp_napi__admin_teams_list(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_admin_teams(c->n->admin, on_teams, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__admin_teams_create(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"name", NULL};
+    sp_err_t e;
+    json_t *name;
+    if (sp_napi__body_keys(c->body, allowed, true, &e) < 0 ||
+        (name = sp_napi__req_string(c->body, "name", &e)) == NULL) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    /* The name check reads a C string: one with a NUL inside would pass as its first part. */
+    if (strlen(json_string_value(name)) != json_string_length(name)) {
+        sp_err_set(&e, SP_EINVAL, "name may not contain NUL characters");
+        sp_napi__fail(c, &e);
+        return;
+    }
+    if (sp_admin_team_create(c->n->admin, json_string_value(name), on_team_created, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__admin_keys_list(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_admin_keys(c->n->admin, c->segs[3], on_keys, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__admin_keys_create(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"name", NULL};
+    sp_err_t e;
+    const char *name = NULL;
+    if (sp_napi__body_keys(c->body, allowed, false, &e) < 0 ||
+        sp_napi__opt_str(c->body, "name", SP_ADMIN_MAX_KEY_NAME, &name, &e) < 0 ||
+        sp_admin_key_create(c->n->admin, c->segs[3], name, on_key_created, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__admin_keys_revoke(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (sp_admin_key_revoke(c->n->admin, c->segs[3], c->segs[5], on_key_revoked, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
