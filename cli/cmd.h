@@ -1,7 +1,7 @@
 /*
  * cmd.h - what spacectl's commands share: their tables (one per command group, in
- * cli/cmd_<group>.c, read by cli/spacectl.c) and the helpers they print and fail with
- * (cli/cmd.c).
+ * cli/cmd_<group>.c), the dispatch by name that reads them (cli/dispatch.c) and the helpers
+ * they print and fail with (cli/cmd.c).
  *
  * Exit statuses: 0 done; 1 the operation failed (the server's message on stderr); 2 a usage
  * error, or something spacectl does not offer; exec and shell pass the command's own status
@@ -37,6 +37,21 @@ extern const spc_verb_t spc_template_verbs[];
 extern const spc_verb_t spc_secrets_verbs[];
 extern const spc_verb_t spc_egress_verbs[];
 extern const spc_verb_t spc_login_verbs[];
+
+typedef struct {
+    const char *name;    /* "sandbox" */
+    const char *summary; /* one line for spacectl --help */
+    const spc_verb_t *verbs;
+} spc_group_t;
+
+/* Every command group, in the order spacectl --help lists them. */
+extern const spc_group_t spc_groups[];
+extern const size_t spc_ngroups;
+
+/* Runs spacectl with argv[0..argc) (argv[0] is the program's name) and returns its exit
+ * status. Help goes to stdout (exit 0); usage errors to stderr (exit SPC_EXIT_USAGE). The
+ * program ignores SIGPIPE before calling it. */
+int spc_main(int argc, char **argv);
 
 /* "spacectl: <msg>" on stderr; returns SPC_EXIT_FAIL. */
 int spc_fail(const sp_err_t *e);

@@ -199,6 +199,13 @@ static const char *fs_path(sp_buf_t *q, const remote_t *r, const char *what, con
     return sp_buf_cstr(q);
 }
 
+/* err's message prefixed with the sandbox path it is about ("ID:PATH: ..."). Always -1. */
+static int at(sp_err_t *err, const remote_t *r, const char *path)
+{
+    sp_err_t e = *err;
+    return sp_err_set(err, e.code, "%s:%.100s: %s", r->id, path, e.msg);
+}
+
 /* The Entry of path, or NULL: *status 404 when it does not exist (or the sandbox does not). */
 static json_t *remote_stat(remote_t *r, const char *path, int *status, sp_err_t *err)
 {
@@ -284,8 +291,10 @@ static int put_file(remote_t *r, const item_t *it, prog_t *g, sp_err_t *err)
     close(fd);
     sp_buf_free(&q);
     int rc = resp == NULL ? -1 : 0;
-    if (resp != NULL && (spc_resp_status(resp) < 200 || spc_resp_status(resp) > 299))
-        rc = spc_api_error(&r->api, resp, err);
+    if (resp != NULL && (spc_resp_status(resp) < 200 || spc_resp_status(resp) > 299)) {
+        spc_api_error(&r->api, resp, err);
+        rc = at(err, r, it->dst);
+    }
     spc_resp_free(resp);
     /* The bytes of a file that changed size under us were counted as its stat said. */
     g->done += it->size - g->file_done;
@@ -302,7 +311,7 @@ static int mkdir_remote(remote_t *r, const item_t *it, sp_err_t *err)
                           spc_path(path, sizeof(path), "/v1/sandboxes/%s/files/mkdir", r->id),
                           body, NULL, NULL, err);
     json_decref(body);
-    return rc;
+    return rc < 0 ? at(err, r, it->dst) : 0;
 }
 
 static int upload(remote_t *r, const char *src, const char *dst, prog_t *g, sp_err_t *err)
@@ -318,7 +327,7 @@ static int upload(remote_t *r, const char *src, const char *dst, prog_t *g, sp_e
     json_t *ent = remote_stat(r, dst, &status, &e2);
     if (ent == NULL && status != 404) {
         *err = e2;
-        return -1;
+        return at(err, r, dst);
     }
     bool into = (ent != NULL && strcmp(kind_of(ent), "dir") == 0) || dst[strlen(dst) - 1] == '/';
     if (ent != NULL && !into && S_ISDIR(st.st_mode)) {
@@ -352,7 +361,7 @@ static int walk_remote(remote_t *r, plan_t *p, const char *src, const char *dst,
     int rc = spc_api_call(&r->api, "GET", fs_path(&q, r, "/list", src), NULL, &ans, NULL, err);
     sp_buf_free(&q);
     if (rc < 0)
-        return -1;
+        return at(err, r, src);
     if (json_is_true(json_object_get(ans, "truncated"))) {
         json_decref(ans);
         return sp_err_set(err, SP_ETOOBIG, "%.100s holds more entries than one listing gives",
@@ -406,7 +415,7 @@ static int get_file(remote_t *r, const item_t *it, prog_t *g, sp_err_t *err)
     if (spc_resp_status(resp) != 200) {
         spc_api_error(&r->api, resp, err);
         spc_resp_free(resp);
-        return -1;
+        return at(err, r, it->src);
     }
     char *tmp = malloc(strlen(it->dst) + 32);
     if (tmp == NULL) {
@@ -461,7 +470,7 @@ static int download(remote_t *r, const char *src, const char *dst, prog_t *g, sp
     int status;
     json_t *ent = remote_stat(r, src, &status, err);
     if (ent == NULL)
-        return -1;
+        return at(err, r, src);
     const char *kind = kind_of(ent);
     bool dir = strcmp(kind, "dir") == 0;
     if (!dir && strcmp(kind, "file") != 0) {
