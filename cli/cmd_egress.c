@@ -20,7 +20,8 @@ static const spc_cmd_t get_cmd = {"egress get", "ID", "Show a sandbox's outbound
                                   get_opts, "ID", 1, 1, false};
 
 static const spc_opt_t set_opts[] = {
-    {"json", 0, SPC_STR, "POLICY", "the whole policy as JSON: {\"internet\",\"allow\",\"deny\"}", 0, 0},
+    {"json", 0, SPC_STR, "POLICY", "the whole policy as JSON: {\"internet\",\"allow\",\"deny\"}",
+     0, 0},
     {"internet", 0, SPC_STR, "on|off", "public destinations allowed (on, the default) or only "
                                        "what --allow names (off)", 0, 0},
     {"allow", 'a', SPC_LIST, "RULE", "allow a host, *.domain, address or CIDR, optionally "

@@ -14,7 +14,8 @@
 #define WAIT_PARAM "wait=300"
 
 static const spc_opt_t create_opts[] = {
-    {"template", 't', SPC_STR, "T", "template name (default base; see spacectl template list)", 0, 0},
+    {"template", 't', SPC_STR, "T", "template name (default base; see spacectl template list)", 0,
+     0},
     {"cpu", 0, SPC_INT, "N", "vCPUs (1 to 8; default: the template's)", 1, 8},
     {"memory", 0, SPC_INT, "MB", "memory in MiB (128 to 16384; default: the template's)", 128,
      16384},

@@ -137,8 +137,9 @@ int spc_config_load(spc_config_t *c, spc_getenv_fn env, uid_t euid, sp_err_t *er
         c->key[0] = '\0';
         snprintf(c->looked, sizeof(c->looked),
                  "SPACE_API_KEY is not set, %s%s, and %s is not readable",
-                 c->config_path[0] ? c->config_path : "no config file (HOME is not set)",
-                 c->config_path[0] ? " has no key" : "", keyfile);
+                 c->config_path[0] ? "there is no key in " : "there is no config file (HOME "
+                                                             "is not set)",
+                 c->config_path, keyfile);
     }
     return 0;
 }
