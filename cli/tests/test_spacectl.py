@@ -467,8 +467,23 @@ class SpacectlTest(unittest.TestCase):
     # ---- last: delete ----
 
     def test_zz_delete(self):
-        r = self.ok("sandbox", "delete", self.sid, "--wait", timeout=300)
-        self.assertIn("delete", r.stdout)
+        # logs --follow prints the events so far, then waits; the sandbox's end ends it.
+        follow = subprocess.Popen([SPACECTL, "logs", "--follow", self.sid],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env=self.env(), text=True)
+        try:
+            self.assertEqual(follow.stdout.readline().split(), ["TIME", "KIND", "DETAIL"])
+            self.assertEqual(follow.stdout.readline().split()[2], "created")
+            self.assertIsNone(follow.poll())
+            r = self.ok("sandbox", "delete", self.sid, "--wait", timeout=300)
+            self.assertIn("delete", r.stdout)
+            _, err = follow.communicate(timeout=60 * MULT)
+        finally:
+            if follow.poll() is None:
+                follow.kill()
+                follow.wait()
+        self.assertEqual(follow.returncode, 0, err)
+        self.assertIn("sandbox %s is gone" % self.sid, err)
         r = self.ctl("sandbox", "get", self.sid)
         self.assertEqual(r.returncode, 1, r)
         self.assertIn(self.raw_error("GET", "/v1/sandboxes/%s" % self.sid), r.stderr)
