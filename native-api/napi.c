@@ -226,6 +226,8 @@ static const struct route routes[] = {
     {M_POST, {"v1", "sandboxes", "*", "pause", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
     {M_POST, {"v1", "sandboxes", "*", "suspend", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
     {M_POST, {"v1", "sandboxes", "*", "wake", NULL}, {NULL, sp_napi__sandboxes_request, NULL}, true},
+    {M_GET, {"v1", "sandboxes", "*", "events", NULL}, {sp_napi__sandboxes_events, NULL, NULL},
+     false},
     {M_GET, {"v1", "operations", "*", NULL}, {sp_napi__operations_get, NULL, NULL}, false},
     {M_GET | M_POST,
      {"v1", "sandboxes", "*", "commands", NULL},

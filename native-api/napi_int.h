@@ -152,6 +152,7 @@ void sp_napi__sandboxes_create(napi_ctx_t *c);
 void sp_napi__sandboxes_list(napi_ctx_t *c);
 void sp_napi__sandboxes_get(napi_ctx_t *c);
 void sp_napi__sandboxes_request(napi_ctx_t *c);
+void sp_napi__sandboxes_events(napi_ctx_t *c);
 void sp_napi__operations_get(napi_ctx_t *c);
 void sp_napi__commands_run(napi_ctx_t *c);
 void sp_napi__commands_list(napi_ctx_t *c);

@@ -1,5 +1,6 @@
 /*
- * route_sandboxes.c - /v1/templates, /v1/sandboxes and /v1/operations.
+ * route_sandboxes.c - /v1/templates, /v1/sandboxes (and a sandbox's lifecycle events) and
+ * /v1/operations.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -247,5 +248,60 @@ void sp_napi__sandboxes_request(napi_ctx_t *c)
         return;
     }
     if (sp_svc_request(c->n->svc, &c->auth, c->segs[2], r, on_requested, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* ---- lifecycle events: GET /v1/sandboxes/{id}/events ---- */
+
+#define EVENTS_DEFAULT_LIMIT 1000
+#define EVENTS_MAX_LIMIT     10000
+
+static void on_events(void *arg, const sp_event_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(
+            arr, json_pack("{s:I,s:s,s:I,s:s,s:o}", "id", (json_int_t)recs[i].id, "at",
+                           recs[i].at, "at_ms", (json_int_t)recs[i].at_ms, "kind", recs[i].kind,
+                           "detail", recs[i].detail[0] ? json_string(recs[i].detail) : json_null()));
+    sp_napi__reply(c, 200, json_pack("{s:o}", "events", arr));
+}
+
+/* A non-negative integer query parameter within [lo, hi]; *out keeps its default when absent. */
+static int query_range(h2o_req_t *req, const char *name, long long lo, long long hi,
+                       long long *out, sp_err_t *err)
+{
+    const char *v = sp_http_query(req, name);
+    if (v == NULL)
+        return 0;
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || x < lo || x > hi)
+        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %lld to %lld", name, lo, hi);
+    *out = x;
+    return 0;
+}
+
+/* Oldest first, from ?since (epoch milliseconds, inclusive). A follower asks again with the
+ * at_ms of the last event it saw and skips the ids it has: events of one millisecond may
+ * arrive in two answers. */
+void sp_napi__sandboxes_events(napi_ctx_t *c)
+{
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (req == NULL) { /* the client left while we authenticated */
+        sp_napi__take(c);
+        return;
+    }
+    sp_err_t e;
+    long long since = 0, limit = EVENTS_DEFAULT_LIMIT;
+    if (query_range(req, "since", 0, 1LL << 53, &since, &e) < 0 ||
+        query_range(req, "limit", 1, EVENTS_MAX_LIMIT, &limit, &e) < 0 ||
+        sp_svc_sandbox_events(c->n->svc, &c->auth, c->segs[2], since, (int)limit, on_events, c,
+                              &e) < 0)
         sp_napi__fail(c, &e);
 }

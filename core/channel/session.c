@@ -627,8 +627,13 @@ long sp_session_write(sp_session_att_t *a, const void *p, size_t n)
             k = SP_AP_MAX_DATA;
         if (k > credit)
             k = credit;
-        if (k == 0)
+        if (k == 0) {
+            /* Out of credit (or the channel's queue is full): on_writable says when to go on.
+             * Without it, stdin that all arrived before the agent's WINDOW would wait for a
+             * next message from the client that may never come. */
+            sp_agentstream_want_writable(a->ch.s);
             break;
+        }
         int rc = sp_agentstream_send(a->ch.s, SP_AP_T_DATA, (const uint8_t *)p + done, k);
         if (rc < 0)
             return -1;

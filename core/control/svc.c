@@ -1380,7 +1380,7 @@ int sp_svc_sandbox_events(sp_svc_t *svc, const sp_auth_t *a, const char *id, lon
     snprintf(lim, sizeof(lim), "%d", limit);
     const char *p[] = {id, a->team_id, since, lim};
     return submit(svc,
-                  "SELECT e.id, " TS("e.at") ", (extract(epoch FROM e.at) * 1000)::bigint,"
+                  "SELECT e.id, " TS("e.at") ", floor(extract(epoch FROM e.at) * 1000)::bigint,"
                   " e.kind, e.detail FROM sandboxes s LEFT JOIN LATERAL"
                   " (SELECT * FROM events ev WHERE ev.sandbox_id = s.id"
                   "   AND ev.at >= to_timestamp($3::bigint / 1000.0) ORDER BY ev.id LIMIT $4::int)"

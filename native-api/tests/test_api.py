@@ -198,6 +198,41 @@ class NativeApiTest(unittest.TestCase):
         st, body = self.req("GET", "/v1/sandboxes?state=deleted&metadata=" + q("run=" + tag))
         self.assertEqual(body["sandboxes"], [])
 
+    # ---- lifecycle events ----
+
+    def test_events_oldest_first_since_and_tenancy(self):
+        sid, _ = self.s.create()
+        base = "/v1/sandboxes/%s/events" % sid
+        st, r = self.req("POST", "/v1/sandboxes/%s/pause?wait=30" % sid)
+        self.assertEqual((st, r["sandbox"]["state"]), (200, "paused"), r)
+        st, body = self.req("GET", base)
+        self.assertEqual(st, 200, body)
+        ev = body["events"]
+        kinds = [e["kind"] for e in ev]
+        self.assertEqual(kinds[0], "created", kinds)
+        self.assertIn("requested", kinds)
+        self.assertIn("pause", [e["detail"] for e in ev if e["kind"] == "requested"])
+        self.assertEqual([e["id"] for e in ev], sorted(e["id"] for e in ev))
+        for e in ev:
+            self.assertEqual(set(e), {"id", "at", "at_ms", "kind", "detail"})
+        # since is inclusive, in epoch milliseconds; limit cuts from the oldest.
+        last = ev[-1]
+        st, body = self.req("GET", "%s?since=%d" % (base, last["at_ms"]))
+        self.assertIn(last["id"], [e["id"] for e in body["events"]])
+        self.assertTrue(all(e["at_ms"] >= last["at_ms"] for e in body["events"]), body)
+        st, body = self.req("GET", "%s?since=%d" % (base, last["at_ms"] + 3600 * 1000))
+        self.assertEqual((st, body["events"]), (200, []))
+        st, body = self.req("GET", base + "?limit=1")
+        self.assertEqual([e["id"] for e in body["events"]], [ev[0]["id"]])
+        for bad in ("since=-1", "since=x", "limit=0", "limit=10001", "since="):
+            self.assertError(self.req("GET", "%s?%s" % (base, bad)), 400, "invalid_argument")
+        # Another team's sandbox, a missing one and a deleted one are all 404.
+        self.assertError(self.req("GET", base, key=self.other_key), 404, "not_found")
+        self.assertError(self.req("GET", "/v1/sandboxes/nosuchsandbox/events"), 404)
+        st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=30" % sid)
+        self.assertEqual(st, 200, r)
+        self.assertError(self.req("GET", base), 404)
+
     # ---- tenancy ----
 
     def test_other_team_sees_404(self):

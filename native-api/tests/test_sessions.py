@@ -64,7 +64,9 @@ class WebSocket:
                 raise WsError("bad Sec-WebSocket-Accept")
         self.closed = False
 
-    def send_frame(self, opcode, payload):
+    @staticmethod
+    def frame(opcode, payload):
+        """One masked client frame, as bytes (send_frame sends it)."""
         mask = os.urandom(4)
         n = len(payload)
         head = bytes([0x80 | opcode])
@@ -75,7 +77,10 @@ class WebSocket:
         else:
             head += bytes([0x80 | 127]) + struct.pack("!Q", n)
         masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        self.sock.sendall(head + mask + masked)
+        return head + mask + masked
+
+    def send_frame(self, opcode, payload):
+        self.sock.sendall(self.frame(opcode, payload))
 
     def send_binary(self, data):
         self.send_frame(0x2, data)
@@ -349,6 +354,23 @@ class SessionsTest(unittest.TestCase):
         ws.close()
         self.assertEqual(events[-1]["exit_code"], 0, events)
         self.assertEqual(hashlib.sha256(out).hexdigest(), hashlib.sha256(data).hexdigest())
+
+    def test_ws_stdin_before_reading(self):
+        # All of stdin (more than one agent window) and its EOF arrive before the process took
+        # any: the agent's credit coming back must move the rest on its own, with no later
+        # client message to prompt it (spacectl exec < file sends everything at once).
+        # The frames are made first and written at once: made one by one (masking in Python
+        # is slow), they would trickle in and each would prompt the server anew.
+        sess = self.create({"cmd": "sha256sum"})
+        data = os.urandom(900 * 1024)
+        frames = [WebSocket.frame(0x2, data[i:i + 65536]) for i in range(0, len(data), 65536)]
+        frames.append(WebSocket.frame(0x1, b'{"type":"eof"}'))
+        ws = self.ws(sess)
+        ws.sock.sendall(b"".join(frames))
+        events, out, _ = ws.collect()
+        ws.close()
+        self.assertEqual(events[-1]["exit_code"], 0, events)
+        self.assertEqual(out.split()[0].decode(), hashlib.sha256(data).hexdigest())
 
     def test_reattach_replays(self):
         sess = self.create({"cmd": "i=0; while true; do echo tick$i; i=$((i+1)); sleep 0.1; done"})
