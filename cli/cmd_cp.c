@@ -28,7 +28,7 @@ static const spc_opt_t cp_opts[] = {
     {"user", 'u', SPC_STR, "U", "the guest user the sandbox side is read or written as "
                                 "(default root)", 0, 0},
     {"quiet", 'q', SPC_FLAG, NULL, "no progress bar", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t cp_cmd = {

@@ -13,7 +13,7 @@
 
 static const spc_opt_t get_opts[] = {
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t get_cmd = {"egress get", "ID", "Show a sandbox's outbound policy.", NULL,
@@ -27,7 +27,7 @@ static const spc_opt_t set_opts[] = {
     {"allow", 'a', SPC_LIST, "RULE", "allow a host, *.domain, address or CIDR, optionally "
                                      ":port (repeatable)", 0, 0},
     {"deny", 'd', SPC_LIST, "RULE", "deny one (repeatable; deny wins)", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t set_cmd = {

@@ -43,7 +43,7 @@ static const spc_opt_t exec_opts[] = {
     {"user", 'u', SPC_STR, "U", "run as this guest user (default root)", 0, 0},
     {"cwd", 'w', SPC_STR, "DIR", "working directory (default: the user's home)", 0, 0},
     {"env", 'e', SPC_LIST, "K=V", "an environment variable (repeatable)", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t exec_cmd = {
@@ -58,7 +58,7 @@ static const spc_cmd_t exec_cmd = {
 
 static const spc_opt_t shell_opts[] = {
     {"user", 'u', SPC_STR, "U", "log in as this guest user (default root)", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t shell_cmd = {

@@ -15,7 +15,7 @@
 static const spc_opt_t login_opts[] = {
     {"url", 0, SPC_STR, "URL", "the server (default: the one spacectl uses now)", 0, 0},
     {"key", 0, SPC_STR, "KEY", "the API key (default: read from stdin, without echo)", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t login_cmd = {

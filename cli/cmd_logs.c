@@ -17,7 +17,7 @@
 static const spc_opt_t logs_opts[] = {
     {"follow", 'f', SPC_FLAG, NULL, "keep printing new events until the sandbox is deleted", 0, 0},
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON (with --follow: one event per line)", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t logs_cmd = {

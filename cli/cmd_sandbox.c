@@ -24,7 +24,7 @@ static const spc_opt_t create_opts[] = {
     {"wait", 'w', SPC_FLAG, NULL, "wait until it runs, then print it", 0, 0},
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
     {"quiet", 'q', SPC_FLAG, NULL, "print only the sandbox's ID", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t create_cmd = {
@@ -41,7 +41,7 @@ static const spc_opt_t list_opts[] = {
     {"metadata", 'm', SPC_LIST, "K=V", "only sandboxes with this metadata (repeatable: all)", 0, 0},
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
     {"quiet", 'q', SPC_FLAG, NULL, "print only the IDs", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t list_cmd = {
@@ -52,7 +52,7 @@ static const spc_cmd_t list_cmd = {
 
 static const spc_opt_t get_opts[] = {
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t get_cmd = {"sandbox get", "ID", "Show one sandbox.", NULL, get_opts,
@@ -61,7 +61,7 @@ static const spc_cmd_t get_cmd = {"sandbox get", "ID", "Show one sandbox.", NULL
 static const spc_opt_t life_opts[] = {
     {"wait", 'w', SPC_FLAG, NULL, "wait for the operation and print the result", 0, 0},
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 #define LIFE_ABOUT                                                                                 \

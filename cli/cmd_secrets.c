@@ -20,7 +20,7 @@
 static const spc_opt_t set_opts[] = {
     {"value", 0, SPC_STR, "V", "the value (default: read from stdin)", 0, 0},
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t set_cmd = {
@@ -32,7 +32,7 @@ static const spc_cmd_t set_cmd = {
 
 static const spc_opt_t list_opts[] = {
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t list_cmd = {"secrets list", NULL,
@@ -40,7 +40,7 @@ static const spc_cmd_t list_cmd = {"secrets list", NULL,
                                    NULL, list_opts, NULL, 0, 0, false};
 
 static const spc_opt_t delete_opts[] = {
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t delete_cmd = {

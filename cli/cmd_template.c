@@ -10,7 +10,7 @@
 
 static const spc_opt_t list_opts[] = {
     {"json", 0, SPC_FLAG, NULL, "print the API's JSON", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t list_cmd = {"template list", NULL,
@@ -18,7 +18,7 @@ static const spc_cmd_t list_cmd = {"template list", NULL,
                                    list_opts, NULL, 0, 0, false};
 
 static const spc_opt_t build_opts[] = {
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t build_cmd = {

@@ -26,7 +26,7 @@ static const spc_opt_t t_opts[] = {
     {"name", 'n', SPC_STR, "N", "a name", 0, 0},
     {"cpu", 0, SPC_INT, "N", "cpus", 1, 8},
     {"env", 'e', SPC_LIST, "K=V", "env", 0, 0},
-    {NULL},
+    {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 static const spc_cmd_t t_cmd = {"t", "ID", "test", NULL, t_opts, "ID", 1, 1, false};
 static const spc_cmd_t t_prog = {"p", "ID -- CMD", "test", NULL, t_opts, "ID", 1, 1, true};
