@@ -125,13 +125,22 @@ asyncio.run(main())
 """
 
 # CONNECT then TLS with a chosen server name; prints the HTTP status line or the error.
-# A keep-alive connection through the guest's proxy: one answered request, then a wait for
-# what comes next (EOF when spaced closes it).
+# A long-lived connection through the guest's proxy: a CONNECT tunnel (plain HTTP inside, so
+# it is relayed), one answered request, then a wait for what comes next (EOF when spaced
+# closes it).
 KEEPALIVE = r"""
 import socket, sys
 P = int(sys.argv[1])
 s = socket.create_connection(("127.0.0.1", 3128), timeout=60)
-s.sendall(b"GET http://127.0.0.1:%d/first HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (P, P))
+s.sendall(b"CONNECT 127.0.0.1:%d HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (P, P))
+buf = b""
+while b"\r\n\r\n" not in buf:
+    d = s.recv(4096)
+    if not d:
+        break
+    buf += d
+print("connect", buf.split(b"\r\n")[0].decode(), flush=True)
+s.sendall(b"GET /first HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % P)
 buf = b""
 while b"hello /first" not in buf:
     d = s.recv(4096)
@@ -485,8 +494,9 @@ class EgressTest(unittest.TestCase):
         t.join(120 * MULT)
         self.assertFalse(t.is_alive())
         lines = out["r"]["stdout"].splitlines()
-        self.assertEqual(lines[0], "first True", out)
-        self.assertTrue(lines[1].startswith("after closed"), out)  # not a 60 s timeout
+        self.assertEqual(lines[:2], ["connect HTTP/1.1 200 Connection established",
+                                     "first True"], out)
+        self.assertTrue(lines[2].startswith("after closed"), out)  # not a 60 s timeout
         rows = self.audit_until(sid, lambda rows: any(
             "policy changed" in (e["reason"] or "") for e in rows))
         self.assertTrue(any("policy changed: denied by rule '127.0.0.0/8'" == e["reason"]
