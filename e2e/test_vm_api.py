@@ -64,6 +64,13 @@ class VmApiTest(unittest.TestCase):
         self.addCleanup(self.s.delete_quietly, sid)
         return sid
 
+    def total(self, family):
+        """The sum of a metric family's samples (all label sets), from /metrics."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.mport, timeout=30) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(family + "{") or line.startswith(family + " "))
+
     def ops(self):
         """space_lifecycle_operations_total{op=...,outcome="success"} by op, from /metrics."""
         with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.mport, timeout=30) as r:
@@ -192,7 +199,12 @@ class VmApiTest(unittest.TestCase):
 
     def test_pause_suspend_cycles_keep_files_and_processes(self):
         before = self.ops()
+        spares0 = self.total("space_spare_pool_requests_total")
+        connects0 = self.total("space_agent_channel_connects_total")
         sid = self.create()
+        # the create asked the spare pool (a hit or a miss) and its agent channel came up
+        self.assertGreater(self.total("space_spare_pool_requests_total"), spares0)
+        self.assertGreater(self.total("space_agent_channel_connects_total"), connects0)
         self.run_cmd(sid, {"cmd": "echo keep > /home/user/kept.txt"})
         r = self.run_cmd(sid, {"cmd": "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
                                       "sleep 0.1; done", "background": True})
