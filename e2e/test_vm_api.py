@@ -200,11 +200,11 @@ class VmApiTest(unittest.TestCase):
     def test_pause_suspend_cycles_keep_files_and_processes(self):
         before = self.ops()
         spares0 = self.total("space_spare_pool_requests_total")
-        connects0 = self.total("space_agent_channel_connects_total")
         sid = self.create()
-        # the create asked the spare pool (a hit or a miss) and its agent channel came up
+        # the create asked the spare pool (a hit or a miss); agent channels came up (a spare's
+        # comes up when the spare is made, so not necessarily at this create)
         self.assertGreater(self.total("space_spare_pool_requests_total"), spares0)
-        self.assertGreater(self.total("space_agent_channel_connects_total"), connects0)
+        self.assertGreater(self.total("space_agent_channel_connects_total"), 0)
         self.run_cmd(sid, {"cmd": "echo keep > /home/user/kept.txt"})
         r = self.run_cmd(sid, {"cmd": "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; "
                                       "sleep 0.1; done", "background": True})
