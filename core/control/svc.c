@@ -71,14 +71,6 @@ struct sp_svc {
     void *egress_hook_arg;
 };
 
-/* One in-flight statement's context. */
-struct call {
-    sp_svc_t *svc;
-    void *cb;
-    void *arg;
-    int kind;
-    struct waiter *w;
-};
 
 /* src into dst, truncated to cap - 1 bytes (a row's 22 columns per sandbox: no printf). */
 static void copy(char *dst, size_t cap, const char *src)
@@ -88,18 +80,11 @@ static void copy(char *dst, size_t cap, const char *src)
     dst[n] = '\0';
 }
 
-/* Queues sql with a call record; done gets the record (struct call *) and the answer. */
-static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p, sp_store_rec_cb done,
-                  void *cb, void *arg, int kind, sp_err_t *err)
+/* Queues sql; done gets an sp_store_req_t, owner svc (flag: the caller's kind or limit). */
+static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
+                  sp_store_rec_cb done, void *cb, void *arg, int kind, sp_err_t *err)
 {
-    struct call *c = sp_store_call(svc->store, sql, n, p, sizeof(*c), done, err);
-    if (c == NULL)
-        return -1;
-    c->svc = svc;
-    c->cb = cb;
-    c->arg = arg;
-    c->kind = kind;
-    return 0;
+    return sp_store_submit(svc->store, sql, n, p, done, svc, cb, arg, kind, err);
 }
 
 /* ---- row parsing ---- */
@@ -182,7 +167,7 @@ static void auth_hit_fire(void *p)
 
 static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_auth_cb cb = (sp_svc_auth_cb)c->cb;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(res, err, SP_EAUTH, "invalid or revoked API key", &e);
@@ -194,10 +179,10 @@ static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
     copy(a.team_id, sizeof(a.team_id), PQgetvalue(res, 0, 0));
     copy(a.key_id, sizeof(a.key_id), PQgetvalue(res, 0, 1));
     const char *hash = PQgetvalue(res, 0, 2);
-    struct auth_entry *slot = auth_slot(c->svc, hash);
+    struct auth_entry *slot = auth_slot(c->owner, hash);
     copy(slot->hash, sizeof(slot->hash), hash);
     slot->auth = a;
-    slot->expires_ms = sp_loop_now_ms(c->svc->loop) + AUTH_TTL_MS;
+    slot->expires_ms = sp_loop_now_ms(((sp_svc_t *)c->owner)->loop) + AUTH_TTL_MS;
     cb(c->arg, &a, NULL);
 }
 
@@ -232,14 +217,14 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
 
 static void templates_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_templates_cb cb = (sp_svc_templates_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
         return;
     }
     int n = PQntuples(res);
-    if (c->kind == 1 && n == 0) {
+    if (c->flag == 1 && n == 0) {
         sp_err_t e;
         sp_err_set(&e, SP_ENOTFOUND, "template not found");
         cb(c->arg, NULL, 0, &e);
@@ -305,11 +290,11 @@ int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err)
 
 static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(
-        res, err, SP_ENOTFOUND, c->kind == 1 ? "template not found" : "sandbox not found", &e);
+        res, err, SP_ENOTFOUND, c->flag == 1 ? "template not found" : "sandbox not found", &e);
     if (fail != NULL) {
         cb(c->arg, NULL, NULL, fail);
         return;
@@ -570,14 +555,14 @@ int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
 
 static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_list_cb cb = (sp_svc_list_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, NULL, err);
         return;
     }
     int n = PQntuples(res);
-    int limit = c->kind;
+    int limit = c->flag;
     bool more = n > limit;
     if (more)
         n = limit;
@@ -721,7 +706,7 @@ static void req_fail(struct req_ctx *rc, const sp_err_t *err)
 
 static void req_written(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     struct req_ctx *rc = c->arg;
     if (err != NULL) {
         req_fail(rc, err);
@@ -746,7 +731,7 @@ static void req_written(void *rec, PGresult *res, const sp_err_t *err)
 
 static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     struct req_ctx *rc = c->arg;
     sp_err_t e;
     sp_desired_t d, nd;
@@ -870,8 +855,8 @@ static void waiter_check(struct waiter *w);
 
 static void waiter_checked(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
-    struct waiter *w = c->w;
+    sp_store_req_t *c = rec;
+    struct waiter *w = c->arg;
     w->checking = false;
     bool again = w->recheck;
     w->recheck = false;
@@ -896,13 +881,9 @@ static void waiter_checked(void *rec, PGresult *res, const sp_err_t *err)
 static int waiter_query(struct waiter *w, sp_err_t *err)
 {
     const char *p[] = {w->op_id, w->team_id};
-    struct call *c = sp_store_call(
-        w->svc->store, "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2",
-        2, p, sizeof(*c), waiter_checked, err);
-    if (c == NULL)
+    if (submit(w->svc, "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2",
+               2, p, waiter_checked, NULL, w, 0, err) < 0)
         return -1;
-    c->svc = w->svc;
-    c->w = w;
     w->checking = true;
     return 0;
 }
@@ -1027,7 +1008,7 @@ static void agent_up(void *p, const sp_err_t *err)
 
 static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_agent_cb cb = (sp_svc_agent_cb)c->cb;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
@@ -1046,8 +1027,9 @@ static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
         return;
     }
     sp_agentconn_t *conn = NULL;
-    if (c->svc->driver != NULL && c->svc->driver->ops->agent != NULL)
-        conn = c->svc->driver->ops->agent(c->svc->driver, id);
+    sp_svc_t *svc = c->owner;
+    if (svc->driver != NULL && svc->driver->ops->agent != NULL)
+        conn = svc->driver->ops->agent(svc->driver, id);
     if (conn == NULL) {
         sp_err_set(&e, SP_EUNAVAIL, "sandbox VM is not reachable");
         cb(c->arg, NULL, &e);
@@ -1056,7 +1038,7 @@ static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
     /* Fire and forget: the reply does not wait for this write. At most one per second per
      * sandbox actually changes the row. */
     const char *p[] = {id};
-    if (submit(c->svc,
+    if (submit(c->owner,
                "UPDATE sandboxes SET last_activity_at = now() WHERE id = $1"
                " AND last_activity_at < now() - interval '1 second'",
                1, p, touched, NULL, NULL, 0, &e) < 0)
@@ -1091,7 +1073,7 @@ int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_s
 
 static void health_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     ((sp_svc_done_cb)c->cb)(c->arg, err);
 }
 
@@ -1331,7 +1313,7 @@ size_t sp_svc_vm_samples(sp_svc_t *svc, const char *id, int64_t start_s, int64_t
 
 static void events_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_events_cb cb = (sp_svc_events_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
@@ -1422,7 +1404,7 @@ static json_t *policy_of_row(PGresult *res, int row, int col)
 
 static void policy_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_policy_cb cb = (sp_svc_policy_cb)c->cb;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "sandbox not found", &e);
@@ -1438,8 +1420,9 @@ static void policy_done(void *rec, PGresult *res, const sp_err_t *err)
         cb(c->arg, NULL, &e);
         return;
     }
-    if (c->kind == 1 && c->svc->egress_hook != NULL)
-        c->svc->egress_hook(c->svc->egress_hook_arg, PQgetvalue(res, 0, 0), j);
+    sp_svc_t *svc = c->owner;
+    if (c->flag == 1 && svc->egress_hook != NULL)
+        svc->egress_hook(svc->egress_hook_arg, PQgetvalue(res, 0, 0), j);
     cb(c->arg, j, NULL);
     json_decref(j);
 }
@@ -1488,7 +1471,7 @@ int sp_svc_set_egress_policy(sp_svc_t *svc, const sp_auth_t *a, const char *id,
 
 static void egress_log_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_svc_egress_log_cb cb = (sp_svc_egress_log_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {
@@ -1508,7 +1491,7 @@ static void egress_log_done(void *rec, PGresult *res, const sp_err_t *err)
         return;
     }
     size_t n = 0;
-    int limit = c->kind;
+    int limit = c->flag;
     bool more = false;
     for (int i = 0; i < rows; i++) {
         if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (more) rows */

@@ -537,25 +537,11 @@ fail:
 
 /* ---- store calls ---- */
 
-struct call {
-    sp_secrets_t *s;
-    void *cb;
-    void *arg;
-    bool replace;
-};
-
-/* Queues sql with a call record; done gets the record (struct call *) and the answer. */
-static int submit(sp_secrets_t *s, const char *sql, int n, const char *const *p, sp_store_rec_cb done,
-                  void *cb, void *arg, bool replace, sp_err_t *err)
+/* Queues sql; done gets an sp_store_req_t (flag: the statement replaces a secret). */
+static int submit(sp_secrets_t *s, const char *sql, int n, const char *const *p,
+                  sp_store_rec_cb done, void *cb, void *arg, bool replace, sp_err_t *err)
 {
-    struct call *c = sp_store_call(s->store, sql, n, p, sizeof(*c), done, err);
-    if (c == NULL)
-        return -1;
-    c->s = s;
-    c->cb = cb;
-    c->arg = arg;
-    c->replace = replace;
-    return 0;
+    return sp_store_submit(s->store, sql, n, p, done, s, cb, arg, replace, err);
 }
 
 static void copy(char *dst, size_t cap, const char *src)
@@ -565,11 +551,11 @@ static void copy(char *dst, size_t cap, const char *src)
 
 static void rec_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_secrets_rec_cb cb = (sp_secrets_rec_cb)c->cb;
     sp_err_t e;
     const sp_err_t *fail =
-        c->replace ? sp_store_one_row(res, err, SP_ENOTFOUND, "secret not found", &e)
+        c->flag ? sp_store_one_row(res, err, SP_ENOTFOUND, "secret not found", &e)
                    : sp_store_one_row(res, err, SP_ECONFLICT,
                                       "a secret with this name exists (PUT replaces it)", &e);
     if (fail != NULL) {
@@ -621,7 +607,7 @@ int sp_secrets_put(sp_secrets_t *s, const char *team_id, const char *name, const
 
 static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_secrets_list_cb cb = (sp_secrets_list_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, NULL, 0, err);
@@ -658,7 +644,7 @@ int sp_secrets_list(sp_secrets_t *s, const char *team_id, sp_secrets_list_cb cb,
 
 static void delete_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_secrets_done_cb cb = (sp_secrets_done_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, err);
@@ -690,7 +676,7 @@ int sp_secrets_delete(sp_secrets_t *s, const char *team_id, const char *name, sp
 
 static void missing_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_secrets_done_cb cb = (sp_secrets_done_cb)c->cb;
     if (err != NULL) {
         cb(c->arg, err);
@@ -726,7 +712,7 @@ int sp_secrets_check_rule_secrets(sp_secrets_t *s, const char *team_id, const js
 
 static void rules_done(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct call *c = rec;
+    sp_store_req_t *c = rec;
     sp_secrets_rules_cb cb = (sp_secrets_rules_cb)c->cb;
     sp_err_t e;
     if (err != NULL) {

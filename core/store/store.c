@@ -666,3 +666,14 @@ int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, v
         send_listens(l); /* re-LISTENs all; harmless */
     return 0;
 }
+
+int sp_store_submit(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                    sp_store_rec_cb done, void *owner, void *cb, void *arg, int flag,
+                    sp_err_t *err)
+{
+    sp_store_req_t *r = sp_store_call(s, sql, nparams, params, sizeof(*r), done, err);
+    if (r == NULL)
+        return -1;
+    *r = (sp_store_req_t){owner, cb, arg, flag};
+    return 0;
+}

@@ -55,6 +55,20 @@ typedef void (*sp_store_rec_cb)(void *rec, PGresult *res, const sp_err_t *err);
 void *sp_store_call(sp_store_t *s, const char *sql, int nparams, const char *const *params,
                     size_t size, sp_store_rec_cb done, sp_err_t *err);
 
+/* The record most callers keep per statement: who asked, the callback that answers them (cast
+ * back by done) and its argument, and one int of the caller's (a kind, a limit). */
+typedef struct {
+    void *owner;
+    void *cb;
+    void *arg;
+    int flag;
+} sp_store_req_t;
+
+/* sp_store_call with an sp_store_req_t filled from the arguments; done gets it as rec. */
+int sp_store_submit(sp_store_t *s, const char *sql, int nparams, const char *const *params,
+                    sp_store_rec_cb done, void *owner, void *cb, void *arg, int flag,
+                    sp_err_t *err);
+
 /* What a read of one row tells its caller: the query's own error, else code/msg (set in *buf)
  * when res does not hold exactly one row, else NULL (the row is there). */
 const sp_err_t *sp_store_one_row(const PGresult *res, const sp_err_t *err, sp_code_t code,
