@@ -12,6 +12,8 @@
  *   tsnap.c     template snapshots: keys, builders, warmup, commit, collection
  *   pool.c      spare clones
  *   util.c      small helpers: files, child processes, cgroups, console log
+ *   confine.c   the jail each QEMU runs in (core/runtime/jail.h), its uid, the refusals
+ *               without seccomp or cgroups
  *
  * Everything runs on the driver's loop but the jobs of sums.c. For core/runtime/qemu/ only.
  */
@@ -26,6 +28,7 @@
 #include "core/channel/agentconn.h"
 #include "core/channel/exec.h"
 #include "core/runtime/cgroup.h"
+#include "core/runtime/jail.h"
 #include "core/runtime/migdelta.h"
 #include "core/runtime/qemu.h"
 #include "core/runtime/qmp.h"
@@ -235,6 +238,7 @@ struct vm {
     int verify_errno;        /* a mismatch) */
     /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
     bool cg;
+    uid_t jail_uid; /* its QEMU's uid and gid (confine.c); 0: none held */
     /* template snapshots */
     struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
     struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
@@ -302,6 +306,14 @@ struct sp_qemu {
     sp_timer_t pool_timer;
     struct poolwant *wants;
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+    /* confinement (confine.c) */
+    bool jail;                  /* QEMUs are jailed (root, not --no-jail) */
+    sp_jail_ids_t *jail_ids;    /* their uids */
+    char jail_stage[PATH_MAX];  /* <data>/jail: where each jail's tmpfs is mounted, in its
+                                 * own mount namespace */
+    bool allow_no_seccomp;      /* --insecure-no-seccomp */
+    bool allow_no_cgroups;      /* --insecure-no-cgroups */
+    struct ramfd *ramfds;       /* template RAM files as sealed memfds */
 };
 
 /* How sp_qemu__spawn starts a child. */
@@ -397,6 +409,17 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
 void sp_qemu__pool_warm(struct vm *vm);
 struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);
 int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
+
+/* ---- confine.c: the jail ---- */
+
+int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err);
+void sp_qemu__confine_free(sp_qemu_t *d);
+const char *sp_qemu__confine_refusal(const sp_qemu_t *d, bool have_cgroup);
+size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n);
+pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                             const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err);
+void sp_qemu__confine_adopted(struct vm *vm);
+void sp_qemu__confine_release(struct vm *vm);
 
 /* ---- util.c: helpers ---- */
 
