@@ -133,7 +133,8 @@ class PgCluster:
 class Spaced:
     """One spaced process; stdout/stderr go to a log file in its data dir."""
 
-    def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None):
+    def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None,
+                 args=()):
         self.binary = binary or os.environ.get("SPACED_TEST") or os.environ["SPACED"]
         self.owns_data = data_dir is None  # a shared data dir (templates) is never removed
         self.data_dir = data_dir or tmpdir("sp-data-")
@@ -141,6 +142,7 @@ class Spaced:
         self.runtime = runtime
         self.port = free_port()
         self.env = dict(os.environ, **(env or {}))
+        self.args = list(args)  # more `serve` options (e.g. --no-jail)
         self.proc = None
         self.key = None
 
@@ -160,6 +162,7 @@ class Spaced:
             argv += ["--database-url", self.database_url]
         if self.runtime:
             argv += ["--runtime", self.runtime]
+        argv += self.args
         self.log_path = os.path.join(self.data_dir, "spaced-%d.log" % int(time.time() * 1000))
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)

@@ -172,6 +172,8 @@ struct sp_jail {
     gid_t gid;
     int last_cap;
     uint64_t fsize;
+    int pass[SP_JAIL_PASS_MAX]; /* fds the child gets as 3, 4, ... */
+    int npass;
     struct op *ops;
     size_t n, cap;
     char **bound_dirs; /* paths (inside) bound as directories: nothing is made under them */
@@ -226,6 +228,16 @@ void sp_jail_free(sp_jail_t *j)
     free(j->bound_dirs);
     free(j->ops);
     free(j);
+}
+
+int sp_jail_pass_fd(sp_jail_t *j, int fd)
+{
+    if (j->npass == SP_JAIL_PASS_MAX || fd < 0) {
+        errno = fd < 0 ? EINVAL : E2BIG;
+        return -1;
+    }
+    j->pass[j->npass++] = fd;
+    return 2 + j->npass;
 }
 
 void sp_jail_set_fsize(sp_jail_t *j, uint64_t bytes)
@@ -514,18 +526,34 @@ static __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const 
         syscall(SYS_rt_sigaction, s, &dfl, NULL, 8); /* fails harmlessly for KILL/STOP */
     unsigned long none = 0;
     syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, 8);
-    /* stdio, the report pipe as fd 3 (close-on-exec), nothing else */
-    int r3 = rep;
-    if (rep < 3) {
-        r3 = fcntl(rep, F_DUPFD_CLOEXEC, 10);
-        if (r3 < 0)
+    /* stdio, the passed fds as 3, 4, ..., the report pipe after them (close-on-exec),
+     * nothing else. Everything first moves above where it goes, so no dup2 clobbers a
+     * source. */
+    int hi = 3 + SP_JAIL_PASS_MAX + 8;
+    int tmp[SP_JAIL_PASS_MAX + 3];
+    int src[SP_JAIL_PASS_MAX + 3];
+    int ns = 0;
+    src[ns++] = in_fd;
+    src[ns++] = out_fd;
+    for (int i = 0; i < j->npass; i++)
+        src[ns++] = j->pass[i];
+    src[ns++] = rep;
+    for (int i = 0; i < ns; i++) {
+        tmp[i] = fcntl(src[i], F_DUPFD_CLOEXEC, hi);
+        if (tmp[i] < 0)
             child_fail(rep, ST_STDIO);
     }
-    if (dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(out_fd, 2) < 0 ||
-        dup3(r3, 3, O_CLOEXEC) < 0)
-        child_fail(r3, ST_STDIO);
-    rep = 3;
-    close_range(4, ~0u, 0);
+    rep = tmp[ns - 1];
+    int rfd = 3 + j->npass;
+    if (dup2(tmp[0], 0) < 0 || dup2(tmp[1], 1) < 0 || dup2(tmp[1], 2) < 0)
+        child_fail(rep, ST_STDIO);
+    for (int i = 0; i < j->npass; i++)
+        if (dup2(tmp[2 + i], 3 + i) < 0)
+            child_fail(rep, ST_STDIO);
+    if (dup3(rep, rfd, O_CLOEXEC) < 0)
+        child_fail(rep, ST_STDIO);
+    rep = rfd;
+    close_range((unsigned)rfd + 1, ~0u, 0);
     for (int c = 0; c <= j->last_cap; c++)
         if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
             child_fail(rep, ST_CAPBSET);

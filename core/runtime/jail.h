@@ -85,12 +85,17 @@ int sp_jail_bind_fd(sp_jail_t *j, int fd, const char *path);
 /* Makes the symlinks the host has at /lib, /lib64, ... (merged /usr) inside as well, for each
  * name in names that is a symlink on the host; a directory there is bound read-only. */
 int sp_jail_mirror_root_links(sp_jail_t *j, const char *const *names, size_t n);
+/* Passes fd (which must stay open until sp_jail_spawn returns) to the process: it gets it
+ * as the returned number (3, 4, ... in the order of the calls), not close-on-exec. -1 with
+ * errno E2BIG past SP_JAIL_PASS_MAX. */
+#define SP_JAIL_PASS_MAX 4
+int sp_jail_pass_fd(sp_jail_t *j, int fd);
 /* RLIMIT_FSIZE for the process: the largest file it may write (0: unlimited). */
 void sp_jail_set_fsize(sp_jail_t *j, uint64_t bytes);
 
 /* Starts argv[0] (an absolute path inside the jail, bound by the caller) with env (NULL:
  * empty), stdin/stdout/stderr from the given fds, in the cgroups of cg (NULL: none) and a
- * new session. Blocks until the child exec'd or failed (a few ms). Returns the child's pid
+ * new session; the fds of sp_jail_pass_fd follow stdio, nothing else is open. Blocks until the child exec'd or failed (a few ms). Returns the child's pid
  * as the caller sees it and a pidfd (close-on-exec) in *pidfd; -1 with why filled (the
  * failing step and errno) and errno set. */
 pid_t sp_jail_spawn(const sp_jail_t *j, char *const argv[], char *const env[], int in_fd,

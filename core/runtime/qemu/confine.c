@@ -13,6 +13,10 @@
  * opens it read-write and maps it private, and no process can change it. Kept until the
  * driver goes (a few hundred MB per template size in use, like the page cache it replaces).
  *
+ * The VM's directory stays spaced's (prepare_vm_dir): QEMU gets its writable files made for
+ * it and its QMP and agent sockets as listening fds spaced bound (the command line says fd=
+ * instead of path=), so nothing there is QEMU's to replace or link.
+ *
  * Does not build QEMU's command line (boot.c) nor decide the cgroup limits (util.c).
  */
 #include "core/runtime/qemu/qemu_int.h"
@@ -24,8 +28,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/log.h"
@@ -257,33 +264,96 @@ static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
     return 0;
 }
 
-/* The files QEMU opens read-write in its directory (or creates there) become its uid's. */
-static void own_vm_files(const struct vm *vm)
+/* The VM directory stays spaced's (0711: QEMU may only walk it), so that QEMU can neither
+ * replace what spaced reads or writes there (vm.json, qemu.pid, snapshot/, the sockets it
+ * connects to) nor plant links for spaced to follow. The files QEMU opens read-write are
+ * made beforehand and become its uid's: the disk overlay, the console log and, for a VM with
+ * RAM of its own, an empty mem.ram (QEMU sizes an empty file). 0 or -1 with errno. */
+static int prepare_vm_dir(const struct vm *vm)
 {
-    static const char *const names[] = {"disk.qcow2", "mem.ram", "console.log"};
+    uid_t u = vm->jail_uid;
+    if (chown(vm->dir, geteuid(), getegid()) < 0 || chmod(vm->dir, 0711) < 0)
+        return -1;
+    static const char *const names[] = {"disk.qcow2", "console.log", "mem.ram"};
     char p[PATH_MAX + 16];
-    if (chown(vm->dir, vm->jail_uid, vm->jail_uid) < 0)
-        sp_log(SP_LOG_WARN, "qemu", "chown dir sandbox=%s err=%s", vm->id, strerror(errno));
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        bool create = i == 1 || (i == 2 && vm->clone_src == NULL);
         sp_qemu__vm_path(vm, names[i], p, sizeof p);
-        if (chown(p, vm->jail_uid, vm->jail_uid) < 0 && errno != ENOENT)
-            sp_log(SP_LOG_WARN, "qemu", "chown sandbox=%s file=%s err=%s", vm->id, names[i],
-                   strerror(errno));
+        int fd = open(p, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+        if (fd < 0 && errno == ENOENT && !create)
+            continue;
+        if (fd < 0 || fchown(fd, u, u) < 0 || fchmod(fd, 0600) < 0) {
+            int e = errno;
+            if (fd >= 0)
+                close(fd);
+            errno = e;
+            return -1;
+        }
+        close(fd);
     }
+    return 0;
 }
+
+/* A listening unix socket at the VM's path for name, made by spaced and handed to QEMU
+ * (chardev fd=): the socket file is spaced's, in spaced's directory. -1 with errno. */
+static int listen_at(const struct vm *vm, const char *name)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    char p[PATH_MAX + 16];
+    sp_qemu__vm_path(vm, name, p, sizeof p);
+    if (strlen(p) >= sizeof sa.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(sa.sun_path, p, strlen(p) + 1);
+    unlink(p);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || chmod(p, 0600) < 0 ||
+        listen(fd, 8) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                        const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err);
 
 pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_path,
                              const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err)
 {
     sp_qemu_t *d = vm->d;
-    if (!d->jail) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    pid_t pid;
+    if (d->jail) {
+        pid = jail_spawn(vm, argv, log_path, cg, pidfd, err);
+    } else {
         struct spawn_opts so = {.out_path = log_path,
                                 .stdin_fd = -1,
                                 .cg = cg,
                                 .sandbox = vm->id,
                                 .new_session = true};
-        return sp_qemu__spawn(argv, &so, pidfd, err);
+        pid = sp_qemu__spawn(argv, &so, pidfd, err);
     }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    /* spawn_us: jailed, plan + clone + namespaces + mounts + pivot + drop, up to exec;
+     * unjailed, fork (bench/jail_bench.py compares them) */
+    if (pid > 0)
+        sp_log(SP_LOG_DEBUG, "qemu", "qemu spawned sandbox=%s pid=%d jail=%d uid=%u spawn_us=%lld",
+               vm->id, (int)pid, (int)d->jail, (unsigned)vm->jail_uid,
+               (long long)(t1.tv_sec - t0.tv_sec) * 1000000 + (t1.tv_nsec - t0.tv_nsec) / 1000);
+    return pid;
+}
+
+static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                        const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err)
+{
+    sp_qemu_t *d = vm->d;
     if (vm->jail_uid == 0 && sp_jail_ids_take(d->jail_ids, &vm->jail_uid) < 0) {
         vm->jail_uid = 0;
         sp_log(SP_LOG_ERROR, "qemu", "no free uid in the jail range sandbox=%s in_use=%u",
@@ -291,16 +361,44 @@ pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_
         sp_err_set(err, SP_ERUNTIME, "no free uid for the VM (--jail-uid-range is exhausted)");
         return -1;
     }
-    own_vm_files(vm);
     sp_jail_t *j = sp_jail_new(d->jail_stage, vm->jail_uid, vm->jail_uid);
-    int memfd = -1;
-    if (j == NULL || plan_vm(vm, j, &memfd) < 0) {
-        sp_log(SP_LOG_ERROR, "qemu", "cannot plan the jail sandbox=%s err=%s", vm->id,
+    int memfd = -1, qmp_fd = -1, agent_fd = -1;
+    size_t argc = 0;
+    while (argv[argc] != NULL)
+        argc++;
+    char **av = calloc(argc + 3, sizeof(*av));
+    char qmpdev[64], agentdev[64];
+    if (j == NULL || av == NULL || prepare_vm_dir(vm) < 0 || plan_vm(vm, j, &memfd) < 0 ||
+        (qmp_fd = listen_at(vm, "qmp.sock")) < 0 || (agent_fd = listen_at(vm, "agent.sock")) < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot prepare the jail sandbox=%s err=%s", vm->id,
                strerror(errno));
         sp_jail_free(j);
+        free(av);
+        if (qmp_fd >= 0)
+            close(qmp_fd);
         sp_err_set(err, SP_ERUNTIME, "cannot prepare the VM's jail");
         return -1;
     }
+    /* QMP and the agent's chardev listen on the sockets spaced made (see listen_at) */
+    sp_qemu__sfmt(qmpdev, sizeof qmpdev, "socket,id=qmp0,fd=%d,server=on,wait=off",
+                  sp_jail_pass_fd(j, qmp_fd));
+    sp_qemu__sfmt(agentdev, sizeof agentdev, "socket,id=agent,fd=%d,server=on,wait=off",
+                  sp_jail_pass_fd(j, agent_fd));
+    size_t k = 0;
+    for (size_t i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "-qmp") == 0 && i + 1 < argc) {
+            av[k++] = "-chardev";
+            av[k++] = qmpdev;
+            av[k++] = "-mon";
+            av[k++] = "chardev=qmp0,mode=control";
+            i++;
+        } else if (strncmp(argv[i], "socket,id=agent,", 16) == 0) {
+            av[k++] = agentdev;
+        } else {
+            av[k++] = argv[i];
+        }
+    }
+    av[k] = NULL;
     if (vm->disk_total > 0) /* no file of a VM grows past its disk, its RAM, and slack */
         sp_jail_set_fsize(j, vm->disk_total + ((uint64_t)vm->memory_mb << 20) + (1ull << 30));
     int out = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -308,13 +406,16 @@ pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_
     char why[256] = "";
     pid_t pid = -1;
     if (out >= 0 && in >= 0)
-        pid = sp_jail_spawn(j, argv, NULL, in, out, cg, pidfd, why, sizeof why);
+        pid = sp_jail_spawn(j, av, NULL, in, out, cg, pidfd, why, sizeof why);
     else
         sp_qemu__sfmt(why, sizeof why, "stdio: %s", strerror(errno));
     if (out >= 0)
         close(out);
     if (in >= 0)
         close(in);
+    close(qmp_fd); /* QEMU holds them now; once it is gone, connecting is refused */
+    close(agent_fd);
+    free(av);
     sp_jail_free(j);
     if (pid < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "jailed qemu not started sandbox=%s uid=%u step=\"%s\"",
@@ -322,8 +423,6 @@ pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_
         sp_err_set(err, SP_ERUNTIME, "cannot start the VM in its jail");
         return -1;
     }
-    sp_log(SP_LOG_DEBUG, "qemu", "jailed qemu sandbox=%s pid=%d uid=%u", vm->id, (int)pid,
-           (unsigned)vm->jail_uid);
     return pid;
 }
 

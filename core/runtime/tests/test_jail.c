@@ -150,6 +150,9 @@ static void test_jail_spawn_as_root(void)
     REQUIRE(sp_jail_bind(j, "/dev/null", SP_JAIL_DEV | SP_JAIL_RW) == 0);
     REQUIRE(sp_jail_bind(j, data, SP_JAIL_RW) == 0);
     sp_jail_set_fsize(j, 1u << 20);
+    int given[2];
+    REQUIRE(pipe2(given, O_CLOEXEC) == 0);
+    CHECK(sp_jail_pass_fd(j, given[0]) == 3); /* handed over, as fd 3 */
     int leak = open("/dev/null", O_RDONLY); /* not close-on-exec: must not reach the child */
     REQUIRE(leak >= 0);
     setenv("TEST_JAIL_SECRET", "must-not-leak", 1);
@@ -234,7 +237,19 @@ static void test_jail_spawn_as_root(void)
     while ((de = readdir(dd)) != NULL)
         fds += de->d_name[0] != '.';
     closedir(dd);
-    CHECK(fds == 3);
+    CHECK(fds == 4); /* stdio and the passed pipe */
+    char lnk[64], want[64];
+    snprintf(p, sizeof p, "/proc/%d/fd/3", (int)pid);
+    ssize_t ll = readlink(p, lnk, sizeof lnk - 1);
+    REQUIRE(ll > 0);
+    lnk[ll] = '\0';
+    snprintf(p, sizeof p, "/proc/self/fd/%d", given[0]);
+    ssize_t wl = readlink(p, want, sizeof want - 1);
+    REQUIRE(wl > 0);
+    want[wl] = '\0';
+    CHECK(strcmp(lnk, want) == 0);
+    close(given[0]);
+    close(given[1]);
     snprintf(p, sizeof p, "/proc/%d/limits", (int)pid);
     REQUIRE(read_file(p, st, sizeof st) > 0);
     CHECK(strstr(st, "Max core file size        0                    0") != NULL);
