@@ -75,8 +75,7 @@ typedef struct {
     void (*free)(sp_driver_t *d);
     /* Optional: the isolation this driver runs without, by the operator's choice or the
      * host's lack ("no-jail", "no-seccomp", "no-cgroups", or "...: VMs do not start"), for
-     * /healthz; at most n into out
-     * (static strings), the count returned. */
+     * /healthz: at most n static strings into out, the count returned. */
     size_t (*insecure)(sp_driver_t *d, const char **out, size_t n);
 } sp_driver_ops_t;
 

@@ -30,7 +30,7 @@
 #define CLONE_PIDFD 0x00001000
 #endif
 #ifndef PR_CAP_AMBIENT
-#define PR_CAP_AMBIENT           47
+#define PR_CAP_AMBIENT 47
 #define PR_CAP_AMBIENT_CLEAR_ALL 4
 #endif
 
@@ -193,8 +193,7 @@ bool sp_jail_supported(char *why, size_t n)
 
 sp_jail_t *sp_jail_new(const char *stage, uid_t uid, gid_t gid)
 {
-    if (stage == NULL || stage[0] != '/' || strlen(stage) >= PATH_MAX - 1 || uid == 0 ||
-        gid == 0) {
+    if (stage == NULL || stage[0] != '/' || strlen(stage) >= PATH_MAX - 1 || uid == 0 || gid == 0) {
         errno = EINVAL;
         return NULL;
     }
@@ -245,8 +244,7 @@ void sp_jail_set_fsize(sp_jail_t *j, uint64_t bytes)
     j->fsize = bytes;
 }
 
-static int add_op(sp_jail_t *j, enum op_kind k, unsigned flags, const char *inside,
-                  const char *b)
+static int add_op(sp_jail_t *j, enum op_kind k, unsigned flags, const char *inside, const char *b)
 {
     if (j->n == j->cap) {
         size_t nc = j->cap ? j->cap * 2 : 32;
@@ -311,9 +309,9 @@ static bool clean_abs(const char *p)
     if (p == NULL || p[0] != '/' || strlen(p) >= PATH_MAX - 1 - 64)
         return false;
     for (const char *s = p; *s != '\0'; s++)
-        if (s[0] == '/' && (s[1] == '/' || (s[1] == '.' && (s[2] == '/' || s[2] == '\0' ||
-                                                           (s[2] == '.' && (s[3] == '/' ||
-                                                                            s[3] == '\0'))))))
+        if (s[0] == '/' &&
+            (s[1] == '/' || (s[1] == '.' && (s[2] == '/' || s[2] == '\0' ||
+                                             (s[2] == '.' && (s[3] == '/' || s[3] == '\0'))))))
             return false;
     return strcmp(p, "/") != 0;
 }
@@ -425,12 +423,28 @@ enum step {
 
 static const char *step_name(int s)
 {
-    static const char *const names[] = {
-        "?",           "setsid",      "cgroup join",  "private mounts", "root tmpfs",
-        "mkdir",       "mount point", "bind mount",   "read-only remount", "symlink",
-        "pivot_root",  "root read-only", "rlimit",    "stdio",          "capability bounding set",
-        "ambient capabilities", "setgroups", "setresgid", "setresuid",  "capset",
-        "no_new_privs", "exec"};
+    static const char *const names[] = {"?",
+                                        "setsid",
+                                        "cgroup join",
+                                        "private mounts",
+                                        "root tmpfs",
+                                        "mkdir",
+                                        "mount point",
+                                        "bind mount",
+                                        "read-only remount",
+                                        "symlink",
+                                        "pivot_root",
+                                        "root read-only",
+                                        "rlimit",
+                                        "stdio",
+                                        "capability bounding set",
+                                        "ambient capabilities",
+                                        "setgroups",
+                                        "setresgid",
+                                        "setresuid",
+                                        "capset",
+                                        "no_new_privs",
+                                        "exec"};
     return s > 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "?";
 }
 
@@ -593,8 +607,8 @@ pid_t sp_jail_spawn(const sp_jail_t *j, char *const argv[], char *const env[], i
     }
     int pfd = -1;
     struct clone_args0 ca = {
-        .flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET |
-                 CLONE_PIDFD,
+        .flags =
+            CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_PIDFD,
         .pidfd = (uint64_t)(uintptr_t)&pfd,
         .exit_signal = SIGCHLD,
     };

@@ -30,7 +30,7 @@
 
 #define SP_JAIL_UID_START_DEFAULT 900000u
 #define SP_JAIL_UID_COUNT_DEFAULT 65536u
-#define SP_JAIL_NOFILE            4096u /* RLIMIT_NOFILE: QEMU's disks, sockets, eventfds */
+#define SP_JAIL_NOFILE 4096u /* RLIMIT_NOFILE: QEMU's disks, sockets, eventfds */
 
 /* ---------- the uid allocator ---------- */
 
@@ -60,9 +60,9 @@ unsigned sp_jail_ids_used(const sp_jail_ids_t *ids);
 typedef struct sp_jail sp_jail_t;
 
 enum {
-    SP_JAIL_RW = 1 << 0,   /* bind read-write (default read-only) */
-    SP_JAIL_DEV = 1 << 1,  /* a device node: no nodev on its mount */
-    SP_JAIL_OPT = 1 << 2,  /* skip silently when the host path does not exist */
+    SP_JAIL_RW = 1 << 0,  /* bind read-write (default read-only) */
+    SP_JAIL_DEV = 1 << 1, /* a device node: no nodev on its mount */
+    SP_JAIL_OPT = 1 << 2, /* skip silently when the host path does not exist */
 };
 
 /* True when this process can jail (effective uid 0); else why (for a log line). */
@@ -95,9 +95,9 @@ void sp_jail_set_fsize(sp_jail_t *j, uint64_t bytes);
 
 /* Starts argv[0] (an absolute path inside the jail, bound by the caller) with env (NULL:
  * empty), stdin/stdout/stderr from the given fds, in the cgroups of cg (NULL: none) and a
- * new session; the fds of sp_jail_pass_fd follow stdio, nothing else is open. Blocks until the child exec'd or failed (a few ms). Returns the child's pid
- * as the caller sees it and a pidfd (close-on-exec) in *pidfd; -1 with why filled (the
- * failing step and errno) and errno set. */
+ * new session; the fds of sp_jail_pass_fd follow stdio, nothing else is open. Blocks until the
+ * child exec'd or failed (a few ms). Returns the child's pid as the caller sees it and a pidfd
+ * (close-on-exec) in *pidfd; -1 with why filled (the failing step and errno) and errno set. */
 pid_t sp_jail_spawn(const sp_jail_t *j, char *const argv[], char *const env[], int in_fd,
                     int out_fd, const sp_cgroup_join_t *cg, int *pidfd, char *why, size_t n);
 

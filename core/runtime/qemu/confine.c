@@ -11,7 +11,9 @@
  * VM change the pages every other clone maps. Each template snapshot's RAM is copied once per
  * driver into a memfd sealed against writes, growth and shrinking (its holes stay holes): QEMU
  * opens it read-write and maps it private, and no process can change it. Kept until the
- * driver goes (a few hundred MB per template size in use, like the page cache it replaces).
+ * driver goes or the snapshot is collected (a few hundred MB per template size in use, like
+ * the page cache it replaces; charged to spaced's memory, not the VMs'). Made on the loop at
+ * the first clone of a snapshot (a spare's, usually).
  *
  * The VM's directory stays spaced's (prepare_vm_dir): QEMU gets its writable files made for
  * it and its QMP and agent sockets as listening fds spaced bound (the command line says fd=
@@ -38,7 +40,7 @@
 #include "base/log.h"
 
 #define RAM_COPY_CHUNK (1u << 20)
-#define CHAIN_MAX      8 /* qcow2 backing files followed; ours are 1 or 2 deep */
+#define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
 
 struct ramfd {
     struct ramfd *next;
@@ -132,9 +134,19 @@ size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n)
  * log line when it cannot be made. */
 static int ram_fd(sp_qemu_t *d, const char *dir)
 {
-    for (struct ramfd *r = d->ramfds; r != NULL; r = r->next)
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL;) {
+        struct ramfd *r = *pp;
         if (strcmp(r->dir, dir) == 0)
             return r->fd;
+        if (access(r->dir, F_OK) < 0 && errno == ENOENT) {
+            /* collected (tsnap.c): its running clones keep their own maps */
+            *pp = r->next;
+            close(r->fd);
+            free(r);
+            continue;
+        }
+        pp = &r->next;
+    }
     char p[PATH_MAX + 16];
     sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", dir);
     uint64_t t0 = sp_qemu__mono_ms();
@@ -162,8 +174,8 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
         if (hole < 0)
             goto fail;
         for (off_t at = data; at < hole;) {
-            size_t want = (size_t)(hole - at) < RAM_COPY_CHUNK ? (size_t)(hole - at)
-                                                               : RAM_COPY_CHUNK;
+            size_t want =
+                (size_t)(hole - at) < RAM_COPY_CHUNK ? (size_t)(hole - at) : RAM_COPY_CHUNK;
             ssize_t r = pread(in, buf, want, at);
             if (r <= 0)
                 goto fail;
@@ -333,11 +345,8 @@ pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_
     if (d->jail) {
         pid = jail_spawn(vm, argv, log_path, cg, pidfd, err);
     } else {
-        struct spawn_opts so = {.out_path = log_path,
-                                .stdin_fd = -1,
-                                .cg = cg,
-                                .sandbox = vm->id,
-                                .new_session = true};
+        struct spawn_opts so = {
+            .out_path = log_path, .stdin_fd = -1, .cg = cg, .sandbox = vm->id, .new_session = true};
         pid = sp_qemu__spawn(argv, &so, pidfd, err);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -356,8 +365,8 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
     sp_qemu_t *d = vm->d;
     if (vm->jail_uid == 0 && sp_jail_ids_take(d->jail_ids, &vm->jail_uid) < 0) {
         vm->jail_uid = 0;
-        sp_log(SP_LOG_ERROR, "qemu", "no free uid in the jail range sandbox=%s in_use=%u",
-               vm->id, sp_jail_ids_used(d->jail_ids));
+        sp_log(SP_LOG_ERROR, "qemu", "no free uid in the jail range sandbox=%s in_use=%u", vm->id,
+               sp_jail_ids_used(d->jail_ids));
         sp_err_set(err, SP_ERUNTIME, "no free uid for the VM (--jail-uid-range is exhausted)");
         return -1;
     }
@@ -440,8 +449,7 @@ void sp_qemu__confine_adopted(struct vm *vm)
     if (uid != 0 && sp_jail_ids_claim(d->jail_ids, (uid_t)uid) == 0)
         vm->jail_uid = (uid_t)uid;
     else if (uid == 0)
-        sp_log(SP_LOG_WARN, "qemu", "re-adopted vm runs unjailed (started so) sandbox=%s",
-               vm->id);
+        sp_log(SP_LOG_WARN, "qemu", "re-adopted vm runs unjailed (started so) sandbox=%s", vm->id);
 }
 
 void sp_qemu__confine_release(struct vm *vm)

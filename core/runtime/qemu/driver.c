@@ -495,7 +495,7 @@ struct vm *sp_qemu__vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
     sp_qemu__vm_path(vm, "paused", p, sizeof p);
     vm->paused = sp_qemu__file_exists(p);
     vm->cg = sp_cgroup_vm_exists(d->cg, id); /* groups outlive spaced: nothing to redo */
-    sp_qemu__confine_adopted(vm);             /* its uid stays taken */
+    sp_qemu__confine_adopted(vm);            /* its uid stays taken */
     vm->pw = sp_watch_create(d->base.loop, vm->pidfd, sp_qemu__on_vm_exit, vm);
     if (vm->pw == NULL) {
         sp_qemu__vm_unlink(vm);

@@ -642,8 +642,8 @@ void sp_qemu__tsnap_warmup(struct vm *vm)
  * so that no VM's uid owns what every clone maps. */
 static int freeze_owner(const struct vm *vm)
 {
-    static const char *const names[] = {"mem.ram", "disk.qcow2", "snapshot/devstate",
-                                        "template-snapshot.json", "snapshot", ""};
+    static const char *const names[] = {
+        "mem.ram", "disk.qcow2", "snapshot/devstate", "template-snapshot.json", "snapshot", ""};
     char p[PATH_MAX + 48];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         sp_qemu__sfmt(p, sizeof p, "%s%s%s", vm->dir, names[i][0] ? "/" : "", names[i]);

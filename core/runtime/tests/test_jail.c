@@ -32,8 +32,8 @@ static void test_jail_range_parse(void)
     CHECK(sp_jail_range_parse(":10", &s, &c) < 0);
     CHECK(sp_jail_range_parse("-5:10", &s, &c) < 0);
     CHECK(sp_jail_range_parse("10:5x", &s, &c) < 0);
-    CHECK(sp_jail_range_parse("4294967290:5", &s, &c) == 0);  /* ends at 2^32-2 */
-    CHECK(sp_jail_range_parse("4294967290:6", &s, &c) < 0);   /* would hand out (uid_t)-1 */
+    CHECK(sp_jail_range_parse("4294967290:5", &s, &c) == 0); /* ends at 2^32-2 */
+    CHECK(sp_jail_range_parse("4294967290:6", &s, &c) < 0);  /* would hand out (uid_t)-1 */
     CHECK(sp_jail_range_parse("99999999999:1", &s, &c) < 0);
     CHECK(sp_jail_range_parse(NULL, &s, &c) < 0);
 }
@@ -153,7 +153,7 @@ static void test_jail_spawn_as_root(void)
     int given[2];
     REQUIRE(pipe2(given, O_CLOEXEC) == 0);
     CHECK(sp_jail_pass_fd(j, given[0]) == 3); /* handed over, as fd 3 */
-    int leak = open("/dev/null", O_RDONLY); /* not close-on-exec: must not reach the child */
+    int leak = open("/dev/null", O_RDONLY);   /* not close-on-exec: must not reach the child */
     REQUIRE(leak >= 0);
     setenv("TEST_JAIL_SECRET", "must-not-leak", 1);
     int out = open("/dev/null", O_WRONLY | O_CLOEXEC);
@@ -279,8 +279,8 @@ static void test_jail_spawn_as_root(void)
 static void test_jail_qemu_starts(void)
 {
     char why[256], qemu[PATH_MAX];
-    if (!sp_jail_supported(why, sizeof why) || realpath("/usr/bin/qemu-system-x86_64", qemu) ==
-                                                      NULL) {
+    if (!sp_jail_supported(why, sizeof why) ||
+        realpath("/usr/bin/qemu-system-x86_64", qemu) == NULL) {
         printf("  (skipped: root and /usr/bin/qemu-system-x86_64 needed)\n");
         return;
     }
@@ -303,10 +303,19 @@ static void test_jail_qemu_starts(void)
     char log[] = "/tmp/test_jail_qemu_XXXXXX";
     int out = mkstemp(log);
     REQUIRE(out >= 0);
-    char *argv[] = {qemu, "-M", "none", "-display", "none", "-nodefaults", "-no-user-config",
-                    "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
-                                "resourcecontrol=deny",
-                    "-qmp", "stdio", NULL};
+    char *argv[] = {qemu,
+                    "-M",
+                    "none",
+                    "-display",
+                    "none",
+                    "-nodefaults",
+                    "-no-user-config",
+                    "-sandbox",
+                    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
+                    "resourcecontrol=deny",
+                    "-qmp",
+                    "stdio",
+                    NULL};
     int pidfd = -1;
     pid_t pid = sp_jail_spawn(j, argv, NULL, p[0], out, NULL, &pidfd, why, sizeof why);
     close(p[0]);

@@ -13,9 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "loop/loop.h"
 #include "core/runtime/qemu.h"
 #include "core/runtime/qemu/qemu_int.h" /* the seccomp verdict and the refusal */
+#include "loop/loop.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop;
@@ -206,15 +206,17 @@ static void test_qemu_refuses_without_seccomp(void)
         CHECK((st.st_mode & 0777) == 0700);
         sp_driver_destroy(d);
     }
-    sp_qemu_opts_t o = {.data_dir = dir, .qemu = "/bin/true", .qemu_img = "/bin/true",
-                        .no_jail = 1};
+    sp_qemu_opts_t o = {
+        .data_dir = dir, .qemu = "/bin/true", .qemu_img = "/bin/true", .no_jail = 1};
     sp_err_t e;
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     REQUIRE(d != NULL);
     CHECK(has_insecure(d, "no-jail"));
     sp_driver_destroy(d);
     if (geteuid() == 0) {
-        sp_qemu_opts_t bad = {.data_dir = dir, .qemu = "/bin/true", .qemu_img = "/bin/true",
+        sp_qemu_opts_t bad = {.data_dir = dir,
+                              .qemu = "/bin/true",
+                              .qemu_img = "/bin/true",
                               .jail_uid_range = "0:100"};
         CHECK(sp_qemu_create(loop, &bad, &e) == NULL && e.code == SP_EINVAL);
     }
