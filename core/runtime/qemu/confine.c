@@ -263,7 +263,8 @@ static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
         char ram[PATH_MAX + 16];
         sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", vm->clone_src);
         *memfd = ram_fd(d, vm->clone_src);
-        if (*memfd < 0 || sp_jail_bind(j, vm->clone_src, 0) < 0 ||
+        /* snapshots committed before the jailer were 0700: every VM's uid walks it now */
+        if (*memfd < 0 || chmod(vm->clone_src, 0755) < 0 || sp_jail_bind(j, vm->clone_src, 0) < 0 ||
             sp_jail_bind_fd(j, *memfd, ram) < 0)
             return -1;
     }
