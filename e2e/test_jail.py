@@ -112,7 +112,7 @@ class JailTest(unittest.TestCase):
                                 DATA.strip("/").split("/")[0]}, top)
         self.assertEqual(set(os.listdir(root + "/dev")) - {"kvm"}, {"null", "zero", "urandom"})
         self.assertEqual(os.listdir(root + "/etc"), ["ld.so.cache"])
-        self.assertTrue(set(os.listdir(root + DATA)) <= {"vms", "templates"},
+        self.assertTrue(set(os.listdir(root + DATA)) <= {"vms", "templates", "images"},
                         os.listdir(root + DATA))
         own = os.listdir(root + DATA + "/vms")
         self.assertEqual(len(own), 1, own)  # its own directory (a spare's name if it was one)
@@ -120,6 +120,7 @@ class JailTest(unittest.TestCase):
         for path in jail_files(root):
             ok = (path.startswith(DATA + "/vms/" + own[0] + "/")
                   or path.startswith(DATA + "/templates/")
+                  or path.startswith(DATA + "/images/")  # kernel, initramfs
                   or path.startswith("/dev/") or path == "/etc/ld.so.cache"
                   or path.startswith("/usr/bin/qemu-system-") or path in ("/lib", "/lib64",
                                                                          "/lib32", "/libx32"))
