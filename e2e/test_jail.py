@@ -6,6 +6,7 @@ only lo, an empty environment; and the VM still works through all of it: command
 pause, suspend and wake (a new QEMU, jailed again), a spare clone, spaced's restart
 (re-adoption keeps each VM's uid taken). Needs root and SP_TEST_DATA_DIR.
 """
+import base64
 import os
 import sys
 import time
@@ -47,7 +48,8 @@ def jail_files(root, limit=20000):
 @unittest.skipIf(skip_reason(), skip_reason())
 class JailTest(unittest.TestCase):
     def setUp(self):
-        env = {"SPACE_MASTER_KEY": __import__("base64").b64encode(SECRET[:32].encode()).decode()}
+        self.key_b64 = base64.b64encode(SECRET[:32].encode()).decode()
+        env = {"SPACE_MASTER_KEY": self.key_b64}
         self.p = Platform(teams=(None,), start=False, binary=os.environ["SPACED"], data_dir=DATA,
                           env=env)
         self.s = self.p.s
@@ -134,7 +136,9 @@ class JailTest(unittest.TestCase):
         self.assertFalse(os.statvfs(root + DATA + "/vms/" + own[0]).f_flag & os.ST_RDONLY)
         # spaced's own environment lost the master key at start
         with open("/proc/%d/environ" % spaced, "rb") as f:
-            self.assertNotIn(b"SPACE_MASTER_KEY", f.read())
+            env = f.read()
+        self.assertNotIn(b"SPACE_MASTER_KEY", env)
+        self.assertNotIn(self.key_b64.encode(), env)
         return uid
 
     def test_jailed_vms_work(self):

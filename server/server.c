@@ -635,8 +635,14 @@ static int load_master_key(const struct opts *o, unsigned char key[SP_SECRETS_KE
     int rc = sp_secrets_load_key(o->master_key_file,
                                  o->database_url == NULL ? o->data_dir : NULL, key, src, &e);
     /* Read (or refused): it leaves the environment before any child starts (PostgreSQL,
-     * QEMU, qemu-img), and /proc/<spaced>/environ no longer shows it. */
+     * QEMU, qemu-img), and its bytes are wiped where they were, so /proc/<spaced>/environ
+     * (the block the process started with) no longer shows it either. */
+    char *v = getenv("SPACE_MASTER_KEY");
+    char *kv = v != NULL ? v - strlen("SPACE_MASTER_KEY=") : NULL;
+    size_t kn = kv != NULL ? strlen(kv) : 0;
     unsetenv("SPACE_MASTER_KEY");
+    if (kv != NULL)
+        sodium_memzero(kv, kn);
     if (rc < 0)
         fprintf(stderr, "spaced: master key: %s\n", e.msg);
     return rc;
