@@ -35,7 +35,7 @@ def jail_files(root, limit=20000):
     out = []
     for top, dirs, files in os.walk(root):
         inside = top[len(root):] or "/"
-        if inside.startswith(("/usr/lib", "/usr/share/qemu", "/usr/share/seabios")):
+        if inside.startswith(("/usr/lib", "/usr/share/qemu", "/usr/share/seabios", "/proc")):
             dirs[:] = []
             continue
         for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
@@ -84,6 +84,11 @@ class JailTest(unittest.TestCase):
         with open(os.path.join(DATA, "vms", sid, "qemu.pid")) as f:
             return int(f.read().strip())
 
+    def is_clone(self, sid):
+        """Its QEMU maps the template's RAM (the sealed copy, through its jail's /proc)."""
+        with open("/proc/%d/cmdline" % self.qemu_pid(sid), "rb") as f:
+            return b"mem-path=/proc/self/fd/" in f.read()
+
     def check_jailed(self, sid):
         """The sandbox's QEMU, from outside; returns its uid."""
         pid = self.qemu_pid(sid)
@@ -110,8 +115,11 @@ class JailTest(unittest.TestCase):
         # the root: what it needs and nothing else
         root = "/proc/%d/root" % pid
         top = set(os.listdir(root))
-        self.assertTrue(top <= {"usr", "lib", "lib64", "lib32", "libx32", "dev", "etc",
+        self.assertTrue(top <= {"usr", "lib", "lib64", "lib32", "libx32", "dev", "etc", "proc",
                                 DATA.strip("/").split("/")[0]}, top)
+        if "proc" in top:  # a clone's: its own pid namespace's processes, nothing else
+            self.assertTrue(all(n.isdigit() or n in ("self", "thread-self")
+                                for n in os.listdir(root + "/proc")), os.listdir(root + "/proc"))
         self.assertEqual(set(os.listdir(root + "/dev")) - {"kvm"}, {"null", "zero", "urandom"})
         self.assertEqual(os.listdir(root + "/etc"), ["ld.so.cache"])
         self.assertTrue(set(os.listdir(root + DATA)) <= {"vms", "templates", "images"},
@@ -151,6 +159,7 @@ class JailTest(unittest.TestCase):
             self.assertIn("jailer on", f.read())
         a = self.create()
         self.assertEqual(os.stat(vms).st_mode & 0o777, 0o700)
+        self.assertTrue(self.is_clone(a), "the create was not a clone of the template snapshot")
         ua = self.check_jailed(a)
         self.assertEqual(self.cmd(a, "echo hi"), "hi\n")
         self.cmd(a, "echo kept > /home/user/f")
@@ -168,6 +177,7 @@ class JailTest(unittest.TestCase):
         # a second sandbox (a spare clone once the pool refilled): another uid
         time.sleep(3 * MULT)
         b = self.create()
+        self.assertTrue(self.is_clone(b))
         ub = self.check_jailed(b)
         self.assertNotEqual(ua, ub)
         self.assertEqual(self.cmd(b, "echo b"), "b\n")

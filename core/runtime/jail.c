@@ -158,6 +158,7 @@ enum op_kind {
     OP_MKFILE,    /* an empty file to mount over (a) */
     OP_BIND,      /* mount b on a; then remount with flags */
     OP_SYMLINK,   /* symlink b at a */
+    OP_PROC,      /* a proc of the child's PID namespace, pids only, at a */
 };
 
 struct op {
@@ -361,15 +362,20 @@ int sp_jail_bind(sp_jail_t *j, const char *host_path, unsigned flags)
     return bind_at(j, host_path, host_path, S_ISDIR(st.st_mode), flags);
 }
 
-int sp_jail_bind_fd(sp_jail_t *j, int fd, const char *path)
+int sp_jail_mount_proc(sp_jail_t *j)
 {
-    if (!clean_abs(path) || fd < 0) {
-        errno = EINVAL;
+    if (made(j, "/proc"))
+        return 0;
+    size_t n0 = j->n;
+    if (add_op(j, OP_MKDIR, 0, "/proc", NULL) < 0 || add_op(j, OP_PROC, 0, "/proc", NULL) < 0) {
+        while (j->n > n0) {
+            j->n--;
+            free(j->ops[j->n].a);
+        }
+        errno = ENOMEM;
         return -1;
     }
-    char src[64];
-    snprintf(src, sizeof src, "/proc/self/fd/%d", fd); /* the child's copy of the table */
-    return bind_at(j, src, path, false, SP_JAIL_RW);
+    return 0;
 }
 
 int sp_jail_mirror_root_links(sp_jail_t *j, const char *const *names, size_t n)
@@ -407,6 +413,7 @@ enum step {
     ST_BIND,
     ST_REMOUNT,
     ST_SYMLINK,
+    ST_PROC,
     ST_PIVOT,
     ST_ROOT_RO,
     ST_RLIMIT,
@@ -433,6 +440,7 @@ static const char *step_name(int s)
                                         "bind mount",
                                         "read-only remount",
                                         "symlink",
+                                        "proc",
                                         "pivot_root",
                                         "root read-only",
                                         "rlimit",
@@ -500,6 +508,11 @@ static __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const 
         case OP_SYMLINK:
             if (symlink(o->b, o->a) < 0)
                 child_fail(rep, ST_SYMLINK);
+            break;
+        case OP_PROC:
+            if (mount("proc", o->a, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      "subset=pid,hidepid=invisible") < 0)
+                child_fail(rep, ST_PROC);
             break;
         case OP_BIND: {
             if (mount(o->b, o->a, NULL, MS_BIND, NULL) < 0)

@@ -7,9 +7,8 @@
  *   ids     the per-VM uid allocator over the operator's range (--jail-uid-range
  *           START:COUNT); the gid is the same number. Never 0, never the caller's uid.
  *   plan    what one jailed process sees: paths bound at the same absolute path they have
- *           on the host (so every path on QEMU's command line, and every socket it creates,
- *           means the same thing on both sides), read-only unless asked, plus an fd bound
- *           over a path (a sealed memfd in place of a shared file).
+ *           on the host (so every path on QEMU's command line means the same thing on both
+ *           sides), read-only unless asked; fds passed in; optionally its own /proc.
  *   spawn   clone3 into the namespaces (the pid returned is the host's view, with a pidfd),
  *           the child runs the plan with raw syscalls only (it was cloned from a threaded
  *           process) and reports the failing step through a pipe; the caller learns success
@@ -78,10 +77,11 @@ void sp_jail_free(sp_jail_t *j);
  * inside. -1 with errno (ENOENT without SP_JAIL_OPT, ENAMETOOLONG, ENOMEM, EINVAL for a
  * relative path); the plan is unchanged then. */
 int sp_jail_bind(sp_jail_t *j, const char *host_path, unsigned flags);
-/* Binds the file open as fd (which must stay open until sp_jail_spawn returns) at path
- * inside, read-write as far as the file allows: over a path that sp_jail_bind made visible,
- * it hides the host's file there. */
-int sp_jail_bind_fd(sp_jail_t *j, int fd, const char *path);
+/* Mounts a proc file system of the process's own PID namespace at /proc, showing only its
+ * processes (subset=pid, hidepid=invisible: no /proc/sys, no kernel tables), so that
+ * /proc/self/fd/N reopens an fd passed with sp_jail_pass_fd (a sealed memfd in place of a
+ * file that must not be written). */
+int sp_jail_mount_proc(sp_jail_t *j);
 /* Makes the symlinks the host has at /lib, /lib64, ... (merged /usr) inside as well, for each
  * name in names that is a symlink on the host; a directory there is bound read-only. */
 int sp_jail_mirror_root_links(sp_jail_t *j, const char *const *names, size_t n);

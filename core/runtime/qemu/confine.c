@@ -2,15 +2,16 @@
  * confine.c - what the QEMU driver requires of a VM's confinement and how its QEMU is jailed
  * (core/runtime/jail.h): the uid each VM's QEMU runs as, the view it gets (the QEMU binary
  * and libraries, /dev/null, /dev/zero, /dev/urandom, /dev/kvm only under KVM, the VM's own
- * directory read-write, its kernel, initramfs and disk backing chain read-only, a clone's
- * template snapshot read-only with the RAM file replaced by a sealed memfd), and the refusals
- * when seccomp or cgroups are missing.
+ * directory, its kernel, initramfs and disk backing chain read-only, a clone's template RAM as
+ * a sealed memfd), and the refusals when seccomp or cgroups are missing.
  *
  * Template RAM: QEMU 7.2 opens a memory-backend-file O_RDWR even for share=off (a private
  * map), so a read-only bind of the template's mem.ram fails and a writable one would let one
  * VM change the pages every other clone maps. Each template snapshot's RAM is copied once per
  * driver into a memfd sealed against writes, growth and shrinking (its holes stay holes): QEMU
- * opens it read-write and maps it private, and no process can change it. Kept until the
+ * opens it read-write (as /proc/self/fd/N: the jail mounts a proc of its own PID namespace,
+ * processes only, since a memfd cannot be bind-mounted) and maps it private, and no process
+ * can change it. Kept until the
  * driver goes or the snapshot is collected (a few hundred MB per template size in use, like
  * the page cache it replaces; charged to spaced's memory, not the VMs'). Made on the loop at
  * the first clone of a snapshot (a spare's, usually).
@@ -260,12 +261,10 @@ static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
         (vm->tp->initramfs[0] != '\0' && sp_jail_bind(j, vm->tp->initramfs, 0) < 0))
         return -1;
     if (vm->clone_src != NULL) {
-        char ram[PATH_MAX + 16];
-        sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", vm->clone_src);
+        /* the template's RAM as a sealed memfd, reopened through the jail's own /proc (a
+         * memfd cannot be bind-mounted); its disk comes with the backing chain below */
         *memfd = ram_fd(d, vm->clone_src);
-        /* snapshots committed before the jailer were 0700: every VM's uid walks it now */
-        if (*memfd < 0 || chmod(vm->clone_src, 0755) < 0 || sp_jail_bind(j, vm->clone_src, 0) < 0 ||
-            sp_jail_bind_fd(j, *memfd, ram) < 0)
+        if (*memfd < 0 || sp_jail_mount_proc(j) < 0)
             return -1;
     }
     sp_qemu__vm_path(vm, "disk.qcow2", chain, sizeof chain);
@@ -394,6 +393,11 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
                   sp_jail_pass_fd(j, qmp_fd));
     sp_qemu__sfmt(agentdev, sizeof agentdev, "socket,id=agent,fd=%d,server=on,wait=off",
                   sp_jail_pass_fd(j, agent_fd));
+    char memobj[128] = "";
+    if (memfd >= 0) /* the same backend, private, on the sealed copy */
+        sp_qemu__sfmt(memobj, sizeof memobj,
+                      "memory-backend-file,id=mem,size=%dM,mem-path=/proc/self/fd/%d,share=off",
+                      vm->memory_mb, sp_jail_pass_fd(j, memfd));
     size_t k = 0;
     for (size_t i = 0; i < argc; i++) {
         if (strcmp(argv[i], "-qmp") == 0 && i + 1 < argc) {
@@ -404,6 +408,8 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
             i++;
         } else if (strncmp(argv[i], "socket,id=agent,", 16) == 0) {
             av[k++] = agentdev;
+        } else if (memobj[0] != '\0' && strncmp(argv[i], "memory-backend-file,", 20) == 0) {
+            av[k++] = memobj;
         } else {
             av[k++] = argv[i];
         }

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -303,7 +304,21 @@ static void test_jail_qemu_starts(void)
     char log[] = "/tmp/test_jail_qemu_XXXXXX";
     int out = mkstemp(log);
     REQUIRE(out >= 0);
+    /* a sealed memfd as a private RAM backend through the jail's own /proc (how clones map
+     * their template's RAM) */
+    int mfd = memfd_create("test-jail-ram", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(mfd >= 0 && ftruncate(mfd, 1 << 20) == 0);
+    REQUIRE(pwrite(mfd, "x", 1, 4096) == 1);
+    REQUIRE(fcntl(mfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) ==
+            0);
+    REQUIRE(sp_jail_mount_proc(j) == 0);
+    char memobj[128];
+    snprintf(memobj, sizeof memobj,
+             "memory-backend-file,id=mem,size=1M,mem-path=/proc/self/fd/%d,share=off",
+             sp_jail_pass_fd(j, mfd));
     char *argv[] = {qemu,
+                    "-object",
+                    memobj,
                     "-M",
                     "none",
                     "-display",
@@ -331,6 +346,10 @@ static void test_jail_qemu_starts(void)
         fprintf(stderr, "qemu: status %d: %s\n", ws, text);
     CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
     CHECK(strstr(text, "\"return\"") != NULL);
+    char x = 0;
+    CHECK(pread(mfd, &x, 1, 4096) == 1 && x == 'x'); /* and it stays what it was */
+    CHECK(pwrite(mfd, "y", 1, 0) < 0 && errno == EPERM);
+    close(mfd);
     close(out);
     close(pidfd);
     unlink(log);
