@@ -26,6 +26,7 @@ BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_D
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -213,6 +214,15 @@ def floor_restore(data, sid, n):
             subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
                             os.path.join(src, "disk.qcow2"), disk], check=True)
             a = [x.replace(vdir + "/", tmp + "/") for x in argv]
+            # a jailed QEMU got its sockets as listening fds (core/runtime/qemu/confine.c);
+            # alone it binds them itself
+            a = ["socket,id=qmp0,path=%s/qmp.sock,server=on,wait=off" % tmp
+                 if x.startswith("socket,id=qmp0,fd=") else
+                 "socket,id=agent,path=%s/agent.sock,server=on,wait=off" % tmp
+                 if x.startswith("socket,id=agent,fd=") else x for x in a]
+            # and the template's RAM as a sealed memfd through its /proc: alone, the file
+            a = [re.sub(r"mem-path=/proc/self/fd/\d+", "mem-path=%s/mem.ram" % src, x)
+                 for x in a]
             sock = os.path.join(tmp, "agent.sock")
             dev = os.open(os.path.join(src, "snapshot", "devstate"), os.O_RDONLY)
             t0 = time.perf_counter()

@@ -72,6 +72,10 @@ struct opts {
     bool log_level_set;   /* --log-level was given */
     unsigned idle_timeout_s; /* serve: how long an idle client connection is kept open */
     const char *metrics_listen; /* serve: the operator listener for /metrics (server/opsrv.h) */
+    const char *jail_uid_range;   /* the uids jailed QEMUs run as (core/runtime/jail.h) */
+    bool no_jail;                 /* --no-jail: QEMU unjailed (insecure, for comparisons) */
+    bool insecure_no_seccomp;     /* start VMs without QEMU's seccomp sandbox */
+    bool insecure_no_cgroups;     /* start VMs without their cgroup */
 };
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
@@ -87,6 +91,8 @@ static void usage(FILE *f)
             "                    [--domain HOST[:PORT]] [--tls-cert FILE --tls-key FILE]\n"
             "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
             "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
+            "                    [--jail-uid-range START:COUNT] [--no-jail]\n"
+            "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -309,7 +315,11 @@ static int template_snapshot(const struct opts *o, const char *name)
     sp_qemu_opts_t qo = {.data_dir = o->data_dir,
                          .accel = getenv("SPACE_ACCEL"),
                          .qemu = getenv("SPACE_QEMU"),
-                         .no_adopt = 1};
+                         .no_adopt = 1,
+                         .jail_uid_range = o->jail_uid_range,
+                         .no_jail = o->no_jail,
+                         .insecure_no_seccomp = o->insecure_no_seccomp,
+                         .insecure_no_cgroups = o->insecure_no_cgroups};
     sp_err_t e;
     sp_driver_t *d = loop != NULL ? sp_qemu_create(loop, &qo, &e) : NULL;
     if (loop == NULL)
@@ -742,21 +752,35 @@ static void worker_id(const char *data_dir, char out[SP_ID_LEN + 1])
  * how to configure a key. The test binary may trust an extra CA for upstream destinations
  * (SPACE_TEST_UPSTREAM_CA), for loopback test servers; the shipped binary never does.
  */
-static int setup_secrets(const struct opts *o, sp_loop_t *loop, sp_store_t *store,
-                         sp_svc_t *svc, bool test_binary, sp_secrets_t **sec_out,
-                         sp_mitm_t **mitm_out)
+static int load_master_key(const struct opts *o, unsigned char key[SP_SECRETS_KEY_LEN],
+                           sp_secrets_key_source_t *src)
 {
-    unsigned char key[SP_SECRETS_KEY_LEN];
-    sp_secrets_key_source_t src;
     sp_err_t e;
-    if (sp_secrets_load_key(o->master_key_file, o->database_url == NULL ? o->data_dir : NULL,
-                            key, &src, &e) < 0) {
+    int rc = sp_secrets_load_key(o->master_key_file,
+                                 o->database_url == NULL ? o->data_dir : NULL, key, src, &e);
+    /* Read (or refused): it leaves the environment before any child starts (PostgreSQL,
+     * QEMU, qemu-img), and its bytes are wiped where they were, so /proc/<spaced>/environ
+     * (the block the process started with) no longer shows it either. */
+    char *v = getenv("SPACE_MASTER_KEY");
+    char *kv = v != NULL ? v - strlen("SPACE_MASTER_KEY=") : NULL;
+    size_t kn = kv != NULL ? strlen(kv) : 0;
+    unsetenv("SPACE_MASTER_KEY");
+    if (kv != NULL)
+        sodium_memzero(kv, kn);
+    if (rc < 0)
         fprintf(stderr, "spaced: master key: %s\n", e.msg);
-        return -1;
-    }
+    return rc;
+}
+
+/* key: from load_master_key, at the start of serve; wiped by the caller. */
+static int setup_secrets(unsigned char key[SP_SECRETS_KEY_LEN], sp_secrets_key_source_t src,
+                         sp_loop_t *loop, sp_store_t *store, sp_svc_t *svc, bool test_binary,
+                         sp_secrets_t **sec_out, sp_mitm_t **mitm_out)
+{
+    sp_err_t e;
     sp_secrets_t *sec =
         sp_secrets_create(loop, store, src != SP_SECRETS_KEY_NONE ? key : NULL, &e);
-    sodium_memzero(key, sizeof(key));
+    sodium_memzero(key, SP_SECRETS_KEY_LEN);
     if (sec == NULL) {
         fprintf(stderr, "spaced: secrets: %s\n", e.msg);
         return -1;
@@ -788,9 +812,15 @@ static void egress_policy_changed(void *arg, const char *sandbox_id, const json_
 
 static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
 {
-    struct db db;
-    if (db_open(o, &db, true) < 0)
+    unsigned char mkey[SP_SECRETS_KEY_LEN];
+    sp_secrets_key_source_t msrc;
+    if (load_master_key(o, mkey, &msrc) < 0)
         return 1;
+    struct db db;
+    if (db_open(o, &db, true) < 0) {
+        sodium_memzero(mkey, sizeof(mkey));
+        return 1;
+    }
     int rc = 1;
     PGconn *c = db_connect(db.conninfo);
     unsigned char hashkey[SP_HASHKEY_LEN];
@@ -852,7 +882,11 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_qemu_opts_t qo = {.data_dir = o->data_dir,
                              .accel = getenv("SPACE_ACCEL"),
                              .qemu = getenv("SPACE_QEMU"),
-                             .qemu_img = NULL};
+                             .qemu_img = NULL,
+                             .jail_uid_range = o->jail_uid_range,
+                             .no_jail = o->no_jail,
+                             .insecure_no_seccomp = o->insecure_no_seccomp,
+                             .insecure_no_cgroups = o->insecure_no_cgroups};
         driver = sp_qemu_create(s.loop, &qo, &e);
         if (driver == NULL) {
             sp_log(SP_LOG_WARN, "server", "microVM runtime unavailable: %s", e.msg);
@@ -865,7 +899,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         goto out_srv;
     }
     if (svc != NULL &&
-        setup_secrets(o, s.loop, store, svc, test_driver != NULL, &secrets, &mitm) < 0)
+        setup_secrets(mkey, msrc, s.loop, store, svc, test_driver != NULL, &secrets, &mitm) < 0)
         goto out_srv;
     if (egress != NULL && mitm != NULL)
         sp_egress_set_mitm(egress, mitm); /* credentials for destinations with rules */
@@ -978,6 +1012,7 @@ out_srv:
     if (s.ssl_ctx != NULL)
         SSL_CTX_free(s.ssl_ctx);
 out_db:
+    sodium_memzero(mkey, sizeof(mkey));
     if (db.cluster != NULL && sp_pgcluster_stop(db.cluster, &e) < 0)
         fprintf(stderr, "spaced: stopping the embedded PostgreSQL failed: %s\n", e.msg);
     return rc;
@@ -1038,6 +1073,10 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"metrics-listen", required_argument, NULL, 1601},
         {"log-format", required_argument, NULL, 1602},
         {"config", required_argument, NULL, 'c'},
+        {"jail-uid-range", required_argument, NULL, 0x100},
+        {"no-jail", no_argument, NULL, 0x101},
+        {"insecure-no-seccomp", no_argument, NULL, 0x102},
+        {"insecure-no-cgroups", no_argument, NULL, 0x103},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1104,6 +1143,18 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         }
         case 'd':
             o.data_dir = optarg;
+            break;
+        case 0x100:
+            o.jail_uid_range = optarg;
+            break;
+        case 0x101:
+            o.no_jail = true;
+            break;
+        case 0x102:
+            o.insecure_no_seccomp = true;
+            break;
+        case 0x103:
+            o.insecure_no_cgroups = true;
             break;
         case 'u':
             o.database_url = optarg;

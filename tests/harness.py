@@ -143,6 +143,7 @@ class Spaced:
         self.args = list(args)  # more `serve` options
         self.port = free_port()
         self.env = dict(os.environ, **(env or {}))
+        self.args = list(args)  # more `serve` options (e.g. --no-jail)
         self.proc = None
         self.key = None
 

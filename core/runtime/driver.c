@@ -109,6 +109,11 @@ sp_driver_t *sp_driver_unavailable_create(sp_loop_t *loop, const char *why)
     return &u->base;
 }
 
+size_t sp_driver_insecure(sp_driver_t *d, const char **out, size_t n)
+{
+    return d != NULL && d->ops->insecure != NULL ? d->ops->insecure(d, out, n) : 0;
+}
+
 void sp_driver_destroy(sp_driver_t *d)
 {
     if (d != NULL)

@@ -76,6 +76,10 @@ typedef struct {
     /* Synchronous, cheap: resource figures. -1 with SP_ENOTFOUND when there is no VM. */
     int (*stats)(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t *err);
     void (*free)(sp_driver_t *d);
+    /* Optional: the isolation this driver runs without, by the operator's choice or the
+     * host's lack ("no-jail", "no-seccomp", "no-cgroups", or "...: VMs do not start"), for
+     * /healthz: at most n static strings into out, the count returned. */
+    size_t (*insecure)(sp_driver_t *d, const char **out, size_t n);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */
@@ -90,6 +94,9 @@ struct sp_driver {
  * succeeds on the absent VM. why is copied.
  */
 sp_driver_t *sp_driver_unavailable_create(sp_loop_t *loop, const char *why);
+
+/* d->ops->insecure, or 0 when the driver has none (or d is NULL). */
+size_t sp_driver_insecure(sp_driver_t *d, const char **out, size_t n);
 
 /* d->ops->free(d); NULL does nothing. */
 void sp_driver_destroy(sp_driver_t *d);

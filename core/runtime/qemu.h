@@ -1,13 +1,15 @@
 /*
  * qemu.h - the QEMU microvm runtime driver (core/runtime/driver.h).
  *
- * One QEMU process per sandbox, in its own session and process group (it
+ * One QEMU process per sandbox, jailed (qemu/confine.c: its own uid, no capabilities,
+ * its own namespaces, a root holding only its files), in its own session and process group (it
  * survives spaced) and its own cgroups (core/runtime/cgroup.h: space.slice/vm-<id> on
  * v2, space/vm-<id> in the cpu, memory and pids hierarchies on v1) limiting it
  * to cpu_count CPUs, memory_mb plus QEMU's overhead (512 MiB under TCG, 128
  * MiB under KVM) and 512 tasks. QEMU joins them before exec; a VM whose group
- * cannot be made boots without limits (logged), one that cannot join fails to
- * boot. Hosts with no usable cgroup layout run VMs without limits (warned once).
+ * cannot be made, or that cannot join it, fails to boot (unless opts.insecure_no_cgroups:
+ * then it boots without limits, logged). The same without QEMU's seccomp sandbox
+ * (opts.insecure_no_seccomp). <data-dir>/vms is 0700.
  * Per-VM files live in <data-dir>/vms/<id>/:
  *
  *   disk.qcow2   qcow2 overlay over the template's read-only base
@@ -136,6 +138,13 @@ typedef struct {
                            * serving spaced may use: adopts no VM, leaves other live processes'
                            * snapshot builders alone, refuses boot and restore; only
                            * sp_qemu_template_snapshot is meant for it */
+    /* Confinement (qemu/confine.c, core/runtime/jail.h). By default (zeroes) each QEMU is
+     * jailed when spaced is root, and VMs do not start without QEMU's seccomp sandbox or
+     * without their cgroup. */
+    const char *jail_uid_range; /* "START:COUNT" of the uids VMs run as; NULL: 900000:65536 */
+    int no_jail;                /* 1: QEMU runs unjailed (insecure; for comparisons) */
+    int insecure_no_seccomp;    /* 1: start VMs even where QEMU has no -sandbox */
+    int insecure_no_cgroups;    /* 1: start VMs even without their cgroup */
 } sp_qemu_opts_t;
 
 /* Creates the driver; strings are copied. Never blocks on a VM: probes and

@@ -468,13 +468,16 @@ static void start_qemu(struct vm *vm)
 
     sp_cgroup_join_t join;
     bool cg = sp_qemu__cg_create(vm, &join);
-    struct spawn_opts so = {.out_path = log,
-                            .stdin_fd = -1,
-                            .cg = cg ? &join : NULL,
-                            .sandbox = vm->id,
-                            .new_session = true};
+    const char *refuse = sp_qemu__confine_refusal(d, cg);
+    if (refuse != NULL) {
+        sp_log(SP_LOG_ERROR, "qemu", "vm not started sandbox=%s reason=\"%s\"", vm->id, refuse);
+        free(base);
+        sp_cgroup_join_close(&join);
+        sp_qemu__boot_fail(vm, "%s", refuse);
+        return;
+    }
     sp_err_t e;
-    vm->pid = sp_qemu__spawn(argv, &so, &vm->pidfd, &e);
+    vm->pid = sp_qemu__confine_spawn(vm, argv, log, cg ? &join : NULL, &vm->pidfd, &e);
     free(base);
     sp_cgroup_join_close(&join);
     if (vm->pid < 0) {
@@ -607,7 +610,7 @@ static void start_disk(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
     vm->ph = PH_DISK;
-    if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
+    if (mkdir(d->vms_dir, 0700) < 0 && errno != EEXIST) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
         sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");
         return;
@@ -690,7 +693,7 @@ static void record_accel_ex(sp_qemu_t *d, const char *why, bool probed)
         host_boot_id(bid, sizeof bid);
     int n = sp_qemu__sfmt(buf, sizeof buf, "%s\n%s\n%s%s%s", d->accel == 1 ? "kvm" : "tcg", why,
                           bid[0] ? "probe boot_id=" : "", bid, bid[0] ? "\n" : "");
-    if (mkdir(d->vms_dir, 0755) == 0 || errno == EEXIST)
+    if (mkdir(d->vms_dir, 0700) == 0 || errno == EEXIST)
         sp_qemu__write_atomic(p, buf, (size_t)n);
     sp_log(SP_LOG_INFO, "qemu", "accelerator=%s reason=\"%s\"", d->accel == 1 ? "kvm" : "tcg", why);
 }
@@ -778,8 +781,13 @@ static void on_sandbox_probe(struct child *c, int st, bool timed_out, void *arg)
     if (d->sandbox)
         sp_log(SP_LOG_INFO, "qemu", "qemu seccomp sandbox available: -sandbox %s",
                SP_QEMU_SANDBOX_ARG);
+    else if (d->allow_no_seccomp)
+        sp_log(SP_LOG_WARN, "qemu",
+               "qemu has no usable -sandbox: VMs run without seccomp (--insecure-no-seccomp)");
     else
-        sp_log(SP_LOG_WARN, "qemu", "qemu has no usable -sandbox: VMs run without seccomp");
+        sp_log(SP_LOG_ERROR, "qemu",
+               "qemu has no usable -sandbox: VMs do not start unless spaced runs with "
+               "--insecure-no-seccomp");
     sp_qemu__kick(d);
 }
 

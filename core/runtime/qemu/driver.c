@@ -198,6 +198,7 @@ void sp_qemu__vm_free(struct vm *vm)
     free(vm->hostname);
     free(vm->env_json);
     free(vm->clone_src);
+    sp_qemu__confine_release(vm); /* its QEMU is gone, or the driver is */
     free(vm);
 }
 
@@ -494,6 +495,7 @@ struct vm *sp_qemu__vm_adopt(sp_qemu_t *d, const char *id, pid_t pid)
     sp_qemu__vm_path(vm, "paused", p, sizeof p);
     vm->paused = sp_qemu__file_exists(p);
     vm->cg = sp_cgroup_vm_exists(d->cg, id); /* groups outlive spaced: nothing to redo */
+    sp_qemu__confine_adopted(vm);            /* its uid stays taken */
     vm->pw = sp_watch_create(d->base.loop, vm->pidfd, sp_qemu__on_vm_exit, vm);
     if (vm->pw == NULL) {
         sp_qemu__vm_unlink(vm);
@@ -953,9 +955,15 @@ static void q_free(sp_driver_t *base)
         free(t);
     }
     sp_cgroup_destroy(d->cg);
+    sp_qemu__confine_free(d);
     free(d->qemu);
     free(d->qemu_img);
     free(d);
+}
+
+static size_t q_insecure(sp_driver_t *base, const char **out, size_t n)
+{
+    return sp_qemu__confine_insecure((sp_qemu_t *)base, out, n);
 }
 
 const sp_driver_ops_t sp_qemu__ops = {
@@ -970,6 +978,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .agent = q_agent,
     .stats = q_stats,
     .free = q_free,
+    .insecure = q_insecure,
 };
 
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)
@@ -1059,10 +1068,16 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_log(SP_LOG_INFO, "qemu", "template snapshots off: every boot is a cold boot");
         d->pool_size = 0;
     }
-    if (mkdir(d->vms_dir, 0755) < 0 && errno != EEXIST) {
+    /* 0700: each QEMU reaches its own directory through its jail's bind mount, never
+     * through vms/ */
+    if ((mkdir(d->vms_dir, 0700) < 0 && errno != EEXIST) || chmod(d->vms_dir, 0700) < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", d->vms_dir, strerror(errno));
         q_free(&d->base);
         sp_err_set(err, SP_ERUNTIME, "cannot create the VM directory");
+        return NULL;
+    }
+    if (sp_qemu__confine_init(d, o, err) < 0) {
+        q_free(&d->base);
         return NULL;
     }
 
@@ -1095,9 +1110,11 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     sp_qemu__start_sandbox_probe(d);
     d->cg = sp_cgroup_create();
     if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE)
-        sp_log(SP_LOG_WARN, "qemu",
-               "no per-VM cgroup limits: %s (VMs run without cpu/memory/pids limits)",
-               sp_cgroup_why(d->cg));
+        sp_log(SP_LOG_WARN, "qemu", "no per-VM cgroup limits: %s (%s)", sp_cgroup_why(d->cg),
+               d->allow_no_cgroups ? "--insecure-no-cgroups: VMs run without cpu/memory/pids "
+                                     "limits"
+                                   : "VMs do not start unless spaced runs with "
+                                     "--insecure-no-cgroups");
     else
         sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
     adopt_all(d);

@@ -15,6 +15,8 @@
  *   tsnap.c     template snapshots: keys, builders, warmup, commit, collection
  *   pool.c      spare clones
  *   util.c      small helpers: files, child processes, cgroups, console log
+ *   confine.c   the jail each QEMU runs in (core/runtime/jail.h), its uid, the refusals
+ *               without seccomp or cgroups
  *
  * Everything runs on the driver's loop but the jobs of sums.c. For core/runtime/qemu/ only.
  */
@@ -29,6 +31,7 @@
 #include "core/channel/agentconn.h"
 #include "core/channel/exec.h"
 #include "core/runtime/cgroup.h"
+#include "core/runtime/jail.h"
 #include "core/runtime/migdelta.h"
 #include "core/runtime/qemu.h"
 #include "core/runtime/qmp.h"
@@ -238,6 +241,7 @@ struct vm {
     int verify_errno;        /* a mismatch) */
     /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
     bool cg;
+    uid_t jail_uid; /* its QEMU's uid and gid (confine.c); 0: none held */
     /* template snapshots */
     struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
     struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
@@ -305,6 +309,14 @@ struct sp_qemu {
     sp_timer_t pool_timer;
     struct poolwant *wants;
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+    /* confinement (confine.c) */
+    bool jail;                  /* QEMUs are jailed (root, not --no-jail) */
+    sp_jail_ids_t *jail_ids;    /* their uids */
+    char jail_stage[PATH_MAX];  /* <data>/jail: where each jail's tmpfs is mounted, in its
+                                 * own mount namespace */
+    bool allow_no_seccomp;      /* --insecure-no-seccomp */
+    bool allow_no_cgroups;      /* --insecure-no-cgroups */
+    struct ramfd *ramfds;       /* template RAM files as sealed memfds */
 };
 
 /* How sp_qemu__spawn starts a child. */
@@ -407,6 +419,17 @@ void sp_qemu__pool_count(bool hit);
 /* The pool's size as a gauge, read at each scrape while the driver lives. */
 void sp_qemu__pool_metrics_start(sp_qemu_t *d);
 void sp_qemu__pool_metrics_stop(sp_qemu_t *d);
+
+/* ---- confine.c: the jail ---- */
+
+int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err);
+void sp_qemu__confine_free(sp_qemu_t *d);
+const char *sp_qemu__confine_refusal(const sp_qemu_t *d, bool have_cgroup);
+size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n);
+pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                             const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err);
+void sp_qemu__confine_adopted(struct vm *vm);
+void sp_qemu__confine_release(struct vm *vm);
 
 /* ---- util.c: helpers ---- */
 

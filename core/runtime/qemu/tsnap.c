@@ -660,6 +660,22 @@ void sp_qemu__tsnap_warmup(struct vm *vm)
     }
 }
 
+/* The builder's files were its jailed QEMU's (confine.c): they become spaced's, and the
+ * directory readable by every VM's uid (clones see it through their jail's read-only bind),
+ * so that no VM's uid owns what every clone maps. */
+static int freeze_owner(const struct vm *vm)
+{
+    static const char *const names[] = {
+        "mem.ram", "disk.qcow2", "snapshot/devstate", "template-snapshot.json", "snapshot", ""};
+    char p[PATH_MAX + 48];
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        sp_qemu__sfmt(p, sizeof p, "%s%s%s", vm->dir, names[i][0] ? "/" : "", names[i]);
+        if (lchown(p, geteuid(), getegid()) < 0 && errno != ENOENT)
+            return -1;
+    }
+    return chmod(vm->dir, 0755);
+}
+
 /* The builder's QEMU quit after its device state, RAM file and overlay were made durable
  * (snap_commit): freeze the files and commit the directory by rename. */
 void sp_qemu__tsnap_commit(struct vm *vm)
@@ -707,6 +723,8 @@ void sp_qemu__tsnap_commit(struct vm *vm)
         if (!ok)
             why = "manifest";
     }
+    if (why == NULL && freeze_owner(vm) < 0)
+        why = "ownership";
     if (why == NULL) {
         sp_qemu__fsync_path(vm->dir, O_RDONLY | O_DIRECTORY);
         if (rename(vm->dir, t->dir) < 0) {

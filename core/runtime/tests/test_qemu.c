@@ -13,8 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "loop/loop.h"
 #include "core/runtime/qemu.h"
+#include "core/runtime/qemu/qemu_int.h" /* the seccomp verdict and the refusal */
+#include "loop/loop.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop;
@@ -153,6 +154,74 @@ static void test_qemu_refusals(void)
     sp_driver_destroy(d);
 }
 
+static bool has_insecure(sp_driver_t *d, const char *what)
+{
+    const char *ins[8];
+    size_t n = sp_driver_insecure(d, ins, 8);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(ins[i], what) == 0)
+            return true;
+    return false;
+}
+
+/* A QEMU whose seccomp probe fails (/bin/false stands in: the probe result is faked): VMs are
+ * refused, and /healthz's list says so, unless the operator said --insecure-no-seccomp. The
+ * same for cgroups. */
+static void test_qemu_refuses_without_seccomp(void)
+{
+    for (int allow = 0; allow < 2; allow++) {
+        sp_qemu_opts_t o = {.data_dir = dir,
+                            .accel = "tcg",
+                            .qemu = "/bin/false",
+                            .qemu_img = "/bin/true",
+                            .insecure_no_seccomp = allow};
+        sp_err_t e;
+        sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+        REQUIRE(d != NULL);
+        sp_qemu_t *q = (sp_qemu_t *)d;
+        for (int i = 0; i < 400 && q->sandbox < 0; i++)
+            sp_loop_run_once(loop, 10);
+        REQUIRE(q->sandbox == 0);
+        const char *why = sp_qemu__confine_refusal(q, true);
+        if (allow) {
+            CHECK(why == NULL);
+            CHECK(has_insecure(d, "no-seccomp"));
+        } else {
+            CHECK(why != NULL && strstr(why, "--insecure-no-seccomp") != NULL);
+            CHECK(has_insecure(d, "no-seccomp: VMs do not start"));
+        }
+        /* a VM without its cgroup: refused unless --insecure-no-cgroups */
+        q->sandbox = 1;
+        CHECK(sp_qemu__confine_refusal(q, true) == NULL);
+        why = sp_qemu__confine_refusal(q, false);
+        CHECK(why != NULL && strstr(why, "--insecure-no-cgroups") != NULL);
+        q->allow_no_cgroups = true;
+        CHECK(sp_qemu__confine_refusal(q, false) == NULL);
+        /* root jails unless told not to; vms/ is 0700 either way */
+        CHECK(has_insecure(d, "no-jail") == (geteuid() != 0));
+        struct stat st;
+        char p[512];
+        snprintf(p, sizeof p, "%s/vms", dir);
+        REQUIRE(stat(p, &st) == 0);
+        CHECK((st.st_mode & 0777) == 0700);
+        sp_driver_destroy(d);
+    }
+    sp_qemu_opts_t o = {
+        .data_dir = dir, .qemu = "/bin/true", .qemu_img = "/bin/true", .no_jail = 1};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(has_insecure(d, "no-jail"));
+    sp_driver_destroy(d);
+    if (geteuid() == 0) {
+        sp_qemu_opts_t bad = {.data_dir = dir,
+                              .qemu = "/bin/true",
+                              .qemu_img = "/bin/true",
+                              .jail_uid_range = "0:100"};
+        CHECK(sp_qemu_create(loop, &bad, &e) == NULL && e.code == SP_EINVAL);
+    }
+}
+
 int main(void)
 {
     REQUIRE(mkdtemp(dir) != NULL);
@@ -162,6 +231,7 @@ int main(void)
     test_qemu_destroy_absent_succeeds();
     test_qemu_probe_leftovers_and_snapshot();
     test_qemu_refusals();
+    test_qemu_refuses_without_seccomp();
     pump();
     sp_loop_destroy(loop);
     char cmd[600];

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""What the jailer costs a create: create -> first command with every QEMU jailed (the default)
+and with `--no-jail`, in alternating rounds on the same data dir and database.
+
+  bench/jail_bench.py BUILD_DIR [DATA_DIR]
+
+Two paths, each A/B:
+  - no spare (SPACE_POOL_SIZE=0): each create starts a QEMU restoring the template snapshot, so
+    the jail (plan, clone into namespaces, mounts, pivot_root, dropping privileges) is on the
+    path of every create;
+  - spare clone ready (the default pool): the spare's QEMU was started (jailed) before the
+    create; the create renames and starts it.
+Also the spawn itself from spaced's debug log (`qemu spawned ... spawn_us=`): jailed, up to
+QEMU's exec; unjailed, the fork. Medians; machines here are shared and noisy.
+Environment: BENCH_CREATES (15 per mode and round), BENCH_ROUNDS (2), BENCH_GAP (1.0 s).
+"""
+import os
+import re
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from benchlib import Platform, line  # noqa: E402
+from harness import Spaced  # noqa: E402
+from lifecycle_bench import Api  # noqa: E402
+
+N = int(os.environ.get("BENCH_CREATES", "15"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+GAP = float(os.environ.get("BENCH_GAP", "1.0"))
+
+
+def run(p, jail, pool):
+    env = {} if pool else {"SPACE_POOL_SIZE": "0"}
+    args = ["--log-level", "debug"] + ([] if jail else ["--no-jail"])
+    s = Spaced(binary=p.spaced, data_dir=p.data, database_url=p.pg.url, env=env, args=args)
+    s.key = p.s.key
+    s.start()
+    try:
+        api = Api(s)
+        api.delete(api.create())  # warm: snapshot verdicts, the sealed template RAM, spares
+        time.sleep(GAP)
+        ms = api.creates(N, GAP if pool else 0.0)
+    finally:
+        s.stop()
+    with open(s.log_path) as f:
+        us = [int(x) for x in re.findall(r"qemu spawned .* spawn_us=(\d+)", f.read())]
+    return ms, us
+
+
+def main():
+    p = Platform(sys.argv, templates=("base",), drop_env=("SPACE_COLD_BOOT",)).start()
+    p.s.stop()
+    res = {}
+    try:
+        for pool in (False, True):
+            for _ in range(ROUNDS):
+                for jail in (True, False):
+                    ms, us = run(p, jail, pool)
+                    k = (pool, jail)
+                    a, b = res.get(k, ([], []))
+                    res[k] = (a + ms, b + us)
+        for pool in (False, True):
+            name = "spare clone ready" if pool else "no spare"
+            on, off = res[(pool, True)], res[(pool, False)]
+            line("create -> first command, %s, jailed" % name, on[0])
+            line("create -> first command, %s, --no-jail" % name, off[0])
+            print("%-52s %+8.1f ms" % ("  jailed - unjailed (medians)",
+                                        statistics.median(on[0]) - statistics.median(off[0])),
+                  flush=True)
+            if on[1] and off[1]:
+                line("  QEMU spawn, jailed (up to exec)", [u / 1000 for u in on[1]])
+                line("  QEMU spawn, --no-jail (fork)", [u / 1000 for u in off[1]])
+    finally:
+        p.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+/*
+ * confine.c - what the QEMU driver requires of a VM's confinement and how its QEMU is jailed
+ * (core/runtime/jail.h): the uid each VM's QEMU runs as, the view it gets (the QEMU binary
+ * and libraries, /dev/null, /dev/zero, /dev/urandom, /dev/kvm only under KVM, the VM's own
+ * directory, its kernel, initramfs and disk backing chain read-only, a clone's template RAM as
+ * a sealed memfd), and the refusals when seccomp or cgroups are missing.
+ *
+ * Template RAM: QEMU 7.2 opens a memory-backend-file O_RDWR even for share=off (a private
+ * map), so a read-only bind of the template's mem.ram fails and a writable one would let one
+ * VM change the pages every other clone maps. Each template snapshot's RAM is copied once per
+ * driver into a memfd sealed against writes, growth and shrinking (its holes stay holes): QEMU
+ * opens it read-write (as /proc/self/fd/N: the jail mounts a proc of its own PID namespace,
+ * processes only, since a memfd cannot be bind-mounted) and maps it private, and no process
+ * can change it. Kept until the
+ * driver goes or the snapshot is collected (a few hundred MB per template size in use, like
+ * the page cache it replaces; charged to spaced's memory, not the VMs'). Made on the loop at
+ * the first clone of a snapshot (a spare's, usually).
+ *
+ * The VM's directory stays spaced's (prepare_vm_dir): QEMU gets its writable files made for
+ * it and its QMP and agent sockets as listening fds spaced bound (the command line says fd=
+ * instead of path=), so nothing there is QEMU's to replace or link.
+ *
+ * Does not build QEMU's command line (boot.c) nor decide the cgroup limits (util.c).
+ */
+#include "core/runtime/qemu/qemu_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/log.h"
+
+#define RAM_COPY_CHUNK (1u << 20)
+#define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
+
+struct ramfd {
+    struct ramfd *next;
+    char dir[PATH_MAX];
+    int fd;
+};
+
+int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err)
+{
+    d->allow_no_seccomp = o->insecure_no_seccomp != 0;
+    d->allow_no_cgroups = o->insecure_no_cgroups != 0;
+    char why[256];
+    if (o->no_jail) {
+        sp_log(SP_LOG_WARN, "qemu",
+               "jailer OFF (--no-jail): every QEMU runs as spaced's user, in its namespaces, "
+               "with its file system view; insecure, for comparison only");
+        return 0;
+    }
+    if (!sp_jail_supported(why, sizeof why)) {
+        sp_log(SP_LOG_WARN, "qemu",
+               "jailer not used: %s; not done: own uid per VM, capability drop, mount/pid/ipc/"
+               "uts/net namespaces, pivot_root (still done: no_new_privs via seccomp, fds "
+               "closed)",
+               why);
+        return 0;
+    }
+    uint32_t start = SP_JAIL_UID_START_DEFAULT, count = SP_JAIL_UID_COUNT_DEFAULT;
+    if (o->jail_uid_range != NULL && sp_jail_range_parse(o->jail_uid_range, &start, &count) < 0)
+        return sp_err_set(err, SP_EINVAL,
+                          "--jail-uid-range wants START:COUNT (decimal, not including 0)");
+    if (getuid() >= start && getuid() - start < count)
+        return sp_err_set(err, SP_EINVAL, "--jail-uid-range must not include spaced's own uid");
+    d->jail_ids = sp_jail_ids_create(start, count, getuid());
+    if (d->jail_ids == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    char qp[PATH_MAX], real[PATH_MAX];
+    if (!sp_qemu__resolve_program(d->qemu, qp) || realpath(qp, real) == NULL)
+        return sp_err_set(err, SP_ERUNTIME, "cannot resolve the QEMU binary");
+    char *nq = strdup(real);
+    if (nq == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    free(d->qemu);
+    d->qemu = nq; /* exec'd by path inside the jail: no PATH there */
+    sp_qemu__sfmt(d->jail_stage, sizeof d->jail_stage, "%s/jail", d->data_dir);
+    if (mkdir(d->jail_stage, 0700) < 0 && errno != EEXIST)
+        return sp_err_set(err, SP_ERUNTIME, "cannot create the jail mount point");
+    d->jail = true;
+    sp_log(SP_LOG_INFO, "qemu",
+           "jailer on: each QEMU as its own uid from %u:%u, no capabilities, no_new_privs, new "
+           "mount/pid/ipc/uts/net namespaces, pivot_root into its own tmpfs",
+           (unsigned)start, (unsigned)count);
+    return 0;
+}
+
+void sp_qemu__confine_free(sp_qemu_t *d)
+{
+    while (d->ramfds != NULL) {
+        struct ramfd *r = d->ramfds;
+        d->ramfds = r->next;
+        close(r->fd);
+        free(r);
+    }
+    sp_jail_ids_destroy(d->jail_ids);
+    d->jail_ids = NULL;
+}
+
+const char *sp_qemu__confine_refusal(const sp_qemu_t *d, bool have_cgroup)
+{
+    if (d->sandbox != 1 && !d->allow_no_seccomp)
+        return "this host's QEMU cannot run with its seccomp sandbox (-sandbox on,...): VMs do "
+               "not start unless spaced runs with --insecure-no-seccomp";
+    if (!have_cgroup && !d->allow_no_cgroups)
+        return "the VM's cgroup (cpu, memory, pids limits) cannot be made: VMs do not start "
+               "unless spaced runs with --insecure-no-cgroups";
+    return NULL;
+}
+
+size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n)
+{
+    size_t k = 0;
+    if (!d->jail && k < n)
+        out[k++] = "no-jail";
+    if (d->sandbox == 0 && k < n)
+        out[k++] = d->allow_no_seccomp ? "no-seccomp" : "no-seccomp: VMs do not start";
+    if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE && k < n)
+        out[k++] = d->allow_no_cgroups ? "no-cgroups" : "no-cgroups: VMs do not start";
+    return k;
+}
+
+/* A sealed memfd with the content of dir/mem.ram (made once per driver and dir). -1 and a
+ * log line when it cannot be made. */
+static int ram_fd(sp_qemu_t *d, const char *dir)
+{
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL;) {
+        struct ramfd *r = *pp;
+        if (strcmp(r->dir, dir) == 0)
+            return r->fd;
+        if (access(r->dir, F_OK) < 0 && errno == ENOENT) {
+            /* collected (tsnap.c): its running clones keep their own maps */
+            *pp = r->next;
+            close(r->fd);
+            free(r);
+            continue;
+        }
+        pp = &r->next;
+    }
+    char p[PATH_MAX + 16];
+    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", dir);
+    uint64_t t0 = sp_qemu__mono_ms();
+    int in = open(p, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    int mfd = -1;
+    char *buf = NULL;
+    if (in < 0 || fstat(in, &st) < 0)
+        goto fail;
+    mfd = memfd_create("space-template-ram", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    buf = malloc(RAM_COPY_CHUNK);
+    if (mfd < 0 || buf == NULL || ftruncate(mfd, st.st_size) < 0)
+        goto fail;
+    /* Only the data extents, and in them only non-zero pages: the memfd keeps the file's
+     * holes, so it costs what the template's guest touched. */
+    off_t off = 0;
+    while (off < st.st_size) {
+        off_t data = lseek(in, off, SEEK_DATA);
+        if (data < 0) {
+            if (errno == ENXIO)
+                break;
+            goto fail;
+        }
+        off_t hole = lseek(in, data, SEEK_HOLE);
+        if (hole < 0)
+            goto fail;
+        for (off_t at = data; at < hole;) {
+            size_t want =
+                (size_t)(hole - at) < RAM_COPY_CHUNK ? (size_t)(hole - at) : RAM_COPY_CHUNK;
+            ssize_t r = pread(in, buf, want, at);
+            if (r <= 0)
+                goto fail;
+            for (ssize_t pg = 0; pg < r; pg += 4096) {
+                size_t len = (size_t)(r - pg) < 4096 ? (size_t)(r - pg) : 4096;
+                bool zero = true;
+                for (size_t i = 0; i < len && zero; i += 8) {
+                    uint64_t v = 0;
+                    memcpy(&v, buf + pg + i, len - i < 8 ? len - i : 8);
+                    zero = v == 0;
+                }
+                if (!zero && pwrite(mfd, buf + pg, len, at + pg) != (ssize_t)len)
+                    goto fail;
+            }
+            at += r;
+        }
+        off = hole;
+    }
+    if (fcntl(mfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
+        goto fail;
+    struct ramfd *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        goto fail;
+    sp_qemu__sfmt(r->dir, sizeof r->dir, "%s", dir);
+    r->fd = mfd;
+    r->next = d->ramfds;
+    d->ramfds = r;
+    free(buf);
+    close(in);
+    sp_log(SP_LOG_INFO, "qemu", "template RAM sealed for jailed clones dir=%s ms=%llu", dir,
+           (unsigned long long)(sp_qemu__mono_ms() - t0));
+    return mfd;
+fail:
+    sp_log(SP_LOG_ERROR, "qemu", "cannot seal the template RAM dir=%s err=%s", dir,
+           strerror(errno));
+    free(buf);
+    if (in >= 0)
+        close(in);
+    if (mfd >= 0)
+        close(mfd);
+    return -1;
+}
+
+/* The backing file named in a qcow2 header, into out[PATH_MAX]; false if none. */
+static bool qcow2_backing(const char *path, char *out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    uint8_t h[20];
+    bool ok = pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h && memcmp(h, "QFI\xfb", 4) == 0;
+    uint64_t off = 0;
+    uint32_t len = 0;
+    for (int i = 0; ok && i < 8; i++)
+        off = off << 8 | h[8 + i];
+    for (int i = 0; ok && i < 4; i++)
+        len = len << 8 | h[16 + i];
+    ok = ok && off > 0 && len > 0 && len < PATH_MAX &&
+         pread(fd, out, len, (off_t)off) == (ssize_t)len;
+    close(fd);
+    if (ok)
+        out[len] = '\0';
+    return ok && out[0] == '/';
+}
+
+static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
+{
+    sp_qemu_t *d = vm->d;
+    static const char *const links[] = {"/lib", "/lib64", "/lib32", "/libx32"};
+    char chain[PATH_MAX], next[PATH_MAX];
+    if (sp_jail_bind(j, d->qemu, 0) < 0 || sp_jail_bind(j, "/usr/lib", 0) < 0 ||
+        sp_jail_bind(j, "/usr/lib64", SP_JAIL_OPT) < 0 ||
+        sp_jail_bind(j, "/usr/share/qemu", SP_JAIL_OPT) < 0 ||
+        sp_jail_bind(j, "/usr/share/seabios", SP_JAIL_OPT) < 0 ||
+        sp_jail_bind(j, "/etc/ld.so.cache", SP_JAIL_OPT) < 0 ||
+        sp_jail_mirror_root_links(j, links, sizeof links / sizeof links[0]) < 0 ||
+        sp_jail_bind(j, "/dev/null", SP_JAIL_DEV | SP_JAIL_RW) < 0 ||
+        sp_jail_bind(j, "/dev/zero", SP_JAIL_DEV | SP_JAIL_RW) < 0 ||
+        sp_jail_bind(j, "/dev/urandom", SP_JAIL_DEV) < 0 ||
+        (d->accel == 1 && sp_jail_bind(j, "/dev/kvm", SP_JAIL_DEV | SP_JAIL_RW) < 0) ||
+        sp_jail_bind(j, vm->dir, SP_JAIL_RW) < 0 || sp_jail_bind(j, vm->tp->kernel, 0) < 0 ||
+        (vm->tp->initramfs[0] != '\0' && sp_jail_bind(j, vm->tp->initramfs, 0) < 0))
+        return -1;
+    if (vm->clone_src != NULL) {
+        /* the template's RAM as a sealed memfd, reopened through the jail's own /proc (a
+         * memfd cannot be bind-mounted); its disk comes with the backing chain below */
+        *memfd = ram_fd(d, vm->clone_src);
+        if (*memfd < 0 || sp_jail_mount_proc(j) < 0)
+            return -1;
+    }
+    sp_qemu__vm_path(vm, "disk.qcow2", chain, sizeof chain);
+    for (int k = 0; k < CHAIN_MAX && qcow2_backing(chain, next); k++) {
+        if (sp_jail_bind(j, next, 0) < 0)
+            return -1;
+        memcpy(chain, next, sizeof chain);
+    }
+    return 0;
+}
+
+/* The VM directory stays spaced's (0711: QEMU may only walk it), so that QEMU can neither
+ * replace what spaced reads or writes there (vm.json, qemu.pid, snapshot/, the sockets it
+ * connects to) nor plant links for spaced to follow. The files QEMU opens read-write are
+ * made beforehand and become its uid's: the disk overlay, the console log and, for a VM with
+ * RAM of its own, an empty mem.ram (QEMU sizes an empty file). 0 or -1 with errno. */
+static int prepare_vm_dir(const struct vm *vm)
+{
+    uid_t u = vm->jail_uid;
+    if (chown(vm->dir, geteuid(), getegid()) < 0 || chmod(vm->dir, 0711) < 0)
+        return -1;
+    static const char *const names[] = {"disk.qcow2", "console.log", "mem.ram"};
+    char p[PATH_MAX + 16];
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        bool create = i == 1 || (i == 2 && vm->clone_src == NULL);
+        sp_qemu__vm_path(vm, names[i], p, sizeof p);
+        int fd = open(p, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+        if (fd < 0 && errno == ENOENT && !create)
+            continue;
+        if (fd < 0 || fchown(fd, u, u) < 0 || fchmod(fd, 0600) < 0) {
+            int e = errno;
+            if (fd >= 0)
+                close(fd);
+            errno = e;
+            return -1;
+        }
+        close(fd);
+    }
+    return 0;
+}
+
+/* A listening unix socket at the VM's path for name, made by spaced and handed to QEMU
+ * (chardev fd=): the socket file is spaced's, in spaced's directory. -1 with errno. */
+static int listen_at(const struct vm *vm, const char *name)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    char p[PATH_MAX + 16];
+    sp_qemu__vm_path(vm, name, p, sizeof p);
+    if (strlen(p) >= sizeof sa.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(sa.sun_path, p, strlen(p) + 1);
+    unlink(p);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || chmod(p, 0600) < 0 ||
+        listen(fd, 8) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                        const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err);
+
+pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                             const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err)
+{
+    sp_qemu_t *d = vm->d;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    pid_t pid;
+    if (d->jail) {
+        pid = jail_spawn(vm, argv, log_path, cg, pidfd, err);
+    } else {
+        struct spawn_opts so = {
+            .out_path = log_path, .stdin_fd = -1, .cg = cg, .sandbox = vm->id, .new_session = true};
+        pid = sp_qemu__spawn(argv, &so, pidfd, err);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    /* spawn_us: jailed, plan + clone + namespaces + mounts + pivot + drop, up to exec;
+     * unjailed, fork (bench/jail_bench.py compares them) */
+    if (pid > 0)
+        sp_log(SP_LOG_DEBUG, "qemu", "qemu spawned sandbox=%s pid=%d jail=%d uid=%u spawn_us=%lld",
+               vm->id, (int)pid, (int)d->jail, (unsigned)vm->jail_uid,
+               (long long)(t1.tv_sec - t0.tv_sec) * 1000000 + (t1.tv_nsec - t0.tv_nsec) / 1000);
+    return pid;
+}
+
+static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
+                        const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err)
+{
+    sp_qemu_t *d = vm->d;
+    if (vm->jail_uid == 0 && sp_jail_ids_take(d->jail_ids, &vm->jail_uid) < 0) {
+        vm->jail_uid = 0;
+        sp_log(SP_LOG_ERROR, "qemu", "no free uid in the jail range sandbox=%s in_use=%u", vm->id,
+               sp_jail_ids_used(d->jail_ids));
+        sp_err_set(err, SP_ERUNTIME, "no free uid for the VM (--jail-uid-range is exhausted)");
+        return -1;
+    }
+    sp_jail_t *j = sp_jail_new(d->jail_stage, vm->jail_uid, vm->jail_uid);
+    int memfd = -1, qmp_fd = -1, agent_fd = -1;
+    size_t argc = 0;
+    while (argv[argc] != NULL)
+        argc++;
+    char **av = calloc(argc + 3, sizeof(*av));
+    char qmpdev[64], agentdev[64];
+    if (j == NULL || av == NULL || prepare_vm_dir(vm) < 0 || plan_vm(vm, j, &memfd) < 0 ||
+        (qmp_fd = listen_at(vm, "qmp.sock")) < 0 || (agent_fd = listen_at(vm, "agent.sock")) < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot prepare the jail sandbox=%s err=%s", vm->id,
+               strerror(errno));
+        sp_jail_free(j);
+        free(av);
+        if (qmp_fd >= 0)
+            close(qmp_fd);
+        sp_err_set(err, SP_ERUNTIME, "cannot prepare the VM's jail");
+        return -1;
+    }
+    /* QMP and the agent's chardev listen on the sockets spaced made (see listen_at) */
+    sp_qemu__sfmt(qmpdev, sizeof qmpdev, "socket,id=qmp0,fd=%d,server=on,wait=off",
+                  sp_jail_pass_fd(j, qmp_fd));
+    sp_qemu__sfmt(agentdev, sizeof agentdev, "socket,id=agent,fd=%d,server=on,wait=off",
+                  sp_jail_pass_fd(j, agent_fd));
+    char memobj[128] = "";
+    if (memfd >= 0) /* the same backend, private, on the sealed copy */
+        sp_qemu__sfmt(memobj, sizeof memobj,
+                      "memory-backend-file,id=mem,size=%dM,mem-path=/proc/self/fd/%d,share=off",
+                      vm->memory_mb, sp_jail_pass_fd(j, memfd));
+    size_t k = 0;
+    for (size_t i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "-qmp") == 0 && i + 1 < argc) {
+            av[k++] = "-chardev";
+            av[k++] = qmpdev;
+            av[k++] = "-mon";
+            av[k++] = "chardev=qmp0,mode=control";
+            i++;
+        } else if (strncmp(argv[i], "socket,id=agent,", 16) == 0) {
+            av[k++] = agentdev;
+        } else if (memobj[0] != '\0' && strncmp(argv[i], "memory-backend-file,", 20) == 0) {
+            av[k++] = memobj;
+        } else {
+            av[k++] = argv[i];
+        }
+    }
+    av[k] = NULL;
+    if (vm->disk_total > 0) /* no file of a VM grows past its disk, its RAM, and slack */
+        sp_jail_set_fsize(j, vm->disk_total + ((uint64_t)vm->memory_mb << 20) + (1ull << 30));
+    int out = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    int in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    char why[256] = "";
+    pid_t pid = -1;
+    if (out >= 0 && in >= 0)
+        pid = sp_jail_spawn(j, av, NULL, in, out, cg, pidfd, why, sizeof why);
+    else
+        sp_qemu__sfmt(why, sizeof why, "stdio: %s", strerror(errno));
+    if (out >= 0)
+        close(out);
+    if (in >= 0)
+        close(in);
+    close(qmp_fd); /* QEMU holds them now; once it is gone, connecting is refused */
+    close(agent_fd);
+    free(av);
+    sp_jail_free(j);
+    if (pid < 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "jailed qemu not started sandbox=%s uid=%u step=\"%s\"",
+               vm->id, (unsigned)vm->jail_uid, why);
+        sp_err_set(err, SP_ERUNTIME, "cannot start the VM in its jail");
+        return -1;
+    }
+    return pid;
+}
+
+void sp_qemu__confine_adopted(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    if (!d->jail)
+        return;
+    char p[64], buf[2048];
+    sp_qemu__sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);
+    if (sp_qemu__read_small(p, buf, sizeof buf) <= 0)
+        return;
+    const char *u = strstr(buf, "\nUid:");
+    unsigned long uid = u != NULL ? strtoul(u + 5, NULL, 10) : 0;
+    if (uid != 0 && sp_jail_ids_claim(d->jail_ids, (uid_t)uid) == 0)
+        vm->jail_uid = (uid_t)uid;
+    else if (uid == 0)
+        sp_log(SP_LOG_WARN, "qemu", "re-adopted vm runs unjailed (started so) sandbox=%s", vm->id);
+}
+
+void sp_qemu__confine_release(struct vm *vm)
+{
+    if (vm->jail_uid != 0)
+        sp_jail_ids_put(vm->d->jail_ids, vm->jail_uid);
+    vm->jail_uid = 0;
+}
