@@ -90,7 +90,7 @@ static int take(spc_args_t *a, int i, const char *shown, const char *val, sp_err
     return 0;
 }
 
-static int parse(const spc_cmd_t *cmd, int argc, char **argv, spc_args_t *a, sp_err_t *err)
+static int parse_opts(const spc_cmd_t *cmd, int argc, char **argv, spc_args_t *a, sp_err_t *err)
 {
     int k = 0;
     for (; k < argc; k++) {
@@ -158,6 +158,20 @@ static int parse(const spc_cmd_t *cmd, int argc, char **argv, spc_args_t *a, sp_
     if (cmd->program && a->nrest == 0)
         return sp_err_set(err, SP_EINVAL, "missing the command to run (after --)");
     return 0;
+}
+
+/* A usage error does not hide --help: asking for help anywhere before "--" shows it. */
+static int parse(const spc_cmd_t *cmd, int argc, char **argv, spc_args_t *a, sp_err_t *err)
+{
+    if (parse_opts(cmd, argc, argv, a, err) == 0)
+        return 0;
+    for (int k = 0; k < argc && strcmp(argv[k], "--") != 0; k++) {
+        if (strcmp(argv[k], "-h") == 0 || strcmp(argv[k], "--help") == 0) {
+            a->help = true;
+            return 0;
+        }
+    }
+    return -1;
 }
 
 int spc_args_parse(const spc_cmd_t *cmd, int argc, char **argv, spc_args_t *a, sp_err_t *err)

@@ -81,6 +81,15 @@ static void test_args(void)
     REQUIRE(parse(&t_two, &a, &e, "--help", NULL) == 0);
     CHECK(a.help);
     spc_args_free(&a);
+    /* ...also after a bad option or value, but not after "--" (the program's own). */
+    REQUIRE(parse(&t_cmd, &a, &e, "sb1", "--cpu", "99", "--help", NULL) == 0);
+    CHECK(a.help);
+    spc_args_free(&a);
+    REQUIRE(parse(&t_cmd, &a, &e, "sb1", "--nope", "-h", NULL) == 0);
+    CHECK(a.help);
+    spc_args_free(&a);
+    CHECK(parse(&t_cmd, &a, &e, "sb1", "--nope", "--", "--help", NULL) < 0);
+    spc_args_free(&a);
 
     /* Usage errors, each with a message that names the problem. */
     CHECK(parse(&t_cmd, &a, &e, "sb1", "--nope", NULL) < 0 && strstr(e.msg, "--nope") != NULL);
