@@ -6,6 +6,7 @@ root. Runs its own PostgreSQL so the shared data dir only holds images and VMs.
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -241,6 +242,19 @@ class VmApiTest(unittest.TestCase):
         moved = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
         self.assertEqual(moved, {"create": 1, "pause": 5, "suspend": 6, "wake": 10, "delete": 1},
                          moved)
+
+    def test_a_new_size_builds_a_template_snapshot(self):
+        # A size no create asked for before (a fresh one each run: the data dir is shared) gets
+        # its template snapshot built on first use, and the operator's counter says so.
+        builds0 = self.total("space_template_snapshot_builds_total")
+        mem = 258 + 2 * random.randrange(0, 60)
+        sid = self.create(memory_mb=mem)
+        self.assertEqual(self.run_cmd(sid, {"cmd": "echo up"})["stdout"], "up\n")
+        deadline = time.time() + 60 * MULT
+        while self.total("space_template_snapshot_builds_total") <= builds0:
+            self.assertLess(time.time(), deadline, "no template snapshot build counted (%d MiB)"
+                            % mem)
+            time.sleep(0.5)
 
     def test_idle_limit_suspends_a_real_vm(self):
         sid = self.create(idle_timeout_s=3)
