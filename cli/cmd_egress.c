@@ -36,7 +36,7 @@ static const spc_cmd_t set_cmd = {
     "Rules: example.com, *.example.com (subdomains only), 203.0.113.0/24, 2001:db8::/32, * ;\n"
     "each may end in :port. Private, loopback and metadata addresses stay closed unless an\n"
     "address rule names them. The stored policy is printed.\n\n"
-    "  spacectl egress set sb123 --internet off --allow pypi.org --allow '*.pythonhosted.org'",
+    "  spacectl egress set sb123 --internet off --allow api.example.com --allow '*.example.org'",
     set_opts, "ID", 1, 1, false};
 
 static void print_policy(const json_t *p)
