@@ -432,8 +432,9 @@ class SpacectlTest(unittest.TestCase):
             self.start_shell(24, 80)
             # The first prompt; then a command and the terminal it runs on.
             self.tmux("send-keys", "-t", "sh", "echo hi$((6*7)); tty", "Enter")
-            out = self.wait_pane("hi42")
-            self.assertIn("/dev/pts/", out)
+            self.wait_pane("hi42")
+            out = self.wait_pane("/dev/pts/")  # tty answers a moment after the echo
+            self.assertIn("hi42", out)
             self.tmux("send-keys", "-t", "sh", "stty size", "Enter")
             self.wait_pane("24 80")
             self.tmux("resize-window", "-t", "sh", "-x", "101", "-y", "33")
