@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include "core/channel/agentconn.h"
+#include "base/buf.h"
 #include "base/log.h"
+#include "base/metrics.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop; /* one per process: h2o's evloop has no destructor */
@@ -664,13 +666,35 @@ static void test_agentconn_output_bounded(void)
     fake_free(&f);
 }
 
+/* One unlabelled series from the rendered /metrics text (what a scraper sees); -1 if absent. */
+static double metric(const char *name)
+{
+    sp_buf_t b = {0};
+    CHECK(sp_metrics_render(&b) == 0);
+    double v = -1;
+    size_t n = strlen(name);
+    for (const char *p = (const char *)b.p, *end = p + b.len; p != NULL && p < end;) {
+        if (strncmp(p, name, n) == 0 && p[n] == ' ')
+            v = strtod(p + n + 1, NULL);
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        p = nl != NULL ? nl + 1 : NULL;
+    }
+    sp_buf_free(&b);
+    return v;
+}
+
 static void test_agentconn_server_close_reconnects(void)
 {
     struct fake f;
     struct state st = {0};
     fake_init(&f, "close.sock");
     fake_listen(&f);
+    double connects0 = metric("space_agent_channel_connects_total");
+    double reconnects0 = metric("space_agent_channel_reconnects_total");
+    double losses0 = metric("space_agent_channel_losses_total");
     sp_agentconn_t *c = connect_up(&f, &st);
+    CHECK(metric("space_agent_channel_connects_total") == connects0 + 1);
+    CHECK(metric("space_agent_channel_reconnects_total") == reconnects0);
     struct sink k = {0};
     uint32_t id;
     open_proc(c, &f, &k, &id);
@@ -684,6 +708,10 @@ static void test_agentconn_server_close_reconnects(void)
     CHECK(st.downs == 1);
     CHECK(run_until(conn_is_up, c, 2000));
     CHECK(st.ups == 2 && f.hellos == 2 && f.accepts == 2);
+    /* The second HELLO answered on the same channel is a reconnection, not a first connect. */
+    CHECK(metric("space_agent_channel_reconnects_total") == reconnects0 + 1);
+    CHECK(metric("space_agent_channel_connects_total") == connects0 + 1);
+    CHECK(metric("space_agent_channel_losses_total") == losses0 + 1);
 
     /* The new session works. */
     struct sink k2 = {0};
