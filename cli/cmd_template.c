@@ -1,11 +1,16 @@
 /*
- * cmd_template.c - spacectl template list | build.
+ * cmd_template.c - spacectl template list | build | delete.
  *
- * Templates are built on the server's host (spaced template build NAME: a root filesystem
- * from the host's apt sources and a snapshot); the API lists them but cannot build them yet,
- * and build says so instead of pretending.
+ * build makes a team's own template from another one through the API (POST /v1/templates:
+ * steps run in a builder VM) and follows its log live; the built-in templates are still built
+ * on the server's host (spaced template build NAME).
  */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/api.h"
 #include "cli/cmd.h"
+#include "cli/http.h"
 #include "cli/table.h"
 
 static const spc_opt_t list_opts[] = {
@@ -18,14 +23,43 @@ static const spc_cmd_t list_cmd = {"template list", NULL,
                                    list_opts, NULL, 0, 0, false};
 
 static const spc_opt_t build_opts[] = {
+    {"from", 0, SPC_STR, "TEMPLATE", "the template to start from (default: the file's, else base)",
+     0, 0},
+    {"file", 'f', SPC_STR, "PATH", "a build request as JSON (POST /v1/templates); options add to it",
+     0, 0},
+    {"env", 'e', SPC_LIST, "K=V", "an env step before the run steps (repeatable)", 0, 0},
+    {"workdir", 'w', SPC_STR, "DIR", "a workdir step before the run steps", 0, 0},
+    {"user", 'u', SPC_STR, "USER", "a user step before the run steps", 0, 0},
+    {"run", 'r', SPC_LIST, "CMD", "a run step: a shell line (repeatable, in order)", 0, 0},
+    {"start-cmd", 0, SPC_STR, "CMD", "left running in the template's snapshot", 0, 0},
+    {"ready-cmd", 0, SPC_STR, "CMD", "polled until it exits 0 before the snapshot", 0, 0},
+    {"cpus", 0, SPC_INT, "N", "default vCPUs of its sandboxes", 1, 64},
+    {"memory", 0, SPC_INT, "MB", "default memory of its sandboxes", 128, 65536},
+    {"force", 0, SPC_FLAG, NULL, "build even when a version with these inputs exists", 0, 0},
+    {"no-follow", 0, SPC_FLAG, NULL, "print the build and return without following its log", 0,
+     0},
+    {"json", 0, SPC_FLAG, NULL, "print the build's JSON at the end (the log goes to stderr)", 0,
+     0},
     {NULL, 0, 0, NULL, NULL, 0, 0},
 };
 
 static const spc_cmd_t build_cmd = {
-    "template build", "NAME", "Build a template (not available through the API yet).",
-    "Templates are built on the server's host: spaced template build NAME (specs in\n"
-    "templates/NAME/template.json). This command exits with status 2.",
-    build_opts, "NAME", 0, 1, false};
+    "template build", "NAME [options]", "Build a template from another one, through the API.",
+    "Boots a builder from --from, runs the steps (env, workdir and user steps first, then each\n"
+    "--run in order), freezes its disk into a new version of NAME and takes its snapshot with\n"
+    "--start-cmd running. Follows the build's log; exits 0 when the build succeeded.\n"
+    "Example: spacectl template build web --from base --run 'apt-get update && apt-get install\n"
+    "-y nginx' --start-cmd 'nginx -g \"daemon off;\"' --ready-cmd 'curl -sf localhost'",
+    build_opts, "NAME", 1, 1, false};
+
+static const spc_opt_t delete_opts[] = {
+    {NULL, 0, 0, NULL, NULL, 0, 0},
+};
+
+static const spc_cmd_t delete_cmd = {
+    "template delete", "NAME", "Delete one of your team's templates.",
+    "Its running and suspended sandboxes are not affected; new sandboxes cannot be made from it.",
+    delete_opts, "NAME", 1, 1, false};
 
 static int run_list(spc_args_t *a)
 {
@@ -66,16 +100,177 @@ static int run_list(spc_args_t *a)
     return 0;
 }
 
+/* The build request: --file's, then the options' steps and fields over it. */
+static json_t *build_request(spc_args_t *a, sp_err_t *e)
+{
+    json_t *req;
+    const char *file = spc_args_str(a, "file");
+    if (file != NULL) {
+        json_error_t je;
+        req = json_load_file(file, 0, &je);
+        if (!json_is_object(req)) {
+            json_decref(req);
+            sp_err_set(e, SP_EINVAL, "%s: not a JSON object (%s)", file, je.text);
+            return NULL;
+        }
+    } else {
+        req = json_object();
+    }
+    json_object_set_new(req, "name", json_string(a->pos[0]));
+    if (spc_args_str(a, "from") != NULL)
+        json_object_set_new(req, "from", json_string(spc_args_str(a, "from")));
+    else if (json_object_get(req, "from") == NULL)
+        json_object_set_new(req, "from", json_string("base"));
+    json_t *steps = json_object_get(req, "steps");
+    if (steps == NULL) {
+        steps = json_array();
+        json_object_set_new(req, "steps", steps);
+    }
+    size_t n;
+    const char *const *env = spc_args_list(a, "env", &n);
+    if (n > 0) {
+        json_t *o = json_object();
+        for (size_t i = 0; i < n; i++) {
+            const char *eq = strchr(env[i], '=');
+            if (eq == NULL || eq == env[i]) {
+                json_decref(o);
+                json_decref(req);
+                sp_err_set(e, SP_EINVAL, "--env %s: want NAME=VALUE", env[i]);
+                return NULL;
+            }
+            char k[257];
+            snprintf(k, sizeof(k), "%.*s", (int)(eq - env[i] > 256 ? 256 : eq - env[i]), env[i]);
+            json_object_set_new(o, k, json_string(eq + 1));
+        }
+        json_array_append_new(steps, json_pack("{s:o}", "env", o));
+    }
+    if (spc_args_str(a, "workdir") != NULL)
+        json_array_append_new(steps, json_pack("{s:s}", "workdir", spc_args_str(a, "workdir")));
+    if (spc_args_str(a, "user") != NULL)
+        json_array_append_new(steps, json_pack("{s:s}", "user", spc_args_str(a, "user")));
+    const char *const *runs = spc_args_list(a, "run", &n);
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(steps, json_pack("{s:s}", "run", runs[i]));
+    if (spc_args_str(a, "start-cmd") != NULL)
+        json_object_set_new(req, "start_cmd", json_string(spc_args_str(a, "start-cmd")));
+    if (spc_args_str(a, "ready-cmd") != NULL)
+        json_object_set_new(req, "ready_cmd", json_string(spc_args_str(a, "ready-cmd")));
+    if (spc_args_count(a, "cpus"))
+        json_object_set_new(req, "cpu_count", json_integer(spc_args_int(a, "cpus", 0)));
+    if (spc_args_count(a, "memory"))
+        json_object_set_new(req, "memory_mb", json_integer(spc_args_int(a, "memory", 0)));
+    if (spc_args_count(a, "force"))
+        json_object_set_new(req, "force", json_true());
+    return req;
+}
+
+/* Prints the log from its start while the build runs (one streamed request with follow). */
+static void follow_log(spc_api_t *api, const char *logs_url, FILE *out)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s?follow=true", logs_url);
+    spc_req_t rq = {.method = "GET", .path = path, .bearer = api->key[0] ? api->key : NULL,
+                    .timeout_ms = 0};
+    sp_err_t e;
+    spc_resp_t *r = spc_http_send(&api->url, &rq, &e);
+    if (r == NULL || spc_resp_status(r) != 200) {
+        if (r != NULL)
+            spc_api_error(api, r, &e);
+        fprintf(stderr, "spacectl: cannot follow the build's log: %s\n", e.msg);
+        spc_resp_free(r);
+        return;
+    }
+    const char *line;
+    size_t len;
+    while (spc_resp_line(r, &line, &len, &e) == 1) {
+        json_t *o = json_loadb(line, len, 0, NULL);
+        const char *text = json_string_value(json_object_get(o, "line"));
+        const char *stream = json_string_value(json_object_get(o, "stream"));
+        long long step = json_integer_value(json_object_get(o, "step"));
+        if (text != NULL && stream != NULL && strcmp(stream, "build") != 0)
+            fprintf(out, "  [%lld] %s\n", step, text);
+        else if (text != NULL)
+            fprintf(out, "%s\n", text);
+        json_decref(o);
+        fflush(out);
+    }
+    spc_resp_free(r);
+}
+
 static int run_build(spc_args_t *a)
 {
-    fprintf(stderr, "spacectl: building templates through the API is not available yet; build "
-                    "%s on the server's host with: spaced template build %s\n",
-            a->npos ? a->pos[0] : "a template", a->npos ? a->pos[0] : "NAME");
-    return SPC_EXIT_USAGE;
+    spc_api_t api;
+    sp_err_t e;
+    if (spc_api(&api) < 0)
+        return SPC_EXIT_FAIL;
+    json_t *req = build_request(a, &e);
+    if (req == NULL)
+        return spc_fail(&e);
+    json_t *ans;
+    int rc = spc_api_call(&api, "POST", "/v1/templates", req, &ans, NULL, &e);
+    json_decref(req);
+    if (rc < 0)
+        return spc_fail(&e);
+    json_t *b = json_object_get(ans, "build");
+    bool json = spc_args_count(a, "json") > 0;
+    if (spc_args_count(a, "no-follow")) {
+        if (json)
+            rc = spc_print_json(ans);
+        else
+            printf("build %s of %s: %s\n", spc_str(b, "id"), spc_str(b, "template"),
+                   spc_str(b, "status"));
+        json_decref(ans);
+        return rc;
+    }
+    FILE *out = json ? stderr : stdout;
+    fprintf(out, "build %s of %s\n", spc_str(b, "id"), spc_str(b, "template"));
+    fflush(out);
+    char logs[512], path[600];
+    snprintf(logs, sizeof(logs), "%s", spc_str(b, "logs_url"));
+    follow_log(&api, logs, out);
+    /* the log ended: the build has ended too (or the connection went: ask until it has) */
+    char base[400];
+    snprintf(base, sizeof(base), "%.*s", (int)(strlen(logs) - 5), logs); /* without "/logs" */
+    json_decref(ans);
+    for (;;) {
+        snprintf(path, sizeof(path), "%s?wait=300", base);
+        if (spc_api_call(&api, "GET", path, NULL, &ans, NULL, &e) < 0)
+            return spc_fail(&e);
+        b = json_object_get(ans, "build");
+        const char *st = spc_str(b, "status");
+        if (strcmp(st, "succeeded") == 0 || strcmp(st, "failed") == 0)
+            break;
+        json_decref(ans);
+    }
+    bool ok = strcmp(spc_str(b, "status"), "succeeded") == 0;
+    if (json)
+        spc_print_json(ans);
+    else if (ok)
+        printf("template %s: version %.12s ready%s\n", spc_str(b, "template"),
+               spc_str(b, "version"), json_is_true(json_object_get(b, "cached")) ? " (cached)" : "");
+    if (!ok)
+        fprintf(stderr, "spacectl: build failed: %s\n", spc_str(b, "error"));
+    json_decref(ans);
+    return ok ? 0 : SPC_EXIT_FAIL;
+}
+
+static int run_delete(spc_args_t *a)
+{
+    spc_api_t api;
+    sp_err_t e;
+    char path[256];
+    if (spc_api(&api) < 0)
+        return SPC_EXIT_FAIL;
+    spc_path(path, sizeof(path), "/v1/templates/%s", a->pos[0]);
+    if (spc_api_call(&api, "DELETE", path, NULL, NULL, NULL, &e) < 0)
+        return spc_fail(&e);
+    printf("template %s deleted\n", a->pos[0]);
+    return 0;
 }
 
 const spc_verb_t spc_template_verbs[] = {
     {"list", &list_cmd, run_list},
     {"build", &build_cmd, run_build},
+    {"delete", &delete_cmd, run_delete},
     {NULL, NULL, NULL},
 };

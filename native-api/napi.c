@@ -35,6 +35,11 @@ void sp_napi_set_admin(sp_napi_t *n, sp_admin_t *admin)
     n->admin = admin;
 }
 
+void sp_napi_set_tmpl(sp_napi_t *n, sp_tmpl_t *tmpl)
+{
+    n->tmpl = tmpl;
+}
+
 void sp_napi_destroy(sp_napi_t *n)
 {
     if (n == NULL)
@@ -196,9 +201,15 @@ void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const ch
 
 json_t *sp_napi__template_json(const sp_template_rec_t *t)
 {
-    return json_pack("{s:s,s:s,s:i,s:i,s:s,s:s}", "name", t->name, "description",
-                     t->description, "cpu_count", t->cpu_count, "memory_mb", t->memory_mb,
-                     "status", t->status, "updated_at", t->updated_at);
+    json_t *o = json_pack("{s:s,s:s,s:i,s:i,s:s,s:s,s:b}", "name", t->name, "description",
+                          t->description, "cpu_count", t->cpu_count, "memory_mb", t->memory_mb,
+                          "status", t->status, "updated_at", t->updated_at, "builtin",
+                          t->builtin);
+    json_object_set_new(o, "version", t->version[0] ? json_string(t->version) : json_null());
+    json_object_set_new(o, "parent", t->parent[0] ? json_string(t->parent) : json_null());
+    json_object_set_new(o, "last_build_id",
+                        t->last_build_id[0] ? json_string(t->last_build_id) : json_null());
+    return o;
 }
 
 /* ---- routing ---- */
@@ -213,8 +224,18 @@ struct route {
 };
 
 static const struct route routes[] = {
-    {M_GET, {"v1", "templates", NULL}, {sp_napi__templates_list, NULL, NULL}, false},
-    {M_GET, {"v1", "templates", "*", NULL}, {sp_napi__templates_get, NULL, NULL}, false},
+    {M_GET | M_POST,
+     {"v1", "templates", NULL},
+     {sp_napi__templates_list, sp_napi__templates_build, NULL},
+     true},
+    {M_GET | M_DELETE,
+     {"v1", "templates", "*", NULL},
+     {sp_napi__templates_get, NULL, sp_napi__templates_delete},
+     false},
+    {M_GET, {"v1", "templates", "*", "builds", "*", NULL}, {sp_napi__builds_get, NULL, NULL},
+     false},
+    {M_GET, {"v1", "templates", "*", "builds", "*", "logs", NULL},
+     {sp_napi__builds_logs, NULL, NULL}, false},
     {M_GET | M_POST,
      {"v1", "sandboxes", NULL},
      {sp_napi__sandboxes_list, sp_napi__sandboxes_create, NULL},

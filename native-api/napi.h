@@ -17,6 +17,7 @@
 
 #include "core/control/admin.h"
 #include "core/control/svc.h"
+#include "core/control/tmpl.h"
 
 typedef struct sp_napi sp_napi_t;
 
@@ -29,6 +30,9 @@ void sp_napi_set_driver(sp_napi_t *n, sp_driver_t *driver);
 
 /* The admin routes' operations (borrowed; outlives n). Without them, /v1/admin answers 503. */
 void sp_napi_set_admin(sp_napi_t *n, sp_admin_t *admin);
+
+/* Template builds (borrowed; outlives n). Without them, building answers 503. */
+void sp_napi_set_tmpl(sp_napi_t *n, sp_tmpl_t *tmpl);
 
 /* Whether path belongs to this API (/v1/ and /healthz). */
 bool sp_napi_owns(h2o_req_t *req);

@@ -20,6 +20,7 @@ struct sp_napi {
     sp_driver_t *driver;        /* the attach path's way to a VM's agent; may be NULL */
     sp_session_tab_t *sessions; /* command sessions (route_sessions.c) */
     sp_admin_t *admin;          /* the /v1/admin routes' operations; NULL: they answer 503 */
+    sp_tmpl_t *tmpl;            /* template builds (route_templates.c); NULL: they answer 503 */
 };
 
 /* One request's state across its asynchronous steps, in its hold. */
@@ -148,6 +149,10 @@ void sp_napi__cmdspec_clear(napi_cmdspec_t *s);
 /* Route handlers (the context is authenticated and validated for shape). */
 void sp_napi__templates_list(napi_ctx_t *c);
 void sp_napi__templates_get(napi_ctx_t *c);
+void sp_napi__templates_build(napi_ctx_t *c);
+void sp_napi__templates_delete(napi_ctx_t *c);
+void sp_napi__builds_get(napi_ctx_t *c);
+void sp_napi__builds_logs(napi_ctx_t *c);
 void sp_napi__sandboxes_create(napi_ctx_t *c);
 void sp_napi__sandboxes_list(napi_ctx_t *c);
 void sp_napi__sandboxes_get(napi_ctx_t *c);

@@ -29,7 +29,7 @@ static void on_templates(void *arg, const sp_template_rec_t *recs, size_t n, con
 void sp_napi__templates_list(napi_ctx_t *c)
 {
     sp_err_t e;
-    if (sp_svc_templates(c->n->svc, NULL, on_templates, c, &e) < 0)
+    if (sp_svc_templates(c->n->svc, &c->auth, NULL, on_templates, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 
@@ -38,7 +38,7 @@ void sp_napi__templates_get(napi_ctx_t *c)
     sp_err_t e;
     if (strlen(c->segs[2]) > 64)
         sp_napi__fail(c, (sp_err_set(&e, SP_ENOTFOUND, "template not found"), &e));
-    else if (sp_svc_templates(c->n->svc, c->segs[2], on_templates, c, &e) < 0)
+    else if (sp_svc_templates(c->n->svc, &c->auth, c->segs[2], on_templates, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

@@ -146,10 +146,41 @@ class SpacectlTest(unittest.TestCase):
         names = [t["name"] for t in json.loads(self.ok("template", "list", "--json").stdout)
                  ["templates"]]
         self.assertIn("base", names)
-        r = self.ctl("template", "build", "base")
-        self.assertEqual(r.returncode, 2, r)
-        self.assertIn("not available", r.stderr)
-        self.assertIn("spaced template build base", r.stderr)
+        # A built-in name is not the team's to build.
+        r = self.ctl("template", "build", "code-interpreter-v1", "--from", "base", "--run", "true")
+        self.assertEqual(r.returncode, 1, r)
+        self.assertIn("taken", r.stderr)
+        # A build through the API, its log followed live (each run step's output under its
+        # number), then a sandbox of it, then the template deleted.
+        nonce = "n%d" % os.getpid()
+        r = self.ctl("template", "build", "clitpl", "--from", "base", "--env", "WHO=cli",
+                     "--run", "echo built-$WHO-%s > /etc/clitpl" % nonce,
+                     "--run", "echo second-step-output", "--force")
+        self.assertEqual(r.returncode, 0, r)
+        self.assertIn("  [3] second-step-output", r.stdout.splitlines())
+        self.assertIn("template clitpl: version", r.stdout)
+        listed = self.ok("template", "list").stdout
+        self.assertIn("clitpl ", listed)
+        out = self.ok("sandbox", "create", "--template", "clitpl", "--wait", "--json",
+                      timeout=240).stdout
+        sid = json.loads(out)["sandbox"]["id"]
+        try:
+            r = self.ctl("exec", sid, "--", "sh", "-c", 'cat /etc/clitpl; echo "$WHO"')
+            self.assertEqual((r.returncode, r.stdout), (0, "built-cli-%s\ncli\n" % nonce), r)
+        finally:
+            self.ctl("sandbox", "delete", sid)
+        r = self.ctl("template", "build", "clitpl", "--run", "exit 9", "--from", "clitpl")
+        self.assertEqual(r.returncode, 1, r)  # from itself: refused before anything runs
+        self.assertIn("itself", r.stderr)
+        r = self.ctl("template", "build", "clitpl", "--run", "echo boom; exit 9")
+        self.assertEqual(r.returncode, 1, r)
+        self.assertIn("exited with code 9", r.stderr)
+        self.assertIn("boom", r.stdout)
+        self.assertIn("clitpl deleted", self.ok("template", "delete", "clitpl").stdout)
+        self.assertNotIn("clitpl ", self.ok("template", "list").stdout)
+        r = self.ctl("template", "delete", "base")
+        self.assertEqual(r.returncode, 1, r)
+        self.assertIn("built in", r.stderr)
 
     # ---- exec ----
 

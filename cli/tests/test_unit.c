@@ -581,8 +581,8 @@ static void test_help(void)
                 break;
         }
     }
-    /* sandbox (7), exec, shell, cp, logs, template (2), secrets (3), egress (2), login. */
-    CHECK(nverbs == 19);
+    /* sandbox (7), exec, shell, cp, logs, template (3), secrets (3), egress (2), login. */
+    CHECK(nverbs == 20);
 }
 
 int main(void)

@@ -244,19 +244,29 @@ static void templates_done(void *rec, PGresult *res, const sp_err_t *err)
         recs[i].memory_mb = atoi(PQgetvalue(res, i, 3));
         copy(recs[i].status, sizeof(recs[i].status), PQgetvalue(res, i, 4));
         copy(recs[i].updated_at, sizeof(recs[i].updated_at), PQgetvalue(res, i, 5));
+        recs[i].builtin = PQgetvalue(res, i, 6)[0] == 't';
+        copy(recs[i].version, sizeof(recs[i].version), PQgetvalue(res, i, 7));
+        copy(recs[i].parent, sizeof(recs[i].parent), PQgetvalue(res, i, 8));
+        copy(recs[i].last_build_id, sizeof(recs[i].last_build_id), PQgetvalue(res, i, 10));
     }
     cb(c->arg, recs, (size_t)n, NULL);
     free(recs);
 }
 
-int sp_svc_templates(sp_svc_t *svc, const char *name, sp_svc_templates_cb cb, void *arg,
-                     sp_err_t *err)
+int sp_svc_templates(sp_svc_t *svc, const sp_auth_t *a, const char *name,
+                     sp_svc_templates_cb cb, void *arg, sp_err_t *err)
 {
-    const char *p[] = {name};
+    const char *p[] = {name, a->team_id};
     return submit(svc,
                   "SELECT name, description, cpu_count, memory_mb, status, " TS("updated_at")
-                  " FROM templates WHERE $1::text IS NULL OR name = $1 ORDER BY name",
-                  1, p, templates_done, (void *)cb, arg, name != NULL, err);
+                  ", team_id IS NULL, coalesce(build_id, ''), coalesce(parent, ''),"
+                  " (SELECT max(" TS("b.created_at") ") FROM template_builds b"
+                  "  WHERE b.template = t.name AND b.team_id = $2),"
+                  " (SELECT b.id FROM template_builds b WHERE b.template = t.name"
+                  "  AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 1)"
+                  " FROM templates t WHERE ($1::text IS NULL OR name = $1)"
+                  " AND deleted_at IS NULL AND (team_id IS NULL OR team_id = $2) ORDER BY name",
+                  2, p, templates_done, (void *)cb, arg, name != NULL, err);
 }
 
 /* ---- sandboxes ---- */
@@ -358,12 +368,13 @@ static int create_submit(struct create *cr, sp_err_t *err)
 {
     int rc = submit(
         cr->svc,
-        "WITH t AS (SELECT name, cpu_count, memory_mb FROM templates WHERE name = $3),"
+        "WITH t AS (SELECT name, cpu_count, memory_mb, env FROM templates WHERE name = $3"
+        "  AND deleted_at IS NULL AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
         "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
         "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
         "  egress)"
-        "  SELECT $1, $2, t.name, $4::jsonb, $5::jsonb, $6::int,"
+        "  SELECT $1, $2, t.name, $4::jsonb, t.env || coalesce($5::jsonb, '{}'), $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"

@@ -43,6 +43,10 @@ typedef struct {
     int memory_mb;
     char status[16]; /* unbuilt | building | ready | failed */
     char updated_at[32];
+    bool builtin;        /* everyone's (compiled in); else the caller's team's */
+    char version[65];    /* the current version's hash; "" when none */
+    char parent[65];     /* "" for a built-in one */
+    char last_build_id[SP_ID_LEN + 1]; /* the team's latest build of it; "" when none */
 } sp_template_rec_t;
 
 typedef struct {
@@ -139,8 +143,9 @@ void sp_svc_destroy(sp_svc_t *svc);
 int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void *arg,
                         sp_err_t *err);
 
-int sp_svc_templates(sp_svc_t *svc, const char *name /* NULL = all */, sp_svc_templates_cb cb,
-                     void *arg, sp_err_t *err);
+/* The templates the team can use: the built-in ones and its own (not deleted). */
+int sp_svc_templates(sp_svc_t *svc, const sp_auth_t *a, const char *name /* NULL = all */,
+                     sp_svc_templates_cb cb, void *arg, sp_err_t *err);
 
 /* Validates req (SP_EINVAL), creates the record and its "create" operation. The egress
  * policy and the credential rules are checked first (SP_EINVAL naming the bad rule; rules

@@ -80,6 +80,12 @@ typedef struct {
      * host's lack ("no-jail", "no-seccomp", "no-cgroups", or "...: VMs do not start"), for
      * /healthz: at most n static strings into out, the count returned. */
     size_t (*insecure)(sp_driver_t *d, const char **out, size_t n);
+    /* Optional (template builds): writes the paused VM's disk as it is now into dest, a new
+     * qcow2 image (mode 0444) whose backing file is base, holding what differs from base
+     * (base must be in the disk's backing chain: the template image the VM was made from).
+     * SP_ECONFLICT when the VM is not paused; dest must not exist. NULL: not supported. */
+    int (*export_disk)(sp_driver_t *d, const char *id, const char *base, const char *dest,
+                       sp_driver_cb cb, void *arg, sp_err_t *err);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */

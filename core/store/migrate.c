@@ -128,6 +128,30 @@ static const char *const migrations[] = {
     "  cert_pem text NOT NULL,"
     "  key_box text NOT NULL,"
     "  created_at timestamptz NOT NULL DEFAULT now());",
+    /* 5: templates built through the API (core/control/tmpl.h). A template with a team_id is
+     * that team's (NULL: built in, everyone's); env is given to its sandboxes' processes;
+     * deleted_at hides a deleted one (its row stays: sandboxes name it). template_builds is
+     * one row per build, its log in <data-dir>/builds/<id>.ndjson. */
+    "ALTER TABLE templates ADD COLUMN team_id text REFERENCES teams(id),"
+    "  ADD COLUMN env jsonb NOT NULL DEFAULT '{}',"
+    "  ADD COLUMN parent text,"
+    "  ADD COLUMN deleted_at timestamptz;"
+    "CREATE TABLE template_builds ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  template text NOT NULL REFERENCES templates(name),"
+    "  status text NOT NULL,"
+    "  request jsonb NOT NULL,"
+    "  hash text,"
+    "  cached boolean NOT NULL DEFAULT false,"
+    "  failed_step int,"
+    "  error text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  started_at timestamptz,"
+    "  finished_at timestamptz);"
+    "CREATE INDEX template_builds_template ON template_builds (template, created_at DESC);"
+    "CREATE INDEX template_builds_open ON template_builds (status)"
+    "  WHERE status IN ('queued', 'building');",
 };
 
 int sp_migrate_latest(void)

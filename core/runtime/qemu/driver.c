@@ -178,6 +178,7 @@ void sp_qemu__vm_free(struct vm *vm)
         sp_qemu__child_free(vm->sync);
         vm->sync = NULL;
     }
+    sp_qemu__export_abort(vm);
     if (vm->pidfd >= 0)
         close(vm->pidfd);
     if (vm->snap_fd >= 0)
@@ -979,6 +980,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .stats = q_stats,
     .free = q_free,
     .insecure = q_insecure,
+    .export_disk = sp_qemu__q_export_disk,
 };
 
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)

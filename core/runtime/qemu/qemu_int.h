@@ -224,6 +224,7 @@ struct vm {
     bool snap_was_paused;
     sp_timer_t snap_timer;
     struct child *sync;
+    struct export *export; /* export_disk in flight (export.c) */
     uint64_t snap_start_ms;
     struct sumjob *sum;     /* checksums in flight (suspend: computing; restore: verifying) */
     struct sumjob *delta;   /* suspend of a clone: the stream's RAM delta being filtered */
@@ -364,6 +365,12 @@ int sp_qemu__cached_probe_verdict(sp_qemu_t *d);
 void sp_qemu__record_accel(sp_qemu_t *d, const char *why);
 void sp_qemu__start_sandbox_probe(sp_qemu_t *d);
 void sp_qemu__on_kick(sp_timer_t *t, void *arg);
+
+/* ---- export.c: a paused VM's disk written out as an image (template builds) ---- */
+
+int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backing,
+                           const char *dest, sp_driver_cb cb, void *arg, sp_err_t *err);
+void sp_qemu__export_abort(struct vm *vm);
 
 /* ---- snapshot.c: suspend and wake ---- */
 

@@ -1,0 +1,1628 @@
+/*
+ * tmpl.c - template builds through the API (tmpl.h): validation, the build's record, the
+ * builder VM's steps, the new version's files, the log.
+ *
+ * A build in memory (struct build) exists from its accepted request until its record says
+ * how it ended; its phase says which one asynchronous call is in flight (at most one), so a
+ * failure or the time limit only marks it failed and the in-flight call's callback takes it
+ * on to tear-down: destroy the builder if one was booted, then record the failure.
+ */
+#include "core/control/tmpl.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/buf.h"
+#include "base/ids.h"
+#include "base/log.h"
+#include "core/channel/exec.h"
+#include "core/runtime/qemu.h"
+#include "guest/tmplbuild.h"
+
+#define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+#define BUILD_COLS                                                                                 \
+    "b.id, b.template, b.status, coalesce(b.hash, ''), b.cached, coalesce(b.failed_step, 0), "    \
+    "coalesce(b.error, ''), " TS("b.created_at") ", coalesce(" TS("b.started_at") ", ''), "        \
+    "coalesce(" TS("b.finished_at") ", '')"
+#define TAIL_MAX   2048 /* bytes of a failed step's output quoted in the error */
+#define LINE_MAX_B 8192 /* a longer output line is split */
+#define ENV_FILE   "/etc/space/template.env"
+
+enum phase {
+    P_ACCEPT = 0, /* the INSERT of its record in flight */
+    P_QUEUED,
+    P_BOOT,    /* driver boot in flight */
+    P_EXEC,    /* an exec (step, env file, sync) in flight */
+    P_PAUSE,   /* driver pause in flight */
+    P_EXPORT,  /* driver export_disk in flight */
+    P_DESTROY, /* driver destroy in flight */
+    P_TSNAP,   /* template snapshot in flight */
+    P_RECORD,  /* the final UPDATE in flight */
+};
+
+struct waiter {
+    struct waiter *next;
+    struct build *b;
+    sp_tmpl_t *t;
+    sp_auth_t auth;
+    char name[65], id[SP_ID_LEN + 1];
+    sp_tmpl_build_cb cb;
+    void *arg;
+    sp_timer_t timer;
+};
+
+struct build {
+    struct build *next;
+    sp_tmpl_t *t;
+    char id[SP_ID_LEN + 1];
+    char team[SP_ID_LEN + 1];
+    char name[65];
+    char parent[65];
+    char vm_id[32];
+    char hash[SP_TMPLBUILD_HASH_LEN + 1];
+    sp_tmplbuild_paths_t pp; /* the parent's current version */
+    json_t *req;             /* the request as validated (owned) */
+    json_t *env;             /* env the steps set so far (owned) */
+    char user[40];
+    char workdir[SP_EXEC_PATH_MAX + 1];
+    int cpu_count, memory_mb, timeout_s, ready_s;
+    bool force;
+    enum phase ph;
+    bool vm_up;   /* a builder VM may exist: destroy it at the end */
+    bool failed;  /* tear down, then record error */
+    bool cached;
+    bool swapped; /* current points at the new version */
+    char prev_current[SP_TMPLBUILD_HASH_LEN + 1]; /* "" when there was none */
+    int failed_step;
+    char error[1024];
+    size_t step; /* index of the step running or next */
+    bool finishing; /* the steps are done: the env file and sync are running */
+    bool finished;  /* ... and they ended well */
+    sp_exec_t *op;
+    sp_buf_t line[2]; /* a partial output line per stream */
+    char tail[TAIL_MAX];
+    size_t tail_len;
+    int log_fd;
+    uint64_t log_bytes;
+    bool log_capped;
+    sp_timer_t deadline;
+    uint64_t t0;
+    sp_qemu_tsnap_info_t tsnap;
+    struct waiter *waiters;
+};
+
+struct sp_tmpl {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    sp_driver_t *driver;
+    char data_dir[PATH_MAX];
+    struct build *builds; /* accepted, not yet recorded as ended; oldest last */
+    struct waiter *waiters; /* ?wait= on a build not in memory: none wait long */
+};
+
+/* ---- small helpers ---- */
+
+static void copy(char *dst, size_t cap, const char *src)
+{
+    size_t n = src ? strnlen(src, cap - 1) : 0;
+    memcpy(dst, src ? src : "", n);
+    dst[n] = '\0';
+}
+
+static bool valid_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 63 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (!(islower(c) || isdigit(c) || c == '.' || c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+static bool valid_env_key(const char *k)
+{
+    if (k[0] == '\0' || strlen(k) > 256 || isdigit((unsigned char)k[0]))
+        return false;
+    for (const char *p = k; *p; p++)
+        if (!isalnum((unsigned char)*p) && *p != '_')
+            return false;
+    return true;
+}
+
+static bool valid_user(const char *u)
+{
+    size_t n = strlen(u);
+    if (n == 0 || n > 32 || !(islower((unsigned char)u[0]) || u[0] == '_'))
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)u[i];
+        if (!(islower(c) || isdigit(c) || c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+static int bad(sp_err_t *err, const char *fmt, const char *a)
+{
+    return sp_err_set(err, SP_EINVAL, fmt, a);
+}
+
+/* A string field within limits, or absent (*out NULL). */
+static int opt_str(const json_t *o, const char *key, size_t max, const char **out, sp_err_t *err)
+{
+    json_t *v = json_object_get(o, key);
+    *out = NULL;
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) > max ||
+        strlen(json_string_value(v)) != json_string_length(v))
+        return sp_err_set(err, SP_EINVAL, "%s must be a non-empty string of at most %zu bytes",
+                          key, max);
+    *out = json_string_value(v);
+    return 0;
+}
+
+static int opt_int(const json_t *o, const char *key, int lo, int hi, int *out, sp_err_t *err)
+{
+    json_t *v = json_object_get(o, key);
+    if (v == NULL || json_is_null(v))
+        return 0;
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %d to %d", key, lo, hi);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+static int check_env(const json_t *env, const char *where, sp_err_t *err)
+{
+    if (!json_is_object(env) || json_object_size(env) > 1000)
+        return bad(err, "%s must be an object of at most 1000 strings", where);
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)env, k, v)
+    {
+        if (!valid_env_key(k))
+            return sp_err_set(err, SP_EINVAL, "%s: bad variable name '%.64s'", where, k);
+        if (!json_is_string(v) || json_string_length(v) > 65536 ||
+            strlen(json_string_value(v)) != json_string_length(v))
+            return sp_err_set(err, SP_EINVAL, "%s: %.64s must be a string without NUL", where, k);
+    }
+    return 0;
+}
+
+/* One step: exactly one of run, env, workdir, user (run may carry user, workdir, env,
+ * timeout_s). */
+static int check_step(const json_t *s, size_t i, sp_err_t *err)
+{
+    char where[48];
+    snprintf(where, sizeof where, "steps[%zu]", i);
+    if (!json_is_object(s))
+        return bad(err, "%s must be an object", where);
+    static const char *const kinds[] = {"run", "env", "workdir", "user", "copy"};
+    int nk = 0, kind = -1;
+    for (int k = 0; k < 5; k++)
+        if (json_object_get(s, kinds[k]) != NULL) {
+            nk++;
+            kind = k;
+        }
+    if (json_object_get(s, "run") != NULL) { /* a run step may set user, workdir, env */
+        kind = 0;
+        nk = json_object_get(s, "copy") != NULL ? 2 : 1;
+    }
+    if (nk != 1)
+        return bad(err, "%s must have exactly one of run, env, workdir, user", where);
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)s, key, v)
+    {
+        bool ok = strcmp(key, kinds[kind]) == 0 ||
+                  (kind == 0 && (strcmp(key, "user") == 0 || strcmp(key, "workdir") == 0 ||
+                                 strcmp(key, "env") == 0 || strcmp(key, "timeout_s") == 0));
+        if (!ok)
+            return sp_err_set(err, SP_EINVAL, "%s: unknown field '%.64s'", where, key);
+    }
+    if (kind == 4)
+        return sp_err_set(err, SP_EINVAL,
+                          "%s: copy steps are not supported by this server yet (run steps can "
+                          "fetch files)",
+                          where);
+    json_t *run = json_object_get(s, "run");
+    if (kind == 0) {
+        if (json_is_string(run)) {
+            if (json_string_length(run) == 0 || json_string_length(run) > 65536 ||
+                strlen(json_string_value(run)) != json_string_length(run))
+                return bad(err, "%s.run must be 1..65536 bytes without NUL", where);
+        } else if (json_is_array(run) && json_array_size(run) >= 1 &&
+                   json_array_size(run) <= 256) {
+            size_t j;
+            json_t *a;
+            json_array_foreach(run, j, a) if (!json_is_string(a) || json_string_length(a) > 65536 ||
+                                               strlen(json_string_value(a)) !=
+                                                   json_string_length(a)) return
+                bad(err, "%s.run: every argument must be a string without NUL", where);
+        } else {
+            return bad(err, "%s.run must be a shell line or an argv array (1..256 strings)",
+                       where);
+        }
+        int to = 0;
+        if (opt_int(s, "timeout_s", 1, SP_TMPL_TIMEOUT_MAX, &to, err) < 0)
+            return -1;
+    }
+    json_t *u = json_object_get(s, "user");
+    if (u != NULL && (!json_is_string(u) || !valid_user(json_string_value(u))))
+        return bad(err, "%s.user must be a user name ([a-z_][a-z0-9_-]*, at most 32)", where);
+    json_t *w = json_object_get(s, "workdir");
+    if (w != NULL && (!json_is_string(w) || json_string_value(w)[0] != '/' ||
+                      json_string_length(w) > SP_EXEC_PATH_MAX ||
+                      strlen(json_string_value(w)) != json_string_length(w)))
+        return bad(err, "%s.workdir must be an absolute path", where);
+    json_t *e = json_object_get(s, "env");
+    if (e != NULL) {
+        char w2[64];
+        snprintf(w2, sizeof w2, "%s.env", where);
+        if (check_env(e, w2, err) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ---- the log ---- */
+
+static void log_raw(struct build *b, const char *level, int step, const char *stream,
+                    const char *line, size_t len)
+{
+    if (b->log_fd < 0 || b->log_capped)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    char when[64];
+    snprintf(when, sizeof when, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+             tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+             (int)(ts.tv_nsec / 1000000) % 1000);
+    json_t *o = json_pack("{s:s,s:s,s:i,s:s,s:s%}", "ts", when, "level", level, "step", step,
+                          "stream", stream, "line", line, len);
+    if (o == NULL) { /* not UTF-8: keep what is printable */
+        char *clean = malloc(len + 1);
+        if (clean == NULL)
+            return;
+        for (size_t i = 0; i < len; i++)
+            clean[i] = (unsigned char)line[i] < 0x80 ? line[i] : '?';
+        clean[len] = '\0';
+        o = json_pack("{s:s,s:s,s:i,s:s,s:s}", "ts", when, "level", level, "step", step,
+                      "stream", stream, "line", clean);
+        free(clean);
+        if (o == NULL)
+            return;
+    }
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (s == NULL)
+        return;
+    size_t n = strlen(s);
+    s[n] = '\n';
+    if (b->log_bytes + n + 1 > SP_TMPL_LOG_MAX) {
+        b->log_capped = true;
+        static const char cap[] = "{\"level\":\"warn\",\"line\":\"the log reached its size "
+                                  "limit: later lines are not kept\"}\n";
+        if (write(b->log_fd, cap, sizeof cap - 1) < 0)
+            sp_log(SP_LOG_WARN, "tmpl", "build log write failed build=%s", b->id);
+    } else if (write(b->log_fd, s, n + 1) == (ssize_t)(n + 1)) {
+        b->log_bytes += n + 1;
+    }
+    free(s);
+}
+
+static void logf_(struct build *b, const char *level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void logf_(struct build *b, const char *level, const char *fmt, ...)
+{
+    char line[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    log_raw(b, level, (int)b->step + (b->ph == P_EXEC ? 1 : 0), "build", line, strlen(line));
+}
+
+static void tail_add(struct build *b, const uint8_t *p, size_t n)
+{
+    if (n >= TAIL_MAX) {
+        p += n - (TAIL_MAX - 1);
+        n = TAIL_MAX - 1;
+    }
+    if (b->tail_len + n >= TAIL_MAX) {
+        size_t drop = b->tail_len + n - (TAIL_MAX - 1);
+        memmove(b->tail, b->tail + drop, b->tail_len - drop);
+        b->tail_len -= drop;
+    }
+    memcpy(b->tail + b->tail_len, p, n);
+    b->tail_len += n;
+    b->tail[b->tail_len] = '\0';
+}
+
+/* Output of the running step: whole lines into the log, the rest kept for the next chunk. */
+static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, bool final)
+{
+    static const char *const names[2] = {"stdout", "stderr"};
+    sp_buf_t *lb = &b->line[fd];
+    if (n > 0)
+        tail_add(b, p, n);
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] == '\n' || lb->len >= LINE_MAX_B) {
+            log_raw(b, "info", (int)b->step + 1, names[fd], (const char *)lb->p, lb->len);
+            sp_buf_reset(lb);
+            if (p[i] == '\n')
+                continue;
+        }
+        sp_buf_add(lb, p + i, 1);
+    }
+    if (final && lb->len > 0) {
+        log_raw(b, "info", (int)b->step + 1, names[fd], (const char *)lb->p, lb->len);
+        sp_buf_reset(lb);
+    }
+}
+
+/* ---- records ---- */
+
+static void parse_build(PGresult *r, int row, sp_tmpl_build_rec_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    copy(o->id, sizeof o->id, PQgetvalue(r, row, 0));
+    copy(o->template_name, sizeof o->template_name, PQgetvalue(r, row, 1));
+    copy(o->status, sizeof o->status, PQgetvalue(r, row, 2));
+    copy(o->hash, sizeof o->hash, PQgetvalue(r, row, 3));
+    o->cached = PQgetvalue(r, row, 4)[0] == 't';
+    o->failed_step = atoi(PQgetvalue(r, row, 5));
+    copy(o->error, sizeof o->error, PQgetvalue(r, row, 6));
+    copy(o->created_at, sizeof o->created_at, PQgetvalue(r, row, 7));
+    copy(o->started_at, sizeof o->started_at, PQgetvalue(r, row, 8));
+    copy(o->finished_at, sizeof o->finished_at, PQgetvalue(r, row, 9));
+}
+
+static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *q = rec;
+    sp_tmpl_build_cb cb = (sp_tmpl_build_cb)q->cb;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
+    if (why != NULL) {
+        cb(q->arg, NULL, why);
+        return;
+    }
+    sp_tmpl_build_rec_t b;
+    parse_build(res, 0, &b);
+    cb(q->arg, &b, NULL);
+}
+
+static int read_build(sp_tmpl_t *t, const char *team, const char *name, const char *id,
+                      sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    const char *p[] = {id, team, name};
+    return sp_store_submit(t->store,
+                           "SELECT " BUILD_COLS " FROM template_builds b"
+                           " WHERE b.id = $1 AND b.team_id = $2 AND b.template = $3",
+                           3, p, build_done_row, t, (void *)cb, arg, 0, err);
+}
+
+/* ---- waiters (?wait=) ---- */
+
+static void waiter_answer(struct waiter *w);
+
+static void waiter_unlink(struct waiter *w)
+{
+    struct waiter **pp = w->b != NULL ? &w->b->waiters : &w->t->waiters;
+    for (; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == w) {
+            *pp = w->next;
+            break;
+        }
+}
+
+static void on_waiter_timer(sp_timer_t *tm, void *arg)
+{
+    (void)tm;
+    struct waiter *w = arg;
+    waiter_unlink(w);
+    waiter_answer(w);
+}
+
+/* Reads the record and answers; frees w. */
+static void waiter_answer(struct waiter *w)
+{
+    sp_timer_stop(&w->timer);
+    sp_err_t e;
+    if (read_build(w->t, w->auth.team_id, w->name, w->id, w->cb, w->arg, &e) < 0)
+        w->cb(w->arg, NULL, &e);
+    free(w);
+}
+
+/* ---- the build's course ---- */
+
+static void advance(struct build *b);
+static void start_queued(sp_tmpl_t *t);
+
+static void build_free(struct build *b)
+{
+    sp_tmpl_t *t = b->t;
+    for (struct build **pp = &t->builds; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == b) {
+            *pp = b->next;
+            break;
+        }
+    sp_timer_stop(&b->deadline);
+    if (b->op != NULL)
+        sp_exec_cancel(b->op);
+    if (b->log_fd >= 0)
+        close(b->log_fd);
+    sp_buf_free(&b->line[0]);
+    sp_buf_free(&b->line[1]);
+    json_decref(b->req);
+    json_decref(b->env);
+    free(b);
+}
+
+static void fail(struct build *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void fail(struct build *b, const char *fmt, ...)
+{
+    if (b->failed)
+        return;
+    b->failed = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->error, sizeof b->error, fmt, ap);
+    va_end(ap);
+    logf_(b, "error", "build failed: %s", b->error);
+    sp_log(SP_LOG_WARN, "tmpl", "template build failed build=%s template=%s err=\"%s\"", b->id,
+           b->name, b->error);
+}
+
+static void on_deadline(sp_timer_t *tm, void *arg)
+{
+    (void)tm;
+    struct build *b = arg;
+    fail(b, "the build did not finish within its time limit of %d s", b->timeout_s);
+    if (b->op != NULL) { /* a step: stop waiting for it; the VM goes with the tear-down */
+        sp_exec_cancel(b->op);
+        b->op = NULL;
+        advance(b);
+    }
+}
+
+static void on_recorded(void *rec, PGresult *res, const sp_err_t *err)
+{
+    (void)res;
+    struct build *b = *(struct build **)rec;
+    if (err != NULL)
+        sp_log(SP_LOG_ERROR, "tmpl", "cannot record the end of build=%s err=%s", b->id, err->msg);
+    sp_log(SP_LOG_INFO, "tmpl", "template build ended build=%s template=%s ok=%d cached=%d s=%.1f",
+           b->id, b->name, !b->failed, (int)b->cached,
+           (double)(sp_loop_now_ms(b->t->loop) - b->t0) / 1000.0);
+    sp_tmpl_t *t = b->t;
+    struct waiter *ws = b->waiters;
+    b->waiters = NULL;
+    build_free(b);
+    while (ws != NULL) {
+        struct waiter *n = ws->next;
+        ws->b = NULL;
+        waiter_answer(ws);
+        ws = n;
+    }
+    start_queued(t);
+}
+
+static void record_end(struct build *b)
+{
+    b->ph = P_RECORD;
+    sp_timer_stop(&b->deadline);
+    char step[16], *env = NULL;
+    snprintf(step, sizeof step, "%d", b->failed_step);
+    sp_err_t e;
+    void *rec = NULL;
+    if (b->failed) {
+        const char *p[] = {b->id, b->error, b->failed_step > 0 ? step : NULL, b->name};
+        rec = sp_store_call(
+            b->t->store,
+            "WITH b AS (UPDATE template_builds SET status = 'failed', error = $2,"
+            "  failed_step = $3::int, finished_at = now() WHERE id = $1 RETURNING 1)"
+            " UPDATE templates SET status = 'failed', updated_at = now()"
+            " WHERE name = $4 AND status = 'building' AND (SELECT count(*) FROM b) >= 0",
+            4, p, sizeof(struct build *), on_recorded, &e);
+    } else {
+        const json_t *desc = json_object_get(b->req, "description");
+        char cpus[16], mem[16];
+        snprintf(cpus, sizeof cpus, "%d", b->cpu_count);
+        snprintf(mem, sizeof mem, "%d", b->memory_mb);
+        env = json_dumps(b->env, JSON_COMPACT);
+        const char *p[] = {b->id,   b->hash, b->cached ? "true" : "false",
+                           b->name, desc != NULL ? json_string_value(desc) : NULL,
+                           cpus,    mem,     env,
+                           b->parent};
+        rec = sp_store_call(
+            b->t->store,
+            "WITH b AS (UPDATE template_builds SET status = 'succeeded', hash = $2,"
+            "  cached = $3::bool, finished_at = now() WHERE id = $1 RETURNING 1)"
+            " UPDATE templates SET status = 'ready', build_id = $2,"
+            "  description = coalesce($5, description), cpu_count = $6::int,"
+            "  memory_mb = $7::int, env = $8::jsonb, parent = $9, deleted_at = NULL,"
+            "  updated_at = now()"
+            " WHERE name = $4 AND (SELECT count(*) FROM b) >= 0",
+            9, p, sizeof(struct build *), on_recorded, &e);
+    }
+    free(env);
+    if (rec == NULL) {
+        sp_log(SP_LOG_ERROR, "tmpl", "cannot record the end of build=%s err=%s", b->id, e.msg);
+        struct build **slot = &b; /* answer waiters and move on all the same */
+        on_recorded(slot, NULL, &e);
+        return;
+    }
+    *(struct build **)rec = b;
+}
+
+/* ---- files of the new version ---- */
+
+static int pathf(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int pathf(char *out, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(out, n, fmt, ap);
+    va_end(ap);
+    return k < 0 || (size_t)k >= n ? -1 : 0;
+}
+
+static void rm_rf(const char *path)
+{
+    DIR *d = opendir(path);
+    if (d != NULL) {
+        struct dirent *de;
+        while ((de = readdir(d)) != NULL) {
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+                continue;
+            char p[PATH_MAX];
+            if (pathf(p, sizeof p, "%s/%s", path, de->d_name) == 0) {
+                struct stat st;
+                if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode))
+                    rm_rf(p);
+                else
+                    unlink(p);
+            }
+        }
+        closedir(d);
+    }
+    rmdir(path);
+}
+
+static int fsync_dir(const char *p)
+{
+    int fd = open(p, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* Points <name>/current at hash (symlink then rename: atomic). */
+static int set_current(const sp_tmpl_t *t, const char *name, const char *hash)
+{
+    char cur[PATH_MAX], tmp[PATH_MAX], dir[PATH_MAX];
+    if (pathf(dir, sizeof dir, "%s/templates/%s", t->data_dir, name) < 0 ||
+        pathf(cur, sizeof cur, "%s/current", dir) < 0 ||
+        pathf(tmp, sizeof tmp, "%s/.current-%d", dir, (int)getpid()) < 0)
+        return -1;
+    if (hash == NULL || hash[0] == '\0')
+        return unlink(cur) < 0 && errno != ENOENT ? -1 : fsync_dir(dir);
+    unlink(tmp);
+    if (symlink(hash, tmp) < 0 || rename(tmp, cur) < 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return fsync_dir(dir);
+}
+
+static void work_dir(const struct build *b, char *out, size_t n)
+{
+    if (pathf(out, n, "%s/templates/%s/.build-%s", b->t->data_dir, b->name, b->id) < 0)
+        out[0] = '\0';
+}
+
+/* The warmup the template snapshot builder runs (as root): the template's env, start_cmd in
+ * the background as the template's user in its workdir, then ready_cmd until it passes. */
+static json_t *warmup_argv(const struct build *b)
+{
+    const char *start = json_string_value(json_object_get(b->req, "start_cmd"));
+    const char *ready = json_string_value(json_object_get(b->req, "ready_cmd"));
+    if (start == NULL && ready == NULL)
+        return json_null();
+    static const char script[] =
+        "set -a; [ -r " ENV_FILE " ] && . " ENV_FILE "; set +a\n"
+        "user=$1 dir=$2 start=$3 ready=$4 limit=$5\n"
+        "as() { if [ \"$user\" = root ]; then /bin/sh -c \"$1\"; "
+        "else runuser -u \"$user\" -- /bin/sh -c \"$1\"; fi; }\n"
+        "if [ -n \"$dir\" ]; then cd \"$dir\" || exit 1; fi\n"
+        "if [ -n \"$start\" ]; then\n"
+        "  ( as \"$start\" ) </dev/null >/var/log/space-start.log 2>&1 &\n"
+        "fi\n"
+        "[ -n \"$ready\" ] || exit 0\n"
+        "end=$(( $(date +%s) + limit ))\n"
+        "until as \"$ready\" </dev/null >/dev/null 2>&1; do\n"
+        "  if [ \"$(date +%s)\" -ge \"$end\" ]; then\n"
+        "    echo \"ready_cmd did not pass within $limit s; start_cmd's output:\"\n"
+        "    tail -c 2000 /var/log/space-start.log; exit 1\n"
+        "  fi\n"
+        "  sleep 0.2\n"
+        "done\n";
+    char limit[16];
+    snprintf(limit, sizeof limit, "%d", b->ready_s);
+    return json_pack("[s,s,s,s,s,s,s,s,s]", "/bin/sh", "-c", script, "space-start", b->user,
+                     b->workdir, start ? start : "", ready ? ready : "", limit);
+}
+
+/* manifest.json of the new version: the parent's, with this build's name, hash, image,
+ * sizes and warmup. */
+static int write_manifest(struct build *b, const char *wdir)
+{
+    json_t *m = json_load_file(b->pp.manifest, 0, NULL);
+    if (m == NULL)
+        return -1;
+    char rootfs[PATH_MAX];
+    if (pathf(rootfs, sizeof rootfs, "templates/%s/%s/rootfs.qcow2", b->name, b->hash) < 0) {
+        json_decref(m);
+        return -1;
+    }
+    struct stat st;
+    char img[PATH_MAX], path[PATH_MAX], tmp[PATH_MAX];
+    if (pathf(img, sizeof img, "%s/rootfs.qcow2", wdir) < 0 || stat(img, &st) < 0 ||
+        pathf(path, sizeof path, "%s/manifest.json", wdir) < 0 ||
+        pathf(tmp, sizeof tmp, "%s/manifest.json.tmp", wdir) < 0) {
+        json_decref(m);
+        return -1;
+    }
+    json_t *spec = json_deep_copy(b->req);
+    json_object_set_new(spec, "parent_hash", json_string(b->pp.hash));
+    int rc = json_object_set_new(m, "name", json_string(b->name)) |
+             json_object_set_new(m, "hash", json_string(b->hash)) |
+             json_object_set_new(m, "rootfs", json_string(rootfs)) |
+             json_object_set_new(m, "parent", json_string(b->parent)) |
+             json_object_set_new(m, "cpu_count", json_integer(b->cpu_count)) |
+             json_object_set_new(m, "memory_mb", json_integer(b->memory_mb)) |
+             json_object_set_new(m, "warmup", warmup_argv(b)) |
+             json_object_set_new(m, "env", json_deep_copy(b->env)) |
+             json_object_set_new(m, "rootfs_bytes", json_integer((json_int_t)st.st_blocks * 512)) |
+             json_object_set_new(m, "built_at", json_integer((json_int_t)time(NULL))) |
+             json_object_set_new(
+                 m, "build_seconds",
+                 json_real((double)(sp_loop_now_ms(b->t->loop) - b->t0) / 1000.0)) |
+             json_object_set_new(m, "spec", spec);
+    if (rc == 0)
+        rc = json_dump_file(m, tmp, JSON_INDENT(2) | JSON_SORT_KEYS);
+    json_decref(m);
+    int fd = rc == 0 ? open(tmp, O_RDONLY | O_CLOEXEC) : -1;
+    if (fd < 0 || fsync(fd) < 0 || rename(tmp, path) < 0) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* The exported image is in the work dir: commit the version and point current at it. */
+static void install(struct build *b)
+{
+    char wdir[PATH_MAX], final[PATH_MAX], cur[PATH_MAX], target[128];
+    work_dir(b, wdir, sizeof wdir);
+    if (pathf(final, sizeof final, "%s/templates/%s/%s", b->t->data_dir, b->name, b->hash) < 0 ||
+        write_manifest(b, wdir) < 0 || rename(wdir, final) < 0) {
+        fail(b, "cannot commit the template's files: %s", strerror(errno));
+        return;
+    }
+    if (pathf(cur, sizeof cur, "%s/templates/%s/current", b->t->data_dir, b->name) == 0) {
+        ssize_t n = readlink(cur, target, sizeof target - 1);
+        copy(b->prev_current, sizeof b->prev_current, n > 0 ? (target[n] = '\0', target) : "");
+    }
+    if (set_current(b->t, b->name, b->hash) < 0) {
+        fail(b, "cannot make the new version current: %s", strerror(errno));
+        return;
+    }
+    b->swapped = true;
+    logf_(b, "info", "version %.12s committed", b->hash);
+}
+
+/* ---- driver callbacks ---- */
+
+static void on_tsnap(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    if (err != NULL)
+        fail(b, "the template snapshot failed (start_cmd/ready_cmd): %s", err->msg);
+    else
+        logf_(b, "info", "template snapshot ready (%s)", b->tsnap.built ? "built" : "found");
+    if (b->failed && b->swapped) { /* the previous version stays in service */
+        if (set_current(b->t, b->name, b->prev_current) < 0)
+            sp_log(SP_LOG_ERROR, "tmpl", "cannot put back current template=%s", b->name);
+        b->swapped = false;
+    }
+    record_end(b);
+}
+
+static void take_snapshot(struct build *b)
+{
+    sp_err_t e;
+    b->ph = P_TSNAP;
+    if (b->t->driver == NULL || strcmp(b->t->driver->ops->name, "qemu") != 0) {
+        on_tsnap(b, NULL);
+        return;
+    }
+    logf_(b, "info", "taking the template snapshot%s",
+          json_object_get(b->req, "start_cmd") || json_object_get(b->req, "ready_cmd")
+              ? " after start_cmd and ready_cmd"
+              : "");
+    if (sp_qemu_template_snapshot(b->t->driver, b->name, b->cpu_count, b->memory_mb, &b->tsnap,
+                                  on_tsnap, b, &e) < 0) {
+        sp_err_t e2 = e;
+        on_tsnap(b, &e2);
+    }
+}
+
+static void on_destroyed(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    b->vm_up = false;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "tmpl", "builder VM not destroyed build=%s err=%s", b->id, err->msg);
+    if (!b->failed) {
+        install(b);
+        if (!b->failed) {
+            take_snapshot(b);
+            return;
+        }
+    }
+    char wdir[PATH_MAX];
+    work_dir(b, wdir, sizeof wdir);
+    rm_rf(wdir);
+    record_end(b);
+}
+
+static void destroy_vm(struct build *b)
+{
+    sp_err_t e;
+    b->ph = P_DESTROY;
+    if (!b->vm_up || b->t->driver->ops->destroy(b->t->driver, b->vm_id, on_destroyed, b, &e) < 0)
+        on_destroyed(b, b->vm_up ? &e : NULL);
+}
+
+static void on_exported(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    if (err != NULL)
+        fail(b, "cannot freeze the builder's disk: %s", err->msg);
+    else
+        logf_(b, "info", "disk frozen");
+    destroy_vm(b);
+}
+
+static void on_paused(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    sp_err_t e;
+    if (err != NULL)
+        fail(b, "cannot stop the builder: %s", err->msg);
+    if (b->failed) {
+        destroy_vm(b);
+        return;
+    }
+    char wdir[PATH_MAX], dest[PATH_MAX];
+    work_dir(b, wdir, sizeof wdir);
+    b->ph = P_EXPORT;
+    if (pathf(dest, sizeof dest, "%s/rootfs.qcow2", wdir) < 0 ||
+        b->t->driver->ops->export_disk == NULL ||
+        b->t->driver->ops->export_disk(b->t->driver, b->vm_id, b->pp.rootfs, dest, on_exported, b,
+                                       &e) < 0) {
+        if (b->t->driver->ops->export_disk == NULL)
+            sp_err_set(&e, SP_ERUNTIME, "this runtime cannot export disks");
+        on_exported(b, &e);
+    }
+}
+
+static void pause_vm(struct build *b)
+{
+    sp_err_t e;
+    b->ph = P_PAUSE;
+    if (b->t->driver->ops->pause(b->t->driver, b->vm_id, on_paused, b, &e) < 0)
+        on_paused(b, &e);
+}
+
+/* ---- steps ---- */
+
+static const char *step_kind(const json_t *s)
+{
+    static const char *const kinds[] = {"run", "env", "workdir", "user"};
+    for (int k = 0; k < 4; k++)
+        if (json_object_get(s, kinds[k]) != NULL)
+            return kinds[k];
+    return "?";
+}
+
+/* "K=V" strings of env then extra (extra wins), into a NULL-terminated array (free the array
+ * only: the strings live in *store). */
+static const char **env_strings(const json_t *env, const json_t *extra, sp_buf_t *store,
+                                size_t *n)
+{
+    size_t cap = json_object_size(env) + (extra ? json_object_size(extra) : 0) + 1;
+    const char **v = calloc(cap, sizeof(*v));
+    size_t *offs = calloc(cap, sizeof(*offs));
+    if (v == NULL || offs == NULL) {
+        free(v);
+        free(offs);
+        return NULL;
+    }
+    json_t *all = json_deep_copy(env);
+    if (extra != NULL)
+        json_object_update(all, (json_t *)extra);
+    const char *k;
+    json_t *val;
+    size_t i = 0;
+    json_object_foreach(all, k, val)
+    {
+        offs[i++] = store->len;
+        sp_buf_add(store, k, strlen(k));
+        sp_buf_add(store, "=", 1);
+        sp_buf_add(store, json_string_value(val), json_string_length(val));
+        sp_buf_add(store, "", 1);
+    }
+    json_decref(all);
+    for (size_t j = 0; j < i; j++)
+        v[j] = (const char *)store->p + offs[j];
+    free(offs);
+    *n = i;
+    if (store->oom) {
+        free(v);
+        return NULL;
+    }
+    return v;
+}
+
+static void on_step_event(void *arg, const sp_exec_ev_t *ev)
+{
+    struct build *b = arg;
+    switch (ev->type) {
+    case SP_EXEC_EV_START:
+        return;
+    case SP_EXEC_EV_STDOUT:
+    case SP_EXEC_EV_STDERR:
+        step_output(b, ev->type == SP_EXEC_EV_STDERR, ev->data, ev->len, false);
+        sp_exec_ack(b->op, ev->len);
+        return;
+    case SP_EXEC_EV_EXIT:
+    case SP_EXEC_EV_ERROR:
+        break;
+    }
+    b->op = NULL;
+    step_output(b, 0, NULL, 0, true);
+    step_output(b, 1, NULL, 0, true);
+    json_t *s = json_array_get(json_object_get(b->req, "steps"), b->step);
+    const json_t *run = json_object_get(s, "run");
+    char what[96];
+    if (json_is_string(run))
+        snprintf(what, sizeof what, "%.80s", json_string_value(run));
+    else
+        snprintf(what, sizeof what, "%.80s", json_string_value(json_array_get(run, 0)));
+    if (b->finishing) {
+        if (ev->type == SP_EXEC_EV_ERROR || !ev->exited || ev->exit_code != 0)
+            fail(b, "writing the template's env file and syncing the disk failed: %s",
+                 ev->type == SP_EXEC_EV_ERROR ? ev->err->msg : b->tail);
+        else
+            b->finished = true;
+    } else if (ev->type == SP_EXEC_EV_ERROR) {
+        b->failed_step = (int)b->step + 1;
+        fail(b, "step %zu (run: %s) could not run: %s", b->step + 1, what, ev->err->msg);
+    } else if (ev->timed_out) {
+        b->failed_step = (int)b->step + 1;
+        fail(b, "step %zu (run: %s) did not finish within its timeout_s; last output: %s",
+             b->step + 1, what, b->tail);
+    } else if (!ev->exited || ev->exit_code != 0) {
+        b->failed_step = (int)b->step + 1;
+        if (ev->exited)
+            fail(b, "step %zu (run: %s) exited with code %d; last output: %s", b->step + 1, what,
+                 ev->exit_code, b->tail);
+        else
+            fail(b, "step %zu (run: %s) was killed by signal %d; last output: %s", b->step + 1,
+                 what, ev->signal, b->tail);
+    } else {
+        logf_(b, "info", "step %zu done", b->step + 1);
+        b->step++;
+    }
+    advance(b);
+}
+
+static void run_cmd(struct build *b, const json_t *run, const json_t *extra_env, const char *user,
+                    const char *cwd, uint32_t timeout_ms, const void *stdin_data,
+                    size_t stdin_len)
+{
+    sp_buf_t store = {0};
+    size_t envc = 0;
+    const char **env = env_strings(b->env, extra_env, &store, &envc);
+    const char *argv[257];
+    size_t argc = 0;
+    if (json_is_array(run)) {
+        size_t i;
+        json_t *a;
+        json_array_foreach(run, i, a) argv[argc++] = json_string_value(a);
+    }
+    sp_exec_cmd_t cmd = {
+        .cmd = json_is_string(run) ? json_string_value(run) : NULL,
+        .argv = argc > 0 ? argv : NULL,
+        .argc = argc,
+        .env = env,
+        .envc = envc,
+        .cwd = cwd,
+        .user = user,
+        .stdin_pipe = stdin_data != NULL,
+        .stdin_data = stdin_data,
+        .stdin_len = stdin_len,
+        .stdin_eof = true,
+        .timeout_ms = timeout_ms,
+    };
+    sp_err_t e;
+    sp_agentconn_t *conn = b->t->driver->ops->agent(b->t->driver, b->vm_id);
+    b->tail_len = 0;
+    b->tail[0] = '\0';
+    b->op = env == NULL || conn == NULL
+                ? NULL
+                : sp_exec_stream(b->t->loop, conn, &cmd, on_step_event, b, &e);
+    free(env);
+    sp_buf_free(&store);
+    if (b->op == NULL) {
+        b->failed_step = b->finishing ? 0 : (int)b->step + 1;
+        fail(b, "step %zu could not start: %s", b->step + 1,
+             conn == NULL ? "the builder VM has no agent channel"
+                          : (env == NULL ? "out of memory" : e.msg));
+        advance(b);
+    }
+}
+
+/* Runs the steps from b->step on, then writes the env file, syncs, and pauses. */
+static void advance(struct build *b)
+{
+    if (b->failed) {
+        destroy_vm(b);
+        return;
+    }
+    b->ph = P_EXEC;
+    json_t *steps = json_object_get(b->req, "steps");
+    while (b->step < json_array_size(steps)) {
+        json_t *s = json_array_get(steps, b->step);
+        const char *kind = step_kind(s);
+        logf_(b, "info", "step %zu/%zu: %s", b->step + 1, json_array_size(steps), kind);
+        if (strcmp(kind, "env") == 0) {
+            json_object_update(b->env, json_object_get(s, "env"));
+        } else if (strcmp(kind, "user") == 0) {
+            copy(b->user, sizeof b->user, json_string_value(json_object_get(s, "user")));
+        } else if (strcmp(kind, "workdir") == 0) {
+            copy(b->workdir, sizeof b->workdir,
+                 json_string_value(json_object_get(s, "workdir")));
+            /* as Dockerfile's WORKDIR: made if missing (by root, then given to the user) */
+            json_t *mk = json_pack("[s,s,s,s,s,s]", "/bin/sh", "-c",
+                                   "[ -d \"$1\" ] || { mkdir -p \"$1\" && chown \"$2\" \"$1\"; }",
+                                   "space-workdir", b->workdir, b->user);
+            run_cmd(b, mk, NULL, "root", "/", 60000, NULL, 0);
+            json_decref(mk);
+            return;
+        } else {
+            const char *u = json_string_value(json_object_get(s, "user"));
+            const char *w = json_string_value(json_object_get(s, "workdir"));
+            int to = (int)json_integer_value(json_object_get(s, "timeout_s"));
+            logf_(b, "info", "$ %s",
+                  json_is_string(json_object_get(s, "run"))
+                      ? json_string_value(json_object_get(s, "run"))
+                      : "(argv)");
+            run_cmd(b, json_object_get(s, "run"), json_object_get(s, "env"),
+                    u ? u : b->user, w ? w : (b->workdir[0] ? b->workdir : NULL),
+                    to > 0 ? (uint32_t)to * 1000u : 0, NULL, 0);
+            return;
+        }
+        b->step++;
+    }
+    if (!b->finishing) {
+        /* the template's env for start_cmd; sandboxes get it from the templates row */
+        sp_buf_t f = {0};
+        const char *k;
+        json_t *v;
+        json_object_foreach(b->env, k, v)
+        {
+            char head[300];
+            snprintf(head, sizeof head, "%s='", k);
+            sp_buf_add(&f, head, strlen(head));
+            for (const char *p = json_string_value(v); *p; p++) {
+                if (*p == '\'')
+                    sp_buf_add(&f, "'\\''", 4);
+                else
+                    sp_buf_add(&f, p, 1);
+            }
+            sp_buf_add(&f, "'\n", 2);
+        }
+        b->finishing = true; /* the next exit is the env file's */
+        json_t *w = json_pack("[s,s,s]", "/bin/sh", "-c",
+                              "mkdir -p /etc/space && cat > " ENV_FILE " && sync");
+        logf_(b, "info", "writing %s and syncing the disk", ENV_FILE);
+        run_cmd(b, w, NULL, "root", "/", 120000, f.len > 0 ? (const void *)f.p : "", f.len);
+        json_decref(w);
+        sp_buf_free(&f);
+        return;
+    }
+    pause_vm(b);
+}
+
+static void on_booted(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    if (err != NULL) {
+        fail(b, "the builder VM did not start: %s", err->msg);
+    } else {
+        logf_(b, "info", "builder VM up in %.1f s",
+              (double)(sp_loop_now_ms(b->t->loop) - b->t0) / 1000.0);
+    }
+    advance(b);
+}
+
+static void on_started(void *rec, PGresult *res, const sp_err_t *err)
+{
+    (void)res;
+    struct build *b = *(struct build **)rec;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot mark build=%s started: %s", b->id, err->msg);
+}
+
+/* A version with these inputs exists: use it. */
+static bool try_cached(struct build *b)
+{
+    char man[PATH_MAX];
+    if (b->force ||
+        pathf(man, sizeof man, "%s/templates/%s/%s/manifest.json", b->t->data_dir, b->name,
+              b->hash) < 0 ||
+        access(man, R_OK) < 0)
+        return false;
+    b->cached = true;
+    logf_(b, "info", "version %.12s was built before with the same inputs: using it", b->hash);
+    char cur[PATH_MAX], target[128];
+    if (pathf(cur, sizeof cur, "%s/templates/%s/current", b->t->data_dir, b->name) == 0) {
+        ssize_t n = readlink(cur, target, sizeof target - 1);
+        copy(b->prev_current, sizeof b->prev_current, n > 0 ? (target[n] = '\0', target) : "");
+    }
+    if (set_current(b->t, b->name, b->hash) < 0)
+        fail(b, "cannot make the version current: %s", strerror(errno));
+    else
+        b->swapped = true;
+    return true;
+}
+
+static void start_build(struct build *b)
+{
+    sp_tmpl_t *t = b->t;
+    b->ph = P_BOOT;
+    b->t0 = sp_loop_now_ms(t->loop);
+    sp_timer_start(&b->deadline, (uint64_t)b->timeout_s * 1000u);
+    const char *p[] = {b->id};
+    sp_err_t e;
+    void *rec = sp_store_call(t->store,
+                              "UPDATE template_builds SET status = 'building', started_at = now()"
+                              " WHERE id = $1",
+                              1, p, sizeof(struct build *), on_started, &e);
+    if (rec != NULL)
+        *(struct build **)rec = b;
+    logf_(b, "info", "building %s from %s (version %.12s)", b->name, b->parent, b->pp.hash);
+    if (try_cached(b)) {
+        if (b->failed)
+            record_end(b);
+        else
+            take_snapshot(b);
+        return;
+    }
+    char wdir[PATH_MAX];
+    work_dir(b, wdir, sizeof wdir);
+    rm_rf(wdir);
+    if (wdir[0] == '\0' || mkdir(wdir, 0755) < 0) {
+        fail(b, "cannot make the build's work dir: %s", strerror(errno));
+        record_end(b);
+        return;
+    }
+    sp_vm_spec_t spec = {.sandbox_id = b->vm_id,
+                         .template_name = b->parent,
+                         .cpu_count = b->cpu_count,
+                         .memory_mb = b->memory_mb,
+                         .hostname = "build",
+                         .env_json = NULL};
+    b->vm_up = true;
+    if (t->driver == NULL) {
+        sp_err_set(&e, SP_ERUNTIME, "no microVM runtime");
+        b->vm_up = false;
+        on_booted(b, &e);
+    } else if (t->driver->ops->boot(t->driver, &spec, on_booted, b, &e) < 0) {
+        b->vm_up = false;
+        on_booted(b, &e);
+    }
+}
+
+static void start_queued(sp_tmpl_t *t)
+{
+    int running = 0;
+    for (struct build *b = t->builds; b != NULL; b = b->next)
+        running += b->ph > P_QUEUED;
+    /* oldest first: the list has the newest at its head */
+    while (running < SP_TMPL_BUILDS) {
+        struct build *pick = NULL;
+        for (struct build *b = t->builds; b != NULL; b = b->next) {
+            if (b->ph != P_QUEUED)
+                continue;
+            int team = 0;
+            for (struct build *o = t->builds; o != NULL; o = o->next)
+                team += o->ph > P_QUEUED && strcmp(o->team, b->team) == 0;
+            if (team < SP_TMPL_TEAM_BUILDS)
+                pick = b;
+        }
+        if (pick == NULL)
+            return;
+        running++;
+        start_build(pick);
+    }
+}
+
+/* ---- the API ---- */
+
+struct accept {
+    struct build *b;
+    sp_tmpl_build_cb cb;
+    void *arg;
+};
+
+static void on_accepted(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct accept *a = rec;
+    struct build *b = a->b;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
+                          b->parent),
+               &e);
+    else if (why == NULL && PQgetvalue(res, 0, 1)[0] == '0')
+        why = (sp_err_set(&e, SP_ECONFLICT, "template name '%s' is taken", b->name), &e);
+    if (why != NULL) {
+        if (b->log_fd >= 0) {
+            char p[PATH_MAX];
+            if (pathf(p, sizeof p, "%s/builds/%s.ndjson", b->t->data_dir, b->id) == 0)
+                unlink(p);
+        }
+        build_free(b);
+        a->cb(a->arg, NULL, why);
+        return;
+    }
+    sp_tmpl_build_rec_t r;
+    memset(&r, 0, sizeof r);
+    copy(r.id, sizeof r.id, b->id);
+    copy(r.template_name, sizeof r.template_name, b->name);
+    copy(r.status, sizeof r.status, "queued");
+    copy(r.created_at, sizeof r.created_at, PQgetvalue(res, 0, 2));
+    a->cb(a->arg, &r, NULL);
+    b->ph = P_QUEUED;
+    start_queued(b->t);
+}
+
+/* SHA-256 of the parent's version and the inputs that shape the image and its snapshot. */
+static void input_hash(struct build *b)
+{
+    json_t *in = json_pack("{s:s,s:O,s:O,s:O,s:i,s:i,s:i}", "parent_hash", b->pp.hash, "steps",
+                           json_object_get(b->req, "steps"), "start_cmd",
+                           json_object_get(b->req, "start_cmd") ?: json_null(), "ready_cmd",
+                           json_object_get(b->req, "ready_cmd") ?: json_null(), "ready_timeout_s",
+                           b->ready_s, "cpu_count", b->cpu_count, "memory_mb", b->memory_mb);
+    if (b->force) /* a forced build makes a version of its own */
+        json_object_set_new(in, "build", json_string(b->id));
+    char *s = json_dumps(in, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(in);
+    unsigned char h[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256(h, (const unsigned char *)(s ? s : ""), s ? strlen(s) : 0);
+    free(s);
+    for (size_t i = 0; i < sizeof h; i++)
+        snprintf(b->hash + 2 * i, 3, "%02x", h[i]);
+}
+
+int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_build_cb cb,
+                  void *arg, sp_err_t *err)
+{
+    static const char *const allowed[] = {"name",      "description",     "from",
+                                          "steps",     "start_cmd",       "ready_cmd",
+                                          "cpu_count", "memory_mb",       "timeout_s",
+                                          "force",     "ready_timeout_s", NULL};
+    if (!json_is_object(req))
+        return sp_err_set(err, SP_EINVAL, "the body must be a JSON object");
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)req, key, v)
+    {
+        bool ok = false;
+        for (int i = 0; allowed[i] != NULL && !ok; i++)
+            ok = strcmp(key, allowed[i]) == 0;
+        if (!ok)
+            return sp_err_set(err, SP_EINVAL, "unknown field '%.64s'", key);
+    }
+    const char *name = NULL, *desc = NULL, *start = NULL, *ready = NULL, *parent = NULL;
+    if (opt_str(req, "name", 63, &name, err) < 0 || opt_str(req, "description", 255, &desc, err) < 0 ||
+        opt_str(req, "start_cmd", 4096, &start, err) < 0 ||
+        opt_str(req, "ready_cmd", 4096, &ready, err) < 0)
+        return -1;
+    if (name == NULL || !valid_name(name))
+        return sp_err_set(err, SP_EINVAL,
+                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    json_t *from = json_object_get(req, "from");
+    if (json_is_string(from)) {
+        parent = json_string_value(from);
+    } else if (json_is_object(from) && json_object_size(from) == 1) {
+        if (json_is_string(json_object_get(from, "template")))
+            parent = json_string_value(json_object_get(from, "template"));
+        else if (json_object_get(from, "image") || json_object_get(from, "dockerfile") ||
+                 json_object_get(from, "snapshot"))
+            return sp_err_set(err, SP_EINVAL,
+                              "from: only templates can be built from on this server yet "
+                              "(not images, Dockerfiles or snapshots)");
+    }
+    if (parent == NULL)
+        return sp_err_set(err, SP_EINVAL,
+                          "from is required: a template name, or {\"template\": name}");
+    if (!valid_name(parent))
+        return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
+    if (strcmp(parent, name) == 0)
+        return sp_err_set(err, SP_EINVAL, "a template cannot be built from itself");
+    json_t *steps = json_object_get(req, "steps");
+    if (steps != NULL && (!json_is_array(steps) || json_array_size(steps) > SP_TMPL_STEPS_MAX))
+        return sp_err_set(err, SP_EINVAL, "steps must be an array of at most %d steps",
+                          SP_TMPL_STEPS_MAX);
+    for (size_t i = 0; i < json_array_size(steps); i++)
+        if (check_step(json_array_get(steps, i), i, err) < 0)
+            return -1;
+    int cpus = 0, mem = 0, timeout = SP_TMPL_TIMEOUT_S, ready_s = SP_TMPL_READY_S;
+    if (opt_int(req, "cpu_count", 1, SP_SVC_MAX_CPUS, &cpus, err) < 0 ||
+        opt_int(req, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &mem, err) < 0 ||
+        opt_int(req, "timeout_s", 1, SP_TMPL_TIMEOUT_MAX, &timeout, err) < 0 ||
+        opt_int(req, "ready_timeout_s", 1, SP_TMPL_READY_MAX, &ready_s, err) < 0)
+        return -1;
+    json_t *force = json_object_get(req, "force");
+    if (force != NULL && !json_is_boolean(force))
+        return sp_err_set(err, SP_EINVAL, "force must be a boolean");
+    for (struct build *o = t->builds; o != NULL; o = o->next)
+        if (strcmp(o->name, name) == 0)
+            return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
+                              o->id);
+    struct build *b = calloc(1, sizeof(*b));
+    if (b == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    b->t = t;
+    b->log_fd = -1;
+    sp_timer_init(&b->deadline, t->loop, on_deadline, b);
+    sp_ids_sandbox(b->id);
+    copy(b->team, sizeof b->team, a->team_id);
+    copy(b->name, sizeof b->name, name);
+    copy(b->parent, sizeof b->parent, parent);
+    snprintf(b->vm_id, sizeof b->vm_id, "bld-%s", b->id);
+    copy(b->user, sizeof b->user, "root");
+    b->force = json_is_true(force);
+    b->timeout_s = timeout;
+    b->ready_s = ready_s;
+    b->req = json_deep_copy(req);
+    b->env = json_object();
+    if (steps == NULL)
+        json_object_set_new(b->req, "steps", json_array());
+    b->next = t->builds;
+    t->builds = b;
+    if (b->req == NULL || b->env == NULL) {
+        build_free(b);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    if (sp_tmplbuild_current(t->data_dir, parent, &b->pp, err) < 0) {
+        build_free(b);
+        return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
+                          parent);
+    }
+    b->cpu_count = cpus > 0 ? cpus : (b->pp.cpu_count > 0 ? b->pp.cpu_count : 1);
+    b->memory_mb = mem > 0 ? mem : (b->pp.memory_mb > 0 ? b->pp.memory_mb : 256);
+    input_hash(b);
+    char p[PATH_MAX];
+    if (pathf(p, sizeof p, "%s/builds", t->data_dir) < 0 || (mkdir(p, 0700) < 0 && errno != EEXIST) ||
+        pathf(p, sizeof p, "%s/builds/%s.ndjson", t->data_dir, b->id) < 0 ||
+        (b->log_fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600)) < 0) {
+        build_free(b);
+        return sp_err_set(err, SP_EINTERNAL, "cannot open the build log: %s", strerror(errno));
+    }
+    char tdir[PATH_MAX];
+    if (pathf(tdir, sizeof tdir, "%s/templates/%s", t->data_dir, name) < 0 ||
+        (mkdir(tdir, 0755) < 0 && errno != EEXIST)) {
+        build_free(b);
+        return sp_err_set(err, SP_EINTERNAL, "cannot make the template's directory");
+    }
+    char cpu_s[16], mem_s[16], *req_s = json_dumps(b->req, JSON_COMPACT);
+    snprintf(cpu_s, sizeof cpu_s, "%d", b->cpu_count);
+    snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
+    const char *params[] = {b->id, b->team, name, parent, desc ? desc : "", cpu_s, mem_s, req_s};
+    /* The parent must be usable by the team; the name must be free or the team's own (a
+     * built-in or another team's is not). The templates row of a new name says "building"
+     * until its first build ends; an existing one stays as it is (its version in service). */
+    struct accept *acc = sp_store_call(
+        t->store,
+        "WITH p AS (SELECT 1 FROM templates WHERE name = $4 AND deleted_at IS NULL"
+        "  AND status = 'ready' AND (team_id IS NULL OR team_id = $2)),"
+        " n AS (INSERT INTO templates (name, description, cpu_count, memory_mb, status, team_id,"
+        "  parent) SELECT $3, $5, $6::int, $7::int, 'building', $2, $4 WHERE EXISTS (SELECT 1"
+        "  FROM p) ON CONFLICT (name) DO UPDATE SET updated_at = now()"
+        "  WHERE templates.team_id = $2 RETURNING 1),"
+        " b AS (INSERT INTO template_builds (id, team_id, template, status, request)"
+        "  SELECT $1, $2, $3, 'queued', $8::jsonb WHERE EXISTS (SELECT 1 FROM n)"
+        "  RETURNING created_at)"
+        " SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),"
+        "  coalesce((SELECT " TS("created_at") " FROM b), '')",
+        8, params, sizeof(*acc), on_accepted, err);
+    free(req_s);
+    if (acc == NULL) {
+        build_free(b);
+        return -1;
+    }
+    acc->b = b;
+    acc->cb = cb;
+    acc->arg = arg;
+    return 0;
+}
+
+int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
+                      uint32_t wait_ms, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id) || !valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
+    struct build *b = NULL;
+    for (struct build *o = t->builds; o != NULL; o = o->next)
+        if (strcmp(o->id, id) == 0 && strcmp(o->team, a->team_id) == 0 &&
+            strcmp(o->name, name) == 0)
+            b = o;
+    if (wait_ms == 0 || b == NULL)
+        return read_build(t, a->team_id, name, id, cb, arg, err);
+    struct waiter *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    w->t = t;
+    w->b = b;
+    w->auth = *a;
+    copy(w->name, sizeof w->name, name);
+    copy(w->id, sizeof w->id, id);
+    w->cb = cb;
+    w->arg = arg;
+    sp_timer_init(&w->timer, t->loop, on_waiter_timer, w);
+    sp_timer_start(&w->timer, wait_ms);
+    w->next = b->waiters;
+    b->waiters = w;
+    return 0;
+}
+
+struct logreq {
+    sp_tmpl_t *t;
+    char id[SP_ID_LEN + 1];
+    uint64_t offset;
+    size_t max_lines;
+    sp_tmpl_log_cb cb;
+    void *arg;
+};
+
+static void on_log_build(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct logreq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
+    if (why != NULL) {
+        q->cb(q->arg, NULL, 0, q->offset, true, why);
+        return;
+    }
+    const char *st = PQgetvalue(res, 0, 0);
+    bool finished = strcmp(st, "succeeded") == 0 || strcmp(st, "failed") == 0;
+    char p[PATH_MAX];
+    FILE *f = pathf(p, sizeof p, "%s/builds/%s.ndjson", q->t->data_dir, q->id) == 0
+                  ? fopen(p, "re")
+                  : NULL;
+    sp_buf_t out = {0};
+    uint64_t line = 0, next = q->offset;
+    if (f != NULL) {
+        char *l = NULL;
+        size_t cap = 0;
+        ssize_t n;
+        while ((n = getline(&l, &cap, f)) > 0) {
+            if (l[n - 1] != '\n') /* being written: not a line yet */
+                break;
+            if (line++ < q->offset)
+                continue;
+            if (next - q->offset >= q->max_lines || out.len > (4u << 20)) {
+                finished = false; /* more to read */
+                break;
+            }
+            sp_buf_add(&out, l, (size_t)n);
+            next++;
+        }
+        free(l);
+        fclose(f);
+    }
+    if (out.oom) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        q->cb(q->arg, NULL, 0, q->offset, true, &e);
+    } else {
+        q->cb(q->arg, out.len ? (const char *)out.p : "", out.len, next, finished, NULL);
+    }
+    sp_buf_free(&out);
+}
+
+int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
+                 uint64_t offset, size_t max_lines, sp_tmpl_log_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_ids_valid(id) || !valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
+    const char *p[] = {id, a->team_id, name};
+    struct logreq *q = sp_store_call(t->store,
+                                     "SELECT status FROM template_builds"
+                                     " WHERE id = $1 AND team_id = $2 AND template = $3",
+                                     3, p, sizeof(*q), on_log_build, err);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    copy(q->id, sizeof q->id, id);
+    q->offset = offset;
+    q->max_lines = max_lines > 0 ? max_lines : 10000;
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+struct delreq {
+    sp_tmpl_t *t;
+    char name[65];
+    sp_svc_done_cb cb;
+    void *arg;
+};
+
+static void on_deleted(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct delreq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0') {
+        if (strcmp(PQgetvalue(res, 0, 1), "t") == 0)
+            sp_err_set(&e, SP_EFORBIDDEN, "template '%s' is built in: it cannot be deleted",
+                       q->name);
+        else
+            sp_err_set(&e, SP_ENOTFOUND, "template not found");
+        why = &e;
+    }
+    if (why == NULL && set_current(q->t, q->name, NULL) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot unlink current of deleted template=%s", q->name);
+    if (why == NULL)
+        sp_log(SP_LOG_INFO, "tmpl", "template deleted template=%s", q->name);
+    q->cb(q->arg, why);
+}
+
+int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_done_cb cb,
+                   void *arg, sp_err_t *err)
+{
+    if (!valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template not found");
+    for (struct build *o = t->builds; o != NULL; o = o->next)
+        if (strcmp(o->name, name) == 0 && strcmp(o->team, a->team_id) == 0)
+            return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
+                              o->id);
+    const char *p[] = {name, a->team_id};
+    struct delreq *q = sp_store_call(
+        t->store,
+        "WITH d AS (UPDATE templates SET deleted_at = now(), status = 'deleted',"
+        "  updated_at = now() WHERE name = $1 AND team_id = $2 AND deleted_at IS NULL"
+        "  RETURNING 1)"
+        " SELECT (SELECT count(*) FROM d),"
+        "  coalesce((SELECT team_id IS NULL FROM templates WHERE name = $1), false)",
+        2, p, sizeof(*q), on_deleted, err);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    copy(q->name, sizeof q->name, name);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+/* ---- start-up: what a previous process left ---- */
+
+static void on_leftover_destroyed(void *arg, const sp_err_t *err)
+{
+    char *id = arg;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "tmpl", "leftover builder VM not destroyed vm=%s err=%s", id,
+               err->msg);
+    free(id);
+}
+
+static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_tmpl_t *t = *(sp_tmpl_t **)rec;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "tmpl", "cannot fail unfinished builds: %s", err->msg);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0), *name = PQgetvalue(res, i, 1);
+        sp_log(SP_LOG_WARN, "tmpl", "build failed by a restart build=%s template=%s", id, name);
+        char wdir[PATH_MAX];
+        if (valid_name(name) &&
+            pathf(wdir, sizeof wdir, "%s/templates/%s/.build-%s", t->data_dir, name, id) == 0)
+            rm_rf(wdir);
+        char *vm = malloc(32);
+        sp_err_t e;
+        if (vm == NULL || t->driver == NULL)
+            free(vm);
+        else if (snprintf(vm, 32, "bld-%s", id),
+                 t->driver->ops->destroy(t->driver, vm, on_leftover_destroyed, vm, &e) < 0)
+            free(vm);
+    }
+}
+
+sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
+                          const char *data_dir, sp_err_t *err)
+{
+    sp_tmpl_t *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    t->loop = loop;
+    t->store = store;
+    t->driver = driver;
+    copy(t->data_dir, sizeof t->data_dir, data_dir);
+    void *rec = sp_store_call(
+        store,
+        "WITH f AS (UPDATE template_builds SET status = 'failed', finished_at = now(),"
+        "  error = 'the server restarted during the build'"
+        "  WHERE status IN ('queued', 'building') RETURNING id, template),"
+        " u AS (UPDATE templates SET status = 'failed' WHERE status = 'building'"
+        "  AND name IN (SELECT template FROM f))"
+        " SELECT id, template FROM f",
+        0, NULL, sizeof(sp_tmpl_t *), on_leftovers, err);
+    if (rec == NULL) {
+        free(t);
+        return NULL;
+    }
+    *(sp_tmpl_t **)rec = t;
+    return t;
+}
+
+void sp_tmpl_destroy(sp_tmpl_t *t)
+{
+    if (t == NULL)
+        return;
+    while (t->builds != NULL) {
+        struct build *b = t->builds;
+        while (b->waiters != NULL) { /* the owner is going away: no answers */
+            struct waiter *w = b->waiters;
+            b->waiters = w->next;
+            sp_timer_stop(&w->timer);
+            free(w);
+        }
+        build_free(b);
+    }
+    free(t);
+}

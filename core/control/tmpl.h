@@ -1,0 +1,113 @@
+/*
+ * tmpl.h - templates built through the API: a team's own template made from an existing one
+ * by running steps in a builder VM, then frozen into a new version of the template.
+ *
+ * Folder: core/control/ is sandboxes' lifecycle: these operations, states, the controller that
+ * reconciles them, API keys. (ARCHITECTURE.md: the layers.)
+ *
+ * A build (POST /v1/templates) names the template, its parent (`from`: a template the team
+ * can use), its steps (run a command, set env, workdir or user for the steps after), an
+ * optional start_cmd (left running in the template snapshot, so every sandbox starts with it
+ * up) and ready_cmd (polled until it exits 0 before the snapshot is taken), and the default
+ * size. It runs as:
+ *
+ *   boot a builder VM ("bld-<build id>") from the parent, snapshot-fast like any create ->
+ *   each step through the agent, its output into the build log -> the template's env written
+ *   to /etc/space/template.env in the image -> sync -> pause -> the VM's disk exported as a
+ *   qcow2 layer over the parent's image (driver.h: export_disk) -> the builder destroyed ->
+ *   <data-dir>/templates/<name>/<hash>/{rootfs.qcow2,manifest.json} committed by rename ->
+ *   `current` swapped to it -> the template snapshot built (with start_cmd started and
+ *   ready_cmd passed: the manifest's warmup) -> the templates row and the build marked done.
+ *
+ * A failure anywhere (a step exiting non-zero: its number, exit code and the end of its
+ * output; the time limit; the snapshot's ready_cmd) fails the build, destroys the builder and
+ * leaves the previous version in service (`current` is put back if it was swapped). <hash> is
+ * the SHA-256 of the parent's version and the build's inputs: a build whose inputs made a
+ * version before finishes at once from it ("cached"), unless it says force. Versions are
+ * immutable and never removed here: sandboxes' disks keep them as backing files.
+ *
+ * Builds beyond SP_TMPL_TEAM_BUILDS running for a team (or SP_TMPL_BUILDS on the server)
+ * wait, status "queued". A spaced that stops or dies mid-build fails the build at its next
+ * start ("the server restarted during the build") and removes the builder VM and work dir.
+ *
+ * Names: one namespace on the server; a name belongs to the team that first built it (or to
+ * everyone: the built-in ones, which are not built or deleted here). Another team's template
+ * is SP_ENOTFOUND, exactly like a missing one; building under a name another team holds is
+ * SP_ECONFLICT. Deleting hides the name and stops creates from it; running and suspended
+ * sandboxes of it are unaffected.
+ *
+ * Logs: <data-dir>/builds/<id>.ndjson, one JSON object per line
+ * {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes (then one line saying
+ * so). Does not know HTTP; the native API renders builds and streams logs.
+ */
+#ifndef SP_TMPL_H
+#define SP_TMPL_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/err.h"
+#include "core/control/svc.h"
+#include "core/runtime/driver.h"
+#include "core/store/store.h"
+#include "loop/loop.h"
+
+#define SP_TMPL_STEPS_MAX    200
+#define SP_TMPL_TEAM_BUILDS  2
+#define SP_TMPL_BUILDS       2
+#define SP_TMPL_LOG_MAX      (16u << 20)
+#define SP_TMPL_TIMEOUT_S    1800 /* default build time limit */
+#define SP_TMPL_TIMEOUT_MAX  (24 * 3600)
+#define SP_TMPL_READY_S      60 /* default ready_cmd limit; at most SP_TMPL_READY_MAX */
+#define SP_TMPL_READY_MAX    590
+
+typedef struct sp_tmpl sp_tmpl_t;
+
+typedef struct {
+    char id[SP_ID_LEN + 1];
+    char template_name[65];
+    char status[16]; /* queued | building | succeeded | failed */
+    char hash[65];   /* the version made (or found, cached); "" until then */
+    bool cached;
+    int failed_step; /* 1-based; 0 when no step failed */
+    char error[1024];
+    char created_at[32];
+    char started_at[32];  /* "" while queued */
+    char finished_at[32]; /* "" while unfinished */
+} sp_tmpl_build_rec_t;
+
+typedef void (*sp_tmpl_build_cb)(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err);
+
+/* Fails the builds a previous process left unfinished and removes their builder VMs and work
+ * dirs (asynchronous; logged). driver and store are borrowed and outlive t. */
+sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
+                          const char *data_dir, sp_err_t *err);
+/* Builds in flight are abandoned: their builder VMs are destroyed by the next start. */
+void sp_tmpl_destroy(sp_tmpl_t *t);
+
+/* Validates the request (SP_EINVAL naming the field), records the build and queues it; cb
+ * with the build record (status queued) or: SP_ENOTFOUND for a parent the team cannot use,
+ * SP_ECONFLICT when the name is another team's or a built-in one, or being built already. */
+int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_build_cb cb,
+                  void *arg, sp_err_t *err);
+
+/* The build id of template name. wait_ms > 0: answers when it finishes or wait_ms passed. */
+int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
+                      uint32_t wait_ms, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+
+/* Lines [offset, offset + at most max_lines) of the build's log, as NDJSON text (borrowed for
+ * the callback), with the offset after them and whether the build had finished when they were
+ * read (then no line will follow). */
+typedef void (*sp_tmpl_log_cb)(void *arg, const char *ndjson, size_t len, uint64_t next,
+                               bool finished, const sp_err_t *err);
+int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
+                 uint64_t offset, size_t max_lines, sp_tmpl_log_cb cb, void *arg, sp_err_t *err);
+
+/* Deletes the team's template name (see the top). SP_ENOTFOUND, SP_ECONFLICT while it is
+ * being built, SP_EFORBIDDEN for a built-in template. */
+int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_done_cb cb,
+                   void *arg, sp_err_t *err);
+
+#endif

@@ -1,0 +1,155 @@
+/*
+ * export.c - a paused VM's disk written out as a template image (driver.h: export_disk).
+ *
+ * A template build runs its steps in a builder VM, pauses it (QEMU's stop flushes its block
+ * layer, so the overlay file is consistent once the guest ran sync) and asks for its disk.
+ * The VM's overlay holds only what the VM wrote; below it are the template snapshot's
+ * frozen overlay (for a clone) and the template's image. The export copies the top file
+ * (sparse) and rebases the copy onto the template's image with qemu-img in safe mode, which
+ * writes into the copy every cluster where the chain between differs from the new backing
+ * file: the result is one layer over the template's image with everything the VM changed,
+ * not depending on the template snapshot (which is collected on its own schedule). Both run
+ * in one child process (/bin/sh), off the loop; the image is written under a temporary name
+ * and renamed into place, mode 0444, once complete.
+ *
+ * Does not decide where images live or what they are called (the template builder does).
+ */
+#include "core/runtime/qemu/qemu_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "base/log.h"
+
+#define EXPORT_TIMEOUT_MS (30u * 60u * 1000u) /* a rebase reads what the template changed */
+
+struct export {
+    struct vm *vm;
+    struct child *c;
+    sp_driver_cb cb;
+    void *arg;
+    char dest[PATH_MAX];
+    char tmp[PATH_MAX + 16];
+    uint64_t t0;
+};
+
+static void export_free(struct export *x)
+{
+    if (x->vm != NULL && x->vm->export == x)
+        x->vm->export = NULL;
+    sp_qemu__child_free(x->c);
+    free(x);
+}
+
+static void on_export_exit(struct child *c, int st, bool timed_out, void *arg)
+{
+    struct export *x = arg;
+    (void)c;
+    sp_qemu_t *d = x->vm->d;
+    sp_err_t e;
+    const sp_err_t *err = NULL;
+    if (timed_out || st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        sp_log(SP_LOG_ERROR, "qemu", "disk export failed sandbox=%s status=%d timed_out=%d",
+               x->vm->id, st, (int)timed_out);
+        sp_err_set(&e, SP_ERUNTIME, "%s",
+                   timed_out ? "exporting the disk took too long"
+                             : "cannot export the disk (qemu-img rebase failed: see the VM's "
+                               "qemu.log)");
+        err = &e;
+        unlink(x->tmp);
+    } else if (chmod(x->tmp, 0444) < 0 || sp_qemu__fsync_path(x->tmp, O_RDONLY) < 0 ||
+               rename(x->tmp, x->dest) < 0) {
+        sp_err_set(&e, SP_ERUNTIME, "cannot put the exported disk in place: %s", strerror(errno));
+        err = &e;
+        unlink(x->tmp);
+    } else {
+        sp_log(SP_LOG_INFO, "qemu", "disk exported sandbox=%s ms=%llu", x->vm->id,
+               (unsigned long long)(sp_qemu__mono_ms() - x->t0));
+    }
+    sp_driver_cb cb = x->cb;
+    void *cb_arg = x->arg;
+    export_free(x);
+    if (sp_qemu__complete(d, cb, cb_arg, err) < 0)
+        sp_log(SP_LOG_ERROR, "qemu", "out of memory completing a disk export");
+}
+
+int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backing,
+                           const char *dest, sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
+    if (vm == NULL || vm->exited)
+        return sp_err_set(err, SP_ENOTFOUND, "no running VM for sandbox %s", id);
+    if (!vm->paused || vm->export != NULL)
+        return sp_err_set(err, SP_ECONFLICT, "the VM must be paused, with no export running");
+    if (backing == NULL || backing[0] != '/' || dest == NULL || dest[0] != '/')
+        return sp_err_set(err, SP_EINVAL, "export paths must be absolute");
+    struct stat st;
+    if (stat(backing, &st) < 0 || !S_ISREG(st.st_mode))
+        return sp_err_set(err, SP_ENOTFOUND, "no base image %s", backing);
+    if (lstat(dest, &st) == 0)
+        return sp_err_set(err, SP_ECONFLICT, "%s exists", dest);
+    struct export *x = calloc(1, sizeof(*x));
+    if (x == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    x->vm = vm;
+    x->cb = cb;
+    x->arg = arg;
+    x->t0 = sp_qemu__mono_ms();
+    char disk[PATH_MAX], log[PATH_MAX];
+    if (sp_qemu__sfmt(x->dest, sizeof x->dest, "%s", dest) < 0 ||
+        sp_qemu__sfmt(x->tmp, sizeof x->tmp, "%s.tmp-%d", dest, (int)getpid()) < 0) {
+        free(x);
+        return sp_err_set(err, SP_EINVAL, "export path too long");
+    }
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
+    unlink(x->tmp); /* a leftover of a killed spaced */
+    /* -U: QEMU holds the images' locks; its vCPUs are stopped and its caches flushed */
+    char *argv[] = {"/bin/sh",
+                    "-c",
+                    "cp --sparse=always -- \"$1\" \"$2\" && "
+                    "exec \"$4\" rebase -U -q -f qcow2 -b \"$3\" -F qcow2 \"$2\"",
+                    "space-export",
+                    disk,
+                    x->tmp,
+                    (char *)backing,
+                    d->qemu_img,
+                    NULL};
+    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL, .sandbox = vm->id,
+                          .new_session = true}; /* its cp and qemu-img go with it */
+    x->c = sp_qemu__child_start(d, argv, &so, EXPORT_TIMEOUT_MS, on_export_exit, x, err);
+    if (x->c == NULL) {
+        free(x);
+        return -1;
+    }
+    vm->export = x;
+    sp_log(SP_LOG_INFO, "qemu", "exporting disk sandbox=%s base=%s", vm->id, backing);
+    return 0;
+}
+
+/* The VM is going away (destroyed, driver freed) with an export in flight: stop it, and
+ * fail the caller (its callback is dropped when the driver itself goes). */
+void sp_qemu__export_abort(struct vm *vm)
+{
+    struct export *x = vm->export;
+    if (x == NULL)
+        return;
+    vm->export = NULL;
+    x->vm = NULL;
+    kill(-x->c->pid, SIGKILL);
+    kill(x->c->pid, SIGKILL);
+    waitpid(x->c->pid, NULL, 0); /* killed: returns at once */
+    unlink(x->tmp);
+    sp_err_t e;
+    sp_err_set(&e, SP_ERUNTIME, "the VM went away during the disk export");
+    sp_qemu__complete(vm->d, x->cb, x->arg, &e);
+    export_free(x);
+}

@@ -1,0 +1,257 @@
+"""Templates built through the native API (core/control/tmpl.h), on real VMs.
+
+A template is built from `base` with steps (files with modes, env, workdir, user), a start_cmd
+HTTP server and its ready_cmd; a sandbox of it has the files, env and user, and the server
+answers at once. The same inputs again finish from the cache; one changed step makes a new
+version while the old one stays on disk for the sandbox that uses it; a failing step fails the
+build naming the step and leaves the previous version in service; deleting a template in use
+leaves its sandboxes running. Bad requests get the right status; another team sees nothing;
+a spaced killed mid-build fails the build at its next start and leaves no builder VM.
+Needs root and SP_TEST_DATA_DIR (the e2e data dir with `base` built).
+"""
+import json
+import os
+import signal
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from harness import MULT, Platform, wait_s  # noqa: E402
+from test_vm_api import skip_reason  # noqa: E402
+
+DATA = os.environ.get("SP_TEST_DATA_DIR")
+
+NONCE = "%d-%d" % (os.getpid(), time.time())  # the shared data dir keeps versions of earlier runs
+STEPS = [
+    {"run": "mkdir -p /srv/site && chown user /srv/site && echo %s > /srv/nonce" % NONCE},
+    {"env": {"GREETING": "hi there", "APP_MODE": "prod's"}},
+    {"workdir": "/srv/site"},
+    {"user": "user"},
+    {"run": "echo hello-from-template > index.html && chmod 0640 index.html"},
+    {"run": ["/bin/sh", "-c", "echo \"$GREETING\" > greeting.txt; pwd > where.txt; id -un > who.txt"]},
+    {"run": "echo step-output-line; echo to-stderr >&2", "user": "root", "env": {"EXTRA": "1"}},
+]
+
+
+def build(s, body, key=None, timeout=900):
+    """POST /v1/templates, then wait for the build's end; returns the build record."""
+    st, r = s.request("POST", "/v1/templates", body, key=key, timeout=60)
+    assert st == 202, (st, r)
+    b = r["build"]
+    deadline = time.time() + timeout * MULT
+    while b["status"] in ("queued", "building") and time.time() < deadline:
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=%d" % (b["template"], b["id"],
+                                                                         wait_s(120)),
+                          key=key, timeout=150)
+        assert st in (200, 202), (st, r)
+        b = r["build"]
+    return b
+
+
+def logs(s, name, bid, offset=0, key=None):
+    st, text = s.request("GET", "/v1/templates/%s/builds/%s/logs?offset=%d" % (name, bid, offset),
+                         key=key, timeout=60)
+    assert st == 200, (st, text)
+    if isinstance(text, (dict, list)):  # one line parses as JSON on its own
+        return [text]
+    text = text.decode() if isinstance(text, bytes) else (text or "")
+    return [json.loads(x) for x in text.splitlines() if x]
+
+
+def run(s, sid, cmd, **kw):
+    st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, dict(cmd=cmd, **kw), timeout=120)
+    assert st == 200, (st, c)
+    return c
+
+
+@unittest.skipIf(skip_reason(), skip_reason())
+class TemplateBuildTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.p = Platform(teams=("alpha", "beta"), binary=os.environ["SPACED"], data_dir=DATA)
+        cls.s = cls.p.s
+        cls.sids = []
+
+    @classmethod
+    def tearDownClass(cls):
+        for sid in cls.sids:
+            cls.s.delete_quietly(sid)
+        for name in ("web", "web2", "slow"):
+            try:
+                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
+            except OSError:
+                pass
+        cls.p.destroy()
+
+    def create(self, template):
+        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(240),
+                               {"template": template}, timeout=260 * MULT)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+        self.sids.append(r["sandbox"]["id"])
+        return r["sandbox"]["id"]
+
+    def test_1_build_use_cache_change_fail_delete(self):
+        s = self.s
+        body = {"name": "web", "from": "base", "description": "a site", "steps": STEPS,
+                "start_cmd": "python3 -m http.server 8000",
+                "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"}
+        t0 = time.time()
+        b = build(s, body)
+        first_s = time.time() - t0
+        self.assertEqual(b["status"], "succeeded", b)
+        self.assertFalse(b["cached"])
+        v1 = b["version"]
+        lines = logs(s, "web", b["id"])
+        text = [x.get("line") for x in lines]
+        self.assertIn("step-output-line", text)
+        self.assertIn("to-stderr", text)
+        out = [x for x in lines if x.get("line") == "step-output-line"][0]
+        self.assertEqual((out["step"], out["stream"]), (7, "stdout"), out)
+        # from an offset: the tail only
+        self.assertEqual(logs(s, "web", b["id"], offset=len(lines) - 1), lines[-1:])
+
+        st, t = s.request("GET", "/v1/templates/web")
+        self.assertEqual(st, 200, t)
+        self.assertEqual((t["status"], t["version"], t["parent"], t["builtin"]),
+                         ("ready", v1, "base", False), t)
+
+        sid = self.create("web")
+        # the server was started by the template snapshot: it answers at once
+        c = run(s, sid, "curl -sf http://127.0.0.1:8000/index.html")
+        self.assertEqual(c["stdout"], "hello-from-template\n", c)
+        c = run(s, sid, "stat -c '%a %U' /srv/site/index.html; cat /srv/site/greeting.txt "
+                        "/srv/site/where.txt /srv/site/who.txt; echo \"$GREETING|$APP_MODE\"")
+        self.assertEqual(c["stdout"], "640 user\nhi there\n/srv/site\nuser\nhi there|prod's\n", c)
+
+        # the same inputs: from the cache, at once
+        t0 = time.time()
+        b2 = build(s, body)
+        cached_s = time.time() - t0
+        self.assertEqual((b2["status"], b2["cached"], b2["version"]), ("succeeded", True, v1), b2)
+        print("build %.1f s, cached rebuild %.1f s" % (first_s, cached_s))
+
+        # one changed step: a new version; the old one stays for the sandbox using it
+        body3 = dict(body, steps=STEPS[:4] + [
+            {"run": "echo version-two > index.html && chmod 0644 index.html"}])
+        b3 = build(s, body3)
+        self.assertEqual(b3["status"], "succeeded", b3)
+        self.assertNotEqual(b3["version"], v1)
+        self.assertTrue(os.path.exists(os.path.join(DATA, "templates", "web", v1,
+                                                    "rootfs.qcow2")))
+        self.assertEqual(run(s, sid, "cat /srv/site/index.html")["stdout"],
+                         "hello-from-template\n")
+        sid2 = self.create("web")
+        self.assertEqual(run(s, sid2, "curl -sf http://127.0.0.1:8000/index.html")["stdout"],
+                         "version-two\n")
+
+        # a failing step fails the build, names it, and leaves the version in service
+        bad = dict(body3, steps=body3["steps"] + [{"run": "echo about-to-fail; exit 3"}])
+        b4 = build(s, bad)
+        self.assertEqual((b4["status"], b4["failed_step"]), ("failed", 6), b4)
+        self.assertIn("exited with code 3", b4["error"])
+        self.assertIn("about-to-fail", b4["error"])
+        st, t = s.request("GET", "/v1/templates/web")
+        self.assertEqual((t["status"], t["version"]), ("ready", b3["version"]), t)
+        self.assertFalse([d for d in os.listdir(os.path.join(DATA, "templates", "web"))
+                          if d.startswith(".build-")])
+        self.assertFalse([d for d in os.listdir(os.path.join(DATA, "vms"))
+                          if d.startswith("bld-")])
+
+        # delete in use: sandboxes keep running, new creates are refused, the list forgets it
+        st, r = s.request("DELETE", "/v1/templates/web")
+        self.assertEqual(st, 200, r)
+        self.assertEqual(run(s, sid, "cat /srv/site/greeting.txt")["stdout"], "hi there\n")
+        st, r = s.request("POST", "/v1/sandboxes", {"template": "web"})
+        self.assertEqual(st, 404, r)
+        st, r = s.request("GET", "/v1/templates")
+        self.assertNotIn("web", [t["name"] for t in r["templates"]])
+        self.assertIn("base", [t["name"] for t in r["templates"]])
+
+    def test_2_bad_input_and_other_teams(self):
+        s = self.s
+        beta = self.p.keys["beta"]
+        cases = [
+            ({"name": "x", "from": "base", "bogus": 1}, 400, "unknown field"),
+            ({"name": "Bad Name", "from": "base"}, 400, "name"),
+            ({"name": "x", "from": "nope"}, 404, "not found"),
+            ({"name": "x"}, 400, "from"),
+            ({"name": "x", "from": {"image": "debian:12"}}, 400, "only templates"),
+            ({"name": "x", "from": "base", "steps": [{"run": 5}]}, 400, "steps[0]"),
+            ({"name": "x", "from": "base", "steps": [{"run": "a", "env": {"1BAD": "v"}}]}, 400,
+             "variable name"),
+            ({"name": "x", "from": "base", "steps": [{"workdir": "relative"}]}, 400, "absolute"),
+            ({"name": "x", "from": "base", "steps": [{"run": "true", "nope": 1}]}, 400,
+             "unknown field"),
+            ({"name": "x", "from": "base", "steps": [{"copy": {}}]}, 400, "copy"),
+            ({"name": "base", "from": "code-interpreter-v1"}, 409, "taken"),
+            ({"name": "x", "from": "base", "cpu_count": 99}, 400, "cpu_count"),
+            ({"name": "x", "from": "x"}, 400, "itself"),
+        ]
+        for body, want, msg in cases:
+            st, r = s.request("POST", "/v1/templates", body)
+            self.assertEqual(st, want, (body, r))
+            self.assertIn(msg, json.dumps(r), (body, r))
+        st, r = s.request("POST", "/v1/templates", raw=b"{not json",
+                          headers={"Content-Type": "application/json"})
+        self.assertEqual(st, 400, r)
+        st, r = s.request("DELETE", "/v1/templates/base")
+        self.assertEqual(st, 403, r)
+        st, r = s.request("GET", "/v1/templates/web2/builds/aaaaaaaaaaaaaaaaaaaa")
+        self.assertEqual(st, 404, r)
+
+        # team alpha's template is invisible to beta, which cannot take its name either
+        b = build(s, {"name": "web2", "from": "base", "steps": [{"run": "echo %s > /two" % NONCE}]})
+        self.assertEqual(b["status"], "succeeded", b)
+        st, r = s.request("GET", "/v1/templates/web2", key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("GET", "/v1/templates/web2/builds/%s" % b["id"], key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("GET", "/v1/templates/web2/builds/%s/logs" % b["id"], key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("POST", "/v1/sandboxes", {"template": "web2"}, key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("POST", "/v1/templates", {"name": "web2", "from": "base"}, key=beta)
+        self.assertEqual(st, 409, r)
+        st, r = s.request("POST", "/v1/templates", {"name": "mine", "from": "web2"}, key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("DELETE", "/v1/templates/web2", key=beta)
+        self.assertEqual(st, 404, r)
+        st, r = s.request("GET", "/v1/templates", key=beta)
+        self.assertNotIn("web2", [t["name"] for t in r["templates"]])
+
+    def test_3_restart_mid_build(self):
+        s = self.s
+        st, r = s.request("POST", "/v1/templates",
+                          {"name": "slow", "from": "base", "steps": [{"run": "sleep 600"}]})
+        self.assertEqual(st, 202, r)
+        bid = r["build"]["id"]
+        deadline = time.time() + 240 * MULT
+        while time.time() < deadline:  # until the step runs in the builder
+            if any(x.get("line") == "$ sleep 600" for x in logs(s, "slow", bid)):
+                break
+            time.sleep(0.5)
+        else:
+            self.fail("the step did not start: %s" % logs(s, "slow", bid))
+        self.assertTrue(os.path.isdir(os.path.join(DATA, "vms", "bld-" + bid)))
+        s.kill(signal.SIGKILL)
+        s.start()
+        deadline = time.time() + 60 * MULT
+        while time.time() < deadline:
+            st, r = s.request("GET", "/v1/templates/slow/builds/" + bid)
+            if r["build"]["status"] == "failed" and \
+                    not os.path.exists(os.path.join(DATA, "vms", "bld-" + bid)):
+                break
+            time.sleep(0.5)
+        self.assertEqual(r["build"]["status"], "failed", r)
+        self.assertIn("restarted", r["build"]["error"])
+        self.assertFalse(os.path.exists(os.path.join(DATA, "vms", "bld-" + bid)))
+        st, r = s.request("GET", "/v1/templates/slow")
+        self.assertEqual((st, r.get("status")), (200, "failed"), r)
+        st, r = s.request("POST", "/v1/sandboxes", {"template": "slow"})
+        self.assertNotEqual(st, 202, r)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,256 @@
+/*
+ * route_templates.c - template builds (core/control/tmpl.h): POST /v1/templates, a build's
+ * record and its log, DELETE /v1/templates/{name}. Listing and reading templates is in
+ * route_sandboxes.c.
+ *
+ * The log route answers NDJSON lines from ?offset= (a line number; the answer's last line
+ * numbers are offset + count). With ?follow=true it stays open while the build runs, reading
+ * the log again every FOLLOW_MS, and ends when the build has ended and every line was sent.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "native-api/napi_int.h"
+
+#define FOLLOW_MS  300
+#define LOG_LINES  10000 /* per read */
+
+static json_t *build_json(const sp_tmpl_build_rec_t *b)
+{
+    json_t *o = json_pack("{s:s,s:s,s:s,s:b,s:s}", "id", b->id, "template", b->template_name,
+                          "status", b->status, "cached", b->cached, "created_at", b->created_at);
+    json_object_set_new(o, "version", b->hash[0] ? json_string(b->hash) : json_null());
+    json_object_set_new(o, "started_at", b->started_at[0] ? json_string(b->started_at) : json_null());
+    json_object_set_new(o, "finished_at",
+                        b->finished_at[0] ? json_string(b->finished_at) : json_null());
+    json_object_set_new(o, "error", b->error[0] ? json_string(b->error) : json_null());
+    json_object_set_new(o, "failed_step",
+                        b->failed_step > 0 ? json_integer(b->failed_step) : json_null());
+    char logs[256];
+    snprintf(logs, sizeof logs, "/v1/templates/%s/builds/%s/logs", b->template_name, b->id);
+    json_object_set_new(o, "logs_url", json_string(logs));
+    return o;
+}
+
+static bool build_finished(const sp_tmpl_build_rec_t *b)
+{
+    return strcmp(b->status, "succeeded") == 0 || strcmp(b->status, "failed") == 0;
+}
+
+static void on_build(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    sp_napi__reply(c, build_finished(b) ? 200 : 202, json_pack("{s:o}", "build", build_json(b)));
+}
+
+/* Accepted: answer now, or after waiting for the end with ?wait=. */
+static void on_accepted(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    sp_err_t e;
+    if (err != NULL || c->wait_ms == 0) {
+        on_build(c, b, err);
+        return;
+    }
+    if (sp_tmpl_get_build(c->n->tmpl, &c->auth, b->template_name, b->id, c->wait_ms, on_build, c,
+                          &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static bool have_tmpl(napi_ctx_t *c)
+{
+    if (c->n->tmpl != NULL)
+        return true;
+    sp_err_t e;
+    sp_err_set(&e, SP_EUNAVAIL, "template builds are not available on this server");
+    sp_napi__fail(c, &e);
+    return false;
+}
+
+void sp_napi__templates_build(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (have_tmpl(c) && sp_tmpl_build(c->n->tmpl, &c->auth, c->body, on_accepted, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__builds_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (have_tmpl(c) && sp_tmpl_get_build(c->n->tmpl, &c->auth, c->segs[2], c->segs[4],
+                                          c->wait_ms, on_build, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_deleted(void *arg, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
+}
+
+void sp_napi__templates_delete(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (have_tmpl(c) &&
+        sp_tmpl_delete(c->n->tmpl, &c->auth, c->segs[2], on_deleted, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* ---- the log ---- */
+
+struct follow {
+    sp_tmpl_t *tmpl;
+    sp_auth_t auth;
+    char name[65], id[SP_ID_LEN + 1];
+    uint64_t offset;
+    bool follow;
+    sp_stream_t *st;
+    sp_timer_t timer;
+    bool reading; /* an sp_tmpl_logs in flight */
+    bool gone;    /* the client left: free once nothing is in flight */
+};
+
+static void follow_free(struct follow *f)
+{
+    sp_timer_stop(&f->timer);
+    free(f);
+}
+
+static void on_more(void *arg, const char *nd, size_t len, uint64_t next, bool finished,
+                    const sp_err_t *err);
+
+static void read_more(struct follow *f)
+{
+    sp_err_t e;
+    f->reading = true;
+    if (sp_tmpl_logs(f->tmpl, &f->auth, f->name, f->id, f->offset, LOG_LINES, on_more, f, &e) <
+        0) {
+        f->reading = false;
+        sp_stream_end(f->st, NULL, 0, false);
+        follow_free(f);
+    }
+}
+
+static void on_follow_timer(sp_timer_t *t, void *arg)
+{
+    (void)t;
+    read_more(arg);
+}
+
+static void on_more(void *arg, const char *nd, size_t len, uint64_t next, bool finished,
+                    const sp_err_t *err)
+{
+    struct follow *f = arg;
+    f->reading = false;
+    if (f->gone) {
+        follow_free(f);
+        return;
+    }
+    if (err != NULL) {
+        sp_stream_end(f->st, NULL, 0, false);
+        follow_free(f);
+        return;
+    }
+    if (len > 0 && sp_stream_write(f->st, nd, len, 0) < 0) {
+        sp_stream_end(f->st, NULL, 0, false);
+        follow_free(f);
+        return;
+    }
+    bool more = next - f->offset >= LOG_LINES;
+    f->offset = next;
+    if (more) {
+        read_more(f);
+    } else if (finished || !f->follow) {
+        sp_stream_end(f->st, NULL, 0, true);
+        follow_free(f);
+    } else {
+        sp_timer_start(&f->timer, FOLLOW_MS);
+    }
+}
+
+static void on_gone(void *arg)
+{
+    struct follow *f = arg;
+    f->gone = true;
+    if (!f->reading)
+        follow_free(f);
+}
+
+static const sp_stream_cbs_t follow_cbs = {.on_sent = NULL, .on_gone = on_gone};
+
+/* The first read: errors as a status; else the stream starts with its lines. */
+struct first {
+    napi_ctx_t *c;
+    struct follow *f;
+};
+
+static void on_first_read(void *arg, const char *nd, size_t len, uint64_t next, bool finished,
+                          const sp_err_t *err)
+{
+    struct first *fr = arg;
+    napi_ctx_t *c = fr->c;
+    struct follow *f = fr->f;
+    free(fr);
+    if (err != NULL) {
+        free(f);
+        sp_napi__fail(c, err);
+        return;
+    }
+    f->st = sp_napi__ndjson_begin(c, NULL, &follow_cbs, f);
+    if (f->st == NULL) {
+        free(f);
+        return;
+    }
+    f->reading = true;
+    on_more(f, nd, len, next, finished, NULL);
+}
+
+void sp_napi__builds_logs(napi_ctx_t *c)
+{
+    sp_err_t e;
+    int offset = 0;
+    bool follow = false;
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (!have_tmpl(c))
+        return;
+    if (req == NULL) {
+        sp_napi__take(c);
+        return;
+    }
+    if (sp_napi__query_int(req, "offset", 0, 1 << 30, &offset, &e) < 0 ||
+        sp_napi__query_bool(req, "follow", &follow, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    struct follow *f = calloc(1, sizeof(*f));
+    struct first *fr = calloc(1, sizeof(*fr));
+    if (f == NULL || fr == NULL) {
+        free(f);
+        free(fr);
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    f->tmpl = c->n->tmpl;
+    f->auth = c->auth;
+    snprintf(f->name, sizeof f->name, "%.64s", c->segs[2]);
+    snprintf(f->id, sizeof f->id, "%.20s", c->segs[4]);
+    f->offset = (uint64_t)offset;
+    f->follow = follow;
+    sp_timer_init(&f->timer, sp_napi__loop(c), on_follow_timer, f);
+    fr->c = c;
+    fr->f = f;
+    if (sp_tmpl_logs(f->tmpl, &f->auth, f->name, f->id, f->offset, LOG_LINES, on_first_read, fr,
+                     &e) < 0) {
+        free(f);
+        free(fr);
+        sp_napi__fail(c, &e);
+    }
+}
