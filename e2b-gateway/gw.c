@@ -31,6 +31,11 @@ sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o)
     return gw;
 }
 
+void sp_e2b_set_tmpl(sp_e2b_t *gw, sp_tmpl_t *tmpl)
+{
+    gw->tmpl = tmpl;
+}
+
 void sp_e2b_destroy(sp_e2b_t *gw)
 {
     if (gw == NULL)
@@ -79,7 +84,8 @@ bool sp_e2b__is_control_path(h2o_req_t *req)
 {
     return path_is(req, "/sandboxes") || path_starts(req, "/sandboxes/") ||
            path_starts(req, "/v2/sandboxes") || path_is(req, "/snapshots") ||
-           path_starts(req, "/templates");
+           path_starts(req, "/templates") || path_starts(req, "/v2/templates") ||
+           path_starts(req, "/v3/templates");
 }
 
 /*

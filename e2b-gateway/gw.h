@@ -18,6 +18,7 @@
 #include <stdbool.h>
 
 #include "core/control/svc.h"
+#include "core/control/tmpl.h"
 
 typedef struct sp_e2b sp_e2b_t;
 
@@ -29,6 +30,9 @@ typedef struct {
 
 sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o);
 void sp_e2b_destroy(sp_e2b_t *gw);
+
+/* Template builds for the E2B template API (borrowed; outlives gw). */
+void sp_e2b_set_tmpl(sp_e2b_t *gw, sp_tmpl_t *tmpl);
 
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);

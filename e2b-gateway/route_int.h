@@ -22,6 +22,7 @@ enum {
     R_METRICS,
     R_LOGS,
     R_LOGS_V2,
+    R_TEMPLATES, /* every /templates path: route_templates.c routes them itself */
 };
 
 enum { CTL_GET = 1, CTL_POST = 2, CTL_DELETE = 4 };
@@ -54,6 +55,7 @@ struct ctl {
     json_t *acc;          /* what is being collected for the answer; owned */
     json_t *ids;          /* metrics: the sandbox IDs asked for (array) or NULL; owned */
     long long start_s, end_s; /* metrics: the series's bounds (unix s), 0: open */
+    void *tpl;                /* route_templates.c's state across a step; its own to free */
 };
 
 /* Finish the request (answer if the client is still there) and free the context.
@@ -74,5 +76,8 @@ const char *sp_e2b__state(const sp_sandbox_rec_t *sb);
  * /v2/sandboxes/{id}/logs. */
 void sp_e2b__route_metrics(ctl_t *c, h2o_req_t *req);
 void sp_e2b__route_logs(ctl_t *c, h2o_req_t *req);
+
+/* route_templates.c: /templates..., /v2/templates..., /v3/templates (after authentication). */
+void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req);
 
 #endif

@@ -55,9 +55,9 @@ void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj)
         h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT("x-next-token"), 0, NULL, v,
                               n);
     }
-    if (obj == NULL) { /* 204 */
+    if (obj == NULL) { /* 204, or 202 with no body (a template build started) */
         req->res.status = status;
-        req->res.reason = "No Content";
+        req->res.reason = status == 202 ? "Accepted" : "No Content";
         h2o_send_inline(req, "", 0);
         return;
     }
@@ -903,6 +903,9 @@ static void dispatch(ctl_t *c, h2o_req_t *req)
     case R_LOGS_V2:
         sp_e2b__route_logs(c, req);
         break;
+    case R_TEMPLATES:
+        sp_e2b__route_templates(c, req);
+        break;
     default:
         sp_e2b__ctl_fail(c, 404, "no such path");
         break;
@@ -951,14 +954,21 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
     bool known = false;
     const char *id = NULL;
     const struct ctl_route *r = n > 0 ? ctl_match(segs, n, method, &known, &id) : NULL;
+    /* /templates, /v2/templates/..., /v3/templates: names in the path; routed after the key */
+    static const struct ctl_route tpl_get = {R_TEMPLATES, CTL_GET, {NULL}, false},
+                                  tpl_body = {R_TEMPLATES, CTL_POST, {NULL}, true};
+    if (n >= 1 && (strcmp(segs[0], "templates") == 0 ||
+                   (n >= 2 && (strcmp(segs[0], "v2") == 0 || strcmp(segs[0], "v3") == 0) &&
+                    strcmp(segs[1], "templates") == 0)))
+        r = method == CTL_POST ? &tpl_body : &tpl_get;
     if (r == NULL) {
         if (known)
             sp_e2b__error(req, 405, "method not allowed on this path");
         else if (n >= 1 &&
-                 (strcmp(segs[0], "snapshots") == 0 || strcmp(segs[0], "templates") == 0 ||
+                 (strcmp(segs[0], "snapshots") == 0 ||
                   (n == 3 && strcmp(segs[0], "sandboxes") == 0 &&
                    strcmp(segs[2], "snapshots") == 0)))
-            sp_e2b__error(req, 501, "snapshots and templates are not supported by this server");
+            sp_e2b__error(req, 501, "snapshots are not supported by this server");
         else
             sp_e2b__error(req, 404, "no such path");
         return;

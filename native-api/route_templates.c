@@ -109,7 +109,7 @@ void sp_napi__templates_delete(napi_ctx_t *c)
 struct follow {
     sp_tmpl_t *tmpl;
     sp_auth_t auth;
-    char name[65], id[SP_ID_LEN + 1];
+    char name[65], id[SP_TMPL_ID_MAX + 1];
     uint64_t offset;
     bool follow;
     sp_stream_t *st;
@@ -241,7 +241,7 @@ void sp_napi__builds_logs(napi_ctx_t *c)
     f->tmpl = c->n->tmpl;
     f->auth = c->auth;
     snprintf(f->name, sizeof f->name, "%.64s", c->segs[2]);
-    snprintf(f->id, sizeof f->id, "%.20s", c->segs[4]);
+    snprintf(f->id, sizeof f->id, "%.36s", c->segs[4]);
     f->offset = (uint64_t)offset;
     f->follow = follow;
     sp_timer_init(&f->timer, sp_napi__loop(c), on_follow_timer, f);

@@ -922,6 +922,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     serve_domain(o, domain, sizeof(domain));
     sp_e2b_opts_t eo = {.domain = domain};
     s.e2b = svc ? sp_e2b_create(svc, &eo) : NULL;
+    if (s.e2b != NULL)
+        sp_e2b_set_tmpl(s.e2b, tmpl);
     if (recon == NULL || tmpl == NULL || s.napi == NULL || s.e2b == NULL || admin == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;

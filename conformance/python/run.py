@@ -87,6 +87,7 @@ def main():
     import code_interpreter  # noqa: F401
     import ports  # noqa: F401
     import async_sdk  # noqa: F401
+    import templates  # noqa: F401
 
     problem = lib.config_problem()
     if problem:

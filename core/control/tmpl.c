@@ -34,7 +34,8 @@
 #define BUILD_COLS                                                                                 \
     "b.id, b.template, b.status, coalesce(b.hash, ''), b.cached, coalesce(b.failed_step, 0), "    \
     "coalesce(b.error, ''), " TS("b.created_at") ", coalesce(" TS("b.started_at") ", ''), "        \
-    "coalesce(" TS("b.finished_at") ", '')"
+    "coalesce(" TS("b.finished_at") ", ''), coalesce((b.request->>'cpu_count')::int, 0), "       \
+    "coalesce((b.request->>'memory_mb')::int, 0)"
 #define TAIL_MAX   2048 /* bytes of a failed step's output quoted in the error */
 #define LINE_MAX_B 8192 /* a longer output line is split */
 #define ENV_FILE   "/etc/space/template.env"
@@ -56,7 +57,7 @@ struct waiter {
     struct build *b;
     sp_tmpl_t *t;
     sp_auth_t auth;
-    char name[65], id[SP_ID_LEN + 1];
+    char name[65], id[SP_TMPL_ID_MAX + 1];
     sp_tmpl_build_cb cb;
     void *arg;
     sp_timer_t timer;
@@ -65,7 +66,7 @@ struct waiter {
 struct build {
     struct build *next;
     sp_tmpl_t *t;
-    char id[SP_ID_LEN + 1];
+    char id[SP_TMPL_ID_MAX + 1];
     char team[SP_ID_LEN + 1];
     char name[65];
     char parent[65];
@@ -154,6 +155,33 @@ static bool valid_user(const char *u)
             return false;
     }
     return true;
+}
+
+/* Our ids, or a UUID (E2B's clients parse build ids as UUIDs). */
+static bool valid_build_id(const char *id)
+{
+    size_t n = strlen(id);
+    if (n == SP_ID_LEN)
+        return sp_ids_valid(id);
+    if (n != 36)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+        if (dash ? id[i] != '-' : !(isdigit((unsigned char)id[i]) || (id[i] >= 'a' && id[i] <= 'f')))
+            return false;
+    }
+    return true;
+}
+
+/* The builder VM's id: "bld-" and the build id's first 20 letters and digits. */
+static void vm_id_of(const char *build_id, char out[32])
+{
+    size_t k = 0;
+    k += (size_t)snprintf(out, 32, "bld-");
+    for (const char *p = build_id; *p && k < 24; p++)
+        if (*p != '-')
+            out[k++] = *p;
+    out[k] = '\0';
 }
 
 static int bad(sp_err_t *err, const char *fmt, const char *a)
@@ -393,6 +421,8 @@ static void parse_build(PGresult *r, int row, sp_tmpl_build_rec_t *o)
     copy(o->created_at, sizeof o->created_at, PQgetvalue(r, row, 7));
     copy(o->started_at, sizeof o->started_at, PQgetvalue(r, row, 8));
     copy(o->finished_at, sizeof o->finished_at, PQgetvalue(r, row, 9));
+    o->cpu_count = atoi(PQgetvalue(r, row, 10));
+    o->memory_mb = atoi(PQgetvalue(r, row, 11));
 }
 
 static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
@@ -401,6 +431,23 @@ static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
     sp_tmpl_build_cb cb = (sp_tmpl_build_cb)q->cb;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
+    if (why != NULL) {
+        cb(q->arg, NULL, why);
+        return;
+    }
+    sp_tmpl_build_rec_t b;
+    parse_build(res, 0, &b);
+    cb(q->arg, &b, NULL);
+}
+
+/* A reservation's answer: no row means the name is not the team's to build. */
+static void on_reserved(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *q = rec;
+    sp_tmpl_build_cb cb = (sp_tmpl_build_cb)q->cb;
+    sp_err_t e;
+    const sp_err_t *why =
+        sp_store_one_row(res, err, SP_ECONFLICT, "the template name is taken", &e);
     if (why != NULL) {
         cb(q->arg, NULL, why);
         return;
@@ -1204,6 +1251,10 @@ static void on_accepted(void *rec, PGresult *res, const sp_err_t *err)
                &e);
     else if (why == NULL && PQgetvalue(res, 0, 1)[0] == '0')
         why = (sp_err_set(&e, SP_ECONFLICT, "template name '%s' is taken", b->name), &e);
+    else if (why == NULL && PQgetvalue(res, 0, 2)[0] == '\0')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "build %s of '%s' not found (or already started)",
+                          b->id, b->name),
+               &e);
     if (why != NULL) {
         if (b->log_fd >= 0) {
             char p[PATH_MAX];
@@ -1247,6 +1298,14 @@ static void input_hash(struct build *b)
 int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_build_cb cb,
                   void *arg, sp_err_t *err)
 {
+    return sp_tmpl_build_reserved(t, a, req, NULL, cb, arg, err);
+}
+
+int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
+                           const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    if (reserved != NULL && !valid_build_id(reserved))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
     static const char *const allowed[] = {"name",      "description",     "from",
                                           "steps",     "start_cmd",       "ready_cmd",
                                           "cpu_count", "memory_mb",       "timeout_s",
@@ -1316,11 +1375,14 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
     b->t = t;
     b->log_fd = -1;
     sp_timer_init(&b->deadline, t->loop, on_deadline, b);
-    sp_ids_sandbox(b->id);
+    if (reserved != NULL)
+        copy(b->id, sizeof b->id, reserved);
+    else
+        sp_ids_sandbox(b->id);
     copy(b->team, sizeof b->team, a->team_id);
     copy(b->name, sizeof b->name, name);
     copy(b->parent, sizeof b->parent, parent);
-    snprintf(b->vm_id, sizeof b->vm_id, "bld-%s", b->id);
+    vm_id_of(b->id, b->vm_id);
     copy(b->user, sizeof b->user, "root");
     b->force = json_is_true(force);
     b->timeout_s = timeout;
@@ -1359,7 +1421,8 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
     char cpu_s[16], mem_s[16], *req_s = json_dumps(b->req, JSON_COMPACT);
     snprintf(cpu_s, sizeof cpu_s, "%d", b->cpu_count);
     snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
-    const char *params[] = {b->id, b->team, name, parent, desc ? desc : "", cpu_s, mem_s, req_s};
+    const char *params[] = {b->id,  b->team, name,  parent, desc ? desc : "",
+                            cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false"};
     /* The parent must be usable by the team; the name must be free or the team's own (a
      * built-in or another team's is not). The templates row of a new name says "building"
      * until its first build ends; an existing one stays as it is (its version in service). */
@@ -1373,10 +1436,15 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
         "  WHERE templates.team_id = $2 RETURNING 1),"
         " b AS (INSERT INTO template_builds (id, team_id, template, status, request)"
         "  SELECT $1, $2, $3, 'queued', $8::jsonb WHERE EXISTS (SELECT 1 FROM n)"
-        "  RETURNING created_at)"
+        "  AND $9::bool IS NOT TRUE RETURNING created_at),"
+        /* a reserved build (sp_tmpl_reserve) turns from waiting to queued */
+        " r AS (UPDATE template_builds SET status = 'queued', request = $8::jsonb"
+        "  WHERE $9::bool AND id = $1 AND team_id = $2 AND template = $3 AND status = 'waiting'"
+        "  AND EXISTS (SELECT 1 FROM n) RETURNING created_at)"
         " SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),"
-        "  coalesce((SELECT " TS("created_at") " FROM b), '')",
-        8, params, sizeof(*acc), on_accepted, err);
+        "  coalesce((SELECT " TS("created_at") " FROM b), (SELECT " TS("created_at") " FROM r),"
+        "  '')",
+        9, params, sizeof(*acc), on_accepted, err);
     free(req_s);
     if (acc == NULL) {
         build_free(b);
@@ -1388,10 +1456,51 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
     return 0;
 }
 
+int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_count,
+                    int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    if (name == NULL || !valid_name(name))
+        return sp_err_set(err, SP_EINVAL,
+                          "bad template name: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    if ((cpu_count != 0 && (cpu_count < 1 || cpu_count > SP_SVC_MAX_CPUS)) ||
+        (memory_mb != 0 && (memory_mb < SP_SVC_MIN_MEMORY_MB || memory_mb > SP_SVC_MAX_MEMORY_MB)))
+        return sp_err_set(err, SP_EINVAL, "cpu_count must be 1..%d and memory_mb %d..%d",
+                          SP_SVC_MAX_CPUS, SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB);
+    unsigned char r[16];
+    randombytes_buf(r, sizeof r);
+    r[6] = (unsigned char)((r[6] & 0x0f) | 0x40); /* version 4 */
+    r[8] = (unsigned char)((r[8] & 0x3f) | 0x80); /* RFC 4122 variant */
+    char id[SP_TMPL_ID_MAX + 1], req[96];
+    snprintf(id, sizeof id,
+             "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", r[0], r[1],
+             r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[14],
+             r[15]);
+    json_t *o = json_object();
+    if (cpu_count > 0)
+        json_object_set_new(o, "cpu_count", json_integer(cpu_count));
+    if (memory_mb > 0)
+        json_object_set_new(o, "memory_mb", json_integer(memory_mb));
+    char *text = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    snprintf(req, sizeof req, "%s", text ? text : "{}");
+    free(text);
+    const char *p[] = {id, a->team_id, name, req};
+    return sp_store_submit(
+        t->store,
+        "WITH n AS (INSERT INTO templates (name, status, team_id) VALUES ($3, 'building', $2)"
+        "  ON CONFLICT (name) DO UPDATE SET updated_at = now() WHERE templates.team_id = $2"
+        "  RETURNING 1),"
+        " b AS (INSERT INTO template_builds (id, team_id, template, status, request)"
+        "  SELECT $1, $2, $3, 'waiting', $4::jsonb WHERE EXISTS (SELECT 1 FROM n)"
+        "  RETURNING *)"
+        " SELECT " BUILD_COLS " FROM b",
+        4, p, on_reserved, t, (void *)cb, arg, 0, err);
+}
+
 int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
                       uint32_t wait_ms, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
-    if (!sp_ids_valid(id) || !valid_name(name))
+    if (!valid_build_id(id) || !valid_name(name))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
     struct build *b = NULL;
     for (struct build *o = t->builds; o != NULL; o = o->next)
@@ -1419,7 +1528,7 @@ int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const 
 
 struct logreq {
     sp_tmpl_t *t;
-    char id[SP_ID_LEN + 1];
+    char id[SP_TMPL_ID_MAX + 1];
     uint64_t offset;
     size_t max_lines;
     sp_tmpl_log_cb cb;
@@ -1474,7 +1583,7 @@ static void on_log_build(void *rec, PGresult *res, const sp_err_t *err)
 int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
                  uint64_t offset, size_t max_lines, sp_tmpl_log_cb cb, void *arg, sp_err_t *err)
 {
-    if (!sp_ids_valid(id) || !valid_name(name))
+    if (!valid_build_id(id) || !valid_name(name))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
     const char *p[] = {id, a->team_id, name};
     struct logreq *q = sp_store_call(t->store,
@@ -1575,7 +1684,7 @@ static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
         sp_err_t e;
         if (vm == NULL || t->driver == NULL)
             free(vm);
-        else if (snprintf(vm, 32, "bld-%s", id),
+        else if (vm_id_of(id, vm),
                  t->driver->ops->destroy(t->driver, vm, on_leftover_destroyed, vm, &e) < 0)
             free(vm);
     }

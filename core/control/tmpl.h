@@ -62,13 +62,14 @@
 #define SP_TMPL_TIMEOUT_MAX  (24 * 3600)
 #define SP_TMPL_READY_S      60 /* default ready_cmd limit; at most SP_TMPL_READY_MAX */
 #define SP_TMPL_READY_MAX    590
+#define SP_TMPL_ID_MAX       36 /* a build id: ours (SP_ID_LEN) or a UUID (reservations) */
 
 typedef struct sp_tmpl sp_tmpl_t;
 
 typedef struct {
-    char id[SP_ID_LEN + 1];
+    char id[SP_TMPL_ID_MAX + 1];
     char template_name[65];
-    char status[16]; /* queued | building | succeeded | failed */
+    char status[16]; /* waiting (reserved) | queued | building | succeeded | failed */
     char hash[65];   /* the version made (or found, cached); "" until then */
     bool cached;
     int failed_step; /* 1-based; 0 when no step failed */
@@ -76,6 +77,7 @@ typedef struct {
     char created_at[32];
     char started_at[32];  /* "" while queued */
     char finished_at[32]; /* "" while unfinished */
+    int cpu_count, memory_mb; /* as asked (0: the parent's) */
 } sp_tmpl_build_rec_t;
 
 typedef void (*sp_tmpl_build_cb)(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err);
@@ -92,6 +94,19 @@ void sp_tmpl_destroy(sp_tmpl_t *t);
  * SP_ECONFLICT when the name is another team's or a built-in one, or being built already. */
 int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_build_cb cb,
                   void *arg, sp_err_t *err);
+
+/*
+ * E2B's two-step build: reserve a build of name (its sizes now, cpu_count and memory_mb 1.. or
+ * 0 for the parent's), then start it with sp_tmpl_build_reserved and the rest of the request.
+ * The reservation is a build record with status "waiting" and a fresh UUID for an id; the name
+ * is claimed for the team as by a build (SP_ECONFLICT when it is not free).
+ */
+int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_count,
+                    int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+/* sp_tmpl_build of a reserved build id (NULL: a new build, as sp_tmpl_build): SP_ENOTFOUND
+ * (through cb) when that build is not the team's waiting one of req's name. */
+int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
+                           const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 
 /* The build id of template name. wait_ms > 0: answers when it finishes or wait_ms passed. */
 int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,

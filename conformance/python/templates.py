@@ -1,0 +1,129 @@
+"""Templates built with the SDK's Template builder (e2b-templates.md section 2): from E2B's base
+image (our `base`) with run_cmd, set_envs, set_workdir, set_user, a start command and its ready
+check; Sandbox.create by the name with the server already up; build_in_background with
+get_build_status; a failing step's BuildException; exists and delete; and what this server does
+not do yet (container images, COPY) refused with its reason before anything runs.
+
+Builds run in a single mode only (they do not depend on how sandbox traffic is addressed):
+the host-routing run skips them."""
+import os
+import time
+
+from e2b import Sandbox, Template, wait_for_url
+from e2b.exceptions import BuildException, FileUploadException
+
+from lib import API, RUN_ID, SINGLE_ADDRESS, Skip, remember, scenario
+
+A = "templates"
+SIZE = {"cpu_count": 1, "memory_mb": 256}  # the base template's size: its spare clones serve builds
+
+
+def only_once():
+    if not SINGLE_ADDRESS:
+        raise Skip("template builds run in the single-address mode only")
+
+
+def delete(name):
+    # E2B's template delete is DELETE /templates/{id}; the SDK's caller is delete_snapshot.
+    return Sandbox.delete_snapshot(name, **API)
+
+
+@scenario(A, "Template builder: steps, env, workdir, user, start and ready commands", timeout=600)
+def _builder():
+    only_once()
+    name = "py-" + RUN_ID
+    tpl = (Template()
+           .from_base_image()
+           .set_envs({"GREETING": "hello " + RUN_ID})
+           .run_cmd("mkdir -p /srv/www && echo site-$GREETING > /srv/www/index.html", user="root")
+           .set_workdir("app")
+           .run_cmd(["echo \"$GREETING\" > greeting.txt", "pwd > where.txt"])
+           .set_user("root")
+           .run_cmd("id -un > /whoami")
+           .set_user("user")
+           .set_start_cmd("cd /srv/www && python3 -m http.server 8000",
+                          wait_for_url("http://127.0.0.1:8000/index.html")))
+    logs = []
+    info = Template.build(tpl, name, on_build_logs=logs.append, **SIZE, **API)
+    assert info.template_id == name, info
+    messages = [getattr(e, "message", "") for e in logs]
+    assert any("step" in m for m in messages), messages[:20]
+    try:
+        sbx = Sandbox.create(name, **API)
+        remember(sbx.sandbox_id)
+        try:
+            # started in the template's snapshot: answering at once, no boot wait
+            r = sbx.commands.run("curl -sf http://127.0.0.1:8000/index.html")
+            assert r.stdout == "site-hello %s\n" % RUN_ID, r.stdout
+            r = sbx.commands.run("cat /home/user/app/greeting.txt /home/user/app/where.txt "
+                                 "/whoami")
+            assert r.stdout == "hello %s\n/home/user/app\nroot\n" % RUN_ID, r.stdout
+        finally:
+            sbx.kill()
+        assert Template.exists(name, **API) is True
+        assert Template.exists("nosuch-" + RUN_ID, **API) is False
+    finally:
+        assert delete(name) is True
+    assert Template.exists(name, **API) is False
+    assert delete(name) is False
+
+
+@scenario(A, "build_in_background, then get_build_status until ready", timeout=600)
+def _background():
+    only_once()
+    name = "pybg-" + RUN_ID
+    tpl = Template().from_template("base").run_cmd("echo bg-%s > /tmp/bg" % RUN_ID)
+    info = Template.build_in_background(tpl, name, **SIZE, **API)
+    assert (info.template_id, info.name) == (name, name), info
+    seen, offset = [], 0
+    deadline = time.time() + 500
+    try:
+        while time.time() < deadline:
+            st = Template.get_build_status(info, logs_offset=offset, **API)
+            seen += st.log_entries
+            offset += len(st.log_entries)
+            if st.status.value in ("ready", "error"):
+                break
+            time.sleep(0.5)
+        assert st.status.value == "ready", (st.status, st.reason)
+        assert any(("bg-" + RUN_ID) in e.message or "step" in e.message for e in seen), seen[:10]
+    finally:
+        delete(name)
+
+
+@scenario(A, "a failing step raises BuildException with the server's reason", timeout=600)
+def _failing():
+    only_once()
+    name = "pyfail-" + RUN_ID
+    tpl = Template().from_base_image().run_cmd("echo about-to-fail; exit 7")
+    try:
+        Template.build(tpl, name, **SIZE, **API)
+    except BuildException as e:
+        assert "exited with code 7" in str(e), str(e)
+        assert "about-to-fail" in str(e), str(e)
+    else:
+        raise AssertionError("the build did not fail")
+    finally:
+        delete(name)
+
+
+@scenario(A, "what this server cannot build yet is refused with the reason", timeout=120)
+def _refused():
+    only_once()
+    name = "pyno-" + RUN_ID
+    try:
+        Template.build(Template().from_image("python:3.12").run_cmd("true"), name, **SIZE, **API)
+    except BuildException as e:
+        assert "container images" in str(e), str(e)
+    else:
+        raise AssertionError("a container image build was accepted")
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        Template.build(Template(file_context_path=here).from_base_image()
+                       .copy("lib.py", "/home/user/lib.py"), name, **SIZE, **API)
+    except (BuildException, FileUploadException) as e:
+        assert "COPY" in str(e), str(e)
+    else:
+        raise AssertionError("a COPY build was accepted")
+    finally:
+        delete(name)

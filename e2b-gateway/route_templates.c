@@ -1,0 +1,472 @@
+/*
+ * route_templates.c - E2B's template build API over core/control/tmpl.h (spec: e2b-templates.md
+ * section 2): the SDK's `Template.build` / `build_in_background` / `get_build_status`,
+ * `Template.exists`, template delete and list.
+ *
+ *   POST /v3/templates {name, cpuCount, memoryMB}        -> reserve a build (tmpl: "waiting")
+ *   POST /v2/templates/{id}/builds/{build} {steps...}    -> start it (202, no body)
+ *   GET  /templates/{id}/builds/{build}/status?logsOffset -> status and log entries
+ *   GET  /templates/aliases/{name}, DELETE /templates/{id}, GET /templates
+ *
+ * A template's E2B id is its name. The steps are translated to tmpl's: E2B runs them as `user`
+ * in /home/user unless told otherwise (its builder adds that user step first), RUN through
+ * `bash -l -c`, USER creating the user when missing, a relative WORKDIR joined to the current
+ * one. What tmpl cannot do yet is refused with a 400 that says so, before anything runs:
+ * COPY steps (and the file upload link they need), container images other than E2B's base
+ * (mapped to our `base`), tags other than `default`, namespaces.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "e2b-gateway/route_int.h"
+
+#define LOG_ENTRIES 100 /* per status answer while the build runs (E2B's cap) */
+
+/* "alias[:tag]" -> alias in out (lower-cased); false with why for a namespace or a tag that is
+ * not "default". */
+static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
+{
+    if (strchr(in, '/') != NULL) {
+        snprintf(why, cap, "template namespaces are not supported by this server ('%.64s')", in);
+        return false;
+    }
+    const char *colon = strchr(in, ':');
+    size_t n = colon ? (size_t)(colon - in) : strlen(in);
+    if (colon != NULL && strcmp(colon + 1, "default") != 0) {
+        snprintf(why, cap, "template tags other than 'default' are not supported by this server");
+        return false;
+    }
+    if (n == 0 || n > 63) {
+        snprintf(why, cap, "bad template name '%.64s'", in);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++)
+        out[i] = (char)((in[i] >= 'A' && in[i] <= 'Z') ? in[i] + 32 : in[i]);
+    out[n] = '\0';
+    return true;
+}
+
+static sp_tmpl_t *tmpl_of(ctl_t *c)
+{
+    if (c->gw->tmpl == NULL)
+        sp_e2b__ctl_fail(c, 503, "template builds are not available on this server");
+    return c->gw->tmpl;
+}
+
+/* ---- POST /v3/templates ---- */
+
+static void on_reserved(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *o = json_pack("{s:s,s:s,s:b,s:[s],s:[s],s:[s]}", "templateID", b->template_name,
+                          "buildID", b->id, "public", 0, "aliases", b->template_name, "names",
+                          b->template_name, "tags", "default");
+    sp_e2b__ctl_reply(c, 202, o);
+}
+
+static void request_build(ctl_t *c)
+{
+    json_t *name = json_object_get(c->body, "name");
+    if (name == NULL)
+        name = json_object_get(c->body, "alias");
+    char alias[65], why[160];
+    if (!json_is_string(name) || !e2b_name(json_string_value(name), alias, why, sizeof why)) {
+        sp_e2b__ctl_fail(c, 400, json_is_string(name) ? why : "name is required");
+        return;
+    }
+    json_t *tags = json_object_get(c->body, "tags");
+    size_t i;
+    json_t *tg;
+    json_array_foreach(tags, i, tg) if (!json_is_string(tg) ||
+                                        strcmp(json_string_value(tg), "default") != 0)
+    {
+        sp_e2b__ctl_fail(c, 400, "template tags other than 'default' are not supported");
+        return;
+    }
+    json_t *cpu = json_object_get(c->body, "cpuCount"), *mem = json_object_get(c->body, "memoryMB");
+    if ((cpu != NULL && !json_is_integer(cpu)) || (mem != NULL && !json_is_integer(mem))) {
+        sp_e2b__ctl_fail(c, 400, "cpuCount and memoryMB must be integers");
+        return;
+    }
+    sp_err_t e;
+    sp_tmpl_t *t = tmpl_of(c);
+    if (t != NULL && sp_tmpl_reserve(t, &c->auth, alias, (int)json_integer_value(cpu),
+                                     (int)json_integer_value(mem), on_reserved, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* ---- POST /v2/templates/{id}/builds/{build} ---- */
+
+static void on_started(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    (void)b;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_reply(c, 202, NULL);
+}
+
+/* One E2B step appended to steps as tmpl's; *dir is the workdir so far. NULL or why. */
+static const char *add_step(json_t *steps, const json_t *st, char *dir, size_t dcap)
+{
+    const char *type = json_string_value(json_object_get(st, "type"));
+    json_t *args = json_object_get(st, "args");
+    size_t n = json_array_size(args);
+    for (size_t i = 0; i < n; i++)
+        if (!json_is_string(json_array_get(args, i)))
+            return "step args must be strings";
+    const char *a0 = n > 0 ? json_string_value(json_array_get(args, 0)) : NULL;
+    const char *a1 = n > 1 ? json_string_value(json_array_get(args, 1)) : NULL;
+    if (type == NULL)
+        return "every step needs a type";
+    if (strcmp(type, "RUN") == 0) {
+        if (a0 == NULL)
+            return "RUN needs a command";
+        json_t *s = json_pack("{s:[s,s,s,s]}", "run", "/bin/bash", "-l", "-c", a0);
+        if (a1 != NULL && a1[0] != '\0')
+            json_object_set_new(s, "user", json_string(a1));
+        json_array_append_new(steps, s);
+    } else if (strcmp(type, "ENV") == 0 || strcmp(type, "ARG") == 0) {
+        if (n % 2 != 0 && strcmp(type, "ENV") == 0)
+            return "ENV needs name and value pairs";
+        json_t *env = json_object();
+        for (size_t i = 0; i + 1 <= n; i += 2)
+            json_object_set_new(env, json_string_value(json_array_get(args, i)),
+                                json_string(i + 1 < n ? json_string_value(json_array_get(args, i + 1))
+                                                      : ""));
+        if (json_object_size(env) > 0)
+            json_array_append_new(steps, json_pack("{s:o}", "env", env));
+        else
+            json_decref(env);
+    } else if (strcmp(type, "WORKDIR") == 0) {
+        if (a0 == NULL || a0[0] == '\0')
+            return "WORKDIR needs a path";
+        char p[4200];
+        if (a0[0] == '/')
+            snprintf(p, sizeof p, "%s", a0);
+        else
+            snprintf(p, sizeof p, "%s/%s", dir, a0);
+        snprintf(dir, dcap, "%s", p);
+        json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
+    } else if (strcmp(type, "USER") == 0) {
+        if (a0 == NULL || a0[0] == '\0')
+            return "USER needs a name";
+        /* E2B makes the user when it is missing */
+        json_array_append_new(steps,
+                              json_pack("{s:[s,s,s,s,s],s:s}", "run", "/bin/sh", "-c",
+                                        "id -u \"$1\" >/dev/null 2>&1 || useradd --create-home "
+                                        "--shell /bin/bash \"$1\"",
+                                        "space-user", a0, "user", "root"));
+        json_array_append_new(steps, json_pack("{s:s}", "user", a0));
+    } else if (strcmp(type, "COPY") == 0 || strcmp(type, "ADD") == 0) {
+        return "COPY steps are not supported by this server yet";
+    } else {
+        return "unknown step type";
+    }
+    return NULL;
+}
+
+static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    if (strcmp(b->status, "waiting") != 0) {
+        sp_e2b__ctl_fail(c, 409, "this build was started already");
+        return;
+    }
+    json_t *body = c->body;
+    char parent[65], why[160];
+    json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
+    if (json_is_string(ft)) {
+        if (!e2b_name(json_string_value(ft), parent, why, sizeof why)) {
+            sp_e2b__ctl_fail(c, 400, why);
+            return;
+        }
+    } else if (fi == NULL || json_is_null(fi) ||
+               (json_is_string(fi) && strncmp(json_string_value(fi), "e2bdev/base", 11) == 0 &&
+                (json_string_value(fi)[11] == '\0' || json_string_value(fi)[11] == ':'))) {
+        snprintf(parent, sizeof parent, "base"); /* E2B's base image is our base template */
+    } else {
+        sp_e2b__ctl_fail(c, 400,
+                         "building from container images is not supported by this server yet: "
+                         "use from_template(...) or from_base_image()");
+        return;
+    }
+    json_t *req = json_pack("{s:s,s:s,s:i}", "name", b->template_name, "from", parent,
+                            "ready_timeout_s", SP_TMPL_READY_MAX);
+    json_t *steps = json_array();
+    json_object_set_new(req, "steps", steps);
+    if (b->cpu_count > 0)
+        json_object_set_new(req, "cpu_count", json_integer(b->cpu_count));
+    if (b->memory_mb > 0)
+        json_object_set_new(req, "memory_mb", json_integer(b->memory_mb));
+    /* E2B's builder: steps run as user in its home unless they say otherwise */
+    char dir[4096] = "/home/user";
+    json_array_append_new(steps, json_pack("{s:s}", "user", "user"));
+    json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
+    bool force = json_is_true(json_object_get(body, "force"));
+    size_t i;
+    json_t *st;
+    json_array_foreach(json_object_get(body, "steps"), i, st)
+    {
+        const char *bad = json_is_object(st) ? add_step(steps, st, dir, sizeof dir)
+                                             : "every step must be an object";
+        if (bad != NULL) {
+            snprintf(why, sizeof why, "step %zu: %s", i + 1, bad);
+            json_decref(req);
+            sp_e2b__ctl_fail(c, 400, why);
+            return;
+        }
+        force = force || json_is_true(json_object_get(st, "force"));
+    }
+    const char *keys[2][2] = {{"startCmd", "start_cmd"}, {"readyCmd", "ready_cmd"}};
+    for (int k = 0; k < 2; k++) {
+        json_t *v = json_object_get(body, keys[k][0]);
+        if (json_is_string(v) && json_string_length(v) > 0)
+            json_object_set_new(req, keys[k][1], json_string(json_string_value(v)));
+    }
+    if (force)
+        json_object_set_new(req, "force", json_true());
+    sp_err_t e;
+    int rc = sp_tmpl_build_reserved(c->gw->tmpl, &c->auth, req, b->id, on_started, c, &e);
+    json_decref(req);
+    if (rc < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+static void start_build(ctl_t *c, const char *id, const char *build)
+{
+    char name[65], why[160];
+    sp_err_t e;
+    if (c->body == NULL) {
+        sp_e2b__ctl_fail(c, 400, "request body must be a JSON object");
+    } else if (!e2b_name(id, name, why, sizeof why)) {
+        sp_e2b__ctl_fail(c, 404, "template not found");
+    } else if (tmpl_of(c) != NULL && sp_tmpl_get_build(c->gw->tmpl, &c->auth, name, build, 0,
+                                                       on_reservation, c, &e) < 0) {
+        sp_e2b__ctl_fail_err(c, &e);
+    }
+}
+
+/* ---- GET /templates/{id}/builds/{build}/status ---- */
+
+static const char *e2b_status(const char *ours)
+{
+    if (strcmp(ours, "succeeded") == 0)
+        return "ready";
+    if (strcmp(ours, "failed") == 0)
+        return "error";
+    if (strcmp(ours, "building") == 0)
+        return "building";
+    return "waiting";
+}
+
+struct status {
+    sp_tmpl_build_rec_t b;
+    int offset, limit;
+};
+
+static void on_status_logs(void *arg, const char *nd, size_t len, uint64_t next, bool finished,
+                           const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    struct status *s = c->tpl;
+    (void)next;
+    (void)finished;
+    if (err != NULL) {
+        free(s);
+        c->tpl = NULL;
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *entries = json_array();
+    for (const char *p = nd, *end = nd + len; p < end;) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        json_t *l = json_loadb(p, n, 0, NULL);
+        const char *lv = json_string_value(json_object_get(l, "level"));
+        json_t *en = json_pack("{s:s,s:s,s:s}", "timestamp",
+                               json_string_value(json_object_get(l, "ts")) ?: "", "message",
+                               json_string_value(json_object_get(l, "line")) ?: "", "level",
+                               lv != NULL && (strcmp(lv, "warn") == 0 || strcmp(lv, "error") == 0)
+                                   ? lv
+                                   : "info");
+        if (en != NULL)
+            json_array_append_new(entries, en);
+        json_decref(l);
+        p += n + 1;
+    }
+    const char *st = e2b_status(s->b.status);
+    json_t *o = json_pack("{s:s,s:s,s:s,s:[],s:o}", "templateID", s->b.template_name, "buildID",
+                          s->b.id, "status", st, "logs", "logEntries", entries);
+    if (strcmp(st, "error") == 0)
+        json_object_set_new(o, "reason",
+                            json_pack("{s:s}", "message", s->b.error[0] ? s->b.error : "build failed"));
+    free(s);
+    c->tpl = NULL;
+    sp_e2b__ctl_reply(c, 200, o);
+}
+
+static void on_status_build(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    struct status *s = c->tpl;
+    if (err != NULL) {
+        free(s);
+        c->tpl = NULL;
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    s->b = *b;
+    /* The answer that says ready or error carries every entry left: none is fetched later. */
+    bool final = strcmp(b->status, "succeeded") == 0 || strcmp(b->status, "failed") == 0;
+    sp_err_t e;
+    if (sp_tmpl_logs(c->gw->tmpl, &c->auth, b->template_name, b->id, (uint64_t)s->offset,
+                     final ? 0 : (size_t)s->limit, on_status_logs, c, &e) < 0) {
+        free(s);
+        c->tpl = NULL;
+        sp_e2b__ctl_fail_err(c, &e);
+    }
+}
+
+static void build_status(ctl_t *c, h2o_req_t *req, const char *id, const char *build)
+{
+    char name[65], why[160];
+    int offset = 0, limit = LOG_ENTRIES;
+    const char *q = req->query_at != SIZE_MAX ? req->path.base + req->query_at : "";
+    const char *o = strstr(q, "logsOffset="), *l = strstr(q, "limit=");
+    if (o != NULL)
+        offset = atoi(o + 11);
+    if (l != NULL && l[-1] != 's') /* not logsOffset's tail */
+        limit = atoi(l + 6);
+    if (offset < 0 || limit < 0) {
+        sp_e2b__ctl_fail(c, 400, "logsOffset and limit must not be negative");
+        return;
+    }
+    if (limit == 0 || limit > LOG_ENTRIES)
+        limit = LOG_ENTRIES;
+    if (!e2b_name(id, name, why, sizeof why)) {
+        sp_e2b__ctl_fail(c, 404, "template not found");
+        return;
+    }
+    struct status *s = calloc(1, sizeof(*s));
+    if (s == NULL || tmpl_of(c) == NULL) {
+        free(s);
+        if (s == NULL)
+            sp_e2b__ctl_fail(c, 500, "out of memory");
+        return;
+    }
+    s->offset = offset;
+    s->limit = limit;
+    c->tpl = s; /* ours: freed by our callbacks, never by ctl_free */
+    sp_err_t e;
+    if (sp_tmpl_get_build(c->gw->tmpl, &c->auth, name, build, 0, on_status_build, c, &e) < 0) {
+        free(s);
+        c->tpl = NULL;
+        sp_e2b__ctl_fail_err(c, &e);
+    }
+}
+
+/* ---- aliases, delete, list ---- */
+
+static void on_alias(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL || n == 0) {
+        if (err != NULL && err->code != SP_ENOTFOUND)
+            sp_e2b__ctl_fail_err(c, err);
+        else
+            sp_e2b__ctl_fail(c, 404, "template not found");
+        return;
+    }
+    sp_e2b__ctl_reply(c, 200, json_pack("{s:s,s:b}", "templateID", recs[0].name, "public",
+                                        recs[0].builtin));
+}
+
+static void on_deleted(void *arg, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_reply(c, 204, NULL);
+}
+
+static void on_list(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) {
+        const sp_template_rec_t *t = &recs[i];
+        const char *st = strcmp(t->status, "ready") == 0      ? "ready"
+                         : strcmp(t->status, "building") == 0 ? "building"
+                         : strcmp(t->status, "failed") == 0   ? "error"
+                                                              : "waiting";
+        json_array_append_new(
+            arr, json_pack("{s:s,s:s,s:i,s:i,s:i,s:b,s:[s],s:[s],s:s,s:s,s:n,s:n,s:i,s:i,s:s,s:s}",
+                           "templateID", t->name, "buildID",
+                           t->last_build_id[0] ? t->last_build_id : t->version, "cpuCount",
+                           t->cpu_count, "memoryMB", t->memory_mb, "diskSizeMB", 2048, "public",
+                           t->builtin, "aliases", t->name, "names", t->name, "createdAt",
+                           t->updated_at, "updatedAt", t->updated_at, "createdBy",
+                           "lastSpawnedAt", "spawnCount", 0, "buildCount", 0, "envdVersion",
+                           "0.2.0", "buildStatus", st));
+    }
+    sp_e2b__ctl_reply(c, 200, arr);
+}
+
+void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
+{
+    const char *segs[8];
+    int n = sp_http_segments(req, segs, 8);
+    int b = n > 0 && (strcmp(segs[0], "v2") == 0 || strcmp(segs[0], "v3") == 0) ? 1 : 0;
+    const char **s = segs + b;
+    int k = n - b;
+    bool get = sp_http_method_is(req, "GET"), post = sp_http_method_is(req, "POST"),
+         del = sp_http_method_is(req, "DELETE");
+    char name[65], why[160];
+    sp_err_t e;
+    if (n < 1 || k < 1 || strcmp(s[0], "templates") != 0) {
+        sp_e2b__ctl_fail(c, 404, "no such path");
+    } else if (k == 1 && post && b == 1 && strcmp(segs[0], "v3") == 0) {
+        request_build(c);
+    } else if (k == 4 && post && b == 1 && strcmp(s[2], "builds") == 0) {
+        start_build(c, s[1], s[3]);
+    } else if (k == 5 && get && b == 0 && strcmp(s[2], "builds") == 0 &&
+               strcmp(s[4], "status") == 0) {
+        build_status(c, req, s[1], s[3]);
+    } else if (k == 4 && get && b == 0 && strcmp(s[2], "files") == 0) {
+        sp_e2b__ctl_fail(c, 400, "COPY steps are not supported by this server yet");
+    } else if (k >= 3 && get && b == 0 && strcmp(s[1], "aliases") == 0) {
+        if (k != 3 || !e2b_name(s[2], name, why, sizeof why))
+            sp_e2b__ctl_fail(c, 404, "template not found");
+        else if (sp_svc_templates(c->gw->svc, &c->auth, name, on_alias, c, &e) < 0)
+            sp_e2b__ctl_fail_err(c, &e);
+    } else if (k == 1 && get && b == 0) {
+        if (sp_svc_templates(c->gw->svc, &c->auth, NULL, on_list, c, &e) < 0)
+            sp_e2b__ctl_fail_err(c, &e);
+    } else if (k == 2 && del && b == 0 && strcmp(s[1], "tags") != 0) {
+        if (!e2b_name(s[1], name, why, sizeof why))
+            sp_e2b__ctl_fail(c, 404, "template not found");
+        else if (tmpl_of(c) != NULL &&
+                 sp_tmpl_delete(c->gw->tmpl, &c->auth, name, on_deleted, c, &e) < 0)
+            sp_e2b__ctl_fail_err(c, &e);
+    } else {
+        sp_e2b__ctl_fail(c, 501,
+                         "this template call (tags, publishing, snapshots) is not supported by "
+                         "this server");
+    }
+}
