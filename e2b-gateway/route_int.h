@@ -79,5 +79,7 @@ void sp_e2b__route_logs(ctl_t *c, h2o_req_t *req);
 
 /* route_templates.c: /templates..., /v2/templates..., /v3/templates (after authentication). */
 void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req);
+/* PUT /upload/template-files/{hash}?token=: a COPY step's files, authorised by the token. */
+void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash);
 
 #endif

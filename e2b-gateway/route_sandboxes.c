@@ -954,6 +954,10 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
     bool known = false;
     const char *id = NULL;
     const struct ctl_route *r = n > 0 ? ctl_match(segs, n, method, &known, &id) : NULL;
+    if (n == 3 && strcmp(segs[0], "upload") == 0 && strcmp(segs[1], "template-files") == 0) {
+        sp_e2b__template_upload(gw, req, segs[2]); /* its token is the credential */
+        return;
+    }
     /* /templates, /v2/templates/..., /v3/templates: names in the path; routed after the key */
     static const struct ctl_route tpl_get = {R_TEMPLATES, CTL_GET, {NULL}, false},
                                   tpl_body = {R_TEMPLATES, CTL_POST, {NULL}, true};

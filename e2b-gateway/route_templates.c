@@ -11,9 +11,10 @@
  * A template's E2B id is its name. The steps are translated to tmpl's: E2B runs them as `user`
  * in /home/user unless told otherwise (its builder adds that user step first), RUN through
  * `bash -l -c`, USER creating the user when missing, a relative WORKDIR joined to the current
- * one. What tmpl cannot do yet is refused with a 400 that says so, before anything runs:
- * COPY steps (and the file upload link they need), container images other than E2B's base
- * (mapped to our `base`), tags other than `default`, namespaces.
+ * one; COPY's files come through an upload link (tmplfiles.h: a token in the URL, since JS
+ * sends no credentials with it). What tmpl cannot do yet is refused with a 400 that says so,
+ * before anything runs: container images other than E2B's base (mapped to our `base`), tags
+ * other than `default`, namespaces.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -165,7 +166,18 @@ static const char *add_step(json_t *steps, const json_t *st, char *dir, size_t d
                                         "space-user", a0, "user", "root"));
         json_array_append_new(steps, json_pack("{s:s}", "user", a0));
     } else if (strcmp(type, "COPY") == 0 || strcmp(type, "ADD") == 0) {
-        return "COPY steps are not supported by this server yet";
+        /* args: src, dest, user, mode; filesHash: the uploaded tar's key */
+        const char *files = json_string_value(json_object_get(st, "filesHash"));
+        if (a0 == NULL || a1 == NULL || files == NULL)
+            return "COPY needs src, dest and filesHash";
+        json_t *c = json_pack("{s:s,s:s,s:s}", "files", files, "src", a0, "dest", a1);
+        const char *u = n > 2 ? json_string_value(json_array_get(args, 2)) : NULL;
+        const char *m = n > 3 ? json_string_value(json_array_get(args, 3)) : NULL;
+        if (u != NULL && u[0] != '\0')
+            json_object_set_new(c, "user", json_string(u));
+        if (m != NULL && m[0] != '\0')
+            json_object_set_new(c, "mode", json_string(m));
+        json_array_append_new(steps, json_pack("{s:o}", "copy", c));
     } else {
         return "unknown step type";
     }
@@ -376,6 +388,86 @@ static void build_status(ctl_t *c, h2o_req_t *req, const char *id, const char *b
     }
 }
 
+/* ---- COPY files: the upload link, and the upload ---- */
+
+/* GET /templates/{id}/files/{hash}: 201 {present, url}; the URL carries a token, since JS PUTs
+ * to it without credentials. */
+static void files_link(ctl_t *c, h2o_req_t *req, const char *hash)
+{
+    char path[4096], tok[SP_TMPLFILES_TOKEN];
+    sp_err_t e;
+    if (tmpl_of(c) == NULL)
+        return;
+    sp_tmplfiles_t *f = sp_tmpl_files(c->gw->tmpl);
+    if (!sp_tmplfiles_valid_key(hash)) {
+        sp_e2b__ctl_fail(c, 400, "filesHash must be 64 lowercase hex characters");
+        return;
+    }
+    bool present = sp_tmplfiles_path(f, c->auth.team_id, hash, path, sizeof path, &e) == 0;
+    sp_tmplfiles_token(f, c->auth.team_id, hash, tok);
+    char url[4600];
+    snprintf(url, sizeof url, "%s://%.*s/upload/template-files/%s?token=%s",
+             req->scheme == &H2O_URL_SCHEME_HTTPS ? "https" : "http", (int)req->authority.len,
+             req->authority.base, hash, tok);
+    sp_e2b__ctl_reply(c, 201, json_pack("{s:b,s:s}", "present", present, "url", url));
+}
+
+struct upload {
+    sp_http_hold_t *hold;
+};
+
+static void on_uploaded(void *arg, bool existed, uint64_t entries, const sp_err_t *err)
+{
+    struct upload *u = arg;
+    (void)existed;
+    (void)entries;
+    h2o_req_t *req = sp_http_release(u->hold); /* frees u */
+    if (req == NULL)
+        return;
+    if (err != NULL)
+        sp_e2b__error_from(req, err);
+    else
+        sp_http_json(req, 200, json_pack("{s:b}", "stored", 1));
+}
+
+void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash)
+{
+    char team[SP_ID_LEN + 1], tok[SP_TMPLFILES_TOKEN] = "";
+    sp_err_t e;
+    if (!sp_http_method_is(req, "PUT")) {
+        sp_e2b__error(req, 405, "upload with PUT");
+        return;
+    }
+    if (gw->tmpl == NULL) {
+        sp_e2b__error(req, 503, "template builds are not available on this server");
+        return;
+    }
+    const char *q = req->query_at != SIZE_MAX ? req->path.base + req->query_at : "";
+    const char *t = strstr(q, "token=");
+    if (t != NULL) {
+        size_t n = strcspn(t + 6, "&");
+        snprintf(tok, sizeof tok, "%.*s", (int)(n < sizeof tok ? n : sizeof tok - 1), t + 6);
+    }
+    sp_tmplfiles_t *f = sp_tmpl_files(gw->tmpl);
+    if (sp_tmplfiles_token_check(f, tok, hash, team, &e) < 0) {
+        sp_e2b__error(req, 403, e.msg);
+        return;
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct upload));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    struct upload *u = sp_http_hold_user(h);
+    u->hold = h;
+    if (sp_tmplfiles_put(f, team, hash, false, req->entity.base, req->entity.len, on_uploaded, u,
+                         &e) < 0) {
+        req = sp_http_release(h);
+        if (req != NULL)
+            sp_e2b__error_from(req, &e);
+    }
+}
+
 /* ---- aliases, delete, list ---- */
 
 static void on_alias(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
@@ -449,7 +541,7 @@ void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
                strcmp(s[4], "status") == 0) {
         build_status(c, req, s[1], s[3]);
     } else if (k == 4 && get && b == 0 && strcmp(s[2], "files") == 0) {
-        sp_e2b__ctl_fail(c, 400, "COPY steps are not supported by this server yet");
+        files_link(c, req, s[3]);
     } else if (k >= 3 && get && b == 0 && strcmp(s[1], "aliases") == 0) {
         if (k != 3 || !e2b_name(s[2], name, why, sizeof why))
             sp_e2b__ctl_fail(c, 404, "template not found");

@@ -9,9 +9,12 @@ leaves its sandboxes running. Bad requests get the right status; another team se
 a spaced killed mid-build fails the build at its next start and leaves no builder VM.
 Needs root and SP_TEST_DATA_DIR (the e2e data dir with `base` built).
 """
+import hashlib
+import io
 import json
 import os
 import signal
+import tarfile
 import sys
 import time
 import unittest
@@ -77,7 +80,7 @@ class TemplateBuildTest(unittest.TestCase):
     def tearDownClass(cls):
         for sid in cls.sids:
             cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow"):
+        for name in ("web", "web2", "slow", "cp"):
             try:
                 cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
             except OSError:
@@ -220,6 +223,86 @@ class TemplateBuildTest(unittest.TestCase):
         self.assertEqual(st, 404, r)
         st, r = s.request("GET", "/v1/templates", key=beta)
         self.assertNotIn("web2", [t["name"] for t in r["templates"]])
+
+    def test_4_copy_files(self):
+        s = self.s
+        # a tree with modes, a nested dir and a relative symlink, as a gzip tar
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+            def add(name, data=None, mode=0o644, kind=tarfile.REGTYPE, link=""):
+                ti = tarfile.TarInfo(name)
+                ti.type, ti.mode, ti.linkname = kind, mode, link
+                ti.size = len(data) if data is not None else 0
+                tf.addfile(ti, io.BytesIO(data) if data is not None else None)
+            add("app", kind=tarfile.DIRTYPE, mode=0o755)
+            add("app/run.sh", b"#!/bin/sh\necho run-" + NONCE.encode() + b"\n", mode=0o755)
+            add("app/conf", kind=tarfile.DIRTYPE, mode=0o700)
+            add("app/conf/settings.ini", b"[x]\n", mode=0o600)
+            add("app/latest", kind=tarfile.SYMTYPE, link="run.sh")
+            add("notes.txt", b"notes-" + NONCE.encode() + b"\n", mode=0o640)
+        body = buf.getvalue()
+        key = hashlib.sha256(body).hexdigest()
+        st, r = s.request("PUT", "/v1/template-files/" + key, raw=body)
+        self.assertEqual((st, r["existed"], r["entries"]), (201, False, 6), r)
+        st, r = s.request("PUT", "/v1/template-files/" + key, raw=body)
+        self.assertEqual((st, r["existed"]), (200, True), r)
+        st, r = s.request("GET", "/v1/template-files/" + key)
+        self.assertEqual(st, 200, r)
+        st, r = s.request("GET", "/v1/template-files/" + key, key=self.p.keys["beta"])
+        self.assertEqual(st, 404, r)  # another team's uploads are not this team's
+
+        # refused uploads: each says why, and nothing is stored under the key
+        def tar_of(*members):
+            b = io.BytesIO()
+            with tarfile.open(fileobj=b, mode="w") as tf:
+                for ti in members:
+                    tf.addfile(ti, io.BytesIO(b"x" * ti.size) if ti.size else None)
+            return b.getvalue()
+
+        def ti(name, kind=tarfile.REGTYPE, link="", size=0):
+            t = tarfile.TarInfo(name)
+            t.type, t.linkname, t.size = kind, link, size
+            return t
+        bad = [
+            (tar_of(ti("/etc/cron.d/x", size=1)), "absolute path"),
+            (tar_of(ti("a/../../x", size=1)), "'..'"),
+            (tar_of(ti("dev", tarfile.CHRTYPE)), "device node"),
+            (tar_of(ti("fifo", tarfile.FIFOTYPE)), "FIFO"),
+            (tar_of(ti("esc", tarfile.SYMTYPE, "../../etc/shadow")), "outside"),
+            (tar_of(ti("hl", tarfile.LNKTYPE, "/etc/shadow")), "hard link"),
+            (b"this is not a tar file at all" * 40, "not a tar"),
+        ]
+        for data, why in bad:
+            k = hashlib.sha256(data).hexdigest()
+            st, r = s.request("PUT", "/v1/template-files/" + k, raw=data)
+            self.assertEqual(st, 400, (why, r))
+            self.assertIn(why, r["error"]["message"])
+            st, r = s.request("GET", "/v1/template-files/" + k)
+            self.assertEqual(st, 404, r)
+        st, r = s.request("PUT", "/v1/template-files/" + "0" * 64, raw=body)
+        self.assertEqual(st, 400, r)
+        self.assertIn("SHA-256", r["error"]["message"])
+        st, r = s.request("POST", "/v1/templates", {"name": "cp", "from": "base", "steps": [
+            {"copy": {"files": "1" * 64, "src": "app", "dest": "/app"}}]})
+        self.assertEqual(st, 400, r)
+        self.assertIn("never uploaded", r["error"]["message"])
+
+        b = build(s, {"name": "cp", "from": "base", "steps": [
+            {"copy": {"files": key, "src": "app", "dest": "/opt/app", "user": "user"}},
+            {"workdir": "/srv"},
+            {"copy": {"files": key, "src": "notes.txt", "dest": "docs/", "mode": "0600"}},
+            {"run": "/opt/app/run.sh > /srv/ran.txt"}]})
+        self.assertEqual(b["status"], "succeeded", b)
+        sid = self.create("cp")
+        c = run(s, sid, "cd /opt/app && stat -c '%n %a %U' run.sh conf conf/settings.ini && "
+                        "readlink latest && cat /srv/ran.txt && stat -c '%a %U' "
+                        "/srv/docs/notes.txt && cat /srv/docs/notes.txt && "
+                        "find /tmp/.space-copy -mindepth 1 2>/dev/null | wc -l")
+        self.assertEqual(c["stdout"],
+                         "run.sh 755 user\nconf 700 user\nconf/settings.ini 600 user\nrun.sh\n"
+                         "run-%s\n600 root\nnotes-%s\n0\n" % (NONCE, NONCE), c)
+        st, r = s.request("DELETE", "/v1/templates/cp")
+        self.assertEqual(st, 200, r)
 
     def test_3_restart_mid_build(self):
         s = self.s

@@ -59,6 +59,7 @@ bool sp_napi_owns(h2o_req_t *req)
 const char *sp_napi_route_class(h2o_req_t *req)
 {
     static const char *const tops[][2] = {{"templates", "templates"},
+                                          {"template-files", "templates"},
                                           {"operations", "operations"},
                                           {"secrets", "secrets"},
                                           {"attach", "attach"},
@@ -236,6 +237,10 @@ static const struct route routes[] = {
      false},
     {M_GET, {"v1", "templates", "*", "builds", "*", "logs", NULL},
      {sp_napi__builds_logs, NULL, NULL}, false},
+    {M_GET | M_PUT,
+     {"v1", "template-files", "*", NULL},
+     {sp_napi__template_files_get, NULL, NULL, sp_napi__template_files_put},
+     false},
     {M_GET | M_POST,
      {"v1", "sandboxes", NULL},
      {sp_napi__sandboxes_list, sp_napi__sandboxes_create, NULL},

@@ -153,6 +153,8 @@ void sp_napi__templates_build(napi_ctx_t *c);
 void sp_napi__templates_delete(napi_ctx_t *c);
 void sp_napi__builds_get(napi_ctx_t *c);
 void sp_napi__builds_logs(napi_ctx_t *c);
+void sp_napi__template_files_put(napi_ctx_t *c);
+void sp_napi__template_files_get(napi_ctx_t *c);
 void sp_napi__sandboxes_create(napi_ctx_t *c);
 void sp_napi__sandboxes_list(napi_ctx_t *c);
 void sp_napi__sandboxes_get(napi_ctx_t *c);

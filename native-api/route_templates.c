@@ -104,6 +104,54 @@ void sp_napi__templates_delete(napi_ctx_t *c)
         sp_napi__fail(c, &e);
 }
 
+/* ---- template files (COPY steps' uploads) ---- */
+
+static void on_file_put(void *arg, bool existed, uint64_t entries, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    json_t *o = json_pack("{s:s,s:b}", "key", c->segs[2], "existed", existed);
+    if (!existed)
+        json_object_set_new(o, "entries", json_integer((json_int_t)entries));
+    sp_napi__reply(c, existed ? 200 : 201, o);
+}
+
+/* PUT /v1/template-files/{sha256}: the body is a tar (or tar.gz) whose SHA-256 is the key. */
+void sp_napi__template_files_put(napi_ctx_t *c)
+{
+    sp_err_t e;
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (!have_tmpl(c))
+        return;
+    if (req == NULL) {
+        sp_napi__take(c);
+        return;
+    }
+    if (sp_tmplfiles_put(sp_tmpl_files(c->n->tmpl), c->auth.team_id, c->segs[2], true,
+                         req->entity.base, req->entity.len, on_file_put, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+/* GET /v1/template-files/{sha256}: whether the team uploaded it. */
+void sp_napi__template_files_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    char path[4096];
+    if (!have_tmpl(c))
+        return;
+    if (sp_tmplfiles_path(sp_tmpl_files(c->n->tmpl), c->auth.team_id, c->segs[2], path,
+                          sizeof path, &e) < 0) {
+        if (e.code == SP_EINVAL)
+            sp_err_set(&e, SP_ENOTFOUND, "files not found");
+        sp_napi__fail(c, &e);
+        return;
+    }
+    sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "key", c->segs[2], "present", 1));
+}
+
 /* ---- the log ---- */
 
 struct follow {

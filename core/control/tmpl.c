@@ -27,6 +27,7 @@
 #include "base/ids.h"
 #include "base/log.h"
 #include "core/channel/exec.h"
+#include "core/control/tmplfiles.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 
@@ -91,6 +92,9 @@ struct build {
     bool finishing; /* the steps are done: the env file and sync are running */
     bool finished;  /* ... and they ended well */
     sp_exec_t *op;
+    int copy_fd;      /* a copy step's files being written into the builder, or -1 */
+    uint8_t *copy_buf; /* a chunk of them the agent has not taken yet */
+    size_t copy_off, copy_len;
     sp_buf_t line[2]; /* a partial output line per stream */
     char tail[TAIL_MAX];
     size_t tail_len;
@@ -104,6 +108,7 @@ struct build {
 };
 
 struct sp_tmpl {
+    sp_tmplfiles_t *files;
     sp_loop_t *loop;
     sp_store_t *store;
     sp_driver_t *driver;
@@ -252,7 +257,7 @@ static int check_step(const json_t *s, size_t i, sp_err_t *err)
         nk = json_object_get(s, "copy") != NULL ? 2 : 1;
     }
     if (nk != 1)
-        return bad(err, "%s must have exactly one of run, env, workdir, user", where);
+        return bad(err, "%s must have exactly one of run, env, workdir, user, copy", where);
     const char *key;
     json_t *v;
     json_object_foreach((json_t *)s, key, v)
@@ -263,11 +268,42 @@ static int check_step(const json_t *s, size_t i, sp_err_t *err)
         if (!ok)
             return sp_err_set(err, SP_EINVAL, "%s: unknown field '%.64s'", where, key);
     }
-    if (kind == 4)
-        return sp_err_set(err, SP_EINVAL,
-                          "%s: copy steps are not supported by this server yet (run steps can "
-                          "fetch files)",
-                          where);
+    if (kind == 4) {
+        json_t *c = json_object_get(s, "copy");
+        static const char *const ck[] = {"files", "src", "dest", "user", "mode", NULL};
+        if (!json_is_object(c))
+            return bad(err, "%s.copy must be an object {files, src, dest, user, mode}", where);
+        json_object_foreach(c, key, v)
+        {
+            bool ok = false;
+            for (int j = 0; ck[j] != NULL && !ok; j++)
+                ok = strcmp(key, ck[j]) == 0;
+            if (!ok)
+                return sp_err_set(err, SP_EINVAL, "%s.copy: unknown field '%.64s'", where, key);
+        }
+        const char *f = json_string_value(json_object_get(c, "files"));
+        const char *src = json_string_value(json_object_get(c, "src"));
+        const char *dest = json_string_value(json_object_get(c, "dest"));
+        const char *cu = json_string_value(json_object_get(c, "user"));
+        const char *mode = json_string_value(json_object_get(c, "mode"));
+        if (f == NULL || !sp_tmplfiles_valid_key(f))
+            return bad(err, "%s.copy.files must be the key of uploaded files (64 hex)", where);
+        if (src == NULL || src[0] == '\0' || src[0] == '/' || strlen(src) > 4096 ||
+            strstr(src, "..") != NULL)
+            return bad(err, "%s.copy.src must be a path inside the uploaded files", where);
+        if (dest == NULL || dest[0] == '\0' || strlen(dest) > 4096)
+            return bad(err, "%s.copy.dest must be a path", where);
+        if (json_object_get(c, "user") != NULL && (cu == NULL || (cu[0] && !valid_user(cu))))
+            return bad(err, "%s.copy.user must be a user name", where);
+        if (json_object_get(c, "mode") != NULL) {
+            bool ok = mode != NULL && (mode[0] == '\0' || (strlen(mode) >= 3 && strlen(mode) <= 4));
+            for (const char *m = mode; ok && *m; m++)
+                ok = *m >= '0' && *m <= '7';
+            if (!ok)
+                return bad(err, "%s.copy.mode must be octal digits (\"0755\")", where);
+        }
+        return 0;
+    }
     json_t *run = json_object_get(s, "run");
     if (kind == 0) {
         if (json_is_string(run)) {
@@ -517,6 +553,9 @@ static void build_free(struct build *b)
         sp_exec_cancel(b->op);
     if (b->log_fd >= 0)
         close(b->log_fd);
+    if (b->copy_fd >= 0)
+        close(b->copy_fd);
+    free(b->copy_buf);
     sp_buf_free(&b->line[0]);
     sp_buf_free(&b->line[1]);
     json_decref(b->req);
@@ -900,8 +939,8 @@ static void pause_vm(struct build *b)
 
 static const char *step_kind(const json_t *s)
 {
-    static const char *const kinds[] = {"run", "env", "workdir", "user"};
-    for (int k = 0; k < 4; k++)
+    static const char *const kinds[] = {"run", "env", "workdir", "user", "copy"};
+    for (int k = 0; k < 5; k++)
         if (json_object_get(s, kinds[k]) != NULL)
             return kinds[k];
     return "?";
@@ -1045,6 +1084,141 @@ static void run_cmd(struct build *b, const json_t *run, const json_t *extra_env,
     }
 }
 
+/* ---- copy steps: the files into the builder, then unpacked there ---- */
+
+#define COPY_CHUNK (256u * 1024u)
+#define COPY_DIR   "/tmp/.space-copy"
+
+/* Run as root in the builder: $1 the uploaded tar, $2 src, $3 dest, $4 owner, $5 mode, $6
+ * the workdir. E2B's COPY: the source is src cut before its first glob segment; a directory's
+ * contents are merged into dest, a file goes to dest (into it when dest ends with '/'); each
+ * thing copied gets owner:owner and mode (recursively). */
+static const char copy_script[] =
+    "set -e\n"
+    "f=$1 src=$2 dest=$3 owner=$4 mode=$5 wd=$6\n"
+    "stage=$(mktemp -d " COPY_DIR "/stage.XXXXXX)\n"
+    "trap 'rm -rf \"$stage\" \"$f\"' EXIT\n"
+    "tar -x --no-same-owner -f \"$f\" -C \"$stage\"\n"
+    "base=$src\n"
+    "case $base in *'*'*|*'?'*|*'['*) base=${base%%[*?[]*}; case $base in */*) "
+    "base=${base%/*};; *) base=.;; esac;; esac\n"
+    "base=${base#./}; base=${base%/}; [ -n \"$base\" ] || base=.\n"
+    "case $dest in /*) ;; *) dest=\"${wd:-/root}/$dest\";; esac\n"
+    "s=\"$stage/$base\"\n"
+    "if [ ! -e \"$s\" ] && [ ! -L \"$s\" ]; then echo \"COPY: '$src' is not in the uploaded "
+    "files\" >&2; exit 1; fi\n"
+    "apply() { if [ -n \"$owner\" ]; then chown -hR \"$owner:$owner\" \"$1\" 2>/dev/null || "
+    "chown -hR \"$owner\" \"$1\"; fi; if [ -n \"$mode\" ] && [ ! -L \"$1\" ]; then chmod -R "
+    "\"$mode\" \"$1\"; fi; }\n"
+    "if [ -d \"$s\" ] && [ ! -L \"$s\" ]; then\n"
+    "  mkdir -p \"$dest\"\n"
+    "  for e in \"$s\"/* \"$s\"/.[!.]* \"$s\"/..?*; do\n"
+    "    [ -e \"$e\" ] || [ -L \"$e\" ] || continue\n"
+    "    n=$(basename \"$e\"); cp -a \"$e\" \"$dest/\" && apply \"$dest/$n\"\n"
+    "  done\n"
+    "else\n"
+    "  case $dest in */) mkdir -p \"$dest\"; dest=\"$dest$(basename \"$s\")\";; "
+    "*) mkdir -p \"$(dirname \"$dest\")\";; esac\n"
+    "  cp -a \"$s\" \"$dest\" && apply \"$dest\"\n"
+    "fi\n";
+
+static void copy_pump(struct build *b);
+
+static void on_copy_writable(void *arg)
+{
+    copy_pump(arg);
+}
+
+static void on_copy_written(void *arg, json_t *entry, const sp_err_t *err)
+{
+    struct build *b = arg;
+    (void)entry;
+    b->op = NULL;
+    if (b->copy_fd >= 0)
+        close(b->copy_fd);
+    b->copy_fd = -1;
+    free(b->copy_buf);
+    b->copy_buf = NULL;
+    if (err != NULL) {
+        b->failed_step = (int)b->step + 1;
+        fail(b, "step %zu (copy): cannot put the files into the builder: %s", b->step + 1,
+             err->msg);
+        advance(b);
+        return;
+    }
+    json_t *c = json_object_get(json_array_get(json_object_get(b->req, "steps"), b->step), "copy");
+    const char *owner = json_string_value(json_object_get(c, "user"));
+    const char *mode = json_string_value(json_object_get(c, "mode"));
+    char path[128];
+    snprintf(path, sizeof path, COPY_DIR "/%s", json_string_value(json_object_get(c, "files")));
+    json_t *argv = json_pack("[s,s,s,s,s,s,s,s,s,s]", "/bin/sh", "-c", copy_script, "space-copy",
+                             path, json_string_value(json_object_get(c, "src")),
+                             json_string_value(json_object_get(c, "dest")),
+                             owner && owner[0] ? owner : b->user, mode ? mode : "", b->workdir);
+    run_cmd(b, argv, NULL, "root", "/", 0, NULL, 0);
+    json_decref(argv);
+}
+
+static const sp_exec_write_cbs_t copy_cbs = {on_copy_writable, on_copy_written};
+
+/* Offers the file's bytes while the agent takes them; ends the write at its end. */
+static void copy_pump(struct build *b)
+{
+    while (b->op != NULL && b->copy_fd >= 0) {
+        if (b->copy_off == b->copy_len) {
+            ssize_t k = read(b->copy_fd, b->copy_buf, COPY_CHUNK);
+            if (k < 0) {
+                sp_exec_cancel(b->op);
+                b->op = NULL;
+                b->failed_step = (int)b->step + 1;
+                fail(b, "step %zu (copy): cannot read the uploaded files: %s", b->step + 1,
+                     strerror(errno));
+                advance(b);
+                return;
+            }
+            if (k == 0) {
+                close(b->copy_fd);
+                b->copy_fd = -1;
+                sp_exec_write_end(b->op);
+                return;
+            }
+            b->copy_off = 0;
+            b->copy_len = (size_t)k;
+        }
+        long took = sp_exec_write_data(b->op, b->copy_buf + b->copy_off,
+                                       b->copy_len - b->copy_off);
+        if (took <= 0)
+            return; /* on_writable, or on_done with the failure, follows */
+        b->copy_off += (size_t)took;
+    }
+}
+
+static void start_copy(struct build *b, const json_t *c)
+{
+    const char *key = json_string_value(json_object_get(c, "files"));
+    char path[PATH_MAX], dest[128];
+    sp_err_t e;
+    logf_(b, "info", "COPY %s -> %s (files %.12s)", json_string_value(json_object_get(c, "src")),
+          json_string_value(json_object_get(c, "dest")), key);
+    sp_agentconn_t *conn = b->t->driver->ops->agent(b->t->driver, b->vm_id);
+    snprintf(dest, sizeof dest, COPY_DIR "/%s", key);
+    if (sp_tmplfiles_path(b->t->files, b->team, key, path, sizeof path, &e) < 0 ||
+        (b->copy_fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 ||
+        (b->copy_buf = malloc(COPY_CHUNK)) == NULL || conn == NULL ||
+        (b->op = sp_exec_write(b->t->loop, conn, dest, "root", 0600, true, &copy_cbs, b, &e)) ==
+            NULL) {
+        if (b->copy_fd < 0 && e.code == SP_OK)
+            sp_err_set(&e, SP_EINTERNAL, "%s", strerror(errno));
+        b->failed_step = (int)b->step + 1;
+        fail(b, "step %zu (copy) could not start: %s", b->step + 1,
+             conn == NULL ? "the builder VM has no agent channel" : e.msg);
+        advance(b);
+        return;
+    }
+    b->copy_off = b->copy_len = 0;
+    copy_pump(b);
+}
+
 /* Runs the steps from b->step on, then writes the env file, syncs, and pauses. */
 static void advance(struct build *b)
 {
@@ -1071,6 +1245,9 @@ static void advance(struct build *b)
                                    "space-workdir", b->workdir, b->user);
             run_cmd(b, mk, NULL, "root", "/", 60000, NULL, 0);
             json_decref(mk);
+            return;
+        } else if (strcmp(kind, "copy") == 0) {
+            start_copy(b, json_object_get(s, "copy"));
             return;
         } else {
             const char *u = json_string_value(json_object_get(s, "user"));
@@ -1374,6 +1551,7 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     b->t = t;
     b->log_fd = -1;
+    b->copy_fd = -1;
     sp_timer_init(&b->deadline, t->loop, on_deadline, b);
     if (reserved != NULL)
         copy(b->id, sizeof b->id, reserved);
@@ -1401,6 +1579,18 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
         build_free(b);
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
                           parent);
+    }
+    for (size_t i = 0; i < json_array_size(steps); i++) {
+        const char *fk = json_string_value(
+            json_object_get(json_object_get(json_array_get(steps, i), "copy"), "files"));
+        char path[PATH_MAX];
+        if (fk != NULL && sp_tmplfiles_path(t->files, b->team, fk, path, sizeof path, err) < 0) {
+            build_free(b);
+            return sp_err_set(err, SP_EINVAL,
+                              "steps[%zu].copy: files %s were never uploaded (PUT "
+                              "/v1/template-files/%s)",
+                              i, fk, fk);
+        }
     }
     b->cpu_count = cpus > 0 ? cpus : (b->pp.cpu_count > 0 ? b->pp.cpu_count : 1);
     b->memory_mb = mem > 0 ? mem : (b->pp.memory_mb > 0 ? b->pp.memory_mb : 256);
@@ -1702,6 +1892,10 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     t->store = store;
     t->driver = driver;
     copy(t->data_dir, sizeof t->data_dir, data_dir);
+    if ((t->files = sp_tmplfiles_create(loop, data_dir, err)) == NULL) {
+        free(t);
+        return NULL;
+    }
     void *rec = sp_store_call(
         store,
         "WITH f AS (UPDATE template_builds SET status = 'failed', finished_at = now(),"
@@ -1712,6 +1906,7 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         " SELECT id, template FROM f",
         0, NULL, sizeof(sp_tmpl_t *), on_leftovers, err);
     if (rec == NULL) {
+        sp_tmplfiles_destroy(t->files);
         free(t);
         return NULL;
     }
@@ -1733,5 +1928,11 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         }
         build_free(b);
     }
+    sp_tmplfiles_destroy(t->files);
     free(t);
+}
+
+sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t)
+{
+    return t->files;
 }

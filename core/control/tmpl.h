@@ -50,6 +50,7 @@
 
 #include "base/err.h"
 #include "core/control/svc.h"
+#include "core/control/tmplfiles.h"
 #include "core/runtime/driver.h"
 #include "core/store/store.h"
 #include "loop/loop.h"
@@ -88,6 +89,9 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
                           const char *data_dir, sp_err_t *err);
 /* Builds in flight are abandoned: their builder VMs are destroyed by the next start. */
 void sp_tmpl_destroy(sp_tmpl_t *t);
+
+/* The files COPY steps use (tmplfiles.h), owned by t. */
+sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t);
 
 /* Validates the request (SP_EINVAL naming the field), records the build and queues it; cb
  * with the build record (status queued) or: SP_ENOTFOUND for a parent the team cannot use,
