@@ -39,7 +39,7 @@ struct sp_tarcheck {
     char *next_link;   /* from K or pax */
     uint64_t entries;
     int zeros;         /* consecutive zero blocks */
-    char why[256];
+    char why[320];
     /* names of regular files so far (hard-link targets): open addressing */
     char **set;
     size_t set_cap, set_n;

@@ -35,7 +35,7 @@ static void member(tbuf *b, const char *name, char type, const char *link, size_
     snprintf((char *)h + 100, 8, "%07o", 0644);
     snprintf((char *)h + 108, 8, "%07o", 0);
     snprintf((char *)h + 116, 8, "%07o", 0);
-    snprintf((char *)h + 124, 12, "%011zo", size);
+    snprintf((char *)h + 124, 12, "%011o", (unsigned)(size & 07777777777));
     snprintf((char *)h + 136, 12, "%011o", 0);
     h[156] = (unsigned char)type;
     if (link != NULL)

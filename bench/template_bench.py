@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Template builds through the native API, next to baselines from the same run.
+
+  bench/template_bench.py BUILD_DIR [DATA_DIR]
+
+BUILD_DIR holds server/spaced (a release build); DATA_DIR (default BUILD_DIR/bench-data) gets the
+base template if it has none. Prints medians of:
+  - a 3-step build on `base` (a file written, a small package-free script run, a directory tree
+    made) with a start_cmd HTTP server and its ready_cmd, fresh each round (a nonce step), from
+    POST to succeeded, against the same three commands run in an already running sandbox: the
+    difference is what a build adds (builder VM, disk export, version commit, template snapshot);
+  - the same build again, fully cached (its inputs made a version before);
+  - create -> first command from the built template, against create -> first command from
+    `base` (both from template snapshots; the built one has its server already up).
+Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
+Environment: BENCH_BUILDS (5 rounds), BENCH_CREATES (5).
+"""
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import Platform, line, ratio  # noqa: E402
+
+ROUNDS = int(os.environ.get("BENCH_BUILDS", "5"))
+CREATES = int(os.environ.get("BENCH_CREATES", "5"))
+CMDS = ["mkdir -p /srv/site && for i in $(seq 1 200); do echo line-$i; done > /srv/site/index.html",
+        "python3 -c 'import json; print(json.dumps({\"ok\": 1}))' > /srv/site/ok.json",
+        "mkdir -p /opt/tree/a/b/c && touch /opt/tree/a/b/c/f1 /opt/tree/a/f2"]
+
+
+def build(s, body):
+    t0 = time.time()
+    st, r = s.request("POST", "/v1/templates?wait=300000", body, timeout=330)
+    b = r["build"]
+    while b["status"] in ("queued", "building"):
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300000" % (b["template"], b["id"]),
+                          timeout=330)
+        b = r["build"]
+    if b["status"] != "succeeded":
+        raise SystemExit("build failed: %s" % b)
+    return (time.time() - t0) * 1000, b
+
+
+def create_first_cmd(s, template):
+    t0 = time.time()
+    st, r = s.request("POST", "/v1/sandboxes?wait=120000", {"template": template}, timeout=150)
+    sid = r["sandbox"]["id"]
+    st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": "true"}, timeout=60)
+    ms = (time.time() - t0) * 1000
+    s.request("DELETE", "/v1/sandboxes/%s?wait=60000" % sid, timeout=70)
+    return ms
+
+
+def main():
+    p = Platform(sys.argv, templates=("base",)).start()
+    s = p.s
+    try:
+        built, cached, inplace = [], [], []
+        st, r = s.request("POST", "/v1/sandboxes?wait=120000", {"template": "base"}, timeout=150)
+        sid = r["sandbox"]["id"]
+        for i in range(ROUNDS):
+            nonce = "%d-%d" % (os.getpid(), i)
+            body = {"name": "bench-tpl", "from": "base",
+                    "steps": [{"run": "echo %s > /nonce" % nonce}] + [{"run": c} for c in CMDS],
+                    "start_cmd": "cd /srv/site && python3 -m http.server 8000",
+                    "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"}
+            ms, b = build(s, body)
+            built.append(ms)
+            ms, b2 = build(s, body)
+            assert b2["cached"], b2
+            cached.append(ms)
+            t0 = time.time()
+            for c in ["echo %s > /tmp/nonce" % nonce] + CMDS:
+                st, out = s.request("POST", "/v1/sandboxes/%s/commands" % sid,
+                                    {"cmd": c, "user": "root"}, timeout=60)
+                assert out["exit_code"] == 0, out
+            inplace.append((time.time() - t0) * 1000)
+        s.request("DELETE", "/v1/sandboxes/%s?wait=60000" % sid, timeout=70)
+        line("build of 4 steps + start/ready (POST -> succeeded)", built)
+        line("the same 4 commands in a running sandbox", inplace)
+        med = sorted(built)[len(built) // 2] - sorted(inplace)[len(inplace) // 2]
+        print("%-52s %8.0f ms" % ("what the build adds (medians' difference)", med), flush=True)
+        line("the same build, cached", cached)
+        from_tpl = [create_first_cmd(s, "bench-tpl") for _ in range(CREATES)]
+        from_base = [create_first_cmd(s, "base") for _ in range(CREATES)]
+        line("create -> first command, built template", from_tpl)
+        line("create -> first command, base", from_base)
+        ratio("built template / base",
+              sorted(from_tpl)[len(from_tpl) // 2], sorted(from_base)[len(from_base) // 2])
+        s.request("DELETE", "/v1/templates/bench-tpl", timeout=30)
+    finally:
+        p.stop()
+
+
+if __name__ == "__main__":
+    main()
