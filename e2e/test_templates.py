@@ -80,7 +80,7 @@ class TemplateBuildTest(unittest.TestCase):
     def tearDownClass(cls):
         for sid in cls.sids:
             cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow", "cp"):
+        for name in ("web", "web2", "slow", "cp", "dock"):
             try:
                 cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
             except OSError:
@@ -302,6 +302,56 @@ class TemplateBuildTest(unittest.TestCase):
                          "run.sh 755 user\nconf 700 user\nconf/settings.ini 600 user\nrun.sh\n"
                          "run-%s\n600 root\nnotes-%s\n0\n" % (NONCE, NONCE), c)
         st, r = s.request("DELETE", "/v1/templates/cp")
+        self.assertEqual(st, 200, r)
+
+    def test_5_dockerfile(self):
+        s = self.s
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+            for name, data in (("site/index.html", b"docker-" + NONCE.encode() + b"\n"),
+                               ("site/extra.txt", b"extra\n"), ("setup.sh", b"#!/bin/sh\necho set > /set\n")):
+                ti = tarfile.TarInfo(name)
+                ti.size, ti.mode = len(data), 0o644
+                tf.addfile(ti, io.BytesIO(data))
+        ctx = buf.getvalue()
+        key = hashlib.sha256(ctx).hexdigest()
+        st, r = s.request("PUT", "/v1/template-files/" + key, raw=ctx)
+        self.assertIn(st, (200, 201), r)
+        dockerfile = "\n".join([
+            "# a Dockerfile with every instruction this server takes",
+            "ARG GREETING=hello",
+            "FROM base AS app",
+            "ENV MODE=prod LABEL=\"a b\"",
+            "RUN mkdir -p /srv && \\",
+            "    chown user /srv",
+            "WORKDIR /srv",
+            "COPY --chown=user site/ www/",
+            "ADD --chmod=0755 setup.sh /usr/local/bin/setup.sh",
+            "RUN [\"/usr/local/bin/setup.sh\"]",
+            "USER user",
+            "WORKDIR www",
+            "RUN echo \"$GREETING $MODE $LABEL\" > greeting.txt",
+            "ENTRYPOINT [\"python3\", \"-m\", \"http.server\"]",
+            "CMD [\"8000\"]",
+            ""])
+        b = build(s, {"name": "dock", "from": {"dockerfile": dockerfile, "context": key},
+                      "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"})
+        self.assertEqual(b["status"], "succeeded", b)
+        sid = self.create("dock")
+        c = run(s, sid, "curl -sf http://127.0.0.1:8000/index.html; cat /srv/www/greeting.txt "
+                        "/set; stat -c '%U %a' /srv/www/extra.txt /usr/local/bin/setup.sh")
+        self.assertEqual(c["stdout"], "docker-%s\nhello prod a b\nset\nuser 644\nroot 755\n"
+                         % NONCE, c)
+        for text, want in (("FROM base\nRUN true\nHEALTHCHECK CMD true\n",
+                            "line 3: HEALTHCHECK is not supported"),
+                           ("FROM node:20\n", "line 1: FROM node:20: building from container"),
+                           ("FROM base\nFROM base\n", "multi-stage"),
+                           ("FROM base\nCOPY a /a\n", "needs the build context")):
+            st, r = s.request("POST", "/v1/templates",
+                              {"name": "dock2", "from": {"dockerfile": text}})
+            self.assertEqual(st, 400, (text, r))
+            self.assertIn(want, r["error"]["message"])
+        st, r = s.request("DELETE", "/v1/templates/dock")
         self.assertEqual(st, 200, r)
 
     def test_3_restart_mid_build(self):

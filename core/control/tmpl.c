@@ -27,6 +27,7 @@
 #include "base/ids.h"
 #include "base/log.h"
 #include "core/channel/exec.h"
+#include "core/control/dockerfile.h"
 #include "core/control/tmplfiles.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
@@ -1092,7 +1093,8 @@ static void run_cmd(struct build *b, const json_t *run, const json_t *extra_env,
 /* Run as root in the builder: $1 the uploaded tar, $2 src, $3 dest, $4 owner, $5 mode, $6
  * the workdir. E2B's COPY: the source is src cut before its first glob segment; a directory's
  * contents are merged into dest, a file goes to dest (into it when dest ends with '/'); each
- * thing copied gets owner:owner and mode (recursively). */
+ * thing copied gets owner:owner and mode (recursively), and so does dest when the copy made it
+ * (as Docker's COPY --chown). */
 static const char copy_script[] =
     "set -e\n"
     "f=$1 src=$2 dest=$3 owner=$4 mode=$5 wd=$6\n"
@@ -1111,7 +1113,8 @@ static const char copy_script[] =
     "chown -hR \"$owner\" \"$1\"; fi; if [ -n \"$mode\" ] && [ ! -L \"$1\" ]; then chmod -R "
     "\"$mode\" \"$1\"; fi; }\n"
     "if [ -d \"$s\" ] && [ ! -L \"$s\" ]; then\n"
-    "  mkdir -p \"$dest\"\n"
+    "  if [ ! -d \"$dest\" ]; then mkdir -p \"$dest\"; [ -z \"$owner\" ] || chown "
+    "\"$owner:$owner\" \"$dest\" 2>/dev/null || chown \"$owner\" \"$dest\"; fi\n"
     "  for e in \"$s\"/* \"$s\"/.[!.]* \"$s\"/..?*; do\n"
     "    [ -e \"$e\" ] || [ -L \"$e\" ] || continue\n"
     "    n=$(basename \"$e\"); cp -a \"$e\" \"$dest/\" && apply \"$dest/$n\"\n"
@@ -1478,8 +1481,51 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
     return sp_tmpl_build_reserved(t, a, req, NULL, cb, arg, err);
 }
 
+static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
+                     sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+
+/* from {"dockerfile", "context"?}: the request with the Dockerfile's parent, its steps before
+ * the request's own, and its start command unless the request has one. */
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                            const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    json_t *from = json_object_get(req, "from");
+    json_t *df = json_object_get(from, "dockerfile");
+    if (!json_is_object(from) || df == NULL)
+        return build_req(t, a, req, reserved, cb, arg, err);
+    json_t *ctx = json_object_get(from, "context");
+    const char *key;
+    json_t *v;
+    json_object_foreach(from, key, v) if (strcmp(key, "dockerfile") != 0 &&
+                                          strcmp(key, "context") != 0) return
+        sp_err_set(err, SP_EINVAL, "from: unknown field '%.64s' beside dockerfile", key);
+    if (!json_is_string(df))
+        return sp_err_set(err, SP_EINVAL, "from.dockerfile must be the Dockerfile's text");
+    if (ctx != NULL && (!json_is_string(ctx) || !sp_tmplfiles_valid_key(json_string_value(ctx))))
+        return sp_err_set(err, SP_EINVAL,
+                          "from.context must be the key of uploaded files (64 hex characters)");
+    json_t *steps = json_object_get(req, "steps");
+    if (steps != NULL && !json_is_array(steps))
+        return sp_err_set(err, SP_EINVAL, "steps must be an array");
+    sp_dockerfile_t d;
+    if (sp_dockerfile_parse(json_string_value(df), json_string_length(df),
+                            ctx ? json_string_value(ctx) : NULL, &d, err) < 0)
+        return -1;
+    json_t *r = json_deep_copy(req);
+    if (steps != NULL)
+        json_array_extend(d.steps, steps);
+    json_object_set_new(r, "from", json_string(d.parent));
+    json_object_set(r, "steps", d.steps);
+    if (d.start_cmd != NULL && json_object_get(r, "start_cmd") == NULL)
+        json_object_set_new(r, "start_cmd", json_string(d.start_cmd));
+    sp_dockerfile_free(&d);
+    int rc = build_req(t, a, r, reserved, cb, arg, err);
+    json_decref(r);
+    return rc;
+}
+
+static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
+                     sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
     if (reserved != NULL && !valid_build_id(reserved))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
@@ -1513,11 +1559,10 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     } else if (json_is_object(from) && json_object_size(from) == 1) {
         if (json_is_string(json_object_get(from, "template")))
             parent = json_string_value(json_object_get(from, "template"));
-        else if (json_object_get(from, "image") || json_object_get(from, "dockerfile") ||
-                 json_object_get(from, "snapshot"))
+        else if (json_object_get(from, "image") || json_object_get(from, "snapshot"))
             return sp_err_set(err, SP_EINVAL,
-                              "from: only templates can be built from on this server yet "
-                              "(not images, Dockerfiles or snapshots)");
+                              "from: only templates and Dockerfiles can be built from on this "
+                              "server yet (not container images or snapshots)");
     }
     if (parent == NULL)
         return sp_err_set(err, SP_EINVAL,
