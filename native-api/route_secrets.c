@@ -24,8 +24,9 @@ static sp_secrets_t *secrets_of(napi_ctx_t *c, sp_err_t *err)
     return sp_secrets_check_enabled(s, err) < 0 ? NULL : s;
 }
 
-static json_t *secret_json(const sp_secret_rec_t *r)
+static json_t *secret_json(const void *rec)
 {
+    const sp_secret_rec_t *r = rec;
     return json_pack("{s:s,s:s,s:s}", "name", r->name, "created_at", r->created_at, "updated_at",
                      r->updated_at);
 }
@@ -154,14 +155,12 @@ void sp_napi__secrets_put(napi_ctx_t *c)
 static void on_list(void *arg, const sp_secret_rec_t *recs, size_t n, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL) {
+    if (err != NULL)
         sp_napi__fail(c, err);
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(arr, secret_json(&recs[i]));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "secrets", arr));
+    else
+        sp_napi__reply(
+            c, 200,
+            json_pack("{s:o}", "secrets", sp_napi__items(recs, n, sizeof(*recs), secret_json)));
 }
 
 void sp_napi__secrets_list(napi_ctx_t *c)
