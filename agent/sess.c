@@ -179,6 +179,12 @@ void sp_stream_grant(sp_stream_t *s, uint32_t n)
     s->recv_credit += inc;
 }
 
+void sp_stream_bad_type(sp_stream_t *s, uint16_t type, const char *kind)
+{
+    sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a %s stream", sp_ap_type_name(type),
+                  kind);
+}
+
 int sp_stream_recv(sp_stream_t *s, int fd, bool *eof)
 {
     size_t want = SP_AP_MAX_DATA;

@@ -53,6 +53,9 @@ void sp_stream_close(sp_stream_t *s);
 /* Sends ERROR (END) on a stream id and forgets the stream if open. */
 void sp_sess_error(uint32_t id, uint32_t code, int sys_errno, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* ERROR (SP_AP_E_TYPE): a frame of a type a stream of this kind ("read", "tcp"...) does not
+ * take. */
+void sp_stream_bad_type(sp_stream_t *s, uint16_t type, const char *kind);
 /* ERROR for an errno value, code mapped from it. */
 void sp_sess_error_errno(uint32_t id, int sys_errno, const char *what);
 /* Maps errno to SP_AP_E_*. */

@@ -122,8 +122,7 @@ static void tcp_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
         if (t->connected)
             flush(t);
     } else {
-        sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a tcp stream",
-                      sp_ap_type_name(h->type));
+        sp_stream_bad_type(s, h->type, "tcp");
         return;
     }
     if (!s->closing && t->connected)
