@@ -211,6 +211,15 @@ json_t *sp_napi__items(const void *recs, size_t n, size_t size, napi_item_fn ite
     return arr;
 }
 
+void sp_napi__reply_list(napi_ctx_t *c, const sp_err_t *err, const char *key, const void *recs,
+                         size_t n, size_t size, napi_item_fn item)
+{
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:o}", key, sp_napi__items(recs, n, size, item)));
+}
+
 json_t *sp_napi__template_json(const sp_template_rec_t *t)
 {
     json_t *o = json_pack("{s:s,s:s,s:i,s:i,s:s,s:s,s:b}", "name", t->name, "description",

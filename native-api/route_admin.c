@@ -27,12 +27,7 @@ static json_t *key_json(const void *rec)
 
 static void on_teams(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(c, 200,
-                       json_pack("{s:o}", "teams", sp_napi__items(t, n, sizeof(*t), team_json)));
+    sp_napi__reply_list(arg, err, "teams", t, n, sizeof(*t), team_json);
 }
 
 static void on_team_created(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
@@ -47,12 +42,7 @@ static void on_team_created(void *arg, const sp_admin_team_t *t, size_t n, const
 static void on_keys(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,
                     const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(c, 200,
-                       json_pack("{s:o}", "keys", sp_napi__items(k, n, sizeof(*k), key_json)));
+    sp_napi__reply_list(arg, err, "keys", k, n, sizeof(*k), key_json);
 }
 
 static void on_key_created(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,

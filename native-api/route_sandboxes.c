@@ -17,17 +17,10 @@ static json_t *template_item(const void *rec)
 static void on_templates(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    if (c->nsegs == 3) {
+    if (err == NULL && c->nsegs == 3)
         sp_napi__reply(c, 200, sp_napi__template_json(&recs[0]));
-        return;
-    }
-    sp_napi__reply(
-        c, 200,
-        json_pack("{s:o}", "templates", sp_napi__items(recs, n, sizeof(*recs), template_item)));
+    else
+        sp_napi__reply_list(c, err, "templates", recs, n, sizeof(*recs), template_item);
 }
 
 void sp_napi__templates_list(napi_ctx_t *c)
@@ -272,13 +265,7 @@ static json_t *event_json(const void *rec)
 
 static void on_events(void *arg, const sp_event_rec_t *recs, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(
-            c, 200,
-            json_pack("{s:o}", "events", sp_napi__items(recs, n, sizeof(*recs), event_json)));
+    sp_napi__reply_list(arg, err, "events", recs, n, sizeof(*recs), event_json);
 }
 
 /* A non-negative integer query parameter within [lo, hi]; *out keeps its default when absent. */

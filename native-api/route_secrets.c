@@ -154,13 +154,7 @@ void sp_napi__secrets_put(napi_ctx_t *c)
 
 static void on_list(void *arg, const sp_secret_rec_t *recs, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(
-            c, 200,
-            json_pack("{s:o}", "secrets", sp_napi__items(recs, n, sizeof(*recs), secret_json)));
+    sp_napi__reply_list(arg, err, "secrets", recs, n, sizeof(*recs), secret_json);
 }
 
 void sp_napi__secrets_list(napi_ctx_t *c)
