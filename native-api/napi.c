@@ -211,6 +211,15 @@ json_t *sp_napi__items(const void *recs, size_t n, size_t size, napi_item_fn ite
     return arr;
 }
 
+void sp_napi__on_deleted(void *arg, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
+}
+
 void sp_napi__reply_list(napi_ctx_t *c, const sp_err_t *err, const char *key, const void *recs,
                          size_t n, size_t size, napi_item_fn item)
 {

@@ -165,20 +165,12 @@ void sp_napi__secrets_list(napi_ctx_t *c)
         sp_napi__fail(c, &e);
 }
 
-static void on_deleted(void *arg, const sp_err_t *err)
-{
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
-}
-
 void sp_napi__secrets_delete(napi_ctx_t *c)
 {
     sp_err_t e;
     sp_secrets_t *s = secrets_of(c, &e);
-    if (s == NULL || sp_secrets_delete(s, c->auth.team_id, c->segs[2], on_deleted, c, &e) < 0)
+    if (s == NULL ||
+        sp_secrets_delete(s, c->auth.team_id, c->segs[2], sp_napi__on_deleted, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 
