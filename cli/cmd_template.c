@@ -168,7 +168,10 @@ static json_t *build_request(spc_args_t *a, sp_err_t *e)
 static void follow_log(spc_api_t *api, const char *logs_url, FILE *out)
 {
     char path[512];
-    snprintf(path, sizeof(path), "%s?follow=true", logs_url);
+    if (snprintf(path, sizeof(path), "%s?follow=true", logs_url) >= (int)sizeof(path)) {
+        fprintf(stderr, "spacectl: cannot follow the build's log: its URL is too long\n");
+        return;
+    }
     spc_req_t rq = {.method = "GET", .path = path, .bearer = api->key[0] ? api->key : NULL,
                     .timeout_ms = 0};
     sp_err_t e;

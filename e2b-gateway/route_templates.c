@@ -152,7 +152,9 @@ static const char *add_step(json_t *steps, const json_t *st, char *dir, size_t d
             snprintf(p, sizeof p, "%s", a0);
         else
             snprintf(p, sizeof p, "%s/%s", dir, a0);
-        snprintf(dir, dcap, "%s", p);
+        size_t k = strnlen(p, dcap - 1); /* cut to dir's size, as before */
+        memcpy(dir, p, k);
+        dir[k] = '\0';
         json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
     } else if (strcmp(type, "USER") == 0) {
         if (a0 == NULL || a0[0] == '\0')
