@@ -107,6 +107,30 @@ struct query {
     query_t *prev, *next;
 };
 
+/*
+ * The three kinds above live on intrusive doubly linked lists (prev/next, a head and a count
+ * in eg): one spelling of putting one at the head and of taking one out, for each kind.
+ */
+#define LIST_PUSH(head, count, x)                                                                  \
+    do {                                                                                           \
+        (x)->next = (head);                                                                        \
+        if ((head) != NULL)                                                                        \
+            (head)->prev = (x);                                                                    \
+        (head) = (x);                                                                              \
+        (count)++;                                                                                 \
+    } while (0)
+
+#define LIST_UNLINK(head, count, x)                                                                \
+    do {                                                                                           \
+        if ((x)->prev != NULL)                                                                     \
+            (x)->prev->next = (x)->next;                                                           \
+        else                                                                                       \
+            (head) = (x)->next;                                                                    \
+        if ((x)->next != NULL)                                                                     \
+            (x)->next->prev = (x)->prev;                                                           \
+        (count)--;                                                                                 \
+    } while (0)
+
 static struct {
     bool init;
     /* overrides, host test mode only */
@@ -260,6 +284,20 @@ static void shed_one(int lfd)
     eg.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
+/* One accept of a listener's batch (peer: where to put the client's address, or NULL): the
+ * client's fd; -1 when the next may follow (interrupted, aborted; out of fds, one waiting
+ * client shed); -2 when the batch ends (nothing waits, or a failure the next wakeup retries). */
+static int accept_next(int lfd, struct sockaddr_in *peer)
+{
+    socklen_t pl = sizeof(*peer);
+    int fd = accept4(lfd, (struct sockaddr *)peer, peer ? &pl : NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0)
+        return fd;
+    if (errno == EMFILE || errno == ENFILE)
+        shed_one(lfd);
+    return errno == EINTR || errno == ECONNABORTED ? -1 : -2;
+}
+
 static void reset_close(int fd)
 {
     struct linger lg = {.l_onoff = 1, .l_linger = 0};
@@ -271,13 +309,7 @@ static void reset_close(int fd)
 
 static void pc_free(pconn_t *c, bool reset)
 {
-    if (c->prev != NULL)
-        c->prev->next = c->next;
-    else
-        eg.conns = c->next;
-    if (c->next != NULL)
-        c->next->prev = c->prev;
-    eg.nconns--;
+    LIST_UNLINK(eg.conns, eg.nconns, c);
     sp_ev_del(c->ev);
     if (reset)
         reset_close(c->fd);
@@ -380,27 +412,11 @@ static bool pc_linger_step(pconn_t *c, short rev)
 /* Guest -> host: one DATA frame, or EOF. -1 if c was freed. */
 static int pc_recv(pconn_t *c)
 {
-    sp_stream_t *s = c->s;
-    size_t want = SP_AP_MAX_DATA;
-    if (want > s->send_credit)
-        want = (size_t)s->send_credit;
-    sp_ap_writer_t *w = sp_chan_begin(s->id, SP_AP_T_DATA, 0, want);
-    if (w == NULL)
+    if (sp_stream_recv(c->s, c->fd, &c->rd_eof) == 0)
         return 0;
-    ssize_t n = recv(c->fd, w->buf + w->len, want, 0);
-    if (n > 0) {
-        w->len += (size_t)n;
-        sp_chan_end(w);
-        s->send_credit -= (uint64_t)n;
-    } else if (n == 0) {
-        c->rd_eof = true;
-        sp_sess_send_empty(s->id, SP_AP_T_EOF, 0);
-    } else if (errno != EAGAIN && errno != EINTR) {
-        sp_log(SP_LOG_DEBUG, "egress", "proxy client reset stream=%u errno=%d", s->id, errno);
-        pc_abort(c);
-        return -1;
-    }
-    return 0;
+    sp_log(SP_LOG_DEBUG, "egress", "proxy client reset stream=%u errno=%d", c->s->id, errno);
+    pc_abort(c);
+    return -1;
 }
 
 static void pc_on_sock(int fd, short rev, void *arg)
@@ -544,11 +560,7 @@ static void pc_open(int fd, uint16_t peer_port)
         free(c);
         return;
     }
-    c->next = eg.conns;
-    if (eg.conns != NULL)
-        eg.conns->prev = c;
-    eg.conns = c;
-    eg.nconns++;
+    LIST_PUSH(eg.conns, eg.nconns, c);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     sp_ap_writer_t *w = sp_chan_begin(id, SP_AP_T_EGRESS_OPEN, 0, 32);
@@ -566,15 +578,11 @@ static void on_proxy_accept(int lfd, short rev, void *arg)
 {
     for (int i = 0; i < ACCEPT_BATCH; i++) {
         struct sockaddr_in peer;
-        socklen_t pl = sizeof(peer);
-        int fd = accept4(lfd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EMFILE || errno == ENFILE)
-                shed_one(lfd);
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
+        int fd = accept_next(lfd, &peer);
+        if (fd == -1)
+            continue;
+        if (fd < 0)
             return;
-        }
         /* No host (its streams would go nowhere) or at the cap: refuse quickly. */
         if (!sp_chan_connected() || eg.nconns >= SP_EGRESS_MAX_CONNS) {
             close(fd);
@@ -668,13 +676,7 @@ static void dtc_free(dnstcp_t *t)
     for (query_t *q = eg.queries; q != NULL; q = q->next)
         if (q->tc == t)
             q->tc = NULL; /* its answer has nowhere to go */
-    if (t->prev != NULL)
-        t->prev->next = t->next;
-    else
-        eg.dclients = t->next;
-    if (t->next != NULL)
-        t->next->prev = t->prev;
-    eg.ndclients--;
+    LIST_UNLINK(eg.dclients, eg.ndclients, t);
     sp_ev_del(t->ev);
     close(t->fd);
     free(t->in);
@@ -751,13 +753,7 @@ static void q_stream_gone(sp_stream_t *s)
         q_servfail(q);
     if (q->tc != NULL)
         q->tc->inflight--;
-    if (q->prev != NULL)
-        q->prev->next = q->next;
-    else
-        eg.queries = q->next;
-    if (q->next != NULL)
-        q->next->prev = q->prev;
-    eg.nqueries--;
+    LIST_UNLINK(eg.queries, eg.nqueries, q);
     free(q->msg);
     free(q);
 }
@@ -799,11 +795,7 @@ static void dns_submit(const uint8_t *m, size_t n, const struct sockaddr_in *fro
     if (from != NULL)
         q->from = *from;
     q->deadline = now_ms() + DNS_TIMEOUT_MS;
-    q->next = eg.queries;
-    if (eg.queries != NULL)
-        eg.queries->prev = q;
-    eg.queries = q;
-    eg.nqueries++;
+    LIST_PUSH(eg.queries, eg.nqueries, q);
     if (tc != NULL)
         tc->inflight++;
     size_t max = tc ? 65535 : DNS_UDP_MAX;
@@ -910,14 +902,11 @@ static void on_dtc(int fd, short rev, void *arg)
 static void on_dtc_accept(int lfd, short rev, void *arg)
 {
     for (int i = 0; i < ACCEPT_BATCH; i++) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EMFILE || errno == ENFILE)
-                shed_one(lfd);
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
+        int fd = accept_next(lfd, NULL);
+        if (fd == -1)
+            continue;
+        if (fd < 0)
             return;
-        }
         dnstcp_t *t = eg.ndclients < DNS_TCP_MAX ? calloc(1, sizeof(*t)) : NULL;
         if (t == NULL) {
             close(fd);
@@ -931,11 +920,7 @@ static void on_dtc_accept(int lfd, short rev, void *arg)
             free(t);
             continue;
         }
-        t->next = eg.dclients;
-        if (eg.dclients != NULL)
-            eg.dclients->prev = t;
-        eg.dclients = t;
-        eg.ndclients++;
+        LIST_PUSH(eg.dclients, eg.ndclients, t);
     }
 }
 

@@ -247,8 +247,7 @@ static void rd_pump(sp_stream_t *s)
 
 static void rd_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
 {
-    sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a read stream",
-                  sp_ap_type_name(h->type));
+    sp_stream_bad_type(s, h->type, "read");
 }
 
 static void rd_close(sp_stream_t *s)
@@ -392,8 +391,7 @@ static void wr_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
         return;
     }
     if (h->type != SP_AP_T_DATA) {
-        sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a write stream",
-                      sp_ap_type_name(h->type));
+        sp_stream_bad_type(s, h->type, "write");
         return;
     }
     /* Local disk: a blocking full write is bounded and keeps the code simple. */

@@ -392,8 +392,7 @@ static void att_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
         att_resize(a, p, h->len);
         break;
     default:
-        sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a process stream",
-                      sp_ap_type_name(h->type));
+        sp_stream_bad_type(s, h->type, "process");
     }
 }
 

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "agent/agent.h"
@@ -176,6 +177,34 @@ void sp_stream_grant(sp_stream_t *s, uint32_t n)
     sp_chan_end(w);
     s->grant_pending = 0;
     s->recv_credit += inc;
+}
+
+void sp_stream_bad_type(sp_stream_t *s, uint16_t type, const char *kind)
+{
+    sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a %s stream", sp_ap_type_name(type),
+                  kind);
+}
+
+int sp_stream_recv(sp_stream_t *s, int fd, bool *eof)
+{
+    size_t want = SP_AP_MAX_DATA;
+    if (want > s->send_credit)
+        want = (size_t)s->send_credit;
+    sp_ap_writer_t *w = sp_chan_begin(s->id, SP_AP_T_DATA, 0, want);
+    if (w == NULL)
+        return 0; /* no room: the next pump retries */
+    ssize_t n = recv(fd, w->buf + w->len, want, 0);
+    if (n > 0) {
+        w->len += (size_t)n;
+        sp_chan_end(w);
+        s->send_credit -= (uint64_t)n;
+    } else if (n == 0) {
+        *eof = true;
+        sp_sess_send_empty(s->id, SP_AP_T_EOF, 0);
+    } else if (errno != EAGAIN && errno != EINTR) {
+        return -1;
+    }
+    return 0;
 }
 
 static uint64_t boot_ns(void)

@@ -53,6 +53,9 @@ void sp_stream_close(sp_stream_t *s);
 /* Sends ERROR (END) on a stream id and forgets the stream if open. */
 void sp_sess_error(uint32_t id, uint32_t code, int sys_errno, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* ERROR (SP_AP_E_TYPE): a frame of a type a stream of this kind ("read", "tcp"...) does not
+ * take. */
+void sp_stream_bad_type(sp_stream_t *s, uint16_t type, const char *kind);
 /* ERROR for an errno value, code mapped from it. */
 void sp_sess_error_errno(uint32_t id, int sys_errno, const char *what);
 /* Maps errno to SP_AP_E_*. */
@@ -61,6 +64,10 @@ uint32_t sp_sess_errcode(int sys_errno);
 void sp_sess_send_empty(uint32_t id, uint16_t type, uint16_t flags);
 /* Gives the host n more bytes of receive window on s (a WINDOW frame). */
 void sp_stream_grant(sp_stream_t *s, uint32_t n);
+/* Socket -> host: what fd holds (at most what s may send) as one DATA frame, or, at the
+ * socket's end, EOF (and *eof set). 0 also when the channel or the socket has nothing now;
+ * -1 with errno when recv failed: the caller ends the stream its own way. */
+int sp_stream_recv(sp_stream_t *s, int fd, bool *eof);
 
 /* Default environment from the last IDENTITY ("K=V" strings, owned by sess). */
 extern char **sp_sess_default_env;

@@ -76,24 +76,8 @@ static void flush(tcp_t *t)
 
 static void do_recv(tcp_t *t)
 {
-    sp_stream_t *s = t->s;
-    size_t want = SP_AP_MAX_DATA;
-    if (want > s->send_credit)
-        want = (size_t)s->send_credit;
-    sp_ap_writer_t *w = sp_chan_begin(s->id, SP_AP_T_DATA, 0, want);
-    if (w == NULL)
-        return;
-    ssize_t n = recv(t->fd, w->buf + w->len, want, 0);
-    if (n > 0) {
-        w->len += (size_t)n;
-        sp_chan_end(w);
-        s->send_credit -= (uint64_t)n;
-    } else if (n == 0) {
-        t->rd_eof = true;
-        sp_sess_send_empty(s->id, SP_AP_T_EOF, 0);
-    } else if (errno != EAGAIN && errno != EINTR) {
-        sp_sess_error_errno(s->id, errno, "recv");
-    }
+    if (sp_stream_recv(t->s, t->fd, &t->rd_eof) < 0)
+        sp_sess_error_errno(t->s->id, errno, "recv");
 }
 
 static void on_sock(int fd, short rev, void *arg)
@@ -138,8 +122,7 @@ static void tcp_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
         if (t->connected)
             flush(t);
     } else {
-        sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a tcp stream",
-                      sp_ap_type_name(h->type));
+        sp_stream_bad_type(s, h->type, "tcp");
         return;
     }
     if (!s->closing && t->connected)

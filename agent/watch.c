@@ -154,8 +154,7 @@ static void on_inotify(int fd, short rev, void *arg)
 
 static void watch_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
 {
-    sp_sess_error(s->id, SP_AP_E_TYPE, 0, "%s not valid on a watch stream",
-                  sp_ap_type_name(h->type));
+    sp_stream_bad_type(s, h->type, "watch");
 }
 
 static void watch_close(sp_stream_t *s)

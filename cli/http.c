@@ -465,76 +465,58 @@ static int wait_readable(spc_conn_t *c, sp_err_t *err)
     return 0;
 }
 
-long spc_conn_read(spc_conn_t *c, void *p, size_t n, sp_err_t *err)
+/*
+ * One read or write of up to n bytes, over TLS or the plain socket: the count, 0 when a read
+ * meets the end, -2 when a nonblocking connection would block, -1 with err set. Interrupted
+ * calls are retried; so are a blocking TLS connection's wants (a renegotiation's round trip).
+ */
+static long conn_io(spc_conn_t *c, void *p, size_t n, bool sending, sp_err_t *err)
 {
     if (n > INT_MAX)
         n = INT_MAX;
     for (;;) {
-        if (wait_readable(c, err) < 0)
+        if (!sending && wait_readable(c, err) < 0)
             return -1;
         if (c->ssl != NULL) {
             ERR_clear_error();
-            int k = SSL_read(c->ssl, p, (int)n);
+            int k = sending ? SSL_write(c->ssl, p, (int)n) : SSL_read(c->ssl, p, (int)n);
             if (k > 0)
                 return k;
             int e = SSL_get_error(c->ssl, k);
-            if (e == SSL_ERROR_ZERO_RETURN)
+            if (e == SSL_ERROR_ZERO_RETURN && !sending)
                 return 0;
             if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
                 if (c->nonblock)
                     return -2;
                 continue;
             }
-            if (e == SSL_ERROR_SYSCALL && errno == EINTR)
-                continue;
-            sp_err_set(err, SP_EUNAVAIL, "connection to %.100s failed: %s", c->url,
-                       e == SSL_ERROR_SYSCALL ? strerror(errno) : tls_reason());
-            return -1;
+            if (e != SSL_ERROR_SYSCALL) {
+                sp_err_set(err, SP_EUNAVAIL, "connection to %.100s failed: %s", c->url,
+                           tls_reason());
+                return -1;
+            }
+        } else {
+            ssize_t k = sending ? send(c->fd, p, n, MSG_NOSIGNAL) : recv(c->fd, p, n, 0);
+            if (k >= 0)
+                return (long)k;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return -2;
         }
-        ssize_t k = recv(c->fd, p, n, 0);
-        if (k >= 0)
-            return (long)k;
         if (errno == EINTR)
             continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK)
-            return -2;
         sp_err_set(err, SP_EUNAVAIL, "connection to %.100s failed: %s", c->url, strerror(errno));
         return -1;
     }
 }
 
+long spc_conn_read(spc_conn_t *c, void *p, size_t n, sp_err_t *err)
+{
+    return conn_io(c, p, n, false, err);
+}
+
 long spc_conn_write(spc_conn_t *c, const void *p, size_t n, sp_err_t *err)
 {
-    if (n > INT_MAX)
-        n = INT_MAX;
-    for (;;) {
-        if (c->ssl != NULL) {
-            ERR_clear_error();
-            int k = SSL_write(c->ssl, p, (int)n);
-            if (k > 0)
-                return k;
-            int e = SSL_get_error(c->ssl, k);
-            if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
-                if (c->nonblock)
-                    return -2;
-                continue;
-            }
-            if (e == SSL_ERROR_SYSCALL && errno == EINTR)
-                continue;
-            sp_err_set(err, SP_EUNAVAIL, "connection to %.100s failed: %s", c->url,
-                       e == SSL_ERROR_SYSCALL ? strerror(errno) : tls_reason());
-            return -1;
-        }
-        ssize_t k = send(c->fd, p, n, MSG_NOSIGNAL);
-        if (k >= 0)
-            return (long)k;
-        if (errno == EINTR)
-            continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK)
-            return -2;
-        sp_err_set(err, SP_EUNAVAIL, "connection to %.100s failed: %s", c->url, strerror(errno));
-        return -1;
-    }
+    return conn_io(c, (void *)p, n, true, err); /* a write only reads p */
 }
 
 static int write_all(spc_conn_t *c, const void *p, size_t n, sp_err_t *err)

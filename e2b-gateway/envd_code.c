@@ -109,11 +109,11 @@ static int opt_string(h2o_req_t *req, json_t *o, const char *key, bool empty_is_
     return 0;
 }
 
-static void reply_ctx(h2o_req_t *req, const sp_code_ctx_t *ctx)
+/* A context as E2B spells it: {"id", "language", "cwd"}; new, or NULL out of memory. */
+static json_t *ctx_json(const sp_code_ctx_t *ctx)
 {
-    sp_http_json(req, 200,
-                 json_pack("{s:s,s:s,s:s}", "id", ctx->id ? ctx->id : "", "language",
-                           ctx->language ? ctx->language : "", "cwd", ctx->cwd ? ctx->cwd : ""));
+    return json_pack("{s:s,s:s,s:s}", "id", ctx->id ? ctx->id : "", "language",
+                     ctx->language ? ctx->language : "", "cwd", ctx->cwd ? ctx->cwd : "");
 }
 
 /* ---- unary context calls ---- */
@@ -134,68 +134,49 @@ static unary_t *unary_new(h2o_req_t *req)
     return u;
 }
 
-/* Frees u (it lives in the hold); NULL when the client left. */
-static h2o_req_t *unary_take(void *arg)
+/* Frees u (it lives in the hold) once its call answered: the request to answer with what the
+ * call gave, or NULL when the client left or err was the answer (sent here). */
+static h2o_req_t *unary_take(void *arg, const sp_err_t *err)
 {
     unary_t *u = arg;
-    return sp_http_release(u->hold);
-}
-
-static void unary_fail(h2o_req_t *req, const sp_err_t *err)
-{
-    sp_e2b__error_from(req, err);
+    h2o_req_t *req = sp_http_release(u->hold);
+    if (req != NULL && err != NULL) {
+        sp_e2b__error_from(req, err);
+        return NULL;
+    }
+    return req;
 }
 
 static void on_ctx(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
 {
-    h2o_req_t *req = unary_take(arg);
-    if (req == NULL)
-        return;
-    if (err != NULL)
-        unary_fail(req, err);
-    else
-        reply_ctx(req, ctx);
+    h2o_req_t *req = unary_take(arg, err);
+    if (req != NULL)
+        sp_http_json(req, 200, ctx_json(ctx));
+}
+
+static void on_done(void *arg, const sp_err_t *err)
+{
+    h2o_req_t *req = unary_take(arg, err);
+    if (req != NULL)
+        send_status(req, 204, "No Content");
 }
 
 /* restart: any 2xx for the SDK; no body like DELETE. */
 static void on_restarted(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err)
 {
-    h2o_req_t *req = unary_take(arg);
-    if (req == NULL)
-        return;
-    if (err != NULL)
-        unary_fail(req, err);
-    else
-        send_status(req, 204, "No Content");
-}
-
-static void on_done(void *arg, const sp_err_t *err)
-{
-    h2o_req_t *req = unary_take(arg);
-    if (req == NULL)
-        return;
-    if (err != NULL)
-        unary_fail(req, err);
-    else
-        send_status(req, 204, "No Content");
+    on_done(arg, err);
 }
 
 static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
 {
-    h2o_req_t *req = unary_take(arg);
+    h2o_req_t *req = unary_take(arg, err);
     if (req == NULL)
         return;
-    if (err != NULL) {
-        unary_fail(req, err);
-        return;
-    }
     json_t *a = json_array();
     for (size_t i = 0; a != NULL && i < n; i++) {
         /* Default contexts too: E2B's server lists every kernel it holds, the default
          * Python one (made at start) and those made on demand for a language. */
-        json_array_append_new(a, json_pack("{s:s,s:s,s:s}", "id", ctxs[i].id ? ctxs[i].id : "",
-                                           "language", ctxs[i].language ? ctxs[i].language : "",
-                                           "cwd", ctxs[i].cwd ? ctxs[i].cwd : ""));
+        json_array_append_new(a, ctx_json(&ctxs[i]));
     }
     char *s = a ? json_dumps(a, JSON_COMPACT) : NULL;
     json_decref(a);
@@ -216,9 +197,7 @@ static void unary_started(unary_t *u, sp_code_op_t *op, const sp_err_t *e)
 {
     if (op != NULL)
         return;
-    h2o_req_t *req = unary_take(u);
-    if (req != NULL)
-        unary_fail(req, e);
+    unary_take(u, e);
 }
 
 static void contexts_create(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
@@ -253,25 +232,19 @@ static void contexts_list(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t
                   &e);
 }
 
-static void contexts_delete(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t, const char *id)
+/* DELETE /contexts/<id>, or (restart) POST /contexts/<id>/restart. */
+static void contexts_end(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t, const char *id,
+                         bool restart)
 {
     unary_t *u = unary_new(req);
     if (u == NULL)
         return;
     sp_err_t e;
-    unary_started(
-        u, sp_code_delete(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, id, on_done, u, &e), &e);
-}
-
-static void contexts_restart(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t, const char *id)
-{
-    unary_t *u = unary_new(req);
-    if (u == NULL)
-        return;
-    sp_err_t e;
-    unary_started(
-        u, sp_code_restart(sp_svc_loop(gw->svc), t->conn, t->sandbox_id, id, on_restarted, u, &e),
-        &e);
+    sp_loop_t *loop = sp_svc_loop(gw->svc);
+    unary_started(u,
+                  restart ? sp_code_restart(loop, t->conn, t->sandbox_id, id, on_restarted, u, &e)
+                          : sp_code_delete(loop, t->conn, t->sandbox_id, id, on_done, u, &e),
+                  &e);
 }
 
 /* ---- /execute ---- */
@@ -772,13 +745,13 @@ void sp_e2b__code(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
         allowed = "GET, POST";
     } else if (n == 2 && strcmp(segs[0], "contexts") == 0) {
         if (sp_http_method_is(req, "DELETE")) {
-            contexts_delete(gw, req, t, segs[1]);
+            contexts_end(gw, req, t, segs[1], false);
             return;
         }
         allowed = "DELETE";
     } else if (n == 3 && strcmp(segs[0], "contexts") == 0 && strcmp(segs[2], "restart") == 0) {
         if (sp_http_method_is(req, "POST")) {
-            contexts_restart(gw, req, t, segs[1]);
+            contexts_end(gw, req, t, segs[1], true);
             return;
         }
         allowed = "POST";

@@ -34,7 +34,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, pg_bindir, Platform, wait_s  # noqa: E402
+from harness import KEEP, MULT, Platform, vm_skip_reason, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SECRET = "cred-" + base64.b32encode(os.urandom(15)).decode().lower()
@@ -42,12 +42,9 @@ DECOY = "decoy-" + base64.b32encode(os.urandom(15)).decode().lower()
 
 
 def skip_reason():
-    if DATA is None or not os.path.exists(os.path.join(DATA, "templates", "base", "current")):
-        return "SP_TEST_DATA_DIR has no built base template"
-    if os.geteuid() != 0:
-        return "needs root"
-    if pg_bindir() is None:
-        return "PostgreSQL is not installed"
+    reason = vm_skip_reason(DATA)
+    if reason is not None:
+        return reason
     if shutil.which("openssl") is None:
         return "the openssl command is not installed"
     if not os.environ.get("SPACED_TEST"):

@@ -30,7 +30,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, free_port, pg_bindir, Platform, wait_s  # noqa: E402
+from harness import (KEEP, MULT, free_port, pg_bindir, Platform,  # noqa: E402
+                     vm_skip_reason, wait_s)
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SPACED_TEST = os.environ.get("SPACED_TEST")
@@ -39,12 +40,9 @@ LOAD = os.environ.get("SP_TEST_EGRESS_LOAD", "1") != "0"
 
 
 def skip_reason():
-    if DATA is None or not os.path.exists(os.path.join(DATA, "templates", "base", "current")):
-        return "SP_TEST_DATA_DIR has no built base template"
-    if os.geteuid() != 0:
-        return "needs root"
-    if pg_bindir() is None:
-        return "PostgreSQL is not installed"
+    reason = vm_skip_reason(DATA)
+    if reason is not None:
+        return reason
     if not SPACED_TEST or not os.path.exists(SPACED_TEST):
         return "SPACED_TEST (spaced-test, for the resolver override) is not built"
     if subprocess.run(["which", "openssl"], capture_output=True).returncode != 0:

@@ -14,19 +14,13 @@ import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, free_port, pg_bindir, Platform, wait_s  # noqa: E402
+from harness import MULT, free_port, Platform, vm_skip_reason, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 
 
 def skip_reason():
-    if DATA is None or not os.path.exists(os.path.join(DATA, "templates", "base", "current")):
-        return "SP_TEST_DATA_DIR has no built base template"
-    if os.geteuid() != 0:
-        return "needs root"
-    if pg_bindir() is None:
-        return "PostgreSQL is not installed"
-    return None
+    return vm_skip_reason(DATA)
 
 
 def vm_processes(sid):

@@ -200,6 +200,36 @@ void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const ch
                              next ? json_string(next) : json_null()));
 }
 
+json_t *sp_napi__items(const void *recs, size_t n, size_t size, napi_item_fn item)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < n; i++) {
+        if (json_array_append_new(arr, item((const char *)recs + i * size)) < 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    return arr;
+}
+
+void sp_napi__on_deleted(void *arg, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
+}
+
+void sp_napi__reply_list(napi_ctx_t *c, const sp_err_t *err, const char *key, const void *recs,
+                         size_t n, size_t size, napi_item_fn item)
+{
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:o}", key, sp_napi__items(recs, n, size, item)));
+}
+
 json_t *sp_napi__template_json(const sp_template_rec_t *t)
 {
     json_t *o = json_pack("{s:s,s:s,s:i,s:i,s:s,s:s,s:b}", "name", t->name, "description",

@@ -57,6 +57,17 @@ json_t *sp_napi__op_json(const sp_op_rec_t *o);
 json_t *sp_napi__template_json(const sp_template_rec_t *t);
 /* A page of a list: {key: items (stolen), "next_cursor": next or null}, 200. */
 void sp_napi__reply_page(napi_ctx_t *c, const char *key, json_t *items, const char *next);
+/* What renders one record of a list: a new object, NULL when out of memory. */
+typedef json_t *(*napi_item_fn)(const void *rec);
+/* The array of the n records at recs, size bytes apart, each rendered by item: new; NULL when
+ * out of memory (then no half list goes out). */
+json_t *sp_napi__items(const void *recs, size_t n, size_t size, napi_item_fn item);
+/* The answer to a delete of the resource named by segs[2] (a done callback, arg the context):
+ * its error, else 200 {"name": segs[2], "deleted": true}. */
+void sp_napi__on_deleted(void *arg, const sp_err_t *err);
+/* A list call's answer: its error, else 200 {key: sp_napi__items(recs, n, size, item)}. */
+void sp_napi__reply_list(napi_ctx_t *c, const sp_err_t *err, const char *key, const void *recs,
+                         size_t n, size_t size, napi_item_fn item);
 
 /* Frees the context and hands back the request for a streamed reply (NULL: client gone). */
 h2o_req_t *sp_napi__take(napi_ctx_t *c);

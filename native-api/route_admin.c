@@ -10,14 +10,16 @@
 #include "core/control/admin.h"
 #include "native-api/napi_int.h"
 
-static json_t *team_json(const sp_admin_team_t *t)
+static json_t *team_json(const void *rec)
 {
+    const sp_admin_team_t *t = rec;
     return json_pack("{s:s,s:s,s:s,s:I}", "id", t->id, "name", t->name, "created_at", t->created_at,
                      "active_keys", (json_int_t)t->active_keys);
 }
 
-static json_t *key_json(const sp_admin_key_t *k)
+static json_t *key_json(const void *rec)
 {
+    const sp_admin_key_t *k = rec;
     return json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:o}", "id", k->id, "team_id", k->team_id, "team",
                      k->team, "prefix", k->prefix, "name", k->name, "created_at", k->created_at,
                      "revoked_at", k->revoked_at[0] ? json_string(k->revoked_at) : json_null());
@@ -25,15 +27,7 @@ static json_t *key_json(const sp_admin_key_t *k)
 
 static void on_teams(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    json_t *items = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(items, team_json(&t[i]));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "teams", items));
+    sp_napi__reply_list(arg, err, "teams", t, n, sizeof(*t), team_json);
 }
 
 static void on_team_created(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
@@ -48,15 +42,7 @@ static void on_team_created(void *arg, const sp_admin_team_t *t, size_t n, const
 static void on_keys(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,
                     const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    json_t *items = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(items, key_json(&k[i]));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "keys", items));
+    sp_napi__reply_list(arg, err, "keys", k, n, sizeof(*k), key_json);
 }
 
 static void on_key_created(void *arg, const sp_admin_key_t *k, size_t n, const char *secret,

@@ -34,8 +34,9 @@ static int check_language(const char *lang, sp_err_t *err)
     return 0;
 }
 
-static json_t *ctx_json(const sp_code_ctx_t *x)
+static json_t *ctx_json(const void *rec)
 {
+    const sp_code_ctx_t *x = rec;
     return json_pack("{s:s,s:s,s:s,s:b}", "id", x->id, "language", x->language, "cwd", x->cwd,
                      "default", x->is_default);
 }
@@ -108,13 +109,7 @@ static void on_listed(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_e
         sp_napi__fail(c, err);
         return;
     }
-    json_t *arr = json_array();
-    for (size_t i = 0; arr != NULL && i < n; i++) {
-        if (json_array_append_new(arr, ctx_json(&ctxs[i])) < 0) {
-            json_decref(arr);
-            arr = NULL;
-        }
-    }
+    json_t *arr = sp_napi__items(ctxs, n, sizeof(*ctxs), ctx_json);
     json_t *o = arr ? json_pack("{s:o}", "contexts", arr) : NULL;
     if (o == NULL) {
         sp_err_t e;

@@ -12,8 +12,9 @@
 
 #include "native-api/napi_int.h"
 
-static json_t *rec_json(const sp_egress_rec_t *r)
+static json_t *rec_json(const void *rec)
 {
+    const sp_egress_rec_t *r = rec;
     json_t *o = json_object();
     json_object_set_new(o, "id", json_integer(r->id));
     json_object_set_new(o, "at", json_string(r->at));
@@ -33,14 +34,10 @@ static void on_log(void *arg, const sp_egress_rec_t *recs, size_t n, const char 
                    const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL) {
+    if (err != NULL)
         sp_napi__fail(c, err);
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(arr, rec_json(&recs[i]));
-    sp_napi__reply_page(c, "entries", arr, next);
+    else
+        sp_napi__reply_page(c, "entries", sp_napi__items(recs, n, sizeof(*recs), rec_json), next);
 }
 
 void sp_napi__egress_log(napi_ctx_t *c)

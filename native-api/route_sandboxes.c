@@ -9,21 +9,18 @@
 
 /* ---- templates ---- */
 
+static json_t *template_item(const void *rec)
+{
+    return sp_napi__template_json(rec);
+}
+
 static void on_templates(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    if (c->nsegs == 3) {
+    if (err == NULL && c->nsegs == 3)
         sp_napi__reply(c, 200, sp_napi__template_json(&recs[0]));
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(arr, sp_napi__template_json(&recs[i]));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "templates", arr));
+    else
+        sp_napi__reply_list(c, err, "templates", recs, n, sizeof(*recs), template_item);
 }
 
 void sp_napi__templates_list(napi_ctx_t *c)
@@ -166,18 +163,20 @@ void sp_napi__sandboxes_get(napi_ctx_t *c)
         sp_napi__fail(c, &e);
 }
 
+static json_t *sandbox_item(const void *rec)
+{
+    return sp_napi__sandbox_json(rec);
+}
+
 static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const char *next,
                     const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL) {
+    if (err != NULL)
         sp_napi__fail(c, err);
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(arr, sp_napi__sandbox_json(&recs[i]));
-    sp_napi__reply_page(c, "sandboxes", arr, next);
+    else
+        sp_napi__reply_page(c, "sandboxes", sp_napi__items(recs, n, sizeof(*recs), sandbox_item),
+                            next);
 }
 
 void sp_napi__sandboxes_list(napi_ctx_t *c)
@@ -256,20 +255,17 @@ void sp_napi__sandboxes_request(napi_ctx_t *c)
 #define EVENTS_DEFAULT_LIMIT 1000
 #define EVENTS_MAX_LIMIT     10000
 
+static json_t *event_json(const void *rec)
+{
+    const sp_event_rec_t *r = rec;
+    return json_pack("{s:I,s:s,s:I,s:s,s:o}", "id", (json_int_t)r->id, "at", r->at, "at_ms",
+                     (json_int_t)r->at_ms, "kind", r->kind, "detail",
+                     r->detail[0] ? json_string(r->detail) : json_null());
+}
+
 static void on_events(void *arg, const sp_event_rec_t *recs, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(
-            arr, json_pack("{s:I,s:s,s:I,s:s,s:o}", "id", (json_int_t)recs[i].id, "at",
-                           recs[i].at, "at_ms", (json_int_t)recs[i].at_ms, "kind", recs[i].kind,
-                           "detail", recs[i].detail[0] ? json_string(recs[i].detail) : json_null()));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "events", arr));
+    sp_napi__reply_list(arg, err, "events", recs, n, sizeof(*recs), event_json);
 }
 
 /* A non-negative integer query parameter within [lo, hi]; *out keeps its default when absent. */

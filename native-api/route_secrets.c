@@ -24,8 +24,9 @@ static sp_secrets_t *secrets_of(napi_ctx_t *c, sp_err_t *err)
     return sp_secrets_check_enabled(s, err) < 0 ? NULL : s;
 }
 
-static json_t *secret_json(const sp_secret_rec_t *r)
+static json_t *secret_json(const void *rec)
 {
+    const sp_secret_rec_t *r = rec;
     return json_pack("{s:s,s:s,s:s}", "name", r->name, "created_at", r->created_at, "updated_at",
                      r->updated_at);
 }
@@ -153,15 +154,7 @@ void sp_napi__secrets_put(napi_ctx_t *c)
 
 static void on_list(void *arg, const sp_secret_rec_t *recs, size_t n, const sp_err_t *err)
 {
-    napi_ctx_t *c = arg;
-    if (err != NULL) {
-        sp_napi__fail(c, err);
-        return;
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++)
-        json_array_append_new(arr, secret_json(&recs[i]));
-    sp_napi__reply(c, 200, json_pack("{s:o}", "secrets", arr));
+    sp_napi__reply_list(arg, err, "secrets", recs, n, sizeof(*recs), secret_json);
 }
 
 void sp_napi__secrets_list(napi_ctx_t *c)
@@ -172,20 +165,12 @@ void sp_napi__secrets_list(napi_ctx_t *c)
         sp_napi__fail(c, &e);
 }
 
-static void on_deleted(void *arg, const sp_err_t *err)
-{
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
-}
-
 void sp_napi__secrets_delete(napi_ctx_t *c)
 {
     sp_err_t e;
     sp_secrets_t *s = secrets_of(c, &e);
-    if (s == NULL || sp_secrets_delete(s, c->auth.team_id, c->segs[2], on_deleted, c, &e) < 0)
+    if (s == NULL ||
+        sp_secrets_delete(s, c->auth.team_id, c->segs[2], sp_napi__on_deleted, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

@@ -87,20 +87,11 @@ void sp_napi__builds_get(napi_ctx_t *c)
         sp_napi__fail(c, &e);
 }
 
-static void on_deleted(void *arg, const sp_err_t *err)
-{
-    napi_ctx_t *c = arg;
-    if (err != NULL)
-        sp_napi__fail(c, err);
-    else
-        sp_napi__reply(c, 200, json_pack("{s:s,s:b}", "name", c->segs[2], "deleted", 1));
-}
-
 void sp_napi__templates_delete(napi_ctx_t *c)
 {
     sp_err_t e;
     if (have_tmpl(c) &&
-        sp_tmpl_delete(c->n->tmpl, &c->auth, c->segs[2], on_deleted, c, &e) < 0)
+        sp_tmpl_delete(c->n->tmpl, &c->auth, c->segs[2], sp_napi__on_deleted, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

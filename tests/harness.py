@@ -14,8 +14,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import unittest
 import urllib.parse
 
 MULT = float(os.environ.get("SP_TEST_TIMEOUT_MULT", "1"))
@@ -41,6 +43,48 @@ def skip_unless_pg(testcase_cls):
     import unittest
     if pg_bindir() is None:
         return unittest.skip("PostgreSQL server binaries are not installed")(testcase_cls)
+    return testcase_cls
+
+
+def vm_skip_reason(data):
+    """Why a suite that boots VMs from the templates in data (SP_TEST_DATA_DIR, where the
+    e2e.template fixture builds them) cannot run here, or None: the base template, root and
+    PostgreSQL are needed."""
+    if data is None or not os.path.exists(os.path.join(data, "templates", "base", "current")):
+        return "SP_TEST_DATA_DIR has no built base template"
+    if os.geteuid() != 0:
+        return "needs root"
+    if pg_bindir() is None:
+        return "PostgreSQL is not installed"
+    return None
+
+
+def kernel_python():
+    """A Python on PATH (or this one) that can run IPython kernels (ipykernel and jupyter_client,
+    the host test packages), else None."""
+    seen, cands = set(), [sys.executable]
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        cands.append(os.path.join(d, "python3"))
+    for c in cands:
+        real = os.path.realpath(c)
+        if real in seen or not os.access(c, os.X_OK):
+            continue
+        seen.add(real)
+        r = subprocess.run([c, "-c", "import ipykernel, jupyter_client"],
+                           capture_output=True, timeout=60)
+        if r.returncode == 0:
+            return c
+    return None
+
+
+def skip_unless_agent(testcase_cls):
+    """For suites that run commands through space-agent-host (the test driver starts one per
+    sandbox when SPACE_FAKE_AGENT names it; ctest sets it): it switches users, so root only."""
+    import unittest
+    if not os.environ.get("SPACE_FAKE_AGENT"):
+        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(testcase_cls)
+    if os.geteuid() != 0:
+        return unittest.skip("needs root: the agent switches users")(testcase_cls)
     return testcase_cls
 
 
@@ -223,12 +267,12 @@ class Spaced:
         if not KEEP and self.owns_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):
+    def exchange(self, method, path, body=None, raw=None, headers=None, timeout=30):
+        """One HTTP/1.1 request on a connection of its own: (the response, its body's bytes).
+        body goes as JSON, else raw (bytes) as it is; headers as given, nothing added but the
+        JSON Content-Type."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
         h = dict(headers or {})
-        k = key if key is not None else self.key
-        if k:
-            h["Authorization"] = "Bearer " + k
         data = raw
         if body is not None:
             data = json.dumps(body).encode()
@@ -236,14 +280,39 @@ class Spaced:
         try:
             conn.request(method, path, body=data, headers=h)
             r = conn.getresponse()
-            text = r.read()
+            return r, r.read()
         finally:
             conn.close()
+
+    def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):
+        h = dict(headers or {})
+        k = key if key is not None else self.key
+        if k:
+            h["Authorization"] = "Bearer " + k
+        r, text = self.exchange(method, path, body, raw, h, timeout)
         try:
             parsed = json.loads(text) if text else None
         except ValueError:
             parsed = text
         return r.status, parsed
+
+    def wait_activity(self, sid, before, timeout=5):
+        """Sandbox sid's record once its last_activity_at is later than before's (a record read
+        earlier), polled every 0.1 s; after timeout seconds, the last one read."""
+        deadline = time.time() + timeout * MULT
+        while True:
+            st, sb = self.request("GET", "/v1/sandboxes/" + sid)
+            if sb["last_activity_at"] > before["last_activity_at"] or time.time() >= deadline:
+                return sb
+            time.sleep(0.1)
+
+    def rss_kb(self):
+        """spaced's resident memory, KiB (0 when /proc does not say)."""
+        with open("/proc/%d/status" % self.proc.pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
 
     def wait_op(self, op_id, timeout=30):
         st, op = self.request("GET", "/v1/operations/%s?wait=%d" % (op_id, wait_s(timeout)),
@@ -304,3 +373,22 @@ class Platform:
         if self.s is not None:
             self.s.destroy()
         self.pg.destroy()
+
+
+class PlatformTest(unittest.TestCase):
+    """A suite class on one Platform, started for the class: teams alpha (cls.s.key) and beta
+    (cls.other_key), the test driver, SPACE_FAKE_DELAY_MS=20 and the class's ENV. A subclass
+    that needs more calls super().setUpClass() first (and super().tearDownClass())."""
+
+    ENV = {}
+
+    @classmethod
+    def setUpClass(cls):
+        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
+                         env={"SPACE_FAKE_DELAY_MS": "20", **cls.ENV})
+        cls.s = cls.p.s
+        cls.other_key = cls.p.keys["beta"]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.p.destroy()

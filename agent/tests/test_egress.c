@@ -158,6 +158,18 @@ static int tcp_connect(int port)
     return s;
 }
 
+/* A nonblocking connect to 127.0.0.1:port, started (it completes in the background). */
+static int connect_nb(int port)
+{
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    REQUIRE(s >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int rc = connect(s, (struct sockaddr *)&sa, sizeof(sa));
+    REQUIRE(rc == 0 || errno == EINPROGRESS);
+    return s;
+}
+
 static int local_port(int s)
 {
     struct sockaddr_in sa;
@@ -224,16 +236,22 @@ static uint32_t configure(uint32_t port, bool dns)
     return f.h.type == SP_AP_T_OK ? 0 : ah_err_code(&f);
 }
 
+/* The next frame of type (others passed over, 15 s for each), checked to be on a stream the
+ * agent opened; its payload lives until the next frame is read. */
+static frame_t wait_agent_frame(uint16_t type)
+{
+    frame_t f;
+    do
+        REQUIRE(ah_recv_frame(&f, 15000) == 0);
+    while (f.h.type != type);
+    CHECK(f.h.stream >= SP_AP_STREAM_AGENT_BASE);
+    return f;
+}
+
 /* Waits for EGRESS_OPEN on an agent stream; checks KIND and returns the id. */
 static uint32_t wait_open(int *peer_port)
 {
-    frame_t f;
-    for (;;) {
-        REQUIRE(ah_recv_frame(&f, 15000) == 0);
-        if (f.h.type == SP_AP_T_EGRESS_OPEN)
-            break;
-    }
-    CHECK(f.h.stream >= SP_AP_STREAM_AGENT_BASE);
+    frame_t f = wait_agent_frame(SP_AP_T_EGRESS_OPEN);
     CHECK(ah_u32_of(&f, SP_AP_K_KIND, 0) == SP_AP_EGRESS_PROXY);
     *peer_port = (int)ah_u32_of(&f, SP_AP_K_PEER_PORT, 0);
     return f.h.stream;
@@ -309,6 +327,17 @@ static void test_egress_caps_and_bad_config(void)
     ah_ping_ok();
 }
 
+/* path's text (at most cap - 1 bytes) into buf; "" when it cannot be read. */
+static const char *read_text(const char *path, char *buf, size_t cap)
+{
+    FILE *r = fopen(path, "r");
+    size_t n = r ? fread(buf, 1, cap - 1, r) : 0;
+    buf[n] = 0;
+    if (r)
+        fclose(r);
+    return buf;
+}
+
 static void test_egress_files_and_env(int port)
 {
     /* The original resolv.conf is kept once and put back when DNS goes off. */
@@ -318,28 +347,14 @@ static void test_egress_files_and_env(int port)
     fclose(o);
     CHECK(configure((uint32_t)port, true) == 0);
     char buf[4096] = "", bk[300];
-    FILE *r = fopen(resolv_path, "r");
-    size_t n = r ? fread(buf, 1, sizeof(buf) - 1, r) : 0;
-    buf[n] = 0;
-    if (r)
-        fclose(r);
+    read_text(resolv_path, buf, sizeof(buf));
     CHECK(strstr(buf, "\nnameserver 127.0.0.1\n") != NULL);
     CHECK(strstr(buf, "192.0.2.1") == NULL);
     snprintf(bk, sizeof(bk), "%s.space-orig", resolv_path);
-    r = fopen(bk, "r");
-    n = r ? fread(buf, 1, sizeof(buf) - 1, r) : 0;
-    buf[n] = 0;
-    if (r)
-        fclose(r);
-    CHECK(strcmp(buf, "nameserver 192.0.2.1\n") == 0);
+    CHECK(strcmp(read_text(bk, buf, sizeof(buf)), "nameserver 192.0.2.1\n") == 0);
     /* The same config again changes nothing; the backup stays the original. */
     CHECK(configure((uint32_t)port, true) == 0);
-    r = fopen(bk, "r");
-    n = r ? fread(buf, 1, sizeof(buf) - 1, r) : 0;
-    buf[n] = 0;
-    if (r)
-        fclose(r);
-    CHECK(strcmp(buf, "nameserver 192.0.2.1\n") == 0);
+    CHECK(strcmp(read_text(bk, buf, sizeof(buf)), "nameserver 192.0.2.1\n") == 0);
 
     /* Login shells: the profile file exports the env and sh can source it. */
     char cmd[512];
@@ -402,12 +417,7 @@ static void test_egress_files_and_env(int port)
 
     /* DNS off: the original is back, the backup gone. */
     CHECK(configure((uint32_t)port, false) == 0);
-    r = fopen(resolv_path, "r");
-    n = r ? fread(buf, 1, sizeof(buf) - 1, r) : 0;
-    buf[n] = 0;
-    if (r)
-        fclose(r);
-    CHECK(strcmp(buf, "nameserver 192.0.2.1\n") == 0);
+    CHECK(strcmp(read_text(resolv_path, buf, sizeof(buf)), "nameserver 192.0.2.1\n") == 0);
     CHECK(access(bk, F_OK) < 0);
 }
 
@@ -632,14 +642,8 @@ static void test_egress_many(int port)
     static uint32_t sid[MANY];
     static int lport[MANY];
     uint64_t t0 = now_ms();
-    for (int i = 0; i < MANY; i++) {
-        cl[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-        REQUIRE(cl[i] >= 0);
-        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        int rc = connect(cl[i], (struct sockaddr *)&sa, sizeof(sa));
-        REQUIRE(rc == 0 || errno == EINPROGRESS);
-    }
+    for (int i = 0; i < MANY; i++)
+        cl[i] = connect_nb(port);
     for (int i = 0; i < MANY; i++) {
         struct pollfd pf = {.fd = cl[i], .events = POLLOUT};
         REQUIRE(poll(&pf, 1, 10000) == 1);
@@ -732,14 +736,8 @@ static void test_egress_cap(int port)
     int *cl = calloc((size_t)n, sizeof(int));
     REQUIRE(cl != NULL);
     uint64_t t0 = now_ms();
-    for (int i = 0; i < n; i++) {
-        cl[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-        REQUIRE(cl[i] >= 0);
-        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        int rc = connect(cl[i], (struct sockaddr *)&sa, sizeof(sa));
-        REQUIRE(rc == 0 || errno == EINPROGRESS);
-    }
+    for (int i = 0; i < n; i++)
+        cl[i] = connect_nb(port);
     int opened = 0;
     frame_t f;
     while (opened < n && ah_recv_frame(&f, 15000) == 0)
@@ -852,13 +850,7 @@ static int udp_client(void)
 
 static uint32_t wait_query(void)
 {
-    frame_t f;
-    for (;;) {
-        REQUIRE(ah_recv_frame(&f, 15000) == 0);
-        if (f.h.type == SP_AP_T_DNS_QUERY)
-            break;
-    }
-    CHECK(f.h.stream >= SP_AP_STREAM_AGENT_BASE);
+    frame_t f = wait_agent_frame(SP_AP_T_DNS_QUERY);
     sp_ap_field_t q;
     CHECK(sp_ap_find(f.p, f.h.len, SP_AP_K_QUERY, &q) == 1 && q.len == sizeof(dns_q) &&
           memcmp(q.val, dns_q, sizeof(dns_q)) == 0);

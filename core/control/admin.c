@@ -32,46 +32,38 @@ struct call {
     "k.id, t.id, t.name, k.prefix, k.name, " TS("k.created_at") ", coalesce(" TS(                  \
         "k.revoked_at") ", '')"
 
-static void copy(char *dst, size_t cap, const char *src)
-{
-    snprintf(dst, cap, "%s", src ? src : "");
-}
-
 static void parse_team(PGresult *r, int i, sp_admin_team_t *t)
 {
-    copy(t->id, sizeof(t->id), PQgetvalue(r, i, 0));
-    copy(t->name, sizeof(t->name), PQgetvalue(r, i, 1));
-    copy(t->created_at, sizeof(t->created_at), PQgetvalue(r, i, 2));
+    SP_STORE_TEXT(r, i, 0, t->id);
+    SP_STORE_TEXT(r, i, 1, t->name);
+    SP_STORE_TEXT(r, i, 2, t->created_at);
     t->active_keys = atol(PQgetvalue(r, i, 3));
 }
 
 static void parse_key(PGresult *r, int i, sp_admin_key_t *k)
 {
-    copy(k->id, sizeof(k->id), PQgetvalue(r, i, 0));
-    copy(k->team_id, sizeof(k->team_id), PQgetvalue(r, i, 1));
-    copy(k->team, sizeof(k->team), PQgetvalue(r, i, 2));
-    copy(k->prefix, sizeof(k->prefix), PQgetvalue(r, i, 3));
-    copy(k->name, sizeof(k->name), PQgetvalue(r, i, 4));
-    copy(k->created_at, sizeof(k->created_at), PQgetvalue(r, i, 5));
-    copy(k->revoked_at, sizeof(k->revoked_at), PQgetvalue(r, i, 6));
+    SP_STORE_TEXT(r, i, 0, k->id);
+    SP_STORE_TEXT(r, i, 1, k->team_id);
+    SP_STORE_TEXT(r, i, 2, k->team);
+    SP_STORE_TEXT(r, i, 3, k->prefix);
+    SP_STORE_TEXT(r, i, 4, k->name);
+    SP_STORE_TEXT(r, i, 5, k->created_at);
+    SP_STORE_TEXT(r, i, 6, k->revoked_at);
 }
 
 static void teams_done(struct call *c, PGresult *res)
 {
     sp_admin_teams_cb cb = (sp_admin_teams_cb)c->cb;
-    int n = PQntuples(res);
     sp_err_t e;
-    if (c->kind == K_TEAM_CREATE && n == 0) {
-        sp_err_set(&e, SP_ECONFLICT, "a team with this name exists");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
-    sp_admin_team_t *t = calloc((size_t)n + 1, sizeof(*t));
+    const sp_err_t *fail;
+    sp_admin_team_t *t = sp_store_rows(
+        res, NULL, SP_ECONFLICT, c->kind == K_TEAM_CREATE ? "a team with this name exists" : NULL,
+        sizeof(*t), &fail, &e);
     if (t == NULL) {
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, &e);
+        cb(c->arg, NULL, 0, fail);
         return;
     }
+    int n = PQntuples(res);
     for (int i = 0; i < n; i++)
         parse_team(res, i, &t[i]);
     cb(c->arg, t, (size_t)n, NULL);
@@ -81,21 +73,17 @@ static void teams_done(struct call *c, PGresult *res)
 static void keys_done(struct call *c, PGresult *res)
 {
     sp_admin_keys_cb cb = (sp_admin_keys_cb)c->cb;
-    int n = PQntuples(res);
     sp_err_t e;
-    if (n == 0) {
-        /* K_KEYS answers one row per team at least (a LEFT JOIN); none: no such team. */
-        if (c->kind == K_KEY_REVOKE)
-            sp_err_set(&e, SP_ENOTFOUND, "no active key with this ID or prefix in this team");
-        else
-            sp_err_set(&e, SP_ENOTFOUND, "team not found");
-        cb(c->arg, NULL, 0, NULL, &e);
-        return;
-    }
-    sp_admin_key_t *k = calloc((size_t)n, sizeof(*k));
+    const sp_err_t *fail;
+    /* K_KEYS answers one row per team at least (a LEFT JOIN); none: no such team. */
+    sp_admin_key_t *k =
+        sp_store_rows(res, NULL, SP_ENOTFOUND,
+                      c->kind == K_KEY_REVOKE ? "no active key with this ID or prefix in this team"
+                                              : "team not found",
+                      sizeof(*k), &fail, &e);
+    int n = PQntuples(res);
     if (k == NULL) {
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, NULL, &e);
+        cb(c->arg, NULL, 0, NULL, fail);
         return;
     }
     size_t m = 0;

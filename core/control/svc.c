@@ -71,15 +71,6 @@ struct sp_svc {
     void *egress_hook_arg;
 };
 
-
-/* src into dst, truncated to cap - 1 bytes (a row's 22 columns per sandbox: no printf). */
-static void copy(char *dst, size_t cap, const char *src)
-{
-    size_t n = src ? strnlen(src, cap - 1) : 0;
-    memcpy(dst, src ? src : "", n);
-    dst[n] = '\0';
-}
-
 /* Queues sql; done gets an sp_store_req_t, owner svc (flag: the caller's kind or limit). */
 static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
                   sp_store_rec_cb done, void *cb, void *arg, int kind, sp_err_t *err)
@@ -92,21 +83,21 @@ static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
 static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
 {
     memset(s, 0, sizeof(*s));
-    copy(s->id, sizeof(s->id), PQgetvalue(r, row, col + 0));
-    copy(s->team_id, sizeof(s->team_id), PQgetvalue(r, row, col + 1));
-    copy(s->template_name, sizeof(s->template_name), PQgetvalue(r, row, col + 2));
-    copy(s->desired, sizeof(s->desired), PQgetvalue(r, row, col + 3));
-    copy(s->observed, sizeof(s->observed), PQgetvalue(r, row, col + 4));
-    copy(s->created_at, sizeof(s->created_at), PQgetvalue(r, row, col + 5));
-    copy(s->last_activity_at, sizeof(s->last_activity_at), PQgetvalue(r, row, col + 6));
-    copy(s->deadline_at, sizeof(s->deadline_at), PQgetvalue(r, row, col + 7));
-    copy(s->deadline_action, sizeof(s->deadline_action), PQgetvalue(r, row, col + 8));
+    SP_STORE_TEXT(r, row, col + 0, s->id);
+    SP_STORE_TEXT(r, row, col + 1, s->team_id);
+    SP_STORE_TEXT(r, row, col + 2, s->template_name);
+    SP_STORE_TEXT(r, row, col + 3, s->desired);
+    SP_STORE_TEXT(r, row, col + 4, s->observed);
+    SP_STORE_TEXT(r, row, col + 5, s->created_at);
+    SP_STORE_TEXT(r, row, col + 6, s->last_activity_at);
+    SP_STORE_TEXT(r, row, col + 7, s->deadline_at);
+    SP_STORE_TEXT(r, row, col + 8, s->deadline_action);
     s->idle_timeout_s = atoi(PQgetvalue(r, row, col + 9));
     s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
     s->memory_mb = atoi(PQgetvalue(r, row, col + 11));
     s->snapshot_bytes = atoll(PQgetvalue(r, row, col + 12));
-    copy(s->access_token, sizeof(s->access_token), PQgetvalue(r, row, col + 13));
-    copy(s->error, sizeof(s->error), PQgetvalue(r, row, col + 14));
+    SP_STORE_TEXT(r, row, col + 13, s->access_token);
+    SP_STORE_TEXT(r, row, col + 14, s->error);
     s->metadata = json_loads(PQgetvalue(r, row, col + 15), 0, NULL);
     if (s->metadata == NULL)
         s->metadata = json_object();
@@ -115,21 +106,21 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     s->allow_internet = atoi(PQgetvalue(r, row, col + 18));
     const char *net = PQgetvalue(r, row, col + 19);
     s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
-    copy(s->envd_version, sizeof(s->envd_version), PQgetvalue(r, row, col + 20));
-    copy(s->end_at, sizeof(s->end_at), PQgetvalue(r, row, col + 21));
+    SP_STORE_TEXT(r, row, col + 20, s->envd_version);
+    SP_STORE_TEXT(r, row, col + 21, s->end_at);
 }
 
 static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
 {
     memset(o, 0, sizeof(*o));
-    copy(o->id, sizeof(o->id), PQgetvalue(r, row, col + 0));
-    copy(o->sandbox_id, sizeof(o->sandbox_id), PQgetvalue(r, row, col + 1));
-    copy(o->kind, sizeof(o->kind), PQgetvalue(r, row, col + 2));
-    copy(o->status, sizeof(o->status), PQgetvalue(r, row, col + 3));
-    copy(o->error_code, sizeof(o->error_code), PQgetvalue(r, row, col + 4));
-    copy(o->error_message, sizeof(o->error_message), PQgetvalue(r, row, col + 5));
-    copy(o->created_at, sizeof(o->created_at), PQgetvalue(r, row, col + 6));
-    copy(o->finished_at, sizeof(o->finished_at), PQgetvalue(r, row, col + 7));
+    SP_STORE_TEXT(r, row, col + 0, o->id);
+    SP_STORE_TEXT(r, row, col + 1, o->sandbox_id);
+    SP_STORE_TEXT(r, row, col + 2, o->kind);
+    SP_STORE_TEXT(r, row, col + 3, o->status);
+    SP_STORE_TEXT(r, row, col + 4, o->error_code);
+    SP_STORE_TEXT(r, row, col + 5, o->error_message);
+    SP_STORE_TEXT(r, row, col + 6, o->created_at);
+    SP_STORE_TEXT(r, row, col + 7, o->finished_at);
 }
 
 static bool op_finished(const sp_op_rec_t *o)
@@ -176,11 +167,10 @@ static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
         return;
     }
     sp_auth_t a;
-    copy(a.team_id, sizeof(a.team_id), PQgetvalue(res, 0, 0));
-    copy(a.key_id, sizeof(a.key_id), PQgetvalue(res, 0, 1));
-    const char *hash = PQgetvalue(res, 0, 2);
-    struct auth_entry *slot = auth_slot(c->owner, hash);
-    copy(slot->hash, sizeof(slot->hash), hash);
+    SP_STORE_TEXT(res, 0, 0, a.team_id);
+    SP_STORE_TEXT(res, 0, 1, a.key_id);
+    struct auth_entry *slot = auth_slot(c->owner, PQgetvalue(res, 0, 2));
+    SP_STORE_TEXT(res, 0, 2, slot->hash);
     slot->auth = a;
     slot->expires_ms = sp_loop_now_ms(((sp_svc_t *)c->owner)->loop) + AUTH_TTL_MS;
     cb(c->arg, &a, NULL);
@@ -219,35 +209,27 @@ static void templates_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     sp_svc_templates_cb cb = (sp_svc_templates_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, 0, err);
+    sp_err_t e;
+    const sp_err_t *fail;
+    sp_template_rec_t *recs =
+        sp_store_rows(res, err, SP_ENOTFOUND, c->flag == 1 ? "template not found" : NULL,
+                      sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, fail);
         return;
     }
     int n = PQntuples(res);
-    if (c->flag == 1 && n == 0) {
-        sp_err_t e;
-        sp_err_set(&e, SP_ENOTFOUND, "template not found");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
-    sp_template_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
-    if (recs == NULL) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
     for (int i = 0; i < n; i++) {
-        copy(recs[i].name, sizeof(recs[i].name), PQgetvalue(res, i, 0));
-        copy(recs[i].description, sizeof(recs[i].description), PQgetvalue(res, i, 1));
+        SP_STORE_TEXT(res, i, 0, recs[i].name);
+        SP_STORE_TEXT(res, i, 1, recs[i].description);
         recs[i].cpu_count = atoi(PQgetvalue(res, i, 2));
         recs[i].memory_mb = atoi(PQgetvalue(res, i, 3));
-        copy(recs[i].status, sizeof(recs[i].status), PQgetvalue(res, i, 4));
-        copy(recs[i].updated_at, sizeof(recs[i].updated_at), PQgetvalue(res, i, 5));
+        SP_STORE_TEXT(res, i, 4, recs[i].status);
+        SP_STORE_TEXT(res, i, 5, recs[i].updated_at);
         recs[i].builtin = PQgetvalue(res, i, 6)[0] == 't';
-        copy(recs[i].version, sizeof(recs[i].version), PQgetvalue(res, i, 7));
-        copy(recs[i].parent, sizeof(recs[i].parent), PQgetvalue(res, i, 8));
-        copy(recs[i].last_build_id, sizeof(recs[i].last_build_id), PQgetvalue(res, i, 10));
+        SP_STORE_TEXT(res, i, 7, recs[i].version);
+        SP_STORE_TEXT(res, i, 8, recs[i].parent);
+        SP_STORE_TEXT(res, i, 10, recs[i].last_build_id);
     }
     cb(c->arg, recs, (size_t)n, NULL);
     free(recs);
@@ -568,8 +550,11 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     sp_svc_list_cb cb = (sp_svc_list_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, 0, NULL, err);
+    sp_err_t e;
+    const sp_err_t *fail;
+    sp_sandbox_rec_t *recs = sp_store_rows(res, err, 0, NULL, sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, NULL, fail);
         return;
     }
     int n = PQntuples(res);
@@ -577,13 +562,6 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     bool more = n > limit;
     if (more)
         n = limit;
-    sp_sandbox_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
-    if (recs == NULL) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, NULL, &e);
-        return;
-    }
     for (int i = 0; i < n; i++)
         parse_sandbox(res, i, 0, &recs[i]);
     char cursor[128] = "";
@@ -829,11 +807,11 @@ int sp_svc_request_deadline(sp_svc_t *svc, const sp_auth_t *a, const char *id, s
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     rc->svc = svc;
     rc->auth = *a;
-    copy(rc->id, sizeof(rc->id), id);
+    snprintf(rc->id, sizeof(rc->id), "%s", id);
     rc->req = req;
     if (dl != NULL) {
         rc->dl = *dl;
-        copy(rc->dl_action, sizeof(rc->dl_action), dl->action);
+        snprintf(rc->dl_action, sizeof(rc->dl_action), "%s", dl->action ? dl->action : "");
         rc->dl.action = NULL; /* the copy in dl_action is what is used */
     }
     rc->cb = cb;
@@ -942,8 +920,8 @@ int sp_svc_get_operation(sp_svc_t *svc, const sp_auth_t *a, const char *op_id, u
     if (w == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     w->svc = svc;
-    copy(w->team_id, sizeof(w->team_id), a->team_id);
-    copy(w->op_id, sizeof(w->op_id), op_id);
+    snprintf(w->team_id, sizeof(w->team_id), "%s", a->team_id);
+    snprintf(w->op_id, sizeof(w->op_id), "%s", op_id);
     w->cb = cb;
     w->arg = arg;
     w->expired = wait_ms == 0;
@@ -1290,7 +1268,7 @@ int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     w->svc = svc;
     w->auth = *a;
-    copy(w->id, sizeof(w->id), id);
+    snprintf(w->id, sizeof(w->id), "%s", id);
     w->until_ms = sp_loop_now_ms(svc->loop) + wait_ms;
     w->cb = cb;
     w->arg = arg;
@@ -1326,33 +1304,25 @@ static void events_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     sp_svc_events_cb cb = (sp_svc_events_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, 0, err);
+    sp_err_t e;
+    const sp_err_t *fail;
+    /* One row at least (a LEFT JOIN): none, no such sandbox. */
+    sp_event_rec_t *recs =
+        sp_store_rows(res, err, SP_ENOTFOUND, "sandbox not found", sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, fail);
         return;
     }
     int rows = PQntuples(res);
-    if (rows == 0) {
-        sp_err_t e;
-        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
-    sp_event_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
-    if (recs == NULL) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
     size_t n = 0;
     for (int i = 0; i < rows; i++) {
         if (PQgetisnull(res, i, 0)) /* the sandbox exists but has no (matching) events */
             continue;
         recs[n].id = atoll(PQgetvalue(res, i, 0));
-        copy(recs[n].at, sizeof(recs[n].at), PQgetvalue(res, i, 1));
+        SP_STORE_TEXT(res, i, 1, recs[n].at);
         recs[n].at_ms = atoll(PQgetvalue(res, i, 2));
-        copy(recs[n].kind, sizeof(recs[n].kind), PQgetvalue(res, i, 3));
-        copy(recs[n].detail, sizeof(recs[n].detail), PQgetvalue(res, i, 4));
+        SP_STORE_TEXT(res, i, 3, recs[n].kind);
+        SP_STORE_TEXT(res, i, 4, recs[n].detail);
         n++;
     }
     cb(c->arg, recs, n, NULL);
@@ -1485,22 +1455,15 @@ static void egress_log_done(void *rec, PGresult *res, const sp_err_t *err)
     sp_store_req_t *c = rec;
     sp_svc_egress_log_cb cb = (sp_svc_egress_log_cb)c->cb;
     sp_err_t e;
-    if (err != NULL) {
-        cb(c->arg, NULL, 0, NULL, err);
+    const sp_err_t *fail;
+    /* One row at least (a LEFT JOIN): none, no such sandbox. */
+    sp_egress_rec_t *recs =
+        sp_store_rows(res, err, SP_ENOTFOUND, "sandbox not found", sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, NULL, fail);
         return;
     }
     int rows = PQntuples(res);
-    if (rows == 0) {
-        sp_err_set(&e, SP_ENOTFOUND, "sandbox not found");
-        cb(c->arg, NULL, 0, NULL, &e);
-        return;
-    }
-    sp_egress_rec_t *recs = calloc((size_t)rows, sizeof(*recs));
-    if (recs == NULL) {
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, NULL, &e);
-        return;
-    }
     size_t n = 0;
     int limit = c->flag;
     bool more = false;
@@ -1513,13 +1476,13 @@ static void egress_log_done(void *rec, PGresult *res, const sp_err_t *err)
         }
         sp_egress_rec_t *r = &recs[n++];
         r->id = atoll(PQgetvalue(res, i, 0));
-        copy(r->at, sizeof(r->at), PQgetvalue(res, i, 1));
-        copy(r->kind, sizeof(r->kind), PQgetvalue(res, i, 2));
-        copy(r->host, sizeof(r->host), PQgetvalue(res, i, 3));
+        SP_STORE_TEXT(res, i, 1, r->at);
+        SP_STORE_TEXT(res, i, 2, r->kind);
+        SP_STORE_TEXT(res, i, 3, r->host);
         r->port = atoi(PQgetvalue(res, i, 4));
-        copy(r->address, sizeof(r->address), PQgetvalue(res, i, 5));
+        SP_STORE_TEXT(res, i, 5, r->address);
         r->allowed = PQgetvalue(res, i, 6)[0] == 't';
-        copy(r->reason, sizeof(r->reason), PQgetvalue(res, i, 7));
+        SP_STORE_TEXT(res, i, 7, r->reason);
         r->bytes_up = atoll(PQgetvalue(res, i, 8));
         r->bytes_down = atoll(PQgetvalue(res, i, 9));
         r->duration_ms = atoi(PQgetvalue(res, i, 10));
@@ -1543,7 +1506,7 @@ int sp_svc_egress_log(sp_svc_t *svc, const sp_auth_t *a, const char *id, int lim
         size_t cl = strlen(cursor);
         if (cl > 19 || strspn(cursor, "0123456789") != cl)
             return sp_err_set(err, SP_EINVAL, "invalid cursor");
-        copy(before, sizeof(before), cursor);
+        memcpy(before, cursor, cl + 1); /* cl <= 19 digits */
     }
     char lim[16];
     snprintf(lim, sizeof(lim), "%d", limit + 1);

@@ -544,11 +544,6 @@ static int submit(sp_secrets_t *s, const char *sql, int n, const char *const *p,
     return sp_store_submit(s->store, sql, n, p, done, s, cb, arg, replace, err);
 }
 
-static void copy(char *dst, size_t cap, const char *src)
-{
-    snprintf(dst, cap, "%s", src ? src : "");
-}
-
 static void rec_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
@@ -563,9 +558,9 @@ static void rec_done(void *rec, PGresult *res, const sp_err_t *err)
         return;
     }
     sp_secret_rec_t r;
-    copy(r.name, sizeof(r.name), PQgetvalue(res, 0, 0));
-    copy(r.created_at, sizeof(r.created_at), PQgetvalue(res, 0, 1));
-    copy(r.updated_at, sizeof(r.updated_at), PQgetvalue(res, 0, 2));
+    SP_STORE_TEXT(res, 0, 0, r.name);
+    SP_STORE_TEXT(res, 0, 1, r.created_at);
+    SP_STORE_TEXT(res, 0, 2, r.updated_at);
     cb(c->arg, &r, NULL);
 }
 
@@ -609,22 +604,18 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     sp_secrets_list_cb cb = (sp_secrets_list_cb)c->cb;
-    if (err != NULL) {
-        cb(c->arg, NULL, 0, err);
+    sp_err_t e;
+    const sp_err_t *fail;
+    sp_secret_rec_t *recs = sp_store_rows(res, err, 0, NULL, sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, fail);
         return;
     }
     int n = PQntuples(res);
-    sp_secret_rec_t *recs = calloc((size_t)n + 1, sizeof(*recs));
-    if (recs == NULL) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EINTERNAL, "out of memory");
-        cb(c->arg, NULL, 0, &e);
-        return;
-    }
     for (int i = 0; i < n; i++) {
-        copy(recs[i].name, sizeof(recs[i].name), PQgetvalue(res, i, 0));
-        copy(recs[i].created_at, sizeof(recs[i].created_at), PQgetvalue(res, i, 1));
-        copy(recs[i].updated_at, sizeof(recs[i].updated_at), PQgetvalue(res, i, 2));
+        SP_STORE_TEXT(res, i, 0, recs[i].name);
+        SP_STORE_TEXT(res, i, 1, recs[i].created_at);
+        SP_STORE_TEXT(res, i, 2, recs[i].updated_at);
     }
     cb(c->arg, recs, (size_t)n, NULL);
     free(recs);

@@ -619,6 +619,33 @@ const sp_err_t *sp_store_one_row(const PGresult *res, const sp_err_t *err, sp_co
     return NULL;
 }
 
+void *sp_store_rows(const PGresult *res, const sp_err_t *err, sp_code_t code, const char *none,
+                    size_t size, const sp_err_t **fail, sp_err_t *buf)
+{
+    *fail = err;
+    if (err != NULL)
+        return NULL;
+    if (none != NULL && PQntuples(res) == 0) {
+        sp_err_set(buf, code, "%s", none);
+        *fail = buf;
+        return NULL;
+    }
+    void *recs = calloc((size_t)PQntuples(res) + 1, size);
+    if (recs == NULL) {
+        sp_err_set(buf, SP_EINTERNAL, "out of memory");
+        *fail = buf;
+    }
+    return recs;
+}
+
+void sp_store_text(const PGresult *res, int row, int col, char *dst, size_t cap)
+{
+    const char *src = PQgetvalue(res, row, col); /* "" for NULL, NULL off the table's end */
+    size_t n = src ? strnlen(src, cap - 1) : 0;
+    memcpy(dst, src ? src : "", n);
+    dst[n] = '\0';
+}
+
 /* sp_store_call's record: the callback, then the caller's bytes (aligned as malloc aligns). */
 struct rec {
     sp_store_rec_cb done;

@@ -74,6 +74,19 @@ int sp_store_submit(sp_store_t *s, const char *sql, int nparams, const char *con
 const sp_err_t *sp_store_one_row(const PGresult *res, const sp_err_t *err, sp_code_t code,
                                  const char *msg, sp_err_t *buf);
 
+/* What a read of a list tells its caller: records for its rows, PQntuples(res) + 1 of size bytes
+ * each, zeroed (one more than the rows: never an allocation of nothing), for the caller to free;
+ * or NULL with *fail set: to the query's own error, else (none not NULL) to code/none in *buf
+ * when there are no rows, else to SP_EINTERNAL in *buf (out of memory). */
+void *sp_store_rows(const PGresult *res, const sp_err_t *err, sp_code_t code, const char *none,
+                    size_t size, const sp_err_t **fail, sp_err_t *buf);
+
+/* The text of column col of row copied into dst (cap bytes), cut to cap - 1 bytes; NULL reads as
+ * "". SP_STORE_TEXT fills a char array member: SP_STORE_TEXT(res, i, 0, rec->name). */
+void sp_store_text(const PGresult *res, int row, int col, char *dst, size_t cap);
+#define SP_STORE_TEXT(res, row, col, field)                                                        \
+    sp_store_text((res), (row), (col), (field), sizeof(field))
+
 /* Subscribes to channel on the listening connection (re-LISTENed after each reconnect). */
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
                     sp_err_t *err);

@@ -24,27 +24,10 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, Platform, free_port, skip_unless_pg  # noqa: E402
+from harness import MULT, Platform, free_port, kernel_python, skip_unless_pg  # noqa: E402
 
 DAEMON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "guest", "code",
                       "space-code")
-
-
-def kernel_python():
-    """A Python on PATH (or this one) that can run IPython kernels, else None."""
-    seen, cands = set(), [sys.executable]
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        cands.append(os.path.join(d, "python3"))
-    for c in cands:
-        real = os.path.realpath(c)
-        if real in seen or not os.access(c, os.X_OK):
-            continue
-        seen.add(real)
-        r = subprocess.run([c, "-c", "import ipykernel, jupyter_client"],
-                           capture_output=True, timeout=60)
-        if r.returncode == 0:
-            return c
-    return None
 
 
 def has_module(py, mod):

@@ -9,7 +9,7 @@ import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, Platform, skip_unless_pg  # noqa: E402
+from harness import MULT, PlatformTest, skip_unless_pg  # noqa: E402
 
 SANDBOX_KEYS = ("sandboxID", "templateID", "clientID", "envdVersion")
 LISTED_KEYS = ("clientID", "cpuCount", "diskSizeMB", "endAt", "envdVersion", "memoryMB",
@@ -32,18 +32,13 @@ def sdk_metadata_query(md):
 
 
 @skip_unless_pg
-class E2BControlTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
-                         env={"SPACE_FAKE_DELAY_MS": "20", "SPACE_E2B_DOMAIN": DOMAIN})
-        cls.s = cls.p.s
-        cls.key = cls.p.keys["alpha"]
-        cls.other_key = cls.p.keys["beta"]
+class E2BControlTest(PlatformTest):
+    ENV = {"SPACE_E2B_DOMAIN": DOMAIN}
 
     @classmethod
-    def tearDownClass(cls):
-        cls.p.destroy()
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.key = cls.p.keys["alpha"]
 
     # ---- helpers ----
 
@@ -58,20 +53,9 @@ class E2BControlTest(unittest.TestCase):
 
     def raw_req(self, method, path, body=None):
         """Like req, but also returns the response headers."""
-        import http.client
-        conn = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=60 * MULT)
-        h = {"X-API-KEY": self.key}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            h["Content-Type"] = "application/json"
-        try:
-            conn.request(method, path, body=data, headers=h)
-            r = conn.getresponse()
-            text = r.read()
-            return r.status, (json.loads(text) if text else None), r
-        finally:
-            conn.close()
+        r, text = self.s.exchange(method, path, body, headers={"X-API-KEY": self.key},
+                                  timeout=60)
+        return r.status, (json.loads(text) if text else None), r
 
     def assertError(self, resp, status):
         st, body = resp

@@ -28,15 +28,7 @@ import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, Platform, skip_unless_pg  # noqa: E402
-
-
-def skip_unless_agent(cls):
-    if not os.environ.get("SPACE_FAKE_AGENT"):
-        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(cls)
-    if os.geteuid() != 0:
-        return unittest.skip("needs root: the agent switches users")(cls)
-    return cls
+from harness import MULT, Platform, skip_unless_agent, skip_unless_pg  # noqa: E402
 
 
 def env(flags, payload):

@@ -24,20 +24,12 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from harness import (MULT, Platform, connect_local, free_port,  # noqa: E402
-                     skip_unless_pg)
+                     skip_unless_agent, skip_unless_pg)
 
 BIG = 5 * 1024 * 1024
 FIREHOSE = 64 * 1024 * 1024
 FIREHOSE_SENT = [0]
 WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-
-
-def skip_unless_agent(cls):
-    if not os.environ.get("SPACE_FAKE_AGENT"):
-        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(cls)
-    if os.geteuid() != 0:
-        return unittest.skip("needs root: the agent switches users")(cls)
-    return cls
 
 
 # ---- the "guest" servers ----

@@ -189,8 +189,10 @@ def __space_code_formatters():
 
         return conv(value)
 
-    class SpaceJSONFormatter(JSONFormatter):
-        """JSONFormatter that also renders plain dicts and lists."""
+    class _SpaceFormatter:
+        """What the three formatters share: a printer registered for obj's type
+        answers first, else the formatter's own _fallback(obj); disabled, or on
+        any exception, None (a formatter must never break the display)."""
 
         def __call__(self, obj):
             if not self.enabled:
@@ -202,13 +204,19 @@ def __space_code_formatters():
                     printer = None
                 if printer is not None:
                     return self._check_return(printer(obj), obj)
-                method = get_real_method(obj, self.print_method)
-                if method is not None:
-                    return self._check_return(method(), obj)
-                if isinstance(obj, (dict, list)):
-                    return _jsonable(obj)
+                return self._fallback(obj)
             except Exception:
                 return None
+
+    class SpaceJSONFormatter(_SpaceFormatter, JSONFormatter):
+        """JSONFormatter that also renders plain dicts and lists."""
+
+        def _fallback(self, obj):
+            method = get_real_method(obj, self.print_method)
+            if method is not None:
+                return self._check_return(method(), obj)
+            if isinstance(obj, (dict, list)):
+                return _jsonable(obj)
             return None
 
     # ------------------------------------------------------------ DataFrame
@@ -217,26 +225,15 @@ def __space_code_formatters():
         return {_key(k): _jsonable(list(col), iso_dates=True)
                 for k, col in raw.items()}
 
-    class SpaceDataFormatter(BaseFormatter):
+    class SpaceDataFormatter(_SpaceFormatter, BaseFormatter):
         format_type = Unicode("e2b/data")
         _return_type = (dict,)
 
-        def __call__(self, obj):
-            if not self.enabled:
-                return None
-            try:
-                try:
-                    printer = self.lookup(obj)
-                except KeyError:
-                    printer = None
-                if printer is not None:
-                    return self._check_return(printer(obj), obj)
-                pd = sys.modules.get("pandas")
-                frame_cls = getattr(pd, "DataFrame", None) if pd else None
-                if frame_cls is not None and isinstance(obj, frame_cls):
-                    return _frame_data(obj)
-            except Exception:
-                return None
+        def _fallback(self, obj):
+            pd = sys.modules.get("pandas")
+            frame_cls = getattr(pd, "DataFrame", None) if pd else None
+            if frame_cls is not None and isinstance(obj, frame_cls):
+                return _frame_data(obj)
             return None
 
     # ---------------------------------------------------------------- charts
@@ -695,28 +692,17 @@ def __space_code_formatters():
             return chart
         return {"type": "superchart", "title": sup, "elements": charts}
 
-    class SpaceChartFormatter(BaseFormatter):
+    class SpaceChartFormatter(_SpaceFormatter, BaseFormatter):
         format_type = Unicode("e2b/chart")
         _return_type = (dict,)
 
-        def __call__(self, obj):
-            if not self.enabled:
+        def _fallback(self, obj):
+            if "matplotlib" not in sys.modules or "numpy" not in sys.modules:
                 return None
-            try:
-                try:
-                    printer = self.lookup(obj)
-                except KeyError:
-                    printer = None
-                if printer is not None:
-                    return self._check_return(printer(obj), obj)
-                if "matplotlib" not in sys.modules or "numpy" not in sys.modules:
-                    return None
-                mfig = sys.modules.get("matplotlib.figure")
-                if mfig is None or not isinstance(obj, mfig.Figure):
-                    return None
-                return _figure_chart(obj)
-            except Exception:
+            mfig = sys.modules.get("matplotlib.figure")
+            if mfig is None or not isinstance(obj, mfig.Figure):
                 return None
+            return _figure_chart(obj)
 
     # -------------------------------------------------------------- register
     display_formatter = ip.display_formatter

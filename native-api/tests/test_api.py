@@ -5,22 +5,11 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import Platform, Spaced, q, skip_unless_pg  # noqa: E402
+from harness import PlatformTest, Spaced, q, skip_unless_pg  # noqa: E402
 
 
 @skip_unless_pg
-class NativeApiTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
-                         env={"SPACE_FAKE_DELAY_MS": "20"})
-        cls.s = cls.p.s
-        cls.other_key = cls.p.keys["beta"]
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.p.destroy()
-
+class NativeApiTest(PlatformTest):
     def req(self, *a, **kw):
         return self.s.request(*a, **kw)
 

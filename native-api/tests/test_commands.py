@@ -17,33 +17,22 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, Platform, q, skip_unless_pg  # noqa: E402
-
-
-def skip_unless_agent(cls):
-    if not os.environ.get("SPACE_FAKE_AGENT"):
-        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(cls)
-    if os.geteuid() != 0:
-        return unittest.skip("needs root: the agent switches users")(cls)
-    return cls
+from harness import MULT, PlatformTest, q, skip_unless_agent, skip_unless_pg  # noqa: E402
 
 
 @skip_unless_pg
 @skip_unless_agent
-class CommandsTest(unittest.TestCase):
+class CommandsTest(PlatformTest):
     @classmethod
     def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
-                         env={"SPACE_FAKE_DELAY_MS": "20"})
-        cls.s = cls.p.s
-        cls.other_key = cls.p.keys["beta"]
+        super().setUpClass()
         cls.sid, _ = cls.s.create()
         cls.scratch = tempfile.mkdtemp(prefix="sp-cmd-")
         os.chmod(cls.scratch, 0o777)
 
     @classmethod
     def tearDownClass(cls):
-        cls.p.destroy()
+        super().tearDownClass()
         shutil.rmtree(cls.scratch, ignore_errors=True)
 
     # ---- helpers ----
@@ -388,12 +377,7 @@ class CommandsTest(unittest.TestCase):
         st, sb0 = self.req("GET", "/v1/sandboxes/" + sid)
         time.sleep(1.2)
         self.assertEqual(self.ok({"cmd": "true"}, sid=sid)["exit_code"], 0)
-        deadline = time.time() + 5 * MULT
-        while time.time() < deadline:
-            st, sb1 = self.req("GET", "/v1/sandboxes/" + sid)
-            if sb1["last_activity_at"] > sb0["last_activity_at"]:
-                break
-            time.sleep(0.1)
+        sb1 = self.s.wait_activity(sid, sb0)
         self.assertGreater(sb1["last_activity_at"], sb0["last_activity_at"])
         st, r = self.req("POST", "/v1/sandboxes/%s/pause?wait=30" % sid, timeout=40)
         self.assertEqual((st, r["operation"]["status"]), (200, "succeeded"), r)
@@ -415,16 +399,9 @@ class CommandsTest(unittest.TestCase):
             self.assertEqual(r["stdout"], "ok\n")
             self.assertLess(time.time() - t0, limit * MULT)
 
-    def rss_kb(self):
-        with open("/proc/%d/status" % self.s.proc.pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        return 0
-
     def test_flood_slow_reader(self):
         total = 200000000
-        rss0 = self.rss_kb()
+        rss0 = self.s.rss_kb()
         c, r = self.open_stream("POST", self.base() + "/commands",
                                 {"cmd": "yes | head -c %d" % total, "stream": True})
         self.assertEqual(r.status, 200)
@@ -444,7 +421,7 @@ class CommandsTest(unittest.TestCase):
         self.assertEqual(kinds, ["start", "exit"])
         self.assertEqual(got, total)
         # bounded memory: far less than what went through (ASan inflates RSS; be generous)
-        self.assertLess(self.rss_kb() - rss0, 150 * 1024)
+        self.assertLess(self.s.rss_kb() - rss0, 150 * 1024)
 
     def test_flood_unread_does_not_stall_others(self):
         c, r = self.open_stream("POST", self.base() + "/commands", {"cmd": "yes", "stream": True})

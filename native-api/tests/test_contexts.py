@@ -26,35 +26,11 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (MULT, Platform, connect_local, free_port,  # noqa: E402
-                     skip_unless_pg)
+from harness import (MULT, Platform, connect_local, free_port, kernel_python,  # noqa: E402
+                     skip_unless_agent, skip_unless_pg)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DAEMON = os.path.join(REPO, "guest", "code", "space-code")
-
-
-def skip_unless_agent(cls):
-    if not os.environ.get("SPACE_FAKE_AGENT"):
-        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(cls)
-    if os.geteuid() != 0:
-        return unittest.skip("needs root: the agent switches users")(cls)
-    return cls
-
-
-def kernel_python():
-    """A Python interpreter with ipykernel and jupyter_client (the host test packages)."""
-    seen = set()
-    cands = [sys.executable] + [os.path.join(d, "python3") for d in os.get_exec_path()]
-    for p in cands:
-        p = os.path.realpath(p)
-        if p in seen or not os.access(p, os.X_OK):
-            continue
-        seen.add(p)
-        r = subprocess.run([p, "-c", "import ipykernel, jupyter_client"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if r.returncode == 0:
-            return p
-    return None
 
 
 def skip_unless_daemon(cls):
@@ -478,12 +454,7 @@ class ContextsTest(unittest.TestCase, Assertions):
         time.sleep(1.2)
         st, ev, _ = self.run_top({"code": "1"}, sid=sid)
         self.assertEqual(st, 200, ev)
-        deadline = time.time() + 5 * MULT
-        while time.time() < deadline:
-            st, sb1 = self.req("GET", "/v1/sandboxes/" + sid)
-            if sb1["last_activity_at"] > sb0["last_activity_at"]:
-                break
-            time.sleep(0.1)
+        sb1 = self.s.wait_activity(sid, sb0)
         self.assertGreater(sb1["last_activity_at"], sb0["last_activity_at"])
         st, r = self.req("POST", "/v1/sandboxes/%s/pause?wait=30" % sid, timeout=40)
         self.assertEqual((st, r["operation"]["status"]), (200, "succeeded"), r)
@@ -775,7 +746,7 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
         self.alive()
 
     def test_huge_and_complex_lines(self):
-        rss0 = self.rss_kb()
+        rss0 = self.s.rss_kb()
 
         def huge(req, conn, rfile):
             chunk = b"a" * (1024 * 1024)
@@ -806,14 +777,7 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
         self.assertEqual(st, 200)
         self.assertEqual(len(ev[1]["data"]["text/plain"]), len(big))
         self.alive()
-        self.assertLess(self.rss_kb() - rss0, 400 * 1024)
-
-    def rss_kb(self):
-        with open("/proc/%d/status" % self.s.proc.pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        return 0
+        self.assertLess(self.s.rss_kb() - rss0, 400 * 1024)
 
     def exec_events(self, events, then=None):
         def b(req, conn, rfile):
@@ -936,7 +900,7 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
                     self.fake.sent += 1
             send(conn, {"type": "end", "status": "ok", "execution_count": 1})
         self.fake.listen(flood)
-        rss0 = self.rss_kb()
+        rss0 = self.s.rss_kb()
         c, r = self.cl.open_stream(self.base() + "/execute", {"code": "1"}, rcvbuf=128 * 1024)
         self.assertEqual(r.status, 200)
         # nobody reads: the daemon must come to a stop well before the end
@@ -951,8 +915,8 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
         self.assertLess(now, total // 2, "the daemon was not held back")
         self.assertEqual(now, stuck_at, "the daemon did not stop")
         sys.stderr.write("(daemon stuck after %d KiB; spaced grew %d KiB) " % (stuck_at * 64,
-                                                                            self.rss_kb() - rss0))
-        grown = self.rss_kb() - rss0
+                                                                            self.s.rss_kb() - rss0))
+        grown = self.s.rss_kb() - rss0
         got, n, last = 0, 0, None
         for line in r:
             e = json.loads(line)

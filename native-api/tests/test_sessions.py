@@ -17,17 +17,9 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, Platform, skip_unless_pg  # noqa: E402
+from harness import MULT, PlatformTest, skip_unless_agent, skip_unless_pg  # noqa: E402
 
 WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-
-
-def skip_unless_agent(cls):
-    if not os.environ.get("SPACE_FAKE_AGENT"):
-        return unittest.skip("SPACE_FAKE_AGENT (space-agent-host) is not set")(cls)
-    if os.geteuid() != 0:
-        return unittest.skip("needs root: the agent switches users")(cls)
-    return cls
 
 
 class WsError(Exception):
@@ -150,18 +142,11 @@ class WebSocket:
 
 @skip_unless_pg
 @skip_unless_agent
-class SessionsTest(unittest.TestCase):
+class SessionsTest(PlatformTest):
     @classmethod
     def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), runtime="test",
-                         env={"SPACE_FAKE_DELAY_MS": "20"})
-        cls.s = cls.p.s
-        cls.other_key = cls.p.keys["beta"]
+        super().setUpClass()
         cls.sid, _ = cls.s.create()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.p.destroy()
 
     # ---- helpers ----
 

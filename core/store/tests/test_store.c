@@ -43,6 +43,48 @@ static void run_until(int *flag, int want, int ms)
         sp_loop_run_once(loop, 10);
 }
 
+/* Results built by hand (no server): what sp_store_rows answers, and sp_store_text's cut. */
+static void test_store_rows_and_text(void)
+{
+    PGresult *r = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    REQUIRE(r != NULL);
+    PGresAttDesc att[2] = {{.name = "a", .typid = 25, .typlen = -1, .atttypmod = -1},
+                           {.name = "b", .typid = 25, .typlen = -1, .atttypmod = -1}};
+    REQUIRE(PQsetResultAttrs(r, 2, att));
+    sp_err_t buf, q;
+    const sp_err_t *fail;
+    /* No rows: a list of none, or the caller's error when it names one. */
+    void *none = sp_store_rows(r, NULL, SP_ENOTFOUND, NULL, 8, &fail, &buf);
+    CHECK(none != NULL && fail == NULL);
+    free(none);
+    CHECK(sp_store_rows(r, NULL, SP_ENOTFOUND, "no such thing", 8, &fail, &buf) == NULL);
+    CHECK(fail == &buf && buf.code == SP_ENOTFOUND && strcmp(buf.msg, "no such thing") == 0);
+    /* The query's own error comes first, as it is. */
+    sp_err_set(&q, SP_EUNAVAIL, "database down");
+    CHECK(sp_store_rows(NULL, &q, SP_ENOTFOUND, "no such thing", 8, &fail, &buf) == NULL);
+    CHECK(fail == &q);
+    /* Two rows: three zeroed records. */
+    REQUIRE(PQsetvalue(r, 0, 0, "hello", 5) && PQsetvalue(r, 0, 1, NULL, -1));
+    REQUIRE(PQsetvalue(r, 1, 0, "x", 1) && PQsetvalue(r, 1, 1, "y", 1));
+    char(*recs)[8] = sp_store_rows(r, NULL, SP_ENOTFOUND, "no such thing", 8, &fail, &buf);
+    CHECK(recs != NULL && fail == NULL);
+    if (recs != NULL)
+        for (int i = 0; i < 3; i++)
+            CHECK(memcmp(recs[i], "\0\0\0\0\0\0\0\0", 8) == 0);
+    free(recs);
+    /* Text: cut to the buffer, SQL NULL as "". */
+    char small[4], big[16] = "junk";
+    SP_STORE_TEXT(r, 0, 0, small);
+    CHECK(strcmp(small, "hel") == 0);
+    SP_STORE_TEXT(r, 0, 0, big);
+    CHECK(strcmp(big, "hello") == 0);
+    SP_STORE_TEXT(r, 0, 1, big);
+    CHECK(strcmp(big, "") == 0);
+    SP_STORE_TEXT(r, 1, 1, big);
+    CHECK(strcmp(big, "y") == 0);
+    PQclear(r);
+}
+
 /* Four processes race to migrate a fresh database: each version is applied once. */
 static void test_store_migrations_apply_once(void)
 {
@@ -249,6 +291,7 @@ static int stop_cluster(void)
 int main(void)
 {
     sp_err_t e;
+    test_store_rows_and_text(); /* needs no server */
     dsn = getenv("SP_TEST_PG_DSN");
     if (dsn == NULL || dsn[0] == '\0') {
         if (!sp_pgcluster_available()) {
