@@ -532,7 +532,14 @@ int sp_cgroup_vm_create(sp_cgroup_t *cg, const char *id, const sp_cgroup_limits_
     }
     for (int i = 0; i < nd && e == 0; i++) {
         char p[PATH_MAX + 32];
-        sfmt(p, sizeof p, "%s/cgroup.procs", dirs[i]);
+        /* v1: the child's only thread through "tasks" moves the process as "cgroup.procs"
+         * would, without the write lock on every thread group of the host that a write to
+         * cgroup.procs takes (an RCU grace period: milliseconds per hierarchy, on the path of
+         * every VM start); QEMU's threads, made after exec, follow it. */
+        if (cg->kind == SP_CGROUP_V2)
+            sfmt(p, sizeof p, "%s/cgroup.procs", dirs[i]);
+        else
+            sfmt(p, sizeof p, "%s/tasks", dirs[i]);
         int fd = open(p, O_WRONLY | O_CLOEXEC);
         if (fd < 0) {
             e = errno;

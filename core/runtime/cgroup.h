@@ -17,7 +17,8 @@
  *   none  neither: sp_cgroup_why() says why; VMs run without limits.
  *
  * A VM's process joins its groups itself, between fork and exec, by writing
- * "0" to the cgroup.procs fds from sp_cgroup_vm_create (sp_cgroup_join is
+ * "0" to the fds from sp_cgroup_vm_create (cgroup.procs on v2; on v1 "tasks",
+ * which moves its one thread without a host-wide lock; sp_cgroup_join is
  * async-signal-safe), so it never runs outside them. Groups outlive their
  * creator: a restarted driver finds them by name. Owns no process; knows no
  * QEMU.
@@ -90,15 +91,16 @@ typedef struct {
     int n;
 } sp_cgroup_join_t;
 
-/* Creates (or reuses) the groups for VM id, sets *lim, opens their cgroup.procs into *join
+/* Creates (or reuses) the groups for VM id, sets *lim, opens their cgroup.procs (v1: tasks) into
+ * *join
  * (the caller closes them with sp_cgroup_join_close). -1 with errno set and a reason in why
  * (for a log line) when the layout is NONE or any step fails; nothing is then left behind
  * except groups that already existed. */
 int sp_cgroup_vm_create(sp_cgroup_t *cg, const char *id, const sp_cgroup_limits_t *lim,
                         sp_cgroup_join_t *join, char *why, size_t why_n);
 
-/* In a forked child: writes the calling process into every group of *join. Only
- * async-signal-safe calls. -1 with errno on the first failure. */
+/* In a forked child, single-threaded: writes the calling process into every group of *join.
+ * Only async-signal-safe calls. -1 with errno on the first failure. */
 int sp_cgroup_join(const sp_cgroup_join_t *join);
 
 void sp_cgroup_join_close(sp_cgroup_join_t *join);

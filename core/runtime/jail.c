@@ -1,21 +1,25 @@
 /*
  * jail.c - the uid allocator and the jailed spawn (see jail.h).
  *
- * A plan is a list of steps with every string computed in the parent; the child, a clone3
- * of a threaded process, runs them with raw system calls only (no malloc, no locks, no
- * glibc set*id wrappers, which would signal threads the child does not have). Owns no
- * process and no file once sp_jail_spawn returned.
+ * A plan is a list of steps with every string computed in the parent; the child, a clone of a
+ * threaded process sharing its memory until it exec's (CLONE_VM | CLONE_VFORK, like
+ * posix_spawn), runs them with system calls only (no malloc, no locks, no glibc set*id
+ * wrappers, which would signal threads the child does not have), and writes nothing of ours but
+ * its report. Owns no process and no file once sp_jail_spawn returned.
  */
 #include "core/runtime/jail.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -192,6 +196,26 @@ bool sp_jail_supported(char *why, size_t n)
     return false;
 }
 
+/* The highest capability the running kernel knows (it may know more than our headers), read
+ * once per process: it does not change while the kernel runs. */
+static int last_cap(void)
+{
+    static atomic_int cached;
+    int v = atomic_load(&cached);
+    if (v > 0)
+        return v;
+    v = CAP_LAST_CAP;
+    FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
+    if (f != NULL) {
+        int k;
+        if (fscanf(f, "%d", &k) == 1 && k > 0 && k < 64)
+            v = k;
+        fclose(f);
+    }
+    atomic_store(&cached, v);
+    return v;
+}
+
 sp_jail_t *sp_jail_new(const char *stage, uid_t uid, gid_t gid)
 {
     if (stage == NULL || stage[0] != '/' || strlen(stage) >= PATH_MAX - 1 || uid == 0 || gid == 0) {
@@ -204,14 +228,7 @@ sp_jail_t *sp_jail_new(const char *stage, uid_t uid, gid_t gid)
     snprintf(j->stage, sizeof j->stage, "%s", stage);
     j->uid = uid;
     j->gid = gid;
-    j->last_cap = CAP_LAST_CAP;
-    FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
-    if (f != NULL) {
-        int v;
-        if (fscanf(f, "%d", &v) == 1 && v > 0 && v < 64)
-            j->last_cap = v; /* the running kernel may know more than our headers */
-        fclose(f);
-    }
+    j->last_cap = last_cap();
     return j;
 }
 
@@ -456,17 +473,21 @@ static const char *step_name(int s)
     return s > 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "?";
 }
 
+/* What the child leaves for the parent, in the parent's memory (the child shares it until it
+ * exec's): the failing step and its errno; step 0 when it reached exec. */
 struct report {
-    int step;
-    int err;
+    volatile int step;
+    volatile int err;
 };
 
-static __attribute__((noreturn)) void child_fail(int fd, int step)
+/* The child's code is not instrumented: a sanitizer's stack bookkeeping would write to our
+ * memory (the shadow of a stack that is unmapped once the child is gone). */
+#define CHILD_CODE __attribute__((no_sanitize("address", "undefined")))
+
+static CHILD_CODE __attribute__((noreturn)) void child_fail(struct report *rep, int step)
 {
-    struct report r = {step, errno};
-    if (write(fd, &r, sizeof r) < 0) {
-        /* the parent then sees a child that exited before exec: the spawn fails anyway */
-    }
+    rep->err = errno;
+    rep->step = step;
     _exit(125);
 }
 
@@ -478,9 +499,12 @@ struct ksigaction {
     unsigned long mask;
 };
 
-static __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const argv[],
-                                                char *const env[], int in_fd, int out_fd,
-                                                const sp_cgroup_join_t *cg, int rep)
+/* The child, on its own stack in the parent's memory (the parent is stopped until it exec's or
+ * exits): system calls and what they leave in errno only; nothing written but rep. */
+static CHILD_CODE __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const argv[],
+                                                           char *const env[], int in_fd, int out_fd,
+                                                           const sp_cgroup_join_t *cg,
+                                                           struct report *rep)
 {
     if (setsid() < 0)
         child_fail(rep, ST_SESSION);
@@ -553,34 +577,27 @@ static __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const 
         syscall(SYS_rt_sigaction, s, &dfl, NULL, 8); /* fails harmlessly for KILL/STOP */
     unsigned long none = 0;
     syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, 8);
-    /* stdio, the passed fds as 3, 4, ..., the report pipe after them (close-on-exec),
-     * nothing else. Everything first moves above where it goes, so no dup2 clobbers a
-     * source. */
+    /* stdio, then the passed fds as 3, 4, ..., nothing else. Everything first moves above where
+     * it goes, so no dup2 clobbers a source. */
     int hi = 3 + SP_JAIL_PASS_MAX + 8;
-    int tmp[SP_JAIL_PASS_MAX + 3];
-    int src[SP_JAIL_PASS_MAX + 3];
+    int tmp[SP_JAIL_PASS_MAX + 2];
+    int src[SP_JAIL_PASS_MAX + 2];
     int ns = 0;
     src[ns++] = in_fd;
     src[ns++] = out_fd;
     for (int i = 0; i < j->npass; i++)
         src[ns++] = j->pass[i];
-    src[ns++] = rep;
     for (int i = 0; i < ns; i++) {
         tmp[i] = fcntl(src[i], F_DUPFD_CLOEXEC, hi);
         if (tmp[i] < 0)
             child_fail(rep, ST_STDIO);
     }
-    rep = tmp[ns - 1];
-    int rfd = 3 + j->npass;
     if (dup2(tmp[0], 0) < 0 || dup2(tmp[1], 1) < 0 || dup2(tmp[1], 2) < 0)
         child_fail(rep, ST_STDIO);
     for (int i = 0; i < j->npass; i++)
         if (dup2(tmp[2 + i], 3 + i) < 0)
             child_fail(rep, ST_STDIO);
-    if (dup3(rep, rfd, O_CLOEXEC) < 0)
-        child_fail(rep, ST_STDIO);
-    rep = rfd;
-    close_range((unsigned)rfd + 1, ~0u, 0);
+    close_range((unsigned)(3 + j->npass), ~0u, 0);
     for (int c = 0; c <= j->last_cap; c++)
         if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
             child_fail(rep, ST_CAPBSET);
@@ -605,57 +622,67 @@ static __attribute__((noreturn)) void child_run(const sp_jail_t *j, char *const 
     child_fail(rep, ST_EXEC);
 }
 
-/* struct clone_args of <linux/sched.h>, version 0 (64 bytes). */
-struct clone_args0 {
-    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls;
+struct child_args {
+    const sp_jail_t *j;
+    char *const *argv;
+    char *const *env;
+    int in_fd, out_fd;
+    const sp_cgroup_join_t *cg;
+    struct report *rep;
 };
+
+static CHILD_CODE int child_entry(void *arg)
+{
+    const struct child_args *a = arg;
+    child_run(a->j, a->argv, a->env, a->in_fd, a->out_fd, a->cg, a->rep);
+}
+
+/* The child's stack: it runs in our memory (CLONE_VM) until it exec's, so it needs its own. */
+#define CHILD_STACK (256u << 10)
 
 pid_t sp_jail_spawn(const sp_jail_t *j, char *const argv[], char *const env[], int in_fd,
                     int out_fd, const sp_cgroup_join_t *cg, int *pidfd, char *why, size_t n)
 {
-    int st[2];
-    if (pipe2(st, O_CLOEXEC) < 0) {
-        snprintf(why, n, "pipe: %s", strerror(errno));
+    /* CLONE_VM | CLONE_VFORK, as posix_spawn does: a fork would copy the page tables of all of
+     * spaced (milliseconds per hundred MB, on the loop, and copy-on-write faults after it),
+     * for a child that only makes system calls and exec's. We stay stopped until then. */
+    char *stack = mmap(NULL, CHILD_STACK, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED) {
+        snprintf(why, n, "child stack: %s", strerror(errno));
         return -1;
     }
+    struct report rep = {0, 0};
+    struct child_args a = {j, argv, env, in_fd, out_fd, cg, &rep};
     int pfd = -1;
-    struct clone_args0 ca = {
-        .flags =
-            CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_PIDFD,
-        .pidfd = (uint64_t)(uintptr_t)&pfd,
-        .exit_signal = SIGCHLD,
-    };
-    long pid = syscall(SYS_clone3, &ca, sizeof ca);
-    if (pid == 0) {
-        close(st[0]);
-        child_run(j, argv, env, in_fd, out_fd, cg, st[1]);
-    }
+    /* Every signal blocked until the child has reset its handlers to the default: a handler of
+     * ours must never run in it, on our memory. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid_t pid = clone(child_entry, stack + CHILD_STACK,
+                      CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC |
+                          CLONE_NEWUTS | CLONE_NEWNET | CLONE_PIDFD | SIGCHLD,
+                      &a, &pfd);
     int e = errno;
-    close(st[1]);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    munmap(stack, CHILD_STACK);
     if (pid < 0) {
-        close(st[0]);
-        snprintf(why, n, "clone3 into new namespaces: %s", strerror(e));
+        snprintf(why, n, "clone into new namespaces: %s", strerror(e));
         errno = e;
         return -1;
     }
-    struct report r = {0, 0};
-    ssize_t got;
-    do
-        got = read(st[0], &r, sizeof r);
-    while (got < 0 && errno == EINTR);
-    close(st[0]);
-    if (got == 0) { /* the pipe closed at exec */
+    /* The child has exec'd, or exited (after a report, or killed before exec, which the
+     * caller then sees as a process that exits at once). */
+    if (rep.step == 0) {
         fcntl(pfd, F_SETFD, FD_CLOEXEC);
         *pidfd = pfd;
-        return (pid_t)pid;
+        return pid;
     }
-    if (got != (ssize_t)sizeof r)
-        r = (struct report){0, EIO};
-    kill((pid_t)pid, SIGKILL);
-    waitpid((pid_t)pid, NULL, 0); /* it exits right after reporting */
+    waitpid(pid, NULL, 0); /* it exited after reporting */
     if (pfd >= 0)
         close(pfd);
-    snprintf(why, n, "%s: %s", step_name(r.step), strerror(r.err));
-    errno = r.err != 0 ? r.err : EIO;
+    snprintf(why, n, "%s: %s", step_name(rep.step), strerror(rep.err));
+    errno = rep.err != 0 ? rep.err : EIO;
     return -1;
 }

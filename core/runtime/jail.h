@@ -9,10 +9,11 @@
  *   plan    what one jailed process sees: paths bound at the same absolute path they have
  *           on the host (so every path on QEMU's command line means the same thing on both
  *           sides), read-only unless asked; fds passed in; optionally its own /proc.
- *   spawn   clone3 into the namespaces (the pid returned is the host's view, with a pidfd),
- *           the child runs the plan with raw syscalls only (it was cloned from a threaded
- *           process) and reports the failing step through a pipe; the caller learns success
- *           only once the child exec'd.
+ *   spawn   clone into the namespaces sharing the caller's memory until exec (CLONE_VM |
+ *           CLONE_VFORK: no copy of a large process's page tables; the pid returned is the
+ *           host's view, with a pidfd), the child runs the plan with system calls only (it was
+ *           cloned from a threaded process) and leaves the failing step in the caller's
+ *           memory; the caller goes on only once the child exec'd or failed.
  *
  * Needs root (CAP_SYS_ADMIN, CAP_SETUID, ...): sp_jail_supported() says whether this
  * process can jail. Knows no QEMU; owns no process once spawned.

@@ -373,6 +373,8 @@ static void on_vm_started(struct vm *vm);
 static void start_qemu(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
+    if (sp_qemu__confine_ram_wait(vm))
+        return; /* a jailed clone's sealed template RAM is still being made */
     char disk[PATH_MAX + 16], agent[PATH_MAX + 16], qmp[PATH_MAX + 16], con[PATH_MAX + 16],
         log[PATH_MAX + 16], pidf[PATH_MAX + 16];
     sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
@@ -491,6 +493,14 @@ static void start_qemu(struct vm *vm)
         sp_log(SP_LOG_WARN, "qemu", "cannot write pidfile sandbox=%s err=%s", vm->id,
                strerror(errno));
     on_vm_started(vm);
+}
+
+/* The sealed template RAM a jailed clone waited for is made, or cannot be (confine.c): its
+ * QEMU starts now, or fails to. */
+void sp_qemu__boot_ram_ready(struct vm *vm)
+{
+    if (vm->ph == PH_DISK && vm->pid <= 0 && vm->img == NULL)
+        start_qemu(vm);
 }
 
 /* Common to a fresh start and re-adoption: watch the process. */

@@ -13,8 +13,10 @@
  * processes only, since a memfd cannot be bind-mounted) and maps it private, and no process
  * can change it. Kept until the
  * driver goes or the snapshot is collected (a few hundred MB per template size in use, like
- * the page cache it replaces; charged to spaced's memory, not the VMs'). Made on the loop at
- * the first clone of a snapshot (a spare's, usually).
+ * the page cache it replaces; charged to spaced's memory, not the VMs'). Copied off the loop
+ * (the loop's SP_WORK_LONG lane: 50-250 ms of reading and writing that would stall every other
+ * request) as soon as the snapshot is committed or found current at driver start; a clone whose
+ * QEMU is due to start before its copy is done waits for it (sp_qemu__confine_ram_wait).
  *
  * The VM's directory stays spaced's (prepare_vm_dir): QEMU gets its writable files made for
  * it and its QMP and agent sockets as listening fds spaced bound (the command line says fd=
@@ -43,11 +45,23 @@
 #define RAM_COPY_CHUNK (1u << 20)
 #define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
 
+/* One template snapshot's RAM as a sealed memfd, in d->ramfds from ram_start until the driver
+ * goes or the snapshot is collected. While work is set the copy (ram_copy, on the loop's
+ * SP_WORK_LONG lane) owns fd, err_no, ms and bytes; the loop reads them in ram_done. An entry
+ * let go mid-copy has d NULL: ram_done then only frees it. */
 struct ramfd {
     struct ramfd *next;
+    sp_qemu_t *d; /* NULL once let go */
     char dir[PATH_MAX];
-    int fd;
+    sp_work_t *work; /* the copy in flight */
+    bool failed;     /* the copy ended without a memfd: the waiting boots fail, then it goes */
+    bool resuming;   /* ram_done is going on with the boots waiting for it: not dropped */
+    int fd;          /* the sealed memfd, once made; -1 before */
+    int err_no;      /* why the copy failed */
+    uint64_t ms, bytes;
 };
+
+static void ram_drop(struct ramfd *r);
 
 int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err)
 {
@@ -98,11 +112,10 @@ int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err)
 
 void sp_qemu__confine_free(sp_qemu_t *d)
 {
-    while (d->ramfds != NULL) {
+    while (d->ramfds != NULL) { /* copies in flight are let go: ram_done frees them */
         struct ramfd *r = d->ramfds;
         d->ramfds = r->next;
-        close(r->fd);
-        free(r);
+        ram_drop(r);
     }
     sp_jail_ids_destroy(d->jail_ids);
     d->jail_ids = NULL;
@@ -131,25 +144,16 @@ size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n)
     return k;
 }
 
-/* A sealed memfd with the content of dir/mem.ram (made once per driver and dir). -1 and a
- * log line when it cannot be made. */
-static int ram_fd(sp_qemu_t *d, const char *dir)
+/* ---------- template RAM as sealed memfds ---------- */
+
+/* Copies r->dir/mem.ram into a new sealed memfd: r->fd, or r->err_no. On a worker thread (w
+ * set: touches nothing but r's fd, err_no, ms and bytes, stops early once w is cancelled) or,
+ * when no job could be queued, on the loop (w NULL). */
+static void ram_copy(sp_work_t *w, void *arg)
 {
-    for (struct ramfd **pp = &d->ramfds; *pp != NULL;) {
-        struct ramfd *r = *pp;
-        if (strcmp(r->dir, dir) == 0)
-            return r->fd;
-        if (access(r->dir, F_OK) < 0 && errno == ENOENT) {
-            /* collected (tsnap.c): its running clones keep their own maps */
-            *pp = r->next;
-            close(r->fd);
-            free(r);
-            continue;
-        }
-        pp = &r->next;
-    }
+    struct ramfd *r = arg;
     char p[PATH_MAX + 16];
-    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", dir);
+    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", r->dir);
     uint64_t t0 = sp_qemu__mono_ms();
     int in = open(p, O_RDONLY | O_CLOEXEC);
     struct stat st;
@@ -175,13 +179,20 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
         if (hole < 0)
             goto fail;
         for (off_t at = data; at < hole;) {
+            if (w != NULL && sp_work_cancelled(w)) {
+                errno = ECANCELED;
+                goto fail;
+            }
             size_t want =
                 (size_t)(hole - at) < RAM_COPY_CHUNK ? (size_t)(hole - at) : RAM_COPY_CHUNK;
-            ssize_t r = pread(in, buf, want, at);
-            if (r <= 0)
+            ssize_t n = pread(in, buf, want, at);
+            if (n <= 0) {
+                if (n == 0)
+                    errno = EIO; /* shorter than fstat said: changed under us */
                 goto fail;
-            for (ssize_t pg = 0; pg < r; pg += 4096) {
-                size_t len = (size_t)(r - pg) < 4096 ? (size_t)(r - pg) : 4096;
+            }
+            for (ssize_t pg = 0; pg < n; pg += 4096) {
+                size_t len = (size_t)(n - pg) < 4096 ? (size_t)(n - pg) : 4096;
                 bool zero = true;
                 for (size_t i = 0; i < len && zero; i += 8) {
                     uint64_t v = 0;
@@ -190,56 +201,197 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
                 }
                 if (!zero && pwrite(mfd, buf + pg, len, at + pg) != (ssize_t)len)
                     goto fail;
+                if (!zero)
+                    r->bytes += len;
             }
-            at += r;
+            at += n;
         }
         off = hole;
     }
     if (fcntl(mfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
         goto fail;
-    struct ramfd *r = calloc(1, sizeof(*r));
-    if (r == NULL)
-        goto fail;
-    sp_qemu__sfmt(r->dir, sizeof r->dir, "%s", dir);
-    r->fd = mfd;
-    r->next = d->ramfds;
-    d->ramfds = r;
     free(buf);
     close(in);
-    sp_log(SP_LOG_INFO, "qemu", "template RAM sealed for jailed clones dir=%s ms=%llu", dir,
-           (unsigned long long)(sp_qemu__mono_ms() - t0));
-    return mfd;
+    r->fd = mfd;
+    r->ms = sp_qemu__mono_ms() - t0;
+    return;
 fail:
-    sp_log(SP_LOG_ERROR, "qemu", "cannot seal the template RAM dir=%s err=%s", dir,
-           strerror(errno));
+    r->err_no = errno != 0 ? errno : EIO;
     free(buf);
     if (in >= 0)
         close(in);
     if (mfd >= 0)
         close(mfd);
-    return -1;
 }
 
-/* The backing file named in a qcow2 header, into out[PATH_MAX]; false if none. */
-static bool qcow2_backing(const char *path, char *out)
+static void ram_drop(struct ramfd *r)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    if (r->work != NULL) {
+        r->d = NULL; /* ram_done frees it (and closes a memfd made after all) */
+        sp_work_cancel(r->work);
+        return;
+    }
+    if (r->fd >= 0)
+        close(r->fd);
+    free(r);
+}
+
+static void ram_unlink(sp_qemu_t *d, struct ramfd *r)
+{
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            return;
+        }
+    }
+}
+
+/* The copy ended (or was let go): a memfd made is kept for dir's clones; the boots waiting for
+ * it go on (sp_qemu__boot_ram_ready), and without one they fail to spawn (plan_vm) as a
+ * synchronous copy's failure made them, after which the entry goes so that the next clone
+ * tries again. */
+static void ram_done(void *arg, bool cancelled)
+{
+    struct ramfd *r = arg;
+    sp_qemu_t *d = r->d;
+    r->work = NULL;
+    if (cancelled && d != NULL) /* the loop went first: the driver lets go of it too */
+        ram_unlink(d, r);
+    if (cancelled || d == NULL) {
+        sp_log(SP_LOG_DEBUG, "qemu", "template RAM copy let go dir=%s done=%d", r->dir,
+               (int)(r->fd >= 0));
+        if (r->fd >= 0)
+            close(r->fd);
+        free(r);
+        return;
+    }
+    if (r->fd >= 0) {
+        sp_log(SP_LOG_INFO, "qemu",
+               "template RAM sealed for jailed clones dir=%s ms=%llu bytes=%llu (off the loop)",
+               r->dir, (unsigned long long)r->ms, (unsigned long long)r->bytes);
+    } else {
+        r->failed = true;
+        sp_log(SP_LOG_ERROR, "qemu", "cannot seal the template RAM dir=%s err=%s", r->dir,
+               strerror(r->err_no));
+    }
+    /* One at a time from the table's head: a boot that goes on may fail and free itself. */
+    r->resuming = true;
+    for (;;) {
+        struct vm *vm = d->vms;
+        while (vm != NULL &&
+               !(vm->ram_wait && vm->clone_src != NULL && strcmp(vm->clone_src, r->dir) == 0))
+            vm = vm->next;
+        if (vm == NULL)
+            break;
+        vm->ram_wait = false;
+        sp_qemu__boot_ram_ready(vm);
+    }
+    r->resuming = false;
+    if (r->failed) {
+        ram_unlink(d, r);
+        free(r);
+    }
+}
+
+static struct ramfd *ram_find(sp_qemu_t *d, const char *dir)
+{
+    for (struct ramfd *r = d->ramfds; r != NULL; r = r->next)
+        if (strcmp(r->dir, dir) == 0)
+            return r;
+    return NULL;
+}
+
+/* Starts the copy of dir's RAM off the loop (on the loop when no job can be queued). Drops
+ * the memfds of snapshots removed meanwhile (by another process's collection; ours calls
+ * sp_qemu__confine_ram_forget): their running clones keep their own maps. NULL when out of
+ * memory. */
+static struct ramfd *ram_start(sp_qemu_t *d, const char *dir)
+{
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL;) {
+        struct ramfd *r = *pp;
+        if (r->work == NULL && !r->failed && !r->resuming && access(r->dir, F_OK) < 0 &&
+            errno == ENOENT) {
+            *pp = r->next;
+            ram_drop(r);
+            continue;
+        }
+        pp = &r->next;
+    }
+    struct ramfd *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        sp_log(SP_LOG_ERROR, "qemu", "cannot seal the template RAM dir=%s err=%s", dir,
+               strerror(ENOMEM));
+        return NULL;
+    }
+    r->d = d;
+    r->fd = -1;
+    sp_qemu__sfmt(r->dir, sizeof r->dir, "%s", dir);
+    r->next = d->ramfds;
+    d->ramfds = r;
+    r->work = sp_loop_work(d->base.loop, SP_WORK_LONG, ram_copy, ram_done, r);
+    if (r->work == NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "no worker thread: sealing the template RAM on the loop dir=%s",
+               dir);
+        ram_copy(NULL, r);
+        ram_done(r, false); /* nobody waits yet: a failed entry just goes */
+        return ram_find(d, dir);
+    }
+    sp_log(SP_LOG_DEBUG, "qemu", "sealing the template RAM off the loop dir=%s", dir);
+    return r;
+}
+
+/* A template snapshot is committed or found current (tsnap.c): its RAM is copied now, so that
+ * its first jailed clone need not wait for it. Not in a tool's driver (no_adopt: spaced
+ * template build), which never clones. */
+void sp_qemu__confine_ram_prepare(sp_qemu_t *d, const char *dir)
+{
+    if (d->jail && !d->no_adopt && ram_find(d, dir) == NULL)
+        ram_start(d, dir);
+}
+
+/* The snapshot at dir is being removed (collection, tsnap.c; no VM uses it): its memfd goes,
+ * and a copy still running is let go (ram_done frees it). */
+void sp_qemu__confine_ram_forget(sp_qemu_t *d, const char *dir)
+{
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL; pp = &(*pp)->next) {
+        struct ramfd *r = *pp;
+        if (strcmp(r->dir, dir) == 0 && !r->resuming) {
+            *pp = r->next;
+            ram_drop(r);
+            return;
+        }
+    }
+}
+
+/* Called as a jailed clone's QEMU is about to start: true when its template RAM is still being
+ * copied (started now if it was not), and the boot waits (vm->ram_wait) until ram_done goes
+ * on with it. false: go on; plan_vm then finds the memfd, or fails the spawn. */
+bool sp_qemu__confine_ram_wait(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
+    vm->ram_wait = false;
+    if (!d->jail || vm->clone_src == NULL)
         return false;
-    uint8_t h[20];
-    bool ok = pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h && memcmp(h, "QFI\xfb", 4) == 0;
-    uint64_t off = 0;
-    uint32_t len = 0;
-    for (int i = 0; ok && i < 8; i++)
-        off = off << 8 | h[8 + i];
-    for (int i = 0; ok && i < 4; i++)
-        len = len << 8 | h[16 + i];
-    ok = ok && off > 0 && len > 0 && len < PATH_MAX &&
-         pread(fd, out, len, (off_t)off) == (ssize_t)len;
-    close(fd);
-    if (ok)
-        out[len] = '\0';
-    return ok && out[0] == '/';
+    struct ramfd *r = ram_find(d, vm->clone_src);
+    if (r == NULL)
+        r = ram_start(d, vm->clone_src);
+    if (r == NULL || r->work == NULL)
+        return false;
+    vm->ram_wait = true;
+    sp_log(SP_LOG_DEBUG, "qemu", "boot waits for its sealed template RAM sandbox=%s dir=%s", vm->id,
+           vm->clone_src);
+    return true;
+}
+
+/* The sealed memfd of dir's RAM, made. -1 with errno when there is none (its copy failed,
+ * logged by ram_done, or never ran). */
+static int ram_fd(sp_qemu_t *d, const char *dir)
+{
+    struct ramfd *r = ram_find(d, dir);
+    if (r != NULL && r->fd >= 0 && r->work == NULL)
+        return r->fd;
+    errno = r != NULL && r->err_no != 0 ? r->err_no : ENOENT;
+    return -1;
 }
 
 static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
@@ -268,7 +420,8 @@ static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
             return -1;
     }
     sp_qemu__vm_path(vm, "disk.qcow2", chain, sizeof chain);
-    for (int k = 0; k < CHAIN_MAX && qcow2_backing(chain, next); k++) {
+    for (int k = 0;
+         k < CHAIN_MAX && sp_qemu__qcow2_backing(chain, next, sizeof next) && next[0] == '/'; k++) {
         if (sp_jail_bind(j, next, 0) < 0)
             return -1;
         memcpy(chain, next, sizeof chain);
@@ -370,6 +523,10 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
         sp_err_set(err, SP_ERUNTIME, "no free uid for the VM (--jail-uid-range is exhausted)");
         return -1;
     }
+    /* where a jailed spawn's time goes (debug log below): t[0] start, t[1] VM dir prepared,
+     * t[2] planned, t[3] sockets bound, t[4] the child exec'd */
+    struct timespec t[5];
+    clock_gettime(CLOCK_MONOTONIC, &t[0]);
     sp_jail_t *j = sp_jail_new(d->jail_stage, vm->jail_uid, vm->jail_uid);
     int memfd = -1, qmp_fd = -1, agent_fd = -1;
     size_t argc = 0;
@@ -377,8 +534,12 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
         argc++;
     char **av = calloc(argc + 3, sizeof(*av));
     char qmpdev[64], agentdev[64];
-    if (j == NULL || av == NULL || prepare_vm_dir(vm) < 0 || plan_vm(vm, j, &memfd) < 0 ||
-        (qmp_fd = listen_at(vm, "qmp.sock")) < 0 || (agent_fd = listen_at(vm, "agent.sock")) < 0) {
+    bool ok = j != NULL && av != NULL && prepare_vm_dir(vm) == 0;
+    clock_gettime(CLOCK_MONOTONIC, &t[1]);
+    ok = ok && plan_vm(vm, j, &memfd) == 0;
+    clock_gettime(CLOCK_MONOTONIC, &t[2]);
+    if (!ok || (qmp_fd = listen_at(vm, "qmp.sock")) < 0 ||
+        (agent_fd = listen_at(vm, "agent.sock")) < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot prepare the jail sandbox=%s err=%s", vm->id,
                strerror(errno));
         sp_jail_free(j);
@@ -421,10 +582,19 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
     int in = open("/dev/null", O_RDONLY | O_CLOEXEC);
     char why[256] = "";
     pid_t pid = -1;
+    clock_gettime(CLOCK_MONOTONIC, &t[3]);
     if (out >= 0 && in >= 0)
         pid = sp_jail_spawn(j, av, NULL, in, out, cg, pidfd, why, sizeof why);
     else
         sp_qemu__sfmt(why, sizeof why, "stdio: %s", strerror(errno));
+    clock_gettime(CLOCK_MONOTONIC, &t[4]);
+    long long us[4];
+    for (int i = 0; i < 4; i++)
+        us[i] = (long long)(t[i + 1].tv_sec - t[i].tv_sec) * 1000000 +
+                (t[i + 1].tv_nsec - t[i].tv_nsec) / 1000;
+    sp_log(SP_LOG_DEBUG, "qemu",
+           "jail steps sandbox=%s prepare_us=%lld plan_us=%lld sockets_us=%lld spawn_us=%lld",
+           vm->id, us[0], us[1], us[2], us[3]);
     if (out >= 0)
         close(out);
     if (in >= 0)

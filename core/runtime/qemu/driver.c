@@ -424,6 +424,7 @@ void sp_qemu__vm_finish(struct vm *vm)
         vm->keep_logs = false;
         vm->restoring = false;
         vm->clone_boot = false;
+        vm->ram_wait = false;
         free(vm->clone_src);
         vm->clone_src = NULL;
         vm->tsnap_wait = NULL;
@@ -620,18 +621,18 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
             return sp_err_set(err, SP_EINVAL, "env is not a JSON object");
     }
     const char *tname = spec->template_name != NULL ? spec->template_name : "base";
-    sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
-    if (tp == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    bool oom;
     sp_err_t te;
-    if (sp_tmplbuild_current(d->data_dir, tname, tp, &te) < 0) {
-        free(tp);
+    sp_tmplbuild_paths_t *tp = sp_qemu__template_current(d, tname, &oom, &te);
+    if (tp == NULL && oom)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    if (tp == NULL) {
         sp_log(SP_LOG_WARN, "qemu", "template not usable template=%s err=%s", tname, te.msg);
         return sp_err_set(err, SP_ERUNTIME, "template %s is not built on this host", tname);
     }
     if (d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0) {
-        int cpus = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
-        int mem = spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
+        int cpus = sp_qemu__vm_cpus(tp, spec->cpu_count);
+        int mem = sp_qemu__vm_memory(tp, spec->memory_mb);
         char key[17];
         if (sp_qemu__tsnap_key_for(d, tp, cpus, mem, key) == 0) {
             struct poolwant *pw = sp_qemu__pool_want(d, key);
@@ -647,28 +648,69 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
             sp_qemu__pool_count(false);
         }
     }
-    vm = sp_qemu__vm_new(d, spec->sandbox_id);
+    vm = sp_qemu__vm_new_boot(d, spec->sandbox_id, tp, tname, spec->cpu_count, spec->memory_mb, cb,
+                              arg, err);
+    if (vm == NULL)
+        return -1;
+    vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+    vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    sp_qemu__kick(d);
+    return 0;
+}
+
+/* Template tname's current build (guest/tmplbuild.h), in a new allocation; NULL with *oom when
+ * out of memory, else with te saying why it is not usable. */
+sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *tname, bool *oom,
+                                                sp_err_t *te)
+{
+    sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
+    *oom = tp == NULL;
+    if (tp != NULL && sp_tmplbuild_current(d->data_dir, tname, tp, te) < 0) {
+        free(tp);
+        tp = NULL;
+    }
+    return tp;
+}
+
+/* The vCPUs of a VM of template build tp when cpu_count are asked (0: the template's). */
+int sp_qemu__vm_cpus(const sp_tmplbuild_paths_t *tp, int cpu_count)
+{
+    return cpu_count > 0 ? cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
+}
+
+/* Its RAM in MiB when memory_mb are asked (0: the template's). */
+int sp_qemu__vm_memory(const sp_tmplbuild_paths_t *tp, int memory_mb)
+{
+    return memory_mb > 0 ? memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
+}
+
+/* A new VM of template tname (tp: its current build, owned by the VM from here on, freed on
+ * failure) for a boot or a template snapshot request, cb waiting for it, sized as asked
+ * (sp_qemu__vm_cpus, sp_qemu__vm_memory), in PH_WAIT_ACCEL: the caller adds what is its own
+ * and kicks. NULL with err set when out of memory. */
+struct vm *sp_qemu__vm_new_boot(sp_qemu_t *d, const char *id, sp_tmplbuild_paths_t *tp,
+                                const char *tname, int cpu_count, int memory_mb, sp_driver_cb cb,
+                                void *arg, sp_err_t *err)
+{
+    struct vm *vm = sp_qemu__vm_new(d, id);
     if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
         free(tp);
         if (vm != NULL) {
             sp_qemu__vm_unlink(vm);
             sp_qemu__vm_free(vm);
         }
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
     }
     vm->tp = tp;
     sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
-    vm->cpu_count = spec->cpu_count > 0 ? spec->cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
-    vm->memory_mb =
-        spec->memory_mb > 0 ? spec->memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
+    vm->cpu_count = sp_qemu__vm_cpus(tp, cpu_count);
+    vm->memory_mb = sp_qemu__vm_memory(tp, memory_mb);
     vm->disk_total = (uint64_t)(tp->disk_mb > 0 ? tp->disk_mb : 0) << 20;
-    vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
-    vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
     vm->ph = PH_WAIT_ACCEL;
     vm->boot_start_ms = sp_qemu__mono_ms();
-    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
-    sp_qemu__kick(d);
-    return 0;
+    return vm;
 }
 
 struct vm *sp_qemu__running_vm(sp_qemu_t *d, const char *id, sp_err_t *err)

@@ -18,7 +18,8 @@
  *   confine.c   the jail each QEMU runs in (core/runtime/jail.h), its uid, the refusals
  *               without seccomp or cgroups
  *
- * Everything runs on the driver's loop but the jobs of sums.c. For core/runtime/qemu/ only.
+ * Everything runs on the driver's loop but the jobs of sums.c and confine.c's copies of template
+ * RAM. For core/runtime/qemu/ only.
  */
 #ifndef SP_QEMU_INT_H
 #define SP_QEMU_INT_H
@@ -243,6 +244,7 @@ struct vm {
     /* the VM runs in its own cgroup (core/runtime/cgroup.h), with its limits */
     bool cg;
     uid_t jail_uid; /* its QEMU's uid and gid (confine.c); 0: none held */
+    bool ram_wait;  /* PH_DISK, QEMU not started: waits for clone_src's sealed RAM (confine.c) */
     /* template snapshots */
     struct tsnap *tsnap_build; /* this VM is the builder of that snapshot (never a sandbox) */
     struct tsnap *tsnap_wait;  /* this boot clones that snapshot (or waits for it) */
@@ -317,7 +319,7 @@ struct sp_qemu {
                                  * own mount namespace */
     bool allow_no_seccomp;      /* --insecure-no-seccomp */
     bool allow_no_cgroups;      /* --insecure-no-cgroups */
-    struct ramfd *ramfds;       /* template RAM files as sealed memfds */
+    struct ramfd *ramfds;       /* template RAM files as sealed memfds, made or being made */
 };
 
 /* How sp_qemu__spawn starts a child. */
@@ -340,6 +342,13 @@ int sp_qemu__add_waiter(struct waiter **list, sp_driver_cb cb, void *arg, sp_err
 struct vm *sp_qemu__vm_find(sp_qemu_t *d, const char *id);
 void sp_qemu__vm_unlink(struct vm *vm);
 struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id);
+sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *tname, bool *oom,
+                                                sp_err_t *te);
+int sp_qemu__vm_cpus(const sp_tmplbuild_paths_t *tp, int cpu_count);
+int sp_qemu__vm_memory(const sp_tmplbuild_paths_t *tp, int memory_mb);
+struct vm *sp_qemu__vm_new_boot(sp_qemu_t *d, const char *id, sp_tmplbuild_paths_t *tp,
+                                const char *tname, int cpu_count, int memory_mb, sp_driver_cb cb,
+                                void *arg, sp_err_t *err);
 void sp_qemu__vm_disconnect(struct vm *vm);
 void sp_qemu__vm_free(struct vm *vm);
 pid_t sp_qemu__live_qemu_pid(const char *dir);
@@ -365,6 +374,7 @@ int sp_qemu__cached_probe_verdict(sp_qemu_t *d);
 void sp_qemu__record_accel(sp_qemu_t *d, const char *why);
 void sp_qemu__start_sandbox_probe(sp_qemu_t *d);
 void sp_qemu__on_kick(sp_timer_t *t, void *arg);
+void sp_qemu__boot_ram_ready(struct vm *vm);
 
 /* ---- export.c: a paused VM's disk written out as an image (template builds) ---- */
 
@@ -437,6 +447,9 @@ pid_t sp_qemu__confine_spawn(struct vm *vm, char *const argv[], const char *log_
                              const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err);
 void sp_qemu__confine_adopted(struct vm *vm);
 void sp_qemu__confine_release(struct vm *vm);
+void sp_qemu__confine_ram_prepare(sp_qemu_t *d, const char *dir);
+void sp_qemu__confine_ram_forget(sp_qemu_t *d, const char *dir);
+bool sp_qemu__confine_ram_wait(struct vm *vm);
 
 /* ---- util.c: helpers ---- */
 
@@ -461,5 +474,6 @@ struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struc
 bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join);
 void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
 int sp_qemu__fsync_path(const char *p, int flags);
+bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n);
 
 #endif

@@ -121,28 +121,6 @@ static bool tsnap_valid(const char *dir, const char *key, int memory_mb)
 
 /* ---------- template snapshot collection ---------- */
 
-/* The backing file a qcow2 header names, into out[n]. false when none or unreadable. */
-static bool qcow2_backing(const char *path, char *out, size_t n)
-{
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return false;
-    uint8_t h[20];
-    bool ok = pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h && memcmp(h, "QFI\xfb", 4) == 0;
-    uint64_t off = 0;
-    uint32_t len = 0;
-    for (int i = 0; ok && i < 8; i++)
-        off = off << 8 | h[8 + i];
-    for (int i = 0; ok && i < 4; i++)
-        len = len << 8 | h[16 + i];
-    ok = ok && off != 0 && len != 0 && len < n && off < (1u << 20);
-    ok = ok && pread(fd, out, len, (off_t)off) == (ssize_t)len;
-    close(fd);
-    if (ok)
-        out[len] = '\0';
-    return ok;
-}
-
 /* Paths sandboxes use, as found on disk and in memory. */
 struct refs {
     char **v;
@@ -204,7 +182,7 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
             continue; /* ., .., builders (their disk backs onto the template's base) */
         char p[PATH_MAX + 80], b[PATH_MAX];
         sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->vms_dir, de->d_name);
-        if (qcow2_backing(p, b, sizeof b))
+        if (sp_qemu__qcow2_backing(p, b, sizeof b))
             refs_add(r, b);
         sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->vms_dir, de->d_name);
         json_t *o = json_load_file(p, 0, NULL);
@@ -249,7 +227,8 @@ static const char *tsnap_stale(const sp_qemu_t *d, const sp_tmplbuild_paths_t *c
  * uses (tsnap_refs); those in use go on a later pass once their last clone is gone. Runs at
  * driver start (once the accelerator is known: keys depend on it) and after each snapshot
  * commit. Blocks on a readdir of the VM and template dirs and one 60 KB checksum per
- * snapshot: milliseconds. */
+ * snapshot: milliseconds. The current ones get their sealed RAM made off the loop for jailed
+ * clones (confine.c), the removed ones lose it. */
 void sp_qemu__tsnap_gc(sp_qemu_t *d)
 {
     if (d->accel < 0)
@@ -289,8 +268,12 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                 char spath[PATH_MAX];
                 sp_qemu__sfmt(spath, sizeof spath, "%s/%s", hpath, se->d_name);
                 const char *why = tsnap_stale(d, is_cur ? &cur : NULL, se->d_name, spath);
-                if (why == NULL)
+                if (why == NULL) {
+                    /* current: jailed clones will want its sealed RAM (at driver start,
+                     * this is where committed snapshots are found) */
+                    sp_qemu__confine_ram_prepare(d, spath);
                     continue;
+                }
                 if (refs_has(&r, spath)) {
                     sp_log(SP_LOG_DEBUG, "qemu", "template snapshot kept: in use dir=%s", spath);
                     kept++;
@@ -304,6 +287,7 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                 }
                 sp_log(SP_LOG_INFO, "qemu", "removing template snapshot dir=%s reason=\"%s\"",
                        spath, why);
+                sp_qemu__confine_ram_forget(d, spath); /* a copy in flight is let go */
                 sp_qemu__rm_rf(spath);
                 removed++;
             }
@@ -759,8 +743,10 @@ void sp_qemu__tsnap_commit(struct vm *vm)
                (long long)sr.st_blocks * 512, (long long)sd.st_size);
     }
     json_decref(o);
-    if (why == NULL)
-        sp_qemu__tsnap_gc(vm->d); /* it may supersede others */
+    if (why == NULL) {
+        sp_qemu__confine_ram_prepare(vm->d, t->dir); /* its clones' sealed RAM, off the loop */
+        sp_qemu__tsnap_gc(vm->d);                    /* it may supersede others */
+    }
     tsnap_wake(vm->d, t);
 }
 
@@ -806,38 +792,24 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
     if (d->cold_only)
         return sp_err_set(err, SP_ECONFLICT, "template snapshots are off (cold boot configured)");
     const char *tname = template_name != NULL ? template_name : "base";
-    sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
-    if (tp == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    bool oom;
     sp_err_t te;
-    if (sp_tmplbuild_current(d->data_dir, tname, tp, &te) < 0) {
-        free(tp);
+    sp_tmplbuild_paths_t *tp = sp_qemu__template_current(d, tname, &oom, &te);
+    if (tp == NULL && oom)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    if (tp == NULL)
         return sp_err_set(err, te.code == SP_EINVAL ? SP_EINVAL : SP_ENOTFOUND,
                           "template %.64s is not built on this host", tname);
-    }
     char id[SP_QEMU_ID_MAX + 1];
     /* ':' keeps it out of every API's reach */
     sp_qemu__sfmt(id, sizeof id, "tsreq:%u", ++d->req_seq);
-    struct vm *vm = sp_qemu__vm_new(d, id);
-    if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
-        free(tp);
-        if (vm != NULL) {
-            sp_qemu__vm_unlink(vm);
-            sp_qemu__vm_free(vm);
-        }
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    }
-    vm->tp = tp;
+    struct vm *vm = sp_qemu__vm_new_boot(d, id, tp, tname, cpu_count, memory_mb, cb, arg, err);
+    if (vm == NULL)
+        return -1;
     vm->tsnap_req = true;
     vm->req_info = info;
     if (info != NULL)
         memset(info, 0, sizeof *info);
-    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tname);
-    vm->cpu_count = cpu_count > 0 ? cpu_count : (tp->cpu_count > 0 ? tp->cpu_count : 1);
-    vm->memory_mb = memory_mb > 0 ? memory_mb : (tp->memory_mb > 0 ? tp->memory_mb : 256);
-    vm->disk_total = (uint64_t)(tp->disk_mb > 0 ? tp->disk_mb : 0) << 20;
-    vm->ph = PH_WAIT_ACCEL;
-    vm->boot_start_ms = sp_qemu__mono_ms();
     sp_qemu__kick(d);
     return 0;
 }

@@ -1,7 +1,7 @@
 /*
  * util.c - small helpers every file of the QEMU driver uses: formatting and clocks, paths
- * and small files, child processes (fork/exec with a cgroup join, watched by pidfd), a VM's
- * cgroups and its console log.
+ * and small files, the backing file a qcow2 header names, child processes (fork/exec with a
+ * cgroup join, watched by pidfd), a VM's cgroups and its console log.
  *
  * Keeps no state of its own; a struct child belongs to whoever started it.
  */
@@ -422,4 +422,27 @@ int sp_qemu__fsync_path(const char *p, int flags)
     int rc = fsync(fd);
     close(fd);
     return rc;
+}
+
+/* The backing file a qcow2 header names (as written there: absolute for ours), into out[n].
+ * false when none or unreadable. */
+bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    uint8_t h[20];
+    bool ok = pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h && memcmp(h, "QFI\xfb", 4) == 0;
+    uint64_t off = 0;
+    uint32_t len = 0;
+    for (int i = 0; ok && i < 8; i++)
+        off = off << 8 | h[8 + i];
+    for (int i = 0; ok && i < 4; i++)
+        len = len << 8 | h[16 + i];
+    ok = ok && off != 0 && len != 0 && len < n && off < (1u << 20);
+    ok = ok && pread(fd, out, len, (off_t)off) == (ssize_t)len;
+    close(fd);
+    if (ok)
+        out[len] = '\0';
+    return ok;
 }
