@@ -448,16 +448,16 @@ static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, boo
 static void parse_build(PGresult *r, int row, sp_tmpl_build_rec_t *o)
 {
     memset(o, 0, sizeof(*o));
-    copy(o->id, sizeof o->id, PQgetvalue(r, row, 0));
-    copy(o->template_name, sizeof o->template_name, PQgetvalue(r, row, 1));
-    copy(o->status, sizeof o->status, PQgetvalue(r, row, 2));
-    copy(o->hash, sizeof o->hash, PQgetvalue(r, row, 3));
+    SP_STORE_TEXT(r, row, 0, o->id);
+    SP_STORE_TEXT(r, row, 1, o->template_name);
+    SP_STORE_TEXT(r, row, 2, o->status);
+    SP_STORE_TEXT(r, row, 3, o->hash);
     o->cached = PQgetvalue(r, row, 4)[0] == 't';
     o->failed_step = atoi(PQgetvalue(r, row, 5));
-    copy(o->error, sizeof o->error, PQgetvalue(r, row, 6));
-    copy(o->created_at, sizeof o->created_at, PQgetvalue(r, row, 7));
-    copy(o->started_at, sizeof o->started_at, PQgetvalue(r, row, 8));
-    copy(o->finished_at, sizeof o->finished_at, PQgetvalue(r, row, 9));
+    SP_STORE_TEXT(r, row, 6, o->error);
+    SP_STORE_TEXT(r, row, 7, o->created_at);
+    SP_STORE_TEXT(r, row, 8, o->started_at);
+    SP_STORE_TEXT(r, row, 9, o->finished_at);
     o->cpu_count = atoi(PQgetvalue(r, row, 10));
     o->memory_mb = atoi(PQgetvalue(r, row, 11));
 }
