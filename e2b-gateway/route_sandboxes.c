@@ -55,9 +55,9 @@ void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj)
         h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT("x-next-token"), 0, NULL, v,
                               n);
     }
-    if (obj == NULL) { /* 204, or 202 with no body (a template build started) */
+    if (obj == NULL) { /* 204 */
         req->res.status = status;
-        req->res.reason = status == 202 ? "Accepted" : "No Content";
+        req->res.reason = "No Content";
         h2o_send_inline(req, "", 0);
         return;
     }

@@ -4,7 +4,7 @@
  * `Template.exists`, template delete and list.
  *
  *   POST /v3/templates {name, cpuCount, memoryMB}        -> reserve a build (tmpl: "waiting")
- *   POST /v2/templates/{id}/builds/{build} {steps...}    -> start it (202, no body)
+ *   POST /v2/templates/{id}/builds/{build} {steps...}    -> start it (202, {})
  *   GET  /templates/{id}/builds/{build}/status?logsOffset -> status and log entries
  *   GET  /templates/aliases/{name}, DELETE /templates/{id}, GET /templates
  *
@@ -109,8 +109,8 @@ static void on_started(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *
     (void)b;
     if (err != NULL)
         sp_e2b__ctl_fail_err(c, err);
-    else
-        sp_e2b__ctl_reply(c, 202, NULL);
+    else /* "{}": the JS client parses a 202's body as JSON unless it says it has none */
+        sp_e2b__ctl_reply(c, 202, json_object());
 }
 
 /* One E2B step appended to steps as tmpl's; *dir is the workdir so far. NULL or why. */

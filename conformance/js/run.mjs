@@ -10,6 +10,7 @@ import { cleanup, configProblem, registered, RUN_ID, TEMPLATE } from './lib.mjs'
 import './lifecycle.mjs'
 import './commands.mjs'
 import './files.mjs'
+import './templates.mjs'
 import { cleanupCodeInterpreter } from './code_interpreter.mjs'
 
 const problem = configProblem()
