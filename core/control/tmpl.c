@@ -626,7 +626,8 @@ static void record_end(struct build *b)
         rec = sp_store_call(
             b->t->store,
             "WITH b AS (UPDATE template_builds SET status = 'failed', error = $2,"
-            "  failed_step = $3::int, finished_at = now() WHERE id = $1 RETURNING 1)"
+            "  failed_step = $3::int, finished_at = now(), started_at = coalesce(started_at, now())"
+            "  WHERE id = $1 RETURNING 1)"
             " UPDATE templates SET status = 'failed', updated_at = now()"
             " WHERE name = $4 AND status = 'building' AND (SELECT count(*) FROM b) >= 0",
             4, p, sizeof(struct build *), on_recorded, &e);
@@ -643,7 +644,8 @@ static void record_end(struct build *b)
         rec = sp_store_call(
             b->t->store,
             "WITH b AS (UPDATE template_builds SET status = 'succeeded', hash = $2,"
-            "  cached = $3::bool, finished_at = now() WHERE id = $1 RETURNING 1)"
+            "  cached = $3::bool, finished_at = now(), started_at = coalesce(started_at, now())"
+            "  WHERE id = $1 RETURNING 1)"
             " UPDATE templates SET status = 'ready', build_id = $2,"
             "  description = coalesce($5, description), cpu_count = $6::int,"
             "  memory_mb = $7::int, env = $8::jsonb, parent = $9, deleted_at = NULL,"
@@ -1349,8 +1351,10 @@ static void start_build(struct build *b)
     const char *p[] = {b->id};
     sp_err_t e;
     void *rec = sp_store_call(t->store,
+                              /* only from queued: the statement that records the end may
+                               * run first on another connection (a cached build ends at once) */
                               "UPDATE template_builds SET status = 'building', started_at = now()"
-                              " WHERE id = $1",
+                              " WHERE id = $1 AND status = 'queued'",
                               1, p, sizeof(struct build *), on_started, &e);
     if (rec != NULL)
         *(struct build **)rec = b;
