@@ -32,10 +32,10 @@ CMDS = ["mkdir -p /srv/site && for i in $(seq 1 200); do echo line-$i; done > /s
 
 def build(s, body):
     t0 = time.time()
-    st, r = s.request("POST", "/v1/templates?wait=300000", body, timeout=330)
+    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
     b = r["build"]
     while b["status"] in ("queued", "building"):
-        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300000" % (b["template"], b["id"]),
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
                           timeout=330)
         b = r["build"]
     if b["status"] != "succeeded":
@@ -45,11 +45,11 @@ def build(s, body):
 
 def create_first_cmd(s, template):
     t0 = time.time()
-    st, r = s.request("POST", "/v1/sandboxes?wait=120000", {"template": template}, timeout=150)
+    st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": template}, timeout=150)
     sid = r["sandbox"]["id"]
     st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": "true"}, timeout=60)
     ms = (time.time() - t0) * 1000
-    s.request("DELETE", "/v1/sandboxes/%s?wait=60000" % sid, timeout=70)
+    s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
     return ms
 
 
@@ -58,7 +58,7 @@ def main():
     s = p.s
     try:
         built, cached, inplace = [], [], []
-        st, r = s.request("POST", "/v1/sandboxes?wait=120000", {"template": "base"}, timeout=150)
+        st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base"}, timeout=150)
         sid = r["sandbox"]["id"]
         for i in range(ROUNDS):
             nonce = "%d-%d" % (os.getpid(), i)
@@ -77,7 +77,7 @@ def main():
                                     {"cmd": c, "user": "root"}, timeout=60)
                 assert out["exit_code"] == 0, out
             inplace.append((time.time() - t0) * 1000)
-        s.request("DELETE", "/v1/sandboxes/%s?wait=60000" % sid, timeout=70)
+        s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         line("build of 4 steps + start/ready (POST -> succeeded)", built)
         line("the same 4 commands in a running sandbox", inplace)
         med = sorted(built)[len(built) // 2] - sorted(inplace)[len(inplace) // 2]
