@@ -356,12 +356,11 @@ static void build_status(ctl_t *c, h2o_req_t *req, const char *id, const char *b
 {
     char name[65], why[160];
     int offset = 0, limit = LOG_ENTRIES;
-    const char *q = req->query_at != SIZE_MAX ? req->path.base + req->query_at : "";
-    const char *o = strstr(q, "logsOffset="), *l = strstr(q, "limit=");
+    const char *o = sp_http_query(req, "logsOffset"), *l = sp_http_query(req, "limit");
     if (o != NULL)
-        offset = atoi(o + 11);
-    if (l != NULL && l[-1] != 's') /* not logsOffset's tail */
-        limit = atoi(l + 6);
+        offset = atoi(o);
+    if (l != NULL)
+        limit = atoi(l);
     if (offset < 0 || limit < 0) {
         sp_e2b__ctl_fail(c, 400, "logsOffset and limit must not be negative");
         return;
@@ -444,12 +443,9 @@ void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash)
         sp_e2b__error(req, 503, "template builds are not available on this server");
         return;
     }
-    const char *q = req->query_at != SIZE_MAX ? req->path.base + req->query_at : "";
-    const char *t = strstr(q, "token=");
-    if (t != NULL) {
-        size_t n = strcspn(t + 6, "&");
-        snprintf(tok, sizeof tok, "%.*s", (int)(n < sizeof tok ? n : sizeof tok - 1), t + 6);
-    }
+    const char *t = sp_http_query(req, "token");
+    if (t != NULL)
+        snprintf(tok, sizeof tok, "%s", t);
     sp_tmplfiles_t *f = sp_tmpl_files(gw->tmpl);
     if (sp_tmplfiles_token_check(f, tok, hash, team, &e) < 0) {
         sp_e2b__error(req, 403, e.msg);

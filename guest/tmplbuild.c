@@ -42,7 +42,7 @@ extern char **environ;
 
 /* ---- spec ---------------------------------------------------------------- */
 
-static int valid_name(const char *s)
+bool sp_tmplbuild_valid_name(const char *s)
 {
     size_t n = strlen(s);
     if (n == 0 || n > 63 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
@@ -149,7 +149,7 @@ static int parse_user(json_t *u, sp_tmplbuild_user_t *out, sp_err_t *err)
             strcmp(k, "sudo"))
             return sp_err_set(err, SP_EINVAL, "spec: unknown user field '%.40s'", k);
     }
-    if (!json_is_string(name) || !valid_name(json_string_value(name)) ||
+    if (!json_is_string(name) || !sp_tmplbuild_valid_name(json_string_value(name)) ||
         strlen(json_string_value(name)) > 32)
         return sp_err_set(err, SP_EINVAL, "spec: user name must be [a-z0-9._-], at most 32");
     if (!json_is_integer(uid) || json_integer_value(uid) < 1000 || json_integer_value(uid) > 60000)
@@ -240,15 +240,15 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
         get_int(root, "memory_mb", 256, 64, 65536, &s->memory_mb, err) < 0 ||
         get_int(root, "disk_mb", 2048, 256, 1048576, &s->disk_mb, err) < 0)
         goto out;
-    if (s->name == NULL || !valid_name(s->name)) {
+    if (s->name == NULL || !sp_tmplbuild_valid_name(s->name)) {
         sp_err_set(err, SP_EINVAL, "spec: name must be [a-z0-9][a-z0-9._-]*, at most 63");
         goto out;
     }
-    if (s->suite == NULL || !valid_name(s->suite)) {
+    if (s->suite == NULL || !sp_tmplbuild_valid_name(s->suite)) {
         sp_err_set(err, SP_EINVAL, "spec: suite is required (a Debian suite name)");
         goto out;
     }
-    if (!valid_name(s->variant) || !valid_name(s->hostname)) {
+    if (!sp_tmplbuild_valid_name(s->variant) || !sp_tmplbuild_valid_name(s->hostname)) {
         sp_err_set(err, SP_EINVAL, "spec: variant and hostname must be [a-z0-9._-]");
         goto out;
     }
@@ -371,7 +371,7 @@ static char *read_file(const char *path, size_t max, size_t *len)
 char *sp_tmplbuild_spec_load(const char *templates_dir, const char *name, size_t *len,
                              sp_err_t *err)
 {
-    if (name == NULL || !valid_name(name)) {
+    if (name == NULL || !sp_tmplbuild_valid_name(name)) {
         sp_err_set(err, SP_EINVAL, "bad template name");
         return NULL;
     }
@@ -567,7 +567,7 @@ int sp_tmplbuild_paths(const char *data_dir, const char *name, const char *hash,
                        const char *kernel_version, sp_tmplbuild_paths_t *out, sp_err_t *err)
 {
     memset(out, 0, sizeof *out);
-    if (!valid_name(name))
+    if (!sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL, "bad template name");
     if (strlen(hash) != SP_TMPLBUILD_HASH_LEN ||
         strlen(kernel_version) >= sizeof out->kernel_version ||
@@ -624,7 +624,7 @@ int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_pa
                          sp_err_t *err)
 {
     char link[PATH_MAX], target[128];
-    if (!valid_name(name))
+    if (!sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL, "bad template name");
     if (fmt(link, sizeof link, err, "%s/templates/%s/current", data_dir, name) < 0)
         return -1;

@@ -53,6 +53,7 @@
 #ifndef SP_TMPLBUILD_H
 #define SP_TMPLBUILD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "base/err.h"
@@ -90,6 +91,9 @@ typedef struct {
     int disk_mb;
     char *canonical; /* the spec as compact JSON with sorted keys: what is hashed */
 } sp_tmplbuild_spec_t;
+
+/* A template name: [a-z0-9][a-z0-9._-]*, at most 63 characters (it names a directory). */
+bool sp_tmplbuild_valid_name(const char *s);
 
 /* Parses and validates a spec; *out is freed with sp_tmplbuild_spec_free(). */
 int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **out, sp_err_t *err);

@@ -11,6 +11,7 @@
 #include <strings.h>
 
 #include "base/buf.h"
+#include "guest/tmplbuild.h"
 
 struct parse {
     sp_dockerfile_t *out;
@@ -27,18 +28,6 @@ static int bad(struct parse *p, const char *fmt, const char *a)
     char msg[300];
     snprintf(msg, sizeof msg, fmt, a);
     return sp_err_set(p->err, SP_EINVAL, "Dockerfile line %d: %s", p->line, msg);
-}
-
-static bool valid_template(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > 63 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
-        return false;
-    for (size_t i = 0; i < n; i++)
-        if (!(islower((unsigned char)s[i]) || isdigit((unsigned char)s[i]) || s[i] == '.' ||
-              s[i] == '_' || s[i] == '-'))
-            return false;
-    return true;
 }
 
 static json_t *exec_form(const char *s);
@@ -264,7 +253,7 @@ static int instruction(struct parse *p, const char *ins, const char *rest)
             rc = bad(p, "%s", "FROM takes a template and an optional AS name");
         else if (strcmp(ref, "scratch") == 0)
             rc = bad(p, "%s", "FROM scratch is not supported: start from a template (base)");
-        else if (!valid_template(ref))
+        else if (!sp_tmplbuild_valid_name(ref))
             rc = bad(p,
                      "FROM %.100s: building from container images is not supported by this "
                      "server yet; FROM names a template (base, or one of yours)",
