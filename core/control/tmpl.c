@@ -91,7 +91,6 @@ struct build {
     char error[1024];
     size_t step; /* index of the step running or next */
     bool finishing; /* the steps are done: the env file and sync are running */
-    bool finished;  /* ... and they ended well */
     sp_exec_t *op;
     int copy_fd;      /* a copy step's files being written into the builder, or -1 */
     uint8_t *copy_buf; /* a chunk of them the agent has not taken yet */
@@ -115,7 +114,6 @@ struct sp_tmpl {
     sp_driver_t *driver;
     char data_dir[PATH_MAX];
     struct build *builds; /* accepted, not yet recorded as ended; oldest last */
-    struct waiter *waiters; /* ?wait= on a build not in memory: none wait long */
 };
 
 /* ---- small helpers ---- */
@@ -125,19 +123,6 @@ static void copy(char *dst, size_t cap, const char *src)
     size_t n = src ? strnlen(src, cap - 1) : 0;
     memcpy(dst, src ? src : "", n);
     dst[n] = '\0';
-}
-
-static bool valid_name(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > 63 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (!(islower(c) || isdigit(c) || c == '.' || c == '_' || c == '-'))
-            return false;
-    }
-    return true;
 }
 
 static bool valid_env_key(const char *k)
@@ -510,8 +495,7 @@ static void waiter_answer(struct waiter *w);
 
 static void waiter_unlink(struct waiter *w)
 {
-    struct waiter **pp = w->b != NULL ? &w->b->waiters : &w->t->waiters;
-    for (; *pp != NULL; pp = &(*pp)->next)
+    for (struct waiter **pp = &w->b->waiters; *pp != NULL; pp = &(*pp)->next)
         if (*pp == w) {
             *pp = w->next;
             break;
@@ -1017,8 +1001,6 @@ static void on_step_event(void *arg, const sp_exec_ev_t *ev)
         if (ev->type == SP_EXEC_EV_ERROR || !ev->exited || ev->exit_code != 0)
             fail(b, "writing the template's env file and syncing the disk failed: %s",
                  ev->type == SP_EXEC_EV_ERROR ? ev->err->msg : b->tail);
-        else
-            b->finished = true;
     } else if (ev->type == SP_EXEC_EV_ERROR) {
         b->failed_step = (int)b->step + 1;
         fail(b, "step %zu (run: %s) could not run: %s", b->step + 1, what, ev->err->msg);
@@ -1554,7 +1536,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         opt_str(req, "start_cmd", 4096, &start, err) < 0 ||
         opt_str(req, "ready_cmd", 4096, &ready, err) < 0)
         return -1;
-    if (name == NULL || !valid_name(name))
+    if (name == NULL || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL,
                           "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
     json_t *from = json_object_get(req, "from");
@@ -1571,7 +1553,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     if (parent == NULL)
         return sp_err_set(err, SP_EINVAL,
                           "from is required: a template name, or {\"template\": name}");
-    if (!valid_name(parent))
+    if (!sp_tmplbuild_valid_name(parent))
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
     if (strcmp(parent, name) == 0)
         return sp_err_set(err, SP_EINVAL, "a template cannot be built from itself");
@@ -1698,7 +1680,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
 int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_count,
                     int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
-    if (name == NULL || !valid_name(name))
+    if (name == NULL || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL,
                           "bad template name: [a-z0-9][a-z0-9._-]*, at most 63 characters");
     if ((cpu_count != 0 && (cpu_count < 1 || cpu_count > SP_SVC_MAX_CPUS)) ||
@@ -1739,7 +1721,7 @@ int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_
 int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
                       uint32_t wait_ms, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
-    if (!valid_build_id(id) || !valid_name(name))
+    if (!valid_build_id(id) || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
     struct build *b = NULL;
     for (struct build *o = t->builds; o != NULL; o = o->next)
@@ -1822,7 +1804,7 @@ static void on_log_build(void *rec, PGresult *res, const sp_err_t *err)
 int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
                  uint64_t offset, size_t max_lines, sp_tmpl_log_cb cb, void *arg, sp_err_t *err)
 {
-    if (!valid_build_id(id) || !valid_name(name))
+    if (!valid_build_id(id) || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
     const char *p[] = {id, a->team_id, name};
     struct logreq *q = sp_store_call(t->store,
@@ -1870,7 +1852,7 @@ static void on_deleted(void *rec, PGresult *res, const sp_err_t *err)
 int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_done_cb cb,
                    void *arg, sp_err_t *err)
 {
-    if (!valid_name(name))
+    if (!sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_ENOTFOUND, "template not found");
     for (struct build *o = t->builds; o != NULL; o = o->next)
         if (strcmp(o->name, name) == 0 && strcmp(o->team, a->team_id) == 0)
@@ -1916,17 +1898,33 @@ static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
         const char *id = PQgetvalue(res, i, 0), *name = PQgetvalue(res, i, 1);
         sp_log(SP_LOG_WARN, "tmpl", "build failed by a restart build=%s template=%s", id, name);
         char wdir[PATH_MAX];
-        if (valid_name(name) &&
+        if (sp_tmplbuild_valid_name(name) &&
             pathf(wdir, sizeof wdir, "%s/templates/%s/.build-%s", t->data_dir, name, id) == 0)
             rm_rf(wdir);
-        char *vm = malloc(32);
+    }
+}
+
+/* Builder VMs left on the data dir by a process that stopped mid-build, whatever database it
+ * used (its records may be elsewhere): no build runs yet, so every "bld-*" VM is a leftover. */
+static void destroy_leftover_builders(sp_tmpl_t *t)
+{
+    char dir[PATH_MAX];
+    if (t->driver == NULL || pathf(dir, sizeof dir, "%s/vms", t->data_dir) < 0)
+        return;
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    while (d != NULL && (de = readdir(d)) != NULL) {
+        if (strncmp(de->d_name, "bld-", 4) != 0 || strlen(de->d_name) >= 32)
+            continue;
+        char *vm = strdup(de->d_name);
         sp_err_t e;
-        if (vm == NULL || t->driver == NULL)
-            free(vm);
-        else if (vm_id_of(id, vm),
-                 t->driver->ops->destroy(t->driver, vm, on_leftover_destroyed, vm, &e) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "removing a leftover builder VM vm=%s", de->d_name);
+        if (vm != NULL &&
+            t->driver->ops->destroy(t->driver, vm, on_leftover_destroyed, vm, &e) < 0)
             free(vm);
     }
+    if (d != NULL)
+        closedir(d);
 }
 
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
@@ -1960,6 +1958,7 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         return NULL;
     }
     *(sp_tmpl_t **)rec = t;
+    destroy_leftover_builders(t);
     return t;
 }
 
