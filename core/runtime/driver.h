@@ -32,6 +32,11 @@ typedef struct {
     int memory_mb;
     const char *hostname;
     const char *env_json; /* JSON object of env vars for processes in the guest, or NULL */
+    /* boot only: start from this sandbox snapshot (ops->checkpoint) instead of the template:
+     * its memory, processes and disk, with this spec's identity (id, hostname, env, a fresh
+     * RNG seed and clock). cpu_count and memory_mb are the snapshot's, whatever the spec says.
+     * NULL: from the template. */
+    const char *snapshot_id;
 } sp_vm_spec_t;
 
 /* What a driver finds for a sandbox when asked (after a restart, say). */
@@ -86,6 +91,21 @@ typedef struct {
      * SP_ECONFLICT when the VM is not paused; dest must not exist. NULL: not supported. */
     int (*export_disk)(sp_driver_t *d, const char *id, const char *base, const char *dest,
                        sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Optional (sandbox snapshots, "forks"): writes a snapshot named snapshot_id of the running
+     * or paused VM id (memory with its processes, device state, disk), stopping its vCPUs only
+     * while memory and disk are captured; the VM then goes on as it was (a paused one stays
+     * paused). cb once the snapshot is durable; boots with spec->snapshot_id then start from it,
+     * any number of times. SP_ENOTFOUND: no VM; SP_ECONFLICT: the VM is booting, suspending,
+     * being deleted or already being snapshotted, or snapshot_id exists; SP_EINVAL: a bad
+     * snapshot_id (letters, digits, '-', '_', at most 64). NULL: not supported. */
+    int (*checkpoint)(sp_driver_t *d, const char *id, const char *snapshot_id, sp_driver_cb cb,
+                      void *arg, sp_err_t *err);
+    /* Optional, synchronous: snapshot_id is no longer wanted. Its files go as soon as no VM and
+     * no other snapshot is made from them (at once, or when the last such goes). A missing one
+     * succeeds. NULL: not supported. */
+    int (*checkpoint_delete)(sp_driver_t *d, const char *snapshot_id, sp_err_t *err);
+    /* Optional, synchronous, cheap: 1 when snapshot_id is committed and not deleted, else 0. */
+    int (*checkpoint_exists)(sp_driver_t *d, const char *snapshot_id);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */
