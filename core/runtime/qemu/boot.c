@@ -554,7 +554,7 @@ static void put_be64(uint8_t *p, uint64_t v)
  * from its header) the way qemu-img lays one out: header + backing name in cluster 0,
  * refcount table, one refcount block, L1 table; 64 KiB clusters, 16-bit refcounts. Saves
  * a qemu-img process on the clone path. 0 or -1 (errno set; the file may be left). */
-static int write_overlay(const char *path, const char *backing)
+int sp_qemu__write_overlay(const char *path, const char *backing)
 {
     enum { CL = 65536 };
     int bfd = open(backing, O_RDONLY | O_CLOEXEC);
@@ -642,7 +642,7 @@ static void start_disk(struct vm *vm)
     else
         sp_qemu__sfmt(backing, sizeof backing, "%s", vm->tp->rootfs);
     if (vm->clone_src != NULL) {
-        if (write_overlay(disk, backing) == 0) {
+        if (sp_qemu__write_overlay(disk, backing) == 0) {
             start_qemu(vm);
             return;
         }

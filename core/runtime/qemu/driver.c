@@ -179,6 +179,7 @@ void sp_qemu__vm_free(struct vm *vm)
         vm->sync = NULL;
     }
     sp_qemu__export_abort(vm);
+    sp_qemu__fork_abort(vm);
     if (vm->pidfd >= 0)
         close(vm->pidfd);
     if (vm->snap_fd >= 0)
@@ -458,10 +459,13 @@ void sp_qemu__vm_finish(struct vm *vm)
     sp_err_t cancel;
     sp_err_set(&cancel, SP_ERUNTIME, "boot cancelled: the sandbox was deleted");
     sp_qemu__complete_all(d, &vm->boot_w, vm->boot_failed ? &vm->boot_err : &cancel);
-    sp_err_set(&cancel, SP_ERUNTIME, "suspend failed: the VM went away");
+    sp_err_set(&cancel, SP_ERUNTIME, "%s failed: the VM went away",
+               vm->fork != NULL ? "snapshot" : "suspend");
     sp_qemu__complete_all(d, &vm->snap_w, &cancel);
     sp_qemu__complete_all(d, &vm->destroy_w, NULL);
     sp_qemu__vm_free(vm);
+    if (d->snaps_pending)
+        sp_qemu__snaps_gc(d, false); /* it may have been the last made from a deleted one */
 }
 
 static void on_console_tick(sp_timer_t *t, void *arg)
@@ -600,6 +604,8 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         pid_t pid = sp_qemu__live_vm_pid(d, spec->sandbox_id, vdir);
         if (pid > 0)
             vm = sp_qemu__vm_adopt(d, spec->sandbox_id, pid);
+        else if (sp_qemu__snapshot_committed(vdir) && spec->snapshot_id != NULL)
+            return sp_qemu__q_restore(base, spec, cb, arg, err); /* made from it, not yet up */
         else if (sp_qemu__snapshot_committed(vdir))
             return sp_err_set(err, SP_ECONFLICT, "sandbox has a snapshot: restore it instead");
     }
@@ -620,6 +626,8 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         if (!ok)
             return sp_err_set(err, SP_EINVAL, "env is not a JSON object");
     }
+    if (spec->snapshot_id != NULL)
+        return sp_qemu__fork_boot(d, spec, cb, arg, err);
     const char *tname = spec->template_name != NULL ? spec->template_name : "base";
     bool oom;
     sp_err_t te;
@@ -728,6 +736,10 @@ struct vm *sp_qemu__running_vm(sp_qemu_t *d, const char *id, sp_err_t *err)
         sp_err_set(err, SP_ECONFLICT, "sandbox is being suspended");
         return NULL;
     }
+    if (vm->fork != NULL) {
+        sp_err_set(err, SP_ECONFLICT, "a snapshot of the sandbox is being taken; try again");
+        return NULL;
+    }
     if (vm->ph != PH_UP) {
         sp_err_set(err, SP_ECONFLICT, "sandbox is still booting");
         return NULL;
@@ -819,6 +831,8 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
     if (vm == NULL) {
         sp_qemu__cg_remove(d, id);
         sp_qemu__rm_rf(vdir);
+        if (d->snaps_pending)
+            sp_qemu__snaps_gc(d, false);
         if (sp_qemu__complete(d, cb, arg, NULL) < 0)
             return sp_err_set(err, SP_EINTERNAL, "out of memory");
         return 0;
@@ -1023,6 +1037,9 @@ const sp_driver_ops_t sp_qemu__ops = {
     .free = q_free,
     .insecure = q_insecure,
     .export_disk = sp_qemu__q_export_disk,
+    .checkpoint = sp_qemu__q_checkpoint,
+    .checkpoint_delete = sp_qemu__q_checkpoint_delete,
+    .checkpoint_exists = sp_qemu__q_checkpoint_exists,
 };
 
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)
@@ -1060,6 +1077,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_qemu__sfmt(abs, sizeof abs, "%s", o->data_dir);
     sp_qemu__sfmt(d->data_dir, sizeof d->data_dir, "%s", abs);
     sp_qemu__sfmt(d->vms_dir, sizeof d->vms_dir, "%s/vms", abs);
+    sp_qemu__sfmt(d->snaps_dir, sizeof d->snaps_dir, "%s/snapshots", abs);
     d->qemu = strdup(o->qemu != NULL ? o->qemu : "qemu-system-x86_64");
     d->qemu_img = strdup(o->qemu_img != NULL ? o->qemu_img : "qemu-img");
     d->boot_timeout_ms = sp_qemu__env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
@@ -1162,6 +1180,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     else
         sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
     adopt_all(d);
+    sp_qemu__snaps_gc(d, true);
     sp_qemu__pool_metrics_start(d);
     sp_qemu__tsnap_gc(d); /* a no-op until the accelerator is known (then on_kvm_probe runs it) */
     sp_timer_start(&d->console_timer, SP_QEMU_CONSOLE_TICK_MS);

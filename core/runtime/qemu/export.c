@@ -87,8 +87,9 @@ int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backin
     struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
     if (vm == NULL || vm->exited)
         return sp_err_set(err, SP_ENOTFOUND, "no running VM for sandbox %s", id);
-    if (!vm->paused || vm->export != NULL)
-        return sp_err_set(err, SP_ECONFLICT, "the VM must be paused, with no export running");
+    if (!vm->paused || vm->export != NULL || vm->fork != NULL)
+        return sp_err_set(err, SP_ECONFLICT,
+                          "the VM must be paused, with no export or snapshot running");
     if (backing == NULL || backing[0] != '/' || dest == NULL || dest[0] != '/')
         return sp_err_set(err, SP_EINVAL, "export paths must be absolute");
     struct stat st;

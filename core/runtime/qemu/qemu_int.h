@@ -17,6 +17,8 @@
  *   util.c      small helpers: files, child processes, cgroups, console log
  *   confine.c   the jail each QEMU runs in (core/runtime/jail.h), its uid, the refusals
  *               without seccomp or cgroups
+ *   fork.c      sandbox snapshots (driver.h: checkpoint): taken from a live VM with the
+ *               suspend steps, booted from, collected once nothing is made from them
  *
  * Everything runs on the driver's loop but the jobs of sums.c and confine.c's copies of template
  * RAM. For core/runtime/qemu/ only.
@@ -69,6 +71,7 @@
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
 
 typedef struct sp_qemu sp_qemu_t;
+struct refs;
 
 /* A caller waiting for a boot, suspend or destroy to finish (sp_qemu__complete_all). */
 struct waiter {
@@ -226,6 +229,7 @@ struct vm {
     sp_timer_t snap_timer;
     struct child *sync;
     struct export *export; /* export_disk in flight (export.c) */
+    struct fork *fork;     /* checkpoint in flight (fork.c): the suspend steps, into its dir */
     uint64_t snap_start_ms;
     struct sumjob *sum;     /* checksums in flight (suspend: computing; restore: verifying) */
     struct sumjob *delta;   /* suspend of a clone: the stream's RAM delta being filtered */
@@ -288,6 +292,8 @@ struct sp_qemu {
     sp_driver_t base;
     char data_dir[PATH_MAX];
     char vms_dir[PATH_MAX];
+    char snaps_dir[PATH_MAX]; /* <data-dir>/snapshots: sandbox snapshots (fork.c) */
+    bool snaps_pending;       /* a deleted snapshot may still wait for its last user */
     char *qemu, *qemu_img;
     int want;    /* 0 auto, 1 kvm, 2 tcg */
     int accel;   /* -1 undecided, 0 TCG, 1 KVM */
@@ -375,6 +381,7 @@ void sp_qemu__record_accel(sp_qemu_t *d, const char *why);
 void sp_qemu__start_sandbox_probe(sp_qemu_t *d);
 void sp_qemu__on_kick(sp_timer_t *t, void *arg);
 void sp_qemu__boot_ram_ready(struct vm *vm);
+int sp_qemu__write_overlay(const char *path, const char *backing);
 
 /* ---- export.c: a paused VM's disk written out as an image (template builds) ---- */
 
@@ -382,7 +389,26 @@ int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backin
                            const char *dest, sp_driver_cb cb, void *arg, sp_err_t *err);
 void sp_qemu__export_abort(struct vm *vm);
 
+/* ---- fork.c: sandbox snapshots ---- */
+
+int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
+                          sp_driver_cb cb, void *arg, sp_err_t *err);
+int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err);
+int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
+int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err);
+const char *sp_qemu__fork_tmp(const struct vm *vm);
+void sp_qemu__fork_migrated(struct vm *vm);
+void sp_qemu__fork_committed(struct vm *vm);
+void sp_qemu__fork_abort(struct vm *vm);
+void sp_qemu__snaps_refs(sp_qemu_t *d, struct refs *r);
+void sp_qemu__snaps_gc(sp_qemu_t *d, bool at_start);
+
 /* ---- snapshot.c: suspend and wake ---- */
+
+void sp_qemu__snap_sync(struct vm *vm);
+void sp_qemu__snap_fail(struct vm *vm, const char *what, const char *detail);
+bool sp_qemu__snapping(const struct vm *vm);
 
 bool sp_qemu__snapshot_committed(const char *dir);
 uint64_t sp_qemu__snapshot_bytes(const char *dir);
@@ -407,6 +433,17 @@ int sp_qemu__sumjob_run(sp_qemu_t *d, struct sumjob *j);
 void sp_qemu__sumjob_abandon(struct sumjob *j);
 
 /* ---- tsnap.c: template snapshots ---- */
+
+/* Paths sandboxes use, as found on disk and in memory (tsnap.c and fork.c collect by them). */
+struct refs {
+    char **v;
+    size_t n, cap;
+    bool oom; /* an entry was lost: the picture is incomplete */
+};
+void sp_qemu__refs_add(struct refs *r, const char *s);
+bool sp_qemu__refs_has(const struct refs *r, const char *dir);
+void sp_qemu__refs_free(struct refs *r);
+void sp_qemu__refs_chain(struct refs *r, const char *disk);
 
 int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
                            int memory_mb, char key[17]);

@@ -140,15 +140,25 @@ uint64_t sp_qemu__snapshot_bytes(const char *dir)
 
 /* ---------- suspend (snapshot) ---------- */
 
+/* A suspend writes into the VM's own snapshot/, a checkpoint (fork.c) into its new
+ * snapshot's directory: the same steps otherwise, until the commit. */
 static void snap_path(const struct vm *vm, const char *name, char *out, size_t n)
 {
-    sp_qemu__sfmt(out, n, "%s/snapshot/%s", vm->dir, name);
+    const char *fork = sp_qemu__fork_tmp(vm);
+    sp_qemu__sfmt(out, n, "%s/snapshot/%s", fork != NULL ? fork : vm->dir, name);
+}
+
+/* The suspend steps are running for this VM: a suspend, or a checkpoint (the VM stays up). */
+bool sp_qemu__snapping(const struct vm *vm)
+{
+    return vm->ph == PH_SUSPENDING || vm->fork != NULL;
 }
 
 static void snap_fail(struct vm *vm, const char *what, const char *detail)
 {
-    sp_log(SP_LOG_WARN, "qemu", "suspend failed sandbox=%s step=%d what=%s err=%s", vm->id,
-           vm->snap_step, what, detail ? detail : "");
+    bool fork = vm->fork != NULL;
+    sp_log(SP_LOG_WARN, "qemu", "%s failed sandbox=%s step=%d what=%s err=%s",
+           fork ? "snapshot" : "suspend", vm->id, vm->snap_step, what, detail ? detail : "");
     if (vm->snap_fd >= 0) {
         close(vm->snap_fd);
         vm->snap_fd = -1;
@@ -163,8 +173,16 @@ static void snap_fail(struct vm *vm, const char *what, const char *detail)
     vm->delta = NULL;
     vm->snap_step = SN_NONE;
     sp_err_t e;
-    sp_err_set(&e, SP_ERUNTIME, "suspend failed: %s", what);
+    sp_err_set(&e, SP_ERUNTIME, "%s failed: %s", fork ? "snapshot" : "suspend", what);
     sp_qemu__complete_all(vm->d, &vm->snap_w, &e);
+    if (fork) {
+        /* The VM is intact: give it back as it was (its vCPUs may already run again) and
+         * drop the unfinished snapshot. */
+        sp_qemu__fork_abort(vm);
+        if (!vm->snap_was_paused && vm->qmp != NULL && !sp_qmp_closed(vm->qmp))
+            sp_qmp_command(vm->qmp, "cont", NULL, -1, NULL, NULL, &e);
+        return;
+    }
     if (vm->tsnap_build != NULL) {
         vm->boot_failed = true;
         sp_err_set(&vm->boot_err, SP_ERUNTIME, "template snapshot failed: %s", what);
@@ -179,6 +197,12 @@ static void snap_fail(struct vm *vm, const char *what, const char *detail)
     }
 }
 
+/* For fork.c: a checkpoint's own steps (the disk copy, the cont) fail the same way. */
+void sp_qemu__snap_fail(struct vm *vm, const char *what, const char *detail)
+{
+    snap_fail(vm, what, detail);
+}
+
 /* Device state and RAM are durable: write the manifest and commit it by rename. */
 static void snap_commit(struct vm *vm)
 {
@@ -187,10 +211,11 @@ static void snap_commit(struct vm *vm)
     snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
     snap_path(vm, "devstate", dev, sizeof dev);
     snap_path(vm, "manifest.json", man, sizeof man);
-    sp_qemu__vm_path(vm, "snapshot", dir, sizeof dir);
+    snap_path(vm, "", dir, sizeof dir);
     sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
     struct stat sd, sr = {0};
-    bool stream = vm->clone_src != NULL; /* the RAM went into the device state stream */
+    /* the RAM went into the device state stream (a clone's, and every checkpoint's) */
+    bool stream = vm->clone_src != NULL || vm->fork != NULL;
     bool delta = stream && vm->delta_ok; /* only its pages that differ from the template's */
     if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || (!stream && stat(ram, &sr) < 0)) {
         snap_fail(vm, "cannot commit the snapshot", strerror(errno));
@@ -237,15 +262,19 @@ static void snap_commit(struct vm *vm)
     }
     sp_qemu__fsync_path(dir, O_RDONLY | O_DIRECTORY); /* the rename itself is durable */
     sp_log(SP_LOG_INFO, "qemu",
-           "snapshot committed sandbox=%s ram=%s devstate_bytes=%lld ram_bytes=%lld "
+           "snapshot committed sandbox=%s%s ram=%s devstate_bytes=%lld ram_bytes=%lld "
            "disk_bytes=%lld checksum_ms=%llu ms=%llu",
-           vm->id,
+           vm->id, vm->fork != NULL ? " (checkpoint)" : "",
            delta    ? "delta"
            : stream ? "stream"
                     : "file",
            (long long)sd.st_size, (long long)sr.st_size, (long long)vm->sum_sizes[SUM_DISK],
            (unsigned long long)vm->sum_ms,
            (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
+    if (vm->fork != NULL) {
+        sp_qemu__fork_committed(vm); /* the VM goes on */
+        return;
+    }
     vm->snap_step = SN_QUIT;
     sp_qemu__snap_send(vm, "quit", NULL, -1);
     sp_timer_start(&vm->kill_timer, SP_QEMU_QUIT_GRACE_MS);
@@ -256,7 +285,7 @@ static void on_sync_exit(struct child *c, int st, bool timed_out, void *arg)
     struct vm *vm = arg;
     sp_qemu__child_free(c);
     vm->sync = NULL;
-    if (vm->ph != PH_SUSPENDING || vm->snap_step != SN_SYNC)
+    if (!sp_qemu__snapping(vm) || vm->snap_step != SN_SYNC)
         return;
     if (timed_out || st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
         snap_fail(vm, "cannot flush the snapshot to disk", "sync failed");
@@ -270,7 +299,7 @@ static void on_sync_exit(struct child *c, int st, bool timed_out, void *arg)
 /* The parts' checksums are in (computed while `sync` flushed them): commit once both are. */
 void sp_qemu__suspend_sums_done(struct vm *vm, struct sumjob *j)
 {
-    if (vm->ph != PH_SUSPENDING || vm->snap_step != SN_SYNC)
+    if (!sp_qemu__snapping(vm) || vm->snap_step != SN_SYNC)
         return;
     if (j->bad >= 0) {
         snap_fail(vm, "cannot checksum the snapshot", strerror(j->err_no));
@@ -285,8 +314,9 @@ void sp_qemu__suspend_sums_done(struct vm *vm, struct sumjob *j)
 }
 
 /* fdatasync of the RAM file (up to memory_mb of dirty pages), device state and overlay,
- * in a child so the loop does not wait for the disk. */
-static void snap_sync(struct vm *vm)
+ * in a child so the loop does not wait for the disk. A checkpoint's: device state and the
+ * copy of the overlay in its directory (its RAM is in the stream). */
+void sp_qemu__snap_sync(struct vm *vm)
 {
     if (vm->snap_fd >= 0) {
         close(vm->snap_fd);
@@ -295,8 +325,13 @@ static void snap_sync(struct vm *vm)
     char ram[PATH_MAX + 16], dev[PATH_MAX + 32], disk[PATH_MAX + 16];
     sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
     snap_path(vm, "devstate.tmp", dev, sizeof dev);
-    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
-    char *argv[] = {"sync", "--data", dev, disk, vm->clone_src == NULL ? ram : NULL, NULL};
+    const char *fork = sp_qemu__fork_tmp(vm);
+    if (fork != NULL)
+        sp_qemu__sfmt(disk, sizeof disk, "%s/disk.qcow2", fork);
+    else
+        sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    bool own_ram = vm->clone_src == NULL && fork == NULL;
+    char *argv[] = {"sync", "--data", dev, disk, own_ram ? ram : NULL, NULL};
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
     if (vm->sync != NULL) { /* the flush of a failed suspend is still running */
@@ -316,7 +351,7 @@ static void snap_sync(struct vm *vm)
         if (j != NULL) {
             sp_qemu__sfmt(j->path[SUM_DEV], sizeof j->path[SUM_DEV], "%s", dev);
             sp_qemu__sfmt(j->path[SUM_DISK], sizeof j->path[SUM_DISK], "%s", disk);
-            if (vm->clone_src == NULL)
+            if (own_ram)
                 sp_qemu__sfmt(j->path[SUM_RAM], sizeof j->path[SUM_RAM], "%s", ram);
         }
         if (j == NULL || sp_qemu__sumjob_run(vm->d, j) < 0) {
@@ -378,12 +413,15 @@ static void suspend_migrated(struct vm *vm)
         sp_qemu__snap_send(vm, "query-status", NULL, -1);
         return;
     }
-    snap_sync(vm);
+    if (vm->fork != NULL)
+        sp_qemu__fork_migrated(vm); /* copies the disk, restarts the vCPUs, then syncs */
+    else
+        sp_qemu__snap_sync(vm);
 }
 
 void sp_qemu__suspend_delta_done(struct vm *vm, struct sumjob *j)
 {
-    if (vm->ph != PH_SUSPENDING || vm->snap_step < SN_GETFD || vm->snap_step > SN_POLL)
+    if (!sp_qemu__snapping(vm) || vm->snap_step < SN_GETFD || vm->snap_step > SN_POLL)
         return;
     if (j->rc < 0) {
         sp_log(SP_LOG_WARN, "qemu",
@@ -408,7 +446,7 @@ void sp_qemu__suspend_delta_done(struct vm *vm, struct sumjob *j)
 static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
 {
     struct vm *vm = arg;
-    if (vm->ph != PH_SUSPENDING || vm->snap_step == SN_QUIT)
+    if (!sp_qemu__snapping(vm) || vm->snap_step == SN_QUIT)
         return;
     if (err != NULL) {
         snap_fail(vm, "qemu refused a step", err->msg);
@@ -451,9 +489,10 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
             break;
         }
         vm->snap_step = SN_CAPS;
-        /* A clone's RAM is a private map of the template's file: stream all of it. */
+        /* A clone's RAM is a private map of the template's file: stream all of it. So does
+         * a checkpoint: its RAM file, if it has one, moves on when the vCPUs run again. */
         json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
-                              "state", vm->clone_src == NULL ? 1 : 0);
+                              "state", vm->clone_src == NULL && vm->fork == NULL ? 1 : 0);
         sp_qemu__snap_send(vm, "migrate-set-capabilities", a, -1);
         break;
     }
@@ -468,7 +507,7 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         break;
     case SN_PARAMS: {
         char dir[PATH_MAX + 16], tmp[PATH_MAX + 32];
-        sp_qemu__vm_path(vm, "snapshot", dir, sizeof dir);
+        snap_path(vm, "", dir, sizeof dir);
         snap_path(vm, "devstate.tmp", tmp, sizeof tmp);
         if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
             snap_fail(vm, "cannot create the snapshot directory", strerror(errno));
@@ -742,7 +781,7 @@ void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg)
     sp_err_t e;
     if (vm->qmp == NULL)
         return;
-    if (vm->ph == PH_SUSPENDING && (vm->snap_step == SN_POLL || vm->snap_step == SN_CANCEL_POLL))
+    if (sp_qemu__snapping(vm) && (vm->snap_step == SN_POLL || vm->snap_step == SN_CANCEL_POLL))
         sp_qmp_command(vm->qmp, "query-migrate", NULL, -1, on_snap_reply, vm, &e);
     else if (vm->ph == PH_START && vm->snap_step == RS_POLL)
         sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_restore_reply, vm, &e);

@@ -121,14 +121,7 @@ static bool tsnap_valid(const char *dir, const char *key, int memory_mb)
 
 /* ---------- template snapshot collection ---------- */
 
-/* Paths sandboxes use, as found on disk and in memory. */
-struct refs {
-    char **v;
-    size_t n, cap;
-    bool oom; /* an entry was lost: the picture is incomplete */
-};
-
-static void refs_add(struct refs *r, const char *s)
+void sp_qemu__refs_add(struct refs *r, const char *s)
 {
     if (r->n == r->cap) {
         size_t cap = r->cap ? 2 * r->cap : 16;
@@ -147,7 +140,7 @@ static void refs_add(struct refs *r, const char *s)
 }
 
 /* dir itself or anything inside it is in use. */
-static bool refs_has(const struct refs *r, const char *dir)
+bool sp_qemu__refs_has(const struct refs *r, const char *dir)
 {
     size_t l = strlen(dir);
     for (size_t i = 0; i < r->n; i++)
@@ -156,7 +149,18 @@ static bool refs_has(const struct refs *r, const char *dir)
     return false;
 }
 
-static void refs_free(struct refs *r)
+/* Every file in the backing chain below the qcow2 image disk (not disk itself). */
+void sp_qemu__refs_chain(struct refs *r, const char *disk)
+{
+    char cur[PATH_MAX], next[PATH_MAX];
+    sp_qemu__sfmt(cur, sizeof cur, "%s", disk);
+    for (int k = 0; k < 16 && sp_qemu__qcow2_backing(cur, next, sizeof next); k++) {
+        sp_qemu__refs_add(r, next);
+        memcpy(cur, next, sizeof cur);
+    }
+}
+
+void sp_qemu__refs_free(struct refs *r)
 {
     for (size_t i = 0; i < r->n; i++)
         free(r->v[i]);
@@ -180,22 +184,22 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
     while (dir != NULL && (de = readdir(dir)) != NULL) {
         if (de->d_name[0] == '.')
             continue; /* ., .., builders (their disk backs onto the template's base) */
-        char p[PATH_MAX + 80], b[PATH_MAX];
+        char p[PATH_MAX + 80];
         sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->vms_dir, de->d_name);
-        if (sp_qemu__qcow2_backing(p, b, sizeof b))
-            refs_add(r, b);
+        sp_qemu__refs_chain(r, p); /* a fork's backs onto a sandbox snapshot, then ours */
         sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->vms_dir, de->d_name);
         json_t *o = json_load_file(p, 0, NULL);
         const char *src = json_string_value(json_object_get(o, "ram_src"));
         if (src != NULL)
-            refs_add(r, src);
+            sp_qemu__refs_add(r, src);
         json_decref(o);
     }
     if (dir != NULL)
         closedir(dir);
     for (struct vm *v = d->vms; v != NULL; v = v->next)
         if (v->clone_src != NULL)
-            refs_add(r, v->clone_src);
+            sp_qemu__refs_add(r, v->clone_src);
+    sp_qemu__snaps_refs(d, r); /* sandbox snapshots: their RAM base and disk chain */
     return ok && !r->oom;
 }
 
@@ -237,7 +241,7 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
     struct refs r = {0};
     if (!tsnap_refs(d, &r)) {
         sp_log(SP_LOG_WARN, "qemu", "template snapshots not collected: cannot list the VMs");
-        refs_free(&r);
+        sp_qemu__refs_free(&r);
         return;
     }
     char tdir[PATH_MAX];
@@ -274,7 +278,7 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                     sp_qemu__confine_ram_prepare(d, spath);
                     continue;
                 }
-                if (refs_has(&r, spath)) {
+                if (sp_qemu__refs_has(&r, spath)) {
                     sp_log(SP_LOG_DEBUG, "qemu", "template snapshot kept: in use dir=%s", spath);
                     kept++;
                     continue;
@@ -299,7 +303,7 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
     }
     if (td != NULL)
         closedir(td);
-    refs_free(&r);
+    sp_qemu__refs_free(&r);
     if (removed > 0 || kept > 0)
         sp_log(SP_LOG_INFO, "qemu", "template snapshots collected removed=%d kept_in_use=%d",
                removed, kept);
@@ -441,8 +445,8 @@ struct tsnap *sp_qemu__tsnap_for(struct vm *vm)
          * path: moving it aside would put the rebuilt one under them), so it goes only when
          * no sandbox uses it; until then boots cold-boot. */
         struct refs r = {0};
-        bool used = !tsnap_refs(d, &r) || refs_has(&r, t->dir);
-        refs_free(&r);
+        bool used = !tsnap_refs(d, &r) || sp_qemu__refs_has(&r, t->dir);
+        sp_qemu__refs_free(&r);
         if (used) {
             sp_log(SP_LOG_WARN, "qemu",
                    "template snapshot is damaged and still used by sandboxes: kept; boots "

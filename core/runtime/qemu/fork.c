@@ -1,0 +1,539 @@
+/*
+ * fork.c - sandbox snapshots (driver.h: checkpoint): a live VM's memory with its processes,
+ * device state and disk, written once and booted from any number of times ("forks").
+ *
+ * Each lives in <data-dir>/snapshots/<snapshot-id>/:
+ *
+ *   disk.qcow2              a copy of the VM's overlay at the moment of the snapshot (mode
+ *                           0444), backing onto what the VM's overlay backed onto: the
+ *                           template snapshot's frozen overlay, or another sandbox snapshot's
+ *                           disk for a fork of a fork
+ *   snapshot/devstate       the migration stream, RAM included: for a clone only the pages
+ *                           that differ from its template snapshot's RAM (manifest "ram":
+ *                           "delta", "ram_base"), else all of it ("stream")
+ *   snapshot/manifest.json  as a suspend writes it (qemu.h), with sizes and checksums
+ *   vm.json                 the VM's, naming the template snapshot whose RAM the delta is
+ *                           over ("ram_src"), plus "source" (the sandbox) and "snapshot"
+ *   deleted                 present once checkpoint_delete was asked: the directory goes as
+ *                           soon as nothing is made from it (snaps_gc)
+ *
+ * Taking one runs the suspend steps of snapshot.c into <snapshots>/.tmp-<id>-<pid>/ with
+ * the VM kept (vm->fork): stop, migrate the whole RAM (through the delta filter for a
+ * clone), copy the overlay while the vCPUs are still stopped (its clusters are QEMU's
+ * flushed writes), cont, and only then flush and checksum the copy, write the manifest and
+ * rename the directory into place. The vCPUs stop for the migration and the copy; what
+ * the disk flush and checksums take, the VM runs through.
+ *
+ * Booting from one lays out the new VM's directory as a suspended sandbox of its own (vm.json,
+ * a fresh overlay over the snapshot's disk, the device state hard-linked, the manifest
+ * without the disk's size and checksum: that disk is new) and wakes it through the restore
+ * path (snapshot.c): the template's RAM mapped privately with the delta loaded over it, or
+ * the stream loaded into RAM of its own, then IDENTITY with the new sandbox's id, hostname,
+ * env, RNG seed and clock. The restore removes its hard link once the vCPUs run; the
+ * snapshot itself is only read.
+ *
+ * What a snapshot's files are needed by, and so kept for: every VM whose overlay's backing
+ * chain goes through its disk (forks, running or suspended), and every other snapshot whose
+ * disk's chain does (a snapshot of a fork). A snapshot's RAM base, the template snapshot,
+ * is kept by tsnap.c's collection, which counts snapshots among its users (snaps_refs).
+ *
+ * Does not decide ids, owners or names (the control plane does), nor lay out suspends.
+ */
+#include "core/runtime/qemu/qemu_int.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/log.h"
+
+#define FORK_COPY_TIMEOUT_MS 600000u /* the overlay holds what the sandbox wrote: GBs at most */
+#define FORK_CHAIN_MAX       8       /* confine.c binds this many backing files into a jail */
+
+struct fork {
+    struct vm *vm;
+    char sid[SP_QEMU_ID_MAX + 1];
+    char tmp[PATH_MAX];
+    char dest[PATH_MAX];
+    struct child *cp;
+    uint64_t stop_ms;   /* sp_qemu__mono_ms() when the vCPUs were stopped */
+    uint64_t window_ms; /* how long they stayed stopped */
+};
+
+/* A snapshot id: what a sandbox id may be, without dots (they name our temporary dirs). */
+static bool valid_sid(const char *sid)
+{
+    return sp_qemu__valid_id(sid) && strchr(sid, '.') == NULL;
+}
+
+const char *sp_qemu__fork_tmp(const struct vm *vm)
+{
+    return vm->fork != NULL ? vm->fork->tmp : NULL;
+}
+
+static void fork_free(struct fork *f)
+{
+    if (f->cp != NULL) {
+        kill(-f->cp->pid, SIGKILL);
+        kill(f->cp->pid, SIGKILL);
+        waitpid(f->cp->pid, NULL, 0); /* killed: returns at once */
+        sp_qemu__child_free(f->cp);
+    }
+    free(f);
+}
+
+/* The VM goes away, or snap_fail gave up: drop the unfinished snapshot (its caller was
+ * answered, or is answered by sp_qemu__vm_finish). */
+void sp_qemu__fork_abort(struct vm *vm)
+{
+    struct fork *f = vm->fork;
+    if (f == NULL)
+        return;
+    vm->fork = NULL;
+    vm->snap_step = SN_NONE;
+    sp_qemu__rm_rf(f->tmp);
+    sp_log(SP_LOG_INFO, "qemu", "snapshot abandoned sandbox=%s snapshot=%s", vm->id, f->sid);
+    fork_free(f);
+}
+
+static void fork_fail(struct vm *vm, const char *what, const char *detail)
+{
+    sp_qemu__snap_fail(vm, what, detail); /* answers the caller, drops the dir, conts */
+}
+
+static void on_fork_cont(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    (void)ret;
+    if (vm->fork == NULL)
+        return;
+    if (err != NULL) {
+        fork_fail(vm, "cannot restart the VM's vCPUs", err->msg);
+        return;
+    }
+    vm->fork->window_ms = sp_qemu__mono_ms() - vm->fork->stop_ms;
+    sp_qemu__snap_sync(vm); /* flush and checksum while the VM runs */
+}
+
+static void on_copy_exit(struct child *c, int st, bool timed_out, void *arg)
+{
+    struct vm *vm = arg;
+    struct fork *f = vm->fork;
+    sp_qemu__child_free(c);
+    if (f == NULL)
+        return;
+    f->cp = NULL;
+    char disk[PATH_MAX + 16];
+    sp_qemu__sfmt(disk, sizeof disk, "%s/disk.qcow2", f->tmp);
+    if (timed_out || st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        fork_fail(vm, "cannot copy the disk", timed_out ? "timed out" : "cp failed");
+        return;
+    }
+    if (chmod(disk, 0444) < 0) {
+        fork_fail(vm, "cannot copy the disk", strerror(errno));
+        return;
+    }
+    if (vm->snap_was_paused) {
+        /* It stays stopped, as it was (QEMU in postmigrate: resume's cont starts it). */
+        f->window_ms = sp_qemu__mono_ms() - f->stop_ms;
+        sp_qemu__snap_sync(vm);
+        return;
+    }
+    sp_err_t e;
+    if (vm->qmp == NULL ||
+        sp_qmp_command(vm->qmp, "cont", NULL, -1, on_fork_cont, vm, &e) < 0)
+        fork_fail(vm, "cannot restart the VM's vCPUs", "VM control channel failed");
+}
+
+/* The migration is through (snapshot.c): the device state with the RAM is written. The disk
+ * is copied now, while the vCPUs are still stopped. */
+void sp_qemu__fork_migrated(struct vm *vm)
+{
+    struct fork *f = vm->fork;
+    char disk[PATH_MAX + 16], dest[PATH_MAX + 16], log[PATH_MAX + 16];
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
+    sp_qemu__sfmt(dest, sizeof dest, "%s/disk.qcow2", f->tmp);
+    char *argv[] = {"cp", "--sparse=always", "--", disk, dest, NULL};
+    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL, .sandbox = vm->id};
+    sp_err_t e;
+    f->cp = sp_qemu__child_start(vm->d, argv, &so, FORK_COPY_TIMEOUT_MS, on_copy_exit, vm, &e);
+    if (f->cp == NULL)
+        fork_fail(vm, "cannot copy the disk", e.msg);
+}
+
+/* snapshot.c committed the manifest in the temporary directory: add vm.json, make it all
+ * durable and put the directory in place. */
+void sp_qemu__fork_committed(struct vm *vm)
+{
+    struct fork *f = vm->fork;
+    sp_qemu_t *d = vm->d;
+    char p[PATH_MAX + 16], man[PATH_MAX + 40];
+    sp_qemu__vm_path(vm, "vm.json", p, sizeof p);
+    json_t *o = json_load_file(p, 0, NULL);
+    sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", f->tmp);
+    json_t *m = json_load_file(man, 0, NULL);
+    char ram[16];
+    sp_qemu__sfmt(ram, sizeof ram, "%s", json_string_value(json_object_get(m, "ram")) ?: "?");
+    bool delta = strcmp(ram, "delta") == 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    char *js = NULL;
+    if (o != NULL) {
+        if (delta && vm->clone_src != NULL)
+            json_object_set_new(o, "ram_src", json_string(vm->clone_src));
+        else
+            json_object_del(o, "ram_src");
+        json_object_set_new(o, "source", json_string(vm->id));
+        json_object_set_new(o, "snapshot", json_string(f->sid));
+        json_object_set_new(o, "pause_ms", json_integer((json_int_t)f->window_ms));
+        json_object_set_new(o, "created_at", json_integer((json_int_t)ts.tv_sec));
+        js = json_dumps(o, JSON_COMPACT);
+    }
+    json_decref(o);
+    json_decref(m);
+    sp_qemu__sfmt(p, sizeof p, "%s/vm.json", f->tmp);
+    char sdir[PATH_MAX + 16];
+    sp_qemu__sfmt(sdir, sizeof sdir, "%s/snapshot", f->tmp);
+    bool ok = js != NULL && sp_qemu__write_atomic(p, js, strlen(js)) == 0 &&
+              sp_qemu__fsync_path(sdir, O_RDONLY | O_DIRECTORY) == 0 &&
+              sp_qemu__fsync_path(f->tmp, O_RDONLY | O_DIRECTORY) == 0;
+    free(js);
+    if (!ok || rename(f->tmp, f->dest) < 0) {
+        int en = errno;
+        fork_fail(vm, "cannot put the snapshot in place", strerror(en));
+        return;
+    }
+    sp_qemu__fsync_path(d->snaps_dir, O_RDONLY | O_DIRECTORY);
+    sp_log(SP_LOG_INFO, "qemu",
+           "sandbox snapshot taken sandbox=%s snapshot=%s ram=%s pause_ms=%llu ms=%llu", vm->id,
+           f->sid, ram, (unsigned long long)f->window_ms,
+           (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
+    vm->fork = NULL;
+    vm->snap_step = SN_NONE;
+    fork_free(f);
+    sp_qemu__complete_all(d, &vm->snap_w, NULL);
+}
+
+/* How many backing files the qcow2 image path has below it. */
+static int chain_len(const char *path)
+{
+    char cur[PATH_MAX], next[PATH_MAX];
+    sp_qemu__sfmt(cur, sizeof cur, "%s", path);
+    int k = 0;
+    while (k < 64 && sp_qemu__qcow2_backing(cur, next, sizeof next)) {
+        memcpy(cur, next, sizeof cur);
+        k++;
+    }
+    return k;
+}
+
+int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
+                          sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (!valid_sid(snapshot_id))
+        return sp_err_set(err, SP_EINVAL, "invalid snapshot id");
+    if (d->no_adopt)
+        return sp_err_set(err, SP_ECONFLICT, "this driver only builds template snapshots");
+    struct vm *vm = sp_qemu__running_vm(d, id, err);
+    if (vm == NULL)
+        return -1;
+    if (vm->export != NULL)
+        return sp_err_set(err, SP_ECONFLICT, "the sandbox's disk is being exported");
+    if (vm->qmp == NULL || vm->agent == NULL)
+        return sp_err_set(err, SP_ECONFLICT, "sandbox is still booting");
+    char disk[PATH_MAX + 16];
+    sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
+    int depth = chain_len(disk);
+    if (depth + 1 > FORK_CHAIN_MAX)
+        return sp_err_set(err, SP_ECONFLICT,
+                          "this sandbox descends from %d generations of snapshots and images, "
+                          "the most a snapshot can be taken of is %d",
+                          depth - 1, FORK_CHAIN_MAX - 2);
+    struct fork *f = calloc(1, sizeof(*f));
+    if (f == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    f->vm = vm;
+    sp_qemu__sfmt(f->sid, sizeof f->sid, "%s", snapshot_id);
+    sp_qemu__sfmt(f->dest, sizeof f->dest, "%s/%s", d->snaps_dir, snapshot_id);
+    sp_qemu__sfmt(f->tmp, sizeof f->tmp, "%s/.tmp-%s-%d", d->snaps_dir, snapshot_id,
+                  (int)getpid());
+    struct stat st;
+    char sdir[PATH_MAX + 16];
+    sp_qemu__sfmt(sdir, sizeof sdir, "%s/snapshot", f->tmp);
+    if (lstat(f->dest, &st) == 0) {
+        free(f);
+        return sp_err_set(err, SP_ECONFLICT, "snapshot %s exists", snapshot_id);
+    }
+    /* 0711 and 0755: a fork's jailed QEMU reads the disk through a bind mount of the file */
+    sp_qemu__rm_rf(f->tmp);
+    if ((mkdir(d->snaps_dir, 0711) < 0 && errno != EEXIST) || mkdir(f->tmp, 0755) < 0 ||
+        mkdir(sdir, 0755) < 0) {
+        int en = errno;
+        sp_qemu__rm_rf(f->tmp);
+        free(f);
+        return sp_err_set(err, SP_ERUNTIME, "cannot create the snapshot directory: %s",
+                          strerror(en));
+    }
+    if (sp_qemu__add_waiter(&vm->snap_w, cb, arg, err) < 0) {
+        sp_qemu__rm_rf(f->tmp);
+        free(f);
+        return -1;
+    }
+    vm->fork = f;
+    vm->snap_was_paused = vm->paused;
+    vm->snap_start_ms = sp_qemu__mono_ms();
+    f->stop_ms = vm->snap_start_ms;
+    vm->snap_step = SN_STOP;
+    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s", vm->id, snapshot_id);
+    sp_qemu__snap_send(vm, "stop", NULL, -1); /* a no-op on a paused VM */
+    return 0;
+}
+
+/* The committed snapshot's directory, or false with err set (not found, deleted). */
+static bool snap_dir(sp_qemu_t *d, const char *sid, char *out, size_t n, sp_err_t *err)
+{
+    if (!valid_sid(sid)) {
+        sp_err_set(err, SP_EINVAL, "invalid snapshot id");
+        return false;
+    }
+    char p[PATH_MAX + 40];
+    sp_qemu__sfmt(out, n, "%s/%s", d->snaps_dir, sid);
+    sp_qemu__sfmt(p, sizeof p, "%s/deleted", out);
+    bool deleted = sp_qemu__file_exists(p);
+    sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", out);
+    if (deleted || !sp_qemu__file_exists(p)) {
+        sp_err_set(err, SP_ENOTFOUND, "snapshot %s does not exist on this host", sid);
+        return false;
+    }
+    return true;
+}
+
+int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id)
+{
+    char dir[PATH_MAX];
+    sp_err_t e;
+    return snap_dir((sp_qemu_t *)base, snapshot_id, dir, sizeof dir, &e) ? 1 : 0;
+}
+
+int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (!valid_sid(snapshot_id))
+        return sp_err_set(err, SP_EINVAL, "invalid snapshot id");
+    char dir[PATH_MAX], p[PATH_MAX + 16];
+    struct stat st;
+    sp_qemu__sfmt(dir, sizeof dir, "%s/%s", d->snaps_dir, snapshot_id);
+    if (lstat(dir, &st) < 0)
+        return 0;
+    sp_qemu__sfmt(p, sizeof p, "%s/deleted", dir);
+    if (sp_qemu__write_atomic(p, "", 0) < 0)
+        return sp_err_set(err, SP_ERUNTIME, "cannot mark the snapshot deleted: %s",
+                          strerror(errno));
+    d->snaps_pending = true;
+    sp_qemu__snaps_gc(d, false);
+    return 0;
+}
+
+/* Copies src (a JSON file) to dst without the keys in drop[] (NULL-terminated). */
+static int copy_json(const char *src, const char *dst, const char *const drop[])
+{
+    json_t *o = json_load_file(src, 0, NULL);
+    if (!json_is_object(o)) {
+        json_decref(o);
+        errno = EINVAL;
+        return -1;
+    }
+    for (int i = 0; drop != NULL && drop[i] != NULL; i++)
+        json_object_del(o, drop[i]);
+    char *js = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    int rc = js != NULL ? sp_qemu__write_atomic(dst, js, strlen(js)) : -1;
+    free(js);
+    return rc;
+}
+
+int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err)
+{
+    char sdir[PATH_MAX];
+    if (!snap_dir(d, spec->snapshot_id, sdir, sizeof sdir, err))
+        return -1;
+    char vdir[PATH_MAX], a[PATH_MAX + 40], b[PATH_MAX + 40];
+    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    sp_qemu__rm_rf(vdir); /* leftovers of a failed boot; q_boot checked nothing runs there */
+    const char *step = "cannot create the VM directory";
+    bool ok = (mkdir(d->vms_dir, 0700) == 0 || errno == EEXIST) && mkdir(vdir, 0700) == 0;
+    if (ok) {
+        sp_qemu__sfmt(a, sizeof a, "%s/snapshot", vdir);
+        ok = mkdir(a, 0700) == 0;
+    }
+    if (ok) {
+        step = "cannot write vm.json";
+        sp_qemu__sfmt(a, sizeof a, "%s/vm.json", sdir);
+        sp_qemu__sfmt(b, sizeof b, "%s/vm.json", vdir);
+        static const char *const drop[] = {"source", "pause_ms", "created_at", NULL};
+        ok = copy_json(a, b, drop) == 0;
+    }
+    if (ok) {
+        step = "cannot write the disk overlay";
+        sp_qemu__sfmt(a, sizeof a, "%s/disk.qcow2", sdir);
+        sp_qemu__sfmt(b, sizeof b, "%s/disk.qcow2", vdir);
+        ok = sp_qemu__write_overlay(b, a) == 0;
+    }
+    if (ok) {
+        step = "cannot link the device state";
+        sp_qemu__sfmt(a, sizeof a, "%s/snapshot/devstate", sdir);
+        sp_qemu__sfmt(b, sizeof b, "%s/snapshot/devstate", vdir);
+        ok = link(a, b) == 0;
+    }
+    if (ok) {
+        /* last: its presence makes the directory a suspended sandbox (a crash from here on
+         * is woken like one; before, the boot starts over) */
+        step = "cannot write the snapshot manifest";
+        sp_qemu__sfmt(a, sizeof a, "%s/snapshot/manifest.json", sdir);
+        sp_qemu__sfmt(b, sizeof b, "%s/snapshot/manifest.json", vdir);
+        static const char *const drop[] = {"disk_bytes", "disk_checksum", NULL};
+        ok = copy_json(a, b, drop) == 0;
+    }
+    if (!ok) {
+        int en = errno;
+        sp_log(SP_LOG_WARN, "qemu", "boot from snapshot failed sandbox=%s snapshot=%s %s: %s",
+               spec->sandbox_id, spec->snapshot_id, step, strerror(en));
+        sp_qemu__rm_rf(vdir);
+        return sp_err_set(err, SP_ERUNTIME, "%s for the sandbox", step);
+    }
+    sp_log(SP_LOG_INFO, "qemu", "booting from a snapshot sandbox=%s snapshot=%s",
+           spec->sandbox_id, spec->snapshot_id);
+    if (sp_qemu__q_restore(&d->base, spec, cb, arg, err) < 0) {
+        sp_qemu__rm_rf(vdir);
+        return -1;
+    }
+    return 0;
+}
+
+/* What sandbox snapshots on this data dir use: their disk's backing chain and the template
+ * snapshot their RAM is a delta over (for tsnap.c's collection). */
+void sp_qemu__snaps_refs(sp_qemu_t *d, struct refs *r)
+{
+    DIR *dir = opendir(d->snaps_dir);
+    if (dir == NULL) {
+        if (errno != ENOENT)
+            r->oom = true; /* cannot tell: nothing may go */
+        return;
+    }
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+            continue;
+        char p[PATH_MAX + 80];
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->snaps_dir, de->d_name);
+        sp_qemu__refs_chain(r, p);
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->snaps_dir, de->d_name);
+        json_t *o = json_load_file(p, 0, NULL);
+        const char *src = json_string_value(json_object_get(o, "ram_src"));
+        if (src != NULL)
+            sp_qemu__refs_add(r, src);
+        json_decref(o);
+    }
+    closedir(dir);
+}
+
+/* The disk chains of every VM dir (spares and builders too) and every snapshot. */
+static bool users(sp_qemu_t *d, struct refs *r)
+{
+    const char *dirs[2] = {d->vms_dir, d->snaps_dir};
+    bool ok = true;
+    for (int i = 0; i < 2; i++) {
+        DIR *dir = opendir(dirs[i]);
+        if (dir == NULL) {
+            ok = ok && errno == ENOENT;
+            continue;
+        }
+        struct dirent *de;
+        while ((de = readdir(dir)) != NULL) {
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+                continue;
+            char p[PATH_MAX + 80];
+            sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", dirs[i], de->d_name);
+            sp_qemu__refs_chain(r, p);
+        }
+        closedir(dir);
+    }
+    return ok && !r->oom;
+}
+
+/* Removes the deleted snapshots nothing is made from any more, until none can go (one going
+ * may free the snapshot its disk backed onto); at start also the temporary directories of
+ * snapshots a dead spaced was taking. A directory listing and a header read per VM and
+ * snapshot: milliseconds. */
+void sp_qemu__snaps_gc(sp_qemu_t *d, bool at_start)
+{
+    bool pending = false;
+    for (int round = 0; round < 64; round++) {
+        struct refs r = {0};
+        if (!users(d, &r)) {
+            sp_qemu__refs_free(&r);
+            sp_log(SP_LOG_WARN, "qemu", "sandbox snapshots not collected: cannot list users");
+            d->snaps_pending = true;
+            return;
+        }
+        DIR *dir = opendir(d->snaps_dir);
+        if (dir == NULL) {
+            sp_qemu__refs_free(&r);
+            d->snaps_pending = false;
+            return;
+        }
+        bool removed = false;
+        pending = false;
+        struct dirent *de;
+        while ((de = readdir(dir)) != NULL) {
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+                continue;
+            char p[PATH_MAX + 80], sd[PATH_MAX + 40];
+            sp_qemu__sfmt(sd, sizeof sd, "%s/%s", d->snaps_dir, de->d_name);
+            if (de->d_name[0] == '.') {
+                int pid = 0, end = 0;
+                const char *dash = strrchr(de->d_name, '-');
+                bool ours = dash != NULL && sscanf(dash + 1, "%d%n", &pid, &end) == 1 &&
+                            dash[1 + end] == '\0';
+                char proc[32];
+                snprintf(proc, sizeof proc, "/proc/%d", pid);
+                if (at_start && ours && pid != (int)getpid() && !sp_qemu__file_exists(proc)) {
+                    sp_log(SP_LOG_INFO, "qemu", "removing an unfinished snapshot dir=%s",
+                           de->d_name);
+                    sp_qemu__rm_rf(sd);
+                }
+                continue;
+            }
+            sp_qemu__sfmt(p, sizeof p, "%s/deleted", sd);
+            if (!sp_qemu__file_exists(p))
+                continue;
+            if (sp_qemu__refs_has(&r, sd)) {
+                pending = true;
+                continue;
+            }
+            sp_log(SP_LOG_INFO, "qemu", "removing a deleted sandbox snapshot snapshot=%s",
+                   de->d_name);
+            sp_qemu__rm_rf(sd);
+            removed = true;
+        }
+        closedir(dir);
+        sp_qemu__refs_free(&r);
+        if (!removed)
+            break;
+        at_start = false;
+    }
+    d->snaps_pending = pending;
+    if (!pending)
+        sp_qemu__tsnap_gc(d); /* a template snapshot may have lost its last user */
+}

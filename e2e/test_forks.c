@@ -1,0 +1,318 @@
+/*
+ * test_forks.c - sandbox snapshots through the QEMU driver (driver.h: checkpoint): real
+ * microVMs on a loop.
+ *
+ * Needs what test_qemu_driver.c needs (SP_TEST_DATA_DIR with a built `base`); skips (77)
+ * without it. A sandbox cloned from the template snapshot runs a shell counting in memory and
+ * has a file on its disk. Its snapshot is taken while it runs (it goes on, answering
+ * commands), and two sandboxes are booted from the snapshot: each has the file as it was
+ * at the snapshot (not as the source changed it after), the counter going on from the
+ * snapshot's count in each independently, its own hostname, and different /dev/urandom bytes.
+ * A fork suspends and wakes like any sandbox. A snapshot of a fork is taken and booted
+ * from (a chain). Deleted snapshots are refused for new boots at once but their files stay
+ * while a fork or a snapshot of a fork needs them, and go when the last one does. A paused
+ * sandbox stays paused through its snapshot. A cold-booted sandbox (RAM of its own: the whole
+ * RAM goes into the snapshot) forks too. Bad ids and missing VMs are refused at once.
+ * Prints the vCPU pause window and the times to take a snapshot and to boot from one.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "core/runtime/driver.h"
+#include "core/runtime/qemu.h"
+#include "e2e/vmtest.h"
+#include "loop/loop.h"
+#include "tests/check.h"
+
+static sp_driver_t *make_driver(int cold)
+{
+    const char *accel = getenv("SP_TEST_ACCEL");
+    sp_qemu_opts_t o = {
+        .data_dir = vt_data_dir, .accel = accel ? accel : "auto", .cold_boot = cold,
+        .pool_size = -1};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
+    if (d == NULL)
+        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
+    REQUIRE(d != NULL);
+    return d;
+}
+
+static double boot_spec(sp_driver_t *d, const char *id, const char *snap)
+{
+    sp_vm_spec_t spec = {.sandbox_id = id,
+                         .template_name = "base",
+                         .cpu_count = 1,
+                         .memory_mb = 256,
+                         .hostname = id,
+                         .env_json = "{\"FORK\":\"1\"}",
+                         .snapshot_id = snap};
+    vt_res_t r = {0};
+    sp_err_t e;
+    double t0 = vt_now_ms();
+    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", id, e.msg);
+        exit(1);
+    }
+    REQUIRE(vt_wait_for(&r.done, 120000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
+    REQUIRE(r.ok);
+    return vt_now_ms() - t0;
+}
+
+static void destroy(sp_driver_t *d, const char *id)
+{
+    vt_op(d, d->ops->destroy, id, 20000);
+}
+
+static double checkpoint(sp_driver_t *d, const char *id, const char *snap)
+{
+    vt_res_t r = {0};
+    sp_err_t e;
+    double t0 = vt_now_ms();
+    if (d->ops->checkpoint(d, id, snap, vt_on_res, &r, &e) < 0) {
+        fprintf(stderr, "checkpoint %s: %s\n", id, e.msg);
+        exit(1);
+    }
+    REQUIRE(r.done == 0);
+    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
+    if (!r.ok)
+        fprintf(stderr, "checkpoint %s failed: %s\n", id, r.err.msg);
+    REQUIRE(r.ok);
+    return vt_now_ms() - t0;
+}
+
+static void cmd(sp_driver_t *d, const char *id, const char *c, char *out, size_t n)
+{
+    vt_run_cmd(d, id, c, out, n, 20000);
+}
+
+static long counter(sp_driver_t *d, const char *id)
+{
+    char out[64];
+    cmd(d, id, "cat /run/count", out, sizeof out);
+    return atol(out);
+}
+
+static bool snap_dir_exists(const char *snap)
+{
+    char p[1024];
+    snprintf(p, sizeof p, "%s/snapshots/%s", vt_data_dir, snap);
+    return access(p, F_OK) == 0;
+}
+
+static long pause_ms(const char *snap)
+{
+    char p[1024];
+    snprintf(p, sizeof p, "%s/snapshots/%s/vm.json", vt_data_dir, snap);
+    json_t *o = json_load_file(p, 0, NULL);
+    REQUIRE(o != NULL);
+    long v = (long)json_integer_value(json_object_get(o, "pause_ms"));
+    json_decref(o);
+    return v;
+}
+
+/* What an earlier run that failed half-way left on the shared data dir: its VMs and
+ * snapshots (each run names them by its pid). */
+static void clean_leftovers(sp_driver_t *d)
+{
+    const char *kinds[2] = {"vms", "snapshots"};
+    for (int k = 0; k < 2; k++) {
+        char p[1024];
+        snprintf(p, sizeof p, "%s/%s", vt_data_dir, kinds[k]);
+        DIR *dir = opendir(p);
+        struct dirent *de;
+        while (dir != NULL && (de = readdir(dir)) != NULL) {
+            sp_err_t e;
+            if (k == 0 && strncmp(de->d_name, "fk-", 3) == 0)
+                vt_op(d, d->ops->destroy, de->d_name, 20000);
+            else if (k == 1 && strncmp(de->d_name, "snap-", 5) == 0)
+                d->ops->checkpoint_delete(d, de->d_name, &e);
+        }
+        if (dir != NULL)
+            closedir(dir);
+    }
+}
+
+/* A counter that lives only in the shell's memory; /run/count (tmpfs) shows it. */
+#define COUNTER                                                                                    \
+    "nohup sh -c 'echo $$ > /run/count.pid; i=0; while :; do i=$((i+1)); echo $i > /run/count; sleep 0.1; done' "         \
+    ">/dev/null 2>&1 & sleep 0.5; echo started"
+
+int main(void)
+{
+    vt_init();
+    sp_err_t e;
+    char src[64], f1[64], f2[64], f3[64], snap_a[64], snap_b[64], snap_p[64], out[256],
+        o2[256];
+    int pid = (int)getpid();
+    snprintf(src, sizeof src, "fk-src-%d", pid);
+    snprintf(f1, sizeof f1, "fk-1-%d", pid);
+    snprintf(f2, sizeof f2, "fk-2-%d", pid);
+    snprintf(f3, sizeof f3, "fk-3-%d", pid);
+    snprintf(snap_a, sizeof snap_a, "snap-a-%d", pid);
+    snprintf(snap_b, sizeof snap_b, "snap-b-%d", pid);
+    snprintf(snap_p, sizeof snap_p, "snap-p-%d", pid);
+
+    sp_driver_t *d = make_driver(0);
+    REQUIRE(d->ops->checkpoint != NULL && d->ops->checkpoint_delete != NULL);
+    clean_leftovers(d);
+    /* refused at once: no VM, bad ids, an unknown snapshot */
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 &&
+            e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->checkpoint(d, src, "../x", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->checkpoint(d, src, ".tmp", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 0);
+    REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0); /* missing: fine */
+    sp_vm_spec_t bad = {.sandbox_id = f1, .template_name = "base", .snapshot_id = snap_a};
+    REQUIRE(d->ops->boot(d, &bad, vt_on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
+
+    /* the source: a clone of the template snapshot, a counter in memory, a file on disk */
+    boot_spec(d, src, NULL);
+    cmd(d, src, COUNTER, out, sizeof out);
+    cmd(d, src, "echo before > /root/f", out, sizeof out);
+    vt_res_t ra = {0};
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, &ra, &e) == 0);
+    /* while it runs, a second one, a pause and a suspend are refused */
+    vt_res_t busy = {0};
+    REQUIRE(d->ops->checkpoint(d, src, snap_b, vt_on_res, &busy, &e) < 0 &&
+            e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->pause(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->snapshot(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
+    REQUIRE(vt_wait_for(&ra.done, 60000) == 0 && ra.ok && busy.done == 0);
+    REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 1);
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 &&
+            e.code == SP_ECONFLICT); /* exists */
+    long at_snap_min = counter(d, src);
+    REQUIRE(at_snap_min > 0);
+    /* the source goes on and changes its file after the snapshot */
+    cmd(d, src, "echo after > /root/f; cat /root/f", out, sizeof out);
+    REQUIRE(strcmp(out, "after") == 0);
+    REQUIRE(d->ops->probe(d, src) == SP_VM_RUNNING);
+
+    /* a timed snapshot of the running source */
+    double take_ms = checkpoint(d, src, snap_p);
+    printf("snapshot of a running 256 MiB sandbox: %.0f ms total, vCPUs stopped %ld ms\n",
+           take_ms, pause_ms(snap_p));
+    REQUIRE(d->ops->checkpoint_delete(d, snap_p, &e) == 0);
+    REQUIRE(!snap_dir_exists(snap_p)); /* nothing was made from it */
+
+    /* two forks of snap_a */
+    double b1 = boot_spec(d, f1, snap_a);
+    double b2 = boot_spec(d, f2, snap_a);
+    printf("boot from the snapshot to agent ready: %.0f ms, %.0f ms\n", b1, b2);
+    const char *forks[2] = {f1, f2};
+    char rnd[2][64];
+    for (int i = 0; i < 2; i++) {
+        cmd(d, forks[i], "cat /root/f", out, sizeof out);
+        REQUIRE(strcmp(out, "before") == 0);
+        cmd(d, forks[i], "hostname; echo $FORK", out, sizeof out);
+        REQUIRE(strncmp(out, forks[i], strlen(forks[i])) == 0);
+        cmd(d, forks[i], "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'", rnd[i],
+            sizeof rnd[i]);
+        long c1 = counter(d, forks[i]);
+        vt_run_for(600);
+        long c2 = counter(d, forks[i]);
+        printf("%s: counter %ld then %ld (source had passed %ld before the snapshot)\n",
+               forks[i], c1, c2, at_snap_min);
+        REQUIRE(c1 >= 1 && c2 > c1); /* the process came with the memory and runs */
+    }
+    REQUIRE(strcmp(rnd[0], rnd[1]) != 0);
+    /* independent: stop the counter in one, the other goes on */
+    cmd(d, f1, "kill $(cat /run/count.pid); sleep 0.3; cat /run/count", out, sizeof out);
+    long stopped = atol(out);
+    vt_run_for(500);
+    REQUIRE(counter(d, f1) == stopped);
+    long before2 = counter(d, f2);
+    vt_run_for(500);
+    REQUIRE(counter(d, f2) > before2);
+
+    /* a fork suspends and wakes like any sandbox */
+    vt_op(d, d->ops->snapshot, f2, 60000);
+    REQUIRE(d->ops->probe(d, f2) == SP_VM_SUSPENDED);
+    sp_vm_spec_t w = {.sandbox_id = f2, .template_name = "base", .hostname = f2};
+    vt_res_t rw = {0};
+    REQUIRE(d->ops->restore(d, &w, vt_on_res, &rw, &e) == 0);
+    REQUIRE(vt_wait_for(&rw.done, 120000) == 0 && rw.ok);
+    long woke = counter(d, f2);
+    vt_run_for(500);
+    REQUIRE(counter(d, f2) > woke);
+    cmd(d, f2, "cat /root/f", out, sizeof out);
+    REQUIRE(strcmp(out, "before") == 0);
+
+    /* a snapshot of a fork, and a fork of that */
+    cmd(d, f1, "echo gen2 > /root/g", out, sizeof out);
+    checkpoint(d, f1, snap_b);
+    boot_spec(d, f3, snap_b);
+    cmd(d, f3, "cat /root/f /root/g", out, sizeof out);
+    REQUIRE(strcmp(out, "before\ngen2") == 0);
+
+    /* deletes: refused for new boots at once, files kept while used */
+    REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0);
+    REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 0);
+    char lid[64];
+    snprintf(lid, sizeof lid, "fk-late-%d", pid);
+    sp_vm_spec_t late = {.sandbox_id = lid, .template_name = "base", .snapshot_id = snap_a};
+    REQUIRE(d->ops->boot(d, &late, vt_on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
+    REQUIRE(snap_dir_exists(snap_a));
+    destroy(d, f1);
+    destroy(d, f2);
+    REQUIRE(snap_dir_exists(snap_a)); /* snap_b's disk and f3 still back onto it */
+    REQUIRE(d->ops->checkpoint_delete(d, snap_b, &e) == 0);
+    REQUIRE(snap_dir_exists(snap_a) && snap_dir_exists(snap_b)); /* f3 */
+    cmd(d, f3, "cat /root/g", out, sizeof out); /* and it still reads through both */
+    REQUIRE(strcmp(out, "gen2") == 0);
+    destroy(d, f3);
+    REQUIRE(!snap_dir_exists(snap_b) && !snap_dir_exists(snap_a));
+
+    /* a paused source stays paused through its snapshot, and resumes */
+    vt_op(d, d->ops->pause, src, 10000);
+    checkpoint(d, src, snap_p);
+    REQUIRE(d->ops->probe(d, src) == SP_VM_PAUSED);
+    vt_op(d, d->ops->resume, src, 10000);
+    cmd(d, src, "cat /root/f", out, sizeof out);
+    REQUIRE(strcmp(out, "after") == 0);
+    boot_spec(d, f1, snap_p);
+    cmd(d, f1, "cat /root/f", out, sizeof out);
+    REQUIRE(strcmp(out, "after") == 0);
+    destroy(d, f1);
+    REQUIRE(d->ops->checkpoint_delete(d, snap_p, &e) == 0);
+    REQUIRE(!snap_dir_exists(snap_p));
+    destroy(d, src);
+
+    /* a cold-booted sandbox: RAM of its own, all of it in the snapshot */
+    sp_driver_destroy(d);
+    d = make_driver(1);
+    boot_spec(d, src, NULL);
+    cmd(d, src, COUNTER, out, sizeof out);
+    cmd(d, src, "echo cold > /root/f", out, sizeof out);
+    checkpoint(d, src, snap_a);
+    char m[1024];
+    snprintf(m, sizeof m, "%s/snapshots/%s/snapshot/manifest.json", vt_data_dir, snap_a);
+    json_t *man = json_load_file(m, 0, NULL);
+    REQUIRE(man != NULL);
+    printf("cold source: snapshot ram=%s\n", json_string_value(json_object_get(man, "ram")));
+    REQUIRE(strcmp(json_string_value(json_object_get(man, "ram")), "stream") == 0);
+    json_decref(man);
+    boot_spec(d, f1, snap_a);
+    cmd(d, f1, "cat /root/f", o2, sizeof o2);
+    REQUIRE(strcmp(o2, "cold") == 0);
+    long c1 = counter(d, f1);
+    vt_run_for(500);
+    REQUIRE(counter(d, f1) > c1);
+    destroy(d, f1);
+    destroy(d, src);
+    REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0);
+    REQUIRE(!snap_dir_exists(snap_a));
+    sp_driver_destroy(d);
+    printf("forks: ok\n");
+    return 0;
+}
