@@ -72,6 +72,13 @@
  * come up, the boot falls back to a cold boot (logged; a cold boot never runs the
  * warmup); a failed snapshot build is retried after 10 minutes.
  *
+ * Sandbox snapshots (driver.h: checkpoint; qemu/fork.c): <data-dir>/snapshots/<id>/ holds a
+ * copy of a live VM's overlay, its migration stream with the RAM (a clone's: the pages that
+ * differ from its template snapshot's), a manifest and vm.json, taken with the suspend steps
+ * while the VM is kept (its vCPUs stopped for the migration and the disk copy). A boot with
+ * spec->snapshot_id lays the new VM's directory out as a suspended sandbox over it and wakes
+ * it. A deleted snapshot's files stay while a VM's or another snapshot's disk backs onto it.
+ *
  * Spare clones (the pool): after a create of a template size, the driver keeps up to
  * pool_size clones of that size ready (SP_QEMU_POOL_KEYS sizes, least recently used
  * first to go; a size nobody created for 30 minutes loses them). A spare is restored in

@@ -64,9 +64,19 @@ struct fork {
     char tmp[PATH_MAX];
     char dest[PATH_MAX];
     struct child *cp;
+    bool live;          /* the VM ran at the start: its RAM is copied while it runs */
+    bool forced;        /* live, but it did not converge: stopped by us at stop_ms */
+    uint64_t mig_ms;    /* live: when the migration started */
     uint64_t stop_ms;   /* sp_qemu__mono_ms() when the vCPUs were stopped */
     uint64_t window_ms; /* how long they stayed stopped */
 };
+
+/* A live snapshot's RAM is migrated while the vCPUs run (pre-copy: QEMU sends the RAM, then
+ * what was written meanwhile, and stops the vCPUs for the last pages once they fit in
+ * FORK_DOWNTIME_MS); should that not converge within FORK_LIVE_MAX_MS, the vCPUs are stopped
+ * and the migration finishes from the stopped VM. */
+#define FORK_DOWNTIME_MS 30
+#define FORK_LIVE_MAX_MS 3000u
 
 /* A snapshot id: what a sandbox id may be, without dots (they name our temporary dirs). */
 static bool valid_sid(const char *sid)
@@ -77,6 +87,41 @@ static bool valid_sid(const char *sid)
 const char *sp_qemu__fork_tmp(const struct vm *vm)
 {
     return vm->fork != NULL ? vm->fork->tmp : NULL;
+}
+
+/* The downtime limit for this VM's migration (ms): a suspend's VM is stopped throughout, so
+ * one pass; a live snapshot's stops the vCPUs only for what fits in FORK_DOWNTIME_MS. */
+int sp_qemu__fork_downtime(struct vm *vm)
+{
+    if (vm->fork == NULL || !vm->fork->live)
+        return 60000;
+    vm->fork->mig_ms = sp_qemu__mono_ms();
+    return FORK_DOWNTIME_MS;
+}
+
+/* Polling a live snapshot's migration: true once when it ran too long, and the caller stops
+ * the vCPUs. */
+bool sp_qemu__fork_force_stop(struct vm *vm)
+{
+    struct fork *f = vm->fork;
+    if (f == NULL || !f->live || f->forced || f->mig_ms == 0 ||
+        sp_qemu__mono_ms() - f->mig_ms < FORK_LIVE_MAX_MS)
+        return false;
+    f->forced = true;
+    f->stop_ms = sp_qemu__mono_ms();
+    sp_log(SP_LOG_INFO, "qemu", "snapshot: RAM copy did not converge, stopping vCPUs sandbox=%s",
+           vm->id);
+    return true;
+}
+
+/* The migration completed; QEMU had the vCPUs stopped for downtime ms at its end. */
+void sp_qemu__fork_mig_done(struct vm *vm, long long downtime)
+{
+    struct fork *f = vm->fork;
+    if (f == NULL || !f->live || f->forced)
+        return;
+    uint64_t now = sp_qemu__mono_ms();
+    f->stop_ms = now - (uint64_t)(downtime > 0 && (uint64_t)downtime < now ? downtime : 0);
 }
 
 static void fork_free(struct fork *f)
@@ -293,9 +338,12 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     vm->snap_was_paused = vm->paused;
     vm->snap_start_ms = sp_qemu__mono_ms();
     f->stop_ms = vm->snap_start_ms;
+    f->live = !vm->paused;
     vm->snap_step = SN_STOP;
-    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s", vm->id, snapshot_id);
-    sp_qemu__snap_send(vm, "stop", NULL, -1); /* a no-op on a paused VM */
+    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s live=%d", vm->id,
+           snapshot_id, (int)f->live);
+    /* the suspend steps from their first: a live one does not stop the vCPUs there */
+    sp_qemu__snap_send(vm, f->live ? "query-status" : "stop", NULL, -1);
     return 0;
 }
 

@@ -398,6 +398,9 @@ int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
 int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err);
 const char *sp_qemu__fork_tmp(const struct vm *vm);
+int sp_qemu__fork_downtime(struct vm *vm);
+bool sp_qemu__fork_force_stop(struct vm *vm);
+void sp_qemu__fork_mig_done(struct vm *vm, long long downtime);
 void sp_qemu__fork_migrated(struct vm *vm);
 void sp_qemu__fork_committed(struct vm *vm);
 void sp_qemu__fork_abort(struct vm *vm);

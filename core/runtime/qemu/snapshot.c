@@ -502,7 +502,7 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         vm->snap_step = SN_PARAMS;
         sp_qemu__snap_send(vm, "migrate-set-parameters",
                            json_pack("{s:I, s:I}", "max-bandwidth", (json_int_t)1 << 40,
-                                     "downtime-limit", (json_int_t)60000),
+                                     "downtime-limit", (json_int_t)sp_qemu__fork_downtime(vm)),
                            -1);
         break;
     case SN_PARAMS: {
@@ -538,6 +538,7 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
     case SN_POLL: {
         const char *st = json_string_value(json_object_get(ret, "status"));
         if (st != NULL && strcmp(st, "completed") == 0) {
+            sp_qemu__fork_mig_done(vm, json_integer_value(json_object_get(ret, "downtime")));
             vm->mig_done = true;
             if (vm->delta == NULL) /* else sp_qemu__suspend_delta_done goes on */
                 suspend_migrated(vm);
@@ -781,6 +782,8 @@ void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg)
     sp_err_t e;
     if (vm->qmp == NULL)
         return;
+    if (vm->snap_step == SN_POLL && sp_qemu__fork_force_stop(vm))
+        sp_qmp_command(vm->qmp, "stop", NULL, -1, NULL, NULL, &e); /* then it completes */
     if (sp_qemu__snapping(vm) && (vm->snap_step == SN_POLL || vm->snap_step == SN_CANCEL_POLL))
         sp_qmp_command(vm->qmp, "query-migrate", NULL, -1, on_snap_reply, vm, &e);
     else if (vm->ph == PH_START && vm->snap_step == RS_POLL)
