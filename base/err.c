@@ -39,6 +39,8 @@ const char *sp_err_name(sp_code_t code)
         return "runtime_unavailable";
     case SP_EFORBIDDEN:
         return "permission_denied";
+    case SP_ENOTSUP:
+        return "not_supported";
     case SP_EINTERNAL:
         break;
     }
@@ -65,6 +67,8 @@ int sp_err_http_status(sp_code_t code)
         return 503;
     case SP_EFORBIDDEN:
         return 403;
+    case SP_ENOTSUP:
+        return 501;
     case SP_EINTERNAL:
         break;
     }

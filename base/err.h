@@ -22,6 +22,7 @@ typedef enum {
     SP_ERUNTIME,  /* no microVM runtime      -> 503 */
     SP_EFORBIDDEN, /* guest refused (EACCES) -> 403 */
     SP_EINTERNAL, /* our bug                 -> 500 */
+    SP_ENOTSUP,   /* the runtime cannot do it -> 501 */
 } sp_code_t;
 
 typedef struct {

@@ -34,6 +34,7 @@ extern const spc_verb_t spc_shell_verbs[];
 extern const spc_verb_t spc_cp_verbs[];
 extern const spc_verb_t spc_logs_verbs[];
 extern const spc_verb_t spc_template_verbs[];
+extern const spc_verb_t spc_snapshot_verbs[];
 extern const spc_verb_t spc_secrets_verbs[];
 extern const spc_verb_t spc_egress_verbs[];
 extern const spc_verb_t spc_login_verbs[];

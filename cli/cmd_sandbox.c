@@ -16,6 +16,8 @@
 static const spc_opt_t create_opts[] = {
     {"template", 't', SPC_STR, "T", "template name (default base; see spacectl template list)", 0,
      0},
+    {"snapshot", 0, SPC_STR, "ID", "start from this snapshot instead (spacectl snapshot list)", 0,
+     0},
     {"cpu", 0, SPC_INT, "N", "vCPUs (1 to 8; default: the template's)", 1, 8},
     {"memory", 0, SPC_INT, "MB", "memory in MiB (128 to 16384; default: the template's)", 128,
      16384},
@@ -29,11 +31,13 @@ static const spc_opt_t create_opts[] = {
 
 static const spc_cmd_t create_cmd = {
     "sandbox create",
-    "[--template T] [--cpu N] [--memory MB] [--env K=V]... [--metadata K=V]... [--wait]",
+    "[--template T | --snapshot ID] [--cpu N] [--memory MB] [--env K=V]... [--metadata K=V]...\n"
+    "       [--wait]",
     "Create a sandbox (a microVM) from a template.",
     "Without --wait it prints the create operation and returns at once; the sandbox starts in\n"
     "the background. With --wait it waits until the sandbox runs and prints it; a failed start\n"
-    "is reported on stderr with exit status 1.",
+    "is reported on stderr with exit status 1. With --snapshot it starts from a snapshot\n"
+    "(spacectl snapshot create) with its processes running, and its size.",
     create_opts, NULL, 0, 0, false};
 
 static const spc_opt_t list_opts[] = {
@@ -222,8 +226,15 @@ static int run_create(spc_args_t *a)
     const char *const *env = spc_args_list(a, "env", &nenv);
     const char *const *md = spc_args_list(a, "metadata", &nmd);
     json_t *body = json_object(), *o;
-    const char *tmpl = spc_args_str(a, "template");
-    json_object_set_new(body, "template", json_string(tmpl ? tmpl : "base"));
+    const char *tmpl = spc_args_str(a, "template"), *snap = spc_args_str(a, "snapshot");
+    if (tmpl != NULL && snap != NULL) {
+        sp_err_set(&e, SP_EINVAL, "give --template or --snapshot, not both");
+        goto usage;
+    }
+    if (snap != NULL)
+        json_object_set_new(body, "snapshot", json_string(snap));
+    else
+        json_object_set_new(body, "template", json_string(tmpl ? tmpl : "base"));
     if (spc_args_count(a, "cpu"))
         json_object_set_new(body, "cpu_count", json_integer(spc_args_int(a, "cpu", 0)));
     if (spc_args_count(a, "memory"))

@@ -16,6 +16,8 @@ const spc_group_t spc_groups[] = {
     {"cp", "copy files and directories into and out of a sandbox", spc_cp_verbs},
     {"logs", "a sandbox's lifecycle events", spc_logs_verbs},
     {"template", "the templates sandboxes are made from", spc_template_verbs},
+    {"snapshot", "snapshots of running sandboxes, to create more from (forks)",
+     spc_snapshot_verbs},
     {"secrets", "team secrets for credential injection", spc_secrets_verbs},
     {"egress", "a sandbox's outbound traffic policy", spc_egress_verbs},
     {"login", "save the server's URL and an API key", spc_login_verbs},

@@ -1269,6 +1269,8 @@ sp_connect_code_t sp_connect_code_from(sp_code_t c)
         return SP_CC_UNAVAILABLE;
     case SP_EFORBIDDEN:
         return SP_CC_PERMISSION_DENIED;
+    case SP_ENOTSUP:
+        return SP_CC_UNIMPLEMENTED;
     case SP_EINTERNAL:
         return SP_CC_INTERNAL;
     }

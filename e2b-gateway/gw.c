@@ -36,6 +36,11 @@ void sp_e2b_set_tmpl(sp_e2b_t *gw, sp_tmpl_t *tmpl)
     gw->tmpl = tmpl;
 }
 
+void sp_e2b_set_snap(sp_e2b_t *gw, sp_snap_t *snap)
+{
+    gw->snap = snap;
+}
+
 void sp_e2b_destroy(sp_e2b_t *gw)
 {
     if (gw == NULL)

@@ -17,6 +17,7 @@
 #include <h2o.h>
 #include <stdbool.h>
 
+#include "core/control/snap.h"
 #include "core/control/svc.h"
 #include "core/control/tmpl.h"
 
@@ -33,6 +34,8 @@ void sp_e2b_destroy(sp_e2b_t *gw);
 
 /* Template builds for the E2B template API (borrowed; outlives gw). */
 void sp_e2b_set_tmpl(sp_e2b_t *gw, sp_tmpl_t *tmpl);
+/* Sandbox snapshots for the E2B snapshot API (borrowed; outlives gw). */
+void sp_e2b_set_snap(sp_e2b_t *gw, sp_snap_t *snap);
 
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);

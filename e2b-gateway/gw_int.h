@@ -23,6 +23,7 @@ struct sp_e2b {
     char domain[256];
     struct sp_envd *envd; /* handles on the core tables envd uses (proctab, fswatch); lazily made */
     sp_tmpl_t *tmpl;      /* template builds (route_templates.c); NULL: they answer 503 */
+    sp_snap_t *snap;      /* sandbox snapshots (route_snapshots.c); NULL: they answer 503 */
 };
 
 /* A resolved, authenticated sandbox for one sandbox-traffic request. Borrowed for the call. */

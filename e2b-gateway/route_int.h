@@ -23,6 +23,8 @@ enum {
     R_LOGS,
     R_LOGS_V2,
     R_TEMPLATES, /* every /templates path: route_templates.c routes them itself */
+    R_SNAPSHOT,  /* POST /sandboxes/{id}/snapshots (route_snapshots.c) */
+    R_SNAPSHOTS, /* GET /snapshots (route_snapshots.c) */
 };
 
 enum { CTL_GET = 1, CTL_POST = 2, CTL_DELETE = 4 };
@@ -56,6 +58,7 @@ struct ctl {
     json_t *ids;          /* metrics: the sandbox IDs asked for (array) or NULL; owned */
     long long start_s, end_s; /* metrics: the series's bounds (unix s), 0: open */
     void *tpl;                /* route_templates.c's state across a step; its own to free */
+    bool snap_tried;          /* create: templateID was looked up as a snapshot name too */
 };
 
 /* Finish the request (answer if the client is still there) and free the context.
@@ -79,6 +82,17 @@ void sp_e2b__route_logs(ctl_t *c, h2o_req_t *req);
 
 /* route_templates.c: /templates..., /v2/templates..., /v3/templates (after authentication). */
 void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req);
+/* route_snapshots.c: POST /sandboxes/{id}/snapshots, GET /snapshots, and DELETE
+ * /templates/{snapshotID} of a snapshot (by id, or by normalised name when id is ""). */
+void sp_e2b__snapshot_create(ctl_t *c);
+void sp_e2b__snapshot_list(ctl_t *c, h2o_req_t *req);
+void sp_e2b__snapshot_delete(ctl_t *c, const char *id, const char *name);
+/* Whether ref (a templateID, URL-decoded) names a snapshot of team: 1 with its id in id (a
+ * "<snapshot id>[:default]") or its normalised name in name (a "<team id>/<alias>[:tag]"),
+ * the other ""; 0 when it has neither form (a template name, or a bare alias); -1 for a name
+ * in another namespace or a malformed one. id and name hold cap bytes (>= 65). */
+int sp_e2b__snapshot_ref(const char *team, const char *ref, char *id, char *name, size_t cap);
+
 /* PUT /upload/template-files/{hash}?token=: a COPY step's files, authorised by the token. */
 void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash);
 

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "core/egress/egress_policy.h"
@@ -348,16 +349,59 @@ static void create_waited(ctl_t *c, const sp_op_rec_t *op)
     op_failed(c, op, "creating the sandbox");
 }
 
+static void create_from(ctl_t *c, const char *snapshot_id);
+
+/* A templateID that named no template, looked up as a snapshot's bare alias. */
+static void on_snap_alias(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
+                          const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    (void)op;
+    if (err == NULL) {
+        create_from(c, r->id);
+        return;
+    }
+    sp_err_t e;
+    if (err->code == SP_ENOTFOUND)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "template not found"), &e);
+    sp_e2b__ctl_fail_err(c, err);
+}
+
 static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
                        const sp_err_t *err)
 {
     ctl_t *c = arg;
+    if (err != NULL && err->code == SP_ENOTFOUND && !c->snap_tried && c->gw->snap != NULL) {
+        /* No such template: E2B's team namespace also holds snapshot aliases. */
+        const char *t = json_string_value(json_object_get(c->body, "templateID"));
+        char name[SP_SNAP_NAME_MAX + 1];
+        sp_err_t e;
+        c->snap_tried = true;
+        if (t != NULL && strchr(t, '/') == NULL &&
+            sp_snap_norm_name(t, name, sizeof name, &e) == 0 &&
+            sp_snap_get(c->gw->snap, &c->auth, NULL, name, on_snap_alias, c, &e) == 0)
+            return;
+    }
     if (err != NULL) {
         sp_e2b__ctl_fail_err(c, err); /* unknown template: 404, as E2B answers */
         return;
     }
     snprintf(c->id, sizeof(c->id), "%s", sb->id);
     sp_e2b__ctl_wait(c, op, create_waited);
+}
+
+/* templateID "<team id>/<alias>[:tag]": the snapshot of that name. */
+static void on_snap_named(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
+                          const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    (void)op;
+    c->snap_tried = true;
+    if (err != NULL) {
+        on_snap_alias(c, NULL, NULL, err);
+        return;
+    }
+    create_from(c, r->id);
 }
 
 static void route_create(ctl_t *c)
@@ -372,6 +416,28 @@ static void route_create(ctl_t *c)
         sp_e2b__ctl_fail(c, 400, "templateID is required and must be a non-empty string");
         return;
     }
+    /* A snapshot's id (route_snapshots.c) instead of a template: by id at once, by name after
+     * a lookup. */
+    char sid[80], sname[80];
+    sp_err_t e;
+    int ref = c->gw->snap != NULL
+                  ? sp_e2b__snapshot_ref(c->auth.team_id, json_string_value(t), sid, sname,
+                                         sizeof sid)
+                  : 0;
+    if (ref < 0) {
+        sp_e2b__ctl_fail(c, 404, "template not found");
+    } else if (ref > 0 && sid[0] == '\0') {
+        if (sp_snap_get(c->gw->snap, &c->auth, NULL, sname, on_snap_named, c, &e) < 0)
+            on_snap_named(c, NULL, NULL, &e);
+    } else {
+        create_from(c, ref > 0 ? sid : NULL);
+    }
+}
+
+/* The create of body's sandbox, from the snapshot snapshot_id or (NULL) the templateID. */
+static void create_from(ctl_t *c, const char *snapshot_id)
+{
+    json_t *t = json_object_get(c->body, "templateID");
     sp_create_req_t r = {0};
     int timeout = CTL_DEFAULT_TMO_S;
     bool secure = true, internet = true, internet_set = false, auto_pause = false;
@@ -397,7 +463,12 @@ static void route_create(ctl_t *c)
     }
     json_t *md = json_object_get(c->body, "metadata");
     json_t *env = json_object_get(c->body, "envVars");
-    r.template_name = json_string_value(t);
+    if (snapshot_id != NULL) {
+        r.snapshot_id = snapshot_id;
+        c->snap_tried = true;
+    } else {
+        r.template_name = json_string_value(t);
+    }
     r.metadata = md && !json_is_null(md) ? md : NULL;
     r.env = env && !json_is_null(env) ? env : NULL;
     r.timeout_s = timeout == 0 ? CTL_ZERO_TMO_S : timeout;
@@ -837,6 +908,8 @@ static const struct ctl_route ctl_routes[] = {
     {R_METRICS, CTL_GET, {"sandboxes", "*", "metrics", NULL}, false},
     {R_LOGS, CTL_GET, {"sandboxes", "*", "logs", NULL}, false},
     {R_LOGS_V2, CTL_GET, {"v2", "sandboxes", "*", "logs", NULL}, false},
+    {R_SNAPSHOT, CTL_POST, {"sandboxes", "*", "snapshots", NULL}, true},
+    {R_SNAPSHOTS, CTL_GET, {"snapshots", NULL}, false},
 };
 
 /* The route for segs and method; *path_known tells 405 from 404 when none matches. */
@@ -906,6 +979,12 @@ static void dispatch(ctl_t *c, h2o_req_t *req)
     case R_TEMPLATES:
         sp_e2b__route_templates(c, req);
         break;
+    case R_SNAPSHOT:
+        sp_e2b__snapshot_create(c);
+        break;
+    case R_SNAPSHOTS:
+        sp_e2b__snapshot_list(c, req);
+        break;
     default:
         sp_e2b__ctl_fail(c, 404, "no such path");
         break;
@@ -968,11 +1047,6 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
     if (r == NULL) {
         if (known)
             sp_e2b__error(req, 405, "method not allowed on this path");
-        else if (n >= 1 &&
-                 (strcmp(segs[0], "snapshots") == 0 ||
-                  (n == 3 && strcmp(segs[0], "sandboxes") == 0 &&
-                   strcmp(segs[2], "snapshots") == 0)))
-            sp_e2b__error(req, 501, "snapshots are not supported by this server");
         else
             sp_e2b__error(req, 404, "no such path");
         return;

@@ -518,6 +518,25 @@ static void on_list(void *arg, const sp_template_rec_t *recs, size_t n, const sp
     sp_e2b__ctl_reply(c, 200, arr);
 }
 
+/* Whether DELETE /templates/... names a snapshot (route_snapshots.c): one: the whole id (one
+ * segment), else ns and rest (two segments). Non-zero when it does (sid or sname set; both ""
+ * for a name in another namespace: not found). */
+static int snapshot_ref(ctl_t *c, const char *one, const char *ns, const char *rest, char *sid,
+                        char *sname)
+{
+    char ref[200];
+    if (c->gw->snap == NULL)
+        return 0;
+    if (one != NULL)
+        snprintf(ref, sizeof ref, "%s", one);
+    else
+        snprintf(ref, sizeof ref, "%s/%s", ns, rest);
+    int r = sp_e2b__snapshot_ref(c->auth.team_id, ref, sid, sname, 80);
+    if (r < 0)
+        sid[0] = sname[0] = '\0';
+    return r;
+}
+
 void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
 {
     const char *segs[8];
@@ -527,7 +546,7 @@ void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
     int k = n - b;
     bool get = sp_http_method_is(req, "GET"), post = sp_http_method_is(req, "POST"),
          del = sp_http_method_is(req, "DELETE");
-    char name[65], why[160];
+    char name[65], why[160], sid[80] = "", sname[80] = "";
     sp_err_t e;
     if (n < 1 || k < 1 || strcmp(s[0], "templates") != 0) {
         sp_e2b__ctl_fail(c, 404, "no such path");
@@ -548,6 +567,14 @@ void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
     } else if (k == 1 && get && b == 0) {
         if (sp_svc_templates(c->gw->svc, &c->auth, NULL, on_list, c, &e) < 0)
             sp_e2b__ctl_fail_err(c, &e);
+    } else if ((k == 2 || k == 3) && del && b == 0 && strcmp(s[1], "tags") != 0 &&
+               snapshot_ref(c, k == 2 ? s[1] : NULL, s[1], s[2], sid, sname) != 0) {
+        /* A snapshot's id (Sandbox.delete_snapshot): "<id>:default" or "<ns>/<alias>:<tag>",
+         * raw from Python (two segments) or percent-encoded from JS (one). */
+        if (sid[0] == '\0' && sname[0] == '\0')
+            sp_e2b__ctl_fail(c, 404, "snapshot not found");
+        else
+            sp_e2b__snapshot_delete(c, sid, sname);
     } else if (k == 2 && del && b == 0 && strcmp(s[1], "tags") != 0) {
         if (!e2b_name(s[1], name, why, sizeof why))
             sp_e2b__ctl_fail(c, 404, "template not found");

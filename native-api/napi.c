@@ -40,6 +40,11 @@ void sp_napi_set_tmpl(sp_napi_t *n, sp_tmpl_t *tmpl)
     n->tmpl = tmpl;
 }
 
+void sp_napi_set_snap(sp_napi_t *n, sp_snap_t *snap)
+{
+    n->snap = snap;
+}
+
 void sp_napi_destroy(sp_napi_t *n)
 {
     if (n == NULL)
@@ -61,6 +66,7 @@ const char *sp_napi_route_class(h2o_req_t *req)
     static const char *const tops[][2] = {{"templates", "templates"},
                                           {"template-files", "templates"},
                                           {"operations", "operations"},
+                                          {"snapshots", "snapshots"},
                                           {"secrets", "secrets"},
                                           {"attach", "attach"},
                                           {"openapi.json", "openapi"}};
@@ -69,7 +75,8 @@ const char *sp_napi_route_class(h2o_req_t *req)
         {"wake", "sandbox_wake"},         {"commands", "sandbox_commands"},
         {"files", "sandbox_files"},       {"sessions", "sandbox_sessions"},
         {"contexts", "sandbox_contexts"}, {"execute", "sandbox_execute"},
-        {"credentials", "sandbox_credentials"}, {"egress", "sandbox_egress"}};
+        {"credentials", "sandbox_credentials"}, {"egress", "sandbox_egress"},
+        {"snapshots", "sandbox_snapshots"}};
     const char *segs[NAPI_MAX_SEGS];
     int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
     if (ns == 1 && strcmp(segs[0], "healthz") == 0)
@@ -190,6 +197,8 @@ json_t *sp_napi__op_json(const sp_op_rec_t *op)
         json_object_set_new(o, "error", json_null());
     json_object_set_new(o, "created_at", json_string(op->created_at));
     json_object_set_new(o, "finished_at", str_or_null(op->finished_at));
+    if (op->snapshot_id[0]) /* kind "snapshot": the snapshot it takes */
+        json_object_set_new(o, "snapshot_id", json_string(op->snapshot_id));
     return o;
 }
 
@@ -285,6 +294,14 @@ static const struct route routes[] = {
     {M_GET, {"v1", "sandboxes", "*", "events", NULL}, {sp_napi__sandboxes_events, NULL, NULL},
      false},
     {M_GET, {"v1", "operations", "*", NULL}, {sp_napi__operations_get, NULL, NULL}, false},
+    /* Sandbox snapshots (route_snapshots.c). */
+    {M_POST, {"v1", "sandboxes", "*", "snapshots", NULL}, {NULL, sp_napi__snapshots_take, NULL},
+     true},
+    {M_GET, {"v1", "snapshots", NULL}, {sp_napi__snapshots_list, NULL, NULL}, false},
+    {M_GET | M_DELETE,
+     {"v1", "snapshots", "*", NULL},
+     {sp_napi__snapshots_get, NULL, sp_napi__snapshots_delete},
+     false},
     {M_GET | M_POST,
      {"v1", "sandboxes", "*", "commands", NULL},
      {sp_napi__commands_list, sp_napi__commands_run, NULL},

@@ -21,6 +21,7 @@ struct sp_napi {
     sp_session_tab_t *sessions; /* command sessions (route_sessions.c) */
     sp_admin_t *admin;          /* the /v1/admin routes' operations; NULL: they answer 503 */
     sp_tmpl_t *tmpl;            /* template builds (route_templates.c); NULL: they answer 503 */
+    sp_snap_t *snap;            /* sandbox snapshots (route_snapshots.c); NULL: they answer 503 */
 };
 
 /* One request's state across its asynchronous steps, in its hold. */
@@ -172,6 +173,11 @@ void sp_napi__sandboxes_get(napi_ctx_t *c);
 void sp_napi__sandboxes_request(napi_ctx_t *c);
 void sp_napi__sandboxes_events(napi_ctx_t *c);
 void sp_napi__operations_get(napi_ctx_t *c);
+/* Sandbox snapshots (route_snapshots.c). */
+void sp_napi__snapshots_take(napi_ctx_t *c);
+void sp_napi__snapshots_list(napi_ctx_t *c);
+void sp_napi__snapshots_get(napi_ctx_t *c);
+void sp_napi__snapshots_delete(napi_ctx_t *c);
 void sp_napi__commands_run(napi_ctx_t *c);
 void sp_napi__commands_list(napi_ctx_t *c);
 void sp_napi__commands_output(napi_ctx_t *c);

@@ -112,13 +112,20 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
 {
     static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
                                           "timeout_s", "cpu_count", "memory_mb", "deadline_action",
-                                          "credentials", "egress", NULL};
+                                          "credentials", "egress", "snapshot", NULL};
     sp_err_t e;
     json_t *b = c->body, *t;
     sp_create_req_t r = {0};
     json_t *da = sp_napi__field(b, "deadline_action");
+    json_t *snap = sp_napi__field(b, "snapshot");
     if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        (t = sp_napi__req_string(b, "template", &e)) == NULL ||
+        (snap != NULL && !json_is_string(snap)
+             ? sp_err_set(&e, SP_EINVAL, "snapshot must be a snapshot id (a string)")
+             : 0) < 0 ||
+        (snap != NULL && sp_napi__field(b, "template") != NULL
+             ? sp_err_set(&e, SP_EINVAL, "give either template or snapshot, not both")
+             : 0) < 0 ||
+        (t = snap != NULL ? snap : sp_napi__req_string(b, "template", &e)) == NULL ||
         (da != NULL && !json_is_string(da)
              ? sp_err_set(&e, SP_EINVAL, "deadline_action must be a string")
              : 0) < 0 ||
@@ -130,12 +137,17 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    r.template_name = json_string_value(t);
+    if (snap != NULL)
+        r.snapshot_id = json_string_value(t);
+    else
+        r.template_name = json_string_value(t);
     r.metadata = sp_napi__field(b, "metadata");
     r.env = sp_napi__field(b, "env");
     r.deadline_action = json_string_value(da); /* NULL when absent */
-    if (strlen(r.template_name) != json_string_length(t)) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "template may not contain NUL"), &e));
+    if (strlen(json_string_value(t)) != json_string_length(t)) {
+        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "%s may not contain NUL",
+                                     snap != NULL ? "snapshot" : "template"),
+                          &e));
         return;
     }
     /* The outbound policy and the credential rules are core's to check (a bad rule is a 400

@@ -41,6 +41,7 @@
 #include "core/egress/secrets.h"
 #include "core/store/store.h"
 #include "core/control/svc.h"
+#include "core/control/snap.h"
 #include "core/control/tmpl.h"
 #include "guest/tmplbuild.h"
 #include "e2b-gateway/gw.h"
@@ -859,6 +860,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_tls_files_t tls_files;
     sp_recon_t *recon = NULL;
     sp_tmpl_t *tmpl = NULL;
+    sp_snap_t *snap = NULL;
     sp_opsrv_t *opsrv = NULL;
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
@@ -911,20 +913,24 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     worker_id(o->data_dir, wid);
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     tmpl = store && driver ? sp_tmpl_create(s.loop, store, driver, o->data_dir, &e) : NULL;
+    snap = store && driver ? sp_snap_create(s.loop, store, driver, &e) : NULL;
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (s.napi != NULL) {
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
         sp_napi_set_admin(s.napi, admin);
         sp_napi_set_tmpl(s.napi, tmpl);
+        sp_napi_set_snap(s.napi, snap);
     }
     /* The E2B surface and the host suffix it returns as `domain`. */
     char domain[256];
     serve_domain(o, domain, sizeof(domain));
     sp_e2b_opts_t eo = {.domain = domain};
     s.e2b = svc ? sp_e2b_create(svc, &eo) : NULL;
-    if (s.e2b != NULL)
+    if (s.e2b != NULL) {
         sp_e2b_set_tmpl(s.e2b, tmpl);
-    if (recon == NULL || tmpl == NULL || s.napi == NULL || s.e2b == NULL || admin == NULL) {
+        sp_e2b_set_snap(s.e2b, snap);
+    }
+    if (recon == NULL || tmpl == NULL || snap == NULL || s.napi == NULL || s.e2b == NULL || admin == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;
     }
@@ -1010,6 +1016,7 @@ out_srv:
     sp_mitm_destroy(mitm);
     sp_store_destroy(store); /* pending statements answer first: builds may still need tmpl */
     sp_tmpl_destroy(tmpl);
+    sp_snap_destroy(snap);
     sp_svc_destroy(svc);
     sp_secrets_destroy(secrets);
     sp_napi_destroy(s.napi);

@@ -581,8 +581,9 @@ static void test_help(void)
                 break;
         }
     }
-    /* sandbox (7), exec, shell, cp, logs, template (3), secrets (3), egress (2), login. */
-    CHECK(nverbs == 20);
+    /* sandbox (7), exec, shell, cp, logs, template (3), snapshot (3), secrets (3), egress (2),
+     * login. */
+    CHECK(nverbs == 23);
 }
 
 int main(void)

@@ -6,7 +6,8 @@
  * state) -> driver call -> record the outcome (retried until the database
  * takes it, so an outcome is never lost to an outage) -> release and
  * rescan. Every record statement is guarded by the observed state it
- * expects and by this worker's claim.
+ * expects and by this worker's claim. Operations of kind "snapshot" are
+ * core/control/snap.c's: never claimed, finished or superseded here.
  */
 #include "core/control/recon.h"
 
@@ -28,6 +29,7 @@ struct task {
     char id[65];
     char template_name[65];
     char *env_json;
+    char snapshot_id[65]; /* "" unless created from a snapshot (core/control/snap.h) */
     int cpu_count, memory_mb;
     sp_desired_t desired;  /* at claim time */
     sp_observed_t from;    /* observed before the action */
@@ -131,11 +133,12 @@ static const char *record_sql =
     "     ELSE 'superseded by a later request' END,"
     "   finished_at = now()"
     "  FROM u WHERE o.sandbox_id = u.id AND o.status IN ('pending', 'running')"
+    "   AND o.kind <> 'snapshot'"
     "   AND (o.target = u.observed_state OR u.observed_state = u.desired_state"
     "     OR u.observed_state = 'failed' OR ($3::text IS NOT NULL AND o.target = $5))"
     "  RETURNING o.id),"
     " g AS (UPDATE operations o SET status = 'running' FROM u"
-    "  WHERE o.sandbox_id = u.id AND o.status = 'pending'"
+    "  WHERE o.sandbox_id = u.id AND o.status = 'pending' AND o.kind <> 'snapshot'"
     "   AND u.observed_state IN ('starting', 'pausing', 'suspending', 'waking', 'stopping')"
     "  RETURNING o.id),"
     " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
@@ -281,6 +284,8 @@ static void run_driver(struct task *t)
     t->driver_ms = sp_loop_now_ms(t->r->loop);
     switch (t->act) {
     case SP_ACT_BOOT:
+        /* Only a boot starts from the snapshot; a wake restores the sandbox's own state. */
+        spec.snapshot_id = t->snapshot_id[0] ? t->snapshot_id : NULL;
         rc = d->ops->boot(d, &spec, on_driver_done, t, &e);
         break;
     case SP_ACT_PAUSE:
@@ -384,6 +389,7 @@ static void start_task(sp_recon_t *r, PGresult *res, int row)
     t->cpu_count = atoi(PQgetvalue(res, row, 4));
     t->memory_mb = atoi(PQgetvalue(res, row, 5));
     t->env_json = strdup(PQgetvalue(res, row, 6));
+    snprintf(t->snapshot_id, sizeof(t->snapshot_id), "%s", PQgetvalue(res, row, 7));
     t->desired = d;
     t->from = o;
     sp_timer_init(&t->retry, r->loop, on_task_retry, t);
@@ -530,10 +536,10 @@ static void scan(sp_recon_t *r)
         "   AND ((c.desired_state <> c.observed_state"
         "         AND NOT (c.observed_state = 'failed' AND c.desired_state <> 'deleted'))"
         "     OR EXISTS (SELECT 1 FROM operations o WHERE o.sandbox_id = c.id"
-        "                AND o.status IN ('pending', 'running')))"
+        "                AND o.status IN ('pending', 'running') AND o.kind <> 'snapshot'))"
         "  ORDER BY c.updated_at LIMIT " RECON_BATCH " FOR UPDATE SKIP LOCKED)"
         " RETURNING s.id, s.desired_state, s.observed_state, s.template, s.cpu_count,"
-        "  s.memory_mb, s.env::text",
+        "  s.memory_mb, s.env::text, coalesce(s.snapshot_id, '')",
         2, p, on_claimed, r, &e);
     free(busy);
     if (rc < 0) {

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/control/snap.h"
 #include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
 #include "base/log.h"
@@ -31,8 +32,9 @@
 
 #define OP_COLS                                                                                    \
     "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
-    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", '')"
-#define OP_NCOLS 8
+    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", ''), " \
+    "CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
+#define OP_NCOLS 9
 
 struct waiter {
     sp_svc_t *svc;
@@ -121,6 +123,7 @@ static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
     SP_STORE_TEXT(r, row, col + 5, o->error_message);
     SP_STORE_TEXT(r, row, col + 6, o->created_at);
     SP_STORE_TEXT(r, row, col + 7, o->finished_at);
+    SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
 }
 
 static bool op_finished(const sp_op_rec_t *o)
@@ -285,8 +288,11 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
     sp_store_req_t *c = rec;
     sp_svc_sandbox_cb cb = (sp_svc_sandbox_cb)c->cb;
     sp_err_t e;
-    const sp_err_t *fail = sp_store_one_row(
-        res, err, SP_ENOTFOUND, c->flag == 1 ? "template not found" : "sandbox not found", &e);
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND,
+                                            c->flag == 1   ? "template not found"
+                                            : c->flag == 2 ? "snapshot not found"
+                                                           : "sandbox not found",
+                                            &e);
     if (fail != NULL) {
         cb(c->arg, NULL, NULL, fail);
         return;
@@ -306,7 +312,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 
 /* A create's statement, its parameters owned: kept while the secrets its credential rules name
  * are looked up, then sent. */
-#define CREATE_NPARAMS 18
+#define CREATE_NPARAMS 19
 
 struct create {
     sp_svc_t *svc;
@@ -350,29 +356,76 @@ static int create_submit(struct create *cr, sp_err_t *err)
 {
     int rc = submit(
         cr->svc,
-        "WITH t AS (SELECT name, cpu_count, memory_mb, env FROM templates WHERE name = $3"
-        "  AND deleted_at IS NULL AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))),"
+        "WITH t AS (SELECT name, cpu_count, memory_mb, env, NULL::text AS snap FROM templates"
+        "  WHERE $19::text IS NULL AND name = $3 AND deleted_at IS NULL"
+        "  AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))"
+        " UNION ALL SELECT template, cpu_count, memory_mb, env, id FROM snapshots"
+        "  WHERE id = $19 AND team_id = $2 AND deleted_at IS NULL AND state = 'ready'),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
         "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
         "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
-        "  egress)"
+        "  egress, snapshot_id)"
         "  SELECT $1, $2, t.name, $4::jsonb, t.env || coalesce($5::jsonb, '{}'), $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
-        "   $18::jsonb FROM t"
+        "   $18::jsonb, t.snap FROM t"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
         " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
         " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
-        CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg, 1, err);
+        CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg,
+        cr->p[18] != NULL ? 2 : 1, err);
     create_free(cr);
     return rc;
 }
 
-/* The rules' secrets were looked up: a missing one fails the create, else it is sent. */
+/* The snapshot a create starts from was read: why it cannot be used (404 or 409, told apart
+ * here so the client learns which), else the statement is sent (which checks it again). */
+static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    struct create *cr = c->arg;
+    sp_svc_sandbox_cb cb = cr->cb;
+    void *cb_arg = cr->arg;
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "", &e);
+    if (fail == &e)
+        sp_err_set(&e, SP_ENOTFOUND, "snapshot '%.64s' not found", cr->p[18]);
+    else if (fail == NULL && strcmp(PQgetvalue(res, 0, 0), "creating") == 0)
+        fail = (sp_err_set(&e, SP_ECONFLICT, "snapshot '%.64s' is still being taken; try again "
+                           "when it is ready", cr->p[18]), &e);
+    else if (fail == NULL && strcmp(PQgetvalue(res, 0, 0), "ready") != 0)
+        fail = (sp_err_set(&e, SP_ECONFLICT, "snapshot '%.64s' failed: %.100s", cr->p[18],
+                           PQgetvalue(res, 0, 1)), &e);
+    if (fail != NULL) {
+        create_free(cr);
+        cb(cb_arg, NULL, NULL, fail);
+    } else if (create_submit(cr, &e) < 0) {
+        cb(cb_arg, NULL, NULL, &e);
+    }
+}
+
+/* After the rules' secrets: a create from a snapshot reads the snapshot first. Frees cr when
+ * it fails (-1, nothing called back). */
+static int create_next(struct create *cr, sp_err_t *err)
+{
+    if (cr->p[18] == NULL)
+        return create_submit(cr, err);
+    const char *p[] = {cr->p[18], cr->p[1]};
+    if (submit(cr->svc,
+               "SELECT state, coalesce(error, '') FROM snapshots"
+               " WHERE id = $1 AND team_id = $2 AND deleted_at IS NULL",
+               2, p, on_create_snapshot, NULL, cr, 0, err) < 0) {
+        create_free(cr);
+        return -1;
+    }
+    return 0;
+}
+
+/* The rules' secrets were looked up: a missing one fails the create, else it goes on. */
 static void on_rule_secrets(void *arg, const sp_err_t *err)
 {
     struct create *cr = arg;
@@ -382,7 +435,7 @@ static void on_rule_secrets(void *arg, const sp_err_t *err)
     if (err != NULL) {
         create_free(cr);
         cb(cb_arg, NULL, NULL, err);
-    } else if (create_submit(cr, &e) < 0) {
+    } else if (create_next(cr, &e) < 0) {
         cb(cb_arg, NULL, NULL, &e);
     }
 }
@@ -414,8 +467,16 @@ static int create_rules(sp_svc_t *svc, const json_t *given, json_t **out, sp_err
 /* The fields other than the egress policy and the credential rules. */
 static int create_check(const sp_create_req_t *req, const char *action, sp_err_t *err)
 {
-    if (req->template_name == NULL || req->template_name[0] == '\0' ||
-        strlen(req->template_name) > 64)
+    bool tmpl = req->template_name != NULL && req->template_name[0] != '\0';
+    bool snap = req->snapshot_id != NULL && req->snapshot_id[0] != '\0';
+    if (tmpl && snap)
+        return sp_err_set(err, SP_EINVAL, "give either a template or a snapshot, not both");
+    if (snap && (req->cpu_count != 0 || req->memory_mb != 0))
+        return sp_err_set(err, SP_EINVAL,
+                          "cpu_count and memory_mb come from the snapshot; leave them out");
+    if (snap && !sp_snap_valid_id(req->snapshot_id))
+        return sp_err_set(err, SP_ENOTFOUND, "snapshot '%.64s' not found", req->snapshot_id);
+    if (!snap && (!tmpl || strlen(req->template_name) > 64))
         return sp_err_set(err, SP_EINVAL, "template must be a name of 1 to 64 characters");
     if (sp_svc_check_string_map(req->metadata, "metadata", err) < 0 ||
         sp_svc_check_string_map(req->env, "env", err) < 0)
@@ -473,7 +534,9 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     sp_ids_token(token);
     create_param(cr, 0, id);
     create_param(cr, 1, a->team_id);
-    create_param(cr, 2, req->template_name);
+    bool snap = req->snapshot_id != NULL && req->snapshot_id[0] != '\0';
+    create_param(cr, 2, snap ? NULL : req->template_name);
+    create_param(cr, 18, snap ? req->snapshot_id : NULL);
     create_json(cr, 3, req->metadata);
     create_json(cr, 4, req->env);
     for (int i = 3; i <= 4; i++) /* NULL maps are stored as {} */
@@ -505,7 +568,7 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
     if (rules == NULL)
-        return create_submit(cr, err);
+        return create_next(cr, err);
     /* The secrets the rules name must exist: looked up first, then the statement is sent. */
     int rc = sp_secrets_check_rule_secrets(svc->secrets, a->team_id, rules, on_rule_secrets, cr,
                                            err);

@@ -84,10 +84,16 @@ typedef struct {
     char error_message[256];
     char created_at[32];
     char finished_at[32]; /* "" while unfinished */
+    char snapshot_id[65]; /* kind "snapshot": the snapshot it takes (core/control/snap.h); else "" */
 } sp_op_rec_t;
 
 typedef struct {
-    const char *template_name;
+    const char *template_name; /* NULL (or "") with snapshot_id */
+    /* A team's ready snapshot (core/control/snap.h) to start from instead of a template: the
+     * sandbox gets its template, cpu_count, memory_mb and env (the request's env merged over
+     * it), and cpu_count/memory_mb must be 0. An unknown, deleted or another team's one is
+     * SP_ENOTFOUND, one still being taken or failed SP_ECONFLICT, both through the callback. */
+    const char *snapshot_id;
     json_t *metadata;   /* object of strings or NULL; borrowed */
     json_t *env;        /* object of strings or NULL; borrowed */
     int idle_timeout_s; /* 0 = default (6 h) */

@@ -152,6 +152,29 @@ static const char *const migrations[] = {
     "CREATE INDEX template_builds_template ON template_builds (template, created_at DESC);"
     "CREATE INDEX template_builds_open ON template_builds (status)"
     "  WHERE status IN ('queued', 'building');",
+    /* 6: sandbox snapshots, "forks" (core/control/snap.h). A snapshot is taken from a team's
+     * running or paused sandbox; template, cpu_count, memory_mb and env are the source's, for
+     * the sandboxes created from it (sandboxes.snapshot_id). name is an optional alias (the E2B
+     * surface's), unique in the team among snapshots not deleted. state: creating | ready |
+     * failed. deleted_at hides a deleted one (its row stays: sandboxes name it). */
+    "CREATE TABLE snapshots ("
+    "  id text PRIMARY KEY,"
+    "  team_id text NOT NULL REFERENCES teams(id),"
+    "  sandbox_id text NOT NULL REFERENCES sandboxes(id),"
+    "  template text NOT NULL,"
+    "  cpu_count int NOT NULL,"
+    "  memory_mb int NOT NULL,"
+    "  env jsonb NOT NULL DEFAULT '{}',"
+    "  name text,"
+    "  state text NOT NULL DEFAULT 'creating',"
+    "  error text,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  deleted_at timestamptz);"
+    "CREATE INDEX snapshots_team_created ON snapshots (team_id, created_at DESC, id DESC);"
+    "CREATE UNIQUE INDEX snapshots_team_name ON snapshots (team_id, name)"
+    "  WHERE name IS NOT NULL AND deleted_at IS NULL;"
+    "CREATE INDEX snapshots_creating ON snapshots (id) WHERE state = 'creating';"
+    "ALTER TABLE sandboxes ADD COLUMN snapshot_id text REFERENCES snapshots(id);",
 };
 
 int sp_migrate_latest(void)

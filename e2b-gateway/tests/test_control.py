@@ -515,7 +515,7 @@ class E2BControlTest(PlatformTest):
         self.assertError(self.req("PUT", "/sandboxes", {"templateID": "base"}), 405)
         self.assertError(self.req("GET", "/sandboxes/abc/pause"), 405)
         self.assertError(self.req("GET", "/sandboxes/NOT-AN-ID"), 404)
-        self.assertError(self.req("GET", "/snapshots"), 501)
+        self.assertError(self.req("PUT", "/snapshots"), 405)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@
  * restore continues it; destroy kills it. The agent outlives spaced like a VM would: probe()
  * after a restart re-adopts it from the pid file (or starts a new one if it died). The agent
  * runs on this host as this user: tests must keep their commands and files to scratch space.
+ *
+ * Snapshots ("forks", checkpoint): a file <data-dir>/fake/<snapshot id>.ckpt holding the
+ * source's id, written after the delay for a running or paused source (and failing like any
+ * action when its env's SPACE_FAKE_FAIL names "checkpoint"); checkpoint_delete removes it. A
+ * boot with spec->snapshot_id fails unless that file exists, and records the snapshot it
+ * started from in <id>.from, so tests can see what the controller asked for.
  */
 #include <errno.h>
 #include <jansson.h>
@@ -54,6 +60,7 @@ struct job {
     char id[65];
     char action[16];
     char to[16]; /* state file content after success; "" = remove */
+    char ckpt[72]; /* checkpoint: the snapshot to write on success */
     bool fail;
     sp_driver_cb cb;
     void *arg;
@@ -269,6 +276,18 @@ static void on_job(sp_timer_t *t, void *arg)
             return;
         }
     }
+    if (!j->fail && j->ckpt[0] != '\0') { /* the source's state file stays as it is */
+        char p[4200];
+        snprintf(p, sizeof(p), "%s/%s.ckpt", f->dir, j->ckpt);
+        FILE *fp = fopen(p, "w");
+        if (fp != NULL) {
+            fprintf(fp, "%s\n", j->id);
+            fclose(fp);
+        }
+        j->cb(j->arg, NULL);
+        free(j);
+        return;
+    }
     if (j->fail) {
         sp_err_t e;
         sp_err_set(&e, SP_EINTERNAL, "injected %s failure", j->action);
@@ -280,8 +299,8 @@ static void on_job(sp_timer_t *t, void *arg)
     free(j);
 }
 
-static int start(fake_t *f, const char *id, const char *action, const char *to, bool fail,
-                 sp_driver_cb cb, void *arg, sp_err_t *err)
+static int start_ckpt(fake_t *f, const char *id, const char *action, const char *to, bool fail,
+                      const char *ckpt, sp_driver_cb cb, void *arg, sp_err_t *err)
 {
     if (!sp_ids_valid(id))
         return sp_err_set(err, SP_EINVAL, "bad id");
@@ -293,11 +312,18 @@ static int start(fake_t *f, const char *id, const char *action, const char *to, 
     snprintf(j->action, sizeof(j->action), "%s", action);
     snprintf(j->to, sizeof(j->to), "%s", to);
     j->fail = fail;
+    snprintf(j->ckpt, sizeof(j->ckpt), "%s", ckpt ? ckpt : "");
     j->cb = cb;
     j->arg = arg;
     sp_timer_init(&j->timer, f->base.loop, on_job, j);
     sp_timer_start(&j->timer, f->delay_ms);
     return 0;
+}
+
+static int start(fake_t *f, const char *id, const char *action, const char *to, bool fail,
+                 sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    return start_ckpt(f, id, action, to, fail, NULL, cb, arg, err);
 }
 
 /* Whether the sandbox's env asks this action to fail; env is read from a side file
@@ -326,11 +352,59 @@ static bool wants_fail(fake_t *f, const char *id, const char *action, const char
     return got && strstr(buf, action) != NULL;
 }
 
+static bool ckpt_exists(fake_t *f, const char *snap)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.ckpt", f->dir, snap);
+    return access(p, F_OK) == 0;
+}
+
 static int f_boot(sp_driver_t *d, const sp_vm_spec_t *s, sp_driver_cb cb, void *arg, sp_err_t *e)
 {
     fake_t *f = (fake_t *)d;
-    return start(f, s->sandbox_id, "boot", "running", wants_fail(f, s->sandbox_id, "boot", s->env_json),
-                 cb, arg, e);
+    bool fail = wants_fail(f, s->sandbox_id, "boot", s->env_json);
+    if (s->snapshot_id != NULL) {
+        char p[4200];
+        snprintf(p, sizeof(p), "%s/%s.from", f->dir, s->sandbox_id);
+        FILE *fp = fopen(p, "w");
+        if (fp != NULL) {
+            fprintf(fp, "%s\n", s->snapshot_id);
+            fclose(fp);
+        }
+        if (!ckpt_exists(f, s->snapshot_id))
+            fail = true;
+    }
+    return start(f, s->sandbox_id, "boot", "running", fail, cb, arg, e);
+}
+
+static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, sp_driver_cb cb,
+                        void *arg, sp_err_t *e)
+{
+    fake_t *f = (fake_t *)d;
+    char buf[32];
+    const char *st = read_state(f, id, buf, sizeof(buf));
+    if (st == NULL)
+        return sp_err_set(e, SP_ENOTFOUND, "no VM");
+    if (strcmp(st, "running") != 0 && strcmp(st, "paused") != 0)
+        return sp_err_set(e, SP_ECONFLICT, "the VM is %s", st);
+    if (ckpt_exists(f, snap))
+        return sp_err_set(e, SP_ECONFLICT, "snapshot %s exists", snap);
+    return start_ckpt(f, id, "checkpoint", st, wants_fail(f, id, "checkpoint", NULL), snap, cb,
+                      arg, e);
+}
+
+static int f_checkpoint_delete(sp_driver_t *d, const char *snap, sp_err_t *e)
+{
+    fake_t *f = (fake_t *)d;
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.ckpt", f->dir, snap);
+    unlink(p);
+    return 0;
+}
+
+static int f_checkpoint_exists(sp_driver_t *d, const char *snap)
+{
+    return ckpt_exists((fake_t *)d, snap) ? 1 : 0;
 }
 
 static int simple(sp_driver_t *d, const char *id, const char *act, const char *need,
@@ -443,6 +517,9 @@ static const sp_driver_ops_t fake_ops = {
     .agent = f_agent,
     .stats = f_stats,
     .free = f_free,
+    .checkpoint = f_checkpoint,
+    .checkpoint_delete = f_checkpoint_delete,
+    .checkpoint_exists = f_checkpoint_exists,
 };
 
 sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)

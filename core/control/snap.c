@@ -1,0 +1,577 @@
+/*
+ * snap.c - sandbox snapshots over the store and the driver's checkpoint (see snap.h).
+ *
+ * Owns the snapshots being taken by this process (one job each, from the statement that
+ * records it to the one that records its outcome) and their waits. Every other call is one
+ * statement. An outcome the database did not take is retried until it does, so a snapshot
+ * never stays "creating" while this process lives.
+ */
+#include "core/control/snap.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/ids.h"
+#include "base/log.h"
+
+#define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+
+#define SNAP_COLS                                                                                  \
+    "n.id, n.sandbox_id, n.template, n.cpu_count, n.memory_mb, coalesce(n.name, ''), n.state, "   \
+    "coalesce(n.error, ''), " TS("n.created_at")
+#define SNAP_NCOLS 9
+
+/* As svc.c renders an operation (sp_op_rec_t's order). */
+#define OP_COLS                                                                                    \
+    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
+    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at")         \
+    ", ''), o.target"
+
+#define RETRY_MS 500 /* an outcome the database did not take */
+
+struct job {
+    sp_snap_t *s; /* NULL once s is destroyed: the job only frees itself */
+    sp_snap_rec_t rec;
+    sp_op_rec_t op;
+    sp_snap_cb cb; /* NULL once answered */
+    void *arg;
+    uint32_t wait_ms;
+    sp_timer_t wait, retry;
+    bool failed;
+    char err_code[40];
+    char err_msg[160];
+    struct job *prev, *next;
+};
+
+struct sp_snap {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    sp_driver_t *driver;
+    struct job *jobs;
+    bool *alive; /* the start-up statement's view of s (false once destroyed) */
+};
+
+/* ---- names and ids ---- */
+
+static bool in_set(char ch, const char *extra)
+{
+    return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || strchr(extra, ch) != NULL;
+}
+
+bool sp_snap_valid_id(const char *id)
+{
+    if (id == NULL || strlen(id) != SP_SNAP_ID_LEN || strncmp(id, "snap-", 5) != 0)
+        return false;
+    for (const char *p = id + 5; *p; p++)
+        if (!in_set(*p, ""))
+            return false;
+    return true;
+}
+
+int sp_snap_norm_name(const char *name, char *out, size_t cap, sp_err_t *err)
+{
+    size_t n = name ? strlen(name) : 0;
+    if (n == 0 || n > SP_SNAP_NAME_MAX || cap < n + 1)
+        return sp_err_set(err, SP_EINVAL, "name must be 1 to %d characters", SP_SNAP_NAME_MAX);
+    for (size_t i = 0; i <= n; i++)
+        out[i] = (char)(name[i] >= 'A' && name[i] <= 'Z' ? name[i] + 32 : name[i]);
+    char *colon = strchr(out, ':');
+    size_t alen = colon ? (size_t)(colon - out) : n;
+    bool ok = alen > 0 && (colon == NULL || colon[1] != '\0');
+    for (size_t i = 0; ok && i < alen; i++)
+        ok = in_set(out[i], "-_");
+    for (const char *p = colon ? colon + 1 : ""; ok && *p; p++)
+        ok = in_set(*p, "-_.");
+    if (!ok)
+        return sp_err_set(err, SP_EINVAL,
+                          "name must be alias[:tag]: alias of a-z, 0-9, '-' and '_', tag of "
+                          "those and '.'");
+    if (colon != NULL && strcmp(colon + 1, "default") == 0)
+        *colon = '\0';
+    return 0;
+}
+
+/* ---- rows ---- */
+
+static void parse_snap(const PGresult *r, int row, int col, sp_snap_rec_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    SP_STORE_TEXT(r, row, col + 0, s->id);
+    SP_STORE_TEXT(r, row, col + 1, s->sandbox_id);
+    SP_STORE_TEXT(r, row, col + 2, s->template_name);
+    s->cpu_count = atoi(PQgetvalue(r, row, col + 3));
+    s->memory_mb = atoi(PQgetvalue(r, row, col + 4));
+    SP_STORE_TEXT(r, row, col + 5, s->name);
+    SP_STORE_TEXT(r, row, col + 6, s->state);
+    SP_STORE_TEXT(r, row, col + 7, s->error);
+    SP_STORE_TEXT(r, row, col + 8, s->created_at);
+}
+
+static void parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    SP_STORE_TEXT(r, row, col + 0, o->id);
+    SP_STORE_TEXT(r, row, col + 1, o->sandbox_id);
+    SP_STORE_TEXT(r, row, col + 2, o->kind);
+    SP_STORE_TEXT(r, row, col + 3, o->status);
+    SP_STORE_TEXT(r, row, col + 4, o->error_code);
+    SP_STORE_TEXT(r, row, col + 5, o->error_message);
+    SP_STORE_TEXT(r, row, col + 6, o->created_at);
+    SP_STORE_TEXT(r, row, col + 7, o->finished_at);
+    SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
+}
+
+/* ---- taking one ---- */
+
+static void job_free(struct job *j)
+{
+    if (j->s != NULL) {
+        if (j->prev)
+            j->prev->next = j->next;
+        else
+            j->s->jobs = j->next;
+        if (j->next)
+            j->next->prev = j->prev;
+    }
+    sp_timer_stop(&j->wait);
+    sp_timer_stop(&j->retry);
+    free(j);
+}
+
+/* Answers the caller once (with the records as they are now, or err). */
+static void job_answer(struct job *j, const sp_err_t *err)
+{
+    sp_snap_cb cb = j->cb;
+    j->cb = NULL;
+    sp_timer_stop(&j->wait);
+    if (cb != NULL)
+        cb(j->arg, err ? NULL : &j->rec, err ? NULL : &j->op, err);
+}
+
+static void record_outcome(struct job *j);
+
+static void on_outcome(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct job *j = arg;
+    if (j->s == NULL) {
+        job_free(j);
+        return;
+    }
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "snap", "outcome not recorded snapshot=%s err=%s; retrying",
+               j->rec.id, err->msg);
+        sp_timer_start(&j->retry, RETRY_MS);
+        return;
+    }
+    if (PQntuples(res) == 1) {
+        parse_snap(res, 0, 0, &j->rec);
+        parse_op(res, 0, SNAP_NCOLS, &j->op);
+    } else { /* failed meanwhile by another process's start-up: say what we know */
+        snprintf(j->rec.state, sizeof j->rec.state, "failed");
+        snprintf(j->op.status, sizeof j->op.status, "failed");
+    }
+    sp_log(SP_LOG_INFO, "snap", "snapshot=%s sandbox=%s state=%s%s%s", j->rec.id,
+           j->rec.sandbox_id, j->rec.state, j->failed ? " err=" : "", j->failed ? j->err_msg : "");
+    job_answer(j, NULL);
+    job_free(j);
+}
+
+static void record_outcome(struct job *j)
+{
+    const char *p[] = {j->rec.id, j->failed ? "failed" : "ready", j->failed ? j->err_msg : NULL,
+                       j->failed ? j->err_code : NULL, j->op.id};
+    sp_err_t e;
+    if (sp_store_query(
+            j->s->store,
+            "WITH n AS (UPDATE snapshots SET state = $2, error = $3"
+            "  WHERE id = $1 AND state = 'creating' RETURNING *),"
+            " o AS (UPDATE operations SET finished_at = now(), error_code = $4,"
+            "   error_message = $3,"
+            "   status = CASE WHEN $2 = 'ready' THEN 'succeeded' ELSE 'failed' END"
+            "  WHERE id = $5 AND status IN ('pending', 'running') RETURNING *),"
+            " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+            "  SELECT n.sandbox_id, CASE WHEN $2 = 'ready' THEN 'snapshot_done'"
+            "   ELSE 'snapshot_failed' END, n.id FROM n RETURNING 1),"
+            " nt AS (SELECT pg_notify('space_ops', o.id) FROM o)"
+            " SELECT " SNAP_COLS ", " OP_COLS " FROM n, o, nt, (SELECT count(*) FROM ev) x",
+            5, p, on_outcome, j, &e) < 0) {
+        sp_log(SP_LOG_WARN, "snap", "outcome not sent snapshot=%s err=%s; retrying", j->rec.id,
+               e.msg);
+        sp_timer_start(&j->retry, RETRY_MS);
+    }
+}
+
+static void on_retry(sp_timer_t *t, void *arg)
+{
+    (void)t;
+    record_outcome(arg);
+}
+
+static void on_wait(sp_timer_t *t, void *arg)
+{
+    (void)t;
+    job_answer(arg, NULL); /* still being taken: the caller polls the operation */
+}
+
+static void job_fail(struct job *j, const sp_err_t *err)
+{
+    j->failed = true;
+    snprintf(j->err_code, sizeof j->err_code, "%s", sp_err_name(err->code));
+    snprintf(j->err_msg, sizeof j->err_msg, "%s", err->msg);
+}
+
+static void on_checkpoint(void *arg, const sp_err_t *err)
+{
+    struct job *j = arg;
+    if (j->s == NULL) {
+        job_free(j);
+        return;
+    }
+    if (err != NULL)
+        job_fail(j, err);
+    record_outcome(j);
+}
+
+static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct job *j = arg;
+    if (j->s == NULL) {
+        job_free(j);
+        return;
+    }
+    sp_err_t e;
+    if (err != NULL && strcmp(sp_store_sqlstate(res), "23505") == 0) {
+        sp_err_set(&e, SP_ECONFLICT, "snapshot name '%s' is taken in this team", j->rec.name);
+        err = &e;
+    }
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "sandbox not found"), &e);
+    if (err == NULL && PQgetisnull(res, 0, 4)) {
+        const char *desired = PQgetvalue(res, 0, 0), *observed = PQgetvalue(res, 0, 1);
+        if (PQgetvalue(res, 0, 2)[0] == 't')
+            sp_err_set(&e, SP_ECONFLICT,
+                       "a snapshot of sandbox %s is being taken; try again when it is done",
+                       j->rec.sandbox_id);
+        else if (PQgetvalue(res, 0, 3)[0] == 't')
+            sp_err_set(&e, SP_ECONFLICT, "snapshot name '%s' is taken in this team",
+                       j->rec.name);
+        else
+            sp_err_set(&e, SP_ECONFLICT,
+                       "sandbox %s is %s%s%s: only a running or paused sandbox can be "
+                       "snapshotted",
+                       j->rec.sandbox_id, observed, strcmp(desired, observed) ? ", asked to be " : "",
+                       strcmp(desired, observed) ? desired : "");
+        err = &e;
+    }
+    if (err != NULL) {
+        job_answer(j, err);
+        job_free(j);
+        return;
+    }
+    parse_snap(res, 0, 4, &j->rec);
+    parse_op(res, 0, 4 + SNAP_NCOLS, &j->op);
+    sp_driver_t *d = j->s->driver;
+    if (d->ops->checkpoint(d, j->rec.sandbox_id, j->rec.id, on_checkpoint, j, &e) < 0) {
+        job_fail(j, &e);
+        record_outcome(j); /* answers once recorded */
+        return;
+    }
+    if (j->wait_ms == 0)
+        job_answer(j, NULL);
+    else
+        sp_timer_start(&j->wait, j->wait_ms);
+}
+
+int sp_snap_take(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, const char *name,
+                 uint32_t wait_ms, sp_snap_cb cb, void *arg, sp_err_t *err)
+{
+    if (s->driver == NULL || s->driver->ops->checkpoint == NULL)
+        return sp_err_set(err, SP_ENOTSUP, "this server's runtime (%s) cannot take snapshots",
+                          s->driver ? s->driver->ops->name : "none");
+    if (!sp_ids_valid(sandbox_id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    char norm[SP_SNAP_NAME_MAX + 1] = "";
+    if (name != NULL && sp_snap_norm_name(name, norm, sizeof norm, err) < 0)
+        return -1;
+    struct job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    j->s = s;
+    j->cb = cb;
+    j->arg = arg;
+    j->wait_ms = wait_ms > SP_SVC_MAX_WAIT_MS ? SP_SVC_MAX_WAIT_MS : wait_ms;
+    sp_timer_init(&j->wait, s->loop, on_wait, j);
+    sp_timer_init(&j->retry, s->loop, on_retry, j);
+    snprintf(j->rec.sandbox_id, sizeof j->rec.sandbox_id, "%s", sandbox_id);
+    snprintf(j->rec.name, sizeof j->rec.name, "%s", norm);
+    char id[SP_SNAP_ID_LEN + 1] = "snap-", opid[SP_OPID_LEN + 1];
+    sp_ids_random(id + 5, SP_SNAP_ID_LEN - 5);
+    sp_ids_operation(opid);
+    const char *p[] = {sandbox_id, a->team_id, id, opid, norm[0] ? norm : NULL};
+    /* One statement: the source's state checked, the row and its operation written; the
+     * first four columns say why nothing was written. */
+    if (sp_store_query(
+            s->store,
+            "WITH sb AS (SELECT id, team_id, template, cpu_count, memory_mb, env, desired_state,"
+            "   observed_state,"
+            "   EXISTS (SELECT 1 FROM snapshots x WHERE x.sandbox_id = s.id"
+            "    AND x.state = 'creating' AND x.deleted_at IS NULL) AS busy,"
+            "   ($5::text IS NOT NULL AND EXISTS (SELECT 1 FROM snapshots y"
+            "    WHERE y.team_id = $2 AND y.name = $5 AND y.deleted_at IS NULL)) AS taken"
+            "  FROM sandboxes s WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'),"
+            " n AS (INSERT INTO snapshots (id, team_id, sandbox_id, template, cpu_count,"
+            "   memory_mb, env, name)"
+            "  SELECT $3, team_id, id, template, cpu_count, memory_mb, env, $5 FROM sb"
+            "  WHERE observed_state IN ('running', 'paused')"
+            "   AND desired_state IN ('running', 'paused') AND NOT busy AND NOT taken"
+            "  RETURNING *),"
+            " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target, status)"
+            "  SELECT $4, n.sandbox_id, n.team_id, 'snapshot', n.id, 'running' FROM n"
+            "  RETURNING *),"
+            " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+            "  SELECT n.sandbox_id, 'snapshot', n.id FROM n RETURNING 1)"
+            " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, " SNAP_COLS
+            ", " OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
+            " LEFT JOIN (SELECT count(*) FROM ev) x ON true",
+            5, p, on_inserted, j, err) < 0) {
+        free(j);
+        return -1;
+    }
+    j->next = s->jobs;
+    if (j->next)
+        j->next->prev = j;
+    s->jobs = j;
+    return 0;
+}
+
+/* ---- reading, listing, deleting ---- */
+
+static void get_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    sp_snap_cb cb = (sp_snap_cb)c->cb;
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "snapshot not found", &e);
+    if (fail != NULL) {
+        cb(c->arg, NULL, NULL, fail);
+        return;
+    }
+    sp_snap_rec_t r;
+    parse_snap(res, 0, 0, &r);
+    cb(c->arg, &r, NULL, NULL);
+}
+
+int sp_snap_get(sp_snap_t *s, const sp_auth_t *a, const char *id, const char *name,
+                sp_snap_cb cb, void *arg, sp_err_t *err)
+{
+    if (id != NULL ? !sp_snap_valid_id(id) : (name == NULL || strlen(name) > SP_SNAP_NAME_MAX))
+        return sp_err_set(err, SP_ENOTFOUND, "snapshot not found");
+    const char *p[] = {a->team_id, id, id ? NULL : name};
+    return sp_store_submit(s->store,
+                           "SELECT " SNAP_COLS " FROM snapshots n WHERE n.team_id = $1"
+                           " AND ($2::text IS NULL OR n.id = $2)"
+                           " AND ($3::text IS NULL OR n.name = $3) AND n.deleted_at IS NULL",
+                           3, p, get_done, s, (void *)cb, arg, 0, err);
+}
+
+static void list_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    sp_snap_list_cb cb = (sp_snap_list_cb)c->cb;
+    sp_err_t e;
+    const sp_err_t *fail;
+    sp_snap_rec_t *recs = sp_store_rows(res, err, 0, NULL, sizeof(*recs), &fail, &e);
+    if (recs == NULL) {
+        cb(c->arg, NULL, 0, NULL, fail);
+        return;
+    }
+    int n = PQntuples(res);
+    bool more = n > c->flag;
+    if (more)
+        n = c->flag;
+    for (int i = 0; i < n; i++)
+        parse_snap(res, i, 0, &recs[i]);
+    char cursor[128] = "";
+    if (more && n > 0)
+        snprintf(cursor, sizeof cursor, "%s_%s", PQgetvalue(res, n - 1, SNAP_NCOLS),
+                 recs[n - 1].id);
+    cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
+    free(recs);
+}
+
+/* Cursor: "<created_at in epoch microseconds>_<snapshot id>". */
+static int parse_cursor(const char *cur, char micros[24], char id[SP_SNAP_ID_LEN + 1])
+{
+    const char *us = strchr(cur, '_');
+    if (us == NULL || us == cur || us - cur > 19 || !sp_snap_valid_id(us + 1))
+        return -1;
+    for (const char *q = cur; q < us; q++)
+        if (*q < '0' || *q > '9')
+            return -1;
+    memcpy(micros, cur, (size_t)(us - cur));
+    micros[us - cur] = '\0';
+    snprintf(id, SP_SNAP_ID_LEN + 1, "%s", us + 1);
+    return 0;
+}
+
+int sp_snap_list(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, int limit,
+                 const char *cursor, sp_snap_list_cb cb, void *arg, sp_err_t *err)
+{
+    if (limit < 1 || limit > 1000)
+        return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
+    char micros[24] = "", cid[SP_SNAP_ID_LEN + 1] = "";
+    if (cursor != NULL && cursor[0] != '\0' && parse_cursor(cursor, micros, cid) < 0)
+        return sp_err_set(err, SP_EINVAL, "invalid cursor");
+    if (sandbox_id != NULL && !sp_ids_valid(sandbox_id))
+        sandbox_id = "-"; /* matches nothing: an empty list, as for any unknown sandbox */
+    char lim[16];
+    snprintf(lim, sizeof lim, "%d", limit + 1);
+    const char *p[] = {a->team_id, sandbox_id, micros[0] ? micros : NULL, cid, lim};
+    return sp_store_submit(
+        s->store,
+        "SELECT " SNAP_COLS ", (extract(epoch FROM n.created_at) * 1000000)::bigint"
+        " FROM snapshots n WHERE n.team_id = $1 AND n.deleted_at IS NULL"
+        " AND ($2::text IS NULL OR n.sandbox_id = $2)"
+        " AND ($3::bigint IS NULL OR"
+        "  ((extract(epoch FROM n.created_at) * 1000000)::bigint, n.id) < ($3::bigint, $4))"
+        " ORDER BY n.created_at DESC, n.id DESC LIMIT $5::int",
+        5, p, list_done, s, (void *)cb, arg, limit, err);
+}
+
+static void delete_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    sp_snap_t *s = c->owner;
+    sp_svc_done_cb cb = (sp_svc_done_cb)c->cb;
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "snapshot not found", &e);
+    if (fail == NULL && strcmp(PQgetvalue(res, 0, 1), "1") != 0)
+        fail = (sp_err_set(&e, SP_ECONFLICT,
+                           "snapshot %.32s is being taken; delete it when it is done",
+                           PQgetvalue(res, 0, 0)),
+                &e);
+    if (fail != NULL) {
+        cb(c->arg, fail);
+        return;
+    }
+    /* The row is gone for the API; the driver drops the files once no VM uses them. A
+     * failure here leaves files behind, never a snapshot in service: logged. */
+    sp_driver_t *d = s->driver;
+    if (d != NULL && d->ops->checkpoint_delete != NULL &&
+        d->ops->checkpoint_delete(d, PQgetvalue(res, 0, 0), &e) < 0)
+        sp_log(SP_LOG_WARN, "snap", "files of deleted snapshot=%s not released err=%s",
+               PQgetvalue(res, 0, 0), e.msg);
+    cb(c->arg, NULL);
+}
+
+int sp_snap_delete(sp_snap_t *s, const sp_auth_t *a, const char *id, sp_svc_done_cb cb,
+                   void *arg, sp_err_t *err)
+{
+    if (!sp_snap_valid_id(id))
+        return sp_err_set(err, SP_ENOTFOUND, "snapshot not found");
+    const char *p[] = {id, a->team_id};
+    return sp_store_submit(
+        s->store,
+        "WITH cur AS (SELECT id, state FROM snapshots WHERE id = $1 AND team_id = $2"
+        "  AND deleted_at IS NULL FOR UPDATE),"
+        " u AS (UPDATE snapshots SET deleted_at = now() FROM cur"
+        "  WHERE snapshots.id = cur.id AND cur.state <> 'creating' RETURNING snapshots.id)"
+        " SELECT cur.id, (SELECT count(*) FROM u) FROM cur",
+        2, p, delete_done, s, (void *)cb, arg, 0, err);
+}
+
+/* ---- lifetime ---- */
+
+static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct {
+        sp_snap_t *s;
+        bool *alive;
+    } *l = rec;
+    bool alive = *l->alive;
+    free(l->alive);
+    if (!alive)
+        return;
+    l->s->alive = NULL;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "snap", "cannot fail unfinished snapshots: %s", err->msg);
+        return;
+    }
+    sp_driver_t *d = l->s->driver;
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        sp_err_t e;
+        sp_log(SP_LOG_WARN, "snap", "snapshot failed by a restart snapshot=%s", id);
+        if (d->ops->checkpoint_delete != NULL && d->ops->checkpoint_delete(d, id, &e) < 0)
+            sp_log(SP_LOG_WARN, "snap", "files of failed snapshot=%s not released err=%s", id,
+                   e.msg);
+    }
+}
+
+sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
+                          sp_err_t *err)
+{
+    sp_snap_t *s = calloc(1, sizeof(*s));
+    bool *alive = malloc(sizeof(*alive));
+    if (s == NULL || alive == NULL) {
+        free(s);
+        free(alive);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    s->loop = loop;
+    s->store = store;
+    s->driver = driver;
+    struct leftovers {
+        sp_snap_t *s;
+        bool *alive;
+    } *l = sp_store_call(
+        store,
+        "WITH f AS (UPDATE snapshots SET state = 'failed',"
+        "  error = 'the server restarted while the snapshot was taken'"
+        "  WHERE state = 'creating' RETURNING id),"
+        " o AS (UPDATE operations SET status = 'failed', error_code = 'unavailable',"
+        "  error_message = 'the server restarted while the snapshot was taken',"
+        "  finished_at = now()"
+        "  WHERE kind = 'snapshot' AND status IN ('pending', 'running')"
+        "  AND target IN (SELECT id FROM f) RETURNING id),"
+        " nt AS (SELECT count(pg_notify('space_ops', o.id)) AS k FROM o)"
+        " SELECT f.id FROM f, nt",
+        0, NULL, sizeof(struct leftovers), on_leftovers, err);
+    if (l == NULL) {
+        free(s);
+        free(alive);
+        return NULL;
+    }
+    *alive = true;
+    l->s = s;
+    l->alive = alive;
+    s->alive = alive;
+    return s;
+}
+
+void sp_snap_destroy(sp_snap_t *s)
+{
+    if (s == NULL)
+        return;
+    if (s->alive != NULL)
+        *s->alive = false; /* the start-up statement's answer finds s gone */
+    for (struct job *j = s->jobs, *n; j != NULL; j = n) {
+        n = j->next;
+        /* No answers: the owner is going away. A job waiting to retry its outcome waits
+         * on nothing else: freed here. Otherwise the store or the driver calls back later
+         * and the job frees itself then. */
+        bool idle = sp_timer_armed(&j->retry);
+        sp_timer_stop(&j->wait);
+        sp_timer_stop(&j->retry);
+        if (idle) {
+            free(j);
+            continue;
+        }
+        j->cb = NULL;
+        j->s = NULL;
+        j->prev = j->next = NULL;
+    }
+    free(s);
+}
