@@ -88,6 +88,7 @@ def main():
     import ports  # noqa: F401
     import async_sdk  # noqa: F401
     import templates  # noqa: F401
+    import snapshots  # noqa: F401
 
     problem = lib.config_problem()
     if problem:

@@ -41,6 +41,9 @@ struct job {
     bool failed;
     char err_code[40];
     char err_msg[160];
+    char team_id[64];               /* the taker's */
+    char opid[SP_OPID_LEN + 1];     /* the operation's id, chosen up front */
+    bool moved;                     /* the name was taken from an older snapshot */
     struct job *prev, *next;
 };
 
@@ -233,6 +236,24 @@ static void on_checkpoint(void *arg, const sp_err_t *err)
     record_outcome(j);
 }
 
+static int insert(struct job *j, sp_err_t *err);
+
+/* The name was moved off the snapshot that had it: record ours. */
+static void on_moved(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct job *j = arg;
+    (void)res;
+    if (j->s == NULL) {
+        job_free(j);
+        return;
+    }
+    sp_err_t e;
+    if (err != NULL || insert(j, &e) < 0) {
+        job_answer(j, err != NULL ? err : &e);
+        job_free(j);
+    }
+}
+
 static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
 {
     struct job *j = arg;
@@ -241,6 +262,24 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
         return;
     }
     sp_err_t e;
+    /* A name is a pointer (as E2B's snapshot names are): a new snapshot under a name in use
+     * takes it, the older one stays reachable by its id. Only once the new one would be
+     * taken (the source can be snapshotted), and once (a race loses with 409). */
+    bool name_taken = (err != NULL && strcmp(sp_store_sqlstate(res), "23505") == 0) ||
+                      (err == NULL && PQntuples(res) == 1 && PQgetisnull(res, 0, 4) &&
+                       PQgetvalue(res, 0, 3)[0] == 't' && PQgetvalue(res, 0, 2)[0] != 't' &&
+                       strstr("running paused", PQgetvalue(res, 0, 0)) != NULL &&
+                       strstr("running paused", PQgetvalue(res, 0, 1)) != NULL);
+    if (name_taken && !j->moved) {
+        j->moved = true;
+        const char *p[] = {j->team_id, j->rec.name};
+        if (sp_store_query(j->s->store,
+                           "UPDATE snapshots SET name = NULL"
+                           " WHERE team_id = $1 AND name = $2 AND deleted_at IS NULL",
+                           2, p, on_moved, j, &e) == 0)
+            return;
+        err = &e;
+    }
     if (err != NULL && strcmp(sp_store_sqlstate(res), "23505") == 0) {
         sp_err_set(&e, SP_ECONFLICT, "snapshot name '%s' is taken in this team", j->rec.name);
         err = &e;
@@ -305,14 +344,29 @@ int sp_snap_take(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, const
     sp_timer_init(&j->retry, s->loop, on_retry, j);
     snprintf(j->rec.sandbox_id, sizeof j->rec.sandbox_id, "%s", sandbox_id);
     snprintf(j->rec.name, sizeof j->rec.name, "%s", norm);
-    char id[SP_SNAP_ID_LEN + 1] = "snap-", opid[SP_OPID_LEN + 1];
-    sp_ids_random(id + 5, SP_SNAP_ID_LEN - 5);
-    sp_ids_operation(opid);
-    const char *p[] = {sandbox_id, a->team_id, id, opid, norm[0] ? norm : NULL};
+    snprintf(j->team_id, sizeof j->team_id, "%s", a->team_id);
+    snprintf(j->rec.id, sizeof j->rec.id, "snap-");
+    sp_ids_random(j->rec.id + 5, SP_SNAP_ID_LEN - 5);
+    sp_ids_operation(j->opid);
+    if (insert(j, err) < 0) {
+        free(j);
+        return -1;
+    }
+    j->next = s->jobs;
+    if (j->next)
+        j->next->prev = j;
+    s->jobs = j;
+    return 0;
+}
+
+static int insert(struct job *j, sp_err_t *err)
+{
+    const char *p[] = {j->rec.sandbox_id, j->team_id, j->rec.id, j->opid,
+                       j->rec.name[0] ? j->rec.name : NULL};
     /* One statement: the source's state checked, the row and its operation written; the
      * first four columns say why nothing was written. */
     if (sp_store_query(
-            s->store,
+            j->s->store,
             "WITH sb AS (SELECT id, team_id, template, cpu_count, memory_mb, env, desired_state,"
             "   observed_state,"
             "   EXISTS (SELECT 1 FROM snapshots x WHERE x.sandbox_id = s.id"
@@ -334,14 +388,8 @@ int sp_snap_take(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, const
             " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, " SNAP_COLS
             ", " OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
             " LEFT JOIN (SELECT count(*) FROM ev) x ON true",
-            5, p, on_inserted, j, err) < 0) {
-        free(j);
+            5, p, on_inserted, j, err) < 0)
         return -1;
-    }
-    j->next = s->jobs;
-    if (j->next)
-        j->next->prev = j;
-    s->jobs = j;
     return 0;
 }
 

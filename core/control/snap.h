@@ -75,8 +75,9 @@ int sp_snap_norm_name(const char *name, char *out, size_t cap, sp_err_t *err);
 /*
  * Takes a snapshot of the team's sandbox_id, named name (NULL: none). SP_ENOTSUP at once when
  * the runtime has no checkpoint; through cb: SP_ENOTFOUND for a missing or another team's
- * sandbox, SP_ECONFLICT when it is not running or paused (observed and desired), when one of
- * it is being taken already, or when the name is taken. Accepted: cb gets the snapshot and
+ * sandbox, SP_ECONFLICT when it is not running or paused (observed and desired) or one of
+ * it is being taken already. A name in use moves to the new snapshot once it is
+ * recorded (the older one keeps its id). Accepted: cb gets the snapshot and
  * its operation at once (wait_ms 0: state creating, operation running), or when it finished
  * or wait_ms passed, whichever is first; the snapshot goes on being taken either way.
  */

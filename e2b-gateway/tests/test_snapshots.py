@@ -89,9 +89,12 @@ class E2BSnapshotTest(PlatformTest):
         self.assertError(self.req("POST", path, {"name": "someoneelse/x"}), 400,
                          says="namespace")
         self.assertError(self.req("POST", path, raw=b"{"), 400)
-        st, _ = self.req("POST", path, {"name": "dup"})
+        st, first = self.req("POST", path, {"name": "dup"})
         self.assertEqual(st, 201)
-        self.assertError(self.req("POST", path, {"name": "dup"}), 409)
+        # E2B: a snapshot under a name in use becomes that name's new build
+        st, second = self.req("POST", path, {"name": "dup"})
+        self.assertEqual(st, 201, second)
+        self.assertEqual(second["names"], first["names"])
         # E2B's pause (our suspend): 409
         st, _ = self.req("POST", "/sandboxes/%s/pause" % sid)
         self.assertEqual(st, 204)

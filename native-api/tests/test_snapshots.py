@@ -135,8 +135,14 @@ class SnapshotTest(PlatformTest):
         sid, _ = self.s.create()
         a = self.snap(sid, name="web:default")["snapshot"]
         self.assertEqual(a["name"], "web")
-        self.assertError(self.req("POST", "/v1/sandboxes/%s/snapshots" % sid, {"name": "WEB"}),
-                         409, says="taken")
+        # a name is a pointer: a new snapshot under it takes it, the older keeps its id
+        a2 = self.snap(sid, name="WEB")["snapshot"]
+        self.assertEqual(a2["name"], "web")
+        st, old = self.req("GET", "/v1/snapshots/" + a["id"])
+        self.assertEqual((st, old["name"]), (200, None), old)
+        st, c = self.req("POST", "/v1/sandboxes?wait=30", {"snapshot": a["id"]})
+        self.assertEqual(c["sandbox"]["state"], "running", c)
+        self.assertEqual(self.req("DELETE", "/v1/snapshots/" + a2["id"])[0], 200)
         b = self.snap(sid, name="web:v1.2")["snapshot"]
         self.assertEqual(b["name"], "web:v1.2")
         self.assertEqual(self.req("DELETE", "/v1/snapshots/" + a["id"])[0], 200)
