@@ -11,6 +11,7 @@ import './lifecycle.mjs'
 import './commands.mjs'
 import './files.mjs'
 import './templates.mjs'
+import './snapshots.mjs'
 import { cleanupCodeInterpreter } from './code_interpreter.mjs'
 
 const problem = configProblem()
