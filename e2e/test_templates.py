@@ -80,7 +80,7 @@ class TemplateBuildTest(unittest.TestCase):
     def tearDownClass(cls):
         for sid in cls.sids:
             cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow", "cp", "dock"):
+        for name in ("web", "web2", "slow", "cp", "dock", "sc"):
             try:
                 cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
             except OSError:
@@ -353,6 +353,56 @@ class TemplateBuildTest(unittest.TestCase):
             self.assertIn(want, r["error"]["message"])
         st, r = s.request("DELETE", "/v1/templates/dock")
         self.assertEqual(st, 200, r)
+
+    def test_6_step_cache(self):
+        """A changed step reruns from there: the steps before it come from a snapshot of an
+        earlier build's builder (their commands do not run again), and the result is what
+        running them all would give."""
+        s = self.s
+        steps = [{"run": "echo ran-one-%s; echo one > /one; sleep 1.5" % NONCE},
+                 {"env": {"SC": "env-%s" % NONCE}},
+                 {"run": "echo ran-two; echo \"two-$SC\" > /two; sleep 1.5"},
+                 {"run": "echo three-a > /three"}]
+        t0 = time.time()
+        b1 = build(s, {"name": "sc", "from": "base", "steps": steps})
+        first = time.time() - t0
+        self.assertEqual(b1["status"], "succeeded", b1)
+        text = [x.get("line") for x in logs(s, "sc", b1["id"])]
+        self.assertIn("ran-one-%s" % NONCE, text)
+        self.assertIn("steps 1-1: cached for later builds", text)
+        self.assertIn("steps 1-3: cached for later builds", text)
+        # the last step changed: steps 1-3 are not run again
+        steps[3] = {"run": "echo three-b > /three"}
+        t0 = time.time()
+        b2 = build(s, {"name": "sc", "from": "base", "steps": steps})
+        second = time.time() - t0
+        self.assertEqual(b2["status"], "succeeded", b2)
+        self.assertFalse(b2["cached"])
+        text = [x.get("line") for x in logs(s, "sc", b2["id"])]
+        self.assertIn("steps 1-3: cached: the builder starts as an earlier build left it "
+                      "after them", text)
+        self.assertNotIn("ran-one-%s" % NONCE, text)
+        self.assertNotIn("ran-two", text)
+        print("step cache: first build %.1f s, with steps 1-3 cached %.1f s" % (first, second))
+        sid = self.create("sc")
+        c = run(s, sid, "cat /one /two /three; echo $SC")
+        self.assertEqual(c["stdout"], "one\ntwo-env-%s\nthree-b\nenv-%s\n" % (NONCE, NONCE), c)
+        # the third step changed: from step 1's snapshot, steps 2-4 run
+        steps[2] = {"run": "echo ran-two-b; echo \"2b-$SC\" > /two"}
+        b3 = build(s, {"name": "sc", "from": "base", "steps": steps})
+        self.assertEqual(b3["status"], "succeeded", b3)
+        text = [x.get("line") for x in logs(s, "sc", b3["id"])]
+        self.assertIn("steps 1-1: cached: the builder starts as an earlier build left it "
+                      "after them", text)
+        self.assertNotIn("ran-one-%s" % NONCE, text)
+        self.assertIn("ran-two-b", text)
+        # force: nothing from the cache
+        b4 = build(s, {"name": "sc", "from": "base", "steps": steps, "force": True})
+        self.assertEqual(b4["status"], "succeeded", b4)
+        self.assertIn("ran-one-%s" % NONCE, [x.get("line") for x in logs(s, "sc", b4["id"])])
+        sid = self.create("sc")
+        c = run(s, sid, "cat /one /two /three")
+        self.assertEqual(c["stdout"], "one\n2b-env-%s\nthree-b\n" % NONCE, c)
 
     def test_3_restart_mid_build(self):
         s = self.s

@@ -28,6 +28,7 @@
 #include "base/log.h"
 #include "core/channel/exec.h"
 #include "core/control/dockerfile.h"
+#include "core/control/tmplcache.h"
 #include "core/control/tmplfiles.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
@@ -41,6 +42,9 @@
 #define TAIL_MAX   2048 /* bytes of a failed step's output quoted in the error */
 #define LINE_MAX_B 8192 /* a longer output line is split */
 #define ENV_FILE   "/etc/space/template.env"
+/* Steps that ran this long since the builder came up or its last cache snapshot get one
+ * (tmplcache.h): quicker ones cost less to run again than a snapshot (a few hundred ms). */
+#define STEP_CACHE_MS 1000u
 
 enum phase {
     P_ACCEPT = 0, /* the INSERT of its record in flight */
@@ -51,6 +55,7 @@ enum phase {
     P_EXPORT,  /* driver export_disk in flight */
     P_DESTROY, /* driver destroy in flight */
     P_TSNAP,   /* template snapshot in flight */
+    P_CKPT,    /* a step cache snapshot of the builder in flight */
     P_RECORD,  /* the final UPDATE in flight */
 };
 
@@ -103,6 +108,7 @@ struct build {
     bool log_capped;
     sp_timer_t deadline;
     uint64_t t0;
+    uint64_t ckpt_ms; /* when the builder came up or last got a step cache snapshot */
     sp_qemu_tsnap_info_t tsnap;
     struct waiter *waiters;
 };
@@ -972,6 +978,41 @@ static const char **env_strings(const json_t *env, const json_t *extra, sp_buf_t
     return v;
 }
 
+static void on_cached(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    b->ckpt_ms = sp_loop_now_ms(b->t->loop);
+    if (err != NULL)
+        logf_(b, "warn", "steps 1-%zu: not cached (%s)", b->step, err->msg);
+    else
+        logf_(b, "info", "steps 1-%zu: cached for later builds", b->step);
+    sp_tmplcache_trim(b->t->driver, b->t->data_dir, SP_TMPLCACHE_KEEP);
+    advance(b);
+}
+
+/* A step succeeded: the builder as it is now becomes a step cache entry when the steps since
+ * the last one took long enough, then the next step. */
+static void step_done(struct build *b)
+{
+    sp_driver_t *d = b->t->driver;
+    uint64_t now = sp_loop_now_ms(b->t->loop);
+    if (b->failed || d == NULL || d->ops->checkpoint == NULL || now - b->ckpt_ms < STEP_CACHE_MS) {
+        advance(b);
+        return;
+    }
+    char id[SP_TMPLCACHE_ID_LEN + 1];
+    sp_tmplcache_key(b->team, b->pp.hash, b->cpu_count, b->memory_mb,
+                     json_object_get(b->req, "steps"), b->step, id);
+    sp_err_t e;
+    b->ph = P_CKPT;
+    if (d->ops->checkpoint_exists(d, id) == 1) {
+        b->ckpt_ms = now;
+        advance(b);
+    } else if (d->ops->checkpoint(d, b->vm_id, id, on_cached, b, &e) < 0) {
+        on_cached(b, &e);
+    }
+}
+
 static void on_step_event(void *arg, const sp_exec_ev_t *ev)
 {
     struct build *b = arg;
@@ -1019,6 +1060,8 @@ static void on_step_event(void *arg, const sp_exec_ev_t *ev)
     } else {
         logf_(b, "info", "step %zu done", b->step + 1);
         b->step++;
+        step_done(b);
+        return;
     }
     advance(b);
 }
@@ -1284,6 +1327,7 @@ static void advance(struct build *b)
 static void on_booted(void *arg, const sp_err_t *err)
 {
     struct build *b = arg;
+    b->ckpt_ms = sp_loop_now_ms(b->t->loop);
     if (err != NULL) {
         fail(b, "the builder VM did not start: %s", err->msg);
     } else {
@@ -1362,6 +1406,32 @@ static void start_build(struct build *b)
                          .memory_mb = b->memory_mb,
                          .hostname = "build",
                          .env_json = NULL};
+    /* the step cache: the builder of an earlier build with the same first steps, as it was
+     * after them; only the rest run */
+    char cid[SP_TMPLCACHE_ID_LEN + 1];
+    json_t *steps = json_object_get(b->req, "steps");
+    size_t n = b->force ? 0
+                        : sp_tmplcache_find(t->driver, b->team, b->pp.hash, b->cpu_count,
+                                            b->memory_mb, steps, json_array_size(steps), cid);
+    if (n > 0) {
+        spec.snapshot_id = cid;
+        for (size_t i = 0; i < n; i++) { /* what the skipped steps set, without running them */
+            json_t *st = json_array_get(steps, i);
+            const char *kind = step_kind(st);
+            if (strcmp(kind, "env") == 0)
+                json_object_update(b->env, json_object_get(st, "env"));
+            else if (strcmp(kind, "user") == 0)
+                copy(b->user, sizeof b->user, json_string_value(json_object_get(st, "user")));
+            else if (strcmp(kind, "workdir") == 0)
+                copy(b->workdir, sizeof b->workdir,
+                     json_string_value(json_object_get(st, "workdir")));
+            logf_(b, "info", "step %zu/%zu: %s: cached", i + 1, json_array_size(steps), kind);
+        }
+        b->step = n;
+        logf_(b, "info", "steps 1-%zu: cached: the builder starts as an earlier build left it "
+                         "after them",
+              n);
+    }
     b->vm_up = true;
     if (t->driver == NULL) {
         sp_err_set(&e, SP_ERUNTIME, "no microVM runtime");

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Sandbox snapshots ("forks") through the native API, next to baselines from the same run.
+
+  bench/fork_bench.py BUILD_DIR [DATA_DIR]
+
+BUILD_DIR holds server/spaced (a release build); DATA_DIR (default BUILD_DIR/bench-data) gets the
+base template if it has none. A 256 MiB sandbox of `base` runs a Python process that keeps
+writing a counter (its memory moves on while it is snapshotted). Prints medians of:
+  - a snapshot of it (POST .../snapshots?wait -> ready), and the time its vCPUs were stopped
+    (the driver's own figure, snapshots/<id>/vm.json "pause_ms"); the baseline is a pause and
+    resume of the same sandbox through the API (the least a stop-the-world snapshot could cost);
+  - create from the snapshot -> first command answered, against create from `base` -> first
+    command (a template snapshot clone, from a spare when one is ready: what users get today).
+Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
+Environment: BENCH_SNAPS (7 rounds), BENCH_CREATES (7).
+"""
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import Platform, line, ratio  # noqa: E402
+
+SNAPS = int(os.environ.get("BENCH_SNAPS", "7"))
+CREATES = int(os.environ.get("BENCH_CREATES", "7"))
+COUNTER = ("nohup python3 -c 'import time\ni = 0\nb = bytearray(32 << 20)\nwhile True:\n"
+           "    i += 1\n    b[(i * 4096) % len(b)] = i & 255\n"
+           "    open(\"/tmp/count\", \"w\").write(str(i))\n    time.sleep(0.01)' "
+           ">/dev/null 2>&1 &")
+
+
+def cmd(s, sid, c):
+    st, r = s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": c}, timeout=60)
+    assert st == 200 and r["exit_code"] == 0, (st, r)
+    return r
+
+
+def create_first_cmd(s, body):
+    t0 = time.time()
+    st, r = s.request("POST", "/v1/sandboxes?wait=120", body, timeout=150)
+    assert st == 200 and r["sandbox"]["state"] == "running", (st, r)
+    sid = r["sandbox"]["id"]
+    cmd(s, sid, "true")
+    ms = (time.time() - t0) * 1000
+    s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+    time.sleep(1.0)  # the pool refills between creates: each create finds what users find
+    return ms
+
+
+def main():
+    p = Platform(sys.argv, templates=("base",)).start()
+    s = p.s
+    try:
+        st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base", "memory_mb": 256},
+                          timeout=150)
+        src = r["sandbox"]["id"]
+        cmd(s, src, COUNTER)
+        cmd(s, src, "for i in $(seq 1 100); do [ -s /tmp/count ] && break; sleep 0.1; done")
+        take, window, pr, snaps = [], [], [], []
+        for _ in range(SNAPS):
+            t0 = time.time()
+            st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=120" % src, {},
+                              timeout=150)
+            assert st == 201, (st, r)
+            take.append((time.time() - t0) * 1000)
+            sn = r["snapshot"]["id"]
+            snaps.append(sn)
+            with open(os.path.join(p.data, "snapshots", sn, "vm.json")) as f:
+                window.append(float(json.load(f)["pause_ms"]))
+            t0 = time.time()
+            s.request("POST", "/v1/sandboxes/%s/pause?wait=60" % src, timeout=70)
+            s.request("POST", "/v1/sandboxes/%s/wake?wait=60" % src, timeout=70)
+            pr.append((time.time() - t0) * 1000)
+            time.sleep(0.5)
+        line("snapshot of a running 256 MiB sandbox (POST -> ready)", take)
+        line("  its vCPUs stopped (driver's pause_ms)", window)
+        line("baseline: pause + resume of it through the API", pr)
+        forks = [create_first_cmd(s, {"snapshot": snaps[-1]}) for _ in range(CREATES)]
+        tpl = [create_first_cmd(s, {"template": "base", "memory_mb": 256}) for _ in range(CREATES)]
+        line("create from the snapshot -> first command", forks)
+        line("create from base -> first command", tpl)
+        ratio("snapshot / template",
+              sorted(forks)[len(forks) // 2], sorted(tpl)[len(tpl) // 2])
+        for sn in snaps:
+            s.request("DELETE", "/v1/snapshots/" + sn, timeout=30)
+        s.request("DELETE", "/v1/sandboxes/%s?wait=60" % src, timeout=70)
+    finally:
+        p.stop()
+
+
+if __name__ == "__main__":
+    main()
