@@ -29,6 +29,8 @@
     ", ''), o.target"
 
 #define RETRY_MS 500 /* an outcome the database did not take */
+#define SB_COLS  5   /* the insert's answer: desired, observed, busy, taken, at_max, then ours */
+
 
 struct job {
     sp_snap_t *s; /* NULL once s is destroyed: the job only frees itself */
@@ -52,6 +54,7 @@ struct sp_snap {
     sp_store_t *store;
     sp_driver_t *driver;
     struct job *jobs;
+    int team_max; /* SP_SNAP_TEAM_MAX, or $SPACE_SNAP_TEAM_MAX */
     bool *alive; /* the start-up statement's view of s (false once destroyed) */
 };
 
@@ -266,10 +269,11 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
      * takes it, the older one stays reachable by its id. Only once the new one would be
      * taken (the source can be snapshotted), and once (a race loses with 409). */
     bool name_taken = (err != NULL && strcmp(sp_store_sqlstate(res), "23505") == 0) ||
-                      (err == NULL && PQntuples(res) == 1 && PQgetisnull(res, 0, 4) &&
+                      (err == NULL && PQntuples(res) == 1 && PQgetisnull(res, 0, SB_COLS) &&
                        PQgetvalue(res, 0, 3)[0] == 't' && PQgetvalue(res, 0, 2)[0] != 't' &&
                        strstr("running paused", PQgetvalue(res, 0, 0)) != NULL &&
-                       strstr("running paused", PQgetvalue(res, 0, 1)) != NULL);
+                       strstr("running paused", PQgetvalue(res, 0, 1)) != NULL &&
+                       PQgetvalue(res, 0, 4)[0] != 't');
     if (name_taken && !j->moved) {
         j->moved = true;
         const char *p[] = {j->team_id, j->rec.name};
@@ -286,9 +290,13 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
     }
     if (err == NULL && PQntuples(res) != 1)
         err = (sp_err_set(&e, SP_ENOTFOUND, "sandbox not found"), &e);
-    if (err == NULL && PQgetisnull(res, 0, 4)) {
+    if (err == NULL && PQgetisnull(res, 0, SB_COLS)) {
         const char *desired = PQgetvalue(res, 0, 0), *observed = PQgetvalue(res, 0, 1);
-        if (PQgetvalue(res, 0, 2)[0] == 't')
+        if (PQgetvalue(res, 0, 4)[0] == 't')
+            sp_err_set(&e, SP_ECONFLICT,
+                       "this team has %d snapshots, the most it may keep: delete some first",
+                       j->s->team_max);
+        else if (PQgetvalue(res, 0, 2)[0] == 't')
             sp_err_set(&e, SP_ECONFLICT,
                        "a snapshot of sandbox %s is being taken; try again when it is done",
                        j->rec.sandbox_id);
@@ -308,8 +316,8 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
         job_free(j);
         return;
     }
-    parse_snap(res, 0, 4, &j->rec);
-    parse_op(res, 0, 4 + SNAP_NCOLS, &j->op);
+    parse_snap(res, 0, SB_COLS, &j->rec);
+    parse_op(res, 0, SB_COLS + SNAP_NCOLS, &j->op);
     sp_driver_t *d = j->s->driver;
     if (d->ops->checkpoint(d, j->rec.sandbox_id, j->rec.id, on_checkpoint, j, &e) < 0) {
         job_fail(j, &e);
@@ -361,8 +369,10 @@ int sp_snap_take(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, const
 
 static int insert(struct job *j, sp_err_t *err)
 {
+    char max[16];
+    snprintf(max, sizeof max, "%d", j->s->team_max);
     const char *p[] = {j->rec.sandbox_id, j->team_id, j->rec.id, j->opid,
-                       j->rec.name[0] ? j->rec.name : NULL};
+                       j->rec.name[0] ? j->rec.name : NULL, max};
     /* One statement: the source's state checked, the row and its operation written; the
      * first four columns say why nothing was written. */
     if (sp_store_query(
@@ -372,23 +382,26 @@ static int insert(struct job *j, sp_err_t *err)
             "   EXISTS (SELECT 1 FROM snapshots x WHERE x.sandbox_id = s.id"
             "    AND x.state = 'creating' AND x.deleted_at IS NULL) AS busy,"
             "   ($5::text IS NOT NULL AND EXISTS (SELECT 1 FROM snapshots y"
-            "    WHERE y.team_id = $2 AND y.name = $5 AND y.deleted_at IS NULL)) AS taken"
+            "    WHERE y.team_id = $2 AND y.name = $5 AND y.deleted_at IS NULL)) AS taken,"
+            "   (SELECT count(*) FROM snapshots z WHERE z.team_id = $2"
+            "    AND z.deleted_at IS NULL AND z.state <> 'failed') >= $6::int AS at_max"
             "  FROM sandboxes s WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'),"
             " n AS (INSERT INTO snapshots (id, team_id, sandbox_id, template, cpu_count,"
             "   memory_mb, env, name)"
             "  SELECT $3, team_id, id, template, cpu_count, memory_mb, env, $5 FROM sb"
             "  WHERE observed_state IN ('running', 'paused')"
             "   AND desired_state IN ('running', 'paused') AND NOT busy AND NOT taken"
+            "   AND NOT at_max"
             "  RETURNING *),"
             " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target, status)"
             "  SELECT $4, n.sandbox_id, n.team_id, 'snapshot', n.id, 'running' FROM n"
             "  RETURNING *),"
             " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
             "  SELECT n.sandbox_id, 'snapshot', n.id FROM n RETURNING 1)"
-            " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, " SNAP_COLS
+            " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, sb.at_max, " SNAP_COLS
             ", " OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
             " LEFT JOIN (SELECT count(*) FROM ev) x ON true",
-            5, p, on_inserted, j, err) < 0)
+            6, p, on_inserted, j, err) < 0)
         return -1;
     return 0;
 }
@@ -571,6 +584,8 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     s->loop = loop;
     s->store = store;
     s->driver = driver;
+    const char *tm = getenv("SPACE_SNAP_TEAM_MAX"); /* for tests: a limit reached quickly */
+    s->team_max = tm != NULL && atoi(tm) > 0 ? atoi(tm) : SP_SNAP_TEAM_MAX;
     struct leftovers {
         sp_snap_t *s;
         bool *alive;

@@ -37,6 +37,7 @@
 #include "loop/loop.h"
 
 #define SP_SNAP_ID_LEN   21 /* "snap-" + 16 */
+#define SP_SNAP_TEAM_MAX 200 /* snapshots a team may keep (not deleted, not failed) */
 #define SP_SNAP_NAME_MAX 64
 
 typedef struct sp_snap sp_snap_t;
@@ -75,11 +76,12 @@ int sp_snap_norm_name(const char *name, char *out, size_t cap, sp_err_t *err);
 /*
  * Takes a snapshot of the team's sandbox_id, named name (NULL: none). SP_ENOTSUP at once when
  * the runtime has no checkpoint; through cb: SP_ENOTFOUND for a missing or another team's
- * sandbox, SP_ECONFLICT when it is not running or paused (observed and desired) or one of
- * it is being taken already. A name in use moves to the new snapshot once it is
- * recorded (the older one keeps its id). Accepted: cb gets the snapshot and
- * its operation at once (wait_ms 0: state creating, operation running), or when it finished
- * or wait_ms passed, whichever is first; the snapshot goes on being taken either way.
+ * sandbox, SP_ECONFLICT when it is not running or paused (observed and desired), one of
+ * it is being taken already, or the team keeps SP_SNAP_TEAM_MAX snapshots. A name in use
+ * moves to the new snapshot once it is recorded (the older one keeps its id). Accepted: cb
+ * gets the snapshot and its operation at once (wait_ms 0: state creating, operation running),
+ * or when it finished or wait_ms passed, whichever is first; the snapshot goes on being taken
+ * either way.
  */
 int sp_snap_take(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, const char *name,
                  uint32_t wait_ms, sp_snap_cb cb, void *arg, sp_err_t *err);

@@ -231,5 +231,33 @@ class SnapshotRestartTest(unittest.TestCase):
             p.destroy()
 
 
+@skip_unless_pg
+class SnapshotLimitTest(PlatformTest):
+    """A team keeps at most SPACE_SNAP_TEAM_MAX snapshots (not deleted, not failed); another
+    team is not held back by it; a delete makes room."""
+    ENV = {"SPACE_SNAP_TEAM_MAX": "2"}
+
+    def test_team_limit(self):
+        sid, _ = self.s.create()
+        path = "/v1/sandboxes/%s/snapshots?wait=30" % sid
+        made = []
+        for _ in range(2):
+            st, r = self.s.request("POST", path, {})
+            self.assertEqual(st, 201, r)
+            made.append(r["snapshot"]["id"])
+        st, r = self.s.request("POST", path, {})
+        self.assertEqual(st, 409, r)
+        self.assertIn("the most it may keep", r["error"]["message"])
+        other = self.other_key
+        st, c = self.s.request("POST", "/v1/sandboxes?wait=30", {"template": "base"}, key=other)
+        self.assertEqual(st, 200, c)
+        st, r = self.s.request("POST", "/v1/sandboxes/%s/snapshots?wait=30" % c["sandbox"]["id"],
+                               {}, key=other)
+        self.assertEqual(st, 201, r)
+        self.assertEqual(self.s.request("DELETE", "/v1/snapshots/" + made[0])[0], 200)
+        st, r = self.s.request("POST", path, {})
+        self.assertEqual(st, 201, r)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
