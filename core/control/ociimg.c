@@ -762,7 +762,7 @@ static int make_bootable(struct imp *m, const char *tree, json_t *cfg, char *use
         goto out;
     }
     static const char *const dirs[] = {"usr/local/bin", "dev", "proc", "sys", "run", "etc",
-                                       "root", "home", "etc/space"};
+                                       "root", "home", "etc/space", "var/log"};
     for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++)
         if (mkdirs(root, dirs[i], 0755) < 0) {
             sp_err_set(m->err, SP_EINVAL, "the image's /%s cannot be made a directory: %s",
@@ -851,7 +851,7 @@ static int make_bootable(struct imp *m, const char *tree, json_t *cfg, char *use
     }
     const char *iu = json_string_value(json_object_get(cfg, "user"));
     if (iu == NULL || iu[0] == '\0') {
-        snprintf(user, un, USER_NAME);
+        user[0] = '\0'; /* root, as Docker runs it */
     } else {
         char name[64];
         snprintf(name, sizeof name, "%.*s", (int)strcspn(iu, ":"), iu);
@@ -1183,7 +1183,7 @@ int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char
         goto out;
     }
     if (out->config == NULL)
-        out->config = json_pack("{s:{},s:s,s:s,s:s}", "env", "workdir", "", "user", USER_NAME,
+        out->config = json_pack("{s:{},s:s,s:s,s:s}", "env", "workdir", "", "user", "",
                                 "start_cmd", "");
     rc = 0;
 out:

@@ -16,8 +16,8 @@
  *   `umoci raw unpack` (as root: ownership kept; umoci resolves every path inside the root)
  *   -> the tree made bootable: device nodes, FIFOs and sockets removed, space-agent as
  *   /usr/local/bin/space-agent, the mount points, /etc/hostname, /etc/hosts, an empty
- *   machine-id, user `user` (uid 1000 or the first free one, home /home/user) unless the
- *   image has one -> an ext4 image in qcow2 sized for the tree -> <data-dir>/templates/
+ *   machine-id, user `user` (uid 1000 or the first free one, home /home/user, passwordless
+ *   sudo when the image has sudo) unless the image has one -> an ext4 image in qcow2 sized for the tree -> <data-dir>/templates/
  *   oci.<..>/<version>/{rootfs.qcow2,manifest.json}, with the `base` template's kernel and
  *   initramfs, committed by rename, `current` pointed at it.
  *
@@ -71,7 +71,8 @@ typedef struct {
     char digest[72];
     char ref[600];  /* what was pulled: registry/repo@digest */
     bool cached;    /* found, not pulled */
-    json_t *config; /* {"env": {K: V}, "workdir", "user", "start_cmd"} (owned; "" when unset) */
+    json_t *config; /* {"env": {K: V}, "workdir", "user" (the image's USER as a name; "": root,
+                     * as Docker runs it), "start_cmd"} (owned; "" when unset) */
     json_t *log;    /* lines for the build log (owned array of strings) */
     double seconds; /* pull, unpack and image, or the cache look-up */
 } sp_ociimg_result_t;
