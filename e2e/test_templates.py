@@ -345,7 +345,7 @@ class TemplateBuildTest(unittest.TestCase):
                          % NONCE, c)
         for text, want in (("FROM base\nRUN true\nHEALTHCHECK CMD true\n",
                             "line 3: HEALTHCHECK is not supported"),
-                           ("FROM node:20\n", "line 1: FROM node:20: building from container"),
+                           ("FROM Node\n", "line 1: FROM Node: neither a template name nor an image"),
                            ("FROM base\nFROM base\n", "multi-stage"),
                            ("FROM base\nCOPY a /a\n", "needs the build context")):
             st, r = s.request("POST", "/v1/templates",
