@@ -33,11 +33,13 @@ MB = int(os.environ.get("BENCH_IMAGE_MB", "100"))
 
 def build(s, body):
     t0 = time.time()
-    st, r = s.request("POST", "/v1/templates?wait=600", body, timeout=630)
+    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
+    if "build" not in r:
+        raise SystemExit("build refused: %s %s" % (st, r))
     b = r["build"]
     while b["status"] in ("queued", "building"):
-        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=600" % (b["template"], b["id"]),
-                          timeout=630)
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
+                          timeout=330)
         b = r["build"]
     if b["status"] != "succeeded":
         raise SystemExit("build failed: %s" % b)
