@@ -200,6 +200,7 @@ static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err
     json_t *body = c->body;
     char parent[65], why[160];
     json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
+    json_t *from = NULL; /* an image */
     if (json_is_string(ft)) {
         if (!e2b_name(json_string_value(ft), parent, why, sizeof why)) {
             sp_e2b__ctl_fail(c, 400, why);
@@ -209,14 +210,35 @@ static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err
                (json_is_string(fi) && strncmp(json_string_value(fi), "e2bdev/base", 11) == 0 &&
                 (json_string_value(fi)[11] == '\0' || json_string_value(fi)[11] == ':'))) {
         snprintf(parent, sizeof parent, "base"); /* E2B's base image is our base template */
+    } else if (json_is_string(fi)) {
+        /* from_image / from_dockerfile: the SDK leaves a Dockerfile's "AS name" on it */
+        char ref[512];
+        snprintf(ref, sizeof ref, "%.*s", (int)strcspn(json_string_value(fi), " \t"),
+                 json_string_value(fi));
+        from = json_pack("{s:s}", "image", ref);
+        json_t *reg = json_object_get(body, "fromImageRegistry");
+        const char *type = json_string_value(json_object_get(reg, "type"));
+        if (reg != NULL && !json_is_null(reg)) {
+            const char *u = json_string_value(json_object_get(reg, "username"));
+            const char *pw = json_string_value(json_object_get(reg, "password"));
+            if (type == NULL || strcmp(type, "registry") != 0 || u == NULL || pw == NULL) {
+                json_decref(from);
+                sp_e2b__ctl_fail(c, 400,
+                                 "fromImageRegistry: only {\"type\": \"registry\", "
+                                 "\"username\", \"password\"} is supported on this server (not "
+                                 "AWS or GCP registries)");
+                return;
+            }
+            json_object_set_new(from, "auth", json_pack("{s:s,s:s}", "username", u, "password", pw));
+        }
     } else {
-        sp_e2b__ctl_fail(c, 400,
-                         "building from container images is not supported by this server yet: "
-                         "use from_template(...) or from_base_image()");
+        sp_e2b__ctl_fail(c, 400, "fromImage must be an image reference");
         return;
     }
     json_t *req = json_pack("{s:s,s:s,s:i}", "name", b->template_name, "from", parent,
                             "ready_timeout_s", SP_TMPL_READY_MAX);
+    if (from != NULL)
+        json_object_set_new(req, "from", from);
     json_t *steps = json_array();
     json_object_set_new(req, "steps", steps);
     if (b->cpu_count > 0)

@@ -180,7 +180,8 @@ class TemplateBuildTest(unittest.TestCase):
             ({"name": "Bad Name", "from": "base"}, 400, "name"),
             ({"name": "x", "from": "nope"}, 404, "not found"),
             ({"name": "x"}, 400, "from"),
-            ({"name": "x", "from": {"image": "debian:12"}}, 400, "only templates"),
+            ({"name": "x", "from": {"image": "Debian:12"}}, 400, "lowercase"),
+            ({"name": "x", "from": {"image": "debian:12", "bogus": 1}}, 400, "beside image"),
             ({"name": "x", "from": "base", "steps": [{"run": 5}]}, 400, "steps[0]"),
             ({"name": "x", "from": "base", "steps": [{"run": "a", "env": {"1BAD": "v"}}]}, 400,
              "variable name"),
@@ -344,7 +345,7 @@ class TemplateBuildTest(unittest.TestCase):
                          % NONCE, c)
         for text, want in (("FROM base\nRUN true\nHEALTHCHECK CMD true\n",
                             "line 3: HEALTHCHECK is not supported"),
-                           ("FROM node:20\n", "line 1: FROM node:20: building from container"),
+                           ("FROM Node\n", "line 1: FROM Node: neither a template name nor an image"),
                            ("FROM base\nFROM base\n", "multi-stage"),
                            ("FROM base\nCOPY a /a\n", "needs the build context")):
             st, r = s.request("POST", "/v1/templates",

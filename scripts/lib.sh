@@ -10,8 +10,12 @@ SPACE_PKGS=(
   postgresql postgresql-contrib
   qemu-system-x86 qemu-utils busybox-static mmdebstrap e2fsprogs xz-utils zstd musl-tools
   libnss-myhostname
+  skopeo umoci
 )
 SPACE_TEST_PKGS=(clang)
+# Templates from container images are tested against Debian's registry on loopback, with an
+# htpasswd file made by apache2-utils (e2e/test_images.py).
+SPACE_TEST_PKGS+=(docker-registry apache2-utils)
 # promtool checks the /metrics exposition (server/tests/test_metrics.py); Debian ships it in
 # the prometheus package.
 SPACE_TEST_PKGS+=(prometheus)

@@ -78,6 +78,9 @@ struct opts {
     bool no_jail;                 /* --no-jail: QEMU unjailed (insecure, for comparisons) */
     bool insecure_no_seccomp;     /* start VMs without QEMU's seccomp sandbox */
     bool insecure_no_cgroups;     /* start VMs without their cgroup */
+    const char *registry_mirror;   /* serve: where Docker Hub image references are pulled from */
+    const char *insecure_registry; /* serve: registries reached over plain http (comma list) */
+    unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
 };
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
@@ -95,6 +98,8 @@ static void usage(FILE *f)
             "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
             "                    [--jail-uid-range START:COUNT] [--no-jail]\n"
             "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
+            "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
+            "                    [--image-max-mb MIB] [--agent PATH]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -914,6 +919,11 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     tmpl = store && driver ? sp_tmpl_create(s.loop, store, driver, o->data_dir, &e) : NULL;
     snap = store && driver ? sp_snap_create(s.loop, store, driver, &e) : NULL;
+    /* Builds from container images put the agent into them (none found: refused) */
+    if (tmpl != NULL && sp_tmpl_set_images(tmpl, find_agent(o->agent), o->registry_mirror,
+                                           o->insecure_registry,
+                                           (uint64_t)o->image_max_mb << 20, &e) < 0)
+        sp_log(SP_LOG_WARN, "server", "builds from images are off: %s", e.msg);
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (s.napi != NULL) {
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
@@ -1091,6 +1101,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"no-jail", no_argument, NULL, 0x101},
         {"insecure-no-seccomp", no_argument, NULL, 0x102},
         {"insecure-no-cgroups", no_argument, NULL, 0x103},
+        {"registry-mirror", required_argument, NULL, 0x104},
+        {"insecure-registry", required_argument, NULL, 0x105},
+        {"image-max-mb", required_argument, NULL, 0x106},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1170,6 +1183,22 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 0x103:
             o.insecure_no_cgroups = true;
             break;
+        case 0x104:
+            o.registry_mirror = optarg;
+            break;
+        case 0x105:
+            o.insecure_registry = optarg;
+            break;
+        case 0x106: {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < 1 || v > (1ul << 24)) {
+                fprintf(stderr, "spaced: --image-max-mb wants MiB (1..16777216)\n");
+                return 2;
+            }
+            o.image_max_mb = v;
+            break;
+        }
         case 'u':
             o.database_url = optarg;
             break;

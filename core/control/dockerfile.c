@@ -253,13 +253,15 @@ static int instruction(struct parse *p, const char *ins, const char *rest)
             rc = bad(p, "%s", "FROM takes a template and an optional AS name");
         else if (strcmp(ref, "scratch") == 0)
             rc = bad(p, "%s", "FROM scratch is not supported: start from a template (base)");
-        else if (!sp_tmplbuild_valid_name(ref))
+        else if (sp_tmplbuild_valid_name(ref)) /* a template; an image has a '/', ':' or '@' */
+            snprintf(p->out->parent, sizeof p->out->parent, "%s", ref);
+        else if (strlen(ref) >= sizeof p->out->image || strpbrk(ref, "/:@") == NULL)
             rc = bad(p,
-                     "FROM %.100s: building from container images is not supported by this "
-                     "server yet; FROM names a template (base, or one of yours)",
+                     "FROM %.100s: neither a template name nor an image reference "
+                     "(registry/repository:tag)",
                      ref);
         else
-            snprintf(p->out->parent, sizeof p->out->parent, "%s", ref);
+            snprintf(p->out->image, sizeof p->out->image, "%s", ref);
         json_decref(ws);
         return rc;
     }

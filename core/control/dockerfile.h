@@ -5,12 +5,13 @@
  * Folder: core/control/ is sandboxes' lifecycle: these operations, states, the controller that
  * reconciles them, API keys. (ARCHITECTURE.md: the layers.)
  *
- * Taken: one FROM (a template's name; `AS name` allowed), RUN (shell and exec form), ENV (both
+ * Taken: one FROM (a template's name, or a container image's reference: one with a '/', ':'
+ * or '@', as "ubuntu:22.04" or "registry:5000/app"; `AS name` allowed), RUN (shell and exec form), ENV (both
  * forms), ARG (its default, as env), WORKDIR, USER (`user[:group]`, the group ignored),
  * COPY and ADD of local files (`--chown=`, `--chmod=`; several sources; from the build
  * context: uploaded files whose key the caller gives), CMD and ENTRYPOINT (the start command,
  * as Docker combines them), comments, parser directives, line continuations. Refused with the
- * line number and why, never skipped: a second FROM (multi-stage), FROM an image or scratch,
+ * line number and why, never skipped: a second FROM (multi-stage), FROM scratch,
  * `--mount` and other RUN flags, COPY --from, ADD of a URL, COPY without a context, and every
  * other instruction (HEALTHCHECK, ONBUILD, EXPOSE, LABEL, VOLUME, SHELL, STOPSIGNAL...).
  * Pure: no I/O.
@@ -25,7 +26,8 @@
 #define SP_DOCKERFILE_MAX (1u << 20) /* bytes of a Dockerfile */
 
 typedef struct {
-    char parent[65];  /* FROM */
+    char parent[65];  /* FROM a template, or "" */
+    char image[512];  /* FROM an image, or "" */
     json_t *steps;    /* tmpl steps (array, owned) */
     char *start_cmd;  /* from CMD/ENTRYPOINT, or NULL (owned) */
 } sp_dockerfile_t;

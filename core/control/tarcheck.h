@@ -29,6 +29,12 @@ typedef struct sp_tarcheck sp_tarcheck_t;
 
 /* max_bytes bounds the tar's uncompressed size. NULL when out of memory. */
 sp_tarcheck_t *sp_tarcheck_new(uint64_t max_bytes);
+/* A layer of a container image (core/control/ociimg.h), unpacked by umoci into a root of its
+ * own: names are held to the same rules, but a symbolic link may point anywhere (it is read
+ * inside the image's root, where absolute targets are the norm), names may start with '/' (read
+ * from the image's root, as Docker does), a hard link may name a file
+ * of a lower layer, and device nodes and FIFOs pass (the unpacked tree is cleared of them). */
+sp_tarcheck_t *sp_tarcheck_new_layer(uint64_t max_bytes);
 /* Feeds the next n bytes of the upload (compressed or not: told by its first bytes). -1 with
  * the reason in why (what and which member) at the first problem; then it stays failed. */
 int sp_tarcheck_feed(sp_tarcheck_t *t, const void *p, size_t n, char *why, size_t cap);

@@ -29,6 +29,7 @@
 #include "core/channel/exec.h"
 #include "core/control/dockerfile.h"
 #include "core/control/tmplcache.h"
+#include "core/control/ociimg.h"
 #include "core/control/tmplfiles.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
@@ -49,6 +50,7 @@
 enum phase {
     P_ACCEPT = 0, /* the INSERT of its record in flight */
     P_QUEUED,
+    P_IMPORT,  /* a container image being pulled on a worker thread (ociimg.h) */
     P_BOOT,    /* driver boot in flight */
     P_EXEC,    /* an exec (step, env file, sync) in flight */
     P_PAUSE,   /* driver pause in flight */
@@ -69,6 +71,8 @@ struct waiter {
     void *arg;
     sp_timer_t timer;
 };
+
+struct impjob;
 
 struct build {
     struct build *next;
@@ -111,6 +115,21 @@ struct build {
     uint64_t ckpt_ms; /* when the builder came up or last got a step cache snapshot */
     sp_qemu_tsnap_info_t tsnap;
     struct waiter *waiters;
+    char *image;          /* from {"image"}: the reference, or NULL (owned) */
+    char *reg_user, *reg_pass; /* its registry credentials, until the pull (owned, wiped) */
+    struct impjob *imp;   /* the import in flight */
+};
+
+/* An import on a worker thread; b is NULL once the build is gone. */
+struct impjob {
+    struct build *b;
+    sp_work_t *work;
+    sp_ociimg_opts_t opts;
+    char data_dir[PATH_MAX];
+    char *ref, *user, *pass;
+    int rc;
+    sp_err_t err;
+    sp_ociimg_result_t res;
 };
 
 struct sp_tmpl {
@@ -120,6 +139,8 @@ struct sp_tmpl {
     sp_driver_t *driver;
     char data_dir[PATH_MAX];
     struct build *builds; /* accepted, not yet recorded as ended; oldest last */
+    char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
+    uint64_t image_max;
 };
 
 /* ---- small helpers ---- */
@@ -531,6 +552,14 @@ static void waiter_answer(struct waiter *w)
 static void advance(struct build *b);
 static void start_queued(sp_tmpl_t *t);
 
+static void wipe_free(char *s)
+{
+    if (s != NULL) {
+        sodium_memzero(s, strlen(s));
+        free(s);
+    }
+}
+
 static void build_free(struct build *b)
 {
     sp_tmpl_t *t = b->t;
@@ -551,6 +580,13 @@ static void build_free(struct build *b)
     sp_buf_free(&b->line[1]);
     json_decref(b->req);
     json_decref(b->env);
+    free(b->image);
+    wipe_free(b->reg_user);
+    wipe_free(b->reg_pass);
+    if (b->imp != NULL) { /* the job frees itself when it reports */
+        b->imp->b = NULL;
+        sp_work_cancel(b->imp->work);
+    }
     free(b);
 }
 
@@ -574,6 +610,8 @@ static void on_deadline(sp_timer_t *tm, void *arg)
     (void)tm;
     struct build *b = arg;
     fail(b, "the build did not finish within its time limit of %d s", b->timeout_s);
+    if (b->imp != NULL) /* the pull's tools are stopped; its report tears down */
+        sp_work_cancel(b->imp->work);
     if (b->op != NULL) { /* a step: stop waiting for it; the VM goes with the tear-down */
         sp_exec_cancel(b->op);
         b->op = NULL;
@@ -733,7 +771,9 @@ static json_t *warmup_argv(const struct build *b)
         "set -a; [ -r " ENV_FILE " ] && . " ENV_FILE "; set +a\n"
         "user=$1 dir=$2 start=$3 ready=$4 limit=$5\n"
         "as() { if [ \"$user\" = root ]; then /bin/sh -c \"$1\"; "
-        "else runuser -u \"$user\" -- /bin/sh -c \"$1\"; fi; }\n"
+        "elif command -v runuser >/dev/null 2>&1; then runuser -u \"$user\" -- /bin/sh -c \"$1\"; "
+        /* images without util-linux (busybox ones) */
+        "else su -s /bin/sh \"$user\" -c \"$1\"; fi; }\n"
         "if [ -n \"$dir\" ]; then cd \"$dir\" || exit 1; fi\n"
         "if [ -n \"$start\" ]; then\n"
         "  ( as \"$start\" ) </dev/null >/var/log/space-start.log 2>&1 &\n"
@@ -1368,6 +1408,117 @@ static bool try_cached(struct build *b)
     return true;
 }
 
+static void start_vm(struct build *b);
+static void input_hash(struct build *b);
+
+/* ---- a parent from a container image (ociimg.h), pulled on a worker thread ---- */
+
+static void import_run(sp_work_t *w, void *arg)
+{
+    struct impjob *j = arg;
+    j->rc = sp_ociimg_import(&j->opts, j->data_dir, j->ref, j->user, j->pass, w, &j->res,
+                             &j->err);
+}
+
+static void impjob_free(struct impjob *j)
+{
+    free(j->ref);
+    wipe_free(j->user);
+    wipe_free(j->pass);
+    sp_ociimg_result_free(&j->res);
+    free(j);
+}
+
+/* The image's config as steps before the build's own (as a Dockerfile's would be): its env,
+ * its user, its workdir; its command as start_cmd unless the build has one. */
+static void image_steps(struct build *b, const json_t *cfg)
+{
+    json_t *steps = json_object_get(b->req, "steps");
+    json_t *pre = json_array();
+    json_t *env = json_object_get(cfg, "env");
+    const char *user = json_string_value(json_object_get(cfg, "user"));
+    const char *wd = json_string_value(json_object_get(cfg, "workdir"));
+    const char *start = json_string_value(json_object_get(cfg, "start_cmd"));
+    if (json_is_object(env) && json_object_size(env) > 0)
+        json_array_append_new(pre, json_pack("{s:O}", "env", env));
+    if (user != NULL && valid_user(user))
+        json_array_append_new(pre, json_pack("{s:s}", "user", user));
+    if (wd != NULL && wd[0] == '/' && strlen(wd) <= SP_EXEC_PATH_MAX)
+        json_array_append_new(pre, json_pack("{s:s}", "workdir", wd));
+    json_array_extend(pre, steps);
+    json_object_set_new(b->req, "steps", pre);
+    if (start != NULL && start[0] != '\0' && json_object_get(b->req, "start_cmd") == NULL)
+        json_object_set_new(b->req, "start_cmd", json_string(start));
+}
+
+static void on_imported(void *arg, bool cancelled)
+{
+    struct impjob *j = arg;
+    struct build *b = j->b;
+    if (b == NULL) { /* the build is gone */
+        impjob_free(j);
+        return;
+    }
+    b->imp = NULL;
+    size_t i;
+    json_t *l;
+    json_array_foreach(j->res.log, i, l) logf_(b, "info", "%s", json_string_value(l));
+    sp_err_t e;
+    if (cancelled || b->failed) {
+        fail(b, "the image pull was stopped");
+    } else if (j->rc < 0) {
+        fail(b, "image %s: %s", b->image, j->err.msg);
+    } else if (sp_tmplbuild_current(b->t->data_dir, j->res.tmpl, &b->pp, &e) < 0) {
+        fail(b, "image %s: its template is not usable: %s", b->image, e.msg);
+    } else {
+        copy(b->parent, sizeof b->parent, j->res.tmpl);
+        logf_(b, "info", "image %s %s in %.1f s (template %s)", j->res.ref,
+              j->res.cached ? "found in the digest cache" : "imported", j->res.seconds,
+              j->res.tmpl);
+        image_steps(b, j->res.config);
+        json_t *f = json_object_get(b->req, "from");
+        if (json_is_object(f))
+            json_object_set_new(f, "digest", json_string(j->res.digest));
+        input_hash(b);
+    }
+    impjob_free(j);
+    if (b->failed) {
+        record_end(b);
+        return;
+    }
+    logf_(b, "info", "building %s from %s (version %.12s)", b->name, b->parent, b->pp.hash);
+    start_vm(b);
+}
+
+static void start_import(struct build *b)
+{
+    sp_tmpl_t *t = b->t;
+    b->ph = P_IMPORT;
+    struct impjob *j = calloc(1, sizeof(*j));
+    if (j != NULL) {
+        j->b = b;
+        j->opts = (sp_ociimg_opts_t){.agent_path = t->agent,
+                                     .mirror = t->mirror,
+                                     .insecure = t->insecure,
+                                     .max_bytes = t->image_max};
+        copy(j->data_dir, sizeof j->data_dir, t->data_dir);
+        j->ref = strdup(b->image);
+        j->user = b->reg_user; /* handed over: the build keeps no credentials */
+        j->pass = b->reg_pass;
+        b->reg_user = b->reg_pass = NULL;
+    }
+    logf_(b, "info", "pulling the image %s", b->image);
+    if (j == NULL || j->ref == NULL ||
+        (j->work = sp_loop_work(t->loop, SP_WORK_LONG, import_run, on_imported, j)) == NULL) {
+        if (j != NULL)
+            impjob_free(j);
+        fail(b, "cannot start the image pull: out of memory");
+        record_end(b);
+        return;
+    }
+    b->imp = j;
+}
+
 static void start_build(struct build *b)
 {
     sp_tmpl_t *t = b->t;
@@ -1384,7 +1535,19 @@ static void start_build(struct build *b)
                               1, p, sizeof(struct build *), on_started, &e);
     if (rec != NULL)
         *(struct build **)rec = b;
+    if (b->image != NULL) {
+        start_import(b);
+        return;
+    }
     logf_(b, "info", "building %s from %s (version %.12s)", b->name, b->parent, b->pp.hash);
+    start_vm(b);
+}
+
+/* The parent is known (b->pp) and the input hash made: a cached version, or the builder. */
+static void start_vm(struct build *b)
+{
+    sp_tmpl_t *t = b->t;
+    sp_err_t e;
     if (try_cached(b)) {
         if (b->failed)
             record_end(b);
@@ -1540,7 +1703,8 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
                      sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 
-/* from {"dockerfile", "context"?}: the request with the Dockerfile's parent, its steps before
+/* from {"dockerfile", "context"?, "auth"?}: the request with the Dockerfile's parent (a template,
+ * or an image with auth's credentials), its steps before
  * the request's own, and its start command unless the request has one. */
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                            const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
@@ -1553,7 +1717,8 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     const char *key;
     json_t *v;
     json_object_foreach(from, key, v) if (strcmp(key, "dockerfile") != 0 &&
-                                          strcmp(key, "context") != 0) return
+                                          strcmp(key, "context") != 0 &&
+                                          strcmp(key, "auth") != 0) return
         sp_err_set(err, SP_EINVAL, "from: unknown field '%.64s' beside dockerfile", key);
     if (!json_is_string(df))
         return sp_err_set(err, SP_EINVAL, "from.dockerfile must be the Dockerfile's text");
@@ -1570,7 +1735,18 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     json_t *r = json_deep_copy(req);
     if (steps != NULL)
         json_array_extend(d.steps, steps);
-    json_object_set_new(r, "from", json_string(d.parent));
+    if (d.image[0] != '\0') { /* FROM an image: its registry's credentials come along */
+        json_t *f = json_pack("{s:s}", "image", d.image);
+        if (json_object_get(from, "auth") != NULL)
+            json_object_set(f, "auth", json_object_get(from, "auth"));
+        json_object_set_new(r, "from", f);
+    } else if (json_object_get(from, "auth") != NULL) {
+        sp_dockerfile_free(&d);
+        json_decref(r);
+        return sp_err_set(err, SP_EINVAL, "from.auth is for a Dockerfile FROM an image");
+    } else {
+        json_object_set_new(r, "from", json_string(d.parent));
+    }
     json_object_set(r, "steps", d.steps);
     if (d.start_cmd != NULL && json_object_get(r, "start_cmd") == NULL)
         json_object_set_new(r, "start_cmd", json_string(d.start_cmd));
@@ -1578,6 +1754,38 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     int rc = build_req(t, a, r, reserved, cb, arg, err);
     json_decref(r);
     return rc;
+}
+
+/* from {"image": ref, "auth": {"username", "password"}}: the reference and credentials. */
+static int image_from(const json_t *from, const char **image, const char **user,
+                      const char **pass, sp_err_t *err)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)from, key, v) if (strcmp(key, "image") != 0 &&
+                                                    strcmp(key, "auth") != 0) return
+        sp_err_set(err, SP_EINVAL, "from: unknown field '%.64s' beside image", key);
+    json_t *img = json_object_get(from, "image");
+    if (!json_is_string(img) || json_string_length(img) == 0 || json_string_length(img) > 500)
+        return sp_err_set(err, SP_EINVAL, "from.image must be an image reference "
+                                          "(registry/repository:tag)");
+    sp_ociimg_ref_t r;
+    if (sp_ociimg_parse_ref(json_string_value(img), NULL, &r, err) < 0)
+        return -1;
+    *image = json_string_value(img);
+    json_t *auth = json_object_get(from, "auth");
+    if (auth != NULL && !json_is_null(auth)) {
+        const char *u = json_string_value(json_object_get(auth, "username"));
+        const char *p = json_string_value(json_object_get(auth, "password"));
+        if (!json_is_object(auth) || json_object_size(auth) != 2 || u == NULL || p == NULL ||
+            u[0] == '\0' || strlen(u) > 1024 || strlen(p) > 8192 || strchr(u, ':') != NULL)
+            return sp_err_set(err, SP_EINVAL,
+                              "from.auth must be {\"username\", \"password\"} (strings; no ':' "
+                              "in the username)");
+        *user = u;
+        *pass = p;
+    }
+    return 0;
 }
 
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
@@ -1609,24 +1817,38 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     if (name == NULL || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL,
                           "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    if (strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0)
+        return sp_err_set(err, SP_EINVAL,
+                          "name: '" SP_OCIIMG_PREFIX "' names are this server's own (images)");
     json_t *from = json_object_get(req, "from");
+    const char *image = NULL, *ruser = NULL, *rpass = NULL;
     if (json_is_string(from)) {
         parent = json_string_value(from);
+    } else if (json_is_object(from) && json_object_get(from, "image") != NULL) {
+        if (image_from(from, &image, &ruser, &rpass, err) < 0)
+            return -1;
+        parent = "base"; /* sizes until the image's own template is known */
     } else if (json_is_object(from) && json_object_size(from) == 1) {
         if (json_is_string(json_object_get(from, "template")))
             parent = json_string_value(json_object_get(from, "template"));
-        else if (json_object_get(from, "image") || json_object_get(from, "snapshot"))
+        else if (json_object_get(from, "snapshot"))
             return sp_err_set(err, SP_EINVAL,
-                              "from: only templates and Dockerfiles can be built from on this "
-                              "server yet (not container images or snapshots)");
+                              "from: templates, images and Dockerfiles can be built from on this "
+                              "server (not snapshots yet)");
     }
     if (parent == NULL)
         return sp_err_set(err, SP_EINVAL,
-                          "from is required: a template name, or {\"template\": name}");
-    if (!sp_tmplbuild_valid_name(parent))
+                          "from is required: a template name, {\"template\": name} or "
+                          "{\"image\": reference}");
+    if (!sp_tmplbuild_valid_name(parent) ||
+        (image == NULL && strncmp(parent, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0))
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
     if (strcmp(parent, name) == 0)
         return sp_err_set(err, SP_EINVAL, "a template cannot be built from itself");
+    if (image != NULL && t->agent == NULL)
+        return sp_err_set(err, SP_EUNAVAIL,
+                          "this server cannot build from images: it knows no guest agent "
+                          "binary (spaced --agent, or SPACE_AGENT_BIN)");
     json_t *steps = json_object_get(req, "steps");
     if (steps != NULL && (!json_is_array(steps) || json_array_size(steps) > SP_TMPL_STEPS_MAX))
         return sp_err_set(err, SP_EINVAL, "steps must be an array of at most %d steps",
@@ -1660,7 +1882,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         sp_ids_sandbox(b->id);
     copy(b->team, sizeof b->team, a->team_id);
     copy(b->name, sizeof b->name, name);
-    copy(b->parent, sizeof b->parent, parent);
+    copy(b->parent, sizeof b->parent, image != NULL ? "" : parent);
     vm_id_of(b->id, b->vm_id);
     copy(b->user, sizeof b->user, "root");
     b->force = json_is_true(force);
@@ -1670,6 +1892,17 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     b->env = json_object();
     if (steps == NULL)
         json_object_set_new(b->req, "steps", json_array());
+    if (image != NULL) { /* the credentials stay in memory: never in the record or manifest */
+        b->image = strdup(image);
+        b->reg_user = ruser ? strdup(ruser) : NULL;
+        b->reg_pass = rpass ? strdup(rpass) : NULL;
+        json_t *f = json_object_get(b->req, "from");
+        json_object_del(f, "auth");
+        if (b->image == NULL || (ruser && (!b->reg_user || !b->reg_pass))) {
+            build_free(b);
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+        }
+    }
     b->next = t->builds;
     t->builds = b;
     if (b->req == NULL || b->env == NULL) {
@@ -1695,7 +1928,8 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     }
     b->cpu_count = cpus > 0 ? cpus : (b->pp.cpu_count > 0 ? b->pp.cpu_count : 1);
     b->memory_mb = mem > 0 ? mem : (b->pp.memory_mb > 0 ? b->pp.memory_mb : 256);
-    input_hash(b);
+    if (image == NULL)
+        input_hash(b); /* an image's: once it is pulled (its digest is part of it) */
     char p[PATH_MAX];
     if (pathf(p, sizeof p, "%s/builds", t->data_dir) < 0 || (mkdir(p, 0700) < 0 && errno != EEXIST) ||
         pathf(p, sizeof p, "%s/builds/%s.ndjson", t->data_dir, b->id) < 0 ||
@@ -1713,16 +1947,19 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     snprintf(cpu_s, sizeof cpu_s, "%d", b->cpu_count);
     snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
     const char *params[] = {b->id,  b->team, name,  parent, desc ? desc : "",
-                            cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false"};
+                            cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false",
+                            image != NULL ? "true" : "false"};
     /* The parent must be usable by the team; the name must be free or the team's own (a
      * built-in or another team's is not). The templates row of a new name says "building"
      * until its first build ends; an existing one stays as it is (its version in service). */
     struct accept *acc = sp_store_call(
         t->store,
         "WITH p AS (SELECT 1 FROM templates WHERE name = $4 AND deleted_at IS NULL"
-        "  AND status = 'ready' AND (team_id IS NULL OR team_id = $2)),"
+        "  AND status = 'ready' AND (team_id IS NULL OR team_id = $2)"
+        "  UNION ALL SELECT 1 WHERE $10::bool)," /* an image: no parent template to check */
         " n AS (INSERT INTO templates (name, description, cpu_count, memory_mb, status, team_id,"
-        "  parent) SELECT $3, $5, $6::int, $7::int, 'building', $2, $4 WHERE EXISTS (SELECT 1"
+        "  parent) SELECT $3, $5, $6::int, $7::int, 'building', $2,"
+        "  CASE WHEN $10::bool THEN NULL ELSE $4 END WHERE EXISTS (SELECT 1"
         "  FROM p) ON CONFLICT (name) DO UPDATE SET updated_at = now()"
         "  WHERE templates.team_id = $2 RETURNING 1),"
         " b AS (INSERT INTO template_builds (id, team_id, template, status, request)"
@@ -1735,7 +1972,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         " SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),"
         "  coalesce((SELECT " TS("created_at") " FROM b), (SELECT " TS("created_at") " FROM r),"
         "  '')",
-        9, params, sizeof(*acc), on_accepted, err);
+        10, params, sizeof(*acc), on_accepted, err);
     free(req_s);
     if (acc == NULL) {
         build_free(b);
@@ -1753,6 +1990,9 @@ int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_
     if (name == NULL || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL,
                           "bad template name: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    if (strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0)
+        return sp_err_set(err, SP_EINVAL,
+                          "bad template name: '" SP_OCIIMG_PREFIX "' names are this server's own");
     if ((cpu_count != 0 && (cpu_count < 1 || cpu_count > SP_SVC_MAX_CPUS)) ||
         (memory_mb != 0 && (memory_mb < SP_SVC_MIN_MEMORY_MB || memory_mb > SP_SVC_MAX_MEMORY_MB)))
         return sp_err_set(err, SP_EINVAL, "cpu_count must be 1..%d and memory_mb %d..%d",
@@ -2047,7 +2287,31 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         build_free(b);
     }
     sp_tmplfiles_destroy(t->files);
+    free(t->agent);
+    free(t->mirror);
+    free(t->insecure);
     free(t);
+}
+
+int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
+                       const char *insecure, uint64_t max_bytes, sp_err_t *err)
+{
+    char *a = agent_path ? strdup(agent_path) : NULL, *m = mirror ? strdup(mirror) : NULL;
+    char *i = insecure ? strdup(insecure) : NULL;
+    if ((agent_path && !a) || (mirror && !m) || (insecure && !i)) {
+        free(a);
+        free(m);
+        free(i);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    free(t->agent);
+    free(t->mirror);
+    free(t->insecure);
+    t->agent = a;
+    t->mirror = m;
+    t->insecure = i;
+    t->image_max = max_bytes;
+    return 0;
 }
 
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t)

@@ -90,6 +90,19 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
 /* Builds in flight are abandoned: their builder VMs are destroyed by the next start. */
 void sp_tmpl_destroy(sp_tmpl_t *t);
 
+/*
+ * Builds from container images (`from: {"image": "registry/repo:tag", "auth": {"username",
+ * "password"}}`, core/control/ociimg.h): the guest agent put into them (NULL: such builds are
+ * refused), the registry that Docker Hub references go to instead (NULL: Docker Hub), the
+ * registries besides loopback ones reached over plain http (comma-separated host[:port], or
+ * NULL), the cap on an image's size (0: SP_OCIIMG_MAX_BYTES). The image is pulled at the
+ * build's start (step "base" in its log), its config (Env, WorkingDir, User, Entrypoint and
+ * Cmd) read as env, workdir and user steps before the build's own and as its start_cmd
+ * unless the build has one; the credentials are used for the pull only.
+ */
+int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
+                       const char *insecure, uint64_t max_bytes, sp_err_t *err);
+
 /* The files COPY steps use (tmplfiles.h), owned by t. */
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t);
 

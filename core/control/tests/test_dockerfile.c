@@ -74,6 +74,30 @@ static void test_every_instruction(void)
     sp_dockerfile_free(&d);
 }
 
+/* FROM a container image: the reference, no parent template; a name alone is a template. */
+static void test_from_image(void)
+{
+    static const char *const refs[] = {"python:3.12", "127.0.0.1:5000/img", "docker.io/library/debian",
+                                       "ghcr.io/org/app@sha256:"
+                                       "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"};
+    for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
+        char text[300];
+        snprintf(text, sizeof text, "FROM %s AS b\nRUN true\n", refs[i]);
+        sp_dockerfile_t d;
+        sp_err_t e;
+        CHECK(sp_dockerfile_parse(text, strlen(text), NULL, &d, &e) == 0);
+        CHECK(strcmp(d.image, refs[i]) == 0 && d.parent[0] == '\0');
+        CHECK(json_array_size(d.steps) == 1);
+        sp_dockerfile_free(&d);
+    }
+    const char *t = "FROM ubuntu\n";
+    sp_dockerfile_t d;
+    sp_err_t e;
+    CHECK(sp_dockerfile_parse(t, strlen(t), NULL, &d, &e) == 0);
+    CHECK(strcmp(d.parent, "ubuntu") == 0 && d.image[0] == '\0');
+    sp_dockerfile_free(&d);
+}
+
 static void refused(const char *text, const char *context, const char *want)
 {
     sp_dockerfile_t d;
@@ -89,7 +113,7 @@ static void refused(const char *text, const char *context, const char *want)
 static void test_refused(void)
 {
     refused("FROM base\nFROM base AS two\n", NULL, "line 2: a second FROM");
-    refused("FROM python:3.12\n", NULL, "line 1: FROM python:3.12: building from container");
+    refused("FROM Python\n", NULL, "line 1: FROM Python: neither a template name nor an image");
     refused("FROM scratch\n", NULL, "FROM scratch");
     refused("RUN true\nFROM base\n", NULL, "line 1: RUN comes before FROM");
     refused("FROM base\nRUN --mount=type=cache,target=/x true\n", NULL, "line 2: RUN options");
@@ -111,5 +135,6 @@ int main(void)
 {
     test_every_instruction();
     test_refused();
+    test_from_image();
     return check_report("core.dockerfile");
 }

@@ -1,0 +1,274 @@
+"""Templates built from container images (core/control/ociimg.h), on real VMs.
+
+An OCI image is made here without any network: a busybox root (the host's busybox-static)
+with a file, ENV, WORKDIR and a CMD (busybox httpd), put together with umoci and pushed with
+skopeo to Debian's docker-registry on loopback: one open, one behind htpasswd. A template
+built from it boots: the file is there, the ENV is set, the CMD is serving, the user is
+`user`. A second build of the same digest (a Dockerfile FROM it) takes the image from the
+digest cache; the registry behind a password takes the right credentials and refuses wrong or
+missing ones, which are never written anywhere; an unreachable registry fails the build
+naming it; a Docker Hub reference goes to the --registry-mirror.
+Needs root, skopeo, umoci, docker-registry, htpasswd and SP_TEST_DATA_DIR (`base` built).
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from harness import MULT, Platform, wait_s  # noqa: E402
+from test_templates import build, logs, run  # noqa: E402
+from test_vm_api import skip_reason  # noqa: E402
+
+DATA = os.environ.get("SP_TEST_DATA_DIR")
+TOOLS = ("skopeo", "umoci", "docker-registry", "htpasswd", "busybox")
+SECRET = "s3cret-%d" % os.getpid()
+
+
+def missing_tools():
+    gone = [t for t in TOOLS if shutil.which(t) is None]
+    return "missing: " + ", ".join(gone) if gone else None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(*argv, **kw):
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300, **kw)
+
+
+class Registry:
+    """Debian's docker-registry on 127.0.0.1:<free port>, storage in dir, htpasswd optional."""
+
+    def __init__(self, root, user=None, password=None):
+        self.dir = tempfile.mkdtemp(prefix="reg-", dir=root)
+        self.port = free_port()
+        cfg = ["version: 0.1", "log:", "  level: error", "storage:", "  filesystem:",
+               "    rootdirectory: %s/data" % self.dir, "http:",
+               "  addr: 127.0.0.1:%d" % self.port]
+        if user is not None:
+            pw = sh("htpasswd", "-Bbn", user, password).stdout
+            with open(os.path.join(self.dir, "htpasswd"), "w") as f:
+                f.write(pw)
+            cfg += ["auth:", "  htpasswd:", "    realm: space-test",
+                    "    path: %s/htpasswd" % self.dir]
+        with open(os.path.join(self.dir, "config.yml"), "w") as f:
+            f.write("\n".join(cfg) + "\n")
+        self.log = open(os.path.join(self.dir, "log"), "w")
+        self.proc = subprocess.Popen(["docker-registry", "serve", self.dir + "/config.yml"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("docker-registry did not start")
+
+    @property
+    def host(self):
+        return "127.0.0.1:%d" % self.port
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def make_image(work, tag, marker, extra_mb=0, user=None):
+    """An OCI layout work/layout:tag: busybox, /srv/hello.txt (marker), ENV, WORKDIR, CMD,
+    USER when given."""
+    root = os.path.join(work, "root-" + tag)
+    os.makedirs(os.path.join(root, "bin"))
+    os.makedirs(os.path.join(root, "srv"))
+    shutil.copy2(shutil.which("busybox"), os.path.join(root, "bin", "busybox"))
+    for applet in sh("busybox", "--list").stdout.split():
+        if applet != "busybox" and "/" not in applet:
+            os.symlink("busybox", os.path.join(root, "bin", applet))
+    with open(os.path.join(root, "srv", "hello.txt"), "w") as f:
+        f.write(marker + "\n")
+    if extra_mb:
+        with open(os.path.join(root, "srv", "blob.bin"), "wb") as f:
+            for _ in range(extra_mb):
+                f.write(os.urandom(1 << 20))
+    layout = os.path.join(work, "layout")
+    if not os.path.exists(layout):
+        sh("umoci", "init", "--layout", layout)
+    ref = "%s:%s" % (layout, tag)
+    sh("umoci", "new", "--image", ref)
+    sh("umoci", "insert", "--image", ref, root, "/")
+    sh("umoci", "config", "--image", ref, "--config.env", "HELLO=from image",
+       "--config.env", "PATH=/usr/local/bin:/usr/bin:/bin", "--config.workingdir", "/srv",
+       "--config.entrypoint", "/bin/sh", "--config.entrypoint", "-c",
+       "--config.cmd", "echo \"$HELLO|$(pwd)|$(id -un)\" > /tmp/cmd-ran; exec sleep 1000000",
+       *(["--config.user", user] if user else []))
+    shutil.rmtree(root)
+    return ref
+
+
+def push(ref, dest, creds=None):
+    argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
+    if creds:
+        argv += ["--dest-creds", creds]
+    sh(*argv, "oci:" + ref, "docker://" + dest)
+
+
+def line_texts(s, name, bid):
+    return [x.get("line") or "" for x in logs(s, name, bid)]
+
+
+@unittest.skipIf(skip_reason() or missing_tools(), skip_reason() or missing_tools())
+class ImageTemplateTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.work = tempfile.mkdtemp(prefix="sp-images-")
+        cls.open = Registry(cls.work)
+        cls.locked = Registry(cls.work, "puller", SECRET)
+        cls.ref1 = make_image(cls.work, "one", "hello-from-image")
+        push(cls.ref1, cls.open.host + "/img:1")
+        push(cls.ref1, cls.open.host + "/library/mirrored:1")  # Docker Hub's layout
+        cls.ref2 = make_image(cls.work, "two", "hello-behind-a-password", user="user")
+        push(cls.ref2, cls.locked.host + "/private/img:2", creds="puller:" + SECRET)
+        cls.p = Platform(teams=("alpha",), binary=os.environ["SPACED"], data_dir=DATA,
+                         args=["--registry-mirror", cls.open.host])
+        cls.s = cls.p.s
+        cls.sids = []
+
+    @classmethod
+    def tearDownClass(cls):
+        for sid in cls.sids:
+            cls.s.delete_quietly(sid)
+        for name in ("img", "imgdock", "imgpriv", "imgbad", "imgmir"):
+            try:
+                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
+            except OSError:
+                pass
+        cls.p.destroy()
+        cls.open.stop()
+        cls.locked.stop()
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def create(self, template):
+        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(240),
+                               {"template": template}, timeout=260 * MULT)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["operation"]["status"], "succeeded", r)
+        self.sids.append(r["sandbox"]["id"])
+        return r["sandbox"]["id"]
+
+    def cmd_ran(self, sid, want):
+        """The image's ENTRYPOINT + CMD left its line and is still running (sleep)."""
+        deadline = time.time() + 30 * MULT
+        while True:
+            c = run(self.s, sid, "cat /tmp/cmd-ran; for p in /proc/[0-9]*; do "
+                                 "head -c 5 $p/cmdline 2>/dev/null | grep -q '^sleep' && stat -c %U $p; done")
+            if c["stdout"] == want or time.time() > deadline:
+                return c
+            time.sleep(0.5)
+
+    def import_seconds(self, lines):
+        for text in lines:
+            if text.startswith("image ") and (" imported in " in text or " cache in " in text):
+                return float(text.split(" in ")[-1].split(" s")[0])
+        raise AssertionError("no import line in %s" % lines)
+
+    def test_1_image_boots_with_its_config(self):
+        s = self.s
+        t0 = time.time()
+        b = build(s, {"name": "img", "from": {"image": self.open.host + "/img:1"},
+                      "steps": [{"run": "echo built-on-image > /srv/built.txt", "user": "root"}]})
+        print("image template build %.1f s" % (time.time() - t0))
+        lines = line_texts(s, "img", b["id"])
+        self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
+        self.assertTrue([x for x in lines if " imported in " in x], lines)
+        st, t = s.request("GET", "/v1/templates/img")
+        self.assertEqual(st, 200, t)
+        self.assertTrue(t["parent"].startswith("oci."), t)
+        sid = self.create("img")
+        c = run(s, sid, "cat /srv/hello.txt /srv/built.txt; echo \"$HELLO\"; id -un user")
+        self.assertEqual(c["stdout"], "hello-from-image\nbuilt-on-image\nfrom image\nuser\n", c)
+        # the image's ENTRYPOINT + CMD was started by the template snapshot, as root (the image
+        # names no USER), in its WORKDIR, with its ENV
+        want = "from image|/srv|root\nroot\n"
+        self.assertEqual(self.cmd_ran(sid, want)["stdout"], want)
+        self.__class__.first_import = self.import_seconds(lines)
+
+    def test_2_same_digest_from_the_cache_dockerfile(self):
+        s = self.s
+        df = "FROM %s/img:1\nRUN echo from-dockerfile > /srv/df.txt\n" % self.open.host
+        b = build(s, {"name": "imgdock", "from": {"dockerfile": df}})
+        lines = line_texts(s, "imgdock", b["id"])
+        self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
+        self.assertTrue([x for x in lines if "not pulled again (digest cache)" in x], lines)
+        cached = self.import_seconds(lines)
+        first = getattr(self.__class__, "first_import", None)
+        print("image import %s s, from the digest cache %.2f s" % (first, cached))
+        if first is not None:
+            self.assertLess(cached, first)
+        sid = self.create("imgdock")
+        c = run(s, sid, "cat /srv/df.txt /srv/hello.txt")
+        self.assertEqual(c["stdout"], "from-dockerfile\nhello-from-image\n", c)
+
+    def test_3_credentials(self):
+        s = self.s
+        ref = self.locked.host + "/private/img:2"
+        for auth, why in ((None, "refused the credentials"),
+                          ({"username": "puller", "password": "wrong-one"},
+                           "refused the credentials")):
+            body = {"name": "imgbad", "from": {"image": ref}}
+            if auth:
+                body["from"]["auth"] = auth
+            b = build(s, body)
+            self.assertEqual(b["status"], "failed", b)
+            self.assertIn(why, b["error"])
+            self.assertIn(self.locked.host, b["error"])
+        b = build(s, {"name": "imgpriv",
+                      "from": {"image": ref, "auth": {"username": "puller", "password": SECRET}}})
+        lines = line_texts(s, "imgpriv", b["id"])
+        self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
+        sid = self.create("imgpriv")
+        self.assertEqual(run(s, sid, "cat /srv/hello.txt")["stdout"], "hello-behind-a-password\n")
+        # this image names USER user: its CMD runs as that user (su: busybox has no runuser)
+        want = "from image|/srv|user\nuser\n"
+        self.assertEqual(self.cmd_ran(sid, want)["stdout"], want)
+        # the password is nowhere: not in the log, the build record, any manifest or log file
+        st, r = s.request("GET", "/v1/templates/imgpriv/builds/%s" % b["id"])
+        self.assertNotIn(SECRET, json.dumps(r))
+        self.assertNotIn(SECRET, json.dumps(lines))
+        hits = subprocess.run(["grep", "-rl", "--binary-files=without-match", SECRET,
+                               os.path.join(DATA, "templates"), os.path.join(DATA, "builds"),
+                               os.path.join(DATA, "tmp")], capture_output=True, text=True)
+        self.assertEqual(hits.stdout, "")
+
+    def test_4_unreachable_registry_and_mirror(self):
+        s = self.s
+        port = free_port()  # nothing listens there
+        b = build(s, {"name": "imgbad", "from": {"image": "127.0.0.1:%d/img:1" % port}})
+        self.assertEqual(b["status"], "failed", b)
+        self.assertIn("cannot reach the image registry 127.0.0.1:%d" % port, b["error"])
+        # a Docker Hub reference goes to the mirror (same digest: from the cache)
+        b = build(s, {"name": "imgmir", "from": {"image": "mirrored:1"},
+                      "steps": [{"run": "exit 7"}]})
+        lines = line_texts(s, "imgmir", b["id"])
+        self.assertTrue([x for x in lines if "asking the mirror " + self.open.host in x], lines)
+        self.assertTrue([x for x in lines if "digest cache" in x], lines)
+        self.assertEqual((b["status"], b["failed_step"]), ("failed", 3), b)  # env, workdir, run
+
+
+if __name__ == "__main__":
+    if skip_reason() or missing_tools():
+        print("skipped:", skip_reason() or missing_tools())
+        sys.exit(77)
+    unittest.main(verbosity=2)
