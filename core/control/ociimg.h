@@ -43,33 +43,30 @@
 #include "base/err.h"
 #include "loop/loop.h"
 
-#define SP_OCIIMG_MAX_BYTES                                                    \
-  (8ull << 30) /* default cap on an image, compressed and unpacked */
-#define SP_OCIIMG_PREFIX                                                       \
-  "oci." /* hidden templates; not a name users may build */
+#define SP_OCIIMG_MAX_BYTES (8ull << 30) /* default cap on an image, compressed and unpacked */
+#define SP_OCIIMG_PREFIX "oci."          /* hidden templates; not a name users may build */
 
 typedef struct {
-  const char *agent_path; /* the guest agent put into images (required) */
-  const char *mirror;     /* host[:port] for Docker Hub references, or NULL */
-  const char *insecure; /* comma-separated host[:port] reached over plain http,
-                           or NULL */
-  uint64_t max_bytes;   /* 0: SP_OCIIMG_MAX_BYTES */
+    const char *agent_path; /* the guest agent put into images (required) */
+    const char *mirror;     /* host[:port] for Docker Hub references, or NULL */
+    const char *insecure;   /* comma-separated host[:port] reached over plain http,
+                               or NULL */
+    uint64_t max_bytes;     /* 0: SP_OCIIMG_MAX_BYTES */
 } sp_ociimg_opts_t;
 
 /* A reference read Docker's way. */
 typedef struct {
-  char registry[256]; /* host[:port]; "docker.io" for Docker Hub (or the mirror)
-                       */
-  char repo[256];     /* library/ubuntu */
-  char tag[129];      /* "" when digest is given */
-  char digest[72];    /* sha256:<64 hex>, or "" */
-  bool mirrored;      /* a Docker Hub reference sent to the mirror */
+    char registry[256]; /* host[:port]; "docker.io" for Docker Hub (or the mirror)
+                         */
+    char repo[256];     /* library/ubuntu */
+    char tag[129];      /* "" when digest is given */
+    char digest[72];    /* sha256:<64 hex>, or "" */
+    bool mirrored;      /* a Docker Hub reference sent to the mirror */
 } sp_ociimg_ref_t;
 
 /* Reads ref (a leading "docker://" is allowed); mirror as in sp_ociimg_opts_t.
  * SP_EINVAL saying what is wrong. Pure. */
-int sp_ociimg_parse_ref(const char *ref, const char *mirror,
-                        sp_ociimg_ref_t *out, sp_err_t *err);
+int sp_ociimg_parse_ref(const char *ref, const char *mirror, sp_ociimg_ref_t *out, sp_err_t *err);
 /* Whether registry (host[:port]) is reached over plain http: loopback, or in
  * insecure. */
 bool sp_ociimg_insecure(const char *registry, const char *insecure);
@@ -79,15 +76,15 @@ bool sp_ociimg_insecure(const char *registry, const char *insecure);
 char *sp_ociimg_start_cmd(const json_t *entrypoint, const json_t *cmd);
 
 typedef struct {
-  char tmpl[80]; /* the hidden template holding the image: oci.<40 hex> */
-  char digest[72];
-  char ref[600];  /* what was pulled: registry/repo@digest */
-  bool cached;    /* found, not pulled */
-  json_t *config; /* {"env": {K: V}, "workdir", "user" (the image's USER as a
-                   * name; "": root, as Docker runs it), "start_cmd"} (owned; ""
-                   * when unset) */
-  json_t *log;    /* lines for the build log (owned array of strings) */
-  double seconds; /* pull, unpack and image, or the cache look-up */
+    char tmpl[80]; /* the hidden template holding the image: oci.<40 hex> */
+    char digest[72];
+    char ref[600];  /* what was pulled: registry/repo@digest */
+    bool cached;    /* found, not pulled */
+    json_t *config; /* {"env": {K: V}, "workdir", "user" (the image's USER as a
+                     * name; "": root, as Docker runs it), "start_cmd"} (owned; ""
+                     * when unset) */
+    json_t *log;    /* lines for the build log (owned array of strings) */
+    double seconds; /* pull, unpack and image, or the cache look-up */
 } sp_ociimg_result_t;
 
 /* Imports ref (see the top). username/password: registry credentials, or NULL.
@@ -95,9 +92,8 @@ typedef struct {
  * failure err names the step and the registry; out->log holds what happened so
  * far either way. Free out with sp_ociimg_result_free. Blocks for as long as
  * the pull and unpack take. */
-int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir,
-                     const char *ref, const char *username,
-                     const char *password, const sp_work_t *w,
+int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char *ref,
+                     const char *username, const char *password, const sp_work_t *w,
                      sp_ociimg_result_t *out, sp_err_t *err);
 void sp_ociimg_result_free(sp_ociimg_result_t *r);
 
