@@ -20,19 +20,23 @@
 
 #define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
 
+/* Timestamps of the hot reads: selected in UTC as plain text and put in the API's form by
+ * sp_store_time (store.h), not by to_char, which cost PostgreSQL more than the row itself. */
+#define UTC(x) "(" x ") AT TIME ZONE 'UTC'"
+
 #define SANDBOX_COLS                                                                               \
-    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " TS("s.created_at") ", "    \
-    TS("s.last_activity_at") ", coalesce(" TS("s.deadline_at") ", ''), s.deadline_action, "       \
+    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " UTC("s.created_at") ", "   \
+    UTC("s.last_activity_at") ", " UTC("s.deadline_at") ", s.deadline_action, "                    \
     "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
     "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
     "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
-    "coalesce(s.envd_version, ''), " TS("coalesce(s.deadline_at, s.created_at + make_interval("   \
+    "coalesce(s.envd_version, ''), " UTC("coalesce(s.deadline_at, s.created_at + make_interval("  \
     "secs => coalesce(s.deadline_s, 315360000)))")
 #define SANDBOX_NCOLS 22
 
 #define OP_COLS                                                                                    \
     "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
-    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", ''), " \
+    "coalesce(o.error_message, ''), " UTC("o.created_at") ", " UTC("o.finished_at") ", "          \
     "CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
 #define OP_NCOLS 9
 
@@ -90,9 +94,9 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     SP_STORE_TEXT(r, row, col + 2, s->template_name);
     SP_STORE_TEXT(r, row, col + 3, s->desired);
     SP_STORE_TEXT(r, row, col + 4, s->observed);
-    SP_STORE_TEXT(r, row, col + 5, s->created_at);
-    SP_STORE_TEXT(r, row, col + 6, s->last_activity_at);
-    SP_STORE_TEXT(r, row, col + 7, s->deadline_at);
+    SP_STORE_TIME(r, row, col + 5, s->created_at);
+    SP_STORE_TIME(r, row, col + 6, s->last_activity_at);
+    SP_STORE_TIME(r, row, col + 7, s->deadline_at);
     SP_STORE_TEXT(r, row, col + 8, s->deadline_action);
     s->idle_timeout_s = atoi(PQgetvalue(r, row, col + 9));
     s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
@@ -109,7 +113,7 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     const char *net = PQgetvalue(r, row, col + 19);
     s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
     SP_STORE_TEXT(r, row, col + 20, s->envd_version);
-    SP_STORE_TEXT(r, row, col + 21, s->end_at);
+    SP_STORE_TIME(r, row, col + 21, s->end_at);
 }
 
 static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
@@ -121,8 +125,8 @@ static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
     SP_STORE_TEXT(r, row, col + 3, o->status);
     SP_STORE_TEXT(r, row, col + 4, o->error_code);
     SP_STORE_TEXT(r, row, col + 5, o->error_message);
-    SP_STORE_TEXT(r, row, col + 6, o->created_at);
-    SP_STORE_TEXT(r, row, col + 7, o->finished_at);
+    SP_STORE_TIME(r, row, col + 6, o->created_at);
+    SP_STORE_TIME(r, row, col + 7, o->finished_at);
     SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
 }
 
@@ -628,9 +632,9 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     for (int i = 0; i < n; i++)
         parse_sandbox(res, i, 0, &recs[i]);
     char cursor[128] = "";
-    if (more && n > 0)
-        snprintf(cursor, sizeof(cursor), "%s_%s", PQgetvalue(res, n - 1, SANDBOX_NCOLS),
-                 recs[n - 1].id);
+    long long us;
+    if (more && n > 0 && sp_store_time_us(res, n - 1, 5, &us) == 0)
+        snprintf(cursor, sizeof(cursor), "%lld_%s", us, recs[n - 1].id);
     cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
     for (int i = 0; i < n; i++) {
         json_decref(recs[i].metadata);
@@ -684,8 +688,7 @@ int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t
     snprintf(lim, sizeof(lim), "%d", req->limit + 1);
     const char *p[] = {a->team_id, states, md, micros[0] ? micros : NULL, cid, lim};
     int rc = submit(svc,
-                    "SELECT " SANDBOX_COLS ", (extract(epoch FROM s.created_at) * 1000000)::bigint"
-                    " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
+                    "SELECT " SANDBOX_COLS " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
                     " AND ($3::jsonb IS NULL OR s.metadata @> $3::jsonb)"
                     " AND ($4::bigint IS NULL OR"
                     "  ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id) < ($4::bigint, $5))"
