@@ -54,7 +54,10 @@ struct waiter {
 };
 
 /* Authenticated keys, so a request costs one query instead of two. Entries live
- * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all. */
+ * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all, and
+ * bump auth_gen: an answer to a lookup sent before the clear (it may have read the key before
+ * the revoke committed) is used for its own request but not cached. So a revoked key stops
+ * working as soon as the NOTIFY arrives; AUTH_TTL_MS bounds it should one be missed. */
 #define AUTH_SLOTS  1024
 #define AUTH_TTL_MS 60000
 
@@ -70,6 +73,7 @@ struct sp_svc {
     unsigned char hashkey[SP_HASHKEY_LEN];
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
+    int auth_gen; /* bumped by each clear */
     sp_driver_t *driver; /* borrowed; NULL: no data plane */
     sp_sampler_t *sampler; /* with the driver: each sandbox's figures over time */
     struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
@@ -148,6 +152,7 @@ static void auth_cache_clear(void *arg, const char *channel, const char *payload
 {
     sp_svc_t *svc = arg;
     memset(svc->auth_cache, 0, sizeof(svc->auth_cache));
+    svc->auth_gen = (svc->auth_gen + 1) & 0x3fffffff;
 }
 
 struct auth_hit {
@@ -176,10 +181,13 @@ static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
     sp_auth_t a;
     SP_STORE_TEXT(res, 0, 0, a.team_id);
     SP_STORE_TEXT(res, 0, 1, a.key_id);
-    struct auth_entry *slot = auth_slot(c->owner, PQgetvalue(res, 0, 2));
-    SP_STORE_TEXT(res, 0, 2, slot->hash);
-    slot->auth = a;
-    slot->expires_ms = sp_loop_now_ms(((sp_svc_t *)c->owner)->loop) + AUTH_TTL_MS;
+    sp_svc_t *svc = c->owner;
+    if (c->flag == svc->auth_gen) {
+        struct auth_entry *slot = auth_slot(svc, PQgetvalue(res, 0, 2));
+        SP_STORE_TEXT(res, 0, 2, slot->hash);
+        slot->auth = a;
+        slot->expires_ms = sp_loop_now_ms(svc->loop) + AUTH_TTL_MS;
+    }
     cb(c->arg, &a, NULL);
 }
 
@@ -207,7 +215,7 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
     const char *p[] = {hash};
     return submit(svc,
                   "SELECT team_id, id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL",
-                  1, p, auth_done, (void *)cb, arg, 0, err);
+                  1, p, auth_done, (void *)cb, arg, svc->auth_gen, err);
 }
 
 /* ---- templates ---- */
