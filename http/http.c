@@ -74,6 +74,23 @@ void sp_http_json(h2o_req_t *req, int status, json_t *obj)
         sp_buf_free(&out);
 }
 
+void sp_http_json_text(h2o_req_t *req, int status, sp_buf_t *body)
+{
+    req->res.status = status;
+    req->res.reason = status < 300 ? "OK" : "Error";
+    h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
+                   H2O_STRLIT("application/json"));
+    sp_buf_add(body, "\n", 1);
+    if (body->oom) {
+        req->res.status = 500;
+        static const char fallback[] =
+            "{\"error\":{\"code\":\"internal\",\"message\":\"cannot encode response\"}}";
+        h2o_send_inline(req, fallback, sizeof(fallback) - 1);
+    } else {
+        h2o_send_inline(req, (const char *)body->p, body->len); /* copied into the request's pool */
+    }
+}
+
 void sp_http_error(h2o_req_t *req, const sp_err_t *err)
 {
     json_t *o = json_pack("{s:{s:s,s:s}}", "error", "code", sp_err_name(err->code), "message",

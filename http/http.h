@@ -15,6 +15,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 
+#include "base/buf.h"
 #include "base/err.h"
 
 typedef struct sp_http_hold sp_http_hold_t;
@@ -29,6 +30,9 @@ h2o_req_t *sp_http_release(sp_http_hold_t *h);
 
 /* Sends obj (stolen) as JSON with status. */
 void sp_http_json(h2o_req_t *req, int status, json_t *obj);
+/* Sends the JSON text in body (written by the caller, e.g. with sp_json_write_str) with status,
+ * as sp_http_json sends its own: a newline is appended to body, which stays the caller's. */
+void sp_http_json_text(h2o_req_t *req, int status, sp_buf_t *body);
 /* Sends {"error":{"code":..,"message":..}} (native shape). */
 void sp_http_error(h2o_req_t *req, const sp_err_t *err);
 void sp_http_error_code(h2o_req_t *req, sp_code_t code, const char *msg);

@@ -185,6 +185,11 @@ static int write_value(sp_buf_t *b, const json_t *v, int depth)
     return -1;
 }
 
+int sp_json_write_str(sp_buf_t *b, const char *s)
+{
+    return write_string(b, s, strlen(s)) < 0 || b->oom ? -1 : 0;
+}
+
 int sp_json_write(sp_buf_t *b, const json_t *v)
 {
     if (v == NULL)

@@ -18,4 +18,9 @@
 #define SP_JSON_MAX_DEPTH 2048
 int sp_json_write(sp_buf_t *b, const json_t *v);
 
+/* Appends s as a JSON string (quoted, escaped), the bytes sp_json_write gives json_string(s).
+ * -1 when s is not UTF-8 (what was appended is then garbage). For renderers that write a
+ * record's fields straight, without building jansson values first. */
+int sp_json_write_str(sp_buf_t *b, const char *s);
+
 #endif

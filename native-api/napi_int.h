@@ -54,6 +54,14 @@ void sp_napi__reply(napi_ctx_t *c, int status, json_t *obj /* stolen */);
 void sp_napi__fail(napi_ctx_t *c, const sp_err_t *err);
 
 json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s);
+/* Appends the bytes sp_json_write gives sp_napi__sandbox_json(s), written straight from the
+ * record: building the jansson object, writing it and freeing it was most of what a read of
+ * sandboxes cost spaced. -1 when it cannot (a field that is not UTF-8, which jansson drops
+ * from the object): the caller renders through sp_napi__sandbox_json then. */
+int sp_napi__sandbox_write(sp_buf_t *b, const sp_sandbox_rec_t *s);
+/* Finishes a request like sp_napi__reply, with JSON text already written (body stays the
+ * caller's). */
+void sp_napi__reply_text(napi_ctx_t *c, int status, sp_buf_t *body);
 json_t *sp_napi__op_json(const sp_op_rec_t *o);
 json_t *sp_napi__template_json(const sp_template_rec_t *t);
 /* A page of a list: {key: items (stolen), "next_cursor": next or null}, 200. */

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "native-api/napi_int.h"
+#include "http/json.h"
 
 /* ---- templates ---- */
 
@@ -162,10 +163,17 @@ static void on_got(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
                    const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
+    /* One buffer for every answer: the loop is one thread, and the reply copies it. */
+    static sp_buf_t out = SP_BUF_INIT;
+    sp_buf_reset(&out);
     if (err != NULL)
         sp_napi__fail(c, err);
+    else if (sp_napi__sandbox_write(&out, sb) == 0)
+        sp_napi__reply_text(c, 200, &out);
     else
         sp_napi__reply(c, 200, sp_napi__sandbox_json(sb));
+    if (out.cap > (1u << 20))
+        sp_buf_free(&out);
 }
 
 void sp_napi__sandboxes_get(napi_ctx_t *c)
@@ -184,11 +192,34 @@ static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const cha
                     const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL)
+    if (err != NULL) {
         sp_napi__fail(c, err);
+        return;
+    }
+    /* Written straight (sp_napi__sandbox_write), the bytes the jansson page below would give;
+     * that page only when a record cannot be. */
+    static sp_buf_t out = SP_BUF_INIT;
+    sp_buf_reset(&out);
+    sp_buf_str(&out, "{\"sandboxes\":[");
+    bool ok = true;
+    for (size_t i = 0; ok && i < n; i++) {
+        if (i > 0)
+            sp_buf_add(&out, ",", 1);
+        ok = sp_napi__sandbox_write(&out, &recs[i]) == 0;
+    }
+    sp_buf_str(&out, "],\"next_cursor\":");
+    if (ok && next != NULL)
+        ok = sp_json_write_str(&out, next) == 0;
+    else
+        sp_buf_add(&out, "null", 4);
+    sp_buf_add(&out, "}", 1);
+    if (ok && !out.oom)
+        sp_napi__reply_text(c, 200, &out);
     else
         sp_napi__reply_page(c, "sandboxes", sp_napi__items(recs, n, sizeof(*recs), sandbox_item),
                             next);
+    if (out.cap > (1u << 20))
+        sp_buf_free(&out);
 }
 
 void sp_napi__sandboxes_list(napi_ctx_t *c)

@@ -20,19 +20,23 @@
 
 #define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
 
+/* Timestamps of the hot reads: selected in UTC as plain text and put in the API's form by
+ * sp_store_time (store.h), not by to_char, which cost PostgreSQL more than the row itself. */
+#define UTC(x) "(" x ") AT TIME ZONE 'UTC'"
+
 #define SANDBOX_COLS                                                                               \
-    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " TS("s.created_at") ", "    \
-    TS("s.last_activity_at") ", coalesce(" TS("s.deadline_at") ", ''), s.deadline_action, "       \
+    "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " UTC("s.created_at") ", "   \
+    UTC("s.last_activity_at") ", " UTC("s.deadline_at") ", s.deadline_action, "                    \
     "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
     "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
     "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
-    "coalesce(s.envd_version, ''), " TS("coalesce(s.deadline_at, s.created_at + make_interval("   \
+    "coalesce(s.envd_version, ''), " UTC("coalesce(s.deadline_at, s.created_at + make_interval("  \
     "secs => coalesce(s.deadline_s, 315360000)))")
 #define SANDBOX_NCOLS 22
 
 #define OP_COLS                                                                                    \
     "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
-    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at") ", ''), " \
+    "coalesce(o.error_message, ''), " UTC("o.created_at") ", " UTC("o.finished_at") ", "          \
     "CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
 #define OP_NCOLS 9
 
@@ -50,7 +54,10 @@ struct waiter {
 };
 
 /* Authenticated keys, so a request costs one query instead of two. Entries live
- * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all. */
+ * AUTH_TTL_MS; NOTIFY space_keys (sent by revoke) and a listener reconnect clear all, and
+ * bump auth_gen: an answer to a lookup sent before the clear (it may have read the key before
+ * the revoke committed) is used for its own request but not cached. So a revoked key stops
+ * working as soon as the NOTIFY arrives; AUTH_TTL_MS bounds it should one be missed. */
 #define AUTH_SLOTS  1024
 #define AUTH_TTL_MS 60000
 
@@ -66,6 +73,7 @@ struct sp_svc {
     unsigned char hashkey[SP_HASHKEY_LEN];
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
+    int auth_gen; /* bumped by each clear */
     sp_driver_t *driver; /* borrowed; NULL: no data plane */
     sp_sampler_t *sampler; /* with the driver: each sandbox's figures over time */
     struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
@@ -90,9 +98,9 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     SP_STORE_TEXT(r, row, col + 2, s->template_name);
     SP_STORE_TEXT(r, row, col + 3, s->desired);
     SP_STORE_TEXT(r, row, col + 4, s->observed);
-    SP_STORE_TEXT(r, row, col + 5, s->created_at);
-    SP_STORE_TEXT(r, row, col + 6, s->last_activity_at);
-    SP_STORE_TEXT(r, row, col + 7, s->deadline_at);
+    SP_STORE_TIME(r, row, col + 5, s->created_at);
+    SP_STORE_TIME(r, row, col + 6, s->last_activity_at);
+    SP_STORE_TIME(r, row, col + 7, s->deadline_at);
     SP_STORE_TEXT(r, row, col + 8, s->deadline_action);
     s->idle_timeout_s = atoi(PQgetvalue(r, row, col + 9));
     s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
@@ -109,7 +117,7 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     const char *net = PQgetvalue(r, row, col + 19);
     s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
     SP_STORE_TEXT(r, row, col + 20, s->envd_version);
-    SP_STORE_TEXT(r, row, col + 21, s->end_at);
+    SP_STORE_TIME(r, row, col + 21, s->end_at);
 }
 
 static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
@@ -121,8 +129,8 @@ static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
     SP_STORE_TEXT(r, row, col + 3, o->status);
     SP_STORE_TEXT(r, row, col + 4, o->error_code);
     SP_STORE_TEXT(r, row, col + 5, o->error_message);
-    SP_STORE_TEXT(r, row, col + 6, o->created_at);
-    SP_STORE_TEXT(r, row, col + 7, o->finished_at);
+    SP_STORE_TIME(r, row, col + 6, o->created_at);
+    SP_STORE_TIME(r, row, col + 7, o->finished_at);
     SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
 }
 
@@ -144,6 +152,7 @@ static void auth_cache_clear(void *arg, const char *channel, const char *payload
 {
     sp_svc_t *svc = arg;
     memset(svc->auth_cache, 0, sizeof(svc->auth_cache));
+    svc->auth_gen = (svc->auth_gen + 1) & 0x3fffffff;
 }
 
 struct auth_hit {
@@ -172,10 +181,13 @@ static void auth_done(void *rec, PGresult *res, const sp_err_t *err)
     sp_auth_t a;
     SP_STORE_TEXT(res, 0, 0, a.team_id);
     SP_STORE_TEXT(res, 0, 1, a.key_id);
-    struct auth_entry *slot = auth_slot(c->owner, PQgetvalue(res, 0, 2));
-    SP_STORE_TEXT(res, 0, 2, slot->hash);
-    slot->auth = a;
-    slot->expires_ms = sp_loop_now_ms(((sp_svc_t *)c->owner)->loop) + AUTH_TTL_MS;
+    sp_svc_t *svc = c->owner;
+    if (c->flag == svc->auth_gen) {
+        struct auth_entry *slot = auth_slot(svc, PQgetvalue(res, 0, 2));
+        SP_STORE_TEXT(res, 0, 2, slot->hash);
+        slot->auth = a;
+        slot->expires_ms = sp_loop_now_ms(svc->loop) + AUTH_TTL_MS;
+    }
     cb(c->arg, &a, NULL);
 }
 
@@ -203,7 +215,7 @@ int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void 
     const char *p[] = {hash};
     return submit(svc,
                   "SELECT team_id, id, hash FROM api_keys WHERE hash = $1 AND revoked_at IS NULL",
-                  1, p, auth_done, (void *)cb, arg, 0, err);
+                  1, p, auth_done, (void *)cb, arg, svc->auth_gen, err);
 }
 
 /* ---- templates ---- */
@@ -628,9 +640,9 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     for (int i = 0; i < n; i++)
         parse_sandbox(res, i, 0, &recs[i]);
     char cursor[128] = "";
-    if (more && n > 0)
-        snprintf(cursor, sizeof(cursor), "%s_%s", PQgetvalue(res, n - 1, SANDBOX_NCOLS),
-                 recs[n - 1].id);
+    long long us;
+    if (more && n > 0 && sp_store_time_us(res, n - 1, 5, &us) == 0)
+        snprintf(cursor, sizeof(cursor), "%lld_%s", us, recs[n - 1].id);
     cb(c->arg, recs, (size_t)n, more ? cursor : NULL, NULL);
     for (int i = 0; i < n; i++) {
         json_decref(recs[i].metadata);
@@ -684,8 +696,7 @@ int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t
     snprintf(lim, sizeof(lim), "%d", req->limit + 1);
     const char *p[] = {a->team_id, states, md, micros[0] ? micros : NULL, cid, lim};
     int rc = submit(svc,
-                    "SELECT " SANDBOX_COLS ", (extract(epoch FROM s.created_at) * 1000000)::bigint"
-                    " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
+                    "SELECT " SANDBOX_COLS " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
                     " AND ($3::jsonb IS NULL OR s.metadata @> $3::jsonb)"
                     " AND ($4::bigint IS NULL OR"
                     "  ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id) < ($4::bigint, $5))"

@@ -76,6 +76,11 @@ struct sub {
 struct sp_store {
     sp_loop_t *loop;
     char *conninfo;
+    /* conninfo parsed, with DateStyle ISO added to its options: what PQconnectStartParams
+     * takes. NULL-terminated; the strings are PQconninfoParse's (freed with opts). */
+    PQconninfoOption *opts;
+    const char **keys, **vals;
+    char *options; /* the merged "options" value */
     struct conn *conns;
     int nconns; /* pool; the listener is conns[nconns] */
     struct query *head, *tail;
@@ -289,7 +294,8 @@ static void on_notice(void *arg, const char *msg)
 
 static void conn_start(struct conn *c)
 {
-    c->pg = PQconnectStart(c->s->conninfo);
+    sp_store_t *s = c->s;
+    c->pg = s->keys ? PQconnectStartParams(s->keys, s->vals, 0) : PQconnectStart(s->conninfo);
     if (c->pg != NULL)
         PQsetNoticeProcessor(c->pg, on_notice, NULL);
     if (c->pg == NULL || PQstatus(c->pg) == CONNECTION_BAD) {
@@ -513,6 +519,53 @@ static void on_kick(sp_timer_t *t, void *arg)
 
 /* ---- public ---- */
 
+/* Every connection runs with DateStyle ISO, the form sp_store_time reads: appended to the
+ * options the conninfo gives (a later -c wins in PostgreSQL), so nothing else of the caller's
+ * is lost. A conninfo that does not parse is kept as it is (s->keys NULL): its connections
+ * fail in the background like any unreachable server's. -1 only when out of memory. */
+static int parse_conninfo(sp_store_t *s)
+{
+    char *msg = NULL;
+    s->opts = PQconninfoParse(s->conninfo, &msg);
+    PQfreemem(msg);
+    if (s->opts == NULL)
+        return 0;
+    size_t n = 0;
+    while (s->opts[n].keyword != NULL)
+        n++;
+    s->keys = calloc(n + 2, sizeof(*s->keys));
+    s->vals = calloc(n + 2, sizeof(*s->vals));
+    if (s->keys == NULL || s->vals == NULL)
+        return -1;
+    const char *given = "";
+    size_t k = 0;
+    for (PQconninfoOption *o = s->opts; o->keyword != NULL; o++) {
+        if (o->val == NULL)
+            continue;
+        if (strcmp(o->keyword, "options") == 0) {
+            given = o->val;
+            continue;
+        }
+        s->keys[k] = o->keyword;
+        s->vals[k++] = o->val;
+    }
+    size_t cap = strlen(given) + 32;
+    if ((s->options = malloc(cap)) == NULL)
+        return -1;
+    snprintf(s->options, cap, "%s%s-c DateStyle=ISO", given, given[0] ? " " : "");
+    s->keys[k] = "options";
+    s->vals[k] = s->options;
+    return 0;
+}
+
+static void free_conninfo(sp_store_t *s)
+{
+    PQconninfoFree(s->opts);
+    free(s->keys);
+    free(s->vals);
+    free(s->options);
+}
+
 sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size, sp_err_t *err)
 {
     if (pool_size < 1)
@@ -525,11 +578,12 @@ sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size
     s->nconns = pool_size;
     s->conns = calloc((size_t)pool_size + 1, sizeof(*s->conns));
     if (s->conninfo == NULL || s->conns == NULL) {
-        free(s->conninfo);
-        free(s->conns);
-        free(s);
         sp_err_set(err, SP_EINTERNAL, "out of memory");
-        return NULL;
+        goto fail;
+    }
+    if (parse_conninfo(s) < 0) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        goto fail;
     }
     for (int i = 0; i <= pool_size; i++) {
         struct conn *c = &s->conns[i];
@@ -546,6 +600,12 @@ sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size
     sp_metrics_declare(&m_wait);
     sp_metrics_declare(&m_errors);
     return s;
+fail:
+    free_conninfo(s);
+    free(s->conninfo);
+    free(s->conns);
+    free(s);
+    return NULL;
 }
 
 void sp_store_destroy(sp_store_t *s)
@@ -564,6 +624,7 @@ void sp_store_destroy(sp_store_t *s)
         free(s->subs[i].channel);
     free(s->subs);
     free(s->conns);
+    free_conninfo(s);
     free(s->conninfo);
     free(s);
 }
@@ -644,6 +705,103 @@ void sp_store_text(const PGresult *res, int row, int col, char *dst, size_t cap)
     size_t n = src ? strnlen(src, cap - 1) : 0;
     memcpy(dst, src ? src : "", n);
     dst[n] = '\0';
+}
+
+/* Reads ISO "Y-MM-DD HH:MM:SS[.f]" (Y four digits or more, f one to six): the offsets of its
+ * parts, or false when v is not of that form. */
+struct iso_time {
+    size_t ylen;      /* digits of the year */
+    const char *time; /* "HH:MM:SS" */
+    const char *frac; /* the digits after '.', or "" */
+    size_t flen;
+};
+
+static bool digits(const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] < '0' || p[i] > '9')
+            return false;
+    return true;
+}
+
+static bool iso_parse(const char *v, struct iso_time *t)
+{
+    size_t y = 0;
+    while (v[y] >= '0' && v[y] <= '9')
+        y++;
+    const char *d = v + y; /* "-MM-DD HH:MM:SS" */
+    if (y < 4 || y > 9 || strnlen(d, 15) < 15 || d[0] != '-' || !digits(d + 1, 2) ||
+        d[3] != '-' || !digits(d + 4, 2) || d[6] != ' ' || !digits(d + 7, 2) || d[9] != ':' ||
+        !digits(d + 10, 2) || d[12] != ':' || !digits(d + 13, 2))
+        return false;
+    const char *f = d + 15;
+    size_t fl = 0;
+    if (*f == '.') {
+        f++;
+        while (f[fl] >= '0' && f[fl] <= '9')
+            fl++;
+        if (fl < 1 || fl > 6)
+            return false;
+    }
+    if (f[fl] != '\0')
+        return false;
+    *t = (struct iso_time){(size_t)y, d + 7, f, fl};
+    return true;
+}
+
+void sp_store_time(const PGresult *res, int row, int col, char *dst, size_t cap)
+{
+    const char *v = PQgetvalue(res, row, col);
+    struct iso_time t;
+    char out[40];
+    if (v == NULL || !iso_parse(v, &t)) {
+        dst[0] = '\0';
+        return;
+    }
+    size_t n = t.ylen + 6;
+    memcpy(out, v, n); /* Y-MM-DD */
+    out[n++] = 'T';
+    memcpy(out + n, t.time, 8);
+    n += 8;
+    out[n++] = '.';
+    for (size_t i = 0; i < 3; i++)
+        out[n++] = i < t.flen ? t.frac[i] : '0';
+    out[n++] = 'Z';
+    out[n] = '\0';
+    n = n < cap - 1 ? n : cap - 1;
+    memcpy(dst, out, n);
+    dst[n] = '\0';
+}
+
+static long long num(const char *p, size_t n)
+{
+    long long v = 0;
+    for (size_t i = 0; i < n; i++)
+        v = v * 10 + (p[i] - '0');
+    return v;
+}
+
+int sp_store_time_us(const PGresult *res, int row, int col, long long *us)
+{
+    const char *v = PQgetvalue(res, row, col);
+    struct iso_time t;
+    if (v == NULL || PQgetisnull(res, row, col) || !iso_parse(v, &t))
+        return -1;
+    long long y = num(v, t.ylen), m = num(v + t.ylen + 1, 2), d = num(v + t.ylen + 4, 2);
+    /* Days from 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil). */
+    y -= m <= 2;
+    long long era = (y >= 0 ? y : y - 399) / 400;
+    long long yoe = y - era * 400;
+    long long doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    long long doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    long long days = era * 146097 + doe - 719468;
+    long long secs = days * 86400 + num(t.time, 2) * 3600 + num(t.time + 3, 2) * 60 +
+                     num(t.time + 6, 2);
+    long long frac = num(t.frac, t.flen);
+    for (size_t i = t.flen; i < 6; i++)
+        frac *= 10;
+    *us = secs * 1000000 + frac;
+    return 0;
 }
 
 /* sp_store_call's record: the callback, then the caller's bytes (aligned as malloc aligns). */

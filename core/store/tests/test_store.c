@@ -194,6 +194,105 @@ static void test_store_prepared(sp_store_t *s)
     }
 }
 
+/* What a callback keeps of a whole result: the rows of its first columns. */
+struct rows {
+    int done;
+    sp_code_t code;
+    int n;
+    char v[16][4][48];
+    char time[16][48];
+    long long us[16];
+    int us_rc[16];
+};
+
+static void on_rows(void *arg, PGresult *res, const sp_err_t *err)
+{
+    struct rows *r = arg;
+    r->done++;
+    r->code = err ? err->code : SP_OK;
+    if (err != NULL)
+        return;
+    r->n = PQntuples(res) < 16 ? PQntuples(res) : 16;
+    for (int i = 0; i < r->n; i++) {
+        for (int j = 0; j < PQnfields(res) && j < 4; j++)
+            SP_STORE_TEXT(res, i, j, r->v[i][j]);
+        SP_STORE_TIME(res, i, 0, r->time[i]);
+        r->us_rc[i] = sp_store_time_us(res, i, 0, &r->us[i]);
+    }
+}
+
+/* sp_store_time and sp_store_time_us give what to_char(... 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') and
+ * extract(epoch) * 1000000 give, on the pool's connections (DateStyle ISO; test_store_conninfo
+ * shows it wins over the conninfo's own), for the edges of their forms. */
+static void test_store_time(sp_store_t *s)
+{
+    struct rows r = {0};
+    sp_err_t e;
+    const char *sql =
+        "SELECT t AT TIME ZONE 'UTC',"
+        " to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"
+        " CASE WHEN isfinite(t) THEN (extract(epoch FROM t) * 1000000)::bigint::text END,"
+        " current_setting('DateStyle')"
+        " FROM unnest(ARRAY['2026-12-02 00:25:19.123456+00', '2026-12-02 00:25:19+00',"
+        " '2026-12-02 00:25:19.1+00', '2026-12-02 00:25:19.999999+00',"
+        " '2024-02-29 23:59:59.000999+00', '1969-12-31 23:59:59.999999+00',"
+        " '1970-01-01 00:00:00+00', '0999-03-01 12:00:00.5+00', '12345-06-07 08:09:10.011+00',"
+        " '2026-12-02 05:25:19.5+05:00', 'infinity', NULL]::timestamptz[]) t";
+    CHECK(sp_store_query(s, sql, 0, NULL, on_rows, &r, &e) == 0);
+    run_until(&r.done, 1, 5000);
+    REQUIRE(r.code == SP_OK && r.n == 12);
+    CHECK(strncmp(r.v[0][3], "ISO", 3) == 0);
+    for (int i = 0; i < r.n; i++) {
+        if (strcmp(r.time[i], r.v[i][1]) != 0)
+            fprintf(stderr, "time %s: %s, to_char %s\n", r.v[i][0], r.time[i], r.v[i][1]);
+        CHECK(strcmp(r.time[i], r.v[i][1]) == 0);
+        if (r.v[i][2][0] == '\0' || strcmp(r.v[i][0], "infinity") == 0) {
+            CHECK(r.us_rc[i] == -1); /* NULL, infinity */
+            continue;
+        }
+        CHECK(r.us_rc[i] == 0 && r.us[i] == atoll(r.v[i][2]));
+    }
+    CHECK(strcmp(r.time[0], "2026-12-02T00:25:19.123Z") == 0);
+    CHECK(strcmp(r.time[11], "") == 0);
+    struct rows one = {0};
+    CHECK(sp_store_query(s, "SELECT '2026-12-02 00:25:19'::timestamp", 0, NULL, on_rows, &one,
+                         &e) == 0);
+    run_until(&one.done, 1, 5000);
+    CHECK(one.code == SP_OK && strcmp(one.time[0], "2026-12-02T00:25:19.000Z") == 0);
+}
+
+/* The conninfo's own options are kept beside the DateStyle the store adds; a conninfo that does
+ * not parse makes a store whose statements fail as unavailable, as before it was parsed. */
+static void test_store_conninfo(void)
+{
+    sp_err_t e;
+    char ci[1024];
+    snprintf(ci, sizeof(ci), "%s options='-c application_name=sp_opt_test -c DateStyle=SQL'",
+             dsn);
+    sp_store_t *s = sp_store_create(loop, ci, 1, &e);
+    REQUIRE(s != NULL);
+    struct rows r = {0};
+    CHECK(sp_store_query(s, "SELECT current_setting('application_name'),"
+                            " current_setting('DateStyle')",
+                         0, NULL, on_rows, &r, &e) == 0);
+    run_until(&r.done, 1, 5000);
+    CHECK(r.code == SP_OK && strcmp(r.v[0][0], "sp_opt_test") == 0 &&
+          strncmp(r.v[0][1], "ISO", 3) == 0);
+    sp_store_destroy(s);
+    sp_store_t *bad = sp_store_create(loop, "host='unterminated", 1, &e);
+    REQUIRE(bad != NULL);
+    for (int i = 0; i < 20; i++)
+        sp_loop_run_once(loop, 10);
+    struct result q = {0};
+    if (sp_store_query(bad, "SELECT 1", 0, NULL, on_res, &q, &e) == 0) {
+        run_until(&q.done, 1, 10000);
+        CHECK(q.code == SP_EUNAVAIL);
+    } else {
+        CHECK(e.code == SP_EUNAVAIL);
+    }
+    sp_store_destroy(bad);
+}
+
 struct note {
     int got, reconnects;
     char payload[64];
@@ -316,6 +415,8 @@ int main(void)
     CHECK(sp_store_listen(s, "sp_test", on_note, &n, &e) == 0);
     test_store_queries_and_errors(s);
     test_store_prepared(s);
+    test_store_time(s);
+    test_store_conninfo();
     test_store_notify(s, &n);
     test_store_outage_and_recovery(s, g_cluster, &n);
     sp_store_destroy(s);
