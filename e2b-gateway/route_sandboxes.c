@@ -371,8 +371,10 @@ static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
                        const sp_err_t *err)
 {
     ctl_t *c = arg;
-    if (err != NULL && err->code == SP_ENOTFOUND && !c->snap_tried && c->gw->snap != NULL) {
-        /* No such template: E2B's team namespace also holds snapshot aliases. */
+    if (err != NULL && err->code == SP_ENOTFOUND && !c->snap_tried && c->gw->snap != NULL &&
+        strncmp(err->msg, "tag '", 5) != 0) {
+        /* No such template: E2B's team namespace also holds snapshot aliases (a template's
+         * missing tag is the template's answer). */
         const char *t = json_string_value(json_object_get(c->body, "templateID"));
         char name[SP_SNAP_NAME_MAX + 1];
         sp_err_t e;
@@ -424,8 +426,14 @@ static void route_create(ctl_t *c)
                   ? sp_e2b__snapshot_ref(c->auth.team_id, json_string_value(t), sid, sname,
                                          sizeof sid)
                   : 0;
+    const char *slash = strchr(json_string_value(t), '/');
     if (ref < 0) {
         sp_e2b__ctl_fail(c, 404, "template not found");
+    } else if (ref > 0 && sid[0] == '\0' && slash != NULL) {
+        /* "<team>/<alias>[:tag]": the team's template of that name and tag first (tmpl.h),
+         * then its snapshot of that name (on_created) */
+        json_object_set_new(c->body, "templateID", json_string(slash + 1));
+        create_from(c, NULL);
     } else if (ref > 0 && sid[0] == '\0') {
         if (sp_snap_get(c->gw->snap, &c->auth, NULL, sname, on_snap_named, c, &e) < 0)
             on_snap_named(c, NULL, NULL, &e);
@@ -1043,7 +1051,9 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
     if (n >= 1 && (strcmp(segs[0], "templates") == 0 ||
                    (n >= 2 && (strcmp(segs[0], "v2") == 0 || strcmp(segs[0], "v3") == 0) &&
                     strcmp(segs[1], "templates") == 0)))
-        r = method == CTL_POST ? &tpl_body : &tpl_get;
+        r = method == CTL_POST || (method == CTL_DELETE && n == 2 && strcmp(segs[1], "tags") == 0)
+                ? &tpl_body /* DELETE /templates/tags: {"name", "tags"} */
+                : &tpl_get;
     if (r == NULL) {
         if (known)
             sp_e2b__error(req, 405, "method not allowed on this path");

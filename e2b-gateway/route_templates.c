@@ -7,14 +7,17 @@
  *   POST /v2/templates/{id}/builds/{build} {steps...}    -> start it (202, {})
  *   GET  /templates/{id}/builds/{build}/status?logsOffset -> status and log entries
  *   GET  /templates/aliases/{name}, DELETE /templates/{id}, GET /templates
+ *   POST /templates/tags {target, tags} -> 201 {tags, buildID}; DELETE /templates/tags {name,
+ *   tags} -> 204; GET /templates/{id}/tags -> 200 [{tag, buildID, createdAt}]
  *
  * A template's E2B id is its name. The steps are translated to tmpl's: E2B runs them as `user`
  * in /home/user unless told otherwise (its builder adds that user step first), RUN through
  * `bash -l -c`, USER creating the user when missing, a relative WORKDIR joined to the current
  * one; COPY's files come through an upload link (tmplfiles.h: a token in the URL, since JS
  * sends no credentials with it). What tmpl cannot do yet is refused with a 400 that says so,
- * before anything runs: container images other than E2B's base (mapped to our `base`), tags
- * other than `default`, namespaces.
+ * before anything runs: AWS and GCP registries. Names are E2B's "[namespace/]alias[:tag]":
+ * the namespace, when given, must be the team's id; the tag is tmpl's (tmpl.h: versions and
+ * tags).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,19 +27,36 @@
 
 #define LOG_ENTRIES 100 /* per status answer while the build runs (E2B's cap) */
 
-/* "alias[:tag]" -> alias in out (lower-cased); false with why for a namespace or a tag that is
- * not "default". */
-static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
+/* "[team/]alias[:tag]" -> alias in out (lower-cased), the tag (or "") in tag when not NULL;
+ * false with why for another namespace or a bad tag. */
+static bool e2b_name_tag(const char *team, const char *in, char out[65], char tag[65], char *why,
+                         size_t cap)
 {
-    if (strchr(in, '/') != NULL) {
-        snprintf(why, cap, "template namespaces are not supported by this server ('%.64s')", in);
-        return false;
+    const char *slash = strchr(in, '/');
+    if (slash != NULL) {
+        if ((size_t)(slash - in) != strlen(team) || strncasecmp(in, team, strlen(team)) != 0) {
+            snprintf(why, cap, "namespace of '%.64s' is not this team's", in);
+            return false;
+        }
+        in = slash + 1;
     }
     const char *colon = strchr(in, ':');
     size_t n = colon ? (size_t)(colon - in) : strlen(in);
-    if (colon != NULL && strcmp(colon + 1, "default") != 0) {
-        snprintf(why, cap, "template tags other than 'default' are not supported by this server");
-        return false;
+    if (tag != NULL)
+        tag[0] = '\0';
+    if (colon != NULL) {
+        char lower[SP_TMPL_TAG_MAX + 2];
+        size_t k = 0;
+        for (const char *p = colon + 1; *p && k < sizeof lower - 1; p++)
+            lower[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
+        lower[k] = '\0';
+        if (!sp_tmpl_valid_tag(lower) || strlen(colon + 1) > SP_TMPL_TAG_MAX) {
+            snprintf(why, cap, "bad tag '%.64s': [a-z0-9._-], at most %d, not a UUID", colon + 1,
+                     SP_TMPL_TAG_MAX);
+            return false;
+        }
+        if (tag != NULL)
+            snprintf(tag, 65, "%.64s", lower);
     }
     if (n == 0 || n > 63) {
         snprintf(why, cap, "bad template name '%.64s'", in);
@@ -46,6 +66,30 @@ static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
         out[i] = (char)((in[i] >= 'A' && in[i] <= 'Z') ? in[i] + 32 : in[i]);
     out[n] = '\0';
     return true;
+}
+
+static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
+{
+    /* the namespace is checked where the team is known (e2b_name_tag) */
+    const char *slash = strchr(in, '/');
+    char team[65];
+    snprintf(team, sizeof team, "%.*s", slash ? (int)(slash - in) : 0, in);
+    return e2b_name_tag(team, in, out, NULL, why, cap);
+}
+
+/* A build id as a UUID: ours are (older ones, 20 characters, get their letters' bytes). */
+static void uuid_of(const char *id, char out[37])
+{
+    if (strlen(id) == 36) {
+        snprintf(out, 37, "%s", id);
+        return;
+    }
+    unsigned char b[16] = {0};
+    for (size_t i = 0; i < 16 && id[i]; i++)
+        b[i] = (unsigned char)id[i];
+    snprintf(out, 37, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+             b[13], b[14], b[15]);
 }
 
 static sp_tmpl_t *tmpl_of(ctl_t *c)
@@ -60,13 +104,16 @@ static sp_tmpl_t *tmpl_of(ctl_t *c)
 static void on_reserved(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
 {
     ctl_t *c = arg;
+    json_t *tags = c->tpl; /* ours until here */
+    c->tpl = NULL;
     if (err != NULL) {
+        json_decref(tags);
         sp_e2b__ctl_fail_err(c, err);
         return;
     }
-    json_t *o = json_pack("{s:s,s:s,s:b,s:[s],s:[s],s:[s]}", "templateID", b->template_name,
+    json_t *o = json_pack("{s:s,s:s,s:b,s:[s],s:[s],s:o}", "templateID", b->template_name,
                           "buildID", b->id, "public", 0, "aliases", b->template_name, "names",
-                          b->template_name, "tags", "default");
+                          b->template_name, "tags", tags);
     sp_e2b__ctl_reply(c, 202, o);
 }
 
@@ -75,30 +122,54 @@ static void request_build(ctl_t *c)
     json_t *name = json_object_get(c->body, "name");
     if (name == NULL)
         name = json_object_get(c->body, "alias");
-    char alias[65], why[160];
-    if (!json_is_string(name) || !e2b_name(json_string_value(name), alias, why, sizeof why)) {
+    char alias[65], tag[65], why[160], target[140];
+    if (!json_is_string(name) ||
+        !e2b_name_tag(c->auth.team_id, json_string_value(name), alias, tag, why, sizeof why)) {
         sp_e2b__ctl_fail(c, 400, json_is_string(name) ? why : "name is required");
         return;
     }
-    json_t *tags = json_object_get(c->body, "tags");
+    /* E2B: the name's tag, then tags; none: "default" */
+    json_t *tags = NULL, *given = json_object_get(c->body, "tags");
+    json_t *lower = json_array();
     size_t i;
     json_t *tg;
-    json_array_foreach(tags, i, tg) if (!json_is_string(tg) ||
-                                        strcmp(json_string_value(tg), "default") != 0)
+    json_array_foreach(given, i, tg)
     {
-        sp_e2b__ctl_fail(c, 400, "template tags other than 'default' are not supported");
+        char l[80];
+        size_t k = 0;
+        for (const char *p = json_string_value(tg); p && *p && k < sizeof l - 1; p++)
+            l[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
+        l[k] = '\0';
+        json_array_append_new(lower, json_is_string(tg) ? json_string(l) : json_null());
+    }
+    snprintf(target, sizeof target, "%s%s%s", alias, tag[0] ? ":" : "", tag);
+    sp_err_t te;
+    int prc = sp_tmpl_parse_target(target, given != NULL && !json_is_null(given) ? lower : NULL,
+                                   alias, &tags, &te);
+    json_decref(lower);
+    if (prc < 0) {
+        sp_e2b__ctl_fail(c, 400, te.msg);
         return;
     }
     json_t *cpu = json_object_get(c->body, "cpuCount"), *mem = json_object_get(c->body, "memoryMB");
     if ((cpu != NULL && !json_is_integer(cpu)) || (mem != NULL && !json_is_integer(mem))) {
+        json_decref(tags);
         sp_e2b__ctl_fail(c, 400, "cpuCount and memoryMB must be integers");
         return;
     }
     sp_err_t e;
     sp_tmpl_t *t = tmpl_of(c);
-    if (t != NULL && sp_tmpl_reserve(t, &c->auth, alias, (int)json_integer_value(cpu),
-                                     (int)json_integer_value(mem), on_reserved, c, &e) < 0)
+    if (t == NULL) {
+        json_decref(tags);
+        return;
+    }
+    c->tpl = tags; /* freed by on_reserved */
+    if (sp_tmpl_reserve(t, &c->auth, alias, tags, (int)json_integer_value(cpu),
+                        (int)json_integer_value(mem), on_reserved, c, &e) < 0) {
+        c->tpl = NULL;
+        json_decref(tags);
         sp_e2b__ctl_fail_err(c, &e);
+    }
 }
 
 /* ---- POST /v2/templates/{id}/builds/{build} ---- */
@@ -202,8 +273,14 @@ static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err
     json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
     json_t *from = NULL; /* an image */
     if (json_is_string(ft)) {
-        if (!e2b_name(json_string_value(ft), parent, why, sizeof why)) {
+        char ptag[65];
+        if (!e2b_name_tag(c->auth.team_id, json_string_value(ft), parent, ptag, why, sizeof why)) {
             sp_e2b__ctl_fail(c, 400, why);
+            return;
+        }
+        if (ptag[0] != '\0' && strcmp(ptag, "default") != 0) {
+            sp_e2b__ctl_fail(c, 400, "fromTemplate: building from a tag other than 'default' "
+                                     "is not supported by this server");
             return;
         }
     } else if (fi == NULL || json_is_null(fi) ||
@@ -488,20 +565,217 @@ void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash)
     }
 }
 
-/* ---- aliases, delete, list ---- */
+/* ---- aliases, tags, delete, list ---- */
+
+struct alias {
+    char tag[65];
+    bool builtin;
+};
+
+static void on_alias_tags(void *arg, const json_t *doc, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    struct alias *al = c->tpl;
+    c->tpl = NULL;
+    bool found = false;
+    size_t i;
+    json_t *v;
+    json_array_foreach(json_object_get(doc, "tags"), i, v) found =
+        found || strcmp(json_string_value(json_object_get(v, "tag")), al->tag) == 0;
+    char msg[200];
+    if (err != NULL && err->code != SP_ENOTFOUND) {
+        sp_e2b__ctl_fail_err(c, err);
+    } else if (err != NULL || !found) {
+        snprintf(msg, sizeof msg, "tag '%s' does not exist for template '%s'", al->tag,
+                 json_string_value(json_object_get(doc, "name")) ?: "");
+        sp_e2b__ctl_fail(c, 404, msg);
+    } else {
+        sp_e2b__ctl_reply(c, 200, json_pack("{s:s,s:b}", "templateID",
+                                            json_string_value(json_object_get(doc, "name")),
+                                            "public", 0));
+    }
+    free(al);
+}
 
 static void on_alias(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
 {
     ctl_t *c = arg;
+    struct alias *al = c->tpl;
     if (err != NULL || n == 0) {
+        free(al);
+        c->tpl = NULL;
         if (err != NULL && err->code != SP_ENOTFOUND)
             sp_e2b__ctl_fail_err(c, err);
         else
             sp_e2b__ctl_fail(c, 404, "template not found");
         return;
     }
+    /* "name:tag" exists when the tag does (a built-in template has "default" only) */
+    if (al != NULL && al->tag[0] != '\0' && !(recs[0].builtin && strcmp(al->tag, "default") == 0)) {
+        sp_err_t e;
+        if (recs[0].builtin) {
+            c->tpl = NULL;
+            char msg[200];
+            snprintf(msg, sizeof msg, "tag '%s' does not exist for template '%s'", al->tag,
+                     recs[0].name);
+            free(al);
+            sp_e2b__ctl_fail(c, 404, msg);
+        } else if (tmpl_of(c) == NULL) {
+            c->tpl = NULL;
+            free(al);
+        } else if (sp_tmpl_versions(c->gw->tmpl, &c->auth, recs[0].name, on_alias_tags, c, &e) <
+                   0) {
+            c->tpl = NULL;
+            free(al);
+            sp_e2b__ctl_fail_err(c, &e);
+        }
+        return;
+    }
+    free(al);
+    c->tpl = NULL;
     sp_e2b__ctl_reply(c, 200, json_pack("{s:s,s:b}", "templateID", recs[0].name, "public",
                                         recs[0].builtin));
+}
+
+/* GET /templates/aliases/{name}: name is "[ns/]alias[:tag]", raw (two segments) or encoded. */
+static void alias_exists(ctl_t *c, const char *name)
+{
+    char alias[65], why[160];
+    struct alias *al = calloc(1, sizeof(*al));
+    sp_err_t e;
+    if (al == NULL) {
+        sp_e2b__ctl_fail(c, 500, "out of memory");
+    } else if (!e2b_name_tag(c->auth.team_id, name, alias, al->tag, why, sizeof why)) {
+        free(al);
+        sp_e2b__ctl_fail(c, 404, "template not found");
+    } else {
+        c->tpl = al; /* freed by on_alias or on_alias_tags */
+        if (sp_svc_templates(c->gw->svc, &c->auth, alias, on_alias, c, &e) < 0) {
+            c->tpl = NULL;
+            free(al);
+            sp_e2b__ctl_fail_err(c, &e);
+        }
+    }
+}
+
+/* POST /templates/tags {"target": "name[:tag]", "tags": [...]}: the tags moved to the version
+ * target's tag (default "default") names. */
+static void on_assigned(void *arg, const sp_tmpl_tag_rec_t *r, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    json_t *tags = c->tpl;
+    c->tpl = NULL;
+    if (err != NULL) {
+        json_decref(tags);
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    char uuid[37];
+    uuid_of(r->build_id, uuid);
+    sp_e2b__ctl_reply(c, 201, json_pack("{s:o,s:s}", "tags", tags, "buildID", uuid));
+}
+
+static void assign_tags(ctl_t *c)
+{
+    const char *target = json_string_value(json_object_get(c->body, "target"));
+    json_t *given = json_object_get(c->body, "tags");
+    char alias[65], tag[65], why[160];
+    if (c->body == NULL || target == NULL || !json_is_array(given) ||
+        json_array_size(given) == 0) {
+        sp_e2b__ctl_fail(c, 400, "give target (\"name:tag\") and tags (a non-empty array)");
+        return;
+    }
+    if (!e2b_name_tag(c->auth.team_id, target, alias, tag, why, sizeof why)) {
+        sp_e2b__ctl_fail(c, 400, why);
+        return;
+    }
+    json_t *tags = json_array();
+    size_t i;
+    json_t *v;
+    json_array_foreach(given, i, v)
+    {
+        char l[80];
+        size_t k = 0;
+        for (const char *p = json_string_value(v); p && *p && k < sizeof l - 1; p++)
+            l[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
+        l[k] = '\0';
+        json_array_append_new(tags, json_is_string(v) ? json_string(l) : json_null());
+    }
+    sp_err_t e;
+    if (tmpl_of(c) == NULL) {
+        json_decref(tags);
+        return;
+    }
+    c->tpl = tags;
+    if (sp_tmpl_tags_set(c->gw->tmpl, &c->auth, alias, tags, NULL, tag[0] ? tag : "default",
+                         on_assigned, c, &e) < 0) {
+        c->tpl = NULL;
+        json_decref(tags);
+        sp_e2b__ctl_fail_err(c, &e);
+    }
+}
+
+static void on_untagged(void *arg, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_reply(c, 204, NULL);
+}
+
+/* DELETE /templates/tags {"name", "tags"}: a name with a tag, or "default", is a 400. */
+static void remove_tags(ctl_t *c)
+{
+    const char *name = json_string_value(json_object_get(c->body, "name"));
+    json_t *given = json_object_get(c->body, "tags");
+    char alias[65], tag[65], why[160];
+    if (c->body == NULL || name == NULL || !json_is_array(given) ||
+        json_array_size(given) == 0) {
+        sp_e2b__ctl_fail(c, 400, "give name and tags (a non-empty array)");
+        return;
+    }
+    if (!e2b_name_tag(c->auth.team_id, name, alias, tag, why, sizeof why) || tag[0] != '\0') {
+        sp_e2b__ctl_fail(c, 400, tag[0] != '\0' ? "name must not carry a tag" : why);
+        return;
+    }
+    sp_err_t e;
+    if (tmpl_of(c) != NULL &&
+        sp_tmpl_tags_delete(c->gw->tmpl, &c->auth, alias, given, on_untagged, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
+}
+
+/* GET /templates/{id}/tags: [{tag, buildID, createdAt}] */
+static void on_tags(void *arg, const json_t *doc, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        sp_e2b__ctl_fail_err(c, err);
+        return;
+    }
+    json_t *arr = json_array();
+    size_t i;
+    json_t *v;
+    json_array_foreach(json_object_get(doc, "tags"), i, v)
+    {
+        char uuid[37];
+        uuid_of(json_string_value(json_object_get(v, "build_id")) ?: "", uuid);
+        json_array_append_new(
+            arr, json_pack("{s:O,s:s,s:O}", "tag", json_object_get(v, "tag"), "buildID", uuid,
+                           "createdAt", json_object_get(v, "created_at")));
+    }
+    sp_e2b__ctl_reply(c, 200, arr);
+}
+
+static void get_tags(ctl_t *c, const char *id)
+{
+    char alias[65], why[160];
+    sp_err_t e;
+    if (!e2b_name_tag(c->auth.team_id, id, alias, NULL, why, sizeof why))
+        sp_e2b__ctl_fail(c, 404, "template not found");
+    else if (tmpl_of(c) != NULL &&
+             sp_tmpl_versions(c->gw->tmpl, &c->auth, alias, on_tags, c, &e) < 0)
+        sp_e2b__ctl_fail_err(c, &e);
 }
 
 static void on_deleted(void *arg, const sp_err_t *err)
@@ -582,10 +856,20 @@ void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
     } else if (k == 4 && get && b == 0 && strcmp(s[2], "files") == 0) {
         files_link(c, req, s[3]);
     } else if (k >= 3 && get && b == 0 && strcmp(s[1], "aliases") == 0) {
-        if (k != 3 || !e2b_name(s[2], name, why, sizeof why))
+        char full[200];
+        snprintf(full, sizeof full, "%s%s%s", s[2], k == 4 ? "/" : "", k == 4 ? s[3] : "");
+        if (k > 4)
             sp_e2b__ctl_fail(c, 404, "template not found");
-        else if (sp_svc_templates(c->gw->svc, &c->auth, name, on_alias, c, &e) < 0)
-            sp_e2b__ctl_fail_err(c, &e);
+        else
+            alias_exists(c, full);
+    } else if (k == 2 && post && b == 0 && strcmp(s[1], "tags") == 0) {
+        assign_tags(c);
+    } else if (k == 2 && del && b == 0 && strcmp(s[1], "tags") == 0) {
+        remove_tags(c);
+    } else if ((k == 3 || k == 4) && get && b == 0 && strcmp(s[k - 1], "tags") == 0) {
+        char full[200];
+        snprintf(full, sizeof full, "%s%s%s", s[1], k == 4 ? "/" : "", k == 4 ? s[2] : "");
+        get_tags(c, full);
     } else if (k == 1 && get && b == 0) {
         if (sp_svc_templates(c->gw->svc, &c->auth, NULL, on_list, c, &e) < 0)
             sp_e2b__ctl_fail_err(c, &e);

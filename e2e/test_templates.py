@@ -80,7 +80,7 @@ class TemplateBuildTest(unittest.TestCase):
     def tearDownClass(cls):
         for sid in cls.sids:
             cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow", "cp", "dock", "sc"):
+        for name in ("web", "web2", "slow", "cp", "dock", "sc", "tg"):
             try:
                 cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
             except OSError:
@@ -435,6 +435,78 @@ class TemplateBuildTest(unittest.TestCase):
         self.assertEqual((st, r.get("status")), (200, "failed"), r)
         st, r = s.request("POST", "/v1/sandboxes", {"template": "slow"})
         self.assertNotEqual(st, 202, r)
+
+
+    def test_7_versions_and_tags(self):
+        """web:v1 and web:v2, creates from each tag and the default, a tag moved: the sandbox on
+        the old version runs on and wakes on its version; the template deleted while sandboxes
+        use two versions: their files stay; an unused version is removed."""
+        s = self.s
+        tdir = os.path.join(DATA, "templates", "tg")
+
+        def step(v):
+            return [{"run": "echo %s-%s > /v" % (v, NONCE)}]
+
+        b1 = build(s, {"name": "tg:v1", "from": "base", "steps": step("one")})
+        self.assertEqual(b1["status"], "succeeded", b1)
+        self.assertEqual(len(b1["id"]), 36, b1)  # a UUID
+        b2 = build(s, {"name": "tg:v2", "tags": ["default"], "from": "base", "steps": step("two")})
+        self.assertEqual(b2["status"], "succeeded", b2)
+        v1, v2 = b1["version"], b2["version"]
+        st, t = s.request("GET", "/v1/templates/tg")
+        self.assertEqual(st, 200, t)
+        self.assertEqual({(x["tag"], x["version"]) for x in t["tags"]},
+                         {("v1", v1), ("v2", v2), ("default", v2)}, t)
+        self.assertEqual(t["version"], v2)
+        for v in t["versions"]:
+            self.assertGreater(v["size_bytes"], 0, v)
+
+        def cat(sid):
+            return run(s, sid, "cat /v")["stdout"].strip()
+
+        s1 = self.create("tg:v1")
+        s2 = self.create("tg")
+        s3 = self.create("tg:v2")
+        self.assertEqual((cat(s1), cat(s2), cat(s3)),
+                         ("one-" + NONCE, "two-" + NONCE, "two-" + NONCE))
+
+        # default moves to v1: s2 keeps v2, also after suspend and wake; new creates get v1
+        st, r = s.request("PUT", "/v1/templates/tg/tags/default", {"from_tag": "v1"})
+        self.assertEqual((st, r.get("version")), (200, v1), r)
+        self.assertEqual(cat(s2), "two-" + NONCE)
+        st, r = s.request("POST", "/v1/sandboxes/%s/suspend?wait=%d" % (s2, wait_s(120)),
+                          timeout=150 * MULT)
+        self.assertEqual((st, r["sandbox"]["state"]), (200, "suspended"), r)
+        st, r = s.request("POST", "/v1/sandboxes/%s/wake?wait=%d" % (s2, wait_s(120)),
+                          timeout=150 * MULT)
+        self.assertEqual((st, r["sandbox"]["state"]), (200, "running"), r)
+        self.assertEqual(cat(s2), "two-" + NONCE)
+        s4 = self.create("tg")
+        self.assertEqual(cat(s4), "one-" + NONCE)
+
+        # a version nothing uses goes when its tag moves away
+        b3 = build(s, {"name": "tg:tmp", "from": "base", "steps": step("three")})
+        self.assertEqual(b3["status"], "succeeded", b3)
+        v3 = b3["version"]
+        self.assertTrue(os.path.isdir(os.path.join(tdir, v3)))
+        st, r = s.request("PUT", "/v1/templates/tg/tags/tmp", {"version": v1[:12]})
+        self.assertEqual(st, 200, r)
+        deadline = time.time() + 10 * MULT
+        while os.path.isdir(os.path.join(tdir, v3)) and time.time() < deadline:
+            time.sleep(0.2)
+        self.assertFalse(os.path.isdir(os.path.join(tdir, v3)))
+
+        # the template deleted while sandboxes use v1 and v2: their files stay, they run on
+        st, r = s.request("DELETE", "/v1/templates/tg/tags/v2")
+        self.assertEqual(st, 200, r)
+        st, r = s.request("DELETE", "/v1/templates/tg")
+        self.assertEqual(st, 200, r)
+        time.sleep(1)
+        for v in (v1, v2):
+            self.assertTrue(os.path.exists(os.path.join(tdir, v, "rootfs.qcow2")), v)
+        self.assertEqual((cat(s1), cat(s2)), ("one-" + NONCE, "two-" + NONCE))
+        st, r = s.request("POST", "/v1/sandboxes", {"template": "tg:v1"})
+        self.assertEqual(st, 404, r)
 
 
 if __name__ == "__main__":

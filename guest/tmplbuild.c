@@ -624,6 +624,19 @@ int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_pa
                          sp_err_t *err)
 {
     char link[PATH_MAX], target[128];
+    const char *at = strchr(name, '@');
+    if (at != NULL) { /* "<name>@<hash>": that version, current or not */
+        char base[64];
+        size_t k = (size_t)(at - name);
+        if (k == 0 || k >= sizeof base || strlen(at + 1) != SP_TMPLBUILD_HASH_LEN ||
+            strspn(at + 1, "0123456789abcdef") != SP_TMPLBUILD_HASH_LEN)
+            return sp_err_set(err, SP_EINVAL, "bad template version");
+        memcpy(base, name, k);
+        base[k] = '\0';
+        if (!sp_tmplbuild_valid_name(base))
+            return sp_err_set(err, SP_EINVAL, "bad template name");
+        return read_manifest(data_dir, base, at + 1, out, err);
+    }
     if (!sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL, "bad template name");
     if (fmt(link, sizeof link, err, "%s/templates/%s/current", data_dir, name) < 0)

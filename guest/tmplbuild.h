@@ -139,7 +139,10 @@ int sp_tmplbuild_paths(const char *data_dir, const char *name, const char *hash,
                        const char *kernel_version, sp_tmplbuild_paths_t *out, sp_err_t *err);
 
 /* The current build of template <name>, read from its manifest: what the
- * runtime boots. -1 with SP_ENOTFOUND when the template was never built. */
+ * runtime boots. -1 with SP_ENOTFOUND when the template was never built.
+ * <name>@<hash> names one version of it instead, current or not (a sandbox
+ * created from a tag other than the one `current` follows, core/control/tmpl.h):
+ * SP_ENOTFOUND when that version is not on disk. */
 int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_paths_t *out,
                          sp_err_t *err);
 

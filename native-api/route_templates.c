@@ -1,7 +1,15 @@
 /*
  * route_templates.c - template builds (core/control/tmpl.h): POST /v1/templates, a build's
- * record and its log, DELETE /v1/templates/{name}. Listing and reading templates is in
- * route_sandboxes.c.
+ * record and its log, DELETE /v1/templates/{name}, a template with its versions and tags
+ * (GET /v1/templates/{name}), and tags:
+ *
+ *   PUT    /v1/templates/{name}/tags/{tag}  {"version": "<hash or 8+ of its digits>"}
+ *                                           or {"from_tag": "<tag>"}: the tag now names that
+ *                                           version (made, or moved); 200 {tag, template,
+ *                                           version, build_id, created_at}
+ *   DELETE /v1/templates/{name}/tags/{tag}  removes it ("default" cannot be: 400)
+ *
+ * Listing templates is in route_sandboxes.c.
  *
  * The log route answers NDJSON lines from ?offset= (a line number; the answer's last line
  * numbers are offset + count). With ?follow=true it stays open while the build runs, reading
@@ -93,6 +101,119 @@ void sp_napi__templates_delete(napi_ctx_t *c)
     if (have_tmpl(c) &&
         sp_tmpl_delete(c->n->tmpl, &c->auth, c->segs[2], sp_napi__on_deleted, c, &e) < 0)
         sp_napi__fail(c, &e);
+}
+
+/* ---- a template with its versions and tags; tags ---- */
+
+static void on_versions(void *arg, const json_t *doc, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    json_t *o = c->data;
+    c->data = NULL;
+    if (err != NULL && err->code != SP_ENOTFOUND) {
+        json_decref(o);
+        sp_napi__fail(c, err);
+        return;
+    }
+    static const char *const keys[] = {"tags", "versions", "builds"};
+    for (int i = 0; i < 3; i++) /* none when the template went meanwhile */
+        json_object_set_new(o, keys[i],
+                            doc != NULL ? json_incref(json_object_get(doc, keys[i])) : json_array());
+    sp_napi__reply(c, 200, o);
+}
+
+static void on_template(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    sp_err_t e;
+    if (err != NULL || n == 0) {
+        sp_napi__fail(c, err ? err : (sp_err_set(&e, SP_ENOTFOUND, "template not found"), &e));
+        return;
+    }
+    json_t *o = sp_napi__template_json(&recs[0]);
+    if (recs[0].builtin || c->n->tmpl == NULL) { /* built in: one version, `current` */
+        sp_napi__reply(c, 200, o);
+        return;
+    }
+    c->data = o;
+    c->data_free = (void (*)(void *))json_decref;
+    if (sp_tmpl_versions(c->n->tmpl, &c->auth, recs[0].name, on_versions, c, &e) < 0) {
+        sp_napi__fail(c, &e);
+    }
+}
+
+/* GET /v1/templates/{name}: the template, and for a team's, its tags, versions and builds. */
+void sp_napi__templates_detail(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (strlen(c->segs[2]) > 64)
+        sp_napi__fail(c, (sp_err_set(&e, SP_ENOTFOUND, "template not found"), &e));
+    else if (sp_svc_templates(c->n->svc, &c->auth, c->segs[2], on_template, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_tag_set(void *arg, const sp_tmpl_tag_rec_t *r, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL) {
+        sp_napi__fail(c, err);
+        return;
+    }
+    sp_napi__reply(c, 200, json_pack("{s:s,s:s,s:s,s:s,s:s}", "tag", c->segs[4], "template",
+                                     r->template_name, "version", r->hash, "build_id",
+                                     r->build_id, "created_at", r->created_at));
+}
+
+/* PUT /v1/templates/{name}/tags/{tag} {"version"} or {"from_tag"} */
+void sp_napi__tags_put(napi_ctx_t *c)
+{
+    sp_err_t e;
+    json_t *b = NULL;
+    static const char *const allowed[] = {"version", "from_tag", NULL};
+    if (!have_tmpl(c))
+        return;
+    if (sp_napi__parse_body(sp_http_hold_req(c->hold), false, &b, &e) < 0 ||
+        sp_napi__body_keys(b, allowed, true, &e) < 0) {
+        json_decref(b);
+        sp_napi__fail(c, &e);
+        return;
+    }
+    json_t *ver = json_object_get(b, "version"), *from = json_object_get(b, "from_tag");
+    json_t *tags = json_pack("[s]", c->segs[4]);
+    if ((ver != NULL && !json_is_string(ver)) || (from != NULL && !json_is_string(from))) {
+        sp_err_set(&e, SP_EINVAL, "version and from_tag must be strings");
+    } else if (tags == NULL) {
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+    } else if (sp_tmpl_tags_set(c->n->tmpl, &c->auth, c->segs[2], tags, json_string_value(ver),
+                                json_string_value(from), on_tag_set, c, &e) == 0) {
+        json_decref(tags);
+        json_decref(b);
+        return;
+    }
+    json_decref(tags);
+    json_decref(b);
+    sp_napi__fail(c, &e);
+}
+
+static void on_tag_deleted(void *arg, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, json_pack("{s:s,s:s,s:b}", "template", c->segs[2], "tag",
+                                         c->segs[4], "deleted", 1));
+}
+
+/* DELETE /v1/templates/{name}/tags/{tag} */
+void sp_napi__tags_delete(napi_ctx_t *c)
+{
+    sp_err_t e;
+    json_t *tags = json_pack("[s]", c->segs[4]);
+    if (have_tmpl(c) && tags != NULL &&
+        sp_tmpl_tags_delete(c->n->tmpl, &c->auth, c->segs[2], tags, on_tag_deleted, c, &e) < 0)
+        sp_napi__fail(c, &e);
+    json_decref(tags);
 }
 
 /* ---- template files (COPY steps' uploads) ---- */

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from e2b import Sandbox, Template, wait_for_url
-from e2b.exceptions import BuildException
+from e2b.exceptions import BuildException, SandboxException
 
 from lib import API, RUN_ID, SINGLE_ADDRESS, Skip, remember, scenario
 
@@ -160,5 +160,52 @@ def _refused():
         assert "cannot reach the image registry 127.0.0.1:1" in str(e), str(e)
     else:
         raise AssertionError("a build from an unreachable registry succeeded")
+    finally:
+        delete(name)
+
+
+@scenario(A, "names and tags: build name:tag, assign, get, remove, create and exists by tag",
+          timeout=900)
+def _tags():
+    only_once()
+    name = "pytag-" + RUN_ID
+    tpl = Template().from_template("base").run_cmd("echo one-%s > /tmp/v" % RUN_ID)
+    try:
+        info = Template.build(tpl, name + ":v1", tags=["stable"], **SIZE, **API)
+        assert set(info.tags) == {"v1", "stable"}, info.tags
+        assert Template.exists(name + ":v1", **API)
+        assert not Template.exists(name + ":nope", **API)
+        t2 = Template().from_template("base").run_cmd("echo two-%s > /tmp/v" % RUN_ID)
+        Template.build(t2, name, **SIZE, **API)  # the default tag
+        sbx = Sandbox.create(name + ":v1", **API)
+        remember(sbx.sandbox_id)
+        try:
+            assert sbx.commands.run("cat /tmp/v").stdout == "one-%s\n" % RUN_ID
+        finally:
+            sbx.kill()
+        tag = Template.assign_tags(name + ":v1", "prod", **API)
+        assert tag.tags == ["prod"], tag
+        assert str(tag.build_id) == str(info.build_id), (tag, info)
+        sbx = Sandbox.create(name + ":prod", **API)
+        remember(sbx.sandbox_id)
+        try:
+            assert sbx.commands.run("cat /tmp/v").stdout == "one-%s\n" % RUN_ID
+        finally:
+            sbx.kill()
+        sbx = Sandbox.create(name, **API)
+        remember(sbx.sandbox_id)
+        try:
+            assert sbx.commands.run("cat /tmp/v").stdout == "two-%s\n" % RUN_ID
+        finally:
+            sbx.kill()
+        tags = {t.tag for t in Template.get_tags(name, **API)}
+        assert {"v1", "stable", "prod", "default"} <= tags, tags
+        Template.remove_tags(name, "prod", **API)
+        try:
+            Sandbox.create(name + ":prod", **API)
+        except SandboxException as e:
+            assert "404" in str(e) and "prod" in str(e), str(e)
+        else:
+            raise AssertionError("a removed tag still creates sandboxes")
     finally:
         delete(name)

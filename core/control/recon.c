@@ -27,7 +27,7 @@
 struct task {
     sp_recon_t *r; /* NULL once the controller is gone: the task only frees itself */
     char id[65];
-    char template_name[65];
+    char template_name[160]; /* "<name>" or "<name>@<version>" (guest/tmplbuild.h) */
     char *env_json;
     char snapshot_id[65]; /* "" unless created from a snapshot (core/control/snap.h) */
     int cpu_count, memory_mb;
@@ -538,7 +538,8 @@ static void scan(sp_recon_t *r)
         "     OR EXISTS (SELECT 1 FROM operations o WHERE o.sandbox_id = c.id"
         "                AND o.status IN ('pending', 'running') AND o.kind <> 'snapshot'))"
         "  ORDER BY c.updated_at LIMIT " RECON_BATCH " FOR UPDATE SKIP LOCKED)"
-        " RETURNING s.id, s.desired_state, s.observed_state, s.template, s.cpu_count,"
+        " RETURNING s.id, s.desired_state, s.observed_state,"
+        "  s.template || coalesce('@' || s.template_version, ''), s.cpu_count,"
         "  s.memory_mb, s.env::text, coalesce(s.snapshot_id, '')",
         2, p, on_claimed, r, &e);
     free(busy);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "core/control/snap.h"
+#include "core/control/tmpl.h"
 #include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
 #include "base/log.h"
@@ -324,7 +325,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 
 /* A create's statement, its parameters owned: kept while the secrets its credential rules name
  * are looked up, then sent. */
-#define CREATE_NPARAMS 19
+#define CREATE_NPARAMS 20
 
 struct create {
     sp_svc_t *svc;
@@ -368,20 +369,29 @@ static int create_submit(struct create *cr, sp_err_t *err)
 {
     int rc = submit(
         cr->svc,
-        "WITH t AS (SELECT name, cpu_count, memory_mb, env, NULL::text AS snap FROM templates"
+        /* a team's template: the version its tag ($20, else 'default') names, with that
+         * version's sizes and env (tmpl.h); a built-in one: its current build */
+        "WITH t AS (SELECT name, coalesce(v.cpu_count, m.cpu_count) AS cpu_count,"
+        "  coalesce(v.memory_mb, m.memory_mb) AS memory_mb, coalesce(v.env, m.env) AS env,"
+        "  NULL::text AS snap, v.hash AS ver FROM templates m"
+        "  LEFT JOIN template_tags g ON g.template = m.name AND g.tag = coalesce($20, 'default')"
+        "  LEFT JOIN template_versions v ON v.template = g.template AND v.hash = g.hash"
         "  WHERE $19::text IS NULL AND name = $3 AND deleted_at IS NULL"
-        "  AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))"
-        " UNION ALL SELECT template, cpu_count, memory_mb, env, id FROM snapshots"
+        "  AND (m.team_id IS NULL OR (m.team_id = $2 AND status = 'ready' AND v.hash IS NOT NULL))"
+        "  AND ($20::text IS NULL OR $20 = 'default' OR m.team_id IS NOT NULL)"
+        " UNION ALL SELECT template, cpu_count, memory_mb, env, id,"
+        "  (SELECT x.template_version FROM sandboxes x WHERE x.id = snapshots.sandbox_id)"
+        "  FROM snapshots"
         "  WHERE id = $19 AND team_id = $2 AND deleted_at IS NULL AND state = 'ready'),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
         "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
         "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
-        "  egress, snapshot_id)"
+        "  egress, snapshot_id, template_version)"
         "  SELECT $1, $2, t.name, $4::jsonb, t.env || coalesce($5::jsonb, '{}'), $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
-        "   $18::jsonb, t.snap FROM t"
+        "   $18::jsonb, t.snap, t.ver FROM t"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
@@ -420,10 +430,48 @@ static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
     }
 }
 
-/* After the rules' secrets: a create from a snapshot reads the snapshot first. Frees cr when
- * it fails (-1, nothing called back). */
+/* The template and tag a create by "name:tag" names were read: 404 naming which is missing,
+ * else the statement is sent (which checks them again). */
+static void on_create_tag(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    struct create *cr = c->arg;
+    sp_svc_sandbox_cb cb = cr->cb;
+    void *cb_arg = cr->arg;
+    sp_err_t e;
+    const sp_err_t *fail = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (fail == NULL && PQgetvalue(res, 0, 0)[0] != 't')
+        fail = (sp_err_set(&e, SP_ENOTFOUND, "template '%.64s' not found", cr->p[2]), &e);
+    else if (fail == NULL && PQgetvalue(res, 0, 1)[0] != 't')
+        fail = (sp_err_set(&e, SP_ENOTFOUND, "tag '%.64s' does not exist for template '%.64s'",
+                           cr->p[19], cr->p[2]),
+                &e);
+    if (fail != NULL) {
+        create_free(cr);
+        cb(cb_arg, NULL, NULL, fail);
+    } else if (create_submit(cr, &e) < 0) {
+        cb(cb_arg, NULL, NULL, &e);
+    }
+}
+
+/* After the rules' secrets: a create from a snapshot reads the snapshot first, one by
+ * "name:tag" the tag. Frees cr when it fails (-1, nothing called back). */
 static int create_next(struct create *cr, sp_err_t *err)
 {
+    if (cr->p[18] == NULL && cr->p[19] != NULL) {
+        const char *p[] = {cr->p[2], cr->p[1], cr->p[19]};
+        if (submit(cr->svc,
+                   "SELECT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL"
+                   "  AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))),"
+                   " EXISTS (SELECT 1 FROM templates m WHERE m.name = $1 AND ((m.team_id IS NULL"
+                   "  AND $3 = 'default') OR EXISTS (SELECT 1 FROM template_tags g"
+                   "  WHERE g.template = $1 AND g.tag = $3)))",
+                   3, p, on_create_tag, NULL, cr, 0, err) < 0) {
+            create_free(cr);
+            return -1;
+        }
+        return 0;
+    }
     if (cr->p[18] == NULL)
         return create_submit(cr, err);
     const char *p[] = {cr->p[18], cr->p[1]};
@@ -488,8 +536,14 @@ static int create_check(const sp_create_req_t *req, const char *action, sp_err_t
                           "cpu_count and memory_mb come from the snapshot; leave them out");
     if (snap && !sp_snap_valid_id(req->snapshot_id))
         return sp_err_set(err, SP_ENOTFOUND, "snapshot '%.64s' not found", req->snapshot_id);
-    if (!snap && (!tmpl || strlen(req->template_name) > 64))
+    const char *colon = tmpl ? strchr(req->template_name, ':') : NULL;
+    size_t nlen = tmpl ? (colon ? (size_t)(colon - req->template_name) : strlen(req->template_name))
+                       : 0;
+    if (!snap && (!tmpl || nlen == 0 || nlen > 64))
         return sp_err_set(err, SP_EINVAL, "template must be a name of 1 to 64 characters");
+    if (!snap && colon != NULL && !sp_tmpl_valid_tag(colon + 1))
+        return sp_err_set(err, SP_EINVAL,
+                          "bad tag '%.64s': [a-z0-9._-], 1 to 64 characters, not a UUID", colon + 1);
     if (sp_svc_check_string_map(req->metadata, "metadata", err) < 0 ||
         sp_svc_check_string_map(req->env, "env", err) < 0)
         return -1;
@@ -547,7 +601,15 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     create_param(cr, 0, id);
     create_param(cr, 1, a->team_id);
     bool snap = req->snapshot_id != NULL && req->snapshot_id[0] != '\0';
-    create_param(cr, 2, snap ? NULL : req->template_name);
+    if (!snap) { /* "name:tag": the name, and the tag apart (tmpl.h) */
+        const char *colon = strchr(req->template_name, ':');
+        char name[65];
+        snprintf(name, sizeof name, "%.*s",
+                 (int)(colon ? (size_t)(colon - req->template_name) : strlen(req->template_name)),
+                 req->template_name);
+        create_param(cr, 2, name);
+        create_param(cr, 19, colon ? colon + 1 : NULL);
+    }
     create_param(cr, 18, snap ? req->snapshot_id : NULL);
     create_json(cr, 3, req->metadata);
     create_json(cr, 4, req->env);

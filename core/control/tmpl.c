@@ -95,6 +95,7 @@ struct build {
     bool failed;  /* tear down, then record error */
     bool cached;
     bool swapped; /* current points at the new version */
+    bool tags_given; /* the request named tags (a reserved build keeps its reservation's) */
     char prev_current[SP_TMPLBUILD_HASH_LEN + 1]; /* "" when there was none */
     int failed_step;
     char error[1024];
@@ -189,6 +190,90 @@ static bool valid_build_id(const char *id)
             return false;
     }
     return true;
+}
+
+static bool is_uuid(const char *s)
+{
+    if (strlen(s) != 36)
+        return false;
+    for (size_t i = 0; i < 36; i++) {
+        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+        if (dash ? s[i] != '-' : !isxdigit((unsigned char)s[i]))
+            return false;
+    }
+    return true;
+}
+
+bool sp_tmpl_valid_tag(const char *tag)
+{
+    size_t n = tag != NULL ? strlen(tag) : 0;
+    if (n == 0 || n > SP_TMPL_TAG_MAX || is_uuid(tag) || strspn(tag, ".") == n)
+        return false;
+    return strspn(tag, "abcdefghijklmnopqrstuvwxyz0123456789-_.") == n;
+}
+
+/* A fresh version 4 UUID: build ids are UUIDs (E2B's clients parse them as such). */
+static void new_uuid(char out[SP_TMPL_ID_MAX + 1])
+{
+    unsigned char r[16];
+    randombytes_buf(r, sizeof r);
+    r[6] = (unsigned char)((r[6] & 0x0f) | 0x40); /* version 4 */
+    r[8] = (unsigned char)((r[8] & 0x3f) | 0x80); /* RFC 4122 variant */
+    snprintf(out, SP_TMPL_ID_MAX + 1,
+             "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", r[0], r[1],
+             r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[14],
+             r[15]);
+}
+
+int sp_tmpl_parse_target(const char *target, const json_t *tags, char name[64], json_t **out,
+                         sp_err_t *err)
+{
+    *out = NULL;
+    const char *colon = target != NULL ? strchr(target, ':') : NULL;
+    size_t n = target == NULL ? 0 : colon ? (size_t)(colon - target) : strlen(target);
+    if (n == 0 || n > 63)
+        return sp_err_set(err, SP_EINVAL,
+                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    memcpy(name, target, n);
+    name[n] = '\0';
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_EINVAL,
+                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    if (tags != NULL && !json_is_null(tags) &&
+        (!json_is_array(tags) || json_array_size(tags) > SP_TMPL_TAGS_MAX))
+        return sp_err_set(err, SP_EINVAL, "tags must be an array of at most %d tags",
+                          SP_TMPL_TAGS_MAX);
+    json_t *all = json_array();
+    if (all == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    if (colon != NULL)
+        json_array_append_new(all, json_string(colon + 1));
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v) json_array_append(all, v);
+    json_t *uniq = json_array();
+    json_array_foreach(all, i, v)
+    {
+        const char *tg = json_string_value(v);
+        if (!json_is_string(v) || strlen(tg) != json_string_length(v) || !sp_tmpl_valid_tag(tg)) {
+            sp_err_set(err, SP_EINVAL,
+                       "bad tag '%.64s': 1 to %d of [a-z0-9._-], not a UUID",
+                       tg != NULL ? tg : "", SP_TMPL_TAG_MAX);
+            json_decref(all);
+            json_decref(uniq);
+            return -1;
+        }
+        bool dup = false;
+        for (size_t j = 0; j < json_array_size(uniq) && !dup; j++)
+            dup = strcmp(json_string_value(json_array_get(uniq, j)), tg) == 0;
+        if (!dup)
+            json_array_append(uniq, v);
+    }
+    json_decref(all);
+    if (json_array_size(uniq) == 0)
+        json_array_append_new(uniq, json_string("default"));
+    *out = uniq;
+    return 0;
 }
 
 /* The builder VM's id: "bld-" and the build id's first 20 letters and digits. */
@@ -551,6 +636,8 @@ static void waiter_answer(struct waiter *w)
 
 static void advance(struct build *b);
 static void start_queued(sp_tmpl_t *t);
+static void collect(sp_tmpl_t *t, const char *name);
+static bool has_default(const struct build *b);
 
 static void wipe_free(char *s)
 {
@@ -630,8 +717,13 @@ static void on_recorded(void *rec, PGresult *res, const sp_err_t *err)
            (double)(sp_loop_now_ms(b->t->loop) - b->t0) / 1000.0);
     sp_tmpl_t *t = b->t;
     struct waiter *ws = b->waiters;
+    char name[65];
+    bool moved = !b->failed && err == NULL; /* tags moved: their old versions may be unused */
+    copy(name, sizeof name, b->name);
     b->waiters = NULL;
     build_free(b);
+    if (moved)
+        collect(t, name);
     while (ws != NULL) {
         struct waiter *n = ws->next;
         ws->b = NULL;
@@ -665,21 +757,37 @@ static void record_end(struct build *b)
         snprintf(cpus, sizeof cpus, "%d", b->cpu_count);
         snprintf(mem, sizeof mem, "%d", b->memory_mb);
         env = json_dumps(b->env, JSON_COMPACT);
+        char *tags = json_dumps(json_object_get(b->req, "tags"), JSON_COMPACT);
         const char *p[] = {b->id,   b->hash, b->cached ? "true" : "false",
                            b->name, desc != NULL ? json_string_value(desc) : NULL,
                            cpus,    mem,     env,
-                           b->parent};
+                           b->parent, tags ? tags : "[\"default\"]",
+                           has_default(b) ? "true" : "false"};
+        /* the version (its first build's id kept), its tags moved to it; the templates row
+         * describes the default tag's version */
         rec = sp_store_call(
             b->t->store,
             "WITH b AS (UPDATE template_builds SET status = 'succeeded', hash = $2,"
             "  cached = $3::bool, finished_at = now(), started_at = coalesce(started_at, now())"
-            "  WHERE id = $1 RETURNING 1)"
-            " UPDATE templates SET status = 'ready', build_id = $2,"
-            "  description = coalesce($5, description), cpu_count = $6::int,"
-            "  memory_mb = $7::int, env = $8::jsonb, parent = $9, deleted_at = NULL,"
-            "  updated_at = now()"
-            " WHERE name = $4 AND (SELECT count(*) FROM b) >= 0",
-            9, p, sizeof(struct build *), on_recorded, &e);
+            "  WHERE id = $1 RETURNING 1),"
+            " v AS (INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb,"
+            "  env) VALUES ($4, $2, $1, $6::int, $7::int, $8::jsonb)"
+            "  ON CONFLICT (template, hash) DO NOTHING RETURNING 1),"
+            " g AS (INSERT INTO template_tags (template, tag, hash)"
+            "  SELECT $4, x, $2 FROM jsonb_array_elements_text($10::jsonb) x"
+            "  ON CONFLICT (template, tag) DO UPDATE SET hash = EXCLUDED.hash, created_at = now()"
+            "  RETURNING 1)"
+            " UPDATE templates SET status = 'ready',"
+            "  build_id = CASE WHEN $11::bool THEN $2 ELSE build_id END,"
+            "  description = coalesce($5, description),"
+            "  cpu_count = CASE WHEN $11::bool THEN $6::int ELSE cpu_count END,"
+            "  memory_mb = CASE WHEN $11::bool THEN $7::int ELSE memory_mb END,"
+            "  env = CASE WHEN $11::bool THEN $8::jsonb ELSE env END,"
+            "  parent = $9, deleted_at = NULL, updated_at = now()"
+            " WHERE name = $4 AND (SELECT count(*) FROM b) + (SELECT count(*) FROM v)"
+            "  + (SELECT count(*) FROM g) >= 0",
+            11, p, sizeof(struct build *), on_recorded, &e);
+        free(tags);
     }
     free(env);
     if (rec == NULL) {
@@ -842,7 +950,19 @@ static int write_manifest(struct build *b, const char *wdir)
     return 0;
 }
 
-/* The exported image is in the work dir: commit the version and point current at it. */
+/* The build's version gets the default tag: `current` follows it (what the bare name boots,
+ * and what the runtime keeps the template snapshot of). */
+static bool has_default(const struct build *b)
+{
+    size_t i;
+    json_t *v;
+    json_array_foreach(json_object_get(b->req, "tags"), i, v) if (
+        strcmp(json_string_value(v), "default") == 0) return true;
+    return false;
+}
+
+/* The exported image is in the work dir: commit the version and point current at it when it
+ * gets the default tag. */
 static void install(struct build *b)
 {
     char wdir[PATH_MAX], final[PATH_MAX], cur[PATH_MAX], target[128];
@@ -850,6 +970,10 @@ static void install(struct build *b)
     if (pathf(final, sizeof final, "%s/templates/%s/%s", b->t->data_dir, b->name, b->hash) < 0 ||
         write_manifest(b, wdir) < 0 || rename(wdir, final) < 0) {
         fail(b, "cannot commit the template's files: %s", strerror(errno));
+        return;
+    }
+    if (!has_default(b)) {
+        logf_(b, "info", "version %.12s committed", b->hash);
         return;
     }
     if (pathf(cur, sizeof cur, "%s/templates/%s/current", b->t->data_dir, b->name) == 0) {
@@ -893,7 +1017,9 @@ static void take_snapshot(struct build *b)
           json_object_get(b->req, "start_cmd") || json_object_get(b->req, "ready_cmd")
               ? " after start_cmd and ready_cmd"
               : "");
-    if (sp_qemu_template_snapshot(b->t->driver, b->name, b->cpu_count, b->memory_mb, &b->tsnap,
+    char ver[160]; /* this version, whichever tag `current` follows */
+    snprintf(ver, sizeof ver, "%s@%s", b->name, b->hash);
+    if (sp_qemu_template_snapshot(b->t->driver, ver, b->cpu_count, b->memory_mb, &b->tsnap,
                                   on_tsnap, b, &e) < 0) {
         sp_err_t e2 = e;
         on_tsnap(b, &e2);
@@ -1396,6 +1522,8 @@ static bool try_cached(struct build *b)
         return false;
     b->cached = true;
     logf_(b, "info", "version %.12s was built before with the same inputs: using it", b->hash);
+    if (!has_default(b))
+        return true;
     char cur[PATH_MAX], target[128];
     if (pathf(cur, sizeof cur, "%s/templates/%s/current", b->t->data_dir, b->name) == 0) {
         ssize_t n = readlink(cur, target, sizeof target - 1);
@@ -1630,6 +1758,458 @@ static void start_queued(sp_tmpl_t *t)
     }
 }
 
+/* ---- versions: which are in use, the others removed ---- */
+
+/* Whether the file at path mentions needle (vm.json files are a few hundred bytes). */
+static bool file_mentions(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return false;
+    char buf[16384];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, needle) != NULL;
+}
+
+/* What the runtime holds of the version dir vdir ("<data>/templates/<name>/<hash>"): a VM
+ * (running, suspended, a spare or a builder) or a sandbox snapshot whose vm.json names a file
+ * in it. Step cache entries (tmplcache.h) naming it are deleted instead: no build will start
+ * from a version that is gone, and the same inputs made again later make new files. */
+static bool runtime_uses(sp_tmpl_t *t, const char *vdir)
+{
+    char needle[PATH_MAX];
+    if (pathf(needle, sizeof needle, "%s/", vdir) < 0)
+        return true;
+    static const char *const dirs[] = {"vms", "snapshots"};
+    bool used = false;
+    for (int k = 0; k < 2 && !used; k++) {
+        char dir[PATH_MAX];
+        if (pathf(dir, sizeof dir, "%s/%s", t->data_dir, dirs[k]) < 0)
+            return true;
+        DIR *d = opendir(dir);
+        if (d == NULL) {
+            if (errno != ENOENT)
+                return true;
+            continue;
+        }
+        struct dirent *de;
+        while (!used && (de = readdir(d)) != NULL) {
+            char p[PATH_MAX];
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0 ||
+                pathf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name) < 0 ||
+                !file_mentions(p, needle))
+                continue;
+            sp_err_t e;
+            if (k == 1 && strncmp(de->d_name, "bc-", 3) == 0 && t->driver != NULL &&
+                t->driver->ops->checkpoint_delete != NULL &&
+                t->driver->ops->checkpoint_delete(t->driver, de->d_name, &e) == 0)
+                continue;
+            used = true;
+        }
+        closedir(d);
+    }
+    return used;
+}
+
+/* Whether a version of any template on disk was built on name's version hash (its rootfs is
+ * a layer over the parent's). */
+static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
+{
+    char tdir[PATH_MAX];
+    if (pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
+        return true;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return true;
+    bool used = false;
+    struct dirent *de;
+    while (!used && (de = readdir(d)) != NULL) {
+        char p[PATH_MAX];
+        if (de->d_name[0] == '.' || pathf(p, sizeof p, "%s/%s", tdir, de->d_name) < 0)
+            continue;
+        DIR *vd = opendir(p);
+        struct dirent *ve;
+        while (!used && vd != NULL && (ve = readdir(vd)) != NULL) {
+            char m[PATH_MAX];
+            if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
+                pathf(m, sizeof m, "%s/%s/manifest.json", p, ve->d_name) < 0)
+                continue;
+            json_t *man = json_load_file(m, 0, NULL);
+            const char *pn = json_string_value(json_object_get(man, "parent"));
+            const char *ph =
+                json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
+            used = pn != NULL && ph != NULL && strcmp(pn, name) == 0 && strcmp(ph, hash) == 0;
+            json_decref(man);
+        }
+        if (vd != NULL)
+            closedir(vd);
+    }
+    closedir(d);
+    return used;
+}
+
+struct collect {
+    sp_tmpl_t *t;
+    char name[65];
+};
+
+static void on_version_row_deleted(void *rec, PGresult *res, const sp_err_t *err)
+{
+    (void)rec;
+    (void)res;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "tmpl", "version row not deleted err=%s", err->msg);
+}
+
+/* The versions of q->name in use were read (column 0: a version needed by every version, when
+ * sandboxes older than versions use the template; 1: the hashes in use): every other version
+ * on disk that nothing else holds is removed, with its row. */
+static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct collect *q = rec;
+    sp_tmpl_t *t = q->t;
+    if (err != NULL || PQntuples(res) != 1) {
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=%s",
+               q->name, err != NULL ? err->msg : "no answer");
+        return;
+    }
+    if (PQgetvalue(res, 0, 0)[0] == 't')
+        return; /* sandboxes of unknown versions: keep them all */
+    for (struct build *b = t->builds; b != NULL; b = b->next)
+        if (strcmp(b->name, q->name) == 0)
+            return; /* its version is not recorded yet: the next collection */
+    const char *in_use = PQgetvalue(res, 0, 1); /* "{h1,h2}" */
+    char tdir[PATH_MAX], cur[PATH_MAX], target[128] = "";
+    if (pathf(tdir, sizeof tdir, "%s/templates/%s", t->data_dir, q->name) < 0 ||
+        pathf(cur, sizeof cur, "%s/current", tdir) < 0)
+        return;
+    ssize_t n = readlink(cur, target, sizeof target - 1);
+    target[n > 0 ? n : 0] = '\0';
+    DIR *d = opendir(tdir);
+    struct dirent *de;
+    int removed = 0;
+    while (d != NULL && (de = readdir(d)) != NULL) {
+        const char *h = de->d_name;
+        char vdir[PATH_MAX];
+        if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+            strstr(in_use, h) != NULL || strcmp(h, target) == 0 ||
+            pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0)
+            continue;
+        bool building = false; /* a build of another template on it */
+        for (struct build *b = t->builds; b != NULL; b = b->next)
+            building = building || (strcmp(b->parent, q->name) == 0 && strcmp(b->pp.hash, h) == 0);
+        if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir))
+            continue;
+        sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
+               q->name, h);
+        rm_rf(vdir);
+        removed++;
+        const char *p[] = {q->name, h};
+        sp_err_t e;
+        if (sp_store_call(t->store,
+                          "DELETE FROM template_versions v WHERE template = $1 AND hash = $2"
+                          " AND NOT EXISTS (SELECT 1 FROM template_tags g"
+                          "  WHERE g.template = $1 AND g.hash = $2)",
+                          2, p, 1, on_version_row_deleted, &e) == NULL)
+            sp_log(SP_LOG_WARN, "tmpl", "version row not deleted template=%s err=%s", q->name,
+                   e.msg);
+    }
+    if (d != NULL)
+        closedir(d);
+    if (removed > 0)
+        sp_log(SP_LOG_INFO, "tmpl", "template versions collected template=%s removed=%d", q->name,
+               removed);
+}
+
+/* Removes name's versions nothing uses (tmpl.h: versions). Asynchronous; logged. */
+static void collect(sp_tmpl_t *t, const char *name)
+{
+    const char *p[] = {name};
+    sp_err_t e;
+    struct collect *q = sp_store_call(
+        t->store,
+        "SELECT EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"
+        "  AND s.observed_state <> 'deleted' AND s.template_version IS NULL"
+        "  AND s.snapshot_id IS NULL),"
+        " coalesce(array_agg(DISTINCT h), '{}')::text FROM ("
+        "  SELECT hash AS h FROM template_tags WHERE template = $1"
+        "  UNION ALL SELECT template_version FROM sandboxes WHERE template = $1"
+        "   AND observed_state <> 'deleted' AND template_version IS NOT NULL"
+        "  UNION ALL SELECT x.template_version FROM snapshots n JOIN sandboxes x"
+        "   ON x.id = n.sandbox_id WHERE n.template = $1 AND n.deleted_at IS NULL"
+        "   AND x.template_version IS NOT NULL) u"
+        " WHERE EXISTS (SELECT 1 FROM templates WHERE name = $1 AND team_id IS NOT NULL)",
+        1, p, sizeof(*q), on_in_use, &e);
+    if (q == NULL) {
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=%s", name,
+               e.msg);
+        return;
+    }
+    q->t = t;
+    copy(q->name, sizeof q->name, name);
+}
+
+static void on_team_templates(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_tmpl_t *t = *(sp_tmpl_t **)rec;
+    if (err != NULL)
+        return;
+    for (int i = 0; i < PQntuples(res); i++)
+        collect(t, PQgetvalue(res, i, 0));
+}
+
+/* ---- tags ---- */
+
+/* A tag's answer: the tag's row, or why not (columns: error code, message). */
+struct tagreq {
+    sp_tmpl_t *t;
+    char name[65];
+    bool is_default; /* `current` follows the default tag */
+    sp_tmpl_tag_cb cb;
+    void *arg;
+};
+
+static void on_tag_set(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct tagreq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] != '\0') {
+        const char *code = PQgetvalue(res, 0, 0);
+        sp_err_set(&e, strcmp(code, "conflict") == 0 ? SP_ECONFLICT : SP_ENOTFOUND, "%s",
+                   PQgetvalue(res, 0, 1));
+        why = &e;
+    }
+    if (why != NULL) {
+        q->cb(q->arg, NULL, why);
+        return;
+    }
+    sp_tmpl_tag_rec_t r;
+    memset(&r, 0, sizeof r);
+    copy(r.template_name, sizeof r.template_name, q->name);
+    SP_STORE_TEXT(res, 0, 2, r.hash);
+    SP_STORE_TEXT(res, 0, 3, r.build_id);
+    SP_STORE_TEXT(res, 0, 4, r.created_at);
+    if (q->is_default && set_current(q->t, q->name, r.hash) < 0)
+        sp_log(SP_LOG_ERROR, "tmpl", "cannot point current at the default tag template=%s",
+               q->name);
+    collect(q->t, q->name);
+    q->cb(q->arg, &r, NULL);
+}
+
+int sp_tmpl_tags_set(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                     const char *version, const char *from_tag, sp_tmpl_tag_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template '%.64s' not found", name);
+    if (!json_is_array(tags) || json_array_size(tags) == 0 ||
+        json_array_size(tags) > SP_TMPL_TAGS_MAX)
+        return sp_err_set(err, SP_EINVAL, "tags must be 1 to %d tags", SP_TMPL_TAGS_MAX);
+    bool is_default = false;
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v)
+    {
+        if (!json_is_string(v) || !sp_tmpl_valid_tag(json_string_value(v)))
+            return sp_err_set(err, SP_EINVAL, "bad tag '%.64s': 1 to %d of [a-z0-9._-], not a UUID",
+                              json_is_string(v) ? json_string_value(v) : "", SP_TMPL_TAG_MAX);
+        is_default = is_default || strcmp(json_string_value(v), "default") == 0;
+    }
+    if ((version == NULL) == (from_tag == NULL))
+        return sp_err_set(err, SP_EINVAL, "give either version or from_tag");
+    if (version != NULL && (strlen(version) < 8 || strlen(version) > SP_TMPLBUILD_HASH_LEN ||
+                            strspn(version, "0123456789abcdef") != strlen(version)))
+        return sp_err_set(err, SP_EINVAL, "version must be a version's hash (at least 8 of its "
+                                          "hex digits)");
+    if (from_tag != NULL && !sp_tmpl_valid_tag(from_tag))
+        return sp_err_set(err, SP_EINVAL, "bad tag '%.64s'", from_tag);
+    for (struct build *o = t->builds; o != NULL; o = o->next)
+        if (strcmp(o->name, name) == 0 && strcmp(o->team, a->team_id) == 0)
+            return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
+                              o->id);
+    char *tj = json_dumps(tags, JSON_COMPACT);
+    if (tj == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {name, a->team_id, version, from_tag, tj, is_default ? "true" : "false"};
+    /* The version: by hash (a unique prefix) or the one from_tag names; then every tag moved to
+     * it, and the templates row follows when the default tag moves. */
+    struct tagreq *q = sp_store_call(
+        t->store,
+        "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
+        "  AND deleted_at IS NULL),"
+        " c AS (SELECT v.* FROM template_versions v, m WHERE v.template = m.name"
+        "  AND (($3::text IS NOT NULL AND v.hash LIKE $3 || '%') OR ($4::text IS NOT NULL"
+        "  AND v.hash = (SELECT hash FROM template_tags WHERE template = $1 AND tag = $4)))),"
+        " ok AS (SELECT * FROM c WHERE (SELECT count(*) FROM c) = 1),"
+        " g AS (INSERT INTO template_tags (template, tag, hash)"
+        "  SELECT ok.template, x, ok.hash FROM ok, jsonb_array_elements_text($5::jsonb) x"
+        "  ON CONFLICT (template, tag) DO UPDATE SET hash = EXCLUDED.hash, created_at = now()"
+        "  RETURNING created_at),"
+        " u AS (UPDATE templates SET build_id = ok.hash, cpu_count = ok.cpu_count,"
+        "  memory_mb = ok.memory_mb, env = ok.env, updated_at = now() FROM ok"
+        "  WHERE $6::bool AND templates.name = ok.template RETURNING 1)"
+        " SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM m) THEN 'notfound'"
+        "  WHEN (SELECT count(*) FROM c) > 1 THEN 'conflict'"
+        "  WHEN NOT EXISTS (SELECT 1 FROM c) THEN 'notfound' ELSE '' END,"
+        "  CASE WHEN NOT EXISTS (SELECT 1 FROM m) THEN format('template ''%s'' not found', $1)"
+        "  WHEN (SELECT count(*) FROM c) > 1 THEN format('version ''%s'' is ambiguous: give more"
+        "  of its digits', $3)"
+        "  WHEN $4::text IS NOT NULL THEN format('tag ''%s'' does not exist for template ''%s''',"
+        "  $4, $1) ELSE format('version ''%s'' of template ''%s'' not found', $3, $1) END,"
+        "  coalesce((SELECT hash FROM ok), ''), coalesce((SELECT build_id FROM ok), ''),"
+        "  coalesce((SELECT " TS("max(created_at)") " FROM g), ''),"
+        "  (SELECT count(*) FROM u)",
+        6, p, sizeof(*q), on_tag_set, err);
+    free(tj);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    copy(q->name, sizeof q->name, name);
+    q->is_default = is_default;
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+struct untagreq {
+    sp_tmpl_t *t;
+    char name[65];
+    sp_svc_done_cb cb;
+    void *arg;
+};
+
+static void on_untagged(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct untagreq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] != 't')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "template '%s' not found", q->name), &e);
+    else if (why == NULL && PQgetvalue(res, 0, 1)[0] != '\0')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "tag '%s' does not exist for template '%s'",
+                          PQgetvalue(res, 0, 1), q->name),
+               &e);
+    if (why == NULL)
+        collect(q->t, q->name);
+    q->cb(q->arg, why);
+}
+
+int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                        sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template '%.64s' not found", name);
+    if (!json_is_array(tags) || json_array_size(tags) == 0 ||
+        json_array_size(tags) > SP_TMPL_TAGS_MAX)
+        return sp_err_set(err, SP_EINVAL, "tags must be 1 to %d tags", SP_TMPL_TAGS_MAX);
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v)
+    {
+        if (!json_is_string(v) || !sp_tmpl_valid_tag(json_string_value(v)))
+            return sp_err_set(err, SP_EINVAL, "bad tag '%.64s'",
+                              json_is_string(v) ? json_string_value(v) : "");
+        if (strcmp(json_string_value(v), "default") == 0)
+            return sp_err_set(err, SP_EINVAL,
+                              "the default tag cannot be removed (move it, or delete the "
+                              "template)");
+    }
+    char *tj = json_dumps(tags, JSON_COMPACT);
+    if (tj == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {name, a->team_id, tj};
+    /* all or nothing: a tag that does not exist deletes none */
+    struct untagreq *q = sp_store_call(
+        t->store,
+        "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
+        "  AND deleted_at IS NULL),"
+        " w AS (SELECT x AS tag FROM jsonb_array_elements_text($3::jsonb) x),"
+        " miss AS (SELECT min(tag) AS tag FROM w WHERE NOT EXISTS (SELECT 1 FROM template_tags g"
+        "  WHERE g.template = $1 AND g.tag = w.tag)),"
+        " d AS (DELETE FROM template_tags g USING m WHERE g.template = m.name"
+        "  AND g.tag IN (SELECT tag FROM w) AND (SELECT tag FROM miss) IS NULL RETURNING 1)"
+        " SELECT EXISTS (SELECT 1 FROM m), coalesce((SELECT tag FROM miss), ''),"
+        "  (SELECT count(*) FROM d)",
+        3, p, sizeof(*q), on_untagged, err);
+    free(tj);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    copy(q->name, sizeof q->name, name);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+static void on_versions(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *q = rec;
+    sp_tmpl_t *t = q->owner;
+    sp_tmpl_json_cb cb = (sp_tmpl_json_cb)q->cb;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "template not found", &e);
+    json_t *doc = why == NULL ? json_loads(PQgetvalue(res, 0, 0), 0, NULL) : NULL;
+    if (why == NULL && doc == NULL)
+        why = (sp_err_set(&e, SP_EINTERNAL, "bad versions document"), &e);
+    if (why != NULL) {
+        cb(q->arg, NULL, why);
+        return;
+    }
+    /* sizes from disk: the version's own layer (its rootfs.qcow2) */
+    const char *name = json_string_value(json_object_get(doc, "name"));
+    size_t i;
+    json_t *v;
+    json_array_foreach(json_object_get(doc, "versions"), i, v)
+    {
+        const char *h = json_string_value(json_object_get(v, "version"));
+        char p[PATH_MAX];
+        struct stat st;
+        bool on_disk = name != NULL && h != NULL &&
+                       pathf(p, sizeof p, "%s/templates/%s/%s/rootfs.qcow2", t->data_dir, name,
+                             h) == 0 &&
+                       stat(p, &st) == 0;
+        json_object_set_new(v, "size_bytes",
+                            on_disk ? json_integer((json_int_t)st.st_blocks * 512) : json_null());
+        json_object_set_new(v, "on_disk", json_boolean(on_disk));
+    }
+    cb(q->arg, doc, NULL);
+    json_decref(doc);
+}
+
+int sp_tmpl_versions(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_tmpl_json_cb cb,
+                     void *arg, sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template not found");
+    const char *p[] = {name, a->team_id};
+    return sp_store_submit(
+        t->store,
+        "SELECT json_build_object('name', m.name,"
+        " 'tags', coalesce((SELECT json_agg(json_build_object('tag', g.tag, 'version', g.hash,"
+        "  'build_id', v.build_id, 'created_at', " TS("g.created_at") ") ORDER BY g.tag)"
+        "  FROM template_tags g JOIN template_versions v ON v.template = g.template"
+        "  AND v.hash = g.hash WHERE g.template = m.name), '[]'::json),"
+        " 'versions', coalesce((SELECT json_agg(json_build_object('version', v.hash,"
+        "  'build_id', v.build_id, 'created_at', " TS("v.created_at") ","
+        "  'cpu_count', v.cpu_count, 'memory_mb', v.memory_mb,"
+        "  'tags', coalesce((SELECT json_agg(g.tag ORDER BY g.tag) FROM template_tags g"
+        "   WHERE g.template = v.template AND g.hash = v.hash), '[]'::json),"
+        "  'sandboxes', (SELECT count(*) FROM sandboxes s WHERE s.template = v.template"
+        "   AND s.template_version = v.hash AND s.observed_state <> 'deleted'))"
+        "  ORDER BY v.created_at DESC) FROM template_versions v WHERE v.template = m.name),"
+        "  '[]'::json),"
+        " 'builds', coalesce((SELECT json_agg(json_build_object('id', b.id, 'status', b.status,"
+        "  'version', b.hash, 'tags', b.request->'tags', 'created_at', " TS("b.created_at") ","
+        "  'error', b.error) ORDER BY b.created_at DESC) FROM (SELECT * FROM template_builds b"
+        "  WHERE b.template = m.name AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 20) b),"
+        "  '[]'::json))::text"
+        " FROM templates m WHERE m.name = $1 AND m.team_id = $2 AND m.deleted_at IS NULL",
+        2, p, on_versions, t, (void *)cb, arg, 0, err);
+}
+
 /* ---- the API ---- */
 
 struct accept {
@@ -1664,6 +2244,10 @@ static void on_accepted(void *rec, PGresult *res, const sp_err_t *err)
         a->cb(a->arg, NULL, why);
         return;
     }
+    json_t *tags = json_loads(PQgetvalue(res, 0, 3), 0, NULL);
+    if (json_is_array(tags) && json_array_size(tags) > 0)
+        json_object_set(b->req, "tags", tags);
+    json_decref(tags);
     sp_tmpl_build_rec_t r;
     memset(&r, 0, sizeof r);
     copy(r.id, sizeof r.id, b->id);
@@ -1796,7 +2380,8 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     static const char *const allowed[] = {"name",      "description",     "from",
                                           "steps",     "start_cmd",       "ready_cmd",
                                           "cpu_count", "memory_mb",       "timeout_s",
-                                          "force",     "ready_timeout_s", NULL};
+                                          "force",     "ready_timeout_s", "tags",
+                                          NULL};
     if (!json_is_object(req))
         return sp_err_set(err, SP_EINVAL, "the body must be a JSON object");
     const char *key;
@@ -1810,13 +2395,20 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
             return sp_err_set(err, SP_EINVAL, "unknown field '%.64s'", key);
     }
     const char *name = NULL, *desc = NULL, *start = NULL, *ready = NULL, *parent = NULL;
-    if (opt_str(req, "name", 63, &name, err) < 0 || opt_str(req, "description", 255, &desc, err) < 0 ||
+    if (opt_str(req, "name", 63 + 1 + SP_TMPL_TAG_MAX, &name, err) < 0 ||
+        opt_str(req, "description", 255, &desc, err) < 0 ||
         opt_str(req, "start_cmd", 4096, &start, err) < 0 ||
         opt_str(req, "ready_cmd", 4096, &ready, err) < 0)
         return -1;
-    if (name == NULL || !sp_tmplbuild_valid_name(name))
-        return sp_err_set(err, SP_EINVAL,
-                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
+    /* "name:tag" and tags: the tags the new version gets (none named: "default") */
+    char base_name[64];
+    json_t *tags = NULL;
+    bool tags_given = (name != NULL && strchr(name, ':') != NULL) ||
+                      json_array_size(json_object_get(req, "tags")) > 0;
+    if (sp_tmpl_parse_target(name, json_object_get(req, "tags"), base_name, &tags, err) < 0)
+        return -1;
+    json_decref(tags); /* parsed again into the build below */
+    name = base_name;
     if (strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0)
         return sp_err_set(err, SP_EINVAL,
                           "name: '" SP_OCIIMG_PREFIX "' names are this server's own (images)");
@@ -1879,7 +2471,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     if (reserved != NULL)
         copy(b->id, sizeof b->id, reserved);
     else
-        sp_ids_sandbox(b->id);
+        new_uuid(b->id);
     copy(b->team, sizeof b->team, a->team_id);
     copy(b->name, sizeof b->name, name);
     copy(b->parent, sizeof b->parent, image != NULL ? "" : parent);
@@ -1890,6 +2482,13 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     b->ready_s = ready_s;
     b->req = json_deep_copy(req);
     b->env = json_object();
+    if (b->req != NULL &&
+        sp_tmpl_parse_target(json_string_value(json_object_get(req, "name")),
+                             json_object_get(req, "tags"), base_name, &tags, err) == 0) {
+        json_object_set_new(b->req, "name", json_string(base_name));
+        json_object_set_new(b->req, "tags", tags);
+    }
+    b->tags_given = tags_given;
     if (steps == NULL)
         json_object_set_new(b->req, "steps", json_array());
     if (image != NULL) { /* the credentials stay in memory: never in the record or manifest */
@@ -1948,7 +2547,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
     const char *params[] = {b->id,  b->team, name,  parent, desc ? desc : "",
                             cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false",
-                            image != NULL ? "true" : "false"};
+                            image != NULL ? "true" : "false", b->tags_given ? "true" : "false"};
     /* The parent must be usable by the team; the name must be free or the team's own (a
      * built-in or another team's is not). The templates row of a new name says "building"
      * until its first build ends; an existing one stays as it is (its version in service). */
@@ -1966,13 +2565,16 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         "  SELECT $1, $2, $3, 'queued', $8::jsonb WHERE EXISTS (SELECT 1 FROM n)"
         "  AND $9::bool IS NOT TRUE RETURNING created_at),"
         /* a reserved build (sp_tmpl_reserve) turns from waiting to queued */
-        " r AS (UPDATE template_builds SET status = 'queued', request = $8::jsonb"
+        /* ... keeping the tags it was reserved with unless the request names others */
+        " r AS (UPDATE template_builds SET status = 'queued', request = CASE WHEN $11::bool"
+        "  OR NOT (template_builds.request ? 'tags') THEN $8::jsonb"
+        "  ELSE $8::jsonb || jsonb_build_object('tags', template_builds.request->'tags') END"
         "  WHERE $9::bool AND id = $1 AND team_id = $2 AND template = $3 AND status = 'waiting'"
-        "  AND EXISTS (SELECT 1 FROM n) RETURNING created_at)"
+        "  AND EXISTS (SELECT 1 FROM n) RETURNING created_at, request->'tags' AS tags)"
         " SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),"
         "  coalesce((SELECT " TS("created_at") " FROM b), (SELECT " TS("created_at") " FROM r),"
-        "  '')",
-        10, params, sizeof(*acc), on_accepted, err);
+        "  ''), coalesce((SELECT tags FROM r), $8::jsonb->'tags')::text",
+        11, params, sizeof(*acc), on_accepted, err);
     free(req_s);
     if (acc == NULL) {
         build_free(b);
@@ -1984,8 +2586,8 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     return 0;
 }
 
-int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_count,
-                    int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                    int cpu_count, int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
     if (name == NULL || !sp_tmplbuild_valid_name(name))
         return sp_err_set(err, SP_EINVAL,
@@ -1997,26 +2599,28 @@ int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_
         (memory_mb != 0 && (memory_mb < SP_SVC_MIN_MEMORY_MB || memory_mb > SP_SVC_MAX_MEMORY_MB)))
         return sp_err_set(err, SP_EINVAL, "cpu_count must be 1..%d and memory_mb %d..%d",
                           SP_SVC_MAX_CPUS, SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB);
-    unsigned char r[16];
-    randombytes_buf(r, sizeof r);
-    r[6] = (unsigned char)((r[6] & 0x0f) | 0x40); /* version 4 */
-    r[8] = (unsigned char)((r[8] & 0x3f) | 0x80); /* RFC 4122 variant */
-    char id[SP_TMPL_ID_MAX + 1], req[96];
-    snprintf(id, sizeof id,
-             "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", r[0], r[1],
-             r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[14],
-             r[15]);
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v) if (!json_is_string(v) ||
+                                       !sp_tmpl_valid_tag(json_string_value(v))) return
+        sp_err_set(err, SP_EINVAL, "bad tag '%.64s'", json_is_string(v) ? json_string_value(v) : "");
+    if (tags != NULL && json_array_size(tags) > SP_TMPL_TAGS_MAX)
+        return sp_err_set(err, SP_EINVAL, "at most %d tags", SP_TMPL_TAGS_MAX);
+    char id[SP_TMPL_ID_MAX + 1];
+    new_uuid(id);
     json_t *o = json_object();
     if (cpu_count > 0)
         json_object_set_new(o, "cpu_count", json_integer(cpu_count));
     if (memory_mb > 0)
         json_object_set_new(o, "memory_mb", json_integer(memory_mb));
-    char *text = json_dumps(o, JSON_COMPACT);
+    if (json_array_size(tags) > 0)
+        json_object_set(o, "tags", (json_t *)tags);
+    char *req = json_dumps(o, JSON_COMPACT);
     json_decref(o);
-    snprintf(req, sizeof req, "%s", text ? text : "{}");
-    free(text);
+    if (req == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
     const char *p[] = {id, a->team_id, name, req};
-    return sp_store_submit(
+    int rc = sp_store_submit(
         t->store,
         "WITH n AS (INSERT INTO templates (name, status, team_id) VALUES ($3, 'building', $2)"
         "  ON CONFLICT (name) DO UPDATE SET updated_at = now() WHERE templates.team_id = $2"
@@ -2026,6 +2630,8 @@ int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_
         "  RETURNING *)"
         " SELECT " BUILD_COLS " FROM b",
         4, p, on_reserved, t, (void *)cb, arg, 0, err);
+    free(req);
+    return rc;
 }
 
 int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
@@ -2154,8 +2760,10 @@ static void on_deleted(void *rec, PGresult *res, const sp_err_t *err)
     }
     if (why == NULL && set_current(q->t, q->name, NULL) < 0)
         sp_log(SP_LOG_WARN, "tmpl", "cannot unlink current of deleted template=%s", q->name);
-    if (why == NULL)
+    if (why == NULL) {
         sp_log(SP_LOG_INFO, "tmpl", "template deleted template=%s", q->name);
+        collect(q->t, q->name);
+    }
     q->cb(q->arg, why);
 }
 
@@ -2173,8 +2781,11 @@ int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_do
         t->store,
         "WITH d AS (UPDATE templates SET deleted_at = now(), status = 'deleted',"
         "  updated_at = now() WHERE name = $1 AND team_id = $2 AND deleted_at IS NULL"
+        "  RETURNING 1),"
+        /* its tags go with the name; versions its sandboxes use stay (collect) */
+        " g AS (DELETE FROM template_tags WHERE template = $1 AND EXISTS (SELECT 1 FROM d)"
         "  RETURNING 1)"
-        " SELECT (SELECT count(*) FROM d),"
+        " SELECT (SELECT count(*) FROM d) + 0 * (SELECT count(*) FROM g),"
         "  coalesce((SELECT team_id IS NULL FROM templates WHERE name = $1), false)",
         2, p, sizeof(*q), on_deleted, err);
     if (q == NULL)
@@ -2269,6 +2880,11 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     }
     *(sp_tmpl_t **)rec = t;
     destroy_leftover_builders(t);
+    /* versions nothing uses any more (their sandboxes went while we were down) */
+    void *r2 = sp_store_call(store, "SELECT name FROM templates WHERE team_id IS NOT NULL", 0,
+                             NULL, sizeof(sp_tmpl_t *), on_team_templates, err);
+    if (r2 != NULL)
+        *(sp_tmpl_t **)r2 = t;
     return t;
 }
 

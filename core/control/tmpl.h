@@ -33,8 +33,20 @@
  * Names: one namespace on the server; a name belongs to the team that first built it (or to
  * everyone: the built-in ones, which are not built or deleted here). Another team's template
  * is SP_ENOTFOUND, exactly like a missing one; building under a name another team holds is
- * SP_ECONFLICT. Deleting hides the name and stops creates from it; running and suspended
- * sandboxes of it are unaffected.
+ * SP_ECONFLICT. Deleting hides the name, drops its tags and stops creates from it; running and
+ * suspended sandboxes of it are unaffected.
+ *
+ * Versions and tags: every successful build is an immutable version (template_versions: its
+ * hash, the build that made it, its sandboxes' sizes and env). A tag ([a-z0-9._-], not a
+ * UUID) names one version; a build names the tags its version gets ("name:tag" and/or
+ * "tags"; none: "default"), and tags move (sp_tmpl_tags_set) to another version. "name" alone
+ * means "name:default"; `current` on disk follows the default tag, so the runtime keeps the
+ * default's template snapshot as before. A sandbox is created from the version its tag names
+ * then (sandboxes.template_version; the driver boots "<name>@<hash>", guest/tmplbuild.h) and
+ * keeps it when the tag moves, across suspend and wake. A version is kept on disk while a
+ * tag, a sandbox not deleted (or a snapshot of one), another version built on it, or anything
+ * of the runtime's (vms/, snapshots/) uses it, the template deleted or not; the others are
+ * removed when a tag moves, when the template is deleted and at start-up.
  *
  * Logs: <data-dir>/builds/<id>.ndjson, one JSON object per line
  * {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes (then one line saying
@@ -63,7 +75,9 @@
 #define SP_TMPL_TIMEOUT_MAX  (24 * 3600)
 #define SP_TMPL_READY_S      60 /* default ready_cmd limit; at most SP_TMPL_READY_MAX */
 #define SP_TMPL_READY_MAX    590
-#define SP_TMPL_ID_MAX       36 /* a build id: ours (SP_ID_LEN) or a UUID (reservations) */
+#define SP_TMPL_ID_MAX       36 /* a build id: a UUID (older builds: SP_ID_LEN) */
+#define SP_TMPL_TAG_MAX      64 /* characters in a tag */
+#define SP_TMPL_TAGS_MAX     16 /* tags in one request */
 
 typedef struct sp_tmpl sp_tmpl_t;
 
@@ -114,12 +128,13 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
 
 /*
  * E2B's two-step build: reserve a build of name (its sizes now, cpu_count and memory_mb 1.. or
- * 0 for the parent's), then start it with sp_tmpl_build_reserved and the rest of the request.
+ * 0 for the parent's) and the tags its version gets (NULL or []: "default", or those the
+ * request names), then start it with sp_tmpl_build_reserved and the rest of the request.
  * The reservation is a build record with status "waiting" and a fresh UUID for an id; the name
  * is claimed for the team as by a build (SP_ECONFLICT when it is not free).
  */
-int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, int cpu_count,
-                    int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                    int cpu_count, int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 /* sp_tmpl_build of a reserved build id (NULL: a new build, as sp_tmpl_build): SP_ENOTFOUND
  * (through cb) when that build is not the team's waiting one of req's name. */
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
@@ -141,5 +156,45 @@ int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char 
  * being built, SP_EFORBIDDEN for a built-in template. */
 int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_done_cb cb,
                    void *arg, sp_err_t *err);
+
+/* A tag: 1 to SP_TMPL_TAG_MAX of [a-z0-9._-], not a UUID, not only dots. */
+bool sp_tmpl_valid_tag(const char *tag);
+
+/* "name[:tag]" and a list of more tags (NULL or an array) -> name, and the tags in *out (a new
+ * array, the name's tag first, no duplicates; none: ["default"]). SP_EINVAL naming what is
+ * wrong. */
+int sp_tmpl_parse_target(const char *target, const json_t *tags, char name[64], json_t **out,
+                         sp_err_t *err);
+
+typedef struct {
+    char template_name[65];
+    char hash[65];          /* the version the tags name now */
+    char build_id[SP_TMPL_ID_MAX + 1]; /* the build that made it */
+    char created_at[32];    /* when the tags were moved */
+} sp_tmpl_tag_rec_t;
+typedef void (*sp_tmpl_tag_cb)(void *arg, const sp_tmpl_tag_rec_t *r, const sp_err_t *err);
+
+/* Points tags (a JSON array of tag names) of the team's template name at a version: the one
+ * whose hash starts with version (8 to 64 hex digits), or the one tag from_tag names (exactly
+ * one of the two). Moving "default" moves `current` and the template's sizes and env. Then the
+ * versions no longer used are removed. SP_EINVAL bad tags; SP_ENOTFOUND no such template (or
+ * another team's), version or from_tag ("tag 't' does not exist for template 'x'");
+ * SP_ECONFLICT an ambiguous version prefix or a build of name running. */
+int sp_tmpl_tags_set(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                     const char *version, const char *from_tag, sp_tmpl_tag_cb cb, void *arg,
+                     sp_err_t *err);
+
+/* Removes tags from the team's template name, all or none: SP_EINVAL for "default" (it moves,
+ * it is not removed) or a bad tag, SP_ENOTFOUND for a tag that does not exist. */
+int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                        sp_svc_done_cb cb, void *arg, sp_err_t *err);
+
+/* The team's template name's versions and tags as a JSON document (borrowed for the callback):
+ * {"name", "tags": [{tag, version, build_id, created_at}], "versions": [{version, build_id,
+ * created_at, cpu_count, memory_mb, tags, sandboxes, size_bytes, on_disk}] newest first,
+ * "builds": [{id, status, version, tags, created_at, error}] the 20 newest}. */
+typedef void (*sp_tmpl_json_cb)(void *arg, const json_t *doc, const sp_err_t *err);
+int sp_tmpl_versions(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_tmpl_json_cb cb,
+                     void *arg, sp_err_t *err);
 
 #endif

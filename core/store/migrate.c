@@ -175,6 +175,39 @@ static const char *const migrations[] = {
     "  WHERE name IS NOT NULL AND deleted_at IS NULL;"
     "CREATE INDEX snapshots_creating ON snapshots (id) WHERE state = 'creating';"
     "ALTER TABLE sandboxes ADD COLUMN snapshot_id text REFERENCES snapshots(id);",
+    /* 7: template versions and tags (core/control/tmpl.h). A version is what one successful
+     * build made (or found cached), with the sizes and env its sandboxes get; a tag names one
+     * version of a team's template, set by a build or moved since (build_id: the build that
+     * made the version). 'default' is what the bare name means and what templates.build_id
+     * follows. sandboxes.template_version is the version a sandbox was created from (NULL: the
+     * template's current one, as before: built-in templates and sandboxes older than this
+     * column); a fork's is its snapshot's source's. Existing templates get their current
+     * version as their default tag. */
+    "CREATE TABLE template_versions ("
+    "  template text NOT NULL REFERENCES templates(name),"
+    "  hash text NOT NULL,"
+    "  build_id text NOT NULL,"
+    "  cpu_count int NOT NULL,"
+    "  memory_mb int NOT NULL,"
+    "  env jsonb NOT NULL DEFAULT '{}',"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  PRIMARY KEY (template, hash));"
+    "CREATE TABLE template_tags ("
+    "  template text NOT NULL REFERENCES templates(name),"
+    "  tag text NOT NULL,"
+    "  hash text NOT NULL,"
+    "  created_at timestamptz NOT NULL DEFAULT now(),"
+    "  PRIMARY KEY (template, tag),"
+    "  FOREIGN KEY (template, hash) REFERENCES template_versions (template, hash));"
+    "ALTER TABLE sandboxes ADD COLUMN template_version text;"
+    "INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb, env)"
+    "  SELECT t.name, t.build_id, coalesce((SELECT b.id FROM template_builds b"
+    "   WHERE b.template = t.name AND b.hash = t.build_id AND b.status = 'succeeded'"
+    "   ORDER BY b.created_at DESC LIMIT 1), ''), t.cpu_count, t.memory_mb, t.env"
+    "  FROM templates t WHERE t.team_id IS NOT NULL AND t.build_id IS NOT NULL"
+    "  AND t.deleted_at IS NULL;"
+    "INSERT INTO template_tags (template, tag, hash)"
+    "  SELECT template, 'default', hash FROM template_versions;",
 };
 
 int sp_migrate_latest(void)

@@ -1,0 +1,200 @@
+"""Template tags and versions on both APIs (core/control/tmpl.h), without VMs: the test driver
+boots nothing from a template's files, so versions are made in the database as a build would
+record them. Creates by name:tag pin the tag's version, tags move and go, bad input gets the
+right status, another team sees nothing."""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+from harness import PlatformTest, skip_unless_pg  # noqa: E402
+from test_secrets import psql  # noqa: E402
+
+V1 = "1" * 64
+V2 = "2" * 64
+V3 = "3" * 64
+B1 = "11111111-1111-4111-8111-111111111111"
+B2 = "22222222-2222-4222-8222-222222222222"
+
+
+@skip_unless_pg
+class TemplateTagsTest(PlatformTest):
+    ENV = {"SPACE_E2B_DOMAIN": "sbx.test:3443"}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.team = psql(cls.p.pg, "SELECT id FROM teams WHERE name = 'alpha'").strip()
+        # "tagged": v1 (default, stable), v2 (v2), v3 (no tag), as builds record them
+        psql(cls.p.pg, """
+            INSERT INTO templates (name, status, team_id, parent, build_id, cpu_count, memory_mb)
+              VALUES ('tagged', 'ready', '%(t)s', 'base', '%(v1)s', 1, 256);
+            INSERT INTO template_builds (id, team_id, template, status, request, hash)
+              VALUES ('%(b1)s', '%(t)s', 'tagged', 'succeeded', '{}', '%(v1)s'),
+                     ('%(b2)s', '%(t)s', 'tagged', 'succeeded', '{}', '%(v2)s');
+            INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb, env)
+              VALUES ('tagged', '%(v1)s', '%(b1)s', 1, 256, '{"V": "one"}'),
+                     ('tagged', '%(v2)s', '%(b2)s', 2, 512, '{"V": "two"}'),
+                     ('tagged', '%(v3)s', 'oldstyleid0000000000', 1, 256, '{}');
+            INSERT INTO template_tags (template, tag, hash) VALUES
+              ('tagged', 'default', '%(v1)s'), ('tagged', 'stable', '%(v1)s'),
+              ('tagged', 'v2', '%(v2)s');
+        """ % dict(t=cls.team, v1=V1, v2=V2, v3=V3, b1=B1, b2=B2))
+
+    def req(self, *a, **kw):
+        return self.s.request(*a, **kw)
+
+    def e2b(self, method, path, body=None, key=None):
+        h = {"X-API-KEY": self.s.key if key is None else key}
+        return self.s.request(method, path, body=body, key="", headers=h, timeout=60)
+
+    def version_of(self, sid):
+        return psql(self.p.pg, "SELECT coalesce(template_version, '') FROM sandboxes"
+                               " WHERE id = '%s'" % sid).strip()
+
+    def create(self, template):
+        st, r = self.req("POST", "/v1/sandboxes?wait=20", {"template": template})
+        self.assertEqual(st, 200, r)
+        return r["sandbox"]
+
+    def test_1_create_by_tag_pins_the_version(self):
+        sb = self.create("tagged:v2")
+        self.assertEqual((self.version_of(sb["id"]), sb["cpu_count"], sb["memory_mb"]),
+                         (V2, 2, 512))
+        sb = self.create("tagged")
+        self.assertEqual((self.version_of(sb["id"]), sb["cpu_count"]), (V1, 1))
+        self.assertEqual(self.version_of(self.create("tagged:default")["id"]), V1)
+        self.assertEqual(self.version_of(self.create("tagged:stable")["id"]), V1)
+        # built-in templates: their one version, "default" only
+        self.assertEqual(self.version_of(self.create("base:default")["id"]), "")
+        st, r = self.req("POST", "/v1/sandboxes", {"template": "base:v2"})
+        self.assertEqual(st, 404, r)
+        self.assertIn("tag 'v2' does not exist for template 'base'", r["error"]["message"])
+        st, r = self.req("POST", "/v1/sandboxes", {"template": "tagged:nope"})
+        self.assertEqual(st, 404, r)
+        self.assertEqual(r["error"]["message"], "tag 'nope' does not exist for template 'tagged'")
+        st, r = self.req("POST", "/v1/sandboxes", {"template": "nosuch:v2"})
+        self.assertEqual(st, 404, r)
+        for bad in ("tagged:Bad", "tagged:", "tagged:%s" % B1, "tagged:a b", "tagged:a:b"):
+            st, r = self.req("POST", "/v1/sandboxes", {"template": bad})
+            self.assertEqual(st, 400, (bad, r))
+        # another team: nothing, whatever the tag
+        for name in ("tagged", "tagged:v2", "tagged:nope"):
+            st, r = self.req("POST", "/v1/sandboxes", {"template": name}, key=self.other_key)
+            self.assertEqual(st, 404, (name, r))
+
+    def test_2_native_tags(self):
+        st, t = self.req("GET", "/v1/templates/tagged")
+        self.assertEqual(st, 200, t)
+        self.assertEqual({(x["tag"], x["version"]) for x in t["tags"]},
+                         {("default", V1), ("stable", V1), ("v2", V2)})
+        self.assertEqual({v["version"]: sorted(v["tags"]) for v in t["versions"]},
+                         {V1: ["default", "stable"], V2: ["v2"], V3: []})
+        self.assertIn("builds", t)
+        # move by version prefix and by another tag
+        st, r = self.req("PUT", "/v1/templates/tagged/tags/exp", {"version": V3[:12]})
+        self.assertEqual((st, r.get("version"), r.get("tag")), (200, V3, "exp"), r)
+        st, r = self.req("PUT", "/v1/templates/tagged/tags/stable", {"from_tag": "v2"})
+        self.assertEqual((st, r.get("version"), r.get("build_id")), (200, V2, B2), r)
+        sb = self.create("tagged:stable")
+        self.assertEqual(self.version_of(sb["id"]), V2)
+        # bad input
+        cases = [
+            ("PUT", "/v1/templates/tagged/tags/Bad", {"version": V1}, 400),
+            ("PUT", "/v1/templates/tagged/tags/%s" % B1, {"version": V1}, 400),
+            ("PUT", "/v1/templates/tagged/tags/x", {}, 400),
+            ("PUT", "/v1/templates/tagged/tags/x", {"version": V1, "from_tag": "v2"}, 400),
+            ("PUT", "/v1/templates/tagged/tags/x", {"version": "zz"}, 400),
+            ("PUT", "/v1/templates/tagged/tags/x", {"bogus": 1}, 400),
+            ("PUT", "/v1/templates/tagged/tags/x", {"version": "4" * 64}, 404),
+            ("PUT", "/v1/templates/tagged/tags/x", {"from_tag": "nope"}, 404),
+            ("PUT", "/v1/templates/nosuch/tags/x", {"version": V1}, 404),
+            ("PUT", "/v1/templates/base/tags/x", {"version": V1}, 404),
+            ("DELETE", "/v1/templates/tagged/tags/default", None, 400),
+            ("DELETE", "/v1/templates/tagged/tags/nope", None, 404),
+            ("DELETE", "/v1/templates/tagged/tags/Bad", None, 400),
+        ]
+        for method, path, body, want in cases:
+            st, r = self.req(method, path, body)
+            self.assertEqual(st, want, (method, path, body, r))
+        st, r = self.req("PUT", "/v1/templates/tagged/tags/x", {"from_tag": "nope"})
+        self.assertEqual(r["error"]["message"], "tag 'nope' does not exist for template 'tagged'")
+        # another team
+        st, r = self.req("PUT", "/v1/templates/tagged/tags/x", {"version": V1},
+                         key=self.other_key)
+        self.assertEqual(st, 404, r)
+        st, r = self.req("DELETE", "/v1/templates/tagged/tags/exp", key=self.other_key)
+        self.assertEqual(st, 404, r)
+        st, r = self.req("GET", "/v1/templates/tagged", key=self.other_key)
+        self.assertEqual(st, 404, r)
+        # a tag goes
+        st, r = self.req("DELETE", "/v1/templates/tagged/tags/exp")
+        self.assertEqual(st, 200, r)
+        st, r = self.req("POST", "/v1/sandboxes", {"template": "tagged:exp"})
+        self.assertEqual(st, 404, r)
+        # bad tags on a build request
+        for body in ({"name": "tagged:Bad", "from": "base"},
+                     {"name": "tagged", "from": "base", "tags": ["ok", B1]},
+                     {"name": "tagged", "from": "base", "tags": "v1"},
+                     {"name": "tagged:", "from": "base"}):
+            st, r = self.req("POST", "/v1/templates", body)
+            self.assertEqual(st, 400, (body, r))
+            self.assertIn("tag", r["error"]["message"], (body, r))
+
+    def test_3_e2b_tags(self):
+        st, r = self.e2b("GET", "/templates/tagged/tags")
+        self.assertEqual(st, 200, r)
+        tags = {x["tag"]: x["buildID"] for x in r}
+        self.assertEqual((tags["default"], tags["v2"]), (B1, B2))
+        for x in r:
+            self.assertEqual(len(x["buildID"]), 36, x)
+            self.assertTrue(x["createdAt"])
+        st, r = self.e2b("POST", "/templates/tags", {"target": "tagged:v2", "tags": ["prod"]})
+        self.assertEqual((st, r), (201, {"tags": ["prod"], "buildID": B2}))
+        st, r = self.e2b("POST", "/templates/tags", {"target": "tagged", "tags": ["old"]})
+        self.assertEqual((st, r.get("buildID")), (201, B1), r)
+        st, r = self.e2b("POST", "/templates/tags", {"target": "tagged:nope", "tags": ["x"]})
+        self.assertEqual(st, 404, r)
+        st, r = self.e2b("POST", "/templates/tags", {"target": "tagged:v2", "tags": [B1]})
+        self.assertEqual(st, 400, r)
+        st, r = self.e2b("POST", "/templates/tags", {"target": "tagged:v2", "tags": ["x"]},
+                         key=self.other_key)
+        self.assertEqual(st, 404, r)
+        # exists: name, name:tag, ns/name:tag
+        for name, want in (("tagged", 200), ("tagged:prod", 200), ("tagged:nope", 404),
+                           ("%s/tagged:v2" % self.team, 200), ("base:default", 200),
+                           ("base:v2", 404), ("nope-123", 404)):
+            st, r = self.e2b("GET", "/templates/aliases/" + name)
+            self.assertEqual(st, want, (name, r))
+        # creates: by tag, with the team's namespace; unknown tag: 404 naming it
+        st, r = self.e2b("POST", "/sandboxes", {"templateID": "tagged:prod"})
+        self.assertEqual(st, 201, r)
+        self.assertEqual(self.version_of(r["sandboxID"]), V2)
+        st, r = self.e2b("POST", "/sandboxes", {"templateID": "%s/tagged:v2" % self.team})
+        self.assertEqual(st, 201, r)
+        self.assertEqual(self.version_of(r["sandboxID"]), V2)
+        st, r = self.e2b("POST", "/sandboxes", {"templateID": "tagged:nope"})
+        self.assertEqual(st, 404, r)
+        self.assertIn("tag 'nope' does not exist for template 'tagged'", r["message"])
+        # remove: default and a name with a tag are 400; then the tag is gone
+        st, r = self.e2b("DELETE", "/templates/tags", {"name": "tagged", "tags": ["default"]})
+        self.assertEqual(st, 400, r)
+        st, r = self.e2b("DELETE", "/templates/tags", {"name": "tagged:v2", "tags": ["prod"]})
+        self.assertEqual(st, 400, r)
+        st, r = self.e2b("DELETE", "/templates/tags", {"name": "tagged", "tags": ["prod"]},
+                         key=self.other_key)
+        self.assertEqual(st, 404, r)
+        st, r = self.e2b("DELETE", "/templates/tags", {"name": "tagged", "tags": ["prod"]})
+        self.assertEqual(st, 204, r)
+        st, r = self.e2b("POST", "/sandboxes", {"templateID": "tagged:prod"})
+        self.assertEqual(st, 404, r)
+        # a build request's name and tags: bad ones are 400 before anything is reserved
+        for body in ({"name": "x:Bad!"}, {"name": "x", "tags": [B2]},
+                     {"name": "other-team/x:v1"}):
+            st, r = self.e2b("POST", "/v3/templates", body)
+            self.assertEqual(st, 400, (body, r))
+
+
+if __name__ == "__main__":
+    unittest.main()
