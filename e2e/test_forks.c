@@ -164,7 +164,55 @@ int main(void)
 
     sp_driver_t *d = make_driver(0);
     REQUIRE(d->ops->checkpoint != NULL && d->ops->checkpoint_delete != NULL);
+    const char *take = getenv("SP_FORK_TAKE");
+    if (take != NULL) { /* SP_FORK_TAKE=<sandbox>: snapshot a running VM as snap_b (debugging) */
+        checkpoint(d, take, snap_b);
+        printf("took %s of %s\n", snap_b, take);
+        sp_driver_destroy(d);
+        return 0;
+    }
+    const char *from = getenv("SP_FORK_FROM");
+    if (from != NULL) { /* SP_FORK_FROM=<snapshot>: boot one fork of it (debugging) */
+        vt_res_t r = {0};
+        sp_vm_spec_t spec = {.sandbox_id = f1, .template_name = "base", .hostname = f1,
+                             .snapshot_id = from};
+        REQUIRE(d->ops->boot(d, &spec, vt_on_res, &r, &e) == 0);
+        REQUIRE(vt_wait_for(&r.done, 120000) == 0);
+        printf("fork of %s: %s\n", from, r.ok ? "up" : r.err.msg);
+        if (r.ok) {
+            cmd(d, f1, "cat /run/count", out, sizeof out);
+            printf("count %s\n", out);
+        }
+        destroy(d, f1);
+        sp_driver_destroy(d);
+        return r.ok ? 0 : 1;
+    }
     clean_leftovers(d);
+    const char *stress = getenv("SP_FORK_STRESS");
+    if (stress != NULL && atoi(stress) > 0) {
+        /* SP_FORK_STRESS=N: N snapshots of a sandbox writing memory hard, one fork of each
+         * checked alive (for chasing memory consistency; not part of the suite) */
+        boot_spec(d, src, NULL);
+        cmd(d, src,
+            "nohup python3 -c 'b = bytearray(64 << 20)\ni = 0\nwhile True:\n"
+            "    b[(i * 4099) % len(b)] = i & 255\n    i += 1' >/dev/null 2>&1 & echo ok",
+            out, sizeof out);
+        cmd(d, src, COUNTER, out, sizeof out);
+        for (int i = 0; i < atoi(stress); i++) {
+            checkpoint(d, src, snap_a);
+            boot_spec(d, f1, snap_a);
+            cmd(d, f1, "cat /run/count; uptime", out, sizeof out);
+            printf("round %d: pause %ld ms, fork says %s\n", i, pause_ms(snap_a), out);
+            long c1 = counter(d, f1);
+            vt_run_for(300);
+            REQUIRE(counter(d, f1) > c1);
+            destroy(d, f1);
+            REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0);
+        }
+        destroy(d, src);
+        sp_driver_destroy(d);
+        return 0;
+    }
     /* refused at once: no VM, bad ids, an unknown snapshot */
     REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 &&
             e.code == SP_ENOTFOUND);
