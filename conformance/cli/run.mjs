@@ -11,7 +11,8 @@
 //   template/create       `template create` from an e2b.Dockerfile, with a start and ready
 //                         command and a size; the build's log printed; a sandbox of it has
 //                         the Dockerfile's file and env and the start command's process
-//   template/list-json    `template list -f json` shows it with its size
+//   template/list-json    `template list -f json` shows it with its size, also with only
+//                         E2B_ACCESS_TOKEN set (then the CLI sends no X-API-KEY)
 //   sandbox/list          `sandbox list -m` (metadata filter), as JSON and as the table
 //   sandbox/connect       `sandbox connect` in a tmux pane: a command typed there writes a
 //                         file the SDK then reads, and its output shows in the pane
@@ -86,12 +87,14 @@ delete CLI_ENV.E2B_TEAM_ID
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
 /** Runs the CLI to its end: {code, out, err}. Its output is echoed, indented, as it comes. */
-function cli(args, { cwd = WORK, timeoutMs = 120_000, echo = true } = {}) {
+function cli(args, { cwd = WORK, timeoutMs = 120_000, echo = true, unset = [] } = {}) {
   return new Promise((resolve, reject) => {
-    if (echo) console.log(`    $ e2b ${args.join(' ')}`)
+    const env = { ...CLI_ENV }
+    for (const k of unset) delete env[k]
+    if (echo) console.log(`    $ ${unset.map((k) => `env -u ${k} `).join('')}e2b ${args.join(' ')}`)
     const p = spawn(process.execPath, [CLI, ...args], {
       cwd,
-      env: CLI_ENV,
+      env,
       stdio: ['ignore', 'pipe', 'pipe'],
     })
     let out = ''
@@ -247,6 +250,15 @@ scenario(
     assert.ok((t.aliases || []).includes(NAME), `aliases ${JSON.stringify(t.aliases)}`)
     assert.equal(t.cpuCount, 1, 'cpuCount')
     assert.equal(t.memoryMB, 256, 'memoryMB')
+    // With the access token alone (no API key: the CLI sends only Authorization: Bearer),
+    // as E2B's template routes allow.
+    const tok = await cli(['template', 'list', '-f', 'json'], { unset: ['E2B_API_KEY'], echo: false })
+    expectExit(tok, 0, 'template list with only E2B_ACCESS_TOKEN')
+    const viaToken = jsonOut(tok, 'template list with only E2B_ACCESS_TOKEN')
+    assert.ok(
+      viaToken.some((x) => x.templateID === NAME),
+      `${NAME} not listed with only E2B_ACCESS_TOKEN`
+    )
     // The table form too (what a user sees by default).
     const p = await cli(['template', 'list'], { echo: false })
     expectExit(p, 0, 'template list (table)')
