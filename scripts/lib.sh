@@ -27,7 +27,8 @@ SPACE_TEST_PKGS+=(python3-ipykernel python3-jupyter-client python3-numpy python3
 SPACE_TEST_PKGS+=(python3-dateutil python3-wcmatch python3-protobuf python3-h2 python3-attr
   python3-packaging python3-typing-extensions python3-rich python3-anyio python3-sniffio
   python3-h11 python3-certifi python3-idna)
-# spacectl's end-to-end test drives its interactive shell in a tmux pane (cli/tests).
+# spacectl's end-to-end test drives its interactive shell in a tmux pane (cli/tests), and
+# conformance/cli drives the E2B CLI's `sandbox connect` in one.
 SPACE_TEST_PKGS+=(tmux)
 # Node.js and npm run the JS conformance suite (conformance/js). Debian's packages only when
 # the commands are missing: a Node installed another way ships its own npm, which Debian's
