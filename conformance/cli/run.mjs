@@ -212,7 +212,10 @@ scenario(
     assert.match(all, /Found .*e2b\.Dockerfile/, 'the CLI did not pick up e2b.Dockerfile')
     // The build's own log, streamed by the SDK's logger: the RUN step's output (its
     // arithmetic expanded, so not merely an echo of the command line).
-    assert.ok(all.includes(`step-output-42-${RUN_ID}`), "the build's log lacks the RUN step's output")
+    assert.ok(
+      all.includes(`step-output-42-${RUN_ID}`),
+      "the build's log lacks the RUN step's output"
+    )
     // (The SDK's logger keeps its own start and end entries off the screen.)
     assert.match(all, /Building sandbox template .* finished/, 'no success message')
 
@@ -252,7 +255,10 @@ scenario(
     assert.equal(t.memoryMB, 256, 'memoryMB')
     // With the access token alone (no API key: the CLI sends only Authorization: Bearer),
     // as E2B's template routes allow.
-    const tok = await cli(['template', 'list', '-f', 'json'], { unset: ['E2B_API_KEY'], echo: false })
+    const tok = await cli(['template', 'list', '-f', 'json'], {
+      unset: ['E2B_API_KEY'],
+      echo: false,
+    })
     expectExit(tok, 0, 'template list with only E2B_ACCESS_TOKEN')
     const viaToken = jsonOut(tok, 'template list with only E2B_ACCESS_TOKEN')
     assert.ok(
@@ -304,7 +310,7 @@ scenario(
     // The pane runs the CLI, then says how it ended and stays for capture-pane.
     const script = join(WORK, 'connect.sh')
     const exports = Object.entries(CLI_ENV)
-      .filter(([k]) => /^(E2B_|HOME$|XDG_|NO_COLOR$|FORCE_COLOR$|NODE_|SSL_CERT_FILE$|PATH$)/.test(k))
+      .filter(([k]) => /^(E2B_|HOME$|XDG_|NO_COLOR$|FORCE_COLOR$|NODE_|SSL_CERT_|PATH$)/.test(k))
       .map(([k, v]) => `export ${k}='${String(v).replace(/'/g, "'\\''")}'`)
     writeFileSync(
       script,
@@ -420,7 +426,9 @@ scenario(
 
 const filters = process.argv.slice(2)
 if (process.env.CONFORMANCE_FILTER) filters.push(...process.env.CONFORMANCE_FILTER.split(','))
-const selected = scenarios.filter((s) => filters.length === 0 || filters.some((f) => s.name.includes(f)))
+const selected = scenarios.filter(
+  (s) => filters.length === 0 || filters.some((f) => s.name.includes(f))
+)
 
 process.on('unhandledRejection', (e) => {
   if (process.env.CONFORMANCE_VERBOSE) console.error(`(late rejection: ${e?.message ?? e})`)
@@ -434,12 +442,16 @@ function withDeadline(p, ms) {
   return Promise.race([p, deadline]).finally(() => clearTimeout(t))
 }
 
-const cliVersion = spawnSync(process.execPath, [CLI, '--version'], { env: CLI_ENV, encoding: 'utf8' })
+const cliVersion = spawnSync(process.execPath, [CLI, '--version'], {
+  env: CLI_ENV,
+  encoding: 'utf8',
+})
 const base = process.env.E2B_SANDBOX_URL
   ? `sandbox URL ${process.env.E2B_SANDBOX_URL}`
   : `domain ${process.env.E2B_DOMAIN}`
 console.log(
-  `e2b CLI ${cliVersion.stdout.trim()} conformance: API ${process.env.E2B_API_URL || '(from domain)'}, ` +
+  `e2b CLI ${cliVersion.stdout.trim()} conformance: ` +
+    `API ${process.env.E2B_API_URL || '(from domain)'}, ` +
     `${base}, run ${RUN_ID}`
 )
 

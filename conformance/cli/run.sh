@@ -16,7 +16,8 @@ fi
 # The CLI declares engines.node >=20; the SDK it is checked with, 20.18.1.
 if ! node -e 'const [a,b,c]=process.versions.node.split(".").map(Number);
   process.exit(a>20||(a===20&&(b>18||(b===18&&c>=1)))?0:1)'; then
-  echo "conformance.cli: SKIP: node $(node --version) is too old, the pinned packages need 20.18.1 or later" >&2
+  echo "conformance.cli: SKIP: node $(node --version) is too old," \
+    "the pinned packages need 20.18.1 or later" >&2
   exit 77
 fi
 if ! command -v tmux >/dev/null; then
@@ -32,7 +33,8 @@ if [ "${CONFORMANCE_SKIP_INSTALL:-0}" != 1 ]; then
   if ! npm ci --prefer-offline --no-audit --no-fund --loglevel=error >"$log" 2>&1; then
     cat "$log" >&2
     rm -f "$log"
-    echo "conformance.cli: SKIP: npm ci could not install the pinned CLI (no registry and no cache?)" >&2
+    echo "conformance.cli: SKIP: npm ci could not install the pinned CLI" \
+      "(no registry and no cache?)" >&2
     exit 77
   fi
   rm -f "$log"
