@@ -1,12 +1,13 @@
 """Runs an E2B SDK conformance suite against a local spaced on real microVMs.
 
-    conformance/run_local.py js|python [FILTER...]
+    conformance/run_local.py js|python|cli [FILTER...]
 
 Starts a private PostgreSQL and the shipped spaced on SP_TEST_DATA_DIR (a data dir with
 built `base` and `code-interpreter-v1` templates, like the e2e suites), creates an API key,
 points the suite at the server the way a user would (E2B_API_URL = E2B_SANDBOX_URL = the
 listener, E2B_API_KEY, and spaced's CA for the code interpreter's https://49999-<id>.<domain>),
-runs conformance/<sdk>/run.sh and stops everything again. Exit status is the suite's;
+runs conformance/<sdk>/run.sh (cli: the E2B CLI, with E2B_ACCESS_TOKEN = the API key) and
+stops everything again. Exit status is the suite's;
 77 (skip) with the reason on stderr when it cannot run here.
 
 Environment: SPACED (the binary; ctest sets it), SP_TEST_DATA_DIR, SP_TEST_KEEP=1 (keep
@@ -32,13 +33,13 @@ def skip(why):
 
 
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("js", "python"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("js", "python", "cli"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     sdk, filters = sys.argv[1], sys.argv[2:]
     data = os.environ.get("SP_TEST_DATA_DIR")
     binary = os.environ.get("SPACED")
-    if sdk == "js" and (shutil.which("node") is None or shutil.which("npm") is None):
+    if sdk in ("js", "cli") and (shutil.which("node") is None or shutil.which("npm") is None):
         skip("node and npm are not installed (scripts/lib.sh installs them)")
     if sdk == "python":
         # The pinned SDKs beside the project (../shared/pysdk, importable by Debian's
@@ -55,7 +56,8 @@ def main():
         skip("SPACED does not name the spaced binary")
     if data is None or not os.path.exists(os.path.join(data, "templates", "base", "current")):
         skip("SP_TEST_DATA_DIR has no built base template (ctest's e2e.template makes one)")
-    if not os.path.exists(os.path.join(data, "templates", "code-interpreter-v1", "current")):
+    if sdk != "cli" and not os.path.exists(
+            os.path.join(data, "templates", "code-interpreter-v1", "current")):
         # Not a skip: the code_interpreter scenarios run and fail on the missing template.
         print("conformance: note: SP_TEST_DATA_DIR has no built code-interpreter-v1 template, "
               "the code_interpreter scenarios will fail (spaced template build "
@@ -89,6 +91,9 @@ def main():
             env["E2B_DOMAIN"] = "space.localhost:%d" % s.port
         else:
             env["E2B_SANDBOX_URL"] = url
+        if sdk == "cli":
+            # The CLI's template commands insist on an access token; space takes the key.
+            env["E2B_ACCESS_TOKEN"] = s.key
         print("conformance: spaced on %s (log %s)" % (url, s.log_path), flush=True)
         rc = subprocess.call([os.path.join(HERE, sdk, "run.sh")] + filters, env=env)
         if rc not in (0, SKIP):

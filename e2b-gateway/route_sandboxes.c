@@ -1066,8 +1066,18 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
         return;
     }
     const char *key = sp_http_header(req, "x-api-key");
+    if ((key == NULL || key[0] == '\0') && r->route == R_TEMPLATES) {
+        /* E2B's template routes also take an access token, which is all the CLI sends for
+         * `template list`/`delete` with no API key set; here a team's API key is its access
+         * token. Sandbox routes keep to X-API-Key, as E2B's do. */
+        const char *a = sp_http_header(req, "authorization");
+        if (a != NULL && strncasecmp(a, "Bearer ", 7) == 0)
+            key = a + 7;
+    }
     if (key == NULL || key[0] == '\0') {
-        sp_e2b__error(req, 401, "missing X-API-Key");
+        sp_e2b__error(req, 401,
+                      r->route == R_TEMPLATES ? "missing X-API-Key or Authorization: Bearer"
+                                              : "missing X-API-Key");
         return;
     }
     sp_http_hold_t *h = sp_http_hold(req, sizeof(ctl_t));

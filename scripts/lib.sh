@@ -29,7 +29,8 @@ SPACE_TEST_PKGS+=(python3-dateutil python3-wcmatch python3-protobuf python3-h2 p
   python3-h11 python3-certifi python3-idna)
 # bench/api_bench.py drives the API's reads with wrk (pgbench comes with postgresql-contrib).
 SPACE_TEST_PKGS+=(wrk)
-# spacectl's end-to-end test drives its interactive shell in a tmux pane (cli/tests).
+# spacectl's end-to-end test drives its interactive shell in a tmux pane (cli/tests), and
+# conformance/cli drives the E2B CLI's `sandbox connect` in one.
 SPACE_TEST_PKGS+=(tmux)
 # Node.js and npm run the JS conformance suite (conformance/js). Debian's packages only when
 # the commands are missing: a Node installed another way ships its own npm, which Debian's

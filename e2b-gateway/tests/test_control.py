@@ -459,6 +459,16 @@ class E2BControlTest(PlatformTest):
         # a native Bearer key is not an E2B key header
         st, body = self.s.request("GET", "/v2/sandboxes", key=self.key)
         self.assertError((st, body), 401)
+        # ... but on template routes E2B also takes an access token (Authorization: Bearer),
+        # all the CLI sends for `template list`/`delete` without an API key: the team's key
+        st, body = self.s.request("GET", "/templates", key=self.key)
+        self.assertEqual(st, 200, body)
+        self.assertIn("base", [t["templateID"] for t in body])
+        self.assertError(self.s.request("GET", "/templates", key="e2b_not_a_key"), 401)
+        self.assertError(self.req("GET", "/templates", key=""), 401)
+        # X-API-Key first when both are sent (the CLI sends both when both are set)
+        st, body = self.req("GET", "/templates", headers={"Authorization": "Bearer nonsense"})
+        self.assertEqual(st, 200, body)
 
     def test_bad_bodies(self):
         self.assertError(self.req("POST", "/sandboxes", raw=b"{not json",
