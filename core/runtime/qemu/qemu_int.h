@@ -176,7 +176,7 @@ struct tsnap {
     char dir[PATH_MAX]; /* the committed directory */
     char tmp[PATH_MAX]; /* where the builder works: <vms>/.tsnap-<key>-<pid> (short paths for
                          * its unix sockets; no sandbox id starts with '.') */
-    char template_name[128];
+    char template_name[160]; /* "name" or "name@hash" (a tagged version) */
     int state;
     uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
     uint64_t start_ms;
@@ -195,7 +195,7 @@ struct vm {
     bool adopted;
     /* boot inputs (NULL once QEMU is started) */
     sp_tmplbuild_paths_t *tp;
-    char template_name[128];
+    char template_name[160]; /* "name" or "name@hash" (a tagged version) */
     char *hostname;
     char *env_json;
     int cpu_count;
@@ -279,7 +279,7 @@ struct vm {
 struct poolwant {
     struct poolwant *next; /* most recently used first */
     char key[17];
-    char template_name[128];
+    char template_name[160]; /* "name" or "name@hash" (a tagged version) */
     sp_tmplbuild_paths_t tp;
     int cpu_count, memory_mb;
     uint64_t disk_total;
