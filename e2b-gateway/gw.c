@@ -90,7 +90,9 @@ bool sp_e2b__is_control_path(h2o_req_t *req)
     return path_is(req, "/sandboxes") || path_starts(req, "/sandboxes/") ||
            path_starts(req, "/v2/sandboxes") || path_is(req, "/snapshots") ||
            path_starts(req, "/templates") || path_starts(req, "/v2/templates") ||
-           path_starts(req, "/v3/templates") || path_starts(req, "/upload/template-files/");
+           path_starts(req, "/v3/templates") || path_starts(req, "/upload/template-files/") ||
+           path_is(req, "/volumes") || path_starts(req, "/volumes/") ||
+           path_starts(req, "/volumecontent/"); /* 501: route_sandboxes.c */
 }
 
 /*

@@ -1054,6 +1054,12 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
         r = method == CTL_POST || (method == CTL_DELETE && n == 2 && strcmp(segs[1], "tags") == 0)
                 ? &tpl_body /* DELETE /templates/tags: {"name", "tags"} */
                 : &tpl_get;
+    if (r == NULL && n >= 1 &&
+        (strcmp(segs[0], "volumes") == 0 || strcmp(segs[0], "volumecontent") == 0)) {
+        /* E2B's Volume API (control and content): not on this server yet, said plainly */
+        sp_e2b__error(req, 501, "volumes are not supported by this server");
+        return;
+    }
     if (r == NULL) {
         if (known)
             sp_e2b__error(req, 405, "method not allowed on this path");

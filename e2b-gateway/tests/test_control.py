@@ -452,6 +452,15 @@ class E2BControlTest(PlatformTest):
 
     # ---- errors ----
 
+    def test_volumes_unsupported(self):
+        # E2B's Volume API, control and content, answers a clear 501 (not a bare 404)
+        for method, path in (("POST", "/volumes"), ("GET", "/volumes"),
+                             ("GET", "/volumes/vol-1"), ("DELETE", "/volumes/vol-1"),
+                             ("GET", "/volumecontent/vol-1/file?path=/a.txt")):
+            st, body = self.req(method, path, {} if method == "POST" else None)
+            self.assertEqual(st, 501, (method, path, body))
+            self.assertIn("volumes are not supported", body["message"])
+
     def test_auth_errors(self):
         self.assertError(self.req("GET", "/v2/sandboxes", key=""), 401)
         self.assertError(self.req("GET", "/v2/sandboxes", key="e2b_not_a_key"), 401)
