@@ -77,9 +77,10 @@ static void test_every_instruction(void)
 /* FROM a container image: the reference, no parent template; a name alone is a template. */
 static void test_from_image(void)
 {
-    static const char *const refs[] = {"python:3.12", "127.0.0.1:5000/img", "docker.io/library/debian",
-                                       "ghcr.io/org/app@sha256:"
-                                       "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"};
+    static const char *const refs[] = {
+        "python:3.12", "127.0.0.1:5000/img", "docker.io/library/debian",
+        ("ghcr.io/org/app@sha256:"
+         "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")};
     for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
         char text[300];
         snprintf(text, sizeof text, "FROM %s AS b\nRUN true\n", refs[i]);
