@@ -990,16 +990,9 @@ int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char 
     return 0;
 }
 
-struct delreq {
-    sp_tmpl_t *t;
-    char name[65];
-    sp_svc_done_cb cb;
-    void *arg;
-};
-
 static void on_deleted(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct delreq *q = rec;
+    struct sp_tmpl__namereq *q = rec;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
     if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0') {
@@ -1029,7 +1022,7 @@ int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_do
             return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
                               o->id);
     const char *p[] = {name, a->team_id};
-    struct delreq *q = sp_store_call(
+    struct sp_tmpl__namereq *q = sp_store_call(
         t->store,
         "WITH d AS (UPDATE templates SET deleted_at = now(), status = 'deleted',"
         "  updated_at = now() WHERE name = $1 AND team_id = $2 AND deleted_at IS NULL"

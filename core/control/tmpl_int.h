@@ -137,6 +137,14 @@ struct sp_tmpl {
     uint64_t image_max;
 };
 
+/* A request about a template's name answered with done or an error (delete, tags delete). */
+struct sp_tmpl__namereq {
+    sp_tmpl_t *t;
+    char name[65];
+    sp_svc_done_cb cb;
+    void *arg;
+};
+
 /* ---- tmpl.c ---- */
 
 /* Copies src (NULL: "") into dst, cut to cap - 1 bytes. */

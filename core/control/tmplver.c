@@ -384,16 +384,9 @@ int sp_tmpl_tags_set(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const j
     return 0;
 }
 
-struct untagreq {
-    sp_tmpl_t *t;
-    char name[65];
-    sp_svc_done_cb cb;
-    void *arg;
-};
-
 static void on_untagged(void *rec, PGresult *res, const sp_err_t *err)
 {
-    struct untagreq *q = rec;
+    struct sp_tmpl__namereq *q = rec;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
     if (why == NULL && PQgetvalue(res, 0, 0)[0] != 't')
@@ -432,7 +425,7 @@ int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, cons
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     const char *p[] = {name, a->team_id, tj};
     /* all or nothing: a tag that does not exist deletes none */
-    struct untagreq *q = sp_store_call(
+    struct sp_tmpl__namereq *q = sp_store_call(
         t->store,
         "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
         "  AND deleted_at IS NULL),"
