@@ -66,6 +66,8 @@ struct ctl {
 void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj /* stolen */);
 void sp_e2b__ctl_fail(ctl_t *c, int status, const char *msg);
 void sp_e2b__ctl_fail_err(ctl_t *c, const sp_err_t *err);
+/* An sp_svc_done_cb with arg a ctl_t: 204 on success, else the error. */
+void sp_e2b__ctl_done(void *arg, const sp_err_t *err);
 
 /* Waits for op to finish (or the longest wait), then next(c, op); errors answered here. */
 void sp_e2b__ctl_wait(ctl_t *c, const sp_op_rec_t *op, ctl_op_fn next);

@@ -78,6 +78,15 @@ void sp_e2b__ctl_fail_err(ctl_t *c, const sp_err_t *err)
     sp_e2b__ctl_fail(c, sp_err_http_status(err->code), err->msg);
 }
 
+void sp_e2b__ctl_done(void *arg, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL)
+        sp_e2b__ctl_fail_err(c, err);
+    else
+        sp_e2b__ctl_reply(c, 204, NULL);
+}
+
 /* ---- rendering ---- */
 
 const char *sp_e2b__state(const sp_sandbox_rec_t *sb)

@@ -173,15 +173,6 @@ void sp_e2b__snapshot_list(ctl_t *c, h2o_req_t *req)
 
 /* ---- DELETE /templates/{snapshotID} ---- */
 
-static void on_deleted(void *arg, const sp_err_t *err)
-{
-    ctl_t *c = arg;
-    if (err != NULL)
-        sp_e2b__ctl_fail_err(c, err);
-    else
-        sp_e2b__ctl_reply(c, 204, NULL);
-}
-
 static void on_named(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
                      const sp_err_t *err)
 {
@@ -190,7 +181,7 @@ static void on_named(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
     (void)op;
     if (err != NULL)
         sp_e2b__ctl_fail_err(c, err);
-    else if (sp_snap_delete(c->gw->snap, &c->auth, r->id, on_deleted, c, &e) < 0)
+    else if (sp_snap_delete(c->gw->snap, &c->auth, r->id, sp_e2b__ctl_done, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
 }
 
@@ -200,7 +191,7 @@ void sp_e2b__snapshot_delete(ctl_t *c, const char *id, const char *name)
     sp_snap_t *s = snap_of(c);
     if (s == NULL)
         return;
-    if (id[0] != '\0' ? sp_snap_delete(s, &c->auth, id, on_deleted, c, &e) < 0
+    if (id[0] != '\0' ? sp_snap_delete(s, &c->auth, id, sp_e2b__ctl_done, c, &e) < 0
                       : sp_snap_get(s, &c->auth, NULL, name, on_named, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
 }

@@ -715,15 +715,6 @@ static void assign_tags(ctl_t *c)
     }
 }
 
-static void on_untagged(void *arg, const sp_err_t *err)
-{
-    ctl_t *c = arg;
-    if (err != NULL)
-        sp_e2b__ctl_fail_err(c, err);
-    else
-        sp_e2b__ctl_reply(c, 204, NULL);
-}
-
 /* DELETE /templates/tags {"name", "tags"}: a name with a tag, or "default", is a 400. */
 static void remove_tags(ctl_t *c)
 {
@@ -741,7 +732,7 @@ static void remove_tags(ctl_t *c)
     }
     sp_err_t e;
     if (tmpl_of(c) != NULL &&
-        sp_tmpl_tags_delete(c->gw->tmpl, &c->auth, alias, given, on_untagged, c, &e) < 0)
+        sp_tmpl_tags_delete(c->gw->tmpl, &c->auth, alias, given, sp_e2b__ctl_done, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
 }
 
@@ -776,15 +767,6 @@ static void get_tags(ctl_t *c, const char *id)
     else if (tmpl_of(c) != NULL &&
              sp_tmpl_versions(c->gw->tmpl, &c->auth, alias, on_tags, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
-}
-
-static void on_deleted(void *arg, const sp_err_t *err)
-{
-    ctl_t *c = arg;
-    if (err != NULL)
-        sp_e2b__ctl_fail_err(c, err);
-    else
-        sp_e2b__ctl_reply(c, 204, NULL);
 }
 
 static void on_list(void *arg, const sp_template_rec_t *recs, size_t n, const sp_err_t *err)
@@ -885,7 +867,7 @@ void sp_e2b__route_templates(ctl_t *c, h2o_req_t *req)
         if (!e2b_name(s[1], name, why, sizeof why))
             sp_e2b__ctl_fail(c, 404, "template not found");
         else if (tmpl_of(c) != NULL &&
-                 sp_tmpl_delete(c->gw->tmpl, &c->auth, name, on_deleted, c, &e) < 0)
+                 sp_tmpl_delete(c->gw->tmpl, &c->auth, name, sp_e2b__ctl_done, c, &e) < 0)
             sp_e2b__ctl_fail_err(c, &e);
     } else {
         sp_e2b__ctl_fail(c, 501,

@@ -1,0 +1,519 @@
+/*
+ * tmplver.c - a template's versions and tags (tmpl.h): the `current` link that follows the
+ * default tag, moving and removing tags, listing versions, and collecting the versions nothing
+ * uses (no tag, no sandbox, no snapshot, no child template, nothing in the runtime) from disk
+ * and their rows.
+ *
+ * Not here: building versions (tmplrun.c), the requests and records of builds (tmpl.c).
+ */
+#include "core/control/tmpl.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/log.h"
+#include "core/control/tmpl_int.h"
+#include "guest/tmplbuild.h"
+
+static int fsync_dir(const char *p)
+{
+    int fd = open(p, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* Points <name>/current at hash (symlink then rename: atomic). */
+int sp_tmpl__set_current(const sp_tmpl_t *t, const char *name, const char *hash)
+{
+    char cur[PATH_MAX], tmp[PATH_MAX], dir[PATH_MAX];
+    if (sp_tmpl__pathf(dir, sizeof dir, "%s/templates/%s", t->data_dir, name) < 0 ||
+        sp_tmpl__pathf(cur, sizeof cur, "%s/current", dir) < 0 ||
+        sp_tmpl__pathf(tmp, sizeof tmp, "%s/.current-%d", dir, (int)getpid()) < 0)
+        return -1;
+    if (hash == NULL || hash[0] == '\0')
+        return unlink(cur) < 0 && errno != ENOENT ? -1 : fsync_dir(dir);
+    unlink(tmp);
+    if (symlink(hash, tmp) < 0 || rename(tmp, cur) < 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return fsync_dir(dir);
+}
+
+/* ---- versions: which are in use, the others removed ---- */
+
+/* Whether the file at path mentions needle (vm.json files are a few hundred bytes). */
+static bool file_mentions(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return false;
+    char buf[16384];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, needle) != NULL;
+}
+
+/* What the runtime holds of the version dir vdir ("<data>/templates/<name>/<hash>"): a VM
+ * (running, suspended, a spare or a builder) or a sandbox snapshot whose vm.json names a file
+ * in it. Step cache entries (tmplcache.h) naming it are deleted instead: no build will start
+ * from a version that is gone, and the same inputs made again later make new files. */
+static bool runtime_uses(sp_tmpl_t *t, const char *vdir)
+{
+    char needle[PATH_MAX];
+    if (sp_tmpl__pathf(needle, sizeof needle, "%s/", vdir) < 0)
+        return true;
+    static const char *const dirs[] = {"vms", "snapshots"};
+    bool used = false;
+    for (int k = 0; k < 2 && !used; k++) {
+        char dir[PATH_MAX];
+        if (sp_tmpl__pathf(dir, sizeof dir, "%s/%s", t->data_dir, dirs[k]) < 0)
+            return true;
+        DIR *d = opendir(dir);
+        if (d == NULL) {
+            if (errno != ENOENT)
+                return true;
+            continue;
+        }
+        struct dirent *de;
+        while (!used && (de = readdir(d)) != NULL) {
+            char p[PATH_MAX];
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0 ||
+                sp_tmpl__pathf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name) < 0 ||
+                !file_mentions(p, needle))
+                continue;
+            sp_err_t e;
+            if (k == 1 && strncmp(de->d_name, "bc-", 3) == 0 && t->driver != NULL &&
+                t->driver->ops->checkpoint_delete != NULL &&
+                t->driver->ops->checkpoint_delete(t->driver, de->d_name, &e) == 0)
+                continue;
+            used = true;
+        }
+        closedir(d);
+    }
+    return used;
+}
+
+/* Whether a version of any template on disk was built on name's version hash (its rootfs is
+ * a layer over the parent's). */
+static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
+{
+    char tdir[PATH_MAX];
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
+        return true;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return true;
+    bool used = false;
+    struct dirent *de;
+    while (!used && (de = readdir(d)) != NULL) {
+        char p[PATH_MAX];
+        if (de->d_name[0] == '.' || sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, de->d_name) < 0)
+            continue;
+        DIR *vd = opendir(p);
+        struct dirent *ve;
+        while (!used && vd != NULL && (ve = readdir(vd)) != NULL) {
+            char m[PATH_MAX];
+            if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
+                sp_tmpl__pathf(m, sizeof m, "%s/%s/manifest.json", p, ve->d_name) < 0)
+                continue;
+            json_t *man = json_load_file(m, 0, NULL);
+            const char *pn = json_string_value(json_object_get(man, "parent"));
+            const char *ph =
+                json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
+            used = pn != NULL && ph != NULL && strcmp(pn, name) == 0 && strcmp(ph, hash) == 0;
+            json_decref(man);
+        }
+        if (vd != NULL)
+            closedir(vd);
+    }
+    closedir(d);
+    return used;
+}
+
+struct collect {
+    sp_tmpl_t *t;
+    char name[65];
+};
+
+static void on_version_row_deleted(void *rec, PGresult *res, const sp_err_t *err)
+{
+    (void)rec;
+    (void)res;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "tmpl", "version row not deleted err=%s", err->msg);
+}
+
+/* The versions of q->name in use were read (column 0: a version needed by every version, when
+ * sandboxes older than versions use the template; 1: the hashes in use): every other version
+ * on disk that nothing else holds is removed, with its row. */
+static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct collect *q = rec;
+    sp_tmpl_t *t = q->t;
+    if (err != NULL || PQntuples(res) != 1) {
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=%s", q->name,
+               err != NULL ? err->msg : "no answer");
+        return;
+    }
+    if (PQgetvalue(res, 0, 0)[0] == 't')
+        return; /* sandboxes of unknown versions: keep them all */
+    for (struct build *b = t->builds; b != NULL; b = b->next)
+        if (strcmp(b->name, q->name) == 0)
+            return; /* its version is not recorded yet: the next collection */
+    const char *in_use = PQgetvalue(res, 0, 1); /* "{h1,h2}" */
+    char tdir[PATH_MAX], cur[PATH_MAX], target[128] = "";
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates/%s", t->data_dir, q->name) < 0 ||
+        sp_tmpl__pathf(cur, sizeof cur, "%s/current", tdir) < 0)
+        return;
+    ssize_t n = readlink(cur, target, sizeof target - 1);
+    target[n > 0 ? n : 0] = '\0';
+    DIR *d = opendir(tdir);
+    struct dirent *de;
+    int removed = 0;
+    while (d != NULL && (de = readdir(d)) != NULL) {
+        const char *h = de->d_name;
+        char vdir[PATH_MAX];
+        if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+            strstr(in_use, h) != NULL || strcmp(h, target) == 0 ||
+            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0)
+            continue;
+        bool building = false; /* a build of another template on it */
+        for (struct build *b = t->builds; b != NULL; b = b->next)
+            building = building || (strcmp(b->parent, q->name) == 0 && strcmp(b->pp.hash, h) == 0);
+        if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir))
+            continue;
+        sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
+               q->name, h);
+        sp_tmpl__rm_rf(vdir);
+        removed++;
+        const char *p[] = {q->name, h};
+        sp_err_t e;
+        if (sp_store_call(t->store,
+                          "DELETE FROM template_versions v WHERE template = $1 AND hash = $2"
+                          " AND NOT EXISTS (SELECT 1 FROM template_tags g"
+                          "  WHERE g.template = $1 AND g.hash = $2)",
+                          2, p, 1, on_version_row_deleted, &e) == NULL)
+            sp_log(SP_LOG_WARN, "tmpl", "version row not deleted template=%s err=%s", q->name,
+                   e.msg);
+    }
+    if (d != NULL)
+        closedir(d);
+    if (removed > 0)
+        sp_log(SP_LOG_INFO, "tmpl", "template versions collected template=%s removed=%d", q->name,
+               removed);
+}
+
+/* Removes name's versions nothing uses (tmpl.h: versions). Asynchronous; logged. */
+void sp_tmpl__collect(sp_tmpl_t *t, const char *name)
+{
+    const char *p[] = {name};
+    sp_err_t e;
+    struct collect *q = sp_store_call(
+        t->store,
+        "SELECT EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"
+        "  AND s.observed_state <> 'deleted' AND s.template_version IS NULL"
+        "  AND s.snapshot_id IS NULL),"
+        " coalesce(array_agg(DISTINCT h), '{}')::text FROM ("
+        "  SELECT hash AS h FROM template_tags WHERE template = $1"
+        "  UNION ALL SELECT template_version FROM sandboxes WHERE template = $1"
+        "   AND observed_state <> 'deleted' AND template_version IS NOT NULL"
+        "  UNION ALL SELECT x.template_version FROM snapshots n JOIN sandboxes x"
+        "   ON x.id = n.sandbox_id WHERE n.template = $1 AND n.deleted_at IS NULL"
+        "   AND x.template_version IS NOT NULL) u"
+        " WHERE EXISTS (SELECT 1 FROM templates WHERE name = $1 AND team_id IS NOT NULL)",
+        1, p, sizeof(*q), on_in_use, &e);
+    if (q == NULL) {
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=%s", name,
+               e.msg);
+        return;
+    }
+    q->t = t;
+    sp_tmpl__copy(q->name, sizeof q->name, name);
+}
+
+static void on_team_templates(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_tmpl_t *t = *(sp_tmpl_t **)rec;
+    if (err != NULL)
+        return;
+    for (int i = 0; i < PQntuples(res); i++)
+        sp_tmpl__collect(t, PQgetvalue(res, i, 0));
+}
+
+int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
+{
+    void *rec = sp_store_call(t->store, "SELECT name FROM templates WHERE team_id IS NOT NULL", 0,
+                              NULL, sizeof(sp_tmpl_t *), on_team_templates, err);
+    if (rec == NULL)
+        return -1;
+    *(sp_tmpl_t **)rec = t;
+    return 0;
+}
+
+/* ---- tags ---- */
+
+/* A tag's answer: the tag's row, or why not (columns: error code, message). */
+struct tagreq {
+    sp_tmpl_t *t;
+    char name[65];
+    bool is_default; /* `current` follows the default tag */
+    sp_tmpl_tag_cb cb;
+    void *arg;
+};
+
+static void on_tag_set(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct tagreq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] != '\0') {
+        const char *code = PQgetvalue(res, 0, 0);
+        sp_err_set(&e, strcmp(code, "conflict") == 0 ? SP_ECONFLICT : SP_ENOTFOUND, "%s",
+                   PQgetvalue(res, 0, 1));
+        why = &e;
+    }
+    if (why != NULL) {
+        q->cb(q->arg, NULL, why);
+        return;
+    }
+    sp_tmpl_tag_rec_t r;
+    memset(&r, 0, sizeof r);
+    sp_tmpl__copy(r.template_name, sizeof r.template_name, q->name);
+    SP_STORE_TEXT(res, 0, 2, r.hash);
+    SP_STORE_TEXT(res, 0, 3, r.build_id);
+    SP_STORE_TEXT(res, 0, 4, r.created_at);
+    if (q->is_default && sp_tmpl__set_current(q->t, q->name, r.hash) < 0)
+        sp_log(SP_LOG_ERROR, "tmpl", "cannot point current at the default tag template=%s",
+               q->name);
+    sp_tmpl__collect(q->t, q->name);
+    q->cb(q->arg, &r, NULL);
+}
+
+int sp_tmpl_tags_set(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                     const char *version, const char *from_tag, sp_tmpl_tag_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template '%.64s' not found", name);
+    if (!json_is_array(tags) || json_array_size(tags) == 0 ||
+        json_array_size(tags) > SP_TMPL_TAGS_MAX)
+        return sp_err_set(err, SP_EINVAL, "tags must be 1 to %d tags", SP_TMPL_TAGS_MAX);
+    bool is_default = false;
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v)
+    {
+        if (!json_is_string(v) || !sp_tmpl_valid_tag(json_string_value(v)))
+            return sp_err_set(err, SP_EINVAL, "bad tag '%.64s': 1 to %d of [a-z0-9._-], not a UUID",
+                              json_is_string(v) ? json_string_value(v) : "", SP_TMPL_TAG_MAX);
+        is_default = is_default || strcmp(json_string_value(v), "default") == 0;
+    }
+    if ((version == NULL) == (from_tag == NULL))
+        return sp_err_set(err, SP_EINVAL, "give either version or from_tag");
+    if (version != NULL && (strlen(version) < 8 || strlen(version) > SP_TMPLBUILD_HASH_LEN ||
+                            strspn(version, "0123456789abcdef") != strlen(version)))
+        return sp_err_set(err, SP_EINVAL,
+                          "version must be a version's hash (at least 8 of its "
+                          "hex digits)");
+    if (from_tag != NULL && !sp_tmpl_valid_tag(from_tag))
+        return sp_err_set(err, SP_EINVAL, "bad tag '%.64s'", from_tag);
+    for (struct build *o = t->builds; o != NULL; o = o->next)
+        if (strcmp(o->name, name) == 0 && strcmp(o->team, a->team_id) == 0)
+            return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
+                              o->id);
+    char *tj = json_dumps(tags, JSON_COMPACT);
+    if (tj == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {name, a->team_id, version, from_tag, tj, is_default ? "true" : "false"};
+    /* The version: by hash (a unique prefix) or the one from_tag names; then every tag moved to
+     * it, and the templates row follows when the default tag moves. */
+    /* SQL with SP_TMPL__TS between its strings: clang-format would break it apart */
+    /* clang-format off */
+    struct tagreq *q = sp_store_call(
+        t->store,
+        "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
+        "  AND deleted_at IS NULL),"
+        " c AS (SELECT v.* FROM template_versions v, m WHERE v.template = m.name"
+        "  AND (($3::text IS NOT NULL AND v.hash LIKE $3 || '%') OR ($4::text IS NOT NULL"
+        "  AND v.hash = (SELECT hash FROM template_tags WHERE template = $1 AND tag = $4)))),"
+        " ok AS (SELECT * FROM c WHERE (SELECT count(*) FROM c) = 1),"
+        " g AS (INSERT INTO template_tags (template, tag, hash)"
+        "  SELECT ok.template, x, ok.hash FROM ok, jsonb_array_elements_text($5::jsonb) x"
+        "  ON CONFLICT (template, tag) DO UPDATE SET hash = EXCLUDED.hash, created_at = now()"
+        "  RETURNING created_at),"
+        " u AS (UPDATE templates SET build_id = ok.hash, cpu_count = ok.cpu_count,"
+        "  memory_mb = ok.memory_mb, env = ok.env, updated_at = now() FROM ok"
+        "  WHERE $6::bool AND templates.name = ok.template RETURNING 1)"
+        " SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM m) THEN 'notfound'"
+        "  WHEN (SELECT count(*) FROM c) > 1 THEN 'conflict'"
+        "  WHEN NOT EXISTS (SELECT 1 FROM c) THEN 'notfound' ELSE '' END,"
+        "  CASE WHEN NOT EXISTS (SELECT 1 FROM m) THEN format('template ''%s'' not found', $1)"
+        "  WHEN (SELECT count(*) FROM c) > 1 THEN format('version ''%s'' is ambiguous: give more"
+        "  of its digits', $3)"
+        "  WHEN $4::text IS NOT NULL THEN format('tag ''%s'' does not exist for template ''%s''',"
+        "  $4, $1) ELSE format('version ''%s'' of template ''%s'' not found', $3, $1) END,"
+        "  coalesce((SELECT hash FROM ok), ''), coalesce((SELECT build_id FROM ok), ''),"
+        "  coalesce((SELECT " SP_TMPL__TS("max(created_at)") " FROM g), ''),"
+        "  (SELECT count(*) FROM u)",
+        6, p, sizeof(*q), on_tag_set, err);
+    /* clang-format on */
+    free(tj);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    sp_tmpl__copy(q->name, sizeof q->name, name);
+    q->is_default = is_default;
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+static void on_untagged(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct sp_tmpl__namereq *q = rec;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
+    if (why == NULL && PQgetvalue(res, 0, 0)[0] != 't')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "template '%s' not found", q->name), &e);
+    else if (why == NULL && PQgetvalue(res, 0, 1)[0] != '\0')
+        why = (sp_err_set(&e, SP_ENOTFOUND, "tag '%s' does not exist for template '%s'",
+                          PQgetvalue(res, 0, 1), q->name),
+               &e);
+    if (why == NULL)
+        sp_tmpl__collect(q->t, q->name);
+    q->cb(q->arg, why);
+}
+
+int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
+                        sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template '%.64s' not found", name);
+    if (!json_is_array(tags) || json_array_size(tags) == 0 ||
+        json_array_size(tags) > SP_TMPL_TAGS_MAX)
+        return sp_err_set(err, SP_EINVAL, "tags must be 1 to %d tags", SP_TMPL_TAGS_MAX);
+    size_t i;
+    json_t *v;
+    json_array_foreach(tags, i, v)
+    {
+        if (!json_is_string(v) || !sp_tmpl_valid_tag(json_string_value(v)))
+            return sp_err_set(err, SP_EINVAL, "bad tag '%.64s'",
+                              json_is_string(v) ? json_string_value(v) : "");
+        if (strcmp(json_string_value(v), "default") == 0)
+            return sp_err_set(err, SP_EINVAL,
+                              "the default tag cannot be removed (move it, or delete the "
+                              "template)");
+    }
+    char *tj = json_dumps(tags, JSON_COMPACT);
+    if (tj == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    const char *p[] = {name, a->team_id, tj};
+    /* all or nothing: a tag that does not exist deletes none */
+    struct sp_tmpl__namereq *q = sp_store_call(
+        t->store,
+        "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
+        "  AND deleted_at IS NULL),"
+        " w AS (SELECT x AS tag FROM jsonb_array_elements_text($3::jsonb) x),"
+        " miss AS (SELECT min(tag) AS tag FROM w WHERE NOT EXISTS (SELECT 1 FROM template_tags g"
+        "  WHERE g.template = $1 AND g.tag = w.tag)),"
+        " d AS (DELETE FROM template_tags g USING m WHERE g.template = m.name"
+        "  AND g.tag IN (SELECT tag FROM w) AND (SELECT tag FROM miss) IS NULL RETURNING 1)"
+        " SELECT EXISTS (SELECT 1 FROM m), coalesce((SELECT tag FROM miss), ''),"
+        "  (SELECT count(*) FROM d)",
+        3, p, sizeof(*q), on_untagged, err);
+    free(tj);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    sp_tmpl__copy(q->name, sizeof q->name, name);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+static void on_versions(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *q = rec;
+    sp_tmpl_t *t = q->owner;
+    sp_tmpl_json_cb cb = (sp_tmpl_json_cb)q->cb;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "template not found", &e);
+    json_t *doc = why == NULL ? json_loads(PQgetvalue(res, 0, 0), 0, NULL) : NULL;
+    if (why == NULL && doc == NULL)
+        why = (sp_err_set(&e, SP_EINTERNAL, "bad versions document"), &e);
+    if (why != NULL) {
+        cb(q->arg, NULL, why);
+        return;
+    }
+    /* sizes from disk: the version's own layer (its rootfs.qcow2) */
+    const char *name = json_string_value(json_object_get(doc, "name"));
+    size_t i;
+    json_t *v;
+    json_array_foreach(json_object_get(doc, "versions"), i, v)
+    {
+        const char *h = json_string_value(json_object_get(v, "version"));
+        char p[PATH_MAX];
+        struct stat st;
+        bool on_disk = name != NULL && h != NULL &&
+                       sp_tmpl__pathf(p, sizeof p, "%s/templates/%s/%s/rootfs.qcow2", t->data_dir,
+                                      name, h) == 0 &&
+                       stat(p, &st) == 0;
+        json_object_set_new(v, "size_bytes",
+                            on_disk ? json_integer((json_int_t)st.st_blocks * 512) : json_null());
+        json_object_set_new(v, "on_disk", json_boolean(on_disk));
+    }
+    cb(q->arg, doc, NULL);
+    json_decref(doc);
+}
+
+int sp_tmpl_versions(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_tmpl_json_cb cb,
+                     void *arg, sp_err_t *err)
+{
+    if (!sp_tmplbuild_valid_name(name))
+        return sp_err_set(err, SP_ENOTFOUND, "template not found");
+    const char *p[] = {name, a->team_id};
+    /* SQL with SP_TMPL__TS between its strings: clang-format would break it apart */
+    /* clang-format off */
+    return sp_store_submit(
+        t->store,
+        "SELECT json_build_object('name', m.name,"
+        " 'tags', coalesce((SELECT json_agg(json_build_object('tag', g.tag, 'version', g.hash,"
+        "  'build_id', v.build_id, 'created_at', " SP_TMPL__TS("g.created_at") ")"
+        "  ORDER BY g.tag)"
+        "  FROM template_tags g JOIN template_versions v ON v.template = g.template"
+        "  AND v.hash = g.hash WHERE g.template = m.name), '[]'::json),"
+        " 'versions', coalesce((SELECT json_agg(json_build_object('version', v.hash,"
+        "  'build_id', v.build_id, 'created_at', " SP_TMPL__TS("v.created_at") ","
+        "  'cpu_count', v.cpu_count, 'memory_mb', v.memory_mb,"
+        "  'tags', coalesce((SELECT json_agg(g.tag ORDER BY g.tag) FROM template_tags g"
+        "   WHERE g.template = v.template AND g.hash = v.hash), '[]'::json),"
+        "  'sandboxes', (SELECT count(*) FROM sandboxes s WHERE s.template = v.template"
+        "   AND s.template_version = v.hash AND s.observed_state <> 'deleted'))"
+        "  ORDER BY v.created_at DESC) FROM template_versions v WHERE v.template = m.name),"
+        "  '[]'::json),"
+        " 'builds', coalesce((SELECT json_agg(json_build_object('id', b.id, 'status', b.status,"
+        "  'version', b.hash, 'tags', b.request->'tags',"
+        "  'created_at', " SP_TMPL__TS("b.created_at") ","
+        "  'error', b.error) ORDER BY b.created_at DESC) FROM (SELECT * FROM template_builds b"
+        "  WHERE b.template = m.name AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 20) b),"
+        "  '[]'::json))::text"
+        " FROM templates m WHERE m.name = $1 AND m.team_id = $2 AND m.deleted_at IS NULL",
+        2, p, on_versions, t, (void *)cb, arg, 0, err);
+    /* clang-format on */
+}
