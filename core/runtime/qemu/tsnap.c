@@ -209,7 +209,7 @@ static const char *tsnap_stale(const sp_qemu_t *d, const sp_tmplbuild_paths_t *c
                                const char *name, const char *path)
 {
     if (cur == NULL)
-        return "the template build is no longer current";
+        return "its template version is gone";
     char accel[4], key[17], want[17];
     int mem = 0, cpus = 0, end = 0;
     if (sscanf(name, "snapshot-%3[a-z]-%dM-%dc-%16[0-9a-f]%n", accel, &mem, &cpus, key, &end) !=
@@ -262,6 +262,14 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
             if (strlen(he->d_name) != SP_TMPLBUILD_HASH_LEN)
                 continue;
             bool is_cur = have && strcmp(he->d_name, cur.hash) == 0;
+            /* A version other than the current one may still be created from (a tag names
+             * it; tmpl collects the versions nothing uses, with their snapshots): judged by
+             * its own files. Only the current one's RAM is sealed ahead. */
+            sp_tmplbuild_paths_t ver;
+            char vname[SP_TMPLBUILD_HASH_LEN + 300];
+            sp_qemu__sfmt(vname, sizeof vname, "%s@%s", te->d_name, he->d_name);
+            bool have_ver =
+                !is_cur && sp_tmplbuild_current(d->data_dir, vname, &ver, NULL) == 0;
             char hpath[PATH_MAX];
             sp_qemu__sfmt(hpath, sizeof hpath, "%s/%s", tpath, he->d_name);
             DIR *sd = opendir(hpath);
@@ -271,11 +279,13 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                     continue;
                 char spath[PATH_MAX];
                 sp_qemu__sfmt(spath, sizeof spath, "%s/%s", hpath, se->d_name);
-                const char *why = tsnap_stale(d, is_cur ? &cur : NULL, se->d_name, spath);
+                const char *why = tsnap_stale(d, is_cur ? &cur : have_ver ? &ver : NULL,
+                                              se->d_name, spath);
                 if (why == NULL) {
                     /* current: jailed clones will want its sealed RAM (at driver start,
                      * this is where committed snapshots are found) */
-                    sp_qemu__confine_ram_prepare(d, spath);
+                    if (is_cur)
+                        sp_qemu__confine_ram_prepare(d, spath);
                     continue;
                 }
                 if (sp_qemu__refs_has(&r, spath)) {
