@@ -418,19 +418,20 @@ class TemplateBuildTest(unittest.TestCase):
             time.sleep(0.5)
         else:
             self.fail("the step did not start: %s" % logs(s, "slow", bid))
-        self.assertTrue(os.path.isdir(os.path.join(DATA, "vms", "bld-" + bid)))
+        vm = "bld-" + bid.replace("-", "")[:20]  # the builder's VM id (tmpl.c vm_id_of)
+        self.assertTrue(os.path.isdir(os.path.join(DATA, "vms", vm)))
         s.kill(signal.SIGKILL)
         s.start()
         deadline = time.time() + 60 * MULT
         while time.time() < deadline:
             st, r = s.request("GET", "/v1/templates/slow/builds/" + bid)
             if r["build"]["status"] == "failed" and \
-                    not os.path.exists(os.path.join(DATA, "vms", "bld-" + bid)):
+                    not os.path.exists(os.path.join(DATA, "vms", vm)):
                 break
             time.sleep(0.5)
         self.assertEqual(r["build"]["status"], "failed", r)
         self.assertIn("restarted", r["build"]["error"])
-        self.assertFalse(os.path.exists(os.path.join(DATA, "vms", "bld-" + bid)))
+        self.assertFalse(os.path.exists(os.path.join(DATA, "vms", vm)))
         st, r = s.request("GET", "/v1/templates/slow")
         self.assertEqual((st, r.get("status")), (200, "failed"), r)
         st, r = s.request("POST", "/v1/sandboxes", {"template": "slow"})

@@ -92,9 +92,8 @@
  * beside them made the first command twice as slow). A driver kills the spares it finds at
  * start, and its own at sp_driver_destroy.
  *
- * Template snapshots nobody will clone again (of a template version that is gone: the
- * control plane removes versions no tag or sandbox uses; of a key their version no longer
- * makes, or damaged) are removed at driver
+ * Template snapshots nobody will clone again (of a template build that is no longer
+ * current, of a key the current build no longer makes, or damaged) are removed at driver
  * start (once the accelerator is known) and after each snapshot commit, but only when no
  * sandbox uses them: a clone maps the snapshot's mem.ram, and its suspended delta
  * refers to it, for as long as vm.json names it ("ram_src"), and keeps its disk.qcow2 as

@@ -196,9 +196,15 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
     }
     if (dir != NULL)
         closedir(dir);
-    for (struct vm *v = d->vms; v != NULL; v = v->next)
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
         if (v->clone_src != NULL)
             sp_qemu__refs_add(r, v->clone_src);
+        /* a boot waiting for a snapshot being built (or just built: its clone_src is not
+         * set yet) holds it too, else a snapshot of a version other than the current one
+         * (a tag's) went right after its commit and the boot waited for ever-new builds */
+        if (v->tsnap_wait != NULL && v->tsnap_wait->dir[0] != '\0')
+            sp_qemu__refs_add(r, v->tsnap_wait->dir);
+    }
     sp_qemu__snaps_refs(d, r); /* sandbox snapshots: their RAM base and disk chain */
     return ok && !r->oom;
 }
@@ -209,7 +215,7 @@ static const char *tsnap_stale(const sp_qemu_t *d, const sp_tmplbuild_paths_t *c
                                const char *name, const char *path)
 {
     if (cur == NULL)
-        return "its template version is gone";
+        return "the template build is no longer current";
     char accel[4], key[17], want[17];
     int mem = 0, cpus = 0, end = 0;
     if (sscanf(name, "snapshot-%3[a-z]-%dM-%dc-%16[0-9a-f]%n", accel, &mem, &cpus, key, &end) !=
@@ -262,14 +268,6 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
             if (strlen(he->d_name) != SP_TMPLBUILD_HASH_LEN)
                 continue;
             bool is_cur = have && strcmp(he->d_name, cur.hash) == 0;
-            /* A version other than the current one may still be created from (a tag names
-             * it; tmpl collects the versions nothing uses, with their snapshots): judged by
-             * its own files. Only the current one's RAM is sealed ahead. */
-            sp_tmplbuild_paths_t ver;
-            char vname[SP_TMPLBUILD_HASH_LEN + 300];
-            sp_qemu__sfmt(vname, sizeof vname, "%s@%s", te->d_name, he->d_name);
-            bool have_ver =
-                !is_cur && sp_tmplbuild_current(d->data_dir, vname, &ver, NULL) == 0;
             char hpath[PATH_MAX];
             sp_qemu__sfmt(hpath, sizeof hpath, "%s/%s", tpath, he->d_name);
             DIR *sd = opendir(hpath);
@@ -279,13 +277,11 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                     continue;
                 char spath[PATH_MAX];
                 sp_qemu__sfmt(spath, sizeof spath, "%s/%s", hpath, se->d_name);
-                const char *why = tsnap_stale(d, is_cur ? &cur : have_ver ? &ver : NULL,
-                                              se->d_name, spath);
+                const char *why = tsnap_stale(d, is_cur ? &cur : NULL, se->d_name, spath);
                 if (why == NULL) {
                     /* current: jailed clones will want its sealed RAM (at driver start,
                      * this is where committed snapshots are found) */
-                    if (is_cur)
-                        sp_qemu__confine_ram_prepare(d, spath);
+                    sp_qemu__confine_ram_prepare(d, spath);
                     continue;
                 }
                 if (sp_qemu__refs_has(&r, spath)) {
