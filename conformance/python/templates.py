@@ -169,18 +169,18 @@ def _refused():
 def _tags():
     only_once()
     name = "pytag-" + RUN_ID
-    tpl = Template().from_template("base").run_cmd("echo one-%s > /tmp/v" % RUN_ID)
+    tpl = Template().from_template("base").run_cmd("echo one-%s > /home/user/v" % RUN_ID)
     try:
         info = Template.build(tpl, name + ":v1", tags=["stable"], **SIZE, **API)
         assert set(info.tags) == {"v1", "stable"}, info.tags
         assert Template.exists(name + ":v1", **API)
         assert not Template.exists(name + ":nope", **API)
-        t2 = Template().from_template("base").run_cmd("echo two-%s > /tmp/v" % RUN_ID)
+        t2 = Template().from_template("base").run_cmd("echo two-%s > /home/user/v" % RUN_ID)
         Template.build(t2, name, **SIZE, **API)  # the default tag
         sbx = Sandbox.create(name + ":v1", **API)
         remember(sbx.sandbox_id)
         try:
-            assert sbx.commands.run("cat /tmp/v").stdout == "one-%s\n" % RUN_ID
+            assert sbx.commands.run("cat /home/user/v").stdout == "one-%s\n" % RUN_ID
         finally:
             sbx.kill()
         tag = Template.assign_tags(name + ":v1", "prod", **API)
@@ -189,13 +189,13 @@ def _tags():
         sbx = Sandbox.create(name + ":prod", **API)
         remember(sbx.sandbox_id)
         try:
-            assert sbx.commands.run("cat /tmp/v").stdout == "one-%s\n" % RUN_ID
+            assert sbx.commands.run("cat /home/user/v").stdout == "one-%s\n" % RUN_ID
         finally:
             sbx.kill()
         sbx = Sandbox.create(name, **API)
         remember(sbx.sandbox_id)
         try:
-            assert sbx.commands.run("cat /tmp/v").stdout == "two-%s\n" % RUN_ID
+            assert sbx.commands.run("cat /home/user/v").stdout == "two-%s\n" % RUN_ID
         finally:
             sbx.kill()
         tags = {t.tag for t in Template.get_tags(name, **API)}
