@@ -269,7 +269,7 @@ static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err
         return;
     }
     json_t *body = c->body;
-    char parent[65], why[160];
+    char parent[65] = "", why[160]; /* parent stays "" for an image: "from" is replaced */
     json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
     json_t *from = NULL; /* an image */
     if (json_is_string(ft)) {
