@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -146,6 +147,32 @@ static void clean_leftovers(sp_driver_t *d)
 #define COUNTER                                                                                    \
     "nohup sh -c 'echo $$ > /run/count.pid; i=0; while :; do i=$((i+1)); echo $i > /run/count; sleep 0.1; done' "         \
     ">/dev/null 2>&1 & sleep 0.5; echo started"
+
+struct seen {
+    const char *id;
+    int n;
+    long long t;
+};
+
+static void on_listed(const char *id, long long committed_s, void *arg)
+{
+    struct seen *s = arg;
+    if (strcmp(id, s->id) == 0) {
+        s->n++;
+        s->t = committed_s;
+    }
+}
+
+/* How many times checkpoint_list with prefix names id (0 or 1), checking its commit time. */
+static int listed(sp_driver_t *d, const char *prefix, const char *id)
+{
+    struct seen s = {.id = id};
+    sp_err_t e;
+    REQUIRE(d->ops->checkpoint_list(d, prefix, on_listed, &s, &e) == 0);
+    long long now = (long long)time(NULL);
+    REQUIRE(s.n == 0 || (s.t > now - 3600 && s.t <= now + 1));
+    return s.n;
+}
 
 int main(void)
 {
@@ -302,10 +329,14 @@ int main(void)
     boot_spec(d, f3, snap_b);
     cmd(d, f3, "cat /root/f /root/g", out, sizeof out);
     REQUIRE(strcmp(out, "before\ngen2") == 0);
+    /* listed by prefix: committed ones only, not another prefix's */
+    REQUIRE(listed(d, "snap-", snap_a) == 1 && listed(d, "snap-", snap_b) == 1);
+    REQUIRE(listed(d, "snap-b-", snap_a) == 0 && listed(d, "fk-", snap_b) == 0);
 
     /* deletes: refused for new boots at once, files kept while used */
     REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0);
     REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 0);
+    REQUIRE(listed(d, "snap-", snap_a) == 0 && listed(d, "snap-", snap_b) == 1); /* deleted */
     char lid[64];
     snprintf(lid, sizeof lid, "fk-late-%d", pid);
     sp_vm_spec_t late = {.sandbox_id = lid, .template_name = "base", .snapshot_id = snap_a};

@@ -1,18 +1,15 @@
 /*
  * tmplcache.c - the step cache of template builds (tmplcache.h).
  *
- * Reads the driver's snapshot directory (<data-dir>/snapshots/) only to find its own entries'
- * ages for the trim; everything else goes through the driver's checkpoint calls.
+ * Entries are driver snapshots (checkpoint calls) named by their key; the trim lists them by the
+ * keys' prefix (checkpoint_list) and deletes all but the newest.
  */
 #include "core/control/tmplcache.h"
 
-#include <dirent.h>
-#include <limits.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "base/log.h"
 
@@ -34,8 +31,8 @@ void sp_tmplcache_key(const char *team, const char *parent_hash, int cpu_count, 
         snprintf(out + 3 + 2 * i, 3, "%02x", h[i]);
 }
 
-size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_hash,
-                         int cpu_count, int memory_mb, const json_t *steps, size_t max_n,
+size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_hash, int cpu_count,
+                         int memory_mb, const json_t *steps, size_t max_n,
                          char out[SP_TMPLCACHE_ID_LEN + 1])
 {
     if (d == NULL || d->ops->checkpoint_exists == NULL)
@@ -54,54 +51,56 @@ struct entry {
     long long t;
 };
 
+struct entries {
+    struct entry *v;
+    size_t n, cap;
+    bool oom;
+};
+
+static void add_entry(const char *id, long long committed_s, void *arg)
+{
+    struct entries *es = arg;
+    if (strlen(id) != SP_TMPLCACHE_ID_LEN || es->oom)
+        return; /* not a key of ours */
+    if (es->n == es->cap) {
+        size_t nc = es->cap ? 2 * es->cap : 64;
+        void *nv = realloc(es->v, nc * sizeof(*es->v));
+        if (nv == NULL) {
+            es->oom = true;
+            return;
+        }
+        es->v = nv;
+        es->cap = nc;
+    }
+    memcpy(es->v[es->n].id, id, SP_TMPLCACHE_ID_LEN + 1);
+    es->v[es->n].t = committed_s;
+    es->n++;
+}
+
 static int by_age(const void *a, const void *b)
 {
     const struct entry *x = a, *y = b;
     return x->t < y->t ? 1 : x->t > y->t ? -1 : strcmp(x->id, y->id); /* newest first */
 }
 
-void sp_tmplcache_trim(sp_driver_t *d, const char *data_dir, size_t keep)
+void sp_tmplcache_trim(sp_driver_t *d, size_t keep)
 {
-    if (d == NULL || d->ops->checkpoint_delete == NULL)
+    if (d == NULL || d->ops->checkpoint_delete == NULL || d->ops->checkpoint_list == NULL)
         return;
-    char dir[PATH_MAX];
-    snprintf(dir, sizeof dir, "%s/snapshots", data_dir);
-    DIR *dd = opendir(dir);
-    if (dd == NULL)
+    struct entries es = {0};
+    sp_err_t e;
+    if (d->ops->checkpoint_list(d, "bc-", add_entry, &es, &e) < 0 || es.oom) {
+        sp_log(SP_LOG_WARN, "tmpl", "step cache not trimmed: %s", es.oom ? "out of memory" : e.msg);
+        free(es.v);
         return;
-    struct entry *v = NULL;
-    size_t n = 0, cap = 0;
-    struct dirent *de;
-    while ((de = readdir(dd)) != NULL) {
-        if (strncmp(de->d_name, "bc-", 3) != 0 || strlen(de->d_name) != SP_TMPLCACHE_ID_LEN ||
-            d->ops->checkpoint_exists(d, de->d_name) != 1)
-            continue;
-        char p[2 * PATH_MAX + 300];
-        struct stat st;
-        snprintf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name);
-        if (stat(p, &st) < 0)
-            continue;
-        if (n == cap) {
-            size_t nc = cap ? 2 * cap : 64;
-            struct entry *nv = realloc(v, nc * sizeof(*nv));
-            if (nv == NULL)
-                break;
-            v = nv;
-            cap = nc;
-        }
-        memcpy(v[n].id, de->d_name, SP_TMPLCACHE_ID_LEN + 1); /* its length was checked */
-        v[n].t = (long long)st.st_mtime;
-        n++;
     }
-    closedir(dd);
-    if (n > keep) {
-        qsort(v, n, sizeof(*v), by_age);
-        for (size_t i = keep; i < n; i++) {
-            sp_err_t e;
-            if (d->ops->checkpoint_delete(d, v[i].id, &e) < 0)
-                sp_log(SP_LOG_WARN, "tmpl", "step cache entry not deleted id=%s err=%s", v[i].id,
+    if (es.n > keep) {
+        qsort(es.v, es.n, sizeof(*es.v), by_age);
+        for (size_t i = keep; i < es.n; i++) {
+            if (d->ops->checkpoint_delete(d, es.v[i].id, &e) < 0)
+                sp_log(SP_LOG_WARN, "tmpl", "step cache entry not deleted id=%s err=%s", es.v[i].id,
                        e.msg);
         }
     }
-    free(v);
+    free(es.v);
 }

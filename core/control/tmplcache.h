@@ -32,7 +32,7 @@ size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_ha
                          int cpu_count, int memory_mb, const json_t *steps, size_t max_n,
                          char out[SP_TMPLCACHE_ID_LEN + 1]);
 
-/* Deletes the oldest entries on data_dir beyond keep (by when they were taken). */
-void sp_tmplcache_trim(sp_driver_t *d, const char *data_dir, size_t keep);
+/* Deletes the driver's oldest entries beyond keep (by when they were taken). */
+void sp_tmplcache_trim(sp_driver_t *d, size_t keep);
 
 #endif

@@ -604,7 +604,7 @@ static void on_cached(void *arg, const sp_err_t *err)
         logf_(b, "warn", "steps 1-%zu: not cached (%s)", b->step, err->msg);
     else
         logf_(b, "info", "steps 1-%zu: cached for later builds", b->step);
-    sp_tmplcache_trim(b->t->driver, b->t->data_dir, SP_TMPLCACHE_KEEP);
+    sp_tmplcache_trim(b->t->driver, SP_TMPLCACHE_KEEP);
     advance(b);
 }
 

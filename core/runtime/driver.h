@@ -106,6 +106,13 @@ typedef struct {
     int (*checkpoint_delete)(sp_driver_t *d, const char *snapshot_id, sp_err_t *err);
     /* Optional, synchronous, cheap: 1 when snapshot_id is committed and not deleted, else 0. */
     int (*checkpoint_exists)(sp_driver_t *d, const char *snapshot_id);
+    /* Optional, synchronous: fn once for each committed, not deleted snapshot whose id starts
+     * with prefix, with the Unix time (seconds) it was committed, in no particular order. fn
+     * must not call the driver. 0, or -1 with err when the snapshots cannot be listed. NULL:
+     * not supported. */
+    int (*checkpoint_list)(sp_driver_t *d, const char *prefix,
+                           void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
+                           void *arg, sp_err_t *err);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */

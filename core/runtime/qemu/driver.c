@@ -1040,6 +1040,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint = sp_qemu__q_checkpoint,
     .checkpoint_delete = sp_qemu__q_checkpoint_delete,
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,
+    .checkpoint_list = sp_qemu__q_checkpoint_list,
 };
 
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)

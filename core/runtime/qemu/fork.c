@@ -380,6 +380,35 @@ int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id)
     return snap_dir((sp_qemu_t *)base, snapshot_id, dir, sizeof dir, &e) ? 1 : 0;
 }
 
+int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
+                               void (*fn)(const char *snapshot_id, long long committed_s,
+                                          void *arg),
+                               void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    DIR *dir = opendir(d->snaps_dir);
+    if (dir == NULL) {
+        if (errno == ENOENT)
+            return 0;
+        return sp_err_set(err, SP_ERUNTIME, "cannot list the snapshots: %s", strerror(errno));
+    }
+    size_t pl = strlen(prefix);
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        char sd[PATH_MAX], p[PATH_MAX + 40];
+        sp_err_t e;
+        struct stat st;
+        if (strncmp(de->d_name, prefix, pl) != 0 || !snap_dir(d, de->d_name, sd, sizeof sd, &e))
+            continue; /* not ours, a temporary directory, uncommitted or deleted */
+        /* the manifest is written once, last, when the snapshot commits */
+        sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", sd);
+        if (stat(p, &st) == 0)
+            fn(de->d_name, (long long)st.st_mtime, arg);
+    }
+    closedir(dir);
+    return 0;
+}
+
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
