@@ -101,15 +101,44 @@ static struct sp_metric_series *series(sp_metric_t *m, va_list ap)
     return s;
 }
 
+enum update { UPDATE_ADD, UPDATE_SET, UPDATE_OBSERVE };
+
+/* Updates the series for the label values in ap (taking mu): a series that cannot be made
+ * (out of memory) goes uncounted. */
+static void update(sp_metric_t *m, enum update how, double v, va_list ap)
+{
+    pthread_mutex_lock(&mu);
+    struct sp_metric_series *s = series(m, ap);
+    if (s != NULL) {
+        switch (how) {
+        case UPDATE_ADD:
+            s->v += v;
+            break;
+        case UPDATE_SET:
+            s->v = v;
+            break;
+        case UPDATE_OBSERVE: {
+            if (s->buckets == NULL)
+                break;
+            size_t i = 0;
+            while (i < m->nbounds && v > m->bounds[i])
+                i++;
+            if (i < m->nbounds)
+                s->buckets[i]++;
+            s->count++;
+            s->v += v;
+            break;
+        }
+        }
+    }
+    pthread_mutex_unlock(&mu);
+}
+
 void sp_metrics_add(sp_metric_t *m, double v, ...)
 {
     va_list ap;
     va_start(ap, v);
-    pthread_mutex_lock(&mu);
-    struct sp_metric_series *s = series(m, ap);
-    if (s != NULL)
-        s->v += v;
-    pthread_mutex_unlock(&mu);
+    update(m, UPDATE_ADD, v, ap);
     va_end(ap);
 }
 
@@ -117,11 +146,7 @@ void sp_metrics_set(sp_metric_t *m, double v, ...)
 {
     va_list ap;
     va_start(ap, v);
-    pthread_mutex_lock(&mu);
-    struct sp_metric_series *s = series(m, ap);
-    if (s != NULL)
-        s->v = v;
-    pthread_mutex_unlock(&mu);
+    update(m, UPDATE_SET, v, ap);
     va_end(ap);
 }
 
@@ -129,18 +154,7 @@ void sp_metrics_observe(sp_metric_t *m, double v, ...)
 {
     va_list ap;
     va_start(ap, v);
-    pthread_mutex_lock(&mu);
-    struct sp_metric_series *s = series(m, ap);
-    if (s != NULL && s->buckets != NULL) {
-        size_t i = 0;
-        while (i < m->nbounds && v > m->bounds[i])
-            i++;
-        if (i < m->nbounds)
-            s->buckets[i]++;
-        s->count++;
-        s->v += v;
-    }
-    pthread_mutex_unlock(&mu);
+    update(m, UPDATE_OBSERVE, v, ap);
     va_end(ap);
 }
 

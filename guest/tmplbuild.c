@@ -42,31 +42,29 @@ extern char **environ;
 
 /* ---- spec ---------------------------------------------------------------- */
 
-bool sp_tmplbuild_valid_name(const char *s)
+/* min to max bytes of [a-z0-9] and the characters in more, the first of [a-z0-9]. */
+static bool valid_word(const char *s, size_t min, size_t max, const char *more)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > 63 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
-        return 0;
+    if (n < min || n > max || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
+        return false;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
-        if (!(islower(c) || isdigit(c) || c == '.' || c == '_' || c == '-'))
-            return 0;
+        if (!(islower(c) || isdigit(c) || strchr(more, c) != NULL))
+            return false;
     }
-    return 1;
+    return true;
+}
+
+bool sp_tmplbuild_valid_name(const char *s)
+{
+    return valid_word(s, 1, 63, "._-");
 }
 
 /* Debian package names: [a-z0-9][a-z0-9+.-]+ (policy 5.6.1). */
-static int valid_package(const char *s)
+static bool valid_package(const char *s)
 {
-    size_t n = strlen(s);
-    if (n < 2 || n > 100 || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
-        return 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (!(islower(c) || isdigit(c) || c == '+' || c == '.' || c == '-'))
-            return 0;
-    }
-    return 1;
+    return valid_word(s, 2, 100, "+.-");
 }
 
 /* Strings that reach the scripts' colon/newline-separated env vars. */
@@ -202,6 +200,24 @@ static int parse_warmup(json_t *wu, sp_tmplbuild_spec_t *s, sp_err_t *err)
     return 0;
 }
 
+/* The spec's member key, which must be an array when there ("spec: <key> must be <what>"), in
+ * *arr (NULL when absent), and room for its elements (size bytes each, zeroed) in *mem (NULL
+ * when it has none) for the caller to free. -1 with err when not an array or out of memory. */
+static int spec_array(json_t *root, const char *key, const char *what, size_t size, json_t **arr,
+                      void **mem, sp_err_t *err)
+{
+    *arr = json_object_get(root, key);
+    *mem = NULL;
+    if (*arr != NULL && !json_is_array(*arr))
+        return sp_err_set(err, SP_EINVAL, "spec: %s must be %s", key, what);
+    if (*arr != NULL && json_array_size(*arr) > 0) {
+        *mem = calloc(json_array_size(*arr), size);
+        if (*mem == NULL)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    return 0;
+}
+
 int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **out, sp_err_t *err)
 {
     json_error_t jerr;
@@ -272,17 +288,12 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
         goto out;
     }
 
-    json_t *pk = json_object_get(root, "packages");
-    if (pk != NULL && !json_is_array(pk)) {
-        sp_err_set(err, SP_EINVAL, "spec: packages must be an array of strings");
+    json_t *pk;
+    void *mem;
+    if (spec_array(root, "packages", "an array of strings", sizeof(char *), &pk, &mem, err) < 0)
         goto out;
-    }
-    if (pk != NULL && json_array_size(pk) > 0) {
-        s->packages = calloc(json_array_size(pk), sizeof(char *));
-        if (s->packages == NULL) {
-            sp_err_set(err, SP_EINTERNAL, "out of memory");
-            goto out;
-        }
+    s->packages = mem;
+    if (s->packages != NULL) {
         size_t i;
         json_array_foreach(pk, i, v)
         {
@@ -296,17 +307,11 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
             }
         }
     }
-    json_t *us = json_object_get(root, "users");
-    if (us != NULL && !json_is_array(us)) {
-        sp_err_set(err, SP_EINVAL, "spec: users must be an array of objects");
+    json_t *us;
+    if (spec_array(root, "users", "an array of objects", sizeof *s->users, &us, &mem, err) < 0)
         goto out;
-    }
-    if (us != NULL && json_array_size(us) > 0) {
-        s->users = calloc(json_array_size(us), sizeof *s->users);
-        if (s->users == NULL) {
-            sp_err_set(err, SP_EINTERNAL, "out of memory");
-            goto out;
-        }
+    s->users = mem;
+    if (s->users != NULL) {
         size_t i;
         json_array_foreach(us, i, v)
         {
@@ -456,44 +461,52 @@ static void put_s(EVP_MD_CTX *c, const char *s)
     put(c, s != NULL ? s : "", s != NULL ? strlen(s) : 0);
 }
 
-/* Hex SHA-256 over the code daemon's files (code/ in the binary: names and contents) into
- * out[65]; all zeros only without memory (then no cache entry matches). */
-static void code_sha256(char out[SP_TMPLBUILD_HASH_LEN + 1])
+/* A SHA-256 begun, or NULL with out all zeros: EVP_MD_CTX_new fails only without memory, and
+ * an all-zero hash never matches a cache entry, so the build just runs. */
+static EVP_MD_CTX *hash_begin(char out[SP_TMPLBUILD_HASH_LEN + 1])
 {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned mdlen = 0;
     EVP_MD_CTX *c = EVP_MD_CTX_new();
     if (c == NULL || EVP_DigestInit_ex(c, EVP_sha256(), NULL) != 1) {
         memset(out, '0', SP_TMPLBUILD_HASH_LEN);
         out[SP_TMPLBUILD_HASH_LEN] = '\0';
         EVP_MD_CTX_free(c);
-        return;
+        return NULL;
     }
+    return c;
+}
+
+/* Ends hash_begin's c: its hex digest into out, c freed. */
+static void hash_end(EVP_MD_CTX *c, char out[SP_TMPLBUILD_HASH_LEN + 1])
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned mdlen = 0;
+    EVP_DigestFinal_ex(c, md, &mdlen);
+    EVP_MD_CTX_free(c);
+    hex(md, mdlen, out);
+}
+
+/* Hex SHA-256 over the code daemon's files (code/ in the binary: names and contents) into
+ * out[65]; all zeros only without memory (then no cache entry matches). */
+static void code_sha256(char out[SP_TMPLBUILD_HASH_LEN + 1])
+{
+    EVP_MD_CTX *c = hash_begin(out);
+    if (c == NULL)
+        return;
     for (unsigned i = 0; i < sp_guest_nfiles; i++) {
         if (strncmp(sp_guest_files[i].name, "code/", 5) != 0)
             continue;
         put_s(c, sp_guest_files[i].name);
         put(c, sp_guest_files[i].data, sp_guest_files[i].size);
     }
-    EVP_DigestFinal_ex(c, md, &mdlen);
-    EVP_MD_CTX_free(c);
-    hex(md, mdlen, out);
+    hash_end(c, out);
 }
 
 void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_sha256,
                              const char *kernel_version, char out[SP_TMPLBUILD_HASH_LEN + 1])
 {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned mdlen = 0;
-    EVP_MD_CTX *c = EVP_MD_CTX_new();
-    /* assert-free: EVP_MD_CTX_new fails only without memory; an all-zero hash
-     * then never matches a cache entry, so the build just runs. */
-    if (c == NULL || EVP_DigestInit_ex(c, EVP_sha256(), NULL) != 1) {
-        memset(out, '0', SP_TMPLBUILD_HASH_LEN);
-        out[SP_TMPLBUILD_HASH_LEN] = '\0';
-        EVP_MD_CTX_free(c);
+    EVP_MD_CTX *c = hash_begin(out);
+    if (c == NULL)
         return;
-    }
     put_s(c, "space-template-v1");
     put_s(c, spec->canonical);
     for (unsigned i = 0; i < sp_guest_nfiles; i++) {
@@ -515,9 +528,7 @@ void sp_tmplbuild_input_hash(const sp_tmplbuild_spec_t *spec, const char *agent_
             put_s(c, sha);
         }
     }
-    EVP_DigestFinal_ex(c, md, &mdlen);
-    EVP_MD_CTX_free(c);
-    hex(md, mdlen, out);
+    hash_end(c, out);
 }
 
 int sp_tmplbuild_file_sha256(const char *path, char out[SP_TMPLBUILD_HASH_LEN + 1], sp_err_t *err)
@@ -1028,6 +1039,18 @@ static int step_failed(build_t *b, int status, sp_err_t *err, const char *what)
     return sp_err_set(err, SP_EUNAVAIL, "template %s: %s failed (see build.log)", b->name, what);
 }
 
+/* Points <tdir>/current at hash: a new symlink renamed over it (atomic). */
+static int point_current(const char *tdir, const char *hash, sp_err_t *err)
+{
+    char tmp[PATH_MAX], cur[PATH_MAX];
+    fmt(tmp, sizeof tmp, err, "%s/current.tmp", tdir);
+    fmt(cur, sizeof cur, err, "%s/current", tdir);
+    unlink(tmp);
+    if (symlink(hash, tmp) < 0 || rename(tmp, cur) < 0)
+        return sp_err_set(err, SP_EINTERNAL, "cannot update current: %s", strerror(errno));
+    return 0;
+}
+
 int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp_err_t *err)
 {
     sp_tmplbuild_paths_t paths_local;
@@ -1170,13 +1193,8 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
         struct stat sb;
         if (stat(paths->rootfs, &sb) == 0 && stat(paths->kernel, &sb) == 0 &&
             stat(paths->initramfs, &sb) == 0) {
-            fmt(p1, sizeof p1, err, "%s/current.tmp", tdir);
-            fmt(p2, sizeof p2, err, "%s/current", tdir);
-            unlink(p1);
-            if (symlink(hash, p1) < 0 || rename(p1, p2) < 0) {
-                sp_err_set(err, SP_EINTERNAL, "cannot update current: %s", strerror(errno));
+            if (point_current(tdir, hash, err) < 0)
                 goto out;
-            }
             if (o->progress)
                 fprintf(stderr, "template %s: up to date (%.12s, %.2fs)\n", o->name, hash,
                         now_s() - t_start);
@@ -1372,13 +1390,8 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
         sp_err_set(err, SP_EINTERNAL, "cannot move the build into place: %s", strerror(errno));
         goto out;
     }
-    fmt(p1, sizeof p1, err, "%s/current.tmp", tdir);
-    fmt(p2, sizeof p2, err, "%s/current", tdir);
-    unlink(p1);
-    if (symlink(hash, p1) < 0 || rename(p1, p2) < 0) {
-        sp_err_set(err, SP_EINTERNAL, "cannot update current: %s", strerror(errno));
+    if (point_current(tdir, hash, err) < 0)
         goto out;
-    }
     step_end(&b, "done");
     if (read_manifest(data_dir, o->name, hash, paths, err) < 0)
         goto out;

@@ -142,26 +142,28 @@ static int fill_bundle(FILE *f, void *arg)
     return copy_into(f, b->ca, true);
 }
 
-static X509 *load_cert(const char *path)
+/* The PEM private key (key) or certificate in path; NULL when there is none to read (the caller
+ * makes a new one), with OpenSSL's error queue cleared. */
+static void *load_pem(const char *path, bool key)
 {
     FILE *f = fopen(path, "r");
     if (f == NULL)
         return NULL;
-    X509 *x = PEM_read_X509(f, NULL, NULL, NULL);
+    void *v = key ? (void *)PEM_read_PrivateKey(f, NULL, NULL, NULL)
+                  : (void *)PEM_read_X509(f, NULL, NULL, NULL);
     fclose(f);
     ERR_clear_error();
-    return x;
+    return v;
+}
+
+static X509 *load_cert(const char *path)
+{
+    return load_pem(path, false);
 }
 
 static EVP_PKEY *load_key(const char *path)
 {
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return NULL;
-    EVP_PKEY *k = PEM_read_PrivateKey(f, NULL, NULL, NULL);
-    fclose(f);
-    ERR_clear_error();
-    return k;
+    return load_pem(path, true);
 }
 
 /* ---- certificates ---- */

@@ -448,47 +448,76 @@ static int read_key_file(const char *data_dir, char *out, size_t cap)
     return 0;
 }
 
+/* A management command's work on a connection to the migrated database: its exit status. */
+typedef int (*db_cmd_fn)(PGconn *c, const struct opts *o, int argc, char **argv);
+
+/* Opens the database as a management command does (db_open), connects, migrates, runs fn, and
+ * closes it all again: fn's exit status, 1 when the database could not be made ready. */
+static int with_db(struct opts *o, db_cmd_fn fn, int argc, char **argv)
+{
+    struct db db;
+    if (db_open(o, &db, false) < 0)
+        return 1;
+    int rc = 1;
+    PGconn *c = db_connect(db.conninfo);
+    if (c != NULL && db_prepare(c, o->data_dir) == 0)
+        rc = fn(c, o, argc, argv);
+    PQfinish(c);
+    if (db.cluster != NULL)
+        sp_pgcluster_stop(db.cluster, NULL);
+    return rc;
+}
+
+static int keys_run(PGconn *c, const struct opts *o, int argc, char **argv)
+{
+    const char *team = o->team, *name = o->key_name;
+    sp_err_t e;
+    if (strcmp(argv[0], "create") == 0) {
+        char key[SP_KEY_LEN + 1], kid[SP_ID_LEN + 1];
+        if (sp_keys_create(c, team, name, key, kid, &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            return 1;
+        }
+        printf("%s\n", key);
+        fprintf(stderr, "created key %s for team %s (shown once; store it now)\n", kid,
+                team ? team : "default");
+        return 0;
+    }
+    if (strcmp(argv[0], "list") == 0)
+        return sp_keys_list(c, team, stdout, &e) < 0 ? 1 : 0;
+    if (strcmp(argv[0], "revoke") == 0 && argc >= 2) {
+        if (sp_keys_revoke(c, argv[1], &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            return 1;
+        }
+        return 0;
+    }
+    usage(stderr);
+    return 2;
+}
+
 static int cmd_keys(struct opts *o, int argc, char **argv)
 {
     if (argc < 1) {
         usage(stderr);
         return 2;
     }
-    const char *team = o->team, *name = o->key_name;
-    struct db db;
-    if (db_open(o, &db, false) < 0)
-        return 1;
-    int rc = 1;
-    PGconn *c = db_connect(db.conninfo);
-    if (c == NULL || db_prepare(c, o->data_dir) < 0)
-        goto out;
+    return with_db(o, keys_run, argc, argv);
+}
+
+static int teams_run(PGconn *c, const struct opts *o, int argc, char **argv)
+{
     sp_err_t e;
-    if (strcmp(argv[0], "create") == 0) {
-        char key[SP_KEY_LEN + 1], kid[SP_ID_LEN + 1];
-        if (sp_keys_create(c, team, name, key, kid, &e) < 0) {
-            fprintf(stderr, "spaced: %s\n", e.msg);
-            goto out;
-        }
-        printf("%s\n", key);
-        fprintf(stderr, "created key %s for team %s (shown once; store it now)\n", kid,
-                team ? team : "default");
-        rc = 0;
-    } else if (strcmp(argv[0], "list") == 0) {
-        rc = sp_keys_list(c, team, stdout, &e) < 0 ? 1 : 0;
-    } else if (strcmp(argv[0], "revoke") == 0 && argc >= 2) {
-        if (sp_keys_revoke(c, argv[1], &e) < 0)
-            fprintf(stderr, "spaced: %s\n", e.msg);
-        else
-            rc = 0;
-    } else {
-        usage(stderr);
-        rc = 2;
+    if (argc == 1)
+        return sp_keys_team_list(c, stdout, &e) < 0 ? 1 : 0;
+    char id[SP_ID_LEN + 1];
+    if (sp_keys_team_create(c, argv[1], id, &e) < 0) {
+        fprintf(stderr, "spaced: %s\n", e.msg);
+        return 1;
     }
-out:
-    PQfinish(c);
-    if (db.cluster != NULL)
-        sp_pgcluster_stop(db.cluster, NULL);
-    return rc;
+    printf("%s\n", id);
+    fprintf(stderr, "created team %s (keys: spaced keys create --team %s)\n", argv[1], argv[1]);
+    return 0;
 }
 
 /* `teams list | create <name>`. Teams are also made by `keys create --team`. */
@@ -505,31 +534,24 @@ static int cmd_teams(struct opts *o, int argc, char **argv)
         fprintf(stderr, "spaced: %s\n", e.msg);
         return 2;
     }
-    struct db db;
-    if (db_open(o, &db, false) < 0)
+    return with_db(o, teams_run, argc, argv);
+}
+
+static int admin_key_run(PGconn *c, const struct opts *o, int argc, char **argv)
+{
+    sp_err_t e;
+    char key[SP_KEY_LEN + 1];
+    if (sp_keys_admin_create(c, true, key, &e) < 0) {
+        fprintf(stderr, "spaced: %s\n", e.msg);
         return 1;
-    int rc = 1;
-    PGconn *c = db_connect(db.conninfo);
-    if (c == NULL || db_prepare(c, o->data_dir) < 0)
-        goto out;
-    if (list) {
-        rc = sp_keys_team_list(c, stdout, &e) < 0 ? 1 : 0;
-    } else {
-        char id[SP_ID_LEN + 1];
-        if (sp_keys_team_create(c, argv[1], id, &e) < 0) {
-            fprintf(stderr, "spaced: %s\n", e.msg);
-        } else {
-            printf("%s\n", id);
-            fprintf(stderr, "created team %s (keys: spaced keys create --team %s)\n", argv[1],
-                    argv[1]);
-            rc = 0;
-        }
     }
-out:
-    PQfinish(c);
-    if (db.cluster != NULL)
-        sp_pgcluster_stop(db.cluster, NULL);
-    return rc;
+    if (write_key_file(o->data_dir, "admin-key", key) < 0)
+        fprintf(stderr, "spaced: cannot write %s/admin-key: %s\n", o->data_dir, strerror(errno));
+    printf("%s\n", key);
+    fprintf(stderr, "new admin key (the old one no longer works); also in %s/admin-key\n",
+            o->data_dir);
+    sodium_memzero(key, sizeof(key));
+    return 0;
 }
 
 /* `admin-key rotate`: a new admin key (the old one stops working), written to
@@ -540,31 +562,7 @@ static int cmd_admin_key(struct opts *o, int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    struct db db;
-    if (db_open(o, &db, false) < 0)
-        return 1;
-    int rc = 1;
-    sp_err_t e;
-    char key[SP_KEY_LEN + 1];
-    PGconn *c = db_connect(db.conninfo);
-    if (c == NULL || db_prepare(c, o->data_dir) < 0)
-        goto out;
-    if (sp_keys_admin_create(c, true, key, &e) < 0) {
-        fprintf(stderr, "spaced: %s\n", e.msg);
-        goto out;
-    }
-    if (write_key_file(o->data_dir, "admin-key", key) < 0)
-        fprintf(stderr, "spaced: cannot write %s/admin-key: %s\n", o->data_dir, strerror(errno));
-    printf("%s\n", key);
-    fprintf(stderr, "new admin key (the old one no longer works); also in %s/admin-key\n",
-            o->data_dir);
-    sodium_memzero(key, sizeof(key));
-    rc = 0;
-out:
-    PQfinish(c);
-    if (db.cluster != NULL)
-        sp_pgcluster_stop(db.cluster, NULL);
-    return rc;
+    return with_db(o, admin_key_run, argc, argv);
 }
 
 /* ---- serving ---- */

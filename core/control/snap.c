@@ -22,12 +22,6 @@
     "coalesce(n.error, ''), " TS("n.created_at")
 #define SNAP_NCOLS 9
 
-/* As svc.c renders an operation (sp_op_rec_t's order). */
-#define OP_COLS                                                                                    \
-    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
-    "coalesce(o.error_message, ''), " TS("o.created_at") ", coalesce(" TS("o.finished_at")         \
-    ", ''), o.target"
-
 #define RETRY_MS 500 /* an outcome the database did not take */
 #define SB_COLS  5   /* the insert's answer: desired, observed, busy, taken, at_max, then ours */
 
@@ -114,20 +108,6 @@ static void parse_snap(const PGresult *r, int row, int col, sp_snap_rec_t *s)
     SP_STORE_TEXT(r, row, col + 8, s->created_at);
 }
 
-static void parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
-{
-    memset(o, 0, sizeof(*o));
-    SP_STORE_TEXT(r, row, col + 0, o->id);
-    SP_STORE_TEXT(r, row, col + 1, o->sandbox_id);
-    SP_STORE_TEXT(r, row, col + 2, o->kind);
-    SP_STORE_TEXT(r, row, col + 3, o->status);
-    SP_STORE_TEXT(r, row, col + 4, o->error_code);
-    SP_STORE_TEXT(r, row, col + 5, o->error_message);
-    SP_STORE_TEXT(r, row, col + 6, o->created_at);
-    SP_STORE_TEXT(r, row, col + 7, o->finished_at);
-    SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
-}
-
 /* ---- taking one ---- */
 
 static void job_free(struct job *j)
@@ -172,7 +152,7 @@ static void on_outcome(void *arg, PGresult *res, const sp_err_t *err)
     }
     if (PQntuples(res) == 1) {
         parse_snap(res, 0, 0, &j->rec);
-        parse_op(res, 0, SNAP_NCOLS, &j->op);
+        sp_svc_parse_op(res, 0, SNAP_NCOLS, &j->op);
     } else { /* failed meanwhile by another process's start-up: say what we know */
         snprintf(j->rec.state, sizeof j->rec.state, "failed");
         snprintf(j->op.status, sizeof j->op.status, "failed");
@@ -188,20 +168,20 @@ static void record_outcome(struct job *j)
     const char *p[] = {j->rec.id, j->failed ? "failed" : "ready", j->failed ? j->err_msg : NULL,
                        j->failed ? j->err_code : NULL, j->op.id};
     sp_err_t e;
-    if (sp_store_query(
-            j->s->store,
-            "WITH n AS (UPDATE snapshots SET state = $2, error = $3"
-            "  WHERE id = $1 AND state = 'creating' RETURNING *),"
-            " o AS (UPDATE operations SET finished_at = now(), error_code = $4,"
-            "   error_message = $3,"
-            "   status = CASE WHEN $2 = 'ready' THEN 'succeeded' ELSE 'failed' END"
-            "  WHERE id = $5 AND status IN ('pending', 'running') RETURNING *),"
-            " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
-            "  SELECT n.sandbox_id, CASE WHEN $2 = 'ready' THEN 'snapshot_done'"
-            "   ELSE 'snapshot_failed' END, n.id FROM n RETURNING 1),"
-            " nt AS (SELECT pg_notify('space_ops', o.id) FROM o)"
-            " SELECT " SNAP_COLS ", " OP_COLS " FROM n, o, nt, (SELECT count(*) FROM ev) x",
-            5, p, on_outcome, j, &e) < 0) {
+    if (sp_store_query(j->s->store,
+                       "WITH n AS (UPDATE snapshots SET state = $2, error = $3"
+                       "  WHERE id = $1 AND state = 'creating' RETURNING *),"
+                       " o AS (UPDATE operations SET finished_at = now(), error_code = $4,"
+                       "   error_message = $3,"
+                       "   status = CASE WHEN $2 = 'ready' THEN 'succeeded' ELSE 'failed' END"
+                       "  WHERE id = $5 AND status IN ('pending', 'running') RETURNING *),"
+                       " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+                       "  SELECT n.sandbox_id, CASE WHEN $2 = 'ready' THEN 'snapshot_done'"
+                       "   ELSE 'snapshot_failed' END, n.id FROM n RETURNING 1),"
+                       " nt AS (SELECT pg_notify('space_ops', o.id) FROM o)"
+                       " SELECT " SNAP_COLS ", " SP_SVC_OP_COLS
+                       " FROM n, o, nt, (SELECT count(*) FROM ev) x",
+                       5, p, on_outcome, j, &e) < 0) {
         sp_log(SP_LOG_WARN, "snap", "outcome not sent snapshot=%s err=%s; retrying", j->rec.id,
                e.msg);
         sp_timer_start(&j->retry, RETRY_MS);
@@ -317,7 +297,7 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
         return;
     }
     parse_snap(res, 0, SB_COLS, &j->rec);
-    parse_op(res, 0, SB_COLS + SNAP_NCOLS, &j->op);
+    sp_svc_parse_op(res, 0, SB_COLS + SNAP_NCOLS, &j->op);
     sp_driver_t *d = j->s->driver;
     if (d->ops->checkpoint(d, j->rec.sandbox_id, j->rec.id, on_checkpoint, j, &e) < 0) {
         job_fail(j, &e);
@@ -399,7 +379,7 @@ static int insert(struct job *j, sp_err_t *err)
             " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
             "  SELECT n.sandbox_id, 'snapshot', n.id FROM n RETURNING 1)"
             " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, sb.at_max, " SNAP_COLS
-            ", " OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
+            ", " SP_SVC_OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
             " LEFT JOIN (SELECT count(*) FROM ev) x ON true",
             6, p, on_inserted, j, err) < 0)
         return -1;
@@ -461,28 +441,14 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     free(recs);
 }
 
-/* Cursor: "<created_at in epoch microseconds>_<snapshot id>". */
-static int parse_cursor(const char *cur, char micros[24], char id[SP_SNAP_ID_LEN + 1])
-{
-    const char *us = strchr(cur, '_');
-    if (us == NULL || us == cur || us - cur > 19 || !sp_snap_valid_id(us + 1))
-        return -1;
-    for (const char *q = cur; q < us; q++)
-        if (*q < '0' || *q > '9')
-            return -1;
-    memcpy(micros, cur, (size_t)(us - cur));
-    micros[us - cur] = '\0';
-    snprintf(id, SP_SNAP_ID_LEN + 1, "%s", us + 1);
-    return 0;
-}
-
 int sp_snap_list(sp_snap_t *s, const sp_auth_t *a, const char *sandbox_id, int limit,
                  const char *cursor, sp_snap_list_cb cb, void *arg, sp_err_t *err)
 {
     if (limit < 1 || limit > 1000)
         return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
     char micros[24] = "", cid[SP_SNAP_ID_LEN + 1] = "";
-    if (cursor != NULL && cursor[0] != '\0' && parse_cursor(cursor, micros, cid) < 0)
+    if (cursor != NULL && cursor[0] != '\0' &&
+        sp_store_cursor_parse(cursor, sp_snap_valid_id, micros, cid, sizeof cid) < 0)
         return sp_err_set(err, SP_EINVAL, "invalid cursor");
     if (sandbox_id != NULL && !sp_ids_valid(sandbox_id))
         sandbox_id = "-"; /* matches nothing: an empty list, as for any unknown sandbox */

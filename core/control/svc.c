@@ -35,12 +35,6 @@
     "secs => coalesce(s.deadline_s, 315360000)))")
 #define SANDBOX_NCOLS 22
 
-#define OP_COLS                                                                                    \
-    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                          \
-    "coalesce(o.error_message, ''), " UTC("o.created_at") ", " UTC("o.finished_at") ", "          \
-    "CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
-#define OP_NCOLS 9
-
 struct waiter {
     sp_svc_t *svc;
     char team_id[SP_ID_LEN + 1];
@@ -121,7 +115,7 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     SP_STORE_TIME(r, row, col + 21, s->end_at);
 }
 
-static void parse_op(PGresult *r, int row, int col, sp_op_rec_t *o)
+void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
 {
     memset(o, 0, sizeof(*o));
     SP_STORE_TEXT(r, row, col + 0, o->id);
@@ -313,8 +307,8 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
     sp_sandbox_rec_t sb;
     sp_op_rec_t op;
     parse_sandbox(res, 0, 0, &sb);
-    if (PQnfields(res) >= SANDBOX_NCOLS + OP_NCOLS) {
-        parse_op(res, 0, SANDBOX_NCOLS, &op);
+    if (PQnfields(res) >= SANDBOX_NCOLS + SP_SVC_OP_NCOLS) {
+        sp_svc_parse_op(res, 0, SANDBOX_NCOLS, &op);
         cb(c->arg, &sb, &op, NULL);
     } else {
         cb(c->arg, &sb, NULL, NULL);
@@ -397,7 +391,7 @@ static int create_submit(struct create *cr, sp_err_t *err)
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
         " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
-        " SELECT " SANDBOX_COLS ", " OP_COLS " FROM s, o, n, ev",
+        " SELECT " SANDBOX_COLS ", " SP_SVC_OP_COLS " FROM s, o, n, ev",
         CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg,
         cr->p[18] != NULL ? 2 : 1, err);
     create_free(cr);
@@ -713,23 +707,6 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     free(recs);
 }
 
-/* Cursor: "<created_at in epoch microseconds>_<id>", both validated. */
-static int parse_cursor(const char *cur, char *micros, size_t mcap, char *id, size_t icap)
-{
-    const char *us = strchr(cur, '_');
-    if (us == NULL || us == cur || (size_t)(us - cur) >= mcap || us - cur > 19)
-        return -1;
-    for (const char *q = cur; q < us; q++)
-        if (*q < '0' || *q > '9')
-            return -1;
-    memcpy(micros, cur, (size_t)(us - cur));
-    micros[us - cur] = '\0';
-    if (!sp_ids_valid(us + 1) || strlen(us + 1) >= icap)
-        return -1;
-    strcpy(id, us + 1);
-    return 0;
-}
-
 int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t *req,
                           sp_svc_list_cb cb, void *arg, sp_err_t *err)
 {
@@ -737,7 +714,7 @@ int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t
         return sp_err_set(err, SP_EINVAL, "limit must be 1 to 1000");
     char micros[24] = "", cid[65] = "";
     if (req->cursor != NULL && req->cursor[0] != '\0' &&
-        parse_cursor(req->cursor, micros, sizeof(micros), cid, sizeof(cid)) < 0)
+        sp_store_cursor_parse(req->cursor, sp_ids_valid, micros, cid, sizeof(cid)) < 0)
         return sp_err_set(err, SP_EINVAL, "invalid cursor");
     /* States as a text[] literal; names come from our own table, never from the client. */
     char states[256] = "{";
@@ -849,7 +826,7 @@ static void req_written(void *rec, PGresult *res, const sp_err_t *err)
         return;
     }
     sp_op_rec_t op;
-    parse_op(res, 0, 0, &op);
+    sp_svc_parse_op(res, 0, 0, &op);
     rc->cb(rc->arg, &op, NULL);
     free(rc);
 }
@@ -885,18 +862,19 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
     const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
                        sp_request_name(rc->req), mode, secs,
                        rc->dl_action[0] ? rc->dl_action : NULL};
-    if (submit(rc->svc,
-               "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
-               "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
-               "   " DEADLINE_SET
-               "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
-               " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
-               "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
-               " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
-               "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
-               " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
-               " SELECT " OP_COLS " FROM o, n, ev",
-               9, p, req_written, NULL, rc, 0, &e) < 0)
+    if (submit(
+            rc->svc,
+            "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
+            "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
+            "   " DEADLINE_SET
+            "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
+            " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+            "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
+            " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+            "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
+            " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+            " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
+            9, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);
 }
 
@@ -988,7 +966,7 @@ static void waiter_checked(void *rec, PGresult *res, const sp_err_t *err)
     sp_op_rec_t op;
     bool have = err == NULL && PQntuples(res) == 1;
     if (have)
-        parse_op(res, 0, 0, &op);
+        sp_svc_parse_op(res, 0, 0, &op);
     if (err != NULL || !have || op_finished(&op) || w->expired) {
         sp_err_t e;
         if (err == NULL && !have)
@@ -1006,8 +984,9 @@ static void waiter_checked(void *rec, PGresult *res, const sp_err_t *err)
 static int waiter_query(struct waiter *w, sp_err_t *err)
 {
     const char *p[] = {w->op_id, w->team_id};
-    if (submit(w->svc, "SELECT " OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2",
-               2, p, waiter_checked, NULL, w, 0, err) < 0)
+    if (submit(w->svc,
+               "SELECT " SP_SVC_OP_COLS " FROM operations o WHERE o.id = $1 AND o.team_id = $2", 2,
+               p, waiter_checked, NULL, w, 0, err) < 0)
         return -1;
     w->checking = true;
     return 0;

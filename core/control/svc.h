@@ -87,6 +87,17 @@ typedef struct {
     char snapshot_id[65]; /* kind "snapshot": the snapshot it takes (core/control/snap.h); else "" */
 } sp_op_rec_t;
 
+/* An operation's columns as sp_svc_parse_op reads them, from operations aliased o: its
+ * timestamps selected in UTC as plain text (sp_store_time puts them in the API's form). */
+#define SP_SVC_OP_COLS                                                                             \
+    "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                           \
+    "coalesce(o.error_message, ''), (o.created_at) AT TIME ZONE 'UTC', "                           \
+    "(o.finished_at) AT TIME ZONE 'UTC', CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
+#define SP_SVC_OP_NCOLS 9
+
+/* Row row of r, from column col on (SP_SVC_OP_COLS selected there), into *o. */
+void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o);
+
 typedef struct {
     const char *template_name; /* NULL (or "") with snapshot_id */
     /* A team's ready snapshot (core/control/snap.h) to start from instead of a template: the

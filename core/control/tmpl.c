@@ -356,12 +356,14 @@ static void parse_build(PGresult *r, int row, sp_tmpl_build_rec_t *o)
     o->memory_mb = atoi(PQgetvalue(r, row, 11));
 }
 
-static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
+/* Answers a build record's read: its one row, else code/none. */
+static void answer_build(void *rec, PGresult *res, const sp_err_t *err, sp_code_t code,
+                         const char *none)
 {
     sp_store_req_t *q = rec;
     sp_tmpl_build_cb cb = (sp_tmpl_build_cb)q->cb;
     sp_err_t e;
-    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
+    const sp_err_t *why = sp_store_one_row(res, err, code, none, &e);
     if (why != NULL) {
         cb(q->arg, NULL, why);
         return;
@@ -371,21 +373,15 @@ static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
     cb(q->arg, &b, NULL);
 }
 
+static void build_done_row(void *rec, PGresult *res, const sp_err_t *err)
+{
+    answer_build(rec, res, err, SP_ENOTFOUND, "build not found");
+}
+
 /* A reservation's answer: no row means the name is not the team's to build. */
 static void on_reserved(void *rec, PGresult *res, const sp_err_t *err)
 {
-    sp_store_req_t *q = rec;
-    sp_tmpl_build_cb cb = (sp_tmpl_build_cb)q->cb;
-    sp_err_t e;
-    const sp_err_t *why =
-        sp_store_one_row(res, err, SP_ECONFLICT, "the template name is taken", &e);
-    if (why != NULL) {
-        cb(q->arg, NULL, why);
-        return;
-    }
-    sp_tmpl_build_rec_t b;
-    parse_build(res, 0, &b);
-    cb(q->arg, &b, NULL);
+    answer_build(rec, res, err, SP_ECONFLICT, "the template name is taken");
 }
 
 static int read_build(sp_tmpl_t *t, const char *team, const char *name, const char *id,
@@ -990,26 +986,50 @@ int sp_tmpl_logs(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char 
     return 0;
 }
 
-static void on_deleted(void *rec, PGresult *res, const sp_err_t *err)
+static void namereq_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct sp_tmpl__namereq *q = rec;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
-    if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0') {
+    if (why == NULL)
+        why = q->judge(q, res, &e);
+    if (why == NULL)
+        sp_tmpl__collect(q->t, q->name);
+    q->cb(q->arg, why);
+}
+
+int sp_tmpl__namereq_send(sp_tmpl_t *t, const char *sql, int n, const char *const *p,
+                          const char *name,
+                          const sp_err_t *(*judge)(struct sp_tmpl__namereq *q, const PGresult *res,
+                                                   sp_err_t *e),
+                          sp_svc_done_cb cb, void *arg, sp_err_t *err)
+{
+    struct sp_tmpl__namereq *q = sp_store_call(t->store, sql, n, p, sizeof(*q), namereq_done, err);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    sp_tmpl__copy(q->name, sizeof q->name, name);
+    q->judge = judge;
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
+/* Columns: templates deleted (0 or 1), whether the name is a built-in template's. */
+static const sp_err_t *judge_deleted(struct sp_tmpl__namereq *q, const PGresult *res, sp_err_t *e)
+{
+    if (PQgetvalue(res, 0, 0)[0] == '0') {
         if (strcmp(PQgetvalue(res, 0, 1), "t") == 0)
-            sp_err_set(&e, SP_EFORBIDDEN, "template '%s' is built in: it cannot be deleted",
+            sp_err_set(e, SP_EFORBIDDEN, "template '%s' is built in: it cannot be deleted",
                        q->name);
         else
-            sp_err_set(&e, SP_ENOTFOUND, "template not found");
-        why = &e;
+            sp_err_set(e, SP_ENOTFOUND, "template not found");
+        return e;
     }
-    if (why == NULL && sp_tmpl__set_current(q->t, q->name, NULL) < 0)
+    if (sp_tmpl__set_current(q->t, q->name, NULL) < 0)
         sp_log(SP_LOG_WARN, "tmpl", "cannot unlink current of deleted template=%s", q->name);
-    if (why == NULL) {
-        sp_log(SP_LOG_INFO, "tmpl", "template deleted template=%s", q->name);
-        sp_tmpl__collect(q->t, q->name);
-    }
-    q->cb(q->arg, why);
+    sp_log(SP_LOG_INFO, "tmpl", "template deleted template=%s", q->name);
+    return NULL;
 }
 
 int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_done_cb cb,
@@ -1022,8 +1042,8 @@ int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_do
             return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
                               o->id);
     const char *p[] = {name, a->team_id};
-    struct sp_tmpl__namereq *q = sp_store_call(
-        t->store,
+    return sp_tmpl__namereq_send(
+        t,
         "WITH d AS (UPDATE templates SET deleted_at = now(), status = 'deleted',"
         "  updated_at = now() WHERE name = $1 AND team_id = $2 AND deleted_at IS NULL"
         "  RETURNING 1),"
@@ -1032,14 +1052,7 @@ int sp_tmpl_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_svc_do
         "  RETURNING 1)"
         " SELECT (SELECT count(*) FROM d) + 0 * (SELECT count(*) FROM g),"
         "  coalesce((SELECT team_id IS NULL FROM templates WHERE name = $1), false)",
-        2, p, sizeof(*q), on_deleted, err);
-    if (q == NULL)
-        return -1;
-    q->t = t;
-    sp_tmpl__copy(q->name, sizeof q->name, name);
-    q->cb = cb;
-    q->arg = arg;
-    return 0;
+        2, p, name, judge_deleted, cb, arg, err);
 }
 
 /* ---- start-up: what a previous process left ---- */

@@ -141,6 +141,9 @@ struct sp_tmpl {
 struct sp_tmpl__namereq {
     sp_tmpl_t *t;
     char name[65];
+    /* The answer's one row read: NULL when it did what was asked (then the template's unused
+     * versions are collected), else e filled and returned. */
+    const sp_err_t *(*judge)(struct sp_tmpl__namereq *q, const PGresult *res, sp_err_t *e);
     sp_svc_done_cb cb;
     void *arg;
 };
@@ -155,6 +158,13 @@ int sp_tmpl__pathf(char *out, size_t n, const char *fmt, ...) __attribute__((for
 void sp_tmpl__rm_rf(const char *path);
 /* A Unix user name: [a-z_][a-z0-9_-]*, at most 32. */
 bool sp_tmpl__valid_user(const char *u);
+/* Sends sql (which answers one row) for a request about name; judge reads the row, then cb gets
+ * done or the error. -1 with err when it cannot be sent (cb is never called then). */
+int sp_tmpl__namereq_send(sp_tmpl_t *t, const char *sql, int n, const char *const *p,
+                          const char *name,
+                          const sp_err_t *(*judge)(struct sp_tmpl__namereq *q, const PGresult *res,
+                                                   sp_err_t *e),
+                          sp_svc_done_cb cb, void *arg, sp_err_t *err);
 /* Reads w's build record and answers w's caller; stops w's timer and frees w. */
 void sp_tmpl__waiter_answer(struct waiter *w);
 /* Sets b->hash: SHA-256 of the parent's version and the inputs that shape the image and its

@@ -384,20 +384,20 @@ int sp_tmpl_tags_set(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const j
     return 0;
 }
 
-static void on_untagged(void *rec, PGresult *res, const sp_err_t *err)
+/* Columns: whether the template is the team's, the first tag asked for that it lacks ("" when
+ * none). */
+static const sp_err_t *judge_untagged(struct sp_tmpl__namereq *q, const PGresult *res, sp_err_t *e)
 {
-    struct sp_tmpl__namereq *q = rec;
-    sp_err_t e;
-    const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
-    if (why == NULL && PQgetvalue(res, 0, 0)[0] != 't')
-        why = (sp_err_set(&e, SP_ENOTFOUND, "template '%s' not found", q->name), &e);
-    else if (why == NULL && PQgetvalue(res, 0, 1)[0] != '\0')
-        why = (sp_err_set(&e, SP_ENOTFOUND, "tag '%s' does not exist for template '%s'",
-                          PQgetvalue(res, 0, 1), q->name),
-               &e);
-    if (why == NULL)
-        sp_tmpl__collect(q->t, q->name);
-    q->cb(q->arg, why);
+    if (PQgetvalue(res, 0, 0)[0] != 't') {
+        sp_err_set(e, SP_ENOTFOUND, "template '%s' not found", q->name);
+        return e;
+    }
+    if (PQgetvalue(res, 0, 1)[0] != '\0') {
+        sp_err_set(e, SP_ENOTFOUND, "tag '%s' does not exist for template '%s'",
+                   PQgetvalue(res, 0, 1), q->name);
+        return e;
+    }
+    return NULL;
 }
 
 int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
@@ -425,8 +425,8 @@ int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, cons
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     const char *p[] = {name, a->team_id, tj};
     /* all or nothing: a tag that does not exist deletes none */
-    struct sp_tmpl__namereq *q = sp_store_call(
-        t->store,
+    int rc = sp_tmpl__namereq_send(
+        t,
         "WITH m AS (SELECT name FROM templates WHERE name = $1 AND team_id = $2"
         "  AND deleted_at IS NULL),"
         " w AS (SELECT x AS tag FROM jsonb_array_elements_text($3::jsonb) x),"
@@ -436,15 +436,9 @@ int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, cons
         "  AND g.tag IN (SELECT tag FROM w) AND (SELECT tag FROM miss) IS NULL RETURNING 1)"
         " SELECT EXISTS (SELECT 1 FROM m), coalesce((SELECT tag FROM miss), ''),"
         "  (SELECT count(*) FROM d)",
-        3, p, sizeof(*q), on_untagged, err);
+        3, p, name, judge_untagged, cb, arg, err);
     free(tj);
-    if (q == NULL)
-        return -1;
-    q->t = t;
-    sp_tmpl__copy(q->name, sizeof q->name, name);
-    q->cb = cb;
-    q->arg = arg;
-    return 0;
+    return rc;
 }
 
 static void on_versions(void *rec, PGresult *res, const sp_err_t *err)

@@ -20,6 +20,7 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 #include <sodium.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,6 +253,19 @@ static void answer_error(sp_mitm_conn_t *c, int status, const char *msg)
     conn_fail(c, status == 502 ? SP_EUNAVAIL : SP_EINVAL, msg);
 }
 
+/* answer_error with a message made by printf (cut to 199 bytes). */
+static void answer_errorf(sp_mitm_conn_t *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void answer_errorf(sp_mitm_conn_t *c, int status, const char *fmt, ...)
+{
+    char msg[200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    answer_error(c, status, msg);
+}
+
 const char *sp_mitm_http_reason(int status)
 {
     switch (status) {
@@ -349,12 +363,10 @@ static bool step_parse(sp_mitm_conn_t *c)
             }
             if (!c->tls) {
                 /* A secret never crosses the network in clear: rules apply over HTTPS only. */
-                char msg[200];
-                snprintf(msg, sizeof(msg),
-                         "credentials for %.64s are added over HTTPS only; plain HTTP to it "
-                         "is refused",
-                         c->host);
-                answer_error(c, 403, msg);
+                answer_errorf(c, 403,
+                              "credentials for %.64s are added over HTTPS only; plain HTTP to it "
+                              "is refused",
+                              c->host);
                 return true;
             }
             if (method_is(&r, "TRACE") || method_is(&r, "TRACK")) {
@@ -364,12 +376,10 @@ static bool step_parse(sp_mitm_conn_t *c)
             }
             int o = req_target(c, &r);
             if (o < 0) {
-                char msg[200];
-                snprintf(msg, sizeof(msg),
-                         "this proxy connection carries credentials for %.64s only; "
-                         "open a new one for another destination",
-                         c->host);
-                answer_error(c, 421, msg);
+                answer_errorf(c, 421,
+                              "this proxy connection carries credentials for %.64s only; open a "
+                              "new one for another destination",
+                              c->host);
                 return true;
             }
             int status = 400;
@@ -489,6 +499,31 @@ static void ssl_fail_detail(SSL *ssl, int rc, char *out, size_t cap)
     ERR_clear_error();
 }
 
+/* The upstream TLS session failed (rc: what the SSL call returned): why, as up_failed. */
+static void up_ssl_failed(sp_mitm_conn_t *c, int rc)
+{
+    char why[160];
+    ssl_fail_detail(c->ussl, rc, why, sizeof(why));
+    up_failed(c, "upstream %s: %s", why);
+}
+
+/* What a step returns after SSL_read (reading) or SSL_write on the upstream returned rc <= 0:
+ * progress so far when it only has to wait (wanting to write marks the connection for it);
+ * true after the upstream's orderly close (reading: its EOF) or a failure. */
+static bool up_ssl_stalled(sp_mitm_conn_t *c, int rc, bool reading, bool progress)
+{
+    int e = SSL_get_error(c->ussl, rc);
+    if (e == SSL_ERROR_WANT_WRITE)
+        c->uwant_write = true;
+    if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
+        return progress;
+    if (reading && e == SSL_ERROR_ZERO_RETURN)
+        up_eof(c);
+    else
+        up_ssl_failed(c, rc);
+    return true;
+}
+
 /* Connect completion and the upstream TLS handshake. */
 static bool step_upstream_connect(sp_mitm_conn_t *c)
 {
@@ -537,9 +572,7 @@ static bool step_upstream_connect(sp_mitm_conn_t *c)
         c->uwant_write = true;
         return false;
     }
-    char why[160];
-    ssl_fail_detail(c->ussl, rc, why, sizeof(why));
-    up_failed(c, "upstream %s: %s", why);
+    up_ssl_failed(c, rc);
     return true;
 }
 
@@ -554,19 +587,8 @@ static bool step_upstream_write(sp_mitm_conn_t *c)
         if (c->tls) {
             ERR_clear_error();
             int r = SSL_write(c->ussl, buf_data(&c->uout), n > 65536 ? 65536 : (int)n);
-            if (r <= 0) {
-                int e = SSL_get_error(c->ussl, r);
-                if (e == SSL_ERROR_WANT_WRITE) {
-                    c->uwant_write = true;
-                    return progress;
-                }
-                if (e == SSL_ERROR_WANT_READ)
-                    return progress;
-                char why[160];
-                ssl_fail_detail(c->ussl, r, why, sizeof(why));
-                up_failed(c, "upstream %s: %s", why);
-                return true;
-            }
+            if (r <= 0)
+                return up_ssl_stalled(c, r, false, progress);
             w = r;
         } else {
             w = send(c->fd, buf_data(&c->uout), n, MSG_NOSIGNAL);
@@ -602,23 +624,8 @@ static bool step_upstream_read(sp_mitm_conn_t *c)
         if (c->tls) {
             ERR_clear_error();
             int x = SSL_read(c->ussl, b, sizeof(b));
-            if (x <= 0) {
-                int e = SSL_get_error(c->ussl, x);
-                if (e == SSL_ERROR_WANT_READ)
-                    return progress;
-                if (e == SSL_ERROR_WANT_WRITE) {
-                    c->uwant_write = true;
-                    return progress;
-                }
-                if (e == SSL_ERROR_ZERO_RETURN) {
-                    up_eof(c);
-                    return true;
-                }
-                char why[160];
-                ssl_fail_detail(c->ussl, x, why, sizeof(why));
-                up_failed(c, "upstream %s: %s", why);
-                return true;
-            }
+            if (x <= 0)
+                return up_ssl_stalled(c, x, true, progress);
             r = x;
         } else {
             r = recv(c->fd, b, sizeof(b), 0);

@@ -273,18 +273,25 @@ static void child_say(const char *a, const char *b)
         return;
 }
 
-static int write_all(int fd, const char *p, size_t n)
+/* Writes the n bytes at p to fd, makes them durable and closes fd (in every case): 0, or -1. */
+static int write_synced(int fd, const char *p, size_t n)
 {
+    int rc = 0;
     while (n > 0) {
         ssize_t w = write(fd, p, n);
         if (w < 0 && errno == EINTR)
             continue;
-        if (w <= 0)
-            return -1;
+        if (w <= 0) {
+            rc = -1;
+            break;
+        }
         p += w;
         n -= (size_t)w;
     }
-    return 0;
+    if (rc == 0 && fsync(fd) != 0)
+        rc = -1;
+    close(fd);
+    return rc;
 }
 
 static int child_fsop(const struct fsop *o)
@@ -301,25 +308,15 @@ static int child_fsop(const struct fsop *o)
     case FS_WRITE:
         unlink(o->path2);
         fd = open(o->path2, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-        if (fd < 0)
+        if (fd < 0 || write_synced(fd, o->data, o->len) != 0)
             break;
-        if (write_all(fd, o->data, o->len) != 0 || fsync(fd) != 0) {
-            close(fd);
-            break;
-        }
-        close(fd);
         if (rename(o->path2, o->path) != 0)
             break;
         return 0;
     case FS_APPEND:
         fd = open(o->path, O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0)
+        if (fd < 0 || write_synced(fd, o->data, o->len) != 0)
             break;
-        if (write_all(fd, o->data, o->len) != 0 || fsync(fd) != 0) {
-            close(fd);
-            break;
-        }
-        close(fd);
         return 0;
     case FS_RENAME:
         if (rename(o->path, o->path2) != 0)

@@ -804,6 +804,23 @@ int sp_store_time_us(const PGresult *res, int row, int col, long long *us)
     return 0;
 }
 
+int sp_store_cursor_parse(const char *cur, bool (*valid_id)(const char *id), char micros[20],
+                          char *id, size_t cap)
+{
+    const char *us = strchr(cur, '_');
+    if (us == NULL || us == cur || us - cur > 19)
+        return -1;
+    for (const char *q = cur; q < us; q++)
+        if (*q < '0' || *q > '9')
+            return -1;
+    if (!valid_id(us + 1) || strlen(us + 1) >= cap)
+        return -1;
+    memcpy(micros, cur, (size_t)(us - cur));
+    micros[us - cur] = '\0';
+    memcpy(id, us + 1, strlen(us + 1) + 1);
+    return 0;
+}
+
 /* sp_store_call's record: the callback, then the caller's bytes (aligned as malloc aligns). */
 struct rec {
     sp_store_rec_cb done;

@@ -102,6 +102,13 @@ void sp_store_time(const PGresult *res, int row, int col, char *dst, size_t cap)
  * -1 with nothing read for NULL and for a value not of that form. */
 int sp_store_time_us(const PGresult *res, int row, int col, long long *us);
 
+/* A list's cursor, "<created_at in epoch microseconds>_<id>" (keyset pagination over
+ * (created_at, id); the microseconds as sp_store_time_us reads them): its 1 to 19 digits into
+ * micros, its id into id (cap bytes) once valid_id accepts it and it fits. -1 when it is not of
+ * that form (micros and id then hold nothing to use). */
+int sp_store_cursor_parse(const char *cur, bool (*valid_id)(const char *id), char micros[20],
+                          char *id, size_t cap);
+
 /* Subscribes to channel on the listening connection (re-LISTENed after each reconnect). */
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
                     sp_err_t *err);
