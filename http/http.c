@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/text.h"
+
 struct sp_http_hold {
     h2o_req_t *req;
     struct sp_http_hold **slot; /* in req->pool; cleared when we release first */
@@ -105,17 +107,6 @@ void sp_http_error_code(h2o_req_t *req, sp_code_t code, const char *msg)
     sp_http_error(req, &e);
 }
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 int sp_http_pct_decode(const char *src, size_t len, char *dst)
 {
     size_t o = 0;
@@ -124,7 +115,7 @@ int sp_http_pct_decode(const char *src, size_t len, char *dst)
         if (c == '%') {
             if (i + 2 >= len)
                 return -1;
-            int hi = hexval(src[i + 1]), lo = hexval(src[i + 2]);
+            int hi = sp_text_hexval(src[i + 1]), lo = sp_text_hexval(src[i + 2]);
             if (hi < 0 || lo < 0)
                 return -1;
             c = (char)(hi * 16 + lo);

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/text.h"
+
 const char *sp_config_path(int argc, char **argv, int first, bool *given)
 {
     *given = true;
@@ -33,16 +35,6 @@ void sp_config_args_free(sp_config_args_t *a)
     free(a->argv);
     a->argv = NULL;
     a->argc = 0;
-}
-
-static char *trim(char *s)
-{
-    while (*s == ' ' || *s == '\t')
-        s++;
-    size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
-        s[--n] = '\0';
-    return s;
 }
 
 /* 1 true, 0 false, -1 neither. */
@@ -75,14 +67,14 @@ static int push(sp_config_args_t *a, char *arg, sp_err_t *err)
 static int parse_line(char *line, int lineno, const struct option *opts, sp_config_args_t *out,
                       sp_err_t *err)
 {
-    char *s = trim(line);
+    char *s = sp_text_trim(line);
     if (s[0] == '\0' || s[0] == '#')
         return 0;
     char *eq = strchr(s, '=');
     if (eq == NULL)
         return sp_err_set(err, SP_EINVAL, "line %d: expected name = value", lineno);
     *eq = '\0';
-    char *name = trim(s), *value = trim(eq + 1);
+    char *name = sp_text_trim(s), *value = sp_text_trim(eq + 1);
     size_t vn = strlen(value);
     bool quoted = vn >= 2 && value[0] == '"' && value[vn - 1] == '"';
     if (quoted) {

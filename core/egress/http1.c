@@ -11,6 +11,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include "base/text.h"
+
 static bool is_tchar(unsigned char c)
 {
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
@@ -28,17 +30,6 @@ static bool is_vbyte(unsigned char c)
 static bool is_ows(char c)
 {
     return c == ' ' || c == '\t';
-}
-
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
 }
 
 static int refuse(sp_http1_req_t *req, int status, const char *why)
@@ -142,7 +133,7 @@ int sp_http1_authority(const char *s, size_t n, sp_http1_authority_t *a)
             return -1;
         hl = (size_t)(close - s) + 1;
         for (size_t i = 1; i + 1 < hl; i++)
-            if (hexval((unsigned char)s[i]) < 0 && s[i] != ':' && s[i] != '.')
+            if (sp_text_hexval((unsigned char)s[i]) < 0 && s[i] != ':' && s[i] != '.')
                 return -1;
     } else {
         hl = 0;
@@ -435,7 +426,7 @@ int sp_http1_chunked_scan(sp_http1_chunked_t *c, const void *vp, size_t n, size_
         switch (c->state) {
         case CH_SIZE:
         case CH_SIZE_MORE: {
-            int d = hexval(ch);
+            int d = sp_text_hexval(ch);
             if (d >= 0) {
                 if (c->digits == 16) {
                     bad = "chunk size is too long";
