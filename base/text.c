@@ -1,11 +1,11 @@
 /*
- * text.c - small pure helpers on ASCII text (text.h).
+ * text.c - hex digits and trimming (text.h).
  */
 #include "base/text.h"
 
 #include <string.h>
 
-int sp_text_hex_value(unsigned char c)
+int sp_text_hexval(int c)
 {
     if (c >= '0' && c <= '9')
         return c - '0';
@@ -16,12 +16,17 @@ int sp_text_hex_value(unsigned char c)
     return -1;
 }
 
+static int trailing_blank(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n';
+}
+
 char *sp_text_trim(char *s)
 {
     while (*s == ' ' || *s == '\t')
         s++;
     size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
+    while (n > 0 && trailing_blank(s[n - 1]))
         s[--n] = '\0';
     return s;
 }

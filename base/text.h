@@ -1,17 +1,19 @@
 /*
- * text.h - small pure helpers on ASCII text that several parsers share: hexadecimal digits
- * (percent-encoding, HTTP chunk sizes), trimming a line read from a config file.
+ * text.h - small pure helpers on C text that parsers in several folders need: a hex digit's
+ * value, a line's field without its surrounding blanks.
  *
- * No allocation, no state, no locale: only ASCII characters count.
+ * No allocation, no locale: bytes are compared as ASCII. Anything larger (URLs, HTTP
+ * heads, JSON) belongs to its own module.
  */
 #ifndef SP_BASE_TEXT_H
 #define SP_BASE_TEXT_H
 
-/* The value (0 to 15) of the hex digit c, either case; -1 for any other character. */
-int sp_text_hex_value(unsigned char c);
+/* The value of the hex digit c (0-9, a-f, A-F), or -1 for any other byte (a negative char
+ * included). */
+int sp_text_hexval(int c);
 
-/* s without its leading spaces and tabs (a pointer into s) and its trailing spaces, tabs, CRs
- * and LFs (cut in place). */
+/* s without its leading spaces and tabs, its trailing spaces, tabs, CRs and LFs cut off in
+ * place (s is written). */
 char *sp_text_trim(char *s);
 
 #endif

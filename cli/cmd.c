@@ -52,6 +52,36 @@ int spc_print_json(const json_t *j)
     return rc == 0 && fflush(stdout) == 0 ? 0 : SPC_EXIT_FAIL;
 }
 
+int spc_show(const spc_args_t *a, const char *path, void (*print)(const json_t *ans))
+{
+    spc_api_t api;
+    sp_err_t e;
+    json_t *ans;
+    if (spc_api(&api) < 0)
+        return SPC_EXIT_FAIL;
+    if (spc_api_call(&api, "GET", path, NULL, &ans, NULL, &e) < 0)
+        return spc_fail(&e);
+    int rc = 0;
+    if (spc_args_count(a, "json"))
+        rc = spc_print_json(ans);
+    else
+        print(ans);
+    json_decref(ans);
+    return rc;
+}
+
+int spc_delete(const char *path, const char *what, const char *name)
+{
+    spc_api_t api;
+    sp_err_t e;
+    if (spc_api(&api) < 0)
+        return SPC_EXIT_FAIL;
+    if (spc_api_call(&api, "DELETE", path, NULL, NULL, NULL, &e) < 0)
+        return spc_fail(&e);
+    printf("%s %s deleted\n", what, name);
+    return 0;
+}
+
 int spc_kv_object(const char *const *items, size_t n, const char *what, json_t **out,
                   sp_err_t *err)
 {

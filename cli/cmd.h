@@ -62,6 +62,11 @@ int spc_failf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int spc_api(spc_api_t *a);
 /* Pretty JSON and a newline on stdout; returns 0 (1 when it could not be written). */
 int spc_print_json(const json_t *j);
+/* GETs path and prints the answer: its JSON with --json, else through print (a table, a
+ * record). The command's exit status (the server's error on stderr). */
+int spc_show(const spc_args_t *a, const char *path, void (*print)(const json_t *ans));
+/* DELETEs path and prints "<what> <name> deleted". The command's exit status. */
+int spc_delete(const char *path, const char *what, const char *name);
 /* "K=V" strings into a JSON object of strings (*out, the caller's). -1 with err naming what
  * (--env, --metadata) when one has no '=' or an empty name. */
 int spc_kv_object(const char *const *items, size_t n, const char *what, json_t **out,

@@ -59,23 +59,9 @@ static void print_policy(const json_t *p)
 
 static int run_get(spc_args_t *a)
 {
-    spc_api_t api;
-    sp_err_t e;
     char path[256];
-    json_t *p;
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_api_call(&api, "GET",
-                     spc_path(path, sizeof(path), "/v1/sandboxes/%s/egress/policy", a->pos[0]),
-                     NULL, &p, NULL, &e) < 0)
-        return spc_fail(&e);
-    int rc = 0;
-    if (spc_args_count(a, "json"))
-        rc = spc_print_json(p);
-    else
-        print_policy(p);
-    json_decref(p);
-    return rc;
+    return spc_show(a, spc_path(path, sizeof(path), "/v1/sandboxes/%s/egress/policy", a->pos[0]),
+                    print_policy);
 }
 
 static int usage_error(const char *msg)

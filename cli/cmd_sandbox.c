@@ -345,22 +345,9 @@ static int run_list(spc_args_t *a)
 
 static int run_get(spc_args_t *a)
 {
-    sp_err_t e;
-    spc_api_t api;
     char path[256];
-    json_t *sb;
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_api_call(&api, "GET", spc_path(path, sizeof(path), "/v1/sandboxes/%s", a->pos[0]),
-                     NULL, &sb, NULL, &e) < 0)
-        return spc_fail(&e);
-    int rc = 0;
-    if (spc_args_count(a, "json"))
-        rc = spc_print_json(sb);
-    else
-        print_sandbox_long(sb);
-    json_decref(sb);
-    return rc;
+    return spc_show(a, spc_path(path, sizeof(path), "/v1/sandboxes/%s", a->pos[0]),
+                    print_sandbox_long);
 }
 
 /* ---- delete, pause, suspend, wake ---- */

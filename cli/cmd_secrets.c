@@ -128,52 +128,35 @@ static int run_set(spc_args_t *a)
     return rc;
 }
 
+static void print_secrets(const json_t *ans)
+{
+    static const char *const cols[] = {"NAME", "CREATED", "UPDATED"};
+    spc_table_t *t = spc_table_new(3, cols);
+    if (t == NULL)
+        return;
+    size_t i;
+    json_t *s;
+    json_array_foreach(json_object_get(ans, "secrets"), i, s)
+    {
+        char c[32], u[32];
+        const char *cells[] = {spc_str(s, "name"), spc_time(spc_str(s, "created_at"), c, sizeof(c)),
+                               spc_time(spc_str(s, "updated_at"), u, sizeof(u))};
+        spc_table_add(t, cells);
+    }
+    spc_table_print(t, stdout);
+    spc_table_free(t);
+}
+
 static int run_list(spc_args_t *a)
 {
-    spc_api_t api;
-    sp_err_t e;
-    json_t *ans;
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_api_call(&api, "GET", "/v1/secrets", NULL, &ans, NULL, &e) < 0)
-        return spc_fail(&e);
-    int rc = 0;
-    if (spc_args_count(a, "json")) {
-        rc = spc_print_json(ans);
-    } else {
-        static const char *const cols[] = {"NAME", "CREATED", "UPDATED"};
-        spc_table_t *t = spc_table_new(3, cols);
-        size_t i;
-        json_t *s;
-        json_array_foreach(json_object_get(ans, "secrets"), i, s)
-        {
-            char c[32], u[32];
-            const char *cells[] = {spc_str(s, "name"),
-                                   spc_time(spc_str(s, "created_at"), c, sizeof(c)),
-                                   spc_time(spc_str(s, "updated_at"), u, sizeof(u))};
-            if (t != NULL)
-                spc_table_add(t, cells);
-        }
-        if (t != NULL)
-            spc_table_print(t, stdout);
-        spc_table_free(t);
-    }
-    json_decref(ans);
-    return rc;
+    return spc_show(a, "/v1/secrets", print_secrets);
 }
 
 static int run_delete(spc_args_t *a)
 {
-    spc_api_t api;
-    sp_err_t e;
     char path[256];
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_api_call(&api, "DELETE", spc_path(path, sizeof(path), "/v1/secrets/%s", a->pos[0]),
-                     NULL, NULL, NULL, &e) < 0)
-        return spc_fail(&e);
-    printf("secret %s deleted\n", a->pos[0]);
-    return 0;
+    return spc_delete(spc_path(path, sizeof(path), "/v1/secrets/%s", a->pos[0]), "secret",
+                      a->pos[0]);
 }
 
 const spc_verb_t spc_secrets_verbs[] = {

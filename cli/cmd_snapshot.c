@@ -90,26 +90,12 @@ static int run_create(spc_args_t *a)
     return rc;
 }
 
-static int run_list(spc_args_t *a)
+static void print_snapshots(const json_t *ans)
 {
-    spc_api_t api;
-    sp_err_t e;
-    char path[256] = "/v1/snapshots?limit=1000";
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_args_str(a, "sandbox") != NULL)
-        spc_path(path, sizeof(path), "/v1/snapshots?limit=1000&sandbox_id=%s",
-                 spc_args_str(a, "sandbox"));
-    json_t *ans;
-    if (spc_api_call(&api, "GET", path, NULL, &ans, NULL, &e) < 0)
-        return spc_fail(&e);
-    if (spc_args_count(a, "json")) {
-        int rc = spc_print_json(ans);
-        json_decref(ans);
-        return rc;
-    }
     static const char *const cols[] = {"ID", "NAME", "SANDBOX", "TEMPLATE", "STATE", "CREATED"};
     spc_table_t *t = spc_table_new(6, cols);
+    if (t == NULL)
+        return;
     size_t i;
     json_t *sn;
     json_array_foreach(json_object_get(ans, "snapshots"), i, sn)
@@ -119,28 +105,26 @@ static int run_list(spc_args_t *a)
                                spc_str(sn, "sandbox_id"), spc_str(sn, "template"),
                                spc_str(sn, "state"),
                                spc_time(spc_str(sn, "created_at"), created, sizeof(created))};
-        if (t != NULL)
-            spc_table_add(t, cells);
+        spc_table_add(t, cells);
     }
-    if (t != NULL)
-        spc_table_print(t, stdout);
+    spc_table_print(t, stdout);
     spc_table_free(t);
-    json_decref(ans);
-    return 0;
+}
+
+static int run_list(spc_args_t *a)
+{
+    char path[256] = "/v1/snapshots?limit=1000";
+    if (spc_args_str(a, "sandbox") != NULL)
+        spc_path(path, sizeof(path), "/v1/snapshots?limit=1000&sandbox_id=%s",
+                 spc_args_str(a, "sandbox"));
+    return spc_show(a, path, print_snapshots);
 }
 
 static int run_delete(spc_args_t *a)
 {
-    spc_api_t api;
-    sp_err_t e;
     char path[256];
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    spc_path(path, sizeof(path), "/v1/snapshots/%s", a->pos[0]);
-    if (spc_api_call(&api, "DELETE", path, NULL, NULL, NULL, &e) < 0)
-        return spc_fail(&e);
-    printf("snapshot %s deleted\n", a->pos[0]);
-    return 0;
+    return spc_delete(spc_path(path, sizeof(path), "/v1/snapshots/%s", a->pos[0]), "snapshot",
+                      a->pos[0]);
 }
 
 const spc_verb_t spc_snapshot_verbs[] = {

@@ -61,23 +61,13 @@ static const spc_cmd_t delete_cmd = {
     "Its running and suspended sandboxes are not affected; new sandboxes cannot be made from it.",
     delete_opts, "NAME", 1, 1, false};
 
-static int run_list(spc_args_t *a)
+static void print_templates(const json_t *ans)
 {
-    spc_api_t api;
-    sp_err_t e;
-    json_t *ans;
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    if (spc_api_call(&api, "GET", "/v1/templates", NULL, &ans, NULL, &e) < 0)
-        return spc_fail(&e);
-    if (spc_args_count(a, "json")) {
-        int rc = spc_print_json(ans);
-        json_decref(ans);
-        return rc;
-    }
     static const char *const cols[] = {"NAME", "STATUS", "CPUS", "MEMORY", "UPDATED",
                                        "DESCRIPTION"};
     spc_table_t *t = spc_table_new(6, cols);
+    if (t == NULL)
+        return;
     size_t i;
     json_t *tp;
     json_array_foreach(json_object_get(ans, "templates"), i, tp)
@@ -90,14 +80,15 @@ static int run_list(spc_args_t *a)
                                mem,
                                spc_time(spc_str(tp, "updated_at"), upd, sizeof(upd)),
                                spc_str(tp, "description")};
-        if (t != NULL)
-            spc_table_add(t, cells);
+        spc_table_add(t, cells);
     }
-    if (t != NULL)
-        spc_table_print(t, stdout);
+    spc_table_print(t, stdout);
     spc_table_free(t);
-    json_decref(ans);
-    return 0;
+}
+
+static int run_list(spc_args_t *a)
+{
+    return spc_show(a, "/v1/templates", print_templates);
 }
 
 /* The build request: --file's, then the options' steps and fields over it. */
@@ -129,18 +120,10 @@ static json_t *build_request(spc_args_t *a, sp_err_t *e)
     size_t n;
     const char *const *env = spc_args_list(a, "env", &n);
     if (n > 0) {
-        json_t *o = json_object();
-        for (size_t i = 0; i < n; i++) {
-            const char *eq = strchr(env[i], '=');
-            if (eq == NULL || eq == env[i]) {
-                json_decref(o);
-                json_decref(req);
-                sp_err_set(e, SP_EINVAL, "--env %s: want NAME=VALUE", env[i]);
-                return NULL;
-            }
-            char k[257];
-            snprintf(k, sizeof(k), "%.*s", (int)(eq - env[i] > 256 ? 256 : eq - env[i]), env[i]);
-            json_object_set_new(o, k, json_string(eq + 1));
+        json_t *o;
+        if (spc_kv_object(env, n, "--env", &o, e) < 0) {
+            json_decref(req);
+            return NULL;
         }
         json_array_append_new(steps, json_pack("{s:o}", "env", o));
     }
@@ -259,16 +242,9 @@ static int run_build(spc_args_t *a)
 
 static int run_delete(spc_args_t *a)
 {
-    spc_api_t api;
-    sp_err_t e;
     char path[256];
-    if (spc_api(&api) < 0)
-        return SPC_EXIT_FAIL;
-    spc_path(path, sizeof(path), "/v1/templates/%s", a->pos[0]);
-    if (spc_api_call(&api, "DELETE", path, NULL, NULL, NULL, &e) < 0)
-        return spc_fail(&e);
-    printf("template %s deleted\n", a->pos[0]);
-    return 0;
+    return spc_delete(spc_path(path, sizeof(path), "/v1/templates/%s", a->pos[0]), "template",
+                      a->pos[0]);
 }
 
 const spc_verb_t spc_template_verbs[] = {

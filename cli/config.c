@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/text.h"
+
 static const char *env_nonempty(spc_getenv_fn env, const char *name)
 {
     const char *v = env(name);
@@ -43,16 +45,6 @@ void spc_config_data_dir(char *out, size_t cap, spc_getenv_fn env, uid_t euid)
         snprintf(out, cap, "%s/.local/share/space", env("HOME") ? env("HOME") : ".");
 }
 
-static char *trim(char *s)
-{
-    while (*s == ' ' || *s == '\t')
-        s++;
-    size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
-        s[--n] = '\0';
-    return s;
-}
-
 /* Reads url and key from the file when it exists (either may stay ""). */
 static int read_file(const char *path, char *url, size_t ucap, char *key, size_t kcap,
                      sp_err_t *err)
@@ -67,7 +59,7 @@ static int read_file(const char *path, char *url, size_t ucap, char *key, size_t
     int no = 0, rc = 0;
     while (rc == 0 && fgets(line, sizeof(line), f) != NULL) {
         no++;
-        char *s = trim(line);
+        char *s = sp_text_trim(line);
         if (s[0] == '\0' || s[0] == '#')
             continue;
         char *eq = strchr(s, '=');
@@ -76,7 +68,7 @@ static int read_file(const char *path, char *url, size_t ucap, char *key, size_t
             break;
         }
         *eq = '\0';
-        char *name = trim(s), *val = trim(eq + 1);
+        char *name = sp_text_trim(s), *val = sp_text_trim(eq + 1);
         /* Other names are left alone: a newer spacectl may have written them. */
         if (strcmp(name, "url") == 0)
             snprintf(url, ucap, "%s", val);

@@ -26,6 +26,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "base/text.h"
+
 #define CONNECT_TIMEOUT_MS 10000
 #define MAX_HEAD           (64 * 1024)
 #define MAX_HEADERS        64
@@ -123,17 +125,6 @@ enum {
     CK_DONE,
 };
 
-static int hexval(uint8_t c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 int spc_chunked_step(spc_chunked_t *d, const uint8_t *in, size_t n, size_t max, size_t *used,
                      const uint8_t **data, size_t *dlen)
 {
@@ -144,7 +135,7 @@ int spc_chunked_step(spc_chunked_t *d, const uint8_t *in, size_t n, size_t max, 
         uint8_t c = in[i];
         switch (d->state) {
         case CK_SIZE: {
-            int v = hexval(c);
+            int v = sp_text_hexval(c);
             if (v >= 0) {
                 if (d->digits == 15) /* 2^60 bytes and more: not a size we can mean */
                     return -1;
@@ -598,16 +589,6 @@ static long fill(spc_resp_t *r, sp_err_t *err)
     return k;
 }
 
-static char *trim(char *s)
-{
-    while (*s == ' ' || *s == '\t')
-        s++;
-    size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r'))
-        s[--n] = '\0';
-    return s;
-}
-
 /* Parses the head in[off, off + len) (len includes the blank line). */
 static int parse_head(spc_resp_t *r, size_t len, sp_err_t *err)
 {
@@ -631,8 +612,8 @@ static int parse_head(spc_resp_t *r, size_t len, sp_err_t *err)
         if (colon == NULL || r->nh == MAX_HEADERS)
             continue;
         *colon = '\0';
-        r->hname[r->nh] = trim(line);
-        r->hval[r->nh] = trim(colon + 1);
+        r->hname[r->nh] = sp_text_trim(line);
+        r->hval[r->nh] = sp_text_trim(colon + 1);
         r->nh++;
     }
     return 0;

@@ -466,8 +466,7 @@ static const char *enum_name(const sp_cenum_t *en, int32_t v)
     return NULL;
 }
 
-/* RFC 3339 with Z or an offset, up to 9 fractional digits. */
-static int parse_time(const char *s, sp_ctime_t *t)
+int sp_connect_parse_time(const char *s, sp_ctime_t *t)
 {
     int Y, M, D, h, m, sec, n = 0;
     if (sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2d%n", &Y, &M, &D, &h, &m, &sec, &n) != 6 || n != 19)
@@ -631,7 +630,7 @@ static int jdec_value(const sp_cdesc_t *d, const sp_cfield_t *f, json_t *v, void
             return jbad(err, d, f, "must be an object");
         return jdec_msg(f->sub, v, dst, a, depth + 1, err);
     case SP_CK_TIME:
-        if (!json_is_string(v) || parse_time(json_string_value(v), dst) < 0)
+        if (!json_is_string(v) || sp_connect_parse_time(json_string_value(v), dst) < 0)
             return jbad(err, d, f, "must be an RFC 3339 timestamp");
         return 0;
     case SP_CK_MAPSS:

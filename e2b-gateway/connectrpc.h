@@ -69,6 +69,10 @@ typedef struct {
     int32_t nanos;
 } sp_ctime_t;
 
+/* t from RFC 3339 text with Z or an offset and up to 9 fractional digits (the JSON codec's
+ * Timestamp, and the agent's file times). -1 for anything else. */
+int sp_connect_parse_time(const char *s, sp_ctime_t *t);
+
 typedef struct {
     char unused_;
 } sp_cempty_t;

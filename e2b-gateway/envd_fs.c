@@ -22,22 +22,6 @@
 
 /* ---- entries ---- */
 
-static int parse_mtime(const char *s, sp_ctime_t *t)
-{
-    int Y, M, D, h, m, sec, ms = 0;
-    if (s == NULL || sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2d.%3d", &Y, &M, &D, &h, &m, &sec, &ms) < 6)
-        return -1;
-    struct tm tm = {.tm_year = Y - 1900,
-                    .tm_mon = M - 1,
-                    .tm_mday = D,
-                    .tm_hour = h,
-                    .tm_min = m,
-                    .tm_sec = sec};
-    t->seconds = (int64_t)timegm(&tm);
-    t->nanos = ms * 1000000;
-    return 0;
-}
-
 /* Go's os.FileMode.String() of an lstat mode, which is envd's `permissions`: one letter per
  * type and special bit in Go's order (d L D p S u g c t), "-" when none, then rwx x3. */
 static void go_mode_string(char out[16], const char *type, const char *special, uint32_t mode)
@@ -102,7 +86,8 @@ int sp_e2b__envd_entry(json_t *e, sp_cf_entry_t *out, sp_carena_t *a)
     if (p != NULL)
         go_mode_string(p, type, special, mode);
     out->permissions = p;
-    if (parse_mtime(json_string_value(json_object_get(e, "mtime")), &out->modified_time) == 0)
+    const char *mtime = json_string_value(json_object_get(e, "mtime")); /* UTC, to the ms */
+    if (mtime != NULL && sp_connect_parse_time(mtime, &out->modified_time) == 0)
         out->has_modified_time = true;
     return out->name && out->path && out->permissions ? 0 : -1;
 }

@@ -29,6 +29,7 @@
 #include <strings.h>
 
 #include "base/log.h"
+#include "base/text.h"
 #include "e2b-gateway/gw_int.h"
 
 #include <h2o/http1.h> /* h2o_http1_upgrade; needs h2o.h first */
@@ -461,14 +462,6 @@ static void copy_headers(h2o_req_t *req, const struct field *fields, size_t nf, 
 
 /* ---- chunked decoding ---- */
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    c = (char)tolower((unsigned char)c);
-    return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-}
-
 /* Decodes buf[0..*n) in place; *n becomes the data byte count. -1 on a malformed coding. */
 static int chunked_decode(struct chunked *ck, char *buf, size_t *n)
 {
@@ -477,7 +470,7 @@ static int chunked_decode(struct chunked *ck, char *buf, size_t *n)
         char c = buf[in];
         switch (ck->state) {
         case C_SIZE: {
-            int v = hexval(c);
+            int v = sp_text_hexval(c);
             if (v >= 0) {
                 if (ck->left > (UINT64_MAX >> 8))
                     return -1;

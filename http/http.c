@@ -115,8 +115,7 @@ int sp_http_pct_decode(const char *src, size_t len, char *dst)
         if (c == '%') {
             if (i + 2 >= len)
                 return -1;
-            int hi = sp_text_hex_value((unsigned char)src[i + 1]),
-                lo = sp_text_hex_value((unsigned char)src[i + 2]);
+            int hi = sp_text_hexval(src[i + 1]), lo = sp_text_hexval(src[i + 2]);
             if (hi < 0 || lo < 0)
                 return -1;
             c = (char)(hi * 16 + lo);

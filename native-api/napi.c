@@ -395,7 +395,7 @@ static const struct route routes[] = {
     {M_POST, {"v1", "sandboxes", "*", "contexts", "*", "interrupt", NULL},
      {NULL, sp_napi__contexts_interrupt, NULL}, true},
     {M_POST, {"v1", "sandboxes", "*", "contexts", "*", "execute", NULL},
-     {NULL, sp_napi__contexts_execute, NULL}, true},
+     {NULL, sp_napi__execute, NULL}, true},
     {M_POST, {"v1", "sandboxes", "*", "execute", NULL}, {NULL, sp_napi__execute, NULL}, true},
     /* Secrets and credential rules (route_secrets.c); PUT bodies are parsed by the route. */
     {M_GET | M_POST, {"v1", "secrets", NULL}, {sp_napi__secrets_list, sp_napi__secrets_create, NULL},

@@ -210,7 +210,7 @@ void sp_napi__contexts_list(napi_ctx_t *c);
 void sp_napi__contexts_delete(napi_ctx_t *c);
 void sp_napi__contexts_restart(napi_ctx_t *c);
 void sp_napi__contexts_interrupt(napi_ctx_t *c);
-void sp_napi__contexts_execute(napi_ctx_t *c);
+/* Both execute routes: in a context when the path names one. */
 void sp_napi__execute(napi_ctx_t *c);
 void sp_napi__secrets_create(napi_ctx_t *c);
 void sp_napi__secrets_list(napi_ctx_t *c);

@@ -194,9 +194,10 @@ void sp_napi__contexts_interrupt(napi_ctx_t *c)
 /* ---- execute ---- */
 
 /* Fills req from the body (strings borrowed from it); context_id from the path when the
- * route has one. */
-static int parse_exec(napi_ctx_t *c, bool in_context, sp_code_exec_req_t *req, sp_err_t *err)
+ * route has one (.../contexts/{ctx}/execute rather than .../execute). */
+static int parse_exec(napi_ctx_t *c, sp_code_exec_req_t *req, sp_err_t *err)
 {
+    bool in_context = strcmp(c->segs[3], "contexts") == 0;
     static const char *const ctx_keys[] = {"code", "env", "timeout_s", NULL};
     static const char *const top_keys[] = {"code", "language",  "context_id",
                                            "env",  "timeout_s", NULL};
@@ -387,11 +388,11 @@ static void xs_event(void *arg, const sp_code_ev_t *ev)
     }
 }
 
-static void exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn, bool in_context)
+static void exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     sp_err_t e;
     sp_code_exec_req_t req;
-    if (parse_exec(c, in_context, &req, &e) < 0) { /* checked before: cannot fail */
+    if (parse_exec(c, &req, &e) < 0) { /* checked before: cannot fail */
         sp_napi__fail(c, &e);
         return;
     }
@@ -414,34 +415,14 @@ static void exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn, bool in_context
     }
 }
 
-static void ctx_exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    exec_with_agent(c, conn, true);
-}
-
-static void top_exec_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    exec_with_agent(c, conn, false);
-}
-
-void sp_napi__contexts_execute(napi_ctx_t *c)
-{
-    sp_err_t e;
-    sp_code_exec_req_t req;
-    if (parse_exec(c, true, &req, &e) < 0) {
-        sp_napi__fail(c, &e);
-        return;
-    }
-    sp_napi__with_agent(c, ctx_exec_with_agent);
-}
-
+/* POST .../execute and .../contexts/{ctx}/execute. */
 void sp_napi__execute(napi_ctx_t *c)
 {
     sp_err_t e;
     sp_code_exec_req_t req;
-    if (parse_exec(c, false, &req, &e) < 0) {
+    if (parse_exec(c, &req, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
-    sp_napi__with_agent(c, top_exec_with_agent);
+    sp_napi__with_agent(c, exec_with_agent);
 }

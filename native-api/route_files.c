@@ -25,7 +25,8 @@ typedef struct {
     char *user;
     uint32_t mode;
     uint32_t depth;
-    bool flag; /* recursive (DELETE) or mkdirs (PUT) */
+    bool flag;         /* recursive (DELETE) or mkdirs (PUT) */
+    sp_exec_fsop_t op; /* what fs_next asks the agent (request/answer operations) */
 } fsreq_t;
 
 static void fsreq_free(void *p)
@@ -117,48 +118,36 @@ static void on_fs(void *arg, json_t *result, const sp_err_t *err)
     sp_napi__reply(c, 200, result);
 }
 
-static void fs_with_agent(napi_ctx_t *c, sp_agentconn_t *conn, sp_exec_fsop_t op)
+static void fs_next(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     fsreq_t *f = c->data;
-    sp_exec_fs_req_t r = {.op = op, .path = f->path, .dest = f->dest, .user = f->user,
-                          .depth = f->depth, .recursive = f->flag, .mode = f->mode};
+    sp_exec_fs_req_t r = {.op = f->op,
+                          .path = f->path,
+                          .dest = f->dest,
+                          .user = f->user,
+                          .depth = f->depth,
+                          .recursive = f->flag,
+                          .mode = f->mode};
     sp_err_t e;
     if (sp_exec_fs(sp_napi__loop(c), conn, &r, on_fs, c, &e) == NULL)
         sp_napi__fail(c, &e);
 }
 
-static void stat_next(napi_ctx_t *c, sp_agentconn_t *conn)
+/* Runs operation op of request f (c->data) once the sandbox's agent is reached. */
+static void fs_start(napi_ctx_t *c, fsreq_t *f, sp_exec_fsop_t op)
 {
-    fs_with_agent(c, conn, SP_EXEC_FS_STAT);
-}
-
-static void list_next(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    fs_with_agent(c, conn, SP_EXEC_FS_LIST);
-}
-
-static void mkdir_next(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    fs_with_agent(c, conn, SP_EXEC_FS_MKDIR);
-}
-
-static void move_next(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    fs_with_agent(c, conn, SP_EXEC_FS_MOVE);
-}
-
-static void remove_next(napi_ctx_t *c, sp_agentconn_t *conn)
-{
-    fs_with_agent(c, conn, SP_EXEC_FS_REMOVE);
+    f->op = op;
+    sp_napi__with_agent(c, fs_next);
 }
 
 void sp_napi__files_stat(napi_ctx_t *c)
 {
     sp_err_t e;
-    if (from_query(c, &e) == NULL)
+    fsreq_t *f = from_query(c, &e);
+    if (f == NULL)
         sp_napi__fail(c, &e);
     else
-        sp_napi__with_agent(c, stat_next);
+        fs_start(c, f, SP_EXEC_FS_STAT);
 }
 
 void sp_napi__files_list(napi_ctx_t *c)
@@ -175,7 +164,7 @@ void sp_napi__files_list(napi_ctx_t *c)
         return;
     }
     f->depth = (uint32_t)depth;
-    sp_napi__with_agent(c, list_next);
+    fs_start(c, f, SP_EXEC_FS_LIST);
 }
 
 void sp_napi__files_delete(napi_ctx_t *c)
@@ -186,7 +175,7 @@ void sp_napi__files_delete(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    sp_napi__with_agent(c, remove_next);
+    fs_start(c, f, SP_EXEC_FS_REMOVE);
 }
 
 void sp_napi__files_mkdir(napi_ctx_t *c)
@@ -220,7 +209,7 @@ void sp_napi__files_mkdir(napi_ctx_t *c)
         return;
     }
     f->mode = mode;
-    sp_napi__with_agent(c, mkdir_next);
+    fs_start(c, f, SP_EXEC_FS_MKDIR);
 }
 
 void sp_napi__files_move(napi_ctx_t *c)
@@ -245,7 +234,7 @@ void sp_napi__files_move(napi_ctx_t *c)
         sp_napi__fail(c, &e);
         return;
     }
-    sp_napi__with_agent(c, move_next);
+    fs_start(c, f, SP_EXEC_FS_MOVE);
 }
 
 /* ---- download: the sink of core/channel/download.h ---- */

@@ -80,6 +80,18 @@ static bool have_tmpl(napi_ctx_t *c)
     return false;
 }
 
+/* The held request of a route that reads it (its body or query), templates being available:
+ * NULL when they are not (answered 503) or the client left (the context dropped). */
+static h2o_req_t *tmpl_req(napi_ctx_t *c)
+{
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    if (!have_tmpl(c))
+        return NULL;
+    if (req == NULL)
+        sp_napi__take(c);
+    return req;
+}
+
 void sp_napi__templates_build(napi_ctx_t *c)
 {
     sp_err_t e;
@@ -235,13 +247,9 @@ static void on_file_put(void *arg, bool existed, uint64_t entries, const sp_err_
 void sp_napi__template_files_put(napi_ctx_t *c)
 {
     sp_err_t e;
-    h2o_req_t *req = sp_http_hold_req(c->hold);
-    if (!have_tmpl(c))
+    h2o_req_t *req = tmpl_req(c);
+    if (req == NULL)
         return;
-    if (req == NULL) {
-        sp_napi__take(c);
-        return;
-    }
     if (sp_tmplfiles_put(sp_tmpl_files(c->n->tmpl), c->auth.team_id, c->segs[2], true,
                          req->entity.base, req->entity.len, on_file_put, c, &e) < 0)
         sp_napi__fail(c, &e);
@@ -378,13 +386,9 @@ void sp_napi__builds_logs(napi_ctx_t *c)
     sp_err_t e;
     int offset = 0;
     bool follow = false;
-    h2o_req_t *req = sp_http_hold_req(c->hold);
-    if (!have_tmpl(c))
+    h2o_req_t *req = tmpl_req(c);
+    if (req == NULL)
         return;
-    if (req == NULL) {
-        sp_napi__take(c);
-        return;
-    }
     if (sp_napi__query_int(req, "offset", 0, 1 << 30, &offset, &e) < 0 ||
         sp_napi__query_bool(req, "follow", &follow, &e) < 0) {
         sp_napi__fail(c, &e);

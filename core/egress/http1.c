@@ -133,7 +133,7 @@ int sp_http1_authority(const char *s, size_t n, sp_http1_authority_t *a)
             return -1;
         hl = (size_t)(close - s) + 1;
         for (size_t i = 1; i + 1 < hl; i++)
-            if (sp_text_hex_value((unsigned char)s[i]) < 0 && s[i] != ':' && s[i] != '.')
+            if (sp_text_hexval((unsigned char)s[i]) < 0 && s[i] != ':' && s[i] != '.')
                 return -1;
     } else {
         hl = 0;
@@ -426,7 +426,7 @@ int sp_http1_chunked_scan(sp_http1_chunked_t *c, const void *vp, size_t n, size_
         switch (c->state) {
         case CH_SIZE:
         case CH_SIZE_MORE: {
-            int d = sp_text_hex_value(ch);
+            int d = sp_text_hexval(ch);
             if (d >= 0) {
                 if (c->digits == 16) {
                     bad = "chunk size is too long";
