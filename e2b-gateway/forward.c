@@ -28,6 +28,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "base/buf.h"
 #include "base/log.h"
 #include "base/text.h"
 #include "e2b-gateway/gw_int.h"
@@ -84,8 +85,7 @@ struct fwd {
     bool ok;            /* the body ended the way its framing said */
 
     /* toward the client: h2o wants each buffer kept until proceed (or write completion) */
-    char *pend, *fly;
-    size_t pend_len, pend_cap, fly_cap;
+    sp_buf_t pend, fly;
     size_t pend_raw, fly_raw; /* agent bytes each buffer accounts for (credit to grant) */
     bool flying;
 
@@ -130,8 +130,8 @@ static void f_leave(struct fwd *f)
         *f->hook = NULL;
     free(f->rq);
     free(f->rh);
-    free(f->pend);
-    free(f->fly);
+    sp_buf_free(&f->pend);
+    sp_buf_free(&f->fly);
     free(f);
 }
 
@@ -163,7 +163,7 @@ static void f_fail(struct fwd *f, int status, const char *msg)
     } else if (req != NULL && f->phase == P_BODY) {
         f->ok = false;
         f->body_done = true; /* the error goes out on the next proceed */
-        f->pend_len = 0;
+        sp_buf_reset(&f->pend);
         if (f->s != NULL) {
             sp_agentstream_reset(f->s);
             f->s = NULL;
@@ -221,37 +221,6 @@ static bool hop_by_hop(const h2o_iovec_t *name)
     return false;
 }
 
-struct sbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-};
-
-static void sb_add(struct sbuf *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->len + n > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->len + n)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (p == NULL) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-}
-
-static void sb_str(struct sbuf *b, const char *s)
-{
-    sb_add(b, s, strlen(s));
-}
-
 /* Header values from h2o are already free of CR/LF (it parsed them); a value or path with
  * one would split our request, so refuse it anyway. */
 static bool has_crlf(const char *p, size_t n)
@@ -261,48 +230,48 @@ static bool has_crlf(const char *p, size_t n)
 
 static int build_request(struct fwd *f, h2o_req_t *req)
 {
-    struct sbuf b = {0};
+    sp_buf_t b = SP_BUF_INIT;
     h2o_iovec_t path = req->input.path; /* as the client sent it, query included */
     if (has_crlf(req->method.base, req->method.len) || has_crlf(path.base, path.len) ||
         has_crlf(req->authority.base, req->authority.len))
         return -1;
-    sb_add(&b, req->method.base, req->method.len);
-    sb_str(&b, " ");
+    sp_buf_add(&b, req->method.base, req->method.len);
+    sp_buf_str(&b, " ");
     if (path.len == 0 || path.base[0] != '/')
-        sb_str(&b, "/");
-    sb_add(&b, path.base, path.len);
-    sb_str(&b, " HTTP/1.1\r\nHost: ");
-    sb_add(&b, req->authority.base, req->authority.len);
-    sb_str(&b, "\r\n");
+        sp_buf_str(&b, "/");
+    sp_buf_add(&b, path.base, path.len);
+    sp_buf_str(&b, " HTTP/1.1\r\nHost: ");
+    sp_buf_add(&b, req->authority.base, req->authority.len);
+    sp_buf_str(&b, "\r\n");
     for (size_t i = 0; i < req->headers.size; i++) {
         const h2o_header_t *h = &req->headers.entries[i];
         if (hop_by_hop(h->name) || has_crlf(h->value.base, h->value.len))
             continue;
-        sb_add(&b, h->orig_name ? h->orig_name : h->name->base, h->name->len);
-        sb_str(&b, ": ");
-        sb_add(&b, h->value.base, h->value.len);
-        sb_str(&b, "\r\n");
+        sp_buf_add(&b, h->orig_name ? h->orig_name : h->name->base, h->name->len);
+        sp_buf_str(&b, ": ");
+        sp_buf_add(&b, h->value.base, h->value.len);
+        sp_buf_str(&b, "\r\n");
     }
     if (req->entity.base != NULL) {
         char cl[48];
         snprintf(cl, sizeof(cl), "Content-Length: %zu\r\n", req->entity.len);
-        sb_str(&b, cl);
+        sp_buf_str(&b, cl);
     }
-    sb_str(&b, "X-Forwarded-Proto: ");
-    sb_str(&b, req->scheme == &H2O_URL_SCHEME_HTTPS ? "https" : "http");
-    sb_str(&b, "\r\n");
+    sp_buf_str(&b, "X-Forwarded-Proto: ");
+    sp_buf_str(&b, req->scheme == &H2O_URL_SCHEME_HTTPS ? "https" : "http");
+    sp_buf_str(&b, "\r\n");
     if (f->upgrade) {
-        sb_str(&b, "Connection: Upgrade\r\nUpgrade: ");
-        sb_add(&b, req->upgrade.base, req->upgrade.len);
-        sb_str(&b, "\r\n\r\n");
+        sp_buf_str(&b, "Connection: Upgrade\r\nUpgrade: ");
+        sp_buf_add(&b, req->upgrade.base, req->upgrade.len);
+        sp_buf_str(&b, "\r\n\r\n");
     } else {
-        sb_str(&b, "Connection: close\r\n\r\n");
+        sp_buf_str(&b, "Connection: close\r\n\r\n");
     }
     if (b.oom) {
-        free(b.p);
+        sp_buf_free(&b);
         return -1;
     }
-    f->rq = b.p;
+    f->rq = (char *)b.p;
     f->rq_len = b.len;
     return 0;
 }
@@ -530,21 +499,6 @@ static int chunked_decode(struct chunked *ck, char *buf, size_t *n)
 
 /* ---- toward the client (generator) ---- */
 
-static int pend_reserve(struct fwd *f, size_t n)
-{
-    if (f->pend_len + n <= f->pend_cap)
-        return 0;
-    size_t cap = f->pend_cap ? f->pend_cap : 16384;
-    while (cap < f->pend_len + n)
-        cap *= 2;
-    char *p = realloc(f->pend, cap);
-    if (p == NULL)
-        return -1;
-    f->pend = p;
-    f->pend_cap = cap;
-    return 0;
-}
-
 static void grant(struct fwd *f, size_t n)
 {
     while (n > 0 && f->s != NULL) {
@@ -564,26 +518,23 @@ static void flush_client(struct fwd *f)
     if (f->phase == P_PIPE) {
         if (f->sock == NULL)
             return;
-        if (f->pend_len == 0) {
+        if (f->pend.len == 0) {
             if (f->guest_eof)
                 f_kill(f); /* everything the guest sent is written */
             return;
         }
-    } else if (f->req == NULL || (f->pend_len == 0 && !f->body_done)) {
+    } else if (f->req == NULL || (f->pend.len == 0 && !f->body_done)) {
         return;
     }
     /* swap pend into fly */
-    char *t = f->fly;
-    size_t tc = f->fly_cap;
+    sp_buf_t t = f->fly; /* sent already: its memory is reused */
     f->fly = f->pend;
-    f->fly_cap = f->pend_cap;
     f->fly_raw = f->pend_raw;
-    size_t len = f->pend_len;
+    size_t len = f->fly.len;
     f->pend = t;
-    f->pend_cap = tc;
-    f->pend_len = 0;
+    sp_buf_reset(&f->pend);
     f->pend_raw = 0;
-    h2o_iovec_t buf = h2o_iovec_init(f->fly, len);
+    h2o_iovec_t buf = h2o_iovec_init(f->fly.p, len);
     if (f->phase == P_PIPE) {
         f->flying = true;
         h2o_socket_write(f->sock, &buf, 1, on_sock_written);
@@ -594,7 +545,7 @@ static void flush_client(struct fwd *f)
         /* f goes away now while h2o may still write: the last bytes live in the pool. */
         if (len > 0) {
             char *p = h2o_mem_alloc_pool(&req->pool, len);
-            memcpy(p, f->fly, len);
+            memcpy(p, f->fly.p, len);
             buf.base = p;
         }
         f->req = NULL;
@@ -638,14 +589,15 @@ static void body_bytes(struct fwd *f, const uint8_t *p, size_t n)
     }
     if (f->framing == F_LENGTH && n > f->remaining)
         n = (size_t)f->remaining; /* bytes past Content-Length are dropped */
-    if (pend_reserve(f, n) < 0) {
+    char *dst = sp_buf_reserve(&f->pend, n);
+    if (dst == NULL) {
         f_fail(f, 502, "out of memory");
         return;
     }
-    memcpy(f->pend + f->pend_len, p, n);
+    memcpy(dst, p, n);
     size_t dn = n;
     if (f->framing == F_CHUNKED) {
-        if (chunked_decode(&f->ck, f->pend + f->pend_len, &dn) < 0) {
+        if (chunked_decode(&f->ck, dst, &dn) < 0) {
             sp_log(SP_LOG_INFO, "e2b", "guest sent a bad chunked body port=%d", f->port);
             f_fail(f, 502, "bad response from the sandbox");
             return;
@@ -661,7 +613,7 @@ static void body_bytes(struct fwd *f, const uint8_t *p, size_t n)
             f->ok = true;
         }
     }
-    f->pend_len += dn;
+    sp_buf_commit(&f->pend, dn);
     f->pend_raw += raw;
     flush_client(f);
 }
@@ -902,12 +854,11 @@ static void on_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
         else if (f->phase == P_BODY)
             body_bytes(f, payload, len);
         else if (f->phase == P_UPGRADING || f->phase == P_PIPE) {
-            if (pend_reserve(f, len) < 0) {
+            sp_buf_add(&f->pend, payload, len);
+            if (f->pend.oom) {
                 f_kill(f);
                 break;
             }
-            memcpy(f->pend + f->pend_len, payload, len);
-            f->pend_len += len;
             f->pend_raw += len;
             if (f->phase == P_PIPE)
                 flush_client(f);

@@ -13,13 +13,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
+
 struct sp_stream {
     h2o_generator_t gen; /* first: h2o hands it back */
     h2o_req_t *req;      /* NULL once the client left or the end was sent */
     sp_stream_cbs_t cbs;
     void *arg;
-    uint8_t *pend, *fly;
-    size_t pend_len, pend_cap, fly_len, fly_cap;
+    sp_buf_t pend, fly;
     size_t pend_raw, fly_raw;
     bool flying; /* an h2o_send waits for proceed */
     bool ending, ok;
@@ -33,22 +34,22 @@ static void st_free(sp_stream_t *st)
         st->freed = true;
         return;
     }
-    free(st->pend);
-    free(st->fly);
+    sp_buf_free(&st->pend);
+    sp_buf_free(&st->fly);
     free(st);
 }
 
 static void flush(sp_stream_t *st)
 {
-    if (st->flying || st->req == NULL || (st->pend_len == 0 && !st->ending))
+    if (st->flying || st->req == NULL || (st->pend.len == 0 && !st->ending))
         return;
     h2o_req_t *req = st->req;
     if (st->ending) {
         h2o_iovec_t buf = {NULL, 0};
-        if (st->pend_len > 0) {
-            buf.base = h2o_mem_alloc_pool(&req->pool, st->pend_len);
-            memcpy(buf.base, st->pend, st->pend_len);
-            buf.len = st->pend_len;
+        if (st->pend.len > 0) {
+            buf.base = h2o_mem_alloc_pool(&req->pool, st->pend.len);
+            memcpy(buf.base, st->pend.p, st->pend.len);
+            buf.len = st->pend.len;
         }
         st->req = NULL;
         st->depth++;
@@ -57,16 +58,11 @@ static void flush(sp_stream_t *st)
         st_free(st);
         return;
     }
-    uint8_t *t = st->fly;
-    size_t tc = st->fly_cap;
+    sp_buf_t t = st->fly; /* emptied on proceed: its memory is kept for reuse */
     st->fly = st->pend;
-    st->fly_cap = st->pend_cap;
-    st->fly_len = st->pend_len;
     st->fly_raw = st->pend_raw;
-    h2o_iovec_t buf = {(char *)st->fly, st->fly_len};
+    h2o_iovec_t buf = {(char *)st->fly.p, st->fly.len};
     st->pend = t;
-    st->pend_cap = tc;
-    st->pend_len = 0;
     st->pend_raw = 0;
     st->flying = true;
     st->depth++;
@@ -80,7 +76,7 @@ static void on_proceed(h2o_generator_t *gen, h2o_req_t *req)
 {
     sp_stream_t *st = (sp_stream_t *)gen;
     st->flying = false;
-    st->fly_len = 0;
+    sp_buf_reset(&st->fly);
     size_t raw = st->fly_raw;
     st->fly_raw = 0;
     if (raw > 0 && !st->ending && st->cbs.on_sent != NULL) {
@@ -130,23 +126,11 @@ sp_stream_t *sp_stream_start(h2o_req_t *req, int status, const char *content_typ
     return st;
 }
 
-/* Appends to pend, growing it by doubling from 16 KiB. */
+/* Appends to pend; -1 when memory ran out (pend is then unusable: the stream ends in error). */
 static int append(sp_stream_t *st, const void *p, size_t n)
 {
-    if (st->pend_len + n > st->pend_cap) {
-        size_t cap = st->pend_cap ? st->pend_cap : 16384;
-        while (cap < st->pend_len + n)
-            cap *= 2;
-        uint8_t *nb = realloc(st->pend, cap);
-        if (nb == NULL)
-            return -1;
-        st->pend = nb;
-        st->pend_cap = cap;
-    }
-    if (n > 0)
-        memcpy(st->pend + st->pend_len, p, n);
-    st->pend_len += n;
-    return 0;
+    sp_buf_add(&st->pend, p, n);
+    return st->pend.oom ? -1 : 0;
 }
 
 int sp_stream_write(sp_stream_t *st, const void *p, size_t n, size_t raw)
@@ -160,14 +144,14 @@ int sp_stream_write(sp_stream_t *st, const void *p, size_t n, size_t raw)
 
 size_t sp_stream_pending(const sp_stream_t *st)
 {
-    return st->pend_len + st->fly_len;
+    return st->pend.len + st->fly.len;
 }
 
 void sp_stream_end(sp_stream_t *st, const void *tail, size_t n, bool ok)
 {
     st->ending = true;
     st->ok = ok && append(st, tail, n) == 0; /* joins the final h2o_send */
-    flush(st); /* or on proceed, when a send is in flight */
+    flush(st);                               /* or on proceed, when a send is in flight */
 }
 
 int sp_stream_sink_write(void *st, const uint8_t *p, size_t n)

@@ -20,6 +20,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "base/buf.h"
 #include "base/log.h"
 #include "core/channel/chanop_int.h"
 
@@ -46,8 +47,7 @@ struct sp_exec {
     /* sp_exec_run */
     sp_exec_result_cb run_cb;
     size_t cap;
-    uint8_t *out, *err;
-    size_t out_len, err_len, out_cap, err_cap;
+    sp_buf_t out, err;
     bool out_tr, err_tr;
 
     void (*spawn_cb)(void *arg, uint32_t pid, const sp_err_t *err);
@@ -281,8 +281,8 @@ static void op_free(void *arg)
     sp_timer_stop(&op->timer);
     sp_timer_stop(&op->grace);
     free(op->in_buf);
-    free(op->out);
-    free(op->err);
+    sp_buf_free(&op->out);
+    sp_buf_free(&op->err);
     json_decref(op->items);
     free(op);
 }
@@ -314,8 +314,8 @@ static void deliver_exit(sp_exec_t *op, bool exited, int code, int sig)
     } else if (k == K_RUN) {
         sp_exec_result_t r = {.pid = op->pid, .exited = exited, .exit_code = code,
                               .signal = sig, .timed_out = op->timed_out,
-                              .out = op->out, .err = op->err,
-                              .out_len = op->out_len, .err_len = op->err_len,
+                              .out = op->out.p, .err = op->err.p,
+                              .out_len = op->out.len, .err_len = op->err.len,
                               .out_truncated = op->out_tr, .err_truncated = op->err_tr};
         op->run_cb(op->arg, &r, NULL);
     } else if (k == K_SPAWN) { /* exited before we saw it start: cannot happen (STARTED first) */
@@ -471,32 +471,19 @@ static void ctrl_maybe_done(sp_exec_t *op)
     }
 }
 
-static void append_capped(uint8_t **buf, size_t *len, size_t *cap, bool *tr, size_t max,
-                          const uint8_t *p, size_t n)
+/* Collects up to max bytes in b; what does not fit, or finds no memory, marks it truncated. */
+static void append_capped(sp_buf_t *b, bool *tr, size_t max, const uint8_t *p, size_t n)
 {
     size_t take = n;
-    if (*len + take > max) {
-        take = max - *len;
+    if (b->len + take > max) {
+        take = max - b->len;
         *tr = true;
     }
     if (take == 0)
         return;
-    if (*len + take > *cap) {
-        size_t nc = *cap ? *cap : 4096;
-        while (nc < *len + take)
-            nc *= 2;
-        if (nc > max)
-            nc = max;
-        uint8_t *nb = realloc(*buf, nc);
-        if (nb == NULL) {
-            *tr = true;
-            return;
-        }
-        *buf = nb;
-        *cap = nc;
-    }
-    memcpy(*buf + *len, p, take);
-    *len += take;
+    sp_buf_add(b, p, take);
+    if (b->oom)
+        *tr = true;
 }
 
 static void proc_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t len)
@@ -533,11 +520,9 @@ static void proc_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t le
         } else {
             if (op->kind == K_RUN) {
                 if (type == SP_AP_T_PROC_STDOUT)
-                    append_capped(&op->out, &op->out_len, &op->out_cap, &op->out_tr, op->cap, p,
-                                  len);
+                    append_capped(&op->out, &op->out_tr, op->cap, p, len);
                 else
-                    append_capped(&op->err, &op->err_len, &op->err_cap, &op->err_tr, op->cap, p,
-                                  len);
+                    append_capped(&op->err, &op->err_tr, op->cap, p, len);
             }
             /* Collected, dropped (K_CTRL) or beyond the cap: consumed now. */
             sp_chanop__grant(&op->ch, len);
