@@ -59,6 +59,8 @@ struct ctl {
     long long start_s, end_s; /* metrics: the series's bounds (unix s), 0: open */
     void *tpl;                /* route_templates.c's state across a step; its own to free */
     bool snap_tried;          /* create: templateID was looked up as a snapshot name too */
+    /* GET /sandboxes: the array written so far, across pages (route_sandboxes.c); owned */
+    sp_buf_t *text;
 };
 
 /* Finish the request (answer if the client is still there) and free the context.
@@ -76,6 +78,17 @@ void sp_e2b__ctl_fetch(ctl_t *c, ctl_sb_fn next);
 
 /* "running" | "paused" as E2B shows the sandbox; NULL when E2B should not see it. */
 const char *sp_e2b__state(const sp_sandbox_rec_t *sb);
+
+/* ListedSandbox (detail false) or SandboxDetail (all ten required keys in both), state as
+ * sp_e2b__state gives it, disk_mb the VM's disk size, domain the gateway's. */
+json_t *sp_e2b__listed_json(const char *domain, const sp_sandbox_rec_t *sb, const char *state,
+                            long long disk_mb, bool detail);
+/* The same text sp_json_write gives sp_e2b__listed_json's object, written straight from the
+ * record (building and freeing the jansson object was most of what a list cost). -1 when it
+ * cannot (a field that is not UTF-8, which jansson drops from the object; no metadata): what
+ * was appended is then garbage, and the caller renders the jansson object instead. */
+int sp_e2b__listed_write(sp_buf_t *b, const char *domain, const sp_sandbox_rec_t *sb,
+                         const char *state, long long disk_mb, bool detail);
 
 /* route_metrics.c: GET /sandboxes/{id}/metrics, /sandboxes/metrics, /sandboxes/{id}/logs,
  * /v2/sandboxes/{id}/logs. */

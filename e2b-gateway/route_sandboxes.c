@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "e2b-gateway/gw_int.h"
 #include "e2b-gateway/route_int.h"
+#include "http/json.h"
 
 #define CTL_MAX_BODY      (1024 * 1024)
 #define CTL_DEFAULT_TMO_S 15  /* NewSandbox.timeout when the body has none (E2B's default) */
@@ -37,24 +38,51 @@ static void ctl_free(ctl_t *c)
     json_decref(c->filter);
     json_decref(c->ids);
     c->body = c->acc = c->filter = c->ids = NULL;
+    if (c->text != NULL) {
+        sp_buf_free(c->text);
+        free(c->text);
+        c->text = NULL;
+    }
 }
 
-void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj)
+/* Frees c (its parts, then its hold): the request to answer, with x-next-token set when
+ * c->next_token is, or NULL when the client left. */
+static h2o_req_t *ctl_finish(ctl_t *c)
 {
     ctl_free(c);
     char token[sizeof(c->next_token)];
     snprintf(token, sizeof(token), "%s", c->next_token);
     h2o_req_t *req = sp_http_release(c->hold); /* frees c: it lives in the hold */
-    if (req == NULL) {
-        json_decref(obj);
-        return;
-    }
-    if (token[0] != '\0') {
+    if (req != NULL && token[0] != '\0') {
         size_t n = strlen(token);
         char *v = h2o_mem_alloc_pool(&req->pool, n);
         memcpy(v, token, n);
         h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT("x-next-token"), 0, NULL, v,
                               n);
+    }
+    return req;
+}
+
+/* Like sp_e2b__ctl_reply, with the JSON text already written (body stays the caller's). body
+ * NULL: a value that cannot be written (see write_listed), answered as sp_http_json answers
+ * one, with its 500. */
+static void ctl_reply_text(ctl_t *c, int status, sp_buf_t *body)
+{
+    h2o_req_t *req = ctl_finish(c);
+    if (req == NULL)
+        return;
+    if (body != NULL)
+        sp_http_json_text(req, status, body);
+    else
+        sp_http_json(req, status, NULL);
+}
+
+void sp_e2b__ctl_reply(ctl_t *c, int status, json_t *obj)
+{
+    h2o_req_t *req = ctl_finish(c);
+    if (req == NULL) {
+        json_decref(obj);
+        return;
     }
     if (obj == NULL) { /* 204 */
         req->res.status = status;
@@ -133,8 +161,8 @@ static long long disk_mb(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
     return (long long)(st.disk_total_bytes >> 20);
 }
 
-/* ListedSandbox (detail false) or SandboxDetail: all ten required keys in both. */
-static json_t *listed_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char *state, bool detail)
+json_t *sp_e2b__listed_json(const char *domain, const sp_sandbox_rec_t *sb, const char *state,
+                            long long disk_mb, bool detail)
 {
     json_t *o = json_object();
     json_object_set_new(o, "sandboxID", json_string(sb->id));
@@ -145,14 +173,14 @@ static json_t *listed_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char 
     json_object_set_new(o, "endAt", json_string(sb->end_at));
     json_object_set_new(o, "cpuCount", json_integer(sb->cpu_count));
     json_object_set_new(o, "memoryMB", json_integer(sb->memory_mb));
-    json_object_set_new(o, "diskSizeMB", json_integer(disk_mb(gw, sb)));
+    json_object_set_new(o, "diskSizeMB", json_integer(disk_mb));
     json_object_set_new(o, "envdVersion", json_string(envd_version(sb)));
     json_object_set_new(o, "state", json_string(state));
     json_object_set_new(o, "metadata", json_incref(sb->metadata));
     json_object_set_new(o, "volumeMounts", json_array());
     if (!detail)
         return o;
-    json_object_set_new(o, "domain", json_string(gw->domain));
+    json_object_set_new(o, "domain", json_string(domain));
     json_object_set_new(o, "envdAccessToken", json_string(sb->access_token));
     json_object_set_new(o, "allowInternetAccess",
                         sb->allow_internet < 0 ? json_null() : json_boolean(sb->allow_internet));
@@ -163,6 +191,67 @@ static json_t *listed_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char 
                         json_pack("{s:b,s:s}", "autoResume", sb->auto_resume, "onTimeout",
                                   pause ? "pause" : "kill"));
     return o;
+}
+
+int sp_e2b__listed_write(sp_buf_t *b, const char *domain, const sp_sandbox_rec_t *sb,
+                         const char *state, long long disk_mb, bool detail)
+{
+    /* The order and forms of sp_e2b__listed_json; a test compares the bytes. */
+    if (sb->metadata == NULL)
+        return -1;
+    if (sp_json_put_str(b, "{\"sandboxID\":", sb->id, false) < 0 ||
+        sp_json_put_str(b, ",\"templateID\":", sb->template_name, false) < 0 ||
+        sp_json_put_str(b, ",\"alias\":", sb->template_name, false) < 0 ||
+        sp_json_put_str(b, ",\"clientID\":", CTL_CLIENT_ID, false) < 0 ||
+        sp_json_put_str(b, ",\"startedAt\":", sb->created_at, false) < 0 ||
+        sp_json_put_str(b, ",\"endAt\":", sb->end_at, false) < 0)
+        return -1;
+    sp_json_put_int(b, ",\"cpuCount\":", sb->cpu_count);
+    sp_json_put_int(b, ",\"memoryMB\":", sb->memory_mb);
+    sp_json_put_int(b, ",\"diskSizeMB\":", disk_mb);
+    if (sp_json_put_str(b, ",\"envdVersion\":", envd_version(sb), false) < 0 ||
+        sp_json_put_str(b, ",\"state\":", state, false) < 0)
+        return -1;
+    sp_buf_str(b, ",\"metadata\":");
+    if (sp_json_write(b, sb->metadata) < 0)
+        return -1;
+    sp_buf_str(b, ",\"volumeMounts\":[]");
+    if (detail) {
+        if (sp_json_put_str(b, ",\"domain\":", domain, false) < 0 ||
+            sp_json_put_str(b, ",\"envdAccessToken\":", sb->access_token, false) < 0)
+            return -1;
+        sp_json_put_bool(
+            b, ",\"allowInternetAccess\":", sb->allow_internet < 0 ? -1 : sb->allow_internet != 0);
+        if (sb->network != NULL) {
+            sp_buf_str(b, ",\"network\":");
+            if (sp_json_write(b, sb->network) < 0)
+                return -1;
+        }
+        sp_json_put_bool(b, ",\"lifecycle\":{\"autoResume\":", sb->auto_resume);
+        sp_buf_str(b, strcmp(sb->deadline_action, "suspend") == 0 ? ",\"onTimeout\":\"pause\"}"
+                                                                  : ",\"onTimeout\":\"kill\"}");
+    }
+    sp_buf_add(b, "}", 1);
+    return b->oom ? -1 : 0;
+}
+
+/* Appends sb as listed (or in detail) to b: written straight, or, for a record the writer
+ * refuses (a field that is not UTF-8, which jansson drops from the object), through its jansson
+ * twin, so the bytes are always those of the jansson rendering. -1 only when that fails too. */
+static int write_listed(sp_buf_t *b, sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char *state,
+                        bool detail)
+{
+    long long disk = disk_mb(gw, sb);
+    size_t mark = b->len;
+    if (sp_e2b__listed_write(b, gw->domain, sb, state, disk, detail) == 0)
+        return 0;
+    if (b->oom)
+        return -1;
+    b->len = mark; /* drop the half-written record */
+    json_t *o = sp_e2b__listed_json(gw->domain, sb, state, disk, detail);
+    int rc = sp_json_write(b, o);
+    json_decref(o);
+    return rc;
 }
 
 /* ---- shared steps: wait for an operation, then fetch the sandbox ---- */
@@ -515,7 +604,12 @@ static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
         sp_e2b__ctl_fail(c, 404, "sandbox not found");
         return;
     }
-    sp_e2b__ctl_reply(c, 200, listed_json(c->gw, sb, state, true));
+    /* One buffer for every answer: the loop is one thread, and the reply copies it. */
+    static sp_buf_t out = SP_BUF_INIT;
+    sp_buf_reset(&out);
+    ctl_reply_text(c, 200, write_listed(&out, c->gw, sb, state, true) == 0 ? &out : NULL);
+    if (out.cap > (1u << 20))
+        sp_buf_free(&out);
 }
 
 /* ---- listing ---- */
@@ -535,21 +629,49 @@ static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const cha
         sp_e2b__ctl_fail_err(c, err);
         return;
     }
-    for (size_t i = 0; i < n; i++) {
+    /* The array is written straight (write_listed): into one buffer shared by all answers
+     * (the loop is one thread, and the reply copies it), or, for GET /sandboxes when another
+     * page is to come, into the request's own (c->text) across the pages. */
+    static sp_buf_t page = SP_BUF_INIT;
+    sp_buf_t *out = c->text;
+    if (out == NULL) {
+        sp_buf_reset(&page);
+        sp_buf_add(&page, "[", 1);
+        out = &page;
+    }
+    bool ok = true;
+    for (size_t i = 0; ok && i < n; i++) {
         const char *state = sp_e2b__state(&recs[i]);
-        if (state != NULL)
-            json_array_append_new(c->acc, listed_json(c->gw, &recs[i], state, false));
+        if (state == NULL)
+            continue;
+        if (out->len > 1) /* after "[" and an item */
+            sp_buf_add(out, ",", 1);
+        ok = write_listed(out, c->gw, &recs[i], state, false) == 0;
     }
     snprintf(c->cursor, sizeof(c->cursor), "%s", next ? next : "");
-    if (c->route == R_LIST_V1 && next != NULL && ++c->pages < CTL_V1_PAGES) {
+    if (ok && c->route == R_LIST_V1 && next != NULL && ++c->pages < CTL_V1_PAGES) {
+        if (c->text == NULL && (c->text = calloc(1, sizeof(*c->text))) != NULL)
+            sp_buf_add(c->text, page.p, page.len);
+        if (c->text == NULL || c->text->oom) {
+            sp_e2b__ctl_fail(c, 500, "out of memory");
+            return;
+        }
         list_page(c);
         return;
     }
-    json_t *arr = c->acc;
-    c->acc = NULL;
+    /* !ok: the answer is the 500 of an array that cannot be written, whatever pages follow. */
+    sp_buf_add(out, "]", 1);
     if (c->route == R_LIST_V2)
         snprintf(c->next_token, sizeof(c->next_token), "%s", c->cursor);
-    sp_e2b__ctl_reply(c, 200, arr);
+    sp_buf_t *own = c->text; /* kept from ctl_free until the reply has copied it */
+    c->text = NULL;
+    ctl_reply_text(c, 200, ok ? out : NULL);
+    if (own != NULL) {
+        sp_buf_free(own);
+        free(own);
+    }
+    if (page.cap > (1u << 20))
+        sp_buf_free(&page);
 }
 
 static void list_page(ctl_t *c)
@@ -665,7 +787,6 @@ static void route_list(ctl_t *c, h2o_req_t *req)
             return;
         }
     }
-    c->acc = json_array();
     list_page(c);
 }
 

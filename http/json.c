@@ -157,13 +157,9 @@ static int write_value(sp_buf_t *b, const json_t *v, int depth)
     }
     case JSON_STRING:
         return write_string(b, json_string_value(v), json_string_length(v));
-    case JSON_INTEGER: {
-        char *o = sp_buf_reserve(b, 24);
-        if (o == NULL)
-            return -1;
-        sp_buf_commit(b, (size_t)snprintf(o, 24, "%" JSON_INTEGER_FORMAT, json_integer_value(v)));
+    case JSON_INTEGER:
+        sp_json_put_int(b, "", json_integer_value(v));
         return 0;
-    }
     case JSON_REAL: {
         char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
         if (s == NULL)
@@ -195,4 +191,42 @@ int sp_json_write(sp_buf_t *b, const json_t *v)
     if (v == NULL)
         return -1;
     return write_value(b, v, 0) < 0 || b->oom ? -1 : 0;
+}
+
+int sp_json_put_str(sp_buf_t *b, const char *prefix, const char *v, bool or_null)
+{
+    sp_buf_str(b, prefix);
+    if (or_null && v[0] == '\0') {
+        sp_buf_add(b, "null", 4);
+        return 0;
+    }
+    return write_string(b, v, strlen(v));
+}
+
+void sp_json_put_int(sp_buf_t *b, const char *prefix, long long v)
+{
+    sp_buf_str(b, prefix);
+    /* Digits backwards into a small array: snprintf's format parsing cost more than the rest
+     * of a field. The magnitude as unsigned, so LLONG_MIN works. */
+    char d[24];
+    size_t n = 0;
+    unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+    do {
+        d[sizeof(d) - 1 - n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u != 0);
+    if (v < 0)
+        d[sizeof(d) - 1 - n++] = '-';
+    sp_buf_add(b, d + sizeof(d) - n, n);
+}
+
+void sp_json_put_bool(sp_buf_t *b, const char *prefix, int v)
+{
+    sp_buf_str(b, prefix);
+    if (v < 0)
+        sp_buf_add(b, "null", 4);
+    else if (v)
+        sp_buf_add(b, "true", 4);
+    else
+        sp_buf_add(b, "false", 5);
 }

@@ -10,6 +10,7 @@
 #define SP_HTTP_JSON_H
 
 #include <jansson.h>
+#include <stdbool.h>
 
 #include "base/buf.h"
 
@@ -22,5 +23,15 @@ int sp_json_write(sp_buf_t *b, const json_t *v);
  * -1 when s is not UTF-8 (what was appended is then garbage). For renderers that write a
  * record's fields straight, without building jansson values first. */
 int sp_json_write_str(sp_buf_t *b, const char *s);
+
+/* Pieces of an object written field by field, in the order its jansson twin sets them (a test
+ * per renderer compares the bytes). prefix is the literal text before the value, e.g.
+ * "{\"id\":" or ",\"state\":", written as is. */
+/* prefix, then v as a JSON string, or null for "" when or_null. -1 when v is not UTF-8. */
+int sp_json_put_str(sp_buf_t *b, const char *prefix, const char *v, bool or_null);
+/* prefix, then v in decimal (what json_integer(v) is written as). */
+void sp_json_put_int(sp_buf_t *b, const char *prefix, long long v);
+/* prefix, then true, false, or null for a negative v. */
+void sp_json_put_bool(sp_buf_t *b, const char *prefix, int v);
 
 #endif

@@ -191,40 +191,30 @@ json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s)
     return o;
 }
 
-/* "key":"value" after a comma unless first; "key":null for "" when or_null. */
-static int put_str(sp_buf_t *b, const char *key, const char *v, bool or_null)
-{
-    sp_buf_str(b, key);
-    if (or_null && v[0] == '\0') {
-        sp_buf_add(b, "null", 4);
-        return 0;
-    }
-    return sp_json_write_str(b, v);
-}
-
 int sp_napi__sandbox_write(sp_buf_t *b, const sp_sandbox_rec_t *s)
 {
     /* The order and forms of sp_napi__sandbox_json; a test compares the bytes. */
     if (s->metadata == NULL)
         return -1;
-    if (put_str(b, "{\"id\":", s->id, false) < 0 ||
-        put_str(b, ",\"template\":", s->template_name, false) < 0 ||
-        put_str(b, ",\"state\":", s->observed, false) < 0 ||
-        put_str(b, ",\"desired_state\":", s->desired, false) < 0 ||
-        put_str(b, ",\"created_at\":", s->created_at, false) < 0 ||
-        put_str(b, ",\"last_activity_at\":", s->last_activity_at, false) < 0)
+    if (sp_json_put_str(b, "{\"id\":", s->id, false) < 0 ||
+        sp_json_put_str(b, ",\"template\":", s->template_name, false) < 0 ||
+        sp_json_put_str(b, ",\"state\":", s->observed, false) < 0 ||
+        sp_json_put_str(b, ",\"desired_state\":", s->desired, false) < 0 ||
+        sp_json_put_str(b, ",\"created_at\":", s->created_at, false) < 0 ||
+        sp_json_put_str(b, ",\"last_activity_at\":", s->last_activity_at, false) < 0)
         return -1;
-    sp_buf_printf(b, ",\"idle_timeout_s\":%d", s->idle_timeout_s);
-    if (put_str(b, ",\"deadline_at\":", s->deadline_at, true) < 0 ||
-        put_str(b, ",\"deadline_action\":", s->deadline_action, false) < 0)
+    sp_json_put_int(b, ",\"idle_timeout_s\":", s->idle_timeout_s);
+    if (sp_json_put_str(b, ",\"deadline_at\":", s->deadline_at, true) < 0 ||
+        sp_json_put_str(b, ",\"deadline_action\":", s->deadline_action, false) < 0)
         return -1;
     sp_buf_str(b, ",\"metadata\":");
     if (sp_json_write(b, s->metadata) < 0)
         return -1;
-    sp_buf_printf(b, ",\"cpu_count\":%d,\"memory_mb\":%d,\"snapshot_bytes\":%lld", s->cpu_count,
-                  s->memory_mb, (long long)s->snapshot_bytes);
-    if (put_str(b, ",\"error\":", s->error, true) < 0 ||
-        put_str(b, ",\"access_token\":", s->access_token, false) < 0)
+    sp_json_put_int(b, ",\"cpu_count\":", s->cpu_count);
+    sp_json_put_int(b, ",\"memory_mb\":", s->memory_mb);
+    sp_json_put_int(b, ",\"snapshot_bytes\":", (long long)s->snapshot_bytes);
+    if (sp_json_put_str(b, ",\"error\":", s->error, true) < 0 ||
+        sp_json_put_str(b, ",\"access_token\":", s->access_token, false) < 0)
         return -1;
     sp_buf_add(b, "}", 1);
     return b->oom ? -1 : 0;

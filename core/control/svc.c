@@ -17,13 +17,16 @@
 #include "core/control/tmpl.h"
 #include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
+#include "base/buf.h"
 #include "base/log.h"
 
 #define TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
 
 /* Timestamps of the hot reads: selected in UTC as plain text and put in the API's form by
- * sp_store_time (store.h), not by to_char, which cost PostgreSQL more than the row itself. */
-#define UTC(x) "(" x ") AT TIME ZONE 'UTC'"
+ * sp_store_time (store.h), not by to_char, which cost PostgreSQL more than the row itself. At
+ * a zero offset, not at zone 'UTC': the same values, without a zone looked up by name for each
+ * (half the cost of the conversion). */
+#define UTC(x) "(" x ") AT TIME ZONE INTERVAL '+00:00'"
 
 #define SANDBOX_COLS                                                                               \
     "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " UTC("s.created_at") ", "   \
@@ -103,7 +106,9 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     s->snapshot_bytes = atoll(PQgetvalue(r, row, col + 12));
     SP_STORE_TEXT(r, row, col + 13, s->access_token);
     SP_STORE_TEXT(r, row, col + 14, s->error);
-    s->metadata = json_loads(PQgetvalue(r, row, col + 15), 0, NULL);
+    /* Most sandboxes have none: "{}" without the parser's setup (per row of every list). */
+    const char *md = PQgetvalue(r, row, col + 15);
+    s->metadata = strcmp(md, "{}") == 0 ? json_object() : json_loads(md, 0, NULL);
     if (s->metadata == NULL)
         s->metadata = json_object();
     s->auto_resume = PQgetvalue(r, row, col + 16)[0] == 't';
@@ -733,14 +738,36 @@ int sp_svc_list_sandboxes(sp_svc_t *svc, const sp_auth_t *a, const sp_list_req_t
     char *md = req->metadata ? json_dumps(req->metadata, JSON_COMPACT) : NULL;
     char lim[16];
     snprintf(lim, sizeof(lim), "%d", req->limit + 1);
-    const char *p[] = {a->team_id, states, md, micros[0] ? micros : NULL, cid, lim};
-    int rc = submit(svc,
-                    "SELECT " SANDBOX_COLS " FROM sandboxes s WHERE s.team_id = $1 AND s.observed_state = ANY($2::text[])"
-                    " AND ($3::jsonb IS NULL OR s.metadata @> $3::jsonb)"
-                    " AND ($4::bigint IS NULL OR"
-                    "  ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id) < ($4::bigint, $5))"
-                    " ORDER BY s.created_at DESC, s.id DESC LIMIT $6::int",
-                    6, p, list_done, (void *)cb, arg, req->limit, err);
+    /* The statement says only what this list asks: a condition "($n IS NULL OR ...)" costs
+     * PostgreSQL its setup on every run and a test per row even when the parameter is NULL.
+     * At most 8 texts, each prepared once per connection. Without deleted sandboxes (nearly
+     * every list) it says so in so many words: the planner takes the partial index of live
+     * ones (sandboxes_team_live) only on a condition it can see implies the index's. */
+    const char *p[6] = {a->team_id, states};
+    int np = 2;
+    sp_buf_t sql = SP_BUF_INIT;
+    sp_buf_str(&sql, "SELECT " SANDBOX_COLS " FROM sandboxes s WHERE s.team_id = $1");
+    if ((req->states & (1u << SP_OBS_DELETED)) == 0)
+        sp_buf_str(&sql, " AND s.observed_state <> 'deleted'");
+    sp_buf_str(&sql, " AND s.observed_state = ANY($2::text[])");
+    if (md != NULL) {
+        p[np++] = md;
+        sp_buf_printf(&sql, " AND s.metadata @> $%d::jsonb", np);
+    }
+    if (micros[0] != '\0') {
+        p[np++] = micros;
+        p[np++] = cid;
+        sp_buf_printf(&sql,
+                      " AND ((extract(epoch FROM s.created_at) * 1000000)::bigint, s.id)"
+                      " < ($%d::bigint, $%d)",
+                      np - 1, np);
+    }
+    p[np++] = lim;
+    sp_buf_printf(&sql, " ORDER BY s.created_at DESC, s.id DESC LIMIT $%d::int", np);
+    int rc = sql.oom ? sp_err_set(err, SP_EINTERNAL, "out of memory")
+                     : submit(svc, sp_buf_cstr(&sql), np, p, list_done, (void *)cb, arg, req->limit,
+                              err);
+    sp_buf_free(&sql);
     free(md);
     return rc;
 }

@@ -1,7 +1,7 @@
 /*
  * test_json.c - sp_json_write gives json_dumps(v, JSON_COMPACT)'s bytes: on hand-picked values
  * (escapes, UTF-8 edges, reals, empty containers) and on random trees, and refuses what jansson
- * refuses (strings that are not UTF-8).
+ * refuses (strings that are not UTF-8); so do the field pieces (sp_json_put_*).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,5 +133,39 @@ int main(void)
         json_decref(v);
     }
     CHECK(differ == 0);
+    /* The field pieces: the text jansson gives the same value after the same key. */
+    const long long ints[] = {0,
+                              1,
+                              -1,
+                              9,
+                              10,
+                              -10,
+                              2147483647,
+                              -2147483648LL,
+                              9007199254740993LL,
+                              9223372036854775807LL,
+                              -9223372036854775807LL - 1};
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        sp_buf_t b = SP_BUF_INIT;
+        sp_json_put_int(&b, "{\"n\":", ints[i]);
+        sp_buf_add(&b, "}", 1);
+        json_t *v = json_pack("{s:I}", "n", (json_int_t)ints[i]);
+        char *want = json_dumps(v, JSON_COMPACT);
+        CHECK(strcmp(sp_buf_cstr(&b), want) == 0);
+        free(want);
+        json_decref(v);
+        sp_buf_free(&b);
+    }
+    sp_buf_t b = SP_BUF_INIT;
+    sp_json_put_bool(&b, "[", 1);
+    sp_json_put_bool(&b, ",", 0);
+    sp_json_put_bool(&b, ",", -1);
+    CHECK(sp_json_put_str(&b, ",", "", true) == 0);
+    CHECK(sp_json_put_str(&b, ",", "", false) == 0);
+    CHECK(sp_json_put_str(&b, ",", "a\"\xc3\xa9", true) == 0);
+    sp_buf_add(&b, "]", 1);
+    CHECK(strcmp(sp_buf_cstr(&b), "[true,false,null,null,\"\",\"a\\\"\xc3\xa9\"]") == 0);
+    CHECK(sp_json_put_str(&b, ",", "\xff", false) < 0);
+    sp_buf_free(&b);
     return check_report("json");
 }
