@@ -154,11 +154,7 @@ static json_t *sandbox_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
 
 static long long disk_mb(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
 {
-    sp_vm_stats_t st;
-    sp_err_t e;
-    if (sp_svc_vm_stats(gw->svc, sb->id, &st, &e) < 0)
-        return 0;
-    return (long long)(st.disk_total_bytes >> 20);
+    return (long long)(sp_svc_vm_disk_bytes(gw->svc, sb->id) >> 20);
 }
 
 json_t *sp_e2b__listed_json(const char *domain, const sp_sandbox_rec_t *sb, const char *state,

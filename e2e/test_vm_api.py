@@ -95,6 +95,21 @@ class VmApiTest(unittest.TestCase):
 
         r = self.run_cmd(sid, {"argv": ["id", "-un"], "user": "user"})
         self.assertEqual(r["stdout"].strip(), "user")
+        # E2B's view: the running VM's disk size, the same in the detail and in the list
+        import http.client
+        sizes = []
+        for path in ("/sandboxes/%s" % sid, "/v2/sandboxes?state=running&limit=100"):
+            c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=30)
+            c.request("GET", path, headers={"X-API-Key": self.s.key})
+            resp = c.getresponse()
+            body = json.loads(resp.read())
+            c.close()
+            self.assertEqual(resp.status, 200, body)
+            item = body if isinstance(body, dict) else \
+                [x for x in body if x["sandboxID"] == sid][0]
+            sizes.append(item["diskSizeMB"])
+        self.assertGreater(sizes[0], 0)
+        self.assertEqual(sizes[0], sizes[1])
         r = self.run_cmd(sid, {"argv": ["id", "-un"]})
         self.assertEqual(r["stdout"].strip(), "root")
         r = self.run_cmd(sid, {"cmd": "echo $FOO:$PWD", "env": {"FOO": "bar"}, "cwd": "/tmp"})

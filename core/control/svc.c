@@ -1434,6 +1434,17 @@ int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t 
     return svc->driver->ops->stats(svc->driver, id, out, err);
 }
 
+uint64_t sp_svc_vm_disk_bytes(sp_svc_t *svc, const char *id)
+{
+    if (!sp_ids_valid(id) || svc->driver == NULL)
+        return 0;
+    if (svc->driver->ops->disk_bytes != NULL)
+        return svc->driver->ops->disk_bytes(svc->driver, id);
+    sp_vm_stats_t st;
+    sp_err_t e;
+    return sp_svc_vm_stats(svc, id, &st, &e) < 0 ? 0 : st.disk_total_bytes;
+}
+
 size_t sp_svc_vm_samples(sp_svc_t *svc, const char *id, int64_t start_s, int64_t end_s,
                          sp_sample_t *out, size_t cap)
 {

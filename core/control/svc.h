@@ -270,6 +270,8 @@ int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
 /* Synchronous: the runtime driver's figures for the sandbox's VM. The caller has checked
  * that the sandbox is the caller's. SP_ENOTFOUND without a VM; SP_EUNAVAIL without a driver. */
 int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err);
+/* The disk size stats would report (0 when there is no VM), without stats' reads. */
+uint64_t sp_svc_vm_disk_bytes(sp_svc_t *svc, const char *id);
 
 /* The sandbox's figures over time (core/control/sampler.h: sp_sampler_get), oldest first; 0
  * without a driver or any sample. The caller has checked that the sandbox is the caller's. */

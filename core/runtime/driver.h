@@ -80,6 +80,9 @@ typedef struct {
     struct sp_agentconn *(*agent)(sp_driver_t *d, const char *id);
     /* Synchronous, cheap: resource figures. -1 with SP_ENOTFOUND when there is no VM. */
     int (*stats)(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t *err);
+    /* Optional, synchronous, no I/O: the disk_total_bytes stats would give (0 when there is no
+     * running VM), for listings that want only that. NULL: callers use stats. */
+    uint64_t (*disk_bytes)(sp_driver_t *d, const char *id);
     void (*free)(sp_driver_t *d);
     /* Optional: the isolation this driver runs without, by the operator's choice or the
      * host's lack ("no-jail", "no-seccomp", "no-cgroups", or "...: VMs do not start"), for

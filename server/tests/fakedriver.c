@@ -510,6 +510,13 @@ static int f_stats(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t 
     return 0;
 }
 
+static uint64_t f_disk_bytes(sp_driver_t *d, const char *id)
+{
+    (void)d;
+    (void)id;
+    return 0; /* as f_stats */
+}
+
 static struct sp_agentconn *f_agent(sp_driver_t *d, const char *id)
 {
     fake_t *f = (fake_t *)d;
@@ -542,6 +549,7 @@ static const sp_driver_ops_t fake_ops = {
     .probe = f_probe,
     .agent = f_agent,
     .stats = f_stats,
+    .disk_bytes = f_disk_bytes,
     .free = f_free,
     .checkpoint = f_checkpoint,
     .checkpoint_delete = f_checkpoint_delete,

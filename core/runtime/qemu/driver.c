@@ -886,6 +886,15 @@ static struct sp_agentconn *q_agent(sp_driver_t *base, const char *id)
     return vm->agent;
 }
 
+static uint64_t q_disk_bytes(sp_driver_t *base, const char *id)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = sp_qemu__valid_id(id) ? sp_qemu__vm_find(d, id) : NULL;
+    if (vm == NULL || vm->pid <= 0 || vm->ph == PH_STOPPING)
+        return 0; /* as q_stats: no VM, or a suspended one */
+    return vm->disk_total;
+}
+
 static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
@@ -1040,6 +1049,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint = sp_qemu__q_checkpoint,
     .checkpoint_delete = sp_qemu__q_checkpoint_delete,
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,
+    .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,
 };
 
