@@ -87,8 +87,8 @@ class Api:
                 if attempt:
                     raise
 
-    def create_first_cmd(self, **fields):
-        """create, then `true` until it answers: (ms, id)."""
+    def create_first_cmd(self, limit=180.0, **fields):
+        """create, then `true` until it answers (at most limit seconds): (ms, id)."""
         t0 = time.perf_counter()
         st, b = self.call("POST", "/v1/sandboxes", dict(template="base", **fields))
         assert st in (200, 202), (st, b)
@@ -99,6 +99,8 @@ class Api:
                 break
             if st not in (404, 409, 503):
                 raise AssertionError("first command: %d %r" % (st, b))
+            if time.perf_counter() - t0 > limit:
+                raise AssertionError("no first command within %.0f s: %d %r" % (limit, st, b))
             time.sleep(0.003)
         return (time.perf_counter() - t0) * 1000, sid
 
@@ -186,7 +188,7 @@ def print_spares(data, when):
 
 def concurrent(s, starts):
     """One create -> first command per start time (seconds from now), each on its own
-    connection: (wall ms until all answered, [(ms, id)])."""
+    connection: (wall ms until all answered, [(ms, id)]); failures are printed."""
     res, errs = [], []
     t0 = time.perf_counter()
 
@@ -202,7 +204,10 @@ def concurrent(s, starts):
         t.start()
     for t in ths:
         t.join()
-    assert not errs, errs
+    if errs:
+        print("%-52s %d of %d: %s" % ("creates that failed", len(errs), len(starts), errs[0][:200]),
+              flush=True)
+    assert res, errs
     return (time.perf_counter() - t0) * 1000, res
 
 

@@ -98,7 +98,7 @@
  * Clone boots of sandboxes queue when as many sandbox boots as the host has CPUs (at least 2)
  * are under way, and go first come first served as those come up: under load each create
  * then waits for a slot instead of all restoring at once and all answering last. Their boot
- * timeout counts from when they leave the queue.
+ * timeout counts from when they leave the queue (in it they wait 5 boot timeouts at most).
  *
  * Template snapshots nobody will clone again (of a template build that is no longer
  * current, of a key the current build no longer makes, or damaged) are removed at driver

@@ -935,6 +935,8 @@ static void boot_begin(struct vm *vm)
         if (!vm->pooled && !vm->boot_admitted) {
             vm->boot_queued = true; /* sp_qemu__on_kick admits it (admit_queued) */
             vm->tsnap_wait = t;     /* its snapshot is kept meanwhile (sp_qemu__tsnap_gc) */
+            /* the boot timeout starts once it is admitted; the queue has its own, longer */
+            sp_timer_start(&vm->boot_timer, d->boot_timeout_ms * SP_QEMU_QUEUE_TIMEOUT_MULT);
             return;
         }
         vm->clone_src = strdup(t->dir);

@@ -74,6 +74,8 @@
 #define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
 #define SP_QEMU_QUEUE_POLL_MS  50u        /* queued clone boots look for a free slot this often */
+#define SP_QEMU_QUEUE_TIMEOUT_MULT 5u     /* a queued clone boot gives up after this many boot
+                                           * timeouts in the queue */
 
 typedef struct sp_qemu sp_qemu_t;
 struct refs;
