@@ -14,6 +14,10 @@ base template if it has none. Prints medians and p99 of:
         a live clone started by hand, device state on an inherited fd, the same QMP steps; timed
         to the agent's HELLO and to a first `true` straight on the agent socket: the floor)
   - 20 concurrent creates (total wall time) against 20 x the single-create median
+  - bursts (the adaptive spare pool): BENCH_BURST concurrent creates, each to a first command
+    answered (total and per-create median), on the pool the earlier cases left, then again once
+    the pool has refilled; then creates at BENCH_RATE per second for BENCH_RATE_S seconds
+    (median, p99); the spare clones' count and memory (PSS) before each
   - pause and wake (API round trips)
   - suspend and wake of a 256 MiB and a 1 GiB clone (device state + the RAM pages that differ from
     the template's); snapshot bytes
@@ -21,7 +25,9 @@ base template if it has none. Prints medians and p99 of:
     MemAvailable before/after, and how many idle clones would fit in what is available
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
 Environment: BENCH_CREATES (20), BENCH_GAP (1.0 s), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
-BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3).
+BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3),
+BENCH_BURST (20), BENCH_RATE (10 per s), BENCH_RATE_S (10), BENCH_ONLY=burst (the warm-up create,
+then the burst cases only: to compare two builds' pools).
 """
 import http.client
 import json
@@ -53,6 +59,10 @@ N_PAUSE = int(os.environ.get("BENCH_PAUSE", "20"))
 N_SUSPEND = int(os.environ.get("BENCH_SUSPEND", "3"))
 N_DENSITY = int(os.environ.get("BENCH_DENSITY", "20"))
 N_DENSITY_COLD = int(os.environ.get("BENCH_DENSITY_COLD", "3"))
+N_BURST = int(os.environ.get("BENCH_BURST", "20"))
+RATE = float(os.environ.get("BENCH_RATE", "10"))
+RATE_S = float(os.environ.get("BENCH_RATE_S", "10"))
+ONLY = os.environ.get("BENCH_ONLY", "")
 
 
 class Api:
@@ -77,8 +87,8 @@ class Api:
                 if attempt:
                     raise
 
-    def create_first_cmd(self, **fields):
-        """create, then `true` until it answers: (ms, id)."""
+    def create_first_cmd(self, limit=180.0, **fields):
+        """create, then `true` until it answers (at most limit seconds): (ms, id)."""
         t0 = time.perf_counter()
         st, b = self.call("POST", "/v1/sandboxes", dict(template="base", **fields))
         assert st in (200, 202), (st, b)
@@ -89,6 +99,8 @@ class Api:
                 break
             if st not in (404, 409, 503):
                 raise AssertionError("first command: %d %r" % (st, b))
+            if time.perf_counter() - t0 > limit:
+                raise AssertionError("no first command within %.0f s: %d %r" % (limit, st, b))
             time.sleep(0.003)
         return (time.perf_counter() - t0) * 1000, sid
 
@@ -137,6 +149,89 @@ def mem_of(pid):
             elif ln.startswith("Pss:"):
                 pss = int(ln.split()[1]) << 10
     return rss, pss
+
+
+def spares(data):
+    """The spare clones there are now: (count, PSS bytes of their QEMUs together)."""
+    vms = os.path.join(data, "vms")
+    n = pss = 0
+    for d in os.listdir(vms):
+        p = os.path.join(vms, d)
+        if not d.startswith(".pool-") or os.path.islink(p) or not os.path.isdir(p):
+            continue
+        try:
+            pss += mem_of(qemu_pid(data, d))[1]
+            n += 1
+        except (OSError, ValueError):
+            pass  # being made (no QEMU yet) or going
+    return n, pss
+
+
+def settle(data, quiet=10.0, limit=180.0):
+    """Waits until the spare clones' count has not changed for quiet seconds (the pool made
+    what it wanted), at most limit seconds."""
+    end = time.monotonic() + limit
+    last, since = None, time.monotonic()
+    while time.monotonic() < end:
+        n = spares(data)[0]
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+        time.sleep(0.5)
+
+
+def print_spares(data, when):
+    n, pss = spares(data)
+    print("%-52s %d, PSS %.0f MB together" % ("spare clones " + when, n, pss / 1e6), flush=True)
+
+
+def concurrent(s, starts):
+    """One create -> first command per start time (seconds from now), each on its own
+    connection: (wall ms until all answered, [(ms, id)]); failures are printed."""
+    res, errs = [], []
+    t0 = time.perf_counter()
+
+    def one(at):
+        time.sleep(max(0.0, t0 + at - time.perf_counter()))
+        try:
+            res.append(Api(s).create_first_cmd())
+        except Exception as e:  # noqa: BLE001 - report, do not hang the bench
+            errs.append(repr(e))
+
+    ths = [threading.Thread(target=one, args=(at,)) for at in starts]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    if errs:
+        print("%-52s %d of %d: %s" % ("creates that failed", len(errs), len(starts), errs[0][:200]),
+              flush=True)
+    assert res, errs
+    return (time.perf_counter() - t0) * 1000, res
+
+
+def burst_cases(api, s, data):
+    """A burst on the pool as it is, again once the pool has grown, then a steady rate."""
+    for label in ("burst (pool as left)", "burst (pool refilled after a burst)"):
+        settle(data)
+        print_spares(data, "before " + label)
+        total, res = concurrent(s, [0.0] * N_BURST)
+        ms = [r[0] for r in res]
+        line("%s: each create -> first command" % label, ms)
+        print("%-52s %8.0f ms total, per-create median %.0f ms" % (
+            "%s: %d concurrent, all answered" % (label, N_BURST), total, statistics.median(ms)),
+            flush=True)
+        for _, sid in res:
+            api.delete(sid)
+    settle(data)
+    print_spares(data, "before the steady rate")
+    n = int(RATE * RATE_S)
+    total, res = concurrent(s, [i / RATE for i in range(n)])
+    line("%.0f/s for %.0f s: each create -> first command" % (RATE, RATE_S), [r[0] for r in res])
+    print_spares(data, "after the steady rate")
+    for _, sid in res:
+        api.delete(sid)
 
 
 def mem_available():
@@ -267,6 +362,9 @@ def main():
         warm = api.create()
         print("%-52s %8.0f ms" % ("first create (probe + template snapshot if none)",
                                   (time.perf_counter() - t0) * 1000), flush=True)
+        if ONLY == "burst":
+            burst_cases(api, s, data)
+            return
 
         # 1. create -> first command from the template snapshot: a spare clone ready, and back
         #    to back
@@ -306,6 +404,9 @@ def main():
             flush=True)
         for _, sid in res:
             api.delete(sid)
+
+        # 3b. bursts and a steady rate on the adaptive pool
+        burst_cases(api, s, data)
 
         # 4. pause / wake
         pz, wk = [], []

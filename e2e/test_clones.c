@@ -15,7 +15,8 @@
  * cgroup; the template snapshot stays and later creates reuse it (same directory, not rebuilt).
  * Prints clone create-to-agent-ready (median of 5) beside a cold boot with cold_boot set.
  * Template warmup and snapshot collection on hand-made template builds (base's root filesystem
- * linked): see warmup_and_gc. A driver destroyed right after it started (while, jailed, it seals
+ * linked): see warmup_and_gc. The spare pool: see pool_section and burst_section. A driver
+ * destroyed right after it started (while, jailed, it seals
  * template RAM off the loop) leaves nothing for ASan to find.
  */
 #include <dirent.h>
@@ -397,6 +398,103 @@ static int wait_spares(sp_driver_t *d, int want, double timeout_ms)
     return sp_qemu_pool_ready(d) >= want ? 0 : -1;
 }
 
+/* The QEMU pids of this driver's spares, at most max, into pids; how many. */
+static int spare_pids(pid_t *pids, int max)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s/vms", vt_data_dir);
+    DIR *dir = opendir(p);
+    REQUIRE(dir != NULL);
+    char own[32];
+    snprintf(own, sizeof own, "-%d", (int)getpid());
+    int n = 0;
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL && n < max) {
+        size_t nl = strlen(de->d_name), ol = strlen(own);
+        char full[4400];
+        struct stat st;
+        snprintf(full, sizeof full, "%s/%s", p, de->d_name);
+        if (strncmp(de->d_name, ".pool-", 6) != 0 || nl < ol ||
+            strcmp(de->d_name + nl - ol, own) != 0 || lstat(full, &st) < 0 || !S_ISDIR(st.st_mode))
+            continue;
+        pid_t x = vt_vm_pid(de->d_name);
+        if (x > 0)
+            pids[n++] = x;
+    }
+    closedir(dir);
+    return n;
+}
+
+/* The adaptive pool: a burst of creates of a size makes it keep more than one spare of it (up
+ * to pool_size), within its memory budget; two concurrent creates then each take a spare of
+ * their own (distinct QEMUs, hostnames, ids), never the same one. */
+static void burst_section(void)
+{
+    enum { BURST = 4, MAXP = 3 };
+    sp_driver_t *d = make_driver_pool(0, MAXP);
+    char ids[BURST + 2][64], buf[256];
+    vt_res_t r[BURST + 2];
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < BURST + 2; i++)
+        snprintf(ids[i], sizeof ids[i], "clone-%d-b%d", (int)getpid(), i);
+    sp_qemu_pool_stats_t st;
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0 && st.ready == 0 && st.target == 0);
+    /* BURST creates at once: one spare is wanted per create of the burst, up to MAXP */
+    for (int i = 0; i < BURST; i++)
+        start_boot(d, ids[i], 256, &r[i]);
+    for (int i = 0; i < BURST; i++) {
+        REQUIRE(vt_wait_for(&r[i].done, 240000) == 0);
+        REQUIRE(r[i].ok);
+    }
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0);
+    printf("after a burst of %d: spare target %d (pool_size %d)\n", BURST, st.target, MAXP);
+    REQUIRE(st.target == MAXP);
+    /* more than one spare of the size, then the pool done: as many ready as its target
+     * (which decays, one per idle period: on a slow machine it may stop short of MAXP) */
+    REQUIRE(wait_spares(d, 2, 300000) == 0);
+    double until = vt_now_ms() + 120000 * vt_mult;
+    while (sp_qemu_pool_stats(d, &st) == 0 && (st.warming > 0 || st.ready < st.target) &&
+           vt_now_ms() < until)
+        sp_loop_run_once(vt_loop, 20);
+    vt_run_for(1000); /* no more come */
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0);
+    printf("spares after the burst: ready %d warming %d, %llu of %llu MiB\n", st.ready, st.warming,
+           (unsigned long long)st.used_mb, (unsigned long long)st.budget_mb);
+    REQUIRE(st.ready >= 2 && st.ready <= MAXP && st.warming == 0);
+    REQUIRE(spare_dirs(NULL) == st.ready); /* never more than the target */
+    REQUIRE(st.used_mb > 0 && st.used_mb <= st.budget_mb);
+    pid_t sp[8];
+    int nsp = spare_pids(sp, 8);
+    REQUIRE(nsp == st.ready);
+
+    /* two concurrent creates: two different spares */
+    int a = BURST, b = BURST + 1;
+    start_boot(d, ids[a], 256, &r[a]);
+    start_boot(d, ids[b], 256, &r[b]);
+    REQUIRE(vt_wait_for(&r[a].done, 120000) == 0 && vt_wait_for(&r[b].done, 120000) == 0);
+    REQUIRE(r[a].ok && r[b].ok);
+    pid_t pa = vt_vm_pid(ids[a]), pb = vt_vm_pid(ids[b]);
+    int from_spare = 0;
+    for (int i = 0; i < nsp; i++)
+        from_spare += (sp[i] == pa) + (sp[i] == pb);
+    REQUIRE(pa > 0 && pb > 0 && pa != pb && from_spare == 2);
+    run_cmd(d, ids[a], "hostname", buf, sizeof buf);
+    REQUIRE(strcmp(buf, ids[a]) == 0);
+    run_cmd(d, ids[b], "hostname", buf, sizeof buf);
+    REQUIRE(strcmp(buf, ids[b]) == 0);
+    printf("two concurrent creates took two spares: pids %d %d\n", (int)pa, (int)pb);
+
+    for (int i = 0; i < BURST + 2; i++) {
+        pid_t pi = vt_vm_pid(ids[i]);
+        op(d, d->ops->destroy, ids[i]);
+        check_gone(ids[i], pi);
+    }
+    sp_driver_destroy(d);
+    vt_run_for(200);
+    REQUIRE(spare_dirs(NULL) == 0);
+    printf("adaptive pool: grew on a burst, within its budget, one spare per create\n");
+}
+
 /* Spare clones: a create after one is ready takes it (same QEMU process, renamed dir and
  * cgroup) with its own identity; it suspends, wakes, is re-adopted by a new driver, and
  * goes; spares never outlive their driver. */
@@ -762,6 +860,7 @@ int main(void)
     printf("driver destroyed while sealing template RAM: ok\n");
 
     pool_section();
+    burst_section();
 
     /* cold_boot: no snapshot, no ram_src */
     d = make_driver(1);

@@ -79,11 +79,14 @@
  * spec->snapshot_id lays the new VM's directory out as a suspended sandbox over it and wakes
  * it. A deleted snapshot's files stay while a VM's or another snapshot's disk backs onto it.
  *
- * Spare clones (the pool): after a create of a template size, the driver keeps up to
- * pool_size clones of that size ready (SP_QEMU_POOL_KEYS sizes, least recently used
- * first to go; a size nobody created for 30 minutes loses them). A spare is restored in
- * <data-dir>/vms/.pool-<n>-<pid>/ (cgroup "pool:<n>-<pid>"), warmed by a few commands
- * through the agent (TCG's translation cache then holds the exec path), and stopped. A
+ * Spare clones (the pool): after a create of a template size, the driver keeps clones of that
+ * size ready (SP_QEMU_POOL_KEYS sizes, least recently used first to go; a size nobody created
+ * for 30 minutes loses them): one after a create, as many as the creates of the last 10 s
+ * after a burst (up to pool_size), one fewer per 2 idle minutes down to one, all sizes' spares
+ * within pool_memory_mb (each counted at its PSS once made; core/runtime/poolpolicy.h decides).
+ * A spare is restored in <data-dir>/vms/.pool-<n>-<pid>/ (cgroup "pool:<n>-<pid>"), warmed
+ * by a few commands through the agent (TCG's translation cache then holds the exec path),
+ * and stopped. A
  * create of its size takes one: cgroup and directory are renamed to the sandbox's
  * (pool.origin records the old directory, which QEMU's command line still names, for
  * re-adoption), the vCPUs start, IDENTITY as above. Spares are made one at a time and
@@ -91,6 +94,11 @@
  * after a sandbox came up either, so its first commands get the CPUs (under TCG a restore
  * beside them made the first command twice as slow). A driver kills the spares it finds at
  * start, and its own at sp_driver_destroy.
+ *
+ * Clone boots of sandboxes queue when as many sandbox boots as the host has CPUs (at least 2)
+ * are under way, and go first come first served as those come up: under load each create
+ * then waits for a slot instead of all restoring at once and all answering last. Their boot
+ * timeout counts from when they leave the queue (in it they wait 5 boot timeouts at most).
  *
  * Template snapshots nobody will clone again (of a template build that is no longer
  * current, of a key the current build no longer makes, or damaged) are removed at driver
@@ -122,12 +130,15 @@
  * connections but leaves every VM running.
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
- * SPACE_POOL_SIZE (default 2, 0 = none) spare clones per size, unless opts say;
+ * SPACE_POOL_SIZE (default 16, 0 = none) spare clones per size at most and
+ * SPACE_POOL_MEMORY_MB (default host RAM / 8) for all, unless opts say;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
  */
 #ifndef SP_QEMU_H
 #define SP_QEMU_H
+
+#include <stdint.h>
 
 #include "core/runtime/driver.h"
 #include "base/err.h"
@@ -139,8 +150,10 @@ typedef struct {
     const char *qemu;     /* qemu-system-x86_64 binary; NULL: from PATH */
     const char *qemu_img; /* qemu-img binary; NULL: from PATH */
     int cold_boot;        /* 1: never create from a template snapshot */
-    int pool_size;        /* spare clones kept ready per template size recently created from:
-                           * 0 = $SPACE_POOL_SIZE, else 2; -1 = none (see below) */
+    int pool_size;        /* spare clones kept ready per template size recently created from,
+                           * at most: 0 = $SPACE_POOL_SIZE, else 16; -1 = none (see below) */
+    int pool_memory_mb;   /* memory all spares may use together, MiB: 0 = $SPACE_POOL_MEMORY_MB,
+                           * else an eighth of the host's RAM */
     int no_adopt;         /* 1: a tool's driver (spaced template build) on a data dir a
                            * serving spaced may use: adopts no VM, leaves other live processes'
                            * snapshot builders alone, refuses boot and restore; only
@@ -178,5 +191,14 @@ int sp_qemu_template_snapshot(sp_driver_t *d, const char *template_name, int cpu
 
 /* Spare clones ready to be taken (for tests and logs). 0 for another driver. */
 int sp_qemu_pool_ready(sp_driver_t *d);
+
+typedef struct {
+    int ready, warming;          /* spares that can be taken; being made */
+    int target;                  /* spares the pool aims for, all sizes together */
+    uint64_t used_mb, budget_mb; /* their memory as the pool counts it; its limit */
+} sp_qemu_pool_stats_t;
+
+/* The spare pool now (for tests and benches). -1 (st zeroed) for another driver. */
+int sp_qemu_pool_stats(sp_driver_t *d, sp_qemu_pool_stats_t *st);
 
 #endif

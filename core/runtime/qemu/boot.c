@@ -195,6 +195,7 @@ static void boot_done(struct vm *vm)
     free(vm->tp);
     vm->tp = NULL;
     sp_qemu__pool_kick(vm->d); /* spares wait for boots in flight: maybe this was the last one */
+    sp_timer_start(&vm->d->kick_timer, 0); /* a boot slot is free for a queued clone boot */
     if (vm->restore_stream) {
         vm_json_own_ram(vm);
         vm->restore_stream = false;
@@ -840,6 +841,45 @@ void sp_qemu__start_sandbox_probe(sp_qemu_t *d)
 
 static void boot_begin(struct vm *vm);
 
+/* Sandbox boots under way: from the overlay to the agent's IDENTITY, each a QEMU starting or
+ * restoring, the heaviest CPU work here (spares and snapshot builders not counted: they
+ * already wait for the rest). */
+static int boots_in_flight(const sp_qemu_t *d)
+{
+    int n = 0;
+    for (const struct vm *v = d->vms; v != NULL; v = v->next)
+        n += !v->pooled && v->tsnap_build == NULL && !v->tsnap_req && v->ph >= PH_DISK &&
+             v->ph < PH_UP;
+    return n;
+}
+
+/* Lets queued clone boots go, the earliest create first, while fewer than d->boot_slots
+ * sandbox boots are under way; looks again every SP_QEMU_QUEUE_POLL_MS while any wait. When
+ * CPU-bound, creates then come up one slot after the other instead of all restoring at once
+ * and all finishing last. */
+static void admit_queued(sp_qemu_t *d)
+{
+    for (;;) {
+        struct vm *first = NULL;
+        for (struct vm *v = d->vms; v != NULL; v = v->next)
+            if (v->boot_queued && v->ph == PH_WAIT_ACCEL &&
+                (first == NULL || v->boot_start_ms < first->boot_start_ms))
+                first = v;
+        if (first == NULL)
+            return;
+        if (boots_in_flight(d) >= d->boot_slots) {
+            sp_timer_start(&d->kick_timer, SP_QEMU_QUEUE_POLL_MS);
+            return;
+        }
+        first->boot_queued = false;
+        first->boot_admitted = true;
+        sp_log(SP_LOG_DEBUG, "qemu", "clone boot admitted sandbox=%s queued_ms=%llu", first->id,
+               (unsigned long long)(sp_qemu__mono_ms() - first->boot_start_ms));
+        sp_timer_start(&first->boot_timer, d->boot_timeout_ms); /* from its start, not its queue */
+        boot_begin(first); /* may free it; the list is walked again */
+    }
+}
+
 /* Moves boots along once the verdicts are in; starts the KVM probe on the first boot
  * (it needs a guest kernel, which only a boot names). */
 void sp_qemu__on_kick(sp_timer_t *t, void *arg)
@@ -847,7 +887,7 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
     sp_qemu_t *d = arg;
     for (struct vm *vm = d->vms; vm != NULL;) {
         struct vm *next = vm->next; /* start_disk may fail and free vm */
-        if (vm->ph == PH_WAIT_ACCEL) {
+        if (vm->ph == PH_WAIT_ACCEL && !vm->boot_queued) {
             if (d->accel < 0 && d->kvm_probe == NULL)
                 start_kvm_probe(d, vm->tp->kernel);
             else if (d->accel >= 0 && d->sandbox >= 0)
@@ -855,6 +895,7 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
         }
         vm = next;
     }
+    admit_queued(d); /* after the walk: an admitted boot may free a VM */
 }
 
 /* Where a boot goes once the accelerator is known: own snapshot, cold, or clone. */
@@ -891,6 +932,13 @@ static void boot_begin(struct vm *vm)
         sp_qemu__pool_note(d, t->key, vm); /* spares of this size from now on */
     switch (t->state) {
     case TS_READY:
+        if (!vm->pooled && !vm->boot_admitted) {
+            vm->boot_queued = true; /* sp_qemu__on_kick admits it (admit_queued) */
+            vm->tsnap_wait = t;     /* its snapshot is kept meanwhile (sp_qemu__tsnap_gc) */
+            /* the boot timeout starts once it is admitted; the queue has its own, longer */
+            sp_timer_start(&vm->boot_timer, d->boot_timeout_ms * SP_QEMU_QUEUE_TIMEOUT_MULT);
+            return;
+        }
         vm->clone_src = strdup(t->dir);
         if (vm->clone_src == NULL) {
             vm->cold = true;

@@ -638,14 +638,17 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         sp_log(SP_LOG_WARN, "qemu", "template not usable template=%s err=%s", tname, te.msg);
         return sp_err_set(err, SP_ERUNTIME, "template %s is not built on this host", tname);
     }
+    bool seen = false; /* the pool's policy counted this create */
     if (d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0) {
         int cpus = sp_qemu__vm_cpus(tp, spec->cpu_count);
         int mem = sp_qemu__vm_memory(tp, spec->memory_mb);
         char key[17];
         if (sp_qemu__tsnap_key_for(d, tp, cpus, mem, key) == 0) {
             struct poolwant *pw = sp_qemu__pool_want(d, key);
-            if (pw != NULL)
-                pw->used_ms = sp_qemu__mono_ms();
+            if (pw != NULL) {
+                sp_qemu__pool_seen(d, pw);
+                seen = true;
+            }
             struct vm *spare = sp_qemu__pool_pick(d, key);
             if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
                 free(tp);
@@ -660,6 +663,7 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
                               arg, err);
     if (vm == NULL)
         return -1;
+    vm->pool_seen = seen;
     vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
     vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
@@ -1015,6 +1019,7 @@ static void q_free(sp_driver_t *base)
         d->wants = w->next;
         free(w);
     }
+    sp_poolpolicy_destroy(d->policy);
     while (d->tsnaps != NULL) {
         struct tsnap *t = d->tsnaps;
         d->tsnaps = t->next;
@@ -1052,6 +1057,33 @@ const sp_driver_ops_t sp_qemu__ops = {
     .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,
 };
+
+/* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's
+ * budget (else host RAM / SP_QEMU_POOL_RAM_DIV). -1 when out of memory. */
+static int pool_policy_create(sp_qemu_t *d, const sp_qemu_opts_t *o)
+{
+    long long mb = o->pool_memory_mb;
+    const char *env = getenv("SPACE_POOL_MEMORY_MB");
+    if (mb <= 0 && env != NULL && *env != '\0') {
+        char *end;
+        mb = strtoll(env, &end, 10);
+        if (*end != '\0' || mb < 0)
+            mb = 0;
+    }
+    if (mb <= 0) {
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        mb = pages > 0 && psz > 0 ? (long long)pages * psz / SP_QEMU_POOL_RAM_DIV / 1048576 : 1024;
+    }
+    sp_poolpolicy_opts_t po = {.max_per_size = d->pool_size,
+                               .budget_mb = (uint64_t)mb,
+                               .window_ms = SP_QEMU_POOL_WINDOW_MS,
+                               .decay_ms = SP_QEMU_POOL_DECAY_MS};
+    d->policy = sp_poolpolicy_create(&po);
+    if (d->policy == NULL)
+        return -1;
+    sp_log(SP_LOG_DEBUG, "qemu", "spare pool per_size_max=%d memory_mb=%lld", d->pool_size, mb);
+    return 0;
+}
 
 sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *err)
 {
@@ -1140,6 +1172,15 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     if (d->cold_only) {
         sp_log(SP_LOG_INFO, "qemu", "template snapshots off: every boot is a cold boot");
         d->pool_size = 0;
+    }
+    {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        d->boot_slots = cpus > 2 ? (int)cpus : 2;
+    }
+    if (d->pool_size > 0 && pool_policy_create(d, o) < 0) {
+        q_free(&d->base);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
     }
     /* 0700: each QEMU reaches its own directory through its jail's bind mount, never
      * through vms/ */

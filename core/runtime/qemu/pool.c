@@ -2,9 +2,10 @@
  * pool.c - spare clones (qemu.h): clones of a recently created template size, made ahead of
  * time, warmed and stopped, and handed to a create of that size.
  *
- * Owns the driver's struct poolwant records (the sizes to keep spares of) and decides when a
- * spare is made or dropped; a spare itself is a struct vm with pooled set, booted by boot.c
- * and stopped by driver.c like any other. Spares are never adopted by a later driver.
+ * Owns the driver's struct poolwant records (the sizes to keep spares of) and makes or drops
+ * spares as its policy (core/runtime/poolpolicy.h: how many per size, within the memory
+ * budget) says; a spare itself is a struct vm with pooled set, booted by boot.c and stopped by
+ * driver.c like any other. Spares are never adopted by a later driver.
  */
 #include "core/runtime/qemu/qemu_int.h"
 
@@ -28,8 +29,12 @@
  * commands (so its translation cache holds the exec path), then stopped (no CPU). A create
  * of that size takes one: its directory and cgroup are renamed to the sandbox's, the vCPUs
  * start, and IDENTITY gives it the sandbox's hostname, env, RNG seed and clock, exactly as
- * after a restore. Spares are refilled one at a time and only while no other boot is in
- * flight; they are never adopted by a later driver (killed instead) and go with the driver.
+ * after a restore. How many of a size to keep is the policy's: one after a create, as many
+ * as the creates of a recent burst (up to pool_size), one fewer per 2 idle minutes, all within
+ * the memory budget (each spare counted at its measured PSS, about 34 MB under TCG here).
+ * Spares are refilled one at a time and only while no other boot is in flight: the CPU
+ * bounds how fast the pool grows, never a create. They are never adopted by a later driver
+ * (killed instead) and go with the driver.
  */
 
 /* Warm-up of a spare: the exec path the first commands of a sandbox take. */
@@ -65,6 +70,22 @@ struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key)
     return NULL;
 }
 
+/* Frees w (unlinked by the caller): the policy forgets its size. */
+static void want_free(sp_qemu_t *d, struct poolwant *w)
+{
+    sp_poolpolicy_forget(d->policy, w->key);
+    free(w);
+}
+
+void sp_qemu__pool_seen(sp_qemu_t *d, struct poolwant *w)
+{
+    uint64_t now = sp_qemu__mono_ms();
+    w->used_ms = now;
+    if (sp_poolpolicy_create_seen(d->policy, w->key, now, (uint64_t)w->memory_mb) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "spare pool: create not counted (out of memory) key=%s",
+               w->key);
+}
+
 void sp_qemu__pool_failed(sp_qemu_t *d, const char *key)
 {
     struct poolwant *w = sp_qemu__pool_want(d, key);
@@ -92,9 +113,10 @@ static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const ch
     }
 }
 
-/* A create of this size: remember it (most recent first), forget the least recently used size
- * beyond SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
-void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
+/* A create of this size (vm: its boot): remember it (most recent first) and count it unless
+ * the create already did (vm->pool_seen), forget the least recently used size beyond
+ * SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
 {
     struct poolwant **pp = &d->wants, *w = NULL;
     for (; *pp != NULL; pp = &(*pp)->next) {
@@ -121,22 +143,24 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm)
                 strcmp((*q)->tp.hash, vm->tp->hash) != 0) {
                 struct poolwant *x = *q;
                 *q = x->next;
-                free(x);
+                want_free(d, x);
             } else {
                 q = &(*q)->next;
             }
         }
     }
-    w->used_ms = sp_qemu__mono_ms();
     w->next = d->wants;
     d->wants = w;
+    if (!vm->pool_seen)
+        sp_qemu__pool_seen(d, w);
+    vm->pool_seen = true; /* a boot that waited for its snapshot comes here again */
     int n = 0;
     for (pp = &d->wants; *pp != NULL;) {
         if (++n > SP_QEMU_POOL_KEYS) {
             struct poolwant *x = *pp;
             *pp = x->next;
             pool_drop(d, x->key, NULL, NULL);
-            free(x);
+            want_free(d, x);
         } else {
             pp = &(*pp)->next;
         }
@@ -174,15 +198,61 @@ static void pool_start(sp_qemu_t *d, struct poolwant *w)
     sp_qemu__kick(d);
 }
 
-/* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go), then starts the
- * next missing spare of the most recently used size, one at a time and only when no other
- * boot is in flight: a spare never competes with a sandbox's boot for the CPU. Nor, while
- * a size still has a spare, with the first commands of a sandbox that came up in the last
+/* The spares of key that count (not dropped, not stopping). */
+static int pool_count(const sp_qemu_t *d, const char *key)
+{
+    int n = 0;
+    for (const struct vm *v = d->vms; v != NULL; v = v->next)
+        n += v->pooled && !v->pool_drop && v->ph != PH_STOPPING && strcmp(v->pool_key, key) == 0;
+    return n;
+}
+
+/* What the spares there are count against the memory budget, MiB (a size the policy no
+ * longer knows: its guest RAM, until the spare is gone). */
+static uint64_t pool_used_mb(const sp_qemu_t *d)
+{
+    uint64_t mb = 0;
+    for (const struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (!v->pooled || v->ph == PH_STOPPING)
+            continue;
+        uint64_t c = sp_poolpolicy_cost(d->policy, v->pool_key);
+        mb += c > 0 ? c : (uint64_t)v->memory_mb;
+    }
+    return mb;
+}
+
+/* Marks the spares of w's size beyond its target to be dropped: those still being made first
+ * (they use the CPU), then the newest. */
+static void pool_trim(sp_qemu_t *d, struct poolwant *w, int excess)
+{
+    for (int pass = 0; pass < 2 && excess > 0; pass++) {
+        for (struct vm *v = d->vms; v != NULL && excess > 0; v = v->next) {
+            if (v->pooled && !v->pool_drop && v->ph != PH_STOPPING &&
+                strcmp(v->pool_key, w->key) == 0 && (pass == 1 || !v->pool_ready)) {
+                v->pool_drop = true;
+                excess--;
+            }
+        }
+    }
+}
+
+/* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go) and drops the spares
+ * beyond each size's target, then starts the next missing spare of the most recently used
+ * size, within the memory budget, one at a time and only when no other boot is in flight: a
+ * spare never competes with a sandbox's boot for the CPU. Nor, while a size still has a
+ * spare, with the first commands of a sandbox that came up in the last
  * SP_QEMU_POOL_SETTLE_MS; a size with none left is refilled at once. */
 void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
 {
     sp_qemu_t *d = arg;
     uint64_t now = sp_qemu__mono_ms();
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next) {
+        int excess = pool_count(d, w->key) - sp_poolpolicy_target(d->policy, w->key, now);
+        if (excess > 0) {
+            sp_log(SP_LOG_INFO, "qemu", "spare pool shrinks key=%s by=%d", w->key, excess);
+            pool_trim(d, w, excess);
+        }
+    }
     for (struct vm *v = d->vms; v != NULL;) {
         struct vm *next = v->next; /* sp_qemu__vm_stop may free v */
         if (v->pooled && v->pool_drop && v->ph != PH_STOPPING) {
@@ -196,7 +266,7 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
         if (now - w->used_ms > SP_QEMU_POOL_IDLE_MS) {
             *pp = w->next;
             pool_drop(d, w->key, NULL, NULL);
-            free(w);
+            want_free(d, w);
         } else {
             pp = &w->next;
         }
@@ -211,27 +281,44 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
             return;
         }
     }
-    uint64_t wait = 60000; /* idle sizes are looked at again within a minute */
+    uint64_t wait = 60000; /* idle sizes, and targets that decay, are looked at within a minute */
+    uint64_t used = pool_used_mb(d);
     for (struct poolwant *w = d->wants; w != NULL; w = w->next) {
         if (now < w->retry_ms) {
             wait = w->retry_ms - now < wait ? w->retry_ms - now : wait;
             continue;
         }
-        int n = 0;
-        for (struct vm *v = d->vms; v != NULL; v = v->next)
-            n += v->pooled && !v->pool_drop && v->ph != PH_STOPPING &&
-                 strcmp(v->pool_key, w->key) == 0;
-        if (n > 0 && n < d->pool_size && now < d->pool_quiet_until) {
+        int n = pool_count(d, w->key), target = sp_poolpolicy_target(d->policy, w->key, now);
+        if (n > 0 && n < target && now < d->pool_quiet_until) {
             wait = d->pool_quiet_until - now < wait ? d->pool_quiet_until - now : wait;
             continue; /* a spare is still there for the next create */
         }
-        if (n < d->pool_size) {
+        if (n < target && !sp_poolpolicy_fits(d->policy, w->key, used))
+            continue; /* spares of other sizes, dropped or stopping, still hold the memory */
+        if (n < target) {
             pool_start(d, w);
             wait = SP_QEMU_POOL_TICK_MS;
             break;
         }
     }
     sp_timer_start(&d->pool_timer, wait);
+}
+
+/* The proportional set size of process pid in MiB (rounded up), 0 when unreadable. One read of
+ * a small /proc file per spare made: the kernel walks the process's page tables once. */
+static uint64_t pss_mb(pid_t pid)
+{
+    char p[64], line[128];
+    snprintf(p, sizeof p, "/proc/%d/smaps_rollup", (int)pid);
+    FILE *f = fopen(p, "re");
+    if (f == NULL)
+        return 0;
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "Pss: %llu kB", &kb) == 1)
+            break;
+    fclose(f);
+    return (kb + 1023) / 1024;
 }
 
 static void on_pool_stopped(void *arg, json_t *ret, const sp_err_t *err)
@@ -247,8 +334,12 @@ static void on_pool_stopped(void *arg, json_t *ret, const sp_err_t *err)
     }
     vm->paused = true;
     vm->pool_ready = true;
-    sp_log(SP_LOG_INFO, "qemu", "spare clone ready spare=%s key=%s ms=%llu", vm->id, vm->pool_key,
-           (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms));
+    /* stopped: what it holds now is what it costs while it waits */
+    uint64_t mb = vm->pid > 0 ? pss_mb(vm->pid) : 0;
+    sp_poolpolicy_measured(vm->d->policy, vm->pool_key, mb);
+    sp_log(SP_LOG_INFO, "qemu", "spare clone ready spare=%s key=%s ms=%llu pss_mb=%llu", vm->id,
+           vm->pool_key, (unsigned long long)(sp_qemu__mono_ms() - vm->boot_start_ms),
+           (unsigned long long)mb);
     sp_qemu__pool_kick(vm->d);
 }
 
@@ -455,6 +546,13 @@ static sp_metric_t m_takes = SP_METRIC_COUNTER(
 static sp_metric_t m_size = SP_METRIC_GAUGE(
     "space_spare_pool_size", "Spare clones by state (warming: being made; ready: can be taken).",
     "state");
+static sp_metric_t m_target = SP_METRIC_GAUGE(
+    "space_spare_pool_target",
+    "Spare clones the pool aims to keep, all template sizes together (demand, within the budget).",
+    "");
+static sp_metric_t m_mem = SP_METRIC_GAUGE(
+    "space_spare_pool_memory_bytes",
+    "Memory of the spare clones (used: as the pool counts them; budget: its limit).", "kind");
 
 void sp_qemu__pool_count(bool hit)
 {
@@ -474,11 +572,22 @@ static void pool_collect(void *arg)
     }
     sp_metrics_set(&m_size, ready, "ready");
     sp_metrics_set(&m_size, warming, "warming");
+    if (d->policy == NULL)
+        return;
+    int target = 0;
+    uint64_t now = sp_qemu__mono_ms();
+    for (struct poolwant *w = d->wants; w != NULL; w = w->next)
+        target += sp_poolpolicy_target(d->policy, w->key, now);
+    sp_metrics_set(&m_target, target);
+    sp_metrics_set(&m_mem, (double)pool_used_mb(d) * 1048576.0, "used");
+    sp_metrics_set(&m_mem, (double)sp_poolpolicy_budget(d->policy) * 1048576.0, "budget");
 }
 
 void sp_qemu__pool_metrics_start(sp_qemu_t *d)
 {
     sp_metrics_declare(&m_takes);
+    sp_metrics_declare(&m_target);
+    sp_metrics_declare(&m_mem);
     sp_qemu__tsnap_metrics_declare();
     if (sp_metrics_collector_add(pool_collect, d) < 0)
         sp_log(SP_LOG_WARN, "qemu", "spare pool metrics off: out of memory");
@@ -497,4 +606,26 @@ int sp_qemu_pool_ready(sp_driver_t *base)
     for (struct vm *v = ((sp_qemu_t *)base)->vms; v != NULL; v = v->next)
         n += v->pooled && v->pool_ready && !v->pool_drop;
     return n;
+}
+
+int sp_qemu_pool_stats(sp_driver_t *base, sp_qemu_pool_stats_t *st)
+{
+    memset(st, 0, sizeof(*st));
+    if (base == NULL || base->ops != &sp_qemu__ops)
+        return -1;
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (!v->pooled || v->pool_drop || v->ph == PH_STOPPING)
+            continue;
+        st->ready += v->pool_ready;
+        st->warming += !v->pool_ready;
+    }
+    if (d->policy != NULL) {
+        uint64_t now = sp_qemu__mono_ms();
+        for (struct poolwant *w = d->wants; w != NULL; w = w->next)
+            st->target += sp_poolpolicy_target(d->policy, w->key, now);
+        st->used_mb = pool_used_mb(d);
+        st->budget_mb = sp_poolpolicy_budget(d->policy);
+    }
+    return 0;
 }

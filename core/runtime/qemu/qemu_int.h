@@ -36,6 +36,7 @@
 #include "core/runtime/cgroup.h"
 #include "core/runtime/jail.h"
 #include "core/runtime/migdelta.h"
+#include "core/runtime/poolpolicy.h"
 #include "core/runtime/qemu.h"
 #include "core/runtime/qmp.h"
 #include "guest/tmplbuild.h"
@@ -60,8 +61,11 @@
 #define SP_QEMU_SUM_CHUNK      (1u << 20)
 #define SP_QEMU_SUM_INLINE_MAX (4u << 20) /* a device state up to this is verified inline */
 #define SP_QEMU_SUM_THREADS    4          /* at most, and no more than CPUs */
-#define SP_QEMU_POOL_DEFAULT   2          /* spare clones per template size in use */
-#define SP_QEMU_POOL_MAX       16
+#define SP_QEMU_POOL_DEFAULT   16         /* spare clones per template size at most */
+#define SP_QEMU_POOL_MAX       64
+#define SP_QEMU_POOL_WINDOW_MS 10000u     /* creates this close together ask for a spare each */
+#define SP_QEMU_POOL_DECAY_MS  120000u    /* an idle size keeps one spare fewer per this */
+#define SP_QEMU_POOL_RAM_DIV   8          /* default memory budget: host RAM / this */
 #define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
 #define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
 #define SP_QEMU_POOL_TICK_MS   100u       /* refill check while boots are in flight */
@@ -69,6 +73,9 @@
                                      * commands, not a spare's restore, get the CPUs */
 #define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
+#define SP_QEMU_QUEUE_POLL_MS  50u        /* queued clone boots look for a free slot this often */
+#define SP_QEMU_QUEUE_TIMEOUT_MULT 5u     /* a queued clone boot gives up after this many boot
+                                           * timeouts in the queue */
 
 typedef struct sp_qemu sp_qemu_t;
 struct refs;
@@ -270,6 +277,10 @@ struct vm {
     bool pooled;        /* a spare: no sandbox yet, invisible to sp_qemu__vm_find */
     bool pool_ready;    /* warmed and stopped: sp_qemu__pool_take may hand it out */
     bool pool_drop;     /* to be stopped by the pool timer (a safe place to free it) */
+    bool pool_seen;     /* a sandbox's boot whose create the pool's policy counted already */
+    /* a sandbox's clone boot waits for a boot slot (boot.c: admit_queued), in PH_WAIT_ACCEL */
+    bool boot_queued;
+    bool boot_admitted; /* it had its slot: boot_begin goes on */
     int pool_warm_step; /* the next of pool_warm_cmds to run */
     char pool_key[17];  /* its template snapshot's key */
 };
@@ -313,11 +324,14 @@ struct sp_qemu {
     unsigned req_seq;               /* ids of template snapshot requests */
     char qemu_ident[PATH_MAX + 96]; /* resolved QEMU binary + size + mtime: part of snapshot keys */
     struct tsnap *tsnaps;
-    int pool_size; /* spare clones kept per template size in use; 0: none */
+    int pool_size;           /* spare clones per template size in use at most; 0: none */
+    sp_poolpolicy_t *policy; /* how many to keep of each (NULL when pool_size is 0) */
     unsigned pool_seq;
     sp_timer_t pool_timer;
     struct poolwant *wants;
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+    int boot_slots; /* sandbox boots in flight at most (the host's CPUs, at least 2); clone
+                     * boots beyond it queue, first come first served */
     /* confinement (confine.c) */
     bool jail;                  /* QEMUs are jailed (root, not --no-jail) */
     sp_jail_ids_t *jail_ids;    /* their uids */
@@ -468,7 +482,9 @@ void sp_qemu__pool_origin_remove(const struct vm *vm);
 struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key);
 void sp_qemu__pool_failed(sp_qemu_t *d, const char *key);
 void sp_qemu__pool_kick(sp_qemu_t *d);
-void sp_qemu__pool_note(sp_qemu_t *d, const char *key, const struct vm *vm);
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm);
+/* A create of w's size (served by a spare or not): the policy counts it. */
+void sp_qemu__pool_seen(sp_qemu_t *d, struct poolwant *w);
 void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
 void sp_qemu__pool_warm(struct vm *vm);
 struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);

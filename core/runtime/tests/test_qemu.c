@@ -222,6 +222,52 @@ static void test_qemu_refuses_without_seccomp(void)
     }
 }
 
+/* The spare pool's bounds from options and environment (no spare is made: no create). */
+static void test_qemu_pool_options(void)
+{
+    sp_qemu_pool_stats_t st;
+    sp_qemu_opts_t o = {.data_dir = dir,
+                        .accel = "tcg",
+                        .qemu = "/bin/true",
+                        .qemu_img = "/bin/true",
+                        .pool_size = 5,
+                        .pool_memory_mb = 700};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(sp_qemu_pool_stats(d, &st) == 0);
+    CHECK(st.budget_mb == 700 && st.target == 0 && st.ready == 0 && st.used_mb == 0);
+    CHECK(((sp_qemu_t *)d)->pool_size == 5);
+    sp_driver_destroy(d);
+    /* from the environment; a bad value: the default (a share of the host's RAM) */
+    o.pool_memory_mb = 0;
+    o.pool_size = 0;
+    setenv("SPACE_POOL_MEMORY_MB", "123", 1);
+    setenv("SPACE_POOL_SIZE", "1000", 1);
+    d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(sp_qemu_pool_stats(d, &st) == 0 && st.budget_mb == 123);
+    CHECK(((sp_qemu_t *)d)->pool_size == SP_QEMU_POOL_MAX);
+    sp_driver_destroy(d);
+    setenv("SPACE_POOL_MEMORY_MB", "lots", 1);
+    unsetenv("SPACE_POOL_SIZE");
+    d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    CHECK(sp_qemu_pool_stats(d, &st) == 0 &&
+          st.budget_mb == (uint64_t)pages * (uint64_t)psz / SP_QEMU_POOL_RAM_DIV / 1048576);
+    CHECK(((sp_qemu_t *)d)->pool_size == SP_QEMU_POOL_DEFAULT);
+    sp_driver_destroy(d);
+    unsetenv("SPACE_POOL_MEMORY_MB");
+    /* no pool: no policy, a zero budget */
+    o.pool_size = -1;
+    d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(sp_qemu_pool_stats(d, &st) == 0 && st.budget_mb == 0 && st.target == 0);
+    sp_driver_destroy(d);
+    CHECK(sp_qemu_pool_stats(NULL, &st) == -1);
+}
+
 int main(void)
 {
     REQUIRE(mkdtemp(dir) != NULL);
@@ -232,6 +278,7 @@ int main(void)
     test_qemu_probe_leftovers_and_snapshot();
     test_qemu_refusals();
     test_qemu_refuses_without_seccomp();
+    test_qemu_pool_options();
     pump();
     sp_loop_destroy(loop);
     char cmd[600];
