@@ -37,23 +37,6 @@ int spc_url_parse(const char *s, spc_url_t *out, sp_err_t *err);
 /* Appends s percent-encoded for a query value or a path segment (unreserved bytes kept). */
 void spc_urlencode(sp_buf_t *b, const char *s);
 
-/* ---- chunked transfer coding (RFC 9112 7.1), incrementally ---- */
-
-typedef struct {
-    int state;
-    uint64_t left;  /* bytes of the current chunk not yet handed out */
-    int digits;
-} spc_chunked_t;
-
-#define SPC_CHUNKED_INIT {0, 0, 0}
-
-/* Consumes bytes of in[0, n) (*used of them) until it has body bytes to hand out (*data,
- * pointing into in, *dlen of them, at most max), needs more input, or reached the end.
- * Returns 1 at the end (the last chunk and any trailers were read), 0 otherwise, -1 when the
- * input is not chunked coding. Extensions and trailers are skipped. */
-int spc_chunked_step(spc_chunked_t *d, const uint8_t *in, size_t n, size_t max, size_t *used,
-                     const uint8_t **data, size_t *dlen);
-
 /* ---- lines (NDJSON) ---- */
 
 typedef struct {

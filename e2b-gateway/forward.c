@@ -29,6 +29,7 @@
 #include <strings.h>
 
 #include "base/buf.h"
+#include "base/chunked.h"
 #include "base/log.h"
 #include "base/text.h"
 #include "e2b-gateway/gw_int.h"
@@ -49,13 +50,6 @@ enum phase {
 enum framing { F_NONE = 0, F_LENGTH, F_CHUNKED, F_EOF };
 
 /* Chunked transfer-coding decoder (in place: output never overtakes input). */
-enum { C_SIZE = 0, C_EXT, C_DATA, C_DATA_CR, C_TRAILER, C_TRAILER_LINE, C_DONE };
-
-struct chunked {
-    int state;
-    bool digits;
-    uint64_t left;
-};
 
 struct fwd {
     h2o_generator_t gen; /* first: h2o hands it back */
@@ -80,7 +74,7 @@ struct fwd {
 
     enum framing framing;
     uint64_t remaining; /* F_LENGTH */
-    struct chunked ck;
+    sp_chunked_t ck;
     bool body_done;     /* all body bytes are in pend (or fly) */
     bool ok;            /* the body ended the way its framing said */
 
@@ -431,67 +425,28 @@ static void copy_headers(h2o_req_t *req, const struct field *fields, size_t nf, 
 
 /* ---- chunked decoding ---- */
 
-/* Decodes buf[0..*n) in place; *n becomes the data byte count. -1 on a malformed coding. */
-static int chunked_decode(struct chunked *ck, char *buf, size_t *n)
+/* Decodes buf[0..*n) in place; *n becomes the data byte count, *done true once the last chunk
+ * and trailers were read (bytes after them are dropped). -1 on a malformed coding. */
+static int chunked_decode(sp_chunked_t *ck, char *buf, size_t *n, bool *done)
 {
-    size_t in = 0, out = 0, len = *n;
-    while (in < len && ck->state != C_DONE) {
-        char c = buf[in];
-        switch (ck->state) {
-        case C_SIZE: {
-            int v = sp_text_hexval(c);
-            if (v >= 0) {
-                if (ck->left > (UINT64_MAX >> 8))
-                    return -1;
-                ck->left = ck->left * 16 + (uint64_t)v;
-                ck->digits = true;
-                in++;
-                break;
-            }
-            if (!ck->digits)
-                return -1;
-            ck->state = C_EXT; /* ';' extensions, '\r' or '\n': the line ends at '\n' */
+    size_t in = 0, out = 0;
+    while (in < *n) {
+        size_t used, dlen;
+        const uint8_t *data;
+        int rc = sp_chunked_step(ck, (const uint8_t *)buf + in, *n - in, *n - in, &used, &data,
+                                 &dlen);
+        if (rc < 0)
+            return -1;
+        if (dlen > 0)
+            memmove(buf + out, data, dlen); /* data lies at or after buf + out */
+        out += dlen;
+        in += used;
+        if (rc == 1) {
+            *done = true;
             break;
         }
-        case C_EXT:
-            in++;
-            if (c == '\n') {
-                ck->digits = false;
-                ck->state = ck->left == 0 ? C_TRAILER : C_DATA;
-            }
+        if (used == 0)
             break;
-        case C_DATA: {
-            size_t take = len - in;
-            if (take > ck->left)
-                take = (size_t)ck->left;
-            memmove(buf + out, buf + in, take);
-            out += take;
-            in += take;
-            ck->left -= take;
-            if (ck->left == 0)
-                ck->state = C_DATA_CR;
-            break;
-        }
-        case C_DATA_CR:
-            in++;
-            if (c == '\n')
-                ck->state = C_SIZE;
-            else if (c != '\r')
-                return -1;
-            break;
-        case C_TRAILER:
-            in++;
-            if (c == '\n')
-                ck->state = C_DONE;
-            else if (c != '\r')
-                ck->state = C_TRAILER_LINE;
-            break;
-        case C_TRAILER_LINE:
-            in++;
-            if (c == '\n')
-                ck->state = C_TRAILER;
-            break;
-        }
     }
     *n = out;
     return 0;
@@ -597,12 +552,13 @@ static void body_bytes(struct fwd *f, const uint8_t *p, size_t n)
     memcpy(dst, p, n);
     size_t dn = n;
     if (f->framing == F_CHUNKED) {
-        if (chunked_decode(&f->ck, dst, &dn) < 0) {
+        bool end = false;
+        if (chunked_decode(&f->ck, dst, &dn, &end) < 0) {
             sp_log(SP_LOG_INFO, "e2b", "guest sent a bad chunked body port=%d", f->port);
             f_fail(f, 502, "bad response from the sandbox");
             return;
         }
-        if (f->ck.state == C_DONE) {
+        if (end) {
             f->body_done = true;
             f->ok = true;
         }
