@@ -2,7 +2,8 @@
  * err.h - the error value every layer returns to its caller.
  *
  * Folder: base/ holds what every layer and the agent share: errors, logging, ids, the agent
- * protocol, a growable buffer, small text helpers. It uses nothing of the project's.
+ * protocol, a growable buffer, small text helpers, the chunked decoder. It uses nothing of the
+ * project's.
  * (ARCHITECTURE.md: the layers.)
  *
  * A function that can fail returns 0 or a pointer on success and -1 or NULL
