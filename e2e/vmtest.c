@@ -11,6 +11,7 @@
 
 #include "base/agentproto.h"
 #include "core/channel/agentconn.h"
+#include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 #include "tests/check.h"
 
@@ -53,6 +54,21 @@ void vt_on_res(void *arg, const sp_err_t *err)
         r->err = *err;
 }
 
+sp_driver_t *vt_driver(int cold, int pool)
+{
+    const char *accel = getenv("SP_TEST_ACCEL");
+    sp_qemu_opts_t o = {.data_dir = vt_data_dir,
+                        .accel = accel ? accel : "auto",
+                        .cold_boot = cold,
+                        .pool_size = pool};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
+    if (d == NULL)
+        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
+    REQUIRE(d != NULL);
+    return d;
+}
+
 double vt_now_ms(void)
 {
     struct timespec ts;
@@ -75,8 +91,7 @@ void vt_run_for(double ms)
         sp_loop_run_once(vt_loop, 10);
 }
 
-void vt_op(sp_driver_t *d,
-           int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
+void vt_op(sp_driver_t *d, int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
            const char *id, double timeout_ms)
 {
     vt_res_t r = {0};
@@ -89,6 +104,32 @@ void vt_op(sp_driver_t *d,
     if (!r.ok)
         fprintf(stderr, "op %s: %s\n", id, r.err.msg);
     REQUIRE(r.ok);
+}
+
+void vt_boot_start(sp_driver_t *d, const sp_vm_spec_t *spec, vt_res_t *r)
+{
+    sp_err_t e;
+    if (d->ops->boot(d, spec, vt_on_res, r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", spec->sandbox_id, e.msg);
+        exit(1);
+    }
+}
+
+void vt_boot_wait(const sp_vm_spec_t *spec, vt_res_t *r, double timeout_ms)
+{
+    REQUIRE(vt_wait_for(&r->done, timeout_ms) == 0);
+    if (!r->ok)
+        fprintf(stderr, "boot %s failed: %s\n", spec->sandbox_id, r->err.msg);
+    REQUIRE(r->ok);
+}
+
+double vt_boot(sp_driver_t *d, const sp_vm_spec_t *spec, double timeout_ms)
+{
+    vt_res_t r = {0};
+    double t0 = vt_now_ms();
+    vt_boot_start(d, spec, &r);
+    vt_boot_wait(spec, &r, timeout_ms);
+    return vt_now_ms() - t0;
 }
 
 struct proc {
