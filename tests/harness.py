@@ -338,6 +338,24 @@ class Spaced:
             assert op["status"] == "succeeded", op
         return r["sandbox"]["id"], r["operation"]["id"]
 
+    def command(self, sid, cmd, **fields):
+        """Runs cmd in sandbox sid (POST /v1/sandboxes/{sid}/commands, more body fields as
+        given; up to 120 s): its result (stdout, stderr, exit_code), which must come with a 200."""
+        st, c = self.request("POST", "/v1/sandboxes/%s/commands" % sid, dict(cmd=cmd, **fields),
+                             timeout=120)
+        assert st == 200, (st, c)
+        return c
+
+    def create_ready(self, wait=120, key=None, **body):
+        """POST /v1/sandboxes?wait= (wait seconds, stretched by SP_TEST_TIMEOUT_MULT) with body
+        as given (no template added): the sandbox's id once its create succeeded; fails the test
+        (with spaced's log) otherwise. For VM suites, whose creates take seconds to minutes."""
+        st, r = self.request("POST", "/v1/sandboxes?wait=%d" % wait_s(wait), body, key=key,
+                             timeout=(wait + 20) * MULT)
+        assert st == 200, (st, r)
+        assert r["operation"]["status"] == "succeeded", (r, self.read_log())
+        return r["sandbox"]["id"]
+
 
 def q(s):
     return urllib.parse.quote(s, safe="")
