@@ -1,5 +1,6 @@
-"""What the bench scripts share: percentiles and result lines, and the platform they measure
-(a built template, a private PostgreSQL and one spaced of the given build on a data dir).
+"""What the bench scripts share: percentiles and result lines, the platform they measure (a
+built template, a private PostgreSQL and one spaced of the given build on a data dir), and a
+template build waited for.
 
     p = Platform(sys.argv, templates=("base",)).start()  # p.s: harness.Spaced, p.data
     try:
@@ -30,6 +31,23 @@ def line(name, xs, unit="ms", width=52):
 
 def ratio(name, a, b, width=52):
     print("%-*s %.2fx" % (width, name, a / b), flush=True)
+
+
+def build_template(s, body):
+    """POST /v1/templates with body and waits for the build to end (5 minutes a wait): (ms it
+    took, the build). Stops the bench when the build is refused or fails."""
+    t0 = time.time()
+    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
+    if "build" not in r:
+        raise SystemExit("build refused: %s %s" % (st, r))
+    b = r["build"]
+    while b["status"] in ("queued", "building"):
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
+                          timeout=330)
+        b = r["build"]
+    if b["status"] != "succeeded":
+        raise SystemExit("build failed: %s" % b)
+    return (time.time() - t0) * 1000, b
 
 
 class Platform:
