@@ -16,7 +16,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced  # noqa: E402
+import harness  # noqa: E402
 
 
 def pct(xs, p):
@@ -62,7 +62,7 @@ class Platform:
                                     os.path.join(self.build, "bench-data"))
         self.spaced = os.path.join(self.build, "server", "spaced")
         self.templates, self.env, self.drop_env = templates, env, drop_env
-        self.pg = self.s = None
+        self.p = self.pg = self.s = None
 
     def start(self):
         os.makedirs(self.data, exist_ok=True)
@@ -72,13 +72,14 @@ class Platform:
                            check=True, stdout=subprocess.DEVNULL)
             print("template %s ready in %.1f s (cached when unchanged)" % (t, time.time() - t0),
                   flush=True)
-        self.pg = PgCluster()
+        # PostgreSQL, spaced and a key of the default team (harness.Platform), started once
+        # the environment is as asked
+        self.p = harness.Platform(teams=(None,), start=False, binary=self.spaced,
+                                  data_dir=self.data, env=self.env)
+        self.pg, self.s = self.p.pg, self.p.s
         try:
-            self.s = Spaced(binary=self.spaced, data_dir=self.data, database_url=self.pg.url,
-                            env=self.env)
             for k in self.drop_env:
                 self.s.env.pop(k, None)
-            self.s.key = self.s.cli("keys", "create").stdout.strip()
             self.s.start()
         except BaseException:
             self.stop()
@@ -86,7 +87,5 @@ class Platform:
         return self
 
     def stop(self):
-        if self.s is not None:
-            self.s.destroy()
-        if self.pg is not None:
-            self.pg.destroy()
+        if self.p is not None:
+            self.p.destroy()
