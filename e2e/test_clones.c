@@ -93,10 +93,7 @@ static double restore(sp_driver_t *d, const char *id)
     sp_err_t e;
     double t0 = vt_now_ms();
     REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
-    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "restore %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "restore", id, 60000);
     return vt_now_ms() - t0;
 }
 
@@ -110,13 +107,7 @@ static void vm_file(const char *id, const char *name, char *out, size_t n)
 {
     char p[4096];
     snprintf(p, sizeof p, "%s/vms/%s/%s", vt_data_dir, id, name);
-    out[0] = '\0';
-    FILE *f = fopen(p, "r");
-    if (f == NULL)
-        return;
-    size_t k = fread(out, 1, n - 1, f);
-    out[k] = '\0';
-    fclose(f);
+    vt_read_file(p, out, n);
 }
 
 /* The one committed template snapshot dir of the current base build for tag ("-256M-1c-")
@@ -225,10 +216,7 @@ static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
     vt_res_t r = {0};
     sp_err_t e;
     REQUIRE(d->ops->boot(d, &spec, vt_on_res, &r, &e) == 0);
-    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "boot %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "boot", id, 180000);
 }
 
 /* A template's warmup runs in the snapshot builder before the snapshot: its clones have the

@@ -58,10 +58,7 @@ static double checkpoint(sp_driver_t *d, const char *id, const char *snap)
         exit(1);
     }
     REQUIRE(r.done == 0);
-    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "checkpoint %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "checkpoint", id, 60000);
     return vt_now_ms() - t0;
 }
 

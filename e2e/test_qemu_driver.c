@@ -60,7 +60,7 @@ static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
     double t0 = vt_now_ms();
     vt_boot_start(d, &spec, &r);
     REQUIRE(r.done == 0); /* the outcome comes later, on the loop */
-    vt_boot_wait(&spec, &r, 120000);
+    vt_wait_ok(&r, "boot", id, 120000);
     return vt_now_ms() - t0;
 }
 
@@ -75,8 +75,7 @@ static void destroy(sp_driver_t *d, const char *id)
     sp_err_t e;
     REQUIRE(d->ops->destroy(d, id, vt_on_res, &r, &e) == 0);
     REQUIRE(r.done == 0);
-    REQUIRE(vt_wait_for(&r.done, 20000) == 0);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "destroy", id, 20000);
 }
 
 static void simple(sp_driver_t *d,
@@ -196,18 +195,6 @@ static void check_no_cgroup(const char *id)
     }
 }
 
-/* Reads a small file into out ("" if missing). */
-static void slurp(const char *path, char *out, size_t n)
-{
-    out[0] = '\0';
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return;
-    size_t k = fread(out, 1, n - 1, f);
-    out[k] = '\0';
-    fclose(f);
-}
-
 static void flip_byte(const char *path, off_t off)
 {
     int fd = open(path, O_RDWR);
@@ -253,7 +240,7 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     char vd[4096], p[4200], man[4096];
     snprintf(vd, sizeof vd, "%s/vms/%s", vt_data_dir, id);
     snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
-    slurp(p, man, sizeof man);
+    vt_read_file(p, man, sizeof man);
     printf("suspend manifest: %s\n", man);
     REQUIRE(strstr(man, "\"ram_checksum\":\"") != NULL &&
             strstr(man, "\"devstate_checksum\":\"") != NULL &&
@@ -409,10 +396,7 @@ int main(void)
         vt_res_t r = {0};
         t0 = vt_now_ms();
         REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
-        REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-        if (!r.ok)
-            fprintf(stderr, "restore: %s\n", r.err.msg);
-        REQUIRE(r.ok);
+        vt_wait_ok(&r, "restore", id, 60000);
         printf("restore to agent ready: %.0f ms\n", vt_now_ms() - t0);
     }
     REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);

@@ -91,6 +91,14 @@ void vt_run_for(double ms)
         sp_loop_run_once(vt_loop, 10);
 }
 
+void vt_wait_ok(vt_res_t *r, const char *what, const char *id, double timeout_ms)
+{
+    REQUIRE(vt_wait_for(&r->done, timeout_ms) == 0);
+    if (!r->ok)
+        fprintf(stderr, "%s %s failed: %s\n", what, id, r->err.msg);
+    REQUIRE(r->ok);
+}
+
 void vt_op(sp_driver_t *d, int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
            const char *id, double timeout_ms)
 {
@@ -100,10 +108,7 @@ void vt_op(sp_driver_t *d, int (*op)(sp_driver_t *, const char *, sp_driver_cb, 
         fprintf(stderr, "op %s: %s\n", id, e.msg);
         exit(1);
     }
-    REQUIRE(vt_wait_for(&r.done, timeout_ms) == 0);
-    if (!r.ok)
-        fprintf(stderr, "op %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "op", id, timeout_ms);
 }
 
 void vt_boot_start(sp_driver_t *d, const sp_vm_spec_t *spec, vt_res_t *r)
@@ -115,20 +120,12 @@ void vt_boot_start(sp_driver_t *d, const sp_vm_spec_t *spec, vt_res_t *r)
     }
 }
 
-void vt_boot_wait(const sp_vm_spec_t *spec, vt_res_t *r, double timeout_ms)
-{
-    REQUIRE(vt_wait_for(&r->done, timeout_ms) == 0);
-    if (!r->ok)
-        fprintf(stderr, "boot %s failed: %s\n", spec->sandbox_id, r->err.msg);
-    REQUIRE(r->ok);
-}
-
 double vt_boot(sp_driver_t *d, const sp_vm_spec_t *spec, double timeout_ms)
 {
     vt_res_t r = {0};
     double t0 = vt_now_ms();
     vt_boot_start(d, spec, &r);
-    vt_boot_wait(spec, &r, timeout_ms);
+    vt_wait_ok(&r, "boot", spec->sandbox_id, timeout_ms);
     return vt_now_ms() - t0;
 }
 
@@ -188,6 +185,17 @@ void vt_run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size
     while (pr.n > 0 && pr.out[pr.n - 1] == '\n')
         pr.out[--pr.n] = '\0';
     snprintf(out, n, "%s", pr.out);
+}
+
+void vt_read_file(const char *path, char *out, size_t n)
+{
+    out[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return;
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    fclose(f);
 }
 
 pid_t vt_vm_pid(const char *id)

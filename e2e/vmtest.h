@@ -1,7 +1,8 @@
 /*
  * vmtest.h - what the C end-to-end tests (test_qemu_driver.c, test_clones.c, test_forks.c)
  * share: the start-up checks, the QEMU driver on the test data dir, a loop pumped until a flag
- * is set, results of driver calls, boots, and commands run in a guest over the agent channel.
+ * is set, results of driver calls, boots, commands run in a guest over the agent channel, and
+ * files of the data dir read.
  */
 #ifndef SP_E2E_VMTEST_H
 #define SP_E2E_VMTEST_H
@@ -45,11 +46,13 @@ void vt_run_for(double ms);
 /* op(d, id, ...) and waits (timeout_ms) for it to succeed; stops the test otherwise. */
 void vt_op(sp_driver_t *d, int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
            const char *id, double timeout_ms);
+/* Waits (timeout_ms) for the driver call r was given to to succeed; stops the test
+ * otherwise, saying which (what, id) and why. */
+void vt_wait_ok(vt_res_t *r, const char *what, const char *id, double timeout_ms);
+
 /* Starts booting spec (its outcome into r by vt_on_res); stops the test if the driver
  * refuses it at once. */
 void vt_boot_start(sp_driver_t *d, const sp_vm_spec_t *spec, vt_res_t *r);
-/* Waits (timeout_ms) for a boot vt_boot_start started to succeed; stops the test otherwise. */
-void vt_boot_wait(const sp_vm_spec_t *spec, vt_res_t *r, double timeout_ms);
 /* Boots spec and waits (timeout_ms) for it to succeed: ms from the call to agent ready. */
 double vt_boot(sp_driver_t *d, const sp_vm_spec_t *spec, double timeout_ms);
 
@@ -57,6 +60,9 @@ double vt_boot(sp_driver_t *d, const sp_vm_spec_t *spec, double timeout_ms);
  * newlines into out (cut to n). Stops the test if it cannot run or its stream fails. */
 void vt_run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size_t n,
                 double timeout_ms);
+
+/* A small file's contents into out (cut to n), "" when it cannot be read. */
+void vt_read_file(const char *path, char *out, size_t n);
 
 /* The pid of the VM's QEMU from its pid file, 0 when there is none. */
 pid_t vt_vm_pid(const char *id);
