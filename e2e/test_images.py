@@ -21,7 +21,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, free_port  # noqa: E402
+from harness import MULT, VmSuite, free_port  # noqa: E402
 from test_templates import build, logs  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
@@ -124,7 +124,9 @@ def line_texts(s, name, bid):
 
 
 @unittest.skipIf(skip_reason() or missing_tools(), skip_reason() or missing_tools())
-class ImageTemplateTest(unittest.TestCase):
+class ImageTemplateTest(VmSuite):
+    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir")
+
     @classmethod
     def setUpClass(cls):
         cls.work = tempfile.mkdtemp(prefix="sp-images-")
@@ -135,29 +137,15 @@ class ImageTemplateTest(unittest.TestCase):
         push(cls.ref1, cls.open.host + "/library/mirrored:1")  # Docker Hub's layout
         cls.ref2 = make_image(cls.work, "two", "hello-behind-a-password", user="user")
         push(cls.ref2, cls.locked.host + "/private/img:2", creds="puller:" + SECRET)
-        cls.p = Platform(teams=("alpha",), binary=os.environ["SPACED"], data_dir=DATA,
-                         args=["--registry-mirror", cls.open.host])
-        cls.s = cls.p.s
-        cls.sids = []
+        cls.ARGS = ("--registry-mirror", cls.open.host)
+        super().setUpClass()
 
     @classmethod
     def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        for name in ("img", "imgdock", "imgpriv", "imgbad", "imgmir"):
-            try:
-                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
-            except OSError:
-                pass
-        cls.p.destroy()
+        super().tearDownClass()
         cls.open.stop()
         cls.locked.stop()
         shutil.rmtree(cls.work, ignore_errors=True)
-
-    def create(self, template):
-        sid = self.s.create_ready(wait=240, template=template)
-        self.sids.append(sid)
-        return sid
 
     def cmd_ran(self, sid, want):
         """The image's ENTRYPOINT + CMD left its line and is still running (sleep)."""

@@ -18,7 +18,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
+from harness import MULT, VmSuite, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -48,23 +48,8 @@ def rising(s, sid):
 
 
 @unittest.skipIf(skip_reason(), skip_reason())
-class SnapshotTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), binary=os.environ["SPACED"], data_dir=DATA)
-        cls.s = cls.p.s
-        cls.sids = []
-
-    @classmethod
-    def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        cls.p.destroy()
-
-    def create(self, **body):
-        sid = self.s.create_ready(wait=240, **body)
-        self.sids.append(sid)
-        return sid
+class SnapshotTest(VmSuite):
+    TEAMS = ("alpha", "beta")
 
     def delete(self, sid):
         st, r = self.s.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sid, wait_s(60)),

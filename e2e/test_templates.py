@@ -20,7 +20,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
+from harness import MULT, VmSuite, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -63,28 +63,9 @@ def logs(s, name, bid, offset=0, key=None):
 
 
 @unittest.skipIf(skip_reason(), skip_reason())
-class TemplateBuildTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), binary=os.environ["SPACED"], data_dir=DATA)
-        cls.s = cls.p.s
-        cls.sids = []
-
-    @classmethod
-    def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow", "cp", "dock", "sc", "tg"):
-            try:
-                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
-            except OSError:
-                pass
-        cls.p.destroy()
-
-    def create(self, template):
-        sid = self.s.create_ready(wait=240, template=template)
-        self.sids.append(sid)
-        return sid
+class TemplateBuildTest(VmSuite):
+    TEAMS = ("alpha", "beta")
+    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg")
 
     def test_1_build_use_cache_change_fail_delete(self):
         s = self.s

@@ -393,6 +393,51 @@ class Platform:
         self.pg.destroy()
 
 
+class VmSuite(unittest.TestCase):
+    """A suite class on real microVMs: one Platform for the class, SPACED on the templates in
+    SP_TEST_DATA_DIR, with the class's TEAMS (cls.s.key is the first's) and ARGS (more `serve`
+    options; a subclass may set cls.ARGS before super().setUpClass()). When the class ends, the
+    sandboxes made with self.create are deleted, then the TEMPLATES the suite builds (the data
+    dir is shared), then spaced and PostgreSQL stop. A subclass that needs more calls
+    super().setUpClass() and super().tearDownClass()."""
+
+    TEAMS = ("alpha",)
+    ARGS = ()
+    TEMPLATES = ()
+
+    @classmethod
+    def setUpClass(cls):
+        cls.p = Platform(teams=cls.TEAMS, binary=os.environ["SPACED"],
+                         data_dir=os.environ.get("SP_TEST_DATA_DIR"), args=list(cls.ARGS))
+        cls.s = cls.p.s
+        cls.sids = []
+
+    @classmethod
+    def delete_sandboxes(cls):
+        """Deletes what self.create made (a VM left running would be re-adopted by every later
+        spaced on the shared data dir)."""
+        for sid in cls.sids:
+            cls.s.delete_quietly(sid)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.delete_sandboxes()  # first: a template in use is not deleted
+        for name in cls.TEMPLATES:
+            try:
+                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
+            except OSError:
+                pass
+        cls.p.destroy()
+
+    def create(self, template=None, **body):
+        """A sandbox (of template, else as body says) up within 240 s: its id."""
+        if template is not None:
+            body["template"] = template
+        sid = self.s.create_ready(wait=240, **body)
+        self.sids.append(sid)
+        return sid
+
+
 class PlatformTest(unittest.TestCase):
     """A suite class on one Platform, started for the class: teams alpha (cls.s.key) and beta
     (cls.other_key), the test driver, SPACE_FAKE_DELAY_MS=20 and the class's ENV. A subclass
