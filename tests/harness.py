@@ -284,6 +284,27 @@ class Spaced:
         finally:
             conn.close()
 
+    def open_stream(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30,
+                    rcvbuf=None):
+        """Sends one request on a connection of its own and returns (the connection, the
+        response) with the body unread, for a stream (NDJSON) read as it comes; the caller
+        closes the connection. body goes as JSON, else raw as it is; key is the bearer token
+        (None: self.key; False or "": none); headers are added as given; rcvbuf as for
+        connect_local."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
+        if rcvbuf is not None:
+            conn.sock = connect_local(self.port, timeout * MULT, rcvbuf)
+        h = dict(headers or {})
+        k = self.key if key is None else key
+        if k:
+            h["Authorization"] = "Bearer " + k
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            h["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=h)
+        return conn, conn.getresponse()
+
     def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):
         h = dict(headers or {})
         k = key if key is not None else self.key
