@@ -1,5 +1,8 @@
 """Test harness shared by the HTTP-level suites: a private PostgreSQL cluster,
-a spaced process, and a small JSON HTTP client. Standard library only.
+a spaced process, and a small JSON HTTP client (requests, streams, creates and
+commands); the start-up every suite shares (Platform) and the suite classes on
+it (PlatformTest on the test driver, VmSuite on real microVMs). Standard library
+only.
 
 Environment:
   SPACED, SPACED_TEST   paths of the built binaries (set by ctest)
