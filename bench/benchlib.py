@@ -1,5 +1,6 @@
-"""What the bench scripts share: percentiles and result lines, and the platform they measure
-(a built template, a private PostgreSQL and one spaced of the given build on a data dir).
+"""What the bench scripts share: percentiles and result lines, the platform they measure (a
+built template, a private PostgreSQL and one spaced of the given build on a data dir), and a
+template build waited for.
 
     p = Platform(sys.argv, templates=("base",)).start()  # p.s: harness.Spaced, p.data
     try:
@@ -15,7 +16,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced  # noqa: E402
+import harness  # noqa: E402
 
 
 def pct(xs, p):
@@ -32,6 +33,23 @@ def ratio(name, a, b, width=52):
     print("%-*s %.2fx" % (width, name, a / b), flush=True)
 
 
+def build_template(s, body):
+    """POST /v1/templates with body and waits for the build to end (5 minutes a wait): (ms it
+    took, the build). Stops the bench when the build is refused or fails."""
+    t0 = time.time()
+    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
+    if "build" not in r:
+        raise SystemExit("build refused: %s %s" % (st, r))
+    b = r["build"]
+    while b["status"] in ("queued", "building"):
+        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
+                          timeout=330)
+        b = r["build"]
+    if b["status"] != "succeeded":
+        raise SystemExit("build failed: %s" % b)
+    return (time.time() - t0) * 1000, b
+
+
 class Platform:
     """argv: [script, BUILD_DIR, DATA_DIR?]. Builds the templates (cached when unchanged),
     starts PostgreSQL and BUILD_DIR's spaced with one key; stops both on exit."""
@@ -44,7 +62,7 @@ class Platform:
                                     os.path.join(self.build, "bench-data"))
         self.spaced = os.path.join(self.build, "server", "spaced")
         self.templates, self.env, self.drop_env = templates, env, drop_env
-        self.pg = self.s = None
+        self.p = self.pg = self.s = None
 
     def start(self):
         os.makedirs(self.data, exist_ok=True)
@@ -54,13 +72,14 @@ class Platform:
                            check=True, stdout=subprocess.DEVNULL)
             print("template %s ready in %.1f s (cached when unchanged)" % (t, time.time() - t0),
                   flush=True)
-        self.pg = PgCluster()
+        # PostgreSQL, spaced and a key of the default team (harness.Platform), started once
+        # the environment is as asked
+        self.p = harness.Platform(teams=(None,), start=False, binary=self.spaced,
+                                  data_dir=self.data, env=self.env)
+        self.pg, self.s = self.p.pg, self.p.s
         try:
-            self.s = Spaced(binary=self.spaced, data_dir=self.data, database_url=self.pg.url,
-                            env=self.env)
             for k in self.drop_env:
                 self.s.env.pop(k, None)
-            self.s.key = self.s.cli("keys", "create").stdout.strip()
             self.s.start()
         except BaseException:
             self.stop()
@@ -68,7 +87,5 @@ class Platform:
         return self
 
     def stop(self):
-        if self.s is not None:
-            self.s.destroy()
-        if self.pg is not None:
-            self.pg.destroy()
+        if self.p is not None:
+            self.p.destroy()

@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from benchlib import Platform, line, ratio  # noqa: E402
+from benchlib import Platform, build_template, line, ratio  # noqa: E402
 from test_images import Registry, make_image, push  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
@@ -33,16 +33,7 @@ MB = int(os.environ.get("BENCH_IMAGE_MB", "100"))
 
 def build(s, body):
     t0 = time.time()
-    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
-    if "build" not in r:
-        raise SystemExit("build refused: %s %s" % (st, r))
-    b = r["build"]
-    while b["status"] in ("queued", "building"):
-        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
-                          timeout=330)
-        b = r["build"]
-    if b["status"] != "succeeded":
-        raise SystemExit("build failed: %s" % b)
+    _, b = build_template(s, body)
     st, text = s.request("GET", "/v1/templates/%s/builds/%s/logs" % (b["template"], b["id"]))
     text = text.decode() if isinstance(text, bytes) else str(text)
     secs = None

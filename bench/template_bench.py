@@ -21,26 +21,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import Platform, line, ratio  # noqa: E402
+from benchlib import Platform, build_template, line, ratio  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_BUILDS", "5"))
 CREATES = int(os.environ.get("BENCH_CREATES", "5"))
 CMDS = ["mkdir -p /srv/site && for i in $(seq 1 200); do echo line-$i; done > /srv/site/index.html",
         "python3 -c 'import json; print(json.dumps({\"ok\": 1}))' > /srv/site/ok.json",
         "mkdir -p /opt/tree/a/b/c && touch /opt/tree/a/b/c/f1 /opt/tree/a/f2"]
-
-
-def build(s, body):
-    t0 = time.time()
-    st, r = s.request("POST", "/v1/templates?wait=300", body, timeout=330)
-    b = r["build"]
-    while b["status"] in ("queued", "building"):
-        st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=300" % (b["template"], b["id"]),
-                          timeout=330)
-        b = r["build"]
-    if b["status"] != "succeeded":
-        raise SystemExit("build failed: %s" % b)
-    return (time.time() - t0) * 1000, b
 
 
 def create_first_cmd(s, template):
@@ -66,9 +53,9 @@ def main():
                     "steps": [{"run": "echo %s > /nonce" % nonce}] + [{"run": c} for c in CMDS],
                     "start_cmd": "cd /srv/site && python3 -m http.server 8000",
                     "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"}
-            ms, b = build(s, body)
+            ms, b = build_template(s, body)
             built.append(ms)
-            ms, b2 = build(s, body)
+            ms, b2 = build_template(s, body)
             assert b2["cached"], b2
             cached.append(ms)
             t0 = time.time()

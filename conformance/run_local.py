@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced, pg_bindir  # noqa: E402
+from harness import Platform, pg_bindir  # noqa: E402
 
 SKIP = 77
 
@@ -67,13 +67,11 @@ def main():
     if pg_bindir() is None:
         skip("PostgreSQL is not installed")
 
-    pg = PgCluster()
-    s = None
+    # PostgreSQL, spaced on the data dir and a key of the default team (s.key)
+    p = Platform(teams=(None,), binary=binary, data_dir=data,
+                 env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+    s = p.s
     try:
-        s = Spaced(binary=binary, data_dir=data, database_url=pg.url,
-                   env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
-        s.key = s.cli("keys", "create").stdout.strip()
-        s.start()
         url = "http://127.0.0.1:%d" % s.port
         env = dict(os.environ, E2B_API_URL=url, E2B_API_KEY=s.key)
         for k in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_ACCESS_TOKEN", "E2B_SANDBOX_URL"):
@@ -100,9 +98,7 @@ def main():
             print("---- spaced log (tail) ----\n" + s.read_log(), file=sys.stderr)
         return rc
     finally:
-        if s is not None:
-            s.destroy()
-        pg.destroy()
+        p.destroy()
 
 
 if __name__ == "__main__":

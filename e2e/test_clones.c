@@ -31,62 +31,41 @@
 
 #include <jansson.h>
 
+#include "base/log.h"
 #include "core/channel/agentconn.h"
 #include "core/runtime/cgroup.h"
 #include "core/runtime/driver.h"
-#include "base/log.h"
-#include "loop/loop.h"
 #include "core/runtime/qemu.h"
-#include "guest/tmplbuild.h"
 #include "e2e/vmtest.h"
+#include "guest/tmplbuild.h"
+#include "loop/loop.h"
 #include "tests/check.h"
 
 static sp_cgroup_t *cgl;
 
-/* pool: spare clones per size (sp_qemu_opts_t.pool_size); -1 none */
-static sp_driver_t *make_driver_pool(int cold, int pool)
-{
-    const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = vt_data_dir,
-                        .accel = accel ? accel : "auto",
-                        .cold_boot = cold,
-                        .pool_size = pool};
-    sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
-    if (d == NULL)
-        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    REQUIRE(d != NULL);
-    return d;
-}
+/* The sections below count on exactly the VMs they make: no spares (pool -1) unless they
+ * ask for them. */
 
-/* The sections below count on exactly the VMs they make: no spares. */
-static sp_driver_t *make_driver(int cold)
+/* Sandbox id of `base` with mem_mb of RAM and its id as hostname. */
+static sp_vm_spec_t sized_spec(const char *id, int mem_mb)
 {
-    return make_driver_pool(cold, -1);
+    return (sp_vm_spec_t){.sandbox_id = id,
+                          .template_name = "base",
+                          .cpu_count = 1,
+                          .memory_mb = mem_mb,
+                          .hostname = id};
 }
 
 static void start_boot(sp_driver_t *d, const char *id, int mem_mb, vt_res_t *r)
 {
-    sp_vm_spec_t spec = {.sandbox_id = id,
-                         .template_name = "base",
-                         .cpu_count = 1,
-                         .memory_mb = mem_mb,
-                         .hostname = id};
-    sp_err_t e;
-    if (d->ops->boot(d, &spec, vt_on_res, r, &e) < 0) {
-        fprintf(stderr, "boot %s: %s\n", id, e.msg);
-        exit(1);
-    }
+    sp_vm_spec_t spec = sized_spec(id, mem_mb);
+    vt_boot_start(d, &spec, r);
 }
 
 static void boot_sized(sp_driver_t *d, const char *id, int mem_mb)
 {
-    vt_res_t r = {0};
-    start_boot(d, id, mem_mb, &r);
-    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    sp_vm_spec_t spec = sized_spec(id, mem_mb);
+    vt_boot(d, &spec, 180000);
 }
 
 /* Boots sandbox id of `base` with its id as hostname; ms to agent ready. */
@@ -98,18 +77,7 @@ static double boot(sp_driver_t *d, const char *id)
                          .memory_mb = 256,
                          .hostname = id,
                          .env_json = "{\"CLONE_TEST\":\"1\"}"};
-    vt_res_t r = {0};
-    sp_err_t e;
-    double t0 = vt_now_ms();
-    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
-        fprintf(stderr, "boot %s: %s\n", id, e.msg);
-        exit(1);
-    }
-    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
-    return vt_now_ms() - t0;
+    return vt_boot(d, &spec, 180000);
 }
 
 static void op(sp_driver_t *d,
@@ -126,10 +94,7 @@ static double restore(sp_driver_t *d, const char *id)
     sp_err_t e;
     double t0 = vt_now_ms();
     REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
-    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "restore %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "restore", id, 60000);
     return vt_now_ms() - t0;
 }
 
@@ -143,13 +108,7 @@ static void vm_file(const char *id, const char *name, char *out, size_t n)
 {
     char p[4096];
     snprintf(p, sizeof p, "%s/vms/%s/%s", vt_data_dir, id, name);
-    out[0] = '\0';
-    FILE *f = fopen(p, "r");
-    if (f == NULL)
-        return;
-    size_t k = fread(out, 1, n - 1, f);
-    out[k] = '\0';
-    fclose(f);
+    vt_read_file(p, out, n);
 }
 
 /* The one committed template snapshot dir of the current base build for tag ("-256M-1c-")
@@ -258,10 +217,7 @@ static void boot_tmpl(sp_driver_t *d, const char *id, const char *tmpl)
     vt_res_t r = {0};
     sp_err_t e;
     REQUIRE(d->ops->boot(d, &spec, vt_on_res, &r, &e) == 0);
-    REQUIRE(vt_wait_for(&r.done, 180000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "boot %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "boot", id, 180000);
 }
 
 /* A template's warmup runs in the snapshot builder before the snapshot: its clones have the
@@ -307,7 +263,7 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
      * it, at driver start as after a snapshot commit */
     fake_template(base, w, h2, "[\"/bin/true\"]");
     sp_driver_destroy(d);
-    d = make_driver(0);
+    d = vt_driver(0, -1);
     struct stat st;
     REQUIRE(stat(s1, &st) == 0);
     REQUIRE(d->ops->probe(d, c1) == SP_VM_RUNNING);
@@ -323,7 +279,7 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     snprintf(p, sizeof p, "%s/snapshot-tcg-256M-1c-0123456789abcdef", base->build_dir);
     REQUIRE(mkdir(p, 0700) == 0);
     sp_driver_destroy(d);
-    d = make_driver(0);
+    d = vt_driver(0, -1);
     REQUIRE(stat(p, &st) < 0 && errno == ENOENT);
     REQUIRE(stat(t.info.dir, &st) == 0); /* the current one stays */
 
@@ -342,7 +298,8 @@ static sp_driver_t *warmup_and_gc(sp_driver_t *d, const sp_tmplbuild_paths_t *ba
     op(d, d->ops->destroy, c2);
     check_gone(c2, pc);
 
-    snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", vt_data_dir, w, vt_data_dir, w2);
+    snprintf(p, sizeof p, "rm -rf '%s/templates/%s' '%s/templates/%s'", vt_data_dir, w, vt_data_dir,
+             w2);
     REQUIRE(system(p) == 0);
     return d;
 }
@@ -500,7 +457,7 @@ static void burst_section(void)
  * goes; spares never outlive their driver. */
 static void pool_section(void)
 {
-    sp_driver_t *d = make_driver_pool(0, 1);
+    sp_driver_t *d = vt_driver(0, 1);
     char p1[64], p2[64], p3[64], buf[8192], r1[128], r2[128];
     snprintf(p1, sizeof p1, "clone-%d-p1", (int)getpid());
     snprintf(p2, sizeof p2, "clone-%d-p2", (int)getpid());
@@ -514,7 +471,7 @@ static void pool_section(void)
     REQUIRE(sp_qemu_pool_ready(d) == 1 && spare_dirs(NULL) == 1); /* pool_size 1: no more */
 
     double tb = boot(d, p2);
-    REQUIRE(vt_vm_pid(p2) == spare); /* the spare's QEMU, now under the sandbox's name */
+    REQUIRE(vt_vm_pid(p2) == spare);      /* the spare's QEMU, now under the sandbox's name */
     REQUIRE(spare_entries(NULL, 1) == 1); /* its old name, for QEMU's reopen of the disk */
     REQUIRE(d->ops->probe(d, p2) == SP_VM_RUNNING);
     static const char *const ctl[] = {"cpu", "memory", "pids"};
@@ -545,11 +502,12 @@ static void pool_section(void)
     REQUIRE(strcmp(buf, want) == 0);
     vm_file(p2, "vm.json", buf, sizeof buf);
     REQUIRE(strstr(buf, "\"ram_src\"") != NULL); /* a clone like any other */
-    REQUIRE(wait_spares(d, 1, 120000) == 0);       /* refilled */
+    REQUIRE(wait_spares(d, 1, 120000) == 0);     /* refilled */
 
     /* suspend and wake keep its files and processes */
     char bgpid[32], cmd[160];
-    run_cmd(d, p2, "echo in-p2 > /root/p2; setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!",
+    run_cmd(d, p2,
+            "echo in-p2 > /root/p2; setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!",
             bgpid, sizeof bgpid);
     REQUIRE(atoi(bgpid) > 0);
     op(d, d->ops->snapshot, p2);
@@ -597,7 +555,7 @@ static void pool_section(void)
     vt_run_for(200);
     REQUIRE(spare_dirs(NULL) == 0 && kill(left, 0) < 0);
     REQUIRE(kill(pid3, 0) == 0);
-    d = make_driver_pool(0, 1);
+    d = vt_driver(0, 1);
     REQUIRE(d->ops->probe(d, p3) == SP_VM_RUNNING);
     run_cmd(d, p3, "hostname", buf, sizeof buf);
     REQUIRE(strcmp(buf, p3) == 0);
@@ -629,7 +587,7 @@ int main(void)
     char a[64], b[64], c[64];
     snprintf(a, sizeof a, "clone-%d-a", (int)getpid());
     snprintf(b, sizeof b, "clone-%d-b", (int)getpid());
-    sp_driver_t *d = make_driver(0);
+    sp_driver_t *d = vt_driver(0, -1);
     char sdir[4096], buf[8192];
 
     /* Concurrent first creates of a size with no snapshot yet (320 MiB: only this test uses
@@ -665,7 +623,7 @@ int main(void)
                  sdir, sdir);
         REQUIRE(system(cmd) == 0);
         sp_driver_destroy(d);
-        d = make_driver(0);
+        d = vt_driver(0, -1);
         boot_sized(d, y, 320);
         vm_file(y, "vm.json", sy, sizeof sy);
         REQUIRE(sy[0] != '\0' && strstr(sy, "ram_src") == NULL); /* cold */
@@ -683,7 +641,7 @@ int main(void)
 
         /* unused now: the next driver removes it at start, the next create rebuilds it */
         sp_driver_destroy(d);
-        d = make_driver(0);
+        d = vt_driver(0, -1);
         REQUIRE(stat(sdir, &st) < 0 && errno == ENOENT);
         boot_sized(d, x, 320);
         char sdir2[4096];
@@ -780,7 +738,9 @@ int main(void)
            dev1, susp1, wake1, susp2, wake2);
     /* the whole RAM would be more than the 8 MB written plus what the guest had: the delta
      * holds what changed, not the template's pages */
-    run_cmd(d, a, "awk '/^(MemTotal|MemFree):/{v[$1]=$2} END{print (v[\"MemTotal:\"]-v[\"MemFree:\"])*1024}' /proc/meminfo",
+    run_cmd(d, a,
+            "awk '/^(MemTotal|MemFree):/{v[$1]=$2} END{print "
+            "(v[\"MemTotal:\"]-v[\"MemFree:\"])*1024}' /proc/meminfo",
             buf, sizeof buf);
     printf("guest memory in use %s bytes, delta %lld bytes\n", buf, dev1);
     REQUIRE(dev1 < atoll(buf));
@@ -814,7 +774,7 @@ int main(void)
     sp_driver_destroy(d);
     vt_run_for(100);
     REQUIRE(kill(pb, 0) == 0);
-    d = make_driver(0);
+    d = vt_driver(0, -1);
     REQUIRE(d->ops->probe(d, b) == SP_VM_RUNNING);
     run_cmd(d, b, "hostname", buf, sizeof buf);
     REQUIRE(strcmp(buf, b) == 0);
@@ -855,7 +815,7 @@ int main(void)
     /* A driver that goes at once after it started (jailed, it then seals every current
      * snapshot's RAM off the loop): a copy in flight is let go, and its done callback, which
      * comes after the driver is gone, only frees it (ASan: no use after free, no leak). */
-    sp_driver_destroy(make_driver(0));
+    sp_driver_destroy(vt_driver(0, -1));
     vt_run_for(1000);
     printf("driver destroyed while sealing template RAM: ok\n");
 
@@ -863,7 +823,7 @@ int main(void)
     burst_section();
 
     /* cold_boot: no snapshot, no ram_src */
-    d = make_driver(1);
+    d = vt_driver(1, -1);
     snprintf(c, sizeof c, "clone-%d-cold", (int)getpid());
     double tc = boot(d, c);
     vm_file(c, "vm.json", buf, sizeof buf);

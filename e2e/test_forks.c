@@ -27,25 +27,11 @@
 #include <jansson.h>
 
 #include "core/runtime/driver.h"
-#include "core/runtime/qemu.h"
 #include "e2e/vmtest.h"
 #include "loop/loop.h"
 #include "tests/check.h"
 
-static sp_driver_t *make_driver(int cold)
-{
-    const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {
-        .data_dir = vt_data_dir, .accel = accel ? accel : "auto", .cold_boot = cold,
-        .pool_size = -1};
-    sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
-    if (d == NULL)
-        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    REQUIRE(d != NULL);
-    return d;
-}
-
+/* Boots sandbox id of `base` (from snapshot snap when not NULL): ms to agent ready. */
 static double boot_spec(sp_driver_t *d, const char *id, const char *snap)
 {
     sp_vm_spec_t spec = {.sandbox_id = id,
@@ -55,18 +41,7 @@ static double boot_spec(sp_driver_t *d, const char *id, const char *snap)
                          .hostname = id,
                          .env_json = "{\"FORK\":\"1\"}",
                          .snapshot_id = snap};
-    vt_res_t r = {0};
-    sp_err_t e;
-    double t0 = vt_now_ms();
-    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
-        fprintf(stderr, "boot %s: %s\n", id, e.msg);
-        exit(1);
-    }
-    REQUIRE(vt_wait_for(&r.done, 120000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
-    return vt_now_ms() - t0;
+    return vt_boot(d, &spec, 120000);
 }
 
 static void destroy(sp_driver_t *d, const char *id)
@@ -84,10 +59,7 @@ static double checkpoint(sp_driver_t *d, const char *id, const char *snap)
         exit(1);
     }
     REQUIRE(r.done == 0);
-    REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-    if (!r.ok)
-        fprintf(stderr, "checkpoint %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "checkpoint", id, 60000);
     return vt_now_ms() - t0;
 }
 
@@ -145,7 +117,8 @@ static void clean_leftovers(sp_driver_t *d)
 
 /* A counter that lives only in the shell's memory; /run/count (tmpfs) shows it. */
 #define COUNTER                                                                                    \
-    "nohup sh -c 'echo $$ > /run/count.pid; i=0; while :; do i=$((i+1)); echo $i > /run/count; sleep 0.1; done' "         \
+    "nohup sh -c 'echo $$ > /run/count.pid; i=0; while :; do i=$((i+1)); echo $i > /run/count; "   \
+    "sleep 0.1; done' "                                                                            \
     ">/dev/null 2>&1 & sleep 0.5; echo started"
 
 struct seen {
@@ -178,8 +151,7 @@ int main(void)
 {
     vt_init();
     sp_err_t e;
-    char src[64], f1[64], f2[64], f3[64], snap_a[64], snap_b[64], snap_p[64], out[256],
-        o2[256];
+    char src[64], f1[64], f2[64], f3[64], snap_a[64], snap_b[64], snap_p[64], out[256], o2[256];
     int pid = (int)getpid();
     snprintf(src, sizeof src, "fk-src-%d", pid);
     snprintf(f1, sizeof f1, "fk-1-%d", pid);
@@ -189,7 +161,7 @@ int main(void)
     snprintf(snap_b, sizeof snap_b, "snap-b-%d", pid);
     snprintf(snap_p, sizeof snap_p, "snap-p-%d", pid);
 
-    sp_driver_t *d = make_driver(0);
+    sp_driver_t *d = vt_driver(0, -1);
     REQUIRE(d->ops->checkpoint != NULL && d->ops->checkpoint_delete != NULL);
     const char *take = getenv("SP_FORK_TAKE");
     if (take != NULL) { /* SP_FORK_TAKE=<sandbox>: snapshot a running VM as snap_b (debugging) */
@@ -201,8 +173,8 @@ int main(void)
     const char *from = getenv("SP_FORK_FROM");
     if (from != NULL) { /* SP_FORK_FROM=<snapshot>: boot one fork of it (debugging) */
         vt_res_t r = {0};
-        sp_vm_spec_t spec = {.sandbox_id = f1, .template_name = "base", .hostname = f1,
-                             .snapshot_id = from};
+        sp_vm_spec_t spec = {
+            .sandbox_id = f1, .template_name = "base", .hostname = f1, .snapshot_id = from};
         REQUIRE(d->ops->boot(d, &spec, vt_on_res, &r, &e) == 0);
         REQUIRE(vt_wait_for(&r.done, 120000) == 0);
         printf("fork of %s: %s\n", from, r.ok ? "up" : r.err.msg);
@@ -241,8 +213,7 @@ int main(void)
         return 0;
     }
     /* refused at once: no VM, bad ids, an unknown snapshot */
-    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 &&
-            e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
     REQUIRE(d->ops->checkpoint(d, src, "../x", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
     REQUIRE(d->ops->checkpoint(d, src, ".tmp", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
     REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 0);
@@ -258,8 +229,7 @@ int main(void)
     REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, &ra, &e) == 0);
     /* while it runs, a second one, a pause and a suspend are refused */
     vt_res_t busy = {0};
-    REQUIRE(d->ops->checkpoint(d, src, snap_b, vt_on_res, &busy, &e) < 0 &&
-            e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->checkpoint(d, src, snap_b, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
     REQUIRE(d->ops->pause(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
     REQUIRE(d->ops->snapshot(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
     REQUIRE(vt_wait_for(&ra.done, 60000) == 0 && ra.ok && busy.done == 0);
@@ -275,8 +245,8 @@ int main(void)
 
     /* a timed snapshot of the running source */
     double take_ms = checkpoint(d, src, snap_p);
-    printf("snapshot of a running 256 MiB sandbox: %.0f ms total, vCPUs stopped %ld ms\n",
-           take_ms, pause_ms(snap_p));
+    printf("snapshot of a running 256 MiB sandbox: %.0f ms total, vCPUs stopped %ld ms\n", take_ms,
+           pause_ms(snap_p));
     REQUIRE(d->ops->checkpoint_delete(d, snap_p, &e) == 0);
     REQUIRE(!snap_dir_exists(snap_p)); /* nothing was made from it */
 
@@ -296,8 +266,8 @@ int main(void)
         long c1 = counter(d, forks[i]);
         vt_run_for(600);
         long c2 = counter(d, forks[i]);
-        printf("%s: counter %ld then %ld (source had passed %ld before the snapshot)\n",
-               forks[i], c1, c2, at_snap_min);
+        printf("%s: counter %ld then %ld (source had passed %ld before the snapshot)\n", forks[i],
+               c1, c2, at_snap_min);
         REQUIRE(c1 >= 1 && c2 > c1); /* the process came with the memory and runs */
     }
     REQUIRE(strcmp(rnd[0], rnd[1]) != 0);
@@ -369,7 +339,7 @@ int main(void)
 
     /* a cold-booted sandbox: RAM of its own, all of it in the snapshot */
     sp_driver_destroy(d);
-    d = make_driver(1);
+    d = vt_driver(1, -1);
     boot_spec(d, src, NULL);
     cmd(d, src, COUNTER, out, sizeof out);
     cmd(d, src, "echo cold > /root/f", out, sizeof out);

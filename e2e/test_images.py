@@ -21,8 +21,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
-from test_templates import build, logs, run  # noqa: E402
+from harness import MULT, VmSuite, free_port  # noqa: E402
+from test_templates import build, logs  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -33,12 +33,6 @@ SECRET = "s3cret-%d" % os.getpid()
 def missing_tools():
     gone = [t for t in TOOLS if shutil.which(t) is None]
     return "missing: " + ", ".join(gone) if gone else None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sh(*argv, **kw):
@@ -130,7 +124,9 @@ def line_texts(s, name, bid):
 
 
 @unittest.skipIf(skip_reason() or missing_tools(), skip_reason() or missing_tools())
-class ImageTemplateTest(unittest.TestCase):
+class ImageTemplateTest(VmSuite):
+    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir")
+
     @classmethod
     def setUpClass(cls):
         cls.work = tempfile.mkdtemp(prefix="sp-images-")
@@ -141,39 +137,23 @@ class ImageTemplateTest(unittest.TestCase):
         push(cls.ref1, cls.open.host + "/library/mirrored:1")  # Docker Hub's layout
         cls.ref2 = make_image(cls.work, "two", "hello-behind-a-password", user="user")
         push(cls.ref2, cls.locked.host + "/private/img:2", creds="puller:" + SECRET)
-        cls.p = Platform(teams=("alpha",), binary=os.environ["SPACED"], data_dir=DATA,
-                         args=["--registry-mirror", cls.open.host])
-        cls.s = cls.p.s
-        cls.sids = []
+        cls.ARGS = ("--registry-mirror", cls.open.host)
+        super().setUpClass()
 
     @classmethod
     def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        for name in ("img", "imgdock", "imgpriv", "imgbad", "imgmir"):
-            try:
-                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
-            except OSError:
-                pass
-        cls.p.destroy()
+        super().tearDownClass()
         cls.open.stop()
         cls.locked.stop()
         shutil.rmtree(cls.work, ignore_errors=True)
-
-    def create(self, template):
-        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(240),
-                               {"template": template}, timeout=260 * MULT)
-        self.assertEqual(st, 200, r)
-        self.assertEqual(r["operation"]["status"], "succeeded", r)
-        self.sids.append(r["sandbox"]["id"])
-        return r["sandbox"]["id"]
 
     def cmd_ran(self, sid, want):
         """The image's ENTRYPOINT + CMD left its line and is still running (sleep)."""
         deadline = time.time() + 30 * MULT
         while True:
-            c = run(self.s, sid, "cat /tmp/cmd-ran; for p in /proc/[0-9]*; do "
-                                 "head -c 5 $p/cmdline 2>/dev/null | grep -q '^sleep' && stat -c %U $p; done")
+            c = self.s.command(sid, "cat /tmp/cmd-ran; for p in /proc/[0-9]*; do "
+                                    "head -c 5 $p/cmdline 2>/dev/null | grep -q '^sleep' && "
+                                    "stat -c %U $p; done")
             if c["stdout"] == want or time.time() > deadline:
                 return c
             time.sleep(0.5)
@@ -197,7 +177,7 @@ class ImageTemplateTest(unittest.TestCase):
         self.assertEqual(st, 200, t)
         self.assertTrue(t["parent"].startswith("oci."), t)
         sid = self.create("img")
-        c = run(s, sid, "cat /srv/hello.txt /srv/built.txt; echo \"$HELLO\"; id -un user")
+        c = s.command(sid, "cat /srv/hello.txt /srv/built.txt; echo \"$HELLO\"; id -un user")
         self.assertEqual(c["stdout"], "hello-from-image\nbuilt-on-image\nfrom image\nuser\n", c)
         # the image's ENTRYPOINT + CMD was started by the template snapshot, as root (the image
         # names no USER), in its WORKDIR, with its ENV
@@ -218,7 +198,7 @@ class ImageTemplateTest(unittest.TestCase):
         if first is not None:
             self.assertLess(cached, first)
         sid = self.create("imgdock")
-        c = run(s, sid, "cat /srv/df.txt /srv/hello.txt")
+        c = s.command(sid, "cat /srv/df.txt /srv/hello.txt")
         self.assertEqual(c["stdout"], "from-dockerfile\nhello-from-image\n", c)
 
     def test_3_credentials(self):
@@ -239,7 +219,8 @@ class ImageTemplateTest(unittest.TestCase):
         lines = line_texts(s, "imgpriv", b["id"])
         self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
         sid = self.create("imgpriv")
-        self.assertEqual(run(s, sid, "cat /srv/hello.txt")["stdout"], "hello-behind-a-password\n")
+        self.assertEqual(s.command(sid, "cat /srv/hello.txt")["stdout"],
+                         "hello-behind-a-password\n")
         # this image names USER user: its CMD runs as that user (su: busybox has no runuser)
         want = "from image|/srv|user\nuser\n"
         self.assertEqual(self.cmd_ran(sid, want)["stdout"], want)

@@ -61,11 +61,9 @@ class JailTest(unittest.TestCase):
         self.p.destroy()
 
     def create(self):
-        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(120), {"template": "base"},
-                               timeout=130 * MULT)
-        self.assertEqual(r["operation"]["status"], "succeeded", r)
-        self.sids.append(r["sandbox"]["id"])
-        return r["sandbox"]["id"]
+        sid = self.s.create_ready(template="base")
+        self.sids.append(sid)
+        return sid
 
     def cmd(self, sid, cmd):
         st, c = self.s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": cmd},

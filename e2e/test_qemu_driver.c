@@ -36,25 +36,16 @@
 #include "core/channel/agentconn.h"
 #include "core/runtime/cgroup.h"
 #include "core/runtime/driver.h"
-#include "loop/loop.h"
-#include "core/runtime/qemu.h"
-#include "guest/tmplbuild.h"
 #include "e2e/vmtest.h"
+#include "guest/tmplbuild.h"
+#include "loop/loop.h"
 #include "tests/check.h"
 
-
+/* Cold boots: this test is about them (timeouts, destroy mid-boot); e2e/test_clones.c covers
+ * create from a template snapshot. */
 static sp_driver_t *make_driver(void)
 {
-    const char *accel = getenv("SP_TEST_ACCEL");
-    /* cold boots: this test is about them (timeouts, destroy mid-boot); e2e/test_clones.c
-     * covers create from a template snapshot */
-    sp_qemu_opts_t o = {.data_dir = vt_data_dir, .accel = accel ? accel : "auto", .cold_boot = 1};
-    sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
-    if (d == NULL)
-        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    REQUIRE(d != NULL);
-    return d;
+    return vt_driver(1, 0);
 }
 
 static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
@@ -66,19 +57,11 @@ static double boot_sized(sp_driver_t *d, const char *id, int cpus, int mem_mb)
                          .hostname = "e2e",
                          .env_json = "{\"E2E\":\"1\"}"};
     vt_res_t r = {0};
-    sp_err_t e;
     double t0 = vt_now_ms();
-    if (d->ops->boot(d, &spec, vt_on_res, &r, &e) < 0) {
-        fprintf(stderr, "boot %s: %s\n", id, e.msg);
-        exit(1);
-    }
-    REQUIRE(r.done == 0);
-    REQUIRE(vt_wait_for(&r.done, 120000) == 0);
-    double ms = vt_now_ms() - t0;
-    if (!r.ok)
-        fprintf(stderr, "boot %s failed: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
-    return ms;
+    vt_boot_start(d, &spec, &r);
+    REQUIRE(r.done == 0); /* the outcome comes later, on the loop */
+    vt_wait_ok(&r, "boot", id, 120000);
+    return vt_now_ms() - t0;
 }
 
 static double boot(sp_driver_t *d, const char *id)
@@ -92,8 +75,7 @@ static void destroy(sp_driver_t *d, const char *id)
     sp_err_t e;
     REQUIRE(d->ops->destroy(d, id, vt_on_res, &r, &e) == 0);
     REQUIRE(r.done == 0);
-    REQUIRE(vt_wait_for(&r.done, 20000) == 0);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "destroy", id, 20000);
 }
 
 static void simple(sp_driver_t *d,
@@ -213,18 +195,6 @@ static void check_no_cgroup(const char *id)
     }
 }
 
-/* Reads a small file into out ("" if missing). */
-static void slurp(const char *path, char *out, size_t n)
-{
-    out[0] = '\0';
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return;
-    size_t k = fread(out, 1, n - 1, f);
-    out[k] = '\0';
-    fclose(f);
-}
-
 static void flip_byte(const char *path, off_t off)
 {
     int fd = open(path, O_RDWR);
@@ -270,11 +240,11 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     char vd[4096], p[4200], man[4096];
     snprintf(vd, sizeof vd, "%s/vms/%s", vt_data_dir, id);
     snprintf(p, sizeof p, "%s/snapshot/manifest.json", vd);
-    slurp(p, man, sizeof man);
+    vt_read_file(p, man, sizeof man);
     printf("suspend manifest: %s\n", man);
     REQUIRE(strstr(man, "\"ram_checksum\":\"") != NULL &&
-          strstr(man, "\"devstate_checksum\":\"") != NULL &&
-          strstr(man, "\"disk_checksum\":\"") != NULL && strstr(man, "\"disk_bytes\":") != NULL);
+            strstr(man, "\"devstate_checksum\":\"") != NULL &&
+            strstr(man, "\"disk_checksum\":\"") != NULL && strstr(man, "\"disk_bytes\":") != NULL);
     sp_err_t e;
 
     /* a manifest that does not parse: refused at once, still SUSPENDED */
@@ -282,7 +252,7 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     FILE *f = fopen(p, "w");
     REQUIRE(f != NULL && fputs("{\"version\":2,\"memory_", f) >= 0 && fclose(f) == 0);
     REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
-          strstr(e.msg, "manifest is damaged") != NULL);
+            strstr(e.msg, "manifest is damaged") != NULL);
     printf("damaged manifest -> %s\n", e.msg);
     REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     f = fopen(p, "w");
@@ -292,7 +262,7 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     snprintf(p, sizeof p, "%s/snapshot/devstate", vd);
     flip_byte(p, 1000);
     REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
-          strstr(e.msg, "device state does not match its checksum") != NULL);
+            strstr(e.msg, "device state does not match its checksum") != NULL);
     printf("corrupt device state -> %s\n", e.msg);
     REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     flip_byte(p, 1000);
@@ -305,7 +275,8 @@ static void damaged_snapshot(sp_driver_t *d, const char *id)
     int fd = open(p, O_RDWR);
     REQUIRE(fd >= 0 && pread(fd, tail, sizeof tail, st.st_size - 4096) == 4096);
     REQUIRE(ftruncate(fd, st.st_size - 4096) == 0);
-    REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME && strstr(e.msg, "RAM has") != NULL);
+    REQUIRE(try_restore(d, id, &e) < 0 && e.code == SP_ERUNTIME &&
+            strstr(e.msg, "RAM has") != NULL);
     printf("truncated RAM file -> %s\n", e.msg);
     REQUIRE(d->ops->probe(d, id) == SP_VM_SUSPENDED);
     REQUIRE(ftruncate(fd, st.st_size) == 0 && pwrite(fd, tail, 4096, st.st_size - 4096) == 4096);
@@ -360,7 +331,8 @@ int main(void)
     run_cmd(d, id, "uname -r", rel, sizeof rel);
     printf("uname -r in the guest: %s\n", rel);
     REQUIRE(rel[0] != '\0');
-    REQUIRE(strstr(vt_base.kernel_version, rel) == vt_base.kernel_version); /* "<abi>_<debian version>" */
+    REQUIRE(strstr(vt_base.kernel_version, rel) ==
+            vt_base.kernel_version); /* "<abi>_<debian version>" */
     check_cgroup(id, vt_vm_pid(id), 1, 256);
 
     /* boot again is idempotent */
@@ -424,10 +396,7 @@ int main(void)
         vt_res_t r = {0};
         t0 = vt_now_ms();
         REQUIRE(d->ops->restore(d, &spec, vt_on_res, &r, &e) == 0);
-        REQUIRE(vt_wait_for(&r.done, 60000) == 0);
-        if (!r.ok)
-            fprintf(stderr, "restore: %s\n", r.err.msg);
-        REQUIRE(r.ok);
+        vt_wait_ok(&r, "restore", id, 60000);
         printf("restore to agent ready: %.0f ms\n", vt_now_ms() - t0);
     }
     REQUIRE(d->ops->probe(d, id) == SP_VM_RUNNING);

@@ -18,7 +18,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
+from harness import MULT, VmSuite, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -30,16 +30,9 @@ COUNTER = ("nohup python3 -c 'import os, time\nopen(\"/tmp/count.pid\", \"w\").w
            "    time.sleep(0.1)' >/dev/null 2>&1 &")
 
 
-def run(s, sid, cmd, key=None):
-    st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": cmd}, key=key,
-                      timeout=120)
-    assert st == 200, (st, c)
-    return c
-
-
 def count(s, sid):
-    c = run(s, sid, "for i in $(seq 1 100); do [ -s /tmp/count ] && break; sleep 0.2; done;"
-                    " cat /tmp/count")
+    c = s.command(sid, "for i in $(seq 1 100); do [ -s /tmp/count ] && break; sleep 0.2; done;"
+                       " cat /tmp/count")
     return int(c["stdout"].strip())
 
 
@@ -55,26 +48,8 @@ def rising(s, sid):
 
 
 @unittest.skipIf(skip_reason(), skip_reason())
-class SnapshotTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), binary=os.environ["SPACED"], data_dir=DATA)
-        cls.s = cls.p.s
-        cls.sids = []
-
-    @classmethod
-    def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        cls.p.destroy()
-
-    def create(self, **body):
-        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(240), body,
-                               timeout=260 * MULT)
-        self.assertEqual(st, 200, r)
-        self.assertEqual(r["operation"]["status"], "succeeded", r)
-        self.sids.append(r["sandbox"]["id"])
-        return r["sandbox"]["id"]
+class SnapshotTest(VmSuite):
+    TEAMS = ("alpha", "beta")
 
     def delete(self, sid):
         st, r = self.s.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sid, wait_s(60)),
@@ -84,8 +59,8 @@ class SnapshotTest(unittest.TestCase):
     def test_forks(self):
         s = self.s
         src = self.create(template="base", env={"WHO": "source", "KEEP": "yes"})
-        run(s, src, COUNTER)
-        run(s, src, "echo at-snapshot > /home/user/state.txt")
+        s.command(src, COUNTER)
+        s.command(src, "echo at-snapshot > /home/user/state.txt")
         rising(s, src)
         st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(120)),
                           {"name": "agent-ready"}, timeout=150 * MULT)
@@ -97,21 +72,21 @@ class SnapshotTest(unittest.TestCase):
         self.assertTrue(os.path.isdir(os.path.join(DATA, "snapshots", snap["id"])))
         at_snap = count(s, src)
         # the source goes on: running, answering, changing its file
-        run(s, src, "echo after > /home/user/state.txt")
+        s.command(src, "echo after > /home/user/state.txt")
         st, sb = s.request("GET", "/v1/sandboxes/" + src)
         self.assertEqual(sb["state"], "running", sb)
 
         forks = [self.create(snapshot=snap["id"], env={"WHO": "fork-%d" % i}) for i in range(3)]
         rnd = set()
         for i, f in enumerate(forks):
-            c = run(s, f, "cat /home/user/state.txt; hostname; echo $WHO $KEEP")
+            c = s.command(f, "cat /home/user/state.txt; hostname; echo $WHO $KEEP")
             self.assertEqual(c["stdout"], "at-snapshot\n%s\nfork-%d yes\n" % (f, i), c)
             a, _ = rising(s, f)
             self.assertGreaterEqual(a, at_snap - 50)  # from the snapshot's count, not from 0
-            rnd.add(run(s, f, "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'")["stdout"])
+            rnd.add(s.command(f, "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'")["stdout"])
         self.assertEqual(len(rnd), 3, rnd)
         self.assertEqual(len(set(forks) | {src}), 4)
-        run(s, forks[0], "kill $(cat /tmp/count.pid)")
+        s.command(forks[0], "kill $(cat /tmp/count.pid)")
         time.sleep(0.5)
         stopped = count(s, forks[0])
         rising(s, forks[1])
@@ -129,7 +104,7 @@ class SnapshotTest(unittest.TestCase):
         st, lst = s.request("GET", "/v1/snapshots?sandbox_id=" + src)
         self.assertEqual([x["id"] for x in lst["snapshots"]], [snap["id"]], lst)
         late = self.create(snapshot=snap["id"])
-        self.assertEqual(run(s, late, "cat /home/user/state.txt")["stdout"], "at-snapshot\n")
+        self.assertEqual(s.command(late, "cat /home/user/state.txt")["stdout"], "at-snapshot\n")
         self.delete(late)
 
         # delete: no new forks; the made ones run on, suspend and wake
@@ -145,7 +120,7 @@ class SnapshotTest(unittest.TestCase):
                           timeout=150 * MULT)
         self.assertEqual((st, r["sandbox"]["state"]), (200, "running"), r)
         rising(s, f)
-        self.assertEqual(run(s, f, "cat /home/user/state.txt")["stdout"], "at-snapshot\n")
+        self.assertEqual(s.command(f, "cat /home/user/state.txt")["stdout"], "at-snapshot\n")
         self.assertTrue(os.path.isdir(os.path.join(DATA, "snapshots", snap["id"])))
         for x in forks:
             self.delete(x)

@@ -20,7 +20,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
+from harness import MULT, VmSuite, wait_s  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -62,38 +62,10 @@ def logs(s, name, bid, offset=0, key=None):
     return [json.loads(x) for x in text.splitlines() if x]
 
 
-def run(s, sid, cmd, **kw):
-    st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, dict(cmd=cmd, **kw), timeout=120)
-    assert st == 200, (st, c)
-    return c
-
-
 @unittest.skipIf(skip_reason(), skip_reason())
-class TemplateBuildTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.p = Platform(teams=("alpha", "beta"), binary=os.environ["SPACED"], data_dir=DATA)
-        cls.s = cls.p.s
-        cls.sids = []
-
-    @classmethod
-    def tearDownClass(cls):
-        for sid in cls.sids:
-            cls.s.delete_quietly(sid)
-        for name in ("web", "web2", "slow", "cp", "dock", "sc", "tg"):
-            try:
-                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
-            except OSError:
-                pass
-        cls.p.destroy()
-
-    def create(self, template):
-        st, r = self.s.request("POST", "/v1/sandboxes?wait=%d" % wait_s(240),
-                               {"template": template}, timeout=260 * MULT)
-        self.assertEqual(st, 200, r)
-        self.assertEqual(r["operation"]["status"], "succeeded", r)
-        self.sids.append(r["sandbox"]["id"])
-        return r["sandbox"]["id"]
+class TemplateBuildTest(VmSuite):
+    TEAMS = ("alpha", "beta")
+    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg")
 
     def test_1_build_use_cache_change_fail_delete(self):
         s = self.s
@@ -122,10 +94,10 @@ class TemplateBuildTest(unittest.TestCase):
 
         sid = self.create("web")
         # the server was started by the template snapshot: it answers at once
-        c = run(s, sid, "curl -sf http://127.0.0.1:8000/index.html")
+        c = s.command(sid, "curl -sf http://127.0.0.1:8000/index.html")
         self.assertEqual(c["stdout"], "hello-from-template\n", c)
-        c = run(s, sid, "stat -c '%a %U' /srv/site/index.html; cat /srv/site/greeting.txt "
-                        "/srv/site/where.txt /srv/site/who.txt; echo \"$GREETING|$APP_MODE\"")
+        c = s.command(sid, "stat -c '%a %U' /srv/site/index.html; cat /srv/site/greeting.txt "
+                           "/srv/site/where.txt /srv/site/who.txt; echo \"$GREETING|$APP_MODE\"")
         self.assertEqual(c["stdout"], "640 user\nhi there\n/srv/site\nuser\nhi there|prod's\n", c)
 
         # the same inputs: from the cache, at once
@@ -143,10 +115,10 @@ class TemplateBuildTest(unittest.TestCase):
         self.assertNotEqual(b3["version"], v1)
         self.assertTrue(os.path.exists(os.path.join(DATA, "templates", "web", v1,
                                                     "rootfs.qcow2")))
-        self.assertEqual(run(s, sid, "cat /srv/site/index.html")["stdout"],
+        self.assertEqual(s.command(sid, "cat /srv/site/index.html")["stdout"],
                          "hello-from-template\n")
         sid2 = self.create("web")
-        self.assertEqual(run(s, sid2, "curl -sf http://127.0.0.1:8000/index.html")["stdout"],
+        self.assertEqual(s.command(sid2, "curl -sf http://127.0.0.1:8000/index.html")["stdout"],
                          "version-two\n")
 
         # a failing step fails the build, names it, and leaves the version in service
@@ -165,7 +137,7 @@ class TemplateBuildTest(unittest.TestCase):
         # delete in use: sandboxes keep running, new creates are refused, the list forgets it
         st, r = s.request("DELETE", "/v1/templates/web")
         self.assertEqual(st, 200, r)
-        self.assertEqual(run(s, sid, "cat /srv/site/greeting.txt")["stdout"], "hi there\n")
+        self.assertEqual(s.command(sid, "cat /srv/site/greeting.txt")["stdout"], "hi there\n")
         st, r = s.request("POST", "/v1/sandboxes", {"template": "web"})
         self.assertEqual(st, 404, r)
         st, r = s.request("GET", "/v1/templates")
@@ -295,10 +267,10 @@ class TemplateBuildTest(unittest.TestCase):
             {"run": "/opt/app/run.sh > /srv/ran.txt"}]})
         self.assertEqual(b["status"], "succeeded", b)
         sid = self.create("cp")
-        c = run(s, sid, "cd /opt/app && stat -c '%n %a %U' run.sh conf conf/settings.ini && "
-                        "readlink latest && cat /srv/ran.txt && stat -c '%a %U' "
-                        "/srv/docs/notes.txt && cat /srv/docs/notes.txt && "
-                        "find /tmp/.space-copy -mindepth 1 2>/dev/null | wc -l")
+        c = s.command(sid, "cd /opt/app && stat -c '%n %a %U' run.sh conf conf/settings.ini && "
+                           "readlink latest && cat /srv/ran.txt && stat -c '%a %U' "
+                           "/srv/docs/notes.txt && cat /srv/docs/notes.txt && "
+                           "find /tmp/.space-copy -mindepth 1 2>/dev/null | wc -l")
         self.assertEqual(c["stdout"],
                          "run.sh 755 user\nconf 700 user\nconf/settings.ini 600 user\nrun.sh\n"
                          "run-%s\n600 root\nnotes-%s\n0\n" % (NONCE, NONCE), c)
@@ -339,8 +311,8 @@ class TemplateBuildTest(unittest.TestCase):
                       "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"})
         self.assertEqual(b["status"], "succeeded", b)
         sid = self.create("dock")
-        c = run(s, sid, "curl -sf http://127.0.0.1:8000/index.html; cat /srv/www/greeting.txt "
-                        "/set; stat -c '%U %a' /srv/www/extra.txt /usr/local/bin/setup.sh")
+        c = s.command(sid, "curl -sf http://127.0.0.1:8000/index.html; cat /srv/www/greeting.txt "
+                           "/set; stat -c '%U %a' /srv/www/extra.txt /usr/local/bin/setup.sh")
         self.assertEqual(c["stdout"], "docker-%s\nhello prod a b\nset\nuser 644\nroot 755\n"
                          % NONCE, c)
         for text, want in (("FROM base\nRUN true\nHEALTHCHECK CMD true\n",
@@ -386,7 +358,7 @@ class TemplateBuildTest(unittest.TestCase):
         self.assertNotIn("ran-two", text)
         print("step cache: first build %.1f s, with steps 1-3 cached %.1f s" % (first, second))
         sid = self.create("sc")
-        c = run(s, sid, "cat /one /two /three; echo $SC")
+        c = s.command(sid, "cat /one /two /three; echo $SC")
         self.assertEqual(c["stdout"], "one\ntwo-env-%s\nthree-b\nenv-%s\n" % (NONCE, NONCE), c)
         # the third step changed: from step 1's snapshot, steps 2-4 run
         steps[2] = {"run": "echo ran-two-b; echo \"2b-$SC\" > /two"}
@@ -402,7 +374,7 @@ class TemplateBuildTest(unittest.TestCase):
         self.assertEqual(b4["status"], "succeeded", b4)
         self.assertIn("ran-one-%s" % NONCE, [x.get("line") for x in logs(s, "sc", b4["id"])])
         sid = self.create("sc")
-        c = run(s, sid, "cat /one /two /three")
+        c = s.command(sid, "cat /one /two /three")
         self.assertEqual(c["stdout"], "one\n2b-env-%s\nthree-b\n" % NONCE, c)
 
     def test_3_restart_mid_build(self):
@@ -463,7 +435,7 @@ class TemplateBuildTest(unittest.TestCase):
             self.assertGreater(v["size_bytes"], 0, v)
 
         def cat(sid):
-            return run(s, sid, "cat /v")["stdout"].strip()
+            return s.command(sid, "cat /v")["stdout"].strip()
 
         s1 = self.create("tg:v1")
         s2 = self.create("tg")

@@ -51,11 +51,7 @@ class VmApiTest(unittest.TestCase):
         return r
 
     def create(self, **fields):
-        st, r = self.req("POST", "/v1/sandboxes?wait=%d" % wait_s(120), dict(template="base", **fields),
-                         timeout=130 * MULT)
-        self.assertEqual(st, 200, r)
-        self.assertEqual(r["operation"]["status"], "succeeded", (r, self.s.read_log()))
-        sid = r["sandbox"]["id"]
+        sid = self.s.create_ready(template="base", **fields)
         self.addCleanup(self.s.delete_quietly, sid)
         return sid
 

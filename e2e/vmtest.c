@@ -11,6 +11,7 @@
 
 #include "base/agentproto.h"
 #include "core/channel/agentconn.h"
+#include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 #include "tests/check.h"
 
@@ -53,6 +54,21 @@ void vt_on_res(void *arg, const sp_err_t *err)
         r->err = *err;
 }
 
+sp_driver_t *vt_driver(int cold, int pool)
+{
+    const char *accel = getenv("SP_TEST_ACCEL");
+    sp_qemu_opts_t o = {.data_dir = vt_data_dir,
+                        .accel = accel ? accel : "auto",
+                        .cold_boot = cold,
+                        .pool_size = pool};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
+    if (d == NULL)
+        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
+    REQUIRE(d != NULL);
+    return d;
+}
+
 double vt_now_ms(void)
 {
     struct timespec ts;
@@ -75,8 +91,15 @@ void vt_run_for(double ms)
         sp_loop_run_once(vt_loop, 10);
 }
 
-void vt_op(sp_driver_t *d,
-           int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
+void vt_wait_ok(vt_res_t *r, const char *what, const char *id, double timeout_ms)
+{
+    REQUIRE(vt_wait_for(&r->done, timeout_ms) == 0);
+    if (!r->ok)
+        fprintf(stderr, "%s %s failed: %s\n", what, id, r->err.msg);
+    REQUIRE(r->ok);
+}
+
+void vt_op(sp_driver_t *d, int (*op)(sp_driver_t *, const char *, sp_driver_cb, void *, sp_err_t *),
            const char *id, double timeout_ms)
 {
     vt_res_t r = {0};
@@ -85,10 +108,25 @@ void vt_op(sp_driver_t *d,
         fprintf(stderr, "op %s: %s\n", id, e.msg);
         exit(1);
     }
-    REQUIRE(vt_wait_for(&r.done, timeout_ms) == 0);
-    if (!r.ok)
-        fprintf(stderr, "op %s: %s\n", id, r.err.msg);
-    REQUIRE(r.ok);
+    vt_wait_ok(&r, "op", id, timeout_ms);
+}
+
+void vt_boot_start(sp_driver_t *d, const sp_vm_spec_t *spec, vt_res_t *r)
+{
+    sp_err_t e;
+    if (d->ops->boot(d, spec, vt_on_res, r, &e) < 0) {
+        fprintf(stderr, "boot %s: %s\n", spec->sandbox_id, e.msg);
+        exit(1);
+    }
+}
+
+double vt_boot(sp_driver_t *d, const sp_vm_spec_t *spec, double timeout_ms)
+{
+    vt_res_t r = {0};
+    double t0 = vt_now_ms();
+    vt_boot_start(d, spec, &r);
+    vt_wait_ok(&r, "boot", spec->sandbox_id, timeout_ms);
+    return vt_now_ms() - t0;
 }
 
 struct proc {
@@ -147,6 +185,17 @@ void vt_run_cmd(sp_driver_t *d, const char *id, const char *cmd, char *out, size
     while (pr.n > 0 && pr.out[pr.n - 1] == '\n')
         pr.out[--pr.n] = '\0';
     snprintf(out, n, "%s", pr.out);
+}
+
+void vt_read_file(const char *path, char *out, size_t n)
+{
+    out[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return;
+    size_t k = fread(out, 1, n - 1, f);
+    out[k] = '\0';
+    fclose(f);
 }
 
 pid_t vt_vm_pid(const char *id)

@@ -1,5 +1,8 @@
 """Test harness shared by the HTTP-level suites: a private PostgreSQL cluster,
-a spaced process, and a small JSON HTTP client. Standard library only.
+a spaced process, and a small JSON HTTP client (requests, streams, creates and
+commands); the start-up every suite shares (Platform) and the suite classes on
+it (PlatformTest on the test driver, VmSuite on real microVMs). Standard library
+only.
 
 Environment:
   SPACED, SPACED_TEST   paths of the built binaries (set by ctest)
@@ -284,6 +287,27 @@ class Spaced:
         finally:
             conn.close()
 
+    def open_stream(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30,
+                    rcvbuf=None):
+        """Sends one request on a connection of its own and returns (the connection, the
+        response) with the body unread, for a stream (NDJSON) read as it comes; the caller
+        closes the connection. body goes as JSON, else raw as it is; key is the bearer token
+        (None: self.key; False or "": none); headers are added as given; rcvbuf as for
+        connect_local."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
+        if rcvbuf is not None:
+            conn.sock = connect_local(self.port, timeout * MULT, rcvbuf)
+        h = dict(headers or {})
+        k = self.key if key is None else key
+        if k:
+            h["Authorization"] = "Bearer " + k
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            h["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=h)
+        return conn, conn.getresponse()
+
     def request(self, method, path, body=None, key=None, raw=None, headers=None, timeout=30):
         h = dict(headers or {})
         k = key if key is not None else self.key
@@ -338,6 +362,24 @@ class Spaced:
             assert op["status"] == "succeeded", op
         return r["sandbox"]["id"], r["operation"]["id"]
 
+    def command(self, sid, cmd, **fields):
+        """Runs cmd in sandbox sid (POST /v1/sandboxes/{sid}/commands, more body fields as
+        given; up to 120 s): its result (stdout, stderr, exit_code), which must come with a 200."""
+        st, c = self.request("POST", "/v1/sandboxes/%s/commands" % sid, dict(cmd=cmd, **fields),
+                             timeout=120)
+        assert st == 200, (st, c)
+        return c
+
+    def create_ready(self, wait=120, key=None, **body):
+        """POST /v1/sandboxes?wait= (wait seconds, stretched by SP_TEST_TIMEOUT_MULT) with body
+        as given (no template added): the sandbox's id once its create succeeded; fails the test
+        (with spaced's log) otherwise. For VM suites, whose creates take seconds to minutes."""
+        st, r = self.request("POST", "/v1/sandboxes?wait=%d" % wait_s(wait), body, key=key,
+                             timeout=(wait + 20) * MULT)
+        assert st == 200, (st, r)
+        assert r["operation"]["status"] == "succeeded", (r, self.read_log())
+        return r["sandbox"]["id"]
+
 
 def q(s):
     return urllib.parse.quote(s, safe="")
@@ -373,6 +415,51 @@ class Platform:
         if self.s is not None:
             self.s.destroy()
         self.pg.destroy()
+
+
+class VmSuite(unittest.TestCase):
+    """A suite class on real microVMs: one Platform for the class, SPACED on the templates in
+    SP_TEST_DATA_DIR, with the class's TEAMS (cls.s.key is the first's) and ARGS (more `serve`
+    options; a subclass may set cls.ARGS before super().setUpClass()). When the class ends, the
+    sandboxes made with self.create are deleted, then the TEMPLATES the suite builds (the data
+    dir is shared), then spaced and PostgreSQL stop. A subclass that needs more calls
+    super().setUpClass() and super().tearDownClass()."""
+
+    TEAMS = ("alpha",)
+    ARGS = ()
+    TEMPLATES = ()
+
+    @classmethod
+    def setUpClass(cls):
+        cls.p = Platform(teams=cls.TEAMS, binary=os.environ["SPACED"],
+                         data_dir=os.environ.get("SP_TEST_DATA_DIR"), args=list(cls.ARGS))
+        cls.s = cls.p.s
+        cls.sids = []
+
+    @classmethod
+    def delete_sandboxes(cls):
+        """Deletes what self.create made (a VM left running would be re-adopted by every later
+        spaced on the shared data dir)."""
+        for sid in cls.sids:
+            cls.s.delete_quietly(sid)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.delete_sandboxes()  # first: a template in use is not deleted
+        for name in cls.TEMPLATES:
+            try:
+                cls.s.request("DELETE", "/v1/templates/" + name, timeout=30)
+            except OSError:
+                pass
+        cls.p.destroy()
+
+    def create(self, template=None, **body):
+        """A sandbox (of template, else as body says) up within 240 s: its id."""
+        if template is not None:
+            body["template"] = template
+        sid = self.s.create_ready(wait=240, **body)
+        self.sids.append(sid)
+        return sid
 
 
 class PlatformTest(unittest.TestCase):

@@ -5,9 +5,12 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -125,6 +128,36 @@ void ah_ping_ok(void)
     ah_send_frame();
     frame_t f = ah_wait_on(0, true);
     CHECK(f.h.type == SP_AP_T_PONG);
+}
+
+void ah_prepare(const char *prefix, char *dir, size_t dn, char *sock, size_t sn)
+{
+    if (getenv("SP_AGENT_BIN") == NULL) {
+        fprintf(stderr, "skip: SP_AGENT_BIN not set\n");
+        exit(77);
+    }
+    signal(SIGPIPE, SIG_IGN);
+    snprintf(dir, dn, "/tmp/%s-XXXXXX", prefix);
+    REQUIRE(mkdtemp(dir) != NULL);
+    chmod(dir, 0755);
+    snprintf(sock, sn, "%s/agent.sock", dir);
+}
+
+pid_t ah_spawn_agent(const char *sock, const char *env_file)
+{
+    const char *bin = getenv("SP_AGENT_BIN");
+    REQUIRE(bin != NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (env_file != NULL)
+            execl(bin, bin, "--listen-unix", sock, "--log-level", "warn", "--env-file", env_file,
+                  (char *)NULL);
+        else
+            execl(bin, bin, "--listen-unix", sock, "--log-level", "warn", (char *)NULL);
+        _exit(127);
+    }
+    return pid;
 }
 
 void ah_connect(const char *sock_path)

@@ -1,7 +1,8 @@
 /*
  * agenthost.h - the host end of the agent protocol for the agent's own tests (test_agent.c,
- * test_egress.c): one connection to a space-agent under test, frames read and written
- * synchronously, and a look at the agent process. Test code: REQUIRE stops the program.
+ * test_egress.c): their start (a temporary directory, the agent under test started), one
+ * connection to that space-agent, frames read and written synchronously, and a look at the
+ * agent process. Test code: REQUIRE stops the program.
  */
 #ifndef SP_AGENT_TESTS_AGENTHOST_H
 #define SP_AGENT_TESTS_AGENTHOST_H
@@ -13,10 +14,10 @@
 
 #include "base/agentproto.h"
 
-extern int ah_fd;                /* the channel: we are the host; -1 when not connected */
-extern uint32_t ah_next_stream;  /* the next host-opened stream id */
-extern pid_t ah_agent_pid;       /* the agent under test, 0 when none */
-extern sp_ap_writer_t ah_w;      /* the frame being built (ah_begin .. ah_send_frame) */
+extern int ah_fd;               /* the channel: we are the host; -1 when not connected */
+extern uint32_t ah_next_stream; /* the next host-opened stream id */
+extern pid_t ah_agent_pid;      /* the agent under test, 0 when none */
+extern sp_ap_writer_t ah_w;     /* the frame being built (ah_begin .. ah_send_frame) */
 extern uint8_t ah_wbuf[SP_AP_MAX_FRAME + 64];
 
 typedef struct {
@@ -46,6 +47,13 @@ uint32_t ah_err_code(const frame_t *f);
 /* A PING answered by a PONG (CHECK). */
 void ah_ping_ok(void);
 
+/* The start of a test's main: exits 77 (saying why) without SP_AGENT_BIN, ignores SIGPIPE,
+ * makes a temporary directory /tmp/<prefix>-XXXXXX (mode 0755: the agent switches users) into
+ * dir and the path of the agent's socket in it into sock. */
+void ah_prepare(const char *prefix, char *dir, size_t dn, char *sock, size_t sn);
+/* Starts SP_AGENT_BIN listening on the unix socket sock, with --env-file env_file unless
+ * NULL: its pid. It dies with the test (a test killed by a timeout takes its agent along). */
+pid_t ah_spawn_agent(const char *sock, const char *env_file);
 /* Connects ah_fd to the agent's unix socket, waiting up to 5 s for it to listen. */
 void ah_connect(const char *sock_path);
 bool ah_agent_alive(void);

@@ -8,8 +8,7 @@
 #include <string.h>
 
 #include "base/agentproto.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+#include "tests/fuzz.h"
 
 static void decode_payload(const sp_ap_hdr_t *h, const uint8_t *p)
 {

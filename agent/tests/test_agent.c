@@ -24,12 +24,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/agentproto.h"
 #include "agent/tests/agenthost.h"
+#include "base/agentproto.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100];
-
 
 /* ---- agent lifecycle ---- */
 
@@ -65,16 +64,9 @@ static void hello(void)
 
 static void start_agent(void)
 {
-    const char *bin = getenv("SP_AGENT_BIN");
-    REQUIRE(bin != NULL);
-    ah_agent_pid = fork();
-    if (ah_agent_pid == 0) {
-        char env_file[600];
-        snprintf(env_file, sizeof(env_file), "%s/identity.env", tmpdir);
-        execl(bin, bin, "--listen-unix", sock_path, "--log-level", "warn", "--env-file", env_file,
-              (char *)NULL);
-        _exit(127);
-    }
+    char env_file[600];
+    snprintf(env_file, sizeof(env_file), "%s/identity.env", tmpdir);
+    ah_agent_pid = ah_spawn_agent(sock_path, env_file);
     ah_connect(sock_path);
 }
 
@@ -201,7 +193,8 @@ static void test_agent_process_basics(void)
 
     /* argv form, command not found */
     uint32_t id = ah_next_stream++;
-    sp_ap_put_str(ah_begin(id, SP_AP_T_PROC_START, 0), SP_AP_K_ARGV, "definitely-not-a-command-xyz");
+    sp_ap_put_str(ah_begin(id, SP_AP_T_PROC_START, 0), SP_AP_K_ARGV,
+                  "definitely-not-a-command-xyz");
     ah_send_frame();
     frame_t f = ah_wait_on(id, false);
     CHECK(ah_err_code(&f) == SP_AP_E_NOTFOUND);
@@ -237,8 +230,8 @@ static void resize(uint32_t id, uint32_t rows, uint32_t cols)
 static void test_agent_pty(void)
 {
     result_t r = {0};
-    uint32_t id = start_proc("stty size; tty >/dev/null && echo isatty; read x; stty size", NULL,
-                             true, NULL);
+    uint32_t id =
+        start_proc("stty size; tty >/dev/null && echo isatty; read x; stty size", NULL, true, NULL);
     read_until(id, &r, "isatty");
     CHECK(strstr(r.out, "30 100") != NULL);
     resize(id, 40, 120);
@@ -303,8 +296,8 @@ static void list_procs(uint32_t want_pid, bool *found, bool *running)
 static void test_agent_reattach(void)
 {
     result_t r = {0};
-    uint32_t id = start_proc("for i in $(seq 1 30); do echo line$i; sleep 0.05; done", NULL,
-                             false, "bg");
+    uint32_t id =
+        start_proc("for i in $(seq 1 30); do echo line$i; sleep 0.05; done", NULL, false, "bg");
     read_until(id, &r, "line2\n");
     uint32_t pid = r.pid;
     ah_connect(sock_path); /* the old connection is dropped: as after a spaced restart */
@@ -684,8 +677,10 @@ static void test_agent_tcp(void)
 static void test_agent_identity_and_ping(void)
 {
     uint32_t id = ah_next_stream++;
-    sp_ap_identity_t m = {.sandbox_id = {"sbx-1", 5}, .env = {{"SPACE_TEST_ENV=from-identity", 28}},
-                          .envc = 1, .seed = {"\x01\x02\x00\x03", 4}};
+    sp_ap_identity_t m = {.sandbox_id = {"sbx-1", 5},
+                          .env = {{"SPACE_TEST_ENV=from-identity", 28}},
+                          .envc = 1,
+                          .seed = {"\x01\x02\x00\x03", 4}};
     sp_ap_writer_init(&ah_w, ah_wbuf, sizeof(ah_wbuf));
     REQUIRE(sp_ap_enc_identity(&ah_w, id, &m) > 0);
     ah_write_all(ah_wbuf, ah_w.len);
@@ -807,15 +802,7 @@ int main(void)
         fprintf(stderr, "skip: needs root for user switching\n");
         return 77;
     }
-    if (getenv("SP_AGENT_BIN") == NULL) {
-        fprintf(stderr, "skip: SP_AGENT_BIN not set\n");
-        return 77;
-    }
-    signal(SIGPIPE, SIG_IGN);
-    snprintf(tmpdir, sizeof(tmpdir), "/tmp/sp-agent-test-XXXXXX");
-    REQUIRE(mkdtemp(tmpdir) != NULL);
-    chmod(tmpdir, 0755);
-    snprintf(sock_path, sizeof(sock_path), "%s/agent.sock", tmpdir);
+    ah_prepare("sp-agent-test", tmpdir, sizeof(tmpdir), sock_path, sizeof(sock_path));
     start_agent();
     hello();
     test_agent_process_basics();

@@ -26,7 +26,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -36,8 +35,8 @@
 #include <unistd.h>
 
 #include "agent/egress.h"
-#include "base/agentproto.h"
 #include "agent/tests/agenthost.h"
+#include "base/agentproto.h"
 #include "tests/check.h"
 
 static char tmpdir[64], sock_path[100], resolv_path[128], profile_path[160];
@@ -63,19 +62,6 @@ static uint32_t hello(void)
     sp_ap_hello_t got;
     REQUIRE(sp_ap_dec_hello(f.p, f.h.len, &got, NULL) == 0);
     return got.caps;
-}
-
-static pid_t spawn_agent(const char *sock)
-{
-    const char *bin = getenv("SP_AGENT_BIN");
-    REQUIRE(bin != NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test killed by a timeout takes its agent along */
-        execl(bin, bin, "--listen-unix", sock, "--log-level", "warn", (char *)NULL);
-        _exit(127);
-    }
-    return pid;
 }
 
 static int agent_fds(void)
@@ -1014,7 +1000,7 @@ static void test_egress_host_mode_dns_refused(void)
     char sock2[100];
     snprintf(sock2, sizeof(sock2), "%s/agent2.sock", tmpdir);
     unsetenv("SP_AGENT_EGRESS_DNS_PORT");
-    pid_t p2 = spawn_agent(sock2);
+    pid_t p2 = ah_spawn_agent(sock2, NULL);
     int keep = ah_fd;
     char keep_path[sizeof(sock_path)];
     memcpy(keep_path, sock_path, sizeof(sock_path));
@@ -1032,15 +1018,7 @@ static void test_egress_host_mode_dns_refused(void)
 
 int main(void)
 {
-    if (getenv("SP_AGENT_BIN") == NULL) {
-        fprintf(stderr, "skip: SP_AGENT_BIN not set\n");
-        return 77;
-    }
-    signal(SIGPIPE, SIG_IGN);
-    snprintf(tmpdir, sizeof(tmpdir), "/tmp/sp-egress-test-XXXXXX");
-    REQUIRE(mkdtemp(tmpdir) != NULL);
-    chmod(tmpdir, 0755);
-    snprintf(sock_path, sizeof(sock_path), "%s/agent.sock", tmpdir);
+    ah_prepare("sp-egress-test", tmpdir, sizeof(tmpdir), sock_path, sizeof(sock_path));
     snprintf(resolv_path, sizeof(resolv_path), "%s/resolv.conf", tmpdir);
     snprintf(profile_path, sizeof(profile_path), "%s/profile.d/space-egress.sh", tmpdir);
     dns_port = free_port(SOCK_DGRAM);
@@ -1049,7 +1027,7 @@ int main(void)
     setenv("SP_AGENT_EGRESS_DNS_PORT", dp, 1);
     setenv("SP_AGENT_EGRESS_RESOLV_CONF", resolv_path, 1);
     setenv("SP_AGENT_EGRESS_PROFILE", profile_path, 1);
-    ah_agent_pid = spawn_agent(sock_path);
+    ah_agent_pid = ah_spawn_agent(sock_path, NULL);
     atexit(kill_agent); /* REQUIRE exits early */
     ah_connect(sock_path);
 

@@ -33,32 +33,21 @@ import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { Sandbox } from 'e2b'
+import {
+  MULT,
+  REQUEST_TIMEOUT_MS,
+  RUN_ID,
+  TEMPLATE as BASE,
+  configProblem,
+  sandboxTarget,
+  waitFor,
+  withDeadline,
+} from '../common.mjs'
 
 const HERE = dirname(fileURLToPath(import.meta.url))
 const CLI = join(HERE, 'node_modules', '@e2b', 'cli', 'dist', 'index.js')
-const MULT = Number(process.env.SP_TEST_TIMEOUT_MULT || '1') || 1
-const BASE = process.env.CONFORMANCE_TEMPLATE || 'base'
-// Lowercase alphanumerics: a valid template name part and metadata value.
-const RUN_ID = 'c' + Date.now().toString(36) + randomBytes(3).toString('hex')
 const NAME = `cli-${RUN_ID}`
-const REQUEST_TIMEOUT_MS = 180_000 * MULT
 const sdkOpts = { requestTimeoutMs: REQUEST_TIMEOUT_MS }
-
-function configProblem() {
-  const e = process.env
-  if (!e.E2B_API_KEY) return 'E2B_API_KEY is not set'
-  if (!e.E2B_API_URL && !e.E2B_DOMAIN) {
-    // The CLI would default to E2B's cloud: never do that by accident.
-    return 'set E2B_API_URL (and E2B_SANDBOX_URL or E2B_DOMAIN) to the server under test'
-  }
-  if (!e.E2B_SANDBOX_URL && !e.E2B_DOMAIN) {
-    return 'set E2B_SANDBOX_URL (single address) or E2B_DOMAIN (host routing)'
-  }
-  if ((e.E2B_DEBUG || '').toLowerCase() === 'true') {
-    return 'E2B_DEBUG=true makes the SDK skip kill calls: unset it'
-  }
-  return null
-}
 
 const problem = configProblem()
 if (problem) {
@@ -83,8 +72,6 @@ const CLI_ENV = {
   FORCE_COLOR: '0',
 }
 delete CLI_ENV.E2B_TEAM_ID
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
 /** Runs the CLI to its end: {code, out, err}. Its output is echoed, indented, as it comes. */
 function cli(args, { cwd = WORK, timeoutMs = 120_000, echo = true, unset = [] } = {}) {
@@ -137,24 +124,6 @@ function jsonOut(r, what) {
     return JSON.parse(s)
   } catch (e) {
     throw new Error(`${what}: stdout is not JSON (${e.message}): ${s.slice(0, 300)}`)
-  }
-}
-
-async function waitFor(what, fn, { timeoutMs = 30_000, intervalMs = 250 } = {}) {
-  const deadline = Date.now() + timeoutMs * MULT
-  let last
-  for (;;) {
-    try {
-      const v = await fn()
-      if (v) return v
-      last = undefined
-    } catch (e) {
-      last = e
-    }
-    if (Date.now() > deadline) {
-      throw new Error(`timed out waiting for ${what}` + (last ? `: ${last.message}` : ''))
-    }
-    await sleep(intervalMs)
   }
 }
 
@@ -430,29 +399,14 @@ const selected = scenarios.filter(
   (s) => filters.length === 0 || filters.some((f) => s.name.includes(f))
 )
 
-process.on('unhandledRejection', (e) => {
-  if (process.env.CONFORMANCE_VERBOSE) console.error(`(late rejection: ${e?.message ?? e})`)
-})
-
-function withDeadline(p, ms) {
-  let t
-  const deadline = new Promise((_, reject) => {
-    t = setTimeout(() => reject(new Error(`scenario deadline of ${ms} ms passed`)), ms)
-  })
-  return Promise.race([p, deadline]).finally(() => clearTimeout(t))
-}
-
 const cliVersion = spawnSync(process.execPath, [CLI, '--version'], {
   env: CLI_ENV,
   encoding: 'utf8',
 })
-const base = process.env.E2B_SANDBOX_URL
-  ? `sandbox URL ${process.env.E2B_SANDBOX_URL}`
-  : `domain ${process.env.E2B_DOMAIN}`
 console.log(
   `e2b CLI ${cliVersion.stdout.trim()} conformance: ` +
     `API ${process.env.E2B_API_URL || '(from domain)'}, ` +
-    `${base}, run ${RUN_ID}`
+    `${sandboxTarget()}, run ${RUN_ID}`
 )
 
 const passed = new Set()

@@ -9,17 +9,23 @@
 //   E2B_DOMAIN (+ NODE_EXTRA_CA_CERTS for a private CA: host-routing mode).
 //   CONFORMANCE_TEMPLATE  template to create sandboxes from (default "base")
 //   SP_TEST_TIMEOUT_MULT  stretches every deadline (slow machines, TCG)
+//
+// The settings above, the environment check, waitFor and sleep are ../common.mjs's (shared
+// with the CLI suite), re-exported here for the scenario modules.
 import assert from 'node:assert/strict'
-import { createHash, randomBytes } from 'node:crypto'
+import { createHash } from 'node:crypto'
 import { Sandbox } from 'e2b'
+import { MULT, REQUEST_TIMEOUT_MS, RUN_ID, TEMPLATE } from '../common.mjs'
 
-export const MULT = Number(process.env.SP_TEST_TIMEOUT_MULT || '1') || 1
-export const TEMPLATE = process.env.CONFORMANCE_TEMPLATE || 'base'
-// Lowercase alphanumerics: also usable inside metadata values and file names.
-export const RUN_ID = 'c' + Date.now().toString(36) + randomBytes(3).toString('hex')
-
-// Generous: a cold boot under TCG takes seconds, a 20 MiB upload more.
-export const REQUEST_TIMEOUT_MS = 180_000 * MULT
+export {
+  MULT,
+  REQUEST_TIMEOUT_MS,
+  RUN_ID,
+  TEMPLATE,
+  configProblem,
+  sleep,
+  waitFor,
+} from '../common.mjs'
 export const SANDBOX_TIMEOUT_MS = 900_000
 
 const scenarios = []
@@ -70,27 +76,6 @@ export async function cleanup() {
   return failures
 }
 
-export const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
-
-/** Polls fn until it returns a truthy value; returns it. Throws the last error on timeout. */
-export async function waitFor(what, fn, { timeoutMs = 30_000, intervalMs = 200 } = {}) {
-  const deadline = Date.now() + timeoutMs * MULT
-  let last
-  for (;;) {
-    try {
-      const v = await fn()
-      if (v) return v
-      last = undefined
-    } catch (e) {
-      last = e
-    }
-    if (Date.now() > deadline) {
-      throw new Error(`timed out waiting for ${what}` + (last ? `: ${last.message}` : ''))
-    }
-    await sleep(intervalMs)
-  }
-}
-
 /** Asserts that promise rejects with an instance of cls; returns the error. */
 export async function rejectsWith(promise, cls, what = '') {
   let err
@@ -109,24 +94,4 @@ export async function rejectsWith(promise, cls, what = '') {
 
 export function sha256(buf) {
   return createHash('sha256').update(buf).digest('hex')
-}
-
-/** Checks the environment before anything is sent anywhere; returns a problem or null. */
-export function configProblem() {
-  const e = process.env
-  if (!e.E2B_API_KEY) return 'E2B_API_KEY is not set'
-  if (!e.E2B_API_URL && !e.E2B_DOMAIN) {
-    // The SDK would default to E2B's cloud: never do that by accident.
-    return 'set E2B_API_URL (and E2B_SANDBOX_URL or E2B_DOMAIN) to the server under test'
-  }
-  if (!e.E2B_SANDBOX_URL && !e.E2B_DOMAIN) {
-    return 'set E2B_SANDBOX_URL (single address) or E2B_DOMAIN (host routing)'
-  }
-  if (e.E2B_SANDBOX_URL && e.E2B_SANDBOX_URL.endsWith('/')) {
-    return 'E2B_SANDBOX_URL must not end with "/" (the SDK would request //process.Process/...)'
-  }
-  if ((e.E2B_DEBUG || '').toLowerCase() === 'true') {
-    return 'E2B_DEBUG=true makes the SDK skip kill/setTimeout calls: unset it'
-  }
-  return null
 }

@@ -6,6 +6,7 @@
 // does the same from the environment. Exit status: 0 all selected scenarios passed,
 // 1 some failed, 2 bad configuration.
 import { writeFileSync } from 'node:fs'
+import { sandboxTarget, withDeadline } from '../common.mjs'
 import { cleanup, configProblem, registered, RUN_ID, TEMPLATE } from './lib.mjs'
 import './lifecycle.mjs'
 import './commands.mjs'
@@ -26,27 +27,10 @@ const selected = registered().filter(
   (s) => filters.length === 0 || filters.some((f) => `${s.area}/${s.name}`.includes(f))
 )
 
-// A hung SDK call must not hang the suite: each scenario races a deadline. What it left
-// running is abandoned (the process exits at the end).
-function withDeadline(p, ms) {
-  let t
-  const deadline = new Promise((_, reject) => {
-    t = setTimeout(() => reject(new Error(`scenario deadline of ${ms} ms passed`)), ms)
-  })
-  return Promise.race([p, deadline]).finally(() => clearTimeout(t))
-}
-
-// Late rejections from abandoned work (a stream cut when its sandbox died) are not failures
-// of whatever scenario runs at that moment; note them and go on.
-process.on('unhandledRejection', (e) => {
-  if (process.env.CONFORMANCE_VERBOSE) console.error(`(late rejection: ${e?.message ?? e})`)
-})
-
-const base = process.env.E2B_SANDBOX_URL
-  ? `sandbox URL ${process.env.E2B_SANDBOX_URL}`
-  : `domain ${process.env.E2B_DOMAIN}`
+// Each scenario races a deadline (withDeadline); late rejections of abandoned work are noted,
+// not failures (../common.mjs).
 console.log(
-  `e2b JS SDK conformance: API ${process.env.E2B_API_URL || '(from domain)'}, ${base}, ` +
+  `e2b JS SDK conformance: API ${process.env.E2B_API_URL || '(from domain)'}, ${sandboxTarget()}, ` +
     `template ${TEMPLATE}, run ${RUN_ID}`
 )
 

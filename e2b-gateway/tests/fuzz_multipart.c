@@ -11,14 +11,7 @@
 #include <string.h>
 
 #include "e2b-gateway/multipart.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define ASSERT(c)                                                                                  \
-    do {                                                                                           \
-        if (!(c))                                                                                  \
-            abort();                                                                               \
-    } while (0)
+#include "tests/fuzz.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

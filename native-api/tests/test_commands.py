@@ -68,12 +68,7 @@ class CommandsTest(PlatformTest):
         return h
 
     def open_stream(self, method, path, body=None):
-        c = self.conn()
-        data = json.dumps(body).encode() if body is not None else None
-        c.request(method, path, body=data,
-                  headers=self.hdrs({"Content-Type": "application/json"} if data else None))
-        r = c.getresponse()
-        return c, r
+        return self.s.open_stream(method, path, body, timeout=60)
 
     def events(self, r):
         out = []

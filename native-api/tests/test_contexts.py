@@ -11,7 +11,6 @@ reaches 127.0.0.1 on this host. SPACE_CODE_PORT points spaced at a free port:
   the daemon on demand (one start for concurrent requests), a template without it (409), a
   start that fails (503), and a daemon that sends garbage, huge lines or nothing.
 """
-import http.client
 import json
 import os
 import pwd
@@ -26,7 +25,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (MULT, Platform, connect_local, free_port, kernel_python,  # noqa: E402
+from harness import (MULT, Platform, free_port, kernel_python,  # noqa: E402
                      skip_unless_agent, skip_unless_pg)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -66,16 +65,9 @@ class Client:
         return "/v1/sandboxes/%s" % sid
 
     def open_stream(self, path, body=None, raw=None, key=None, timeout=120, rcvbuf=None):
-        c = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout * MULT)
-        if rcvbuf is not None:
-            c.sock = connect_local(self.s.port, timeout * MULT, rcvbuf)
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None
-                                            else None)
-        h = {"Authorization": "Bearer " + (key or self.s.key)}
-        if data is not None:
-            h["Content-Type"] = "application/json"
-        c.request("POST", path, body=data, headers=h)
-        return c, c.getresponse()
+        return self.s.open_stream("POST", path, body, key=key or None, raw=raw,
+                                  headers={"Content-Type": "application/json"} if raw else None,
+                                  timeout=timeout, rcvbuf=rcvbuf)
 
     def stream(self, path, body, key=None, timeout=120):
         """(status, events or error body, content type)."""

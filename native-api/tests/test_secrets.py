@@ -12,7 +12,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import PgCluster, Platform, Spaced, skip_unless_pg  # noqa: E402
+from harness import Platform, Spaced, skip_unless_pg  # noqa: E402
 
 VALUE = "sk-test-VALUE-7c1e0a9b2d4f-never-shown"
 VALUE2 = "rotated-VALUE-5d6e7f8091a2"
@@ -218,11 +218,10 @@ class SecretsApiTest(unittest.TestCase):
 @skip_unless_pg
 class MasterKeyTest(unittest.TestCase):
     def test_without_a_key_the_api_says_how(self):
-        pg = PgCluster()
-        s = Spaced(database_url=pg.url, runtime="test")
+        p = Platform(teams=(None,), start=False, runtime="test")
+        s = p.s
         s.env.pop("SPACE_MASTER_KEY", None)
         try:
-            s.key = s.cli("keys", "create").stdout.strip()
             s.start()
             st, r = s.request("POST", "/v1/secrets", {"name": "A", "value": VALUE})
             self.assertEqual(st, 503, r)
@@ -233,8 +232,7 @@ class MasterKeyTest(unittest.TestCase):
             self.assertEqual(st, 503, r)
             self.assertFalse(os.path.exists(os.path.join(s.data_dir, "master.key")))
         finally:
-            s.destroy()
-            pg.destroy()
+            p.destroy()
 
     def test_bad_key_stops_the_server_without_showing_it(self):
         s = Spaced(runtime="test", env={"SPACE_MASTER_KEY": "bm90LTMyLWJ5dGVz"})

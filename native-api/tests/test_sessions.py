@@ -6,7 +6,6 @@ client frames masked).
 """
 import base64
 import hashlib
-import http.client
 import json
 import os
 import socket
@@ -157,12 +156,9 @@ class SessionsTest(PlatformTest):
 
     def attach(self, sess, token=None, headers=None, timeout=30):
         """Starts an NDJSON attach; returns (conn, response)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.s.port, timeout=timeout * MULT)
-        h = dict(headers or {})
-        if token is not False:
-            h["Authorization"] = "Bearer " + (token or sess["attach_token"])
-        conn.request("GET", sess["attach_url"], headers=h)
-        return conn, conn.getresponse()
+        key = False if token is False else (token or sess["attach_token"])
+        return self.s.open_stream("GET", sess["attach_url"], key=key, headers=headers,
+                                  timeout=timeout)
 
     def attach_status(self, sess, **kw):
         conn, r = self.attach(sess, **kw)

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "core/control/tarcheck.h"
+#include "tests/fuzz.h"
 
 static int verdict(const uint8_t *p, size_t n, size_t split)
 {
@@ -29,7 +30,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     int a = verdict(data, size, size);
     int b = verdict(data, size, size / 3);
-    if (a != b)
-        abort();
+    ASSERT(a == b);
     return 0;
 }

@@ -13,14 +13,7 @@
 #include <string.h>
 
 #include "core/egress/egress_policy.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define ASSERT(c)                                                                                  \
-    do {                                                                                           \
-        if (!(c))                                                                                  \
-            abort();                                                                               \
-    } while (0)
+#include "tests/fuzz.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -15,14 +15,7 @@
 #include <string.h>
 
 #include "core/egress/http1.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define ASSERT(c)                                                                                  \
-    do {                                                                                           \
-        if (!(c))                                                                                  \
-            abort();                                                                               \
-    } while (0)
+#include "tests/fuzz.h"
 
 static void inside(const uint8_t *base, size_t n, sp_http1_str_t s)
 {

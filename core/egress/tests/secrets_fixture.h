@@ -1,7 +1,7 @@
 /*
  * secrets_fixture.h - what test_secrets.c and test_mitm.c share: a PostgreSQL to run
- * against (SP_TEST_PG_DSN, else a private cluster in a temporary directory), the schema, and
- * a few rows (teams, a template, sandboxes) written with blocking libpq.
+ * against (core/store/tests/pgfixture.h) with the schema applied, the loop, and a few rows
+ * (teams, a template, sandboxes) written with blocking libpq.
  */
 #ifndef SP_SECRETS_FIXTURE_H
 #define SP_SECRETS_FIXTURE_H
@@ -11,15 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "loop/loop.h"
 #include "core/store/migrate.h"
-#include "core/store/pgcluster.h"
+#include "core/store/tests/pgfixture.h"
+#include "loop/loop.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop;
 static const char *dsn;
-static sp_pgcluster_t *fx_cluster;
-static char fx_tmp[256];
+static pgfx_t fx_pg;
 
 /* Runs the loop until *flag reaches want or ms pass. */
 static inline void run_until(int *flag, int want, int ms)
@@ -38,25 +37,13 @@ static inline void run_for(int ms)
 static inline int fx_start(const char *name)
 {
     sp_err_t e;
-    dsn = getenv("SP_TEST_PG_DSN");
-    if (dsn == NULL || dsn[0] == '\0') {
-        if (!sp_pgcluster_available()) {
-            printf("skip: PostgreSQL is not installed\n");
-            return 77;
-        }
-        snprintf(fx_tmp, sizeof(fx_tmp), "/tmp/sp-%s-XXXXXX", name);
-        if (mkdtemp(fx_tmp) == NULL)
-            return 1;
-        fx_cluster = sp_pgcluster_start(fx_tmp, &e);
-        if (fx_cluster == NULL) {
-            fprintf(stderr, "cluster: %s\n", e.msg);
-            return 1;
-        }
-        dsn = sp_pgcluster_conninfo(fx_cluster);
-    }
+    int rc = pgfx_start(&fx_pg, name);
+    if (rc != 0)
+        return rc;
+    dsn = fx_pg.dsn;
     PGconn *c = PQconnectdb(dsn);
     int applied = 0;
-    int rc = PQstatus(c) == CONNECTION_OK ? sp_migrate_apply(c, &applied, &e) : -1;
+    rc = PQstatus(c) == CONNECTION_OK ? sp_migrate_apply(c, &applied, &e) : -1;
     PQfinish(c);
     if (rc < 0) {
         fprintf(stderr, "migrate failed\n");
@@ -68,15 +55,8 @@ static inline int fx_start(const char *name)
 
 static inline void fx_stop(void)
 {
-    sp_err_t e;
     sp_loop_destroy(loop);
-    if (fx_cluster != NULL) {
-        sp_pgcluster_stop(fx_cluster, &e);
-        char cmd[512];
-        snprintf(cmd, sizeof(cmd), "rm -rf %s", fx_tmp);
-        if (getenv("SP_TEST_KEEP") == NULL && system(cmd) != 0)
-            fprintf(stderr, "cleanup failed\n");
-    }
+    pgfx_stop(&fx_pg);
 }
 
 /* Runs one statement with parameters; returns the first value (static buffer) or NULL. */

@@ -8,8 +8,8 @@
 #include <unistd.h>
 
 #include "core/egress/secrets.h"
-#include "core/store/store.h"
 #include "core/egress/tests/secrets_fixture.h"
+#include "core/store/store.h"
 
 #define VALUE "sk-live-TOPSECRET-0123456789"
 
@@ -174,16 +174,13 @@ static void test_secrets_validation(void)
     json_decref(in);
     json_decref(out);
     snprintf(rule, sizeof(rule),
-             "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"%sE\"}]",
-             envmax);
+             "[{\"host\":\"a.com\",\"header\":\"A\",\"secret\":\"K\",\"env\":\"%sE\"}]", envmax);
     in = json_loads(rule, 0, &je);
     out = sp_secrets_rules_normalize(in, &e);
     CHECK(out == NULL && e.code == SP_EINVAL && strstr(e.msg, "env") != NULL);
     json_decref(in);
     static const char *const bad[] = {
-        "{}",
-        "[1]",
-        "[{\"host\":\"a.com\",\"header\":\"Authorization\"}]",
+        "{}", "[1]", "[{\"host\":\"a.com\",\"header\":\"Authorization\"}]",
         "[{\"host\":\"a.com\",\"header\":\"Host\",\"secret\":\"K\"}]",
         "[{\"host\":\"a.com\",\"header\":\"Content-Length\",\"secret\":\"K\"}]",
         "[{\"host\":\"a.com\",\"header\":\"Proxy-Authorization\",\"secret\":\"K\"}]",
@@ -280,22 +277,6 @@ static void on_rules(void *arg, json_t *rules, const sp_err_t *err)
     }
 }
 
-struct note {
-    int got, reconnects;
-    char payload[128];
-};
-
-static void on_note(void *arg, const char *ch, const char *payload)
-{
-    struct note *n = arg;
-    if (payload == NULL) {
-        n->reconnects++;
-        return;
-    }
-    n->got++;
-    snprintf(n->payload, sizeof(n->payload), "%s", payload);
-}
-
 #define WAIT(r) run_until(&(r).done, 1, 5000)
 
 static void test_secrets_store_and_tenancy(sp_store_t *st)
@@ -304,8 +285,8 @@ static void test_secrets_store_and_tenancy(sp_store_t *st)
     randombytes_buf(key, sizeof(key));
     sp_err_t e;
     sp_secrets_t *s = sp_secrets_create(loop, st, key, &e);
-    struct note note = {0};
-    CHECK(sp_store_listen(st, SP_SECRETS_NOTIFY, on_note, &note, &e) == 0);
+    pgfx_note_t note = {0};
+    CHECK(sp_store_listen(st, SP_SECRETS_NOTIFY, pgfx_on_note, &note, &e) == 0);
     run_until(&note.reconnects, 1, 5000);
     run_for(100);
     fx_sandbox("teama", "sbaaa1");

@@ -11,10 +11,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "loop/loop.h"
 #include "core/store/migrate.h"
 #include "core/store/pgcluster.h"
 #include "core/store/store.h"
+#include "core/store/tests/pgfixture.h"
+#include "loop/loop.h"
 #include "tests/check.h"
 
 static sp_loop_t *loop;
@@ -267,13 +268,13 @@ static void test_store_conninfo(void)
 {
     sp_err_t e;
     char ci[1024];
-    snprintf(ci, sizeof(ci), "%s options='-c application_name=sp_opt_test -c DateStyle=SQL'",
-             dsn);
+    snprintf(ci, sizeof(ci), "%s options='-c application_name=sp_opt_test -c DateStyle=SQL'", dsn);
     sp_store_t *s = sp_store_create(loop, ci, 1, &e);
     REQUIRE(s != NULL);
     struct rows r = {0};
-    CHECK(sp_store_query(s, "SELECT current_setting('application_name'),"
-                            " current_setting('DateStyle')",
+    CHECK(sp_store_query(s,
+                         "SELECT current_setting('application_name'),"
+                         " current_setting('DateStyle')",
                          0, NULL, on_rows, &r, &e) == 0);
     run_until(&r.done, 1, 5000);
     CHECK(r.code == SP_OK && strcmp(r.v[0][0], "sp_opt_test") == 0 &&
@@ -293,23 +294,7 @@ static void test_store_conninfo(void)
     sp_store_destroy(bad);
 }
 
-struct note {
-    int got, reconnects;
-    char payload[64];
-};
-
-static void on_note(void *arg, const char *ch, const char *payload)
-{
-    struct note *n = arg;
-    if (payload == NULL) {
-        n->reconnects++;
-        return;
-    }
-    n->got++;
-    snprintf(n->payload, sizeof(n->payload), "%s", payload);
-}
-
-static void test_store_notify(sp_store_t *s, struct note *n)
+static void test_store_notify(sp_store_t *s, pgfx_note_t *n)
 {
     run_until(&n->reconnects, 1, 5000);
     CHECK(n->reconnects >= 1);
@@ -323,11 +308,10 @@ static void test_store_notify(sp_store_t *s, struct note *n)
     CHECK(n->got == 1 && strcmp(n->payload, "ping") == 0);
 }
 
-static sp_pgcluster_t *g_cluster;
-static char g_tmp[256];
+static pgfx_t g_pg;
 static int stop_cluster(void);
 
-static void test_store_outage_and_recovery(sp_store_t *s, sp_pgcluster_t *cl, struct note *n)
+static void test_store_outage_and_recovery(sp_store_t *s, sp_pgcluster_t *cl, pgfx_note_t *n)
 {
     if (cl == NULL)
         return; /* an external server is not ours to stop */
@@ -380,10 +364,11 @@ static int stop_cluster(void)
 {
     char cmd[1024];
     const char *as = geteuid() == 0 ? "runuser -u postgres -- " : "";
-    snprintf(cmd, sizeof(cmd),
-             "%s$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)/pg_ctl -D %s/pg/data -m fast "
-             "-w stop >/dev/null 2>&1",
-             as, g_tmp);
+    snprintf(
+        cmd, sizeof(cmd),
+        "%s$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)/pg_ctl -D %s/pg/data -m fast "
+        "-w stop >/dev/null 2>&1",
+        as, g_pg.tmp);
     return system(cmd) == 0 ? 0 : -1;
 }
 
@@ -391,42 +376,24 @@ int main(void)
 {
     sp_err_t e;
     test_store_rows_and_text(); /* needs no server */
-    dsn = getenv("SP_TEST_PG_DSN");
-    if (dsn == NULL || dsn[0] == '\0') {
-        if (!sp_pgcluster_available()) {
-            printf("skip: PostgreSQL is not installed\n");
-            return 77;
-        }
-        snprintf(g_tmp, sizeof(g_tmp), "/tmp/sp-store-XXXXXX");
-        if (mkdtemp(g_tmp) == NULL)
-            return 1;
-        g_cluster = sp_pgcluster_start(g_tmp, &e);
-        if (g_cluster == NULL) {
-            fprintf(stderr, "cluster: %s\n", e.msg);
-            return 1;
-        }
-        dsn = sp_pgcluster_conninfo(g_cluster);
-    }
+    int rc = pgfx_start(&g_pg, "store");
+    if (rc != 0)
+        return rc;
+    dsn = g_pg.dsn;
     loop = sp_loop_create();
     test_store_migrations_apply_once();
     sp_store_t *s = sp_store_create(loop, dsn, 3, &e);
     CHECK(s != NULL);
-    struct note n = {0};
-    CHECK(sp_store_listen(s, "sp_test", on_note, &n, &e) == 0);
+    pgfx_note_t n = {0};
+    CHECK(sp_store_listen(s, "sp_test", pgfx_on_note, &n, &e) == 0);
     test_store_queries_and_errors(s);
     test_store_prepared(s);
     test_store_time(s);
     test_store_conninfo();
     test_store_notify(s, &n);
-    test_store_outage_and_recovery(s, g_cluster, &n);
+    test_store_outage_and_recovery(s, g_pg.cluster, &n);
     sp_store_destroy(s);
     sp_loop_destroy(loop);
-    if (g_cluster != NULL) {
-        sp_pgcluster_stop(g_cluster, &e);
-        char cmd[512];
-        snprintf(cmd, sizeof(cmd), "rm -rf %s", g_tmp);
-        if (getenv("SP_TEST_KEEP") == NULL && system(cmd) != 0)
-            fprintf(stderr, "cleanup failed\n");
-    }
+    pgfx_stop(&g_pg);
     return check_report("store");
 }
