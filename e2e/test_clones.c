@@ -388,7 +388,7 @@ static int spare_pids(pid_t *pids, int max)
 static void burst_section(void)
 {
     enum { BURST = 4, MAXP = 3 };
-    sp_driver_t *d = make_driver_pool(0, MAXP);
+    sp_driver_t *d = vt_driver(0, MAXP);
     char ids[BURST + 2][64], buf[256];
     vt_res_t r[BURST + 2];
     memset(r, 0, sizeof r);
