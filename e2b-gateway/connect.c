@@ -16,6 +16,8 @@
 #include <strings.h>
 #include <time.h>
 
+#include "http/json.h"
+
 /* ---- arenas ---- */
 
 struct sp_carena_chunk {
@@ -447,6 +449,10 @@ static char *arena_str(sp_carena_t *a, const char *p, size_t n, sp_err_t *err)
         sp_err_set(err, SP_EINVAL, "strings may not contain NUL characters");
         return NULL;
     }
+    if (!sp_json_utf8_valid(p, n)) { /* JSON strings are; protobuf ones must be too (proto3) */
+        sp_err_set(err, SP_EINVAL, "strings must be UTF-8");
+        return NULL;
+    }
     char *s = sp_carena_alloc(a, n + 1);
     if (s == NULL) {
         sp_err_set(err, SP_ETOOBIG, "message too large");
@@ -467,6 +473,12 @@ static const char *enum_name(const sp_cenum_t *en, int32_t v)
 
 int sp_connect_parse_time(const char *s, sp_ctime_t *t)
 {
+    /* The exact shape first: sscanf alone would take signs and spaces ("+224-..."), which
+     * fmt_time could not give back. */
+    static const char shape[] = "dddd-dd-ddTdd:dd:dd";
+    for (int i = 0; i < 19; i++)
+        if (shape[i] == 'd' ? s[i] < '0' || s[i] > '9' : s[i] != shape[i])
+            return -1;
     int Y, M, D, h, m, sec, n = 0;
     if (sscanf(s, "%4d-%2d-%2dT%2d:%2d:%2d%n", &Y, &M, &D, &h, &m, &sec, &n) != 6 || n != 19)
         return -1;
@@ -496,7 +508,9 @@ int sp_connect_parse_time(const char *s, sp_ctime_t *t)
         p++;
     } else if (*p == '+' || *p == '-') {
         int oh, om, k = 0;
-        if (sscanf(p + 1, "%2d:%2d%n", &oh, &om, &k) != 2 || k != 5 || oh > 23 || om > 59)
+        bool hhmm = p[1] >= '0' && p[1] <= '9' && p[2] >= '0' && p[2] <= '9' && p[3] == ':' &&
+                    p[4] >= '0' && p[4] <= '9' && p[5] >= '0' && p[5] <= '9';
+        if (!hhmm || sscanf(p + 1, "%2d:%2d%n", &oh, &om, &k) != 2 || k != 5 || oh > 23 || om > 59)
             return -1;
         off = (oh * 3600L + om * 60L) * (*p == '-' ? -1 : 1);
         p += 6;
@@ -516,23 +530,33 @@ int sp_connect_parse_time(const char *s, sp_ctime_t *t)
     return 0;
 }
 
+/* Timestamp's range as protobuf defines it: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59Z. */
+#define TIME_MIN (-62135596800LL)
+#define TIME_MAX 253402300799LL
+
+/* RFC 3339 text that sp_connect_parse_time reads back: a time outside Timestamp's range is
+ * written as the bound it passed, and the year always has four digits. */
 static void fmt_time(const sp_ctime_t *t, char out[48])
 {
-    time_t secs = (time_t)t->seconds;
+    int64_t s = t->seconds < TIME_MIN ? TIME_MIN : t->seconds > TIME_MAX ? TIME_MAX : t->seconds;
+    time_t secs = (time_t)s;
     struct tm tm;
     if (gmtime_r(&secs, &tm) == NULL)
         memset(&tm, 0, sizeof(tm));
-    char base[32];
-    strftime(base, sizeof(base), "%Y-%m-%dT%H:%M:%S", &tm);
-    int32_t ns = t->nanos < 0 || t->nanos > 999999999 ? 0 : t->nanos;
-    if (ns == 0)
-        snprintf(out, 48, "%sZ", base);
-    else if (ns % 1000000 == 0)
-        snprintf(out, 48, "%s.%03dZ", base, ns / 1000000);
-    else if (ns % 1000 == 0)
-        snprintf(out, 48, "%s.%06dZ", base, ns / 1000);
-    else
-        snprintf(out, 48, "%s.%09dZ", base, ns);
+    unsigned ns = t->nanos < 0 || t->nanos > 999999999 ? 0 : (unsigned)t->nanos;
+    char frac[16] = "";
+    if (ns != 0 && ns % 1000000 == 0)
+        snprintf(frac, sizeof(frac), ".%03u", ns / 1000000 % 1000u);
+    else if (ns != 0 && ns % 1000 == 0)
+        snprintf(frac, sizeof(frac), ".%06u", ns / 1000 % 1000000u);
+    else if (ns != 0)
+        snprintf(frac, sizeof(frac), ".%09u", ns % 1000000000u);
+    /* The modulos change nothing (the time is within Timestamp's range): they tell the
+     * compiler how wide each field is. */
+    snprintf(out, 48, "%04u-%02u-%02uT%02u:%02u:%02u%sZ", (unsigned)(tm.tm_year + 1900) % 10000u,
+             (unsigned)(tm.tm_mon + 1) % 100u, (unsigned)tm.tm_mday % 100u,
+             (unsigned)tm.tm_hour % 100u, (unsigned)tm.tm_min % 100u, (unsigned)tm.tm_sec % 100u,
+             frac);
 }
 
 /* ---- JSON decode ---- */
