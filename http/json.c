@@ -42,6 +42,15 @@ static size_t utf8_len(const unsigned char *s, size_t n)
     return len;
 }
 
+bool sp_json_utf8_valid(const void *s, size_t n)
+{
+    const unsigned char *p = s;
+    for (size_t i = 0, k; i < n; i += k)
+        if ((k = utf8_len(p + i, n - i)) == 0)
+            return false;
+    return true;
+}
+
 /* Escapes s[0..n) into o (room for 6 bytes per input byte); the bytes written, or -1 when s is
  * not UTF-8. A sequence may run up to 3 bytes past n (the caller's block): *used says where the
  * input ended. */

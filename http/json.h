@@ -24,6 +24,10 @@ int sp_json_write(sp_buf_t *b, const json_t *v);
  * record's fields straight, without building jansson values first. */
 int sp_json_write_str(sp_buf_t *b, const char *s);
 
+/* Whether s[0..n) is UTF-8 as jansson takes it (no overlongs, no surrogates, nothing past
+ * U+10FFFF): what a string from elsewhere (a protobuf message) must be to become JSON. */
+bool sp_json_utf8_valid(const void *s, size_t n);
+
 /* Pieces of an object written field by field, in the order its jansson twin sets them (a test
  * per renderer compares the bytes). prefix is the literal text before the value, e.g.
  * "{\"id\":" or ",\"state\":", written as is. */

@@ -3,7 +3,7 @@
  * against the sandbox's policy, resolved (resolve.c), and answered with the
  * addresses that pass, or NXDOMAIN for a denied name.
  *
- * Owns one `struct dnsq` per query (its header and question, the lookup in
+ * Owns one `struct dnsq` per query (its header and question as dnsmsg.c read them, the lookup in
  * flight, a timer that answers SERVFAIL before the agent gives up). Answers
  * only A and AAAA with addresses; other types of an allowed name get an empty
  * answer. Each query is an audit row.
@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "core/egress/dnsmsg.h"
 #include "core/egress/egress_int.h"
 
 #define DNS_WAIT_MS 4000 /* answer SERVFAIL before the agent's 5 s */
@@ -22,23 +23,11 @@ struct dnsq {
     struct sb *sb;
     struct dnsq *prev, *next;
     sp_agentstream_t *st;
-    uint8_t msg[512 + 16]; /* header + question of the query */
-    size_t msg_len;
-    uint16_t qtype;
-    char name[SP_EGP_NAME_MAX + 1];
+    sp_dnsmsg_t m; /* header, question and name of the query */
     bool by_name;
     struct rjob *job;
     sp_timer_t timer;
     bool waiting;
-};
-
-enum {
-    RC_NOERROR = 0,
-    RC_FORMERR = 1,
-    RC_SERVFAIL = 2,
-    RC_NXDOMAIN = 3,
-    RC_NOTIMP = 4,
-    RC_REFUSED = 5
 };
 
 static void dns_free(struct dnsq *q)
@@ -67,11 +56,11 @@ static void dns_free(struct dnsq *q)
 static void dns_answer(struct dnsq *q, int rcode, const sp_egp_addr_t *addrs, int n, bool allowed,
                        const char *why)
 {
-    uint8_t out[sizeof(q->msg) + SP_EGRESS__MAX_ADDRS * 28 + 64];
+    uint8_t out[sizeof(q->m.msg) + SP_EGRESS__MAX_ADDRS * 28 + 64];
     size_t o = 0;
-    memcpy(out, q->msg, q->msg_len);
-    o = q->msg_len;
-    uint16_t qflags = (uint16_t)(q->msg[2] << 8 | q->msg[3]);
+    memcpy(out, q->m.msg, q->m.msg_len);
+    o = q->m.msg_len;
+    uint16_t qflags = (uint16_t)(q->m.msg[2] << 8 | q->m.msg[3]);
     uint16_t flags =
         (uint16_t)(0x8000 | (qflags & 0x7800) | (qflags & 0x0100) | 0x0080 | (rcode & 0xf));
     out[2] = (uint8_t)(flags >> 8);
@@ -81,12 +70,12 @@ static void dns_answer(struct dnsq *q, int rcode, const sp_egp_addr_t *addrs, in
     for (int i = 0; i < n; i++) {
         const sp_egp_addr_t *a = &addrs[i];
         size_t alen = a->family == 4 ? 4 : 16;
-        if ((q->qtype == 1 && a->family != 4) || (q->qtype == 28 && a->family != 6))
+        if ((q->m.qtype == 1 && a->family != 4) || (q->m.qtype == 28 && a->family != 6))
             continue;
         out[o++] = 0xc0;
         out[o++] = 0x0c; /* the name in the question */
-        out[o++] = (uint8_t)(q->qtype >> 8);
-        out[o++] = (uint8_t)q->qtype;
+        out[o++] = (uint8_t)(q->m.qtype >> 8);
+        out[o++] = (uint8_t)q->m.qtype;
         out[o++] = 0;
         out[o++] = 1; /* IN */
         out[o++] = 0;
@@ -118,7 +107,7 @@ static void dns_answer(struct dnsq *q, int rcode, const sp_egp_addr_t *addrs, in
         sp_agentstream_end(st, SP_AP_T_DNS_ANSWER, buf, w.len);
     }
     char host[SP_EGP_NAME_MAX + 8];
-    snprintf(host, sizeof(host), "%s", q->name[0] ? q->name : "?");
+    snprintf(host, sizeof(host), "%s", q->m.name[0] ? q->m.name : "?");
     char reason[160];
     snprintf(reason, sizeof(reason), "%s", why ? why : "");
     sp_egress__log(q->sb, "dns", host, 53, list, allowed, reason, 0, 0, 0);
@@ -137,9 +126,9 @@ static void dns_on_resolved(void *owner, struct rjob *j)
         bool nodata = false;
 #endif
         dns_answer(q,
-                   nx       ? RC_NXDOMAIN
-                   : nodata ? RC_NOERROR
-                            : RC_SERVFAIL,
+                   nx       ? SP_DNSMSG_NXDOMAIN
+                   : nodata ? SP_DNSMSG_NOERROR
+                            : SP_DNSMSG_SERVFAIL,
                    NULL, 0, true, sp_egress__resolve_error(j->rc));
         return;
     }
@@ -156,7 +145,7 @@ static void dns_on_resolved(void *owner, struct rjob *j)
         else if (removed++ == 0)
             snprintf(first, sizeof(first), "addresses removed: %.100s", why);
     }
-    dns_answer(q, RC_NOERROR, pass, n, n > 0 || removed == 0, removed ? first : NULL);
+    dns_answer(q, SP_DNSMSG_NOERROR, pass, n, n > 0 || removed == 0, removed ? first : NULL);
 }
 
 static void dns_decide(struct dnsq *q)
@@ -168,27 +157,28 @@ static void dns_decide(struct dnsq *q)
     }
     q->waiting = false;
     char why[160];
-    if (!sp_egp_check_name(sb->policy, q->name, 0, &q->by_name, why, sizeof(why))) {
-        dns_answer(q, RC_NXDOMAIN, NULL, 0, false, why);
+    if (!sp_egp_check_name(sb->policy, q->m.name, 0, &q->by_name, why, sizeof(why))) {
+        dns_answer(q, SP_DNSMSG_NXDOMAIN, NULL, 0, false, why);
         return;
     }
-    if (q->qtype != 1 && q->qtype != 28) {
-        dns_answer(q, RC_NOERROR, NULL, 0, true, NULL); /* allowed name, no such records here */
+    if (q->m.qtype != 1 && q->m.qtype != 28) {
+        /* allowed name, no such records here */
+        dns_answer(q, SP_DNSMSG_NOERROR, NULL, 0, true, NULL);
         return;
     }
     q->job =
-        sp_egress__resolve(sb, q->name, q->qtype == 1 ? AF_INET : AF_INET6, dns_on_resolved, q);
+        sp_egress__resolve(sb, q->m.name, q->m.qtype == 1 ? AF_INET : AF_INET6, dns_on_resolved, q);
     if (q->job == NULL)
-        dns_answer(q, RC_SERVFAIL, NULL, 0, true, "out of memory");
+        dns_answer(q, SP_DNSMSG_SERVFAIL, NULL, 0, true, "out of memory");
 }
 
 static void on_dns_timer(sp_timer_t *t, void *arg)
 {
     struct dnsq *q = arg;
     if (q->waiting)
-        dns_answer(q, RC_SERVFAIL, NULL, 0, false, "egress policy is not available");
+        dns_answer(q, SP_DNSMSG_SERVFAIL, NULL, 0, false, "egress policy is not available");
     else
-        dns_answer(q, RC_SERVFAIL, NULL, 0, true, "name lookup timed out");
+        dns_answer(q, SP_DNSMSG_SERVFAIL, NULL, 0, true, "name lookup timed out");
 }
 
 static void dns_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const uint8_t *p,
@@ -209,63 +199,6 @@ static void dns_error(sp_agentstream_t *s, const sp_err_t *err, void *arg)
 }
 
 static const sp_agentstream_cbs_t dns_cbs = {dns_frame, dns_error, NULL};
-
-/* Parses a query's header and question into q; the rcode to answer with on failure, or -1
- * when not even a header is there. */
-static int dns_parse(struct dnsq *q, const uint8_t *m, size_t n)
-{
-    if (n < 12)
-        return -1;
-    uint16_t flags = (uint16_t)(m[2] << 8 | m[3]);
-    uint16_t qd = (uint16_t)(m[4] << 8 | m[5]);
-    memcpy(q->msg, m, 12);
-    q->msg[4] = 0;
-    q->msg[5] = 0; /* a refusal before the question is parsed carries none */
-    q->msg_len = 12;
-    if (flags & 0x8000)
-        return RC_FORMERR;
-    if (((flags >> 11) & 0xf) != 0)
-        return RC_NOTIMP;
-    if (qd != 1)
-        return RC_FORMERR;
-    size_t off = 12, nl = 0;
-    char name[SP_EGP_NAME_MAX + 2];
-    for (;;) {
-        if (off >= n)
-            return RC_FORMERR;
-        unsigned l = m[off++];
-        if (l == 0)
-            break;
-        if (l > 63 || off + l > n || nl + l + 1 > SP_EGP_NAME_MAX + 1)
-            return RC_FORMERR; /* compression pointers have no place in a question */
-        if (nl > 0)
-            name[nl++] = '.';
-        memcpy(name + nl, m + off, l);
-        nl += l;
-        off += l;
-    }
-    if (off + 4 > n || off + 4 > sizeof(q->msg))
-        return RC_FORMERR;
-    q->qtype = (uint16_t)(m[off] << 8 | m[off + 1]);
-    uint16_t qclass = (uint16_t)(m[off + 2] << 8 | m[off + 3]);
-    off += 4;
-    memcpy(q->msg, m, off);
-    q->msg[4] = 0;
-    q->msg[5] = 1;
-    memset(q->msg + 6, 0, 6);
-    q->msg_len = off;
-    if (nl == 0)
-        return RC_REFUSED;
-    sp_egp_addr_t a;
-    if (memchr(name, '\0', nl) != NULL ||
-        sp_egp_host_parse(name, nl, q->name, &a) != SP_EGP_HOST_NAME) {
-        snprintf(q->name, sizeof(q->name), "?");
-        return RC_NXDOMAIN;
-    }
-    if (qclass != 1)
-        return RC_REFUSED;
-    return RC_NOERROR;
-}
 
 int sp_egress__dns_accept(struct sb *sb, sp_agentstream_t *s, const uint8_t *payload, size_t len,
                           sp_agentstream_cbs_t *cbs, void **sarg)
@@ -290,13 +223,13 @@ int sp_egress__dns_accept(struct sb *sb, sp_agentstream_t *s, const uint8_t *pay
     eg->st.dns++;
     *cbs = dns_cbs;
     *sarg = q;
-    int rc = dns_parse(q, qs.val, qs.len);
+    int rc = sp_dnsmsg_parse(&q->m, qs.val, qs.len);
     if (rc < 0) {
         q->st = NULL;
         dns_free(q);
         return -1;
     }
-    if (rc != RC_NOERROR) {
+    if (rc != SP_DNSMSG_NOERROR) {
         dns_answer(q, rc, NULL, 0, false, "malformed or unsupported query");
         return 0;
     }

@@ -2,6 +2,7 @@
  * test_connectrpc.c - the Connect pieces without a network: envelopes, both codecs for every
  * message (round trips and known encodings), error codes, header parsing, hostile inputs.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,6 +203,14 @@ static void test_connectrpc_json_shapes(void)
                   "{\"name\":\"a\",\"type\":\"FILE_TYPE_DIRECTORY\",\"path\":\"/a\",\"size\":"
                   "\"4096\",\"permissions\":\"drwxr-xr-x\",\"modifiedTime\":"
                   "\"1970-01-01T00:00:00Z\"}"));
+    /* Four-digit years; a time outside Timestamp's range is written as its bound (the text
+     * must read back). */
+    sp_cf_entry_t t = {.modified_time = {-59011459200, 5}, .has_modified_time = true};
+    CHECK(json_is(&sp_cd_entry, &t, "{\"modifiedTime\":\"0100-01-01T00:00:00.000000005Z\"}"));
+    t.modified_time = (sp_ctime_t){INT64_MAX, 0};
+    CHECK(json_is(&sp_cd_entry, &t, "{\"modifiedTime\":\"9999-12-31T23:59:59Z\"}"));
+    t.modified_time = (sp_ctime_t){INT64_MIN, 0};
+    CHECK(json_is(&sp_cd_entry, &t, "{\"modifiedTime\":\"0001-01-01T00:00:00Z\"}"));
     sp_cf_watcher_t w = {.watcher_id = "abc"};
     CHECK(json_is(&sp_cd_watcher, &w, "{\"watcherId\":\"abc\"}"));
     sp_cp_start_req_t st = {.has_stdin = true};
@@ -318,6 +327,17 @@ static void test_connectrpc_hostile_inputs(void)
     CHECK(dec_json(&sp_cd_listdir_req, "{\"depth\":4294967296}") < 0);
     CHECK(dec_json(&sp_cd_send_signal_req, "{\"signal\":\"SIGNAL_NOPE\"}") < 0);
     CHECK(dec_json(&sp_cd_entry_resp, "{\"entry\":{\"modifiedTime\":\"yesterday\"}}") < 0);
+    /* RFC 3339's digits only: no signs or spaces where sscanf would take them */
+    sp_ctime_t tm;
+    CHECK(sp_connect_parse_time("0100-01-01T00:00:00Z", &tm) == 0 && tm.seconds == -59011459200);
+    CHECK(sp_connect_parse_time("+224-01-02T03:04:05Z", &tm) < 0);
+    CHECK(sp_connect_parse_time(" 224-01-02T03:04:05Z", &tm) < 0);
+    CHECK(sp_connect_parse_time("2024-01-02T03:04:+5Z", &tm) < 0);
+    CHECK(sp_connect_parse_time("2024-01-02T03:04:05+ 1:00", &tm) < 0);
+    CHECK(sp_connect_parse_time("2024-01-02T03:04:05+-1:00", &tm) < 0);
+    CHECK(sp_connect_parse_time("2024-01-02T03:04", &tm) < 0);
+    CHECK(sp_connect_parse_time("2024-01-02T03:04:05-01:30", &tm) == 0 &&
+          tm.seconds == 1704164645 + 5400);
     CHECK(dec_json(&sp_cd_path_req, "{\"path\":\"a\",\"path\":\"b\"}") < 0);
     /* Deep nesting: rejected (jansson's depth bound) or ignored, never a crash. */
     size_t depth = 100000;
@@ -346,6 +366,13 @@ static void test_connectrpc_hostile_inputs(void)
     CHECK(dec_proto(&sp_cd_path_req, t5, sizeof(t5)) < 0);
     static const uint8_t t6[] = {0x0a, 0x02, 'a', 0x00}; /* NUL in a string */
     CHECK(dec_proto(&sp_cd_path_req, t6, sizeof(t6)) < 0);
+    /* Not UTF-8 (proto3 strings must be; JSON could not carry it): a string, a map key */
+    static const uint8_t t6u[] = {0x0a, 0x02, 'a', 0xff};
+    CHECK(dec_proto(&sp_cd_path_req, t6u, sizeof(t6u)) < 0);
+    static const uint8_t t6k[] = {0x0a, 0x09, 0x0a, 0x01, 'x', 0x1a, 0x04, 0x0a, 0x02, 0xc3, 'A'};
+    CHECK(dec_proto(&sp_cd_start_req, t6k, sizeof(t6k)) < 0);
+    static const uint8_t t6ok[] = {0x0a, 0x02, 0xc3, 0xa9};
+    CHECK(dec_proto(&sp_cd_path_req, t6ok, sizeof(t6ok)) == 0);
     static const uint8_t t7[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
     CHECK(dec_proto(&sp_cd_path_req, t7, sizeof(t7)) < 0);
     static const uint8_t t8[] = {0x0a, 0x80, 0x80, 0x80, 0x80, 0x80,

@@ -107,9 +107,14 @@ int main(void)
         sp_buf_t b = SP_BUF_INIT;
         CHECK(sp_json_write(&b, v) < 0);
         CHECK(same(v));
+        CHECK(!sp_json_utf8_valid(bad[i], strlen(bad[i])));
+        CHECK(json_stringn(bad[i], strlen(bad[i])) == NULL);
         sp_buf_free(&b);
         json_decref(v);
     }
+    CHECK(sp_json_utf8_valid("", 0) &&
+          sp_json_utf8_valid("a\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80", 10));
+    CHECK(sp_json_utf8_valid("\xf4\x8f\xbf\xbf", 4) && !sp_json_utf8_valid("\xc3\xa9", 1));
     CHECK(sp_json_write(&(sp_buf_t)SP_BUF_INIT, NULL) < 0);
     /* Long strings: multi-byte characters across the writer's 4 KiB blocks, at every offset. */
     for (int shift = 0; shift < 4; shift++) {
