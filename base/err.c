@@ -41,6 +41,8 @@ const char *sp_err_name(sp_code_t code)
         return "permission_denied";
     case SP_ENOTSUP:
         return "not_supported";
+    case SP_EQUOTA:
+        return "quota_exceeded";
     case SP_EINTERNAL:
         break;
     }
@@ -69,6 +71,8 @@ int sp_err_http_status(sp_code_t code)
         return 403;
     case SP_ENOTSUP:
         return 501;
+    case SP_EQUOTA:
+        return 429;
     case SP_EINTERNAL:
         break;
     }

@@ -25,6 +25,7 @@ typedef enum {
     SP_EFORBIDDEN, /* guest refused (EACCES) -> 403 */
     SP_EINTERNAL, /* our bug                 -> 500 */
     SP_ENOTSUP,   /* the runtime cannot do it -> 501 */
+    SP_EQUOTA,    /* over a team's quota     -> 429 */
 } sp_code_t;
 
 typedef struct {

@@ -1285,6 +1285,7 @@ sp_connect_code_t sp_connect_code_from(sp_code_t c)
     case SP_ECONFLICT:
         return SP_CC_ALREADY_EXISTS;
     case SP_ETOOBIG:
+    case SP_EQUOTA:
         return SP_CC_RESOURCE_EXHAUSTED;
     case SP_EUNAVAIL:
     case SP_ERUNTIME:

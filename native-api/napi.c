@@ -401,6 +401,8 @@ static const struct route routes[] = {
     /* The operator's teams and keys (route_admin.c): /v1/admin/... takes the admin key. */
     {M_GET | M_POST, {"v1", "admin", "teams", NULL},
      {sp_napi__admin_teams_list, sp_napi__admin_teams_create, NULL}, true},
+    {M_POST, {"v1", "admin", "teams", "*", "quota", NULL}, {NULL, sp_napi__admin_team_quota, NULL},
+     true},
     {M_GET | M_POST, {"v1", "admin", "teams", "*", "keys", NULL},
      {sp_napi__admin_keys_list, sp_napi__admin_keys_create, NULL}, true},
     {M_DELETE, {"v1", "admin", "teams", "*", "keys", "*", NULL},

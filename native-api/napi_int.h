@@ -225,6 +225,7 @@ void sp_napi__egress_policy_put(napi_ctx_t *c);
 /* Teams and keys (route_admin.c): authenticated with the admin key, not a team's. */
 void sp_napi__admin_teams_list(napi_ctx_t *c);
 void sp_napi__admin_teams_create(napi_ctx_t *c);
+void sp_napi__admin_team_quota(napi_ctx_t *c);
 void sp_napi__admin_keys_list(napi_ctx_t *c);
 void sp_napi__admin_keys_create(napi_ctx_t *c);
 void sp_napi__admin_keys_revoke(napi_ctx_t *c);

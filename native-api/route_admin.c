@@ -3,18 +3,27 @@
  *
  * The routes authenticate with the admin key (core/control/admin.h; napi.c picks it by the
  * route's flag), never a team's key, and the team routes never take the admin key. A new
- * key's secret is in the create response only; listings show prefixes.
+ * key's secret is in the create response only; listings show prefixes. A team's quotas
+ * (core/control/svc.h) are set with POST /v1/admin/teams/{team}/quota.
  */
 #include <string.h>
 
 #include "core/control/admin.h"
 #include "native-api/napi_int.h"
 
+/* A team's quota: its limit, or null for the server's default. */
+static json_t *quota_json(long v)
+{
+    return v < 0 ? json_null() : json_integer(v);
+}
+
 static json_t *team_json(const void *rec)
 {
     const sp_admin_team_t *t = rec;
-    return json_pack("{s:s,s:s,s:s,s:I}", "id", t->id, "name", t->name, "created_at", t->created_at,
-                     "active_keys", (json_int_t)t->active_keys);
+    return json_pack("{s:s,s:s,s:s,s:I,s:{s:o,s:o,s:o}}", "id", t->id, "name", t->name,
+                     "created_at", t->created_at, "active_keys", (json_int_t)t->active_keys,
+                     "quota", "sandboxes", quota_json(t->quota[0]), "vcpus",
+                     quota_json(t->quota[1]), "memory_mb", quota_json(t->quota[2]));
 }
 
 static json_t *key_json(const void *rec)
@@ -92,6 +101,43 @@ void sp_napi__admin_teams_create(napi_ctx_t *c)
         return;
     }
     if (sp_admin_team_create(c->n->admin, json_string_value(name), on_team_created, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void on_team_quota(void *arg, const sp_admin_team_t *t, size_t n, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else
+        sp_napi__reply(c, 200, team_json(&t[0]));
+}
+
+void sp_napi__admin_team_quota(napi_ctx_t *c)
+{
+    static const char *const allowed[] = {"sandboxes", "vcpus", "memory_mb", NULL};
+    sp_err_t e;
+    if (sp_napi__body_keys(c->body, allowed, true, &e) < 0) {
+        sp_napi__fail(c, &e);
+        return;
+    }
+    /* absent: left as it is; null: the server's default; else the limit */
+    long limits[3];
+    for (int i = 0; allowed[i] != NULL; i++) {
+        json_t *v = json_object_get(c->body, allowed[i]);
+        int l = 0;
+        if (v == NULL) {
+            limits[i] = SP_ADMIN_QUOTA_KEEP;
+        } else if (json_is_null(v)) {
+            limits[i] = SP_ADMIN_QUOTA_DEFAULT;
+        } else if (sp_napi__opt_int(c->body, allowed[i], 0, (int)SP_ADMIN_QUOTA_MAX, &l, &e) < 0) {
+            sp_napi__fail(c, &e);
+            return;
+        } else {
+            limits[i] = l;
+        }
+    }
+    if (sp_admin_team_set_quota(c->n->admin, c->segs[3], limits, on_team_quota, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 

@@ -81,6 +81,8 @@ struct opts {
     const char *registry_mirror;   /* serve: where Docker Hub image references are pulled from */
     const char *insecure_registry; /* serve: registries reached over plain http (comma list) */
     unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
+    sp_quota_t quota;              /* serve: teams' default quotas (core/control/svc.h) */
+    const char *quota_set[3];      /* teams set-quota: sandboxes, vcpus, memory-mb (NULL: keep) */
 };
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
@@ -100,11 +102,15 @@ static void usage(FILE *f)
             "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
             "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
             "                    [--image-max-mb MIB] [--agent PATH]\n"
+            "                    [--team-max-sandboxes N] [--team-max-vcpus N]\n"
+            "                    [--team-max-memory-mb MIB]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
             "       spaced teams list\n"
             "       spaced teams create <name>\n"
+            "       spaced teams set-quota <team> [--sandboxes N|default] [--vcpus N|default]\n"
+            "                                     [--memory-mb MIB|default]\n"
             "       spaced admin-key rotate\n"
             "       spaced template build <name> [--force] [--agent PATH] [--no-snapshot]\n"
             "                                    [--templates-dir DIR]\n"
@@ -510,6 +516,13 @@ static int teams_run(PGconn *c, const struct opts *o, int argc, char **argv)
     sp_err_t e;
     if (argc == 1)
         return sp_keys_team_list(c, stdout, &e) < 0 ? 1 : 0;
+    if (strcmp(argv[0], "set-quota") == 0) {
+        if (sp_keys_team_set_quota(c, argv[1], o->quota_set, &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            return e.code == SP_EINVAL ? 2 : 1;
+        }
+        return 0;
+    }
     char id[SP_ID_LEN + 1];
     if (sp_keys_team_create(c, argv[1], id, &e) < 0) {
         fprintf(stderr, "spaced: %s\n", e.msg);
@@ -520,12 +533,15 @@ static int teams_run(PGconn *c, const struct opts *o, int argc, char **argv)
     return 0;
 }
 
-/* `teams list | create <name>`. Teams are also made by `keys create --team`. */
+/* `teams list | create <name> | set-quota <team> ...`. Teams are also made by `keys create
+ * --team`. */
 static int cmd_teams(struct opts *o, int argc, char **argv)
 {
     bool list = argc == 1 && strcmp(argv[0], "list") == 0;
     bool create = argc == 2 && strcmp(argv[0], "create") == 0;
-    if (!list && !create) {
+    bool quota = argc == 2 && strcmp(argv[0], "set-quota") == 0 &&
+                 (o->quota_set[0] || o->quota_set[1] || o->quota_set[2]);
+    if (!list && !create && !quota) {
         usage(stderr);
         return 2;
     }
@@ -868,6 +884,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
+    if (svc != NULL)
+        sp_svc_set_quota_defaults(svc, &o->quota);
     sp_admin_t *admin = store ? sp_admin_create(store, hashkey) : NULL;
     sp_secrets_t *secrets = NULL;
     sp_mitm_t *mitm = NULL;
@@ -1080,7 +1098,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         fprintf(stderr, "spaced: libsodium failed to initialise\n");
         return 1;
     }
-    struct opts o = {.listen = "127.0.0.1:3000", .idle_timeout_s = SP_SERVER_IDLE_TIMEOUT_S};
+    struct opts o = {.listen = "127.0.0.1:3000",
+                     .idle_timeout_s = SP_SERVER_IDLE_TIMEOUT_S,
+                     .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB}};
     static const struct option lopts[] = {
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
@@ -1102,6 +1122,12 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"registry-mirror", required_argument, NULL, 0x104},
         {"insecure-registry", required_argument, NULL, 0x105},
         {"image-max-mb", required_argument, NULL, 0x106},
+        {"team-max-sandboxes", required_argument, NULL, 0x107},
+        {"team-max-vcpus", required_argument, NULL, 0x108},
+        {"team-max-memory-mb", required_argument, NULL, 0x109},
+        {"sandboxes", required_argument, NULL, 0x10a},
+        {"vcpus", required_argument, NULL, 0x10b},
+        {"memory-mb", required_argument, NULL, 0x10c},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1197,6 +1223,26 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             o.image_max_mb = v;
             break;
         }
+        case 0x107:
+        case 0x108:
+        case 0x109: {
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v > 1000000000) {
+                static const char *const names[] = {"sandboxes", "vcpus", "memory-mb"};
+                fprintf(stderr, "spaced: --team-max-%s wants 0 (no limit) to 1000000000\n",
+                        names[ch - 0x107]);
+                return 2;
+            }
+            int *q[] = {&o.quota.sandboxes, &o.quota.vcpus, &o.quota.memory_mb};
+            *q[ch - 0x107] = (int)v;
+            break;
+        }
+        case 0x10a:
+        case 0x10b:
+        case 0x10c:
+            o.quota_set[ch - 0x10a] = optarg; /* checked by sp_keys_team_set_quota */
+            break;
         case 'u':
             o.database_url = optarg;
             break;

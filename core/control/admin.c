@@ -17,7 +17,7 @@ struct sp_admin {
 };
 
 /* What a call's rows are and what an empty answer means. */
-enum kind { K_AUTH, K_TEAMS, K_TEAM_CREATE, K_KEYS, K_KEY_CREATE, K_KEY_REVOKE };
+enum kind { K_AUTH, K_TEAMS, K_TEAM_CREATE, K_TEAM_QUOTA, K_KEYS, K_KEY_CREATE, K_KEY_REVOKE };
 
 struct call {
     enum kind kind;
@@ -38,6 +38,8 @@ static void parse_team(PGresult *r, int i, sp_admin_team_t *t)
     SP_STORE_TEXT(r, i, 1, t->name);
     SP_STORE_TEXT(r, i, 2, t->created_at);
     t->active_keys = atol(PQgetvalue(r, i, 3));
+    for (int q = 0; q < 3; q++)
+        t->quota[q] = atol(PQgetvalue(r, i, 4 + q));
 }
 
 static void parse_key(PGresult *r, int i, sp_admin_key_t *k)
@@ -64,6 +66,11 @@ static void teams_done(struct call *c, PGresult *res)
         return;
     }
     int n = PQntuples(res);
+    if (c->kind == K_TEAM_QUOTA && n != 1) {
+        free(t);
+        cb(c->arg, NULL, 0, (sp_err_set(&e, SP_ENOTFOUND, "team not found"), &e));
+        return;
+    }
     for (int i = 0; i < n; i++)
         parse_team(res, i, &t[i]);
     cb(c->arg, t, (size_t)n, NULL);
@@ -108,11 +115,11 @@ static void on_result(void *arg, PGresult *res, const sp_err_t *err)
         /* A statement's SQL error is the server's problem, not the client's input. */
         if (e.code == SP_EINTERNAL)
             sp_err_set(&e, SP_EUNAVAIL, "database error");
-        if (c->kind == K_TEAMS || c->kind == K_TEAM_CREATE)
+        if (c->kind == K_TEAMS || c->kind == K_TEAM_CREATE || c->kind == K_TEAM_QUOTA)
             ((sp_admin_teams_cb)c->cb)(c->arg, NULL, 0, &e);
         else
             ((sp_admin_keys_cb)c->cb)(c->arg, NULL, 0, NULL, &e);
-    } else if (c->kind == K_TEAMS || c->kind == K_TEAM_CREATE) {
+    } else if (c->kind == K_TEAMS || c->kind == K_TEAM_CREATE || c->kind == K_TEAM_QUOTA) {
         teams_done(c, res);
     } else {
         keys_done(c, res);
@@ -174,7 +181,10 @@ int sp_admin_authenticate(sp_admin_t *a, const char *key, sp_admin_done_cb cb, v
 
 #define TEAM_COLS                                                                                  \
     "t.id, t.name, " TS("t.created_at") ", (SELECT count(*) FROM api_keys k"                       \
-                                        " WHERE k.team_id = t.id AND k.revoked_at IS NULL)"
+                                        " WHERE k.team_id = t.id AND k.revoked_at IS NULL),"       \
+                                        " coalesce(t.max_sandboxes, -1),"                          \
+                                        " coalesce(t.max_vcpus, -1),"                              \
+                                        " coalesce(t.max_memory_mb, -1)"
 
 int sp_admin_teams(sp_admin_t *a, sp_admin_teams_cb cb, void *arg, sp_err_t *err)
 {
@@ -193,7 +203,7 @@ int sp_admin_team_create(sp_admin_t *a, const char *name, sp_admin_teams_cb cb, 
     return submit(a, K_TEAM_CREATE,
                   "WITH t AS (INSERT INTO teams(id, name) VALUES ($1, $2)"
                   " ON CONFLICT (name) DO NOTHING RETURNING id, name, created_at)"
-                  " SELECT t.id, t.name, " TS("t.created_at") ", 0 FROM t",
+                  " SELECT t.id, t.name, " TS("t.created_at") ", 0, -1, -1, -1 FROM t",
                   2, p, (void *)cb, arg, NULL, err);
 }
 
@@ -203,6 +213,34 @@ static int check_team_ref(const char *team, sp_err_t *err)
     if (team == NULL || team[0] == '\0' || strlen(team) > 64)
         return sp_err_set(err, SP_ENOTFOUND, "team not found");
     return 0;
+}
+
+int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[3],
+                            sp_admin_teams_cb cb, void *arg, sp_err_t *err)
+{
+    if (check_team_ref(team, err) < 0)
+        return -1;
+    /* per quota: whether to set it, then the value (NULL: the server's default) */
+    char v[3][24];
+    const char *p[7] = {team};
+    for (int i = 0; i < 3; i++) {
+        long l = limits[i];
+        if (l != SP_ADMIN_QUOTA_KEEP && l != SP_ADMIN_QUOTA_DEFAULT &&
+            (l < 0 || l > SP_ADMIN_QUOTA_MAX))
+            return sp_err_set(err, SP_EINVAL, "a quota is 0 to %ld, or null for the default",
+                              SP_ADMIN_QUOTA_MAX);
+        p[1 + 2 * i] = l == SP_ADMIN_QUOTA_KEEP ? "false" : "true";
+        snprintf(v[i], sizeof(v[i]), "%ld", l);
+        p[2 + 2 * i] = l >= 0 ? v[i] : NULL;
+    }
+    return submit(a, K_TEAM_QUOTA,
+                  "UPDATE teams t SET"
+                  " max_sandboxes = CASE WHEN $2::bool THEN $3::int ELSE max_sandboxes END,"
+                  " max_vcpus = CASE WHEN $4::bool THEN $5::int ELSE max_vcpus END,"
+                  " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END"
+                  " WHERE t.id = (SELECT id FROM teams WHERE name = $1 OR id = $1"
+                  "  ORDER BY name = $1 DESC LIMIT 1) RETURNING " TEAM_COLS,
+                  7, p, (void *)cb, arg, NULL, err);
 }
 
 int sp_admin_keys(sp_admin_t *a, const char *team, sp_admin_keys_cb cb, void *arg, sp_err_t *err)

@@ -26,7 +26,14 @@ typedef struct {
     char name[65];
     char created_at[32];
     long active_keys; /* keys not revoked */
+    /* the team's quotas (core/control/svc.h): sandboxes, vcpus, memory_mb; -1: the server's
+     * default */
+    long quota[3];
 } sp_admin_team_t;
+
+#define SP_ADMIN_QUOTA_KEEP    (-2L)        /* sp_admin_team_set_quota: leave this one */
+#define SP_ADMIN_QUOTA_DEFAULT (-1L)        /* back to the server's default */
+#define SP_ADMIN_QUOTA_MAX     1000000000L /* the highest limit a team may be given */
 
 typedef struct {
     char id[SP_ID_LEN + 1];
@@ -60,6 +67,13 @@ int sp_admin_teams(sp_admin_t *a, sp_admin_teams_cb cb, void *arg, sp_err_t *err
 /* A new team (name as sp_keys_check_team_name): SP_ECONFLICT when the name is taken. */
 int sp_admin_team_create(sp_admin_t *a, const char *name, sp_admin_teams_cb cb, void *arg,
                          sp_err_t *err);
+
+/* Sets the team's quotas (sandboxes, vcpus, memory_mb, in that order): each
+ * SP_ADMIN_QUOTA_KEEP, SP_ADMIN_QUOTA_DEFAULT or 0 to SP_ADMIN_QUOTA_MAX (0: none may be held;
+ * SP_EINVAL otherwise). Calls back with the team as it is then; SP_ENOTFOUND for an unknown
+ * team. */
+int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[3],
+                            sp_admin_teams_cb cb, void *arg, sp_err_t *err);
 
 /* The team's keys, revoked ones included, oldest first; SP_ENOTFOUND for an unknown team. */
 int sp_admin_keys(sp_admin_t *a, const char *team, sp_admin_keys_cb cb, void *arg, sp_err_t *err);

@@ -156,16 +156,53 @@ int sp_keys_team_list(PGconn *c, FILE *out, sp_err_t *err)
                       "SELECT t.id, t.name,"
                       " to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
                       " (SELECT count(*) FROM api_keys k"
-                      "  WHERE k.team_id = t.id AND k.revoked_at IS NULL)"
+                      "  WHERE k.team_id = t.id AND k.revoked_at IS NULL),"
+                      " coalesce(t.max_sandboxes::text, 'default'),"
+                      " coalesce(t.max_vcpus::text, 'default'),"
+                      " coalesce(t.max_memory_mb::text, 'default')"
                       " FROM teams t ORDER BY t.created_at, t.name",
                       0, NULL, err);
     if (r == NULL)
         return -1;
-    fprintf(out, "%-20s  %-24s  %-20s  %s\n", "ID", "NAME", "CREATED", "KEYS");
+    fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %s\n", "ID", "NAME", "CREATED", "KEYS",
+            "SANDBOXES", "VCPUS", "MEMORY_MB");
     for (int i = 0; i < PQntuples(r); i++)
-        fprintf(out, "%-20s  %-24s  %-20s  %s\n", PQgetvalue(r, i, 0), PQgetvalue(r, i, 1),
-                PQgetvalue(r, i, 2), PQgetvalue(r, i, 3));
+        fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %s\n", PQgetvalue(r, i, 0),
+                PQgetvalue(r, i, 1), PQgetvalue(r, i, 2), PQgetvalue(r, i, 3), PQgetvalue(r, i, 4),
+                PQgetvalue(r, i, 5), PQgetvalue(r, i, 6));
     PQclear(r);
+    return 0;
+}
+
+int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits[3], sp_err_t *err)
+{
+    static const char *const names[3] = {"sandboxes", "vcpus", "memory-mb"};
+    /* per quota: whether to set it, then the value (NULL: the server's default) */
+    const char *p[7] = {team};
+    for (int i = 0; i < 3; i++) {
+        const char *v = limits[i];
+        p[1 + 2 * i] = v != NULL ? "true" : "false";
+        if (v == NULL || strcmp(v, "default") == 0)
+            continue;
+        size_t n = strspn(v, "0123456789");
+        if (n == 0 || n > 10 || v[n] != '\0' || strtoll(v, NULL, 10) > 1000000000)
+            return sp_err_set(err, SP_EINVAL, "--%s must be 0 to 1000000000 or default", names[i]);
+        p[2 + 2 * i] = v;
+    }
+    PGresult *r = run(c,
+                      "UPDATE teams SET"
+                      " max_sandboxes = CASE WHEN $2::bool THEN $3::int ELSE max_sandboxes END,"
+                      " max_vcpus = CASE WHEN $4::bool THEN $5::int ELSE max_vcpus END,"
+                      " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END"
+                      " WHERE id = (SELECT id FROM teams WHERE name = $1 OR id = $1"
+                      "  ORDER BY name = $1 DESC LIMIT 1) RETURNING id",
+                      7, p, err);
+    if (r == NULL)
+        return -1;
+    int found = PQntuples(r);
+    PQclear(r);
+    if (found != 1)
+        return sp_err_set(err, SP_ENOTFOUND, "team %s not found", team);
     return 0;
 }
 

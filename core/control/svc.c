@@ -77,6 +77,7 @@ struct sp_svc {
     struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
     void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
     void *egress_hook_arg;
+    char quota[3][16]; /* the default sandboxes, vcpus, memory_mb as parameters; "": none */
 };
 
 /* Queues sql; done gets an sp_store_req_t, owner svc (flag: the caller's kind or limit). */
@@ -324,7 +325,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 
 /* A create's statement, its parameters owned: kept while the secrets its credential rules name
  * are looked up, then sent. */
-#define CREATE_NPARAMS 20
+#define CREATE_NPARAMS 23
 
 struct create {
     sp_svc_t *svc;
@@ -391,6 +392,9 @@ static int create_submit(struct create *cr, sp_err_t *err)
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
         "   $18::jsonb, t.snap, t.ver FROM t"
+        /* the quotas (svc.h): refuses with SPQTA, else true */
+        "  WHERE space_team_quota($2, coalesce($9::int, t.cpu_count),"
+        "   coalesce($10::int, t.memory_mb), $21::int, $22::int, $23::int)"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
@@ -627,6 +631,8 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     create_json(cr, 14, req->network);
     create_param(cr, 15, req->envd_version);
     create_json(cr, 16, rules);
+    for (int i = 0; i < 3; i++)
+        create_param(cr, 20 + i, svc->quota[i][0] ? svc->quota[i] : NULL);
     if (pol != NULL) { /* the policy in normal form; NULL: derived from allow_internet */
         json_t *norm = sp_egp_to_json(pol);
         sp_egp_free(pol);
@@ -886,22 +892,30 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
     char mode[8], secs[16];
     snprintf(mode, sizeof(mode), "%d", (int)rc->dl.mode);
     snprintf(secs, sizeof(secs), "%d", rc->dl.secs);
+    const sp_svc_t *svc = rc->svc;
     const char *p[] = {rc->id, rc->auth.team_id, sp_desired_name(nd), sp_desired_name(d), opid,
                        sp_request_name(rc->req), mode, secs,
-                       rc->dl_action[0] ? rc->dl_action : NULL};
+                       rc->dl_action[0] ? rc->dl_action : NULL,
+                       svc->quota[0][0] ? svc->quota[0] : NULL,
+                       svc->quota[1][0] ? svc->quota[1] : NULL,
+                       svc->quota[2][0] ? svc->quota[2] : NULL};
     if (submit(
             rc->svc,
             "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
             "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
             "   " DEADLINE_SET
-            "  WHERE id = $1 AND team_id = $2 AND desired_state = $4 RETURNING id, team_id),"
+            "  WHERE id = $1 AND team_id = $2 AND desired_state = $4"
+            /* a suspended sandbox made running again holds its share anew (svc.h) */
+            "  AND ($4 <> 'suspended' OR $3 <> 'running' OR space_team_quota($2, cpu_count,"
+            "   memory_mb, $10::int, $11::int, $12::int))"
+            "  RETURNING id, team_id),"
             " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
             "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
             " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
             "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
             " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
             " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
-            9, p, req_written, NULL, rc, 0, &e) < 0)
+            12, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);
 }
 
@@ -1226,12 +1240,25 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
     svc->loop = loop;
     svc->store = store;
     memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
+    sp_quota_t q = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB};
+    sp_svc_set_quota_defaults(svc, &q);
     if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
         sp_store_listen(store, "space_keys", auth_cache_clear, svc, err) < 0) {
         free(svc);
         return NULL;
     }
     return svc;
+}
+
+void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q)
+{
+    int v[3] = {q->sandboxes, q->vcpus, q->memory_mb};
+    for (int i = 0; i < 3; i++) {
+        if (v[i] > 0)
+            snprintf(svc->quota[i], sizeof(svc->quota[i]), "%d", v[i]);
+        else
+            svc->quota[i][0] = '\0';
+    }
 }
 
 void sp_svc_destroy(sp_svc_t *svc)

@@ -156,6 +156,26 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
                         const unsigned char hashkey[SP_HASHKEY_LEN], sp_err_t *err);
 void sp_svc_destroy(sp_svc_t *svc);
 
+/* A team's quotas: what its sandboxes desired running or paused (a paused one keeps its
+ * memory) may hold together. A team's own limits are in its row (`spaced teams set-quota`);
+ * where it has none, the server's defaults apply. 0: no limit. */
+typedef struct {
+    int sandboxes;
+    int vcpus;
+    int memory_mb;
+} sp_quota_t;
+
+/* The defaults: generous, there to stop a runaway client, not to ration. */
+#define SP_SVC_QUOTA_SANDBOXES 100
+#define SP_SVC_QUOTA_VCPUS     200
+#define SP_SVC_QUOTA_MEMORY_MB (400 * 1024)
+
+/* The server's defaults for teams without limits of their own (SP_SVC_QUOTA_* until set).
+ * A create, and a resume of a suspended sandbox, over a quota fail with SP_EQUOTA and a
+ * message naming the quota, its limit and the team's use. The check and the write are one
+ * statement that locks the team's row: of two creates for the last place, one wins. */
+void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q);
+
 /* key: the caller's API key. SP_EAUTH when unknown or revoked. */
 int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void *arg,
                         sp_err_t *err);

@@ -214,6 +214,34 @@ static const char *const migrations[] = {
      * 150 creates and deletes: 0.4 ms instead of 0.08). */
     ("CREATE INDEX sandboxes_team_live ON sandboxes (team_id, created_at DESC, id DESC)"
      "  WHERE observed_state <> 'deleted';"),
+    /* 9: per-team quotas (core/control/svc.h). A NULL limit is the server's default, passed
+     * by the statement that asks. What counts: the team's sandboxes desired running or paused
+     * (a paused one keeps its memory) and not yet gone. space_team_quota locks the team's row
+     * first, so two creates of one team take turns, and, being a volatile function, counts
+     * with a snapshot taken after the lock (READ COMMITTED): the other create's row, committed
+     * by then, is counted. It raises SQLSTATE SPQTA (core/store/store.h) with a message for
+     * the client; else it is true. */
+    "ALTER TABLE teams ADD COLUMN max_sandboxes int, ADD COLUMN max_vcpus int,"
+    "  ADD COLUMN max_memory_mb int;"
+    "CREATE FUNCTION space_team_quota(team text, cpus int, mem int, def_sandboxes int,"
+    "  def_vcpus int, def_memory_mb int) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $q$"
+    " DECLARE ls int; lc int; lm int; n bigint; c bigint; m bigint;"
+    " BEGIN"
+    "  SELECT coalesce(max_sandboxes, def_sandboxes), coalesce(max_vcpus, def_vcpus),"
+    "   coalesce(max_memory_mb, def_memory_mb) INTO ls, lc, lm"
+    "   FROM teams WHERE id = team FOR NO KEY UPDATE;"
+    "  SELECT count(*), coalesce(sum(cpu_count), 0), coalesce(sum(memory_mb), 0) INTO n, c, m"
+    "   FROM sandboxes WHERE team_id = team AND desired_state IN ('running', 'paused')"
+    "   AND observed_state <> 'deleted';"
+    "  IF n + 1 > ls THEN RAISE EXCEPTION USING ERRCODE = 'SPQTA', MESSAGE = format("
+    "   'team quota exceeded: sandboxes: %s running or paused, limit %s', n, ls); END IF;"
+    "  IF c + cpus > lc THEN RAISE EXCEPTION USING ERRCODE = 'SPQTA', MESSAGE = format("
+    "   'team quota exceeded: vCPUs: %s in use + %s asked, limit %s', c, cpus, lc); END IF;"
+    "  IF m + mem > lm THEN RAISE EXCEPTION USING ERRCODE = 'SPQTA', MESSAGE = format("
+    "   'team quota exceeded: memory: %s MiB in use + %s asked, limit %s MiB', m, mem, lm);"
+    "  END IF;"
+    "  RETURN true;"
+    " END $q$;",
 };
 
 int sp_migrate_latest(void)

@@ -441,11 +441,19 @@ static void finish_results(struct conn *c)
                 const char *state = sp_store_sqlstate(res);
                 /* Class 57 (operator intervention) and 08 (connection): the server is going away. */
                 bool gone = strncmp(state, "57", 2) == 0 || strncmp(state, "08", 2) == 0;
-                if (!gone)
-                    sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,
-                           res ? PQresultErrorMessage(res) : "no result");
-                query_finish(q, res, gone ? SP_EUNAVAIL : SP_EINTERNAL,
-                             gone ? "database unavailable" : "internal database error");
+                const char *primary = res ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY) : NULL;
+                if (strcmp(state, SP_STORE_QUOTA_STATE) == 0 && primary != NULL) {
+                    /* our own quota function's refusal: its message names the quota, the
+                     * limit and the use, and holds nothing else (store.h) */
+                    sp_log(SP_LOG_INFO, "store", "over quota: %s", primary);
+                    query_finish(q, res, SP_EQUOTA, primary);
+                } else {
+                    if (!gone)
+                        sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,
+                               res ? PQresultErrorMessage(res) : "no result");
+                    query_finish(q, res, gone ? SP_EUNAVAIL : SP_EINTERNAL,
+                                 gone ? "database unavailable" : "internal database error");
+                }
             }
         } else if (res != NULL && PQresultStatus(res) != PGRES_COMMAND_OK) {
             sp_log(SP_LOG_WARN, "store", "listener statement failed err=%s",

@@ -119,4 +119,10 @@ bool sp_store_up(const sp_store_t *s);
 /* SQLSTATE of an error result ("23505"), or "" */
 const char *sp_store_sqlstate(const PGresult *res);
 
+/* The SQLSTATE the schema's quota function (space_team_quota, core/store/migrate.c) raises
+ * when a team is over a quota. A statement failing with it fails with SP_EQUOTA and the
+ * error's primary message, which that function writes for clients (the quota, its limit and
+ * the team's use; nothing else). */
+#define SP_STORE_QUOTA_STATE "SPQTA"
+
 #endif
