@@ -10,6 +10,7 @@
 #include "e2b-gateway/route_int.h"
 #include "http/json.h"
 #include "tests/check.h"
+#include "tests/sandbox_rec.h"
 
 static void same(const sp_sandbox_rec_t *s, const char *domain, long long disk, const char *what)
 {
@@ -32,19 +33,9 @@ static void same(const sp_sandbox_rec_t *s, const char *domain, long long disk, 
 int main(void)
 {
     sp_sandbox_rec_t s;
-    memset(&s, 0, sizeof(s));
-    snprintf(s.id, sizeof(s.id), "abcdefghij0123456789");
-    snprintf(s.template_name, sizeof(s.template_name), "base");
-    snprintf(s.observed, sizeof(s.observed), "running");
-    snprintf(s.desired, sizeof(s.desired), "running");
-    snprintf(s.created_at, sizeof(s.created_at), "2026-12-02T00:25:19.123Z");
+    test_sandbox_rec(&s);
     snprintf(s.end_at, sizeof(s.end_at), "2026-12-02T00:25:34.123Z");
-    snprintf(s.deadline_action, sizeof(s.deadline_action), "delete");
-    snprintf(s.access_token, sizeof(s.access_token), "tok");
-    s.cpu_count = 1;
-    s.memory_mb = 256;
     s.allow_internet = -1;
-    s.metadata = json_object();
     same(&s, "e2b.local", 0, "plain: default envd version, no network, allowInternetAccess null");
 
     snprintf(s.envd_version, sizeof(s.envd_version), "0.2.0");

@@ -9,6 +9,7 @@
 #include "http/json.h"
 #include "native-api/napi_int.h"
 #include "tests/check.h"
+#include "tests/sandbox_rec.h"
 
 static void same(const sp_sandbox_rec_t *s, const char *what)
 {
@@ -28,19 +29,9 @@ static void same(const sp_sandbox_rec_t *s, const char *what)
 int main(void)
 {
     sp_sandbox_rec_t s;
-    memset(&s, 0, sizeof(s));
-    snprintf(s.id, sizeof(s.id), "abcdefghij0123456789");
-    snprintf(s.template_name, sizeof(s.template_name), "base");
-    snprintf(s.observed, sizeof(s.observed), "running");
-    snprintf(s.desired, sizeof(s.desired), "running");
-    snprintf(s.created_at, sizeof(s.created_at), "2026-12-02T00:25:19.123Z");
+    test_sandbox_rec(&s);
     snprintf(s.last_activity_at, sizeof(s.last_activity_at), "2026-12-02T00:25:19.123Z");
-    snprintf(s.deadline_action, sizeof(s.deadline_action), "delete");
-    snprintf(s.access_token, sizeof(s.access_token), "tok");
     s.idle_timeout_s = 21600;
-    s.cpu_count = 1;
-    s.memory_mb = 256;
-    s.metadata = json_object();
     same(&s, "plain, nulls");
 
     snprintf(s.deadline_at, sizeof(s.deadline_at), "2026-12-02T06:25:19.000Z");
