@@ -23,7 +23,6 @@
  * boot with spec->snapshot_id fails unless that file exists, and records the snapshot it
  * started from in <id>.from, so tests can see what the controller asked for.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -408,31 +407,6 @@ static int f_checkpoint_exists(sp_driver_t *d, const char *snap)
     return ckpt_exists((fake_t *)d, snap) ? 1 : 0;
 }
 
-static int f_checkpoint_list(sp_driver_t *d, const char *prefix,
-                             void (*fn)(const char *snap, long long committed_s, void *arg),
-                             void *arg, sp_err_t *e)
-{
-    fake_t *f = (fake_t *)d;
-    DIR *dir = opendir(f->dir);
-    if (dir == NULL)
-        return sp_err_set(e, SP_ERUNTIME, "cannot list %s", f->dir);
-    struct dirent *de;
-    while ((de = readdir(dir)) != NULL) {
-        size_t n = strlen(de->d_name);
-        if (n <= 5 || strcmp(de->d_name + n - 5, ".ckpt") != 0 ||
-            strncmp(de->d_name, prefix, strlen(prefix)) != 0)
-            continue;
-        char id[256], p[4096 + 256 + 8];
-        struct stat st;
-        snprintf(id, sizeof(id), "%.*s", (int)(n - 5), de->d_name);
-        snprintf(p, sizeof(p), "%s/%s", f->dir, de->d_name);
-        if (stat(p, &st) == 0)
-            fn(id, (long long)st.st_mtime, arg);
-    }
-    closedir(dir);
-    return 0;
-}
-
 static int simple(sp_driver_t *d, const char *id, const char *act, const char *need,
                   const char *to, sp_driver_cb cb, void *arg, sp_err_t *e)
 {
@@ -554,7 +528,6 @@ static const sp_driver_ops_t fake_ops = {
     .checkpoint = f_checkpoint,
     .checkpoint_delete = f_checkpoint_delete,
     .checkpoint_exists = f_checkpoint_exists,
-    .checkpoint_list = f_checkpoint_list,
 };
 
 sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)
