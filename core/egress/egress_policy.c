@@ -423,10 +423,11 @@ int sp_egp_rule_parse(const char *text, sp_egp_rule_t *out, sp_err_t *err)
     }
     if (strchr(name, '*') != NULL)
         return sp_err_set(err, SP_EINVAL, "'*' is allowed only as \"*\" or a leading \"*.\"");
-    if (loose_ipv4(name))
-        return sp_err_set(err, SP_EINVAL, "ambiguous numeric address (write a dotted quad)");
     if (!name_normalize(name, strlen(name), out->name))
         return sp_err_set(err, SP_EINVAL, "not a host name, IP address or CIDR");
+    /* on the normal form: "0.0.0.0xa." is the name "0.0.0.0xa" as stored and shown back */
+    if (loose_ipv4(out->name))
+        return sp_err_set(err, SP_EINVAL, "ambiguous numeric address (write a dotted quad)");
     if (last_label_numeric(out->name))
         return sp_err_set(err, SP_EINVAL, "not a valid IP address");
     return 0;

@@ -100,6 +100,7 @@ static void test_egress_policy_rule_forms(void)
         {"1.2.3.400", NULL},
         {"127.1", NULL}, /* inet_aton would read it as 127.0.0.1 */
         {"0x7f.0.0.1", NULL},
+        {"0.0.0.0xa.:443", NULL}, /* its normal form, without the dot, is refused too */
         {"2130706433", NULL},
         {"[example.com]:80", NULL},
         {"[::1", NULL},
