@@ -242,6 +242,44 @@ static const char *const migrations[] = {
     "  END IF;"
     "  RETURN true;"
     " END $q$;",
+    /* 10: many hosts (issue "Many hosts, one platform"). A worker is a spaced that runs VMs
+     * (role all or worker); it registers here and heartbeats. address is host:port other nodes
+     * reach its HTTP listener at. state: active (placements go here) | draining (none; its
+     * sandboxes move away) | lost (its heartbeat lapsed; declared by whichever node holds the
+     * 'fleet' lease). vcpus, memory_mb, disk_mb are what it offers (NULL: no limit); what is
+     * taken is the sum over the sandboxes placed on it (sandboxes.worker_id) that are desired
+     * running or paused. generation counts the times it was declared lost: a sandbox records
+     * the generation of the worker it was placed on (worker_generation), so a worker that
+     * comes back never acts on a sandbox placed again since (fencing). templates lists the
+     * template keys ("name" or "name@version") with a snapshot ready there, for locality.
+     * sandboxes.placement holds the labels a create pinned (a jsonb object that the worker's
+     * labels must contain). lost_at: when the sandbox's memory was lost with its worker.
+     * leases: one row per singleton job (the fleet sweep), held by one node until 'until'. */
+    "CREATE TABLE workers ("
+    "  id text PRIMARY KEY,"
+    "  address text NOT NULL,"
+    "  role text NOT NULL DEFAULT 'all',"
+    "  state text NOT NULL DEFAULT 'active',"
+    "  vcpus int,"
+    "  memory_mb int,"
+    "  disk_mb bigint,"
+    "  accelerator text NOT NULL DEFAULT '',"
+    "  version text NOT NULL DEFAULT '',"
+    "  labels jsonb NOT NULL DEFAULT '{}',"
+    "  templates jsonb NOT NULL DEFAULT '[]',"
+    "  generation bigint NOT NULL DEFAULT 1,"
+    "  started_at timestamptz NOT NULL DEFAULT now(),"
+    "  heartbeat_at timestamptz NOT NULL DEFAULT now(),"
+    "  lost_at timestamptz);"
+    "CREATE TABLE leases ("
+    "  name text PRIMARY KEY,"
+    "  holder text NOT NULL,"
+    "  until timestamptz NOT NULL);"
+    "ALTER TABLE sandboxes ADD COLUMN placement jsonb,"
+    "  ADD COLUMN worker_generation bigint,"
+    "  ADD COLUMN lost_at timestamptz;"
+    "CREATE INDEX sandboxes_worker_live ON sandboxes (worker_id)"
+    "  WHERE observed_state <> 'deleted';",
 };
 
 int sp_migrate_latest(void)
