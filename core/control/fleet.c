@@ -198,19 +198,22 @@ static void accel_now(const sp_fleet_t *f, char *out, size_t cap)
 static void comeback(sp_fleet_t *f, const char *generation);
 static void drain_step(sp_fleet_t *f);
 
-/* Both answer: the state the row had before this statement, the generation, and its state now.
- * templates: '[]' for now; which template snapshots a worker holds is the runtime's to tell. */
+/* Both answer: the state the row had before this statement (read under the row's lock before
+ * the write: the source of the INSERT, so a sweep that declared it lost meanwhile is seen),
+ * the generation, and its state now. templates: '[]' for now; which template snapshots a
+ * worker holds is the runtime's to tell. */
 static const char *register_sql =
-    "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE)"
+    "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE),"
+    " v AS (SELECT coalesce((SELECT state FROM prev), 'new') AS was)"
     " INSERT INTO workers AS w (id, address, role, state, vcpus, memory_mb, accelerator, version,"
     "  labels, started_at, heartbeat_at)"
-    " VALUES ($1, $2, $3, 'active', $4::int, $5::int, $6, $7, $8::jsonb, now(), now())"
+    " SELECT $1, $2, $3, 'active', $4::int, $5::int, $6, $7, $8::jsonb, now(), now() FROM v"
     " ON CONFLICT (id) DO UPDATE SET address = excluded.address, role = excluded.role,"
     "  vcpus = excluded.vcpus, memory_mb = excluded.memory_mb,"
     "  accelerator = excluded.accelerator, version = excluded.version,"
     "  labels = excluded.labels, started_at = now(), heartbeat_at = now(),"
     "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
-    " RETURNING coalesce((SELECT state FROM prev), 'new'), w.generation, w.state";
+    " RETURNING (SELECT was FROM v), w.generation, w.state";
 
 static const char *beat_sql =
     "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE)"
@@ -230,17 +233,20 @@ static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const c
         sp_timer_start(&f->beat, 0);
         return;
     }
-    if (!f->registered)
-        sp_log(SP_LOG_INFO, "fleet", "registered worker=%s address=%s role=%s", f->id,
-               f->address, sp_fleet_role_name(f->role));
-    f->registered = true;
     const char *was = PQgetvalue(res, 0, 0), *gen = PQgetvalue(res, 0, 1),
                *now = PQgetvalue(res, 0, 2);
-    if (strcmp(was, "lost") == 0) {
+    bool first = !f->registered;
+    if (first)
+        sp_log(SP_LOG_INFO, "fleet", "registered worker=%s address=%s role=%s was=%s", f->id,
+               f->address, sp_fleet_role_name(f->role), was);
+    f->registered = true;
+    if (strcmp(was, "lost") == 0)
         sp_log(SP_LOG_WARN, "fleet", "this worker was declared lost; back now generation=%s",
                gen);
+    /* After a start too: a sandbox lost here and deleted or moved since may still have a VM
+     * here, whatever the row said (a restart's registration may also race the sweep). */
+    if (strcmp(was, "lost") == 0 || first)
         comeback(f, gen);
-    }
     if (strcmp(now, "draining") == 0)
         drain_step(f);
 }

@@ -396,13 +396,14 @@ static int create_submit(struct create *cr, sp_err_t *err)
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
         "   $18::jsonb, t.snap, t.ver, $24::jsonb, p.wid, p.wgen FROM t"
-        /* the worker (core/control/fleet.h): refuses with SPCAP when none has room */
-        "  CROSS JOIN LATERAL space_place(coalesce($9::int, t.cpu_count),"
+        /* the worker (core/control/fleet.h): refuses with SPCAP when none has room. The
+         * quotas (svc.h: refuses with SPQTA, else true) go first, as an argument: every
+         * create takes the team's lock before the workers', never the other way round */
+        "  CROSS JOIN LATERAL space_place(CASE WHEN space_team_quota($2,"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $21::int,"
+        "   $22::int, $23::int) THEN coalesce($9::int, t.cpu_count) END,"
         "   coalesce($10::int, t.memory_mb), $24::jsonb, t.name || coalesce('@' || t.ver, ''),"
         "   $25::int, $26, NULL) p"
-        /* the quotas (svc.h): refuses with SPQTA, else true */
-        "  WHERE space_team_quota($2, coalesce($9::int, t.cpu_count),"
-        "   coalesce($10::int, t.memory_mb), $21::int, $22::int, $23::int)"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"

@@ -80,6 +80,12 @@ class FleetTest(unittest.TestCase):
         cls.pg.destroy()
         shutil.rmtree(cls.shared, ignore_errors=True)
 
+    def tearDown(self):
+        for w in self.workers:  # a failed test may leave one stopped
+            if w.proc is not None:
+                w.proc.send_signal(signal.SIGCONT)
+        self.delete_all()
+
     # ---- helpers ----
 
     @classmethod
