@@ -241,8 +241,7 @@ static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const c
                f->address, sp_fleet_role_name(f->role), was);
     f->registered = true;
     if (strcmp(was, "lost") == 0)
-        sp_log(SP_LOG_WARN, "fleet", "this worker was declared lost; back now generation=%s",
-               gen);
+        sp_log(SP_LOG_WARN, "fleet", "this worker was declared lost; back now generation=%s", gen);
     /* After a start too: a sandbox lost here and deleted or moved since may still have a VM
      * here, whatever the row said (a restart's registration may also race the sweep). */
     if (strcmp(was, "lost") == 0 || first)
@@ -490,8 +489,8 @@ static void on_sweep(sp_timer_t *t, void *arg)
      * outage every worker's heartbeat is old, and each needs that long to beat again. The
      * sweeping node never declares itself lost: it is plainly alive. */
     uint64_t now = sp_loop_now_ms(f->loop);
-    bool may = f->sweep_ok_since != 0 &&
-               now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000;
+    bool may =
+        f->sweep_ok_since != 0 && now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000;
     const char *p[] = {f->id, f->timeout_s, may ? "true" : "false"};
     if (fq_send(f, sweep_sql, 3, p, swept, NULL) < 0)
         sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);

@@ -42,7 +42,7 @@ int sp_fleet_role_parse(const char *s, sp_role_t *out);
 const char *sp_fleet_role_name(sp_role_t r);
 
 /* Limits on labels, a worker's (--worker-labels) and a create's placement.labels. */
-#define SP_FLEET_MAX_LABELS    16
+#define SP_FLEET_MAX_LABELS 16
 #define SP_FLEET_MAX_LABEL_LEN 63 /* bytes, key or value */
 
 /* Checks a labels object: at most SP_FLEET_MAX_LABELS string values, keys 1 to
@@ -56,11 +56,11 @@ json_t *sp_fleet_parse_labels(const char *text, sp_err_t *err);
 
 typedef struct {
     sp_role_t role;
-    const char *worker_id; /* this node's id (<data-dir>/worker-id) */
-    const char *address;   /* host:port other nodes reach this one at */
-    int vcpus;             /* offered; 0: no limit */
-    int memory_mb;         /* offered; 0: no limit */
-    const json_t *labels;  /* object or NULL; borrowed for the call */
+    const char *worker_id;  /* this node's id (<data-dir>/worker-id) */
+    const char *address;    /* host:port other nodes reach this one at */
+    int vcpus;              /* offered; 0: no limit */
+    int memory_mb;          /* offered; 0: no limit */
+    const json_t *labels;   /* object or NULL; borrowed for the call */
     const char *accel_file; /* a file naming the accelerator once known (the QEMU driver's), or
                              * NULL: the driver's name is reported */
     const char *version;

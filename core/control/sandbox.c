@@ -9,8 +9,8 @@
 static const char *desired_names[SP_DESIRED__COUNT] = {"running", "paused", "suspended",
                                                        "deleted"};
 static const char *observed_names[SP_OBS__COUNT] = {
-    "pending",    "starting",  "running", "pausing", "paused", "suspending",
-    "suspended",  "waking",    "stopping", "deleted", "failed",     "lost"};
+    "pending",   "starting", "running",  "pausing", "paused", "suspending",
+    "suspended", "waking",   "stopping", "deleted", "failed", "lost"};
 static const char *request_names[SP_REQ__COUNT] = {"pause", "suspend", "wake", "delete"};
 static const char *action_names[SP_ACT__COUNT] = {"none",    "boot",    "pause",  "resume",
                                                   "suspend", "restore", "destroy"};

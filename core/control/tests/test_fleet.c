@@ -30,9 +30,9 @@ static void test_fleet_parse_labels(void)
     o = sp_fleet_parse_labels("", &e);
     CHECK(o != NULL && json_object_size(o) == 0);
     json_decref(o);
-    static const char *const bad[] = {"zone",       "=a",     "zone=a,zone=b", "zone=a,",
-                                      "zo ne=a",    "k=v=w",  "k=\xc3\xa9",     ",",
-                                      "a=b,,c=d",   NULL};
+    static const char *const bad[] = {"zone",     "=a",    "zone=a,zone=b", "zone=a,",
+                                      "zo ne=a",  "k=v=w", "k=\xc3\xa9",    ",",
+                                      "a=b,,c=d", NULL};
     for (int i = 0; bad[i] != NULL; i++) {
         e.code = SP_OK;
         json_t *b = sp_fleet_parse_labels(bad[i], &e);
