@@ -43,6 +43,8 @@ const char *sp_err_name(sp_code_t code)
         return "not_supported";
     case SP_EQUOTA:
         return "quota_exceeded";
+    case SP_ECAPACITY:
+        return "capacity";
     case SP_EINTERNAL:
         break;
     }
@@ -66,6 +68,7 @@ int sp_err_http_status(sp_code_t code)
         return 413;
     case SP_EUNAVAIL:
     case SP_ERUNTIME:
+    case SP_ECAPACITY:
         return 503;
     case SP_EFORBIDDEN:
         return 403;

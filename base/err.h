@@ -26,6 +26,7 @@ typedef enum {
     SP_EINTERNAL, /* our bug                 -> 500 */
     SP_ENOTSUP,   /* the runtime cannot do it -> 501 */
     SP_EQUOTA,    /* over a team's quota     -> 429 */
+    SP_ECAPACITY, /* no worker has room      -> 503 */
 } sp_code_t;
 
 typedef struct {

@@ -1289,6 +1289,7 @@ sp_connect_code_t sp_connect_code_from(sp_code_t c)
         return SP_CC_RESOURCE_EXHAUSTED;
     case SP_EUNAVAIL:
     case SP_ERUNTIME:
+    case SP_ECAPACITY:
         return SP_CC_UNAVAILABLE;
     case SP_EFORBIDDEN:
         return SP_CC_PERMISSION_DENIED;

@@ -123,8 +123,9 @@ const char *sp_e2b__state(const sp_sandbox_rec_t *sb)
     sp_observed_t o;
     if (sp_desired_parse(sb->desired, &d) < 0 || sp_observed_parse(sb->observed, &o) < 0)
         return NULL;
+    /* lost with its worker (core/control/fleet.h): gone, as E2B clients know a killed one */
     if (d == SP_DESIRED_DELETED || o == SP_OBS_STOPPING || o == SP_OBS_DELETED ||
-        o == SP_OBS_FAILED)
+        o == SP_OBS_FAILED || o == SP_OBS_LOST)
         return NULL;
     if (o == SP_OBS_SUSPENDING || o == SP_OBS_SUSPENDED || d == SP_DESIRED_SUSPENDED)
         return "paused";

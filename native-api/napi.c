@@ -46,6 +46,11 @@ void sp_napi_set_snap(sp_napi_t *n, sp_snap_t *snap)
     n->snap = snap;
 }
 
+void sp_napi_set_fleet(sp_napi_t *n, sp_fleet_t *fleet)
+{
+    n->fleet = fleet;
+}
+
 void sp_napi_destroy(sp_napi_t *n)
 {
     if (n == NULL)
@@ -69,6 +74,7 @@ const char *sp_napi_route_class(h2o_req_t *req)
                                           {"operations", "operations"},
                                           {"snapshots", "snapshots"},
                                           {"secrets", "secrets"},
+                                          {"workers", "workers"},
                                           {"attach", "attach"},
                                           {"openapi.json", "openapi"}};
     static const char *const subs[][2] = {
@@ -188,6 +194,8 @@ json_t *sp_napi__sandbox_json(const sp_sandbox_rec_t *s)
     json_object_set_new(o, "snapshot_bytes", json_integer(s->snapshot_bytes));
     json_object_set_new(o, "error", str_or_null(s->error));
     json_object_set_new(o, "access_token", json_string(s->access_token)); /* E2B envd token */
+    if (s->lost_at[0]) /* only a sandbox lost with its worker has one (core/control/fleet.h) */
+        json_object_set_new(o, "lost_at", json_string(s->lost_at));
     return o;
 }
 
@@ -215,6 +223,8 @@ int sp_napi__sandbox_write(sp_buf_t *b, const sp_sandbox_rec_t *s)
     sp_json_put_int(b, ",\"snapshot_bytes\":", (long long)s->snapshot_bytes);
     if (sp_json_put_str(b, ",\"error\":", s->error, true) < 0 ||
         sp_json_put_str(b, ",\"access_token\":", s->access_token, false) < 0)
+        return -1;
+    if (s->lost_at[0] && sp_json_put_str(b, ",\"lost_at\":", s->lost_at, false) < 0)
         return -1;
     sp_buf_add(b, "}", 1);
     return b->oom ? -1 : 0;
@@ -407,6 +417,12 @@ static const struct route routes[] = {
      {sp_napi__admin_keys_list, sp_napi__admin_keys_create, NULL}, true},
     {M_DELETE, {"v1", "admin", "teams", "*", "keys", "*", NULL},
      {NULL, NULL, sp_napi__admin_keys_revoke}, false},
+    /* The fleet's workers (route_admin.c): the admin key too. */
+    {M_GET, {"v1", "workers", NULL}, {sp_napi__workers_list, NULL, NULL}, false},
+    {M_GET, {"v1", "workers", "*", NULL}, {sp_napi__workers_get, NULL, NULL}, false},
+    {M_POST, {"v1", "workers", "*", "drain", NULL}, {NULL, sp_napi__workers_drain, NULL}, false},
+    {M_POST, {"v1", "workers", "*", "undrain", NULL}, {NULL, sp_napi__workers_undrain, NULL},
+     false},
 };
 
 static const struct route *match(const char **segs, int n)
@@ -460,7 +476,12 @@ static void on_health(void *arg, const sp_err_t *err)
 static void on_admin_auth(void *arg, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
-    if (err != NULL)
+    sp_err_t e;
+    if (err != NULL && err->code == SP_EAUTH && strcmp(c->segs[1], "workers") == 0 && c->keyed)
+        /* a key that is not the admin key (a team's): the fleet is not the team's to see */
+        sp_napi__fail(c, (sp_err_set(&e, SP_EFORBIDDEN, "workers are for the admin key only"),
+                          &e));
+    else if (err != NULL)
         sp_napi__fail(c, err);
     else
         c->route(c);
@@ -578,10 +599,11 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
     c->body = body;
     c->wait_ms = wait_ms;
     c->route = r->fn[mb == M_GET ? 0 : mb == M_POST ? 1 : mb == M_DELETE ? 2 : 3];
-    if (strcmp(r->pattern[1], "admin") == 0) {
+    if (strcmp(r->pattern[1], "admin") == 0 || strcmp(r->pattern[1], "workers") == 0) {
         if (n->admin == NULL)
             sp_napi__fail(c, (sp_err_set(&e, SP_EUNAVAIL, "the admin API is off"), &e));
-        else if (sp_admin_authenticate(n->admin, key, on_admin_auth, c, &e) < 0)
+        else if ((c->keyed = key != NULL && key[0] != '\0'),
+                 sp_admin_authenticate(n->admin, key, on_admin_auth, c, &e) < 0)
             sp_napi__fail(c, &e);
         return;
     }

@@ -16,6 +16,7 @@
 #include <stdbool.h>
 
 #include "core/control/admin.h"
+#include "core/control/fleet.h"
 #include "core/control/snap.h"
 #include "core/control/svc.h"
 #include "core/control/tmpl.h"
@@ -36,6 +37,9 @@ void sp_napi_set_admin(sp_napi_t *n, sp_admin_t *admin);
 void sp_napi_set_tmpl(sp_napi_t *n, sp_tmpl_t *tmpl);
 /* Sandbox snapshots (borrowed, outlives n); without them /v1/snapshots answers 503. */
 void sp_napi_set_snap(sp_napi_t *n, sp_snap_t *snap);
+
+/* The fleet (borrowed, outlives n): /v1/workers, with the admin key; without it they answer 503. */
+void sp_napi_set_fleet(sp_napi_t *n, sp_fleet_t *fleet);
 
 /* Whether path belongs to this API (/v1/ and /healthz). */
 bool sp_napi_owns(h2o_req_t *req);

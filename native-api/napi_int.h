@@ -22,6 +22,7 @@ struct sp_napi {
     sp_admin_t *admin;          /* the /v1/admin routes' operations; NULL: they answer 503 */
     sp_tmpl_t *tmpl;            /* template builds (route_templates.c); NULL: they answer 503 */
     sp_snap_t *snap;            /* sandbox snapshots (route_snapshots.c); NULL: they answer 503 */
+    sp_fleet_t *fleet;          /* /v1/workers (route_admin.c); NULL: they answer 503 */
 };
 
 /* One request's state across its asynchronous steps, in its hold. */
@@ -39,6 +40,7 @@ struct napi_ctx {
     json_t *body; /* parsed JSON object or NULL; owned */
     uint32_t wait_ms;
     napi_route_fn route;
+    bool keyed; /* a key was given: /v1/workers answers a team's key 403, no key 401 */
     sp_request_t request;
     char op_id[65];
     char sandbox_id[65];
@@ -229,6 +231,10 @@ void sp_napi__admin_team_quota(napi_ctx_t *c);
 void sp_napi__admin_keys_list(napi_ctx_t *c);
 void sp_napi__admin_keys_create(napi_ctx_t *c);
 void sp_napi__admin_keys_revoke(napi_ctx_t *c);
+void sp_napi__workers_list(napi_ctx_t *c);
+void sp_napi__workers_get(napi_ctx_t *c);
+void sp_napi__workers_drain(napi_ctx_t *c);
+void sp_napi__workers_undrain(napi_ctx_t *c);
 /* GET /v1/attach/{sid}: authenticated by the session's attach token, not an API key. */
 void sp_napi__attach(sp_napi_t *n, h2o_req_t *req, const char *sid);
 

@@ -4,7 +4,9 @@
  * The routes authenticate with the admin key (core/control/admin.h; napi.c picks it by the
  * route's flag), never a team's key, and the team routes never take the admin key. A new
  * key's secret is in the create response only; listings show prefixes. A team's quotas
- * (core/control/svc.h) are set with POST /v1/admin/teams/{team}/quota.
+ * (core/control/svc.h) are set with POST /v1/admin/teams/{team}/quota. The fleet's workers
+ * (/v1/workers: list, one with its sandboxes, drain, undrain) take the admin key too; a team's
+ * key gets 403 there.
  */
 #include <string.h>
 
@@ -164,4 +166,57 @@ void sp_napi__admin_keys_revoke(napi_ctx_t *c)
     sp_err_t e;
     if (sp_admin_key_revoke(c->n->admin, c->segs[3], c->segs[5], on_key_revoked, c, &e) < 0)
         sp_napi__fail(c, &e);
+}
+
+/* ---- the fleet's workers (core/control/fleet.h) ---- */
+
+static void on_workers(void *arg, json_t *workers, const sp_err_t *err)
+{
+    napi_ctx_t *c = arg;
+    if (err != NULL)
+        sp_napi__fail(c, err);
+    else if (json_array_size(workers) == 1 && c->nsegs >= 3)
+        sp_napi__reply(c, 200, json_incref(json_array_get(workers, 0)));
+    else
+        sp_napi__reply(c, 200, json_pack("{s:O}", "workers", workers));
+}
+
+static bool have_fleet(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (c->n->fleet != NULL)
+        return true;
+    sp_napi__fail(c, (sp_err_set(&e, SP_EUNAVAIL, "the fleet is not available"), &e));
+    return false;
+}
+
+void sp_napi__workers_list(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (have_fleet(c) && sp_fleet_workers(c->n->fleet, NULL, on_workers, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__workers_get(napi_ctx_t *c)
+{
+    sp_err_t e;
+    if (have_fleet(c) && sp_fleet_workers(c->n->fleet, c->segs[2], on_workers, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+static void drain(napi_ctx_t *c, bool on)
+{
+    sp_err_t e;
+    if (have_fleet(c) && sp_fleet_drain(c->n->fleet, c->segs[2], on, on_workers, c, &e) < 0)
+        sp_napi__fail(c, &e);
+}
+
+void sp_napi__workers_drain(napi_ctx_t *c)
+{
+    drain(c, true);
+}
+
+void sp_napi__workers_undrain(napi_ctx_t *c)
+{
+    drain(c, false);
 }

@@ -113,7 +113,8 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
 {
     static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
                                           "timeout_s", "cpu_count", "memory_mb", "deadline_action",
-                                          "credentials", "egress", "snapshot", NULL};
+                                          "credentials", "egress", "snapshot", "placement",
+                                          NULL};
     sp_err_t e;
     json_t *b = c->body, *t;
     sp_create_req_t r = {0};
@@ -155,6 +156,18 @@ void sp_napi__sandboxes_create(napi_ctx_t *c)
      * naming it), and the secrets the rules name core's to look up. */
     r.egress = sp_napi__field(b, "egress");
     r.credentials = sp_napi__field(b, "credentials");
+    /* {"labels": {...}}: the worker it runs on must have them (core checks the labels) */
+    json_t *pl = sp_napi__field(b, "placement");
+    if (pl != NULL && !json_is_null(pl)) {
+        static const char *const pallowed[] = {"labels", NULL};
+        if (!json_is_object(pl) || sp_napi__body_keys(pl, pallowed, false, &e) < 0) {
+            if (!json_is_object(pl))
+                sp_err_set(&e, SP_EINVAL, "placement must be an object {\"labels\": {...}}");
+            sp_napi__fail(c, &e);
+            return;
+        }
+        r.placement_labels = sp_napi__field(pl, "labels");
+    }
     if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

@@ -31,6 +31,7 @@
 #include "core/egress/egress.h"
 #include "base/ids.h"
 #include "core/control/admin.h"
+#include "core/control/fleet.h"
 #include "core/control/keys.h"
 #include "base/log.h"
 #include "core/store/migrate.h"
@@ -83,6 +84,14 @@ struct opts {
     unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
     sp_quota_t quota;              /* serve: teams' default quotas (core/control/svc.h) */
     const char *quota_set[3];      /* teams set-quota: sandboxes, vcpus, memory-mb (NULL: keep) */
+    /* serve: this node's part in a fleet (core/control/fleet.h) */
+    sp_role_t role;
+    const char *advertise;    /* HOST:PORT other nodes reach this one at (default: --listen) */
+    int worker_vcpus;         /* offered; 0: the role's default */
+    int worker_memory_mb;
+    const char *worker_labels; /* k=v,k=v */
+    int heartbeat_timeout_s;
+    int lost_grace_s;
 };
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
@@ -104,6 +113,10 @@ static void usage(FILE *f)
             "                    [--image-max-mb MIB] [--agent PATH]\n"
             "                    [--team-max-sandboxes N] [--team-max-vcpus N]\n"
             "                    [--team-max-memory-mb MIB]\n"
+            "                    [--role all|api|worker] [--advertise HOST:PORT]\n"
+            "                    [--worker-vcpus N] [--worker-memory-mb MIB]\n"
+            "                    [--worker-labels k=v,k=v] [--heartbeat-timeout-s N]\n"
+            "                    [--lost-grace-s N]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -831,15 +844,60 @@ static void egress_policy_changed(void *arg, const char *sandbox_id, const json_
     sp_egress_policy_set(arg, sandbox_id, policy);
 }
 
+/* The fleet options that need no database: -1 (said on stderr) when the role cannot start. */
+static int check_role(struct opts *o, json_t **labels)
+{
+    if (o->role != SP_ROLE_ALL && o->database_url == NULL) {
+        fprintf(stderr, "spaced: --role %s needs --database-url (the PostgreSQL every node of "
+                        "the fleet shares); only --role all runs the embedded one\n",
+                sp_fleet_role_name(o->role));
+        return -1;
+    }
+    if (o->advertise == NULL) {
+        const char *colon = strrchr(o->listen, ':');
+        size_t hl = colon ? (size_t)(colon - o->listen) : 0;
+        bool any = (hl == 7 && strncmp(o->listen, "0.0.0.0", 7) == 0) ||
+                   (hl == 2 && strncmp(o->listen, "::", 2) == 0) ||
+                   (hl == 4 && strncmp(o->listen, "[::]", 4) == 0) || hl == 0;
+        if (any && o->role != SP_ROLE_ALL) {
+            fprintf(stderr, "spaced: listening on %s, other nodes cannot reach this one there: "
+                            "give --advertise HOST:PORT\n", o->listen);
+            return -1;
+        }
+        o->advertise = o->listen;
+    }
+    sp_err_t e;
+    *labels = sp_fleet_parse_labels(o->worker_labels, &e);
+    if (*labels == NULL) {
+        fprintf(stderr, "spaced: --worker-labels: %s\n", e.msg);
+        return -1;
+    }
+    if (o->role == SP_ROLE_WORKER) { /* a worker offers what the host has, unless told */
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN), pages = sysconf(_SC_PHYS_PAGES),
+             page = sysconf(_SC_PAGESIZE);
+        if (o->worker_vcpus == 0)
+            o->worker_vcpus = 4 * (int)(cpus > 0 ? cpus : 1);
+        if (o->worker_memory_mb == 0 && pages > 0 && page > 0)
+            o->worker_memory_mb = (int)((long long)pages * page >> 20);
+    }
+    return 0;
+}
+
 static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
 {
+    json_t *labels = NULL;
+    if (check_role(o, &labels) < 0)
+        return 2;
     unsigned char mkey[SP_SECRETS_KEY_LEN];
     sp_secrets_key_source_t msrc;
-    if (load_master_key(o, mkey, &msrc) < 0)
+    if (load_master_key(o, mkey, &msrc) < 0) {
+        json_decref(labels);
         return 1;
+    }
     struct db db;
     if (db_open(o, &db, true) < 0) {
         sodium_memzero(mkey, sizeof(mkey));
+        json_decref(labels);
         return 1;
     }
     int rc = 1;
@@ -881,6 +939,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_tmpl_t *tmpl = NULL;
     sp_snap_t *snap = NULL;
     sp_opsrv_t *opsrv = NULL;
+    sp_fleet_t *fleet = NULL;
+    sp_driver_t *nodriver = NULL; /* an API node's templates and snapshots: they run no VMs */
+    bool api = o->role == SP_ROLE_API;
     s.loop = sp_loop_create();
     sp_store_t *store = sp_store_create(s.loop, db.conninfo, 4, &e);
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
@@ -892,15 +953,17 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_driver_t *driver = NULL;
     /* Outbound traffic: before the driver, which names the agent channels of the VMs it
      * re-adopts as it starts (the proxy attaches to each). */
-    sp_egress_t *egress = svc ? sp_egress_create(s.loop, store, NULL, &e) : NULL;
-    if (svc != NULL && egress == NULL) {
+    sp_egress_t *egress = svc && !api ? sp_egress_create(s.loop, store, NULL, &e) : NULL;
+    if (svc != NULL && !api && egress == NULL) {
         fprintf(stderr, "spaced: egress proxy: %s\n", e.msg);
         goto out_srv;
     }
     if (egress != NULL)
         sp_svc_set_egress_hook(svc, egress_policy_changed, egress);
     const char *runtime = o->runtime ? o->runtime : "qemu";
-    if (test_driver != NULL && strcmp(runtime, "test") == 0) {
+    if (api) {
+        nodriver = sp_driver_unavailable_create(s.loop, "this node runs no sandboxes (--role api)");
+    } else if (test_driver != NULL && strcmp(runtime, "test") == 0) {
         driver = test_driver(s.loop, o->data_dir);
     } else if (strcmp(runtime, "qemu") == 0) {
         /* SPACE_ACCEL=auto|kvm|tcg (default auto: KVM only where a probe guest boots). */
@@ -933,8 +996,30 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     char wid[SP_ID_LEN + 1];
     worker_id(o->data_dir, wid);
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
-    tmpl = store && driver ? sp_tmpl_create(s.loop, store, driver, o->data_dir, &e) : NULL;
-    snap = store && driver ? sp_snap_create(s.loop, store, driver, &e) : NULL;
+    if (recon != NULL) /* rows from before placement are a single node's */
+        sp_recon_set_unplaced(recon, o->role == SP_ROLE_ALL);
+    if (svc != NULL)
+        sp_svc_set_placement(svc, api ? NULL : wid, o->heartbeat_timeout_s);
+    char accel_file[4200];
+    snprintf(accel_file, sizeof(accel_file), "%s/vms/accel", o->data_dir);
+    sp_fleet_opts_t fo = {.role = o->role,
+                          .worker_id = wid,
+                          .address = o->advertise,
+                          .vcpus = o->worker_vcpus,
+                          .memory_mb = o->worker_memory_mb,
+                          .labels = labels,
+                          .accel_file = accel_file,
+                          .version = SPACE_VERSION,
+                          .heartbeat_timeout_s = o->heartbeat_timeout_s,
+                          .lost_grace_s = o->lost_grace_s};
+    fleet = store ? sp_fleet_create(s.loop, store, driver, &fo, &e) : NULL;
+    if (store != NULL && fleet == NULL) {
+        fprintf(stderr, "spaced: fleet: %s\n", e.msg);
+        goto out_srv;
+    }
+    sp_driver_t *tdriver = driver ? driver : nodriver;
+    tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir, &e) : NULL;
+    snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, &e) : NULL;
     /* Builds from container images put the agent into them (none found: refused) */
     if (tmpl != NULL && sp_tmpl_set_images(tmpl, find_agent(o->agent), o->registry_mirror,
                                            o->insecure_registry,
@@ -946,6 +1031,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_napi_set_admin(s.napi, admin);
         sp_napi_set_tmpl(s.napi, tmpl);
         sp_napi_set_snap(s.napi, snap);
+        sp_napi_set_fleet(s.napi, fleet);
     }
     /* The E2B surface and the host suffix it returns as `domain`. */
     char domain[256];
@@ -956,7 +1042,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_e2b_set_tmpl(s.e2b, tmpl);
         sp_e2b_set_snap(s.e2b, snap);
     }
-    if (recon == NULL || tmpl == NULL || snap == NULL || s.napi == NULL || s.e2b == NULL || admin == NULL) {
+    if ((recon == NULL && !api) || tmpl == NULL || snap == NULL || s.napi == NULL ||
+        s.e2b == NULL || admin == NULL) {
         fprintf(stderr, "spaced: start-up failed\n");
         goto out_srv;
     }
@@ -1024,8 +1111,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (opsrv != NULL)
         printf("metrics (operator only): http://%s/metrics\n", o->metrics_listen);
     fflush(stdout);
-    sp_log(SP_LOG_INFO, "server", "serving listen=%s worker=%s runtime=%s", o->listen, wid,
-           driver->ops->name);
+    sp_log(SP_LOG_INFO, "server", "serving listen=%s worker=%s runtime=%s role=%s advertise=%s",
+           o->listen, wid, driver ? driver->ops->name : "none", sp_fleet_role_name(o->role),
+           o->advertise);
 
     while (!s.stop)
         sp_loop_run_once(s.loop, 1000);
@@ -1038,6 +1126,7 @@ out_srv:
     sp_sniff_destroy(s.sniff);
     sp_sniff_destroy(s.sniff6);
     sp_recon_destroy(recon);
+    sp_fleet_destroy(fleet);
     sp_egress_destroy(egress); /* closes its mitm handles and proxied connections */
     sp_mitm_destroy(mitm);
     sp_store_destroy(store); /* pending statements answer first: builds may still need tmpl */
@@ -1049,9 +1138,11 @@ out_srv:
     sp_admin_destroy(admin);
     sp_e2b_destroy(s.e2b);
     sp_driver_destroy(driver);
+    sp_driver_destroy(nodriver);
     if (s.ssl_ctx != NULL)
         SSL_CTX_free(s.ssl_ctx);
 out_db:
+    json_decref(labels);
     sodium_memzero(mkey, sizeof(mkey));
     if (db.cluster != NULL && sp_pgcluster_stop(db.cluster, &e) < 0)
         fprintf(stderr, "spaced: stopping the embedded PostgreSQL failed: %s\n", e.msg);
@@ -1100,7 +1191,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
     }
     struct opts o = {.listen = "127.0.0.1:3000",
                      .idle_timeout_s = SP_SERVER_IDLE_TIMEOUT_S,
-                     .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB}};
+                     .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB},
+                     .heartbeat_timeout_s = 10,
+                     .lost_grace_s = 60};
     static const struct option lopts[] = {
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
@@ -1128,6 +1221,13 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"sandboxes", required_argument, NULL, 0x10a},
         {"vcpus", required_argument, NULL, 0x10b},
         {"memory-mb", required_argument, NULL, 0x10c},
+        {"role", required_argument, NULL, 0x110},
+        {"advertise", required_argument, NULL, 0x111},
+        {"worker-vcpus", required_argument, NULL, 0x112},
+        {"worker-memory-mb", required_argument, NULL, 0x113},
+        {"worker-labels", required_argument, NULL, 0x114},
+        {"heartbeat-timeout-s", required_argument, NULL, 0x115},
+        {"lost-grace-s", required_argument, NULL, 0x116},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1246,6 +1346,38 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 'u':
             o.database_url = optarg;
             break;
+        case 0x110:
+            if (sp_fleet_role_parse(optarg, &o.role) < 0) {
+                fprintf(stderr, "spaced: --role wants all, api or worker\n");
+                return 2;
+            }
+            break;
+        case 0x111:
+            o.advertise = optarg;
+            break;
+        case 0x114:
+            o.worker_labels = optarg; /* checked by serve */
+            break;
+        case 0x112:
+        case 0x113:
+        case 0x115:
+        case 0x116: {
+            /* by code from 0x112; 0x114 (labels) is not a number */
+            static const char *const names[] = {"worker-vcpus", "worker-memory-mb", "",
+                                                "heartbeat-timeout-s", "lost-grace-s"};
+            static const long lo[] = {1, 128, 0, 2, 0};
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < lo[ch - 0x112] || v > 100000000) {
+                fprintf(stderr, "spaced: --%s wants a number from %ld\n", names[ch - 0x112],
+                        lo[ch - 0x112]);
+                return 2;
+            }
+            int *dst[] = {&o.worker_vcpus, &o.worker_memory_mb, NULL, &o.heartbeat_timeout_s,
+                          &o.lost_grace_s};
+            *dst[ch - 0x112] = (int)v;
+            break;
+        }
         case 'r':
             o.runtime = optarg;
             break;

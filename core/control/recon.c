@@ -49,6 +49,7 @@ struct sp_recon {
     sp_store_t *store;
     sp_driver_t *driver;
     char worker_id[65];
+    bool unplaced; /* also claims rows placed on no worker */
     sp_timer_t tick;
     sp_timer_t sweep; /* deadlines and idle limits */
     bool sweeping;
@@ -104,6 +105,11 @@ static void task_free(struct task *t)
     sp_timer_stop(&t->retry);
     free(t->env_json);
     free(t);
+}
+
+void sp_recon_set_unplaced(sp_recon_t *r, bool claim)
+{
+    r->unplaced = claim;
 }
 
 int sp_recon_busy(const sp_recon_t *r)
@@ -524,24 +530,29 @@ static void scan(sp_recon_t *r)
     for (struct task *t = r->tasks; t != NULL; t = t->next)
         off += (size_t)snprintf(busy + off, cap - off, "%s%s", off > 1 ? "," : "", t->id);
     snprintf(busy + off, cap - off, "}");
-    const char *p[] = {r->worker_id, busy};
+    const char *p[] = {r->worker_id, busy, r->unplaced ? "true" : "false"};
     sp_err_t e;
+    /* Its own rows (placed here), and unplaced ones when it may; none while its worker is
+     * lost (core/control/fleet.h: it settles them when its heartbeat resumes). A lost row is
+     * only ever deleted. */
     int rc = sp_store_query(
         r->store,
         "UPDATE sandboxes s SET worker_id = $1, claim_until = now() + interval " RECON_LEASE
         " WHERE s.id IN (SELECT c.id FROM sandboxes c"
         "  WHERE c.observed_state <> 'deleted'"
-        "   AND (c.claim_until IS NULL OR c.claim_until < now() OR c.worker_id = $1)"
+        "   AND (c.worker_id = $1 OR (c.worker_id IS NULL AND $3::bool))"
+        "   AND NOT EXISTS (SELECT 1 FROM workers w WHERE w.id = $1 AND w.state = 'lost')"
         "   AND NOT (c.id = ANY($2::text[]))"
         "   AND ((c.desired_state <> c.observed_state"
-        "         AND NOT (c.observed_state = 'failed' AND c.desired_state <> 'deleted'))"
+        "         AND NOT (c.observed_state IN ('failed', 'lost')"
+        "                  AND c.desired_state <> 'deleted'))"
         "     OR EXISTS (SELECT 1 FROM operations o WHERE o.sandbox_id = c.id"
         "                AND o.status IN ('pending', 'running') AND o.kind <> 'snapshot'))"
         "  ORDER BY c.updated_at LIMIT " RECON_BATCH " FOR UPDATE SKIP LOCKED)"
         " RETURNING s.id, s.desired_state, s.observed_state,"
         "  s.template || coalesce('@' || s.template_version, ''), s.cpu_count,"
         "  s.memory_mb, s.env::text, coalesce(s.snapshot_id, '')",
-        2, p, on_claimed, r, &e);
+        3, p, on_claimed, r, &e);
     free(busy);
     if (rc < 0) {
         sp_timer_start(&r->tick, RECON_TICK_MS);
@@ -577,6 +588,7 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     r->store = store;
     r->driver = driver;
     snprintf(r->worker_id, sizeof(r->worker_id), "%s", worker_id);
+    r->unplaced = true;
     sp_timer_init(&r->tick, loop, on_tick, r);
     sp_timer_init(&r->sweep, loop, on_sweep, r);
     sp_metrics_declare(&m_ops);

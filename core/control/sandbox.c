@@ -9,8 +9,8 @@
 static const char *desired_names[SP_DESIRED__COUNT] = {"running", "paused", "suspended",
                                                        "deleted"};
 static const char *observed_names[SP_OBS__COUNT] = {
-    "pending",    "starting",  "running", "pausing", "paused", "suspending",
-    "suspended",  "waking",    "stopping", "deleted", "failed"};
+    "pending",   "starting", "running",  "pausing", "paused", "suspending",
+    "suspended", "waking",   "stopping", "deleted", "failed", "lost"};
 static const char *request_names[SP_REQ__COUNT] = {"pause", "suspend", "wake", "delete"};
 static const char *action_names[SP_ACT__COUNT] = {"none",    "boot",    "pause",  "resume",
                                                   "suspend", "restore", "destroy"};
@@ -95,6 +95,9 @@ int sp_sandbox_request(sp_desired_t desired, sp_observed_t observed, sp_request_
         return sp_err_set(err, SP_ENOTFOUND, "sandbox is deleted");
     if (observed == SP_OBS_FAILED && req != SP_REQ_DELETE)
         return sp_err_set(err, SP_ECONFLICT, "sandbox has failed; it can only be deleted");
+    if (observed == SP_OBS_LOST && req != SP_REQ_DELETE)
+        return sp_err_set(err, SP_ECONFLICT,
+                          "sandbox was lost with its worker; it can only be deleted");
     if (!(request_from[req] & (1u << desired)))
         return sp_err_set(err, SP_ECONFLICT, "cannot %s a sandbox that is %s",
                           request_names[req], desired_names[desired]);
@@ -107,15 +110,17 @@ int sp_sandbox_request(sp_desired_t desired, sp_observed_t observed, sp_request_
 static const unsigned observed_to[SP_OBS__COUNT] = {
     [SP_OBS_PENDING] = O(STARTING) | O(STOPPING) | O(FAILED),
     [SP_OBS_STARTING] = O(RUNNING) | O(FAILED) | O(PENDING) | O(STOPPING),
-    [SP_OBS_RUNNING] = O(PAUSING) | O(SUSPENDING) | O(STOPPING) | O(FAILED),
+    [SP_OBS_RUNNING] = O(PAUSING) | O(SUSPENDING) | O(STOPPING) | O(FAILED) | O(LOST),
     [SP_OBS_PAUSING] = O(PAUSED) | O(RUNNING) | O(FAILED),
-    [SP_OBS_PAUSED] = O(WAKING) | O(SUSPENDING) | O(STOPPING) | O(FAILED),
+    [SP_OBS_PAUSED] = O(WAKING) | O(SUSPENDING) | O(STOPPING) | O(FAILED) | O(LOST),
     [SP_OBS_SUSPENDING] = O(SUSPENDED) | O(RUNNING) | O(PAUSED) | O(FAILED),
     [SP_OBS_SUSPENDED] = O(WAKING) | O(STOPPING),
     [SP_OBS_WAKING] = O(RUNNING) | O(PAUSED) | O(SUSPENDED) | O(FAILED),
     [SP_OBS_STOPPING] = O(DELETED) | O(FAILED),
     [SP_OBS_DELETED] = 0,
     [SP_OBS_FAILED] = O(STOPPING),
+    /* deleted: its worker is still lost, so nothing is left to stop (core/control/fleet.c) */
+    [SP_OBS_LOST] = O(STOPPING) | O(RUNNING) | O(PAUSED) | O(DELETED),
 };
 #undef O
 
@@ -134,7 +139,7 @@ sp_action_t sp_sandbox_next_action(sp_observed_t o, sp_desired_t d)
         return SP_ACT_NONE;
     if (d == SP_DESIRED_DELETED)
         return SP_ACT_DESTROY; /* from pending and failed too: cleanup is idempotent */
-    if (o == SP_OBS_FAILED)
+    if (o == SP_OBS_FAILED || o == SP_OBS_LOST)
         return SP_ACT_NONE;
     switch (o) {
     case SP_OBS_PENDING:

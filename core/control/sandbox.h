@@ -37,6 +37,10 @@ typedef enum {
     SP_OBS_STOPPING,
     SP_OBS_DELETED,
     SP_OBS_FAILED,
+    /* Its worker was declared lost (core/control/fleet.h) while it ran or was paused: its
+     * memory is gone unless the worker comes back within the grace and re-adopts it (back to
+     * running or paused). Only a delete is accepted; the desired state is kept for that. */
+    SP_OBS_LOST,
     SP_OBS__COUNT,
 } sp_observed_t;
 

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/control/fleet.h"
 #include "core/control/snap.h"
 #include "core/control/tmpl.h"
 #include "core/egress/egress_policy.h"
@@ -35,8 +36,8 @@
     "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
     "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
     "coalesce(s.envd_version, ''), " UTC("coalesce(s.deadline_at, s.created_at + make_interval("  \
-    "secs => coalesce(s.deadline_s, 315360000)))")
-#define SANDBOX_NCOLS 22
+    "secs => coalesce(s.deadline_s, 315360000)))") ", " UTC("s.lost_at")
+#define SANDBOX_NCOLS 23
 
 struct waiter {
     sp_svc_t *svc;
@@ -78,6 +79,8 @@ struct sp_svc {
     void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
     void *egress_hook_arg;
     char quota[3][16]; /* the default sandboxes, vcpus, memory_mb as parameters; "": none */
+    char place_self[65]; /* this node's worker id; "": an API node (SQL NULL) */
+    char place_fresh[16]; /* the heartbeat timeout, seconds */
 };
 
 /* Queues sql; done gets an sp_store_req_t, owner svc (flag: the caller's kind or limit). */
@@ -119,6 +122,7 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     s->network = net[0] ? json_loads(net, 0, NULL) : NULL;
     SP_STORE_TEXT(r, row, col + 20, s->envd_version);
     SP_STORE_TIME(r, row, col + 21, s->end_at);
+    SP_STORE_TIME(r, row, col + 22, s->lost_at);
 }
 
 void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
@@ -325,7 +329,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 
 /* A create's statement, its parameters owned: kept while the secrets its credential rules name
  * are looked up, then sent. */
-#define CREATE_NPARAMS 23
+#define CREATE_NPARAMS 26
 
 struct create {
     sp_svc_t *svc;
@@ -386,15 +390,20 @@ static int create_submit(struct create *cr, sp_err_t *err)
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
         "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
         "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
-        "  egress, snapshot_id, template_version)"
+        "  egress, snapshot_id, template_version, placement, worker_id, worker_generation)"
         "  SELECT $1, $2, t.name, $4::jsonb, t.env || coalesce($5::jsonb, '{}'), $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
-        "   $18::jsonb, t.snap, t.ver FROM t"
-        /* the quotas (svc.h): refuses with SPQTA, else true */
-        "  WHERE space_team_quota($2, coalesce($9::int, t.cpu_count),"
-        "   coalesce($10::int, t.memory_mb), $21::int, $22::int, $23::int)"
+        "   $18::jsonb, t.snap, t.ver, $24::jsonb, p.wid, p.wgen FROM t"
+        /* the worker (core/control/fleet.h): refuses with SPCAP when none has room. The
+         * quotas (svc.h: refuses with SPQTA, else true) go first, as an argument: every
+         * create takes the team's lock before the workers', never the other way round */
+        "  CROSS JOIN LATERAL space_place(CASE WHEN space_team_quota($2,"
+        "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $21::int,"
+        "   $22::int, $23::int) THEN coalesce($9::int, t.cpu_count) END,"
+        "   coalesce($10::int, t.memory_mb), $24::jsonb, t.name || coalesce('@' || t.ver, ''),"
+        "   $25::int, $26, NULL) p"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
@@ -567,6 +576,9 @@ static int create_check(const sp_create_req_t *req, const char *action, sp_err_t
         return sp_err_set(err, SP_EINVAL, "network must be an object");
     if (req->envd_version != NULL && strlen(req->envd_version) > 31)
         return sp_err_set(err, SP_EINVAL, "envd_version is too long");
+    if (req->placement_labels != NULL &&
+        sp_fleet_check_labels(req->placement_labels, "placement.labels", err) < 0)
+        return -1;
     return 0;
 }
 
@@ -633,6 +645,10 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     create_json(cr, 16, rules);
     for (int i = 0; i < 3; i++)
         create_param(cr, 20 + i, svc->quota[i][0] ? svc->quota[i] : NULL);
+    if (req->placement_labels != NULL && json_object_size(req->placement_labels) > 0)
+        create_json(cr, 23, req->placement_labels);
+    create_param(cr, 24, svc->place_fresh);
+    create_param(cr, 25, svc->place_self[0] ? svc->place_self : NULL);
     if (pol != NULL) { /* the policy in normal form; NULL: derived from allow_internet */
         json_t *norm = sp_egp_to_json(pol);
         sp_egp_free(pol);
@@ -898,11 +914,25 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
                        rc->dl_action[0] ? rc->dl_action : NULL,
                        svc->quota[0][0] ? svc->quota[0] : NULL,
                        svc->quota[1][0] ? svc->quota[1] : NULL,
-                       svc->quota[2][0] ? svc->quota[2] : NULL};
+                       svc->quota[2][0] ? svc->quota[2] : NULL,
+                       svc->place_fresh,
+                       svc->place_self[0] ? svc->place_self : NULL};
     if (submit(
             rc->svc,
-            "WITH s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
+            /* a wake of a suspended sandbox is placed again (core/control/fleet.h), its own
+             * worker first: one that is lost or full gives way to another */
+            "WITH p AS (SELECT pl.wid, pl.wgen FROM sandboxes x CROSS JOIN LATERAL space_place("
+            "   x.cpu_count, x.memory_mb, x.placement, x.template"
+            "   || coalesce('@' || x.template_version, ''), $13::int, $14, x.worker_id) pl"
+            "  WHERE x.id = $1 AND x.team_id = $2 AND $4 = 'suspended' AND $3 = 'running'"
+            "   AND x.desired_state = $4 AND x.observed_state = 'suspended'),"
+            " s AS (UPDATE sandboxes SET desired_state = $3, updated_at = now(),"
             "   last_activity_at = CASE WHEN $3 = 'running' THEN now() ELSE last_activity_at END,"
+            "   moved_from = CASE WHEN (SELECT wid FROM p) IS DISTINCT FROM worker_id"
+            "    AND EXISTS (SELECT 1 FROM p) THEN worker_id ELSE moved_from END,"
+            "   worker_id = coalesce((SELECT wid FROM p), worker_id),"
+            "   worker_generation = coalesce((SELECT wgen FROM p), worker_generation),"
+            "   moving = CASE WHEN EXISTS (SELECT 1 FROM p) THEN NULL ELSE moving END,"
             "   " DEADLINE_SET
             "  WHERE id = $1 AND team_id = $2 AND desired_state = $4"
             /* a suspended sandbox made running again holds its share anew (svc.h) */
@@ -915,7 +945,7 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
             "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
             " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
             " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
-            12, p, req_written, NULL, rc, 0, &e) < 0)
+            14, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);
 }
 
@@ -1173,7 +1203,13 @@ static void agent_done(void *rec, PGresult *res, const sp_err_t *err)
     }
     sp_agentconn_t *conn = NULL;
     sp_svc_t *svc = c->owner;
-    if (svc->driver != NULL && svc->driver->ops->agent != NULL)
+    if (svc->driver == NULL) { /* an API node (core/control/fleet.h): the VM is a worker's */
+        sp_err_set(&e, SP_EUNAVAIL, "sandbox runs on worker %.64s; this node does not forward "
+                   "yet", PQgetvalue(res, 0, 2));
+        cb(c->arg, NULL, &e);
+        return;
+    }
+    if (svc->driver->ops->agent != NULL)
         conn = svc->driver->ops->agent(svc->driver, id);
     if (conn == NULL) {
         sp_err_set(&e, SP_EUNAVAIL, "sandbox VM is not reachable");
@@ -1209,7 +1245,7 @@ int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_s
         return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
     const char *p[] = {id, a->team_id};
     return submit(svc,
-                  "SELECT s.id, s.observed_state FROM sandboxes s"
+                  "SELECT s.id, s.observed_state, coalesce(s.worker_id, '') FROM sandboxes s"
                   " WHERE s.id = $1 AND s.team_id = $2 AND s.observed_state <> 'deleted'",
                   2, p, agent_done, (void *)cb, arg, 0, err);
 }
@@ -1242,12 +1278,19 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
     memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
     sp_quota_t q = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB};
     sp_svc_set_quota_defaults(svc, &q);
+    sp_svc_set_placement(svc, NULL, 10);
     if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
         sp_store_listen(store, "space_keys", auth_cache_clear, svc, err) < 0) {
         free(svc);
         return NULL;
     }
     return svc;
+}
+
+void sp_svc_set_placement(sp_svc_t *svc, const char *self, int heartbeat_timeout_s)
+{
+    snprintf(svc->place_self, sizeof(svc->place_self), "%s", self ? self : "");
+    snprintf(svc->place_fresh, sizeof(svc->place_fresh), "%d", heartbeat_timeout_s);
 }
 
 void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q)

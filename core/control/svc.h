@@ -73,6 +73,7 @@ typedef struct {
     json_t *network;       /* object or NULL, owned by the record */
     char envd_version[32]; /* "" when not recorded */
     char end_at[32];       /* deadline_at, else created_at + deadline_s (or + 10 years) */
+    char lost_at[32];      /* when its worker was declared lost (observed "lost"); else "" */
 } sp_sandbox_rec_t;
 
 typedef struct {
@@ -125,6 +126,9 @@ typedef struct {
      * from allow_internet: default rules); borrowed, validated again and stored in normal
      * form. */
     json_t *egress;
+    /* Labels the worker it is placed on must have (core/control/fleet.h: checked with
+     * sp_fleet_check_labels), or NULL; borrowed, kept on the row for later wakes. */
+    json_t *placement_labels;
 } sp_create_req_t;
 
 typedef struct {
@@ -175,6 +179,12 @@ typedef struct {
  * message naming the quota, its limit and the team's use. The check and the write are one
  * statement that locks the team's row: of two creates for the last place, one wins. */
 void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q);
+
+/* Placement (core/control/fleet.h): creates and wakes from suspend go to a worker that has
+ * room (SP_ECAPACITY when none has, at once). A worker counts while its heartbeat is younger
+ * than heartbeat_timeout_s; self is this node's worker id when it runs VMs (it counts as alive
+ * whatever its heartbeat says), NULL on an API node. Defaults: none, 10 s. */
+void sp_svc_set_placement(sp_svc_t *svc, const char *self, int heartbeat_timeout_s);
 
 /* key: the caller's API key. SP_EAUTH when unknown or revoked. */
 int sp_svc_authenticate(sp_svc_t *svc, const char *key, sp_svc_auth_cb cb, void *arg,

@@ -280,6 +280,45 @@ static const char *const migrations[] = {
     "  ADD COLUMN lost_at timestamptz;"
     "CREATE INDEX sandboxes_worker_live ON sandboxes (worker_id)"
     "  WHERE observed_state <> 'deleted';",
+    /* 11: placement (core/control/fleet.h). space_place picks the worker a create or a wake
+     * puts a sandbox on: active, heartbeat younger than fresh_s (the worker named me, the
+     * caller itself, counts as fresh), labels containing want, and room for cpus and mem
+     * beside what the sandboxes placed on it desired running or paused hold; preferring the
+     * worker named prefer (a suspended sandbox's own, whose snapshot is local), then one with
+     * the template's snapshot, then the most free room. It first locks every candidate with
+     * limits, in id order (two placements never deadlock), and counts after the locks, being
+     * volatile (READ COMMITTED: a new snapshot per statement), so the other placement's row,
+     * committed by then, is counted: concurrent creates never overcommit a worker. Workers
+     * without limits are neither locked nor counted, so a single node with none pays one
+     * indexed read. It raises SQLSTATE SPCAP (core/store/store.h) with a message for the
+     * client when no worker fits. sandboxes.moving: the desired state (running or paused) a
+     * sandbox a drain suspended returns to once placed elsewhere; moved_from: the worker it
+     * was on before its last move, which must never run it again (fencing). */
+    "ALTER TABLE sandboxes ADD COLUMN moving text, ADD COLUMN moved_from text;"
+    "CREATE FUNCTION space_place(cpus int, mem int, want jsonb, tmpl text, fresh_s int,"
+    "  me text, prefer text, OUT wid text, OUT wgen bigint) LANGUAGE plpgsql VOLATILE AS $p$"
+    " BEGIN"
+    "  PERFORM 1 FROM workers w WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}') AND (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL)"
+    "   ORDER BY w.id FOR UPDATE;"
+    "  SELECT w.id, w.generation INTO wid, wgen FROM workers w"
+    "   CROSS JOIN LATERAL (SELECT coalesce(sum(s.cpu_count), 0) AS c,"
+    "    coalesce(sum(s.memory_mb), 0) AS m FROM sandboxes s"
+    "    WHERE (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) AND s.worker_id = w.id"
+    "    AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted') u"
+    "   WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}')"
+    "   AND (w.vcpus IS NULL OR w.vcpus - u.c >= cpus)"
+    "   AND (w.memory_mb IS NULL OR w.memory_mb - u.m >= mem)"
+    "   ORDER BY w.id IS NOT DISTINCT FROM prefer DESC, w.templates ? coalesce(tmpl, '') DESC,"
+    "    least(coalesce(w.vcpus - u.c, 1000000) * 4096, coalesce(w.memory_mb - u.m, 1000000000))"
+    "    DESC, w.id LIMIT 1;"
+    "  IF wid IS NULL THEN RAISE EXCEPTION USING ERRCODE = 'SPCAP', MESSAGE = format("
+    "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
+    "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
+    " END $p$;",
 };
 
 int sp_migrate_latest(void)

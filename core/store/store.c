@@ -447,6 +447,10 @@ static void finish_results(struct conn *c)
                      * limit and the use, and holds nothing else (store.h) */
                     sp_log(SP_LOG_INFO, "store", "over quota: %s", primary);
                     query_finish(q, res, SP_EQUOTA, primary);
+                } else if (strcmp(state, SP_STORE_CAPACITY_STATE) == 0 && primary != NULL) {
+                    /* the placement function's: no worker has room (store.h) */
+                    sp_log(SP_LOG_INFO, "store", "no capacity: %s", primary);
+                    query_finish(q, res, SP_ECAPACITY, primary);
                 } else {
                     if (!gone)
                         sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,

@@ -125,4 +125,8 @@ const char *sp_store_sqlstate(const PGresult *res);
  * the team's use; nothing else). */
 #define SP_STORE_QUOTA_STATE "SPQTA"
 
+/* The SQLSTATE the placement function (space_place, core/store/migrate.c) raises when no
+ * worker has room: the statement fails with SP_ECAPACITY and the function's message. */
+#define SP_STORE_CAPACITY_STATE "SPCAP"
+
 #endif

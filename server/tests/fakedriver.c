@@ -22,6 +22,11 @@
  * action when its env's SPACE_FAKE_FAIL names "checkpoint"); checkpoint_delete removes it. A
  * boot with spec->snapshot_id fails unless that file exists, and records the snapshot it
  * started from in <id>.from, so tests can see what the controller asked for.
+ *
+ * Many workers (core/control/fleet.h): with SPACE_FAKE_SHARED_DIR set (one directory for every
+ * worker, like --snapshot-dir), a suspend also writes <shared>/<id> and a restore on a worker
+ * that has no suspended state of its own for the sandbox starts from that file (and removes it
+ * once running), so a sandbox suspended on one worker wakes on another.
  */
 #include <errno.h>
 #include <jansson.h>
@@ -49,6 +54,7 @@ struct vm {
 typedef struct {
     sp_driver_t base;
     char dir[4096];
+    char shared[4096]; /* SPACE_FAKE_SHARED_DIR, or "" */
     unsigned delay_ms;
     const char *agent_bin; /* NULL: no agents */
     struct vm *vms;
@@ -101,6 +107,32 @@ static void write_state(fake_t *f, const char *id, const char *st)
     fprintf(fp, "%s\n", st);
     fclose(fp);
     rename(tmp, p);
+}
+
+/* The shared copy of a suspended sandbox (SPACE_FAKE_SHARED_DIR): written by a suspend,
+ * removed by the restore or destroy that used it. */
+static void shared_note(fake_t *f, const char *id, const char *action)
+{
+    if (f->shared[0] == '\0')
+        return;
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s", f->shared, id);
+    if (strcmp(action, "snapshot") == 0) {
+        FILE *fp = fopen(p, "w");
+        if (fp != NULL) {
+            fputs("suspended\n", fp);
+            fclose(fp);
+        }
+    } else if (strcmp(action, "restore") == 0 || strcmp(action, "destroy") == 0) {
+        unlink(p);
+    }
+}
+
+static bool shared_suspended(fake_t *f, const char *id)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s", f->shared, id);
+    return f->shared[0] != '\0' && access(p, F_OK) == 0;
 }
 
 /* ---- agents ---- */
@@ -233,6 +265,7 @@ static void job_finish(struct job *j, const sp_err_t *err)
         j->cb(j->arg, err);
     } else {
         write_state(j->f, j->id, j->to);
+        shared_note(j->f, j->id, j->action);
         j->cb(j->arg, NULL);
     }
     free(j);
@@ -294,6 +327,7 @@ static void on_job(sp_timer_t *t, void *arg)
         j->cb(j->arg, &e);
     } else {
         write_state(j->f, j->id, j->to);
+        shared_note(j->f, j->id, j->action);
         j->cb(j->arg, NULL);
     }
     free(j);
@@ -438,6 +472,11 @@ static int f_snapshot(sp_driver_t *d, const char *id, sp_driver_cb cb, void *arg
 static int f_restore(sp_driver_t *d, const sp_vm_spec_t *s, sp_driver_cb cb, void *arg,
                      sp_err_t *e)
 {
+    fake_t *f = (fake_t *)d;
+    char buf[32];
+    const char *st = read_state(f, s->sandbox_id, buf, sizeof(buf));
+    if ((st == NULL || strcmp(st, "suspended") != 0) && shared_suspended(f, s->sandbox_id))
+        return simple(d, s->sandbox_id, "restore", NULL, "running", cb, arg, e);
     return simple(d, s->sandbox_id, "restore", "suspended", "running", cb, arg, e);
 }
 
@@ -544,6 +583,8 @@ sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)
     }
     const char *d = getenv("SPACE_FAKE_DELAY_MS");
     f->delay_ms = d ? (unsigned)atoi(d) : 50;
+    const char *sh = getenv("SPACE_FAKE_SHARED_DIR");
+    snprintf(f->shared, sizeof(f->shared), "%s", sh != NULL ? sh : "");
     const char *a = getenv("SPACE_FAKE_AGENT");
     f->agent_bin = a != NULL && a[0] != '\0' ? a : NULL;
     return &f->base;

@@ -64,7 +64,9 @@ static void test_sandbox_observed_matrix(void)
         "suspending>failed",     "suspended>waking",     "suspended>stopping",
         "waking>running",        "waking>paused",        "waking>suspended",
         "waking>failed",         "stopping>deleted",     "stopping>failed",
-        "failed>stopping",       NULL};
+        "failed>stopping",       "running>lost",         "paused>lost",
+        "lost>stopping",         "lost>running",         "lost>paused",
+        "lost>deleted",          NULL};
     int count = 0;
     for (int a = 0; a < SP_OBS__COUNT; a++)
         for (int b = 0; b < SP_OBS__COUNT; b++) {
@@ -80,7 +82,7 @@ static void test_sandbox_observed_matrix(void)
             }
             count += listed;
         }
-    CHECK(count == 31);
+    CHECK(count == 37); /* 31, and the six of "lost" (core/control/fleet.h) */
     CHECK(!sp_observed_allowed((sp_observed_t)-1, SP_OBS_RUNNING));
     CHECK(!sp_observed_allowed(SP_OBS_RUNNING, SP_OBS__COUNT));
 }
@@ -104,6 +106,23 @@ static void test_sandbox_actions_follow_table(void)
             sp_observed_t f = sp_action_failure(a, (sp_observed_t)o);
             CHECK(sp_observed_allowed(during, f));
         }
+}
+
+/* A sandbox lost with its worker: only a delete, which the controller carries out. */
+static void test_sandbox_lost(void)
+{
+    sp_desired_t out;
+    sp_err_t e = {0};
+    for (int r = 0; r < SP_REQ__COUNT; r++) {
+        int rc = sp_sandbox_request(SP_DESIRED_RUNNING, SP_OBS_LOST, (sp_request_t)r, &out, &e);
+        CHECK((rc == 0) == (r == SP_REQ_DELETE));
+    }
+    CHECK(sp_sandbox_next_action(SP_OBS_LOST, SP_DESIRED_RUNNING) == SP_ACT_NONE);
+    CHECK(sp_sandbox_next_action(SP_OBS_LOST, SP_DESIRED_PAUSED) == SP_ACT_NONE);
+    CHECK(sp_sandbox_next_action(SP_OBS_LOST, SP_DESIRED_DELETED) == SP_ACT_DESTROY);
+    sp_observed_t o;
+    CHECK(sp_observed_parse("lost", &o) == 0 && o == SP_OBS_LOST);
+    CHECK(!sp_observed_transitional(SP_OBS_LOST));
 }
 
 static void test_sandbox_next_action(void)
@@ -172,6 +191,7 @@ int main(void)
     test_sandbox_observed_matrix();
     test_sandbox_actions_follow_table();
     test_sandbox_next_action();
+    test_sandbox_lost();
     test_sandbox_recover();
     test_sandbox_names_round_trip();
     return check_report("sandbox");

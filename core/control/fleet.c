@@ -1,0 +1,676 @@
+/*
+ * fleet.c - registration, heartbeat, the loss sweep, re-adoption and fencing, drain, and the
+ * operator's view of the workers (core/control/fleet.h).
+ *
+ * Every change is one statement. The heartbeat reads the row's state before it writes: a
+ * worker that finds itself lost settles its sandboxes (comeback), one that finds itself
+ * draining moves them. The sweep's lease and its work are one statement, so a node that did
+ * not renew the lease changes nothing.
+ */
+#include "core/control/fleet.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+
+#define FLEET_DRAIN_BATCH "8" /* sandboxes moved per heartbeat of a draining worker */
+
+struct sp_fleet {
+    sp_loop_t *loop;
+    sp_store_t *store;
+    sp_driver_t *driver; /* NULL on an API node */
+    sp_role_t role;
+    char id[65];
+    char address[256];
+    char vcpus[16], memory_mb[16]; /* "" = no limit (SQL NULL) */
+    char *labels;                  /* JSON text */
+    char accel_file[4096];
+    char version[32];
+    char timeout_s[16], grace_s[16];
+    int beat_ms;
+    sp_timer_t beat, sweep;
+    uint64_t sweep_ok_since; /* loop ms: sweeps have succeeded since (0: the last one failed) */
+    bool registered;
+    int inflight; /* statements out; destroy waits for them */
+    bool dying;
+};
+
+int sp_fleet_role_parse(const char *s, sp_role_t *out)
+{
+    static const char *const names[] = {"all", "api", "worker"};
+    for (int i = 0; s != NULL && i < 3; i++)
+        if (strcmp(s, names[i]) == 0) {
+            *out = (sp_role_t)i;
+            return 0;
+        }
+    return -1;
+}
+
+const char *sp_fleet_role_name(sp_role_t r)
+{
+    return r == SP_ROLE_API ? "api" : r == SP_ROLE_WORKER ? "worker" : "all";
+}
+
+/* ---- labels ---- */
+
+static bool label_text_ok(const char *s, size_t n, bool key)
+{
+    if ((key && n == 0) || n > SP_FLEET_MAX_LABEL_LEN)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-' || c == '/'))
+            return false;
+    }
+    return true;
+}
+
+int sp_fleet_check_labels(const json_t *labels, const char *what, sp_err_t *err)
+{
+    if (!json_is_object(labels))
+        return sp_err_set(err, SP_EINVAL, "%s must be an object of strings", what);
+    if (json_object_size(labels) > SP_FLEET_MAX_LABELS)
+        return sp_err_set(err, SP_EINVAL, "%s: at most %d labels", what, SP_FLEET_MAX_LABELS);
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)labels, k, v)
+    {
+        if (!json_is_string(v))
+            return sp_err_set(err, SP_EINVAL, "%s: values must be strings", what);
+        if (!label_text_ok(k, strlen(k), true) ||
+            !label_text_ok(json_string_value(v), json_string_length(v), false))
+            return sp_err_set(err, SP_EINVAL,
+                              "%s: keys of 1 to %d and values of 0 to %d characters "
+                              "[A-Za-z0-9._/-]",
+                              what, SP_FLEET_MAX_LABEL_LEN, SP_FLEET_MAX_LABEL_LEN);
+    }
+    return 0;
+}
+
+json_t *sp_fleet_parse_labels(const char *text, sp_err_t *err)
+{
+    json_t *o = json_object();
+    if (o == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    const char *p = text != NULL ? text : "";
+    bool more = *p != '\0'; /* an item is due: none after a trailing comma is an error */
+    while (more) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        const char *eq = memchr(p, '=', n);
+        char k[SP_FLEET_MAX_LABEL_LEN + 1], v[SP_FLEET_MAX_LABEL_LEN + 1];
+        size_t kn = eq ? (size_t)(eq - p) : 0, vn = eq ? n - kn - 1 : 0;
+        if (eq == NULL || !label_text_ok(p, kn, true) || !label_text_ok(eq + 1, vn, false)) {
+            json_decref(o);
+            sp_err_set(err, SP_EINVAL,
+                       "labels: want k=v,k=v (keys of 1 to %d and values of 0 to %d characters "
+                       "[A-Za-z0-9._/-])",
+                       SP_FLEET_MAX_LABEL_LEN, SP_FLEET_MAX_LABEL_LEN);
+            return NULL;
+        }
+        memcpy(k, p, kn);
+        k[kn] = '\0';
+        memcpy(v, eq + 1, vn);
+        v[vn] = '\0';
+        if (json_object_get(o, k) != NULL) {
+            json_decref(o);
+            sp_err_set(err, SP_EINVAL, "labels: '%s' is given twice", k);
+            return NULL;
+        }
+        json_object_set_new(o, k, json_string(v));
+        more = end != NULL;
+        p = end ? end + 1 : p + n;
+    }
+    if (sp_fleet_check_labels(o, "labels", err) < 0) {
+        json_decref(o);
+        return NULL;
+    }
+    return o;
+}
+
+/* ---- statements ---- */
+
+static void reap(sp_fleet_t *f)
+{
+    if (f->dying && f->inflight == 0) {
+        free(f->labels);
+        free(f);
+    }
+}
+
+/* One statement of the fleet's own; done runs unless the fleet is being destroyed. */
+struct fq {
+    sp_fleet_t *f;
+    void (*done)(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg);
+    char arg[72];
+};
+
+static void fq_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct fq *q = rec;
+    sp_fleet_t *f = q->f;
+    f->inflight--;
+    if (f->dying) {
+        reap(f);
+        return;
+    }
+    if (q->done != NULL)
+        q->done(f, res, err, q->arg);
+}
+
+static int fq_send(sp_fleet_t *f, const char *sql, int n, const char *const *p,
+                   void (*done)(sp_fleet_t *, PGresult *, const sp_err_t *, const char *),
+                   const char *arg)
+{
+    sp_err_t e;
+    struct fq *q = sp_store_call(f->store, sql, n, p, sizeof(*q), fq_done, &e);
+    if (q == NULL)
+        return -1;
+    q->f = f;
+    q->done = done;
+    snprintf(q->arg, sizeof(q->arg), "%s", arg ? arg : "");
+    f->inflight++;
+    return 0;
+}
+
+/* ---- registration and heartbeat ---- */
+
+static void accel_now(const sp_fleet_t *f, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s", f->driver != NULL ? f->driver->ops->name : "");
+    FILE *fp = f->accel_file[0] ? fopen(f->accel_file, "r") : NULL;
+    if (fp == NULL)
+        return;
+    char buf[32];
+    if (fgets(buf, sizeof(buf), fp) != NULL) {
+        buf[strcspn(buf, "\r\n ")] = '\0';
+        if (buf[0] != '\0')
+            snprintf(out, cap, "%s", buf);
+    }
+    fclose(fp);
+}
+
+static void comeback(sp_fleet_t *f, const char *generation);
+static void drain_step(sp_fleet_t *f);
+
+/* Both answer: the state the row had before this statement (read under the row's lock before
+ * the write: the source of the INSERT, so a sweep that declared it lost meanwhile is seen),
+ * the generation, and its state now. templates: '[]' for now; which template snapshots a
+ * worker holds is the runtime's to tell. */
+static const char *register_sql =
+    "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE),"
+    " v AS (SELECT coalesce((SELECT state FROM prev), 'new') AS was)"
+    " INSERT INTO workers AS w (id, address, role, state, vcpus, memory_mb, accelerator, version,"
+    "  labels, started_at, heartbeat_at)"
+    " SELECT $1, $2, $3, 'active', $4::int, $5::int, $6, $7, $8::jsonb, now(), now() FROM v"
+    " ON CONFLICT (id) DO UPDATE SET address = excluded.address, role = excluded.role,"
+    "  vcpus = excluded.vcpus, memory_mb = excluded.memory_mb,"
+    "  accelerator = excluded.accelerator, version = excluded.version,"
+    "  labels = excluded.labels, started_at = now(), heartbeat_at = now(),"
+    "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
+    " RETURNING (SELECT was FROM v), w.generation, w.state";
+
+static const char *beat_sql =
+    "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE)"
+    " UPDATE workers w SET heartbeat_at = now(), accelerator = $2,"
+    "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
+    " FROM prev WHERE w.id = $1 RETURNING prev.state, w.generation, w.state";
+
+static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
+{
+    sp_timer_start(&f->beat, (uint64_t)f->beat_ms);
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "fleet", "heartbeat failed err=%s", err->msg);
+        return;
+    }
+    if (PQntuples(res) != 1) { /* the row is gone (removed by an operator): register again */
+        f->registered = false;
+        sp_timer_start(&f->beat, 0);
+        return;
+    }
+    const char *was = PQgetvalue(res, 0, 0), *gen = PQgetvalue(res, 0, 1),
+               *now = PQgetvalue(res, 0, 2);
+    bool first = !f->registered;
+    if (first)
+        sp_log(SP_LOG_INFO, "fleet", "registered worker=%s address=%s role=%s was=%s", f->id,
+               f->address, sp_fleet_role_name(f->role), was);
+    f->registered = true;
+    if (strcmp(was, "lost") == 0)
+        sp_log(SP_LOG_WARN, "fleet", "this worker was declared lost; back now generation=%s", gen);
+    /* After a start too: a sandbox lost here and deleted or moved since may still have a VM
+     * here, whatever the row said (a restart's registration may also race the sweep). */
+    if (strcmp(was, "lost") == 0 || first)
+        comeback(f, gen);
+    if (strcmp(now, "draining") == 0)
+        drain_step(f);
+}
+
+static void on_beat(sp_timer_t *t, void *arg)
+{
+    sp_fleet_t *f = arg;
+    char accel[32];
+    accel_now(f, accel, sizeof(accel));
+    int rc;
+    if (!f->registered) {
+        const char *p[] = {f->id,
+                           f->address,
+                           sp_fleet_role_name(f->role),
+                           f->vcpus[0] ? f->vcpus : NULL,
+                           f->memory_mb[0] ? f->memory_mb : NULL,
+                           accel,
+                           f->version,
+                           f->labels};
+        rc = fq_send(f, register_sql, 8, p, beat_done, NULL);
+    } else {
+        const char *p[] = {f->id, accel};
+        rc = fq_send(f, beat_sql, 2, p, beat_done, NULL);
+    }
+    if (rc < 0)
+        sp_timer_start(&f->beat, (uint64_t)f->beat_ms);
+}
+
+/* ---- comeback: re-adoption and fencing ---- */
+
+/* What was placed on this worker when it was lost (within a week), and what a wake placed
+ * elsewhere since: the rows whose local VM this worker must settle. in_grace: lost no longer
+ * than the grace ago and still lost here. */
+static const char *comeback_sql =
+    "SELECT id, observed_state = 'lost' AND lost_at > now() - make_interval(secs => $2::int)"
+    "  AND worker_id = $1 FROM sandboxes"
+    " WHERE worker_id = $1 AND lost_at IS NOT NULL AND lost_at > now() - interval '7 days'"
+    "  AND observed_state IN ('lost', 'deleted')"
+    " UNION ALL SELECT id, false FROM sandboxes"
+    " WHERE moved_from = $1 AND worker_id IS DISTINCT FROM $1 AND observed_state <> 'deleted'";
+
+/* Back to what the driver finds, only if still lost here: the row's fence. */
+static const char *readopt_sql =
+    "WITH u AS (UPDATE sandboxes SET observed_state = $3, lost_at = NULL, error = NULL,"
+    "   worker_generation = $4::bigint, updated_at = now()"
+    "  WHERE id = $1 AND worker_id = $2 AND observed_state = 'lost' RETURNING id),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT u.id, 'readopted', 'worker ' || $2 || ' came back' FROM u RETURNING 1)"
+    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM ev) FROM u";
+
+static void readopted(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *id)
+{
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "fleet", "re-adoption not recorded sandbox=%s err=%s", id, err->msg);
+    else if (atoi(PQgetvalue(res, 0, 0)) == 1)
+        sp_log(SP_LOG_INFO, "fleet", "re-adopted sandbox=%s", id);
+}
+
+static void fenced(void *arg, const sp_err_t *err)
+{
+    char *id = arg;
+    if (err != NULL)
+        sp_log(SP_LOG_ERROR, "fleet", "fencing: stopping sandbox=%s failed err=%s", id, err->msg);
+    else
+        sp_log(SP_LOG_INFO, "fleet", "fencing: stopped sandbox=%s", id);
+    free(id);
+}
+
+/* A live VM here of a sandbox this worker must not run: stopped. A suspended one's snapshot is
+ * left alone (the worker it woke on may be using it). */
+static void fence(sp_fleet_t *f, const char *id)
+{
+    char *copy = strdup(id);
+    sp_err_t e;
+    if (copy == NULL || f->driver->ops->destroy(f->driver, id, fenced, copy, &e) < 0) {
+        sp_log(SP_LOG_ERROR, "fleet", "fencing: cannot stop sandbox=%s", id);
+        free(copy);
+    }
+}
+
+static void comeback_rows(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *gen)
+{
+    if (err != NULL) {
+        /* Settled at the next comeback at the latest; the controller ignores lost rows. */
+        sp_log(SP_LOG_ERROR, "fleet", "comeback: reading sandboxes failed err=%s", err->msg);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        bool in_grace = PQgetvalue(res, i, 1)[0] == 't';
+        sp_vm_state_t vm = f->driver->ops->probe(f->driver, id);
+        bool live = vm == SP_VM_RUNNING || vm == SP_VM_PAUSED;
+        if (in_grace && live) {
+            const char *p[] = {id, f->id, vm == SP_VM_RUNNING ? "running" : "paused", gen};
+            if (fq_send(f, readopt_sql, 4, p, readopted, id) < 0)
+                sp_log(SP_LOG_WARN, "fleet", "re-adoption not sent sandbox=%s", id);
+        } else if (live) {
+            fence(f, id);
+        }
+    }
+}
+
+static void comeback(sp_fleet_t *f, const char *generation)
+{
+    if (f->driver == NULL)
+        return;
+    const char *p[] = {f->id, f->grace_s};
+    if (fq_send(f, comeback_sql, 2, p, comeback_rows, generation) < 0)
+        sp_log(SP_LOG_ERROR, "fleet", "comeback: not sent");
+}
+
+/* ---- drain ---- */
+
+static const char *drain_suspend_sql =
+    "WITH a AS (UPDATE sandboxes SET moving = desired_state, desired_state = 'suspended',"
+    "   updated_at = now()"
+    "  WHERE worker_id = $1 AND moving IS NULL AND desired_state IN ('running', 'paused')"
+    "   AND observed_state IN ('running', 'paused') RETURNING id, team_id),"
+    " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+    "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || a.id), 1, 22),"
+    "   a.id, a.team_id, 'drain', 'suspended' FROM a RETURNING 1),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT a.id, 'drain', 'suspending to move' FROM a RETURNING 1)"
+    " SELECT count(pg_notify('space_sandbox', a.id)), (SELECT count(*) FROM o),"
+    "  (SELECT count(*) FROM ev) FROM a";
+
+static const char *drain_ready_sql =
+    "SELECT id FROM sandboxes WHERE worker_id = $1 AND moving IS NOT NULL"
+    " AND observed_state = 'suspended' AND desired_state = 'suspended'"
+    " ORDER BY updated_at LIMIT " FLEET_DRAIN_BATCH;
+
+/* One sandbox at a time: one that finds no room stays suspended here until the next beat,
+ * without holding the others back. */
+static const char *drain_move_sql =
+    "WITH p AS (SELECT pl.wid, pl.wgen FROM sandboxes x CROSS JOIN LATERAL space_place("
+    "   x.cpu_count, x.memory_mb, x.placement, x.template || coalesce('@' || x.template_version,"
+    "   ''), $3::int, NULL, NULL) pl"
+    "  WHERE x.id = $1 AND x.worker_id = $2 AND x.moving IS NOT NULL"
+    "   AND x.observed_state = 'suspended' AND x.desired_state = 'suspended'),"
+    " u AS (UPDATE sandboxes s SET worker_id = p.wid, worker_generation = p.wgen,"
+    "   moved_from = s.worker_id, desired_state = s.moving, moving = NULL, claim_until = NULL,"
+    "   last_activity_at = now(), updated_at = now()"
+    "  FROM p WHERE s.id = $1 AND s.worker_id = $2 RETURNING s.id, s.team_id, s.desired_state,"
+    "   p.wid),"
+    " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
+    "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
+    "   u.id, u.team_id, 'drain', u.desired_state FROM u RETURNING 1),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT u.id, 'moved', 'to worker ' || u.wid FROM u RETURNING 1)"
+    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM o),"
+    "  (SELECT count(*) FROM ev) FROM u";
+
+static void drain_moved(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *id)
+{
+    if (err != NULL)
+        sp_log(err->code == SP_ECAPACITY ? SP_LOG_INFO : SP_LOG_WARN, "fleet",
+               "drain: sandbox=%s not moved yet err=%s", id, err->msg);
+    else if (atoi(PQgetvalue(res, 0, 0)) == 1)
+        sp_log(SP_LOG_INFO, "fleet", "drain: sandbox=%s placed elsewhere", id);
+}
+
+static void drain_ready(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
+{
+    if (err != NULL)
+        return;
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        const char *p[] = {id, f->id, f->timeout_s};
+        fq_send(f, drain_move_sql, 3, p, drain_moved, id);
+    }
+}
+
+static void drain_step(sp_fleet_t *f)
+{
+    const char *p[] = {f->id};
+    fq_send(f, drain_suspend_sql, 1, p, NULL, NULL);
+    fq_send(f, drain_ready_sql, 1, p, drain_ready, NULL);
+}
+
+/* ---- the loss sweep ---- */
+
+/* The lease first; every change below is conditioned on it, in the same statement. Lost
+ * sandboxes of a worker that is still lost and are to be deleted are deleted here: there is
+ * no VM left to stop (if the worker comes back, it stops its VM itself: comeback). */
+static const char *sweep_sql =
+    "WITH l AS (INSERT INTO leases AS x (name, holder, until)"
+    "  VALUES ('fleet', $1, now() + make_interval(secs => $2::int * 2))"
+    "  ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, until = excluded.until"
+    "  WHERE x.until < now() OR x.holder = $1 RETURNING 1),"
+    " w AS (UPDATE workers SET state = 'lost', generation = generation + 1, lost_at = now()"
+    "  WHERE state <> 'lost' AND heartbeat_at < now() - make_interval(secs => $2::int)"
+    "   AND id <> $1 AND $3::bool AND EXISTS (SELECT 1 FROM l)"
+    "  RETURNING id, lost_at,"
+    "   to_char(lost_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') AS t),"
+    " s AS (UPDATE sandboxes x SET observed_state = 'lost', lost_at = w.lost_at,"
+    "   error = 'worker ' || w.id || ' lost at ' || w.t, claim_until = NULL, updated_at = now()"
+    "  FROM w WHERE x.worker_id = w.id AND x.observed_state IN ('pending', 'starting',"
+    "   'running', 'pausing', 'paused', 'waking', 'suspending')"
+    "  RETURNING x.id, x.error),"
+    " d AS (UPDATE sandboxes x SET observed_state = 'deleted', updated_at = now()"
+    "  FROM workers k WHERE k.id = x.worker_id AND k.state = 'lost'"
+    "   AND x.observed_state IN ('lost', 'stopping') AND x.desired_state = 'deleted'"
+    "   AND EXISTS (SELECT 1 FROM l) RETURNING x.id),"
+    " fo AS (UPDATE operations o SET status = CASE WHEN o.sandbox_id IN (SELECT id FROM d)"
+    "   THEN 'succeeded' ELSE 'failed' END,"
+    "   error_code = CASE WHEN o.sandbox_id IN (SELECT id FROM d) THEN NULL"
+    "    ELSE 'worker_lost' END,"
+    "   error_message = CASE WHEN o.sandbox_id IN (SELECT id FROM d) THEN NULL"
+    "    ELSE (SELECT s.error FROM s WHERE s.id = o.sandbox_id) END,"
+    "   finished_at = now()"
+    "  WHERE o.status IN ('pending', 'running') AND o.kind <> 'snapshot'"
+    "   AND (o.sandbox_id IN (SELECT id FROM s) OR o.sandbox_id IN (SELECT id FROM d))"
+    "  RETURNING o.id),"
+    " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
+    "  SELECT s.id, 'lost', s.error FROM s UNION ALL SELECT d.id, 'deleted', 'worker lost'"
+    "  FROM d RETURNING 1)"
+    " SELECT (SELECT count(*) FROM l), (SELECT count(*) FROM w), (SELECT count(*) FROM s),"
+    "  (SELECT count(*) FROM d), (SELECT count(pg_notify('space_ops', fo.id)) FROM fo),"
+    "  (SELECT count(*) FROM ev), (SELECT string_agg(id, ',') FROM w)";
+
+static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
+{
+    sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "fleet", "sweep failed err=%s", err->msg);
+        f->sweep_ok_since = 0;
+        return;
+    }
+    if (f->sweep_ok_since == 0)
+        f->sweep_ok_since = sp_loop_now_ms(f->loop);
+    if (atoi(PQgetvalue(res, 0, 1)) > 0 || atoi(PQgetvalue(res, 0, 3)) > 0)
+        sp_log(SP_LOG_WARN, "fleet", "workers lost=%s (%s) sandboxes lost=%s deleted=%s",
+               PQgetvalue(res, 0, 1), PQgetvalue(res, 0, 6), PQgetvalue(res, 0, 2),
+               PQgetvalue(res, 0, 3));
+}
+
+static void on_sweep(sp_timer_t *t, void *arg)
+{
+    sp_fleet_t *f = arg;
+    /* Declares no one lost until it has reached the database for a whole timeout: after an
+     * outage every worker's heartbeat is old, and each needs that long to beat again. The
+     * sweeping node never declares itself lost: it is plainly alive. */
+    uint64_t now = sp_loop_now_ms(f->loop);
+    bool may =
+        f->sweep_ok_since != 0 && now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000;
+    const char *p[] = {f->id, f->timeout_s, may ? "true" : "false"};
+    if (fq_send(f, sweep_sql, 3, p, swept, NULL) < 0)
+        sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
+}
+
+/* ---- lifetime ---- */
+
+sp_fleet_t *sp_fleet_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
+                            const sp_fleet_opts_t *o, sp_err_t *err)
+{
+    if (o->heartbeat_timeout_s < 2 || o->lost_grace_s < 0) {
+        sp_err_set(err, SP_EINVAL, "the heartbeat timeout must be 2 s or more");
+        return NULL;
+    }
+    sp_fleet_t *f = calloc(1, sizeof(*f));
+    if (f == NULL || (f->labels = o->labels != NULL ? json_dumps(o->labels, JSON_COMPACT)
+                                                    : strdup("{}")) == NULL) {
+        free(f);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    f->loop = loop;
+    f->store = store;
+    f->driver = driver;
+    f->role = o->role;
+    snprintf(f->id, sizeof(f->id), "%s", o->worker_id);
+    snprintf(f->address, sizeof(f->address), "%s", o->address ? o->address : "");
+    if (o->vcpus > 0)
+        snprintf(f->vcpus, sizeof(f->vcpus), "%d", o->vcpus);
+    if (o->memory_mb > 0)
+        snprintf(f->memory_mb, sizeof(f->memory_mb), "%d", o->memory_mb);
+    snprintf(f->accel_file, sizeof(f->accel_file), "%s", o->accel_file ? o->accel_file : "");
+    snprintf(f->version, sizeof(f->version), "%s", o->version ? o->version : "");
+    snprintf(f->timeout_s, sizeof(f->timeout_s), "%d", o->heartbeat_timeout_s);
+    snprintf(f->grace_s, sizeof(f->grace_s), "%d", o->lost_grace_s);
+    f->beat_ms = o->heartbeat_timeout_s * 1000 / 4;
+    sp_timer_init(&f->beat, loop, on_beat, f);
+    sp_timer_init(&f->sweep, loop, on_sweep, f);
+    if (driver != NULL && o->role != SP_ROLE_API)
+        sp_timer_start(&f->beat, 0);
+    if (o->role != SP_ROLE_WORKER)
+        sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
+    return f;
+}
+
+void sp_fleet_destroy(sp_fleet_t *f)
+{
+    if (f == NULL)
+        return;
+    sp_timer_stop(&f->beat);
+    sp_timer_stop(&f->sweep);
+    f->dying = true;
+    reap(f);
+}
+
+/* ---- the operator's view ---- */
+
+struct wq {
+    sp_fleet_t *f;
+    sp_fleet_workers_cb cb;
+    void *arg;
+    bool one;
+};
+
+static const char *workers_sql =
+    "SELECT json_build_object('id', w.id, 'address', w.address, 'role', w.role,"
+    "  'state', w.state, 'generation', w.generation, 'accelerator', w.accelerator,"
+    "  'version', w.version, 'labels', w.labels, 'templates', w.templates,"
+    "  'capacity', json_build_object('vcpus', w.vcpus, 'memory_mb', w.memory_mb),"
+    "  'used', json_build_object('vcpus', u.c, 'memory_mb', u.m), 'sandboxes', u.n,"
+    "  'heartbeat_age_s', round(extract(epoch FROM now() - w.heartbeat_at)::numeric, 1),"
+    "  'started_at', to_char(w.started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+    "  'lost_at', to_char(w.lost_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'))::text,"
+    " CASE WHEN $1::text IS NULL THEN NULL ELSE json_build_object("
+    "  'sandboxes', (SELECT coalesce(json_agg(json_build_object('id', s.id,"
+    "    'state', s.observed_state, 'desired_state', s.desired_state,"
+    "    'moving', s.moving IS NOT NULL) ORDER BY s.id), '[]') FROM sandboxes s"
+    "   WHERE s.worker_id = w.id AND s.observed_state <> 'deleted'),"
+    "  'moved', (SELECT coalesce(json_agg(json_build_object('id', s.id, 'worker_id', s.worker_id,"
+    "    'state', s.observed_state) ORDER BY s.id), '[]') FROM sandboxes s"
+    "   WHERE s.moved_from = w.id AND s.worker_id IS DISTINCT FROM w.id"
+    "   AND s.observed_state <> 'deleted'))::text END"
+    " FROM workers w CROSS JOIN LATERAL (SELECT"
+    "  coalesce(sum(s.cpu_count) FILTER (WHERE s.desired_state IN ('running', 'paused')), 0) c,"
+    "  coalesce(sum(s.memory_mb) FILTER (WHERE s.desired_state IN ('running', 'paused')), 0) m,"
+    "  count(*) n FROM sandboxes s WHERE s.worker_id = w.id AND s.observed_state <> 'deleted') u"
+    " WHERE $1::text IS NULL OR w.id = $1 ORDER BY w.id";
+
+static void workers_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct wq *q = rec;
+    sp_err_t e;
+    if (err == NULL && q->one && PQntuples(res) == 0)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "worker not found"), &e);
+    if (err != NULL) {
+        q->cb(q->arg, NULL, err);
+        return;
+    }
+    json_t *a = json_array();
+    for (int i = 0; a != NULL && i < PQntuples(res); i++) {
+        json_t *w = json_loads(PQgetvalue(res, i, 0), 0, NULL);
+        if (w != NULL && !PQgetisnull(res, i, 1)) {
+            json_t *more = json_loads(PQgetvalue(res, i, 1), 0, NULL);
+            if (more != NULL)
+                json_object_update(w, more);
+            json_decref(more);
+        }
+        if (w != NULL)
+            json_array_append_new(a, w);
+    }
+    if (a == NULL) {
+        q->cb(q->arg, NULL, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));
+        return;
+    }
+    q->cb(q->arg, a, NULL);
+    json_decref(a);
+}
+
+static bool valid_worker_id(const char *id)
+{
+    return id != NULL && label_text_ok(id, strlen(id), true);
+}
+
+int sp_fleet_workers(sp_fleet_t *f, const char *id, sp_fleet_workers_cb cb, void *arg,
+                     sp_err_t *err)
+{
+    if (id != NULL && !valid_worker_id(id))
+        return sp_err_set(err, SP_ENOTFOUND, "worker not found");
+    const char *p[] = {id};
+    struct wq *q = sp_store_call(f->store, workers_sql, 1, p, sizeof(*q), workers_done, err);
+    if (q == NULL)
+        return -1;
+    q->f = f;
+    q->cb = cb;
+    q->arg = arg;
+    q->one = id != NULL;
+    return 0;
+}
+
+struct dq {
+    sp_fleet_t *f;
+    sp_fleet_workers_cb cb;
+    void *arg;
+    char id[65];
+};
+
+static void drained(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct dq *q = rec;
+    sp_err_t e;
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "worker not found"), &e);
+    else if (err == NULL && strcmp(PQgetvalue(res, 0, 0), "lost") == 0)
+        err = (sp_err_set(&e, SP_ECONFLICT, "worker is lost"), &e);
+    if (err != NULL || sp_fleet_workers(q->f, q->id, q->cb, q->arg, &e) < 0)
+        q->cb(q->arg, NULL, err != NULL ? err : &e);
+}
+
+int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_cb cb, void *arg,
+                   sp_err_t *err)
+{
+    if (!valid_worker_id(id))
+        return sp_err_set(err, SP_ENOTFOUND, "worker not found");
+    const char *p[] = {id, drain ? "draining" : "active"};
+    /* Undrain also wakes here what a drain suspended and did not move yet. */
+    struct dq *q = sp_store_call(
+        f->store,
+        "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE),"
+        " w AS (UPDATE workers w SET state = $2 FROM prev"
+        "  WHERE w.id = $1 AND prev.state <> 'lost' RETURNING w.id),"
+        " b AS (UPDATE sandboxes SET desired_state = moving, moving = NULL, updated_at = now()"
+        "  WHERE $2 = 'active' AND worker_id = $1 AND moving IS NOT NULL"
+        "   AND desired_state = 'suspended' AND EXISTS (SELECT 1 FROM w) RETURNING id)"
+        " SELECT prev.state, (SELECT count(pg_notify('space_sandbox', b.id)) FROM b) FROM prev",
+        2, p, sizeof(*q), drained, err);
+    if (q == NULL)
+        return -1;
+    q->f = f;
+    q->cb = cb;
+    q->arg = arg;
+    snprintf(q->id, sizeof(q->id), "%s", id);
+    return 0;
+}

@@ -1,0 +1,417 @@
+"""Many hosts on one PostgreSQL (core/control/fleet.h): one API node and three workers, each a
+spaced-test process with its own data dir and port on the test driver, sharing a "snapshot
+directory" (SPACE_FAKE_SHARED_DIR) so a sandbox suspended on one worker wakes on another.
+Placement spreads creates by capacity and never overcommits a worker under concurrent creates;
+labels pin; /v1/workers is the admin key's; a drain moves every sandbox away; a worker that
+stops answering is declared lost (its running sandboxes "lost", its suspended ones wake
+elsewhere), re-adopts its sandboxes when it comes back within the grace, and stops the VM of a
+sandbox deleted meanwhile (fencing)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
+from harness import MULT, PgCluster, Spaced, skip_unless_pg, tmpdir, wait_s  # noqa: E402
+
+TIMEOUT_S = 2  # --heartbeat-timeout-s
+GRACE_S = 8    # --lost-grace-s
+SB = {"template": "base", "cpu_count": 1, "memory_mb": 256}
+
+
+def fake_state(node, sid):
+    """What the test driver of node holds for sandbox sid: running|paused|suspended, or None."""
+    try:
+        with open(os.path.join(node.data_dir, "fake", sid)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+@skip_unless_pg
+class FleetTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PgCluster()
+        cls.shared = tmpdir("sp-shared-")
+        cls.nodes = []
+        env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
+        fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S)]
+        try:
+            cls.api = Spaced(database_url=cls.pg.url, runtime="test", env=env,
+                             args=["--role", "api"] + fleet)
+            cls.nodes.append(cls.api)
+            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+            cls.api.key = cls.key
+            cls.api.start()
+            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+                cls.admin = f.read().strip()
+            cls.workers = []
+            for zone in ("a", "b", "c"):
+                w = Spaced(database_url=cls.pg.url, runtime="test", env=env,
+                           args=["--role", "worker", "--worker-vcpus", "4",
+                                 "--worker-memory-mb", "4096", "--worker-labels",
+                                 "zone=" + zone] + fleet)
+                w.key = cls.key
+                cls.nodes.append(w)
+                w.start()
+                cls.workers.append(w)
+            cls.wid = {}
+            for w in cls.workers:
+                with open(os.path.join(w.data_dir, "worker-id")) as f:
+                    cls.wid[w] = f.read().strip()
+            cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                      if x["state"] == "active"]) == 3, "3 workers active")
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for n in cls.nodes:
+            if n.proc is not None:
+                n.proc.send_signal(signal.SIGCONT)
+            n.destroy()
+        cls.pg.destroy()
+        shutil.rmtree(cls.shared, ignore_errors=True)
+
+    def tearDown(self):
+        for w in self.workers:  # a failed test may leave one stopped
+            if w.proc is not None:
+                w.proc.send_signal(signal.SIGCONT)
+        self.delete_all()
+
+    # ---- helpers ----
+
+    @classmethod
+    def wait_for(cls, cond, what, timeout=20):
+        deadline = time.time() + timeout * MULT
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(0.1)
+        raise AssertionError("timed out waiting for " + what)
+
+    @classmethod
+    def list_workers(cls):
+        st, r = cls.api.request("GET", "/v1/workers", key=cls.admin)
+        assert st == 200, (st, r)
+        return r["workers"]
+
+    def worker(self, w):
+        st, r = self.api.request("GET", "/v1/workers/" + self.wid[w], key=self.admin)
+        self.assertEqual(st, 200, r)
+        return r
+
+    def placed_on(self, sid):
+        for w in self.workers:
+            if any(s["id"] == sid for s in self.worker(w)["sandboxes"]):
+                return w
+        return None
+
+    def create(self, **body):
+        return self.api.request("POST", "/v1/sandboxes", dict(SB, **body))
+
+    def created(self, **body):
+        st, r = self.create(**body)
+        self.assertEqual(st, 202, r)
+        return r["sandbox"]["id"]
+
+    def state(self, sid):
+        st, r = self.api.request("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual(st, 200, r)
+        return r
+
+    def wait_state(self, sid, want, timeout=20):
+        self.wait_for(lambda: self.state(sid)["state"] == want, "%s %s" % (sid, want), timeout)
+        return self.state(sid)
+
+    def act(self, sid, what):
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, what, wait_s(20)),
+                                 timeout=wait_s(20) + 10)
+        return st, r
+
+    def delete(self, sid):
+        self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sid, wait_s(20)),
+                         timeout=wait_s(20) + 10)
+
+    def delete_all(self):
+        st, r = self.api.request("GET", "/v1/sandboxes?limit=1000")
+        for sb in r["sandboxes"]:
+            self.delete(sb["id"])
+        self.wait_for(lambda: all(w["used"]["vcpus"] == 0 for w in self.list_workers()),
+                      "no sandbox left")
+
+    # ---- roles ----
+
+    def test_a_roles_refuse_without_database_or_address(self):
+        binary = self.api.binary
+        d = tmpdir("sp-role-")
+        try:
+            for args, says in ((["--role", "api"], "--database-url"),
+                               (["--role", "worker"], "--database-url"),
+                               (["--role", "worker", "--database-url", self.pg.url, "--listen",
+                                 "0.0.0.0:1"], "--advertise"),
+                               (["--role", "boss"], "--role"),
+                               (["--worker-labels", "zone"], "--worker-labels")):
+                r = subprocess.run([binary, "serve", "--data-dir", d, "--runtime", "test"] + args,
+                                   capture_output=True, text=True, timeout=60,
+                                   env=dict(os.environ, SPACE_DATABASE_URL=""))
+                self.assertEqual(r.returncode, 2, (args, r.stderr))
+                self.assertIn(says, r.stderr)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ---- the operator's view ----
+
+    def test_b_workers_admin_only(self):
+        ws = self.list_workers()
+        self.assertEqual(sorted(w["id"] for w in ws), sorted(self.wid.values()))
+        for w in ws:
+            self.assertEqual(w["role"], "worker")
+            self.assertEqual(w["capacity"], {"vcpus": 4, "memory_mb": 4096})
+            self.assertLess(w["heartbeat_age_s"], TIMEOUT_S)
+            self.assertEqual(w["accelerator"], "test")
+            self.assertIn(w["labels"]["zone"], ("a", "b", "c"))
+            self.assertTrue(w["address"].startswith("127.0.0.1:"), w)
+        one = self.worker(self.workers[0])
+        self.assertEqual(one["id"], self.wid[self.workers[0]])
+        self.assertEqual(one["sandboxes"], [])
+        for path in ("/v1/workers", "/v1/workers/" + one["id"]):
+            st, r = self.api.request("GET", path)  # a team's key
+            self.assertEqual(st, 403, r)
+            self.assertNotIn(one["id"], json.dumps(r))
+            st, r = self.api.request("GET", path, key="")
+            self.assertEqual(st, 401, r)
+        st, r = self.api.request("POST", "/v1/workers/%s/drain" % one["id"])
+        self.assertEqual(st, 403, r)
+        st, r = self.api.request("GET", "/v1/workers/nosuchworker", key=self.admin)
+        self.assertEqual(st, 404, r)
+
+    # ---- placement ----
+
+    def test_c_spread_by_capacity_then_capacity_error(self):
+        sids = [self.created() for _ in range(12)]
+        used = {w["id"]: w["used"]["vcpus"] for w in self.list_workers()}
+        self.assertEqual(sorted(used.values()), [4, 4, 4], used)
+        st, r = self.create()
+        self.assertEqual(st, 503, r)
+        self.assertEqual(r["error"]["code"], "capacity", r)
+        self.assertIn("no worker has room", r["error"]["message"])
+        # E2B: a 503 with its error body, at once
+        h = {"X-API-KEY": self.key}
+        t0 = time.time()
+        st, r = self.api.request("POST", "/sandboxes", {"templateID": "base"}, key="", headers=h)
+        self.assertEqual(st, 503, r)
+        self.assertEqual(r["code"], 503, r)
+        self.assertIn("no worker has room", r["message"])
+        self.assertLess(time.time() - t0, 5 * MULT)
+        for sid in sids:
+            self.wait_state(sid, "running")
+        # each sandbox runs on the worker it was placed on, and only there
+        for w in self.workers:
+            for s in self.worker(w)["sandboxes"]:
+                self.assertEqual(fake_state(w, s["id"]), "running")
+                for other in self.workers:
+                    if other is not w:
+                        self.assertIsNone(fake_state(other, s["id"]))
+        self.delete_all()
+
+    def test_d_concurrent_creates_never_overcommit(self):
+        # 2 GiB each: 2 per worker, 6 places; one taken first leaves 5
+        first = self.created(memory_mb=2048)
+        results = []
+
+        def one():
+            results.append(self.create(memory_mb=2048))
+
+        threads = [threading.Thread(target=one) for _ in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ok = [r for st, r in results if st == 202]
+        full = [r for st, r in results if st == 503]
+        self.assertEqual(len(ok), 5, results)
+        self.assertEqual(len(full), 15, results)
+        for r in full:
+            self.assertEqual(r["error"]["code"], "capacity", r)
+        for w in self.list_workers():
+            self.assertLessEqual(w["used"]["memory_mb"], w["capacity"]["memory_mb"], w)
+            self.assertEqual(w["used"]["memory_mb"], 4096, w)
+        self.delete(first)
+        self.delete_all()
+
+    def test_e_labels_pin(self):
+        b = self.workers[1]
+        sids = [self.created(placement={"labels": {"zone": "b"}}) for _ in range(3)]
+        for sid in sids:
+            self.assertIs(self.placed_on(sid), b)
+        st, r = self.create(placement={"labels": {"zone": "z"}})
+        self.assertEqual(st, 503, r)
+        self.assertEqual(r["error"]["code"], "capacity")
+        self.assertIn("zone", r["error"]["message"])
+        for bad in ({"labels": {"zone": 1}}, {"labels": ["zone"]}, {"zone": "b"}, "b",
+                    {"labels": {"zo ne": "b"}}, {"labels": {"k%d" % i: "v" for i in range(17)}}):
+            st, r = self.create(placement=bad)
+            self.assertEqual(st, 400, (bad, r))
+        # 4 vCPUs in zone b: the fourth fits, the fifth does not
+        sids.append(self.created(placement={"labels": {"zone": "b"}}))
+        st, r = self.create(placement={"labels": {"zone": "b"}})
+        self.assertEqual(st, 503, r)
+        self.delete_all()
+
+    # ---- drain ----
+
+    def test_f_drain_moves_everything(self):
+        a = self.workers[0]
+        sids = [self.created() for _ in range(6)]  # two on each worker
+        on_a = [s for s in sids if self.placed_on(s) is a]
+        self.assertEqual(len(on_a), 2)
+        for sid in sids:
+            self.wait_state(sid, "running")
+        self.assertEqual(self.act(on_a[1], "pause")[0], 200)
+        st, r = self.api.request("POST", "/v1/workers/%s/drain" % self.wid[a], key=self.admin)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["state"], "draining")
+        self.wait_for(lambda: self.worker(a)["sandboxes"] == [], "worker a empty", 30)
+        moved = {m["id"]: m for m in self.worker(a)["moved"]}
+        self.assertEqual(sorted(moved), sorted(on_a))
+        self.assertEqual(self.wait_state(on_a[0], "running")["state"], "running")
+        self.assertEqual(self.wait_state(on_a[1], "paused")["state"], "paused")
+        for sid in on_a:
+            w = self.placed_on(sid)
+            self.assertIsNot(w, a)
+            self.assertIn(fake_state(w, sid), ("running", "paused"))
+            self.assertNotIn(fake_state(a, sid), ("running", "paused"))
+        # no new placements on a draining worker
+        extra = self.created()
+        self.assertIsNot(self.placed_on(extra), a)
+        st, r = self.api.request("POST", "/v1/workers/%s/undrain" % self.wid[a], key=self.admin)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(r["state"], "active")
+        self.delete_all()
+
+    # ---- loss ----
+
+    def wait_worker_state(self, w, want, timeout=20):
+        self.wait_for(lambda: self.worker(w)["state"] == want,
+                      "worker %s %s" % (self.wid[w], want), timeout)
+
+    def test_g_lost_readopted_within_grace_suspended_wakes_elsewhere(self):
+        c = self.workers[2]
+        run = self.created(placement={"labels": {"zone": "c"}})
+        susp = self.created(placement={"labels": {"zone": "c"}})
+        self.wait_state(run, "running")
+        self.wait_state(susp, "running")
+        self.assertEqual(self.act(susp, "suspend")[0], 200)
+        t0 = time.time()
+        c.proc.send_signal(signal.SIGSTOP)  # silent, VMs alive: a partition
+        try:
+            self.wait_worker_state(c, "lost", 10)
+            lost = self.wait_state(run, "lost", 10)
+            self.assertLess(time.time() - t0, (TIMEOUT_S + 4) * MULT)
+            self.assertIn("worker %s lost at" % self.wid[c], lost["error"])
+            self.assertTrue(lost["lost_at"])
+            self.assertEqual(lost["desired_state"], "running")
+            st, r = self.act(run, "pause")
+            self.assertEqual(st, 409, r)
+            # E2B does not show it
+            st, r = self.api.request("GET", "/sandboxes/" + run, key="",
+                                     headers={"X-API-KEY": self.key})
+            self.assertEqual(st, 404, r)
+            # the suspended one was left alone; pinned to zone c, which only c has, it cannot
+            # wake anywhere else: at once a capacity error (test_h wakes one elsewhere)
+            self.assertEqual(self.state(susp)["state"], "suspended")
+            st, r = self.act(susp, "wake")
+            self.assertEqual(st, 503, r)
+            self.assertEqual(r["error"]["code"], "capacity")
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        self.wait_worker_state(c, "active", 10)
+        back = self.wait_state(run, "running", 10)
+        self.assertEqual(back["error"], None)
+        self.assertNotIn("lost_at", back)
+        self.assertEqual(fake_state(c, run), "running")
+        self.delete_all()
+
+    def test_h_suspended_wakes_elsewhere_and_old_worker_never_runs_it(self):
+        c = self.workers[2]
+        # unpinned, placed on c: fill a and b first with pinned ones
+        fill = [self.created(placement={"labels": {"zone": z}}, cpu_count=4)
+                for z in ("a", "b")]
+        susp = self.created()
+        self.assertIs(self.placed_on(susp), c)
+        self.wait_state(susp, "running")
+        self.assertEqual(self.act(susp, "suspend")[0], 200)
+        for sid in fill:
+            self.delete(sid)
+        c.proc.send_signal(signal.SIGSTOP)
+        try:
+            self.wait_worker_state(c, "lost", 10)
+            st, r = self.act(susp, "wake")
+            self.assertEqual(st, 200, r)
+            self.assertEqual(self.wait_state(susp, "running")["state"], "running")
+            w = self.placed_on(susp)
+            self.assertIsNot(w, c)
+            self.assertEqual(fake_state(w, susp), "running")
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        self.wait_worker_state(c, "active", 10)
+        time.sleep(2 * TIMEOUT_S)
+        # c never resumed it: its own copy stays a suspended leftover
+        self.assertNotIn(fake_state(c, susp), ("running", "paused"))
+        self.assertIn(susp, [m["id"] for m in self.worker(c)["moved"]])
+        self.delete_all()
+
+    def test_i_deleted_while_lost_is_fenced(self):
+        c = self.workers[2]
+        sid = self.created(placement={"labels": {"zone": "c"}})
+        self.wait_state(sid, "running")
+        c.proc.send_signal(signal.SIGSTOP)
+        try:
+            self.wait_state(sid, "lost", 10)
+            self.delete(sid)
+            self.wait_for(lambda: self.api.request("GET", "/v1/sandboxes/" + sid)[0] == 404,
+                          "deleted", 10)
+            self.assertEqual(fake_state(c, sid), "running")  # the partitioned VM still runs
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        self.wait_for(lambda: fake_state(c, sid) is None, "fenced", 10)
+
+    def test_j_lost_past_grace_stays_lost_and_is_fenced(self):
+        c = self.workers[2]
+        sid = self.created(placement={"labels": {"zone": "c"}})
+        self.wait_state(sid, "running")
+        c.proc.send_signal(signal.SIGSTOP)
+        try:
+            self.wait_state(sid, "lost", 10)
+            time.sleep(GRACE_S + 1)
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        self.wait_worker_state(c, "active", 10)
+        self.wait_for(lambda: fake_state(c, sid) is None, "fenced", 10)
+        self.assertEqual(self.state(sid)["state"], "lost")
+        self.delete(sid)
+        self.wait_for(lambda: self.api.request("GET", "/v1/sandboxes/" + sid)[0] == 404,
+                      "deleted", 10)
+
+    def test_k_killed_worker_restarted_within_grace_readopts(self):
+        b = self.workers[1]
+        sid = self.created(placement={"labels": {"zone": "b"}})
+        self.wait_state(sid, "running")
+        b.kill(signal.SIGKILL)
+        self.wait_state(sid, "lost", 10)
+        b.start()
+        self.assertEqual(self.wait_state(sid, "running", 10)["state"], "running")
+        self.assertEqual(fake_state(b, sid), "running")
+        self.delete_all()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
