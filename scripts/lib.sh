@@ -27,6 +27,11 @@ SPACE_TEST_PKGS+=(python3-ipykernel python3-jupyter-client python3-numpy python3
 SPACE_TEST_PKGS+=(python3-dateutil python3-wcmatch python3-protobuf python3-h2 python3-attr
   python3-packaging python3-typing-extensions python3-rich python3-anyio python3-sniffio
   python3-h11 python3-certifi python3-idna)
+# repo.deploy (tests/test_deploy.py) renders deploy/kubernetes with `kubectl kustomize` and
+# parses it with PyYAML. Debian's kubectl only when there is none: another one (a cloud SDK's)
+# serves as well.
+SPACE_TEST_PKGS+=(python3-yaml)
+command -v kubectl >/dev/null 2>&1 || SPACE_TEST_PKGS+=(kubernetes-client)
 # bench/api_bench.py drives the API's reads with wrk (pgbench comes with postgresql-contrib).
 SPACE_TEST_PKGS+=(wrk)
 # spacectl's end-to-end test drives its interactive shell in a tmux pane (cli/tests), and

@@ -2,6 +2,7 @@
 installed spaced on a fresh data directory (embedded PostgreSQL, no microVM runtime) with the
 installed config file: version, serve and /healthz, keys create beside it, the admin key."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,13 @@ class InstallTest(unittest.TestCase):
                 text = f.read()
             self.assertIn("ExecStart=%s serve --config %s" % (spaced, conf), text)
             self.assertNotIn("@", text)
+            # The fleet's units (deploy/systemd/) beside it, on the same spaced and config dir.
+            for name, conf_name in (("space-api", "api.conf"), ("space-worker", "worker.conf")):
+                with open(os.path.join(os.path.dirname(unit), name + ".service")) as f:
+                    fleet = f.read()
+                self.assertIn("ExecStart=%s serve --config %s" % (
+                    spaced, os.path.join(os.path.dirname(conf), conf_name)), fleet)
+                self.assertEqual(re.findall(r"@[A-Z_]+@", fleet), [])
 
             r = subprocess.run([spaced, "version"], capture_output=True, text=True)
             self.assertEqual(r.returncode, 0, r.stderr)
