@@ -814,13 +814,14 @@ void sp_qemu__suspend_finish(struct vm *vm)
         sp_qemu__vm_path(vm, names[i], p, sizeof p);
         unlink(p);
     }
+    bool publish = sp_qemu__shared_publishes(vm); /* before tsnap_commit lets go of the build */
     if (vm->tsnap_build != NULL) {
         sp_qemu__tsnap_commit(vm);
     } else {
         sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
                (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     }
-    if (sp_qemu__shared_publishes(vm)) {
+    if (publish) {
         sp_qemu__shared_publish(vm); /* then sp_qemu__suspend_release */
         return;
     }
