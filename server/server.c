@@ -76,6 +76,8 @@ struct opts {
     unsigned idle_timeout_s; /* serve: how long an idle client connection is kept open */
     const char *metrics_listen; /* serve: the operator listener for /metrics (server/opsrv.h) */
     const char *jail_uid_range;   /* the uids jailed QEMUs run as (core/runtime/jail.h) */
+    const char *snapshot_dir;     /* storage all workers share: suspended sandboxes, template
+                                   * images (core/runtime/qemu.h); NULL: none, one node */
     bool no_jail;                 /* --no-jail: QEMU unjailed (insecure, for comparisons) */
     bool insecure_no_seccomp;     /* start VMs without QEMU's seccomp sandbox */
     bool insecure_no_cgroups;     /* start VMs without their cgroup */
@@ -108,6 +110,7 @@ static void usage(FILE *f)
             "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
             "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
             "                    [--jail-uid-range START:COUNT] [--no-jail]\n"
+            "                    [--snapshot-dir DIR]\n"
             "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
             "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
             "                    [--image-max-mb MIB] [--agent PATH]\n"
@@ -343,6 +346,7 @@ static int template_snapshot(const struct opts *o, const char *name)
                          .qemu = getenv("SPACE_QEMU"),
                          .no_adopt = 1,
                          .jail_uid_range = o->jail_uid_range,
+                         .snapshot_dir = o->snapshot_dir,
                          .no_jail = o->no_jail,
                          .insecure_no_seccomp = o->insecure_no_seccomp,
                          .insecure_no_cgroups = o->insecure_no_cgroups};
@@ -972,6 +976,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                              .qemu = getenv("SPACE_QEMU"),
                              .qemu_img = NULL,
                              .jail_uid_range = o->jail_uid_range,
+                             .snapshot_dir = o->snapshot_dir,
                              .no_jail = o->no_jail,
                              .insecure_no_seccomp = o->insecure_no_seccomp,
                              .insecure_no_cgroups = o->insecure_no_cgroups};
@@ -1228,6 +1233,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"worker-labels", required_argument, NULL, 0x114},
         {"heartbeat-timeout-s", required_argument, NULL, 0x115},
         {"lost-grace-s", required_argument, NULL, 0x116},
+        {"snapshot-dir", required_argument, NULL, 0x120},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1297,6 +1303,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             break;
         case 0x100:
             o.jail_uid_range = optarg;
+            break;
+        case 0x120:
+            o.snapshot_dir = optarg;
             break;
         case 0x101:
             o.no_jail = true;

@@ -134,6 +134,13 @@
  * SPACE_POOL_MEMORY_MB (default host RAM / 8) for all, unless opts say;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
+ * With a shared snapshot dir (opts.snapshot_dir, qemu/shared.c) a suspend streams the whole
+ * RAM into the device state (no RAM file, no template RAM it depends on), and once QEMU quit
+ * moves the snapshot to <snapshot-dir>/sandboxes/<id>/ with its disk's layers (every backing
+ * file outside the snapshot dir copied in, named relatively); a wake on any worker copies it
+ * back into its VM directory and restores it there, and removes the shared copy once the
+ * vCPUs run. Template images (base image, kernel, initramfs) are published once into
+ * <snapshot-dir>/templates/ and images/ and VMs are made over the published copies.
  */
 #ifndef SP_QEMU_H
 #define SP_QEMU_H
@@ -165,6 +172,11 @@ typedef struct {
     int no_jail;                /* 1: QEMU runs unjailed (insecure; for comparisons) */
     int insecure_no_seccomp;    /* 1: start VMs even where QEMU has no -sandbox */
     int insecure_no_cgroups;    /* 1: start VMs even without their cgroup */
+    /* Storage every worker shares (qemu/shared.c): suspended sandboxes and template images,
+     * so that a sandbox suspended by one worker wakes on another. Every worker must see it
+     * at the same path. NULL: none, suspended sandboxes stay in their VM directory (one
+     * node). */
+    const char *snapshot_dir;
 } sp_qemu_opts_t;
 
 /* Creates the driver; strings are copied. Never blocks on a VM: probes and

@@ -208,6 +208,7 @@ static void boot_done(struct vm *vm)
         unlink(p);
         sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
         sp_qemu__rm_rf(p);
+        sp_qemu__shared_forget(vm->d, vm->id); /* the copy it was fetched from is spent too */
         vm->restoring = false;
         vm->snap_step = SN_NONE;
     }

@@ -188,6 +188,7 @@ void sp_qemu__vm_free(struct vm *vm)
     vm->sum = NULL;
     sp_qemu__sumjob_abandon(vm->delta);
     vm->delta = NULL;
+    sp_qemu__shared_publish_abandon(vm);
     struct waiter *lists[3] = {vm->boot_w, vm->destroy_w, vm->snap_w};
     for (int i = 0; i < 3; i++) {
         while (lists[i] != NULL) {
@@ -573,6 +574,14 @@ static void adopt_all(sp_qemu_t *d)
             remove_leftover(d, pdir, cid);
             continue;
         }
+        if (strncmp(de->d_name, ".fetch-", 7) == 0) {
+            /* a snapshot an earlier driver was copying in from the shared dir (shared.c) */
+            char fdir[PATH_MAX];
+            sp_qemu__sfmt(fdir, sizeof fdir, "%s/%s", d->vms_dir, de->d_name);
+            if (!d->no_adopt && !sp_qemu__tsnap_tmp_foreign(de->d_name))
+                sp_qemu__rm_rf(fdir);
+            continue;
+        }
         if (d->no_adopt || !sp_qemu__valid_id(de->d_name) ||
             sp_qemu__vm_find(d, de->d_name) != NULL)
             continue;
@@ -606,7 +615,8 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
             vm = sp_qemu__vm_adopt(d, spec->sandbox_id, pid);
         else if (sp_qemu__snapshot_committed(vdir) && spec->snapshot_id != NULL)
             return sp_qemu__q_restore(base, spec, cb, arg, err); /* made from it, not yet up */
-        else if (sp_qemu__snapshot_committed(vdir))
+        else if (sp_qemu__snapshot_committed(vdir) ||
+                 sp_qemu__shared_committed(d, spec->sandbox_id))
             return sp_err_set(err, SP_ECONFLICT, "sandbox has a snapshot: restore it instead");
     }
     if (vm != NULL) {
@@ -682,6 +692,8 @@ sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *
         free(tp);
         tp = NULL;
     }
+    if (tp != NULL)
+        sp_qemu__shared_template(d, tname, tp); /* the images every worker has */
     return tp;
 }
 
@@ -832,6 +844,7 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
             kill(pid, SIGKILL);
         }
     }
+    sp_qemu__shared_forget(d, id); /* whichever worker deletes it */
     if (vm == NULL) {
         sp_qemu__cg_remove(d, id);
         sp_qemu__rm_rf(vdir);
@@ -870,7 +883,8 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
         if (vm != NULL)
             return vm->paused ? SP_VM_PAUSED : SP_VM_RUNNING;
     }
-    if (sp_qemu__snapshot_committed(vdir))
+    if (sp_qemu__snapshot_committed(vdir) || sp_qemu__shared_committed(d, id) ||
+        sp_qemu__shared_fetching(d, id))
         return SP_VM_SUSPENDED;
     struct stat st;
     if (stat(vdir, &st) == 0) {
@@ -910,6 +924,8 @@ static int q_stats(sp_driver_t *base, const char *id, sp_vm_stats_t *out, sp_err
         if (sp_qemu__valid_id(id)) {
             sp_qemu__sfmt(dir, sizeof dir, "%s/%s", d->vms_dir, id);
             snap = sp_qemu__snapshot_bytes(dir);
+            if (snap == 0)
+                snap = sp_qemu__shared_bytes(d, id);
         }
         if (snap == 0)
             return sp_err_set(err, SP_ENOTFOUND, "sandbox has no VM");
@@ -1027,6 +1043,7 @@ static void q_free(sp_driver_t *base)
     }
     sp_cgroup_destroy(d->cg);
     sp_qemu__confine_free(d);
+    sp_qemu__shared_free(d);
     free(d->qemu);
     free(d->qemu_img);
     free(d);
@@ -1190,7 +1207,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
         sp_err_set(err, SP_ERUNTIME, "cannot create the VM directory");
         return NULL;
     }
-    if (sp_qemu__confine_init(d, o, err) < 0) {
+    if (sp_qemu__confine_init(d, o, err) < 0 || sp_qemu__shared_init(d, o->snapshot_dir, err) < 0) {
         q_free(&d->base);
         return NULL;
     }

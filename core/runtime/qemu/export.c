@@ -92,6 +92,12 @@ int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backin
                           "the VM must be paused, with no export or snapshot running");
     if (backing == NULL || backing[0] != '/' || dest == NULL || dest[0] != '/')
         return sp_err_set(err, SP_EINVAL, "export paths must be absolute");
+    /* With a shared snapshot dir the VM's chain ends in the template image's published copy
+     * (shared.c): the export names that one, so that it means the same bytes on every worker
+     * and the rebase finds it in the chain (qemu-img then compares only what lies above). */
+    char pub[PATH_MAX + 64];
+    if (sp_qemu__shared_image(d, backing, pub, sizeof pub))
+        backing = pub;
     struct stat st;
     if (stat(backing, &st) < 0 || !S_ISREG(st.st_mode))
         return sp_err_set(err, SP_ENOTFOUND, "no base image %s", backing);

@@ -19,9 +19,11 @@
  *               without seccomp or cgroups
  *   fork.c      sandbox snapshots (driver.h: checkpoint): taken from a live VM with the
  *               suspend steps, booted from, collected once nothing is made from them
+ *   shared.c    the shared snapshot dir: suspended sandboxes moved there and back, template
+ *               images published there
  *
- * Everything runs on the driver's loop but the jobs of sums.c and confine.c's copies of template
- * RAM. For core/runtime/qemu/ only.
+ * Everything runs on the driver's loop but the jobs of sums.c, confine.c's copies of template
+ * RAM and shared.c's copies. For core/runtime/qemu/ only.
  */
 #ifndef SP_QEMU_INT_H
 #define SP_QEMU_INT_H
@@ -79,6 +81,7 @@
 
 typedef struct sp_qemu sp_qemu_t;
 struct refs;
+struct xfer;
 
 /* A caller waiting for a boot, suspend or destroy to finish (sp_qemu__complete_all). */
 struct waiter {
@@ -238,6 +241,7 @@ struct vm {
     struct export *export; /* export_disk in flight (export.c) */
     struct fork *fork;     /* checkpoint in flight (fork.c): the suspend steps, into its dir */
     uint64_t snap_start_ms;
+    struct xfer *publish;   /* suspend: the snapshot being moved to the shared dir (shared.c) */
     struct sumjob *sum;     /* checksums in flight (suspend: computing; restore: verifying) */
     struct sumjob *delta;   /* suspend of a clone: the stream's RAM delta being filtered */
     bool mig_done;          /* suspend: QEMU finished the migration (the delta may not yet) */
@@ -340,6 +344,9 @@ struct sp_qemu {
     bool allow_no_seccomp;      /* --insecure-no-seccomp */
     bool allow_no_cgroups;      /* --insecure-no-cgroups */
     struct ramfd *ramfds;       /* template RAM files as sealed memfds, made or being made */
+    /* the shared snapshot dir (shared.c) */
+    char shared_dir[PATH_MAX]; /* absolute; "" when there is none (opts.snapshot_dir) */
+    struct xfer *fetches;      /* snapshots being copied in from it for a wake */
 };
 
 /* How sp_qemu__spawn starts a child. */
@@ -444,6 +451,26 @@ int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void
                         sp_err_t *err);
 int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err);
+void sp_qemu__suspend_release(struct vm *vm);
+int sp_qemu__restore_local(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                           sp_err_t *err);
+
+/* ---- shared.c: the shared snapshot dir ---- */
+
+int sp_qemu__shared_init(sp_qemu_t *d, const char *dir, sp_err_t *err);
+void sp_qemu__shared_free(sp_qemu_t *d);
+bool sp_qemu__shared_streams(const struct vm *vm);
+void sp_qemu__shared_template(const sp_qemu_t *d, const char *tname, sp_tmplbuild_paths_t *tp);
+bool sp_qemu__shared_image(const sp_qemu_t *d, const char *local, char *out, size_t n);
+bool sp_qemu__shared_publishes(const struct vm *vm);
+void sp_qemu__shared_publish(struct vm *vm);
+void sp_qemu__shared_publish_abandon(struct vm *vm);
+bool sp_qemu__shared_committed(const sp_qemu_t *d, const char *id);
+int sp_qemu__shared_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                          sp_err_t *err);
+bool sp_qemu__shared_fetching(const sp_qemu_t *d, const char *id);
+void sp_qemu__shared_forget(sp_qemu_t *d, const char *id);
+uint64_t sp_qemu__shared_bytes(const sp_qemu_t *d, const char *id);
 
 /* ---- sums.c: checksum and delta jobs ---- */
 
@@ -534,6 +561,8 @@ struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struc
 bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join);
 void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
 int sp_qemu__fsync_path(const char *p, int flags);
+bool sp_qemu__qcow2_backing_name(const char *path, char *out, size_t n);
 bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n);
+int sp_qemu__qcow2_set_backing(const char *path, const char *name);
 
 #endif

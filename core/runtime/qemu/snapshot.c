@@ -26,6 +26,10 @@
  * the hash threads (with one thread fewer the wait grew instead;
  * bench/lifecycle_bench.py prints figures).
  *
+ * With a shared snapshot dir a suspend streams the whole RAM into the device state, and
+ * the committed snapshot moves there once QEMU quit; a wake of one there copies it back in
+ * first (shared.c).
+ *
  * Does not compute checksums (sums.c) nor commit template snapshots (tsnap.c, which
  * reuses the suspend steps for its builder).
  */
@@ -214,8 +218,9 @@ static void snap_commit(struct vm *vm)
     snap_path(vm, "", dir, sizeof dir);
     sp_qemu__vm_path(vm, "mem.ram", ram, sizeof ram);
     struct stat sd, sr = {0};
-    /* the RAM went into the device state stream (a clone's, and every checkpoint's) */
-    bool stream = vm->clone_src != NULL || vm->fork != NULL;
+    /* the RAM went into the device state stream (a clone's, every checkpoint's, and every
+     * suspend's with a shared snapshot dir) */
+    bool stream = vm->clone_src != NULL || vm->fork != NULL || sp_qemu__shared_streams(vm);
     bool delta = stream && vm->delta_ok; /* only its pages that differ from the template's */
     if (rename(tmp, dev) < 0 || stat(dev, &sd) < 0 || (!stream && stat(ram, &sr) < 0)) {
         snap_fail(vm, "cannot commit the snapshot", strerror(errno));
@@ -330,7 +335,7 @@ void sp_qemu__snap_sync(struct vm *vm)
         sp_qemu__sfmt(disk, sizeof disk, "%s/disk.qcow2", fork);
     else
         sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
-    bool own_ram = vm->clone_src == NULL && fork == NULL;
+    bool own_ram = vm->clone_src == NULL && fork == NULL && !sp_qemu__shared_streams(vm);
     char *argv[] = {"sync", "--data", dev, disk, own_ram ? ram : NULL, NULL};
     struct spawn_opts so = {.out_path = NULL, .stdin_fd = -1, .cg = NULL};
     sp_err_t e;
@@ -376,7 +381,8 @@ static int suspend_delta_start(struct vm *vm)
     vm->mig_done = false;
     vm->delta_ok = false;
     vm->delta_failed = false;
-    if (vm->clone_src == NULL || vm->no_delta || vm->tsnap_build != NULL)
+    if (vm->clone_src == NULL || vm->no_delta || vm->tsnap_build != NULL ||
+        sp_qemu__shared_streams(vm)) /* a delta is over this worker's template RAM */
         return vm->snap_fd;
     int pfd[2];
     struct sumjob *j = sp_qemu__sumjob_new(vm, false);
@@ -490,9 +496,14 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
         }
         vm->snap_step = SN_CAPS;
         /* A clone's RAM is a private map of the template's file: stream all of it. So does
-         * a checkpoint: its RAM file, if it has one, moves on when the vCPUs run again. */
+         * a checkpoint: its RAM file, if it has one, moves on when the vCPUs run again. And a
+         * suspend into a shared snapshot dir: the snapshot must not need a RAM file here. */
         json_t *a = json_pack("{s:[{s:s, s:b}]}", "capabilities", "capability", "x-ignore-shared",
-                              "state", vm->clone_src == NULL && vm->fork == NULL ? 1 : 0);
+                              "state",
+                              vm->clone_src == NULL && vm->fork == NULL &&
+                                      !sp_qemu__shared_streams(vm)
+                                  ? 1
+                                  : 0);
         sp_qemu__snap_send(vm, "migrate-set-capabilities", a, -1);
         break;
     }
@@ -803,12 +814,25 @@ void sp_qemu__suspend_finish(struct vm *vm)
         sp_qemu__vm_path(vm, names[i], p, sizeof p);
         unlink(p);
     }
+    bool publish = sp_qemu__shared_publishes(vm); /* before tsnap_commit lets go of the build */
     if (vm->tsnap_build != NULL) {
         sp_qemu__tsnap_commit(vm);
     } else {
         sp_log(SP_LOG_INFO, "qemu", "vm suspended sandbox=%s ms=%llu", vm->id,
                (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     }
+    if (publish) {
+        sp_qemu__shared_publish(vm); /* then sp_qemu__suspend_release */
+        return;
+    }
+    sp_qemu__suspend_release(vm);
+}
+
+/* The suspend is over (its snapshot committed, and moved to the shared dir if there is one):
+ * the VM goes from the table and its waiters are answered. */
+void sp_qemu__suspend_release(struct vm *vm)
+{
+    sp_qemu_t *d = vm->d;
     sp_qemu__vm_unlink(vm);
     sp_qemu__complete_all(d, &vm->snap_w, NULL);
     sp_qemu__complete_all(d, &vm->boot_w, NULL);
@@ -847,10 +871,29 @@ int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void
     return 0;
 }
 
+/* A wake: of a snapshot in the shared dir (copied in first, shared.c), else of the one in the
+ * VM dir. */
 int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
+    if (spec == NULL || !sp_qemu__valid_id(spec->sandbox_id))
+        return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
+    const char *id = spec->sandbox_id;
+    if (d->shared_dir[0] != '\0' && spec->snapshot_id == NULL && !d->no_adopt &&
+        sp_qemu__vm_find(d, id) == NULL) {
+        char vdir[PATH_MAX];
+        sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, id);
+        if (sp_qemu__shared_fetching(d, id) ||
+            (sp_qemu__live_vm_pid(d, id, vdir) == 0 && sp_qemu__shared_committed(d, id)))
+            return sp_qemu__shared_fetch(d, spec, cb, arg, err);
+    }
+    return sp_qemu__restore_local(d, spec, cb, arg, err);
+}
+
+int sp_qemu__restore_local(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                           sp_err_t *err)
+{
     if (spec == NULL || !sp_qemu__valid_id(spec->sandbox_id))
         return sp_err_set(err, SP_EINVAL, "invalid sandbox id");
     struct vm *vm = sp_qemu__vm_find(d, spec->sandbox_id);

@@ -424,9 +424,9 @@ int sp_qemu__fsync_path(const char *p, int flags)
     return rc;
 }
 
-/* The backing file a qcow2 header names (as written there: absolute for ours), into out[n].
- * false when none or unreadable. */
-bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n)
+/* The backing file name a qcow2 header holds, as written there, into out[n]. false when
+ * none or unreadable. */
+bool sp_qemu__qcow2_backing_name(const char *path, char *out, size_t n)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -445,4 +445,56 @@ bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n)
     if (ok)
         out[len] = '\0';
     return ok;
+}
+
+/* The backing file of the qcow2 image at path, into out[n]: the name its header holds when
+ * absolute (ours are, but for the layers of a sandbox's snapshot from the shared snapshot
+ * dir, shared.c), else resolved against path's directory as QEMU resolves it. false when
+ * none or unreadable. */
+bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n)
+{
+    if (!sp_qemu__qcow2_backing_name(path, out, n))
+        return false;
+    const char *slash = strrchr(path, '/');
+    if (out[0] == '/' || slash == NULL)
+        return true;
+    size_t dlen = (size_t)(slash - path) + 1, len = strlen(out);
+    if (dlen + len >= n)
+        return false;
+    memmove(out + dlen, out, len + 1);
+    memcpy(out, path, dlen);
+    return true;
+}
+
+/* Names `name` as the backing file of the qcow2 image at path (not in use by any QEMU), in
+ * place: the name sits in cluster 0 after the header and its extensions, where qemu-img put
+ * it, and the new one must fit there too. What qemu-img rebase -u does, without a process.
+ * 0 or -1 (errno set; EINVAL: the image has no backing file or the name does not fit). */
+int sp_qemu__qcow2_set_backing(const char *path, const char *name)
+{
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    uint8_t h[24];
+    bool ok = pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h && memcmp(h, "QFI\xfb", 4) == 0;
+    uint64_t off = 0;
+    uint32_t bits = 0;
+    for (int i = 0; ok && i < 8; i++)
+        off = off << 8 | h[8 + i];
+    for (int i = 0; ok && i < 4; i++)
+        bits = bits << 8 | h[20 + i];
+    size_t len = strlen(name);
+    if (!ok || off == 0 || bits < 9 || bits > 21 || len == 0 || len > 1023 ||
+        off + len > (1ull << bits)) {
+        close(fd);
+        errno = EINVAL;
+        return -1;
+    }
+    uint8_t be[4] = {(uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8), (uint8_t)len};
+    ok = pwrite(fd, name, len, (off_t)off) == (ssize_t)len &&
+         pwrite(fd, be, sizeof be, 16) == (ssize_t)sizeof be && fsync(fd) == 0;
+    int e = errno;
+    close(fd);
+    errno = e;
+    return ok ? 0 : -1;
 }
