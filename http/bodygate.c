@@ -10,11 +10,15 @@
  */
 #include "http/bodygate.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <h2o/http1.h>
 #include <h2o/http2.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "base/log.h"
 
@@ -22,6 +26,11 @@
  * connection after the handler's answer, and no body. */
 #define REFUSED_HEAD "GET / HTTP/1.0\r\n\r\n"
 #define REFUSED_HEAD_LEN (sizeof(REFUSED_HEAD) - 1)
+/* After a refusal, the body the client still sends is read and dropped (up to this much, for
+ * this long) so that a client that sends it all before reading gets the answer, not a reset
+ * (h2o 2.2.5 closes without draining). */
+#define DRAIN_MAX_BYTES ((uint64_t)256 << 20)
+#define DRAIN_MAX_MS 10000
 /* h2o's own limit on a request head (H2O_MAX_REQLEN): longer heads are h2o's 400. */
 #define MAX_HEAD 8192
 
@@ -43,7 +52,10 @@ struct gs {
     bool large;   /* counted in g->large_now */
     bool refused; /* the current request is a refusal; verdict is what to send */
     sp_bodygate_verdict_t verdict;
-    unsigned holds; /* live request hooks and deferred rearms: free only at 0 */
+    unsigned holds;      /* live request hooks and deferred rearms: free only at 0 */
+    int fd;              /* the socket's fd (h2o's: never closed here) */
+    int drain_fd;        /* a refusal: a dup of fd, drained once h2o closes (-1: none) */
+    uint64_t drain_left; /* body bytes the refused request still has to send */
     bool in_read;
     bool unreadable; /* the next head is one the gate cannot read: close */
     struct gs *prev, *next;
@@ -203,9 +215,77 @@ static void release_large(struct gs *st)
     }
 }
 
+struct drain {
+    int fd;
+    uint64_t left;
+    sp_watch_t *w;
+    sp_timer_t timer;
+};
+
+static void drain_end(struct drain *d)
+{
+    sp_watch_destroy(d->w);
+    sp_timer_stop(&d->timer);
+    close(d->fd);
+    free(d);
+}
+
+static void on_drain_io(sp_watch_t *w, int events, void *arg)
+{
+    struct drain *d = arg;
+    char buf[16384];
+    for (int i = 0; i < 64; i++) {
+        ssize_t n = recv(d->fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (n > 0 && (uint64_t)n < d->left) {
+            d->left -= (uint64_t)n;
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return;
+        drain_end(d); /* the end, an error, or all it may send */
+        return;
+    }
+}
+
+static void on_drain_timeout(sp_timer_t *t, void *arg)
+{
+    drain_end(arg);
+}
+
+/* h2o closed the socket after the refusal: the answer is sent; end it with a FIN (the dup
+ * keeps the connection open) and drop what the client still sends. */
+static void drain_start(sp_loop_t *loop, int fd, uint64_t left)
+{
+    shutdown(fd, SHUT_WR);
+    struct drain *d = calloc(1, sizeof(*d));
+    if (d == NULL || left == 0) {
+        free(d);
+        close(fd);
+        return;
+    }
+    d->fd = fd;
+    d->left = left < DRAIN_MAX_BYTES ? left : DRAIN_MAX_BYTES;
+    d->w = sp_watch_create(loop, fd, on_drain_io, d);
+    if (d->w == NULL) {
+        free(d);
+        close(fd);
+        return;
+    }
+    sp_timer_init(&d->timer, loop, on_drain_timeout, d);
+    sp_timer_start(&d->timer, DRAIN_MAX_MS);
+    sp_watch_set(d->w, SP_IO_READ);
+}
+
 static void gs_on_close(void *data)
 {
     struct gs *st = data;
+    if (st->drain_fd >= 0) {
+        if (st->g != NULL)
+            drain_start(st->g->loop, st->drain_fd, st->drain_left);
+        else
+            close(st->drain_fd);
+        st->drain_fd = -1;
+    }
     st->sock = NULL;
     release_large(st);
     gs_free_if_done(st);
@@ -249,8 +329,13 @@ static void vet(struct gs *st, size_t off)
     if (v.refuse && hl >= REFUSED_HEAD_LEN) {
         /* In place: the buffer holds at least the head's bytes. The body bytes already
          * read are dropped with the rest; h2o answers the bodyless request and closes. */
+        uint64_t got = in->size - off - hl;
         memcpy(in->bytes + off, REFUSED_HEAD, REFUSED_HEAD_LEN);
         in->size = off + REFUSED_HEAD_LEN;
+        if (st->fd >= 0 && st->drain_fd < 0) {
+            st->drain_fd = fcntl(st->fd, F_DUPFD_CLOEXEC, 0);
+            st->drain_left = h.chunked ? DRAIN_MAX_BYTES : h.length > got ? h.length - got : 0;
+        }
         st->refused = true;
         st->verdict = v;
         st->head_len = REFUSED_HEAD_LEN;
@@ -292,7 +377,7 @@ out:
     gs_free_if_done(st);
 }
 
-void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock)
+void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
 {
     /* HTTP/2 (prior knowledge) or a socket someone else watches: not ours. */
     if (sock->_cb.read == NULL || sock->on_close.cb != NULL)
@@ -304,6 +389,8 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock)
     st->sock = sock;
     st->orig = sock->_cb.read;
     st->state = GS_IDLE;
+    st->fd = fd;
+    st->drain_fd = -1;
     st->next = g->head;
     if (g->head)
         g->head->prev = st;
@@ -380,6 +467,7 @@ bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t
 
 struct tls_accept {
     sp_bodygate_t *g;
+    int fd;
     h2o_accept_ctx_t *ctx;
     h2o_socket_t *sock;
     struct timeval connected_at;
@@ -400,6 +488,7 @@ static void on_tls_handshake(h2o_socket_t *sock, const char *err)
     sock->data = NULL;
     sp_timer_stop(&a->timer);
     sp_bodygate_t *g = a->g;
+    int fd = a->fd;
     h2o_accept_ctx_t *ctx = a->ctx;
     struct timeval at = a->connected_at;
     free(a);
@@ -417,10 +506,10 @@ static void on_tls_handshake(h2o_socket_t *sock, const char *err)
     }
     h2o_http1_accept(ctx, sock, at);
     if (g != NULL)
-        sp_bodygate_attach(g, sock);
+        sp_bodygate_attach(g, sock, fd);
 }
 
-void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock)
+void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock, int fd)
 {
     struct tls_accept *a = calloc(1, sizeof(*a));
     if (a == NULL || ctx->ssl_ctx == NULL || ctx->expect_proxy_line) {
@@ -429,6 +518,7 @@ void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *s
         return;
     }
     a->g = g;
+    a->fd = fd;
     a->ctx = ctx;
     a->sock = sock;
     a->connected_at = *h2o_get_timestamp(ctx->ctx, NULL, NULL);
@@ -469,6 +559,10 @@ void sp_bodygate_destroy(sp_bodygate_t *g)
             st->sock->on_close.cb = NULL;
             st->sock->on_close.data = NULL;
             st->sock = NULL;
+        }
+        if (st->drain_fd >= 0) {
+            close(st->drain_fd);
+            st->drain_fd = -1;
         }
         gs_free_if_done(st);
     }

@@ -66,11 +66,14 @@ sp_bodygate_t *sp_bodygate_create(sp_loop_t *loop, sp_bodygate_policy_cb policy,
 /* Detaches from every socket still open (they go on without a gate). NULL does nothing. */
 void sp_bodygate_destroy(sp_bodygate_t *g);
 
-/* Attaches to a socket h2o has just accepted as HTTP/1 (plain: right after h2o_accept). A
- * socket h2o took as HTTP/2 (prior knowledge) is left alone. */
-void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock);
-/* h2o_accept for a TLS connection, with the gate attached once ALPN chose HTTP/1.1. */
-void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock);
+/* Attaches to a socket h2o has just accepted as HTTP/1 (plain: right after h2o_accept); fd is
+ * the socket's (still h2o's), dup'ed after a refusal to drain the rest of the body once h2o
+ * has answered and closed (a client that sends the whole body first then reads the answer
+ * rather than a reset). A socket h2o took as HTTP/2 (prior knowledge) is left alone. */
+void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd);
+/* h2o_accept for a TLS connection (fd as above), with the gate attached once ALPN chose
+ * HTTP/1.1. */
+void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock, int fd);
 
 /* For every request the handler gets, first: true when the gate refused it (*v is the
  * refusal to send, as is); else notes the request so the gate takes its place again after

@@ -78,10 +78,10 @@ static void hand_off(struct pend *p, bool is_tls)
     if (s->gate == NULL) {
         h2o_accept(is_tls && s->tls != NULL ? s->tls : s->plain, sock);
     } else if (is_tls && s->tls != NULL) {
-        sp_bodygate_accept(s->gate, s->tls, sock);
+        sp_bodygate_accept(s->gate, s->tls, sock, fd);
     } else {
         h2o_accept(s->plain, sock); /* plain: h2o takes it as HTTP/1 at once */
-        sp_bodygate_attach(s->gate, sock);
+        sp_bodygate_attach(s->gate, sock, fd);
     }
 }
 
