@@ -35,6 +35,7 @@ struct sp_sniff {
     bool listening; /* lw has read interest */
     sp_timer_t resume; /* after EMFILE */
     h2o_accept_ctx_t *plain, *tls;
+    sp_bodygate_t *gate;
     struct pend *head;
     size_t npend;
 };
@@ -74,7 +75,19 @@ static void hand_off(struct pend *p, bool is_tls)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     h2o_socket_t *sock = h2o_evloop_socket_create(sp_loop_native(s->loop), fd, 0);
-    h2o_accept(is_tls && s->tls != NULL ? s->tls : s->plain, sock);
+    if (s->gate == NULL) {
+        h2o_accept(is_tls && s->tls != NULL ? s->tls : s->plain, sock);
+    } else if (is_tls && s->tls != NULL) {
+        sp_bodygate_accept(s->gate, s->tls, sock, fd);
+    } else {
+        h2o_accept(s->plain, sock); /* plain: h2o takes it as HTTP/1 at once */
+        sp_bodygate_attach(s->gate, sock, fd);
+    }
+}
+
+void sp_sniff_set_gate(sp_sniff_t *s, sp_bodygate_t *g)
+{
+    s->gate = g;
 }
 
 static void on_pend_io(sp_watch_t *w, int events, void *arg)

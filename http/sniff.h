@@ -14,6 +14,7 @@
 
 #include <h2o.h>
 
+#include "http/bodygate.h"
 #include "loop/loop.h"
 
 #define SP_SNIFF_TIMEOUT_MS  10000
@@ -28,6 +29,8 @@ typedef struct sp_sniff sp_sniff_t;
  */
 sp_sniff_t *sp_sniff_create(sp_loop_t *loop, int listen_fd, h2o_accept_ctx_t *plain,
                             h2o_accept_ctx_t *tls);
+/* HTTP/1 connections from here on get the body gate (NULL: none); borrowed. */
+void sp_sniff_set_gate(sp_sniff_t *s, sp_bodygate_t *g);
 /* Stops listening, closes connections still being sniffed. NULL does nothing. */
 void sp_sniff_destroy(sp_sniff_t *s);
 

@@ -47,6 +47,7 @@
 #include "guest/tmplbuild.h"
 #include "e2b-gateway/gw.h"
 #include "native-api/napi.h"
+#include "http/bodygate.h"
 #include "http/http.h"
 #include "http/sniff.h"
 #include "http/tls.h"
@@ -94,7 +95,16 @@ struct opts {
     const char *worker_labels; /* k=v,k=v */
     int heartbeat_timeout_s;
     int lost_grace_s;
+    unsigned long max_body_kb;     /* serve: request bodies but uploads (KiB) */
+    unsigned long max_upload_mb;   /* serve: file and template uploads (MiB; h2o's limit) */
+    unsigned long max_large_bodies; /* serve: uploads over max_body_kb being received at once */
 };
+
+/* Bodies: JSON and RPC bodies are small (the APIs' own caps are 1 MiB); uploads of files and
+ * template files may be large (8 GiB was h2o's limit for everything before); a few at once. */
+#define SP_SERVER_MAX_BODY_KB      1024
+#define SP_SERVER_MAX_UPLOAD_MB    8192
+#define SP_SERVER_MAX_LARGE_BODIES 16
 
 /* E2B's Python SDKs pool their connections for 300 s and E2B's own edge keeps idle ones about
  * ten minutes; h2o's defaults (10 s) closed them under a pooled HTTP/2 connection, which the
@@ -120,6 +130,7 @@ static void usage(FILE *f)
             "                    [--worker-vcpus N] [--worker-memory-mb MIB]\n"
             "                    [--worker-labels k=v,k=v] [--heartbeat-timeout-s N]\n"
             "                    [--lost-grace-s N]\n"
+            "                    [--max-body-kb KIB] [--max-upload-mb MIB] [--max-large-bodies N]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -612,6 +623,8 @@ struct srv {
     sp_sniff_t *sniff6; /* the same port on ::1, when listening on 127.0.0.1 */
     sp_napi_t *napi;
     sp_e2b_t *e2b;
+    sp_bodygate_t *gate; /* HTTP/1 request heads vetted before their bodies */
+    uint64_t max_body;   /* bytes */
     int sfd;
     bool stop;
 };
@@ -624,6 +637,16 @@ struct handler {
 static int on_req(h2o_handler_t *self, h2o_req_t *req)
 {
     struct srv *s = ((struct handler *)self)->srv;
+    sp_bodygate_verdict_t v;
+    if (sp_bodygate_request(s->gate, req, &v)) { /* refused on its head: the body never came */
+        if (v.e2b)
+            sp_http_json(req, sp_err_http_status(v.err.code),
+                         json_pack("{s:i,s:s}", "code", sp_err_http_status(v.err.code), "message",
+                                   v.err.msg));
+        else
+            sp_http_error(req, &v.err);
+        return 0;
+    }
     if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
         sp_e2b_handle(s->e2b, req);
         return 0;
@@ -634,6 +657,91 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
     }
     sp_http_error_code(req, SP_ENOTFOUND, "no such path");
     return 0;
+}
+
+/* The path of p[0, n) up to its query. */
+static size_t path_part(const char *p, size_t n)
+{
+    const char *q = memchr(p, '?', n);
+    return q != NULL ? (size_t)(q - p) : n;
+}
+
+static bool has_prefix(const char *p, size_t n, const char *pre)
+{
+    size_t k = strlen(pre);
+    return n >= k && memcmp(p, pre, k) == 0;
+}
+
+/* /v1/sandboxes/{id}/files exactly: the native upload. */
+static bool is_native_files(const char *p, size_t n)
+{
+    if (!has_prefix(p, n, "/v1/sandboxes/"))
+        return false;
+    const char *id = p + 14, *end = p + n;
+    const char *sl = memchr(id, '/', (size_t)(end - id));
+    return sl != NULL && sl > id && h2o_memis(sl, (size_t)(end - sl), H2O_STRLIT("/files"));
+}
+
+/*
+ * The body gate's policy (http/bodygate.h), on a request's head: bodies up to max_body go on;
+ * larger ones only to the upload routes (native files and template files, E2B's /files and
+ * template files, and forwarded guest ports, whose apps take what they take), which count
+ * as large (a bound on how many at once) and must carry their credential: a native key, or
+ * E2B's API key or upload token. Whether that credential is right is the route's to check
+ * (an asynchronous lookup h2o's read path cannot wait for); envd's /files and guest ports may
+ * be public, so only the count holds them.
+ */
+static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
+{
+    struct srv *s = arg;
+    size_t pn = path_part(h->path, h->path_len);
+    /* Which surface would own it: for the shape of a refusal, and E2B's routes. */
+    h2o_req_t fake;
+    memset(&fake, 0, sizeof(fake));
+    fake.authority = h2o_iovec_init(h->host, h->host_len);
+    fake.path = h2o_iovec_init(h->path, h->path_len);
+    fake.query_at = pn < h->path_len ? pn : SIZE_MAX;
+    bool e2b = s->e2b != NULL && sp_e2b_owns(s->e2b, &fake);
+    v->e2b = e2b;
+    if (!h->chunked && h->length <= s->max_body)
+        return;
+    bool upload = false, needs_key = false;
+    size_t n;
+    if (e2b) {
+        const char *surface = NULL, *route = NULL;
+        sp_e2b_classify(s->e2b, &fake, &surface, &route);
+        if (route != NULL && (strcmp(route, "files") == 0 || strcmp(route, "guest_port") == 0)) {
+            upload = true;
+        } else if (has_prefix(h->path, pn, "/upload/template-files/")) {
+            upload = true;
+            needs_key = sp_bodygate_header(h, "x-api-key", &n) == NULL &&
+                        memmem(h->path + pn, h->path_len - pn, "token=", 6) == NULL;
+        }
+    } else if (h2o_memis(h->method, h->method_len, H2O_STRLIT("PUT")) &&
+               (has_prefix(h->path, pn, "/v1/template-files/") || is_native_files(h->path, pn))) {
+        upload = true;
+        const char *a = sp_bodygate_header(h, "authorization", &n);
+        needs_key = a == NULL || n <= 7 || strncasecmp(a, "Bearer ", 7) != 0;
+    }
+    if (!upload) {
+        if (h->chunked) { /* its size shows as it comes: stopped past the cap */
+            v->chunked_cap = s->max_body;
+            return;
+        }
+        v->refuse = true;
+        sp_err_set(&v->err, SP_ETOOBIG, "request body is larger than %llu KiB",
+                   (unsigned long long)(s->max_body >> 10));
+        return;
+    }
+    if (needs_key) {
+        v->refuse = true;
+        sp_err_set(&v->err, SP_EAUTH, e2b ? "missing API key or upload token: a large body "
+                                            "is read only with one"
+                                          : "missing API key (Authorization: Bearer <key>): "
+                                            "a large body is read only with one");
+        return;
+    }
+    v->large = true;
 }
 
 /* The request metrics' labels (http/reqmetrics.h): the surface that owns the request. */
@@ -1054,7 +1162,12 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     }
 
     h2o_config_init(&s.config);
-    s.config.max_request_entity_size = (size_t)8 << 30;
+    /* h2o's one limit, for every route and protocol; the gate holds the rest (HTTP/1). */
+    s.config.max_request_entity_size = (size_t)o->max_upload_mb << 20;
+    s.max_body = (uint64_t)o->max_body_kb << 10;
+    s.gate = sp_bodygate_create(s.loop, body_policy, &s, (unsigned)o->max_large_bodies);
+    if (s.gate == NULL)
+        goto out_srv;
     /* One idle limit for both protocols: HTTP/1.1 keep-alive between requests (h2o's request
      * timeout) and an HTTP/2 connection without streams. */
     s.config.http1.req_timeout = (uint64_t)o->idle_timeout_s * 1000;
@@ -1077,6 +1190,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         close(s.listen_fd);
         goto out_srv;
     }
+    sp_sniff_set_gate(s.sniff, s.gate);
     if (o->metrics_listen != NULL &&
         (opsrv = sp_opsrv_create(s.loop, o->metrics_listen, &e)) == NULL) {
         fprintf(stderr, "spaced: metrics listener: %s\n", e.msg);
@@ -1086,6 +1200,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (fd6 >= 0 &&
         (s.sniff6 = sp_sniff_create(s.loop, fd6, &s.accept_ctx, &s.tls_accept_ctx)) == NULL)
         close(fd6);
+    if (s.sniff6 != NULL)
+        sp_sniff_set_gate(s.sniff6, s.gate);
 
     sigset_t set;
     sigemptyset(&set);
@@ -1130,6 +1246,7 @@ out_srv:
     sp_opsrv_destroy(opsrv);
     sp_sniff_destroy(s.sniff);
     sp_sniff_destroy(s.sniff6);
+    sp_bodygate_destroy(s.gate);
     sp_recon_destroy(recon);
     sp_fleet_destroy(fleet);
     sp_egress_destroy(egress); /* closes its mitm handles and proxied connections */
@@ -1196,6 +1313,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
     }
     struct opts o = {.listen = "127.0.0.1:3000",
                      .idle_timeout_s = SP_SERVER_IDLE_TIMEOUT_S,
+                     .max_body_kb = SP_SERVER_MAX_BODY_KB,
+                     .max_upload_mb = SP_SERVER_MAX_UPLOAD_MB,
+                     .max_large_bodies = SP_SERVER_MAX_LARGE_BODIES,
                      .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB},
                      .heartbeat_timeout_s = 10,
                      .lost_grace_s = 60};
@@ -1234,6 +1354,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"heartbeat-timeout-s", required_argument, NULL, 0x115},
         {"lost-grace-s", required_argument, NULL, 0x116},
         {"snapshot-dir", required_argument, NULL, 0x120},
+        {"max-body-kb", required_argument, NULL, 0x10d},
+        {"max-upload-mb", required_argument, NULL, 0x10e},
+        {"max-large-bodies", required_argument, NULL, 0x10f},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1345,6 +1468,23 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             }
             int *q[] = {&o.quota.sandboxes, &o.quota.vcpus, &o.quota.memory_mb};
             *q[ch - 0x107] = (int)v;
+            break;
+        }
+        case 0x10d:
+        case 0x10e:
+        case 0x10f: {
+            static const char *const names[] = {"max-body-kb", "max-upload-mb",
+                                                "max-large-bodies"};
+            static const unsigned long maxes[] = {1ul << 24, 1ul << 24, 100000};
+            char *end;
+            unsigned long v = strtoul(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < 1 || v > maxes[ch - 0x10d]) {
+                fprintf(stderr, "spaced: --%s wants 1..%lu\n", names[ch - 0x10d],
+                        maxes[ch - 0x10d]);
+                return 2;
+            }
+            unsigned long *f[] = {&o.max_body_kb, &o.max_upload_mb, &o.max_large_bodies};
+            *f[ch - 0x10d] = v;
             break;
         }
         case 0x10a:

@@ -1,0 +1,93 @@
+/*
+ * bodygate.h - a look at each HTTP/1 request's head before h2o reads its body.
+ *
+ * h2o 2.2.5 calls a handler only once the whole request body is in memory (HTTP/1: the
+ * content-length and chunked readers of lib/http1.c; HTTP/2: DATA frames gathered until
+ * END_STREAM); it has no hook between the head and the body (streaming request bodies,
+ * `write_req`/`proceed_req`, came in 2.3), and its only limit, max_request_entity_size, is one
+ * number for every route. The gate fills that gap for HTTP/1 connections: it sits in front of
+ * h2o's read callback on each socket it is attached to, parses every request head as it comes
+ * (h2o parses the same bytes after it), and asks a policy what the request may send. A request
+ * the policy refuses never reaches h2o as sent: its head is replaced by a bodyless
+ * `GET / HTTP/1.0` (so h2o closes the connection after answering), the body bytes already read
+ * are dropped, and the handler answers with the refusal (sp_bodygate_refusal). A chunked body
+ * is counted as it arrives and stopped past the policy's cap (h2o's own 413 then, as the head
+ * was already handed over).
+ *
+ * What it cannot do, and why: HTTP/2 (HPACK-coded heads inside frames that only h2o decodes;
+ * only max_request_entity_size holds there), and TLS connections unless attached after the
+ * handshake chose HTTP/1.1 (sp_bodygate_accept does the handshake for that). It keeps its place
+ * across keep-alive requests because h2o re-installs its own read callback after every
+ * response: the handler calls sp_bodygate_request for each request, which puts the gate back
+ * once h2o is done with it, and vets any pipelined request already read before h2o does.
+ *
+ * Owns nothing of h2o's: per-socket state lives until the socket closes (its on_close hook,
+ * which h2o's HTTP/1 server leaves unused). Knows no route: the policy does.
+ */
+#ifndef SP_BODYGATE_H
+#define SP_BODYGATE_H
+
+#include <h2o.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/err.h"
+#include "loop/loop.h"
+
+typedef struct sp_bodygate sp_bodygate_t;
+
+/* A request head as the gate read it; strings are not NUL-terminated and live only during
+ * the policy call. */
+typedef struct {
+    const char *method, *path, *host; /* path with its query; host "" when absent */
+    size_t method_len, path_len, host_len;
+    bool chunked;     /* Transfer-Encoding present (h2o accepts only `chunked`) */
+    uint64_t length;  /* Content-Length (0 when absent or chunked) */
+    const char *hdrs; /* the header lines, for sp_bodygate_header */
+    size_t hdrs_len;
+} sp_bodygate_head_t;
+
+/* What the policy decides. */
+typedef struct {
+    bool refuse;          /* answer err at once, before the body */
+    bool e2b;             /* the refusal in the E2B shape ({code, message}) */
+    bool large;           /* counts against the bound on concurrent large bodies */
+    uint64_t chunked_cap; /* a chunked body past this many bytes is stopped (0: no cap) */
+    sp_err_t err;
+} sp_bodygate_verdict_t;
+
+typedef void (*sp_bodygate_policy_cb)(void *arg, const sp_bodygate_head_t *h,
+                                      sp_bodygate_verdict_t *v);
+
+/* max_large: requests counted `large` at once, server-wide; one more is refused with 503
+ * (in the shape the policy chose) before its body is read. NULL on allocation failure. */
+sp_bodygate_t *sp_bodygate_create(sp_loop_t *loop, sp_bodygate_policy_cb policy, void *arg,
+                                  unsigned max_large);
+/* Detaches from every socket still open (they go on without a gate). NULL does nothing. */
+void sp_bodygate_destroy(sp_bodygate_t *g);
+
+/* Attaches to a socket h2o has just accepted as HTTP/1 (plain: right after h2o_accept); fd is
+ * the socket's (still h2o's), dup'ed after a refusal to drain the rest of the body once h2o
+ * has answered and closed (a client that sends the whole body first then reads the answer
+ * rather than a reset). A socket h2o took as HTTP/2 (prior knowledge) is left alone. */
+void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd);
+/* h2o_accept for a TLS connection (fd as above), with the gate attached once ALPN chose
+ * HTTP/1.1. */
+void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock, int fd);
+
+/* For every request the handler gets, first: true when the gate refused it (*v is the
+ * refusal to send, as is); else notes the request so the gate takes its place again after
+ * it. Requests on sockets without a gate (HTTP/2) are false. */
+bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v);
+
+/* A header's value in h (case-insensitive name), or NULL; *len its length. */
+const char *sp_bodygate_header(const sp_bodygate_head_t *h, const char *name, size_t *len);
+/* Requests counted large right now (for tests and metrics). */
+unsigned sp_bodygate_large_now(const sp_bodygate_t *g);
+
+/* The head parser alone, for the fuzz target and tests: 1 with *h filled when buf holds a
+ * whole head (*head_len its bytes), 0 when more bytes are needed, -1 when it is not a head
+ * the gate understands (h2o then answers it itself). */
+int sp_bodygate_parse(const char *buf, size_t len, sp_bodygate_head_t *h, size_t *head_len);
+
+#endif
