@@ -9,6 +9,8 @@
 #                               cannot: no registry and no cache), unless
 #                               CONFORMANCE_SKIP_INSTALL=1; then exits 1 unless each PKG in
 #                               node_modules is the version package.json pins
+# run.sh exits 0 right after conf_npm_ci when CONFORMANCE_INSTALL_ONLY=1 (run_local.py, before
+# it starts several clients of one folder at once: npm ci replaces node_modules).
 # SUITE names the test in messages (conformance.js); WHAT, what the pins are ("the pinned SDK").
 
 conf_need_node() {

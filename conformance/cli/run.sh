@@ -19,5 +19,7 @@ if ! command -v tmux >/dev/null; then
   exit 1
 fi
 conf_npm_ci conformance.cli "the pinned CLI" @e2b/cli e2b
+# run_local.py installs once before running several clients of this folder at once.
+[ "${CONFORMANCE_INSTALL_ONLY:-0}" = 1 ] && exit 0
 
 exec node run.mjs "$@"

@@ -7,7 +7,7 @@
 // 1 some failed, 2 bad configuration.
 import { writeFileSync } from 'node:fs'
 import { sandboxTarget, withDeadline } from '../common.mjs'
-import { cleanup, configProblem, registered, RUN_ID, TEMPLATE } from './lib.mjs'
+import { cleanup, configProblem, registered, RUN_ID, Skip, TEMPLATE } from './lib.mjs'
 import './lifecycle.mjs'
 import './commands.mjs'
 import './files.mjs'
@@ -44,6 +44,12 @@ for (const s of selected) {
     error = e
   }
   const ms = Date.now() - t0
+  const skipped = error instanceof Skip
+  if (skipped) {
+    results.push({ area: s.area, name: s.name, ok: true, skipped, ms, error: null })
+    console.log(`  SKIP ${s.area}/${s.name} (${ms} ms): ${error.message}`)
+    continue
+  }
   results.push({ area: s.area, name: s.name, ok: !error, ms, error })
   const mark = error ? 'FAIL' : 'PASS'
   console.log(`  ${mark} ${s.area}/${s.name} (${ms} ms)` + (error ? `: ${oneLine(error)}` : ''))
@@ -59,15 +65,24 @@ function oneLine(e) {
 
 function table(rows) {
   const head = ['area', 'scenario', 'result', 'ms']
-  const data = rows.map((r) => [r.area, r.name, r.ok ? 'PASS' : 'FAIL', String(r.ms)])
+  const data = rows.map((r) => [
+    r.area,
+    r.name,
+    r.skipped ? 'SKIP' : r.ok ? 'PASS' : 'FAIL',
+    String(r.ms),
+  ])
   const w = head.map((h, i) => Math.max(h.length, ...data.map((d) => d[i].length)))
   const line = (cells) => cells.map((c, i) => (i === 3 ? c.padStart(w[i]) : c.padEnd(w[i]))).join(' | ')
   return [line(head), w.map((n) => '-'.repeat(n)).join('-|-'), ...data.map(line)].join('\n')
 }
 
 const failed = results.filter((r) => !r.ok)
+const skipped = results.filter((r) => r.skipped)
 console.log('\n' + table(results))
-console.log(`\n${results.length - failed.length}/${results.length} passed`)
+console.log(
+  `\n${results.length - failed.length - skipped.length}/${results.length} passed, ` +
+    `${skipped.length} skipped here`
+)
 if (failed.length) {
   console.log('\nfailures:')
   for (const r of failed) console.log(`  ${r.area}/${r.name}: ${oneLine(r.error)}`)
@@ -77,7 +92,14 @@ if (process.env.CONFORMANCE_JSON) {
   writeFileSync(
     process.env.CONFORMANCE_JSON,
     JSON.stringify(
-      results.map((r) => ({ area: r.area, scenario: r.name, ok: r.ok, ms: r.ms, error: r.ok ? null : oneLine(r.error) })),
+      results.map((r) => ({
+        area: r.area,
+        scenario: r.name,
+        ok: r.ok,
+        skipped: Boolean(r.skipped),
+        ms: r.ms,
+        error: r.ok ? null : oneLine(r.error),
+      })),
       null,
       2
     )

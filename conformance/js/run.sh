@@ -11,5 +11,7 @@ cd "$(dirname "$0")"
 
 conf_need_node conformance.js "the pinned SDK"
 conf_npm_ci conformance.js "the pinned SDK" e2b
+# run_local.py installs once before running several clients of this folder at once.
+[ "${CONFORMANCE_INSTALL_ONLY:-0}" = 1 ] && exit 0
 
 exec node run.mjs "$@"

@@ -8,7 +8,7 @@ from e2b import (AsyncSandbox, CommandExitException, FilesystemEventType, NotFou
 from e2b_code_interpreter import AsyncSandbox as AsyncCiSandbox
 
 from lib import (API, MULT, REQUEST_TIMEOUT, RUN_ID, SANDBOX_TIMEOUT, TEMPLATE, forget,
-                 remember, scenario)
+                 remember, scenario, single_address_only)
 
 A = "async"
 
@@ -139,6 +139,10 @@ def _watch():
 
 @scenario(A, "code interpreter: callbacks, contexts, errors", timeout=300)
 def _code():
+    # Like code_interpreter.py's scenarios: the interpreter is reached the same way in both modes.
+    single_address_only("the SDK reaches the code interpreter at https://49999-<id>.<domain> in "
+                        "both modes")
+
     async def go():
         sbx = await AsyncCiSandbox.create(timeout=SANDBOX_TIMEOUT, request_timeout=REQUEST_TIMEOUT,
                                           metadata={"conformance": RUN_ID, "group": "async-ci"})

@@ -41,6 +41,13 @@ def host_routing_only(why):
         raise Skip("needs host routing: " + why)
 
 
+def single_address_only(why):
+    """Skips in the host-routing run what would repeat the single-address run request for
+    request (why says so); the scenario still runs once per SDK, in the single-address mode."""
+    if not SINGLE_ADDRESS:
+        raise Skip("runs in the single-address mode only: " + why)
+
+
 def scenario(area, name, timeout=180):
     def deco(fn):
         _scenarios.append((area, name, fn, timeout * MULT))
