@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,8 +50,10 @@ int phr_parse_response(const char *buf, size_t len, int *minor_version, int *sta
 
 #define HEAD_MAX (64u * 1024u) /* bytes: the upstream's response head */
 #define MAX_FIELDS 128
-#define NONCE_LEN 16 /* bytes */
-#define MAC_LEN 32   /* HMAC-SHA256 */
+#define PEND_MAX (1u << 20)    /* bytes read ahead of the client at most (plus one socket read) */
+#define UP_RCVBUF (256 * 1024) /* bytes: the upstream socket's receive buffer */
+#define NONCE_LEN 16           /* bytes */
+#define MAC_LEN 32             /* HMAC-SHA256 */
 
 /* ---- the nonce cache: header nonces seen within the skew window ---- */
 
@@ -337,7 +340,8 @@ struct px {
     enum framing framing;
     uint64_t remaining; /* F_LENGTH */
     sp_chunked_t ck;
-    size_t sent_raw; /* bytes of up->input behind the h2o_send in flight */
+    sp_buf_t pend, fly; /* body bytes read and not yet sent; being sent (h2o keeps it) */
+    bool body_done;     /* the whole body is in pend (or fly) */
     bool sending;
     bool up_eof;  /* the upstream ended (EOF or error): what its input holds is all */
     bool failing; /* cut the response once the send in flight is taken */
@@ -380,6 +384,8 @@ static void px_leave(struct px *x)
     if (x->hook != NULL)
         *x->hook = NULL;
     sp_buf_free(&x->head);
+    sp_buf_free(&x->pend);
+    sp_buf_free(&x->fly);
     free(x);
 }
 
@@ -566,14 +572,13 @@ static void on_proceed(h2o_generator_t *gen, h2o_req_t *req)
     struct px *x = (struct px *)gen;
     px_enter(x);
     x->sending = false;
+    sp_buf_reset(&x->fly);
     if (x->failing) {
         x->req = NULL;
         x->phase = P_DONE;
         px_kill(x);
         h2o_send(req, NULL, 0, H2O_SEND_STATE_ERROR);
-    } else if (x->up != NULL) {
-        h2o_buffer_consume(&x->up->input, x->sent_raw);
-        x->sent_raw = 0;
+    } else {
         arm(x, &x->p->idle_to); /* the client took bytes: the exchange is alive */
         pump_body(x);
     }
@@ -592,25 +597,21 @@ static void on_stop(h2o_generator_t *gen, h2o_req_t *req)
 
 static void on_up_read(h2o_socket_t *sock, const char *err);
 
-/* Sends what the upstream's input holds of the body, then waits for proceed; reads more
- * when it holds nothing. */
-static void pump_body(struct px *x)
+/* Moves the body bytes the upstream's input holds into pend (decoded when chunked). */
+static int take_input(struct px *x)
 {
     h2o_socket_t *up = x->up;
-    if (x->sending || x->req == NULL || up == NULL)
-        return;
     char *p = up->input->bytes;
     size_t raw = up->input->size, n = raw;
-    bool done = false;
     switch (x->framing) {
     case F_NONE:
-        done = true;
+        x->body_done = true;
         n = 0;
         break;
     case F_LENGTH:
         if (n >= x->remaining) {
             n = (size_t)x->remaining; /* bytes past Content-Length are dropped */
-            done = true;
+            x->body_done = true;
         }
         x->remaining -= n;
         break;
@@ -621,62 +622,87 @@ static void pump_body(struct px *x)
             const uint8_t *data;
             int rc = sp_chunked_step(&x->ck, (const uint8_t *)p + in, raw - in, raw - in, &used,
                                      &data, &dlen);
-            if (rc < 0) {
-                px_fail(x, 502, "sent a bad chunked body");
-                return;
-            }
+            if (rc < 0)
+                return -1;
             if (dlen > 0)
                 memmove(p + out, data, dlen); /* data lies at or after p + out */
             out += dlen;
             in += used;
             if (rc == 1) {
-                done = true;
+                x->body_done = true;
                 break;
             }
             if (used == 0)
                 break;
         }
         n = out;
-        raw = done ? raw : in;
+        raw = x->body_done ? raw : in;
         break;
     }
     case F_EOF:
         break;
     }
-    if (!done && n == 0 && x->up_eof) {
-        if (x->framing != F_EOF) {
-            px_fail(x, 502, "closed the connection");
+    if (n > 0)
+        sp_buf_add(&x->pend, p, n);
+    h2o_buffer_consume(&up->input, raw);
+    return x->pend.oom ? -1 : 0;
+}
+
+/*
+ * The body toward the client: what came from the upstream goes to pend, pend goes out when
+ * nothing is in flight (h2o takes one send at a time and keeps the buffer until proceed).
+ * The upstream is read while pend holds less than PEND_MAX: a slow client stops it, and
+ * reading ahead by that much keeps both sockets busy.
+ */
+static void pump_body(struct px *x)
+{
+    if (x->req == NULL)
+        return;
+    if (x->up != NULL && !x->body_done) {
+        if (take_input(x) < 0) {
+            px_fail(x, 502, "sent a bad chunked body");
             return;
         }
-        done = true; /* the end of the connection is the end of the body */
+        if (!x->body_done && x->up_eof) {
+            if (x->framing != F_EOF) {
+                px_fail(x, 502, "closed the connection");
+                return;
+            }
+            x->body_done = true; /* the end of the connection is the end of the body */
+        }
     }
-    if (done) {
+    if (!x->sending && x->body_done) {
         /* x goes away now while h2o may still write: the last bytes live in the pool. */
         h2o_req_t *req = x->req;
         h2o_iovec_t buf = {NULL, 0};
-        if (n > 0) {
-            buf.base = h2o_mem_alloc_pool(&req->pool, n);
-            memcpy(buf.base, p, n);
-            buf.len = n;
+        if (x->pend.len > 0) {
+            buf.base = h2o_mem_alloc_pool(&req->pool, x->pend.len);
+            memcpy(buf.base, x->pend.p, x->pend.len);
+            buf.len = x->pend.len;
         }
         x->req = NULL;
         x->phase = P_DONE;
         px_kill(x);
-        h2o_send(req, &buf, n ? 1 : 0, H2O_SEND_STATE_FINAL);
+        h2o_send(req, &buf, buf.len ? 1 : 0, H2O_SEND_STATE_FINAL);
         return;
     }
-    if (n == 0) {
-        h2o_buffer_consume(&up->input, raw);
-        if (!h2o_socket_is_reading(up) && !x->up_eof)
-            h2o_socket_read_start(up, on_up_read);
-        return;
+    if (!x->sending && x->pend.len > 0) {
+        sp_buf_t t = x->fly; /* empty: its memory is reused */
+        x->fly = x->pend;
+        x->pend = t;
+        x->sending = true;
+        h2o_iovec_t buf = h2o_iovec_init(x->fly.p, x->fly.len);
+        h2o_send(x->req, &buf, 1, H2O_SEND_STATE_IN_PROGRESS);
+        if (x->dead)
+            return;
     }
-    if (h2o_socket_is_reading(up))
-        h2o_socket_read_stop(up); /* backpressure: nothing more until the client took this */
-    x->sending = true;
-    x->sent_raw = raw;
-    h2o_iovec_t buf = h2o_iovec_init(p, n);
-    h2o_send(x->req, &buf, 1, H2O_SEND_STATE_IN_PROGRESS);
+    if (x->up == NULL)
+        return;
+    bool want = !x->body_done && !x->up_eof && x->pend.len < PEND_MAX;
+    if (want && !h2o_socket_is_reading(x->up))
+        h2o_socket_read_start(x->up, on_up_read);
+    else if (!want && h2o_socket_is_reading(x->up))
+        h2o_socket_read_stop(x->up); /* backpressure: the client has not taken enough */
 }
 
 /* ---- the response head ---- */
@@ -850,7 +876,7 @@ static void on_up_read(h2o_socket_t *sock, const char *err)
     if (x->phase == P_HEAD && x->up_eof && !x->dead)
         px_fail(x, 502, "closed the connection without a response");
     else if (x->phase == P_BODY && !x->dead)
-        pump_body(x); /* (does nothing while a send is in flight: proceed comes back here) */
+        pump_body(x);
     px_leave(x);
 }
 
@@ -898,6 +924,10 @@ static void start_connect(struct px *x, struct sockaddr *sa, socklen_t len)
         return;
     }
     x->up->data = x;
+    /* One socket read drains what the kernel holds: a bounded receive buffer bounds it (and
+     * with it pend), where loopback's autotuning would let it grow to megabytes. */
+    int rcvbuf = UP_RCVBUF;
+    setsockopt(h2o_socket_get_fd(x->up), SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
     arm(x, &x->p->connect_to);
 }
 
