@@ -390,6 +390,23 @@ class ProxyTest(unittest.TestCase):
         print("rss before %d KiB, after a 100 MiB upload %d KiB" % (rss0, self.s.rss_kb()),
               file=sys.stderr)
 
+    def test_key_file_checked(self):
+        for mode, content, want in ((0o644, self.key, "may be read by others"),
+                                    (0o600, b"short", "must be 32 to 256 bytes")):
+            path = os.path.join(self.keydir, "bad.key")
+            with open(path, "wb") as f:
+                f.write(content)
+            os.chmod(path, mode)
+            other = Spaced(database_url=self.p.pg.url, runtime="test",
+                           args=["--cluster-key-file", path])
+            try:
+                with self.assertRaises(AssertionError) as ctx:
+                    other.start(timeout=30)
+                self.assertIn(want, str(ctx.exception))
+            finally:
+                other.destroy()
+                os.unlink(path)
+
     def test_no_cluster_key(self):
         other = Spaced(database_url=self.p.pg.url, runtime="test")
         try:
