@@ -2,10 +2,10 @@
  * proxy.c - the node-to-node forwarder and the cluster header (proxy.h).
  *
  * Owns one `struct px` per forwarded request: the upstream socket, the request head it
- * wrote, the response framing. The response body is sent to the client straight out of the
- * upstream socket's input buffer: while an h2o_send is in flight the upstream is not read,
- * and the bytes are consumed on proceed, so what this node holds per request is one socket
- * read. Every entry (socket, generator, timeout, pool callbacks) holds `depth`; the struct is
+ * wrote, the response framing, the body's two buffers. Body bytes move from the upstream
+ * socket into pend (decoded when chunked) and go to the client from fly; the upstream is read
+ * while pend holds less than PEND_MAX, and its socket's receive buffer is bounded, so what
+ * this node holds per request is about 2 MiB whatever the body's size. Every entry (socket, generator, timeout, pool callbacks) holds `depth`; the struct is
  * freed when it is dead and the outermost entry unwinds. Does not decide what to forward or
  * where: the server's dispatch does (server/server.c), from core's "where is this sandbox".
  */

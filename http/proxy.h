@@ -6,7 +6,7 @@
  * Why our own forwarder and not h2o's: h2o 2.2's proxy handler reads the upstream's response
  * as fast as it arrives and spools what the client has not taken into a temporary file, so a
  * 100 MiB download through a slow client costs 100 MiB of disk and page cache here. This one
- * reads the upstream only while the client takes the bytes (one socket read in flight).
+ * reads the upstream only while the client takes the bytes (at most 1 MiB ahead of it).
  *
  * The request body: h2o 2.2 hands handlers the whole entity (it has buffered it before
  * on_req, as for any local upload); the forwarder writes it from there, without a copy.
