@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -389,6 +390,30 @@ class ProxyTest(unittest.TestCase):
         self.assertEqual(got["sha256"], hashlib.sha256(body).hexdigest())
         print("rss before %d KiB, after a 100 MiB upload %d KiB" % (rss0, self.s.rss_kb()),
               file=sys.stderr)
+
+    @unittest.skipUnless(shutil.which("curl"), "needs curl")
+    def test_http2_client(self):
+        # The E2B SDKs speak HTTP/2 over TLS: the forwarder takes the request from h2o as any
+        # other and the worker still gets HTTP/1.1.
+        base = "https://127.0.0.1:%d/v1/sandboxes/%s" % (self.s.port, self.remote)
+
+        def curl(*args):
+            return subprocess.run(["curl", "-sk", "--http2", "-o", "-", "-w", "\n%{http_version}"]
+                                  + list(args), capture_output=True, timeout=60)
+        r = curl(base + "/commands?mode=chunked")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        body, ver = r.stdout.rsplit(b"\n", 1)
+        self.assertEqual((ver, body), (b"2", b"part0;part1;part2;part3;part4;"))
+        r = subprocess.run(["curl", "-sk", "--http2", "-X", "PUT", "--data-binary", "@-",
+                            base + "/files?path=/a&mode=echo"], input=b"y" * 70000,
+                           capture_output=True, timeout=60)
+        got = json.loads(r.stdout)
+        self.assertEqual(got["received"], 70000)
+        self.assertTrue(got["verified"])
+        self.assertEqual(got["headers"]["connection"], ["close"])
+        # A worker dying mid-body resets the stream: curl sees an error, not a clean end.
+        r = curl(base + "/files?mode=die-chunked")
+        self.assertNotEqual(r.returncode, 0, r.stdout)
 
     def test_key_file_checked(self):
         for mode, content, want in ((0o644, self.key, "may be read by others"),
