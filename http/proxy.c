@@ -441,8 +441,8 @@ static void on_timeout(h2o_timeout_entry_t *e)
 {
     struct px *x = H2O_STRUCT_FROM_MEMBER(struct px, tmo, e);
     px_enter(x);
-    if (x->phase == P_CONNECT)
-        px_fail(x, 502, "did not accept a connection in time");
+    if (x->phase <= P_CONNECT)
+        px_fail(x, 502, "could not be reached in time");
     else
         px_fail(x, 504, "did not answer in time");
     px_leave(x);
@@ -1026,6 +1026,7 @@ static void locate(struct px *x, const char *upstream)
     snprintf(rs->host, sizeof(rs->host), "%s", host);
     snprintf(rs->port, sizeof(rs->port), "%ld", port);
     x->rs = rs;
+    arm(x, &x->p->connect_to); /* the name's resolution counts toward connecting */
     if (sp_loop_work(x->p->loop, SP_WORK_SHORT, resolve_run, resolve_done, rs) == NULL) {
         x->rs = NULL;
         free(rs);
