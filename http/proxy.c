@@ -5,9 +5,10 @@
  * wrote, the response framing, the body's two buffers. Body bytes move from the upstream
  * socket into pend (decoded when chunked) and go to the client from fly; the upstream is read
  * while pend holds less than PEND_MAX, and its socket's receive buffer is bounded, so what
- * this node holds per request is about 2 MiB whatever the body's size. Every entry (socket, generator, timeout, pool callbacks) holds `depth`; the struct is
- * freed when it is dead and the outermost entry unwinds. Does not decide what to forward or
- * where: the server's dispatch does (server/server.c), from core's "where is this sandbox".
+ * this node holds per request is about 2 MiB whatever the body's size. Every entry (socket,
+ * generator, timeout, pool callbacks) holds `depth`; the struct is freed when it is dead and the
+ * outermost entry unwinds. Does not decide what to forward or where: the server's dispatch does
+ * (server/server.c), from core's "where is this sandbox".
  */
 #include "http/proxy.h"
 
