@@ -149,6 +149,14 @@ class ProxyTest(unittest.TestCase):
         cls.p = Platform(teams=("alpha",), runtime="test", env={"ASAN_OPTIONS": asan},
                          args=["--cluster-key-file", cls.keyfile])
         cls.s = cls.p.s
+        try:
+            cls.place_rows()
+        except BaseException:
+            cls.tearDownClass()  # unittest does not, when setUpClass fails
+            raise
+
+    @classmethod
+    def place_rows(cls):
         # A sandbox here, then rows like it placed on other workers.
         cls.local = cls.s.create_ready(wait=60, template="base")
         cls.remote = "remotesandbox0000001"
