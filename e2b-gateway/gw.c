@@ -239,6 +239,34 @@ void sp_e2b_classify(sp_e2b_t *gw, h2o_req_t *req, const char **surface, const c
     }
 }
 
+bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65])
+{
+    int port;
+    if (parse_sandbox_host(gw, req, &port, id))
+        return true;
+    if (sp_e2b__is_control_path(req)) {
+        /* [/v2]/sandboxes/{id}/metrics, and nothing below it */
+        const char *seg;
+        size_t len;
+        int b = seg_is(req, 0, "v2") ? 1 : 0;
+        if (!seg_is(req, b, "sandboxes") || !seg_is(req, b + 2, "metrics") ||
+            path_seg(req, b + 3, &seg, &len) || !path_seg(req, b + 1, &seg, &len) || len == 0 ||
+            len >= 65)
+            return false;
+        memcpy(id, seg, len);
+        id[len] = '\0';
+        return true;
+    }
+    if (sp_e2b__is_envd_path(req) || sp_e2b__is_code_path(req)) {
+        const char *hid = sp_http_header(req, "e2b-sandbox-id");
+        if (hid == NULL || strlen(hid) >= 65)
+            return false;
+        snprintf(id, 65, "%s", hid);
+        return true;
+    }
+    return false;
+}
+
 /* ---- sandbox traffic ---- */
 
 struct resolve {

@@ -51,6 +51,13 @@ void sp_e2b_classify(sp_e2b_t *gw, h2o_req_t *req, const char **surface, const c
  * the connection instead, which is how the server learns to interrupt the abandoned cell. */
 bool sp_e2b_http1_only(sp_e2b_t *gw, const char *server_name);
 
+/* Whether req is data-plane traffic of one sandbox, which the worker owning it must serve
+ * (server/server.c forwards it there): anything on a sandbox host (envd, the code
+ * interpreter, forwarded ports), envd and code paths naming the sandbox in E2B-Sandbox-Id,
+ * and GET /sandboxes/{id}/metrics (its figures live in the worker's memory). The id goes to
+ * id. An envd path with only an access token and no id is served here. */
+bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65]);
+
 /* Answers req (now or later). */
 void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req);
 

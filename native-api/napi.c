@@ -105,6 +105,26 @@ const char *sp_napi_route_class(h2o_req_t *req)
     return "sandbox_other";
 }
 
+bool sp_napi_data_plane(h2o_req_t *req, char id[65])
+{
+    /* egress and credentials too: their changes reach the worker's egress proxy through an
+     * in-memory hook (sp_svc_set_egress_hook), so they must be made on the sandbox's worker */
+    static const char *const subs[] = {"commands", "files",  "sessions",   "contexts",
+                                       "execute",  "egress", "credentials"};
+    const char *segs[NAPI_MAX_SEGS];
+    int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
+    if (ns < 4 || strcmp(segs[0], "v1") != 0 || strcmp(segs[1], "sandboxes") != 0 ||
+        strlen(segs[2]) >= 65)
+        return false;
+    for (size_t i = 0; i < sizeof(subs) / sizeof(subs[0]); i++) {
+        if (strcmp(segs[3], subs[i]) == 0) {
+            snprintf(id, 65, "%s", segs[2]);
+            return true;
+        }
+    }
+    return false;
+}
+
 static void ctx_free(napi_ctx_t *c)
 {
     json_decref(c->body);

@@ -51,6 +51,7 @@
 #include "http/http.h"
 #include "http/sniff.h"
 #include "http/tls.h"
+#include "http/proxy.h"
 #include "http/reqmetrics.h"
 #include "server/opsrv.h"
 #include "server/config.h"
@@ -70,6 +71,7 @@ struct opts {
     const char *agent;    /* template build: the guest agent binary */
     const char *master_key_file; /* serve: secrets' master key (else SPACE_MASTER_KEY, else
                                   * <data-dir>/master.key with the embedded database) */
+    const char *cluster_key_file; /* serve: the nodes' shared secret (http/proxy.h) */
     bool force;           /* template build: ignore the cache */
     bool no_snapshot;     /* template build: do not build the template snapshot */
     const char *templates_dir; /* template build: specs from here, not the built-in ones */
@@ -131,6 +133,7 @@ static void usage(FILE *f)
             "                    [--worker-labels k=v,k=v] [--heartbeat-timeout-s N]\n"
             "                    [--lost-grace-s N]\n"
             "                    [--max-body-kb KIB] [--max-upload-mb MIB] [--max-large-bodies N]\n"
+            "                    [--cluster-key-file FILE]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -625,6 +628,9 @@ struct srv {
     sp_e2b_t *e2b;
     sp_bodygate_t *gate; /* HTTP/1 request heads vetted before their bodies */
     uint64_t max_body;   /* bytes */
+    sp_svc_t *svc;
+    sp_proxy_t *proxy;       /* forwards data-plane requests to the sandbox's worker */
+    char wid[SP_ID_LEN + 1]; /* this node's worker id (<data-dir>/worker-id) */
     int sfd;
     bool stop;
 };
@@ -633,6 +639,63 @@ struct handler {
     h2o_handler_t super;
     struct srv *srv;
 };
+
+static void dispatch(struct srv *s, h2o_req_t *req)
+{
+    if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
+        sp_e2b_handle(s->e2b, req);
+        return;
+    }
+    if (sp_napi_owns(req)) {
+        sp_napi_handle(s->napi, req);
+        return;
+    }
+    sp_http_error_code(req, SP_ENOTFOUND, "no such path");
+}
+
+/*
+ * Many hosts: a data-plane request (a sandbox's commands, files, sessions, code, envd, ports)
+ * is served by the worker the sandbox is placed on. A sandbox whose VM runs here is served at
+ * once, from memory (no database round trip: the one-node case); otherwise the database says
+ * where it is (sp_svc_sandbox_where) and the request is forwarded there (http/proxy.h), or
+ * served here when it is placed here or nowhere (the surface then answers as it always did:
+ * not found, not running, waking). A request a node forwarded is never forwarded again.
+ */
+struct where_wait {
+    struct srv *s;
+    sp_http_hold_t *hold;
+    bool forwarded;
+    char id[65];
+};
+
+static void on_where(void *arg, const sp_where_t *w, const sp_err_t *err)
+{
+    struct where_wait ww = *(struct where_wait *)arg;
+    h2o_req_t *req = sp_http_release(ww.hold); /* frees arg */
+    if (req == NULL)
+        return;
+    struct srv *s = ww.s;
+    char msg[512];
+    if (err != NULL || !w->found || w->worker_id[0] == '\0' || strcmp(w->worker_id, s->wid) == 0) {
+        dispatch(s, req);
+    } else if (ww.forwarded) {
+        snprintf(msg, sizeof(msg),
+                 "sandbox %s is not on this worker (it is placed on worker %s): a forwarded "
+                 "request is not forwarded again",
+                 ww.id, w->worker_id);
+        sp_proxy_error(req, 409, ww.id, msg);
+    } else if (w->address[0] == '\0') {
+        snprintf(msg, sizeof(msg), "sandbox %s is placed on worker %s, which has no address",
+                 ww.id, w->worker_id);
+        sp_proxy_error(req, 503, ww.id, msg);
+    } else if (strcmp(w->worker_state, "lost") == 0) {
+        snprintf(msg, sizeof(msg), "sandbox %s is placed on worker %s, which is lost", ww.id,
+                 w->worker_id);
+        sp_proxy_error(req, 503, ww.id, msg);
+    } else {
+        sp_proxy_forward(s->proxy, req, w->address, ww.id);
+    }
+}
 
 static int on_req(h2o_handler_t *self, h2o_req_t *req)
 {
@@ -647,15 +710,37 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
             sp_http_error(req, &v.err);
         return 0;
     }
-    if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
-        sp_e2b_handle(s->e2b, req);
+    /* Only a node may say a request was forwarded: the header is checked and removed here,
+     * before any surface sees the request. */
+    sp_proxy_origin_t origin = sp_proxy_check(s->proxy, req);
+    if (origin == SP_PROXY_FORGED) {
+        sp_http_json(req, 401,
+                     json_pack("{s:{s:s,s:s},s:s,s:i}", "error", "code", "unauthenticated",
+                               "message", "the cluster header does not verify", "message",
+                               "the cluster header does not verify", "code", 401));
         return 0;
     }
-    if (sp_napi_owns(req)) {
-        sp_napi_handle(s->napi, req);
+    char id[65];
+    bool data_plane = (s->e2b != NULL && sp_e2b_owns(s->e2b, req))
+                          ? sp_e2b_data_plane(s->e2b, req, id)
+                          : sp_napi_owns(req) && sp_napi_data_plane(req, id);
+    if (!data_plane || sp_svc_sandbox_here(s->svc, id)) {
+        dispatch(s, req);
         return 0;
     }
-    sp_http_error_code(req, SP_ENOTFOUND, "no such path");
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct where_wait));
+    if (h == NULL) {
+        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+        return 0;
+    }
+    struct where_wait *ww = sp_http_hold_user(h);
+    ww->s = s;
+    ww->hold = h;
+    ww->forwarded = origin == SP_PROXY_FORWARDED;
+    snprintf(ww->id, sizeof(ww->id), "%s", id);
+    sp_err_t e;
+    if (sp_svc_sandbox_where(s->svc, id, on_where, ww, &e) < 0)
+        on_where(ww, NULL, &e);
     return 0;
 }
 
@@ -1108,6 +1193,26 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_svc_set_driver(svc, driver); /* commands and files reach VMs through it */
     char wid[SP_ID_LEN + 1];
     worker_id(o->data_dir, wid);
+    snprintf(s.wid, sizeof(s.wid), "%s", wid);
+    s.svc = svc;
+    {
+        unsigned char ck[SP_PROXY_KEY_MAX];
+        size_t ck_len = 0;
+        if (o->cluster_key_file != NULL &&
+            sp_proxy_read_key(o->cluster_key_file, ck, &ck_len, &e) < 0) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            goto out_srv;
+        }
+        sp_proxy_opts_t po = {.key = ck_len > 0 ? ck : NULL,
+                              .key_len = ck_len,
+                              .idle_timeout_ms = o->idle_timeout_s * 1000u};
+        s.proxy = sp_proxy_create(s.loop, &po, &e);
+        sodium_memzero(ck, sizeof(ck));
+        if (s.proxy == NULL) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            goto out_srv;
+        }
+    }
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     if (recon != NULL) /* rows from before placement are a single node's */
         sp_recon_set_unplaced(recon, o->role == SP_ROLE_ALL);
@@ -1259,6 +1364,7 @@ out_srv:
     sp_napi_destroy(s.napi);
     sp_admin_destroy(admin);
     sp_e2b_destroy(s.e2b);
+    sp_proxy_destroy(s.proxy);
     sp_driver_destroy(driver);
     sp_driver_destroy(nodriver);
     if (s.ssl_ctx != NULL)
@@ -1357,6 +1463,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"max-body-kb", required_argument, NULL, 0x10d},
         {"max-upload-mb", required_argument, NULL, 0x10e},
         {"max-large-bodies", required_argument, NULL, 0x10f},
+        {"cluster-key-file", required_argument, NULL, 0x130},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1410,6 +1517,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             break;
         case 'M':
             o.master_key_file = optarg;
+            break;
+        case 0x130:
+            o.cluster_key_file = optarg;
             break;
         case 'I': {
             char *end;

@@ -1250,6 +1250,46 @@ int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_s
                   2, p, agent_done, (void *)cb, arg, 0, err);
 }
 
+/* ---- where a sandbox is ---- */
+
+bool sp_svc_sandbox_here(sp_svc_t *svc, const char *id)
+{
+    return sp_ids_valid(id) && svc->driver != NULL && svc->driver->ops->agent != NULL &&
+           svc->driver->ops->agent(svc->driver, id) != NULL;
+}
+
+static void where_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    sp_svc_where_cb cb = (sp_svc_where_cb)c->cb;
+    sp_where_t w;
+    memset(&w, 0, sizeof(w));
+    if (err != NULL) {
+        cb(c->arg, NULL, err);
+        return;
+    }
+    if (PQntuples(res) == 1) {
+        w.found = true;
+        snprintf(w.worker_id, sizeof(w.worker_id), "%s", PQgetvalue(res, 0, 0));
+        snprintf(w.address, sizeof(w.address), "%s", PQgetvalue(res, 0, 1));
+        snprintf(w.worker_state, sizeof(w.worker_state), "%s", PQgetvalue(res, 0, 2));
+    }
+    cb(c->arg, &w, NULL);
+}
+
+int sp_svc_sandbox_where(sp_svc_t *svc, const char *id, sp_svc_where_cb cb, void *arg,
+                         sp_err_t *err)
+{
+    if (!sp_ids_valid(id))
+        return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
+    const char *p[] = {id};
+    return submit(svc,
+                  "SELECT coalesce(s.worker_id, ''), coalesce(w.address, ''),"
+                  " coalesce(w.state, '') FROM sandboxes s"
+                  " LEFT JOIN workers w ON w.id = s.worker_id WHERE s.id = $1",
+                  1, p, where_done, (void *)cb, arg, 0, err);
+}
+
 /* ---- health ---- */
 
 static void health_done(void *rec, PGresult *res, const sp_err_t *err)

@@ -253,6 +253,28 @@ typedef void (*sp_svc_agent_cb)(void *arg, sp_agentconn_t *conn, const sp_err_t 
 int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_agent_cb cb,
                          void *arg, sp_err_t *err);
 
+/* ---- where a sandbox is (many hosts: which worker serves its data plane) ---- */
+
+/* Whether this node's runtime holds a live VM for the sandbox (running or paused, its
+ * agent channel up): memory only, no database, so the data plane of a sandbox placed here
+ * costs nothing extra. false without a driver. */
+bool sp_svc_sandbox_here(sp_svc_t *svc, const char *id);
+
+typedef struct {
+    bool found;           /* false: no such sandbox (the caller answers as it would locally) */
+    char worker_id[65];   /* "" when not placed on any worker */
+    char address[256];    /* the worker's "host:port"; "" when the worker has no row */
+    char worker_state[16]; /* active | draining | lost; "" when the worker has no row */
+} sp_where_t;
+
+typedef void (*sp_svc_where_cb)(void *arg, const sp_where_t *w, const sp_err_t *err);
+
+/* One statement: the sandbox's owner (sandboxes.worker_id) and that worker's address and
+ * state (schema 10's workers). Any team's sandbox: the caller forwards the request to the
+ * owner, which authenticates it. */
+int sp_svc_sandbox_where(sp_svc_t *svc, const char *id, sp_svc_where_cb cb, void *arg,
+                         sp_err_t *err);
+
 /* Database round trip, for /healthz. */
 int sp_svc_health(sp_svc_t *svc, sp_svc_done_cb cb, void *arg, sp_err_t *err);
 

@@ -1,0 +1,235 @@
+"""Two nodes, one PostgreSQL: a sandbox running on node B (real VM) used through node A, whose
+dispatch forwards its data plane to B (http/proxy.c), signed with the shared cluster key.
+
+B runs the VMs on the shared template data dir; A is started after B's create finished (so
+that B's controller owns the row) with a data dir of its own and no runtime: it answers the
+control plane from the database and forwards the rest. Until worker registration lands (part
+fleet-core of issue 20) the test writes B's `workers` row itself. Through A: a native command,
+a file upload and download, code execution, E2B envd (Connect RPC and /files on the envd
+host), a forwarded port over HTTP and WebSocket, and the errors when B is gone.
+"""
+import base64
+import hashlib
+import http.client
+import json
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from harness import (MULT, Platform, Spaced, pg_bindir, vm_skip_reason,  # noqa: E402
+                     wait_s)
+
+DATA = os.environ.get("SP_TEST_DATA_DIR")
+CI = "code-interpreter-v1"
+
+# In the guest: a port that answers HTTP, and a pretend WebSocket that upper-cases what it gets
+# after the 101 (the bytes are what matters: the forwarders pass them through untouched).
+SERVER = r"""
+import socket, threading
+def serve(c):
+    f = c.makefile('rb')
+    line = f.readline()
+    hdrs = {}
+    while True:
+        h = f.readline()
+        if h in (b'\r\n', b''):
+            break
+        k, v = h.decode().split(':', 1)
+        hdrs[k.strip().lower()] = v.strip()
+    if hdrs.get('upgrade', '').lower() == 'websocket':
+        c.sendall(b'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n')
+        while True:
+            b = c.recv(65536)
+            if not b:
+                break
+            c.sendall(b.upper())
+    else:
+        body = ('port ok ' + line.decode().split()[1]).encode()
+        c.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n' % len(body) + body)
+    c.close()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', 8080)); s.listen(8)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def envelope(flags, payload):
+    return struct.pack(">BI", flags, len(payload)) + payload
+
+
+class ClusterTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        why = vm_skip_reason(DATA)
+        if why is None and not os.path.exists(os.path.join(DATA, "templates", CI, "current")):
+            why = "SP_TEST_DATA_DIR has no built %s template" % CI
+        if why:
+            raise unittest.SkipTest(why)
+        cls.keydir = os.path.join("/tmp", "sp-ck-e2e-%d" % os.getpid())
+        os.makedirs(cls.keydir, exist_ok=True)
+        cls.keyfile = os.path.join(cls.keydir, "cluster.key")
+        fd = os.open(cls.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, secrets.token_hex(32).encode())
+        os.close(fd)
+        cls.a = None
+        cls.sid = None
+        cls.p = Platform(teams=("alpha",), binary=os.environ["SPACED"], data_dir=DATA,
+                         args=["--cluster-key-file", cls.keyfile])
+        cls.b = cls.p.s
+        try:
+            cls.setUpNodes()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def setUpNodes(cls):
+        cls.sid = cls.b.create_ready(wait=240, template=CI)
+        st, sb = cls.b.request("GET", "/v1/sandboxes/" + cls.sid)
+        assert st == 200, (st, sb)
+        cls.token = sb["access_token"]
+        with open(os.path.join(DATA, "worker-id")) as f:
+            cls.b_worker = f.read().strip()
+        cls.sql("INSERT INTO workers (id, address) VALUES ('%s', '127.0.0.1:%d')"
+                % (cls.b_worker, cls.b.port))
+        # A: started once B owns the sandbox; no runtime, its own data dir.
+        cls.a = Spaced(binary=os.environ["SPACED"], database_url=cls.p.pg.url, runtime="none",
+                       args=["--cluster-key-file", cls.keyfile])
+        cls.a.key = cls.b.key
+        cls.a.start()
+        st, r = cls.b.request("POST", "/v1/sandboxes/%s/commands" % cls.sid,
+                              {"argv": ["python3", "-c", SERVER], "background": True})
+        assert st in (200, 201, 202), (st, r)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.a is not None:
+            cls.a.destroy()
+        if cls.sid is not None:
+            cls.b.delete_quietly(cls.sid)
+        cls.p.destroy()
+        try:
+            os.unlink(cls.keyfile)
+            os.rmdir(cls.keydir)
+        except OSError:
+            pass
+
+    @classmethod
+    def sql(cls, text):
+        subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
+                        cls.p.pg.url, "-c", text], check=True, capture_output=True)
+
+    def envd_host(self, node, port=49983):
+        return "%d-%s.space.localhost:%d" % (port, self.sid, node.port)
+
+    def test_native_command_files_code(self):
+        r = self.a.command(self.sid, "echo through-a; hostname")
+        self.assertEqual(r["exit_code"], 0, r)
+        self.assertIn("through-a", r["stdout"])
+        blob = os.urandom(8 << 20)
+        st, _ = self.a.request("PUT", "/v1/sandboxes/%s/files?path=/tmp/blob" % self.sid,
+                               raw=blob, timeout=300)
+        self.assertIn(st, (200, 201, 204))
+        r = self.a.command(self.sid, "sha256sum /tmp/blob")
+        self.assertEqual(r["stdout"].split()[0], hashlib.sha256(blob).hexdigest())
+        resp, got = self.a.exchange("GET", "/v1/sandboxes/%s/files?path=/tmp/blob" % self.sid,
+                                    headers={"Authorization": "Bearer " + self.a.key},
+                                    timeout=300)
+        self.assertEqual(resp.status, 200)
+        self.assertEqual(hashlib.sha256(got).hexdigest(), hashlib.sha256(blob).hexdigest())
+        c = http.client.HTTPConnection("127.0.0.1", self.a.port, timeout=180 * MULT)
+        c.request("POST", "/v1/sandboxes/%s/execute" % self.sid,
+                  body=json.dumps({"code": "x = 6 * 7\nprint(x)"}),
+                  headers={"Authorization": "Bearer " + self.a.key,
+                           "Content-Type": "application/json"})
+        r = c.getresponse()
+        raw = r.read().decode()
+        c.close()
+        self.assertEqual(r.status, 200, raw)
+        events = [json.loads(line) for line in raw.split("\n") if line]
+        self.assertEqual(events[-1]["type"], "end", events)
+        self.assertIn("42", raw)
+        # the control plane is A's own (the database), not forwarded
+        st, sb = self.a.request("GET", "/v1/sandboxes/" + self.sid)
+        self.assertEqual((st, sb["state"]), (200, "running"))
+
+    def test_e2b_envd(self):
+        host = self.envd_host(self.a)
+        c = http.client.HTTPConnection("127.0.0.1", self.a.port, timeout=120 * MULT)
+        p = {"process": {"cmd": "/bin/bash", "args": ["-c", "echo envd-through-a"]},
+             "stdin": False}
+        c.request("POST", "/process.Process/Start", body=envelope(0, json.dumps(p).encode()),
+                  headers={"Host": host, "X-Access-Token": self.token,
+                           "Content-Type": "application/connect+json",
+                           "connect-protocol-version": "1"})
+        r = c.getresponse()
+        self.assertEqual(r.status, 200)
+        out = b""
+        while True:
+            h = r.read(5)
+            if len(h) < 5:
+                break
+            flags, n = struct.unpack(">BI", h)
+            m = json.loads(r.read(n))
+            if flags & 2:
+                break
+            out += base64.b64decode(m["event"].get("data", {}).get("stdout", ""))
+        c.close()
+        self.assertIn(b"envd-through-a", out)
+        resp, body = self.a.exchange("GET", "/files?path=/etc/hostname",
+                                     headers={"Host": host, "X-Access-Token": self.token})
+        self.assertEqual(resp.status, 200, body)
+        self.assertTrue(body.strip())
+
+    def test_forwarded_port_http_and_websocket(self):
+        host = self.envd_host(self.a, 8080)
+        deadline = time.time() + 60 * MULT
+        while True:
+            resp, body = self.a.exchange("GET", "/hello", headers={"Host": host})
+            if resp.status == 200 or time.time() > deadline:
+                break
+            time.sleep(0.5)  # the server in the guest is starting
+        self.assertEqual((resp.status, body), (200, b"port ok /hello"))
+        s = socket.create_connection(("127.0.0.1", self.a.port), timeout=60 * MULT)
+        s.sendall(b"GET /ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                  b"Sec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n" % host.encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            b = s.recv(4096)
+            self.assertTrue(b, got)
+            got += b
+        self.assertTrue(got.startswith(b"HTTP/1.1 101"), got)
+        s.sendall(b"hello websocket")
+        back = got.split(b"\r\n\r\n", 1)[1]
+        while len(back) < 15:
+            b = s.recv(4096)
+            self.assertTrue(b)
+            back += b
+        self.assertEqual(back, b"HELLO WEBSOCKET")
+        s.close()
+
+    def test_z_worker_unreachable(self):
+        # B's row pointing nowhere: A answers 502 naming the sandbox, at once.
+        self.sql("UPDATE workers SET address = '127.0.0.1:1' WHERE id = '%s'" % self.b_worker)
+        try:
+            t0 = time.time()
+            st, r = self.a.request("POST", "/v1/sandboxes/%s/commands" % self.sid,
+                                   {"cmd": ["true"]})
+            self.assertEqual(st, 502, r)
+            self.assertIn(self.sid, r["error"]["message"])
+            self.assertLess(time.time() - t0, 10)
+        finally:
+            self.sql("UPDATE workers SET address = '127.0.0.1:%d' WHERE id = '%s'"
+                     % (self.b.port, self.b_worker))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
