@@ -98,7 +98,10 @@ class ClusterTest(unittest.TestCase):
         cls.token = sb["access_token"]
         with open(os.path.join(DATA, "worker-id")) as f:
             cls.b_worker = f.read().strip()
+        # B registered itself at start (core/control/fleet.c); the row is written here too so
+        # the address is the one this test reaches B at, whatever B advertises.
         cls.sql("INSERT INTO workers (id, address) VALUES ('%s', '127.0.0.1:%d')"
+                " ON CONFLICT (id) DO UPDATE SET address = EXCLUDED.address"
                 % (cls.b_worker, cls.b.port))
         # A: started once B owns the sandbox; no runtime, its own data dir.
         cls.a = Spaced(binary=os.environ["SPACED"], database_url=cls.p.pg.url, runtime="none",
