@@ -9,6 +9,7 @@
  */
 #include "e2b-gateway/connect.h"
 
+#include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -578,12 +579,16 @@ static int jdec_int(json_t *v, long long lo, long long hi, long long *out)
         char *end;
         if (s[0] == '\0')
             return -1;
+        errno = 0;
         *out = strtoll(s, &end, 10);
-        if (*end != '\0')
+        if (*end != '\0' || errno == ERANGE)
             return -1;
     } else if (json_is_real(v)) {
+        /* In range before the cast (a double past long long's range, or NaN, is undefined
+         * behaviour to convert): -2^63 <= x < 2^63. */
         double x = json_real_value(v);
-        if (x != (double)(long long)x)
+        if (!(x >= -9223372036854775808.0 && x < 9223372036854775808.0) ||
+            x != (double)(long long)x)
             return -1;
         *out = (long long)x;
     } else {
