@@ -1,0 +1,287 @@
+"""Many hosts on real VMs: one PostgreSQL, an API node and two workers (QEMU), one shared
+snapshot dir, one cluster key; every request goes through the API node.
+
+- A drain of the worker a running sandbox is on moves it to the other worker by suspend and
+  wake (core/control/fleet.c over the shared snapshot dir, core/runtime/qemu/shared.c): its
+  file is there and its background process is still counting, and its VM runs on one worker.
+- A worker whose spaced is killed (its VMs live on) and restarted within the grace re-adopts
+  its running sandbox: lost for a moment, then running with its process still counting.
+- A worker killed with its VMs is declared lost within the heartbeat timeout: its running
+  sandbox turns lost with the reason (its memory is gone) and can be deleted; a sandbox that
+  was suspended on it wakes on the other worker with its file.
+- Throughout, no sandbox has a VM on two workers (every QEMU's command line is scanned).
+
+Each worker has a data dir of its own holding the shared e2e data dir's base template build
+(files hard-linked, directories its own, as e2e/test_snapdir.c does), so neither touches the
+data dir the other VM suites use.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from harness import MULT, PgCluster, Spaced, vm_skip_reason, wait_s  # noqa: E402
+
+DATA = os.environ.get("SP_TEST_DATA_DIR")
+TIMEOUT_S = 3  # --heartbeat-timeout-s
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
+
+
+def worker_data_dir(path):
+    """A data dir holding DATA's current base template build, files linked."""
+    cur = os.path.realpath(os.path.join(DATA, "templates", "base", "current"))
+    h = os.path.basename(cur)
+    os.makedirs(os.path.join(path, "templates", "base", h))
+    for name in os.listdir(cur):
+        src = os.path.join(cur, name)
+        if os.path.isfile(src) and not os.path.islink(src):
+            os.link(src, os.path.join(path, "templates", "base", h, name))
+    os.symlink(h, os.path.join(path, "templates", "base", "current"))
+    os.makedirs(os.path.join(path, "images"))
+    subprocess.run(["cp", "-al", os.path.join(DATA, "images") + "/.",
+                    os.path.join(path, "images")], check=True)
+
+
+def qemu_cmdlines():
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]).startswith(b"qemu-system"):
+            out.append((int(pid), b" ".join(argv).decode(errors="replace")))
+    return out
+
+
+class FleetVmTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        why = vm_skip_reason(DATA)
+        if why:
+            raise unittest.SkipTest(why)
+        # Beside DATA, so that links work and the published templates are cheap.
+        cls.root = os.path.join(os.path.dirname(os.path.abspath(DATA)),
+                                "fleet-vm-%d" % os.getpid())
+        os.makedirs(cls.root)
+        cls.snap = os.path.join(cls.root, "snapshots")
+        os.makedirs(cls.snap)
+        cls.keyfile = os.path.join(cls.root, "cluster.key")
+        fd = os.open(cls.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, os.urandom(24).hex().encode())
+        os.close(fd)
+        cls.pg = None
+        cls.nodes = []
+        cls.sids = []
+        try:
+            cls.pg = PgCluster()
+            common = ["--cluster-key-file", cls.keyfile, "--heartbeat-timeout-s", str(TIMEOUT_S),
+                      "--lost-grace-s", "30"]
+            cls.api = Spaced(database_url=cls.pg.url, args=["--role", "api"] + common)
+            cls.nodes.append(cls.api)
+            cls.api.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+            cls.api.start()
+            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+                cls.admin = f.read().strip()
+            cls.workers = []
+            for n in ("w1", "w2"):
+                d = os.path.join(cls.root, n)
+                worker_data_dir(d)
+                w = Spaced(database_url=cls.pg.url, data_dir=d,
+                           args=["--role", "worker", "--snapshot-dir", cls.snap,
+                                 "--worker-vcpus", "8", "--worker-memory-mb", "8192",
+                                 "--worker-labels", "node=" + n] + common)
+                w.key = cls.api.key
+                cls.nodes.append(w)
+                w.start(timeout=120)
+                with open(os.path.join(d, "worker-id")) as f:
+                    w.wid = f.read().strip()
+                cls.workers.append(w)
+            cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                      if x["state"] == "active"]) == 2, "2 workers active")
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for sid in cls.sids:
+            cls.api.delete_quietly(sid)
+        for n in cls.nodes:
+            n.destroy()
+        # VMs of a worker this test killed: never left behind.
+        for pid, line in qemu_cmdlines():
+            if cls.root in line:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        if cls.pg is not None:
+            cls.pg.destroy()
+        if os.environ.get("SP_TEST_KEEP") != "1":
+            shutil.rmtree(cls.root, ignore_errors=True)
+
+    # ---- helpers ----
+
+    @classmethod
+    def wait_for(cls, cond, what, timeout=30):
+        deadline = time.time() + timeout * MULT
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(0.2)
+        raise AssertionError("timed out waiting for " + what)
+
+    @classmethod
+    def list_workers(cls):
+        st, r = cls.api.request("GET", "/v1/workers", key=cls.admin)
+        assert st == 200, (st, r)
+        return r["workers"]
+
+    def placed_on(self, sid):
+        for w in self.workers:
+            st, r = self.api.request("GET", "/v1/workers/" + w.wid, key=self.admin)
+            self.assertEqual(st, 200, r)
+            if any(s["id"] == sid for s in r["sandboxes"]):
+                return w
+        return None
+
+    def state(self, sid):
+        st, r = self.api.request("GET", "/v1/sandboxes/" + sid)
+        self.assertEqual(st, 200, r)
+        return r["state"]
+
+    def create(self, on=None):
+        body = {"template": "base"}
+        if on is not None:
+            body["placement"] = {"labels": {"node": on}}
+        sid = self.api.create_ready(wait=240, **body)
+        self.sids.append(sid)
+        return sid
+
+    def sh(self, sid, script, **kw):
+        return self.api.command(sid, script, **kw)
+
+    def start_counter(self, sid):
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/commands" % sid,
+                                 {"argv": ["sh", "-c", COUNTER], "background": True})
+        self.assertIn(st, (200, 201, 202), r)
+        self.wait_for(lambda: self.count(sid) >= 3, "the counter counting")
+
+    def count(self, sid):
+        return int(self.sh(sid, "cat /tmp/count")["stdout"].strip())
+
+    def vms_of(self, sid):
+        """The workers whose driver has a live QEMU for sid: the pid in its VM dir's qemu.pid
+        (a spare clone's dir is renamed to the sandbox's, so its command line may name the
+        spare) is a running qemu-system process."""
+        out = []
+        for w in self.workers:
+            try:
+                with open(os.path.join(w.data_dir, "vms", sid, "qemu.pid")) as f:
+                    pid = int(f.read().strip())
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    argv0 = f.read().split(b"\0")[0]
+            except (OSError, ValueError):
+                continue
+            if os.path.basename(argv0).startswith(b"qemu-system"):
+                out.append(w)
+        return out
+
+    def assert_one_vm(self, sid, where):
+        self.assertEqual([w.wid for w in self.vms_of(sid)], [where.wid])
+
+    # ---- tests ----
+
+    def test_a_drain_moves_a_running_sandbox(self):
+        sid = self.create()
+        src = self.placed_on(sid)
+        dst = [w for w in self.workers if w is not src][0]
+        self.sh(sid, "echo kept > /root/f")
+        self.start_counter(sid)
+        self.assert_one_vm(sid, src)
+        before = self.count(sid)
+        t0 = time.time()
+        st, r = self.api.request("POST", "/v1/workers/%s/drain" % src.wid, key=self.admin)
+        self.assertEqual(st, 200, r)
+        self.wait_for(lambda: self.placed_on(sid) is dst and self.state(sid) == "running",
+                      "the sandbox running on the other worker", 240)
+        print("drain: one sandbox moved in %.1f s" % (time.time() - t0), file=sys.stderr)
+        self.assertEqual(self.sh(sid, "cat /root/f")["stdout"], "kept\n")
+        after = self.count(sid)
+        self.assertGreaterEqual(after, before)
+        self.wait_for(lambda: self.count(sid) > after, "the counter still counting")
+        self.assert_one_vm(sid, dst)
+        st, r = self.api.request("POST", "/v1/workers/%s/undrain" % src.wid, key=self.admin)
+        self.assertEqual(st, 200, r)
+
+    def test_b_restart_within_grace_readopts(self):
+        w = self.workers[0]
+        sid = self.create(on="w1")
+        self.assertIs(self.placed_on(sid), w)
+        self.start_counter(sid)
+        w.kill(signal.SIGKILL)  # spaced only: its VMs live on
+        self.wait_for(lambda: self.state(sid) == "lost", "the sandbox lost", 60)
+        st, r = self.api.request("GET", "/v1/sandboxes/" + sid)
+        self.assertIn("lost", r.get("error") or "", r)
+        w.start(timeout=120)
+        self.wait_for(lambda: self.state(sid) == "running", "the sandbox re-adopted", 60)
+        n = self.count(sid)
+        self.wait_for(lambda: self.count(sid) > n, "the counter still counting")
+        self.assertIs(self.placed_on(sid), w)
+        self.assert_one_vm(sid, w)
+
+    def test_z_killed_worker_lost_suspended_wakes_elsewhere(self):
+        victim, other = self.workers
+        running = self.create(on="w1")
+        # The suspended one unpinned (a pin would hold its wake to the lost worker): placed on
+        # the victim while the other worker is drained.
+        st, r = self.api.request("POST", "/v1/workers/%s/drain" % other.wid, key=self.admin)
+        self.assertEqual(st, 200, r)
+        self.wait_for(lambda: self.api.request("GET", "/v1/workers/" + other.wid,
+                                               key=self.admin)[1]["sandboxes"] == [],
+                      "the other worker empty", 240)
+        sid = self.create()
+        self.assertIs(self.placed_on(sid), victim)
+        st, r = self.api.request("POST", "/v1/workers/%s/undrain" % other.wid, key=self.admin)
+        self.assertEqual(st, 200, r)
+        self.sh(sid, "echo before-suspend > /root/g")
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/suspend?wait=%d" % (sid, wait_s(120)),
+                                 timeout=wait_s(120) + 10)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(self.state(sid), "suspended")
+        # The worker and its VMs die.
+        victim.kill(signal.SIGKILL)
+        for pid, line in qemu_cmdlines():
+            if victim.data_dir in line:
+                os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        self.wait_for(lambda: any(x["id"] == victim.wid and x["state"] == "lost"
+                                  for x in self.list_workers()), "the worker lost", 60)
+        print("worker lost: declared %.1f s after the kill (heartbeat timeout %d s)"
+              % (time.time() - t0, TIMEOUT_S), file=sys.stderr)
+        self.wait_for(lambda: self.state(running) == "lost", "its running sandbox lost")
+        st, r = self.api.request("GET", "/v1/sandboxes/" + running)
+        self.assertIn(victim.wid, r.get("error") or "", r)
+        self.assertTrue(r.get("lost_at"), r)
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/wake?wait=%d" % (sid, wait_s(240)),
+                                 timeout=wait_s(240) + 10)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(self.state(sid), "running")
+        self.assertIs(self.placed_on(sid), other)
+        self.assertEqual(self.sh(sid, "cat /root/g")["stdout"], "before-suspend\n")
+        self.assert_one_vm(sid, other)
+        self.assertEqual(self.vms_of(running), [])
+        st, r = self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (running, wait_s(60)),
+                                 timeout=wait_s(60) + 10)
+        self.assertIn(st, (200, 204), r)
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
