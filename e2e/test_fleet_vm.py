@@ -24,7 +24,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, PgCluster, Spaced, vm_skip_reason, wait_s  # noqa: E402
+from harness import PgCluster, Spaced, vm_skip_reason, wait_s, wait_until  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
@@ -130,14 +130,9 @@ class FleetVmTest(unittest.TestCase):
 
     # ---- helpers ----
 
-    @classmethod
-    def wait_for(cls, cond, what, timeout=30):
-        deadline = time.time() + timeout * MULT
-        while time.time() < deadline:
-            if cond():
-                return
-            time.sleep(0.2)
-        raise AssertionError("timed out waiting for " + what)
+    @staticmethod
+    def wait_for(cond, what, timeout=30):
+        wait_until(cond, what, timeout, 0.2)
 
     @classmethod
     def list_workers(cls):
@@ -239,19 +234,15 @@ class FleetVmTest(unittest.TestCase):
         self.assert_one_vm(sid, w)
 
     def test_z_killed_worker_lost_suspended_wakes_elsewhere(self):
-        victim, other = self.workers
-        running = self.create(on="w1")
-        # The suspended one unpinned (a pin would hold its wake to the lost worker): placed on
-        # the victim while the other worker is drained.
-        st, r = self.api.request("POST", "/v1/workers/%s/drain" % other.wid, key=self.admin)
-        self.assertEqual(st, 200, r)
-        self.wait_for(lambda: self.api.request("GET", "/v1/workers/" + other.wid,
-                                               key=self.admin)[1]["sandboxes"] == [],
-                      "the other worker empty", 240)
+        # The victim is where an unpinned create lands (a pin would hold the suspended one's
+        # wake to the lost worker); the running one is pinned there beside it. Not by draining
+        # the other worker first: a sandbox a drain moved from A to B did not leave B when B
+        # was drained in turn (2 runs of 5, with the move back to A; cause not yet found).
         sid = self.create()
-        self.assertIs(self.placed_on(sid), victim)
-        st, r = self.api.request("POST", "/v1/workers/%s/undrain" % other.wid, key=self.admin)
-        self.assertEqual(st, 200, r)
+        victim = self.placed_on(sid)
+        other = [w for w in self.workers if w is not victim][0]
+        running = self.create(on="w1" if victim is self.workers[0] else "w2")
+        self.assertIs(self.placed_on(running), victim)
         self.sh(sid, "echo before-suspend > /root/g")
         st, r = self.api.request("POST", "/v1/sandboxes/%s/suspend?wait=%d" % (sid, wait_s(120)),
                                  timeout=wait_s(120) + 10)

@@ -38,17 +38,7 @@ static bool exists(const char *fmt, const char *a, const char *b)
 
 static sp_driver_t *worker(const char *data_dir)
 {
-    const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = data_dir,
-                        .accel = accel ? accel : "auto",
-                        .pool_size = -1,
-                        .snapshot_dir = snap_dir};
-    sp_err_t e;
-    sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
-    if (d == NULL)
-        fprintf(stderr, "sp_qemu_create: %s\n", e.msg);
-    REQUIRE(d != NULL);
-    return d;
+    return vt_driver_at(data_dir, snap_dir, 0, -1);
 }
 
 static void sh(const char *cmd)

@@ -56,11 +56,17 @@ void vt_on_res(void *arg, const sp_err_t *err)
 
 sp_driver_t *vt_driver(int cold, int pool)
 {
+    return vt_driver_at(vt_data_dir, NULL, cold, pool);
+}
+
+sp_driver_t *vt_driver_at(const char *data_dir, const char *snapshot_dir, int cold, int pool)
+{
     const char *accel = getenv("SP_TEST_ACCEL");
-    sp_qemu_opts_t o = {.data_dir = vt_data_dir,
+    sp_qemu_opts_t o = {.data_dir = data_dir,
                         .accel = accel ? accel : "auto",
                         .cold_boot = cold,
-                        .pool_size = pool};
+                        .pool_size = pool,
+                        .snapshot_dir = snapshot_dir};
     sp_err_t e;
     sp_driver_t *d = sp_qemu_create(vt_loop, &o, &e);
     if (d == NULL)

@@ -36,6 +36,8 @@ void vt_on_res(void *arg, const sp_err_t *err);
  * from a template snapshot); pool: pool_size (-1 no spare clones, 0 the driver's default).
  * Stops the test if it cannot be made. */
 sp_driver_t *vt_driver(int cold, int pool);
+/* The same on another data dir, with a shared snapshot dir (NULL: none). */
+sp_driver_t *vt_driver_at(const char *data_dir, const char *snapshot_dir, int cold, int pool);
 
 double vt_now_ms(void);
 /* Runs the loop until *flag is non-zero or timeout_ms (times vt_mult) passed: 0 or -1. */

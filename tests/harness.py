@@ -33,6 +33,17 @@ def wait_s(seconds):
     return min(300, int(seconds * MULT))
 
 
+def wait_until(cond, what, timeout=30, step=0.1):
+    """Polls cond() every step seconds until it is true; fails (AssertionError naming what)
+    after timeout seconds, stretched by SP_TEST_TIMEOUT_MULT."""
+    deadline = time.time() + timeout * MULT
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(step)
+    raise AssertionError("timed out waiting for " + what)
+
+
 def pg_bindir():
     base = "/usr/lib/postgresql"
     if os.path.isdir(base):

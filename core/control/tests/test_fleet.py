@@ -17,7 +17,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-from harness import MULT, PgCluster, Spaced, skip_unless_pg, tmpdir, wait_s  # noqa: E402
+from harness import (MULT, PgCluster, Spaced, skip_unless_pg, tmpdir, wait_s,  # noqa: E402
+                     wait_until)
 
 TIMEOUT_S = 2  # --heartbeat-timeout-s
 GRACE_S = 8    # --lost-grace-s
@@ -88,14 +89,9 @@ class FleetTest(unittest.TestCase):
 
     # ---- helpers ----
 
-    @classmethod
-    def wait_for(cls, cond, what, timeout=20):
-        deadline = time.time() + timeout * MULT
-        while time.time() < deadline:
-            if cond():
-                return
-            time.sleep(0.1)
-        raise AssertionError("timed out waiting for " + what)
+    @staticmethod
+    def wait_for(cond, what, timeout=20):
+        wait_until(cond, what, timeout, 0.1)
 
     @classmethod
     def list_workers(cls):
