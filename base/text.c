@@ -1,5 +1,5 @@
 /*
- * text.c - hex digits and trimming (text.h).
+ * text.c - hex digits, bytes as hex, and trimming (text.h).
  */
 #include "base/text.h"
 
@@ -29,4 +29,14 @@ char *sp_text_trim(char *s)
     while (n > 0 && trailing_blank(s[n - 1]))
         s[--n] = '\0';
     return s;
+}
+
+void sp_text_hex(const unsigned char *p, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[p[i] >> 4];
+        out[2 * i + 1] = digits[p[i] & 15];
+    }
+    out[2 * n] = '\0';
 }

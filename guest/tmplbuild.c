@@ -33,6 +33,7 @@
 #include <openssl/evp.h>
 
 #include "base/log.h"
+#include "base/text.h"
 #include "guest/embedded.h"
 
 extern char **environ;
@@ -436,16 +437,6 @@ const char *const *sp_tmplbuild_builtin_names(void)
 
 /* ---- hashing ------------------------------------------------------------- */
 
-static void hex(const unsigned char *d, size_t n, char *out)
-{
-    static const char digits[] = "0123456789abcdef";
-    for (size_t i = 0; i < n; i++) {
-        out[2 * i] = digits[d[i] >> 4];
-        out[2 * i + 1] = digits[d[i] & 15];
-    }
-    out[2 * n] = '\0';
-}
-
 /* Length-prefixed so that no two different field lists hash alike. */
 static void put(EVP_MD_CTX *c, const void *p, size_t n)
 {
@@ -482,7 +473,7 @@ static void hash_end(EVP_MD_CTX *c, char out[SP_TMPLBUILD_HASH_LEN + 1])
     unsigned mdlen = 0;
     EVP_DigestFinal_ex(c, md, &mdlen);
     EVP_MD_CTX_free(c);
-    hex(md, mdlen, out);
+    sp_text_hex(md, mdlen, out);
 }
 
 /* Hex SHA-256 over the code daemon's files (code/ in the binary: names and contents) into
@@ -555,7 +546,7 @@ int sp_tmplbuild_file_sha256(const char *path, char out[SP_TMPLBUILD_HASH_LEN + 
     EVP_MD_CTX_free(c);
     if (rerr != 0)
         return sp_err_set(err, SP_EINTERNAL, "cannot read %s: %s", path, strerror(rerr));
-    hex(md, mdlen, out);
+    sp_text_hex(md, mdlen, out);
     return 0;
 }
 
@@ -1268,7 +1259,7 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
         }
         EVP_DigestFinal_ex(c, md, &mdlen);
         EVP_MD_CTX_free(c);
-        hex(md, mdlen, ikey);
+        sp_text_hex(md, mdlen, ikey);
         snprintf(initrd_rel, sizeof initrd_rel, "images/initramfs-%.16s.img", ikey);
     }
     fmt(p3, sizeof p3, err, "%s/%s", data_dir, initrd_rel);

@@ -33,6 +33,7 @@
 #include "base/buf.h"
 #include "base/chunked.h"
 #include "base/log.h"
+#include "base/text.h"
 #include "http/http.h"
 
 #include <h2o/http1.h>  /* h2o_http1_upgrade; needs h2o.h first */
@@ -167,16 +168,6 @@ bool sp_proxy_has_key(const sp_proxy_t *p)
 
 /* ---- the cluster header ---- */
 
-static void hexenc(const unsigned char *p, size_t n, char *out)
-{
-    static const char hx[] = "0123456789abcdef";
-    for (size_t i = 0; i < n; i++) {
-        out[2 * i] = hx[p[i] >> 4];
-        out[2 * i + 1] = hx[p[i] & 15];
-    }
-    out[2 * n] = '\0';
-}
-
 static int hexdec(const char *s, size_t slen, unsigned char *out, size_t n)
 {
     if (slen != 2 * n)
@@ -223,11 +214,11 @@ static int sign(const sp_proxy_t *p, h2o_req_t *req, char *out, size_t cap)
     char nh[2 * NONCE_LEN + 1], mh[2 * MAC_LEN + 1];
     if (RAND_bytes(nonce, sizeof(nonce)) != 1)
         return -1;
-    hexenc(nonce, sizeof(nonce), nh);
+    sp_text_hex(nonce, sizeof(nonce), nh);
     long long ts = (long long)time(NULL);
     if (mac_of(p, req, ts, nh, mac) < 0)
         return -1;
-    hexenc(mac, sizeof(mac), mh);
+    sp_text_hex(mac, sizeof(mac), mh);
     int n = snprintf(out, cap, "v1 %lld %s %s", ts, nh, mh);
     return n > 0 && (size_t)n < cap ? 0 : -1;
 }

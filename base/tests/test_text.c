@@ -1,5 +1,5 @@
 /*
- * test_text.c - base/text.h: hex digits, trimming.
+ * test_text.c - base/text.h: hex digits, bytes as hex, trimming.
  */
 #include <string.h>
 
@@ -8,6 +8,14 @@
 
 static void test_text_hexval(void)
 {
+    {
+        const unsigned char b[] = {0x00, 0x9f, 0xa0, 0xff};
+        char out[9];
+        sp_text_hex(b, sizeof b, out);
+        CHECK(strcmp(out, "009fa0ff") == 0);
+        sp_text_hex(b, 0, out);
+        CHECK(out[0] == '\0');
+    }
     CHECK(sp_text_hexval('0') == 0 && sp_text_hexval('9') == 9);
     CHECK(sp_text_hexval('a') == 10 && sp_text_hexval('f') == 15);
     CHECK(sp_text_hexval('A') == 10 && sp_text_hexval('F') == 15);
