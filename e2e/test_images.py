@@ -125,7 +125,7 @@ def line_texts(s, name, bid):
 
 @unittest.skipIf(skip_reason() or missing_tools(), skip_reason() or missing_tools())
 class ImageTemplateTest(VmSuite):
-    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir")
+    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir", "imgsec")
 
     @classmethod
     def setUpClass(cls):
@@ -228,6 +228,45 @@ class ImageTemplateTest(VmSuite):
         st, r = s.request("GET", "/v1/templates/imgpriv/builds/%s" % b["id"])
         self.assertNotIn(SECRET, json.dumps(r))
         self.assertNotIn(SECRET, json.dumps(lines))
+        hits = subprocess.run(["grep", "-rl", "--binary-files=without-match", SECRET,
+                               os.path.join(DATA, "templates"), os.path.join(DATA, "builds"),
+                               os.path.join(DATA, "tmp")], capture_output=True, text=True)
+        self.assertEqual(hits.stdout, "")
+
+    def test_3b_credentials_from_a_team_secret(self):
+        """The registry password from a team secret (password_secret): a secret the team lacks
+        is refused before anything runs; a secret with the wrong password fails the pull like a
+        wrong password; the right one builds, and its value is nowhere on disk."""
+        s = self.s
+        ref = self.locked.host + "/private/img:2"
+
+        def body(name, secret):
+            return {"name": name, "from": {"image": ref, "auth": {"username": "puller",
+                                                                 "password_secret": secret}}}
+        st, r = s.request("POST", "/v1/templates", body("imgsec", "NO_SUCH_SECRET"))
+        self.assertEqual(st, 400, r)
+        self.assertIn("secret 'NO_SUCH_SECRET' does not exist", json.dumps(r), r)
+        st, r = s.request("POST", "/v1/templates",
+                          {"name": "imgsec", "from": {"image": ref, "auth": {
+                              "username": "puller", "password": "x", "password_secret": "A"}}})
+        self.assertEqual(st, 400, r)
+        wrong, right = "REG_WRONG_%d" % os.getpid(), "REG_PASS_%d" % os.getpid()
+        st, r = s.request("POST", "/v1/secrets", {"name": wrong, "value": "wrong-one"})
+        self.assertEqual(st, 201, r)
+        b = build(s, body("imgsec", wrong))
+        self.assertEqual(b["status"], "failed", b)
+        self.assertIn("refused the credentials", b["error"])
+        st, r = s.request("POST", "/v1/secrets", {"name": right, "value": SECRET})
+        self.assertEqual(st, 201, r)
+        b = build(s, body("imgsec", right))
+        lines = line_texts(s, "imgsec", b["id"])
+        self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
+        self.assertIn("registry credentials: user puller, password from secret " + right, lines)
+        sid = self.create("imgsec")
+        self.assertEqual(s.command(sid, "cat /srv/hello.txt")["stdout"],
+                         "hello-behind-a-password\n")
+        st, r = s.request("GET", "/v1/templates/imgsec/builds/%s" % b["id"])
+        self.assertNotIn(SECRET, json.dumps(r))
         hits = subprocess.run(["grep", "-rl", "--binary-files=without-match", SECRET,
                                os.path.join(DATA, "templates"), os.path.join(DATA, "builds"),
                                os.path.join(DATA, "tmp")], capture_output=True, text=True)

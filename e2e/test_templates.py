@@ -14,6 +14,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import tarfile
 import sys
 import time
@@ -65,7 +66,9 @@ def logs(s, name, bid, offset=0, key=None):
 @unittest.skipIf(skip_reason(), skip_reason())
 class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
-    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg")
+    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3")
+    MAX_LAYERS = 3
+    ARGS = ("--template-max-layers", str(MAX_LAYERS))
 
     def test_1_build_use_cache_change_fail_delete(self):
         s = self.s
@@ -443,6 +446,26 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual((cat(s1), cat(s2), cat(s3)),
                          ("one-" + NONCE, "two-" + NONCE, "two-" + NONCE))
 
+        # built from a tag other than default: that tag's version, not the current one
+        bc = build(s, {"name": "tgc", "from": "tg:v1", "steps": [{"run": "echo c > /c"}]})
+        self.assertEqual(bc["status"], "succeeded", bc)
+        sc = self.create("tgc")
+        self.assertEqual(s.command(sc, "cat /v /c")["stdout"], "one-%s\nc\n" % NONCE)
+        bd = build(s, {"name": "tgc", "from": {"template": "tg:default"},
+                       "steps": [{"run": "echo c > /c"}]})
+        self.assertEqual(bd["status"], "succeeded", bd)
+        self.assertNotEqual(bd["version"], bc["version"])
+        self.assertEqual(s.command(self.create("tgc"), "cat /v")["stdout"], "two-%s\n" % NONCE)
+        for parent, want in (("tg:nope", 404), ("tg:Bad!", 404), ("base:v1", 404)):
+            st, r = s.request("POST", "/v1/templates", {"name": "tgc", "from": parent})
+            self.assertEqual(st, want, (parent, r))
+            self.assertIn("not found", json.dumps(r), (parent, r))
+        # another team's tagged template answers as one that does not exist
+        st, r = s.request("POST", "/v1/templates", {"name": "tgc2", "from": "tg:v1"},
+                          key=self.p.keys["beta"])
+        self.assertEqual(st, 404, r)
+        self.assertIn("not found", json.dumps(r), r)
+
         # default moves to v1: s2 keeps v2, also after suspend and wake; new creates get v1
         st, r = s.request("PUT", "/v1/templates/tg/tags/default", {"from_tag": "v1"})
         self.assertEqual((st, r.get("version")), (200, v1), r)
@@ -480,6 +503,36 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual((cat(s1), cat(s2)), ("one-" + NONCE, "two-" + NONCE))
         st, r = s.request("POST", "/v1/sandboxes", {"template": "tg:v1"})
         self.assertEqual(st, 404, r)
+
+    def test_8_layers_squashed(self):
+        """Templates built on templates: each one's image is a layer over its parent's until
+        the parent's chain holds --template-max-layers images; then the build writes a
+        standalone image. Sandboxes of every level see every level's files."""
+        s = self.s
+
+        def chain(name, version):
+            path = os.path.join(DATA, "templates", name, version, "rootfs.qcow2")
+            out = subprocess.run(["qemu-img", "info", "-U", "--backing-chain", "--output=json",
+                                  path], check=True, capture_output=True, text=True).stdout
+            return [x["filename"] for x in json.loads(out)]
+
+        parent, parent_len, squashed = "base", None, 0
+        for i, name in enumerate(("ly1", "ly2", "ly3")):
+            b = build(s, {"name": name, "from": parent,
+                          "steps": [{"run": "echo %s-%s > /%s" % (name, NONCE, name)}]})
+            self.assertEqual(b["status"], "succeeded", b)
+            files = chain(name, b["version"])
+            if parent_len is None:  # base's own chain: what ly1 stacks on, unless squashed
+                parent_len = len(files) - 1 if len(files) > 1 else self.MAX_LAYERS
+            want = 1 if parent_len >= self.MAX_LAYERS else parent_len + 1
+            self.assertEqual(len(files), want, (name, files))
+            squashed += want == 1
+            sid = self.create(name)
+            c = s.command(sid, "cat " + " ".join("/ly%d" % (k + 1) for k in range(i + 1)))
+            self.assertEqual(c["stdout"],
+                             "".join("ly%d-%s\n" % (k + 1, NONCE) for k in range(i + 1)), c)
+            parent, parent_len = name, len(files)
+        self.assertGreaterEqual(squashed, 1)
 
 
 if __name__ == "__main__":

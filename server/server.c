@@ -81,6 +81,7 @@ struct opts {
     const char *jail_uid_range;   /* the uids jailed QEMUs run as (core/runtime/jail.h) */
     const char *snapshot_dir;     /* storage all workers share: suspended sandboxes, template
                                    * images (core/runtime/qemu.h); NULL: none, one node */
+    int template_max_layers;      /* serve: template images a disk chain stacks (0: default) */
     bool no_jail;                 /* --no-jail: QEMU unjailed (insecure, for comparisons) */
     bool insecure_no_seccomp;     /* start VMs without QEMU's seccomp sandbox */
     bool insecure_no_cgroups;     /* start VMs without their cgroup */
@@ -122,7 +123,7 @@ static void usage(FILE *f)
             "                    [--master-key-file FILE] [--idle-timeout SECONDS]\n"
             "                    [--metrics-listen ADDR:PORT] [--log-format text|json]\n"
             "                    [--jail-uid-range START:COUNT] [--no-jail]\n"
-            "                    [--snapshot-dir DIR]\n"
+            "                    [--snapshot-dir DIR] [--template-max-layers N]\n"
             "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
             "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
             "                    [--image-max-mb MIB] [--agent PATH]\n"
@@ -1170,6 +1171,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                              .qemu_img = NULL,
                              .jail_uid_range = o->jail_uid_range,
                              .snapshot_dir = o->snapshot_dir,
+                             .max_layers = o->template_max_layers,
                              .no_jail = o->no_jail,
                              .insecure_no_seccomp = o->insecure_no_seccomp,
                              .insecure_no_cgroups = o->insecure_no_cgroups};
@@ -1243,6 +1245,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                                            o->insecure_registry,
                                            (uint64_t)o->image_max_mb << 20, &e) < 0)
         sp_log(SP_LOG_WARN, "server", "builds from images are off: %s", e.msg);
+    if (tmpl != NULL)
+        sp_tmpl_set_secrets(tmpl, secrets); /* registry passwords from team secrets */
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (s.napi != NULL) {
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */
@@ -1460,6 +1464,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"heartbeat-timeout-s", required_argument, NULL, 0x115},
         {"lost-grace-s", required_argument, NULL, 0x116},
         {"snapshot-dir", required_argument, NULL, 0x120},
+        {"template-max-layers", required_argument, NULL, 0x121},
         {"max-body-kb", required_argument, NULL, 0x10d},
         {"max-upload-mb", required_argument, NULL, 0x10e},
         {"max-large-bodies", required_argument, NULL, 0x10f},
@@ -1540,6 +1545,16 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 0x120:
             o.snapshot_dir = optarg;
             break;
+        case 0x121: {
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < 1 || v > 16) {
+                fprintf(stderr, "spaced: --template-max-layers wants 1..16\n");
+                return 2;
+            }
+            o.template_max_layers = (int)v;
+            break;
+        }
         case 0x101:
             o.no_jail = true;
             break;

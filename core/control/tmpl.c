@@ -29,6 +29,7 @@
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplfiles.h"
+#include "core/egress/secrets.h"
 #include "guest/tmplbuild.h"
 
 #define BUILD_COLS                                                                                 \
@@ -470,7 +471,13 @@ static void on_accepted(void *rec, PGresult *res, const sp_err_t *err)
     struct build *b = a->b;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
-    if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0')
+    if (why == NULL && PQgetvalue(res, 0, 4)[0] != 't')
+        why = (sp_err_set(&e, SP_EINVAL,
+                          "from.auth.password_secret: secret '%s' does not exist (spacectl "
+                          "secrets set)",
+                          b->reg_secret != NULL ? b->reg_secret : ""),
+               &e);
+    else if (why == NULL && PQgetvalue(res, 0, 0)[0] == '0')
         why = (sp_err_set(&e, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
                           b->parent),
                &e);
@@ -531,7 +538,86 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
 }
 
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
-                     sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+                     const char *parent_hash, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+
+/* A parent named with a tag ("web:v2" or {"template": "web:v2"}) other than default: its
+ * version is looked up first (the team's own template or a built-in one), then the build goes
+ * on from that version. */
+struct tagged {
+    sp_tmpl_t *t;
+    sp_auth_t a;
+    json_t *req;
+    char reserved[SP_TMPL_ID_MAX + 1];
+    bool has_reserved;
+    char parent[64 + 1 + SP_TMPL_TAG_MAX];
+    sp_tmpl_build_cb cb;
+    void *arg;
+};
+
+static void on_parent_tag(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct tagged *q = rec;
+    sp_err_t e;
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "parent template '%s' not found (no such tag)",
+                          q->parent),
+               &e);
+    if (err == NULL && build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL,
+                                 PQgetvalue(res, 0, 0), q->cb, q->arg, &e) < 0)
+        err = &e;
+    if (err != NULL)
+        q->cb(q->arg, NULL, err);
+    json_decref(q->req);
+}
+
+/* The parent of req when it names a tag other than default: "name:tag" into parent; else
+ * false (a bare name, an image, a Dockerfile: build_req judges those). */
+static bool tagged_parent(const json_t *req, char *parent, size_t cap)
+{
+    json_t *from = json_object_get(req, "from");
+    if (json_is_object(from) && json_object_size(from) == 1)
+        from = json_object_get(from, "template");
+    const char *p = json_string_value(from);
+    const char *colon = p != NULL ? strchr(p, ':') : NULL;
+    if (colon == NULL || strcmp(colon + 1, "default") == 0 || strlen(p) >= cap)
+        return false;
+    snprintf(parent, cap, "%s", p);
+    return true;
+}
+
+static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
+                        const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+{
+    char parent[64 + 1 + SP_TMPL_TAG_MAX + 1];
+    if (!tagged_parent(req, parent, sizeof parent))
+        return build_req(t, a, req, reserved, NULL, cb, arg, err);
+    char *colon = strchr(parent, ':');
+    *colon = '\0';
+    if (!sp_tmplbuild_valid_name(parent) || !sp_tmpl_valid_tag(colon + 1))
+        return sp_err_set(err, SP_ENOTFOUND, "parent template '%s:%.64s' not found", parent,
+                          colon + 1);
+    if (reserved != NULL && !valid_build_id(reserved))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
+    const char *p[] = {parent, colon + 1, a->team_id};
+    struct tagged *q = sp_store_call(
+        t->store,
+        "SELECT g.hash FROM template_tags g JOIN templates m ON m.name = g.template"
+        " WHERE g.template = $1 AND g.tag = $2 AND m.deleted_at IS NULL"
+        " AND (m.team_id IS NULL OR m.team_id = $3)",
+        3, p, sizeof(*q), on_parent_tag, err);
+    if (q == NULL)
+        return -1;
+    *colon = ':';
+    q->t = t;
+    q->a = *a;
+    q->req = json_deep_copy(req);
+    q->has_reserved = reserved != NULL;
+    sp_tmpl__copy(q->reserved, sizeof q->reserved, reserved);
+    sp_tmpl__copy(q->parent, sizeof q->parent, parent);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
 
 /* from {"dockerfile", "context"?, "auth"?}: the request with the Dockerfile's parent (a template,
  * or an image with auth's credentials), its steps before
@@ -542,7 +628,7 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     json_t *from = json_object_get(req, "from");
     json_t *df = json_object_get(from, "dockerfile");
     if (!json_is_object(from) || df == NULL)
-        return build_req(t, a, req, reserved, cb, arg, err);
+        return build_tagged(t, a, req, reserved, cb, arg, err);
     json_t *ctx = json_object_get(from, "context");
     const char *key;
     json_t *v;
@@ -581,14 +667,15 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     if (d.start_cmd != NULL && json_object_get(r, "start_cmd") == NULL)
         json_object_set_new(r, "start_cmd", json_string(d.start_cmd));
     sp_dockerfile_free(&d);
-    int rc = build_req(t, a, r, reserved, cb, arg, err);
+    int rc = build_tagged(t, a, r, reserved, cb, arg, err);
     json_decref(r);
     return rc;
 }
 
-/* from {"image": ref, "auth": {"username", "password"}}: the reference and credentials. */
-static int image_from(const json_t *from, const char **image, const char **user,
-                      const char **pass, sp_err_t *err)
+/* from {"image": ref, "auth": {"username", "password" | "password_secret"}}: the reference
+ * and credentials (the password itself, or the name of the team secret that holds it). */
+static int image_from(const json_t *from, const char **image, const char **user, const char **pass,
+                      const char **pass_secret, sp_err_t *err)
 {
     const char *key;
     json_t *v;
@@ -607,19 +694,27 @@ static int image_from(const json_t *from, const char **image, const char **user,
     if (auth != NULL && !json_is_null(auth)) {
         const char *u = json_string_value(json_object_get(auth, "username"));
         const char *p = json_string_value(json_object_get(auth, "password"));
-        if (!json_is_object(auth) || json_object_size(auth) != 2 || u == NULL || p == NULL ||
-            u[0] == '\0' || strlen(u) > 1024 || strlen(p) > 8192 || strchr(u, ':') != NULL)
+        const char *ps = json_string_value(json_object_get(auth, "password_secret"));
+        if (!json_is_object(auth) || json_object_size(auth) != 2 || u == NULL ||
+            (p == NULL) == (ps == NULL) || u[0] == '\0' || strlen(u) > 1024 ||
+            (p != NULL && strlen(p) > 8192) || strchr(u, ':') != NULL)
             return sp_err_set(err, SP_EINVAL,
-                              "from.auth must be {\"username\", \"password\"} (strings; no ':' "
+                              "from.auth must be {\"username\", \"password\"} or {\"username\", "
+                              "\"password_secret\": the name of a team secret} (strings; no ':' "
                               "in the username)");
+        if (ps != NULL && sp_secrets_check_name(ps, err) < 0)
+            return -1;
         *user = u;
         *pass = p;
+        *pass_secret = ps;
     }
     return 0;
 }
 
+/* parent_hash: the parent's version when the request named it by a tag (build_tagged), else
+ * NULL: its current one. */
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
-                     sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+                     const char *parent_hash, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
     if (reserved != NULL && !valid_build_id(reserved))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
@@ -659,12 +754,17 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         return sp_err_set(err, SP_EINVAL,
                           "name: '" SP_OCIIMG_PREFIX "' names are this server's own (images)");
     json_t *from = json_object_get(req, "from");
-    const char *image = NULL, *ruser = NULL, *rpass = NULL;
+    const char *image = NULL, *ruser = NULL, *rpass = NULL, *rsecret = NULL;
     if (json_is_string(from)) {
         parent = json_string_value(from);
     } else if (json_is_object(from) && json_object_get(from, "image") != NULL) {
-        if (image_from(from, &image, &ruser, &rpass, err) < 0)
+        if (image_from(from, &image, &ruser, &rpass, &rsecret, err) < 0)
             return -1;
+        if (rsecret != NULL &&
+            (t->secrets == NULL || sp_secrets_check_enabled(t->secrets, err) < 0))
+            return t->secrets == NULL
+                       ? sp_err_set(err, SP_EUNAVAIL, "secrets are not available on this server")
+                       : -1;
         parent = "base"; /* sizes until the image's own template is known */
     } else if (json_is_object(from) && json_object_size(from) == 1) {
         if (json_is_string(json_object_get(from, "template")))
@@ -678,6 +778,17 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         return sp_err_set(err, SP_EINVAL,
                           "from is required: a template name, {\"template\": name} or "
                           "{\"image\": reference}");
+    /* "name:tag": the tag's version was looked up (build_tagged); "name:default" is the name */
+    char parent_name[64];
+    const char *colon = image == NULL ? strchr(parent, ':') : NULL;
+    if (colon != NULL) {
+        if ((size_t)(colon - parent) >= sizeof parent_name ||
+            (parent_hash == NULL && strcmp(colon + 1, "default") != 0))
+            return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
+        memcpy(parent_name, parent, (size_t)(colon - parent));
+        parent_name[colon - parent] = '\0';
+        parent = parent_name;
+    }
     if (!sp_tmplbuild_valid_name(parent) ||
         (image == NULL && strncmp(parent, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0))
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
@@ -741,9 +852,10 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         b->image = strdup(image);
         b->reg_user = ruser ? strdup(ruser) : NULL;
         b->reg_pass = rpass ? strdup(rpass) : NULL;
+        b->reg_secret = rsecret ? strdup(rsecret) : NULL;
         json_t *f = json_object_get(b->req, "from");
         json_object_del(f, "auth");
-        if (b->image == NULL || (ruser && (!b->reg_user || !b->reg_pass))) {
+        if (b->image == NULL || (ruser && (!b->reg_user || (!b->reg_pass && !b->reg_secret)))) {
             sp_tmpl__build_free(b);
             return sp_err_set(err, SP_EINTERNAL, "out of memory");
         }
@@ -754,10 +866,13 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
-    if (sp_tmplbuild_current(t->data_dir, parent, &b->pp, err) < 0) {
+    char version[64 + 1 + 65];
+    snprintf(version, sizeof version, "%s%s%.64s", parent, parent_hash != NULL ? "@" : "",
+             parent_hash != NULL ? parent_hash : "");
+    if (sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0) {
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
-                          parent);
+                          version);
     }
     for (size_t i = 0; i < json_array_size(steps); i++) {
         const char *fk = json_string_value(
@@ -794,15 +909,20 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
     const char *params[] = {b->id,  b->team, name,  parent, desc ? desc : "",
                             cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false",
-                            image != NULL ? "true" : "false", b->tags_given ? "true" : "false"};
+                            image != NULL ? "true" : "false", b->tags_given ? "true" : "false",
+                            rsecret != NULL ? rsecret : ""};
     /* The parent must be usable by the team; the name must be free or the team's own (a
      * built-in or another team's is not). The templates row of a new name says "building"
      * until its first build ends; an existing one stays as it is (its version in service). */
     struct accept *acc = sp_store_call(
         t->store,
-        "WITH p AS (SELECT 1 FROM templates WHERE name = $4 AND deleted_at IS NULL"
-        "  AND status = 'ready' AND (team_id IS NULL OR team_id = $2)"
-        "  UNION ALL SELECT 1 WHERE $10::bool)," /* an image: no parent template to check */
+        /* a registry password from a team secret: the secret must be there */
+        "WITH s AS (SELECT $12 = '' OR EXISTS (SELECT 1 FROM secrets WHERE team_id = $2"
+        "  AND name = $12) AS ok),"
+        " p AS (SELECT 1 FROM templates WHERE name = $4 AND deleted_at IS NULL"
+        "  AND status = 'ready' AND (team_id IS NULL OR team_id = $2) AND (SELECT ok FROM s)"
+        "  UNION ALL SELECT 1 WHERE $10::bool AND (SELECT ok FROM s)),"
+        /* an image: no parent template to check */
         " n AS (INSERT INTO templates (name, description, cpu_count, memory_mb, status, team_id,"
         "  parent) SELECT $3, $5, $6::int, $7::int, 'building', $2,"
         "  CASE WHEN $10::bool THEN NULL ELSE $4 END WHERE EXISTS (SELECT 1"
@@ -821,8 +941,8 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         " SELECT (SELECT count(*) FROM p), (SELECT count(*) FROM n),"
         "  coalesce((SELECT " SP_TMPL__TS("created_at") " FROM b),"
         "  (SELECT " SP_TMPL__TS("created_at") " FROM r), ''),"
-        "  coalesce((SELECT tags FROM r), $8::jsonb->'tags')::text",
-        11, params, sizeof(*acc), on_accepted, err);
+        "  coalesce((SELECT tags FROM r), $8::jsonb->'tags')::text, (SELECT ok FROM s)",
+        12, params, sizeof(*acc), on_accepted, err);
     free(req_s);
     if (acc == NULL) {
         sp_tmpl__build_free(b);
@@ -1184,6 +1304,11 @@ int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
     t->insecure = i;
     t->image_max = max_bytes;
     return 0;
+}
+
+void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)
+{
+    t->secrets = secrets;
 }
 
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t)

@@ -117,6 +117,11 @@ void sp_tmpl_destroy(sp_tmpl_t *t);
 int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
                        const char *insecure, uint64_t max_bytes, sp_err_t *err);
 
+/* The team secrets (core/egress/secrets.h, borrowed) a build from an image may take its
+ * registry password from: from {"image", "auth": {"username", "password_secret": NAME}}. */
+struct sp_secrets;
+void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets);
+
 /* The files COPY steps use (tmplfiles.h), owned by t. */
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t);
 

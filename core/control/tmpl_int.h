@@ -111,6 +111,8 @@ struct build {
     struct waiter *waiters;
     char *image;               /* from {"image"}: the reference, or NULL (owned) */
     char *reg_user, *reg_pass; /* its registry credentials, until the pull (owned, wiped) */
+    char *reg_secret;          /* or the team secret holding the password (owned): opened
+                                * just before the pull */
     struct impjob *imp;        /* the import in flight */
 };
 
@@ -135,6 +137,7 @@ struct sp_tmpl {
     struct build *builds;            /* accepted, not yet recorded as ended; oldest last */
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
+    struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
 };
 
 /* A request about a template's name answered with done or an error (delete, tags delete). */

@@ -31,6 +31,7 @@
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplcache.h"
 #include "core/control/tmplfiles.h"
+#include "core/egress/secrets.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 
@@ -174,6 +175,7 @@ void sp_tmpl__build_free(struct build *b)
     free(b->image);
     wipe_free(b->reg_user);
     wipe_free(b->reg_pass);
+    free(b->reg_secret);
     if (b->imp != NULL) { /* the job frees itself when it reports */
         b->imp->b = NULL;
         sp_work_cancel(b->imp->work);
@@ -1067,10 +1069,42 @@ static void on_imported(void *arg, bool cancelled)
     start_vm(b);
 }
 
+static void start_import(struct build *b);
+
+/* The registry password, opened from the team's secret: the pull goes on with it. */
+static void on_reg_secret(void *arg, const char *value, size_t len, const sp_err_t *err)
+{
+    struct build *b = arg;
+    (void)len;
+    free(b->reg_secret);
+    b->reg_secret = NULL;
+    if (err == NULL && (b->reg_pass = strdup(value)) == NULL)
+        fail(b, "cannot read the registry credentials: out of memory");
+    else if (err != NULL)
+        fail(b, "cannot read the registry credentials: %s", err->msg);
+    if (b->failed) {
+        record_end(b);
+        return;
+    }
+    start_import(b);
+}
+
 static void start_import(struct build *b)
 {
     sp_tmpl_t *t = b->t;
     b->ph = P_IMPORT;
+    if (b->reg_secret != NULL) { /* the password is in a team secret: opened first */
+        sp_err_t e;
+        logf_(b, "info", "registry credentials: user %s, password from secret %s", b->reg_user,
+              b->reg_secret);
+        if (t->secrets == NULL ||
+            sp_secrets_reveal(t->secrets, b->team, b->reg_secret, on_reg_secret, b, &e) < 0) {
+            if (t->secrets == NULL)
+                sp_err_set(&e, SP_EUNAVAIL, "secrets are not available on this server");
+            on_reg_secret(b, NULL, 0, &e);
+        }
+        return;
+    }
     struct impjob *j = calloc(1, sizeof(*j));
     if (j != NULL) {
         j->b = b;

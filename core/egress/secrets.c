@@ -665,6 +665,49 @@ int sp_secrets_delete(sp_secrets_t *s, const char *team_id, const char *name, sp
                   2, p, delete_done, (void *)cb, arg, false, err);
 }
 
+struct reveal {
+    sp_secrets_t *s;
+    sp_secrets_value_cb cb;
+    void *arg;
+    char ctx[128];
+    char name[SP_SECRETS_NAME_MAX + 1];
+};
+
+static void reveal_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct reveal *r = rec;
+    sp_err_t e;
+    uint8_t *v = NULL;
+    size_t len = 0;
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "secret '%s' does not exist", r->name), &e);
+    if (err == NULL && sp_secrets_open(r->s, r->ctx, PQgetvalue(res, 0, 0), &v, &len, &e) < 0)
+        err = &e;
+    r->cb(r->arg, err == NULL ? (const char *)v : NULL, len, err);
+    sp_secrets_wipe(v, len);
+}
+
+int sp_secrets_reveal(sp_secrets_t *s, const char *team_id, const char *name,
+                      sp_secrets_value_cb cb, void *arg, sp_err_t *err)
+{
+    if (sp_secrets_check_enabled(s, err) < 0)
+        return -1;
+    if (sp_secrets_check_name(name, err) < 0)
+        return sp_err_set(err, SP_ENOTFOUND, "secret '%.64s' does not exist", name);
+    const char *p[] = {team_id, name};
+    struct reveal *r =
+        sp_store_call(s->store, "SELECT box FROM secrets WHERE team_id = $1 AND name = $2", 2, p,
+                      sizeof(*r), reveal_done, err);
+    if (r == NULL)
+        return -1;
+    r->s = s;
+    r->cb = cb;
+    r->arg = arg;
+    secret_context(r->ctx, sizeof(r->ctx), team_id, name);
+    snprintf(r->name, sizeof(r->name), "%s", name);
+    return 0;
+}
+
 static void missing_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;

@@ -149,6 +149,13 @@ int sp_secrets_delete(sp_secrets_t *s, const char *team_id, const char *name, sp
  * not have. For sandbox creation, before the record is written. */
 int sp_secrets_check_rule_secrets(sp_secrets_t *s, const char *team_id, const json_t *rules,
                                   sp_secrets_done_cb cb, void *arg, sp_err_t *err);
+/* A team's secret opened, for a use on the host that needs the value itself (a template
+ * build's registry password, core/control/tmpl.h): never for a guest. cb gets the value
+ * (NUL-terminated, len bytes), wiped and freed when cb returns; or SP_ENOTFOUND "secret
+ * 'NAME' does not exist". */
+typedef void (*sp_secrets_value_cb)(void *arg, const char *value, size_t len, const sp_err_t *err);
+int sp_secrets_reveal(sp_secrets_t *s, const char *team_id, const char *name,
+                      sp_secrets_value_cb cb, void *arg, sp_err_t *err);
 /* A team's sandbox's rules (SP_ENOTFOUND for a missing, deleted or another team's sandbox). */
 int sp_secrets_get_rules(sp_secrets_t *s, const char *team_id, const char *sandbox_id,
                          sp_secrets_rules_cb cb, void *arg, sp_err_t *err);

@@ -177,7 +177,14 @@ typedef struct {
      * at the same path. NULL: none, suspended sandboxes stay in their VM directory (one
      * node). */
     const char *snapshot_dir;
+    /* Template images a disk chain may stack (export.c): an export whose base already has
+     * this many in its chain writes a standalone image instead of one more layer, so a
+     * template built on a template built on ... never makes QEMU walk a long chain.
+     * 0: SP_QEMU_MAX_LAYERS. */
+    int max_layers;
 } sp_qemu_opts_t;
+
+#define SP_QEMU_MAX_LAYERS 4
 
 /* Creates the driver; strings are copied. Never blocks on a VM: probes and
  * re-adoption run on the loop. NULL with SP_EINVAL on bad options, or

@@ -141,6 +141,16 @@ class TemplateTagsTest(PlatformTest):
             st, r = self.req("POST", "/v1/templates", body)
             self.assertEqual(st, 400, (body, r))
             self.assertIn("tag", r["error"]["message"], (body, r))
+        # a parent named by a tag: looked up first (here v2's files are not on disk: the test
+        # driver builds nothing), an unknown tag or another team's template is not found
+        for parent, key, why in (("tagged:nope", None, "no such tag"),
+                                 ({"template": "tagged:nope"}, None, "no such tag"),
+                                 ("tagged:v2", None, "tagged@%s" % V2[:8]),
+                                 ("tagged:v2", self.p.keys["beta"], "no such tag"),
+                                 ("tagged:Bad!", None, "not found")):
+            st, r = self.req("POST", "/v1/templates", {"name": "child", "from": parent}, key=key)
+            self.assertEqual(st, 404, (parent, r))
+            self.assertIn(why, r["error"]["message"], (parent, r))
 
     def test_3_e2b_tags(self):
         st, r = self.e2b("GET", "/templates/tagged/tags")

@@ -279,6 +279,17 @@ static void on_rules(void *arg, json_t *rules, const sp_err_t *err)
 
 #define WAIT(r) run_until(&(r).done, 1, 5000)
 
+/* sp_secrets_reveal's answer: the value copied into r->rules (it is wiped after the call). */
+static void on_value(void *arg, const char *value, size_t len, const sp_err_t *err)
+{
+    struct res *r = arg;
+    r->done++;
+    r->code = err ? err->code : SP_OK;
+    snprintf(r->msg, sizeof(r->msg), "%s", err ? err->msg : "");
+    r->n = len;
+    snprintf(r->rules, sizeof(r->rules), "%s", value != NULL ? value : "(null)");
+}
+
 static void test_secrets_store_and_tenancy(sp_store_t *st)
 {
     unsigned char key[SP_SECRETS_KEY_LEN];
@@ -346,6 +357,23 @@ static void test_secrets_store_and_tenancy(sp_store_t *st)
     CHECK(sp_secrets_list(s, "teama", on_list, &r, &e) == 0);
     WAIT(r);
     CHECK(r.code == SP_OK && r.n == 2 && strcmp(r.names, "OPENAI,OTHER,") == 0);
+
+    /* Revealed for a host-side use: each team its own value, nothing of another team's. */
+    memset(&r, 0, sizeof(r));
+    CHECK(sp_secrets_reveal(s, "teama", "OTHER", on_value, &r, &e) == 0);
+    WAIT(r);
+    CHECK(r.code == SP_OK && r.n == 1 && strcmp(r.rules, "v") == 0);
+    memset(&r, 0, sizeof(r));
+    CHECK(sp_secrets_reveal(s, "teamb", "OPENAI", on_value, &r, &e) == 0);
+    WAIT(r);
+    CHECK(r.code == SP_OK && r.n == 7 && strcmp(r.rules, "b-value") == 0);
+    memset(&r, 0, sizeof(r));
+    CHECK(sp_secrets_reveal(s, "teamb", "OTHER", on_value, &r, &e) == 0);
+    WAIT(r);
+    CHECK(r.code == SP_ENOTFOUND && strstr(r.msg, "'OTHER' does not exist") != NULL &&
+          strcmp(r.rules, "(null)") == 0);
+    CHECK(sp_secrets_reveal(s, "teama", "bad name", on_value, &r, &e) < 0 &&
+          e.code == SP_ENOTFOUND);
 
     /* Rules: only the team's own sandbox, only existing secrets; a change NOTIFYs it. */
     json_error_t je;

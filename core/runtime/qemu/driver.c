@@ -1140,6 +1140,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     sp_qemu__sfmt(d->snaps_dir, sizeof d->snaps_dir, "%s/snapshots", abs);
     d->qemu = strdup(o->qemu != NULL ? o->qemu : "qemu-system-x86_64");
     d->qemu_img = strdup(o->qemu_img != NULL ? o->qemu_img : "qemu-img");
+    d->max_layers = o->max_layers > 0 ? o->max_layers : SP_QEMU_MAX_LAYERS;
     d->boot_timeout_ms = sp_qemu__env_ms("SPACE_BOOT_TIMEOUT_MS", SP_QEMU_BOOT_TIMEOUT_MS);
     d->probe_ms = sp_qemu__env_ms("SPACE_KVM_PROBE_MS", SP_QEMU_KVM_PROBE_MS);
     const char *cold = getenv("SPACE_COLD_BOOT");

@@ -12,6 +12,12 @@
  * in one child process (/bin/sh), off the loop; the image is written under a temporary name
  * and renamed into place, mode 0444, once complete.
  *
+ * Layers stack up when templates are built on templates. Past the driver's max_layers (the
+ * template's image and what lies below it already that many files) the export squashes
+ * instead: qemu-img convert reads the whole chain through the VM's disk and writes one
+ * standalone image, so no sandbox's disk ever walks more than max_layers + 2 files (its
+ * overlay and the template snapshot's above the template images).
+ *
  * Does not decide where images live or what they are called (the template builder does).
  */
 #include "core/runtime/qemu/qemu_int.h"
@@ -40,6 +46,20 @@ struct export {
     uint64_t t0;
 };
 
+/* Files in the qcow2 chain that starts at path, path included (a loop ends at 64). */
+static int chain_files(const char *path)
+{
+    char cur[PATH_MAX], next[PATH_MAX];
+    int n = 1;
+    if (sp_qemu__sfmt(cur, sizeof cur, "%s", path) < 0)
+        return n;
+    while (n < 64 && sp_qemu__qcow2_backing(cur, next, sizeof next)) {
+        memcpy(cur, next, sizeof cur);
+        n++;
+    }
+    return n;
+}
+
 static void export_free(struct export *x)
 {
     if (x->vm != NULL && x->vm->export == x)
@@ -60,7 +80,7 @@ static void on_export_exit(struct child *c, int st, bool timed_out, void *arg)
                x->vm->id, st, (int)timed_out);
         sp_err_set(&e, SP_ERUNTIME, "%s",
                    timed_out ? "exporting the disk took too long"
-                             : "cannot export the disk (qemu-img rebase failed: see the VM's "
+                             : "cannot export the disk (qemu-img failed: see the VM's "
                                "qemu.log)");
         err = &e;
         unlink(x->tmp);
@@ -119,26 +139,33 @@ int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backin
     sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
     sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
     unlink(x->tmp); /* a leftover of a killed spaced */
+    int layers = chain_files(backing);
+    bool squash = layers >= d->max_layers;
     /* -U: QEMU holds the images' locks; its vCPUs are stopped and its caches flushed */
     char *argv[] = {"/bin/sh",
                     "-c",
-                    "cp --sparse=always -- \"$1\" \"$2\" && "
-                    "exec \"$4\" rebase -U -q -f qcow2 -b \"$3\" -F qcow2 \"$2\"",
+                    squash ? "exec \"$4\" convert -U -q -f qcow2 -O qcow2 \"$1\" \"$2\""
+                           : "cp --sparse=always -- \"$1\" \"$2\" && "
+                             "exec \"$4\" rebase -U -q -f qcow2 -b \"$3\" -F qcow2 \"$2\"",
                     "space-export",
                     disk,
                     x->tmp,
                     (char *)backing,
                     d->qemu_img,
                     NULL};
-    struct spawn_opts so = {.out_path = log, .stdin_fd = -1, .cg = NULL, .sandbox = vm->id,
-                          .new_session = true}; /* its cp and qemu-img go with it */
+    struct spawn_opts so = {.out_path = log,
+                            .stdin_fd = -1,
+                            .cg = NULL,
+                            .sandbox = vm->id,
+                            .new_session = true}; /* its cp and qemu-img go with it */
     x->c = sp_qemu__child_start(d, argv, &so, EXPORT_TIMEOUT_MS, on_export_exit, x, err);
     if (x->c == NULL) {
         free(x);
         return -1;
     }
     vm->export = x;
-    sp_log(SP_LOG_INFO, "qemu", "exporting disk sandbox=%s base=%s", vm->id, backing);
+    sp_log(SP_LOG_INFO, "qemu", "exporting disk sandbox=%s base=%s layers=%d%s", vm->id, backing,
+           layers, squash ? " squashed: a standalone image" : "");
     return 0;
 }
 

@@ -310,6 +310,7 @@ struct sp_qemu {
     char snaps_dir[PATH_MAX]; /* <data-dir>/snapshots: sandbox snapshots (fork.c) */
     bool snaps_pending;       /* a deleted snapshot may still wait for its last user */
     char *qemu, *qemu_img;
+    int max_layers; /* template images a chain may stack before an export squashes */
     int want;    /* 0 auto, 1 kvm, 2 tcg */
     int accel;   /* -1 undecided, 0 TCG, 1 KVM */
     int sandbox; /* -1 unknown, 0 unsupported, 1 supported */
