@@ -299,6 +299,7 @@ void sp_e2b__envd(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
     c->auth = t->auth;
     snprintf(c->access_token, sizeof(c->access_token), "%s", t->access_token);
     c->conn = t->conn;
+    c->signed_url = t->signed_url;
 
     if (path_is(req, "/health")) {
         h2o_req_t *r = sp_e2b__envd_take(c);

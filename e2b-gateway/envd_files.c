@@ -11,7 +11,6 @@
  * Paths are guest paths: `../../etc/passwd` resolves inside the guest, as the user, and
  * never touches the host (the agent runs in the VM).
  */
-#include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +23,7 @@
 #include "core/channel/download.h"
 #include "e2b-gateway/envd_int.h"
 #include "e2b-gateway/multipart.h"
+#include "core/control/tokens.h"
 
 /* ---- signed URLs (spec 3.7) ---- */
 
@@ -49,36 +49,52 @@ static void signature_of(const char *path, const char *op, const char *user, con
     out[3 + b] = '\0';
 }
 
-/* 0 when the request may touch files: a matching token, or a valid unexpired signature. */
-static int files_auth(h2o_req_t *req, envd_call_t *c, bool write, const char *path, sp_err_t *err)
+bool sp_e2b__files_sig_expired(h2o_req_t *req, sp_err_t *err)
 {
-    const char *tok = sp_http_header(req, "x-access-token");
-    if (tok != NULL) {
-        size_t n = strlen(tok);
-        if (n != strlen(c->access_token) || CRYPTO_memcmp(tok, c->access_token, n) != 0)
-            return sp_err_set(err, SP_EAUTH, "invalid access token");
-        return 0;
+    const char *exp = sp_http_query(req, "signature_expiration");
+    if (exp == NULL)
+        return false;
+    char *end;
+    long long e = strtoll(exp, &end, 10);
+    if (exp[0] == '\0' || *end != '\0') {
+        sp_err_set(err, SP_EAUTH, "invalid signature expiration");
+        return true;
     }
+    if (e < (long long)time(NULL)) {
+        sp_err_set(err, SP_EAUTH, "signature expired");
+        return true;
+    }
+    return false;
+}
+
+int sp_e2b__files_signed(h2o_req_t *req, const char *token, sp_err_t *err)
+{
     const char *sig = sp_http_query(req, "signature");
     if (sig == NULL)
         return sp_err_set(err, SP_EAUTH, "missing X-Access-Token or signature");
-    const char *exp = sp_http_query(req, "signature_expiration");
+    if (sp_e2b__files_sig_expired(req, err))
+        return -1;
+    const char *path = sp_http_query(req, "path");
     const char *user = sp_http_query(req, "username");
     char want[64];
-    signature_of(path ? path : "", write ? "write" : "read", user ? user : "", c->access_token, exp,
-                 want);
-    size_t n = strlen(sig);
-    if (n != strlen(want) || CRYPTO_memcmp(sig, want, n) != 0)
+    signature_of(path ? path : "", sp_http_method_is(req, "POST") ? "write" : "read",
+                 user ? user : "", token, sp_http_query(req, "signature_expiration"), want);
+    /* An empty token (one this server cannot derive) opens nothing. */
+    if (token[0] == '\0' || !sp_tokens_equal(sig, want))
         return sp_err_set(err, SP_EAUTH, "invalid signature");
-    if (exp != NULL) {
-        char *end;
-        long long e = strtoll(exp, &end, 10);
-        if (exp[0] == '\0' || *end != '\0')
-            return sp_err_set(err, SP_EAUTH, "invalid signature expiration");
-        if (e < (long long)time(NULL))
-            return sp_err_set(err, SP_EAUTH, "signature expired");
-    }
     return 0;
+}
+
+/* 0 when the request may touch files: a matching token, or a valid unexpired signature. */
+static int files_auth(h2o_req_t *req, envd_call_t *c, sp_err_t *err)
+{
+    const char *tok = sp_http_header(req, "x-access-token");
+    if (tok != NULL && !c->signed_url) {
+        if (!sp_tokens_equal(tok, c->access_token))
+            return sp_err_set(err, SP_EAUTH, "invalid access token");
+        return 0;
+    }
+    return sp_e2b__files_signed(req, c->access_token, err);
 }
 
 /* ---- GET /files: the sink of core/channel/download.h ---- */
@@ -346,6 +362,11 @@ static void files_post(envd_call_t *c, h2o_req_t *req, const char *qpath)
             if (strcmp(part.name, "file") != 0)
                 continue;
             const char *dest = nparts == 1 && qpath != NULL ? qpath : part.filename;
+            if (u->c->signed_url && nparts != 1) { /* the signed path, and only it */
+                sp_err_set(&e, SP_EAUTH, "a signed upload URL writes one file, at its path");
+                rc = -1;
+                break;
+            }
             if (dest == NULL || dest[0] == '\0') {
                 sp_err_set(&e, SP_EINVAL, "a file part needs a filename or ?path=");
                 rc = -1;
@@ -400,7 +421,7 @@ void sp_e2b__envd_files(envd_call_t *c, h2o_req_t *req)
         sp_e2b__envd_http_fail(c, 405, "GET or POST");
         return;
     }
-    if (files_auth(req, c, write, path, &e) < 0) {
+    if (files_auth(req, c, &e) < 0) {
         sp_e2b__envd_http_fail(c, 401, e.msg);
         return;
     }
@@ -410,8 +431,17 @@ void sp_e2b__envd_files(envd_call_t *c, h2o_req_t *req)
             return;
         }
         snprintf(c->user, sizeof(c->user), "%s", uname);
+    } else if (c->signed_url) {
+        /* The signature covers username= (empty when absent, spec 3.7): a signed URL is for
+         * the user it names or the default one, never one a Basic header picks. */
+        snprintf(c->user, sizeof(c->user), "%s", sp_e2b__envd_default_user());
     } else if (sp_e2b__envd_basic_user(req, c) < 0) {
         sp_e2b__envd_http_fail(c, 401, "invalid Authorization header");
+        return;
+    }
+    /* A signed upload URL writes the one path it was signed for. */
+    if (write && c->signed_url && (path == NULL || path[0] == '\0')) {
+        sp_e2b__envd_http_fail(c, 401, "a signed upload URL must name its path");
         return;
     }
     if (write) {

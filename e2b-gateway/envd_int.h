@@ -36,6 +36,7 @@ typedef struct {
     sp_auth_t auth;
     char access_token[SP_TOKEN_LEN + 1];
     sp_agentconn_t *conn; /* valid during the dispatching call only */
+    bool signed_url;      /* /files by its signature (gw.c): user and path as signed */
     char user[64];        /* effective user (Basic auth or the default) */
     void *msg;            /* decoded request message (in arena) */
     void *data;           /* the handler's own state */

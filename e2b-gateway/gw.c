@@ -8,9 +8,9 @@
  * paths, the E2b-Sandbox-Id header; else the X-Access-Token alone (an envd path with
  * neither is 401, as envd answers a request without its token). Code-interpreter
  * paths (/execute, /contexts...) on the API address are port 49999 traffic selected the
- * same way (E2B_DEBUG sends them to localhost:49999 with only the token). A token that
- * does not match the sandbox is 401; an unknown sandbox, or another team's, 404 (502
- * "not found" behind a forwarded port's host, as E2B's edge answers).
+ * same way (E2B_DEBUG sends them to localhost:49999 with only the token). Who may reach
+ * what, and the one answer for an unknown sandbox, another team's and a credential that does
+ * not open it: "sandbox traffic" below.
  */
 #include "e2b-gateway/gw_int.h"
 
@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "core/control/tokens.h"
 
 sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o)
 {
@@ -269,12 +270,32 @@ bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65])
 
 /* ---- sandbox traffic ---- */
 
+/*
+ * Who may reach a sandbox's data plane (README "Data-plane authorization"):
+ *   envd (49983)       X-Access-Token; /files also a valid signature (spec 3.7) instead.
+ *   interpreter (49999) X-Access-Token or E2B-Traffic-Access-Token, for /execute and the
+ *                      context calls alike (the JS SDK sends only the traffic token on those).
+ *   other ports        nothing when the sandbox allows public traffic (the default), else
+ *                      either token.
+ * A credential that does not open the sandbox, a sandbox that does not exist and another
+ * team's answer the same status and body (no existence oracle): by what was presented, 401
+ * "invalid access token for this sandbox", 401 "invalid signature", or on a port host without
+ * any, E2B's 502 "The sandbox was not found". A sandbox is woken (autoResume) only after this.
+ */
+typedef enum {
+    CRED_NONE = 0, /* a forwarded port's request without a token: public sandboxes only */
+    CRED_ENVD,     /* X-Access-Token: checked by the lookup itself (its keyed hash) */
+    CRED_TRAFFIC,  /* E2B-Traffic-Access-Token alone: checked against the record */
+    CRED_SIGNED,   /* /files with signature=: checked against the record */
+} cred_t;
+
 struct resolve {
     sp_e2b_t *gw;
     sp_http_hold_t *hold;
     sp_e2b_target_t t;
-    bool token_given;
-    char asked[65]; /* the id from the host name, "" when none */
+    cred_t cred;
+    char traffic[SP_TOKEN_LEN + 1]; /* CRED_TRAFFIC: what was presented */
+    char asked[65];                 /* the id asked for, "" when none */
 };
 
 static void resolve_fail(struct resolve *rs, int status, const char *msg)
@@ -282,6 +303,26 @@ static void resolve_fail(struct resolve *rs, int status, const char *msg)
     h2o_req_t *req = sp_http_release(rs->hold);
     if (req != NULL)
         sp_e2b__error(req, status, msg);
+}
+
+/* The answer for a sandbox that is not there, is another team's, or that the credential
+ * presented does not open: one per kind of credential, the same for all three. */
+static void resolve_unknown(struct resolve *rs)
+{
+    if (rs->cred == CRED_NONE) {
+        /* E2B's edge: an unknown sandbox behind a port host is 502 "not found". */
+        json_t *body = json_pack("{s:s,s:s,s:i}", "sandboxId", rs->asked, "message",
+                                 "The sandbox was not found", "code", 502);
+        h2o_req_t *req = sp_http_release(rs->hold); /* frees rs */
+        if (req != NULL)
+            sp_http_json(req, 502, body);
+        else
+            json_decref(body);
+        return;
+    }
+    resolve_fail(rs, 401,
+                 rs->cred == CRED_SIGNED ? "invalid signature"
+                                         : "invalid access token for this sandbox");
 }
 
 static void on_agent(void *arg, sp_agentconn_t *conn, const sp_err_t *err)
@@ -321,51 +362,62 @@ static void on_woken(void *arg, const sp_err_t *err)
         on_agent(rs, NULL, &e);
 }
 
+/* Whether the record found by id alone is opened by what the request presented. */
+static bool authorized(struct resolve *rs, const sp_sandbox_rec_t *sb)
+{
+    switch (rs->cred) {
+    case CRED_ENVD:
+        return true; /* the lookup matched the token's hash */
+    case CRED_TRAFFIC:
+        /* The envd token is the stronger one: it opens ports too (E2B's SDKs put it only in
+         * X-Access-Token, but clients of before the traffic token was issued may). */
+        return sp_tokens_equal(rs->traffic, sb->traffic_token) ||
+               sp_tokens_equal(rs->traffic, sb->access_token);
+    case CRED_SIGNED: {
+        h2o_req_t *req = sp_http_hold_req(rs->hold);
+        sp_err_t e;
+        return req != NULL && sp_e2b__files_signed(req, sb->access_token, &e) == 0;
+    }
+    case CRED_NONE:
+        return sp_e2b__public_traffic(sb);
+    }
+    return false;
+}
+
 static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
                        const sp_err_t *err)
 {
     struct resolve *rs = arg;
+    (void)op;
     if (err != NULL) {
-        if (err->code == SP_ENOTFOUND && SP_E2B_FORWARDED_PORT(rs->t.port) && !rs->token_given &&
-            rs->asked[0] != '\0') {
-            /* E2B's edge: an unknown sandbox behind a port host is 502 "not found". */
-            json_t *body = json_pack("{s:s,s:s,s:i}", "sandboxId", rs->asked, "message",
-                                     "The sandbox was not found", "code", 502);
-            h2o_req_t *req = sp_http_release(rs->hold); /* frees rs */
-            if (req != NULL)
-                sp_http_json(req, 502, body);
-            else
-                json_decref(body);
-            return;
-        }
-        if (err->code == SP_ENOTFOUND)
-            resolve_fail(rs, rs->token_given ? 401 : 404,
-                         rs->token_given ? "invalid access token for this sandbox"
-                                         : "sandbox not found");
+        /* SP_EAUTH: a token that cannot be one (empty, too long), whatever the id. */
+        if (err->code == SP_ENOTFOUND || err->code == SP_EAUTH)
+            resolve_unknown(rs);
         else
             resolve_fail(rs, sp_err_http_status(err->code), err->msg);
         return;
     }
-    /* A sandbox that is gone (killed, expired) is "not running" to the SDK: 502, which makes
-     * isRunning() false, rather than 401 for a token that was once valid. */
-    if (strcmp(sb->observed, "deleted") == 0 || strcmp(sb->desired, "deleted") == 0) {
-        resolve_fail(rs, 502, "sandbox is not running");
+    bool gone = strcmp(sb->observed, "deleted") == 0 || strcmp(sb->desired, "deleted") == 0;
+    /* Checked on every record, also a deleted one: without a credential that opens it, a
+     * deleted sandbox is an unknown one too. */
+    if (!authorized(rs, sb)) {
+        resolve_unknown(rs);
         return;
     }
-    /* A forwarded port (or the code interpreter's context calls, see sandbox_traffic) reached
-     * without a token: only if the sandbox allows public traffic. */
-    if (!rs->token_given &&
-        (SP_E2B_FORWARDED_PORT(rs->t.port) || rs->t.port == SP_E2B_CODE_PORT) &&
-        !sp_e2b__public_traffic(sb)) {
-        resolve_fail(rs, 401, "this sandbox does not allow public traffic: send X-Access-Token");
+    /* A sandbox that is gone (killed, expired) is "not running" to the SDK: 502, which makes
+     * isRunning() false, rather than 401 for a token that was once valid. */
+    if (gone) {
+        resolve_fail(rs, 502, "sandbox is not running");
         return;
     }
     snprintf(rs->t.sandbox_id, sizeof(rs->t.sandbox_id), "%s", sb->id);
     snprintf(rs->t.auth.team_id, sizeof(rs->t.auth.team_id), "%s", sb->team_id);
     snprintf(rs->t.access_token, sizeof(rs->t.access_token), "%s", sb->access_token);
+    rs->t.signed_url = rs->cred == CRED_SIGNED;
     sp_err_t e;
-    /* E2B autoResume: traffic for a sandbox asleep with auto_resume wakes it first; traffic
-     * for one that is starting or waking (a connect just answered) waits for it. */
+    /* E2B autoResume, only now that the request is authorized: traffic for a sandbox asleep
+     * with auto_resume wakes it first; traffic for one that is starting or waking (a connect
+     * just answered) waits for it. */
     bool asleep = strcmp(sb->desired, "suspended") == 0 || strcmp(sb->desired, "paused") == 0;
     bool coming = strcmp(sb->desired, "running") == 0 && strcmp(sb->observed, "running") != 0;
     if ((sb->auto_resume && asleep) || coming) {
@@ -381,27 +433,31 @@ static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
 static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int port)
 {
     const char *token = sp_http_header(req, "x-access-token");
+    const char *traffic = sp_http_header(req, "e2b-traffic-access-token");
     bool fwd = id != NULL && SP_E2B_FORWARDED_PORT(port);
-    /* The code interpreter: /execute always needs the token (both SDKs send it there). The
-     * JS SDK sends no X-Access-Token on its context calls (createCodeContext, list, remove,
-     * restart), which E2B's interpreter never checks: those go on like a forwarded port's
-     * traffic (public unless network.allowPublicTraffic is false). */
-    bool code_open = port == SP_E2B_CODE_PORT && (path_is(req, "/contexts") ||
-                                                  path_starts(req, "/contexts/"));
-    /* E2B-Traffic-Access-Token: what E2B gives allowPublicTraffic=false sandboxes' ports. */
-    if (token == NULL && (fwd || port == SP_E2B_CODE_PORT))
-        token = sp_http_header(req, "e2b-traffic-access-token");
-    /* Without a token only /files with a signature may go on; it is checked there. Forwarded
-     * ports are public by default (spec 2.3 network.allowPublicTraffic): checked on lookup. */
-    if (token == NULL && !fwd && !code_open &&
-        !(path_is(req, "/files") && sp_http_query(req, "signature") != NULL) &&
-        !path_is(req, "/health")) {
-        sp_e2b__error(req, 401, "missing X-Access-Token");
-        return;
-    }
-    if (id == NULL && token == NULL) {
-        sp_e2b__error(req, 401, "missing X-Access-Token");
-        return;
+    cred_t cred = CRED_ENVD;
+    if (token == NULL) {
+        if (port == SP_E2B_ENVD_PORT && path_is(req, "/files") &&
+            sp_http_query(req, "signature") != NULL && id != NULL) {
+            /* A signed URL's expiry is checked before any lookup: it says nothing of the
+             * sandbox. */
+            sp_err_t e;
+            if (sp_e2b__files_sig_expired(req, &e)) {
+                sp_e2b__error(req, 401, e.msg);
+                return;
+            }
+            cred = CRED_SIGNED;
+        } else if (port != SP_E2B_ENVD_PORT && traffic != NULL && id != NULL) {
+            cred = CRED_TRAFFIC;
+        } else if (fwd && traffic == NULL) {
+            cred = CRED_NONE;
+        } else {
+            sp_e2b__error(req, 401,
+                          port == SP_E2B_ENVD_PORT
+                              ? "missing X-Access-Token"
+                              : "missing X-Access-Token or E2B-Traffic-Access-Token");
+            return;
+        }
     }
     sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
     if (h == NULL) {
@@ -412,10 +468,15 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
     rs->gw = gw;
     rs->hold = h;
     rs->t.port = port;
-    rs->token_given = token != NULL;
+    rs->cred = cred;
     snprintf(rs->asked, sizeof(rs->asked), "%s", id ? id : "");
+    if (cred == CRED_TRAFFIC && strlen(traffic) == SP_TOKEN_LEN)
+        snprintf(rs->traffic, sizeof(rs->traffic), "%s", traffic); /* else "": opens nothing */
     sp_err_t e;
-    if (sp_svc_sandbox_by_token(gw->svc, id, token, on_sandbox, rs, &e) < 0)
+    /* One statement in every case: by the token's hash (and the id when given), else by the
+     * id alone and the credential checked on the record. */
+    if (sp_svc_sandbox_by_token(gw->svc, id, cred == CRED_ENVD ? token : NULL, on_sandbox, rs,
+                                &e) < 0)
         on_sandbox(rs, NULL, NULL, &e);
 }
 
@@ -431,22 +492,13 @@ void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req)
         sp_e2b__control(gw, req);
         return;
     }
+    /* E2b-Sandbox-Id as given: one that cannot be an id is answered as an unknown one. */
     if (sp_e2b__is_envd_path(req)) {
-        const char *hid = sp_http_header(req, "e2b-sandbox-id");
-        if (hid != NULL && !sp_ids_valid(hid)) {
-            sp_e2b__error(req, 404, "sandbox not found");
-            return;
-        }
-        sandbox_traffic(gw, req, hid, SP_E2B_ENVD_PORT);
+        sandbox_traffic(gw, req, sp_http_header(req, "e2b-sandbox-id"), SP_E2B_ENVD_PORT);
         return;
     }
     if (sp_e2b__is_code_path(req)) {
-        const char *hid = sp_http_header(req, "e2b-sandbox-id");
-        if (hid != NULL && !sp_ids_valid(hid)) {
-            sp_e2b__error(req, 404, "sandbox not found");
-            return;
-        }
-        sandbox_traffic(gw, req, hid, SP_E2B_CODE_PORT);
+        sandbox_traffic(gw, req, sp_http_header(req, "e2b-sandbox-id"), SP_E2B_CODE_PORT);
         return;
     }
     sp_e2b__error(req, 404, "no such path");

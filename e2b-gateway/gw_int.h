@@ -33,6 +33,7 @@ typedef struct {
     char access_token[SP_TOKEN_LEN + 1];
     sp_agentconn_t *conn;       /* the running VM's agent channel */
     int port;                   /* 49983 for envd */
+    bool signed_url; /* /files authorized by its signature: its user and path are fixed */
 } sp_e2b_target_t;
 
 /* E2B control-plane error body {"code": <status>, "message": ...} (spec 2.1). */
@@ -50,6 +51,14 @@ void sp_e2b__envd(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t);
 void sp_e2b__envd_free(sp_e2b_t *gw);
 /* Whether path is an envd path. */
 bool sp_e2b__is_envd_path(h2o_req_t *req);
+
+/* Signed file URLs (spec 3.7, envd_files.c): 0 when req's signature= is the one token gives
+ * its path, operation (GET read, POST write), username and expiry, and it has not expired;
+ * -1 with SP_EAUTH otherwise. */
+int sp_e2b__files_signed(h2o_req_t *req, const char *token, sp_err_t *err);
+/* Whether req's signature_expiration is malformed or past (err says which): refused before
+ * the sandbox is looked up. */
+bool sp_e2b__files_sig_expired(h2o_req_t *req, sp_err_t *err);
 
 /* The code interpreter (port 49999, spec 4) over core/channel/code.h: POST /execute (NDJSON stream),
  * POST/GET /contexts, DELETE /contexts/{id}, POST /contexts/{id}/restart, GET /health. */

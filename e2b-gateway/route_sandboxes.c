@@ -146,9 +146,14 @@ static json_t *sandbox_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
     json_object_set_new(o, "alias", json_string(sb->template_name));
     json_object_set_new(o, "clientID", json_string(CTL_CLIENT_ID));
     json_object_set_new(o, "envdVersion", json_string(envd_version(sb)));
-    /* Always a token, even for secure=false: it is how sandbox traffic finds the sandbox. */
-    json_object_set_new(o, "envdAccessToken", json_string(sb->access_token));
-    json_object_set_new(o, "trafficAccessToken", json_null());
+    /* Always a token, even for secure=false: it is how sandbox traffic finds the sandbox.
+     * Both are derived again on each read (core/control/tokens.h), so connect gives the ones
+     * create gave. The traffic token is what the code interpreter's SDKs send on every call
+     * (the JS one on its context calls only that), and what opens a private sandbox's ports. */
+    json_object_set_new(o, "envdAccessToken",
+                        sb->access_token[0] ? json_string(sb->access_token) : json_null());
+    json_object_set_new(o, "trafficAccessToken",
+                        sb->traffic_token[0] ? json_string(sb->traffic_token) : json_null());
     json_object_set_new(o, "domain", json_string(gw->domain));
     return o;
 }

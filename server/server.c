@@ -44,6 +44,7 @@
 #include "core/control/svc.h"
 #include "core/control/snap.h"
 #include "core/control/tmpl.h"
+#include "core/control/tokens.h"
 #include "guest/tmplbuild.h"
 #include "e2b-gateway/gw.h"
 #include "native-api/napi.h"
@@ -1129,6 +1130,20 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         goto out_db;
     }
     sodium_memzero(admin_key, sizeof(admin_key));
+    /* Sandboxes' envd tokens from before schema 12, kept in clear, are sealed now
+     * (core/control/tokens.h): each keeps working and is given again by connect. */
+    sp_tokens_t *tokens = sp_tokens_create(hashkey, msrc != SP_SECRETS_KEY_NONE ? mkey : NULL);
+    int converted = 0;
+    if (tokens == NULL || sp_tokens_convert(c, tokens, &converted, &e) < 0) {
+        fprintf(stderr, "spaced: cannot convert sandbox tokens\n");
+        sp_tokens_destroy(tokens);
+        PQfinish(c);
+        goto out_db;
+    }
+    sp_tokens_destroy(tokens);
+    if (converted > 0)
+        sp_log(SP_LOG_INFO, "server", "sandbox tokens converted=%d (no longer kept in clear)",
+               converted);
     PQfinish(c);
 
     struct srv s = {.listen_fd = -1};
@@ -1145,6 +1160,13 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
     if (svc != NULL)
         sp_svc_set_quota_defaults(svc, &o->quota);
+    /* With a master key, the database alone cannot make a sandbox's token (tokens.h). */
+    if (svc != NULL && msrc != SP_SECRETS_KEY_NONE && sp_svc_set_token_master(svc, mkey, &e) < 0)
+        goto out_srv;
+    if (svc != NULL && msrc == SP_SECRETS_KEY_NONE)
+        sp_log(SP_LOG_WARN, "server", "sandbox tokens from the database's key: without a master "
+                                      "key (SPACE_MASTER_KEY or --master-key-file) whoever reads "
+                                      "the database can recompute them");
     sp_admin_t *admin = store ? sp_admin_create(store, hashkey) : NULL;
     sp_secrets_t *secrets = NULL;
     sp_mitm_t *mitm = NULL;

@@ -9,6 +9,7 @@
  */
 #include "core/control/svc.h"
 
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #include "core/control/fleet.h"
 #include "core/control/snap.h"
 #include "core/control/tmpl.h"
+#include "core/control/tokens.h"
 #include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
 #include "base/buf.h"
@@ -32,7 +34,8 @@
 #define SANDBOX_COLS                                                                               \
     "s.id, s.team_id, s.template, s.desired_state, s.observed_state, " UTC("s.created_at") ", "   \
     UTC("s.last_activity_at") ", " UTC("s.deadline_at") ", s.deadline_action, "                    \
-    "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, s.access_token, "               \
+    "s.idle_timeout_s, s.cpu_count, s.memory_mb, s.snapshot_bytes, "                               \
+    "coalesce(s.token_salt, ''), "                                                                 \
     "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
     "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
     "coalesce(s.envd_version, ''), " UTC("coalesce(s.deadline_at, s.created_at + make_interval("  \
@@ -70,6 +73,7 @@ struct sp_svc {
     sp_loop_t *loop;
     sp_store_t *store;
     unsigned char hashkey[SP_HASHKEY_LEN];
+    sp_tokens_t *tokens; /* sandboxes' data-plane tokens (tokens.h) */
     struct waiter *waiters;
     struct auth_entry auth_cache[AUTH_SLOTS];
     int auth_gen; /* bumped by each clear */
@@ -92,7 +96,9 @@ static int submit(sp_svc_t *svc, const char *sql, int n, const char *const *p,
 
 /* ---- row parsing ---- */
 
-static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
+/* svc: the tokens are derived from the salt read (core/control/tokens.h). */
+static void parse_sandbox(const sp_svc_t *svc, PGresult *r, int row, int col,
+                          sp_sandbox_rec_t *s)
 {
     memset(s, 0, sizeof(*s));
     SP_STORE_TEXT(r, row, col + 0, s->id);
@@ -108,7 +114,11 @@ static void parse_sandbox(PGresult *r, int row, int col, sp_sandbox_rec_t *s)
     s->cpu_count = atoi(PQgetvalue(r, row, col + 10));
     s->memory_mb = atoi(PQgetvalue(r, row, col + 11));
     s->snapshot_bytes = atoll(PQgetvalue(r, row, col + 12));
-    SP_STORE_TEXT(r, row, col + 13, s->access_token);
+    const char *salt = PQgetvalue(r, row, col + 13);
+    if (salt[0] != '\0' && (sp_tokens_envd(svc->tokens, s->id, salt, s->access_token) < 0 ||
+                             sp_tokens_traffic(svc->tokens, s->id, salt, s->traffic_token) < 0))
+        sp_log(SP_LOG_WARN, "svc", "sandbox=%s tokens cannot be derived (%s)", s->id,
+               salt[0] == 'm' ? "made with a master key this server has not got" : "bad salt");
     SP_STORE_TEXT(r, row, col + 14, s->error);
     /* Most sandboxes have none: "{}" without the parser's setup (per row of every list). */
     const char *md = PQgetvalue(r, row, col + 15);
@@ -316,7 +326,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
     }
     sp_sandbox_rec_t sb;
     sp_op_rec_t op;
-    parse_sandbox(res, 0, 0, &sb);
+    parse_sandbox(c->owner, res, 0, 0, &sb);
     if (PQnfields(res) >= SANDBOX_NCOLS + SP_SVC_OP_NCOLS) {
         sp_svc_parse_op(res, 0, SANDBOX_NCOLS, &op);
         cb(c->arg, &sb, &op, NULL);
@@ -329,7 +339,7 @@ static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 
 /* A create's statement, its parameters owned: kept while the secrets its credential rules name
  * are looked up, then sent. */
-#define CREATE_NPARAMS 26
+#define CREATE_NPARAMS 27
 
 struct create {
     sp_svc_t *svc;
@@ -388,14 +398,15 @@ static int create_submit(struct create *cr, sp_err_t *err)
         "  FROM snapshots"
         "  WHERE id = $19 AND team_id = $2 AND deleted_at IS NULL AND state = 'ready'),"
         " s AS (INSERT INTO sandboxes (id, team_id, template, metadata, env, idle_timeout_s,"
-        "  deadline_at, deadline_action, cpu_count, memory_mb, access_token,"
+        "  deadline_at, deadline_action, cpu_count, memory_mb, token_salt,"
         "  auto_resume, deadline_s, allow_internet_access, network, envd_version, credentials,"
-        "  egress, snapshot_id, template_version, placement, worker_id, worker_generation)"
+        "  egress, snapshot_id, template_version, placement, worker_id, worker_generation,"
+        "  token_hash)"
         "  SELECT $1, $2, t.name, $4::jsonb, t.env || coalesce($5::jsonb, '{}'), $6::int,"
         "   now() + make_interval(secs => $7::int), $8,"
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $11,"
         "   $13::bool, $7::int, $14::bool, $15::jsonb, $16, coalesce($17::jsonb, '[]'),"
-        "   $18::jsonb, t.snap, t.ver, $24::jsonb, p.wid, p.wgen FROM t"
+        "   $18::jsonb, t.snap, t.ver, $24::jsonb, p.wid, p.wgen, $27 FROM t"
         /* the worker (core/control/fleet.h): refuses with SPCAP when none has room. The
          * quotas (svc.h: refuses with SPQTA, else true) go first, as an argument: every
          * create takes the team's lock before the workers', never the other way round */
@@ -609,10 +620,11 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     cr->svc = svc;
     cr->cb = cb;
     cr->arg = arg;
-    char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], token[SP_TOKEN_LEN + 1];
+    char id[SP_ID_LEN + 1], opid[SP_OPID_LEN + 1], salt[SP_TOKENS_SALT_MAX],
+        hash[SP_KEYHASH_HEX + 1];
     sp_ids_sandbox(id);
     sp_ids_operation(opid);
-    sp_ids_token(token);
+    sp_tokens_new(svc->tokens, id, salt, hash); /* the tokens are derived, never stored */
     create_param(cr, 0, id);
     create_param(cr, 1, a->team_id);
     bool snap = req->snapshot_id != NULL && req->snapshot_id[0] != '\0';
@@ -636,7 +648,8 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
     create_param(cr, 7, action);
     create_int(cr, 8, req->cpu_count, true);
     create_int(cr, 9, req->memory_mb, true);
-    create_param(cr, 10, token);
+    create_param(cr, 10, salt);
+    create_param(cr, 26, hash);
     create_param(cr, 11, opid);
     create_param(cr, 12, req->auto_resume ? "true" : "false");
     create_param(cr, 13, req->allow_internet > 0 ? "true" : req->allow_internet < 0 ? "false" : NULL);
@@ -694,13 +707,17 @@ int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
         return sp_err_set(err, SP_EAUTH, "missing or invalid access token");
     if (id != NULL && !sp_ids_valid(id))
         return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
-    const char *p[] = {id, token};
+    /* The token is looked up by its keyed hash (tokens.h): the database never sees it. */
+    char hash[SP_KEYHASH_HEX + 1];
+    if (token != NULL)
+        sp_tokens_hash(svc->tokens, token, hash);
+    const char *p[] = {id, token ? hash : NULL};
     /* The token is the credential: the team comes from the row it opens. Deleted rows are
      * returned too (observed "deleted"), so a client can be told "gone" rather than "bad token". */
     return submit(svc,
                   "SELECT " SANDBOX_COLS " FROM sandboxes s"
                   " WHERE ($1::text IS NULL OR s.id = $1)"
-                  " AND ($2::text IS NULL OR s.access_token = $2)",
+                  " AND ($2::text IS NULL OR s.token_hash = $2)",
                   2, p, sandbox_done, (void *)cb, arg, 0, err);
 }
 
@@ -721,7 +738,7 @@ static void list_done(void *rec, PGresult *res, const sp_err_t *err)
     if (more)
         n = limit;
     for (int i = 0; i < n; i++)
-        parse_sandbox(res, i, 0, &recs[i]);
+        parse_sandbox(c->owner, res, i, 0, &recs[i]);
     char cursor[128] = "";
     long long us;
     if (more && n > 0 && sp_store_time_us(res, n - 1, 5, &us) == 0)
@@ -1316,15 +1333,32 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
     svc->loop = loop;
     svc->store = store;
     memcpy(svc->hashkey, hashkey, SP_HASHKEY_LEN);
+    svc->tokens = sp_tokens_create(hashkey, NULL);
+    if (svc->tokens == NULL) {
+        free(svc);
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
     sp_quota_t q = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB};
     sp_svc_set_quota_defaults(svc, &q);
     sp_svc_set_placement(svc, NULL, 10);
     if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
         sp_store_listen(store, "space_keys", auth_cache_clear, svc, err) < 0) {
+        sp_tokens_destroy(svc->tokens);
         free(svc);
         return NULL;
     }
     return svc;
+}
+
+int sp_svc_set_token_master(sp_svc_t *svc, const unsigned char *master, sp_err_t *err)
+{
+    sp_tokens_t *t = sp_tokens_create(svc->hashkey, master);
+    if (t == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    sp_tokens_destroy(svc->tokens);
+    svc->tokens = t;
+    return 0;
 }
 
 void sp_svc_set_placement(sp_svc_t *svc, const char *self, int heartbeat_timeout_s)
@@ -1360,6 +1394,8 @@ void sp_svc_destroy(sp_svc_t *svc)
         /* A waiter with a check in flight is answered and freed by the store's shutdown. */
     }
     sp_sampler_destroy(svc->sampler);
+    sp_tokens_destroy(svc->tokens);
+    sodium_memzero(svc->hashkey, sizeof(svc->hashkey));
     free(svc);
 }
 

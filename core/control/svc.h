@@ -63,7 +63,10 @@ typedef struct {
     int cpu_count;
     int memory_mb;
     long long snapshot_bytes;
-    char access_token[SP_TOKEN_LEN + 1];
+    /* Derived from the row's salt on each read (core/control/tokens.h), never stored; "" when
+     * this server cannot derive them (a master-key salt without the master key). */
+    char access_token[SP_TOKEN_LEN + 1];  /* envd's X-Access-Token */
+    char traffic_token[SP_TOKEN_LEN + 1]; /* E2B-Traffic-Access-Token: ports, interpreter */
     char error[256];
     json_t *metadata; /* object, owned by the record */
     /* Kept for the E2B surface (migration 2). */
@@ -202,15 +205,21 @@ int sp_svc_templates(sp_svc_t *svc, const sp_auth_t *a, const char *name /* NULL
 int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req_t *req,
                           sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);
 
+/* New sandboxes' tokens come from the master key (32 bytes, copied) from now on, instead of
+ * the database's hash key (core/control/tokens.h); NULL: from the hash key. */
+int sp_svc_set_token_master(sp_svc_t *svc, const unsigned char *master, sp_err_t *err);
+
 int sp_svc_get_sandbox(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_svc_sandbox_cb cb,
                        void *arg, sp_err_t *err);
 
 /*
  * The sandbox an access token opens (data-plane auth: E2B envd, code interpreter, ports).
  * id may be NULL (token only). SP_ENOTFOUND when no sandbox has that token (and id); a deleted
- * sandbox is returned with observed "deleted" (the caller answers "not running").
+ * sandbox is returned with observed "deleted" (the caller answers "not running"). The token is
+ * looked up by its keyed hash, in one statement whether or not the id exists.
  * token NULL with an id looks the sandbox up UNAUTHENTICATED: only for callers that then
- * check another credential against the record's access_token (signed file URLs).
+ * check another credential against the record's tokens (a traffic token, a signed file URL)
+ * or allow none (a public port), and answer a failed check exactly as a missing sandbox.
  */
 int sp_svc_sandbox_by_token(sp_svc_t *svc, const char *id, const char *token,
                             sp_svc_sandbox_cb cb, void *arg, sp_err_t *err);

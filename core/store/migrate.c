@@ -319,6 +319,12 @@ static const char *const migrations[] = {
     "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
     "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
     " END $p$;",
+    /* 12: envd access tokens no longer kept in clear (core/control/tokens.h). token_salt: what
+     * the sandbox's tokens are derived from (or, for a row from before, its token sealed);
+     * token_hash: the envd token's keyed hash, the lookup by token alone. access_token stays
+     * for rows written before, until spaced converts them at start (sp_tokens_convert). */
+    "ALTER TABLE sandboxes ALTER COLUMN access_token DROP NOT NULL,"
+    "  ADD COLUMN token_salt text, ADD COLUMN token_hash text UNIQUE;",
 };
 
 int sp_migrate_latest(void)

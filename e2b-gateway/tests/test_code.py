@@ -80,6 +80,7 @@ class CodeTest(unittest.TestCase):
         cls.domain = "space.localhost:%d" % cls.s.port
         sb = cls.create()
         cls.sid, cls.token = sb["sandboxID"], sb["envdAccessToken"]
+        cls.traffic = sb["trafficAccessToken"]
 
     @classmethod
     def tearDownClass(cls):
@@ -413,18 +414,25 @@ class CodeTest(unittest.TestCase):
         st, body, _ = self.call("POST", "/execute", {"code": "1"}, token="x" * 43)
         self.assertEqual(st, 401, body)
 
-    def test_contexts_without_token_follow_public_traffic(self):
-        # The JS SDK sends no X-Access-Token on context calls; E2B's interpreter does not ask.
-        st, body, _ = self.call("GET", "/contexts", token="")
-        self.assertEqual(st, 200, body)
-        st, body, _ = self.call("GET", "/contexts", token="x" * 43)
-        self.assertEqual(st, 401, body)
-        private = self.create(network={"allowPublicTraffic": False})
-        st, body, _ = self.call("GET", "/contexts", token="", sid=private["sandboxID"])
-        self.assertEqual(st, 401, body)
-        st, body, _ = self.call("POST", "/execute", {"code": "1"}, token="",
-                                sid=private["sandboxID"])
-        self.assertEqual(st, 401, body)
+    def test_contexts_follow_the_execute_rule(self):
+        # /execute's rule for the context calls too: X-Access-Token or the traffic token, which
+        # the JS SDK sends them alone (create returns one for every sandbox).
+        for path in ("/contexts", "/execute"):
+            method = "GET" if path == "/contexts" else "POST"
+            body = None if path == "/contexts" else {"code": "1"}
+            st, resp, _ = self.call(method, path, body, token="")
+            self.assertEqual((st, resp), (401, {"code": 401, "message": "missing X-Access-Token "
+                                                "or E2B-Traffic-Access-Token"}))
+            st, resp, _ = self.call(method, path, body, token="x" * 43)
+            self.assertEqual((st, resp), (401, {"code": 401, "message": "invalid access token "
+                                                "for this sandbox"}))
+        c = self.conn()
+        c.request("GET", "/contexts", headers=dict(self.hdrs(token=""), **{
+            "E2B-Traffic-Access-Token": self.traffic}))
+        r = c.getresponse()
+        body = r.read()
+        c.close()
+        self.assertEqual(r.status, 200, body)
 
     def test_api_address_routing_by_token(self):
         # E2B_DEBUG: http://localhost:49999 with only X-Access-Token to route on.

@@ -111,8 +111,10 @@ class E2BControlTest(PlatformTest):
         self.assertEqual(sb["domain"], DOMAIN)
         self.assertIsInstance(sb["envdAccessToken"], str)
         self.assertGreater(len(sb["envdAccessToken"]), 16)
-        self.assertIn("trafficAccessToken", sb)
-        self.assertIsNone(sb["trafficAccessToken"])
+        # a traffic token for every sandbox (the code interpreter's SDKs send it; README
+        # "Data-plane authorization"), not the envd one
+        self.assertRegex(sb["trafficAccessToken"], r"^[A-Za-z0-9]{43}$")
+        self.assertNotEqual(sb["trafficAccessToken"], sb["envdAccessToken"])
         self.assertRegex(sb["sandboxID"], r"^[a-z0-9]+$")
         # 201 only once it runs
         d = self.info(sb["sandboxID"])

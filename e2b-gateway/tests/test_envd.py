@@ -653,8 +653,16 @@ class EnvdTest(unittest.TestCase):
         self.assertEqual(st, 401, r)
         st, r = self.rpc("process.Process/List", {}, sid=self.sid2)  # token of sandbox 1
         self.assertEqual(st, 401, r)
+        # /health too needs the token (the SDKs send it there): without, it would tell who
+        # asks which sandboxes exist and run.
         c = self.conn()
         c.request("GET", "/health", headers={"E2b-Sandbox-Id": self.sid})
+        r = c.getresponse()
+        self.assertEqual(r.status, 401)
+        r.read()
+        c.close()
+        c = self.conn()
+        c.request("GET", "/health", headers=self.hdrs())
         r = c.getresponse()
         self.assertEqual(r.status, 204)
         r.read()

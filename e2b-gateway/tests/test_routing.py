@@ -576,10 +576,16 @@ class RoutingTest(unittest.TestCase):
         sb = self.create(self.key, network={"allowPublicTraffic": False})
         c = self.plain()
         host = self.host(sid=sb["sandboxID"])
+        # without a token, exactly an unknown sandbox (no existence oracle)
         r, body = self.fetch(c, "GET", "/", host=host)
-        self.assertEqual(r.status, 401, body)
+        self.assertEqual(r.status, 502, body)
+        self.assertEqual(json.loads(body), {"code": 502, "sandboxId": sb["sandboxID"],
+                                            "message": "The sandbox was not found"})
         r, body = self.fetch(c, "GET", "/", host=host,
                              headers=self.token_hdr(sb["envdAccessToken"]))
+        self.assertEqual(r.status, 200, body)
+        r, body = self.fetch(c, "GET", "/", host=host,
+                             headers={"E2B-Traffic-Access-Token": sb["trafficAccessToken"]})
         self.assertEqual(r.status, 200, body)
         c.close()
 

@@ -167,7 +167,7 @@ class ProxyTest(unittest.TestCase):
             "('w3', '127.0.0.1:%d');" % (cls.up.port, dead_port)
             + "".join(
                 "CREATE TEMP TABLE t AS SELECT * FROM sandboxes WHERE id = '%s';"
-                "UPDATE t SET id = '%s', access_token = '%s', worker_id = '%s',"
+                "UPDATE t SET id = '%s', token_hash = '%s', worker_id = '%s',"
                 " desired_state = 'running', observed_state = 'running';"
                 "INSERT INTO sandboxes SELECT * FROM t; DROP TABLE t;"
                 % (cls.local, sid, "tok" + sid, w)
