@@ -27,6 +27,7 @@
 #include "base/log.h"
 #include "core/channel/code.h"
 #include "core/channel/exec.h"
+#include "e2b-gateway/body.h"
 #include "e2b-gateway/connectrpc.h"
 #include "e2b-gateway/gw_int.h"
 
@@ -54,59 +55,26 @@ static void send_status(h2o_req_t *req, int status, const char *reason)
     h2o_send_inline(req, "", 0);
 }
 
-/* Parses the body as a JSON object; NULL (400 sent) when it is not one. Empty: {} if
- * empty_ok. */
+/* The body as a JSON object (e2b-gateway/body.h); NULL (400 sent) when it is not one. Empty:
+ * {} if empty_ok. */
 static json_t *body_object(h2o_req_t *req, bool empty_ok)
 {
-    if (req->entity.base == NULL || req->entity.len == 0) {
-        if (empty_ok)
-            return json_object();
-        sp_e2b__error(req, 400, "the request body must be a JSON object");
-        return NULL;
-    }
-    json_error_t je;
-    json_t *o = json_loadb(req->entity.base, req->entity.len, 0, &je);
-    if (o == NULL || !json_is_object(o)) {
-        json_decref(o);
-        sp_e2b__error(req, 400, "the request body must be a JSON object");
-        return NULL;
-    }
+    char why[SP_E2B_WHY_MAX];
+    json_t *o = sp_e2b__code_body(req->entity.base, req->entity.len, empty_ok, why);
+    if (o == NULL)
+        sp_e2b__error(req, 400, why);
     return o;
 }
 
-/* Optional string member: NULL when absent or null (and, as the real server reads "", when
- * empty if empty_is_null); -1 with a 400 sent on another type, or on a NUL character unless
- * len is asked for (a cut name could name something else). Copied into req->pool. */
-static int opt_string(h2o_req_t *req, json_t *o, const char *key, bool empty_is_null,
-                      const char **out, size_t *len)
+/* s (NULL stays NULL) copied into req->pool: it outlives the body it came from. */
+static const char *pool_str(h2o_req_t *req, const char *s)
 {
-    json_t *v = json_object_get(o, key);
-    *out = NULL;
-    if (len != NULL)
-        *len = 0;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v)) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "%s must be a string or null", key);
-        sp_e2b__error(req, 400, msg);
-        return -1;
-    }
-    size_t n = json_string_length(v);
-    if (n == 0 && empty_is_null)
-        return 0;
-    if (len == NULL && memchr(json_string_value(v), '\0', n) != NULL) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "%s must not contain NUL characters", key);
-        sp_e2b__error(req, 400, msg);
-        return -1;
-    }
-    char *s = h2o_mem_alloc_pool(&req->pool, n + 1);
-    memcpy(s, json_string_value(v), n + 1);
-    *out = s;
-    if (len != NULL)
-        *len = n;
-    return 0;
+    if (s == NULL)
+        return NULL;
+    size_t n = strlen(s);
+    char *d = h2o_mem_alloc_pool(&req->pool, n + 1);
+    memcpy(d, s, n + 1);
+    return d;
 }
 
 /* A context as E2B spells it: {"id", "language", "cwd"}; new, or NULL out of memory. */
@@ -205,13 +173,16 @@ static void contexts_create(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t 
     json_t *o = body_object(req, true);
     if (o == NULL)
         return;
-    const char *language, *cwd;
-    int rc = opt_string(req, o, "language", true, &language, NULL);
-    if (rc == 0)
-        rc = opt_string(req, o, "cwd", true, &cwd, NULL);
-    json_decref(o);
-    if (rc < 0)
+    const char *language = NULL, *cwd = NULL;
+    char why[SP_E2B_WHY_MAX];
+    if (sp_e2b__body_code_context(o, &language, &cwd, why) < 0) {
+        json_decref(o);
+        sp_e2b__error(req, 400, why);
         return;
+    }
+    language = pool_str(req, language);
+    cwd = pool_str(req, cwd);
+    json_decref(o);
     unary_t *u = unary_new(req);
     if (u == NULL)
         return;
@@ -649,43 +620,14 @@ static void execute(sp_e2b_t *gw, h2o_req_t *req, const sp_e2b_target_t *t)
     json_t *o = body_object(req, false);
     if (o == NULL)
         return;
-    sp_code_exec_req_t r = {0};
-    json_t *code = json_object_get(o, "code");
-    json_t *env = json_object_get(o, "env_vars");
-    const char *msg = NULL;
-    if (!json_is_string(code))
-        msg = "code must be a string";
-    else if (env != NULL && !json_is_null(env) && !json_is_object(env))
-        msg = "env_vars must be an object of strings or null";
-    if (msg == NULL && json_is_object(env)) {
-        const char *k;
-        json_t *v;
-        json_object_foreach(env, k, v)
-        {
-            if (!json_is_string(v)) {
-                msg = "env_vars must be an object of strings or null";
-                break;
-            }
-        }
-    }
-    if (msg != NULL) {
+    sp_code_exec_req_t r;
+    char why[SP_E2B_WHY_MAX];
+    if (sp_e2b__body_code_exec(o, &r, why) < 0) {
         json_decref(o);
-        sp_e2b__error(req, 400, msg);
+        sp_e2b__error(req, 400, why);
         return;
     }
-    if (opt_string(req, o, "context_id", true, &r.context_id, NULL) < 0 ||
-        opt_string(req, o, "language", true, &r.language, NULL) < 0 ||
-        opt_string(req, o, "code", false, &r.code, &r.code_len) < 0) {
-        json_decref(o);
-        return;
-    }
-    if (r.context_id != NULL && r.language != NULL) {
-        json_decref(o);
-        sp_e2b__error(req, 400, "Only one of context_id or language can be provided");
-        return;
-    }
-    r.env = json_is_object(env) && json_object_size(env) > 0 ? env : NULL;
-    r.timeout_ms = 0; /* the SDK applies its own timeout as a read gap, client side */
+    /* r's strings and env are borrowed from o, which lives until the call copied them */
 
     xc_t *x = calloc(1, sizeof(*x));
     if (x == NULL) {

@@ -15,17 +15,12 @@
 #include <strings.h>
 #include <time.h>
 
-#include "core/egress/egress_policy.h"
 #include "base/log.h"
+#include "e2b-gateway/body.h"
 #include "e2b-gateway/gw_int.h"
 #include "e2b-gateway/route_int.h"
 #include "http/json.h"
 
-#define CTL_MAX_BODY      (1024 * 1024)
-#define CTL_DEFAULT_TMO_S 15  /* NewSandbox.timeout when the body has none (E2B's default) */
-#define CTL_ZERO_TMO_S    300 /* what a timeout of 0 means on create/connect (the SDK's default) */
-#define CTL_REFRESH_S     15  /* refreshes without a duration */
-#define CTL_REFRESH_MAX_S 3600
 #define CTL_V1_PAGES      10 /* GET /sandboxes has no pagination: at most this many core pages */
 #define CTL_CLIENT_ID     "space"
 
@@ -316,113 +311,7 @@ static void reply_sandbox(ctl_t *c, const sp_sandbox_rec_t *sb)
     sp_e2b__ctl_reply(c, c->status, sandbox_json(c->gw, sb));
 }
 
-/* ---- body fields ---- */
-
-/* Optional integer field in [lo, hi]; absent or null leaves *out. */
-static int body_int(ctl_t *c, const char *key, int lo, int hi, int *out, bool *present)
-{
-    json_t *v = c->body ? json_object_get(c->body, key) : NULL;
-    if (present)
-        *present = false;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
-        char msg[128];
-        snprintf(msg, sizeof(msg), "%s must be an integer from %d to %d", key, lo, hi);
-        sp_e2b__ctl_fail(c, 400, msg);
-        return -1;
-    }
-    *out = (int)json_integer_value(v);
-    if (present)
-        *present = true;
-    return 0;
-}
-
-static int body_bool(ctl_t *c, json_t *obj, const char *key, bool *out, bool *present)
-{
-    json_t *v = obj ? json_object_get(obj, key) : NULL;
-    if (present)
-        *present = false;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_boolean(v)) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "%s must be a boolean", key);
-        sp_e2b__ctl_fail(c, 400, msg);
-        return -1;
-    }
-    *out = json_is_true(v);
-    if (present)
-        *present = true;
-    return 0;
-}
-
-static json_t *body_obj(ctl_t *c, const char *key, bool *bad)
-{
-    json_t *v = c->body ? json_object_get(c->body, key) : NULL;
-    *bad = false;
-    if (v == NULL || json_is_null(v))
-        return NULL;
-    if (!json_is_object(v)) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "%s must be an object", key);
-        sp_e2b__ctl_fail(c, 400, msg);
-        *bad = true;
-        return NULL;
-    }
-    return v;
-}
-
-/*
- * E2B's outbound settings as an egress policy (core/egress/egress_policy.h): allow_internet_access
- * false, or ALL_TRAFFIC ("0.0.0.0/0", "::/0") in network.denyOut, turn the internet off so
- * that only network.allowOut opens destinations; other denyOut entries become deny rules,
- * allowOut entries (domains, "*.domain", IPs, CIDRs) allow rules. One difference: E2B lets an
- * allowOut entry override a wider denyOut range; here deny rules always win. NULL (with *bad
- * false) when nothing beyond the default was asked for; on a bad entry a 400 names it.
- */
-static json_t *e2b_egress(ctl_t *c, bool internet, const json_t *network, bool *bad)
-{
-    *bad = false;
-    json_t *allow = json_array(), *deny = json_array();
-    static const char *const keys[] = {"allowOut", "denyOut"};
-    char msg[256] = "";
-    for (int k = 0; k < 2 && network != NULL && msg[0] == '\0'; k++) {
-        const json_t *arr = json_object_get(network, keys[k]);
-        if (arr == NULL || json_is_null(arr))
-            continue;
-        if (!json_is_array(arr) || json_array_size(arr) > SP_EGP_MAX_RULES) {
-            snprintf(msg, sizeof(msg), "network.%s must be an array of at most %d strings",
-                     keys[k], SP_EGP_MAX_RULES);
-            break;
-        }
-        for (size_t i = 0; i < json_array_size(arr) && msg[0] == '\0'; i++) {
-            const json_t *v = json_array_get(arr, i);
-            const char *t = json_string_value(v);
-            sp_egp_rule_t rule;
-            sp_err_t e;
-            if (t == NULL || strlen(t) != json_string_length(v))
-                snprintf(msg, sizeof(msg), "network.%s[%zu] must be a string", keys[k], i);
-            else if (sp_egp_rule_parse(t, &rule, &e) < 0)
-                snprintf(msg, sizeof(msg), "network.%s[%zu] '%.60s': %.120s", keys[k], i, t,
-                         e.msg);
-            else if (k == 1 && rule.kind == SP_EGP_R_CIDR && rule.prefix == 0 && rule.port == 0)
-                internet = false; /* ALL_TRAFFIC: everything but allowOut */
-            else
-                json_array_append_new(k == 0 ? allow : deny, json_string(t));
-        }
-    }
-    if (msg[0] != '\0') {
-        sp_e2b__ctl_fail(c, 400, msg);
-        *bad = true;
-    }
-    if (*bad || (internet && json_array_size(allow) == 0 && json_array_size(deny) == 0)) {
-        json_decref(allow);
-        json_decref(deny);
-        return NULL;
-    }
-    return json_pack("{s:b,s:o,s:o}", "internet", internet, "allow", allow, "deny", deny);
-}
+/* ---- body fields: e2b-gateway/body.h ---- */
 
 /* ---- POST /sandboxes ---- */
 
@@ -508,16 +397,12 @@ static void on_snap_named(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *
 
 static void route_create(ctl_t *c)
 {
-    if (c->body == NULL) {
-        sp_e2b__ctl_fail(c, 400, "request body must be a JSON object");
+    char why[SP_E2B_WHY_MAX];
+    if (sp_e2b__body_template(c->body, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
         return;
     }
     json_t *t = json_object_get(c->body, "templateID");
-    if (t == NULL || !json_is_string(t) || json_string_length(t) == 0 ||
-        strlen(json_string_value(t)) != json_string_length(t)) {
-        sp_e2b__ctl_fail(c, 400, "templateID is required and must be a non-empty string");
-        return;
-    }
     /* A snapshot's id (route_snapshots.c) instead of a template: by id at once, by name after
      * a lookup. */
     char sid[80], sname[80];
@@ -547,54 +432,22 @@ static void create_from(ctl_t *c, const char *snapshot_id)
 {
     json_t *t = json_object_get(c->body, "templateID");
     sp_create_req_t r = {0};
-    int timeout = CTL_DEFAULT_TMO_S;
-    bool secure = true, internet = true, internet_set = false, auto_pause = false;
-    bool auto_resume = false, bad = false;
-    if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &timeout, NULL) < 0 ||
-        body_bool(c, c->body, "secure", &secure, NULL) < 0 ||
-        body_bool(c, c->body, "allow_internet_access", &internet, &internet_set) < 0 ||
-        body_bool(c, c->body, "autoPause", &auto_pause, NULL) < 0)
-        return;
-    json_t *ar = body_obj(c, "autoResume", &bad);
-    if (bad || body_bool(c, ar, "enabled", &auto_resume, NULL) < 0)
-        return;
-    json_t *network = body_obj(c, "network", &bad);
-    if (bad)
-        return;
-    (void)body_obj(c, "mcp", &bad); /* accepted; the SDK itself starts the MCP gateway */
-    if (bad)
-        return;
-    json_t *vm = json_object_get(c->body, "volumeMounts");
-    if (vm != NULL && !json_is_null(vm) && !(json_is_array(vm) && json_array_size(vm) == 0)) {
-        sp_e2b__ctl_fail(c, 400, "volume mounts are not supported");
+    char why[SP_E2B_WHY_MAX];
+    if (sp_e2b__body_create(c->body, &r, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
         return;
     }
-    json_t *md = json_object_get(c->body, "metadata");
-    json_t *env = json_object_get(c->body, "envVars");
     if (snapshot_id != NULL) {
         r.snapshot_id = snapshot_id;
         c->snap_tried = true;
     } else {
         r.template_name = json_string_value(t);
     }
-    r.metadata = md && !json_is_null(md) ? md : NULL;
-    r.env = env && !json_is_null(env) ? env : NULL;
-    r.timeout_s = timeout == 0 ? CTL_ZERO_TMO_S : timeout;
-    /* E2B's timeout governs the lifetime; our idle limit must not cut it short. */
-    r.idle_timeout_s = SP_SVC_MAX_TIMEOUT_S;
-    r.deadline_action = auto_pause ? "suspend" : "delete";
-    r.auto_resume = auto_resume;
-    r.allow_internet = internet_set ? (internet ? 1 : -1) : 0;
-    r.network = network;
     r.envd_version = SP_E2B_ENVD_VERSION;
-    json_t *egress = e2b_egress(c, internet, network, &bad);
-    if (bad)
-        return;
-    r.egress = egress;
     sp_err_t e;
     if (sp_svc_create_sandbox(c->gw->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_e2b__ctl_fail_err(c, &e);
-    json_decref(egress);
+    json_decref(r.egress);
 }
 
 /* ---- GET /sandboxes/{id} ---- */
@@ -840,22 +693,12 @@ static void deadline_set(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_
 static void route_deadline(ctl_t *c)
 {
     sp_deadline_t dl = {0};
-    bool present = false;
-    if (c->route == R_TIMEOUT) {
-        /* TTL becomes now + timeout: it may shorten. */
-        dl.mode = SP_DEADLINE_SET;
-        if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &dl.secs, &present) < 0)
-            return;
-        if (!present) {
-            sp_e2b__ctl_fail(c, 400, "timeout is required");
-            return;
-        }
-    } else {
-        /* A refresh only ever extends. */
-        dl.mode = SP_DEADLINE_EXTEND;
-        dl.secs = CTL_REFRESH_S;
-        if (body_int(c, "duration", 0, CTL_REFRESH_MAX_S, &dl.secs, NULL) < 0)
-            return;
+    char why[SP_E2B_WHY_MAX];
+    /* timeout: TTL becomes now + timeout (it may shorten); a refresh only ever extends */
+    dl.mode = c->route == R_TIMEOUT ? SP_DEADLINE_SET : SP_DEADLINE_EXTEND;
+    if (sp_e2b__body_deadline(c->body, c->route != R_TIMEOUT, &dl.secs, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
+        return;
     }
     sp_err_t e;
     if (sp_svc_set_deadline(c->gw->svc, &c->auth, c->id, &dl, deadline_set, c, &e) < 0)
@@ -994,21 +837,10 @@ static void connect_got(ctl_t *c, const sp_sandbox_rec_t *sb)
 
 static void route_connect(ctl_t *c)
 {
-    bool present = false, auto_pause = false, ap_present = false;
-    c->timeout_s = CTL_DEFAULT_TMO_S;
-    if (body_int(c, "timeout", 0, SP_SVC_MAX_TIMEOUT_S, &c->timeout_s, &present) < 0)
+    char why[SP_E2B_WHY_MAX];
+    if (sp_e2b__body_connect(c->body, c->route == R_RESUME, &c->timeout_s, c->action, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
         return;
-    if (c->route == R_CONNECT && !present) {
-        sp_e2b__ctl_fail(c, 400, "timeout is required");
-        return;
-    }
-    if (c->timeout_s == 0)
-        c->timeout_s = CTL_ZERO_TMO_S;
-    if (c->route == R_RESUME) {
-        if (body_bool(c, c->body, "autoPause", &auto_pause, &ap_present) < 0)
-            return;
-        if (ap_present)
-            snprintf(c->action, sizeof(c->action), "%s", auto_pause ? "suspend" : "delete");
     }
     sp_e2b__ctl_fetch(c, connect_got);
 }
@@ -1144,21 +976,11 @@ static void on_auth(void *arg, const sp_auth_t *auth, const sp_err_t *err)
         sp_http_release(c->hold);
         return;
     }
-    if (c->wants_body && req->entity.base != NULL && req->entity.len > 0) {
-        if (req->entity.len > CTL_MAX_BODY) {
-            sp_e2b__ctl_fail(c, 413, "request body is larger than 1 MiB");
-            return;
-        }
-        json_error_t je;
-        c->body = json_loadb(req->entity.base, req->entity.len, JSON_REJECT_DUPLICATES, &je);
-        if (c->body == NULL) {
-            char msg[160];
-            snprintf(msg, sizeof(msg), "malformed JSON: %.100s", je.text);
-            sp_e2b__ctl_fail(c, 400, msg);
-            return;
-        }
-        if (!json_is_object(c->body)) {
-            sp_e2b__ctl_fail(c, 400, "request body must be a JSON object");
+    if (c->wants_body) {
+        char why[SP_E2B_WHY_MAX];
+        int status;
+        if (sp_e2b__json_body(req->entity.base, req->entity.len, &c->body, &status, why) < 0) {
+            sp_e2b__ctl_fail(c, status, why);
             return;
         }
     }

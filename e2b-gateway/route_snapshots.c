@@ -19,6 +19,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "e2b-gateway/body.h"
 #include "e2b-gateway/route_int.h"
 
 #define SNAP_LIST_MAX 100 /* E2B's default and cap */
@@ -97,27 +98,11 @@ static void on_taken(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
 
 void sp_e2b__snapshot_create(ctl_t *c)
 {
-    json_t *nv = c->body ? json_object_get(c->body, "name") : NULL;
-    char name[SP_SNAP_NAME_MAX + 1] = "", msg[200];
+    char name[SP_SNAP_NAME_MAX + 1], why[SP_E2B_WHY_MAX];
     sp_err_t e;
-    if (nv != NULL && !json_is_null(nv)) {
-        const char *s = json_string_value(nv);
-        const char *slash = s ? strchr(s, '/') : NULL;
-        if (s == NULL || strlen(s) != json_string_length(nv)) {
-            sp_e2b__ctl_fail(c, 400, "name must be a string");
-            return;
-        }
-        if (slash != NULL && ((size_t)(slash - s) != strlen(c->auth.team_id) ||
-                              strncasecmp(s, c->auth.team_id, strlen(c->auth.team_id)) != 0)) {
-            snprintf(msg, sizeof msg, "namespace '%.*s' is not this team's ('%s')",
-                     (int)(slash - s) > 64 ? 64 : (int)(slash - s), s, c->auth.team_id);
-            sp_e2b__ctl_fail(c, 400, msg);
-            return;
-        }
-        if (sp_snap_norm_name(slash ? slash + 1 : s, name, sizeof name, &e) < 0) {
-            sp_e2b__ctl_fail(c, 400, e.msg);
-            return;
-        }
+    if (sp_e2b__body_snapshot(c->body, c->auth.team_id, name, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
+        return;
     }
     sp_snap_t *s = snap_of(c);
     if (s != NULL && sp_snap_take(s, &c->auth, c->id, name[0] ? name : NULL, SP_SVC_MAX_WAIT_MS,

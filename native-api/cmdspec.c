@@ -1,5 +1,5 @@
 /*
- * cmdspec.c - the process a POST .../commands or .../sessions body describes (napi_int.h).
+ * cmdspec.c - the process a POST .../commands or .../sessions body describes (body.h).
  *
  * One parser for both routes, so a command is the same thing in both: cmd (a shell line)
  * or argv, env, cwd, user, pty and its size. The fields only one route has (stdin,
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native-api/napi_int.h"
+#include "native-api/body.h"
 
 #define CMD_MAX  (256 * 1024) /* bytes in a shell line */
 #define USER_MAX 63

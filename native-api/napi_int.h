@@ -8,11 +8,11 @@
 #include "core/channel/exec.h"
 #include "core/channel/session.h"
 #include "core/control/admin.h"
-#include "native-api/napi.h"
 #include "http/http.h"
 #include "http/stream.h"
+#include "native-api/body.h"
+#include "native-api/napi.h"
 
-#define NAPI_MAX_BODY (1024 * 1024) /* JSON bodies; larger is 413 */
 #define NAPI_MAX_SEGS 8
 
 struct sp_napi {
@@ -124,49 +124,14 @@ json_t *sp_napi__error_event(const sp_err_t *err);
 /* session: NULL, or the session the process runs in. */
 json_t *sp_napi__start_event(uint32_t pid, const char *session);
 
-/* ---- request input (input.c) ----
- * Optional fields: absent and JSON null alike leave *out as it was (strings: NULL) and
- * return 0; a wrong type or range is -1 with SP_EINVAL naming the field. b may be NULL
- * (no body): every field is then absent. Strings are borrowed from b. */
+/* ---- request input (input.c; the body's fields: body.h) ---- */
 
-/* req's body as JSON (any value; *out NULL when the body is empty): 413 past NAPI_MAX_BODY,
- * 400 when malformed. quiet: the parser's message, which quotes the text near the error, is
- * replaced by its line and column (bodies that hold secrets). */
+/* req's body as JSON: sp_napi__json_body on its bytes. */
 int sp_napi__parse_body(h2o_req_t *req, bool quiet, json_t **out, sp_err_t *err);
-/* b has only the allowed keys (NULL-terminated list). b NULL: fine unless required ("request
- * body must be a JSON object"). */
-int sp_napi__body_keys(const json_t *b, const char *const *allowed, bool required, sp_err_t *err);
-/* The field, or NULL when absent or null (borrowed). */
-json_t *sp_napi__field(const json_t *b, const char *key);
-/* A string without NUL of at most maxlen bytes. */
-int sp_napi__opt_str(const json_t *b, const char *key, size_t maxlen, const char **out,
-                     sp_err_t *err);
-/* A string that must be there (NUL allowed: the caller decides), or NULL with err. */
-json_t *sp_napi__req_string(const json_t *b, const char *key, sp_err_t *err);
-int sp_napi__opt_bool(const json_t *b, const char *key, bool *out, sp_err_t *err);
-int sp_napi__opt_int(const json_t *b, const char *key, int lo, int hi, int *out, sp_err_t *err);
-/* A signal given as a number (1..64) or a name ("SIGTERM", "TERM"); -1 for anything else. */
-int sp_napi__signal(const json_t *v);
 /* Query parameters: absent leaves *out as it was. */
 int sp_napi__query_int(h2o_req_t *req, const char *name, int lo, int hi, int *out, sp_err_t *err);
 /* true/1 or false/0. */
 int sp_napi__query_bool(h2o_req_t *req, const char *name, bool *out, sp_err_t *err);
-
-/* ---- command specs (cmdspec.c) ----
- * The process a POST .../commands or .../sessions body describes: cmd or argv, env, cwd,
- * user, pty, rows and cols, as an sp_exec_cmd_t whose strings are copies owned here. The
- * route checks its keys first and reads its own fields (stdin, timeout_s, ...) itself. */
-typedef struct {
-    sp_exec_cmd_t cmd;
-    char **strs; /* what cmd points into */
-    size_t nstrs, cap;
-} napi_cmdspec_t;
-
-/* Fills *s from b: sp_napi__cmdspec_clear frees it; after -1 it holds nothing. */
-int sp_napi__cmdspec_parse(const json_t *b, napi_cmdspec_t *s, sp_err_t *err);
-/* A copy of n bytes of p (and a NUL) that lives as long as s; NULL when out of memory. */
-const char *sp_napi__cmdspec_keep(napi_cmdspec_t *s, const char *p, size_t n);
-void sp_napi__cmdspec_clear(napi_cmdspec_t *s);
 
 /* Route handlers (the context is authenticated and validated for shape). */
 void sp_napi__templates_list(napi_ctx_t *c);

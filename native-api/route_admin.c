@@ -88,21 +88,10 @@ void sp_napi__admin_teams_list(napi_ctx_t *c)
 
 void sp_napi__admin_teams_create(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"name", NULL};
     sp_err_t e;
-    json_t *name;
-    if (sp_napi__body_keys(c->body, allowed, true, &e) < 0 ||
-        (name = sp_napi__req_string(c->body, "name", &e)) == NULL) {
-        sp_napi__fail(c, &e);
-        return;
-    }
-    /* The name check reads a C string: one with a NUL inside would pass as its first part. */
-    if (strlen(json_string_value(name)) != json_string_length(name)) {
-        sp_err_set(&e, SP_EINVAL, "name may not contain NUL characters");
-        sp_napi__fail(c, &e);
-        return;
-    }
-    if (sp_admin_team_create(c->n->admin, json_string_value(name), on_team_created, c, &e) < 0)
+    const char *name;
+    if (sp_napi__body_team(c->body, &name, &e) < 0 ||
+        sp_admin_team_create(c->n->admin, name, on_team_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 
@@ -117,27 +106,11 @@ static void on_team_quota(void *arg, const sp_admin_team_t *t, size_t n, const s
 
 void sp_napi__admin_team_quota(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"sandboxes", "vcpus", "memory_mb", NULL};
     sp_err_t e;
-    if (sp_napi__body_keys(c->body, allowed, true, &e) < 0) {
+    long limits[3];
+    if (sp_napi__body_quota(c->body, limits, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
-    }
-    /* absent: left as it is; null: the server's default; else the limit */
-    long limits[3];
-    for (int i = 0; allowed[i] != NULL; i++) {
-        json_t *v = json_object_get(c->body, allowed[i]);
-        int l = 0;
-        if (v == NULL) {
-            limits[i] = SP_ADMIN_QUOTA_KEEP;
-        } else if (json_is_null(v)) {
-            limits[i] = SP_ADMIN_QUOTA_DEFAULT;
-        } else if (sp_napi__opt_int(c->body, allowed[i], 0, (int)SP_ADMIN_QUOTA_MAX, &l, &e) < 0) {
-            sp_napi__fail(c, &e);
-            return;
-        } else {
-            limits[i] = l;
-        }
     }
     if (sp_admin_team_set_quota(c->n->admin, c->segs[3], limits, on_team_quota, c, &e) < 0)
         sp_napi__fail(c, &e);
@@ -152,11 +125,9 @@ void sp_napi__admin_keys_list(napi_ctx_t *c)
 
 void sp_napi__admin_keys_create(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"name", NULL};
     sp_err_t e;
     const char *name = NULL;
-    if (sp_napi__body_keys(c->body, allowed, false, &e) < 0 ||
-        sp_napi__opt_str(c->body, "name", SP_ADMIN_MAX_KEY_NAME, &name, &e) < 0 ||
+    if (sp_napi__body_key(c->body, &name, &e) < 0 ||
         sp_admin_key_create(c->n->admin, c->segs[3], name, on_key_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

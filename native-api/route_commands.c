@@ -17,9 +17,7 @@
 #include "core/channel/exec.h"
 #include "native-api/napi_int.h"
 
-#define MAX_TIMEOUT_S (24 * 3600)
-
-/* ---- parsing ---- */
+/* ---- parsing (the body: body.h) ---- */
 
 /* Command ID -> pid: decimal, 1..2^31-1, no sign or leading zeros. 0 when invalid. */
 static uint32_t parse_cid(const char *s)
@@ -33,76 +31,6 @@ static uint32_t parse_cid(const char *s)
         v = v * 10 + (unsigned)(*p - '0');
     }
     return v <= 0x7fffffffull ? (uint32_t)v : 0;
-}
-
-/* ---- one command request, across its steps ---- */
-
-typedef struct {
-    napi_cmdspec_t spec; /* the process, and stdin, tag and timeout added here */
-    bool background, stream;
-} runspec_t;
-
-static void runspec_free(void *p)
-{
-    runspec_t *r = p;
-    sp_napi__cmdspec_clear(&r->spec);
-    free(r);
-}
-
-/* Builds the command from the body; NULL with err. */
-static runspec_t *parse_run(json_t *b, h2o_req_t *req, sp_err_t *err)
-{
-    static const char *const allowed[] = {"cmd", "argv",    "env",        "cwd",
-                                          "user", "stdin",  "timeout_s",  "background",
-                                          "pty",  "stream", "tag",        "rows",
-                                          "cols", NULL};
-    const char *in, *tag;
-    int timeout_s = 0;
-    bool bg = false, stream = false;
-    sp_err_t ignored; /* ?stream= other than true/1 has always meant false */
-    if (req != NULL)
-        sp_napi__query_bool(req, "stream", &stream, &ignored);
-    if (sp_napi__body_keys(b, allowed, true, err) < 0 ||
-        sp_napi__opt_str(b, "stdin", NAPI_MAX_BODY, &in, err) < 0 ||
-        sp_napi__opt_str(b, "tag", 256, &tag, err) < 0 ||
-        sp_napi__opt_int(b, "timeout_s", 1, MAX_TIMEOUT_S, &timeout_s, err) < 0 ||
-        sp_napi__opt_bool(b, "background", &bg, err) < 0 ||
-        sp_napi__opt_bool(b, "stream", &stream, err) < 0)
-        return NULL;
-    runspec_t *r = calloc(1, sizeof(*r));
-    if (r == NULL) {
-        sp_err_set(err, SP_EINTERNAL, "out of memory");
-        return NULL;
-    }
-    if (sp_napi__cmdspec_parse(b, &r->spec, err) < 0) {
-        free(r);
-        return NULL;
-    }
-    if (bg && (in != NULL || timeout_s != 0 || stream)) {
-        runspec_free(r);
-        sp_err_set(err, SP_EINVAL,
-                   "background commands take no stdin, timeout_s or stream (use .../stdin)");
-        return NULL;
-    }
-    sp_exec_cmd_t *cmd = &r->spec.cmd;
-    cmd->tag = tag ? sp_napi__cmdspec_keep(&r->spec, tag, strlen(tag)) : NULL;
-    /* Foreground: stdin is the given text then EOF, else /dev/null (nothing can write to it
-     * later). Background: a pipe, written through .../stdin. */
-    cmd->stdin_pipe = bg || in != NULL;
-    if (in != NULL) {
-        cmd->stdin_data = sp_napi__cmdspec_keep(&r->spec, in, strlen(in));
-        cmd->stdin_len = strlen(in);
-        cmd->stdin_eof = true;
-    }
-    if ((tag != NULL && cmd->tag == NULL) || (in != NULL && cmd->stdin_data == NULL)) {
-        runspec_free(r);
-        sp_err_set(err, SP_EINTERNAL, "out of memory");
-        return NULL;
-    }
-    cmd->timeout_ms = (uint32_t)timeout_s * 1000u;
-    r->background = bg;
-    r->stream = stream;
-    return r;
 }
 
 /* ---- NDJSON streaming: a command's events as lines (ndjson.c) ---- */
@@ -172,7 +100,7 @@ static cmdstream_t *cs_new(napi_ctx_t *c)
 
 typedef struct {
     napi_ctx_t *c;
-    runspec_t *r;
+    napi_runspec_t *r;
 } runreq_t;
 
 static void on_spawned(void *arg, uint32_t pid, const sp_err_t *err)
@@ -218,7 +146,7 @@ static void on_ran(void *arg, const sp_exec_result_t *res, const sp_err_t *err)
 
 static void run_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
-    runspec_t *r = c->data;
+    napi_runspec_t *r = c->data;
     c->data = NULL; /* ours now: freed below, whatever happens to c */
     sp_err_t e;
     sp_loop_t *loop = sp_napi__loop(c);
@@ -237,19 +165,24 @@ static void run_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
         if (sp_exec_run(loop, conn, &r->spec.cmd, 0, on_ran, c, &e) == NULL)
             sp_napi__fail(c, &e);
     }
-    runspec_free(r); /* exec copied what it keeps */
+    sp_napi__runspec_free(r); /* exec copied what it keeps */
 }
 
 void sp_napi__commands_run(napi_ctx_t *c)
 {
     sp_err_t e;
-    runspec_t *r = parse_run(c->body, sp_http_hold_req(c->hold), &e);
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    bool stream = false;
+    sp_err_t ignored; /* ?stream= other than true/1 has always meant false */
+    if (req != NULL)
+        sp_napi__query_bool(req, "stream", &stream, &ignored);
+    napi_runspec_t *r = sp_napi__body_run(c->body, stream, &e);
     if (r == NULL) {
         sp_napi__fail(c, &e);
         return;
     }
     c->data = r; /* kept across the sandbox lookup; freed with c if it fails */
-    c->data_free = runspec_free;
+    c->data_free = sp_napi__runspec_free;
     sp_napi__with_agent(c, run_with_agent);
 }
 
@@ -355,22 +288,11 @@ static void stdin_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 
 void sp_napi__commands_stdin(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"data", "eof", NULL};
     sp_err_t e;
-    json_t *b = c->body;
-    ctrl_t r = {.pid = parse_cid(c->segs[4]), .data = ""};
-    json_t *d = sp_napi__field(b, "data");
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        sp_napi__opt_bool(b, "eof", &r.eof, &e) < 0 ||
-        (d != NULL && !json_is_string(d) ? sp_err_set(&e, SP_EINVAL, "data must be a string")
-                                         : 0) < 0 ||
-        (d == NULL && !r.eof ? sp_err_set(&e, SP_EINVAL, "give data, eof or both") : 0) < 0) {
+    ctrl_t r = {.pid = parse_cid(c->segs[4])};
+    if (sp_napi__body_stdin(c->body, &r.data, &r.len, &r.eof, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
-    }
-    if (d != NULL) {
-        r.data = json_string_value(d);
-        r.len = json_string_length(d);
     }
     if (check_cid(c) && keep_ctrl(c, &r))
         sp_napi__with_agent(c, stdin_with_agent);
@@ -386,16 +308,9 @@ static void signal_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 
 void sp_napi__commands_signal(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"signal", "group", NULL};
     sp_err_t e;
-    json_t *b = c->body;
-    ctrl_t r = {.pid = parse_cid(c->segs[4]), .group = true};
-    r.sig = sp_napi__signal(sp_napi__field(b, "signal"));
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        sp_napi__opt_bool(b, "group", &r.group, &e) < 0 ||
-        (r.sig < 0 ? sp_err_set(&e, SP_EINVAL,
-                                "signal must be a name like \"SIGTERM\" or a number from 1 to 64")
-                   : 0) < 0) {
+    ctrl_t r = {.pid = parse_cid(c->segs[4])};
+    if (sp_napi__body_signal(c->body, &r.sig, &r.group, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }

@@ -20,19 +20,7 @@
 #include "native-api/napi_int.h"
 
 #define KEEPALIVE_MS  5000u
-#define ACTIVITY_MS   30000u
-#define MAX_TIMEOUT_S (24 * 3600)
-#define CWD_MAX       4096u
-
-/* ---- parsing ---- */
-
-static int check_language(const char *lang, sp_err_t *err)
-{
-    if (lang != NULL && sp_code_language(lang) == NULL)
-        return sp_err_set(err, SP_EINVAL, "unsupported language '%.32s' (supported: %s)", lang,
-                          SP_CODE_LANGUAGES);
-    return 0;
-}
+#define ACTIVITY_MS 30000u
 
 static json_t *ctx_json(const void *rec)
 {
@@ -81,21 +69,16 @@ static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
     sp_err_t e;
     const char *lang = NULL, *cwd = NULL;
-    sp_napi__opt_str(c->body, "language", 64, &lang, &e); /* checked before */
-    sp_napi__opt_str(c->body, "cwd", CWD_MAX, &cwd, &e);
+    sp_napi__body_context(c->body, &lang, &cwd, &e); /* checked before: cannot fail */
     if (sp_code_create(sp_napi__loop(c), conn, c->segs[2], lang, cwd, on_created, c, &e) == NULL)
         sp_napi__fail(c, &e);
 }
 
 void sp_napi__contexts_create(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"language", "cwd", NULL};
     sp_err_t e;
-    const char *lang, *cwd;
-    if (sp_napi__body_keys(c->body, allowed, false, &e) < 0 ||
-        sp_napi__opt_str(c->body, "language", 64, &lang, &e) < 0 ||
-        sp_napi__opt_str(c->body, "cwd", CWD_MAX, &cwd, &e) < 0 || check_language(lang, &e) < 0 ||
-        (cwd != NULL && cwd[0] == '\0' ? sp_err_set(&e, SP_EINVAL, "cwd is empty") : 0) < 0) {
+    const char *lang = NULL, *cwd = NULL;
+    if (sp_napi__body_context(c->body, &lang, &cwd, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -172,9 +155,8 @@ void sp_napi__contexts_delete(napi_ctx_t *c)
 
 static void ctx_action(napi_ctx_t *c, napi_agent_fn next)
 {
-    static const char *const none[] = {NULL};
     sp_err_t e;
-    if (sp_napi__body_keys(c->body, none, false, &e) < 0) {
+    if (sp_napi__body_none(c->body, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -198,43 +180,7 @@ void sp_napi__contexts_interrupt(napi_ctx_t *c)
 static int parse_exec(napi_ctx_t *c, sp_code_exec_req_t *req, sp_err_t *err)
 {
     bool in_context = strcmp(c->segs[3], "contexts") == 0;
-    static const char *const ctx_keys[] = {"code", "env", "timeout_s", NULL};
-    static const char *const top_keys[] = {"code", "language",  "context_id",
-                                           "env",  "timeout_s", NULL};
-    json_t *b = c->body, *code;
-    memset(req, 0, sizeof(*req));
-    if (sp_napi__body_keys(b, in_context ? ctx_keys : top_keys, true, err) < 0 ||
-        (code = sp_napi__req_string(b, "code", err)) == NULL)
-        return -1;
-    req->code = json_string_value(code);
-    req->code_len = json_string_length(code);
-    if (in_context) {
-        req->context_id = c->segs[4];
-    } else if (sp_napi__opt_str(b, "language", 64, &req->language, err) < 0 ||
-               sp_napi__opt_str(b, "context_id", 256, &req->context_id, err) < 0 ||
-               check_language(req->language, err) < 0) {
-        return -1;
-    }
-    if (req->context_id != NULL && req->language != NULL)
-        return sp_err_set(err, SP_EINVAL, "give context_id or language, not both");
-    json_t *env = sp_napi__field(b, "env");
-    if (sp_svc_check_string_map(env, "env", err) < 0)
-        return -1;
-    req->env = env;
-    json_t *t = sp_napi__field(b, "timeout_s");
-    if (t != NULL) {
-        double s = json_is_number(t) ? json_number_value(t) : -1;
-        if (!(s > 0 && s <= MAX_TIMEOUT_S))
-            return sp_err_set(err, SP_EINVAL,
-                              "timeout_s must be a number of seconds above 0, "
-                              "at most %d",
-                              MAX_TIMEOUT_S);
-        double ms = s * 1000;
-        req->timeout_ms = (uint32_t)ms;
-        if ((double)req->timeout_ms < ms)
-            req->timeout_ms++; /* rounds up: 0.0001 s is 1 ms, not none */
-    }
-    return 0;
+    return sp_napi__body_exec(c->body, in_context ? c->segs[4] : NULL, req, err);
 }
 
 typedef struct {

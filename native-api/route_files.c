@@ -58,26 +58,6 @@ static int set_str(char **dst, const char *src, sp_err_t *err)
     return 0;
 }
 
-static int check_user(const char *user, sp_err_t *err)
-{
-    if (user != NULL && (user[0] == '\0' || strlen(user) > 63))
-        return sp_err_set(err, SP_EINVAL, "user must be a name of 1 to 63 characters");
-    return 0;
-}
-
-/* Octal permission bits from "644"/"0755" (or a JSON integer). */
-static int parse_mode(const char *s, uint32_t *out, sp_err_t *err)
-{
-    if (s == NULL)
-        return 0;
-    char *end;
-    unsigned long v = strtoul(s, &end, 8);
-    if (s[0] == '\0' || *end != '\0' || v > 07777)
-        return sp_err_set(err, SP_EINVAL, "mode must be octal permission bits like 0644");
-    *out = (uint32_t)v;
-    return 0;
-}
-
 /* path and user from the query string. */
 static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
 {
@@ -93,7 +73,7 @@ static fsreq_t *from_query(napi_ctx_t *c, sp_err_t *err)
                    "path query parameter is required (percent-encoded, without NUL)");
         return NULL;
     }
-    if (sp_exec_check_path(path, err) < 0 || check_user(user, err) < 0)
+    if (sp_exec_check_path(path, err) < 0 || sp_napi__check_user(user, err) < 0)
         return NULL;
     fsreq_t *f = fsreq_new(c, err);
     if (f == NULL || set_str(&f->path, path, err) < 0 || set_str(&f->user, user, err) < 0)
@@ -180,28 +160,12 @@ void sp_napi__files_delete(napi_ctx_t *c)
 
 void sp_napi__files_mkdir(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"path", "user", "mode", NULL};
     sp_err_t e;
-    json_t *b = c->body;
     const char *path, *user;
-    json_t *m = sp_napi__field(b, "mode");
     uint32_t mode = 0;
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        sp_napi__opt_str(b, "path", SIZE_MAX, &path, &e) < 0 ||
-        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 || sp_exec_check_path(path, &e) < 0 ||
-        check_user(user, &e) < 0) {
+    if (sp_napi__body_mkdir(c->body, &path, &user, &mode, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
-    }
-    if (m != NULL) {
-        if (json_is_integer(m) && json_integer_value(m) >= 0 && json_integer_value(m) <= 07777)
-            mode = (uint32_t)json_integer_value(m);
-        else if (!json_is_string(m) || parse_mode(json_string_value(m), &mode, &e) < 0) {
-            sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL,
-                                         "mode must be octal permission bits like \"0755\""),
-                              &e));
-            return;
-        }
     }
     fsreq_t *f = fsreq_new(c, &e);
     if (f == NULL || set_str(&f->path, path, &e) < 0 || set_str(&f->user, user, &e) < 0) {
@@ -214,17 +178,9 @@ void sp_napi__files_mkdir(napi_ctx_t *c)
 
 void sp_napi__files_move(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"from", "to", "user", NULL};
     sp_err_t e;
-    json_t *b = c->body;
     const char *from, *to, *user;
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        sp_napi__opt_str(b, "from", SIZE_MAX, &from, &e) < 0 ||
-        sp_napi__opt_str(b, "to", SIZE_MAX, &to, &e) < 0 ||
-        sp_napi__opt_str(b, "user", SIZE_MAX, &user, &e) < 0 ||
-        (from == NULL || to == NULL ? sp_err_set(&e, SP_EINVAL, "from and to are required") : 0) < 0 ||
-        sp_exec_check_path(from, &e) < 0 || sp_exec_check_path(to, &e) < 0 ||
-        check_user(user, &e) < 0) {
+    if (sp_napi__body_move(c->body, &from, &to, &user, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }
@@ -356,7 +312,7 @@ void sp_napi__files_put(napi_ctx_t *c)
     if (f != NULL) {
         f->flag = true; /* mkdirs by default */
         if (req == NULL || sp_napi__query_bool(req, "mkdirs", &f->flag, &e) < 0 ||
-            parse_mode(sp_http_query(req, "mode"), &f->mode, &e) < 0)
+            sp_napi__parse_mode(sp_http_query(req, "mode"), &f->mode, &e) < 0)
             f = NULL;
     }
     if (f == NULL) {

@@ -111,64 +111,10 @@ static void on_created(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
 
 void sp_napi__sandboxes_create(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"template", "metadata",  "env",       "idle_timeout_s",
-                                          "timeout_s", "cpu_count", "memory_mb", "deadline_action",
-                                          "credentials", "egress", "snapshot", "placement",
-                                          NULL};
     sp_err_t e;
-    json_t *b = c->body, *t;
     sp_create_req_t r = {0};
-    json_t *da = sp_napi__field(b, "deadline_action");
-    json_t *snap = sp_napi__field(b, "snapshot");
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        (snap != NULL && !json_is_string(snap)
-             ? sp_err_set(&e, SP_EINVAL, "snapshot must be a snapshot id (a string)")
-             : 0) < 0 ||
-        (snap != NULL && sp_napi__field(b, "template") != NULL
-             ? sp_err_set(&e, SP_EINVAL, "give either template or snapshot, not both")
-             : 0) < 0 ||
-        (t = snap != NULL ? snap : sp_napi__req_string(b, "template", &e)) == NULL ||
-        (da != NULL && !json_is_string(da)
-             ? sp_err_set(&e, SP_EINVAL, "deadline_action must be a string")
-             : 0) < 0 ||
-        sp_napi__opt_int(b, "idle_timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.idle_timeout_s, &e) < 0 ||
-        sp_napi__opt_int(b, "timeout_s", 1, SP_SVC_MAX_TIMEOUT_S, &r.timeout_s, &e) < 0 ||
-        sp_napi__opt_int(b, "cpu_count", 1, SP_SVC_MAX_CPUS, &r.cpu_count, &e) < 0 ||
-        sp_napi__opt_int(b, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &r.memory_mb,
-                         &e) < 0) {
-        sp_napi__fail(c, &e);
-        return;
-    }
-    if (snap != NULL)
-        r.snapshot_id = json_string_value(t);
-    else
-        r.template_name = json_string_value(t);
-    r.metadata = sp_napi__field(b, "metadata");
-    r.env = sp_napi__field(b, "env");
-    r.deadline_action = json_string_value(da); /* NULL when absent */
-    if (strlen(json_string_value(t)) != json_string_length(t)) {
-        sp_napi__fail(c, (sp_err_set(&e, SP_EINVAL, "%s may not contain NUL",
-                                     snap != NULL ? "snapshot" : "template"),
-                          &e));
-        return;
-    }
-    /* The outbound policy and the credential rules are core's to check (a bad rule is a 400
-     * naming it), and the secrets the rules name core's to look up. */
-    r.egress = sp_napi__field(b, "egress");
-    r.credentials = sp_napi__field(b, "credentials");
-    /* {"labels": {...}}: the worker it runs on must have them (core checks the labels) */
-    json_t *pl = sp_napi__field(b, "placement");
-    if (pl != NULL && !json_is_null(pl)) {
-        static const char *const pallowed[] = {"labels", NULL};
-        if (!json_is_object(pl) || sp_napi__body_keys(pl, pallowed, false, &e) < 0) {
-            if (!json_is_object(pl))
-                sp_err_set(&e, SP_EINVAL, "placement must be an object {\"labels\": {...}}");
-            sp_napi__fail(c, &e);
-            return;
-        }
-        r.placement_labels = sp_napi__field(pl, "labels");
-    }
-    if (sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
+    if (sp_napi__body_create(c->body, &r, &e) < 0 ||
+        sp_svc_create_sandbox(c->n->svc, &c->auth, &r, on_created, c, &e) < 0)
         sp_napi__fail(c, &e);
 }
 
@@ -297,8 +243,7 @@ void sp_napi__sandboxes_request(napi_ctx_t *c)
             : strcmp(verb, "suspend") == 0 ? SP_REQ_SUSPEND
                                            : SP_REQ_WAKE;
     }
-    static const char *const none[] = {NULL};
-    if (sp_napi__body_keys(c->body, none, false, &e) < 0) {
+    if (sp_napi__body_none(c->body, &e) < 0) {
         sp_napi__fail(c, &e);
         return;
     }

@@ -51,17 +51,6 @@ static json_t *put_body(napi_ctx_t *c, sp_err_t *err)
     return b;
 }
 
-/* The "value" field: a string (never echoed in an error). */
-static int get_value(json_t *b, const char **v, size_t *len, sp_err_t *err)
-{
-    json_t *j = sp_napi__req_string(b, "value", err);
-    if (j == NULL)
-        return -1;
-    *v = json_string_value(j);
-    *len = json_string_length(j);
-    return sp_secrets_check_value(*v, *len, err);
-}
-
 /* Removes the value from a parsed body before it is freed. jansson keeps its own copy of
  * the text; overwriting it in place is the only way to zero that copy. */
 static void wipe_value(json_t *b)
@@ -100,28 +89,22 @@ static void on_replaced(void *arg, const sp_secret_rec_t *rec, const sp_err_t *e
 
 void sp_napi__secrets_create(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"name", "value", NULL};
     sp_err_t e;
     sp_secrets_t *s = secrets_of(c, &e);
     json_t *b = c->body;
-    const char *value = NULL;
-    size_t len = 0;
+    const char *name, *value;
+    size_t len;
     if (s == NULL) {
         wipe_request(c, b);
         sp_napi__fail(c, &e);
         return;
     }
-    json_t *name;
-    if (sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        (name = sp_napi__req_string(b, "name", &e)) == NULL ||
-        sp_secrets_check_name(json_string_value(name), &e) < 0 ||
-        get_value(b, &value, &len, &e) < 0) {
+    if (sp_napi__body_secret(b, true, &name, &value, &len, &e) < 0) {
         wipe_request(c, b);
         sp_napi__fail(c, &e);
         return;
     }
-    int rc = sp_secrets_put(s, c->auth.team_id, json_string_value(name), value, len, false,
-                            on_created, c, &e);
+    int rc = sp_secrets_put(s, c->auth.team_id, name, value, len, false, on_created, c, &e);
     wipe_request(c, b); /* sealed (or refused) inside the call */
     if (rc < 0)
         sp_napi__fail(c, &e);
@@ -129,14 +112,12 @@ void sp_napi__secrets_create(napi_ctx_t *c)
 
 void sp_napi__secrets_put(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"value", NULL};
     sp_err_t e;
     sp_secrets_t *s = secrets_of(c, &e);
     json_t *b = s ? put_body(c, &e) : NULL;
-    const char *value = NULL;
+    const char *unnamed, *value = NULL;
     size_t len = 0;
-    if (b == NULL || sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        get_value(b, &value, &len, &e) < 0) {
+    if (b == NULL || sp_napi__body_secret(b, false, &unnamed, &value, &len, &e) < 0) {
         wipe_request(c, b);
         json_decref(b);
         sp_napi__fail(c, &e);
@@ -200,14 +181,11 @@ void sp_napi__credentials_get(napi_ctx_t *c)
 
 void sp_napi__credentials_put(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"credentials", NULL};
     sp_err_t e;
     sp_secrets_t *s = secrets_of(c, &e);
     json_t *b = s ? put_body(c, &e) : NULL;
-    json_t *v = b ? json_object_get(b, "credentials") : NULL;
-    if (b == NULL || sp_napi__body_keys(b, allowed, true, &e) < 0 ||
-        (v == NULL ? sp_err_set(&e, SP_EINVAL, "credentials is required (an array, [] for none)")
-                   : 0) < 0 ||
+    json_t *v = NULL;
+    if (b == NULL || sp_napi__body_credentials(b, &v, &e) < 0 ||
         sp_secrets_set_rules(s, c->auth.team_id, c->segs[2], v, on_rules, c, &e) < 0) {
         json_decref(b);
         sp_napi__fail(c, &e);

@@ -46,56 +46,15 @@
 
 #define WS_MAX_MSG     (1024 * 1024)  /* bytes per client message */
 #define WS_STDIN_MAX   (1024 * 1024)  /* stdin bytes held before we stop reading the socket */
-#define WS_CLOSE_MS    5000u          /* wait this long for the client's close reply */
-#define MAX_ATTACH_TTL 3600
+#define WS_CLOSE_MS 5000u             /* wait this long for the client's close reply */
 
-/* ---- parsing the create body ---- */
-
-typedef struct {
-    napi_cmdspec_t spec;
-    uint32_t ttl_s;
-} spec_t;
-
-static void spec_free(void *p)
-{
-    spec_t *sp = p;
-    sp_napi__cmdspec_clear(&sp->spec);
-    free(sp);
-}
-
-static spec_t *parse_spec(json_t *b, sp_err_t *err)
-{
-    static const char *const allowed[] = {"cmd",  "argv", "env",  "cwd",
-                                          "user", "pty",  "rows", "cols",
-                                          "attach_timeout_s", NULL};
-    int ttl = 0;
-    if (sp_napi__body_keys(b, allowed, true, err) < 0 ||
-        sp_napi__opt_int(b, "attach_timeout_s", 1, MAX_ATTACH_TTL, &ttl, err) < 0)
-        return NULL;
-    spec_t *sp = calloc(1, sizeof(*sp));
-    if (sp == NULL) {
-        sp_err_set(err, SP_EINTERNAL, "out of memory");
-        return NULL;
-    }
-    if (sp_napi__cmdspec_parse(b, &sp->spec, err) < 0) {
-        free(sp);
-        return NULL;
-    }
-    /* Sessions refuse an empty cwd (a command takes "" as the user's home). */
-    if (sp->spec.cmd.cwd != NULL && sp->spec.cmd.cwd[0] == '\0') {
-        spec_free(sp);
-        sp_err_set(err, SP_EINVAL, "cwd is empty");
-        return NULL;
-    }
-    sp->ttl_s = (uint32_t)ttl;
-    return sp;
-}
+/* The create body: napi_sessspec_t (body.h). */
 
 /* ---- control plane ---- */
 
 static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 {
-    spec_t *sp = c->data;
+    napi_sessspec_t *sp = c->data;
     sp_session_spec_t ss = {.team_id = c->auth.team_id, .sandbox_id = c->segs[2],
                             .cmd = &sp->spec.cmd, .attach_timeout_s = sp->ttl_s};
     char token[SP_SESSION_TOKEN_LEN + 1];
@@ -117,13 +76,13 @@ static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
 void sp_napi__sessions_create(napi_ctx_t *c)
 {
     sp_err_t e;
-    spec_t *sp = parse_spec(c->body, &e);
+    napi_sessspec_t *sp = sp_napi__body_session(c->body, &e);
     if (sp == NULL) {
         sp_napi__fail(c, &e);
         return;
     }
     c->data = sp;
-    c->data_free = spec_free;
+    c->data_free = sp_napi__sessspec_free;
     sp_napi__with_agent(c, create_with_agent);
 }
 

@@ -58,13 +58,11 @@ static void on_taken(void *arg, const sp_snap_rec_t *r, const sp_op_rec_t *op,
 
 void sp_napi__snapshots_take(napi_ctx_t *c)
 {
-    static const char *const allowed[] = {"name", NULL};
     sp_err_t e;
     const char *name = NULL;
     if (!have_snap(c))
         return;
-    if (sp_napi__body_keys(c->body, allowed, false, &e) < 0 ||
-        sp_napi__opt_str(c->body, "name", SP_SNAP_NAME_MAX, &name, &e) < 0 ||
+    if (sp_napi__body_snapshot(c->body, &name, &e) < 0 ||
         sp_snap_take(c->n->snap, &c->auth, c->segs[2], name, c->wait_ms, on_taken, c, &e) < 0)
         sp_napi__fail(c, &e);
 }

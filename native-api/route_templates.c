@@ -181,23 +181,20 @@ void sp_napi__tags_put(napi_ctx_t *c)
 {
     sp_err_t e;
     json_t *b = NULL;
-    static const char *const allowed[] = {"version", "from_tag", NULL};
+    const char *ver = NULL, *from = NULL;
     if (!have_tmpl(c))
         return;
     if (sp_napi__parse_body(sp_http_hold_req(c->hold), false, &b, &e) < 0 ||
-        sp_napi__body_keys(b, allowed, true, &e) < 0) {
+        sp_napi__body_tag(b, &ver, &from, &e) < 0) {
         json_decref(b);
         sp_napi__fail(c, &e);
         return;
     }
-    json_t *ver = json_object_get(b, "version"), *from = json_object_get(b, "from_tag");
     json_t *tags = json_pack("[s]", c->segs[4]);
-    if ((ver != NULL && !json_is_string(ver)) || (from != NULL && !json_is_string(from))) {
-        sp_err_set(&e, SP_EINVAL, "version and from_tag must be strings");
-    } else if (tags == NULL) {
+    if (tags == NULL) {
         sp_err_set(&e, SP_EINTERNAL, "out of memory");
-    } else if (sp_tmpl_tags_set(c->n->tmpl, &c->auth, c->segs[2], tags, json_string_value(ver),
-                                json_string_value(from), on_tag_set, c, &e) == 0) {
+    } else if (sp_tmpl_tags_set(c->n->tmpl, &c->auth, c->segs[2], tags, ver, from, on_tag_set, c,
+                                &e) == 0) {
         json_decref(tags);
         json_decref(b);
         return;

@@ -33,14 +33,12 @@
 #include "base/buf.h"
 #include "base/log.h"
 #include "core/channel/chanop_int.h"
+#include "core/channel/codeline.h"
 #include "core/channel/exec.h"
 
 #define REPLY_MS        150000u /* answer deadline: above the daemon's 120 s kernel start */
 #define START_MS        180000u /* `space-code start` */
-#define START_CAP       (64u * 1024u)
-#define JSON_TOKENS_MAX 262144u         /* structural tokens per line: bounds jansson's memory */
-#define ID_MAX          256u            /* bytes in a context ID */
-#define LINE_KEEP       (1024u * 1024u) /* a line buffer larger than this is freed after use */
+#define START_CAP (64u * 1024u)
 
 static const char no_interpreter[] =
     "this sandbox's template has no code interpreter (use a template with code_interpreter, "
@@ -121,76 +119,6 @@ static const char *daemon_path(void)
         path = v != NULL && v[0] != '\0' ? v : SP_CODE_DAEMON;
     }
     return path;
-}
-
-const char *sp_code_language(const char *name)
-{
-    if (name == NULL)
-        return NULL;
-    while (isspace((unsigned char)*name))
-        name++;
-    size_t n = strlen(name);
-    while (n > 0 && isspace((unsigned char)name[n - 1]))
-        n--;
-    char low[16];
-    if (n == 0 || n >= sizeof(low))
-        return NULL;
-    for (size_t i = 0; i < n; i++)
-        low[i] = (char)tolower((unsigned char)name[i]);
-    low[n] = '\0';
-    if (strcmp(low, "python") == 0 || strcmp(low, "python3") == 0 || strcmp(low, "py") == 0)
-        return "python";
-    if (strcmp(low, "bash") == 0 || strcmp(low, "sh") == 0)
-        return "bash";
-    return NULL;
-}
-
-/* ---- helpers ---- */
-
-/* Printable ASCII copy of a guest string (others become '?'), cut to fit out. */
-static void clean_msg(const char *s, size_t n, char *out, size_t cap)
-{
-    size_t k = 0;
-    for (size_t i = 0; s != NULL && i < n && k + 1 < cap; i++) {
-        unsigned char ch = (unsigned char)s[i];
-        out[k++] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
-    }
-    if (cap > 0)
-        out[k] = '\0';
-}
-
-static void iso_now(char out[40])
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    struct tm tm;
-    gmtime_r(&ts.tv_sec, &tm);
-    char base[32];
-    strftime(base, sizeof(base), "%Y-%m-%dT%H:%M:%S", &tm);
-    snprintf(out, 40, "%.24s.%06uZ", base, (unsigned)(ts.tv_nsec / 1000) % 1000000u);
-}
-
-/* Commas, colons and opening brackets outside strings: a cheap bound on the number of values
- * jansson would allocate for the line. */
-static bool too_complex(const char *p, size_t n)
-{
-    size_t tokens = 0;
-    bool in_str = false;
-    for (size_t i = 0; i < n; i++) {
-        char c = p[i];
-        if (in_str) {
-            if (c == '\\')
-                i++;
-            else if (c == '"')
-                in_str = false;
-        } else if (c == '"') {
-            in_str = true;
-        } else if (c == ',' || c == ':' || c == '[' || c == '{') {
-            if (++tokens > JSON_TOKENS_MAX)
-                return true;
-        }
-    }
-    return false;
 }
 
 /* ---- lifetime ---- */
@@ -328,7 +256,7 @@ static int start_outcome(const sp_exec_result_t *res, const sp_err_t *err, sp_er
     if (n - b > 100)
         b = n - 100;
     char tail[104];
-    clean_msg((const char *)o + b, n - b, tail, sizeof(tail));
+    sp_codeline_clean((const char *)o + b, n - b, tail, sizeof(tail));
     sp_log(SP_LOG_WARN, "code", "daemon start failed exited=%d code=%d signal=%d tail=%s",
            res->exited, res->exit_code, res->signal, tail);
     if (res->exited)
@@ -411,70 +339,24 @@ static void need_start(sp_code_op_t *op)
 
 /* ---- the daemon's answers ---- */
 
-/* A CTX object; strings borrowed from o. */
-static int parse_ctx(json_t *o, sp_code_ctx_t *out)
-{
-    if (!json_is_object(o))
-        return -1;
-    json_t *id = json_object_get(o, "id"), *lang = json_object_get(o, "language"),
-           *cwd = json_object_get(o, "cwd"), *def = json_object_get(o, "default");
-    if (!json_is_string(id) || json_string_length(id) == 0 || json_string_length(id) > ID_MAX ||
-        !json_is_string(lang) || json_string_length(lang) == 0 || json_string_length(lang) > 64 ||
-        !json_is_string(cwd) || json_string_length(cwd) > SP_EXEC_PATH_MAX ||
-        (def != NULL && !json_is_boolean(def)))
-        return -1;
-    out->id = json_string_value(id);
-    out->language = json_string_value(lang);
-    out->cwd = json_string_value(cwd);
-    out->is_default = json_is_true(def);
-    return 0;
-}
-
-/* {"code": str, "message": str} -> our error; -1 when it is not that shape. */
-static int daemon_error(json_t *eo, sp_err_t *out)
-{
-    json_t *c = json_object_get(eo, "code"), *m = json_object_get(eo, "message");
-    if (!json_is_object(eo) || !json_is_string(c) || (m != NULL && !json_is_string(m)))
-        return -1;
-    const char *code = json_string_value(c);
-    char msg[112];
-    clean_msg(m ? json_string_value(m) : NULL, m ? json_string_length(m) : 0, msg, sizeof(msg));
-    if (strcmp(code, "invalid") == 0)
-        sp_err_set(out, SP_EINVAL, "%s", msg[0] ? msg : "invalid request");
-    else if (strcmp(code, "not_found") == 0)
-        sp_err_set(out, SP_ENOTFOUND, "%s", msg[0] ? msg : "no such context");
-    else if (strcmp(code, "unsupported_language") == 0 && strstr(msg, SP_CODE_LANGUAGES))
-        sp_err_set(out, SP_EINVAL, "%s", msg);
-    else if (strcmp(code, "unsupported_language") == 0)
-        sp_err_set(out, SP_EINVAL, "%s (supported: %s)", msg[0] ? msg : "unsupported language",
-                   SP_CODE_LANGUAGES);
-    else if (strcmp(code, "unavailable") == 0)
-        sp_err_set(out, SP_EUNAVAIL, "%s", msg[0] ? msg : "the code interpreter is unavailable");
-    else
-        sp_err_set(out, SP_EINTERNAL, "the code interpreter failed%s%s", msg[0] ? ": " : "", msg);
-    return 0;
-}
-
 static void on_status(sp_code_op_t *op, json_t *j, size_t wire)
 {
-    json_t *ok = json_object_get(j, "ok");
-    if (!json_is_boolean(ok)) {
-        malformed(op, "status without ok");
+    sp_err_t e;
+    const char *why = NULL;
+    int st = sp_codeline_status(j, &e, &why);
+    if (st < 0) {
+        malformed(op, why);
         return;
     }
-    if (json_is_false(ok)) {
-        sp_err_t e;
-        if (daemon_error(json_object_get(j, "error"), &e) < 0)
-            malformed(op, "bad error object");
-        else
-            deliver_fail(op, &e);
+    if (st == 0) {
+        deliver_fail(op, &e);
         return;
     }
     sp_code_ctx_t ctx;
     switch (op->kind) {
     case K_CREATE:
     case K_RESTART:
-        if (parse_ctx(json_object_get(j, "context"), &ctx) < 0) {
+        if (sp_codeline_ctx(json_object_get(j, "context"), &ctx) < 0) {
             malformed(op, "bad context");
             return;
         }
@@ -482,23 +364,16 @@ static void on_status(sp_code_op_t *op, json_t *j, size_t wire)
         op->ctx_cb(op->arg, &ctx, NULL);
         return;
     case K_LIST: {
-        json_t *arr = json_object_get(j, "contexts");
-        if (!json_is_array(arr)) {
-            malformed(op, "contexts is not an array");
-            return;
-        }
-        size_t n = json_array_size(arr);
-        sp_code_ctx_t *v = calloc(n ? n : 1, sizeof(*v));
-        if (v == NULL) {
+        sp_code_ctx_t *v;
+        size_t n;
+        int rc = sp_codeline_ctx_list(j, &v, &n, &why);
+        if (rc == -2) {
             fail(op, SP_EINTERNAL, "out of memory");
             return;
         }
-        for (size_t i = 0; i < n; i++) {
-            if (parse_ctx(json_array_get(arr, i), &v[i]) < 0) {
-                free(v);
-                malformed(op, "bad context in list");
-                return;
-            }
+        if (rc < 0) {
+            malformed(op, why);
+            return;
         }
         op_kill(op);
         op->list_cb(op->arg, v, n, NULL);
@@ -511,7 +386,7 @@ static void on_status(sp_code_op_t *op, json_t *j, size_t wire)
         op->done_cb(op->arg, NULL);
         return;
     case K_EXEC: {
-        if (parse_ctx(json_object_get(j, "context"), &ctx) < 0) {
+        if (sp_codeline_ctx(json_object_get(j, "context"), &ctx) < 0) {
             malformed(op, "bad context");
             return;
         }
@@ -567,34 +442,21 @@ void sp_code_ack(sp_code_op_t *op, size_t n)
     }
 }
 
-static const char *const end_statuses[] = {"ok",          "error",   "timeout",
-                                           "interrupted", "crashed", NULL};
-
 static void on_event(sp_code_op_t *op, json_t *j, size_t wire)
 {
-    const char *type = json_string_value(json_object_get(j, "type"));
-    if (type == NULL) {
-        malformed(op, "event without type");
+    sp_code_ev_t ev;
+    char now[40];
+    const char *why = NULL;
+    int rc = sp_codeline_event(j, &ev, now, &why);
+    if (rc < 0) {
+        malformed(op, why);
         return;
     }
-    sp_code_ev_t ev = {.execution_count = -1};
-    char now[40];
-    if (strcmp(type, "stdout") == 0 || strcmp(type, "stderr") == 0) {
-        json_t *t = json_object_get(j, "text"), *ts = json_object_get(j, "timestamp");
-        if (!json_is_string(t) ||
-            (ts != NULL && (!json_is_string(ts) || json_string_length(ts) > 64))) {
-            malformed(op, "bad output event");
-            return;
-        }
-        ev.type = type[3] == 'o' ? SP_CODE_EV_STDOUT : SP_CODE_EV_STDERR;
-        ev.text = json_string_value(t);
-        ev.len = json_string_length(t);
-        if (ts == NULL) {
-            iso_now(now);
-            ev.timestamp = now;
-        } else {
-            ev.timestamp = json_string_value(ts);
-        }
+    if (rc > 0) {
+        grant(op, wire); /* a newer daemon's event: skipped */
+        return;
+    }
+    if (ev.type == SP_CODE_EV_STDOUT || ev.type == SP_CODE_EV_STDERR) {
         if (ev.len == 0) {
             grant(op, wire);
         } else if (!ack_push(op, ev.len, wire)) {
@@ -604,52 +466,9 @@ static void on_event(sp_code_op_t *op, json_t *j, size_t wire)
         op->ev_cb(op->arg, &ev);
         return;
     }
-    if (strcmp(type, "result") == 0) {
-        json_t *m = json_object_get(j, "is_main_result"), *d = json_object_get(j, "data");
-        if ((m != NULL && !json_is_boolean(m)) || !json_is_object(d)) {
-            malformed(op, "bad result event");
-            return;
-        }
-        ev.type = SP_CODE_EV_RESULT;
-        ev.is_main_result = json_is_true(m);
-        ev.data = d;
-    } else if (strcmp(type, "error") == 0) {
-        json_t *n = json_object_get(j, "name"), *v = json_object_get(j, "value"),
-               *tb = json_object_get(j, "traceback");
-        bool good = json_is_string(n) && json_is_string(v) && json_is_array(tb);
-        for (size_t i = 0; good && i < json_array_size(tb); i++)
-            good = json_is_string(json_array_get(tb, i));
-        if (!good) {
-            malformed(op, "bad error event");
-            return;
-        }
-        ev.type = SP_CODE_EV_ERROR;
-        ev.name = json_string_value(n);
-        ev.value = json_string_value(v);
-        ev.traceback = tb;
-    } else if (strcmp(type, "end") == 0) {
-        json_t *st = json_object_get(j, "status"), *ec = json_object_get(j, "execution_count");
-        const char *status = json_string_value(st);
-        bool good = status != NULL;
-        if (good) {
-            good = false;
-            for (int i = 0; end_statuses[i] != NULL && !good; i++)
-                good = strcmp(status, end_statuses[i]) == 0;
-        }
-        if (!good || (ec != NULL && !json_is_null(ec) &&
-                      (!json_is_integer(ec) || json_integer_value(ec) < 0 ||
-                       json_integer_value(ec) > 0x7fffffff))) {
-            malformed(op, "bad end event");
-            return;
-        }
-        ev.type = SP_CODE_EV_END;
-        ev.status = status;
-        ev.execution_count = json_is_integer(ec) ? (int)json_integer_value(ec) : -1;
+    if (ev.type == SP_CODE_EV_END) {
         op_kill(op);
         op->ev_cb(op->arg, &ev);
-        return;
-    } else {
-        grant(op, wire); /* a newer daemon's event: skipped */
         return;
     }
     op->ev_cb(op->arg, &ev);
@@ -659,22 +478,14 @@ static void on_event(sp_code_op_t *op, json_t *j, size_t wire)
 /* One complete line (without its newline); wire = its agent bytes not granted back yet. */
 static void on_line(sp_code_op_t *op, const char *line, size_t len, size_t wire)
 {
-    size_t i = 0;
-    while (i < len && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r'))
-        i++;
-    if (i == len) { /* blank */
+    json_t *j;
+    const char *why = NULL;
+    if (sp_codeline_json(line, len, &j, &why) < 0) {
+        malformed(op, why);
+        return;
+    }
+    if (j == NULL) { /* blank */
         grant(op, wire);
-        return;
-    }
-    if (too_complex(line, len)) {
-        malformed(op, "line too complex");
-        return;
-    }
-    json_error_t je;
-    json_t *j = json_loadb(line, len, 0, &je);
-    if (!json_is_object(j)) {
-        json_decref(j);
-        malformed(op, j == NULL ? "not JSON" : "not an object");
         return;
     }
     if (op->phase == P_TALK)
@@ -684,52 +495,36 @@ static void on_line(sp_code_op_t *op, const char *line, size_t len, size_t wire)
     json_decref(j);
 }
 
-static int line_append(sp_code_op_t *op, const uint8_t *p, size_t n)
-{
-    sp_buf_add(&op->line, p, n);
-    return op->line.oom ? -1 : 0;
-}
-
 static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
 {
     size_t off = 0;
     while (off < n && !op->ch.dead) {
-        const uint8_t *nl = memchr(p + off, '\n', n - off);
-        size_t seg = nl != NULL ? (size_t)(nl - (p + off)) : n - off;
-        if (op->line.len + seg > SP_CODE_LINE_MAX) {
+        const char *line = NULL;
+        size_t len = 0, used = 0;
+        switch (sp_codeline_cut(&op->line, p + off, n - off, &line, &len, &used)) {
+        case SP_CODELINE_TOOLONG:
             malformed(op, "line longer than 16 MiB");
             return;
-        }
-        if (nl == NULL) {
+        case SP_CODELINE_NOMEM:
+            fail(op, SP_EINTERNAL, "out of memory");
+            return;
+        case SP_CODELINE_HELD:
             /* Held here until its newline comes. With no output held by the caller, nothing
              * else would give the agent room for the rest of it: credit goes back now. */
-            if (line_append(op, p + off, seg) < 0) {
-                fail(op, SP_EINTERNAL, "out of memory");
-                return;
-            }
             if (op->ack_n == 0)
-                grant(op, seg);
+                grant(op, used);
             else
-                op->line_owed += seg;
+                op->line_owed += used;
             return;
+        case SP_CODELINE_LINE:
+            break;
         }
-        const char *line = (const char *)p + off;
-        size_t len = seg;
-        if (op->line.len > 0) {
-            if (line_append(op, p + off, seg) < 0) {
-                fail(op, SP_EINTERNAL, "out of memory");
-                return;
-            }
-            line = (const char *)op->line.p;
-            len = op->line.len;
-        }
-        off += seg + 1;
-        size_t wire = op->line_owed + seg + 1;
-        sp_buf_reset(&op->line); /* the bytes stay intact until the next append */
+        off += used;
+        size_t wire = op->line_owed + used;
         op->line_owed = 0;
         on_line(op, line, len, wire);
-        if (!op->ch.dead && op->line.cap > LINE_KEEP)
-            sp_buf_free(&op->line);
+        if (!op->ch.dead)
+            sp_codeline_trim(&op->line);
     }
 }
 
@@ -772,7 +567,7 @@ static void on_connect_error(sp_code_op_t *op, const uint8_t *p, size_t len)
     bool dec = sp_ap_dec_error(p, len, &ae, &de) == 0;
     bool refused = dec && ae.code == SP_AP_E_UNAVAIL;
     char why[104];
-    clean_msg(dec ? ae.msg.p : NULL, dec ? ae.msg.n : 0, why, sizeof(why));
+    sp_codeline_clean(dec ? ae.msg.p : NULL, dec ? ae.msg.n : 0, why, sizeof(why));
     if (refused && !op->tried_start) {
         op->tried_start = true;
         need_start(op);
@@ -907,10 +702,10 @@ static sp_code_op_t *op_start(sp_loop_t *loop, sp_agentconn_t *c, kind_t kind,
     return op;
 }
 
-/* Context IDs as clients give them: 1..ID_MAX bytes without control characters. */
+/* Context IDs as clients give them: 1..SP_CODE_ID_MAX bytes without control characters. */
 static bool id_ok(const char *id)
 {
-    if (id == NULL || id[0] == '\0' || strlen(id) > ID_MAX)
+    if (id == NULL || id[0] == '\0' || strlen(id) > SP_CODE_ID_MAX)
         return false;
     for (const char *p = id; *p; p++)
         if ((unsigned char)*p < 0x20 || *p == 0x7f)

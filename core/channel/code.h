@@ -73,6 +73,7 @@
 #define SP_CODE_GUEST_PORT 49999
 #define SP_CODE_DAEMON "/usr/local/bin/space-code"
 #define SP_CODE_LINE_MAX   (16u * 1024 * 1024) /* bytes per protocol line, newline included */
+#define SP_CODE_ID_MAX     256u                /* bytes in a context ID */
 
 /* Test-only overrides, read once per process from spaced's environment: SPACE_CODE_PORT (the
  * daemon's port instead of SP_CODE_GUEST_PORT: the test driver's agents run on the host,

@@ -283,33 +283,6 @@ int sp_svc_templates(sp_svc_t *svc, const sp_auth_t *a, const char *name,
 
 /* ---- sandboxes ---- */
 
-int sp_svc_check_string_map(const json_t *obj, const char *what, sp_err_t *err)
-{
-    if (obj == NULL || json_is_null(obj))
-        return 0;
-    if (!json_is_object(obj))
-        return sp_err_set(err, SP_EINVAL, "%s must be an object of strings", what);
-    if (json_object_size(obj) > 256)
-        return sp_err_set(err, SP_EINVAL, "%s has more than 256 entries", what);
-    const char *k;
-    const json_t *v;
-    size_t total = 0;
-    json_object_foreach((json_t *)obj, k, v)
-    {
-        size_t kl = strlen(k);
-        if (kl == 0 || kl > 256)
-            return sp_err_set(err, SP_EINVAL, "%s keys must be 1 to 256 characters", what);
-        if (!json_is_string(v))
-            return sp_err_set(err, SP_EINVAL, "%s value for '%.64s' must be a string", what, k);
-        if (memchr(k, '\0', kl) != NULL || strlen(json_string_value(v)) != json_string_length(v))
-            return sp_err_set(err, SP_EINVAL, "%s may not contain NUL characters", what);
-        total += kl + json_string_length(v);
-    }
-    if (total > 64 * 1024)
-        return sp_err_set(err, SP_EINVAL, "%s is larger than 64 KiB", what);
-    return 0;
-}
-
 static void sandbox_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
