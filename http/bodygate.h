@@ -36,15 +36,28 @@
 
 typedef struct sp_bodygate sp_bodygate_t;
 
-/* A request head as the gate read it; strings are not NUL-terminated and live only during
- * the policy call. */
+/* One header field as picohttpparser gives it (the layout of its struct phr_header). */
+typedef struct {
+    const char *name;
+    size_t name_len;
+    const char *value;
+    size_t value_len;
+} sp_bodygate_field_t;
+
+/* What h2o 2.2.5 takes from a head at most (H2O_MAX_HEADERS): more is its 400. */
+#define SP_BODYGATE_MAX_FIELDS 100
+
+/* A request head as the gate read it, which is as h2o reads it: the same parser
+ * (picohttpparser's phr_parse_request, which libh2o exports) on the same bytes, and h2o's
+ * choices among repeated fields (lib/http1.c's init_headers). Strings are not NUL-terminated
+ * and live only during the policy call. */
 typedef struct {
     const char *method, *path, *host; /* path with its query; host "" when absent */
-    size_t method_len, path_len, host_len;
-    bool chunked;     /* Transfer-Encoding present (h2o accepts only `chunked`) */
-    uint64_t length;  /* Content-Length (0 when absent or chunked) */
-    const char *hdrs; /* the header lines, for sp_bodygate_header */
-    size_t hdrs_len;
+    size_t method_len, path_len, host_len; /* host: the last Host field, as h2o takes */
+    bool chunked;    /* Transfer-Encoding present (h2o accepts only `chunked`) */
+    uint64_t length; /* Content-Length (the first; 0 when absent or chunked) */
+    sp_bodygate_field_t fields[SP_BODYGATE_MAX_FIELDS]; /* for sp_bodygate_header */
+    size_t nfields;
 } sp_bodygate_head_t;
 
 /* What the policy decides. */
@@ -80,14 +93,17 @@ void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *s
  * it. Requests on sockets without a gate (HTTP/2) are false. */
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v);
 
-/* A header's value in h (case-insensitive name), or NULL; *len its length. */
+/* The first header of that name in h (case-insensitive), as h2o_find_header finds it: its
+ * value, or NULL; *len its length. */
 const char *sp_bodygate_header(const sp_bodygate_head_t *h, const char *name, size_t *len);
 /* Requests counted large right now (for tests and metrics). */
 unsigned sp_bodygate_large_now(const sp_bodygate_t *g);
 
-/* The head parser alone, for the fuzz target and tests: 1 with *h filled when buf holds a
- * whole head (*head_len its bytes), 0 when more bytes are needed, -1 when it is not a head
- * the gate understands (h2o then answers it itself). */
+/* The head parser alone, for tests: 1 with *h filled when buf holds a whole head (*head_len
+ * its bytes), 0 when more bytes are needed, -1 when it is not a head the gate understands
+ * (nothing h2o would read differently: h2o refuses it, or, for a folded field line, which h2o
+ * 2.2.5 keeps as a field without a name, the gate fails closed). Reads at most
+ * H2O_MAX_REQLEN bytes, as h2o does: a head that is not whole within them is -1. */
 int sp_bodygate_parse(const char *buf, size_t len, sp_bodygate_head_t *h, size_t *head_len);
 
 #endif
