@@ -10,6 +10,7 @@ missing ones, which are never written anywhere; an unreachable registry fails th
 naming it; a Docker Hub reference goes to the --registry-mirror.
 Needs root, skopeo, umoci, docker-registry, htpasswd and SP_TEST_DATA_DIR (`base` built).
 """
+import base64
 import json
 import os
 import shutil
@@ -137,7 +138,12 @@ class ImageTemplateTest(VmSuite):
         push(cls.ref1, cls.open.host + "/library/mirrored:1")  # Docker Hub's layout
         cls.ref2 = make_image(cls.work, "two", "hello-behind-a-password", user="user")
         push(cls.ref2, cls.locked.host + "/private/img:2", creds="puller:" + SECRET)
-        cls.ARGS = ("--registry-mirror", cls.open.host)
+        # secrets (a registry password in a team secret) need a master key
+        key = os.path.join(cls.work, "master.key")
+        with open(key, "w") as f:
+            f.write(base64.b64encode(os.urandom(32)).decode())
+        os.chmod(key, 0o600)
+        cls.ARGS = ("--registry-mirror", cls.open.host, "--master-key-file", key)
         super().setUpClass()
 
     @classmethod

@@ -869,6 +869,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     char version[64 + 1 + 65];
     snprintf(version, sizeof version, "%s%s%.64s", parent, parent_hash != NULL ? "@" : "",
              parent_hash != NULL ? parent_hash : "");
+    sp_tmpl__copy(b->parent_ref, sizeof b->parent_ref, version);
     if (sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0) {
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",

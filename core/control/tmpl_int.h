@@ -74,6 +74,8 @@ struct build {
     char team[SP_ID_LEN + 1];
     char name[65];
     char parent[65];
+    char parent_ref[64 + 1 + 65]; /* what the builder boots: parent, or parent@version when
+                                   * the request named a tag (build_tagged) */
     char vm_id[32];
     char hash[SP_TMPLBUILD_HASH_LEN + 1];
     sp_tmplbuild_paths_t pp; /* the parent's current version */

@@ -1051,6 +1051,7 @@ static void on_imported(void *arg, bool cancelled)
         fail(b, "image %s: its template is not usable: %s", b->image, e.msg);
     } else {
         sp_tmpl__copy(b->parent, sizeof b->parent, j->res.tmpl);
+        sp_tmpl__copy(b->parent_ref, sizeof b->parent_ref, j->res.tmpl);
         logf_(b, "info", "image %s %s in %.1f s (template %s)", j->res.ref,
               j->res.cached ? "found in the digest cache" : "imported", j->res.seconds,
               j->res.tmpl);
@@ -1175,7 +1176,7 @@ static void start_vm(struct build *b)
         return;
     }
     sp_vm_spec_t spec = {.sandbox_id = b->vm_id,
-                         .template_name = b->parent,
+                         .template_name = b->parent_ref,
                          .cpu_count = b->cpu_count,
                          .memory_mb = b->memory_mb,
                          .hostname = "build",

@@ -147,7 +147,10 @@ class ProxyTest(unittest.TestCase):
         # small so that the memory figure below is the forwarder's.
         asan = os.environ.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=8"
         cls.p = Platform(teams=("alpha",), runtime="test", env={"ASAN_OPTIONS": asan},
-                         args=["--cluster-key-file", cls.keyfile])
+                         # the rows placed on w2 and w3 below never heartbeat: they
+                         # must not turn lost while the suite runs, however slowly
+                         args=["--cluster-key-file", cls.keyfile,
+                               "--heartbeat-timeout-s", "3600"])
         cls.s = cls.p.s
         try:
             cls.place_rows()
