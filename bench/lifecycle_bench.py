@@ -27,8 +27,20 @@ Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios
 Environment: BENCH_CREATES (20), BENCH_GAP (1.0 s), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
 BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3),
 BENCH_BURST (20), BENCH_RATE (10 per s), BENCH_RATE_S (10), BENCH_ONLY=burst (the warm-up create,
-then the burst cases only: to compare two builds' pools).
+then the burst cases only: to compare two builds' pools), BENCH_ONLY=sizes (the first create of
+a new size only, below), BENCH_SIZES (3 sizes per case), BENCH_BASE=BUILD_DIR (sizes: the same
+case on that build too, first, in the same run: a baseline such as main's release build).
+
+The first create of a new size (BENCH_ONLY=sizes, also at the end of a full run): sizes that no
+template snapshot exists for, 1 vCPU and an odd memory size each, on a fresh database per build:
+  - "seen": a sandbox of that size was created in the last day (a deleted row, as another
+    worker or an earlier template version would have left it), spaced restarted; the bench
+    waits until the snapshot exists (at most 120 s: a build without snapshots made ahead never
+    makes it) and the host is quiet, then times create -> first command;
+  - "never seen": the same without the row: the create builds its snapshot (today's first
+    create of any new size).
 """
+import glob
 import http.client
 import json
 import os
@@ -346,6 +358,88 @@ def floor_restore(data, sid, n):
     return hello, first
 
 
+def psql(pg, db, sql):
+    subprocess.run([os.path.join(pg.bindir, "psql"), "-q", "-v", "ON_ERROR_STOP=1", "-d",
+                    pg.db_url(db), "-c", sql], check=True, stdout=subprocess.DEVNULL)
+
+
+def size_dirs(data, mem):
+    """The template snapshots of base at 1 vCPU and mem MiB (any build, any accelerator)."""
+    return sorted({os.path.realpath(d) for d in glob.glob(
+        os.path.join(data, "templates", "base", "*", "snapshot-*-%dM-1c-*" % mem))})
+
+
+def sizes_case(binary, data, pg, db, seen, unseen):
+    """The first create of each size of seen (a row of it in the last day) and of unseen (none),
+    on binary's spaced with a database of its own: (seen ms list, unseen ms list, whether the
+    seen ones' snapshots were there before their creates)."""
+    for mem in seen + unseen:
+        for d in size_dirs(data, mem):
+            shutil.rmtree(d)
+    subprocess.run([binary, "template", "build", "base", "--data-dir", data], check=True,
+                   stdout=subprocess.DEVNULL)
+    pg.createdb(db)
+    sp = Spaced(binary=binary, data_dir=data, database_url=pg.db_url(db))
+    try:
+        sp.key = sp.cli("keys", "create").stdout.strip()
+        sp.start()  # the schema and the built-in templates' rows
+        sp.stop()
+        for i, mem in enumerate(seen):
+            psql(pg, db, "INSERT INTO sandboxes (id, team_id, template, cpu_count, memory_mb,"
+                 " access_token, observed_state, desired_state, created_at) SELECT"
+                 " 'seen%d', id, 'base', 1, %d, 'tokseen%d', 'deleted', 'deleted',"
+                 " now() - interval '1 hour' FROM teams LIMIT 1" % (i, mem, i))
+        sp.start()
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all(size_dirs(data, m) for m in seen):
+            time.sleep(0.5)
+        ahead = all(size_dirs(data, m) for m in seen)
+        settle(data, quiet=3.0, limit=30.0)
+        time.sleep(2)
+        api = Api(sp)
+        out = []
+        for mems in (seen, unseen):
+            ms = []
+            for mem in mems:
+                t, sid = api.create_first_cmd(memory_mb=mem, cpu_count=1)
+                ms.append(t)
+                api.delete(sid)
+                settle(data, quiet=2.0, limit=30.0)
+            out.append(ms)
+        return out[0], out[1], ahead
+    finally:
+        sp.destroy()
+        for mem in seen + unseen:
+            for d in size_dirs(data, mem):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def sizes_cases(p):
+    """The first create of a new size, on BENCH_BASE's build (if given) and on this one."""
+    n = int(os.environ.get("BENCH_SIZES", "3"))
+    seen = [352 + 32 * i for i in range(n)]
+    unseen = [352 + 32 * (n + i) for i in range(n)]
+    runs = []
+    base = os.environ.get("BENCH_BASE")
+    if base:
+        runs.append(("base", os.path.join(os.path.abspath(base), "server", "spaced")))
+    runs.append(("this", p.spaced))
+    res = {}
+    for label, binary in runs:
+        s_ms, u_ms, ahead = sizes_case(binary, p.data, p.pg, "sizes_%s" % label, seen, unseen)
+        res[label] = (s_ms, u_ms)
+        line("%s: first create, size seen (snapshot %s)" % (
+            label, "built ahead" if ahead else "not built ahead"), s_ms)
+        line("%s: first create, size never seen (builds)" % label, u_ms)
+    s_ms, u_ms = res["this"]
+    ratio("this: seen / never seen (medians)", statistics.median(s_ms), statistics.median(u_ms))
+    if base:
+        ratio("size seen: this / base (medians)", statistics.median(s_ms),
+              statistics.median(res["base"][0]))
+        ratio("size never seen: this / base (medians)", statistics.median(u_ms),
+              statistics.median(res["base"][1]))
+
+
 def main():
     p = Platform(sys.argv, templates=("base",), drop_env=("SPACE_COLD_BOOT",)).start()
     data, spaced, s, pg = p.data, p.spaced, p.s, p.pg
@@ -364,6 +458,11 @@ def main():
                                   (time.perf_counter() - t0) * 1000), flush=True)
         if ONLY == "burst":
             burst_cases(api, s, data)
+            return
+        if ONLY == "sizes":
+            api.delete(warm)
+            s.stop()
+            sizes_cases(p)
             return
 
         # 1. create -> first command from the template snapshot: a spare clone ready, and back
@@ -505,6 +604,10 @@ def main():
         line("idle cold-booted QEMU PSS (baseline)", [m[1] / 1e6 for m in cm], "MB")
         for sid in cids:
             capi.delete(sid)
+        cold.stop()
+
+        # 9. the first create of a new size: seen in the last day (built ahead) or never
+        sizes_cases(p)
     finally:
         s.destroy()
         if nop is not None:

@@ -265,6 +265,8 @@ json_t *sp_napi__op_json(const sp_op_rec_t *op)
         json_object_set_new(o, "error", json_null());
     json_object_set_new(o, "created_at", json_string(op->created_at));
     json_object_set_new(o, "finished_at", str_or_null(op->finished_at));
+    /* what it waited for when that took long (a template snapshot build, a cold boot) */
+    json_object_set_new(o, "progress", op->progress[0] ? json_string(op->progress) : json_null());
     if (op->snapshot_id[0]) /* kind "snapshot": the snapshot it takes */
         json_object_set_new(o, "snapshot_id", json_string(op->snapshot_id));
     return o;

@@ -39,6 +39,7 @@
 #include "core/store/pgcluster.h"
 #include "core/runtime/qemu.h"
 #include "core/control/recon.h"
+#include "core/control/sizes.h"
 #include "core/egress/secrets.h"
 #include "core/store/store.h"
 #include "core/control/svc.h"
@@ -102,6 +103,13 @@ struct opts {
     unsigned long max_body_kb;     /* serve: request bodies but uploads (KiB) */
     unsigned long max_upload_mb;   /* serve: file and template uploads (MiB; h2o's limit) */
     unsigned long max_large_bodies; /* serve: uploads over max_body_kb being received at once */
+    /* serve: the spare pool (core/runtime/qemu.h): spares per template size at most (-1: none;
+     * 0: $SPACE_POOL_SIZE, else its default) and their memory (0: $SPACE_POOL_MEMORY_MB, else
+     * an eighth of the host's RAM) */
+    int pool_size;
+    int pool_memory_mb;
+    int prebuild_sizes; /* serve: sizes per template whose snapshot is made ahead (sizes.h);
+                         * 0: none */
 };
 
 /* Bodies: JSON and RPC bodies are small (the APIs' own caps are 1 MiB); uploads of files and
@@ -136,6 +144,7 @@ static void usage(FILE *f)
             "                    [--lost-grace-s N]\n"
             "                    [--max-body-kb KIB] [--max-upload-mb MIB] [--max-large-bodies N]\n"
             "                    [--cluster-key-file FILE]\n"
+            "                    [--pool-size N] [--pool-memory-mb MIB] [--prebuild-sizes N]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -1149,6 +1158,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     struct srv s = {.listen_fd = -1};
     sp_tls_files_t tls_files;
     sp_recon_t *recon = NULL;
+    sp_sizes_t *sizes = NULL;
     sp_tmpl_t *tmpl = NULL;
     sp_snap_t *snap = NULL;
     sp_opsrv_t *opsrv = NULL;
@@ -1196,7 +1206,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                              .max_layers = o->template_max_layers,
                              .no_jail = o->no_jail,
                              .insecure_no_seccomp = o->insecure_no_seccomp,
-                             .insecure_no_cgroups = o->insecure_no_cgroups};
+                             .insecure_no_cgroups = o->insecure_no_cgroups,
+                             .pool_size = o->pool_size,
+                             .pool_memory_mb = o->pool_memory_mb};
         driver = sp_qemu_create(s.loop, &qo, &e);
         if (driver == NULL) {
             sp_log(SP_LOG_WARN, "server", "microVM runtime unavailable: %s", e.msg);
@@ -1240,6 +1252,15 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     recon = svc && driver ? sp_recon_create(s.loop, store, driver, wid, &e) : NULL;
     if (recon != NULL) /* rows from before placement are a single node's */
         sp_recon_set_unplaced(recon, o->role == SP_ROLE_ALL);
+    /* template snapshots for the sizes of the last day's creates, made while this worker idles */
+    if (recon != NULL && o->prebuild_sizes > 0 && driver->ops->prepare != NULL) {
+        sp_sizes_opts_t zo = {.per_template = o->prebuild_sizes};
+        sizes = sp_sizes_create(s.loop, store, driver, &zo, &e);
+        if (sizes == NULL) {
+            fprintf(stderr, "spaced: %s\n", e.msg);
+            goto out_srv;
+        }
+    }
     if (svc != NULL)
         sp_svc_set_placement(svc, api ? NULL : wid, o->heartbeat_timeout_s);
     char accel_file[4200];
@@ -1378,6 +1399,7 @@ out_srv:
     sp_sniff_destroy(s.sniff);
     sp_sniff_destroy(s.sniff6);
     sp_bodygate_destroy(s.gate);
+    sp_sizes_destroy(sizes);
     sp_recon_destroy(recon);
     sp_fleet_destroy(fleet);
     sp_egress_destroy(egress); /* closes its mitm handles and proxied connections */
@@ -1450,7 +1472,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                      .max_large_bodies = SP_SERVER_MAX_LARGE_BODIES,
                      .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB},
                      .heartbeat_timeout_s = 10,
-                     .lost_grace_s = 60};
+                     .lost_grace_s = 60,
+                     .prebuild_sizes = SP_SIZES_PER_TEMPLATE};
     static const struct option lopts[] = {
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
         {"database-url", required_argument, NULL, 'u'}, {"runtime", required_argument, NULL, 'r'},
@@ -1491,6 +1514,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"max-upload-mb", required_argument, NULL, 0x10e},
         {"max-large-bodies", required_argument, NULL, 0x10f},
         {"cluster-key-file", required_argument, NULL, 0x130},
+        {"pool-size", required_argument, NULL, 0x140},
+        {"pool-memory-mb", required_argument, NULL, 0x141},
+        {"prebuild-sizes", required_argument, NULL, 0x142},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1672,6 +1698,26 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             int *dst[] = {&o.worker_vcpus, &o.worker_memory_mb, NULL, &o.heartbeat_timeout_s,
                           &o.lost_grace_s};
             *dst[ch - 0x112] = (int)v;
+            break;
+        }
+        case 0x140:
+        case 0x141:
+        case 0x142: {
+            static const char *const names[] = {"pool-size", "pool-memory-mb", "prebuild-sizes"};
+            static const long lo[] = {0, 1, 0}, hi[] = {64, 16777216, 64};
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < lo[ch - 0x140] || v > hi[ch - 0x140]) {
+                fprintf(stderr, "spaced: --%s wants %ld..%ld\n", names[ch - 0x140], lo[ch - 0x140],
+                        hi[ch - 0x140]);
+                return 2;
+            }
+            if (ch == 0x140)
+                o.pool_size = v == 0 ? -1 : (int)v; /* 0: no spares (the driver's -1) */
+            else if (ch == 0x141)
+                o.pool_memory_mb = (int)v;
+            else
+                o.prebuild_sizes = (int)v;
             break;
         }
         case 'r':

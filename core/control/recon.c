@@ -275,6 +275,31 @@ static void on_driver_done(void *arg, const sp_err_t *err)
     record_outcome(t);
 }
 
+static void on_progress_written(void *arg, PGresult *res, const sp_err_t *err)
+{
+    if (err != NULL)
+        sp_log(SP_LOG_DEBUG, "recon", "progress not recorded err=%s", err->msg);
+}
+
+/* The driver says what a boot waits for (driver.h: sp_vm_spec_t.progress): the sandbox's
+ * unfinished operations show it (GET /v1/operations/{id}), and keep it once finished, so a
+ * client can tell afterwards which way its create went. Only slow paths are told: a create
+ * that clones or takes a spare costs no statement here. */
+static void on_boot_progress(void *arg, const char *what)
+{
+    struct task *t = arg;
+    if (t->r == NULL)
+        return;
+    sp_log(SP_LOG_INFO, "recon", "sandbox=%s progress=\"%s\"", t->id, what);
+    const char *p[] = {t->id, what};
+    sp_err_t e;
+    if (sp_store_query(t->r->store,
+                       "UPDATE operations SET progress = $2 WHERE sandbox_id = $1"
+                       " AND status IN ('pending', 'running') AND kind <> 'snapshot'",
+                       2, p, on_progress_written, NULL, &e) < 0)
+        sp_log(SP_LOG_DEBUG, "recon", "progress not recorded sandbox=%s err=%s", t->id, e.msg);
+}
+
 static void run_driver(struct task *t)
 {
     sp_driver_t *d = t->r->driver;
@@ -292,6 +317,8 @@ static void run_driver(struct task *t)
     case SP_ACT_BOOT:
         /* Only a boot starts from the snapshot; a wake restores the sandbox's own state. */
         spec.snapshot_id = t->snapshot_id[0] ? t->snapshot_id : NULL;
+        spec.progress = on_boot_progress;
+        spec.progress_arg = t;
         rc = d->ops->boot(d, &spec, on_driver_done, t, &e);
         break;
     case SP_ACT_PAUSE:

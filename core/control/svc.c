@@ -147,6 +147,7 @@ void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
     SP_STORE_TIME(r, row, col + 6, o->created_at);
     SP_STORE_TIME(r, row, col + 7, o->finished_at);
     SP_STORE_TEXT(r, row, col + 8, o->snapshot_id);
+    SP_STORE_TEXT(r, row, col + 9, o->progress);
 }
 
 static bool op_finished(const sp_op_rec_t *o)

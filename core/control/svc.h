@@ -89,6 +89,7 @@ typedef struct {
     char created_at[32];
     char finished_at[32]; /* "" while unfinished */
     char snapshot_id[65]; /* kind "snapshot": the snapshot it takes (core/control/snap.h); else "" */
+    char progress[200];   /* what it waited for, when that took long (recon.c); "" when never */
 } sp_op_rec_t;
 
 /* An operation's columns as sp_svc_parse_op reads them, from operations aliased o: its
@@ -96,8 +97,9 @@ typedef struct {
 #define SP_SVC_OP_COLS                                                                             \
     "o.id, o.sandbox_id, o.kind, o.status, coalesce(o.error_code, ''), "                           \
     "coalesce(o.error_message, ''), (o.created_at) AT TIME ZONE 'UTC', "                           \
-    "(o.finished_at) AT TIME ZONE 'UTC', CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END"
-#define SP_SVC_OP_NCOLS 9
+    "(o.finished_at) AT TIME ZONE 'UTC', CASE WHEN o.kind = 'snapshot' THEN o.target ELSE '' END, " \
+    "coalesce(o.progress, '')"
+#define SP_SVC_OP_NCOLS 10
 
 /* Row row of r, from column col on (SP_SVC_OP_COLS selected there), into *o. */
 void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o);

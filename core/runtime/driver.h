@@ -37,6 +37,12 @@ typedef struct {
      * RNG seed and clock). cpu_count and memory_mb are the snapshot's, whatever the spec says.
      * NULL: from the template. */
     const char *snapshot_id;
+    /* boot only; NULL: not told. What the boot waits for when that takes long (a template
+     * snapshot being built for its size, a cold boot), as a short client-safe line such as
+     * "building template snapshot for 2 vCPU / 1024 MiB": called on the loop, zero or more
+     * times, never after the boot's cb. */
+    void (*progress)(void *arg, const char *what);
+    void *progress_arg;
 } sp_vm_spec_t;
 
 /* What a driver finds for a sandbox when asked (after a restart, say). */
@@ -116,6 +122,16 @@ typedef struct {
     int (*checkpoint_list)(sp_driver_t *d, const char *prefix,
                            void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
                            void *arg, sp_err_t *err);
+    /* Optional: boots of template_name (NULL: "base") sized cpu_count vCPUs and memory_mb MiB
+     * (0: the template's default) are expected: make what such a boot starts from ahead of
+     * time (the QEMU driver: the template snapshot of that size) in the background, only while
+     * the host is not booting anything, so that no boot waits for it. Synchronous and cheap (a
+     * few small file reads): 1 when it is ready now, 0 when it is queued or being made, -1
+     * with err when it cannot be (SP_ENOTFOUND: the template is not built here; SP_ECONFLICT:
+     * this driver makes none, e.g. cold boots configured; SP_EUNAVAIL: too many queued).
+     * NULL: not supported. */
+    int (*prepare)(sp_driver_t *d, const char *template_name, int cpu_count, int memory_mb,
+                   sp_err_t *err);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */

@@ -95,6 +95,12 @@
  * beside them made the first command twice as slow). A driver kills the spares it finds at
  * start, and its own at sp_driver_destroy.
  *
+ * Template snapshots ahead (qemu/ahead.c, driver.h: prepare): sizes a caller expects are
+ * queued and, one at a time and only while nothing else boots, suspends or warms (the spares'
+ * rule), built as sp_qemu_template_snapshot builds them; one that is there already costs a stat.
+ * A sandbox boot that has to wait for a build, or boots cold, tells its caller so
+ * (sp_vm_spec_t.progress).
+ *
  * Clone boots of sandboxes queue when as many sandbox boots as the host has CPUs (at least 2)
  * are under way, and go first come first served as those come up: under load each create
  * then waits for a slot instead of all restoring at once and all answering last. Their boot

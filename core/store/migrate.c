@@ -325,6 +325,13 @@ static const char *const migrations[] = {
      * for rows written before, until spaced converts them at start (sp_tokens_convert). */
     "ALTER TABLE sandboxes ALTER COLUMN access_token DROP NOT NULL,"
     "  ADD COLUMN token_salt text, ADD COLUMN token_hash text UNIQUE;",
+    /* 13: template snapshots made ahead (core/control/sizes.h). operations.progress: what a
+     * lifecycle action waits for when that takes long (a template snapshot being built for
+     * the sandbox's size, a cold boot), kept once it finished. sandboxes_created: the sizes
+     * created in the last day are read from the sandboxes themselves (deleted rows stay),
+     * by creation time. */
+    "ALTER TABLE operations ADD COLUMN progress text;"
+    "CREATE INDEX sandboxes_created ON sandboxes (created_at);",
 };
 
 int sp_migrate_latest(void)

@@ -899,6 +899,16 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
     admit_queued(d); /* after the walk: an admitted boot may free a VM */
 }
 
+void sp_qemu__boot_progress(struct vm *vm, const char *what, const char *why)
+{
+    if (vm->progress == NULL || vm->boot_w == NULL || vm->pooled)
+        return; /* nobody to tell, or its caller was answered already */
+    char line[200];
+    sp_qemu__sfmt(line, sizeof line, "%s for %d vCPU / %d MiB%s%s", what, vm->cpu_count,
+                  vm->memory_mb, why != NULL ? ": " : "", why != NULL ? why : "");
+    vm->progress(vm->progress_arg, line);
+}
+
 /* Where a boot goes once the accelerator is known: own snapshot, cold, or clone. */
 static void boot_begin(struct vm *vm)
 {
@@ -925,6 +935,7 @@ static void boot_begin(struct vm *vm)
         return;
     }
     if (t == NULL) {
+        sp_qemu__boot_progress(vm, "booting cold", "no template snapshot can be made");
         vm->cold = true;
         start_disk(vm);
         return;
@@ -953,6 +964,7 @@ static void boot_begin(struct vm *vm)
         start_disk(vm);
         return;
     case TS_BUILDING:
+        sp_qemu__boot_progress(vm, "building template snapshot", NULL);
         vm->ph = PH_WAIT_TSNAP;
         vm->tsnap_wait = t;
         return;
@@ -960,6 +972,7 @@ static void boot_begin(struct vm *vm)
         sp_log(SP_LOG_INFO, "qemu",
                "cold boot sandbox=%s reason=\"template snapshot %s failed recently\"", vm->id,
                t->key);
+        sp_qemu__boot_progress(vm, "booting cold", "its template snapshot failed recently");
         vm->cold = true;
         start_disk(vm);
         return;

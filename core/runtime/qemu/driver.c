@@ -431,6 +431,7 @@ void sp_qemu__vm_finish(struct vm *vm)
         vm->clone_src = NULL;
         vm->tsnap_wait = NULL;
         vm->cold = true;
+        sp_qemu__boot_progress(vm, "booting cold", "the clone of its template snapshot failed");
         vm->snap_step = SN_NONE;
         vm->paused = false;
         vm->ph = PH_WAIT_ACCEL;
@@ -659,6 +660,13 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
                 sp_qemu__pool_seen(d, pw);
                 seen = true;
             }
+            /* A spare skips the boot queue (admit_queued), and rightly: the queue keeps
+             * restores from all running at once, and a ready spare needs no restore (a
+             * rename, `cont` and IDENTITY: milliseconds of CPU). One still restoring was
+             * started under the pool's own rule (nothing else booting) and is counted as a
+             * boot in flight from here on; one not yet started goes through boot_begin like
+             * any clone boot, and so through the queue. Queueing a ready one behind restores
+             * would make its create wait seconds for nothing. */
             struct vm *spare = sp_qemu__pool_pick(d, key);
             if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
                 free(tp);
@@ -674,6 +682,8 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     if (vm == NULL)
         return -1;
     vm->pool_seen = seen;
+    vm->progress = spec->progress;
+    vm->progress_arg = spec->progress_arg;
     vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
     vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
@@ -1029,6 +1039,7 @@ static void q_free(sp_driver_t *base)
     sp_timer_stop(&d->kick_timer);
     sp_timer_stop(&d->console_timer);
     sp_timer_stop(&d->pool_timer);
+    sp_qemu__ahead_free(d);
     sp_qemu__pool_metrics_stop(d);
     while (d->wants != NULL) {
         struct poolwant *w = d->wants;
@@ -1073,6 +1084,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,
     .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,
+    .prepare = sp_qemu__q_prepare,
 };
 
 /* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's
@@ -1150,6 +1162,7 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
     sp_timer_init(&d->kick_timer, loop, sp_qemu__on_kick, d);
     sp_timer_init(&d->console_timer, loop, on_console_tick, d);
     sp_timer_init(&d->pool_timer, loop, sp_qemu__on_pool_timer, d);
+    sp_timer_init(&d->ahead_timer, loop, sp_qemu__on_ahead_timer, d);
     {
         long ps = o->pool_size;
         const char *env = getenv("SPACE_POOL_SIZE");

@@ -236,6 +236,17 @@ static void pool_trim(sp_qemu_t *d, struct poolwant *w, int excess)
     }
 }
 
+bool sp_qemu__host_busy(const sp_qemu_t *d)
+{
+    for (const struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->tsnap_req)
+            continue; /* no QEMU: its builder, if any, is a VM of its own */
+        if (v->ph < PH_UP || v->ph == PH_SUSPENDING || (v->pooled && !v->pool_ready))
+            return true;
+    }
+    return false;
+}
+
 /* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go) and drops the spares
  * beyond each size's target, then starts the next missing spare of the most recently used
  * size, within the memory budget, one at a time and only when no other boot is in flight: a
@@ -273,13 +284,9 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
     }
     if (d->wants == NULL || d->pool_size <= 0 || d->accel < 0)
         return;
-    for (struct vm *v = d->vms; v != NULL; v = v->next) {
-        if (v->tsnap_req)
-            continue;
-        if (v->ph < PH_UP || v->ph == PH_SUSPENDING || (v->pooled && !v->pool_ready)) {
-            sp_timer_start(&d->pool_timer, SP_QEMU_POOL_TICK_MS);
-            return;
-        }
+    if (sp_qemu__host_busy(d)) {
+        sp_timer_start(&d->pool_timer, SP_QEMU_POOL_TICK_MS);
+        return;
     }
     uint64_t wait = 60000; /* idle sizes, and targets that decay, are looked at within a minute */
     uint64_t used = pool_used_mb(d);
@@ -482,6 +489,7 @@ int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb,
     sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s", ndir);
     vm->pooled = false;
     vm->pool_ready = false;
+    vm->pool_seen = true; /* q_boot counted its create; boot_begin must not count it again */
     free(vm->hostname);
     vm->hostname = host;
     free(vm->env_json);
@@ -589,6 +597,7 @@ void sp_qemu__pool_metrics_start(sp_qemu_t *d)
     sp_metrics_declare(&m_target);
     sp_metrics_declare(&m_mem);
     sp_qemu__tsnap_metrics_declare();
+    sp_qemu__ahead_metrics_declare();
     if (sp_metrics_collector_add(pool_collect, d) < 0)
         sp_log(SP_LOG_WARN, "qemu", "spare pool metrics off: out of memory");
 }

@@ -14,6 +14,7 @@
  *   sums.c      snapshot checksums and the RAM delta filter, off the loop
  *   tsnap.c     template snapshots: keys, builders, warmup, commit, collection
  *   pool.c      spare clones
+ *   ahead.c     template snapshots of expected sizes, built ahead while the host is idle
  *   util.c      small helpers: files, child processes, cgroups, console log
  *   confine.c   the jail each QEMU runs in (core/runtime/jail.h), its uid, the refusals
  *               without seccomp or cgroups
@@ -75,6 +76,7 @@
                                      * commands, not a spare's restore, get the CPUs */
 #define SP_QEMU_POOL_RETRY_MS  60000u     /* after a spare failed to come up */
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
+#define SP_QEMU_AHEAD_MAX      64u        /* sizes waiting to be made ahead, at most */
 #define SP_QEMU_QUEUE_POLL_MS  50u        /* queued clone boots look for a free slot this often */
 #define SP_QEMU_QUEUE_TIMEOUT_MULT 5u     /* a queued clone boot gives up after this many boot
                                            * timeouts in the queue */
@@ -230,6 +232,10 @@ struct vm {
     bool boot_failed;
     sp_err_t boot_err;
     struct waiter *boot_w, *destroy_w;
+    /* a sandbox's boot: told what it waits for (driver.h: sp_vm_spec_t.progress) while
+     * boot_w still holds its caller */
+    void (*progress)(void *arg, const char *what);
+    void *progress_arg;
     /* suspend / restore */
     bool restoring;
     struct waiter *snap_w;
@@ -302,6 +308,17 @@ struct poolwant {
     uint64_t retry_ms; /* no new spare before this (one failed) */
 };
 
+/* A size whose template snapshot is wanted ahead of its creates (driver.h: prepare), made by
+ * ahead.c one at a time while the host is idle. */
+struct ahead {
+    struct ahead *next; /* oldest first */
+    sp_qemu_t *d;
+    char template_name[160];
+    int cpu_count, memory_mb; /* resolved (never 0) */
+    bool asked;               /* its sp_qemu_template_snapshot request is out */
+    sp_qemu_tsnap_info_t info;
+};
+
 /* The driver (sp_driver_t first: the ops get it as their base). */
 struct sp_qemu {
     sp_driver_t base;
@@ -335,6 +352,9 @@ struct sp_qemu {
     sp_timer_t pool_timer;
     struct poolwant *wants;
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+    struct ahead *aheads;      /* template snapshots to make ahead (ahead.c) */
+    int naheads;
+    sp_timer_t ahead_timer;
     int boot_slots; /* sandbox boots in flight at most (the host's CPUs, at least 2); clone
                      * boots beyond it queue, first come first served */
     /* confinement (confine.c) */
@@ -391,6 +411,8 @@ extern const sp_driver_ops_t sp_qemu__ops;
 /* ---- boot.c: from boot_begin to up; the probes ---- */
 
 void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail);
+/* Tells a sandbox boot's caller what it waits for: "<what> for N vCPU / M MiB[: why]". */
+void sp_qemu__boot_progress(struct vm *vm, const char *what, const char *why);
 void sp_qemu__qmp_try_connect(struct vm *vm);
 void sp_qemu__on_qmp_timer(sp_timer_t *t, void *arg);
 void sp_qemu__send_identity(struct vm *vm);
@@ -524,6 +546,20 @@ void sp_qemu__pool_count(bool hit);
 /* The pool's size as a gauge, read at each scrape while the driver lives. */
 void sp_qemu__pool_metrics_start(sp_qemu_t *d);
 void sp_qemu__pool_metrics_stop(sp_qemu_t *d);
+
+/* Whether the host is busy with CPU-heavy VM work: a boot (sandbox's, spare's or template
+ * snapshot builder's) or a suspend under way, or a spare being warmed. Spares and snapshots
+ * made ahead wait for it to end. */
+bool sp_qemu__host_busy(const sp_qemu_t *d);
+
+/* ---- ahead.c: template snapshots made ahead ---- */
+
+int sp_qemu__q_prepare(sp_driver_t *base, const char *template_name, int cpu_count, int memory_mb,
+                       sp_err_t *err);
+void sp_qemu__ahead_kick(sp_qemu_t *d);
+void sp_qemu__on_ahead_timer(sp_timer_t *t, void *arg);
+void sp_qemu__ahead_free(sp_qemu_t *d);
+void sp_qemu__ahead_metrics_declare(void);
 
 /* ---- confine.c: the jail ---- */
 
