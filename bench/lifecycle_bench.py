@@ -35,7 +35,7 @@ The first create of a new size (BENCH_ONLY=sizes, also at the end of a full run)
 template snapshot exists for, 1 vCPU and an odd memory size each, on a fresh database per build:
   - "seen": a sandbox of that size was created in the last day (a deleted row, as another
     worker or an earlier template version would have left it), spaced restarted; the bench
-    waits until the snapshot exists (at most 120 s: a build without snapshots made ahead never
+    waits until the snapshot exists (at most 60 s: a build without snapshots made ahead never
     makes it) and the host is quiet, then times create -> first command;
   - "never seen": the same without the row: the create builds its snapshot (today's first
     create of any new size).
@@ -390,7 +390,7 @@ def sizes_case(binary, data, pg, db, seen, unseen):
                  " 'seen%d', id, 'base', 1, %d, 'tokseen%d', 'deleted', 'deleted',"
                  " now() - interval '1 hour' FROM teams LIMIT 1" % (i, mem, i))
         sp.start()
-        end = time.monotonic() + 120
+        end = time.monotonic() + 60
         while time.monotonic() < end and not all(size_dirs(data, m) for m in seen):
             time.sleep(0.5)
         ahead = all(size_dirs(data, m) for m in seen)
