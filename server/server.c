@@ -1170,13 +1170,6 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_svc_t *svc = store ? sp_svc_create(s.loop, store, hashkey, &e) : NULL;
     if (svc != NULL)
         sp_svc_set_quota_defaults(svc, &o->quota);
-    /* With a master key, the database alone cannot make a sandbox's token (tokens.h). */
-    if (svc != NULL && msrc != SP_SECRETS_KEY_NONE && sp_svc_set_token_master(svc, mkey, &e) < 0)
-        goto out_srv;
-    if (svc != NULL && msrc == SP_SECRETS_KEY_NONE)
-        sp_log(SP_LOG_WARN, "server", "sandbox tokens from the database's key: without a master "
-                                      "key (SPACE_MASTER_KEY or --master-key-file) whoever reads "
-                                      "the database can recompute them");
     sp_admin_t *admin = store ? sp_admin_create(store, hashkey) : NULL;
     sp_secrets_t *secrets = NULL;
     sp_mitm_t *mitm = NULL;
@@ -1188,6 +1181,14 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         fprintf(stderr, "spaced: egress proxy: %s\n", e.msg);
         goto out_srv;
     }
+    /* With a master key, the database alone cannot make a sandbox's token (tokens.h). After
+     * every pointer out_srv frees is set: a jump from before them read them uninitialized. */
+    if (svc != NULL && msrc != SP_SECRETS_KEY_NONE && sp_svc_set_token_master(svc, mkey, &e) < 0)
+        goto out_srv;
+    if (svc != NULL && msrc == SP_SECRETS_KEY_NONE)
+        sp_log(SP_LOG_WARN, "server", "sandbox tokens from the database's key: without a master "
+                                      "key (SPACE_MASTER_KEY or --master-key-file) whoever reads "
+                                      "the database can recompute them");
     if (egress != NULL)
         sp_svc_set_egress_hook(svc, egress_policy_changed, egress);
     const char *runtime = o->runtime ? o->runtime : "qemu";
