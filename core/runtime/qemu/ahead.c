@@ -59,13 +59,9 @@ int sp_qemu__q_prepare(sp_driver_t *base, const char *template_name, int cpu_cou
     const char *tname = template_name != NULL ? template_name : "base";
     if (strlen(tname) >= sizeof(((struct ahead *)0)->template_name))
         return sp_err_set(err, SP_EINVAL, "template name too long");
-    bool oom;
-    sp_err_t te;
-    sp_tmplbuild_paths_t *tp = sp_qemu__template_current(d, tname, &oom, &te);
-    if (tp == NULL && oom)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    sp_tmplbuild_paths_t *tp = sp_qemu__template_for(d, tname, err);
     if (tp == NULL)
-        return sp_err_set(err, SP_ENOTFOUND, "template %.64s is not built on this host", tname);
+        return -1;
     int cpus = sp_qemu__vm_cpus(tp, cpu_count), mem = sp_qemu__vm_memory(tp, memory_mb);
     char key[17];
     int have = -1; /* unknown until the accelerator is (keys depend on it) */

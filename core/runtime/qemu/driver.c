@@ -707,6 +707,19 @@ sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *
     return tp;
 }
 
+sp_tmplbuild_paths_t *sp_qemu__template_for(const sp_qemu_t *d, const char *tname, sp_err_t *err)
+{
+    bool oom;
+    sp_err_t te;
+    sp_tmplbuild_paths_t *tp = sp_qemu__template_current(d, tname, &oom, &te);
+    if (tp == NULL && oom)
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+    else if (tp == NULL)
+        sp_err_set(err, te.code == SP_EINVAL ? SP_EINVAL : SP_ENOTFOUND,
+                   "template %.64s is not built on this host", tname);
+    return tp;
+}
+
 /* The vCPUs of a VM of template build tp when cpu_count are asked (0: the template's). */
 int sp_qemu__vm_cpus(const sp_tmplbuild_paths_t *tp, int cpu_count)
 {

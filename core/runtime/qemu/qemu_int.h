@@ -392,6 +392,9 @@ void sp_qemu__vm_unlink(struct vm *vm);
 struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id);
 sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *tname, bool *oom,
                                                 sp_err_t *te);
+/* sp_qemu__template_current for a request naming tname: NULL with err set when it cannot be
+ * used (SP_EINTERNAL: out of memory; SP_EINVAL: a bad name; else SP_ENOTFOUND). */
+sp_tmplbuild_paths_t *sp_qemu__template_for(const sp_qemu_t *d, const char *tname, sp_err_t *err);
 int sp_qemu__vm_cpus(const sp_tmplbuild_paths_t *tp, int cpu_count);
 int sp_qemu__vm_memory(const sp_tmplbuild_paths_t *tp, int memory_mb);
 struct vm *sp_qemu__vm_new_boot(sp_qemu_t *d, const char *id, sp_tmplbuild_paths_t *tp,

@@ -802,14 +802,9 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
     if (d->cold_only)
         return sp_err_set(err, SP_ECONFLICT, "template snapshots are off (cold boot configured)");
     const char *tname = template_name != NULL ? template_name : "base";
-    bool oom;
-    sp_err_t te;
-    sp_tmplbuild_paths_t *tp = sp_qemu__template_current(d, tname, &oom, &te);
-    if (tp == NULL && oom)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    sp_tmplbuild_paths_t *tp = sp_qemu__template_for(d, tname, err);
     if (tp == NULL)
-        return sp_err_set(err, te.code == SP_EINVAL ? SP_EINVAL : SP_ENOTFOUND,
-                          "template %.64s is not built on this host", tname);
+        return -1;
     char id[SP_QEMU_ID_MAX + 1];
     /* ':' keeps it out of every API's reach */
     sp_qemu__sfmt(id, sizeof id, "tsreq:%u", ++d->req_seq);
