@@ -1073,6 +1073,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,
     .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,
+    .templates = sp_qemu__q_templates,
 };
 
 /* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's
