@@ -448,7 +448,9 @@ static const char *drain_ready_sql =
     " ORDER BY updated_at LIMIT " FLEET_DRAIN_BATCH;
 
 /* One sandbox at a time: one that finds no room stays suspended here until the next beat,
- * without holding the others back. */
+ * without holding the others back. The update states again what p read, so that a change
+ * committed meanwhile (a delete, a wake placed elsewhere, an undrain) is seen on the row it
+ * waited for and wins, rather than being overwritten with the drain's desired state. */
 static const char *drain_move_sql =
     "WITH p AS (SELECT pl.wid, pl.wgen FROM sandboxes x CROSS JOIN LATERAL space_place("
     "   x.cpu_count, x.memory_mb, x.placement, x.template || coalesce('@' || x.template_version,"
@@ -458,8 +460,9 @@ static const char *drain_move_sql =
     " u AS (UPDATE sandboxes s SET worker_id = p.wid, worker_generation = p.wgen,"
     "   moved_from = s.worker_id, desired_state = s.moving, moving = NULL, claim_until = NULL,"
     "   last_activity_at = now(), updated_at = now()"
-    "  FROM p WHERE s.id = $1 AND s.worker_id = $2 RETURNING s.id, s.team_id, s.desired_state,"
-    "   p.wid),"
+    "  FROM p WHERE s.id = $1 AND s.worker_id = $2 AND s.moving IS NOT NULL"
+    "   AND s.observed_state = 'suspended' AND s.desired_state = 'suspended'"
+    "  RETURNING s.id, s.team_id, s.desired_state, p.wid),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
     "   u.id, u.team_id, 'drain', u.desired_state FROM u RETURNING 1),"

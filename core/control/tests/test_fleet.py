@@ -317,6 +317,33 @@ class FleetTest(unittest.TestCase):
         self.assertEqual(r["state"], "active")
         self.delete_all()
 
+    def test_f2_drain_there_and_back(self):
+        a, b, c = self.workers
+        admin = self.admin
+
+        def post(w, what):
+            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
+            self.assertEqual(st, 200, r)
+
+        try:
+            post(b, "drain")  # so that the unpinned create lands on a
+            post(c, "drain")
+            sid = self.created()
+            self.assertIs(self.placed_on(sid), a)
+            self.wait_state(sid, "running")
+            post(b, "undrain")
+            for src, dst in ((a, b), (b, a), (a, b), (b, a)):
+                post(src, "drain")
+                self.wait_for(lambda: self.placed_on(sid) is dst
+                              and self.state(sid)["state"] == "running",
+                              "running on %s" % self.wid[dst], 30)
+                self.assertEqual(fake_state(dst, sid), "running")
+                post(src, "undrain")
+        finally:
+            for w in self.workers:
+                self.api.request("POST", "/v1/workers/%s/undrain" % self.wid[w], key=admin)
+        self.delete_all()
+
     # ---- loss ----
 
     def wait_worker_state(self, w, want, timeout=20):

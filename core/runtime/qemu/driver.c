@@ -891,7 +891,11 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
         sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
         sp_qemu__rm_rf(vdir);
     }
-    sp_qemu__cg_remove(d, id);
+    /* Its group goes only if empty: no VM of ours is alive, so members would be another's. The
+     * fleet probes sandboxes that moved to another worker (core/control/fleet.c: comeback),
+     * and that worker's VM of the id may be in a group of the same name on this host. */
+    if (sp_cgroup_vm_remove_empty(d->cg, id) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot remove cgroup sandbox=%s err=%s", id, strerror(errno));
     return SP_VM_ABSENT;
 }
 
