@@ -9,7 +9,8 @@
  * counts; it suspends on A (then A's driver goes, as a worker would), and B wakes it: the file
  * is there and the process still counts; nothing of it is left in A's data dir nor in the
  * snapshot dir. Then it suspends on B and wakes on A again (a snapshot whose disk layers came
- * from the snapshot dir goes back there), and a delete removes everything everywhere.
+ * from the snapshot dir goes back there), and a delete removes everything everywhere. While it
+ * runs on B, a probe on A (which has nothing of it) leaves B's VM alone.
  * Skips (77) without QEMU or a built base template.
  */
 #include <errno.h>
@@ -139,6 +140,14 @@ int main(void)
     CHECK(!exists("%s/sandboxes/%s", snap_dir, id));
     CHECK(!exists("%s/vms/%s", vt_data_dir, id));
     CHECK(exists("%s/vms/%s/disk.qcow2", b_dir, id));
+
+    /* A, back (a worker restarted settles the sandboxes that moved away from it: fleet.c's
+     * comeback), probes it: nothing of it is A's, and B's VM of it lives on, though it is in
+     * a cgroup of the same name on this host */
+    a = worker(vt_data_dir);
+    CHECK(a->ops->probe(a, id) == SP_VM_ABSENT);
+    sp_driver_destroy(a);
+    check_alive(b, id, before);
 
     /* back to A: the snapshot's layers came from the snapshot dir and go back there */
     before = count_of(b, id);

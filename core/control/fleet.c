@@ -29,6 +29,8 @@ struct sp_fleet {
     char accel_file[4096];
     char version[32];
     char timeout_s[16], grace_s[16];
+    char *tmpl_sent; /* the templates text the row holds (NULL: not known to be written) */
+    char *tmpl_out;  /* the one the heartbeat in flight writes, or NULL */
     int beat_ms;
     sp_timer_t beat, sweep;
     uint64_t sweep_ok_since; /* loop ms: sweeps have succeeded since (0: the last one failed) */
@@ -139,6 +141,8 @@ static void reap(sp_fleet_t *f)
 {
     if (f->dying && f->inflight == 0) {
         free(f->labels);
+        free(f->tmpl_sent);
+        free(f->tmpl_out);
         free(f);
     }
 }
@@ -200,33 +204,43 @@ static void drain_step(sp_fleet_t *f);
 
 /* Both answer: the state the row had before this statement (read under the row's lock before
  * the write: the source of the INSERT, so a sweep that declared it lost meanwhile is seen),
- * the generation, and its state now. templates: '[]' for now; which template snapshots a
- * worker holds is the runtime's to tell. */
+ * the generation, and its state now. templates: what the driver holds template snapshots of
+ * (templates_json); the heartbeat writes it only when it changed ($3 NULL otherwise). */
 static const char *register_sql =
     "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE),"
     " v AS (SELECT coalesce((SELECT state FROM prev), 'new') AS was)"
     " INSERT INTO workers AS w (id, address, role, state, vcpus, memory_mb, accelerator, version,"
-    "  labels, started_at, heartbeat_at)"
-    " SELECT $1, $2, $3, 'active', $4::int, $5::int, $6, $7, $8::jsonb, now(), now() FROM v"
+    "  labels, templates, started_at, heartbeat_at)"
+    " SELECT $1, $2, $3, 'active', $4::int, $5::int, $6, $7, $8::jsonb, $9::jsonb, now(), now()"
+    " FROM v"
     " ON CONFLICT (id) DO UPDATE SET address = excluded.address, role = excluded.role,"
     "  vcpus = excluded.vcpus, memory_mb = excluded.memory_mb,"
     "  accelerator = excluded.accelerator, version = excluded.version,"
-    "  labels = excluded.labels, started_at = now(), heartbeat_at = now(),"
+    "  labels = excluded.labels, templates = excluded.templates, started_at = now(),"
+    "  heartbeat_at = now(),"
     "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
     " RETURNING (SELECT was FROM v), w.generation, w.state";
 
 static const char *beat_sql =
     "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE)"
     " UPDATE workers w SET heartbeat_at = now(), accelerator = $2,"
+    "  templates = coalesce($3::jsonb, w.templates),"
     "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
     " FROM prev WHERE w.id = $1 RETURNING prev.state, w.generation, w.state";
 
 static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
 {
     sp_timer_start(&f->beat, (uint64_t)f->beat_ms);
+    char *out = f->tmpl_out;
+    f->tmpl_out = NULL;
     if (err != NULL) {
+        free(out);
         sp_log(SP_LOG_WARN, "fleet", "heartbeat failed err=%s", err->msg);
         return;
+    }
+    if (out != NULL) {
+        free(f->tmpl_sent);
+        f->tmpl_sent = out;
     }
     if (PQntuples(res) != 1) { /* the row is gone (removed by an operator): register again */
         f->registered = false;
@@ -250,11 +264,63 @@ static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const c
         drain_step(f);
 }
 
+/* ---- the templates a worker holds snapshots of ---- */
+
+/* One template size into the object templates_json builds: name -> [{cpu_count, memory_mb,
+ * spares}], sizes in order, one entry per size. */
+static void template_add(const char *name, int cpu_count, int memory_mb, int spares, void *arg)
+{
+    json_t *o = arg, *a = json_object_get(o, name);
+    if (a == NULL &&
+        (json_object_set_new(o, name, json_array()) < 0 || (a = json_object_get(o, name)) == NULL))
+        return;
+    size_t i;
+    for (i = 0; i < json_array_size(a); i++) {
+        json_t *e = json_array_get(a, i);
+        int c = (int)json_integer_value(json_object_get(e, "cpu_count"));
+        int m = (int)json_integer_value(json_object_get(e, "memory_mb"));
+        if (c == cpu_count && m == memory_mb) { /* two snapshots of one size: one entry */
+            json_object_set_new(
+                e, "spares",
+                json_integer(json_integer_value(json_object_get(e, "spares")) + spares));
+            return;
+        }
+        if (c > cpu_count || (c == cpu_count && m > memory_mb))
+            break;
+    }
+    json_array_insert_new(a, i,
+                          json_pack("{s:i, s:i, s:i}", "cpu_count", cpu_count, "memory_mb",
+                                    memory_mb, "spares", spares));
+}
+
+/* What the row's templates column says (migration 10; space_place prefers a worker whose
+ * object has the template's key): the template sizes the driver holds a ready snapshot of, as
+ * compact JSON text with sorted keys, so that the same holding gives the same text. NULL when
+ * out of memory. */
+static char *templates_json(const sp_fleet_t *f)
+{
+    json_t *o = json_object();
+    if (o == NULL)
+        return NULL;
+    if (f->driver != NULL && f->driver->ops->templates != NULL)
+        f->driver->ops->templates(f->driver, template_add, o);
+    char *text = json_dumps(o, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(o);
+    return text;
+}
+
 static void on_beat(sp_timer_t *t, void *arg)
 {
     sp_fleet_t *f = arg;
     char accel[32];
     accel_now(f, accel, sizeof(accel));
+    free(f->tmpl_out);
+    f->tmpl_out = templates_json(f);
+    if (f->registered && f->tmpl_out != NULL && f->tmpl_sent != NULL &&
+        strcmp(f->tmpl_out, f->tmpl_sent) == 0) { /* unchanged: not written again */
+        free(f->tmpl_out);
+        f->tmpl_out = NULL;
+    }
     int rc;
     if (!f->registered) {
         const char *p[] = {f->id,
@@ -264,14 +330,18 @@ static void on_beat(sp_timer_t *t, void *arg)
                            f->memory_mb[0] ? f->memory_mb : NULL,
                            accel,
                            f->version,
-                           f->labels};
-        rc = fq_send(f, register_sql, 8, p, beat_done, NULL);
+                           f->labels,
+                           f->tmpl_out != NULL ? f->tmpl_out : "{}"};
+        rc = fq_send(f, register_sql, 9, p, beat_done, NULL);
     } else {
-        const char *p[] = {f->id, accel};
-        rc = fq_send(f, beat_sql, 2, p, beat_done, NULL);
+        const char *p[] = {f->id, accel, f->tmpl_out};
+        rc = fq_send(f, beat_sql, 3, p, beat_done, NULL);
     }
-    if (rc < 0)
+    if (rc < 0) {
+        free(f->tmpl_out);
+        f->tmpl_out = NULL;
         sp_timer_start(&f->beat, (uint64_t)f->beat_ms);
+    }
 }
 
 /* ---- comeback: re-adoption and fencing ---- */
@@ -378,7 +448,9 @@ static const char *drain_ready_sql =
     " ORDER BY updated_at LIMIT " FLEET_DRAIN_BATCH;
 
 /* One sandbox at a time: one that finds no room stays suspended here until the next beat,
- * without holding the others back. */
+ * without holding the others back. The update states again what p read, so that a change
+ * committed meanwhile (a delete, a wake placed elsewhere, an undrain) is seen on the row it
+ * waited for and wins, rather than being overwritten with the drain's desired state. */
 static const char *drain_move_sql =
     "WITH p AS (SELECT pl.wid, pl.wgen FROM sandboxes x CROSS JOIN LATERAL space_place("
     "   x.cpu_count, x.memory_mb, x.placement, x.template || coalesce('@' || x.template_version,"
@@ -388,8 +460,9 @@ static const char *drain_move_sql =
     " u AS (UPDATE sandboxes s SET worker_id = p.wid, worker_generation = p.wgen,"
     "   moved_from = s.worker_id, desired_state = s.moving, moving = NULL, claim_until = NULL,"
     "   last_activity_at = now(), updated_at = now()"
-    "  FROM p WHERE s.id = $1 AND s.worker_id = $2 RETURNING s.id, s.team_id, s.desired_state,"
-    "   p.wid),"
+    "  FROM p WHERE s.id = $1 AND s.worker_id = $2 AND s.moving IS NOT NULL"
+    "   AND s.observed_state = 'suspended' AND s.desired_state = 'suspended'"
+    "  RETURNING s.id, s.team_id, s.desired_state, p.wid),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
     "   u.id, u.team_id, 'drain', u.desired_state FROM u RETURNING 1),"

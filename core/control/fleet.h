@@ -2,7 +2,8 @@
  * fleet.h - many hosts over one PostgreSQL: a node's part in the fleet of workers.
  *
  * A worker (role all or worker) registers its row in `workers` (core/store/migrate.c, schema
- * 10) as it starts and heartbeats every heartbeat-timeout / 4. When its heartbeat resumes after
+ * 10) as it starts and heartbeats every heartbeat-timeout / 4, keeping the row's templates
+ * current (what its driver holds ready template snapshots of: placement prefers it for them). When its heartbeat resumes after
  * it was declared lost, it settles what was placed on it: within the grace it re-adopts each
  * lost sandbox whose VM its driver still has alive; a VM of a sandbox lost past the grace,
  * deleted meanwhile or placed elsewhere since, it stops (fencing: it never runs one twice). A

@@ -648,6 +648,22 @@ int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id)
     return -1;
 }
 
+int sp_cgroup_vm_remove_empty(sp_cgroup_t *cg, const char *id)
+{
+    if (cg == NULL || cg->kind == SP_CGROUP_NONE || !valid_name(id))
+        return 0;
+    char dirs[C_N][PATH_MAX];
+    int nd = vm_dirs(cg, id, dirs);
+    int e = 0;
+    for (int i = 0; i < nd; i++)
+        if (rmdir(dirs[i]) < 0 && errno != ENOENT && errno != EBUSY && e == 0)
+            e = errno; /* EBUSY: it has members */
+    if (e == 0)
+        return 0;
+    errno = e;
+    return -1;
+}
+
 int sp_cgroup_vm_rename(sp_cgroup_t *cg, const char *from, const char *to)
 {
     if (cg == NULL || cg->kind == SP_CGROUP_NONE)

@@ -113,6 +113,12 @@ bool sp_cgroup_vm_exists(const sp_cgroup_t *cg, const char *id);
  * -1 with errno when a group stays. */
 int sp_cgroup_vm_remove(sp_cgroup_t *cg, const char *id);
 
+/* Removes VM id's groups that no process is in, and kills nothing: a group with members is left
+ * as it is (0). For the leftovers of a VM known dead, whose group's members, if any, are not
+ * its: another spaced's VM of the same id on this host (groups are named by sandbox id alone).
+ * -1 with errno when an empty group cannot be removed. */
+int sp_cgroup_vm_remove_empty(sp_cgroup_t *cg, const char *id);
+
 /* Renames VM from's groups to VM to's (a spare clone taken by a sandbox,
  * core/runtime/qemu/pool.c); the members stay where they are. 0 when done or when there are no groups; -1 with errno when a
  * rename failed (the ones already done are undone). */

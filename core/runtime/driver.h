@@ -132,6 +132,15 @@ typedef struct {
      * NULL: not supported. */
     int (*prepare)(sp_driver_t *d, const char *template_name, int cpu_count, int memory_mb,
                    sp_err_t *err);
+    /* Optional, synchronous, no I/O: fn once for each template size this driver holds a ready
+     * template snapshot of (a create of that template and size clones it rather than booting
+     * cold): the template as sp_vm_spec_t.template_name names it ("name" or "name@version"),
+     * the size, and how many spare clones of it are ready. fn must not call the driver. NULL:
+     * the driver keeps none. */
+    void (*templates)(sp_driver_t *d,
+                      void (*fn)(const char *template_name, int cpu_count, int memory_mb,
+                                 int spares, void *arg),
+                      void *arg);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */

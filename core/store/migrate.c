@@ -250,8 +250,9 @@ static const char *const migrations[] = {
      * taken is the sum over the sandboxes placed on it (sandboxes.worker_id) that are desired
      * running or paused. generation counts the times it was declared lost: a sandbox records
      * the generation of the worker it was placed on (worker_generation), so a worker that
-     * comes back never acts on a sandbox placed again since (fencing). templates lists the
-     * template keys ("name" or "name@version") with a snapshot ready there, for locality.
+     * comes back never acts on a sandbox placed again since (fencing). templates: the
+     * template keys ("name" or "name@version") with a snapshot ready there, for locality (the
+     * worker's heartbeat writes an object of them, each with its sizes: core/control/fleet.c).
      * sandboxes.placement holds the labels a create pinned (a jsonb object that the worker's
      * labels must contain). lost_at: when the sandbox's memory was lost with its worker.
      * leases: one row per singleton job (the fleet sweep), held by one node until 'until'. */

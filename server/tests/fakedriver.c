@@ -27,6 +27,10 @@
  * worker, like --snapshot-dir), a suspend also writes <shared>/<id> and a restore on a worker
  * that has no suspended state of its own for the sandbox starts from that file (and removes it
  * once running), so a sandbox suspended on one worker wakes on another.
+ *
+ * Template snapshots: the first boot of a template at a size that succeeds makes one (in
+ * memory, as the QEMU driver's records are until used after a restart); templates() lists
+ * them, with no spares.
  */
 #include <errno.h>
 #include <jansson.h>
@@ -51,6 +55,13 @@ struct vm {
     struct vm *next;
 };
 
+/* A "template snapshot": a template at a size some boot made (templates()). */
+struct tmpl {
+    char name[160];
+    int cpu_count, memory_mb;
+    struct tmpl *next;
+};
+
 typedef struct {
     sp_driver_t base;
     char dir[4096];
@@ -58,6 +69,7 @@ typedef struct {
     unsigned delay_ms;
     const char *agent_bin; /* NULL: no agents */
     struct vm *vms;
+    struct tmpl *tmpls;
 } fake_t;
 
 struct job {
@@ -65,8 +77,10 @@ struct job {
     sp_timer_t timer;
     char id[65];
     char action[16];
-    char to[16]; /* state file content after success; "" = remove */
-    char ckpt[72]; /* checkpoint: the snapshot to write on success */
+    char to[16];    /* state file content after success; "" = remove */
+    char ckpt[72];  /* checkpoint: the snapshot to write on success */
+    char tmpl[160]; /* boot from a template: its name ("" otherwise) */
+    int cpu_count, memory_mb;
     bool fail;
     sp_driver_cb cb;
     void *arg;
@@ -259,6 +273,25 @@ static void agent_kill(fake_t *f, const char *id)
     unlink(p);
 }
 
+/* A boot from a template succeeded: the template at that size has a snapshot from now on. */
+static void tmpl_note(const struct job *j)
+{
+    if (j->tmpl[0] == '\0')
+        return;
+    for (const struct tmpl *t = j->f->tmpls; t != NULL; t = t->next)
+        if (strcmp(t->name, j->tmpl) == 0 && t->cpu_count == j->cpu_count &&
+            t->memory_mb == j->memory_mb)
+            return;
+    struct tmpl *t = calloc(1, sizeof(*t));
+    if (t == NULL)
+        return;
+    snprintf(t->name, sizeof(t->name), "%s", j->tmpl);
+    t->cpu_count = j->cpu_count;
+    t->memory_mb = j->memory_mb;
+    t->next = j->f->tmpls;
+    j->f->tmpls = t;
+}
+
 static void job_finish(struct job *j, const sp_err_t *err)
 {
     if (err != NULL) {
@@ -266,6 +299,7 @@ static void job_finish(struct job *j, const sp_err_t *err)
     } else {
         write_state(j->f, j->id, j->to);
         shared_note(j->f, j->id, j->action);
+        tmpl_note(j);
         j->cb(j->arg, NULL);
     }
     free(j);
@@ -328,13 +362,15 @@ static void on_job(sp_timer_t *t, void *arg)
     } else {
         write_state(j->f, j->id, j->to);
         shared_note(j->f, j->id, j->action);
+        tmpl_note(j);
         j->cb(j->arg, NULL);
     }
     free(j);
 }
 
 static int start_ckpt(fake_t *f, const char *id, const char *action, const char *to, bool fail,
-                      const char *ckpt, sp_driver_cb cb, void *arg, sp_err_t *err)
+                      const char *ckpt, const sp_vm_spec_t *tmpl, sp_driver_cb cb, void *arg,
+                      sp_err_t *err)
 {
     if (!sp_ids_valid(id))
         return sp_err_set(err, SP_EINVAL, "bad id");
@@ -347,6 +383,11 @@ static int start_ckpt(fake_t *f, const char *id, const char *action, const char 
     snprintf(j->to, sizeof(j->to), "%s", to);
     j->fail = fail;
     snprintf(j->ckpt, sizeof(j->ckpt), "%s", ckpt ? ckpt : "");
+    if (tmpl != NULL && tmpl->template_name != NULL) {
+        snprintf(j->tmpl, sizeof(j->tmpl), "%s", tmpl->template_name);
+        j->cpu_count = tmpl->cpu_count;
+        j->memory_mb = tmpl->memory_mb;
+    }
     j->cb = cb;
     j->arg = arg;
     sp_timer_init(&j->timer, f->base.loop, on_job, j);
@@ -357,7 +398,7 @@ static int start_ckpt(fake_t *f, const char *id, const char *action, const char 
 static int start(fake_t *f, const char *id, const char *action, const char *to, bool fail,
                  sp_driver_cb cb, void *arg, sp_err_t *err)
 {
-    return start_ckpt(f, id, action, to, fail, NULL, cb, arg, err);
+    return start_ckpt(f, id, action, to, fail, NULL, NULL, cb, arg, err);
 }
 
 /* Whether the sandbox's env asks this action to fail; env is read from a side file
@@ -408,7 +449,8 @@ static int f_boot(sp_driver_t *d, const sp_vm_spec_t *s, sp_driver_cb cb, void *
         if (!ckpt_exists(f, s->snapshot_id))
             fail = true;
     }
-    return start(f, s->sandbox_id, "boot", "running", fail, cb, arg, e);
+    return start_ckpt(f, s->sandbox_id, "boot", "running", fail, NULL,
+                      s->snapshot_id == NULL ? s : NULL, cb, arg, e);
 }
 
 static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, sp_driver_cb cb,
@@ -423,8 +465,8 @@ static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, sp_dri
         return sp_err_set(e, SP_ECONFLICT, "the VM is %s", st);
     if (ckpt_exists(f, snap))
         return sp_err_set(e, SP_ECONFLICT, "snapshot %s exists", snap);
-    return start_ckpt(f, id, "checkpoint", st, wants_fail(f, id, "checkpoint", NULL), snap, cb,
-                      arg, e);
+    return start_ckpt(f, id, "checkpoint", st, wants_fail(f, id, "checkpoint", NULL), snap, NULL,
+                      cb, arg, e);
 }
 
 static int f_checkpoint_delete(sp_driver_t *d, const char *snap, sp_err_t *e)
@@ -539,9 +581,23 @@ static struct sp_agentconn *f_agent(sp_driver_t *d, const char *id)
     return v ? v->conn : NULL;
 }
 
+static void f_templates(sp_driver_t *d,
+                        void (*fn)(const char *template_name, int cpu_count, int memory_mb,
+                                   int spares, void *arg),
+                        void *arg)
+{
+    for (const struct tmpl *t = ((fake_t *)d)->tmpls; t != NULL; t = t->next)
+        fn(t->name, t->cpu_count, t->memory_mb, 0, arg);
+}
+
 static void f_free(sp_driver_t *d)
 {
     fake_t *f = (fake_t *)d;
+    while (f->tmpls != NULL) {
+        struct tmpl *t = f->tmpls;
+        f->tmpls = t->next;
+        free(t);
+    }
     while (f->vms != NULL) { /* the agents keep running, like VMs across a restart */
         struct vm *v = f->vms;
         f->vms = v->next;
@@ -567,6 +623,7 @@ static const sp_driver_ops_t fake_ops = {
     .checkpoint = f_checkpoint,
     .checkpoint_delete = f_checkpoint_delete,
     .checkpoint_exists = f_checkpoint_exists,
+    .templates = f_templates,
 };
 
 sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)

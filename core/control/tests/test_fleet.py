@@ -2,7 +2,7 @@
 spaced-test process with its own data dir and port on the test driver, sharing a "snapshot
 directory" (SPACE_FAKE_SHARED_DIR) so a sandbox suspended on one worker wakes on another.
 Placement spreads creates by capacity and never overcommits a worker under concurrent creates;
-labels pin; /v1/workers is the admin key's; a drain moves every sandbox away; a worker that
+labels pin; a worker records the templates it holds snapshots of, and placement prefers it; /v1/workers is the admin key's; a drain moves every sandbox away; a worker that
 stops answering is declared lost (its running sandboxes "lost", its suspended ones wake
 elsewhere), re-adopts its sandboxes when it comes back within the grace, and stops the VM of a
 sandbox deleted meanwhile (fencing)."""
@@ -262,6 +262,30 @@ class FleetTest(unittest.TestCase):
         self.assertEqual(st, 503, r)
         self.delete_all()
 
+    def test_e2_template_locality(self):
+        # The worker that sorts last by id: with room equal everywhere, the one placement would
+        # pick last, were it not the one holding the template's snapshot.
+        t = max(self.workers, key=lambda w: self.wid[w])
+        zone = self.worker(t)["labels"]["zone"]
+        tmpl = "code-interpreter-v1"  # no other test creates it: no other worker holds it
+        sid = self.created(template=tmpl, placement={"labels": {"zone": zone}})
+        self.wait_state(sid, "running")
+        self.delete(sid)
+        self.wait_for(lambda: all(w["used"]["vcpus"] == 0 for w in self.list_workers()),
+                      "no sandbox left")
+        self.wait_for(lambda: tmpl in self.worker(t)["templates"], "the template recorded")
+        for w in self.list_workers():
+            if w["id"] == self.wid[t]:
+                self.assertEqual(w["templates"][tmpl],
+                                 [{"cpu_count": 1, "memory_mb": 256, "spares": 0}], w)
+            else:
+                self.assertNotIn(tmpl, w["templates"], w)
+        # unpinned: there (the second one too, though t has less room left by then)
+        sids = [self.created(template=tmpl) for _ in range(2)]
+        for sid in sids:
+            self.assertIs(self.placed_on(sid), t)
+        self.delete_all()
+
     # ---- drain ----
 
     def test_f_drain_moves_everything(self):
@@ -291,6 +315,33 @@ class FleetTest(unittest.TestCase):
         st, r = self.api.request("POST", "/v1/workers/%s/undrain" % self.wid[a], key=self.admin)
         self.assertEqual(st, 200, r)
         self.assertEqual(r["state"], "active")
+        self.delete_all()
+
+    def test_f2_drain_there_and_back(self):
+        a, b, c = self.workers
+        admin = self.admin
+
+        def post(w, what):
+            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
+            self.assertEqual(st, 200, r)
+
+        try:
+            post(b, "drain")  # so that the unpinned create lands on a
+            post(c, "drain")
+            sid = self.created()
+            self.assertIs(self.placed_on(sid), a)
+            self.wait_state(sid, "running")
+            post(b, "undrain")
+            for src, dst in ((a, b), (b, a), (a, b), (b, a)):
+                post(src, "drain")
+                self.wait_for(lambda: self.placed_on(sid) is dst
+                              and self.state(sid)["state"] == "running",
+                              "running on %s" % self.wid[dst], 30)
+                self.assertEqual(fake_state(dst, sid), "running")
+                post(src, "undrain")
+        finally:
+            for w in self.workers:
+                self.api.request("POST", "/v1/workers/%s/undrain" % self.wid[w], key=admin)
         self.delete_all()
 
     # ---- loss ----

@@ -914,7 +914,11 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
         sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
         sp_qemu__rm_rf(vdir);
     }
-    sp_qemu__cg_remove(d, id);
+    /* Its group goes only if empty: no VM of ours is alive, so members would be another's. The
+     * fleet probes sandboxes that moved to another worker (core/control/fleet.c: comeback),
+     * and that worker's VM of the id may be in a group of the same name on this host. */
+    if (sp_cgroup_vm_remove_empty(d->cg, id) < 0)
+        sp_log(SP_LOG_WARN, "qemu", "cannot remove cgroup sandbox=%s err=%s", id, strerror(errno));
     return SP_VM_ABSENT;
 }
 
@@ -1098,6 +1102,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,
     .prepare = sp_qemu__q_prepare,
+    .templates = sp_qemu__q_templates,
 };
 
 /* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's

@@ -189,6 +189,8 @@ struct tsnap {
     char tmp[PATH_MAX]; /* where the builder works: <vms>/.tsnap-<key>-<pid> (short paths for
                          * its unix sockets; no sandbox id starts with '.') */
     char template_name[160]; /* "name" or "name@hash" (a tagged version) */
+    /* the size it is of */
+    int cpu_count, memory_mb;
     int state;
     uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
     uint64_t start_ms;
@@ -527,6 +529,11 @@ struct tsnap *sp_qemu__tsnap_for(struct vm *vm);
 void sp_qemu__tsnap_failed(struct vm *vm, const char *why);
 void sp_qemu__tsnap_warmup(struct vm *vm);
 void sp_qemu__tsnap_commit(struct vm *vm);
+/* driver.h ops->templates: the ready template snapshots, with their ready spares. */
+void sp_qemu__q_templates(sp_driver_t *base,
+                          void (*fn)(const char *template_name, int cpu_count, int memory_mb,
+                                     int spares, void *arg),
+                          void *arg);
 void sp_qemu__tsnap_req_step(struct vm *vm);
 
 /* ---- pool.c: spare clones ---- */

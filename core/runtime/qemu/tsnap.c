@@ -436,6 +436,8 @@ struct tsnap *sp_qemu__tsnap_for(struct vm *vm)
                       d->accel == 1 ? "kvm" : "tcg", vm->memory_mb, vm->cpu_count, key);
         sp_qemu__sfmt(t->tmp, sizeof t->tmp, "%s/.tsnap-%s-%d", d->vms_dir, key, (int)getpid());
         sp_qemu__sfmt(t->template_name, sizeof t->template_name, "%s", vm->template_name);
+        t->cpu_count = vm->cpu_count;
+        t->memory_mb = vm->memory_mb;
         t->next = d->tsnaps;
         d->tsnaps = t;
     }
@@ -817,4 +819,26 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
         memset(info, 0, sizeof *info);
     sp_qemu__kick(d);
     return 0;
+}
+
+/* What the fleet tells placement (core/control/fleet.h): each ready template snapshot and
+ * its warmed spares. A record is made by the first boot of its size since the driver started
+ * (then found on disk, or built), so one committed before a restart shows once used again. */
+void sp_qemu__q_templates(sp_driver_t *base,
+                          void (*fn)(const char *template_name, int cpu_count, int memory_mb,
+                                     int spares, void *arg),
+                          void *arg)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    if (d->cold_only)
+        return;
+    for (const struct tsnap *t = d->tsnaps; t != NULL; t = t->next) {
+        if (t->state != TS_READY)
+            continue;
+        int spares = 0;
+        for (const struct vm *v = d->vms; v != NULL; v = v->next)
+            spares += v->pooled && v->pool_ready && !v->pool_drop && v->ph != PH_STOPPING &&
+                      strcmp(v->pool_key, t->key) == 0;
+        fn(t->template_name, t->cpu_count, t->memory_mb, spares, arg);
+    }
 }
