@@ -110,8 +110,8 @@ def free_port():
     return port
 
 
-def connect_local(port, timeout, rcvbuf=None):
-    """A TCP connection to 127.0.0.1:port. rcvbuf fixes its receive buffer (set before the
+def connect_local(port, timeout, rcvbuf=None, host="127.0.0.1"):
+    """A TCP connection to host:port (loopback by default). rcvbuf fixes its receive buffer (set before the
     connect): otherwise the kernel grows it, up to tcp_rmem's maximum (32 MiB here), for a
     reader that stopped, hiding whether the server holds the sender back."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -119,7 +119,7 @@ def connect_local(port, timeout, rcvbuf=None):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.settimeout(timeout)
     try:
-        s.connect(("127.0.0.1", port))
+        s.connect((host, port))
     except OSError:
         s.close()
         raise
@@ -133,10 +133,15 @@ def tmpdir(prefix):
 
 
 class PgCluster:
-    """A throwaway PostgreSQL cluster on a unix socket, run as `postgres` when we are root."""
+    """A throwaway PostgreSQL cluster on a unix socket, run as `postgres` when we are root.
+    listen: also TCP on that address (port 5432, trust from its /24), and url names it, for
+    nodes in other network namespaces; root: the cluster's directory (default a new temp dir)."""
 
-    def __init__(self):
-        self.root = tmpdir("sp-pg-")
+    def __init__(self, listen=None, root=None):
+        self.listen = listen
+        if root is not None:
+            os.makedirs(root, mode=0o711)
+        self.root = root or tmpdir("sp-pg-")
         self.data = os.path.join(self.root, "data")
         self.sock = os.path.join(self.root, "run")
         self.bindir = pg_bindir()
@@ -149,8 +154,11 @@ class PgCluster:
         self._run(["initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--locale=C",
                    "-E", "UTF8"])
         with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
-            f.write("listen_addresses = ''\nunix_socket_directories = '%s'\nfsync = off\n"
-                    % self.sock)
+            f.write("listen_addresses = '%s'\nunix_socket_directories = '%s'\nfsync = off\n"
+                    % (listen or "", self.sock))
+        if listen:
+            with open(os.path.join(self.data, "pg_hba.conf"), "a") as f:
+                f.write("host all all %s.0/24 trust\n" % listen.rsplit(".", 1)[0])
         self.start()
         self._run(["createdb", "-h", self.sock, "-U", "postgres", "space"])
 
@@ -166,7 +174,7 @@ class PgCluster:
         return self.db_url("space")
 
     def db_url(self, name):
-        return "host=%s port=5432 dbname=%s user=postgres" % (self.sock, name)
+        return "host=%s port=5432 dbname=%s user=postgres" % (self.listen or self.sock, name)
 
     def createdb(self, name):
         self._run(["createdb", "-h", self.sock, "-U", "postgres", name])
@@ -189,17 +197,21 @@ class PgCluster:
 
 
 class Spaced:
-    """One spaced process; stdout/stderr go to a log file in its data dir."""
+    """One spaced process; stdout/stderr go to a log file in its data dir. It listens on
+    host:port (default loopback and a free port); wrap is an argv prefix its serve runs under
+    (e.g. nsenter into a network namespace: it must exec in place, so that proc is spaced)."""
 
     def __init__(self, binary=None, data_dir=None, database_url=None, runtime=None, env=None,
-                 args=()):
+                 args=(), host="127.0.0.1", port=None, wrap=()):
         self.binary = binary or os.environ.get("SPACED_TEST") or os.environ["SPACED"]
         self.owns_data = data_dir is None  # a shared data dir (templates) is never removed
         self.data_dir = data_dir or tmpdir("sp-data-")
         self.database_url = database_url
         self.runtime = runtime
         self.args = list(args)  # more `serve` options
-        self.port = free_port()
+        self.host = host
+        self.port = port or free_port()
+        self.wrap = list(wrap)
         self.env = dict(os.environ, **(env or {}))
         self.args = list(args)  # more `serve` options (e.g. --no-jail)
         self.proc = None
@@ -215,7 +227,7 @@ class Spaced:
         return r
 
     def start(self, timeout=60):
-        argv = [self.binary, "serve", "--listen", "127.0.0.1:%d" % self.port,
+        argv = self.wrap + [self.binary, "serve", "--listen", "%s:%d" % (self.host, self.port),
                 "--data-dir", self.data_dir]
         if self.database_url:
             argv += ["--database-url", self.database_url]
@@ -285,7 +297,7 @@ class Spaced:
         """One HTTP/1.1 request on a connection of its own: (the response, its body's bytes).
         body goes as JSON, else raw (bytes) as it is; headers as given, nothing added but the
         JSON Content-Type."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout * MULT)
         h = dict(headers or {})
         data = raw
         if body is not None:
@@ -305,9 +317,9 @@ class Spaced:
         closes the connection. body goes as JSON, else raw as it is; key is the bearer token
         (None: self.key; False or "": none); headers are added as given; rcvbuf as for
         connect_local."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout * MULT)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout * MULT)
         if rcvbuf is not None:
-            conn.sock = connect_local(self.port, timeout * MULT, rcvbuf)
+            conn.sock = connect_local(self.port, timeout * MULT, rcvbuf, self.host)
         h = dict(headers or {})
         k = self.key if key is None else key
         if k:
