@@ -28,6 +28,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from harness import PgCluster, Spaced, vm_skip_reason, wait_s, wait_until  # noqa: E402
+import fleet  # noqa: E402
+from fleet import qemu_cmdlines  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
@@ -36,32 +38,7 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
 
 def worker_data_dir(path):
     """A data dir holding DATA's current base template build, files linked."""
-    cur = os.path.realpath(os.path.join(DATA, "templates", "base", "current"))
-    h = os.path.basename(cur)
-    os.makedirs(os.path.join(path, "templates", "base", h))
-    for name in os.listdir(cur):
-        src = os.path.join(cur, name)
-        if os.path.isfile(src) and not os.path.islink(src):
-            os.link(src, os.path.join(path, "templates", "base", h, name))
-    os.symlink(h, os.path.join(path, "templates", "base", "current"))
-    os.makedirs(os.path.join(path, "images"))
-    subprocess.run(["cp", "-al", os.path.join(DATA, "images") + "/.",
-                    os.path.join(path, "images")], check=True)
-
-
-def qemu_cmdlines():
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % pid, "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if argv and os.path.basename(argv[0]).startswith(b"qemu-system"):
-            out.append((int(pid), b" ".join(argv).decode(errors="replace")))
-    return out
+    fleet.worker_data_dir(DATA, path)
 
 
 class FleetVmTest(unittest.TestCase):
