@@ -202,6 +202,11 @@ static void accel_now(const sp_fleet_t *f, char *out, size_t cap)
 static void comeback(sp_fleet_t *f, const char *generation);
 static void drain_step(sp_fleet_t *f);
 
+/* A worker's state once it answers again: one declared lost returns to what the operator
+ * left it as (draining when drained: migration 14). */
+#define BACK_STATE                                                                                 \
+    "CASE WHEN w.state <> 'lost' THEN w.state WHEN w.drain THEN 'draining' ELSE 'active' END"
+
 /* Both answer: the state the row had before this statement (read under the row's lock before
  * the write: the source of the INSERT, so a sweep that declared it lost meanwhile is seen),
  * the generation, and its state now. templates: what the driver holds template snapshots of
@@ -218,14 +223,14 @@ static const char *register_sql =
     "  accelerator = excluded.accelerator, version = excluded.version,"
     "  labels = excluded.labels, templates = excluded.templates, started_at = now(),"
     "  heartbeat_at = now(),"
-    "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
+    "  state = " BACK_STATE ", lost_at = NULL"
     " RETURNING (SELECT was FROM v), w.generation, w.state";
 
 static const char *beat_sql =
     "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE)"
     " UPDATE workers w SET heartbeat_at = now(), accelerator = $2,"
     "  templates = coalesce($3::jsonb, w.templates),"
-    "  state = CASE WHEN w.state = 'lost' THEN 'active' ELSE w.state END, lost_at = NULL"
+    "  state = " BACK_STATE ", lost_at = NULL"
     " FROM prev WHERE w.id = $1 RETURNING prev.state, w.generation, w.state";
 
 static void beat_done(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
@@ -433,7 +438,9 @@ static const char *drain_suspend_sql =
     "WITH a AS (UPDATE sandboxes SET moving = desired_state, desired_state = 'suspended',"
     "   updated_at = now()"
     "  WHERE worker_id = $1 AND moving IS NULL AND desired_state IN ('running', 'paused')"
-    "   AND observed_state IN ('running', 'paused') RETURNING id, team_id),"
+    "   AND observed_state IN ('running', 'paused')"
+    "   AND EXISTS (SELECT 1 FROM workers WHERE id = $1 AND state = 'draining')"
+    "  RETURNING id, team_id),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || a.id), 1, 22),"
     "   a.id, a.team_id, 'drain', 'suspended' FROM a RETURNING 1),"
@@ -450,13 +457,16 @@ static const char *drain_ready_sql =
 /* One sandbox at a time: one that finds no room stays suspended here until the next beat,
  * without holding the others back. The update states again what p read, so that a change
  * committed meanwhile (a delete, a wake placed elsewhere, an undrain) is seen on the row it
- * waited for and wins, rather than being overwritten with the drain's desired state. */
+ * waited for and wins, rather than being overwritten with the drain's desired state. Both
+ * steps act only while the worker is still draining (an undrain committed after the beat read
+ * its state stops them); a move also while it is lost: the sweep's (lost_moves_sql). */
 static const char *drain_move_sql =
     "WITH p AS (SELECT pl.wid, pl.wgen FROM sandboxes x CROSS JOIN LATERAL space_place("
     "   x.cpu_count, x.memory_mb, x.placement, x.template || coalesce('@' || x.template_version,"
     "   ''), $3::int, NULL, NULL) pl"
     "  WHERE x.id = $1 AND x.worker_id = $2 AND x.moving IS NOT NULL"
-    "   AND x.observed_state = 'suspended' AND x.desired_state = 'suspended'),"
+    "   AND x.observed_state = 'suspended' AND x.desired_state = 'suspended'"
+    "   AND EXISTS (SELECT 1 FROM workers WHERE id = $2 AND state IN ('draining', 'lost'))),"
     " u AS (UPDATE sandboxes s SET worker_id = p.wid, worker_generation = p.wgen,"
     "   moved_from = s.worker_id, desired_state = s.moving, moving = NULL, claim_until = NULL,"
     "   last_activity_at = now(), updated_at = now()"
@@ -539,6 +549,28 @@ static const char *sweep_sql =
     "  (SELECT count(*) FROM d), (SELECT count(pg_notify('space_ops', fo.id)) FROM fo),"
     "  (SELECT count(*) FROM ev), (SELECT string_agg(id, ',') FROM w)";
 
+/* Sandboxes a drain suspended to move whose worker was lost before it moved them: suspended,
+ * their snapshots are on the shared snapshot directory, so the sweep places them elsewhere in
+ * its stead (drain_move_sql, which states the row again), a batch per sweep. */
+static const char *lost_moves_sql =
+    "SELECT x.id, x.worker_id FROM workers w JOIN sandboxes x ON x.worker_id = w.id"
+    " WHERE w.state = 'lost' AND x.moving IS NOT NULL AND x.observed_state = 'suspended'"
+    "  AND x.desired_state = 'suspended' ORDER BY x.updated_at LIMIT " FLEET_DRAIN_BATCH;
+
+static void lost_moves(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
+{
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "fleet", "sweep: reading moves off lost workers failed err=%s",
+               err->msg);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        const char *p[] = {id, PQgetvalue(res, i, 1), f->timeout_s};
+        fq_send(f, drain_move_sql, 3, p, drain_moved, id);
+    }
+}
+
 static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *arg)
 {
     sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
@@ -553,6 +585,8 @@ static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char 
         sp_log(SP_LOG_WARN, "fleet", "workers lost=%s (%s) sandboxes lost=%s deleted=%s",
                PQgetvalue(res, 0, 1), PQgetvalue(res, 0, 6), PQgetvalue(res, 0, 2),
                PQgetvalue(res, 0, 3));
+    if (atoi(PQgetvalue(res, 0, 0)) > 0) /* this node holds the lease */
+        fq_send(f, lost_moves_sql, 0, NULL, lost_moves, NULL);
 }
 
 static void on_sweep(sp_timer_t *t, void *arg)
@@ -630,8 +664,9 @@ struct wq {
 
 static const char *workers_sql =
     "SELECT json_build_object('id', w.id, 'address', w.address, 'role', w.role,"
-    "  'state', w.state, 'generation', w.generation, 'accelerator', w.accelerator,"
-    "  'version', w.version, 'labels', w.labels, 'templates', w.templates,"
+    "  'state', w.state, 'drain', w.drain, 'generation', w.generation,"
+    "  'accelerator', w.accelerator, 'version', w.version, 'labels', w.labels,"
+    "  'templates', w.templates,"
     "  'capacity', json_build_object('vcpus', w.vcpus, 'memory_mb', w.memory_mb),"
     "  'used', json_build_object('vcpus', u.c, 'memory_mb', u.m), 'sandboxes', u.n,"
     "  'heartbeat_age_s', round(extract(epoch FROM now() - w.heartbeat_at)::numeric, 1),"
@@ -716,8 +751,6 @@ static void drained(void *rec, PGresult *res, const sp_err_t *err)
     sp_err_t e;
     if (err == NULL && PQntuples(res) != 1)
         err = (sp_err_set(&e, SP_ENOTFOUND, "worker not found"), &e);
-    else if (err == NULL && strcmp(PQgetvalue(res, 0, 0), "lost") == 0)
-        err = (sp_err_set(&e, SP_ECONFLICT, "worker is lost"), &e);
     if (err != NULL || sp_fleet_workers(q->f, q->id, q->cb, q->arg, &e) < 0)
         q->cb(q->arg, NULL, err != NULL ? err : &e);
 }
@@ -728,15 +761,19 @@ int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_c
     if (!valid_worker_id(id))
         return sp_err_set(err, SP_ENOTFOUND, "worker not found");
     const char *p[] = {id, drain ? "draining" : "active"};
-    /* Undrain also wakes here what a drain suspended and did not move yet. */
+    /* Undrain also wakes here what a drain suspended and did not move yet. A lost worker
+     * keeps its state and records the wish (it returns to it: BACK_STATE); what its drain
+     * suspended is moved by the sweep meanwhile, undrained or not (its memory is gone). */
     struct dq *q = sp_store_call(
         f->store,
         "WITH prev AS (SELECT state FROM workers WHERE id = $1 FOR UPDATE),"
-        " w AS (UPDATE workers w SET state = $2 FROM prev"
-        "  WHERE w.id = $1 AND prev.state <> 'lost' RETURNING w.id),"
+        " w AS (UPDATE workers w SET drain = $2 = 'draining',"
+        "   state = CASE WHEN prev.state = 'lost' THEN 'lost' ELSE $2 END FROM prev"
+        "  WHERE w.id = $1 RETURNING w.state),"
         " b AS (UPDATE sandboxes SET desired_state = moving, moving = NULL, updated_at = now()"
         "  WHERE $2 = 'active' AND worker_id = $1 AND moving IS NOT NULL"
-        "   AND desired_state = 'suspended' AND EXISTS (SELECT 1 FROM w) RETURNING id)"
+        "   AND desired_state = 'suspended' AND EXISTS (SELECT 1 FROM w WHERE w.state = 'active')"
+        "  RETURNING id)"
         " SELECT prev.state, (SELECT count(pg_notify('space_sandbox', b.id)) FROM b) FROM prev",
         2, p, sizeof(*q), drained, err);
     if (q == NULL)

@@ -85,9 +85,10 @@ int sp_fleet_workers(sp_fleet_t *f, const char *id, sp_fleet_workers_cb cb, void
                      sp_err_t *err);
 
 /* Drain (no new placements; its running and paused sandboxes move away) or undrain (active
- * again; sandboxes a drain suspended and did not move yet wake here). Calls back with the
- * worker as sp_fleet_workers(id) gives it. SP_ENOTFOUND when unknown, SP_ECONFLICT for a lost
- * worker. */
+ * again; sandboxes a drain suspended and did not move yet wake here). Either is kept on the
+ * row ("drain"): a lost worker stays lost and returns to it when it answers again; while it
+ * is lost, the sweep moves what its drain suspended. Calls back with the worker as
+ * sp_fleet_workers(id) gives it. SP_ENOTFOUND when unknown. */
 int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_cb cb, void *arg,
                    sp_err_t *err);
 

@@ -333,6 +333,11 @@ static const char *const migrations[] = {
      * by creation time. */
     "ALTER TABLE operations ADD COLUMN progress text;"
     "CREATE INDEX sandboxes_created ON sandboxes (created_at);",
+    /* 14: a drain outlives the worker's loss (core/control/fleet.c). workers.drain: the
+     * operator drained this worker and has not undrained it since, whatever its state now: a
+     * worker that comes back after it was declared lost returns to draining, not active. */
+    "ALTER TABLE workers ADD COLUMN drain boolean NOT NULL DEFAULT false;"
+    "UPDATE workers SET drain = true WHERE state = 'draining';",
 };
 
 int sp_migrate_latest(void)

@@ -448,6 +448,57 @@ class FleetTest(unittest.TestCase):
         self.wait_for(lambda: self.api.request("GET", "/v1/sandboxes/" + sid)[0] == 404,
                       "deleted", 10)
 
+    def test_l_drain_outlives_loss_and_its_moves_finish(self):
+        a, b, c = self.workers
+        admin = self.admin
+
+        def post(w, what):
+            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
+            self.assertEqual(st, 200, r)
+            return r
+
+        # a and b full: c's drain suspends its two and finds no room to move them
+        fill = [self.created(placement={"labels": {"zone": z}}, cpu_count=4)
+                for z in ("a", "b")]
+        sids = [self.created() for _ in range(2)]
+        for sid in sids:
+            self.assertIs(self.placed_on(sid), c)
+            self.wait_state(sid, "running")
+        try:
+            self.assertEqual(post(c, "drain")["drain"], True)
+            self.wait_for(lambda: all(self.state(s)["state"] == "suspended" for s in sids),
+                          "suspended to move")
+            time.sleep(TIMEOUT_S)  # a few drain steps: still no room
+            self.assertTrue(all(self.placed_on(s) is c for s in sids))
+            c.proc.send_signal(signal.SIGSTOP)
+            self.wait_worker_state(c, "lost", 10)
+            # a lost worker records the operator's wish and stays lost
+            r = post(c, "undrain")
+            self.assertEqual((r["state"], r["drain"]), ("lost", False))
+            r = post(c, "drain")
+            self.assertEqual((r["state"], r["drain"]), ("lost", True))
+            for sid in fill:
+                self.delete(sid)
+            # room again: the sweep moves them in the lost worker's stead, back to running
+            for sid in sids:
+                self.wait_for(lambda: self.placed_on(sid) not in (None, c)
+                              and self.state(sid)["state"] == "running", "%s moved" % sid, 20)
+                self.assertEqual(fake_state(self.placed_on(sid), sid), "running")
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        # back, still draining: it takes nothing new and never runs what moved
+        self.wait_worker_state(c, "draining", 10)
+        self.assertTrue(self.worker(c)["drain"])
+        extra = self.created()
+        self.assertIsNot(self.placed_on(extra), c)
+        time.sleep(2 * TIMEOUT_S)
+        for sid in sids:
+            self.assertNotIn(fake_state(c, sid), ("running", "paused"))
+            self.assertIn(sid, [m["id"] for m in self.worker(c)["moved"]])
+        r = post(c, "undrain")
+        self.assertEqual((r["state"], r["drain"]), ("active", False))
+        self.delete_all()
+
     def test_k_killed_worker_restarted_within_grace_readopts(self):
         b = self.workers[1]
         sid = self.created(placement={"labels": {"zone": "b"}})
