@@ -12,6 +12,8 @@
 
 #include "e2b-gateway/envd_int.h"
 
+#include "core/channel/listcap.h"
+
 /* ---- state and calls ---- */
 
 struct sp_envd *sp_e2b__envd_state(sp_e2b_t *gw)
@@ -84,6 +86,14 @@ h2o_req_t *sp_e2b__envd_take(envd_call_t *c)
     c->hold = NULL;
     sp_e2b__envd_call_free(c);
     return req;
+}
+
+void sp_e2b__envd_truncated(envd_call_t *c)
+{
+    h2o_req_t *req = sp_e2b__envd_req(c);
+    if (req != NULL)
+        h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT(SP_LIST_TRUNCATED_HEADER),
+                              0, NULL, H2O_STRLIT("true"));
 }
 
 void sp_e2b__envd_reply(envd_call_t *c, const sp_cdesc_t *d, const void *msg)

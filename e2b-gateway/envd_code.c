@@ -135,7 +135,8 @@ static void on_restarted(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *er
     on_done(arg, err);
 }
 
-static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
+static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, bool truncated,
+                    const sp_err_t *err)
 {
     h2o_req_t *req = unary_take(arg, err);
     if (req == NULL)
@@ -156,6 +157,9 @@ static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err
     req->res.reason = "OK";
     h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL,
                    H2O_STRLIT("application/json"));
+    if (truncated) /* E2B's answer is a bare array: the flag goes in a header */
+        h2o_add_header_by_str(&req->pool, &req->res.headers, H2O_STRLIT(SP_LIST_TRUNCATED_HEADER),
+                              0, NULL, H2O_STRLIT("true"));
     h2o_send_inline(req, s, strlen(s));
     free(s);
 }

@@ -227,6 +227,8 @@ static void on_list(void *arg, json_t *res, const sp_err_t *err)
         if (sp_e2b__envd_entry(e, &d->list.entries[d->list.n_entries], &c->arena) == 0)
             d->list.n_entries++;
     }
+    if (json_is_true(json_object_get(res, "truncated")))
+        sp_e2b__envd_truncated(c);
     sp_e2b__envd_reply(c, &sp_cd_listdir_resp, &d->list);
 }
 

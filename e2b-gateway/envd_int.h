@@ -52,6 +52,9 @@ sp_loop_t *sp_e2b__envd_loop(envd_call_t *c);
 h2o_req_t *sp_e2b__envd_req(envd_call_t *c);
 /* Unary success / error (frees the call; nothing is sent when the client left). */
 void sp_e2b__envd_reply(envd_call_t *c, const sp_cdesc_t *d, const void *msg);
+/* Before a reply: marks the answer as a list cut at a cap (core/channel/listcap.h) with the
+ * header SP_LIST_TRUNCATED_HEADER, as envd's messages have no field for it. */
+void sp_e2b__envd_truncated(envd_call_t *c);
 void sp_e2b__envd_fail(envd_call_t *c, sp_connect_code_t code, const char *msg);
 void sp_e2b__envd_fail_err(envd_call_t *c, const sp_err_t *err);
 /* Frees the call and returns its request (NULL when the client left). */

@@ -459,7 +459,7 @@ typedef struct {
     uint32_t pid;
 } bytag_t;
 
-static void bytag_listed(void *arg, json_t *procs, const sp_err_t *err)
+static void bytag_listed(void *arg, json_t *procs, bool truncated, const sp_err_t *err)
 {
     bytag_t *b = arg;
     envd_call_t *c = b->c;
@@ -557,13 +557,15 @@ static void rpc_connect(envd_call_t *c)
 
 /* ---- List ---- */
 
-static void list_done(void *arg, json_t *procs, const sp_err_t *err)
+static void list_done(void *arg, json_t *procs, bool truncated, const sp_err_t *err)
 {
     envd_call_t *c = arg;
     if (err != NULL) {
         sp_e2b__envd_fail_err(c, err);
         return;
     }
+    if (truncated)
+        sp_e2b__envd_truncated(c);
     sp_cp_list_resp_t r = {0};
     size_t n = json_array_size(procs);
     r.processes = sp_carena_alloc(&c->arena, (n + 1) * sizeof(sp_cp_info_t));
@@ -618,9 +620,11 @@ static void list_done(void *arg, json_t *procs, const sp_err_t *err)
             info->config.has_cwd = info->config.cwd != NULL;
         }
     }
-    /* Forget the records of processes that are gone. Those r refers to are of running
-     * processes, so they stay. */
-    uint32_t *running = sp_carena_alloc(&c->arena, (r.n_processes + 1) * sizeof(*running));
+    /* Forget the records of processes that are gone (not after a truncated list: it may leave
+     * running ones out). Those r refers to are of running processes, so they stay. */
+    uint32_t *running = truncated
+                            ? NULL /* processes may be missing from it */
+                            : sp_carena_alloc(&c->arena, (r.n_processes + 1) * sizeof(*running));
     if (running != NULL) {
         for (size_t k = 0; k < r.n_processes; k++)
             running[k] = r.processes[k].pid;

@@ -188,13 +188,13 @@ void sp_napi__commands_run(napi_ctx_t *c)
 
 /* ---- GET .../commands ---- */
 
-static void on_listed(void *arg, json_t *procs, const sp_err_t *err)
+static void on_listed(void *arg, json_t *procs, bool truncated, const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
     if (err != NULL)
         sp_napi__fail(c, err);
     else
-        sp_napi__reply(c, 200, json_pack("{s:O}", "commands", procs));
+        sp_napi__reply(c, 200, json_pack("{s:O,s:b}", "commands", procs, "truncated", truncated));
 }
 
 static void list_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)

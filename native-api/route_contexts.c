@@ -85,7 +85,8 @@ void sp_napi__contexts_create(napi_ctx_t *c)
     sp_napi__with_agent(c, create_with_agent);
 }
 
-static void on_listed(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
+static void on_listed(void *arg, const sp_code_ctx_t *ctxs, size_t n, bool truncated,
+                      const sp_err_t *err)
 {
     napi_ctx_t *c = arg;
     if (err != NULL) {
@@ -93,7 +94,7 @@ static void on_listed(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_e
         return;
     }
     json_t *arr = sp_napi__items(ctxs, n, sizeof(*ctxs), ctx_json);
-    json_t *o = arr ? json_pack("{s:o}", "contexts", arr) : NULL;
+    json_t *o = arr ? json_pack("{s:o,s:b}", "contexts", arr, "truncated", truncated) : NULL;
     if (o == NULL) {
         sp_err_t e;
         sp_napi__fail(c, (sp_err_set(&e, SP_EINTERNAL, "out of memory"), &e));

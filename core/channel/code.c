@@ -35,6 +35,7 @@
 #include "core/channel/chanop_int.h"
 #include "core/channel/codeline.h"
 #include "core/channel/exec.h"
+#include "core/channel/listcap.h"
 
 #define REPLY_MS        150000u /* answer deadline: above the daemon's 120 s kernel start */
 #define START_MS        180000u /* `space-code start` */
@@ -179,7 +180,7 @@ static void deliver_fail(sp_code_op_t *op, const sp_err_t *err)
         op->ctx_cb(op->arg, NULL, err);
         break;
     case K_LIST:
-        op->list_cb(op->arg, NULL, 0, err);
+        op->list_cb(op->arg, NULL, 0, false, err);
         break;
     case K_DELETE:
     case K_INTERRUPT:
@@ -204,6 +205,13 @@ static void malformed(sp_code_op_t *op, const char *why)
 {
     sp_log(SP_LOG_WARN, "code", "daemon sent a bad line kind=%d why=%s", op->kind, why);
     fail(op, SP_EUNAVAIL, "the code interpreter sent a malformed answer");
+}
+
+/* A context list past SP_LIST_BYTES_MAX (listcap.h): refused before it is parsed. */
+static void list_too_long(sp_code_op_t *op)
+{
+    sp_log(SP_LOG_WARN, "code", "daemon's context list passed %u bytes", SP_LIST_BYTES_MAX);
+    fail(op, SP_EUNAVAIL, "the code interpreter's list of contexts is larger than 4 MiB");
 }
 
 /* ---- daemon starts ---- */
@@ -375,8 +383,9 @@ static void on_status(sp_code_op_t *op, json_t *j, size_t wire)
             malformed(op, why);
             return;
         }
+        bool truncated = n > SP_LIST_CONTEXTS_MAX;
         op_kill(op);
-        op->list_cb(op->arg, v, n, NULL);
+        op->list_cb(op->arg, v, truncated ? SP_LIST_CONTEXTS_MAX : n, truncated, NULL);
         free(v);
         return;
     }
@@ -509,6 +518,10 @@ static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
             fail(op, SP_EINTERNAL, "out of memory");
             return;
         case SP_CODELINE_HELD:
+            if (op->kind == K_LIST && op->line.len > SP_LIST_BYTES_MAX) {
+                list_too_long(op);
+                return;
+            }
             /* Held here until its newline comes. With no output held by the caller, nothing
              * else would give the agent room for the rest of it: credit goes back now. */
             if (op->ack_n == 0)
@@ -517,6 +530,10 @@ static void on_data(sp_code_op_t *op, const uint8_t *p, size_t n)
                 op->line_owed += used;
             return;
         case SP_CODELINE_LINE:
+            if (op->kind == K_LIST && len > SP_LIST_BYTES_MAX) {
+                list_too_long(op);
+                return;
+            }
             break;
         }
         off += used;

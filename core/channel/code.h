@@ -91,7 +91,9 @@ typedef struct {
 
 /* All pointers borrowed for the callback. */
 typedef void (*sp_code_ctx_cb)(void *arg, const sp_code_ctx_t *ctx, const sp_err_t *err);
-typedef void (*sp_code_list_cb)(void *arg, const sp_code_ctx_t *ctxs, size_t n,
+/* A list: at most SP_LIST_CONTEXTS_MAX contexts (truncated when the daemon listed more); a
+ * list answer longer than SP_LIST_BYTES_MAX fails (core/channel/listcap.h). */
+typedef void (*sp_code_list_cb)(void *arg, const sp_code_ctx_t *ctxs, size_t n, bool truncated,
                                 const sp_err_t *err);
 typedef void (*sp_code_done_cb)(void *arg, const sp_err_t *err);
 

@@ -53,8 +53,9 @@ struct sp_exec {
     void (*spawn_cb)(void *arg, uint32_t pid, const sp_err_t *err);
 
     /* list (K_LIST) and the first phase of K_CTRL */
-    void (*list_cb)(void *arg, json_t *procs, const sp_err_t *err);
+    sp_exec_list_cb list_cb;
     json_t *items;
+    size_t list_bytes; /* the agent's bytes read for the listing (listcap.h) */
 
     /* K_CTRL: stdin or signal on a running process */
     sp_exec_done_cb done_cb;
@@ -149,6 +150,25 @@ json_t *sp_exec_json_bytes(const void *p, size_t n)
 static json_t *json_sv(sp_ap_str_t s)
 {
     return s.p ? sp_exec_json_bytes(s.p, s.n) : json_null();
+}
+
+/* json_sv of at most SP_LIST_STR_MAX bytes of s; *cut set when it had more. */
+static json_t *json_sv_cap(sp_ap_str_t s, bool *cut)
+{
+    if (s.p != NULL && s.n > SP_LIST_STR_MAX) {
+        s.n = SP_LIST_STR_MAX;
+        *cut = true;
+    }
+    return json_sv(s);
+}
+
+/* Counts one list frame of n bytes: false (the list ends here, truncated) when the listing
+ * already holds SP_LIST_ENTRIES_MAX entries or the agent's bytes would pass
+ * SP_LIST_BYTES_MAX. */
+static bool list_room(sp_exec_t *op, size_t n)
+{
+    op->list_bytes += n;
+    return json_array_size(op->items) < SP_LIST_ENTRIES_MAX && op->list_bytes <= SP_LIST_BYTES_MAX;
 }
 
 static void iso_time(uint64_t ns, char out[40])
@@ -302,7 +322,7 @@ static void deliver_error(sp_exec_t *op, const sp_err_t *err)
         op->spawn_cb(op->arg, 0, err);
         break;
     case K_LIST:
-        op->list_cb(op->arg, NULL, err);
+        op->list_cb(op->arg, NULL, false, err);
         break;
     case K_CTRL:
         op->done_cb(op->arg, err);
@@ -714,7 +734,7 @@ static void on_timer(sp_timer_t *t, void *arg)
 
 /* ---- list ---- */
 
-static json_t *proc_info_json(const uint8_t *p, size_t n)
+static json_t *proc_info_json(const uint8_t *p, size_t n, bool *cut)
 {
     uint32_t pid = 0, pty = 0, running = 0, sig = 0;
     int32_t code = 0;
@@ -738,10 +758,10 @@ static json_t *proc_info_json(const uint8_t *p, size_t n)
     json_t *o = json_object();
     json_object_set_new(o, "id", json_string(id));
     json_object_set_new(o, "pid", json_integer(pid));
-    json_object_set_new(o, "tag", json_sv(tag));
-    json_object_set_new(o, "cmd", json_sv(argv));
-    json_object_set_new(o, "cwd", json_sv(cwd));
-    json_object_set_new(o, "user", json_sv(user));
+    json_object_set_new(o, "tag", json_sv_cap(tag, cut));
+    json_object_set_new(o, "cmd", json_sv_cap(argv, cut));
+    json_object_set_new(o, "cwd", json_sv_cap(cwd, cut));
+    json_object_set_new(o, "user", json_sv_cap(user, cut));
     json_object_set_new(o, "pty", json_boolean(pty));
     json_object_set_new(o, "running", json_boolean(running));
     json_object_set_new(o, "exit_code", !running && has_code ? json_integer(code) : json_null());
@@ -764,8 +784,7 @@ static int open_list(sp_exec_t *op, sp_err_t *err)
     return 0;
 }
 
-sp_exec_t *sp_exec_list(sp_loop_t *loop, sp_agentconn_t *c,
-                        void (*cb)(void *arg, json_t *procs, const sp_err_t *err), void *arg,
+sp_exec_t *sp_exec_list(sp_loop_t *loop, sp_agentconn_t *c, sp_exec_list_cb cb, void *arg,
                         sp_err_t *err)
 {
     sp_exec_t *op = op_new(loop, c, K_LIST, arg, err);
@@ -985,27 +1004,44 @@ sp_exec_t *sp_exec_fs(sp_loop_t *loop, sp_agentconn_t *c, const sp_exec_fs_req_t
     return op;
 }
 
-static void fs_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t len)
+/* An entry with a string past SP_LIST_STR_MAX (listcap.h). */
+static bool entry_too_long(const sp_ap_entry_t *e)
 {
-    if (type == SP_AP_T_FS_ENTRY && op->fsop == SP_EXEC_FS_LIST) {
-        if (json_array_size(op->items) >= SP_EXEC_LIST_MAX) {
+    return e->path.n > SP_LIST_STR_MAX || e->name.n > SP_LIST_STR_MAX ||
+           e->owner.n > SP_LIST_STR_MAX || e->group.n > SP_LIST_STR_MAX ||
+           e->link.n > SP_LIST_STR_MAX || e->target.n > SP_LIST_STR_MAX;
+}
+
+static void fs_frame(sp_exec_t *op, uint16_t type, uint16_t flags, const uint8_t *p, size_t len)
+{
+    bool cap_hit = false;
+    if (type == SP_AP_T_FS_ENTRY && op->fsop == SP_EXEC_FS_LIST && !(flags & SP_AP_F_END)) {
+        if (!list_room(op, len)) { /* a cap: answer what we have, stop the agent */
             op->truncated = true;
+            cap_hit = true;
+        } else {
+            sp_ap_entry_t de;
+            sp_err_t de_err;
+            if (sp_ap_dec_entry(p, len, &de, &de_err) == 0 && entry_too_long(&de)) {
+                op->truncated = true; /* left out: a cut path would name another file */
+                return;
+            }
+            json_t *e = entry_json(p, len);
+            if (e == NULL) {
+                fail(op, SP_EINTERNAL, "sandbox agent sent a malformed entry");
+                return;
+            }
+            json_array_append_new(op->items, e);
             return;
         }
-        json_t *e = entry_json(p, len);
-        if (e == NULL) {
-            fail(op, SP_EINTERNAL, "sandbox agent sent a malformed entry");
-            return;
-        }
-        json_array_append_new(op->items, e);
-        return;
     }
-    if (type != SP_AP_T_OK)
+    if (type != SP_AP_T_OK && !cap_hit)
         return;
     json_t *res = NULL;
     if (op->fsop == SP_EXEC_FS_LIST) {
         uint32_t tr = 0;
-        sp_ap_get_u32(p, len, SP_AP_K_TRUNCATED, &tr);
+        if (!cap_hit)
+            sp_ap_get_u32(p, len, SP_AP_K_TRUNCATED, &tr);
         res = json_pack("{s:O,s:b}", "entries", op->items, "truncated", op->truncated || tr);
     } else if (op->fsop != SP_EXEC_FS_REMOVE) {
         res = entry_json(p, len);
@@ -1177,6 +1213,15 @@ static void watch_frame(sp_exec_t *op, uint16_t type, const uint8_t *p, size_t l
 
 /* ---- dispatch ---- */
 
+/* The process listing is over (OK, or a cap hit): the terminal callback. */
+static void list_done(sp_exec_t *op)
+{
+    json_t *items = json_incref(op->items);
+    op_kill(op);
+    op->list_cb(op->arg, items, op->truncated, NULL);
+    json_decref(items);
+}
+
 static void on_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p, size_t len)
 {
     sp_exec_t *op = arg;
@@ -1199,15 +1244,17 @@ static void on_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p,
         proc_frame(op, type, p, len);
         break;
     case K_LIST:
-        if (type == SP_AP_T_PROC_INFO) {
-            json_t *o = proc_info_json(p, len);
+        if (type == SP_AP_T_PROC_INFO && !end) {
+            if (!list_room(op, len)) { /* a cap: answer what we have, stop the agent */
+                op->truncated = true;
+                list_done(op);
+                return;
+            }
+            json_t *o = proc_info_json(p, len, &op->truncated);
             if (o != NULL)
                 json_array_append_new(op->items, o);
         } else if (type == SP_AP_T_OK) {
-            json_t *items = json_incref(op->items);
-            op_kill(op);
-            op->list_cb(op->arg, items, NULL);
-            json_decref(items);
+            list_done(op);
         }
         break;
     case K_CTRL:
@@ -1227,7 +1274,7 @@ static void on_frame(void *arg, uint16_t type, uint16_t flags, const uint8_t *p,
         }
         break;
     case K_FS:
-        fs_frame(op, type, p, len);
+        fs_frame(op, type, flags, p, len);
         break;
     case K_READ:
         read_frame(op, type, p, len);

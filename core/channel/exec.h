@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "core/channel/agentconn.h"
+#include "core/channel/listcap.h"
 #include "base/err.h"
 #include "loop/loop.h"
 
@@ -38,7 +39,7 @@ typedef struct sp_exec sp_exec_t;
 
 #define SP_EXEC_PATH_MAX      4096u               /* bytes in a path */
 #define SP_EXEC_COLLECT_MAX   (16u * 1024 * 1024) /* default cap per fd for sp_exec_run */
-#define SP_EXEC_LIST_MAX      10000u              /* entries kept by a directory listing */
+#define SP_EXEC_LIST_MAX      SP_LIST_ENTRIES_MAX /* entries kept by a listing (listcap.h) */
 #define SP_EXEC_REPLY_MS      30000u              /* deadline for request/answer operations */
 #define SP_EXEC_IDLE_MS       60000u              /* uploads/stdin with no progress fail after */
 #define SP_EXEC_KILL_GRACE_MS 5000u               /* after a timeout's SIGKILL, wait this long */
@@ -126,9 +127,13 @@ sp_exec_t *sp_exec_spawn(sp_loop_t *loop, sp_agentconn_t *c, const sp_exec_cmd_t
                          sp_err_t *err);
 
 /* The agent's processes, as a JSON array (borrowed for the callback) of objects:
- * {id, pid, tag, cmd, cwd, user, pty, running, exit_code, signal, started_at}. */
-sp_exec_t *sp_exec_list(sp_loop_t *loop, sp_agentconn_t *c,
-                        void (*cb)(void *arg, json_t *procs, const sp_err_t *err), void *arg,
+ * {id, pid, tag, cmd, cwd, user, pty, running, exit_code, signal, started_at}. Capped as
+ * listcap.h says: past SP_LIST_ENTRIES_MAX entries or SP_LIST_BYTES_MAX of the agent's bytes
+ * the listing stops there (the stream is reset) and truncated is true; a string past
+ * SP_LIST_STR_MAX bytes is cut there, also truncated. A truncated list may leave out
+ * processes that run. */
+typedef void (*sp_exec_list_cb)(void *arg, json_t *procs, bool truncated, const sp_err_t *err);
+sp_exec_t *sp_exec_list(sp_loop_t *loop, sp_agentconn_t *c, sp_exec_list_cb cb, void *arg,
                         sp_err_t *err);
 
 typedef void (*sp_exec_done_cb)(void *arg, const sp_err_t *err);
@@ -157,7 +162,9 @@ sp_exec_t *sp_exec_resize(sp_loop_t *loop, sp_agentconn_t *c, uint32_t pid, uint
 
 typedef enum {
     SP_EXEC_FS_STAT = 0, /* -> entry */
-    SP_EXEC_FS_LIST,     /* -> {"entries": [entry...], "truncated": bool} */
+    SP_EXEC_FS_LIST,     /* -> {"entries": [entry...], "truncated": bool}; capped as
+                          * sp_exec_list (an entry with a string past SP_LIST_STR_MAX is
+                          * left out, truncated) */
     SP_EXEC_FS_MKDIR,    /* -> entry; creates parents */
     SP_EXEC_FS_MOVE,     /* -> entry of dest */
     SP_EXEC_FS_REMOVE,   /* -> NULL */

@@ -109,6 +109,8 @@ struct watcher {
     char *root;
     wev_t *events; /* ring of SP_FSWATCH_EVENTS_MAX */
     size_t head, count;
+    size_t bytes;     /* of the buffered names (listcap.h) */
+    uint64_t dropped; /* events dropped at a cap since the last poll */
     uint64_t polled_ms;
     bool failed;
     char why[160];
@@ -119,15 +121,34 @@ struct sp_fswatch_tab {
     sp_loop_t *loop;
     watcher_t *head;
     size_t n;
+    size_t bytes; /* buffered names of all watchers */
     uint64_t seq; /* makes ids unique within the table */
     sp_timer_t sweep;
 };
 
+/* What one buffered event counts against the byte caps. */
+static size_t ev_bytes(const char *name)
+{
+    return strlen(name) + 1 + sizeof(wev_t);
+}
+
+/* Drops the oldest buffered event. */
+static void drop_oldest(watcher_t *w)
+{
+    char *nm = w->events[w->head].name;
+    size_t b = ev_bytes(nm);
+    w->bytes -= b;
+    w->tab->bytes -= b;
+    free(nm);
+    w->head = (w->head + 1) % SP_FSWATCH_EVENTS_MAX;
+    w->count--;
+}
+
 static void watcher_clear(watcher_t *w)
 {
-    for (size_t i = 0; i < w->count; i++)
-        free(w->events[(w->head + i) % SP_FSWATCH_EVENTS_MAX].name);
-    w->head = w->count = 0;
+    while (w->count > 0)
+        drop_oldest(w);
+    w->head = 0;
 }
 
 static void watcher_free(watcher_t *w)
@@ -207,11 +228,21 @@ static void on_event(void *arg, const char *path, const char *name, uint32_t bit
     const char *rel;
     uint32_t evs[5];
     int n = sp_fswatch_cook(&w->cook, w->root, path, name, bits, &rel, evs);
+    if (n <= 0)
+        return;
+    size_t b = ev_bytes(rel);
     for (int i = 0; i < n; i++) {
-        if (w->count == SP_FSWATCH_EVENTS_MAX) { /* full: the oldest goes */
-            free(w->events[w->head].name);
-            w->head = (w->head + 1) % SP_FSWATCH_EVENTS_MAX;
-            w->count--;
+        /* Full (events or bytes): the oldest go; the table's cap reached: this one goes. */
+        while (w->count > 0 &&
+               (w->count == SP_FSWATCH_EVENTS_MAX || w->bytes + b > SP_WATCH_BYTES_MAX)) {
+            drop_oldest(w);
+            w->dropped++;
+        }
+        if (w->tab->bytes + b > SP_WATCH_ALL_BYTES_MAX || b > SP_WATCH_BYTES_MAX) {
+            if (w->dropped++ == 0)
+                sp_log(SP_LOG_WARN, "fswatch", "watchers' buffers full: events dropped id=%s",
+                       w->id);
+            continue;
         }
         char *nm = strdup(rel);
         if (nm == NULL)
@@ -220,6 +251,8 @@ static void on_event(void *arg, const char *path, const char *name, uint32_t bit
         e->name = nm;
         e->ev = evs[i];
         w->count++;
+        w->bytes += b;
+        w->tab->bytes += b;
     }
 }
 
@@ -306,6 +339,10 @@ int sp_fswatch_poll(sp_fswatch_tab_t *t, const char *sandbox_id, const char *id,
     free(evs);
     if (rc < 0)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    if (w->dropped > 0)
+        sp_log(SP_LOG_INFO, "fswatch", "watcher dropped %llu events at its caps id=%s",
+               (unsigned long long)w->dropped, w->id);
+    w->dropped = 0;
     watcher_clear(w);
     return 0;
 }

@@ -8,10 +8,13 @@
  * the name; names are made relative to the watched directory.
  *
  * Polling watchers: each is an agent WATCH stream (sp_exec_watch) whose cooked events are
- * buffered (at most SP_FSWATCH_EVENTS_MAX, the oldest dropped) until polled. A watcher nobody
- * polled for SP_FSWATCH_IDLE_MS is removed (checked once a minute); at most SP_FSWATCH_MAX
- * watchers per table. A watch that ends (directory gone, channel lost) keeps its buffered
- * events; the poll after them reports why it ended.
+ * buffered until polled: at most SP_FSWATCH_EVENTS_MAX events and SP_WATCH_BYTES_MAX of names
+ * per watcher (the oldest dropped), and SP_WATCH_ALL_BYTES_MAX for all of a table's watchers
+ * (past it a new event is dropped), so a guest's endless events cost a bounded buffer
+ * (core/channel/listcap.h). A watcher nobody polled for SP_FSWATCH_IDLE_MS is removed
+ * (checked once a minute); at most SP_FSWATCH_MAX watchers per table. A watch that ends
+ * (directory gone, channel lost) keeps its buffered events; the poll after them reports why it
+ * ended.
  *
  * One table serves every sandbox of a server, on the loop thread; watchers are found by
  * (sandbox, id). Knows no HTTP.
@@ -26,9 +29,10 @@
 #include "base/err.h"
 #include "core/channel/agentconn.h"
 #include "core/channel/exec.h"
+#include "core/channel/listcap.h"
 #include "loop/loop.h"
 
-#define SP_FSWATCH_EVENTS_MAX 10000            /* buffered per watcher */
+#define SP_FSWATCH_EVENTS_MAX SP_WATCH_EVENTS_MAX /* buffered per watcher */
 #define SP_FSWATCH_IDLE_MS    (5u * 60 * 1000) /* unpolled watchers are removed after */
 #define SP_FSWATCH_MAX        1024             /* watchers per table */
 #define SP_FSWATCH_ID_MAX     48               /* bytes in an id, NUL included */

@@ -659,7 +659,8 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
             {"op": "delete", "sandbox_id": self.sid, "context_id": "c1"},
             {"op": "interrupt", "sandbox_id": self.sid, "context_id": "c1"}])
         self.fake.listen(answer({"ok": True, "contexts": []}))
-        self.assertEqual(self.req("GET", self.base() + "/contexts"), (200, {"contexts": []}))
+        self.assertEqual(self.req("GET", self.base() + "/contexts"),
+                         (200, {"contexts": [], "truncated": False}))
         self.assertEqual(self.fake.requests, [{"op": "list", "sandbox_id": self.sid}])
         # execute: fields, language normalised, timeout in ms, env as given
         self.fake.listen(self.exec_events([{"type": "end", "status": "ok",
@@ -747,9 +748,13 @@ class DaemonEdgeTest(unittest.TestCase, Assertions):
             time.sleep(5)
         self.fake.listen(huge)
         t0 = time.time()
-        self.assertError(self.req("GET", self.base() + "/contexts", timeout=60), 503,
+        self.assertError(self.req("POST", self.base() + "/contexts", {}, timeout=60), 503,
                          "unavailable", "malformed")
         self.assertLess(time.time() - t0, 30 * MULT)
+        # A list's line stops at 4 MiB (core/channel/listcap.h), before any line's 16 MiB.
+        self.fake.listen(huge)
+        self.assertError(self.req("GET", self.base() + "/contexts", timeout=60), 503,
+                         "unavailable", "larger than 4 MiB")
 
         def complex_(req, conn, rfile):
             conn.sendall(b'{"ok": true, "contexts": [' + b"[]," * 400000 + b"[]]}\n")

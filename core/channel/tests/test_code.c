@@ -187,7 +187,8 @@ struct rec {
     sp_code_op_t *cancel_in_cb; /* cancelled from inside this op's callback */
 };
 
-static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, const sp_err_t *err)
+static void on_list(void *arg, const sp_code_ctx_t *ctxs, size_t n, bool truncated,
+                    const sp_err_t *err)
 {
     struct rec *r = arg;
     r->calls++;
