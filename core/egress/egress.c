@@ -164,7 +164,11 @@ static void count_sandboxes(sp_egress_t *eg)
     for (struct sb *x = eg->sbs; x != NULL; x = x->next)
         if (!x->dead && strchr(x->id, ':') == NULL)
             n++;
+    bool grew = n < eg->mem.sandboxes; /* the shares grew: credit waiting may fit now */
     eg->mem.sandboxes = n;
+    for (struct sb *x = eg->sbs; grew && x != NULL; x = x->next)
+        if (x->wq != NULL)
+            sp_egress__proxy_mem_kick(x);
 }
 
 static void sb_unlink(struct sb *sb)

@@ -138,6 +138,8 @@ int sp_egress__proxy_accept(struct sb *sb, sp_agentstream_t *s, sp_agentstream_c
 void sp_egress__proxy_policy_ready(struct sb *sb);
 /* Closes every proxy connection of the sandbox (the guest sees them fail). */
 void sp_egress__proxy_close_all(struct sb *sb);
+/* Grants what its connections wait for, as far as the memory budget now allows. */
+void sp_egress__proxy_mem_kick(struct sb *sb);
 
 /* ---- dns.c ---- */
 

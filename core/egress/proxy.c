@@ -1348,6 +1348,11 @@ void sp_egress__proxy_policy_ready(struct sb *sb)
     }
 }
 
+void sp_egress__proxy_mem_kick(struct sb *sb)
+{
+    mem_kick(sb);
+}
+
 void sp_egress__proxy_close_all(struct sb *sb)
 {
     while (sb->conns != NULL)
