@@ -139,6 +139,7 @@ static struct {
     const char *profile_path;
 
     uint32_t proxy_port;
+    uint32_t open_window; /* EGRESS_CONFIG.WINDOW: new connections' send credit; 0: the default */
     int listen_fd;
     sp_ev_t *listen_ev;
     pconn_t *conns;
@@ -560,6 +561,8 @@ static void pc_open(int fd, uint16_t peer_port)
         free(c);
         return;
     }
+    if (eg.open_window != 0)
+        c->s->send_credit = eg.open_window; /* the host grants the rest as its memory allows */
     LIST_PUSH(eg.conns, eg.nconns, c);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -1177,6 +1180,7 @@ void sp_egress_on_config(uint32_t id, const uint8_t *p, uint32_t n)
         return;
     }
 
+    eg.open_window = m.window;
     if (m.proxy_port != eg.proxy_port) {
         sp_ev_del(eg.listen_ev);
         eg.listen_ev = NULL;

@@ -232,7 +232,7 @@ static void on_hello(const sp_ap_hdr_t *h, const uint8_t *p)
         .version = SP_AP_VERSION,
         .agent_version = {SP_AGENT_VERSION, (uint32_t)strlen(SP_AGENT_VERSION)},
         .caps = SP_AP_CAP_PTY | SP_AP_CAP_WATCH | SP_AP_CAP_TCP | SP_AP_CAP_IDENTITY |
-                SP_AP_CAP_EGRESS,
+                SP_AP_CAP_EGRESS | SP_AP_CAP_EGRESS_WINDOW,
         .boot_ns = boot_ns(),
         .session = in.session, /* which HELLO this answers (see base/agentproto.h) */
     };

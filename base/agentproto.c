@@ -628,6 +628,8 @@ long sp_ap_enc_egress_config(sp_ap_writer_t *w, uint32_t stream, const sp_ap_egr
     sp_ap_put_u32(w, SP_AP_K_DNS, m->dns ? 1 : 0);
     for (uint32_t i = 0; i < m->envc && i < SP_AP_MAX_ENV; i++)
         put_sv(w, SP_AP_K_ENV, m->env[i]);
+    if (m->window != 0)
+        sp_ap_put_u32(w, SP_AP_K_WINDOW, m->window);
     return sp_ap_frame_end(w);
 }
 
@@ -648,6 +650,8 @@ int sp_ap_dec_egress_config(const uint8_t *p, size_t n, sp_ap_egress_config_t *m
         else if (x.tag == SP_AP_K_ENV)
             bad = add_sv(m->env, &m->envc, SP_AP_MAX_ENV, &x) < 0 ||
                   memchr(x.val, '=', x.len) == NULL || x.val[0] == '=';
+        else if (x.tag == SP_AP_K_WINDOW)
+            bad = sp_ap_field_u32(&x, &m->window) < 0 || m->window > SP_AP_INITIAL_WINDOW;
         if (bad)
             return sp_err_set(err, SP_EINVAL, "bad egress_config field %u", x.tag);
     }

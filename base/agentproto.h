@@ -140,8 +140,12 @@
  *                               proxy clients; 0 = stop listening), DNS u32 (1 = answer DNS
  *                               queries on 127.0.0.1:53, UDP and TCP), ENV str "K=V"
  *                               (repeated: added to the default env of later PROC_START,
- *                               e.g. HTTP_PROXY) -> OK. Sent again after every HELLO; the
- *                               latest one wins. Without it the agent opens nothing.
+ *                               e.g. HTTP_PROXY), WINDOW u32 (the send credit of EGRESS_OPEN
+ *                               streams opened after this config: a host that grants the
+ *                               rest as its memory allows; absent or 0: SP_AP_INITIAL_WINDOW;
+ *                               agents with SP_AP_CAP_EGRESS_WINDOW) -> OK. Sent again after
+ *                               every HELLO; the latest one wins. Without it the agent opens
+ *                               nothing.
  *  EGRESS_OPEN  a->h, opens     KIND u32 (SP_AP_EGRESS_PROXY: a guest program connected to
  *                               the proxy port), PEER_PORT u32; then the connection's bytes as
  *                               DATA/EOF both ways (the host parses the proxy request);
@@ -351,6 +355,7 @@ enum {
     SP_AP_CAP_TCP = 1u << 2,
     SP_AP_CAP_IDENTITY = 1u << 3,
     SP_AP_CAP_EGRESS = 1u << 4,
+    SP_AP_CAP_EGRESS_WINDOW = 1u << 5, /* EGRESS_OPEN streams start with EGRESS_CONFIG.WINDOW */
 };
 
 /* EGRESS_OPEN.KIND */
@@ -516,10 +521,12 @@ typedef struct {
     bool dns;
     sp_ap_str_t env[SP_AP_MAX_ENV]; /* "K=V" */
     uint32_t envc;
+    uint32_t window; /* EGRESS_OPEN streams' initial send credit; 0: SP_AP_INITIAL_WINDOW */
 } sp_ap_egress_config_t;
 
 long sp_ap_enc_egress_config(sp_ap_writer_t *w, uint32_t stream, const sp_ap_egress_config_t *m);
-/* Also rejects PROXY_PORT > 65535, DNS other than 0/1 and an ENV without "K=" (empty K). */
+/* Also rejects PROXY_PORT > 65535, DNS other than 0/1, an ENV without "K=" (empty K) and a
+ * WINDOW over SP_AP_INITIAL_WINDOW. */
 int sp_ap_dec_egress_config(const uint8_t *p, size_t n, sp_ap_egress_config_t *m, sp_err_t *err);
 
 typedef struct {

@@ -108,8 +108,10 @@ struct opts {
      * an eighth of the host's RAM) */
     int pool_size;
     int pool_memory_mb;
-    int prebuild_sizes; /* serve: sizes per template whose snapshot is made ahead (sizes.h);
-                         * 0: none */
+    int prebuild_sizes;    /* serve: sizes per template whose snapshot is made ahead (sizes.h);
+                            * 0: none */
+    long egress_memory_mb; /* serve: all sandboxes' egress memory (core/egress/egmem.h); 0: a
+                            * sixteenth of the host's RAM, at least 256 MiB */
 };
 
 /* Bodies: JSON and RPC bodies are small (the APIs' own caps are 1 MiB); uploads of files and
@@ -145,6 +147,7 @@ static void usage(FILE *f)
             "                    [--max-body-kb KIB] [--max-upload-mb MIB] [--max-large-bodies N]\n"
             "                    [--cluster-key-file FILE]\n"
             "                    [--pool-size N] [--pool-memory-mb MIB] [--prebuild-sizes N]\n"
+            "                    [--egress-memory-mb MIB]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -1176,7 +1179,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_driver_t *driver = NULL;
     /* Outbound traffic: before the driver, which names the agent channels of the VMs it
      * re-adopts as it starts (the proxy attaches to each). */
-    sp_egress_t *egress = svc && !api ? sp_egress_create(s.loop, store, NULL, &e) : NULL;
+    sp_egress_opts_t ego = {.memory_limit = (uint64_t)o->egress_memory_mb << 20};
+    sp_egress_t *egress = svc && !api ? sp_egress_create(s.loop, store, &ego, &e) : NULL;
     if (svc != NULL && !api && egress == NULL) {
         fprintf(stderr, "spaced: egress proxy: %s\n", e.msg);
         goto out_srv;
@@ -1518,6 +1522,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"pool-size", required_argument, NULL, 0x140},
         {"pool-memory-mb", required_argument, NULL, 0x141},
         {"prebuild-sizes", required_argument, NULL, 0x142},
+        {"egress-memory-mb", required_argument, NULL, 0x143},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1719,6 +1724,17 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                 o.pool_memory_mb = (int)v;
             else
                 o.prebuild_sizes = (int)v;
+            break;
+        }
+        case 0x143: {
+            /* At least one sandbox's worth (SP_EGRESS_MAX_BUFFERED). */
+            char *end;
+            long v = strtol(optarg, &end, 10);
+            if (*optarg == '\0' || *end != '\0' || v < 64 || v > 16777216) {
+                fprintf(stderr, "spaced: --egress-memory-mb wants 64..16777216\n");
+                return 2;
+            }
+            o.egress_memory_mb = v;
             break;
         }
         case 'r':

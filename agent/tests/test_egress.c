@@ -764,6 +764,53 @@ static void test_egress_cap(int port)
     ah_ping_ok();
 }
 
+/* Guest bytes the agent sends on stream s within ms (other frames passed over). */
+static size_t data_within(uint32_t s, int ms)
+{
+    size_t got = 0;
+    frame_t f;
+    while (ah_recv_frame(&f, ms) == 0)
+        if (f.h.stream == s && f.h.type == SP_AP_T_DATA)
+            got += f.h.len;
+    return got;
+}
+
+/* EGRESS_CONFIG.WINDOW: connections opened after it start with that much credit, and send
+ * more only as the host grants it; a config without it brings the default back. */
+static void test_egress_open_window(int port)
+{
+    CHECK(hello() & SP_AP_CAP_EGRESS_WINDOW);
+    CHECK(configure((uint32_t)port, false) == 0);
+    sp_ap_egress_config_t m = {.proxy_port = (uint32_t)port, .window = 4096};
+    frame_t f = config_raw(&m);
+    CHECK(f.h.type == SP_AP_T_OK);
+    static char blob[10000];
+    memset(blob, 'w', sizeof(blob));
+    uint32_t s;
+    int c = proxy_client(port, &s);
+    CHECK(send(c, blob, sizeof(blob), 0) == (ssize_t)sizeof(blob));
+    CHECK(data_within(s, 300) == 4096);
+    ah_grant(s, 5000);
+    CHECK(data_within(s, 300) == 5000);
+    ah_grant(s, 5000);
+    CHECK(data_within(s, 300) == sizeof(blob) - 4096 - 5000);
+    ah_send_empty(s, SP_AP_T_OK, SP_AP_F_END);
+    close(c);
+
+    /* Over the default window: refused, nothing changes. */
+    m.window = SP_AP_INITIAL_WINDOW + 1;
+    f = config_raw(&m);
+    CHECK(f.h.type == SP_AP_T_ERROR);
+    /* Without WINDOW: the default again. */
+    CHECK(configure((uint32_t)port, false) == 0);
+    c = proxy_client(port, &s);
+    CHECK(send(c, blob, sizeof(blob), 0) == (ssize_t)sizeof(blob));
+    CHECK(data_within(s, 300) == sizeof(blob));
+    ah_send_empty(s, SP_AP_T_OK, SP_AP_F_END);
+    close(c);
+    ah_ping_ok();
+}
+
 static void test_egress_reconfigure(int port)
 {
     uint32_t s_old;
@@ -1042,6 +1089,7 @@ int main(void)
     test_egress_dns(port);
     test_egress_disconnect(port);
     test_egress_reconfigure(port);
+    test_egress_open_window(port);
     CHECK(configure(0, false) == 0);
     int fds1 = agent_fds_settle(fds0);
     fprintf(stderr, "agent fds: %d before, %d after\n", fds0, fds1);

@@ -1175,6 +1175,13 @@ void sp_agentstream_grant(sp_agentstream_t *s, uint32_t n)
         s->recv_window += n;
 }
 
+void sp_agentstream_set_recv_window(sp_agentstream_t *s, uint32_t n)
+{
+    if (s->agent_opened && s->in_cb > 0 && s->recv_window == SP_AP_INITIAL_WINDOW &&
+        n < s->recv_window)
+        s->recv_window = n;
+}
+
 void sp_agentstream_reset(sp_agentstream_t *s)
 {
     if (s == NULL || s->dead)

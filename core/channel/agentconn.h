@@ -164,6 +164,12 @@ void sp_agentstream_reset(sp_agentstream_t *s);
  */
 int sp_agentstream_end(sp_agentstream_t *s, uint16_t type, const uint8_t *payload, size_t len);
 
+/* For the acceptor of a stream the agent opened, inside the accept call: the agent was told
+ * (EGRESS_CONFIG.WINDOW) that this stream starts with n bytes of credit instead of
+ * SP_AP_INITIAL_WINDOW, so DATA past n before a grant ends it like any window violation. Only
+ * lowers the window; nothing for other streams or once DATA has come. */
+void sp_agentstream_set_recv_window(sp_agentstream_t *s, uint32_t n);
+
 /* True for a stream the agent opened. */
 bool sp_agentstream_agent_opened(const sp_agentstream_t *s);
 

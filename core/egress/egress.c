@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "base/log.h"
 #include "base/metrics.h"
@@ -67,6 +68,10 @@ static void cfg_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const 
         return;
     sb->cfg = NULL;
     if (type == SP_AP_T_OK) {
+        /* Connections the agent opens after this OK start with SP_EGRESS_OPEN_WINDOW of credit
+         * (the channel keeps order); those before it may have had the whole default. */
+        sb->small_window =
+            sb->conn != NULL && (sp_agentconn_caps(sb->conn) & SP_AP_CAP_EGRESS_WINDOW);
         sp_log(SP_LOG_DEBUG, "egress", "guest proxy configured sandbox=%s", sb->id);
         return;
     }
@@ -107,6 +112,7 @@ static void sb_send_config(struct sb *sb)
         sb->cfg = NULL;
         sp_agentstream_reset(old);
     }
+    sb->small_window = false; /* until the agent says OK to this config */
     uint16_t port =
         sp_egress__hooks.guest_port ? sp_egress__hooks.guest_port : SP_EGRESS_GUEST_PORT;
     char proxy[64];
@@ -116,6 +122,7 @@ static void sb_send_config(struct sb *sb)
     sp_ap_writer_init(&w, buf, sizeof(buf));
     sp_ap_put_u32(&w, SP_AP_K_PROXY_PORT, port);
     sp_ap_put_u32(&w, SP_AP_K_DNS, sp_egress__hooks.no_dns ? 0 : 1);
+    sp_ap_put_u32(&w, SP_AP_K_WINDOW, SP_EGRESS_OPEN_WINDOW); /* older agents ignore it */
     static const char *const names[] = {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"};
     char kv[160];
     for (size_t i = 0; i < 4; i++) {
@@ -147,6 +154,21 @@ static void sb_close_all(struct sb *sb)
 {
     sp_egress__proxy_close_all(sb);
     sp_egress__dns_close_all(sb);
+}
+
+/* The sandboxes the memory limit is shared among (egmem.h): attached, spare clones not
+ * counted (their guests reach nothing). */
+static void count_sandboxes(sp_egress_t *eg)
+{
+    unsigned n = 0;
+    for (struct sb *x = eg->sbs; x != NULL; x = x->next)
+        if (!x->dead && strchr(x->id, ':') == NULL)
+            n++;
+    bool grew = n < eg->mem.sandboxes; /* the shares grew: credit waiting may fit now */
+    eg->mem.sandboxes = n;
+    for (struct sb *x = eg->sbs; grew && x != NULL; x = x->next)
+        if (x->wq != NULL)
+            sp_egress__proxy_mem_kick(x);
 }
 
 static void sb_unlink(struct sb *sb)
@@ -372,6 +394,7 @@ static void on_conn_event(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
     }
     if (ev == SP_AGENTCONN_DOWN) {
         sb->cfg = NULL; /* failed with the channel */
+        sb->small_window = false;
         return;
     }
     /* GONE: the channel is being freed; every stream on it has already failed. */
@@ -385,6 +408,7 @@ static void on_conn_event(void *arg, sp_agentconn_t *c, sp_agentconn_event_t ev)
     }
     sb_unlink(sb);
     sb->eg->st.sandboxes--;
+    count_sandboxes(sb->eg);
     sb->dead = true;
     sp_egress__sb_maybe_free(sb);
 }
@@ -401,6 +425,7 @@ static void sb_rename(struct sb *sb, const char *id)
     snprintf(sb->id, sizeof(sb->id), "%s", id);
     sb->team[0] = '\0';
     sb_close_all(sb);
+    count_sandboxes(sb->eg);
     sp_egp_free(sb->policy);
     sb->policy = NULL; /* connections wait for the new one */
     if (sb->mitm != NULL) {
@@ -445,6 +470,7 @@ static void on_named(void *arg, sp_agentconn_t *c, const char *sandbox_id)
         sb->next->prev = sb;
     eg->sbs = sb;
     eg->st.sandboxes++;
+    count_sandboxes(eg);
     sb_load(sb);
     sb_open_mitm(sb);
     if (sp_agentconn_up(c))
@@ -522,6 +548,15 @@ static sp_metric_t m_decisions = SP_METRIC_COUNTER(
     "space_egress_decisions_total",
     "Egress policy decisions on connections and DNS queries, by decision (allowed, denied).",
     "decision");
+static sp_metric_t m_mem = SP_METRIC_GAUGE(
+    "space_egress_memory_bytes",
+    "Egress memory budget (--egress-memory-mb): bytes charged now (used), the limit (limit).",
+    "kind");
+static sp_metric_t m_mem_refused = SP_METRIC_COUNTER(
+    "space_egress_memory_refused_total",
+    "Egress memory charges refused: a connection answered 503, or credit held back.", "");
+static sp_metric_t m_mem_waiting = SP_METRIC_GAUGE(
+    "space_egress_memory_waiting", "Proxied connections waiting for egress memory now.", "");
 
 /* Runs in sp_metrics_render, on the loop (base/metrics.h): mirrors the proxy's own counts. */
 static void collect(void *arg)
@@ -532,6 +567,10 @@ static void collect(void *arg)
     sp_metrics_set(&m_bytes, (double)eg->st.bytes_down, "down");
     sp_metrics_set(&m_decisions, (double)eg->st.allowed, "allowed");
     sp_metrics_set(&m_decisions, (double)eg->st.denied, "denied");
+    sp_metrics_set(&m_mem, (double)eg->mem.used, "used");
+    sp_metrics_set(&m_mem, (double)eg->mem.limit, "limit");
+    sp_metrics_set(&m_mem_refused, (double)eg->mem.refused);
+    sp_metrics_set(&m_mem_waiting, eg->st.mem_waiting);
 }
 
 sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egress_opts_t *o,
@@ -550,6 +589,14 @@ sp_egress_t *sp_egress_create(sp_loop_t *loop, sp_store_t *store, const sp_egres
         eg->o.resolver_threads = 8;
     if (eg->o.connect_timeout_ms == 0)
         eg->o.connect_timeout_ms = 10000;
+    if (eg->o.memory_limit == 0) {
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        uint64_t phys = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : 4ull << 30;
+        eg->o.memory_limit = sp_egmem_default_limit(phys);
+    }
+    sp_egmem_init(&eg->mem, eg->o.memory_limit, SP_EGRESS_MAX_BUFFERED);
+    sp_log(SP_LOG_INFO, "egress", "egress memory limit_mb=%llu per_sandbox_mb=%u",
+           (unsigned long long)(eg->o.memory_limit >> 20), SP_EGRESS_MAX_BUFFERED >> 20);
     if (sp_egress__audit_init(eg) < 0) {
         free(eg);
         sp_err_set(err, SP_EINTERNAL, "out of memory");
@@ -584,6 +631,10 @@ void sp_egress_set_mitm(sp_egress_t *eg, struct sp_mitm *m)
 void sp_egress_stats(const sp_egress_t *eg, sp_egress_stats_t *out)
 {
     *out = eg->st;
+    out->mem_used = eg->mem.used;
+    out->mem_limit = eg->mem.limit;
+    out->mem_peak = eg->mem.peak;
+    out->mem_refused = eg->mem.refused;
 }
 
 void sp_egress__maybe_free(sp_egress_t *eg)

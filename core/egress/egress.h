@@ -42,8 +42,11 @@
  *
  * Limits per sandbox: SP_EGRESS_MAX_CONNS proxy connections and
  * SP_EGRESS_MAX_DNS queries at once (beyond: the guest's connection is reset / SERVFAIL),
- * SP_EGRESS_MAX_BUFFERED guest bytes waiting for slow upstreams (beyond: credit is held back
- * until they drain, so a guest cannot make the host buffer more), a request head
+ * a memory budget (core/egress/egmem.h) that every byte the guest can make the host hold is
+ * charged to before it is granted, initial windows included: SP_EGRESS_MAX_BUFFERED per
+ * sandbox, its share of the global memory_limit (limit / sandboxes attached) when that is
+ * less, the global limit in all (beyond: a new connection is answered 503, an open one waits
+ * for credit until memory comes back), a request head
  * of at most SP_EGRESS_MAX_HEAD bytes within SP_EGRESS_HEAD_TIMEOUT_MS, and
  * a connect timeout. Everything runs on the loop; only getaddrinfo runs on
  * the loop's worker threads (sp_loop_work, lane SP_WORK_SHORT), at most
@@ -74,13 +77,20 @@ struct sp_mitm;
 #define SP_EGRESS_MAX_CONNS       2048        /* proxy connections per sandbox at once */
 #define SP_EGRESS_MAX_DNS         128         /* DNS queries per sandbox at once */
 #define SP_EGRESS_MAX_HEAD        16384       /* bytes of a proxy request head */
-#define SP_EGRESS_MAX_BUFFERED    (64u << 20) /* guest bytes held per sandbox, not yet sent on */
+#define SP_EGRESS_MAX_BUFFERED    (64u << 20) /* egress memory per sandbox at most (egmem.h) */
 #define SP_EGRESS_HEAD_TIMEOUT_MS 30000
 #define SP_EGRESS_LOG_KEEP        10000 /* audit rows kept per sandbox */
 #define SP_EGRESS_NOTIFY          "space_egress"
 
+/* The initial window of a proxy connection's stream when the agent takes it from
+ * EGRESS_CONFIG (SP_AP_CAP_EGRESS_WINDOW): room for a request head; the proxy raises it to
+ * SP_AP_INITIAL_WINDOW once the connection is allowed and connected, as memory allows. */
+#define SP_EGRESS_OPEN_WINDOW SP_EGRESS_MAX_HEAD
+
 typedef struct {
     int resolver_threads;        /* lookups on the work lane at once; 0: 8 (4 per sandbox) */
+    uint64_t memory_limit;       /* bytes all sandboxes' egress may hold (core/egress/egmem.h);
+                                    0: a sixteenth of the host's memory, at least 256 MiB */
     uint32_t connect_timeout_ms; /* 0: 10000 */
     uint32_t log_flush_ms;       /* 0: 250 (audit batching) */
 } sp_egress_opts_t;
@@ -113,6 +123,10 @@ typedef struct {
     unsigned resolving;            /* lookups waiting, queued or running */
     uint64_t bytes_up, bytes_down; /* relayed since start */
     uint64_t allowed, denied;      /* decisions since start (connections and queries) */
+    uint64_t mem_used, mem_limit;  /* the memory budget (egmem.h): charged now, the limit */
+    uint64_t mem_peak;             /* the most charged at once since start */
+    uint64_t mem_refused;          /* charges refused (a connection refused or waiting) */
+    unsigned mem_waiting;          /* connections waiting for credit now */
 } sp_egress_stats_t;
 
 void sp_egress_stats(const sp_egress_t *eg, sp_egress_stats_t *out);

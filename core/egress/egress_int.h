@@ -21,6 +21,7 @@
 
 #include "base/ids.h"
 #include "core/channel/agentconn.h"
+#include "core/egress/egmem.h"
 #include "core/egress/egress.h"
 #include "core/egress/egress_policy.h"
 
@@ -61,6 +62,11 @@ struct sp_egress {
     struct sb *sbs;
     sp_egress_stats_t st;
 
+    /* proxy.c: the memory budget (egmem.h); sandboxes with connections waiting for credit
+     * that the global limit refused, served in turn as memory comes back */
+    sp_egmem_t mem;
+    struct sb *gwait, *gwait_tail;
+
     /* resolve.c: jobs on the work lane (at most o.resolver_threads at once) */
     struct rjob *running;
     int nrunning;
@@ -100,8 +106,11 @@ struct sb {
     unsigned ndns;
     unsigned log_since_trim;
     bool trim;
-    size_t buffered; /* guest bytes held in its connections, not yet taken upstream */
-    bool held;       /* credit is being held back (buffered reached the limit) */
+    sp_egmem_sb_t mem;          /* its charges (proxy.c) */
+    struct pconn *wq, *wq_tail; /* its connections waiting for credit, oldest first */
+    struct sb *gwait_next;
+    bool in_gwait;
+    bool small_window; /* its agent applied EGRESS_CONFIG.WINDOW this session (egress.c) */
     struct sp_mitm_sb *mitm;
     bool mitm_opening;
     bool mitm_stale;           /* renamed while the handle was being opened: reopen it */
@@ -129,6 +138,8 @@ int sp_egress__proxy_accept(struct sb *sb, sp_agentstream_t *s, sp_agentstream_c
 void sp_egress__proxy_policy_ready(struct sb *sb);
 /* Closes every proxy connection of the sandbox (the guest sees them fail). */
 void sp_egress__proxy_close_all(struct sb *sb);
+/* Grants what its connections wait for, as far as the memory budget now allows. */
+void sp_egress__proxy_mem_kick(struct sb *sb);
 
 /* ---- dns.c ---- */
 

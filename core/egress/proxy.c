@@ -13,6 +13,16 @@
  * socket is read only as far as the agent's credit goes, into one shared buffer
  * (eg->rbuf), so nothing waits on the host in that direction.
  *
+ * Memory across connections: every byte of credit is charged to the budget
+ * (core/egress/egmem.h) before the agent gets it, the first window when the
+ * stream opens (SP_EGRESS_OPEN_WINDOW when the agent takes it from
+ * EGRESS_CONFIG, else SP_AP_INITIAL_WINDOW; a first window that does not fit:
+ * 503), the rise to SP_AP_INITIAL_WINDOW once connected, each grant after;
+ * bytes the upstream took are released. Credit that does not fit waits in the
+ * sandbox's queue (sb->wq, oldest first, partial grants of at least GRANT_MIN)
+ * and is granted as memory comes back (mem_kick), the sandbox's own first, then
+ * those of sandboxes the global limit held back (eg->gwait).
+ *
  * Lifetimes: a pconn is freed by pc_close, which may run inside its stream's
  * callbacks (the stream is ended there; agentconn frees it when the callback
  * returns) or its watch's callback (sp_watch_destroy is safe there); callers
@@ -41,6 +51,7 @@ static sp_metric_t m_conns = SP_METRIC_COUNTER(
     "");
 
 #define GRANT_BATCH    (64u * 1024u) /* credit given back in steps of this much */
+#define GRANT_MIN      4096u         /* less than this is not granted while more is owed */
 #define READS_PER_TURN 4             /* upstream reads per readiness callback */
 
 enum phase {
@@ -66,8 +77,16 @@ struct pconn {
     /* guest bytes received and not yet consumed (= not yet granted back) */
     sp_buf_t g;
     size_t g_off;
-    size_t grant_pending;
+    size_t grant_pending; /* credit owed to the agent, not yet charged and granted */
     bool g_eof;
+
+    /* memory (egmem.h) */
+    size_t charged;    /* what it holds of the budget: records, credit out, heads, relay */
+    bool small_window; /* opened with SP_EGRESS_OPEN_WINDOW */
+    bool grown;        /* raised to SP_AP_INITIAL_WINDOW */
+    bool refused;      /* no memory for it: answered 503 on the next loop turn */
+    bool waiting;      /* in sb->wq, for credit */
+    struct pconn *wprev, *wnext;
 
     /* the request */
     bool connect, upgrade;
@@ -109,44 +128,230 @@ struct pconn {
     uint64_t up_bytes, down_bytes;
 };
 
-/* ---- guest stream helpers ---- */
+/* ---- memory (core/egress/egmem.h) ---- */
 
-/* Gives consumed bytes back to the agent as credit, in GRANT_BATCH steps. While the sandbox
- * holds SP_EGRESS_MAX_BUFFERED guest bytes that upstreams have not taken, credit is held
- * back (every connection still has what is left of its window). */
-static void pc_grant(struct pconn *pc, size_t n, bool force)
+/* Logs the first refusal of an episode (egmem.h): once per sandbox for its share, once for the
+ * host's limit, until usage falls below half again. */
+static void mem_refused(struct sb *sb, sp_egmem_rc_t rc, bool first)
+{
+    sp_egress_t *eg = sb->eg;
+    if (!first)
+        return;
+    if (rc == SP_EGMEM_GLOBAL)
+        sp_log(SP_LOG_WARN, "egress",
+               "egress memory limit reached limit_mb=%llu used_mb=%llu sandboxes=%u: new "
+               "connections get 503 and open ones wait for credit until it drains",
+               (unsigned long long)(eg->mem.limit >> 20), (unsigned long long)(eg->mem.used >> 20),
+               eg->mem.sandboxes);
+    else
+        sp_log(SP_LOG_INFO, "egress",
+               "egress memory share used sandbox=%s share_kb=%llu used_kb=%llu conns=%u", sb->id,
+               (unsigned long long)(sp_egmem_share(&eg->mem) >> 10),
+               (unsigned long long)(sb->mem.used >> 10), sb->nconns);
+}
+
+/* Charges n to pc's sandbox, leaving keep free; false (nothing charged, *rc why) when it
+ * does not fit. */
+static bool pc_charge_keep(struct pconn *pc, size_t n, uint64_t keep, sp_egmem_rc_t *rc)
 {
     struct sb *sb = pc->sb;
-    pc->grant_pending += n;
-    if (sb->buffered >= SP_EGRESS_MAX_BUFFERED) {
-        sb->held = true;
-        return;
+    bool first;
+    sp_egmem_rc_t r = sp_egmem_charge_keep(&sb->eg->mem, &sb->mem, n, keep, &first);
+    if (rc != NULL)
+        *rc = r;
+    if (r != SP_EGMEM_OK) {
+        mem_refused(sb, r, first);
+        return false;
     }
-    if (pc->st != NULL && pc->grant_pending > 0 && (force || pc->grant_pending >= GRANT_BATCH)) {
-        sp_agentstream_grant(pc->st, (uint32_t)pc->grant_pending);
-        pc->grant_pending = 0;
-    }
+    pc->charged += n;
+    return true;
 }
 
-/* The sandbox's buffered guest bytes went down by n: release held credit below half. */
-static void sb_unbuffer(struct sb *sb, size_t n)
+static bool pc_charge(struct pconn *pc, size_t n, sp_egmem_rc_t *rc)
 {
-    sb->buffered -= n < sb->buffered ? n : sb->buffered;
-    if (!sb->held || sb->buffered >= SP_EGRESS_MAX_BUFFERED / 2)
-        return;
-    sb->held = false;
-    for (struct pconn *pc = sb->conns; pc != NULL; pc = pc->next)
-        if (pc->grant_pending > 0)
-            pc_grant(pc, 0, true);
+    return pc_charge_keep(pc, n, 0, rc);
 }
 
-/* Consumes n guest bytes at g_off. */
+static void gwait_add(struct sb *sb)
+{
+    sp_egress_t *eg = sb->eg;
+    if (sb->in_gwait)
+        return;
+    sb->in_gwait = true;
+    sb->gwait_next = NULL;
+    if (eg->gwait_tail != NULL)
+        eg->gwait_tail->gwait_next = sb;
+    else
+        eg->gwait = sb;
+    eg->gwait_tail = sb;
+}
+
+static void gwait_remove(struct sb *sb)
+{
+    sp_egress_t *eg = sb->eg;
+    if (!sb->in_gwait)
+        return;
+    struct sb *prev = NULL;
+    for (struct sb *x = eg->gwait; x != NULL; prev = x, x = x->gwait_next) {
+        if (x != sb)
+            continue;
+        if (prev != NULL)
+            prev->gwait_next = x->gwait_next;
+        else
+            eg->gwait = x->gwait_next;
+        if (eg->gwait_tail == x)
+            eg->gwait_tail = prev;
+        break;
+    }
+    sb->in_gwait = false;
+    sb->gwait_next = NULL;
+}
+
+static void wq_remove(struct pconn *pc)
+{
+    struct sb *sb = pc->sb;
+    if (!pc->waiting)
+        return;
+    if (pc->wprev != NULL)
+        pc->wprev->wnext = pc->wnext;
+    else
+        sb->wq = pc->wnext;
+    if (pc->wnext != NULL)
+        pc->wnext->wprev = pc->wprev;
+    else
+        sb->wq_tail = pc->wprev;
+    pc->wprev = pc->wnext = NULL;
+    pc->waiting = false;
+    sb->eg->st.mem_waiting--;
+    if (sb->wq == NULL)
+        gwait_remove(sb);
+}
+
+/* Grants pc as much of its pending credit as the budget takes, short of the quarter of the
+ * share kept for first windows (at least GRANT_MIN of it, or all when less is pending); what
+ * is left waits in the sandbox's queue, oldest first. True when nothing is left pending. */
+static bool pc_try_grant(struct pconn *pc)
+{
+    struct sb *sb = pc->sb;
+    sp_egress_t *eg = sb->eg;
+    size_t want = pc->grant_pending;
+    /* The last quarter of the share is kept for first windows: connections that are moving
+     * bytes never take all of it, so new ones still open. */
+    uint64_t room = sp_egmem_room(&eg->mem, &sb->mem), keep = sp_egmem_share(&eg->mem) / 4;
+    room = room > keep ? room - keep : 0;
+    size_t n = want < room ? want : (size_t)room;
+    size_t min = want < GRANT_MIN ? want : GRANT_MIN;
+    sp_egmem_rc_t rc = SP_EGMEM_OK;
+    if (n < min) {
+        /* Refused (room < want): counted, and its episode logged, by the charge's refusal. */
+        pc_charge_keep(pc, want, keep, &rc);
+        n = 0;
+    } else if (!pc_charge_keep(pc, n, keep, &rc)) { /* cannot be: n fits the room */
+        n = 0;
+    }
+    if (n > 0) {
+        sp_agentstream_grant(pc->st, (uint32_t)n);
+        pc->grant_pending -= n;
+    }
+    if (pc->grant_pending == 0) {
+        wq_remove(pc);
+        return true;
+    }
+    if (!pc->waiting) {
+        pc->waiting = true;
+        pc->wprev = sb->wq_tail;
+        pc->wnext = NULL;
+        if (sb->wq_tail != NULL)
+            sb->wq_tail->wnext = pc;
+        else
+            sb->wq = pc;
+        sb->wq_tail = pc;
+        eg->st.mem_waiting++;
+    }
+    if (n == 0 && rc == SP_EGMEM_GLOBAL)
+        gwait_add(sb);
+    return false;
+}
+
+/* Serves sb's waiting connections, oldest first, while there is room. False when one still
+ * waits. */
+static bool sb_serve(struct sb *sb)
+{
+    while (sb->wq != NULL) {
+        struct pconn *pc = sb->wq;
+        if (pc->st == NULL) {
+            wq_remove(pc); /* closing: nothing to grant */
+            continue;
+        }
+        if (!pc_try_grant(pc))
+            return false;
+    }
+    return true;
+}
+
+/* Memory came back to sb: its waiting connections first, then those of sandboxes the global
+ * limit held back, in the order they started waiting. */
+static void mem_kick(struct sb *sb)
+{
+    sb_serve(sb);
+    sp_egress_t *eg = sb->eg;
+    while (eg->gwait != NULL && eg->mem.used < eg->mem.limit) {
+        struct sb *x = eg->gwait;
+        if (!sb_serve(x))
+            break;
+        gwait_remove(x);
+    }
+}
+
+/* Gives back n of pc's charges (at most what it holds). */
+static void pc_release(struct pconn *pc, size_t n)
+{
+    struct sb *sb = pc->sb;
+    if (n > pc->charged)
+        n = pc->charged;
+    if (n == 0)
+        return;
+    pc->charged -= n;
+    sp_egmem_release(&sb->eg->mem, &sb->mem, n);
+    mem_kick(sb);
+}
+
+/* ---- guest stream helpers ---- */
+
+/* Gives consumed bytes back to the agent as credit, in steps of GRANT_BATCH (a quarter of the
+ * first window while the connection has not been raised to SP_AP_INITIAL_WINDOW), each charged
+ * to the memory budget first: credit that does not fit waits in the sandbox's queue. */
+static void pc_grant(struct pconn *pc, size_t n, bool force)
+{
+    pc->grant_pending += n;
+    if (pc->waiting || pc->st == NULL || pc->grant_pending == 0)
+        return;
+    size_t batch = pc->small_window && !pc->grown ? SP_EGRESS_OPEN_WINDOW / 4 : GRANT_BATCH;
+    if (!force && pc->grant_pending < batch)
+        return;
+    pc_try_grant(pc);
+}
+
+/* The connection is allowed and connected: its window grows to SP_AP_INITIAL_WINDOW (credit
+ * charged like any other, so it may wait). */
+static void pc_grow(struct pconn *pc)
+{
+    if (!pc->small_window || pc->grown)
+        return;
+    pc->grown = true;
+    pc_grant(pc, SP_AP_INITIAL_WINDOW - SP_EGRESS_OPEN_WINDOW, true);
+}
+
+/* Consumes n guest bytes at g_off: their memory goes back, their credit is granted again. */
 static void g_consume(struct pconn *pc, size_t n)
 {
     pc->g_off += n;
-    if (pc->g_off == pc->g.len)
+    if (pc->g_off == pc->g.len) {
         pc->g_off = pc->g.len = 0;
-    sb_unbuffer(pc->sb, n);
+        if (pc->g.cap > GRANT_BATCH)
+            sp_buf_free(&pc->g); /* drained: a large buffer goes, the budget counts content */
+    }
+    pc_release(pc, n);
     pc_grant(pc, n, false);
 }
 
@@ -162,7 +367,6 @@ static int g_append(struct pconn *pc, const uint8_t *p, size_t n)
     sp_buf_add(&pc->g, p, n);
     if (pc->g.oom)
         return -1;
-    pc->sb->buffered += n;
     return 0;
 }
 
@@ -238,7 +442,8 @@ static void pc_close(struct pconn *pc, enum close_mode mode, const char *why)
         pc->next->prev = pc->prev;
     sb->nconns--;
     eg->st.conns--;
-    sb_unbuffer(sb, pc->g.len - pc->g_off);
+    wq_remove(pc);
+    pc_release(pc, pc->charged);
     sp_buf_free(&pc->g);
     free(pc->head);
     if (pc->orig_head != NULL)
@@ -575,6 +780,7 @@ static void mitm_consumed(void *arg, size_t n)
     struct pconn *pc = arg;
     pc->up_bytes += n;
     pc->sb->eg->st.bytes_up += n;
+    pc_release(pc, n); /* in the relay's buffers now, which SP_EGMEM_MITM_COST covers */
     pc_grant(pc, n, false);
 }
 
@@ -594,6 +800,13 @@ static const sp_mitm_conn_cbs_t mitm_cbs = {mitm_to_guest, mitm_consumed, mitm_e
 static void pc_to_mitm(struct pconn *pc, bool tls)
 {
     sp_err_t e;
+    if (!pc_charge(pc, SP_EGMEM_MITM_COST, NULL)) {
+        if (pc->connect) /* answered already: the guest sees the tunnel close */
+            pc_close(pc, CLOSE_ERROR, "egress memory is used up; try again later");
+        else
+            pc_respond(pc, 503, "egress memory is used up; try again later");
+        return;
+    }
     sp_watch_destroy(pc->w);
     pc->w = NULL;
     int fd = pc->fd;
@@ -615,10 +828,10 @@ static void pc_to_mitm(struct pconn *pc, bool tls)
     }
     size_t avail = pc->g.len - pc->g_off;
     if (avail > 0) {
-        /* Handed over unconsumed: the mitm's `consumed` grants them. */
+        /* Handed over unconsumed: the mitm's `consumed` releases their charge and grants
+         * them. */
         sp_mitm_conn_from_guest(pc->mitm, pc->g.p + pc->g_off, avail);
         pc->g_off = pc->g.len = 0;
-        sb_unbuffer(pc->sb, avail);
     }
     if (pc->g_eof)
         sp_mitm_conn_guest_eof(pc->mitm);
@@ -691,6 +904,7 @@ static void pc_connected(struct pconn *pc)
     pc->allowed = true;
     sp_log(SP_LOG_DEBUG, "egress", "connected sandbox=%s dest=%s:%u addr=%s", pc->sb->id, pc->host,
            (unsigned)pc->port, pc->addr_text);
+    pc_grow(pc);
     if (pc->connect) {
         static const char ok[] = "HTTP/1.1 200 Connection established\r\n\r\n";
         if (pc_to_guest(pc, (const uint8_t *)ok, sizeof(ok) - 1) != sizeof(ok) - 1) {
@@ -915,7 +1129,16 @@ static void pc_head(struct pconn *pc)
         return;
     }
     size_t hl = req.head_len;
-    if (!pc->connect && pc->sb->eg->mitm != NULL) {
+    /* The heads kept (the rewritten one, the guest's for a credential handover) are charged;
+     * the guest's bytes they came from go back below. */
+    bool keep_orig = !pc->connect && pc->sb->eg->mitm != NULL;
+    if (!pc_charge(pc, pc->head_len + (keep_orig ? hl : 0), NULL)) {
+        pc->log = true;
+        pc->allowed = false;
+        pc_respond(pc, 503, "egress memory is used up; try again later");
+        return;
+    }
+    if (keep_orig) {
         pc->orig_head = malloc(hl);
         if (pc->orig_head != NULL) {
             memcpy(pc->orig_head, p, hl);
@@ -929,6 +1152,13 @@ static void pc_head(struct pconn *pc)
 static void on_pc_timer(sp_timer_t *t, void *arg)
 {
     struct pconn *pc = arg;
+    if (pc->refused) {
+        pc->kind = "http";
+        snprintf(pc->host, sizeof(pc->host), "?");
+        pc->log = true;
+        pc_respond(pc, 503, "egress memory is used up; try again later");
+        return;
+    }
     switch (pc->phase) {
     case PH_HEAD:
         if (pc->g.len == pc->g_off) {
@@ -970,6 +1200,8 @@ static void pc_frame(sp_agentstream_t *s, uint16_t type, uint16_t flags, const u
         pc_close(pc, CLOSE_SILENT, "guest ended the stream");
         return;
     }
+    if (pc->refused)
+        return; /* answered on the next loop turn; nothing is kept */
     if (type == SP_AP_T_DATA) {
         if (pc->phase == PH_MITM) {
             if (pc->mitm != NULL)
@@ -1052,7 +1284,14 @@ int sp_egress__proxy_accept(struct sb *sb, sp_agentstream_t *s, sp_agentstream_c
     pc->fd = -1;
     pc->t0 = sp_loop_now_ms(eg->loop);
     sp_timer_init(&pc->timer, eg->loop, on_pc_timer, pc);
-    sp_timer_start(&pc->timer, SP_EGRESS_HEAD_TIMEOUT_MS);
+    /* The agent may send its whole first window at once: charged now, or the connection is
+     * refused (a 503 on the next loop turn, every byte that comes before it dropped). */
+    pc->small_window = sb->small_window;
+    if (pc->small_window)
+        sp_agentstream_set_recv_window(s, SP_EGRESS_OPEN_WINDOW);
+    size_t first = pc->small_window ? SP_EGRESS_OPEN_WINDOW : SP_AP_INITIAL_WINDOW;
+    pc->refused = !pc_charge(pc, SP_EGMEM_CONN_COST + first, NULL);
+    sp_timer_start(&pc->timer, pc->refused ? 0 : SP_EGRESS_HEAD_TIMEOUT_MS);
     pc->next = sb->conns;
     if (pc->next)
         pc->next->prev = pc;
@@ -1107,6 +1346,11 @@ void sp_egress__proxy_policy_ready(struct sb *sb)
             pc_close(pc, CLOSE_ERROR, pc->reason);
         }
     }
+}
+
+void sp_egress__proxy_mem_kick(struct sb *sb)
+{
+    mem_kick(sb);
 }
 
 void sp_egress__proxy_close_all(struct sb *sb)

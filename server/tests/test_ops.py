@@ -109,11 +109,12 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
 
     def test_pool_and_prebuild_options(self):
-        """--pool-size, --pool-memory-mb and --prebuild-sizes (also config-file keys) take their
-        ranges and refuse anything else before anything starts."""
+        """--pool-size, --pool-memory-mb, --prebuild-sizes and --egress-memory-mb (also
+        config-file keys) take their ranges and refuse anything else before anything starts."""
         for opt, bad in (("--pool-size", "65"), ("--pool-size", "-1"), ("--pool-memory-mb", "0"),
                          ("--pool-memory-mb", "x"), ("--prebuild-sizes", "65"),
-                         ("--prebuild-sizes", "")):
+                         ("--prebuild-sizes", ""), ("--egress-memory-mb", "63"),
+                         ("--egress-memory-mb", "1G")):
             r = self.s.cli("serve", opt, bad, check=False)
             self.assertEqual(r.returncode, 2, (opt, bad, r))
             self.assertIn(opt + " wants", r.stderr)
@@ -122,6 +123,10 @@ class OpsTest(unittest.TestCase):
             f.write("pool-size = 99\n")
         r = self.s.cli("serve", "--config", conf, check=False)
         self.assertEqual((r.returncode, "--pool-size wants" in r.stderr), (2, True), r)
+        with open(conf, "w") as f:
+            f.write("egress-memory-mb = 10\n")
+        r = self.s.cli("serve", "--config", conf, check=False)
+        self.assertEqual((r.returncode, "--egress-memory-mb wants" in r.stderr), (2, True), r)
 
     def test_template_list_while_serving(self):
         r = self.s.cli("template", "list")
