@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import secrets
-import socket
 import struct
 import subprocess
 import sys
@@ -22,44 +21,11 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import (MULT, Platform, Spaced, pg_bindir, vm_skip_reason,  # noqa: E402
-                     wait_s)
+from harness import MULT, Platform, Spaced, pg_bindir, vm_skip_reason  # noqa: E402
+from fleet import PORT_SERVER, websocket_echo  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 CI = "code-interpreter-v1"
-
-# In the guest: a port that answers HTTP, and a pretend WebSocket that upper-cases what it gets
-# after the 101 (the bytes are what matters: the forwarders pass them through untouched).
-SERVER = r"""
-import socket, threading
-def serve(c):
-    f = c.makefile('rb')
-    line = f.readline()
-    hdrs = {}
-    while True:
-        h = f.readline()
-        if h in (b'\r\n', b''):
-            break
-        k, v = h.decode().split(':', 1)
-        hdrs[k.strip().lower()] = v.strip()
-    if hdrs.get('upgrade', '').lower() == 'websocket':
-        c.sendall(b'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n')
-        while True:
-            b = c.recv(65536)
-            if not b:
-                break
-            c.sendall(b.upper())
-    else:
-        body = ('port ok ' + line.decode().split()[1]).encode()
-        c.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n' % len(body) + body)
-    c.close()
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('0.0.0.0', 8080)); s.listen(8)
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"""
-
 
 def envelope(flags, payload):
     return struct.pack(">BI", flags, len(payload)) + payload
@@ -109,7 +75,7 @@ class ClusterTest(unittest.TestCase):
         cls.a.key = cls.b.key
         cls.a.start()
         st, r = cls.b.request("POST", "/v1/sandboxes/%s/commands" % cls.sid,
-                              {"argv": ["python3", "-c", SERVER], "background": True})
+                              {"argv": ["python3", "-c", PORT_SERVER], "background": True})
         assert st in (200, 201, 202), (st, r)
 
     @classmethod
@@ -201,23 +167,9 @@ class ClusterTest(unittest.TestCase):
                 break
             time.sleep(0.5)  # the server in the guest is starting
         self.assertEqual((resp.status, body), (200, b"port ok /hello"))
-        s = socket.create_connection(("127.0.0.1", self.a.port), timeout=60 * MULT)
-        s.sendall(b"GET /ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-                  b"Sec-WebSocket-Key: x\r\nSec-WebSocket-Version: 13\r\n\r\n" % host.encode())
-        got = b""
-        while b"\r\n\r\n" not in got:
-            b = s.recv(4096)
-            self.assertTrue(b, got)
-            got += b
-        self.assertTrue(got.startswith(b"HTTP/1.1 101"), got)
-        s.sendall(b"hello websocket")
-        back = got.split(b"\r\n\r\n", 1)[1]
-        while len(back) < 15:
-            b = s.recv(4096)
-            self.assertTrue(b)
-            back += b
+        head, back = websocket_echo("127.0.0.1", self.a.port, host, b"hello websocket")
+        self.assertTrue(head.startswith(b"HTTP/1.1 101"), head)
         self.assertEqual(back, b"HELLO WEBSOCKET")
-        s.close()
 
     def test_z_worker_unreachable(self):
         # B's row pointing nowhere: A answers 502 naming the sandbox, at once.

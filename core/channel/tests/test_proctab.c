@@ -40,6 +40,16 @@ static void run_for(int ms)
         sp_loop_run_once(loop, 5);
 }
 
+/* Runs the loop until the lookup has been asked n times, for at most 5 s: on a loaded machine
+ * timers are late and starting thousands of them takes long, so a fixed wait is not enough. */
+static void run_until_calls(int n)
+{
+    sp_loop_run_once(loop, 0); /* the loop's clock is now, not when it last ran */
+    uint64_t end = sp_loop_now_ms(loop) + 5000;
+    while (lookup.calls < n && sp_loop_now_ms(loop) < end)
+        sp_loop_run_once(loop, 5);
+}
+
 static void test_proctab_records_are_copies(void)
 {
     sp_proctab_t *t = sp_proctab_create(loop, fake_agent, &lookup);
@@ -122,17 +132,17 @@ static void test_proctab_kill_after(void)
     sp_proctab_t *t = sp_proctab_create(loop, fake_agent, &lookup);
     REQUIRE(t != NULL);
     memset(&lookup, 0, sizeof(lookup));
-    sp_proctab_kill_after(t, "sb1", "team1", 42, 30);
+    sp_proctab_kill_after(t, "sb1", "team1", 42, 300);
     run_for(10);
-    CHECK(lookup.calls == 0);
-    run_for(60);
+    CHECK(lookup.calls == 0); /* not before its time */
+    run_until_calls(1);
     CHECK(lookup.calls == 1);
     CHECK(strcmp(lookup.sandbox, "sb1") == 0 && strcmp(lookup.team, "team1") == 0);
 
     /* A lookup that fails at once: the kill is dropped (no leak under ASan). */
     lookup.fail = 1;
     sp_proctab_kill_after(t, "sb2", "team1", 43, 1);
-    run_for(30);
+    run_until_calls(2);
     CHECK(lookup.calls == 2);
 
     /* Destroyed first: never asked. */
@@ -150,7 +160,8 @@ static void test_proctab_kills_bounded(void)
     memset(&lookup, 0, sizeof(lookup));
     for (uint32_t pid = 1; pid <= SP_PROCTAB_KILLS_MAX + 1; pid++)
         sp_proctab_kill_after(t, "a", "team", pid, 1);
-    run_for(100);
+    run_until_calls(SP_PROCTAB_KILLS_MAX);
+    run_for(50);
     CHECK(lookup.calls == SP_PROCTAB_KILLS_MAX); /* the oldest was dropped */
     sp_proctab_destroy(t);
 }

@@ -636,6 +636,12 @@ static void start_disk(struct vm *vm)
     if (write_vm_json(vm) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write vm.json sandbox=%s", vm->id);
     char disk[PATH_MAX + 16], log[PATH_MAX + 16], backing[PATH_MAX + 16];
+    /* There from the start, so that a boot that fails before QEMU opened it still leaves the
+     * console log its error points at (empty: the guest never wrote to it). */
+    sp_qemu__vm_path(vm, "console.log", log, sizeof log);
+    int cfd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (cfd >= 0)
+        close(cfd);
     sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
     sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
     /* A clone's chain: template base <- template snapshot's frozen overlay <- ours. */
@@ -889,9 +895,17 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
     for (struct vm *vm = d->vms; vm != NULL;) {
         struct vm *next = vm->next; /* start_disk may fail and free vm */
         if (vm->ph == PH_WAIT_ACCEL && !vm->boot_queued) {
+            bool probed = d->accel >= 0 && d->sandbox >= 0;
+            if (!probed && !vm->probe_wait) { /* the probes' time is not the guest's */
+                vm->probe_wait = true;
+                sp_timer_start(&vm->boot_timer, d->boot_timeout_ms * SP_QEMU_QUEUE_TIMEOUT_MULT);
+            } else if (probed && vm->probe_wait) {
+                vm->probe_wait = false;
+                sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+            }
             if (d->accel < 0 && d->kvm_probe == NULL)
                 start_kvm_probe(d, vm->tp->kernel);
-            else if (d->accel >= 0 && d->sandbox >= 0)
+            else if (probed)
                 boot_begin(vm);
         }
         vm = next;

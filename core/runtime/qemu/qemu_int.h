@@ -293,6 +293,9 @@ struct vm {
     /* a sandbox's clone boot waits for a boot slot (boot.c: admit_queued), in PH_WAIT_ACCEL */
     bool boot_queued;
     bool boot_admitted; /* it had its slot: boot_begin goes on */
+    /* it waited for the driver's own probes (accelerator, seccomp): its boot timeout runs
+     * from when they were done, as a queued boot's from its admission (sp_qemu__on_kick) */
+    bool probe_wait;
     int pool_warm_step; /* the next of pool_warm_cmds to run */
     char pool_key[17];  /* its template snapshot's key */
 };
