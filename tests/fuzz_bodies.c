@@ -303,9 +303,9 @@ static void native(int which, const char *p, size_t n)
         break;
     }
     case P_QUOTA: {
-        long limits[3];
+        long limits[SP_ADMIN_NQUOTA];
         rc = sp_napi__body_quota(b, limits, &e);
-        for (int i = 0; rc == 0 && i < 3; i++)
+        for (int i = 0; rc == 0 && i < SP_ADMIN_NQUOTA; i++)
             ASSERT(limits[i] == SP_ADMIN_QUOTA_KEEP || limits[i] == SP_ADMIN_QUOTA_DEFAULT ||
                    (limits[i] >= 0 && limits[i] <= SP_ADMIN_QUOTA_MAX));
         break;
