@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "core/control/tmpl.h"
 #include "core/egress/egress_policy.h"
 
 /* ---- the control plane ---- */
@@ -370,5 +371,256 @@ int sp_e2b__body_code_exec(const json_t *o, sp_code_exec_req_t *r, char why[SP_E
     }
     r->env = json_is_object(env) && json_object_size(env) > 0 ? env : NULL;
     r->timeout_ms = 0; /* the SDK applies its own timeout as a read gap, client side */
+    return 0;
+}
+
+/* ---- template builds (route_templates.c) ---- */
+
+bool sp_e2b__name_tag(const char *team, const char *in, char out[65], char tag[65], char *why,
+                      size_t cap)
+{
+    const char *slash = strchr(in, '/');
+    if (slash != NULL) {
+        if ((size_t)(slash - in) != strlen(team) || strncasecmp(in, team, strlen(team)) != 0) {
+            snprintf(why, cap, "namespace of '%.64s' is not this team's", in);
+            return false;
+        }
+        in = slash + 1;
+    }
+    const char *colon = strchr(in, ':');
+    size_t n = colon ? (size_t)(colon - in) : strlen(in);
+    if (tag != NULL)
+        tag[0] = '\0';
+    if (colon != NULL) {
+        char lower[SP_TMPL_TAG_MAX + 2];
+        size_t k = 0;
+        for (const char *p = colon + 1; *p && k < sizeof lower - 1; p++)
+            lower[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
+        lower[k] = '\0';
+        if (!sp_tmpl_valid_tag(lower) || strlen(colon + 1) > SP_TMPL_TAG_MAX) {
+            snprintf(why, cap, "bad tag '%.64s': [a-z0-9._-], at most %d, not a UUID", colon + 1,
+                     SP_TMPL_TAG_MAX);
+            return false;
+        }
+        if (tag != NULL)
+            snprintf(tag, 65, "%.64s", lower);
+    }
+    if (n == 0 || n > 63) {
+        snprintf(why, cap, "bad template name '%.64s'", in);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++)
+        out[i] = (char)((in[i] >= 'A' && in[i] <= 'Z') ? in[i] + 32 : in[i]);
+    out[n] = '\0';
+    return true;
+}
+
+int sp_e2b__body_template_reserve(const json_t *b, const char *team, char alias[65],
+                                  json_t **tags, int *cpu_count, int *memory_mb,
+                                  char why[SP_E2B_WHY_MAX])
+{
+    *tags = NULL;
+    json_t *name = json_object_get(b, "name");
+    if (name == NULL)
+        name = json_object_get(b, "alias");
+    char tag[65], target[140];
+    if (!json_is_string(name)) {
+        snprintf(why, SP_E2B_WHY_MAX, "name is required");
+        return -1;
+    }
+    if (!sp_e2b__name_tag(team, json_string_value(name), alias, tag, why, SP_E2B_WHY_MAX))
+        return -1;
+    /* E2B: the name's tag, then tags; none: "default" */
+    json_t *given = json_object_get(b, "tags");
+    json_t *lower = json_array();
+    size_t i;
+    json_t *tg;
+    json_array_foreach(given, i, tg)
+    {
+        char l[80];
+        size_t k = 0;
+        for (const char *p = json_string_value(tg); p && *p && k < sizeof l - 1; p++)
+            l[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
+        l[k] = '\0';
+        json_array_append_new(lower, json_is_string(tg) ? json_string(l) : json_null());
+    }
+    snprintf(target, sizeof target, "%s%s%s", alias, tag[0] ? ":" : "", tag);
+    sp_err_t te;
+    int prc = sp_tmpl_parse_target(target, given != NULL && !json_is_null(given) ? lower : NULL,
+                                   alias, tags, &te);
+    json_decref(lower);
+    if (prc < 0) {
+        snprintf(why, SP_E2B_WHY_MAX, "%s", te.msg);
+        return -1;
+    }
+    json_t *cpu = json_object_get(b, "cpuCount"), *mem = json_object_get(b, "memoryMB");
+    if ((cpu != NULL && !json_is_integer(cpu)) || (mem != NULL && !json_is_integer(mem))) {
+        json_decref(*tags);
+        *tags = NULL;
+        snprintf(why, SP_E2B_WHY_MAX, "cpuCount and memoryMB must be integers");
+        return -1;
+    }
+    /* the range is tmpl's to check (sp_tmpl_reserve); one past int's is out of it */
+    json_int_t cv = json_integer_value(cpu), mv = json_integer_value(mem);
+    *cpu_count = cv < 0 || cv > 1000000 ? -1 : (int)cv;
+    *memory_mb = mv < 0 || mv > 100000000 ? -1 : (int)mv;
+    return 0;
+}
+
+/* One E2B step appended to steps as tmpl's; *dir is the workdir so far. NULL or why. */
+static const char *add_step(json_t *steps, const json_t *st, char *dir, size_t dcap)
+{
+    const char *type = json_string_value(json_object_get(st, "type"));
+    json_t *args = json_object_get(st, "args");
+    size_t n = json_array_size(args);
+    for (size_t i = 0; i < n; i++)
+        if (!json_is_string(json_array_get(args, i)))
+            return "step args must be strings";
+    const char *a0 = n > 0 ? json_string_value(json_array_get(args, 0)) : NULL;
+    const char *a1 = n > 1 ? json_string_value(json_array_get(args, 1)) : NULL;
+    if (type == NULL)
+        return "every step needs a type";
+    if (strcmp(type, "RUN") == 0) {
+        if (a0 == NULL)
+            return "RUN needs a command";
+        json_t *s = json_pack("{s:[s,s,s,s]}", "run", "/bin/bash", "-l", "-c", a0);
+        if (a1 != NULL && a1[0] != '\0')
+            json_object_set_new(s, "user", json_string(a1));
+        json_array_append_new(steps, s);
+    } else if (strcmp(type, "ENV") == 0 || strcmp(type, "ARG") == 0) {
+        if (n % 2 != 0 && strcmp(type, "ENV") == 0)
+            return "ENV needs name and value pairs";
+        json_t *env = json_object();
+        for (size_t i = 0; i + 1 <= n; i += 2)
+            json_object_set_new(env, json_string_value(json_array_get(args, i)),
+                                json_string(i + 1 < n ? json_string_value(json_array_get(args, i + 1))
+                                                      : ""));
+        if (json_object_size(env) > 0)
+            json_array_append_new(steps, json_pack("{s:o}", "env", env));
+        else
+            json_decref(env);
+    } else if (strcmp(type, "WORKDIR") == 0) {
+        if (a0 == NULL || a0[0] == '\0')
+            return "WORKDIR needs a path";
+        char p[4200];
+        if (a0[0] == '/')
+            snprintf(p, sizeof p, "%s", a0);
+        else
+            snprintf(p, sizeof p, "%s/%s", dir, a0);
+        size_t k = strnlen(p, dcap - 1); /* cut to dir's size, as before */
+        memcpy(dir, p, k);
+        dir[k] = '\0';
+        json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
+    } else if (strcmp(type, "USER") == 0) {
+        if (a0 == NULL || a0[0] == '\0')
+            return "USER needs a name";
+        /* E2B makes the user when it is missing */
+        json_array_append_new(steps,
+                              json_pack("{s:[s,s,s,s,s],s:s}", "run", "/bin/sh", "-c",
+                                        "id -u \"$1\" >/dev/null 2>&1 || useradd --create-home "
+                                        "--shell /bin/bash \"$1\"",
+                                        "space-user", a0, "user", "root"));
+        json_array_append_new(steps, json_pack("{s:s}", "user", a0));
+    } else if (strcmp(type, "COPY") == 0 || strcmp(type, "ADD") == 0) {
+        /* args: src, dest, user, mode; filesHash: the uploaded tar's key */
+        const char *files = json_string_value(json_object_get(st, "filesHash"));
+        if (a0 == NULL || a1 == NULL || files == NULL)
+            return "COPY needs src, dest and filesHash";
+        json_t *c = json_pack("{s:s,s:s,s:s}", "files", files, "src", a0, "dest", a1);
+        const char *u = n > 2 ? json_string_value(json_array_get(args, 2)) : NULL;
+        const char *m = n > 3 ? json_string_value(json_array_get(args, 3)) : NULL;
+        if (u != NULL && u[0] != '\0')
+            json_object_set_new(c, "user", json_string(u));
+        if (m != NULL && m[0] != '\0')
+            json_object_set_new(c, "mode", json_string(m));
+        json_array_append_new(steps, json_pack("{s:o}", "copy", c));
+    } else {
+        return "unknown step type";
+    }
+    return NULL;
+}
+
+int sp_e2b__body_template_build(const json_t *body, const char *team, const char *template_name,
+                                int cpu_count, int memory_mb, json_t **out,
+                                char why[SP_E2B_WHY_MAX])
+{
+    *out = NULL;
+    char parent[65] = ""; /* stays "" for an image: "from" is replaced */
+    json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
+    json_t *from = NULL; /* an image */
+    if (json_is_string(ft)) {
+        char ptag[65];
+        if (!sp_e2b__name_tag(team, json_string_value(ft), parent, ptag, why, SP_E2B_WHY_MAX))
+            return -1;
+        if (ptag[0] != '\0' && strcmp(ptag, "default") != 0) {
+            snprintf(why, SP_E2B_WHY_MAX, "fromTemplate: building from a tag other than "
+                                          "'default' is not supported by this server");
+            return -1;
+        }
+    } else if (fi == NULL || json_is_null(fi) ||
+               (json_is_string(fi) && strncmp(json_string_value(fi), "e2bdev/base", 11) == 0 &&
+                (json_string_value(fi)[11] == '\0' || json_string_value(fi)[11] == ':'))) {
+        snprintf(parent, sizeof parent, "base"); /* E2B's base image is our base template */
+    } else if (json_is_string(fi)) {
+        /* from_image / from_dockerfile: the SDK leaves a Dockerfile's "AS name" on it */
+        char ref[512];
+        snprintf(ref, sizeof ref, "%.*s", (int)strcspn(json_string_value(fi), " \t"),
+                 json_string_value(fi));
+        from = json_pack("{s:s}", "image", ref);
+        json_t *reg = json_object_get(body, "fromImageRegistry");
+        const char *type = json_string_value(json_object_get(reg, "type"));
+        if (reg != NULL && !json_is_null(reg)) {
+            const char *u = json_string_value(json_object_get(reg, "username"));
+            const char *pw = json_string_value(json_object_get(reg, "password"));
+            if (type == NULL || strcmp(type, "registry") != 0 || u == NULL || pw == NULL) {
+                json_decref(from);
+                snprintf(why, SP_E2B_WHY_MAX,
+                         "fromImageRegistry: only {\"type\": \"registry\", \"username\", "
+                         "\"password\"} is supported on this server (not AWS or GCP registries)");
+                return -1;
+            }
+            json_object_set_new(from, "auth", json_pack("{s:s,s:s}", "username", u, "password", pw));
+        }
+    } else {
+        snprintf(why, SP_E2B_WHY_MAX, "fromImage must be an image reference");
+        return -1;
+    }
+    json_t *req = json_pack("{s:s,s:s,s:i}", "name", template_name, "from", parent,
+                            "ready_timeout_s", SP_TMPL_READY_MAX);
+    if (from != NULL)
+        json_object_set_new(req, "from", from);
+    json_t *steps = json_array();
+    json_object_set_new(req, "steps", steps);
+    if (cpu_count > 0)
+        json_object_set_new(req, "cpu_count", json_integer(cpu_count));
+    if (memory_mb > 0)
+        json_object_set_new(req, "memory_mb", json_integer(memory_mb));
+    /* E2B's builder: steps run as user in its home unless they say otherwise */
+    char dir[4096] = "/home/user";
+    json_array_append_new(steps, json_pack("{s:s}", "user", "user"));
+    json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
+    bool force = json_is_true(json_object_get(body, "force"));
+    size_t i;
+    json_t *st;
+    json_array_foreach(json_object_get(body, "steps"), i, st)
+    {
+        const char *bad = json_is_object(st) ? add_step(steps, st, dir, sizeof dir)
+                                             : "every step must be an object";
+        if (bad != NULL) {
+            snprintf(why, SP_E2B_WHY_MAX, "step %zu: %s", i + 1, bad);
+            json_decref(req);
+            return -1;
+        }
+        force = force || json_is_true(json_object_get(st, "force"));
+    }
+    const char *keys[2][2] = {{"startCmd", "start_cmd"}, {"readyCmd", "ready_cmd"}};
+    for (int k = 0; k < 2; k++) {
+        json_t *v = json_object_get(body, keys[k][0]);
+        if (json_is_string(v) && json_string_length(v) > 0)
+            json_object_set_new(req, keys[k][1], json_string(json_string_value(v)));
+    }
+    if (force)
+        json_object_set_new(req, "force", json_true());
+    *out = req;
     return 0;
 }

@@ -50,6 +50,26 @@ int sp_e2b__body_connect(const json_t *b, bool resume, int *timeout_s, char acti
 int sp_e2b__body_snapshot(const json_t *b, const char *team_id, char name[SP_SNAP_NAME_MAX + 1],
                           char why[SP_E2B_WHY_MAX]);
 
+/* ---- template builds (route_templates.c) ---- */
+
+/* "[team/]alias[:tag]" -> alias in out (lower-cased), the tag (or "") in tag when not NULL;
+ * false with why (cap bytes) for another namespace, a bad name or a bad tag. */
+bool sp_e2b__name_tag(const char *team, const char *in, char out[65], char tag[65], char *why,
+                      size_t cap);
+/* POST /v3/templates {name | alias, tags?, cpuCount?, memoryMB?} of team: the template's
+ * alias, the tags its version gets (*tags new: json_decref it), and the sizes (0: absent; -1:
+ * past any range, for core to refuse). */
+int sp_e2b__body_template_reserve(const json_t *b, const char *team, char alias[65],
+                                  json_t **tags, int *cpu_count, int *memory_mb,
+                                  char why[SP_E2B_WHY_MAX]);
+/* POST /v2/templates/{id}/builds/{build} {fromTemplate | fromImage (+ fromImageRegistry),
+ * steps, startCmd?, readyCmd?, force?}: *out the build request for core (tmpl.h; new,
+ * json_decref it) of template_name with the reserved sizes (0: the parent's); E2B's steps
+ * made into tmpl's (run as "user" in /home/user unless they say otherwise). */
+int sp_e2b__body_template_build(const json_t *body, const char *team, const char *template_name,
+                                int cpu_count, int memory_mb, json_t **out,
+                                char why[SP_E2B_WHY_MAX]);
+
 /* ---- the code interpreter (envd_code.c) ---- */
 
 /* p[0..n) as a JSON object, new; an empty body is {} when empty_ok. NULL with why. */

@@ -23,50 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "e2b-gateway/body.h"
 #include "e2b-gateway/route_int.h"
 
 #define LOG_ENTRIES 100 /* per status answer while the build runs (E2B's cap) */
-
-/* "[team/]alias[:tag]" -> alias in out (lower-cased), the tag (or "") in tag when not NULL;
- * false with why for another namespace or a bad tag. */
-static bool e2b_name_tag(const char *team, const char *in, char out[65], char tag[65], char *why,
-                         size_t cap)
-{
-    const char *slash = strchr(in, '/');
-    if (slash != NULL) {
-        if ((size_t)(slash - in) != strlen(team) || strncasecmp(in, team, strlen(team)) != 0) {
-            snprintf(why, cap, "namespace of '%.64s' is not this team's", in);
-            return false;
-        }
-        in = slash + 1;
-    }
-    const char *colon = strchr(in, ':');
-    size_t n = colon ? (size_t)(colon - in) : strlen(in);
-    if (tag != NULL)
-        tag[0] = '\0';
-    if (colon != NULL) {
-        char lower[SP_TMPL_TAG_MAX + 2];
-        size_t k = 0;
-        for (const char *p = colon + 1; *p && k < sizeof lower - 1; p++)
-            lower[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
-        lower[k] = '\0';
-        if (!sp_tmpl_valid_tag(lower) || strlen(colon + 1) > SP_TMPL_TAG_MAX) {
-            snprintf(why, cap, "bad tag '%.64s': [a-z0-9._-], at most %d, not a UUID", colon + 1,
-                     SP_TMPL_TAG_MAX);
-            return false;
-        }
-        if (tag != NULL)
-            snprintf(tag, 65, "%.64s", lower);
-    }
-    if (n == 0 || n > 63) {
-        snprintf(why, cap, "bad template name '%.64s'", in);
-        return false;
-    }
-    for (size_t i = 0; i < n; i++)
-        out[i] = (char)((in[i] >= 'A' && in[i] <= 'Z') ? in[i] + 32 : in[i]);
-    out[n] = '\0';
-    return true;
-}
 
 static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
 {
@@ -74,7 +34,7 @@ static bool e2b_name(const char *in, char out[65], char *why, size_t cap)
     const char *slash = strchr(in, '/');
     char team[65];
     snprintf(team, sizeof team, "%.*s", slash ? (int)(slash - in) : 0, in);
-    return e2b_name_tag(team, in, out, NULL, why, cap);
+    return sp_e2b__name_tag(team, in, out, NULL, why, cap);
 }
 
 /* A build id as a UUID: ours are (older ones, 20 characters, get their letters' bytes). */
@@ -119,42 +79,12 @@ static void on_reserved(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t 
 
 static void request_build(ctl_t *c)
 {
-    json_t *name = json_object_get(c->body, "name");
-    if (name == NULL)
-        name = json_object_get(c->body, "alias");
-    char alias[65], tag[65], why[160], target[140];
-    if (!json_is_string(name) ||
-        !e2b_name_tag(c->auth.team_id, json_string_value(name), alias, tag, why, sizeof why)) {
-        sp_e2b__ctl_fail(c, 400, json_is_string(name) ? why : "name is required");
-        return;
-    }
-    /* E2B: the name's tag, then tags; none: "default" */
-    json_t *tags = NULL, *given = json_object_get(c->body, "tags");
-    json_t *lower = json_array();
-    size_t i;
-    json_t *tg;
-    json_array_foreach(given, i, tg)
-    {
-        char l[80];
-        size_t k = 0;
-        for (const char *p = json_string_value(tg); p && *p && k < sizeof l - 1; p++)
-            l[k++] = (char)((*p >= 'A' && *p <= 'Z') ? *p + 32 : *p);
-        l[k] = '\0';
-        json_array_append_new(lower, json_is_string(tg) ? json_string(l) : json_null());
-    }
-    snprintf(target, sizeof target, "%s%s%s", alias, tag[0] ? ":" : "", tag);
-    sp_err_t te;
-    int prc = sp_tmpl_parse_target(target, given != NULL && !json_is_null(given) ? lower : NULL,
-                                   alias, &tags, &te);
-    json_decref(lower);
-    if (prc < 0) {
-        sp_e2b__ctl_fail(c, 400, te.msg);
-        return;
-    }
-    json_t *cpu = json_object_get(c->body, "cpuCount"), *mem = json_object_get(c->body, "memoryMB");
-    if ((cpu != NULL && !json_is_integer(cpu)) || (mem != NULL && !json_is_integer(mem))) {
-        json_decref(tags);
-        sp_e2b__ctl_fail(c, 400, "cpuCount and memoryMB must be integers");
+    char alias[65], why[SP_E2B_WHY_MAX];
+    json_t *tags;
+    int cpu, mem;
+    if (sp_e2b__body_template_reserve(c->body, c->auth.team_id, alias, &tags, &cpu, &mem, why) <
+        0) {
+        sp_e2b__ctl_fail(c, 400, why);
         return;
     }
     sp_err_t e;
@@ -164,8 +94,7 @@ static void request_build(ctl_t *c)
         return;
     }
     c->tpl = tags; /* freed by on_reserved */
-    if (sp_tmpl_reserve(t, &c->auth, alias, tags, (int)json_integer_value(cpu),
-                        (int)json_integer_value(mem), on_reserved, c, &e) < 0) {
+    if (sp_tmpl_reserve(t, &c->auth, alias, tags, cpu, mem, on_reserved, c, &e) < 0) {
         c->tpl = NULL;
         json_decref(tags);
         sp_e2b__ctl_fail_err(c, &e);
@@ -184,79 +113,6 @@ static void on_started(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *
         sp_e2b__ctl_reply(c, 202, json_object());
 }
 
-/* One E2B step appended to steps as tmpl's; *dir is the workdir so far. NULL or why. */
-static const char *add_step(json_t *steps, const json_t *st, char *dir, size_t dcap)
-{
-    const char *type = json_string_value(json_object_get(st, "type"));
-    json_t *args = json_object_get(st, "args");
-    size_t n = json_array_size(args);
-    for (size_t i = 0; i < n; i++)
-        if (!json_is_string(json_array_get(args, i)))
-            return "step args must be strings";
-    const char *a0 = n > 0 ? json_string_value(json_array_get(args, 0)) : NULL;
-    const char *a1 = n > 1 ? json_string_value(json_array_get(args, 1)) : NULL;
-    if (type == NULL)
-        return "every step needs a type";
-    if (strcmp(type, "RUN") == 0) {
-        if (a0 == NULL)
-            return "RUN needs a command";
-        json_t *s = json_pack("{s:[s,s,s,s]}", "run", "/bin/bash", "-l", "-c", a0);
-        if (a1 != NULL && a1[0] != '\0')
-            json_object_set_new(s, "user", json_string(a1));
-        json_array_append_new(steps, s);
-    } else if (strcmp(type, "ENV") == 0 || strcmp(type, "ARG") == 0) {
-        if (n % 2 != 0 && strcmp(type, "ENV") == 0)
-            return "ENV needs name and value pairs";
-        json_t *env = json_object();
-        for (size_t i = 0; i + 1 <= n; i += 2)
-            json_object_set_new(env, json_string_value(json_array_get(args, i)),
-                                json_string(i + 1 < n ? json_string_value(json_array_get(args, i + 1))
-                                                      : ""));
-        if (json_object_size(env) > 0)
-            json_array_append_new(steps, json_pack("{s:o}", "env", env));
-        else
-            json_decref(env);
-    } else if (strcmp(type, "WORKDIR") == 0) {
-        if (a0 == NULL || a0[0] == '\0')
-            return "WORKDIR needs a path";
-        char p[4200];
-        if (a0[0] == '/')
-            snprintf(p, sizeof p, "%s", a0);
-        else
-            snprintf(p, sizeof p, "%s/%s", dir, a0);
-        size_t k = strnlen(p, dcap - 1); /* cut to dir's size, as before */
-        memcpy(dir, p, k);
-        dir[k] = '\0';
-        json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
-    } else if (strcmp(type, "USER") == 0) {
-        if (a0 == NULL || a0[0] == '\0')
-            return "USER needs a name";
-        /* E2B makes the user when it is missing */
-        json_array_append_new(steps,
-                              json_pack("{s:[s,s,s,s,s],s:s}", "run", "/bin/sh", "-c",
-                                        "id -u \"$1\" >/dev/null 2>&1 || useradd --create-home "
-                                        "--shell /bin/bash \"$1\"",
-                                        "space-user", a0, "user", "root"));
-        json_array_append_new(steps, json_pack("{s:s}", "user", a0));
-    } else if (strcmp(type, "COPY") == 0 || strcmp(type, "ADD") == 0) {
-        /* args: src, dest, user, mode; filesHash: the uploaded tar's key */
-        const char *files = json_string_value(json_object_get(st, "filesHash"));
-        if (a0 == NULL || a1 == NULL || files == NULL)
-            return "COPY needs src, dest and filesHash";
-        json_t *c = json_pack("{s:s,s:s,s:s}", "files", files, "src", a0, "dest", a1);
-        const char *u = n > 2 ? json_string_value(json_array_get(args, 2)) : NULL;
-        const char *m = n > 3 ? json_string_value(json_array_get(args, 3)) : NULL;
-        if (u != NULL && u[0] != '\0')
-            json_object_set_new(c, "user", json_string(u));
-        if (m != NULL && m[0] != '\0')
-            json_object_set_new(c, "mode", json_string(m));
-        json_array_append_new(steps, json_pack("{s:o}", "copy", c));
-    } else {
-        return "unknown step type";
-    }
-    return NULL;
-}
-
 static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err)
 {
     ctl_t *c = arg;
@@ -268,87 +124,13 @@ static void on_reservation(void *arg, const sp_tmpl_build_rec_t *b, const sp_err
         sp_e2b__ctl_fail(c, 409, "this build was started already");
         return;
     }
-    json_t *body = c->body;
-    char parent[65] = "", why[160]; /* parent stays "" for an image: "from" is replaced */
-    json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
-    json_t *from = NULL; /* an image */
-    if (json_is_string(ft)) {
-        char ptag[65];
-        if (!e2b_name_tag(c->auth.team_id, json_string_value(ft), parent, ptag, why, sizeof why)) {
-            sp_e2b__ctl_fail(c, 400, why);
-            return;
-        }
-        if (ptag[0] != '\0' && strcmp(ptag, "default") != 0) {
-            sp_e2b__ctl_fail(c, 400, "fromTemplate: building from a tag other than 'default' "
-                                     "is not supported by this server");
-            return;
-        }
-    } else if (fi == NULL || json_is_null(fi) ||
-               (json_is_string(fi) && strncmp(json_string_value(fi), "e2bdev/base", 11) == 0 &&
-                (json_string_value(fi)[11] == '\0' || json_string_value(fi)[11] == ':'))) {
-        snprintf(parent, sizeof parent, "base"); /* E2B's base image is our base template */
-    } else if (json_is_string(fi)) {
-        /* from_image / from_dockerfile: the SDK leaves a Dockerfile's "AS name" on it */
-        char ref[512];
-        snprintf(ref, sizeof ref, "%.*s", (int)strcspn(json_string_value(fi), " \t"),
-                 json_string_value(fi));
-        from = json_pack("{s:s}", "image", ref);
-        json_t *reg = json_object_get(body, "fromImageRegistry");
-        const char *type = json_string_value(json_object_get(reg, "type"));
-        if (reg != NULL && !json_is_null(reg)) {
-            const char *u = json_string_value(json_object_get(reg, "username"));
-            const char *pw = json_string_value(json_object_get(reg, "password"));
-            if (type == NULL || strcmp(type, "registry") != 0 || u == NULL || pw == NULL) {
-                json_decref(from);
-                sp_e2b__ctl_fail(c, 400,
-                                 "fromImageRegistry: only {\"type\": \"registry\", "
-                                 "\"username\", \"password\"} is supported on this server (not "
-                                 "AWS or GCP registries)");
-                return;
-            }
-            json_object_set_new(from, "auth", json_pack("{s:s,s:s}", "username", u, "password", pw));
-        }
-    } else {
-        sp_e2b__ctl_fail(c, 400, "fromImage must be an image reference");
+    char why[SP_E2B_WHY_MAX];
+    json_t *req;
+    if (sp_e2b__body_template_build(c->body, c->auth.team_id, b->template_name, b->cpu_count,
+                                    b->memory_mb, &req, why) < 0) {
+        sp_e2b__ctl_fail(c, 400, why);
         return;
     }
-    json_t *req = json_pack("{s:s,s:s,s:i}", "name", b->template_name, "from", parent,
-                            "ready_timeout_s", SP_TMPL_READY_MAX);
-    if (from != NULL)
-        json_object_set_new(req, "from", from);
-    json_t *steps = json_array();
-    json_object_set_new(req, "steps", steps);
-    if (b->cpu_count > 0)
-        json_object_set_new(req, "cpu_count", json_integer(b->cpu_count));
-    if (b->memory_mb > 0)
-        json_object_set_new(req, "memory_mb", json_integer(b->memory_mb));
-    /* E2B's builder: steps run as user in its home unless they say otherwise */
-    char dir[4096] = "/home/user";
-    json_array_append_new(steps, json_pack("{s:s}", "user", "user"));
-    json_array_append_new(steps, json_pack("{s:s}", "workdir", dir));
-    bool force = json_is_true(json_object_get(body, "force"));
-    size_t i;
-    json_t *st;
-    json_array_foreach(json_object_get(body, "steps"), i, st)
-    {
-        const char *bad = json_is_object(st) ? add_step(steps, st, dir, sizeof dir)
-                                             : "every step must be an object";
-        if (bad != NULL) {
-            snprintf(why, sizeof why, "step %zu: %s", i + 1, bad);
-            json_decref(req);
-            sp_e2b__ctl_fail(c, 400, why);
-            return;
-        }
-        force = force || json_is_true(json_object_get(st, "force"));
-    }
-    const char *keys[2][2] = {{"startCmd", "start_cmd"}, {"readyCmd", "ready_cmd"}};
-    for (int k = 0; k < 2; k++) {
-        json_t *v = json_object_get(body, keys[k][0]);
-        if (json_is_string(v) && json_string_length(v) > 0)
-            json_object_set_new(req, keys[k][1], json_string(json_string_value(v)));
-    }
-    if (force)
-        json_object_set_new(req, "force", json_true());
     sp_err_t e;
     int rc = sp_tmpl_build_reserved(c->gw->tmpl, &c->auth, req, b->id, on_started, c, &e);
     json_decref(req);
@@ -645,7 +427,7 @@ static void alias_exists(ctl_t *c, const char *name)
     sp_err_t e;
     if (al == NULL) {
         sp_e2b__ctl_fail(c, 500, "out of memory");
-    } else if (!e2b_name_tag(c->auth.team_id, name, alias, al->tag, why, sizeof why)) {
+    } else if (!sp_e2b__name_tag(c->auth.team_id, name, alias, al->tag, why, sizeof why)) {
         free(al);
         sp_e2b__ctl_fail(c, 404, "template not found");
     } else {
@@ -685,7 +467,7 @@ static void assign_tags(ctl_t *c)
         sp_e2b__ctl_fail(c, 400, "give target (\"name:tag\") and tags (a non-empty array)");
         return;
     }
-    if (!e2b_name_tag(c->auth.team_id, target, alias, tag, why, sizeof why)) {
+    if (!sp_e2b__name_tag(c->auth.team_id, target, alias, tag, why, sizeof why)) {
         sp_e2b__ctl_fail(c, 400, why);
         return;
     }
@@ -726,7 +508,7 @@ static void remove_tags(ctl_t *c)
         sp_e2b__ctl_fail(c, 400, "give name and tags (a non-empty array)");
         return;
     }
-    if (!e2b_name_tag(c->auth.team_id, name, alias, tag, why, sizeof why) || tag[0] != '\0') {
+    if (!sp_e2b__name_tag(c->auth.team_id, name, alias, tag, why, sizeof why) || tag[0] != '\0') {
         sp_e2b__ctl_fail(c, 400, tag[0] != '\0' ? "name must not carry a tag" : why);
         return;
     }
@@ -762,7 +544,7 @@ static void get_tags(ctl_t *c, const char *id)
 {
     char alias[65], why[160];
     sp_err_t e;
-    if (!e2b_name_tag(c->auth.team_id, id, alias, NULL, why, sizeof why))
+    if (!sp_e2b__name_tag(c->auth.team_id, id, alias, NULL, why, sizeof why))
         sp_e2b__ctl_fail(c, 404, "template not found");
     else if (tmpl_of(c) != NULL &&
              sp_tmpl_versions(c->gw->tmpl, &c->auth, alias, on_tags, c, &e) < 0)

@@ -43,29 +43,10 @@ extern char **environ;
 
 /* ---- spec ---------------------------------------------------------------- */
 
-/* min to max bytes of [a-z0-9] and the characters in more, the first of [a-z0-9]. */
-static bool valid_word(const char *s, size_t min, size_t max, const char *more)
-{
-    size_t n = strlen(s);
-    if (n < min || n > max || !(islower((unsigned char)s[0]) || isdigit((unsigned char)s[0])))
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (!(islower(c) || isdigit(c) || strchr(more, c) != NULL))
-            return false;
-    }
-    return true;
-}
-
-bool sp_tmplbuild_valid_name(const char *s)
-{
-    return valid_word(s, 1, 63, "._-");
-}
-
 /* Debian package names: [a-z0-9][a-z0-9+.-]+ (policy 5.6.1). */
 static bool valid_package(const char *s)
 {
-    return valid_word(s, 2, 100, "+.-");
+    return sp_tmplbuild__valid_word(s, 2, 100, "+.-");
 }
 
 /* Strings that reach the scripts' colon/newline-separated env vars. */

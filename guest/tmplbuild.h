@@ -94,6 +94,9 @@ typedef struct {
 
 /* A template name: [a-z0-9][a-z0-9._-]*, at most 63 characters (it names a directory). */
 bool sp_tmplbuild_valid_name(const char *s);
+/* min to max bytes of [a-z0-9] and the characters in more, the first of [a-z0-9] (names,
+ * Debian packages; guest/tmplname.c). */
+bool sp_tmplbuild__valid_word(const char *s, size_t min, size_t max, const char *more);
 
 /* Parses and validates a spec; *out is freed with sp_tmplbuild_spec_free(). */
 int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **out, sp_err_t *err);

@@ -484,9 +484,9 @@ int sp_napi__body_team(const json_t *b, const char **name, sp_err_t *err)
     return 0;
 }
 
-int sp_napi__body_quota(const json_t *b, long limits[3], sp_err_t *err)
+int sp_napi__body_quota(const json_t *b, long limits[SP_ADMIN_NQUOTA], sp_err_t *err)
 {
-    static const char *const allowed[] = {"sandboxes", "vcpus", "memory_mb", NULL};
+    static const char *const allowed[] = {"sandboxes", "vcpus", "memory_mb", "snapshot_mb", NULL};
     if (sp_napi__body_keys(b, allowed, true, err) < 0)
         return -1;
     /* absent: left as it is; null: the server's default; else the limit */

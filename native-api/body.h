@@ -22,6 +22,7 @@
 #include "base/err.h"
 #include "core/channel/code.h"
 #include "core/channel/exec.h"
+#include "core/control/admin.h"
 #include "core/control/svc.h"
 
 #define NAPI_MAX_BODY (1024 * 1024) /* JSON bodies; larger is 413 */
@@ -126,9 +127,9 @@ int sp_napi__body_credentials(const json_t *b, json_t **rules, sp_err_t *err);
 
 /* POST /v1/admin/teams {"name"}. */
 int sp_napi__body_team(const json_t *b, const char **name, sp_err_t *err);
-/* POST /v1/admin/teams/{id}/quota: limits[0..3) for sandboxes, vcpus, memory_mb, each
- * SP_ADMIN_QUOTA_KEEP (absent), SP_ADMIN_QUOTA_DEFAULT (null) or 0 to SP_ADMIN_QUOTA_MAX. */
-int sp_napi__body_quota(const json_t *b, long limits[3], sp_err_t *err);
+/* POST /v1/admin/teams/{id}/quota: limits[0..4) for sandboxes, vcpus, memory_mb, snapshot_mb,
+ * each SP_ADMIN_QUOTA_KEEP (absent), SP_ADMIN_QUOTA_DEFAULT (null) or 0 to SP_ADMIN_QUOTA_MAX. */
+int sp_napi__body_quota(const json_t *b, long limits[SP_ADMIN_NQUOTA], sp_err_t *err);
 /* POST /v1/admin/teams/{id}/keys {"name"?}. */
 int sp_napi__body_key(const json_t *b, const char **name, sp_err_t *err);
 

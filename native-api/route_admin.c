@@ -22,10 +22,11 @@ static json_t *quota_json(long v)
 static json_t *team_json(const void *rec)
 {
     const sp_admin_team_t *t = rec;
-    return json_pack("{s:s,s:s,s:s,s:I,s:{s:o,s:o,s:o}}", "id", t->id, "name", t->name,
+    return json_pack("{s:s,s:s,s:s,s:I,s:{s:o,s:o,s:o,s:o}}", "id", t->id, "name", t->name,
                      "created_at", t->created_at, "active_keys", (json_int_t)t->active_keys,
                      "quota", "sandboxes", quota_json(t->quota[0]), "vcpus",
-                     quota_json(t->quota[1]), "memory_mb", quota_json(t->quota[2]));
+                     quota_json(t->quota[1]), "memory_mb", quota_json(t->quota[2]), "snapshot_mb",
+                     quota_json(t->quota[3]));
 }
 
 static json_t *key_json(const void *rec)
@@ -107,7 +108,7 @@ static void on_team_quota(void *arg, const sp_admin_team_t *t, size_t n, const s
 void sp_napi__admin_team_quota(napi_ctx_t *c)
 {
     sp_err_t e;
-    long limits[3];
+    long limits[SP_ADMIN_NQUOTA];
     if (sp_napi__body_quota(c->body, limits, &e) < 0) {
         sp_napi__fail(c, &e);
         return;

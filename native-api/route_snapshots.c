@@ -22,6 +22,7 @@ static json_t *snap_json(const sp_snap_rec_t *r)
                           r->created_at);
     json_object_set_new(o, "name", r->name[0] ? json_string(r->name) : json_null());
     json_object_set_new(o, "error", r->error[0] ? json_string(r->error) : json_null());
+    json_object_set_new(o, "bytes", r->bytes >= 0 ? json_integer(r->bytes) : json_null());
     return o;
 }
 

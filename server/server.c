@@ -91,7 +91,8 @@ struct opts {
     const char *insecure_registry; /* serve: registries reached over plain http (comma list) */
     unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
     sp_quota_t quota;              /* serve: teams' default quotas (core/control/svc.h) */
-    const char *quota_set[3];      /* teams set-quota: sandboxes, vcpus, memory-mb (NULL: keep) */
+    const char *quota_set[4];      /* teams set-quota: sandboxes, vcpus, memory-mb, snapshot-mb
+                                    * (NULL: keep) */
     /* serve: this node's part in a fleet (core/control/fleet.h) */
     sp_role_t role;
     const char *advertise;    /* HOST:PORT other nodes reach this one at (default: --listen) */
@@ -139,7 +140,7 @@ static void usage(FILE *f)
             "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
             "                    [--image-max-mb MIB] [--agent PATH]\n"
             "                    [--team-max-sandboxes N] [--team-max-vcpus N]\n"
-            "                    [--team-max-memory-mb MIB]\n"
+            "                    [--team-max-memory-mb MIB] [--team-max-snapshot-mb MIB]\n"
             "                    [--role all|api|worker] [--advertise HOST:PORT]\n"
             "                    [--worker-vcpus N] [--worker-memory-mb MIB]\n"
             "                    [--worker-labels k=v,k=v] [--heartbeat-timeout-s N]\n"
@@ -155,6 +156,7 @@ static void usage(FILE *f)
             "       spaced teams create <name>\n"
             "       spaced teams set-quota <team> [--sandboxes N|default] [--vcpus N|default]\n"
             "                                     [--memory-mb MIB|default]\n"
+            "                                     [--snapshot-mb MIB|default]\n"
             "       spaced admin-key rotate\n"
             "       spaced template build <name> [--force] [--agent PATH] [--no-snapshot]\n"
             "                                    [--templates-dir DIR]\n"
@@ -585,7 +587,7 @@ static int cmd_teams(struct opts *o, int argc, char **argv)
     bool list = argc == 1 && strcmp(argv[0], "list") == 0;
     bool create = argc == 2 && strcmp(argv[0], "create") == 0;
     bool quota = argc == 2 && strcmp(argv[0], "set-quota") == 0 &&
-                 (o->quota_set[0] || o->quota_set[1] || o->quota_set[2]);
+                 (o->quota_set[0] || o->quota_set[1] || o->quota_set[2] || o->quota_set[3]);
     if (!list && !create && !quota) {
         usage(stderr);
         return 2;
@@ -1288,6 +1290,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     sp_driver_t *tdriver = driver ? driver : nodriver;
     tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir, &e) : NULL;
     snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, &e) : NULL;
+    if (snap != NULL)
+        sp_snap_set_quota_default(snap, o->quota.snapshot_mb);
     /* Builds from container images put the agent into them (none found: refused) */
     if (tmpl != NULL && sp_tmpl_set_images(tmpl, find_agent(o->agent), o->registry_mirror,
                                            o->insecure_registry,
@@ -1475,7 +1479,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                      .max_body_kb = SP_SERVER_MAX_BODY_KB,
                      .max_upload_mb = SP_SERVER_MAX_UPLOAD_MB,
                      .max_large_bodies = SP_SERVER_MAX_LARGE_BODIES,
-                     .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB},
+                     .quota = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB,
+                               SP_SVC_QUOTA_SNAPSHOT_MB},
                      .heartbeat_timeout_s = 10,
                      .lost_grace_s = 60,
                      .prebuild_sizes = SP_SIZES_PER_TEMPLATE};
@@ -1506,6 +1511,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"sandboxes", required_argument, NULL, 0x10a},
         {"vcpus", required_argument, NULL, 0x10b},
         {"memory-mb", required_argument, NULL, 0x10c},
+        {"team-max-snapshot-mb", required_argument, NULL, 0x150},
+        {"snapshot-mb", required_argument, NULL, 0x151},
         {"role", required_argument, NULL, 0x110},
         {"advertise", required_argument, NULL, 0x111},
         {"worker-vcpus", required_argument, NULL, 0x112},
@@ -1636,17 +1643,21 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         }
         case 0x107:
         case 0x108:
-        case 0x109: {
+        case 0x109:
+        case 0x150: {
+            int k = ch == 0x150 ? 3 : ch - 0x107; /* sp_quota_t's order */
             char *end;
             unsigned long v = strtoul(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || v > 1000000000) {
-                static const char *const names[] = {"sandboxes", "vcpus", "memory-mb"};
+                static const char *const names[] = {"sandboxes", "vcpus", "memory-mb",
+                                                    "snapshot-mb"};
                 fprintf(stderr, "spaced: --team-max-%s wants 0 (no limit) to 1000000000\n",
-                        names[ch - 0x107]);
+                        names[k]);
                 return 2;
             }
-            int *q[] = {&o.quota.sandboxes, &o.quota.vcpus, &o.quota.memory_mb};
-            *q[ch - 0x107] = (int)v;
+            int *q[] = {&o.quota.sandboxes, &o.quota.vcpus, &o.quota.memory_mb,
+                        &o.quota.snapshot_mb};
+            *q[k] = (int)v;
             break;
         }
         case 0x10d:
@@ -1670,6 +1681,9 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 0x10b:
         case 0x10c:
             o.quota_set[ch - 0x10a] = optarg; /* checked by sp_keys_team_set_quota */
+            break;
+        case 0x151:
+            o.quota_set[3] = optarg;
             break;
         case 'u':
             o.database_url = optarg;

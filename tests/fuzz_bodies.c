@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "core/control/admin.h"
+#include "core/control/tmpl.h"
 #include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
 #include "e2b-gateway/body.h"
@@ -52,6 +53,9 @@ enum {
     P_E2B_SNAPSHOT,
     P_E2B_CODE_CONTEXT,
     P_E2B_CODE_EXEC,
+    P_TMPL_BUILD,      /* native POST /v1/templates: core's own parse (tmpl.h) */
+    P_E2B_TPL_RESERVE, /* E2B POST /v3/templates */
+    P_E2B_TPL_BUILD,   /* E2B POST /v2/templates/{id}/builds/{build}, then core's parse */
     P_COUNT
 };
 
@@ -126,6 +130,38 @@ static void check_rules(const json_t *rules)
     ASSERT(again != NULL && json_equal(norm, again));
     json_decref(norm);
     json_decref(again);
+}
+
+/* A template build request as core reads it (sp_tmpl_build, before any state): a Dockerfile
+ * made into steps, then the fields. What it accepts is within what a build is given. */
+static void check_tmpl_build(const json_t *req)
+{
+    sp_err_t e;
+    json_t *expanded = NULL;
+    if (sp_tmpl_expand_dockerfile(req, &expanded, &e) < 0) {
+        ASSERT(expanded == NULL);
+        check_err(&e);
+        return;
+    }
+    sp_tmpl_build_req_t r;
+    if (sp_tmpl_parse_build(expanded != NULL ? expanded : req, &r, &e) < 0) {
+        ASSERT(e.code == SP_EINVAL || e.code == SP_ENOTFOUND || e.code == SP_EINTERNAL);
+        ASSERT(e.msg[0] != '\0');
+    } else {
+        ASSERT(r.name[0] != '\0' && strlen(r.name) < sizeof r.name);
+        ASSERT(r.parent[0] != '\0' && strcmp(r.parent, r.name) != 0);
+        ASSERT(r.steps == NULL || json_array_size(r.steps) <= SP_TMPL_STEPS_MAX);
+        ASSERT(r.cpu_count >= 0 && r.cpu_count <= SP_SVC_MAX_CPUS);
+        ASSERT(r.memory_mb == 0 ||
+               (r.memory_mb >= SP_SVC_MIN_MEMORY_MB && r.memory_mb <= SP_SVC_MAX_MEMORY_MB));
+        ASSERT(r.timeout_s >= 1 && r.timeout_s <= SP_TMPL_TIMEOUT_MAX);
+        ASSERT(r.ready_timeout_s >= 1 && r.ready_timeout_s <= SP_TMPL_READY_MAX);
+        ASSERT((r.image == NULL) || (r.parent_tag == NULL && strcmp(r.parent, "base") == 0));
+        ASSERT(r.reg_user == NULL || r.image != NULL);
+        check_str(r.start_cmd, 4096);
+        check_str(r.ready_cmd, 4096);
+    }
+    json_decref(expanded);
 }
 
 static void native(int which, const char *p, size_t n)
@@ -303,9 +339,9 @@ static void native(int which, const char *p, size_t n)
         break;
     }
     case P_QUOTA: {
-        long limits[3];
+        long limits[SP_ADMIN_NQUOTA];
         rc = sp_napi__body_quota(b, limits, &e);
-        for (int i = 0; rc == 0 && i < 3; i++)
+        for (int i = 0; rc == 0 && i < SP_ADMIN_NQUOTA; i++)
             ASSERT(limits[i] == SP_ADMIN_QUOTA_KEEP || limits[i] == SP_ADMIN_QUOTA_DEFAULT ||
                    (limits[i] >= 0 && limits[i] <= SP_ADMIN_QUOTA_MAX));
         break;
@@ -322,6 +358,9 @@ static void native(int which, const char *p, size_t n)
         rc = sp_napi__body_tag(b, &ver, &from, &e);
         break;
     }
+    case P_TMPL_BUILD: /* the route hands the object to core as it is */
+        check_tmpl_build(b);
+        break;
     }
     if (rc < 0)
         check_err(&e);
@@ -407,6 +446,35 @@ static void e2b(int which, const char *p, size_t n)
                     strcmp(action, "delete") == 0));
         break;
     }
+    case P_E2B_TPL_RESERVE: {
+        char alias[65];
+        json_t *tags = NULL;
+        int cpu = 0, mem = 0;
+        rc = sp_e2b__body_template_reserve(b, "team-1", alias, &tags, &cpu, &mem, why);
+        if (rc == 0) {
+            ASSERT(alias[0] != '\0' && strlen(alias) <= 63);
+            for (const char *q = alias; *q; q++)
+                ASSERT(!(*q >= 'A' && *q <= 'Z'));
+            ASSERT(json_is_array(tags) && json_array_size(tags) >= 1);
+            ASSERT(cpu >= -1 && mem >= -1);
+        } else {
+            ASSERT(tags == NULL);
+        }
+        json_decref(tags);
+        break;
+    }
+    case P_E2B_TPL_BUILD: {
+        json_t *req = NULL;
+        rc = sp_e2b__body_template_build(b, "team-1", "my-tpl", 2, 512, &req, why);
+        if (rc == 0) {
+            ASSERT(json_is_object(req));
+            check_tmpl_build(req); /* what the route hands core next */
+        } else {
+            ASSERT(req == NULL);
+        }
+        json_decref(req);
+        break;
+    }
     case P_E2B_SNAPSHOT: {
         char name[SP_SNAP_NAME_MAX + 1];
         rc = sp_e2b__body_snapshot(b, "team-1", name, why);
@@ -430,7 +498,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int which = data[0] % P_COUNT;
     const char *p = (const char *)data + 1;
     size_t n = size - 1;
-    if (which >= P_E2B_CREATE)
+    if (which == P_TMPL_BUILD)
+        native(which, p, n);
+    else if (which >= P_E2B_CREATE)
         e2b(which, p, n);
     else
         native(which, p, n);

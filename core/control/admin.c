@@ -38,7 +38,7 @@ static void parse_team(PGresult *r, int i, sp_admin_team_t *t)
     SP_STORE_TEXT(r, i, 1, t->name);
     SP_STORE_TEXT(r, i, 2, t->created_at);
     t->active_keys = atol(PQgetvalue(r, i, 3));
-    for (int q = 0; q < 3; q++)
+    for (int q = 0; q < SP_ADMIN_NQUOTA; q++)
         t->quota[q] = atol(PQgetvalue(r, i, 4 + q));
 }
 
@@ -184,7 +184,8 @@ int sp_admin_authenticate(sp_admin_t *a, const char *key, sp_admin_done_cb cb, v
                                         " WHERE k.team_id = t.id AND k.revoked_at IS NULL),"       \
                                         " coalesce(t.max_sandboxes, -1),"                          \
                                         " coalesce(t.max_vcpus, -1),"                              \
-                                        " coalesce(t.max_memory_mb, -1)"
+                                        " coalesce(t.max_memory_mb, -1),"                          \
+                                        " coalesce(t.max_snapshot_mb, -1)"
 
 int sp_admin_teams(sp_admin_t *a, sp_admin_teams_cb cb, void *arg, sp_err_t *err)
 {
@@ -203,7 +204,7 @@ int sp_admin_team_create(sp_admin_t *a, const char *name, sp_admin_teams_cb cb, 
     return submit(a, K_TEAM_CREATE,
                   "WITH t AS (INSERT INTO teams(id, name) VALUES ($1, $2)"
                   " ON CONFLICT (name) DO NOTHING RETURNING id, name, created_at)"
-                  " SELECT t.id, t.name, " TS("t.created_at") ", 0, -1, -1, -1 FROM t",
+                  " SELECT t.id, t.name, " TS("t.created_at") ", 0, -1, -1, -1, -1 FROM t",
                   2, p, (void *)cb, arg, NULL, err);
 }
 
@@ -215,15 +216,15 @@ static int check_team_ref(const char *team, sp_err_t *err)
     return 0;
 }
 
-int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[3],
+int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[SP_ADMIN_NQUOTA],
                             sp_admin_teams_cb cb, void *arg, sp_err_t *err)
 {
     if (check_team_ref(team, err) < 0)
         return -1;
     /* per quota: whether to set it, then the value (NULL: the server's default) */
-    char v[3][24];
-    const char *p[7] = {team};
-    for (int i = 0; i < 3; i++) {
+    char v[SP_ADMIN_NQUOTA][24];
+    const char *p[1 + 2 * SP_ADMIN_NQUOTA] = {team};
+    for (int i = 0; i < SP_ADMIN_NQUOTA; i++) {
         long l = limits[i];
         if (l != SP_ADMIN_QUOTA_KEEP && l != SP_ADMIN_QUOTA_DEFAULT &&
             (l < 0 || l > SP_ADMIN_QUOTA_MAX))
@@ -237,10 +238,11 @@ int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[3
                   "UPDATE teams t SET"
                   " max_sandboxes = CASE WHEN $2::bool THEN $3::int ELSE max_sandboxes END,"
                   " max_vcpus = CASE WHEN $4::bool THEN $5::int ELSE max_vcpus END,"
-                  " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END"
+                  " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END,"
+                  " max_snapshot_mb = CASE WHEN $8::bool THEN $9::bigint ELSE max_snapshot_mb END"
                   " WHERE t.id = (SELECT id FROM teams WHERE name = $1 OR id = $1"
                   "  ORDER BY name = $1 DESC LIMIT 1) RETURNING " TEAM_COLS,
-                  7, p, (void *)cb, arg, NULL, err);
+                  9, p, (void *)cb, arg, NULL, err);
 }
 
 int sp_admin_keys(sp_admin_t *a, const char *team, sp_admin_keys_cb cb, void *arg, sp_err_t *err)

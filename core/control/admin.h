@@ -21,14 +21,16 @@
 
 typedef struct sp_admin sp_admin_t;
 
+#define SP_ADMIN_NQUOTA 4 /* sandboxes, vcpus, memory_mb, snapshot_mb */
+
 typedef struct {
     char id[SP_ID_LEN + 1];
     char name[65];
     char created_at[32];
     long active_keys; /* keys not revoked */
-    /* the team's quotas (core/control/svc.h): sandboxes, vcpus, memory_mb; -1: the server's
-     * default */
-    long quota[3];
+    /* the team's quotas (core/control/svc.h): sandboxes, vcpus, memory_mb, snapshot_mb; -1:
+     * the server's default */
+    long quota[SP_ADMIN_NQUOTA];
 } sp_admin_team_t;
 
 #define SP_ADMIN_QUOTA_KEEP    (-2L)        /* sp_admin_team_set_quota: leave this one */
@@ -68,11 +70,11 @@ int sp_admin_teams(sp_admin_t *a, sp_admin_teams_cb cb, void *arg, sp_err_t *err
 int sp_admin_team_create(sp_admin_t *a, const char *name, sp_admin_teams_cb cb, void *arg,
                          sp_err_t *err);
 
-/* Sets the team's quotas (sandboxes, vcpus, memory_mb, in that order): each
+/* Sets the team's quotas (sandboxes, vcpus, memory_mb, snapshot_mb, in that order): each
  * SP_ADMIN_QUOTA_KEEP, SP_ADMIN_QUOTA_DEFAULT or 0 to SP_ADMIN_QUOTA_MAX (0: none may be held;
  * SP_EINVAL otherwise). Calls back with the team as it is then; SP_ENOTFOUND for an unknown
  * team. */
-int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[3],
+int sp_admin_team_set_quota(sp_admin_t *a, const char *team, const long limits[SP_ADMIN_NQUOTA],
                             sp_admin_teams_cb cb, void *arg, sp_err_t *err);
 
 /* The team's keys, revoked ones included, oldest first; SP_ENOTFOUND for an unknown team. */

@@ -159,27 +159,28 @@ int sp_keys_team_list(PGconn *c, FILE *out, sp_err_t *err)
                       "  WHERE k.team_id = t.id AND k.revoked_at IS NULL),"
                       " coalesce(t.max_sandboxes::text, 'default'),"
                       " coalesce(t.max_vcpus::text, 'default'),"
-                      " coalesce(t.max_memory_mb::text, 'default')"
+                      " coalesce(t.max_memory_mb::text, 'default'),"
+                      " coalesce(t.max_snapshot_mb::text, 'default')"
                       " FROM teams t ORDER BY t.created_at, t.name",
                       0, NULL, err);
     if (r == NULL)
         return -1;
-    fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %s\n", "ID", "NAME", "CREATED", "KEYS",
-            "SANDBOXES", "VCPUS", "MEMORY_MB");
+    fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %-10s  %s\n", "ID", "NAME", "CREATED",
+            "KEYS", "SANDBOXES", "VCPUS", "MEMORY_MB", "SNAPSHOT_MB");
     for (int i = 0; i < PQntuples(r); i++)
-        fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %s\n", PQgetvalue(r, i, 0),
+        fprintf(out, "%-20s  %-24s  %-20s  %-5s  %-9s  %-7s  %-10s  %s\n", PQgetvalue(r, i, 0),
                 PQgetvalue(r, i, 1), PQgetvalue(r, i, 2), PQgetvalue(r, i, 3), PQgetvalue(r, i, 4),
-                PQgetvalue(r, i, 5), PQgetvalue(r, i, 6));
+                PQgetvalue(r, i, 5), PQgetvalue(r, i, 6), PQgetvalue(r, i, 7));
     PQclear(r);
     return 0;
 }
 
-int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits[3], sp_err_t *err)
+int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits[4], sp_err_t *err)
 {
-    static const char *const names[3] = {"sandboxes", "vcpus", "memory-mb"};
+    static const char *const names[4] = {"sandboxes", "vcpus", "memory-mb", "snapshot-mb"};
     /* per quota: whether to set it, then the value (NULL: the server's default) */
-    const char *p[7] = {team};
-    for (int i = 0; i < 3; i++) {
+    const char *p[9] = {team};
+    for (int i = 0; i < 4; i++) {
         const char *v = limits[i];
         p[1 + 2 * i] = v != NULL ? "true" : "false";
         if (v == NULL || strcmp(v, "default") == 0)
@@ -193,10 +194,12 @@ int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits
                       "UPDATE teams SET"
                       " max_sandboxes = CASE WHEN $2::bool THEN $3::int ELSE max_sandboxes END,"
                       " max_vcpus = CASE WHEN $4::bool THEN $5::int ELSE max_vcpus END,"
-                      " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END"
+                      " max_memory_mb = CASE WHEN $6::bool THEN $7::int ELSE max_memory_mb END,"
+                      " max_snapshot_mb = CASE WHEN $8::bool THEN $9::bigint"
+                      "  ELSE max_snapshot_mb END"
                       " WHERE id = (SELECT id FROM teams WHERE name = $1 OR id = $1"
                       "  ORDER BY name = $1 DESC LIMIT 1) RETURNING id",
-                      7, p, err);
+                      9, p, err);
     if (r == NULL)
         return -1;
     int found = PQntuples(r);

@@ -39,13 +39,13 @@ int sp_keys_check_team_name(const char *name, sp_err_t *err);
 int sp_keys_team_create(PGconn *c, const char *name, char id[SP_ID_LEN + 1], sp_err_t *err);
 
 /* Writes one line per team: id, name, created, active keys, then its quotas (sandboxes, vCPUs,
- * memory in MiB; "default": the server's, core/control/svc.h). */
+ * memory in MiB, snapshot disk in MiB; "default": the server's, core/control/svc.h). */
 int sp_keys_team_list(PGconn *c, FILE *out, sp_err_t *err);
 
-/* Sets team's (name or ID) quotas: each of sandboxes, vcpus, memory_mb (in that order) is NULL
- * to leave it, "default" for the server's default, or a limit of 0 to 1000000000 (0: the team
- * may hold none). SP_EINVAL on a bad value, SP_ENOTFOUND for an unknown team. */
-int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits[3], sp_err_t *err);
+/* Sets team's (name or ID) quotas: each of sandboxes, vcpus, memory_mb, snapshot_mb (in that
+ * order) is NULL to leave it, "default" for the server's default, or a limit of 0 to 1000000000
+ * (0: the team may hold none). SP_EINVAL on a bad value, SP_ENOTFOUND for an unknown team. */
+int sp_keys_team_set_quota(PGconn *c, const char *team, const char *const limits[4], sp_err_t *err);
 
 /* The installation's admin key (the /v1/admin routes' only credential), kept as its keyed
  * hash in settings ('admin_key_hash') like an API key's. Without `replace`, creates one only

@@ -19,8 +19,8 @@
 
 #define SNAP_COLS                                                                                  \
     "n.id, n.sandbox_id, n.template, n.cpu_count, n.memory_mb, coalesce(n.name, ''), n.state, "   \
-    "coalesce(n.error, ''), " TS("n.created_at")
-#define SNAP_NCOLS 9
+    "coalesce(n.error, ''), " TS("n.created_at") ", coalesce(n.bytes, -1)"
+#define SNAP_NCOLS 10
 
 #define RETRY_MS 500 /* an outcome the database did not take */
 #define SB_COLS  5   /* the insert's answer: desired, observed, busy, taken, at_max, then ours */
@@ -40,6 +40,7 @@ struct job {
     char team_id[64];               /* the taker's */
     char opid[SP_OPID_LEN + 1];     /* the operation's id, chosen up front */
     bool moved;                     /* the name was taken from an older snapshot */
+    char bytes[24];                 /* its files' size once written, as a parameter; "": unknown */
     struct job *prev, *next;
 };
 
@@ -49,6 +50,7 @@ struct sp_snap {
     sp_driver_t *driver;
     struct job *jobs;
     int team_max; /* SP_SNAP_TEAM_MAX, or $SPACE_SNAP_TEAM_MAX */
+    char disk_def[16]; /* the default snapshot-disk quota (MiB) as a parameter; "": none */
     bool *alive; /* the start-up statement's view of s (false once destroyed) */
 };
 
@@ -66,6 +68,7 @@ static void parse_snap(const PGresult *r, int row, int col, sp_snap_rec_t *s)
     SP_STORE_TEXT(r, row, col + 6, s->state);
     SP_STORE_TEXT(r, row, col + 7, s->error);
     SP_STORE_TEXT(r, row, col + 8, s->created_at);
+    s->bytes = atoll(PQgetvalue(r, row, col + 9));
 }
 
 /* ---- taking one ---- */
@@ -125,11 +128,15 @@ static void on_outcome(void *arg, PGresult *res, const sp_err_t *err)
 
 static void record_outcome(struct job *j)
 {
-    const char *p[] = {j->rec.id, j->failed ? "failed" : "ready", j->failed ? j->err_msg : NULL,
-                       j->failed ? j->err_code : NULL, j->op.id};
+    const char *p[] = {j->rec.id,
+                       j->failed ? "failed" : "ready",
+                       j->failed ? j->err_msg : NULL,
+                       j->failed ? j->err_code : NULL,
+                       j->op.id,
+                       !j->failed && j->bytes[0] ? j->bytes : NULL};
     sp_err_t e;
     if (sp_store_query(j->s->store,
-                       "WITH n AS (UPDATE snapshots SET state = $2, error = $3"
+                       "WITH n AS (UPDATE snapshots SET state = $2, error = $3, bytes = $6::bigint"
                        "  WHERE id = $1 AND state = 'creating' RETURNING *),"
                        " o AS (UPDATE operations SET finished_at = now(), error_code = $4,"
                        "   error_message = $3,"
@@ -141,7 +148,7 @@ static void record_outcome(struct job *j)
                        " nt AS (SELECT pg_notify('space_ops', o.id) FROM o)"
                        " SELECT " SNAP_COLS ", " SP_SVC_OP_COLS
                        " FROM n, o, nt, (SELECT count(*) FROM ev) x",
-                       5, p, on_outcome, j, &e) < 0) {
+                       6, p, on_outcome, j, &e) < 0) {
         sp_log(SP_LOG_WARN, "snap", "outcome not sent snapshot=%s err=%s; retrying", j->rec.id,
                e.msg);
         sp_timer_start(&j->retry, RETRY_MS);
@@ -174,8 +181,12 @@ static void on_checkpoint(void *arg, const sp_err_t *err)
         job_free(j);
         return;
     }
+    sp_driver_t *d = j->s->driver;
     if (err != NULL)
         job_fail(j, err);
+    else if (d->ops->checkpoint_bytes != NULL) /* what it holds against the team's quota */
+        snprintf(j->bytes, sizeof j->bytes, "%llu",
+                 (unsigned long long)d->ops->checkpoint_bytes(d, j->rec.id));
     record_outcome(j);
 }
 
@@ -312,7 +323,8 @@ static int insert(struct job *j, sp_err_t *err)
     char max[16];
     snprintf(max, sizeof max, "%d", j->s->team_max);
     const char *p[] = {j->rec.sandbox_id, j->team_id, j->rec.id, j->opid,
-                       j->rec.name[0] ? j->rec.name : NULL, max};
+                       j->rec.name[0] ? j->rec.name : NULL, max,
+                       j->s->disk_def[0] ? j->s->disk_def : NULL};
     /* One statement: the source's state checked, the row and its operation written; the
      * first four columns say why nothing was written. */
     if (sp_store_query(
@@ -329,9 +341,11 @@ static int insert(struct job *j, sp_err_t *err)
             " n AS (INSERT INTO snapshots (id, team_id, sandbox_id, template, cpu_count,"
             "   memory_mb, env, name)"
             "  SELECT $3, team_id, id, template, cpu_count, memory_mb, env, $5 FROM sb"
-            "  WHERE observed_state IN ('running', 'paused')"
+            /* the snapshot-disk quota (svc.h) last: SPQTA once the team's snapshots hold
+             * it, asked only of a snapshot that would otherwise be taken */
+            "  WHERE CASE WHEN observed_state IN ('running', 'paused')"
             "   AND desired_state IN ('running', 'paused') AND NOT busy AND NOT taken"
-            "   AND NOT at_max"
+            "   AND NOT at_max THEN space_team_disk_quota($2, $7::bigint) ELSE false END"
             "  RETURNING *),"
             " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target, status)"
             "  SELECT $4, n.sandbox_id, n.team_id, 'snapshot', n.id, 'running' FROM n"
@@ -341,7 +355,7 @@ static int insert(struct job *j, sp_err_t *err)
             " SELECT sb.desired_state, sb.observed_state, sb.busy, sb.taken, sb.at_max, " SNAP_COLS
             ", " SP_SVC_OP_COLS " FROM sb LEFT JOIN n ON true LEFT JOIN o ON true"
             " LEFT JOIN (SELECT count(*) FROM ev) x ON true",
-            6, p, on_inserted, j, err) < 0)
+            7, p, on_inserted, j, err) < 0)
         return -1;
     return 0;
 }
@@ -470,6 +484,14 @@ int sp_snap_delete(sp_snap_t *s, const sp_auth_t *a, const char *id, sp_svc_done
 
 /* ---- lifetime ---- */
 
+void sp_snap_set_quota_default(sp_snap_t *s, int snapshot_mb)
+{
+    if (snapshot_mb > 0)
+        snprintf(s->disk_def, sizeof s->disk_def, "%d", snapshot_mb);
+    else
+        s->disk_def[0] = '\0';
+}
+
 static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct {
@@ -512,6 +534,7 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     s->driver = driver;
     const char *tm = getenv("SPACE_SNAP_TEAM_MAX"); /* for tests: a limit reached quickly */
     s->team_max = tm != NULL && atoi(tm) > 0 ? atoi(tm) : SP_SNAP_TEAM_MAX;
+    sp_snap_set_quota_default(s, SP_SVC_QUOTA_SNAPSHOT_MB);
     struct leftovers {
         sp_snap_t *s;
         bool *alive;

@@ -51,6 +51,7 @@ typedef struct {
     char state[16];                  /* creating | ready | failed */
     char error[256];                 /* "" unless failed */
     char created_at[32];
+    long long bytes; /* its files on disk, measured once ready (svc.h: the quota); -1: unknown */
 } sp_snap_rec_t;
 
 /* rec and op borrowed for the callback; op NULL except from sp_snap_take. */
@@ -66,6 +67,11 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
                           sp_err_t *err);
 /* Snapshots being taken are abandoned: their rows are failed by the next start. */
 void sp_snap_destroy(sp_snap_t *s);
+/* The snapshot-disk quota for teams without one of their own (MiB; 0: none; until set,
+ * SP_SVC_QUOTA_SNAPSHOT_MB): a take is refused with SP_EQUOTA once the team's snapshots hold
+ * that much (svc.h: sp_quota_t). A snapshot's size is measured (the driver's
+ * checkpoint_bytes) when it is written and kept on its row. */
+void sp_snap_set_quota_default(sp_snap_t *s, int snapshot_mb);
 
 /* Whether id has the shape of a snapshot id (checked before any lookup). */
 bool sp_snap_valid_id(const char *id);

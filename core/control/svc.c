@@ -82,7 +82,8 @@ struct sp_svc {
     struct sp_secrets *secrets; /* borrowed; NULL: no secrets API */
     void (*egress_hook)(void *arg, const char *sandbox_id, const json_t *policy); /* changed */
     void *egress_hook_arg;
-    char quota[3][16]; /* the default sandboxes, vcpus, memory_mb as parameters; "": none */
+    char quota[4][16]; /* the default sandboxes, vcpus, memory_mb, snapshot_mb as parameters;
+                        * "": none */
     char place_self[65]; /* this node's worker id; "": an API node (SQL NULL) */
     char place_fresh[16]; /* the heartbeat timeout, seconds */
 };
@@ -907,7 +908,8 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
                        svc->quota[1][0] ? svc->quota[1] : NULL,
                        svc->quota[2][0] ? svc->quota[2] : NULL,
                        svc->place_fresh,
-                       svc->place_self[0] ? svc->place_self : NULL};
+                       svc->place_self[0] ? svc->place_self : NULL,
+                       svc->quota[3][0] ? svc->quota[3] : NULL};
     if (submit(
             rc->svc,
             /* a wake of a suspended sandbox is placed again (core/control/fleet.h), its own
@@ -929,6 +931,9 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
             /* a suspended sandbox made running again holds its share anew (svc.h) */
             "  AND ($4 <> 'suspended' OR $3 <> 'running' OR space_team_quota($2, cpu_count,"
             "   memory_mb, $10::int, $11::int, $12::int))"
+            /* a client's suspend writes a snapshot: refused once the team's hold the limit */
+            "  AND ($3 <> 'suspended' OR $4 = 'suspended' OR space_team_disk_quota($2,"
+            "   $15::bigint))"
             "  RETURNING id, team_id),"
             " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
             "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
@@ -936,7 +941,7 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
             "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
             " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
             " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
-            14, p, req_written, NULL, rc, 0, &e) < 0)
+            15, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);
 }
 
@@ -1313,7 +1318,8 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
         sp_err_set(err, SP_EINTERNAL, "out of memory");
         return NULL;
     }
-    sp_quota_t q = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB};
+    sp_quota_t q = {SP_SVC_QUOTA_SANDBOXES, SP_SVC_QUOTA_VCPUS, SP_SVC_QUOTA_MEMORY_MB,
+                    SP_SVC_QUOTA_SNAPSHOT_MB};
     sp_svc_set_quota_defaults(svc, &q);
     sp_svc_set_placement(svc, NULL, 10);
     if (sp_store_listen(store, "space_ops", on_ops_notify, svc, err) < 0 ||
@@ -1343,8 +1349,8 @@ void sp_svc_set_placement(sp_svc_t *svc, const char *self, int heartbeat_timeout
 
 void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q)
 {
-    int v[3] = {q->sandboxes, q->vcpus, q->memory_mb};
-    for (int i = 0; i < 3; i++) {
+    int v[4] = {q->sandboxes, q->vcpus, q->memory_mb, q->snapshot_mb};
+    for (int i = 0; i < 4; i++) {
         if (v[i] > 0)
             snprintf(svc->quota[i], sizeof(svc->quota[i]), "%d", v[i]);
         else

@@ -166,23 +166,36 @@ sp_svc_t *sp_svc_create(sp_loop_t *loop, sp_store_t *store,
 void sp_svc_destroy(sp_svc_t *svc);
 
 /* A team's quotas: what its sandboxes desired running or paused (a paused one keeps its
- * memory) may hold together. A team's own limits are in its row (`spaced teams set-quota`);
- * where it has none, the server's defaults apply. 0: no limit. */
+ * memory) may hold together, and the disk its snapshots hold. A team's own limits are in its
+ * row (`spaced teams set-quota`); where it has none, the server's defaults apply. 0: no limit.
+ *
+ * snapshot_mb counts what the files of the team's snapshots take on disk, as the driver
+ * measured them once written (core/store/migrate.c, migration 15): suspended sandboxes'
+ * snapshots (memory and device state; the disk overlay is the sandbox's whether or not it
+ * is suspended) and sandbox snapshots (snap.h) not deleted. Template versions a team built
+ * do not count: they are bounded by their own collection (tmpl.h), and are shared by every
+ * sandbox made from them. */
 typedef struct {
     int sandboxes;
     int vcpus;
     int memory_mb;
+    int snapshot_mb;
 } sp_quota_t;
 
 /* The defaults: generous, there to stop a runaway client, not to ration. */
-#define SP_SVC_QUOTA_SANDBOXES 100
-#define SP_SVC_QUOTA_VCPUS     200
-#define SP_SVC_QUOTA_MEMORY_MB (400 * 1024)
+#define SP_SVC_QUOTA_SANDBOXES   100
+#define SP_SVC_QUOTA_VCPUS       200
+#define SP_SVC_QUOTA_MEMORY_MB   (400 * 1024)
+#define SP_SVC_QUOTA_SNAPSHOT_MB (200 * 1024)
 
 /* The server's defaults for teams without limits of their own (SP_SVC_QUOTA_* until set).
  * A create, and a resume of a suspended sandbox, over a quota fail with SP_EQUOTA and a
  * message naming the quota, its limit and the team's use. The check and the write are one
- * statement that locks the team's row: of two creates for the last place, one wins. */
+ * statement that locks the team's row: of two creates for the last place, one wins. A
+ * client's suspend (and a sandbox snapshot, snap.h) is refused the same way once the team's
+ * snapshots hold snapshot_mb or more: a snapshot's size is known only once it is written, so
+ * the check is before, the accounting after, and a team ends at most one snapshot past its
+ * limit. Suspends the server decides (timeouts, drains) are never refused. */
 void sp_svc_set_quota_defaults(sp_svc_t *svc, const sp_quota_t *q);
 
 /* Placement (core/control/fleet.h): creates and wakes from suspend go to a worker that has

@@ -48,29 +48,6 @@ void sp_tmpl__copy(char *dst, size_t cap, const char *src)
     dst[n] = '\0';
 }
 
-static bool valid_env_key(const char *k)
-{
-    if (k[0] == '\0' || strlen(k) > 256 || isdigit((unsigned char)k[0]))
-        return false;
-    for (const char *p = k; *p; p++)
-        if (!isalnum((unsigned char)*p) && *p != '_')
-            return false;
-    return true;
-}
-
-bool sp_tmpl__valid_user(const char *u)
-{
-    size_t n = strlen(u);
-    if (n == 0 || n > 32 || !(islower((unsigned char)u[0]) || u[0] == '_'))
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)u[i];
-        if (!(islower(c) || isdigit(c) || c == '_' || c == '-'))
-            return false;
-    }
-    return true;
-}
-
 /* Our ids, or a UUID (E2B's clients parse build ids as UUIDs). */
 static bool valid_build_id(const char *id)
 {
@@ -87,26 +64,6 @@ static bool valid_build_id(const char *id)
     return true;
 }
 
-static bool is_uuid(const char *s)
-{
-    if (strlen(s) != 36)
-        return false;
-    for (size_t i = 0; i < 36; i++) {
-        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
-        if (dash ? s[i] != '-' : !isxdigit((unsigned char)s[i]))
-            return false;
-    }
-    return true;
-}
-
-bool sp_tmpl_valid_tag(const char *tag)
-{
-    size_t n = tag != NULL ? strlen(tag) : 0;
-    if (n == 0 || n > SP_TMPL_TAG_MAX || is_uuid(tag) || strspn(tag, ".") == n)
-        return false;
-    return strspn(tag, "abcdefghijklmnopqrstuvwxyz0123456789-_.") == n;
-}
-
 /* A fresh version 4 UUID: build ids are UUIDs (E2B's clients parse them as such). */
 static void new_uuid(char out[SP_TMPL_ID_MAX + 1])
 {
@@ -120,58 +77,6 @@ static void new_uuid(char out[SP_TMPL_ID_MAX + 1])
              r[15]);
 }
 
-int sp_tmpl_parse_target(const char *target, const json_t *tags, char name[64], json_t **out,
-                         sp_err_t *err)
-{
-    *out = NULL;
-    const char *colon = target != NULL ? strchr(target, ':') : NULL;
-    size_t n = target == NULL ? 0 : colon ? (size_t)(colon - target) : strlen(target);
-    if (n == 0 || n > 63)
-        return sp_err_set(err, SP_EINVAL,
-                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
-    memcpy(name, target, n);
-    name[n] = '\0';
-    if (!sp_tmplbuild_valid_name(name))
-        return sp_err_set(err, SP_EINVAL,
-                          "name is required: [a-z0-9][a-z0-9._-]*, at most 63 characters");
-    if (tags != NULL && !json_is_null(tags) &&
-        (!json_is_array(tags) || json_array_size(tags) > SP_TMPL_TAGS_MAX))
-        return sp_err_set(err, SP_EINVAL, "tags must be an array of at most %d tags",
-                          SP_TMPL_TAGS_MAX);
-    json_t *all = json_array();
-    if (all == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    if (colon != NULL)
-        json_array_append_new(all, json_string(colon + 1));
-    size_t i;
-    json_t *v;
-    json_array_foreach(tags, i, v) json_array_append(all, v);
-    json_t *uniq = json_array();
-    json_array_foreach(all, i, v)
-    {
-        const char *tg = json_string_value(v);
-        if (!json_is_string(v) || strlen(tg) != json_string_length(v) || !sp_tmpl_valid_tag(tg)) {
-            sp_err_set(err, SP_EINVAL,
-                       "bad tag '%.64s': 1 to %d of [a-z0-9._-], not a UUID",
-                       tg != NULL ? tg : "", SP_TMPL_TAG_MAX);
-            json_decref(all);
-            json_decref(uniq);
-            return -1;
-        }
-        bool dup = false;
-        for (size_t j = 0; j < json_array_size(uniq) && !dup; j++)
-            dup = strcmp(json_string_value(json_array_get(uniq, j)), tg) == 0;
-        if (!dup)
-            json_array_append(uniq, v);
-    }
-    json_decref(all);
-    if (json_array_size(uniq) == 0)
-        json_array_append_new(uniq, json_string("default"));
-    *out = uniq;
-    return 0;
-}
-
-/* The builder VM's id: "bld-" and the build id's first 20 letters and digits. */
 static void vm_id_of(const char *build_id, char out[32])
 {
     size_t k = 0;
@@ -180,162 +85,6 @@ static void vm_id_of(const char *build_id, char out[32])
         if (*p != '-')
             out[k++] = *p;
     out[k] = '\0';
-}
-
-static int bad(sp_err_t *err, const char *fmt, const char *a)
-{
-    return sp_err_set(err, SP_EINVAL, fmt, a);
-}
-
-/* A string field within limits, or absent (*out NULL). */
-static int opt_str(const json_t *o, const char *key, size_t max, const char **out, sp_err_t *err)
-{
-    json_t *v = json_object_get(o, key);
-    *out = NULL;
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_string(v) || json_string_length(v) == 0 || json_string_length(v) > max ||
-        strlen(json_string_value(v)) != json_string_length(v))
-        return sp_err_set(err, SP_EINVAL, "%s must be a non-empty string of at most %zu bytes",
-                          key, max);
-    *out = json_string_value(v);
-    return 0;
-}
-
-static int opt_int(const json_t *o, const char *key, int lo, int hi, int *out, sp_err_t *err)
-{
-    json_t *v = json_object_get(o, key);
-    if (v == NULL || json_is_null(v))
-        return 0;
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
-        return sp_err_set(err, SP_EINVAL, "%s must be an integer from %d to %d", key, lo, hi);
-    *out = (int)json_integer_value(v);
-    return 0;
-}
-
-static int check_env(const json_t *env, const char *where, sp_err_t *err)
-{
-    if (!json_is_object(env) || json_object_size(env) > 1000)
-        return bad(err, "%s must be an object of at most 1000 strings", where);
-    const char *k;
-    json_t *v;
-    json_object_foreach((json_t *)env, k, v)
-    {
-        if (!valid_env_key(k))
-            return sp_err_set(err, SP_EINVAL, "%s: bad variable name '%.64s'", where, k);
-        if (!json_is_string(v) || json_string_length(v) > 65536 ||
-            strlen(json_string_value(v)) != json_string_length(v))
-            return sp_err_set(err, SP_EINVAL, "%s: %.64s must be a string without NUL", where, k);
-    }
-    return 0;
-}
-
-/* One step: exactly one of run, env, workdir, user (run may carry user, workdir, env,
- * timeout_s). */
-static int check_step(const json_t *s, size_t i, sp_err_t *err)
-{
-    char where[48];
-    snprintf(where, sizeof where, "steps[%zu]", i);
-    if (!json_is_object(s))
-        return bad(err, "%s must be an object", where);
-    static const char *const kinds[] = {"run", "env", "workdir", "user", "copy"};
-    int nk = 0, kind = -1;
-    for (int k = 0; k < 5; k++)
-        if (json_object_get(s, kinds[k]) != NULL) {
-            nk++;
-            kind = k;
-        }
-    if (json_object_get(s, "run") != NULL) { /* a run step may set user, workdir, env */
-        kind = 0;
-        nk = json_object_get(s, "copy") != NULL ? 2 : 1;
-    }
-    if (nk != 1)
-        return bad(err, "%s must have exactly one of run, env, workdir, user, copy", where);
-    const char *key;
-    json_t *v;
-    json_object_foreach((json_t *)s, key, v)
-    {
-        bool ok = strcmp(key, kinds[kind]) == 0 ||
-                  (kind == 0 && (strcmp(key, "user") == 0 || strcmp(key, "workdir") == 0 ||
-                                 strcmp(key, "env") == 0 || strcmp(key, "timeout_s") == 0));
-        if (!ok)
-            return sp_err_set(err, SP_EINVAL, "%s: unknown field '%.64s'", where, key);
-    }
-    if (kind == 4) {
-        json_t *c = json_object_get(s, "copy");
-        static const char *const ck[] = {"files", "src", "dest", "user", "mode", NULL};
-        if (!json_is_object(c))
-            return bad(err, "%s.copy must be an object {files, src, dest, user, mode}", where);
-        json_object_foreach(c, key, v)
-        {
-            bool ok = false;
-            for (int j = 0; ck[j] != NULL && !ok; j++)
-                ok = strcmp(key, ck[j]) == 0;
-            if (!ok)
-                return sp_err_set(err, SP_EINVAL, "%s.copy: unknown field '%.64s'", where, key);
-        }
-        const char *f = json_string_value(json_object_get(c, "files"));
-        const char *src = json_string_value(json_object_get(c, "src"));
-        const char *dest = json_string_value(json_object_get(c, "dest"));
-        const char *cu = json_string_value(json_object_get(c, "user"));
-        const char *mode = json_string_value(json_object_get(c, "mode"));
-        if (f == NULL || !sp_tmplfiles_valid_key(f))
-            return bad(err, "%s.copy.files must be the key of uploaded files (64 hex)", where);
-        if (src == NULL || src[0] == '\0' || src[0] == '/' || strlen(src) > 4096 ||
-            strstr(src, "..") != NULL)
-            return bad(err, "%s.copy.src must be a path inside the uploaded files", where);
-        if (dest == NULL || dest[0] == '\0' || strlen(dest) > 4096)
-            return bad(err, "%s.copy.dest must be a path", where);
-        if (json_object_get(c, "user") != NULL &&
-            (cu == NULL || (cu[0] && !sp_tmpl__valid_user(cu))))
-            return bad(err, "%s.copy.user must be a user name", where);
-        if (json_object_get(c, "mode") != NULL) {
-            bool ok = mode != NULL && (mode[0] == '\0' || (strlen(mode) >= 3 && strlen(mode) <= 4));
-            for (const char *m = mode; ok && *m; m++)
-                ok = *m >= '0' && *m <= '7';
-            if (!ok)
-                return bad(err, "%s.copy.mode must be octal digits (\"0755\")", where);
-        }
-        return 0;
-    }
-    json_t *run = json_object_get(s, "run");
-    if (kind == 0) {
-        if (json_is_string(run)) {
-            if (json_string_length(run) == 0 || json_string_length(run) > 65536 ||
-                strlen(json_string_value(run)) != json_string_length(run))
-                return bad(err, "%s.run must be 1..65536 bytes without NUL", where);
-        } else if (json_is_array(run) && json_array_size(run) >= 1 &&
-                   json_array_size(run) <= 256) {
-            size_t j;
-            json_t *a;
-            json_array_foreach(run, j, a) if (!json_is_string(a) || json_string_length(a) > 65536 ||
-                                               strlen(json_string_value(a)) !=
-                                                   json_string_length(a)) return
-                bad(err, "%s.run: every argument must be a string without NUL", where);
-        } else {
-            return bad(err, "%s.run must be a shell line or an argv array (1..256 strings)",
-                       where);
-        }
-        int to = 0;
-        if (opt_int(s, "timeout_s", 1, SP_TMPL_TIMEOUT_MAX, &to, err) < 0)
-            return -1;
-    }
-    json_t *u = json_object_get(s, "user");
-    if (u != NULL && (!json_is_string(u) || !sp_tmpl__valid_user(json_string_value(u))))
-        return bad(err, "%s.user must be a user name ([a-z_][a-z0-9_-]*, at most 32)", where);
-    json_t *w = json_object_get(s, "workdir");
-    if (w != NULL && (!json_is_string(w) || json_string_value(w)[0] != '/' ||
-                      json_string_length(w) > SP_EXEC_PATH_MAX ||
-                      strlen(json_string_value(w)) != json_string_length(w)))
-        return bad(err, "%s.workdir must be an absolute path", where);
-    json_t *e = json_object_get(s, "env");
-    if (e != NULL) {
-        char w2[64];
-        snprintf(w2, sizeof w2, "%s.env", where);
-        if (check_env(e, w2, err) < 0)
-            return -1;
-    }
-    return 0;
 }
 
 /* ---- records ---- */
@@ -619,96 +368,15 @@ static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     return 0;
 }
 
-/* from {"dockerfile", "context"?, "auth"?}: the request with the Dockerfile's parent (a template,
- * or an image with auth's credentials), its steps before
- * the request's own, and its start command unless the request has one. */
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                            const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
-    json_t *from = json_object_get(req, "from");
-    json_t *df = json_object_get(from, "dockerfile");
-    if (!json_is_object(from) || df == NULL)
-        return build_tagged(t, a, req, reserved, cb, arg, err);
-    json_t *ctx = json_object_get(from, "context");
-    const char *key;
-    json_t *v;
-    json_object_foreach(from, key, v) if (strcmp(key, "dockerfile") != 0 &&
-                                          strcmp(key, "context") != 0 &&
-                                          strcmp(key, "auth") != 0) return
-        sp_err_set(err, SP_EINVAL, "from: unknown field '%.64s' beside dockerfile", key);
-    if (!json_is_string(df))
-        return sp_err_set(err, SP_EINVAL, "from.dockerfile must be the Dockerfile's text");
-    if (ctx != NULL && (!json_is_string(ctx) || !sp_tmplfiles_valid_key(json_string_value(ctx))))
-        return sp_err_set(err, SP_EINVAL,
-                          "from.context must be the key of uploaded files (64 hex characters)");
-    json_t *steps = json_object_get(req, "steps");
-    if (steps != NULL && !json_is_array(steps))
-        return sp_err_set(err, SP_EINVAL, "steps must be an array");
-    sp_dockerfile_t d;
-    if (sp_dockerfile_parse(json_string_value(df), json_string_length(df),
-                            ctx ? json_string_value(ctx) : NULL, &d, err) < 0)
+    json_t *r;
+    if (sp_tmpl_expand_dockerfile(req, &r, err) < 0)
         return -1;
-    json_t *r = json_deep_copy(req);
-    if (steps != NULL)
-        json_array_extend(d.steps, steps);
-    if (d.image[0] != '\0') { /* FROM an image: its registry's credentials come along */
-        json_t *f = json_pack("{s:s}", "image", d.image);
-        if (json_object_get(from, "auth") != NULL)
-            json_object_set(f, "auth", json_object_get(from, "auth"));
-        json_object_set_new(r, "from", f);
-    } else if (json_object_get(from, "auth") != NULL) {
-        sp_dockerfile_free(&d);
-        json_decref(r);
-        return sp_err_set(err, SP_EINVAL, "from.auth is for a Dockerfile FROM an image");
-    } else {
-        json_object_set_new(r, "from", json_string(d.parent));
-    }
-    json_object_set(r, "steps", d.steps);
-    if (d.start_cmd != NULL && json_object_get(r, "start_cmd") == NULL)
-        json_object_set_new(r, "start_cmd", json_string(d.start_cmd));
-    sp_dockerfile_free(&d);
-    int rc = build_tagged(t, a, r, reserved, cb, arg, err);
+    int rc = build_tagged(t, a, r != NULL ? r : req, reserved, cb, arg, err);
     json_decref(r);
     return rc;
-}
-
-/* from {"image": ref, "auth": {"username", "password" | "password_secret"}}: the reference
- * and credentials (the password itself, or the name of the team secret that holds it). */
-static int image_from(const json_t *from, const char **image, const char **user, const char **pass,
-                      const char **pass_secret, sp_err_t *err)
-{
-    const char *key;
-    json_t *v;
-    json_object_foreach((json_t *)from, key, v) if (strcmp(key, "image") != 0 &&
-                                                    strcmp(key, "auth") != 0) return
-        sp_err_set(err, SP_EINVAL, "from: unknown field '%.64s' beside image", key);
-    json_t *img = json_object_get(from, "image");
-    if (!json_is_string(img) || json_string_length(img) == 0 || json_string_length(img) > 500)
-        return sp_err_set(err, SP_EINVAL, "from.image must be an image reference "
-                                          "(registry/repository:tag)");
-    sp_ociimg_ref_t r;
-    if (sp_ociimg_parse_ref(json_string_value(img), NULL, &r, err) < 0)
-        return -1;
-    *image = json_string_value(img);
-    json_t *auth = json_object_get(from, "auth");
-    if (auth != NULL && !json_is_null(auth)) {
-        const char *u = json_string_value(json_object_get(auth, "username"));
-        const char *p = json_string_value(json_object_get(auth, "password"));
-        const char *ps = json_string_value(json_object_get(auth, "password_secret"));
-        if (!json_is_object(auth) || json_object_size(auth) != 2 || u == NULL ||
-            (p == NULL) == (ps == NULL) || u[0] == '\0' || strlen(u) > 1024 ||
-            (p != NULL && strlen(p) > 8192) || strchr(u, ':') != NULL)
-            return sp_err_set(err, SP_EINVAL,
-                              "from.auth must be {\"username\", \"password\"} or {\"username\", "
-                              "\"password_secret\": the name of a team secret} (strings; no ':' "
-                              "in the username)");
-        if (ps != NULL && sp_secrets_check_name(ps, err) < 0)
-            return -1;
-        *user = u;
-        *pass = p;
-        *pass_secret = ps;
-    }
-    return 0;
 }
 
 /* parent_hash: the parent's version when the request named it by a tag (build_tagged), else
@@ -718,102 +386,29 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
 {
     if (reserved != NULL && !valid_build_id(reserved))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
-    static const char *const allowed[] = {"name",      "description",     "from",
-                                          "steps",     "start_cmd",       "ready_cmd",
-                                          "cpu_count", "memory_mb",       "timeout_s",
-                                          "force",     "ready_timeout_s", "tags",
-                                          NULL};
-    if (!json_is_object(req))
-        return sp_err_set(err, SP_EINVAL, "the body must be a JSON object");
-    const char *key;
-    json_t *v;
-    json_object_foreach((json_t *)req, key, v)
-    {
-        bool ok = false;
-        for (int i = 0; allowed[i] != NULL && !ok; i++)
-            ok = strcmp(key, allowed[i]) == 0;
-        if (!ok)
-            return sp_err_set(err, SP_EINVAL, "unknown field '%.64s'", key);
-    }
-    const char *name = NULL, *desc = NULL, *start = NULL, *ready = NULL, *parent = NULL;
-    if (opt_str(req, "name", 63 + 1 + SP_TMPL_TAG_MAX, &name, err) < 0 ||
-        opt_str(req, "description", 255, &desc, err) < 0 ||
-        opt_str(req, "start_cmd", 4096, &start, err) < 0 ||
-        opt_str(req, "ready_cmd", 4096, &ready, err) < 0)
+    sp_tmpl_build_req_t br;
+    if (sp_tmpl_parse_build(req, &br, err) < 0)
         return -1;
-    /* "name:tag" and tags: the tags the new version gets (none named: "default") */
+    const char *name = br.name, *parent = br.parent, *image = br.image;
+    const char *ruser = br.reg_user, *rpass = br.reg_pass, *rsecret = br.reg_secret;
+    const json_t *steps = br.steps;
+    int cpus = br.cpu_count, mem = br.memory_mb, timeout = br.timeout_s;
+    int ready_s = br.ready_timeout_s;
+    bool tags_given = br.tags_given;
     char base_name[64];
     json_t *tags = NULL;
-    bool tags_given = (name != NULL && strchr(name, ':') != NULL) ||
-                      json_array_size(json_object_get(req, "tags")) > 0;
-    if (sp_tmpl_parse_target(name, json_object_get(req, "tags"), base_name, &tags, err) < 0)
-        return -1;
-    json_decref(tags); /* parsed again into the build below */
-    name = base_name;
-    if (strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0)
-        return sp_err_set(err, SP_EINVAL,
-                          "name: '" SP_OCIIMG_PREFIX "' names are this server's own (images)");
-    json_t *from = json_object_get(req, "from");
-    const char *image = NULL, *ruser = NULL, *rpass = NULL, *rsecret = NULL;
-    if (json_is_string(from)) {
-        parent = json_string_value(from);
-    } else if (json_is_object(from) && json_object_get(from, "image") != NULL) {
-        if (image_from(from, &image, &ruser, &rpass, &rsecret, err) < 0)
-            return -1;
-        if (rsecret != NULL &&
-            (t->secrets == NULL || sp_secrets_check_enabled(t->secrets, err) < 0))
-            return t->secrets == NULL
-                       ? sp_err_set(err, SP_EUNAVAIL, "secrets are not available on this server")
-                       : -1;
-        parent = "base"; /* sizes until the image's own template is known */
-    } else if (json_is_object(from) && json_object_size(from) == 1) {
-        if (json_is_string(json_object_get(from, "template")))
-            parent = json_string_value(json_object_get(from, "template"));
-        else if (json_object_get(from, "snapshot"))
-            return sp_err_set(err, SP_EINVAL,
-                              "from: templates, images and Dockerfiles can be built from on this "
-                              "server (not snapshots yet)");
-    }
-    if (parent == NULL)
-        return sp_err_set(err, SP_EINVAL,
-                          "from is required: a template name, {\"template\": name} or "
-                          "{\"image\": reference}");
-    /* "name:tag": the tag's version was looked up (build_tagged); "name:default" is the name */
-    char parent_name[64];
-    const char *colon = image == NULL ? strchr(parent, ':') : NULL;
-    if (colon != NULL) {
-        if ((size_t)(colon - parent) >= sizeof parent_name ||
-            (parent_hash == NULL && strcmp(colon + 1, "default") != 0))
-            return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
-        memcpy(parent_name, parent, (size_t)(colon - parent));
-        parent_name[colon - parent] = '\0';
-        parent = parent_name;
-    }
-    if (!sp_tmplbuild_valid_name(parent) ||
-        (image == NULL && strncmp(parent, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0))
-        return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s' not found", parent);
-    if (strcmp(parent, name) == 0)
-        return sp_err_set(err, SP_EINVAL, "a template cannot be built from itself");
+    /* "name:default" is the name; another tag's version was looked up (build_tagged) */
+    if (br.parent_tag != NULL && parent_hash == NULL && strcmp(br.parent_tag, "default") != 0)
+        return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s:%.64s' not found", parent,
+                          br.parent_tag);
+    if (rsecret != NULL && (t->secrets == NULL || sp_secrets_check_enabled(t->secrets, err) < 0))
+        return t->secrets == NULL
+                   ? sp_err_set(err, SP_EUNAVAIL, "secrets are not available on this server")
+                   : -1;
     if (image != NULL && t->agent == NULL)
         return sp_err_set(err, SP_EUNAVAIL,
                           "this server cannot build from images: it knows no guest agent "
                           "binary (spaced --agent, or SPACE_AGENT_BIN)");
-    json_t *steps = json_object_get(req, "steps");
-    if (steps != NULL && (!json_is_array(steps) || json_array_size(steps) > SP_TMPL_STEPS_MAX))
-        return sp_err_set(err, SP_EINVAL, "steps must be an array of at most %d steps",
-                          SP_TMPL_STEPS_MAX);
-    for (size_t i = 0; i < json_array_size(steps); i++)
-        if (check_step(json_array_get(steps, i), i, err) < 0)
-            return -1;
-    int cpus = 0, mem = 0, timeout = SP_TMPL_TIMEOUT_S, ready_s = SP_TMPL_READY_S;
-    if (opt_int(req, "cpu_count", 1, SP_SVC_MAX_CPUS, &cpus, err) < 0 ||
-        opt_int(req, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &mem, err) < 0 ||
-        opt_int(req, "timeout_s", 1, SP_TMPL_TIMEOUT_MAX, &timeout, err) < 0 ||
-        opt_int(req, "ready_timeout_s", 1, SP_TMPL_READY_MAX, &ready_s, err) < 0)
-        return -1;
-    json_t *force = json_object_get(req, "force");
-    if (force != NULL && !json_is_boolean(force))
-        return sp_err_set(err, SP_EINVAL, "force must be a boolean");
     for (struct build *o = t->builds; o != NULL; o = o->next)
         if (strcmp(o->name, name) == 0)
             return sp_err_set(err, SP_ECONFLICT, "template '%s' is being built (build %s)", name,
@@ -834,7 +429,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     sp_tmpl__copy(b->parent, sizeof b->parent, image != NULL ? "" : parent);
     vm_id_of(b->id, b->vm_id);
     sp_tmpl__copy(b->user, sizeof b->user, "root");
-    b->force = json_is_true(force);
+    b->force = br.force;
     b->timeout_s = timeout;
     b->ready_s = ready_s;
     b->req = json_deep_copy(req);
@@ -908,7 +503,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     char cpu_s[16], mem_s[16], *req_s = json_dumps(b->req, JSON_COMPACT);
     snprintf(cpu_s, sizeof cpu_s, "%d", b->cpu_count);
     snprintf(mem_s, sizeof mem_s, "%d", b->memory_mb);
-    const char *params[] = {b->id,  b->team, name,  parent, desc ? desc : "",
+    const char *params[] = {b->id,  b->team, name,  parent, br.description ? br.description : "",
                             cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false",
                             image != NULL ? "true" : "false", b->tags_given ? "true" : "false",
                             rsecret != NULL ? rsecret : ""};

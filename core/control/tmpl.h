@@ -140,6 +140,36 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
  */
 int sp_tmpl_reserve(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const json_t *tags,
                     int cpu_count, int memory_mb, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+/*
+ * A build request's fields as sp_tmpl_build reads them, without state (no database, no
+ * builds in flight, no files), so that tests/fuzz_bodies.c drives it: -1 with SP_EINVAL and
+ * why (SP_ENOTFOUND for a parent that cannot exist), else *out with strings borrowed from req.
+ * A request "from" a Dockerfile is first made into one from its parent
+ * (sp_tmpl_expand_dockerfile). What is checked later, with state: the parent's tag (a version
+ * looked up), secrets and images being available, a build of the name in flight, the uploaded
+ * files the copy steps name.
+ */
+typedef struct {
+    char name[64];                  /* the template's name, its tag cut */
+    bool tags_given;                /* "name:tag" or tags named some */
+    const char *description, *start_cmd, *ready_cmd; /* NULL when absent */
+    char parent[64];                /* the parent template's name ("base" for an image) */
+    const char *parent_tag;         /* "name:tag": the tag (in req); else NULL */
+    const char *image;              /* from {"image"}: the reference, else NULL */
+    const char *reg_user, *reg_pass, *reg_secret; /* its registry's credentials, or NULL */
+    const json_t *steps;            /* checked; NULL when absent */
+    int cpu_count, memory_mb;       /* 0: the parent's */
+    int timeout_s, ready_timeout_s; /* defaults when absent */
+    bool force;
+} sp_tmpl_build_req_t;
+
+int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *err);
+/* A request from {"dockerfile", "context"?, "auth"?}: *out a new request (the caller's) with
+ * the Dockerfile's parent (a template, or an image with auth's credentials), its steps before
+ * the request's own, and its start command unless the request has one. *out NULL for any
+ * other request (used as it is); -1 with SP_EINVAL and why for a bad Dockerfile. Pure. */
+int sp_tmpl_expand_dockerfile(const json_t *req, json_t **out, sp_err_t *err);
+
 /* sp_tmpl_build of a reserved build id (NULL: a new build, as sp_tmpl_build): SP_ENOTFOUND
  * (through cb) when that build is not the team's waiting one of req's name. */
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,

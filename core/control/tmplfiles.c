@@ -46,16 +46,6 @@ struct put {
     char why[256];
 };
 
-bool sp_tmplfiles_valid_key(const char *key)
-{
-    if (key == NULL || strlen(key) != 64)
-        return false;
-    for (const char *p = key; *p; p++)
-        if (!isdigit((unsigned char)*p) && !(*p >= 'a' && *p <= 'f'))
-            return false;
-    return true;
-}
-
 static bool valid_team(const char *team)
 {
     return team != NULL && sp_ids_valid(team);

@@ -115,6 +115,9 @@ typedef struct {
     int (*checkpoint_delete)(sp_driver_t *d, const char *snapshot_id, sp_err_t *err);
     /* Optional, synchronous, cheap: 1 when snapshot_id is committed and not deleted, else 0. */
     int (*checkpoint_exists)(sp_driver_t *d, const char *snapshot_id);
+    /* Optional, synchronous (a few stats): the bytes the committed snapshot_id's files take
+     * on disk (allocated blocks), 0 when it does not exist. For the snapshot-disk quota. */
+    uint64_t (*checkpoint_bytes)(sp_driver_t *d, const char *snapshot_id);
     /* Optional, synchronous: fn once for each committed, not deleted snapshot whose id starts
      * with prefix, with the Unix time (seconds) it was committed, in no particular order. fn
      * must not call the driver. 0, or -1 with err when the snapshots cannot be listed. NULL:

@@ -338,6 +338,32 @@ static const char *const migrations[] = {
      * worker that comes back after it was declared lost returns to draining, not active. */
     "ALTER TABLE workers ADD COLUMN drain boolean NOT NULL DEFAULT false;"
     "UPDATE workers SET drain = true WHERE state = 'draining';",
+    /* 15: the snapshot-disk quota (core/control/svc.h). teams.max_snapshot_mb: the team's
+     * limit (NULL: the server's default, passed by the statement that asks); snapshots.bytes:
+     * what a ready snapshot's files take on disk, measured by the driver once it is written
+     * (NULL before, or when the driver cannot say). What a team holds: its sandboxes' suspend
+     * snapshots (sandboxes.snapshot_bytes, measured when the suspend is recorded, 0 once
+     * running again) and its sandbox snapshots not deleted. The size of a snapshot is known
+     * only once it is written, so space_team_disk_quota refuses a new one when what is held
+     * already reaches the limit: a team ends at most one snapshot past it. It raises SPQTA
+     * like space_team_quota, else is true; it takes no lock (the overshoot is bounded the
+     * same way whether or not two snapshots race). */
+    "ALTER TABLE teams ADD COLUMN max_snapshot_mb bigint;"
+    "ALTER TABLE snapshots ADD COLUMN bytes bigint;"
+    "CREATE FUNCTION space_team_disk_quota(team text, def_mb bigint) RETURNS boolean"
+    "  LANGUAGE plpgsql VOLATILE AS $q$"
+    " DECLARE l bigint; h numeric;"
+    " BEGIN"
+    "  SELECT coalesce(max_snapshot_mb, def_mb) INTO l FROM teams WHERE id = team;"
+    "  IF l IS NULL THEN RETURN true; END IF;"
+    "  SELECT coalesce((SELECT sum(snapshot_bytes) FROM sandboxes WHERE team_id = team"
+    "   AND observed_state <> 'deleted'), 0) + coalesce((SELECT sum(bytes) FROM snapshots"
+    "   WHERE team_id = team AND deleted_at IS NULL AND state = 'ready'), 0) INTO h;"
+    "  IF h >= l * 1048576 THEN RAISE EXCEPTION USING ERRCODE = 'SPQTA', MESSAGE = format("
+    "   'team quota exceeded: snapshot disk: %s MiB held, limit %s MiB', ceil(h / 1048576),"
+    "   l); END IF;"
+    "  RETURN true;"
+    " END $q$;",
 };
 
 int sp_migrate_latest(void)

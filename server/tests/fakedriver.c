@@ -28,6 +28,11 @@
  * that has no suspended state of its own for the sandbox starts from that file (and removes it
  * once running), so a sandbox suspended on one worker wakes on another.
  *
+ * Snapshot sizes (the snapshot-disk quota): with SPACE_FAKE_SNAPSHOT_BYTES=N, a suspend writes
+ * <id>.snap and a checkpoint its .ckpt file at N bytes (sparse: ftruncate); stats() of a
+ * suspended sandbox and checkpoint_bytes() measure those files (their size), as the QEMU
+ * driver measures its own. A restore or destroy removes <id>.snap.
+ *
  * Template snapshots: the first boot of a template at a size that succeeds makes one (in
  * memory, as the QEMU driver's records are until used after a restart); templates() lists
  * them, with no spares.
@@ -68,6 +73,7 @@ typedef struct {
     char shared[4096]; /* SPACE_FAKE_SHARED_DIR, or "" */
     unsigned delay_ms;
     const char *agent_bin; /* NULL: no agents */
+    long long snap_bytes;  /* SPACE_FAKE_SNAPSHOT_BYTES: a snapshot's files' size */
     struct vm *vms;
     struct tmpl *tmpls;
 } fake_t;
@@ -104,6 +110,28 @@ static const char *read_state(fake_t *f, const char *id, char *buf, size_t cap)
         return NULL;
     buf[strcspn(buf, "\n")] = '\0';
     return buf;
+}
+
+/* Writes path at the configured snapshot size (sparse), or removes it. */
+static void size_file(fake_t *f, const char *path, bool remove)
+{
+    if (remove) {
+        unlink(path);
+        return;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return;
+    if (ftruncate(fd, (off_t)f->snap_bytes) < 0)
+        fprintf(stderr, "fakedriver: cannot size %s\n", path);
+    close(fd);
+}
+
+/* The size of a file, 0 when it is missing. */
+static uint64_t file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
 }
 
 static void write_state(fake_t *f, const char *id, const char *st)
@@ -298,6 +326,12 @@ static void job_finish(struct job *j, const sp_err_t *err)
         j->cb(j->arg, err);
     } else {
         write_state(j->f, j->id, j->to);
+        char sp[4200];
+        snprintf(sp, sizeof(sp), "%s/%s.snap", j->f->dir, j->id);
+        if (strcmp(j->action, "snapshot") == 0)
+            size_file(j->f, sp, false);
+        else if (strcmp(j->action, "restore") == 0 || strcmp(j->action, "destroy") == 0)
+            size_file(j->f, sp, true);
         shared_note(j->f, j->id, j->action);
         tmpl_note(j);
         j->cb(j->arg, NULL);
@@ -350,6 +384,8 @@ static void on_job(sp_timer_t *t, void *arg)
         if (fp != NULL) {
             fprintf(fp, "%s\n", j->id);
             fclose(fp);
+            if (f->snap_bytes > 0)
+                size_file(f, p, false);
         }
         j->cb(j->arg, NULL);
         free(j);
@@ -361,6 +397,12 @@ static void on_job(sp_timer_t *t, void *arg)
         j->cb(j->arg, &e);
     } else {
         write_state(j->f, j->id, j->to);
+        char sp[4200];
+        snprintf(sp, sizeof(sp), "%s/%s.snap", f->dir, j->id);
+        if (strcmp(j->action, "snapshot") == 0)
+            size_file(f, sp, false);
+        else if (strcmp(j->action, "restore") == 0 || strcmp(j->action, "destroy") == 0)
+            size_file(f, sp, true);
         shared_note(j->f, j->id, j->action);
         tmpl_note(j);
         j->cb(j->arg, NULL);
@@ -483,6 +525,13 @@ static int f_checkpoint_exists(sp_driver_t *d, const char *snap)
     return ckpt_exists((fake_t *)d, snap) ? 1 : 0;
 }
 
+static uint64_t f_checkpoint_bytes(sp_driver_t *d, const char *snap)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.ckpt", ((fake_t *)d)->dir, snap);
+    return file_size(p);
+}
+
 static int simple(sp_driver_t *d, const char *id, const char *act, const char *need,
                   const char *to, sp_driver_cb cb, void *arg, sp_err_t *e)
 {
@@ -562,6 +611,11 @@ static int f_stats(sp_driver_t *d, const char *id, sp_vm_stats_t *out, sp_err_t 
     memset(out, 0, sizeof(*out));
     out->cpu_count = 1;
     out->mem_total_bytes = 256u << 20;
+    if (f_probe(d, id) == SP_VM_SUSPENDED) {
+        char p[4200];
+        snprintf(p, sizeof(p), "%s/%s.snap", ((fake_t *)d)->dir, id);
+        out->snapshot_bytes = file_size(p);
+    }
     return 0;
 }
 
@@ -623,6 +677,7 @@ static const sp_driver_ops_t fake_ops = {
     .checkpoint = f_checkpoint,
     .checkpoint_delete = f_checkpoint_delete,
     .checkpoint_exists = f_checkpoint_exists,
+    .checkpoint_bytes = f_checkpoint_bytes,
     .templates = f_templates,
 };
 
@@ -644,5 +699,7 @@ sp_driver_t *sp_test_fakedriver_create(sp_loop_t *loop, const char *data_dir)
     snprintf(f->shared, sizeof(f->shared), "%s", sh != NULL ? sh : "");
     const char *a = getenv("SPACE_FAKE_AGENT");
     f->agent_bin = a != NULL && a[0] != '\0' ? a : NULL;
+    const char *sb = getenv("SPACE_FAKE_SNAPSHOT_BYTES");
+    f->snap_bytes = sb != NULL ? atoll(sb) : 0;
     return &f->base;
 }

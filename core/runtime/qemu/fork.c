@@ -428,6 +428,40 @@ int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_
     return 0;
 }
 
+/* Adds the blocks allocated to the files under dir (and one level of directories below). */
+static uint64_t dir_bytes(const char *dir, int depth)
+{
+    DIR *dh = opendir(dir);
+    if (dh == NULL)
+        return 0;
+    uint64_t n = 0;
+    struct dirent *de;
+    while ((de = readdir(dh)) != NULL) {
+        char p[PATH_MAX];
+        struct stat st;
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+            continue;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", dir, de->d_name);
+        if (lstat(p, &st) < 0)
+            continue;
+        if (S_ISDIR(st.st_mode) && depth > 0)
+            n += dir_bytes(p, depth - 1);
+        else if (S_ISREG(st.st_mode))
+            n += (uint64_t)st.st_blocks * 512u;
+    }
+    closedir(dh);
+    return n;
+}
+
+uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id)
+{
+    char dir[PATH_MAX];
+    sp_err_t e;
+    if (!snap_dir((sp_qemu_t *)base, snapshot_id, dir, sizeof dir, &e))
+        return 0;
+    return dir_bytes(dir, 1); /* disk.qcow2, vm.json, snapshot/{devstate,manifest.json} */
+}
+
 /* Copies src (a JSON file) to dst without the keys in drop[] (NULL-terminated). */
 static int copy_json(const char *src, const char *dst, const char *const drop[])
 {

@@ -447,6 +447,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
                           sp_driver_cb cb, void *arg, sp_err_t *err);
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err);
 int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
+uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id);
 int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
                                void (*fn)(const char *snapshot_id, long long committed_s,
                                           void *arg),
