@@ -111,10 +111,9 @@ static long escape(const unsigned char *s, size_t n, size_t avail, char *o, size
 /* In blocks, so a large string never needs six times its size at once. */
 #define BLOCK 4096
 
-static int write_string(sp_buf_t *b, const char *str, size_t n)
+int sp_json_write_str_part(sp_buf_t *b, const char *str, size_t n)
 {
     const unsigned char *s = (const unsigned char *)str;
-    sp_buf_add(b, "\"", 1);
     for (size_t i = 0; i < n;) {
         size_t chunk = n - i < BLOCK ? n - i : BLOCK, used;
         char *o = sp_buf_reserve(b, (chunk + 3) * 6);
@@ -126,6 +125,14 @@ static int write_string(sp_buf_t *b, const char *str, size_t n)
         sp_buf_commit(b, (size_t)w);
         i += used;
     }
+    return 0;
+}
+
+static int write_string(sp_buf_t *b, const char *str, size_t n)
+{
+    sp_buf_add(b, "\"", 1);
+    if (sp_json_write_str_part(b, str, n) < 0)
+        return -1;
     sp_buf_add(b, "\"", 1);
     return 0;
 }

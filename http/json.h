@@ -24,6 +24,11 @@ int sp_json_write(sp_buf_t *b, const json_t *v);
  * record's fields straight, without building jansson values first. */
 int sp_json_write_str(sp_buf_t *b, const char *s);
 
+/* Appends s[0..n) escaped as between a JSON string's quotes (NUL bytes too), without the
+ * quotes: a string's text written in pieces, each ending on a character's end. -1 when s is not
+ * UTF-8 (what was appended is then garbage). */
+int sp_json_write_str_part(sp_buf_t *b, const char *s, size_t n);
+
 /* Whether s[0..n) is UTF-8 as jansson takes it (no overlongs, no surrogates, nothing past
  * U+10FFFF): what a string from elsewhere (a protobuf message) must be to become JSON. */
 bool sp_json_utf8_valid(const void *s, size_t n);

@@ -10,8 +10,8 @@
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <ifaddrs.h>
-#include <pthread.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,6 +158,12 @@ static bool is_host_addr(const sp_egp_addr_t *a)
     return hit;
 }
 
+static bool is_loopback(const sp_egp_addr_t *a)
+{
+    static const uint8_t v6lo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    return (a->family == 4 && a->b[0] == 127) || (a->family == 6 && memcmp(a->b, v6lo, 16) == 0);
+}
+
 /* The most specific always-denied range holding a (a normalized), or false. For NAT64 and
  * 6to4 addresses whose embedded IPv4 address is denied, the range is the translation prefix
  * itself (a rule must lie inside it to open the address) with the IPv4 label. */
@@ -170,15 +176,19 @@ static bool find_range(const sp_egp_addr_t *a, struct range *hit)
             (best == NULL || r->prefix > best->prefix))
             best = r;
     }
-    if (best != NULL) {
-        *hit = *best;
-        return true;
-    }
-    if (is_host_addr(a)) { /* a range of one address (loopback and private ones matched above) */
+    /* A host address is a range of one address even inside a wider range (a private one):
+     * a rule opening 10.0.0.0/8 opens that network, not the host's own 10.x address. Loopback
+     * keeps its range and label: a rule for 127.0.0.0/8 opens the host's 127.0.0.1 as before. */
+    unsigned one = a->family == 4 ? 32 : 128;
+    if ((best == NULL || (best->prefix < one && !is_loopback(a))) && is_host_addr(a)) {
         hit->family = a->family;
-        hit->prefix = a->family == 4 ? 32 : 128;
+        hit->prefix = (uint8_t)one;
         memcpy(hit->b, a->b, sizeof(hit->b));
         hit->label = "host address";
+        return true;
+    }
+    if (best != NULL) {
+        *hit = *best;
         return true;
     }
     const struct range *tr = NULL;

@@ -38,6 +38,10 @@
  * domain rule never does. IPv4-mapped IPv6 (::ffff:a.b.c.d) is judged as the
  * IPv4 address it carries; NAT64 (64:ff9b::/96) and 6to4 (2002::/16)
  * addresses are denied when the IPv4 address they embed would be.
+ * The host's own interface addresses (sp_egp_host_addrs_refresh) are ranges of
+ * one address each ("host address"), inside the wider ranges too, loopback
+ * excepted: "10.0.0.0/8" in allow opens that network, not the host's own
+ * 10.x address; only a rule for exactly that address does.
  *
  * ---- Ports ----
  * Every port is allowed unless a rule says otherwise: "*:25" in deny closes

@@ -441,7 +441,8 @@ static void test_egress_policy_host_addresses(void)
         if (unshare(CLONE_NEWNET) < 0)
             _exit(77);
         if (system("ip link set lo up && ip addr add 198.51.100.7/32 dev lo && "
-                   "ip addr add 2001:db8:5::7/128 dev lo") != 0)
+                   "ip addr add 2001:db8:5::7/128 dev lo && ip addr add 10.9.8.7/32 dev lo && "
+                   "ip addr add fd12::7/128 dev lo") != 0)
             _exit(2);
         int bad = 0;
         sp_egp_t *q = policy("{}");
@@ -456,6 +457,24 @@ static void test_egress_policy_host_addresses(void)
         sp_egp_free(q);
         q = policy("{\"allow\": [\"198.51.100.7\"]}");
         bad += !allowed(q, "198.51.100.7", NULL, 80, why);
+        sp_egp_free(q);
+        /* A host address inside a private range: opening the network does not open it. */
+        q = policy("{}");
+        bad += allowed(q, "10.9.8.7", NULL, 80, why) || strcmp(why, "host address") != 0;
+        sp_egp_free(q);
+        q = policy("{\"allow\": [\"10.0.0.0/8\", \"fd00::/8\", \"127.0.0.0/8\"]}");
+        bad += allowed(q, "10.9.8.7", NULL, 80, why) || strcmp(why, "host address") != 0;
+        bad += allowed(q, "::ffff:10.9.8.7", NULL, 80, why) || strcmp(why, "host address") != 0;
+        bad += allowed(q, "fd12::7", NULL, 80, why) || strcmp(why, "host address") != 0;
+        bad += !allowed(q, "10.9.8.6", NULL, 80, why); /* the rest of the network */
+        bad += !allowed(q, "fd12::6", NULL, 80, why);
+        bad += !allowed(q, "127.0.0.1", NULL, 80, why); /* loopback keeps its range */
+        sp_egp_free(q);
+        q = policy("{\"allow\": [\"10.9.8.7\"]}");
+        bad += !allowed(q, "10.9.8.7", NULL, 80, why);
+        sp_egp_free(q);
+        q = policy("{}");
+        bad += allowed(q, "127.0.0.1", NULL, 80, why) || strcmp(why, "loopback address") != 0;
         sp_egp_free(q);
         if (bad != 0)
             fprintf(stderr, "host addresses: %d checks failed (last reason: %s)\n", bad, why);
