@@ -896,7 +896,9 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
         struct vm *next = vm->next; /* start_disk may fail and free vm */
         if (vm->ph == PH_WAIT_ACCEL && !vm->boot_queued) {
             bool probed = d->accel >= 0 && d->sandbox >= 0;
-            if (!probed && !vm->probe_wait) { /* the probes' time is not the guest's */
+            /* the probes' time is not the guest's; a template snapshot request has no timer
+             * of its own (its builder's bounds it) and gets none here */
+            if (!probed && !vm->probe_wait && sp_timer_armed(&vm->boot_timer)) {
                 vm->probe_wait = true;
                 sp_timer_start(&vm->boot_timer, d->boot_timeout_ms * SP_QEMU_QUEUE_TIMEOUT_MULT);
             } else if (probed && vm->probe_wait) {
