@@ -1209,19 +1209,24 @@ class EgressFloodHostTest(unittest.TestCase):
         self.assertEqual(self.mem()[0], used0)
         self.assertTrue(self.get_ok())
 
+    def flood_against(self, upstream):
+        """A flood at a new upstream of class upstream (proxy working, budget as configured
+        first): the budget's use before it, and what flood() measured."""
+        self.assertTrue(self.get_ok())
+        used0, limit = self.mem()
+        self.assertEqual(limit, self.LIMIT_MB << 20)
+        server = upstream()
+        try:
+            return used0, self.flood(server.port)
+        finally:
+            server.close()
+
     def test_flood_of_connections_that_never_complete(self):
         # The destination never completes the connection: each waits for its connect
         # timeout with what the guest sent after the CONNECT in the proxy. Only the first
         # window (16 KiB) may be sent before the connection is up: about 40 MiB for 2,000
         # (before the budget: their 256 KiB first windows, 500 MiB).
-        self.assertTrue(self.get_ok())
-        used0, limit = self.mem()
-        self.assertEqual(limit, self.LIMIT_MB << 20)
-        hole = Blackhole()
-        try:
-            answers, pushed, used, grown = self.flood(hole.port)
-        finally:
-            hole.close()
+        used0, (answers, pushed, used, grown) = self.flood_against(Blackhole)
         self.assertNotIn("200", answers)
         self.assertLessEqual(used, self.N * (4096 + 16384) + used0)
         self.assertLess(grown, self.LIMIT_MB, answers)
@@ -1231,14 +1236,7 @@ class EgressFloodHostTest(unittest.TestCase):
         # The destination takes the connections and never reads: the connections that are up
         # get their full windows until the sandbox's share is used (all but the quarter kept
         # for first windows), later ones a first window until the share is full, the rest 503.
-        self.assertTrue(self.get_ok())
-        used0, limit = self.mem()
-        self.assertEqual(limit, self.LIMIT_MB << 20)
-        slow = SlowUpstream()
-        try:
-            answers, pushed, used, grown = self.flood(slow.port)
-        finally:
-            slow.close()
+        used0, (answers, pushed, used, grown) = self.flood_against(SlowUpstream)
         self.assertEqual(sum(answers.values()), self.N)
         self.assertGreater(answers.get("200", 0), 100, answers)
         self.assertGreater(answers.get("503", 0), 0, answers)  # the budget refused some
