@@ -35,14 +35,76 @@ void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail)
     sp_qemu__vm_stop(vm, false);
 }
 
+/* ---------- settling an adopted VM ---------- */
+
+/* An earlier driver may have died mid-suspend: its migration would stop the VM when it
+ * completes and nobody would commit the snapshot. On adoption it is cancelled (a no-op when
+ * none is in flight) and waited out, then the run state is read (on_status). QEMU refuses
+ * cont while a migration finishes ("Migration is not finalized yet"), and a stopped VM left
+ * in postmigrate must be told from one paused by the user: so pause and resume wait in
+ * vm->adopt_w until this is over (driver.c: pause_resume). Bounded by
+ * SP_QEMU_ADOPT_SETTLE_MS; the waiters then go on and QEMU answers them as it will. */
+static void on_status(void *arg, json_t *ret, const sp_err_t *err);
+
+static void adopt_settled(struct vm *vm)
+{
+    if (!vm->adopt_settling)
+        return;
+    vm->adopt_settling = false;
+    sp_timer_stop(&vm->adopt_timer);
+    sp_qemu__complete_all(vm->d, &vm->adopt_w, NULL);
+}
+
+static bool adopt_overdue(const struct vm *vm)
+{
+    return sp_qemu__mono_ms() - vm->adopt_ms >= SP_QEMU_ADOPT_SETTLE_MS;
+}
+
+static void on_adopt_migrate(void *arg, json_t *ret, const sp_err_t *err)
+{
+    struct vm *vm = arg;
+    if (err != NULL) { /* QMP lost (a reconnect settles again) or refused: go on */
+        sp_log(SP_LOG_WARN, "qemu", "query-migrate failed sandbox=%s err=%s", vm->id, err->msg);
+        adopt_settled(vm);
+        return;
+    }
+    const char *st = json_string_value(json_object_get(ret, "status"));
+    if (st != NULL && strcmp(st, "completed") != 0 && strcmp(st, "failed") != 0 &&
+        strcmp(st, "cancelled") != 0 && strcmp(st, "none") != 0 && !adopt_overdue(vm)) {
+        sp_timer_start(&vm->adopt_timer, 20); /* still writing; cancelling */
+        return;
+    }
+    vm->adopt_step = 1;
+    sp_err_t e;
+    if (sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_status, vm, &e) < 0)
+        adopt_settled(vm);
+}
+
+void sp_qemu__on_adopt_timer(sp_timer_t *t, void *arg)
+{
+    struct vm *vm = arg;
+    sp_err_t e;
+    if (vm->qmp == NULL ||
+        sp_qmp_command(vm->qmp, vm->adopt_step == 0 ? "query-migrate" : "query-status", NULL, -1,
+                       vm->adopt_step == 0 ? on_adopt_migrate : on_status, vm, &e) < 0)
+        adopt_settled(vm);
+}
+
 static void on_status(void *arg, json_t *ret, const sp_err_t *err)
 {
     struct vm *vm = arg;
     if (err != NULL) {
         sp_log(SP_LOG_WARN, "qemu", "query-status failed sandbox=%s err=%s", vm->id, err->msg);
+        adopt_settled(vm);
         return;
     }
     const char *st = json_string_value(json_object_get(ret, "status"));
+    if (vm->adopt_settling && st != NULL && strcmp(st, "finish-migrate") == 0 &&
+        !adopt_overdue(vm)) {
+        /* the migration is over; QEMU moves the VM on to postmigrate (or back) next */
+        sp_timer_start(&vm->adopt_timer, 20);
+        return;
+    }
     vm->paused = st != NULL && strcmp(st, "running") != 0;
     char p[PATH_MAX + 16];
     sp_qemu__vm_path(vm, "paused", p, sizeof p);
@@ -67,6 +129,7 @@ static void on_status(void *arg, json_t *ret, const sp_err_t *err)
     if (vm->adopted)
         sp_log(SP_LOG_INFO, "qemu", "re-adopted vm sandbox=%s pid=%d status=%s", vm->id,
                (int)vm->pid, st ? st : "?");
+    adopt_settled(vm);
 }
 
 static void on_qmp_ready(sp_qmp_t *q, void *arg)
@@ -79,11 +142,16 @@ static void on_qmp_ready(sp_qmp_t *q, void *arg)
         sp_qemu__restore_begin(vm);
         return;
     }
-    /* An earlier driver may have died mid-suspend: its migration would stop the VM when it
-     * completes and nobody would commit the snapshot. No-op when none is in flight. */
-    if (vm->adopted)
+    if (vm->adopted) { /* settle it first (adopt_settled) */
+        vm->adopt_settling = true;
+        vm->adopt_step = 0;
+        vm->adopt_ms = sp_qemu__mono_ms();
         sp_qmp_command(q, "migrate_cancel", NULL, -1, NULL, NULL, &e);
-    sp_qmp_command(q, "query-status", NULL, -1, on_status, vm, &e);
+        if (sp_qmp_command(q, "query-migrate", NULL, -1, on_adopt_migrate, vm, &e) < 0)
+            adopt_settled(vm);
+    } else {
+        sp_qmp_command(q, "query-status", NULL, -1, on_status, vm, &e);
+    }
     if (vm->ph == PH_START) {
         vm->ph = PH_AGENT;
         sp_qemu__agent_start(vm);

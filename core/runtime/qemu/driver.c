@@ -131,6 +131,7 @@ struct vm *sp_qemu__vm_new(sp_qemu_t *d, const char *id)
     sp_timer_init(&vm->boot_timer, d->base.loop, sp_qemu__on_boot_timeout, vm);
     sp_timer_init(&vm->kill_timer, d->base.loop, on_kill_timer, vm);
     sp_timer_init(&vm->snap_timer, d->base.loop, sp_qemu__on_snap_timer, vm);
+    sp_timer_init(&vm->adopt_timer, d->base.loop, sp_qemu__on_adopt_timer, vm);
     vm->snap_fd = -1;
     vm->next = d->vms;
     d->vms = vm;
@@ -144,6 +145,10 @@ void sp_qemu__vm_disconnect(struct vm *vm)
     sp_timer_stop(&vm->boot_timer);
     sp_timer_stop(&vm->kill_timer);
     sp_timer_stop(&vm->snap_timer);
+    sp_timer_stop(&vm->adopt_timer);
+    vm->adopt_settling = false;
+    /* pause or resume waiting for the settling: they look the VM up again and fail there */
+    sp_qemu__complete_all(vm->d, &vm->adopt_w, NULL);
     if (vm->ident != NULL) {
         sp_agentstream_t *s = vm->ident;
         vm->ident = NULL;
@@ -796,6 +801,7 @@ struct pr_op {
     bool pause;
     sp_driver_cb cb;
     void *arg;
+    char id[SP_QEMU_ID_MAX + 1]; /* looked up again after waiting in vm->adopt_w */
 };
 
 static void on_pause_resume(void *arg, json_t *ret, const sp_err_t *err)
@@ -822,18 +828,43 @@ static void on_pause_resume(void *arg, json_t *ret, const sp_err_t *err)
     free(op);
 }
 
+static void pr_settled(void *arg, const sp_err_t *err);
+
+/* Sends stop or cont, or waits for an adopted VM to settle first (boot.c: adopt_settled). */
+static int pr_send(struct pr_op *op, sp_err_t *err)
+{
+    struct vm *vm = sp_qemu__running_vm(op->d, op->id, err);
+    if (vm == NULL)
+        return -1;
+    op->vm = vm;
+    if (vm->adopt_settling)
+        return sp_qemu__add_waiter(&vm->adopt_w, pr_settled, op, err);
+    return sp_qmp_command(vm->qmp, op->pause ? "stop" : "cont", NULL, -1, on_pause_resume, op, err);
+}
+
+/* The adopted VM settled (or went away: pr_send finds out). */
+static void pr_settled(void *arg, const sp_err_t *err)
+{
+    struct pr_op *op = arg;
+    sp_err_t e;
+    if (pr_send(op, &e) < 0) {
+        sp_qemu__complete(op->d, op->cb, op->arg, &e);
+        free(op);
+    }
+}
+
 static int pause_resume(sp_driver_t *base, const char *id, bool pause, sp_driver_cb cb, void *arg,
                         sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    struct vm *vm = sp_qemu__running_vm(d, id, err);
-    if (vm == NULL)
+    if (sp_qemu__running_vm(d, id, err) == NULL)
         return -1;
     struct pr_op *op = calloc(1, sizeof(*op));
     if (op == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    *op = (struct pr_op){vm, d, pause, cb, arg};
-    if (sp_qmp_command(vm->qmp, pause ? "stop" : "cont", NULL, -1, on_pause_resume, op, err) < 0) {
+    *op = (struct pr_op){NULL, d, pause, cb, arg, ""};
+    sp_qemu__sfmt(op->id, sizeof op->id, "%s", id);
+    if (pr_send(op, err) < 0) {
         free(op);
         return -1;
     }

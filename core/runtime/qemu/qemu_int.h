@@ -78,6 +78,7 @@
 #define SP_QEMU_POOL_WARM_MS   30000u     /* each warm-up command of a spare */
 #define SP_QEMU_AHEAD_MAX      64u        /* sizes waiting to be made ahead, at most */
 #define SP_QEMU_QUEUE_POLL_MS  50u        /* queued clone boots look for a free slot this often */
+#define SP_QEMU_ADOPT_SETTLE_MS 120000u   /* an adopted VM's leftover migration, waited out */
 #define SP_QEMU_QUEUE_TIMEOUT_MULT 5u     /* a queued clone boot gives up after this many boot
                                            * timeouts in the queue */
 
@@ -227,6 +228,14 @@ struct vm {
     sp_agentconn_t *agent;
     sp_agentstream_t *ident;
     bool paused;
+    /* adopted: a migration an earlier driver left (its unfinished suspend) is being cancelled
+     * and waited out before the run state is read; pause and resume wait in adopt_w until
+     * then (boot.c: adopt_settled), as QEMU refuses cont while a migration finishes */
+    bool adopt_settling;
+    int adopt_step; /* 0: polling query-migrate, 1: polling query-status */
+    uint64_t adopt_ms;
+    sp_timer_t adopt_timer;
+    struct waiter *adopt_w;
     sp_timer_t boot_timer;
     uint64_t boot_start_ms;
     sp_timer_t kill_timer;
@@ -423,6 +432,7 @@ void sp_qemu__boot_fail(struct vm *vm, const char *fmt, const char *detail);
 void sp_qemu__boot_progress(struct vm *vm, const char *what, const char *why);
 void sp_qemu__qmp_try_connect(struct vm *vm);
 void sp_qemu__on_qmp_timer(sp_timer_t *t, void *arg);
+void sp_qemu__on_adopt_timer(sp_timer_t *t, void *arg);
 void sp_qemu__send_identity(struct vm *vm);
 void sp_qemu__agent_start(struct vm *vm);
 void sp_qemu__on_boot_timeout(sp_timer_t *t, void *arg);

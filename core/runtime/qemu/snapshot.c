@@ -484,6 +484,10 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
     case SN_RECONT:
     case SN_RESTOP: {
         const char *st = json_string_value(json_object_get(ret, "status"));
+        if (vm->snap_step == SN_STATUS && st != NULL && strcmp(st, "finish-migrate") == 0) {
+            sp_timer_start(&vm->snap_timer, 5); /* the cancelled one's end: postmigrate next */
+            break;
+        }
         if (vm->snap_step == SN_STATUS && st != NULL && strcmp(st, "postmigrate") == 0) {
             vm->snap_step = SN_RECONT;
             sp_qemu__snap_send(vm, "cont", NULL, -1);
@@ -797,6 +801,8 @@ void sp_qemu__on_snap_timer(sp_timer_t *t, void *arg)
         sp_qmp_command(vm->qmp, "stop", NULL, -1, NULL, NULL, &e); /* then it completes */
     if (sp_qemu__snapping(vm) && (vm->snap_step == SN_POLL || vm->snap_step == SN_CANCEL_POLL))
         sp_qmp_command(vm->qmp, "query-migrate", NULL, -1, on_snap_reply, vm, &e);
+    else if (sp_qemu__snapping(vm) && vm->snap_step == SN_STATUS)
+        sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_snap_reply, vm, &e);
     else if (vm->ph == PH_START && vm->snap_step == RS_POLL)
         sp_qmp_command(vm->qmp, "query-status", NULL, -1, on_restore_reply, vm, &e);
 }
