@@ -477,22 +477,26 @@ static int method_bit(h2o_req_t *req)
 static void on_health(void *arg, const sp_err_t *err)
 {
     sp_http_hold_t *h = arg;
-    sp_driver_t *driver = *(sp_driver_t **)sp_http_hold_user(h);
+    sp_napi_t *n = *(sp_napi_t **)sp_http_hold_user(h);
     h2o_req_t *req = sp_http_release(h);
     if (req == NULL)
         return;
-    json_t *o = err != NULL
-                    ? json_pack("{s:s,s:s}", "status", "unavailable", "database", "down")
-                    : json_pack("{s:s,s:s}", "status", "ok", "database", "up");
+    /* Up once the database answers and, on a node that runs sandboxes, its worker row is in
+     * (placement finds no worker before: a create would fail for capacity). */
+    bool ready = err == NULL && sp_fleet_ready(n->fleet);
+    const char *status = ready ? "ok" : "starting";
+    if (err != NULL)
+        status = "unavailable";
+    json_t *o = json_pack("{s:s,s:s}", "status", status, "database", err != NULL ? "down" : "up");
     const char *ins[8];
-    size_t k = sp_driver_insecure(driver, ins, sizeof ins / sizeof ins[0]);
+    size_t k = sp_driver_insecure(n->driver, ins, sizeof ins / sizeof ins[0]);
     if (o != NULL && k > 0) { /* the operator turned these off, or the host lacks them */
         json_t *a = json_array();
         for (size_t i = 0; i < k; i++)
             json_array_append_new(a, json_string(ins[i]));
         json_object_set_new(o, "insecure", a);
     }
-    sp_http_json(req, err != NULL ? 503 : 200, o);
+    sp_http_json(req, ready ? 200 : 503, o);
 }
 
 static void on_admin_auth(void *arg, const sp_err_t *err)
@@ -542,9 +546,9 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
     int mb = method_bit(req);
 
     if (ns == 1 && strcmp(segs[0], "healthz") == 0) {
-        sp_http_hold_t *h = sp_http_hold(req, sizeof(sp_driver_t *));
+        sp_http_hold_t *h = sp_http_hold(req, sizeof(sp_napi_t *));
         if (h != NULL)
-            *(sp_driver_t **)sp_http_hold_user(h) = n->driver;
+            *(sp_napi_t **)sp_http_hold_user(h) = n;
         sp_err_t e;
         if (h == NULL || sp_svc_health(n->svc, on_health, h, &e) < 0) {
             if (h != NULL)

@@ -226,7 +226,8 @@ class Spaced:
             raise AssertionError("spaced %s failed: %s" % (args, r.stderr))
         return r
 
-    def start(self, timeout=60):
+    def start(self, timeout=60, wait=True):
+        """Starts spaced; wait: until /healthz answers 200 (False: returns once spawned)."""
         argv = self.wrap + [self.binary, "serve", "--listen", "%s:%d" % (self.host, self.port),
                 "--data-dir", self.data_dir]
         if self.database_url:
@@ -237,6 +238,8 @@ class Spaced:
         self.log_path = os.path.join(self.data_dir, "spaced-%d.log" % int(time.time() * 1000))
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        if not wait:
+            return self
         deadline = time.time() + timeout * MULT
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -643,6 +643,11 @@ sp_fleet_t *sp_fleet_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     return f;
 }
 
+bool sp_fleet_ready(const sp_fleet_t *f)
+{
+    return f == NULL || f->driver == NULL || f->role == SP_ROLE_API || f->registered;
+}
+
 void sp_fleet_destroy(sp_fleet_t *f)
 {
     if (f == NULL)

@@ -76,6 +76,11 @@ sp_fleet_t *sp_fleet_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
                             const sp_fleet_opts_t *o, sp_err_t *err);
 void sp_fleet_destroy(sp_fleet_t *f);
 
+/* Whether the node can take sandboxes yet: false on a node that runs them (role all and
+ * worker, with a driver) until its first registration is in the database, since placement
+ * finds no worker before that; true on every other node. NULL: true. */
+bool sp_fleet_ready(const sp_fleet_t *f);
+
 /* The operator's view. workers: an array of objects (id, address, role, state, capacity,
  * used, sandboxes, heartbeat_age_s, labels, ...), borrowed for the callback. id NULL: every
  * worker; else that one (SP_ENOTFOUND when unknown) with its sandboxes and the moves of a
