@@ -14,7 +14,8 @@
  *   boot a builder VM ("bld-<build id>") from the parent, snapshot-fast like any create ->
  *   each step through the agent, its output into the build log -> the template's env written
  *   to /etc/space/template.env in the image -> sync -> pause -> the VM's disk exported as a
- *   qcow2 layer over the parent's image (driver.h: export_disk) -> the builder destroyed ->
+ *   qcow2 layer over the parent's image, or a standalone image once the parent's chain is
+ *   long (driver.h: export_disk) -> the builder destroyed ->
  *   <data-dir>/templates/<name>/<hash>/{rootfs.qcow2,manifest.json} committed by rename ->
  *   `current` swapped to it -> the template snapshot built (with start_cmd started and
  *   ready_cmd passed: the manifest's warmup) -> the templates row and the build marked done.
@@ -44,7 +45,8 @@
  * default's template snapshot as before. A sandbox is created from the version its tag names
  * then (sandboxes.template_version; the driver boots "<name>@<hash>", guest/tmplbuild.h) and
  * keeps it when the tag moves, across suspend and wake. A version is kept on disk while a
- * tag, a sandbox not deleted (or a snapshot of one), another version built on it, or anything
+ * tag, a sandbox not deleted (or a snapshot of one), another version whose image is a layer
+ * over it (not one squashed into a standalone image: driver.h image_standalone), or anything
  * of the runtime's (vms/, snapshots/) uses it, the template deleted or not; the others are
  * removed when a tag moves, when the template is deleted and at start-up.
  *

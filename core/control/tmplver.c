@@ -1,8 +1,8 @@
 /*
  * tmplver.c - a template's versions and tags (tmpl.h): the `current` link that follows the
  * default tag, moving and removing tags, listing versions, and collecting the versions nothing
- * uses (no tag, no sandbox, no snapshot, no child template, nothing in the runtime) from disk
- * and their rows.
+ * uses (no tag, no sandbox, no snapshot, no child template's image layered on it, nothing in
+ * the runtime) from disk and their rows.
  *
  * Not here: building versions (tmplrun.c), the requests and records of builds (tmpl.c).
  */
@@ -109,8 +109,22 @@ static bool runtime_uses(sp_tmpl_t *t, const char *vdir)
     return used;
 }
 
-/* Whether a version of any template on disk was built on name's version hash (its rootfs is
- * a layer over the parent's). */
+/* Whether the child version dir vdir's image needs nothing of its parent's: the build
+ * squashed it into a standalone image (driver.h: export_disk). Read from the image itself,
+ * not from a record of the build, so that it holds for versions built before anything was
+ * recorded, and across restarts; anything the driver cannot vouch for (no such op, an
+ * unreadable or missing image) counts as a layer, keeping its parent as before. */
+static bool image_standalone(sp_tmpl_t *t, const char *vdir)
+{
+    char img[PATH_MAX];
+    return t->driver != NULL && t->driver->ops->image_standalone != NULL &&
+           sp_tmpl__pathf(img, sizeof img, "%s/rootfs.qcow2", vdir) == 0 &&
+           t->driver->ops->image_standalone(t->driver, img) == 1;
+}
+
+/* Whether a version of any template on disk was built on name's version hash and its rootfs
+ * is a layer over the parent's. A squashed child's manifest still names its parent (its
+ * lineage), but it holds none of the parent's files: those go once nothing else uses them. */
 static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
 {
     char tdir[PATH_MAX];
@@ -128,15 +142,17 @@ static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
         DIR *vd = opendir(p);
         struct dirent *ve;
         while (!used && vd != NULL && (ve = readdir(vd)) != NULL) {
-            char m[PATH_MAX];
+            char m[PATH_MAX], cdir[PATH_MAX];
             if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
-                sp_tmpl__pathf(m, sizeof m, "%s/%s/manifest.json", p, ve->d_name) < 0)
+                sp_tmpl__pathf(cdir, sizeof cdir, "%s/%s", p, ve->d_name) < 0 ||
+                sp_tmpl__pathf(m, sizeof m, "%s/manifest.json", cdir) < 0)
                 continue;
             json_t *man = json_load_file(m, 0, NULL);
             const char *pn = json_string_value(json_object_get(man, "parent"));
             const char *ph =
                 json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
-            used = pn != NULL && ph != NULL && strcmp(pn, name) == 0 && strcmp(ph, hash) == 0;
+            used = pn != NULL && ph != NULL && strcmp(pn, name) == 0 && strcmp(ph, hash) == 0 &&
+                   !image_standalone(t, cdir);
             json_decref(man);
         }
         if (vd != NULL)

@@ -96,10 +96,17 @@ typedef struct {
     size_t (*insecure)(sp_driver_t *d, const char **out, size_t n);
     /* Optional (template builds): writes the paused VM's disk as it is now into dest, a new
      * qcow2 image (mode 0444) whose backing file is base, holding what differs from base
-     * (base must be in the disk's backing chain: the template image the VM was made from).
-     * SP_ECONFLICT when the VM is not paused; dest must not exist. NULL: not supported. */
+     * (base must be in the disk's backing chain: the template image the VM was made from);
+     * or, when base already stacks on too many images, a standalone image holding all of it
+     * (image_standalone tells which was written). SP_ECONFLICT when the VM is not paused;
+     * dest must not exist. NULL: not supported. */
     int (*export_disk)(sp_driver_t *d, const char *id, const char *base, const char *dest,
                        sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Optional, synchronous, cheap (reads a header): 1 when the disk image at path (absolute)
+     * reads nothing from any other file, so the images it was made over may go; 0 when it
+     * needs another file; -1 when it cannot be read or is not an image of this driver's.
+     * NULL: not supported (callers take every image as needing its base). */
+    int (*image_standalone)(sp_driver_t *d, const char *path);
     /* Optional (sandbox snapshots, "forks"): writes a snapshot named snapshot_id of the running
      * or paused VM id (memory with its processes, device state, disk), stopping its vCPUs only
      * while memory and disk are captured; the VM then goes on as it was (a paused one stays

@@ -16,7 +16,9 @@
  * template's image and what lies below it already that many files) the export squashes
  * instead: qemu-img convert reads the whole chain through the VM's disk and writes one
  * standalone image, so no sandbox's disk ever walks more than max_layers + 2 files (its
- * overlay and the template snapshot's above the template images).
+ * overlay and the template snapshot's above the template images). Such an image no longer
+ * needs its parent template's image: image_standalone says so from its header, and the
+ * template versions' collector (core/control/tmplver.c) goes by that.
  *
  * Does not decide where images live or what they are called (the template builder does).
  */
@@ -167,6 +169,14 @@ int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backin
     sp_log(SP_LOG_INFO, "qemu", "exporting disk sandbox=%s base=%s layers=%d%s", vm->id, backing,
            layers, squash ? " squashed: a standalone image" : "");
     return 0;
+}
+
+/* driver.h: image_standalone. An image export_disk squashed has no backing file; a layer has
+ * one (its template's image). */
+int sp_qemu__q_image_standalone(sp_driver_t *base, const char *path)
+{
+    (void)base;
+    return path != NULL && path[0] == '/' ? sp_qemu__qcow2_standalone(path) : -1;
 }
 
 /* The VM is going away (destroyed, driver freed) with an export in flight: stop it, and

@@ -449,6 +449,7 @@ int sp_qemu__write_overlay(const char *path, const char *backing);
 
 int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backing,
                            const char *dest, sp_driver_cb cb, void *arg, sp_err_t *err);
+int sp_qemu__q_image_standalone(sp_driver_t *base, const char *path);
 void sp_qemu__export_abort(struct vm *vm);
 
 /* ---- fork.c: sandbox snapshots ---- */
@@ -624,6 +625,7 @@ void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
 int sp_qemu__fsync_path(const char *p, int flags);
 bool sp_qemu__qcow2_backing_name(const char *path, char *out, size_t n);
 bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n);
+int sp_qemu__qcow2_standalone(const char *path);
 int sp_qemu__qcow2_set_backing(const char *path, const char *name);
 
 #endif

@@ -447,6 +447,39 @@ bool sp_qemu__qcow2_backing_name(const char *path, char *out, size_t n)
     return ok;
 }
 
+/* Whether the qcow2 image at path reads nothing from another file: no backing file, and (a
+ * version 3 header) no external data file, the one other file a qcow2 image can name. 1 when
+ * it stands alone, 0 when it names another file, -1 when it cannot be read or is not a
+ * version 2 or 3 qcow2 image (so a caller that must be sure takes it as layered). */
+int sp_qemu__qcow2_standalone(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    uint8_t h[80];
+    ssize_t got = pread(fd, h, sizeof h, 0);
+    close(fd);
+    if (got < 72 || memcmp(h, "QFI\xfb", 4) != 0)
+        return -1;
+    uint32_t version = 0;
+    uint64_t off = 0, incompat = 0;
+    for (int i = 0; i < 4; i++)
+        version = version << 8 | h[4 + i];
+    for (int i = 0; i < 8; i++)
+        off = off << 8 | h[8 + i];
+    if (version == 3) {
+        if (got < 80)
+            return -1;
+        for (int i = 0; i < 8; i++)
+            incompat = incompat << 8 | h[72 + i];
+    } else if (version != 2) {
+        return -1;
+    }
+    /* QEMU reads a backing file name only when its offset is not 0; incompatible feature
+     * bit 2 is the external data file. */
+    return off == 0 && (incompat & (1u << 2)) == 0 ? 1 : 0;
+}
+
 /* The backing file of the qcow2 image at path, into out[n]: the name its header holds when
  * absolute (ours are, but for the layers of a sandbox's snapshot from the shared snapshot
  * dir, shared.c), else resolved against path's directory as QEMU resolves it. false when

@@ -1,6 +1,7 @@
 /*
  * test_qemu.c - the QEMU driver's paths that need no VM: idempotent destroy,
- * probe of leftovers and of a committed snapshot, refusals that fail at once.
+ * probe of leftovers and of a committed snapshot, refusals that fail at once, which
+ * images stand alone (with images the real qemu-img makes, when it is installed).
  *
  * QEMU itself is replaced by /bin/true (it only has to exist); no VM boots,
  * no root, KVM or network is needed. Real VMs: e2e/test_qemu_driver.c.
@@ -268,6 +269,47 @@ static void test_qemu_pool_options(void)
     CHECK(sp_qemu_pool_stats(NULL, &st) == -1);
 }
 
+/* image_standalone on images qemu-img makes: a standalone one (as made, and as a squashing
+ * export's convert writes it, also as a version 2 image) is 1; a layer, and an image with an
+ * external data file, are 0; anything else -1. Skipped without qemu-img. */
+static void test_qemu_image_standalone(void)
+{
+    if (system("command -v qemu-img >/dev/null 2>&1") != 0) {
+        printf("test_qemu_image_standalone: skipped, no qemu-img\n");
+        return;
+    }
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "cd %s && qemu-img create -q -f qcow2 base.qcow2 16M && "
+             "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 layer.qcow2 && "
+             "qemu-img convert -q -f qcow2 -O qcow2 layer.qcow2 flat.qcow2 && "
+             "qemu-img create -q -f qcow2 -o compat=0.10 v2.qcow2 16M && "
+             "qemu-img create -q -f qcow2 -o compat=0.10 -b base.qcow2 -F qcow2 v2layer.qcow2 && "
+             "qemu-img create -q -f qcow2 -o data_file=data.raw ext.qcow2 16M",
+             dir);
+    REQUIRE(system(cmd) == 0);
+    put("text.qcow2", "not an image at all, but longer than a qcow2 header is: 0123456789abcdef");
+    sp_driver_t *d = make();
+    REQUIRE(d->ops->image_standalone != NULL);
+    static const struct {
+        const char *file;
+        int want;
+    } cases[] = {{"base.qcow2", 1},  {"flat.qcow2", 1},    {"v2.qcow2", 1},
+                 {"layer.qcow2", 0}, {"v2layer.qcow2", 0}, {"ext.qcow2", 0},
+                 {"text.qcow2", -1}, {"missing.qcow2", -1}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char p[512];
+        snprintf(p, sizeof p, "%s/%s", dir, cases[i].file);
+        int got = d->ops->image_standalone(d, p);
+        if (got != cases[i].want)
+            fprintf(stderr, "image_standalone(%s) = %d, want %d\n", cases[i].file, got,
+                    cases[i].want);
+        CHECK(got == cases[i].want);
+    }
+    CHECK(d->ops->image_standalone(d, "base.qcow2") == -1); /* relative: refused */
+    sp_driver_destroy(d);
+}
+
 int main(void)
 {
     REQUIRE(mkdtemp(dir) != NULL);
@@ -279,11 +321,11 @@ int main(void)
     test_qemu_refusals();
     test_qemu_refuses_without_seccomp();
     test_qemu_pool_options();
+    test_qemu_image_standalone();
     pump();
     sp_loop_destroy(loop);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     REQUIRE(system(cmd) == 0);
-    printf("qemu driver unit: all tests passed\n");
-    return 0;
+    return check_report("qemu driver unit");
 }
