@@ -1237,7 +1237,8 @@ static void pg_parse(sp_proxy_get_t *g, bool eof)
                                  &dlen);
             if (rc < 0)
                 break;
-            memmove(body + out, data, dlen); /* data lies at or after body + out */
+            if (dlen > 0)
+                memmove(body + out, data, dlen); /* data lies at or after body + out */
             out += dlen;
             in += used;
             if (used == 0 && rc == 0)
