@@ -1,6 +1,6 @@
 /*
  * cmd_exec.c - spacectl exec and spacectl shell: a command session (POST .../sessions)
- * attached over its WebSocket (GET /v1/attach/{session}, cli/ws.h), then removed.
+ * attached over its WebSocket (GET /v1/attach/{id}/{session}, cli/ws.h), then removed.
  *
  * exec runs argv as given (no shell in between). Its stdout and stderr go to ours as the
  * bytes come (binary-safe: the WebSocket carries raw bytes with a channel byte); our stdin is
@@ -373,8 +373,8 @@ static int run_session(spc_args_t *a, json_t *spec, const loop_opts_t *lo)
         return EXIT_OWN;
     }
     const char *url = spc_str(sess, "attach_url"), *token = spc_str(sess, "attach_token");
-    /* attach_url is a path on this server here (the URL's prefix applies, as to every API
-     * path); in a multi-host deployment it is the full URL of the worker that owns the VM. */
+    /* attach_url is a path on the server (the URL's prefix applies, as to every API path):
+     * any node forwards it to the worker that holds the session. A full URL is followed too. */
     spc_url_t where = api.url;
     const char *apath = url;
     if (strncmp(url, "http://", 7) == 0 || strncmp(url, "https://", 8) == 0) {

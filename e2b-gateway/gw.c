@@ -42,6 +42,12 @@ void sp_e2b_set_snap(sp_e2b_t *gw, sp_snap_t *snap)
     gw->snap = snap;
 }
 
+void sp_e2b_set_peers(sp_e2b_t *gw, sp_proxy_t *proxy, const char *self_worker_id)
+{
+    gw->proxy = proxy;
+    snprintf(gw->self, sizeof(gw->self), "%s", self_worker_id != NULL ? self_worker_id : "");
+}
+
 void sp_e2b_destroy(sp_e2b_t *gw)
 {
     if (gw == NULL)
@@ -480,7 +486,7 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
         on_sandbox(rs, NULL, NULL, &e);
 }
 
-void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req)
+void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req, bool forwarded)
 {
     int port;
     char id[65];
@@ -489,7 +495,7 @@ void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req)
         return;
     }
     if (sp_e2b__is_control_path(req)) {
-        sp_e2b__control(gw, req);
+        sp_e2b__control(gw, req, forwarded);
         return;
     }
     /* E2b-Sandbox-Id as given: one that cannot be an id is answered as an unknown one. */

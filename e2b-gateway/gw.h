@@ -20,6 +20,7 @@
 #include "core/control/snap.h"
 #include "core/control/svc.h"
 #include "core/control/tmpl.h"
+#include "http/proxy.h"
 
 typedef struct sp_e2b sp_e2b_t;
 
@@ -37,6 +38,13 @@ void sp_e2b_set_tmpl(sp_e2b_t *gw, sp_tmpl_t *tmpl);
 /* Sandbox snapshots for the E2B snapshot API (borrowed; outlives gw). */
 void sp_e2b_set_snap(sp_e2b_t *gw, sp_snap_t *snap);
 
+/* Many hosts: the forwarder to ask other workers with (borrowed; outlives gw; NULL or one
+ * without a cluster key: only this node's figures), and this node's worker id ("" when it runs
+ * no VMs). The many-sandbox metrics and a sandbox's disk size live in the memory of the worker
+ * that runs the sandbox: an answer that needs them asks those workers, in parallel, for at
+ * most SP_E2B_PEER_MS, and leaves out (metrics) or shows as 0 (disk) what did not come. */
+#define SP_E2B_PEER_MS 3000u
+void sp_e2b_set_peers(sp_e2b_t *gw, sp_proxy_t *proxy, const char *self_worker_id);
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */
 bool sp_e2b_owns(sp_e2b_t *gw, h2o_req_t *req);
 
@@ -58,7 +66,8 @@ bool sp_e2b_http1_only(sp_e2b_t *gw, const char *server_name);
  * id. An envd path with only an access token and no id is served here. */
 bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65]);
 
-/* Answers req (now or later). */
-void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req);
+/* Answers req (now or later). forwarded: another node sent it (a valid cluster header,
+ * http/proxy.h): answered from this node's own memory, never by asking further nodes. */
+void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req, bool forwarded);
 
 #endif

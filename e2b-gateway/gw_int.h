@@ -24,6 +24,8 @@ struct sp_e2b {
     struct sp_envd *envd; /* handles on the core tables envd uses (proctab, fswatch); lazily made */
     sp_tmpl_t *tmpl;      /* template builds (route_templates.c); NULL: they answer 503 */
     sp_snap_t *snap;      /* sandbox snapshots (route_snapshots.c); NULL: they answer 503 */
+    sp_proxy_t *proxy;    /* asks other workers (sp_e2b_set_peers); NULL: this node only */
+    char self[65];        /* this node's worker id; "" when it runs no VMs */
 };
 
 /* A resolved, authenticated sandbox for one sandbox-traffic request. Borrowed for the call. */
@@ -41,7 +43,7 @@ void sp_e2b__error(h2o_req_t *req, int status, const char *msg);
 void sp_e2b__error_from(h2o_req_t *req, const sp_err_t *err);
 
 /* Control plane: /sandboxes..., /v2/sandboxes (X-API-Key). */
-void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req);
+void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req, bool forwarded);
 /* Whether path (without query) is a control-plane path. */
 bool sp_e2b__is_control_path(h2o_req_t *req);
 

@@ -39,6 +39,9 @@ struct ctl {
     sp_auth_t auth;
     int route;
     bool wants_body;
+    bool forwarded;     /* a node sent it: this node's figures only (sp_e2b_handle) */
+    int pending;        /* answers from other workers still awaited */
+    long long disk_mb;  /* GET /sandboxes/{id}: the disk size its worker gave; -1: ask here */
     char id[65];        /* the sandbox of /sandboxes/{id}/... */
     json_t *body;       /* parsed JSON object or NULL; owned */
     int status;         /* success status to answer with (200/201) */

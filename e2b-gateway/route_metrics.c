@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/log.h"
 #include "e2b-gateway/route_int.h"
 
 #define LOGS_DEFAULT_LIMIT 1000
@@ -106,6 +107,82 @@ static bool wanted(ctl_t *c, const char *id)
     return false;
 }
 
+/*
+ * Many hosts: each sandbox's figures are in the memory of the worker that runs it. What runs
+ * here is sampled here; for the rest, one statement says where each runs, and each of those
+ * workers gets one GET /sandboxes/metrics?sandbox_ids=<its own> (the client's key, the cluster
+ * header: http/proxy.h), all at once, each bounded by SP_E2B_PEER_MS. A worker that does not
+ * answer in time, or answers badly, leaves its sandboxes out, as E2B leaves out a sandbox it
+ * has no figures for. A request a node sent is answered from this node only.
+ */
+static void many_reply(ctl_t *c)
+{
+    json_t *map = c->acc;
+    c->acc = NULL;
+    sp_e2b__ctl_reply(c, 200, json_pack("{s:o}", "sandboxes", map));
+}
+
+static void on_peer_metrics(void *arg, int status, const char *body, size_t len, const char *why)
+{
+    ctl_t *c = arg;
+    json_t *o = status == 200 ? json_loadb(body, len, 0, NULL) : NULL;
+    json_t *got = json_object_get(o, "sandboxes");
+    const char *id;
+    json_t *m;
+    json_object_foreach(got, id, m)
+    {
+        /* Only what was asked for, and never over a figure taken here. */
+        if (json_is_object(m) && wanted(c, id) && json_object_get(c->acc, id) == NULL)
+            json_object_set(c->acc, id, m);
+    }
+    if (status != 200 && status != 0)
+        sp_log(SP_LOG_INFO, "e2b", "metrics from a worker: status %d", status);
+    json_decref(o);
+    if (--c->pending == 0)
+        many_reply(c);
+}
+
+static void on_remote_where(void *arg, const sp_where_t *w, size_t n, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    if (err != NULL) {
+        /* Where they run is unknown: the answer has what runs here. */
+        sp_log(SP_LOG_WARN, "e2b", "metrics: workers of sandboxes not found err=%s", err->msg);
+        many_reply(c);
+        return;
+    }
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    bool *done = n > 0 ? calloc(n, sizeof(*done)) : NULL;
+    c->pending = 1; /* this loop's own: no answer completes the reply before it ends */
+    for (size_t i = 0; req != NULL && done != NULL && i < n; i++) {
+        if (done[i] || w[i].worker_id[0] == '\0' || w[i].address[0] == '\0' ||
+            strcmp(w[i].worker_id, c->gw->self) == 0 || strcmp(w[i].worker_state, "lost") == 0)
+            continue;
+        /* Every sandbox of this worker in one request. */
+        sp_buf_t path = SP_BUF_INIT;
+        sp_buf_str(&path, "/sandboxes/metrics?sandbox_ids=");
+        for (size_t k = i; k < n; k++) {
+            if (done[k] || strcmp(w[k].worker_id, w[i].worker_id) != 0)
+                continue;
+            done[k] = true;
+            if (k != i)
+                sp_buf_str(&path, ",");
+            sp_buf_str(&path, w[k].sandbox_id);
+        }
+        sp_buf_add(&path, "", 1);
+        sp_err_t e;
+        if (!path.oom && sp_proxy_get(c->gw->proxy, req, w[i].address, (const char *)path.p,
+                                      SP_E2B_PEER_MS, on_peer_metrics, c, &e) != NULL)
+            c->pending++;
+        else if (!path.oom)
+            sp_log(SP_LOG_INFO, "e2b", "metrics: worker %s not asked: %s", w[i].worker_id, e.msg);
+        sp_buf_free(&path);
+    }
+    free(done);
+    if (--c->pending == 0)
+        many_reply(c);
+}
+
 static void on_running_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const char *next,
                             const sp_err_t *err)
 {
@@ -114,16 +191,29 @@ static void on_running_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, c
         sp_e2b__ctl_fail_err(c, err);
         return;
     }
-    json_t *map = json_object();
+    c->acc = json_object();
+    bool ask = !c->forwarded && sp_proxy_has_key(c->gw->proxy);
+    const char **remote = ask && n > 0 ? calloc(n, sizeof(*remote)) : NULL;
+    size_t nr = 0;
     for (size_t i = 0; i < n; i++) {
         const char *state = sp_e2b__state(&recs[i]);
         if (state == NULL || strcmp(state, "running") != 0 || !wanted(c, recs[i].id))
             continue;
-        json_t *m = metric_now(c, recs[i].id);
-        if (m != NULL)
-            json_object_set_new(map, recs[i].id, m);
+        if (sp_svc_sandbox_here(c->gw->svc, recs[i].id) || remote == NULL) {
+            json_t *m = metric_now(c, recs[i].id);
+            if (m != NULL)
+                json_object_set_new(c->acc, recs[i].id, m);
+        } else {
+            remote[nr++] = recs[i].id;
+        }
     }
-    sp_e2b__ctl_reply(c, 200, json_pack("{s:o}", "sandboxes", map));
+    sp_err_t e;
+    if (nr == 0 || sp_svc_sandboxes_where(c->gw->svc, remote, nr, on_remote_where, c, &e) < 0) {
+        if (nr > 0)
+            sp_log(SP_LOG_WARN, "e2b", "metrics: workers of sandboxes not asked err=%s", e.msg);
+        many_reply(c);
+    }
+    free(remote);
 }
 
 static void metrics_many(ctl_t *c, h2o_req_t *req)

@@ -232,13 +232,14 @@ int sp_e2b__listed_write(sp_buf_t *b, const char *domain, const sp_sandbox_rec_t
     return b->oom ? -1 : 0;
 }
 
-/* Appends sb as listed (or in detail) to b: written straight, or, for a record the writer
+/* Appends sb as listed (or in detail) to b (known_disk_mb: its disk size as its worker gave it;
+ * -1: this node's, 0 without its VM): written straight, or, for a record the writer
  * refuses (a field that is not UTF-8, which jansson drops from the object), through its jansson
  * twin, so the bytes are always those of the jansson rendering. -1 only when that fails too. */
 static int write_listed(sp_buf_t *b, sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char *state,
-                        bool detail)
+                        bool detail, long long known_disk_mb)
 {
-    long long disk = disk_mb(gw, sb);
+    long long disk = known_disk_mb >= 0 ? known_disk_mb : disk_mb(gw, sb);
     size_t mark = b->len;
     if (sp_e2b__listed_write(b, gw->domain, sb, state, disk, detail) == 0)
         return 0;
@@ -462,9 +463,51 @@ static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
     /* One buffer for every answer: the loop is one thread, and the reply copies it. */
     static sp_buf_t out = SP_BUF_INIT;
     sp_buf_reset(&out);
-    ctl_reply_text(c, 200, write_listed(&out, c->gw, sb, state, true) == 0 ? &out : NULL);
+    ctl_reply_text(c, 200,
+                   write_listed(&out, c->gw, sb, state, true, c->disk_mb) == 0 ? &out : NULL);
     if (out.cap > (1u << 20))
         sp_buf_free(&out);
+}
+
+/*
+ * Many hosts: the disk size is read from the VM's disk, on the worker that runs it. For a
+ * sandbox that is not here, its worker is asked for its own detail (GET /sandboxes/{id}, the
+ * client's key, the cluster header) first, bounded by SP_E2B_PEER_MS; without its answer the
+ * size shows 0, as for a sandbox without a VM. The rest of the detail is read here.
+ */
+static void on_peer_detail(void *arg, int status, const char *body, size_t len, const char *why)
+{
+    ctl_t *c = arg;
+    json_t *o = status == 200 ? json_loadb(body, len, 0, NULL) : NULL;
+    json_t *d = json_object_get(o, "diskSizeMB");
+    if (json_is_integer(d) && json_integer_value(d) >= 0)
+        c->disk_mb = (long long)json_integer_value(d);
+    json_decref(o);
+    sp_e2b__ctl_fetch(c, got_detail);
+}
+
+static void on_detail_where(void *arg, const sp_where_t *w, const sp_err_t *err)
+{
+    ctl_t *c = arg;
+    h2o_req_t *req = sp_http_hold_req(c->hold);
+    char path[96];
+    snprintf(path, sizeof(path), "/sandboxes/%s", c->id);
+    bool elsewhere = err == NULL && req != NULL && w->found && w->worker_id[0] != '\0' &&
+                     w->address[0] != '\0' && strcmp(w->worker_id, c->gw->self) != 0 &&
+                     strcmp(w->worker_state, "lost") != 0;
+    sp_err_t e;
+    if (!elsewhere || sp_proxy_get(c->gw->proxy, req, w->address, path, SP_E2B_PEER_MS,
+                                   on_peer_detail, c, &e) == NULL)
+        sp_e2b__ctl_fetch(c, got_detail);
+}
+
+static void route_detail(ctl_t *c)
+{
+    c->disk_mb = -1;
+    sp_err_t e;
+    if (c->forwarded || !sp_proxy_has_key(c->gw->proxy) || sp_svc_sandbox_here(c->gw->svc, c->id) ||
+        sp_svc_sandbox_where(c->gw->svc, c->id, on_detail_where, c, &e) < 0)
+        sp_e2b__ctl_fetch(c, got_detail);
 }
 
 /* ---- listing ---- */
@@ -501,7 +544,7 @@ static void on_list(void *arg, const sp_sandbox_rec_t *recs, size_t n, const cha
             continue;
         if (out->len > 1) /* after "[" and an item */
             sp_buf_add(out, ",", 1);
-        ok = write_listed(out, c->gw, &recs[i], state, false) == 0;
+        ok = write_listed(out, c->gw, &recs[i], state, false, -1) == 0;
     }
     snprintf(c->cursor, sizeof(c->cursor), "%s", next ? next : "");
     if (ok && c->route == R_LIST_V1 && next != NULL && ++c->pages < CTL_V1_PAGES) {
@@ -924,7 +967,7 @@ static void dispatch(ctl_t *c, h2o_req_t *req)
         route_list(c, req);
         break;
     case R_GET:
-        sp_e2b__ctl_fetch(c, got_detail);
+        route_detail(c);
         break;
     case R_KILL:
         route_kill(c);
@@ -987,7 +1030,7 @@ static void on_auth(void *arg, const sp_auth_t *auth, const sp_err_t *err)
     dispatch(c, req);
 }
 
-void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
+void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req, bool forwarded)
 {
     const char *segs[8];
     int n = sp_http_segments(req, segs, 8);
@@ -1050,6 +1093,7 @@ void sp_e2b__control(sp_e2b_t *gw, h2o_req_t *req)
     c->hold = h;
     c->route = r->route;
     c->wants_body = r->body;
+    c->forwarded = forwarded;
     if (id != NULL)
         snprintf(c->id, sizeof(c->id), "%s", id);
     sp_err_t e;

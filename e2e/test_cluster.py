@@ -2,11 +2,14 @@
 dispatch forwards its data plane to B (http/proxy.c), signed with the shared cluster key.
 
 B runs the VMs on the shared template data dir; A is started after B's create finished (so
-that B's controller owns the row) with a data dir of its own and no runtime: it answers the
-control plane from the database and forwards the rest. Until worker registration lands (part
-fleet-core of issue 20) the test writes B's `workers` row itself. Through A: a native command,
-a file upload and download, code execution, E2B envd (Connect RPC and /files on the envd
-host), a forwarded port over HTTP and WebSocket, and the errors when B is gone.
+that B's controller owns the row) with a data dir of its own holding the base template
+(tests/fleet.py's worker_data_dir) and the label node=a, and runs one sandbox of its own,
+pinned there: it answers the control plane from the database and forwards the rest. The test
+writes B's `workers` row itself (the address it reaches B at). Through A: a native command, a
+file upload and download, code execution, E2B envd (Connect RPC and /files on the envd host),
+a forwarded port over HTTP and WebSocket, a command session attached over WebSocket, E2B's
+many-sandbox metrics and a sandbox's disk size (gathered from both workers), and the errors
+when B is gone or does not answer.
 """
 import base64
 import hashlib
@@ -14,6 +17,8 @@ import http.client
 import json
 import os
 import secrets
+import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -22,7 +27,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from harness import MULT, Platform, Spaced, pg_bindir, vm_skip_reason  # noqa: E402
-from fleet import PORT_SERVER, websocket_echo  # noqa: E402
+from fleet import PORT_SERVER, kill_qemus, websocket_echo, worker_data_dir  # noqa: E402
+from wsclient import WebSocket  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 CI = "code-interpreter-v1"
@@ -47,6 +53,8 @@ class ClusterTest(unittest.TestCase):
         os.close(fd)
         cls.a = None
         cls.sid = None
+        cls.a_sid = None
+        cls.a_dir = None
         cls.p = Platform(teams=("alpha",), binary=os.environ["SPACED"], data_dir=DATA,
                          args=["--cluster-key-file", cls.keyfile])
         cls.b = cls.p.s
@@ -69,11 +77,17 @@ class ClusterTest(unittest.TestCase):
         cls.sql("INSERT INTO workers (id, address) VALUES ('%s', '127.0.0.1:%d')"
                 " ON CONFLICT (id) DO UPDATE SET address = EXCLUDED.address"
                 % (cls.b_worker, cls.b.port))
-        # A: started once B owns the sandbox; no runtime, its own data dir.
-        cls.a = Spaced(binary=os.environ["SPACED"], database_url=cls.p.pg.url, runtime="none",
-                       args=["--cluster-key-file", cls.keyfile])
+        # A: started once B owns the sandbox; its own data dir with the base template, no
+        # spares, labelled so that a sandbox can be pinned to it.
+        cls.a_dir = os.path.join(cls.keydir, "a")
+        worker_data_dir(DATA, cls.a_dir)
+        cls.a = Spaced(binary=os.environ["SPACED"], database_url=cls.p.pg.url,
+                       data_dir=cls.a_dir, env={"SPACE_POOL_SIZE": "0"},
+                       args=["--cluster-key-file", cls.keyfile, "--worker-labels", "node=a"])
         cls.a.key = cls.b.key
-        cls.a.start()
+        cls.a.start(timeout=120)
+        cls.a_sid = cls.a.create_ready(wait=240, template="base",
+                                       placement={"labels": {"node": "a"}})
         st, r = cls.b.request("POST", "/v1/sandboxes/%s/commands" % cls.sid,
                               {"argv": ["python3", "-c", PORT_SERVER], "background": True})
         assert st in (200, 201, 202), (st, r)
@@ -81,15 +95,16 @@ class ClusterTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         if cls.a is not None:
+            if cls.a_sid is not None:
+                cls.a.delete_quietly(cls.a_sid)
             cls.a.destroy()
+        if cls.a_dir is not None:
+            kill_qemus(cls.a_dir + "/")  # never left behind, whatever failed
         if cls.sid is not None:
             cls.b.delete_quietly(cls.sid)
         cls.p.destroy()
-        try:
-            os.unlink(cls.keyfile)
-            os.rmdir(cls.keydir)
-        except OSError:
-            pass
+        if os.environ.get("SP_TEST_KEEP") != "1":
+            shutil.rmtree(cls.keydir, ignore_errors=True)
 
     @classmethod
     def sql(cls, text):
@@ -171,6 +186,87 @@ class ClusterTest(unittest.TestCase):
         self.assertTrue(head.startswith(b"HTTP/1.1 101"), head)
         self.assertEqual(back, b"HELLO WEBSOCKET")
 
+    def e2b(self, node, path):
+        resp, body = node.exchange("GET", path, headers={"X-API-Key": node.key})
+        return resp.status, json.loads(body) if body else None
+
+    def test_session_attach_over_websocket(self):
+        # Created through A (forwarded to B, which holds the session), attached through A.
+        st, sess = self.a.request("POST", "/v1/sandboxes/%s/sessions" % self.sid,
+                                  {"cmd": "read line; echo got:$line; read more; stty size;"
+                                   " exit 7", "pty": True})
+        self.assertEqual(st, 201, sess)
+        self.assertIn(self.sid, sess["attach_url"])
+        url = sess["attach_url"] + "?token=" + sess["attach_token"]
+        # A wrong token is refused by B through A; without one, A refuses it itself.
+        for bad in ("sat_" + "x" * 43, ""):
+            ws = WebSocket(self.a.port, sess["attach_url"] + "?token=" + bad)
+            ws.close()
+            self.assertEqual(ws.status, 401, ws.body)
+        # The session is B's: A does not hold it under the older path.
+        st, r = self.a.request("GET", "/v1/attach/" + sess["id"], key=sess["attach_token"])
+        self.assertEqual(st, 404, r)
+        ws = WebSocket(self.a.port, url, timeout=60)
+        self.assertEqual(ws.status, 101, ws.body)
+        op, p = ws.recv()
+        self.assertEqual((op, json.loads(p)["type"]), (1, "start"))
+        ws.send_binary(b"typed\n")
+        out = b""
+        while b"got:typed" not in out:
+            op, p = ws.recv()
+            self.assertEqual(op, 2, p)
+            out += p[1:]
+        ws.send_json({"type": "resize", "rows": 33, "cols": 101})
+        ws.send_binary(b"\n")
+        events, more, _ = ws.collect()
+        ws.close()
+        self.assertIn(b"33 101", more, (events, out, more))
+        self.assertEqual(events[-1]["type"], "exit", events)
+        self.assertEqual(events[-1]["exit_code"], 7, events)
+        # A session unknown everywhere: 404 from B through A.
+        ws = WebSocket(self.a.port, "/v1/attach/%s/se%s?token=%s"
+                       % (self.sid, "0" * 22, sess["attach_token"]))
+        ws.close()
+        self.assertEqual(ws.status, 404, ws.body)
+
+    def test_e2b_metrics_and_disk_from_both_workers(self):
+        path = "/sandboxes/metrics?sandbox_ids=%s,%s" % (self.a_sid, self.sid)
+        st, r = self.e2b(self.a, path)
+        self.assertEqual(st, 200, r)
+        self.assertEqual(sorted(r["sandboxes"]), sorted([self.a_sid, self.sid]), r)
+        for m in r["sandboxes"].values():
+            self.assertGreater(m["memTotal"], 0, r)
+            self.assertGreater(m["diskTotal"], 0, r)
+        # B's own answer is the same set: each node gathers from the other.
+        st, r = self.e2b(self.b, path)
+        self.assertEqual((st, sorted(r["sandboxes"])), (200, sorted([self.a_sid, self.sid])))
+        for node in (self.a, self.b):
+            for sid in (self.a_sid, self.sid):
+                st, d = self.e2b(node, "/sandboxes/" + sid)
+                self.assertEqual(st, 200, d)
+                self.assertGreater(d["diskSizeMB"], 0, (node.port, sid, d))
+
+    def test_z_worker_silent(self):
+        # B's row pointing at a socket that takes connections and never answers: the gathered
+        # answers come within their bound, without B's figures.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        self.sql("UPDATE workers SET address = '127.0.0.1:%d' WHERE id = '%s'"
+                 % (silent.getsockname()[1], self.b_worker))
+        try:
+            t0 = time.time()
+            st, r = self.e2b(self.a, "/sandboxes/metrics?sandbox_ids=%s,%s"
+                             % (self.a_sid, self.sid))
+            self.assertEqual((st, sorted(r["sandboxes"])), (200, [self.a_sid]), r)
+            st, d = self.e2b(self.a, "/sandboxes/" + self.sid)
+            self.assertEqual((st, d["diskSizeMB"]), (200, 0), d)
+            self.assertLess(time.time() - t0, 10 * MULT)
+        finally:
+            silent.close()
+            self.sql("UPDATE workers SET address = '127.0.0.1:%d' WHERE id = '%s'"
+                     % (self.b.port, self.b_worker))
+
     def test_z_worker_unreachable(self):
         # B's row pointing nowhere: A answers 502 naming the sandbox, at once.
         self.sql("UPDATE workers SET address = '127.0.0.1:1' WHERE id = '%s'" % self.b_worker)
@@ -178,6 +274,12 @@ class ClusterTest(unittest.TestCase):
             t0 = time.time()
             st, r = self.a.request("POST", "/v1/sandboxes/%s/commands" % self.sid,
                                    {"cmd": ["true"]})
+            self.assertEqual(st, 502, r)
+            self.assertIn(self.sid, r["error"]["message"])
+            st, sess = self.b.request("POST", "/v1/sandboxes/%s/sessions" % self.sid,
+                                      {"cmd": "true"})
+            self.assertEqual(st, 201, sess)
+            st, r = self.a.request("GET", sess["attach_url"], key=sess["attach_token"])
             self.assertEqual(st, 502, r)
             self.assertIn(self.sid, r["error"]["message"])
             self.assertLess(time.time() - t0, 10)

@@ -75,6 +75,7 @@ struct sp_proxy {
     h2o_timeout_t connect_to, idle_to;
     struct seen *seen[SEEN_BUCKETS];
     size_t seen_count;
+    struct sp_proxy_get *gets; /* peer GETs in flight (sp_proxy_get) */
 };
 
 static void seen_prune(sp_proxy_t *p, time_t now)
@@ -155,6 +156,8 @@ void sp_proxy_destroy(sp_proxy_t *p)
     if (p == NULL)
         return;
     seen_prune(p, (time_t)INT64_MAX);
+    while (p->gets != NULL) /* only at exit: their callers go with the loop */
+        sp_proxy_get_cancel(p->gets);
     h2o_timeout_dispose(p->hloop, &p->connect_to);
     h2o_timeout_dispose(p->hloop, &p->idle_to);
     OPENSSL_cleanse(p->key, sizeof(p->key));
@@ -187,15 +190,14 @@ static int hexdec(const char *s, size_t slen, unsigned char *out, size_t n)
 }
 
 /* HMAC-SHA256("v1\n" method "\n" authority "\n" path "\n" ts "\n" nonce-hex). */
-static int mac_of(const sp_proxy_t *p, h2o_req_t *req, long long ts, const char *nonce_hex,
-                  unsigned char out[MAC_LEN])
+static int mac_of(const sp_proxy_t *p, h2o_iovec_t method, h2o_iovec_t authority, h2o_iovec_t path,
+                  long long ts, const char *nonce_hex, unsigned char out[MAC_LEN])
 {
     char tsb[32];
     snprintf(tsb, sizeof(tsb), "%lld", ts);
-    const h2o_iovec_t parts[] = {
-        {H2O_STRLIT("v1")}, req->method,        req->authority,
-        req->input.path,    {tsb, strlen(tsb)}, {(char *)nonce_hex, strlen(nonce_hex)},
-    };
+    const h2o_iovec_t parts[] = {{H2O_STRLIT("v1")}, method,
+                                 authority,          path,
+                                 {tsb, strlen(tsb)}, {(char *)nonce_hex, strlen(nonce_hex)}};
     sp_buf_t m = SP_BUF_INIT;
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
         sp_buf_add(&m, parts[i].base, parts[i].len);
@@ -207,8 +209,10 @@ static int mac_of(const sp_proxy_t *p, h2o_req_t *req, long long ts, const char 
     return ok && len == MAC_LEN ? 0 : -1;
 }
 
-/* "v1 <ts> <nonce-hex> <mac-hex>" into out (>= 128 bytes). */
-static int sign(const sp_proxy_t *p, h2o_req_t *req, char *out, size_t cap)
+/* "v1 <ts> <nonce-hex> <mac-hex>" into out (>= 128 bytes), for a request with this method,
+ * authority and path (query included). */
+static int sign(const sp_proxy_t *p, h2o_iovec_t method, h2o_iovec_t authority, h2o_iovec_t path,
+                char *out, size_t cap)
 {
     unsigned char nonce[NONCE_LEN], mac[MAC_LEN];
     char nh[2 * NONCE_LEN + 1], mh[2 * MAC_LEN + 1];
@@ -216,7 +220,7 @@ static int sign(const sp_proxy_t *p, h2o_req_t *req, char *out, size_t cap)
         return -1;
     sp_text_hex(nonce, sizeof(nonce), nh);
     long long ts = (long long)time(NULL);
-    if (mac_of(p, req, ts, nh, mac) < 0)
+    if (mac_of(p, method, authority, path, ts, nh, mac) < 0)
         return -1;
     sp_text_hex(mac, sizeof(mac), mh);
     int n = snprintf(out, cap, "v1 %lld %s %s", ts, nh, mh);
@@ -243,7 +247,8 @@ static bool verify(sp_proxy_t *p, h2o_req_t *req, const h2o_iovec_t *v)
         return false;
     unsigned char nonce[NONCE_LEN], given[MAC_LEN], want[MAC_LEN];
     if (hexdec(nh, strlen(nh), nonce, NONCE_LEN) < 0 ||
-        hexdec(mh, strlen(mh), given, MAC_LEN) < 0 || mac_of(p, req, ts, nh, want) < 0 ||
+        hexdec(mh, strlen(mh), given, MAC_LEN) < 0 ||
+        mac_of(p, req->method, req->authority, req->input.path, ts, nh, want) < 0 ||
         CRYPTO_memcmp(given, want, MAC_LEN) != 0)
         return false;
     /* Only a header that verifies may take a place in the cache. */
@@ -477,14 +482,15 @@ static bool has_crlf(const char *p, size_t n)
     return memchr(p, '\r', n) != NULL || memchr(p, '\n', n) != NULL || memchr(p, 0, n) != NULL;
 }
 
-static int build_head(struct px *x, h2o_req_t *req)
+/* The head of req as it goes to the next node, into b: with method and path (query included)
+ * instead of req's own, the entity's Content-Length when entity, and an Upgrade when upgrade. */
+static int write_head(const sp_proxy_t *p, sp_buf_t *b, h2o_req_t *req, h2o_iovec_t method,
+                      h2o_iovec_t path, bool entity, bool upgrade)
 {
-    sp_buf_t *b = &x->head;
-    h2o_iovec_t path = req->input.path; /* as the client sent it, query included */
-    if (has_crlf(req->method.base, req->method.len) || has_crlf(path.base, path.len) ||
+    if (has_crlf(method.base, method.len) || has_crlf(path.base, path.len) ||
         has_crlf(req->authority.base, req->authority.len))
         return -1;
-    sp_buf_add(b, req->method.base, req->method.len);
+    sp_buf_add(b, method.base, method.len);
     sp_buf_str(b, " ");
     if (path.len == 0 || path.base[0] != '/')
         sp_buf_str(b, "/");
@@ -539,13 +545,13 @@ static int build_head(struct px *x, h2o_req_t *req)
         sp_buf_str(b, "\"");
     }
     sp_buf_printf(b, "\r\nX-Forwarded-Proto: %s\r\n", proto);
-    if (req->entity.base != NULL)
+    if (entity && req->entity.base != NULL)
         sp_buf_printf(b, "Content-Length: %zu\r\n", req->entity.len);
     char sig[160];
-    if (sign(x->p, req, sig, sizeof(sig)) < 0)
+    if (sign(p, method, req->authority, path, sig, sizeof(sig)) < 0)
         return -1;
     sp_buf_printf(b, "Space-Cluster-Auth: %s\r\n", sig);
-    if (x->upgrade) {
+    if (upgrade) {
         sp_buf_str(b, "Connection: upgrade\r\nUpgrade: ");
         sp_buf_add(b, req->upgrade.base, req->upgrade.len);
         sp_buf_str(b, "\r\n\r\n");
@@ -553,6 +559,12 @@ static int build_head(struct px *x, h2o_req_t *req)
         sp_buf_str(b, "Connection: close\r\n\r\n");
     }
     return b->oom ? -1 : 0;
+}
+
+static int build_head(struct px *x, h2o_req_t *req)
+{
+    /* the path as the client sent it, query included */
+    return write_head(x->p, &x->head, req, req->method, req->input.path, true, x->upgrade);
 }
 
 /* ---- toward the client ---- */
@@ -925,8 +937,13 @@ static void start_connect(struct px *x, struct sockaddr *sa, socklen_t len)
 
 /* ---- names resolved off the loop ---- */
 
+/* Who waits for a name: a forwarded request or a peer GET. */
+typedef void (*resolved_fn)(void *owner, int rc, const char *host, struct sockaddr *sa,
+                            socklen_t len);
+
 struct resolve {
-    struct px *x; /* NULL once abandoned */
+    resolved_fn done;
+    void *owner; /* NULL once abandoned */
     char host[256], port[8];
     struct sockaddr_storage addr;
     socklen_t addrlen;
@@ -951,79 +968,107 @@ static void resolve_run(sp_work_t *w, void *arg)
 static void resolve_done(void *arg, bool cancelled)
 {
     struct resolve *rs = arg;
-    struct px *x = rs->x;
-    if (cancelled || x == NULL) {
-        free(rs);
-        return;
-    }
-    x->rs = NULL;
-    px_enter(x);
-    if (rs->rc != 0) {
-        char what[400];
-        snprintf(what, sizeof(what), "is unreachable (cannot resolve %s: %s)", rs->host,
-                 gai_strerror(rs->rc));
-        px_fail(x, 502, what);
-    } else {
-        start_connect(x, (struct sockaddr *)&rs->addr, rs->addrlen);
-    }
+    if (!cancelled && rs->owner != NULL)
+        rs->done(rs->owner, rs->rc, rs->host, (struct sockaddr *)&rs->addr, rs->addrlen);
     free(rs);
-    px_leave(x);
 }
 
 static void resolve_abandon(struct resolve *rs)
 {
-    rs->x = NULL; /* done frees it */
+    rs->owner = NULL; /* done frees it */
 }
 
-/* Splits "host:port" / "[v6]:port"; connects at once to a literal address. */
-static void locate(struct px *x, const char *upstream)
+/* Splits "host:port" / "[v6]:port": 1 with a literal address in *sa, 0 with a name to resolve
+ * in host and port, -1 when upstream is malformed. */
+static int parse_upstream(const char *upstream, char host[256], long *port,
+                          struct sockaddr_storage *sa, socklen_t *len)
 {
-    char host[256];
     const char *colon = strrchr(upstream, ':');
     const char *hs = upstream, *he = colon;
     if (upstream[0] == '[') {
         const char *rb = strchr(upstream, ']');
-        if (rb == NULL || rb + 1 != colon) {
-            px_fail(x, 502, "has a bad address");
-            return;
-        }
+        if (rb == NULL || rb + 1 != colon)
+            return -1;
         hs = upstream + 1;
         he = rb;
     }
     char *e = NULL;
-    long port = colon != NULL ? strtol(colon + 1, &e, 10) : 0;
-    if (colon == NULL || he <= hs || (size_t)(he - hs) >= sizeof(host) || *e != '\0' || port <= 0 ||
-        port > 65535) {
+    *port = colon != NULL ? strtol(colon + 1, &e, 10) : 0;
+    if (colon == NULL || he <= hs || (size_t)(he - hs) >= 256 || *e != '\0' || *port <= 0 ||
+        *port > 65535)
+        return -1;
+    memcpy(host, hs, (size_t)(he - hs));
+    host[he - hs] = '\0';
+    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)*port)};
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)*port)};
+    memset(sa, 0, sizeof(*sa));
+    if (inet_pton(AF_INET, host, &a4.sin_addr) == 1) {
+        memcpy(sa, &a4, sizeof(a4));
+        *len = sizeof(a4);
+        return 1;
+    }
+    if (inet_pton(AF_INET6, host, &a6.sin6_addr) == 1) {
+        memcpy(sa, &a6, sizeof(a6));
+        *len = sizeof(a6);
+        return 1;
+    }
+    return 0;
+}
+
+/* Starts resolving host:port off the loop; NULL when it cannot (no memory, no thread). */
+static struct resolve *resolve_start(sp_proxy_t *p, const char *host, long port, resolved_fn done,
+                                     void *owner)
+{
+    struct resolve *rs = calloc(1, sizeof(*rs));
+    if (rs == NULL)
+        return NULL;
+    rs->done = done;
+    rs->owner = owner;
+    snprintf(rs->host, sizeof(rs->host), "%s", host);
+    snprintf(rs->port, sizeof(rs->port), "%ld", port);
+    if (sp_loop_work(p->loop, SP_WORK_SHORT, resolve_run, resolve_done, rs) == NULL) {
+        free(rs);
+        return NULL;
+    }
+    return rs;
+}
+
+static void px_resolved(void *owner, int rc, const char *host, struct sockaddr *sa, socklen_t len)
+{
+    struct px *x = owner;
+    x->rs = NULL;
+    px_enter(x);
+    if (rc != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "is unreachable (cannot resolve %s: %s)", host,
+                 gai_strerror(rc));
+        px_fail(x, 502, what);
+    } else {
+        start_connect(x, sa, len);
+    }
+    px_leave(x);
+}
+
+/* Connects at once to a literal address, else resolves the name first. */
+static void locate(struct px *x, const char *upstream)
+{
+    char host[256];
+    long port;
+    struct sockaddr_storage sa;
+    socklen_t len = 0;
+    int k = parse_upstream(upstream, host, &port, &sa, &len);
+    if (k < 0) {
         px_fail(x, 502, "has a bad address");
         return;
     }
-    memcpy(host, hs, (size_t)(he - hs));
-    host[he - hs] = '\0';
-    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
-    if (inet_pton(AF_INET, host, &a4.sin_addr) == 1) {
-        start_connect(x, (struct sockaddr *)&a4, sizeof(a4));
+    if (k == 1) {
+        start_connect(x, (struct sockaddr *)&sa, len);
         return;
     }
-    if (inet_pton(AF_INET6, host, &a6.sin6_addr) == 1) {
-        start_connect(x, (struct sockaddr *)&a6, sizeof(a6));
-        return;
-    }
-    struct resolve *rs = calloc(1, sizeof(*rs));
-    if (rs == NULL) {
-        px_fail(x, 502, "cannot be resolved (out of memory)");
-        return;
-    }
-    rs->x = x;
-    snprintf(rs->host, sizeof(rs->host), "%s", host);
-    snprintf(rs->port, sizeof(rs->port), "%ld", port);
-    x->rs = rs;
     arm(x, &x->p->connect_to); /* the name's resolution counts toward connecting */
-    if (sp_loop_work(x->p->loop, SP_WORK_SHORT, resolve_run, resolve_done, rs) == NULL) {
-        x->rs = NULL;
-        free(rs);
-        px_fail(x, 502, "cannot be resolved (no worker thread)");
-    }
+    x->rs = resolve_start(x->p, host, port, px_resolved, x);
+    if (x->rs == NULL)
+        px_fail(x, 502, "cannot be resolved (out of memory or no worker thread)");
 }
 
 void sp_proxy_forward(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const char *sandbox_id)
@@ -1065,4 +1110,273 @@ void sp_proxy_forward(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const
     px_enter(x);
     locate(x, upstream);
     px_leave(x);
+}
+
+/* ---- a GET to another node, its whole answer kept (sp_proxy_get) ---- */
+
+struct sp_proxy_get {
+    sp_proxy_t *p;
+    struct sp_proxy_get *prev, *next; /* p's list of GETs in flight */
+    sp_proxy_got_cb cb;
+    void *arg;
+    h2o_socket_t *up;
+    struct resolve *rs;
+    sp_timer_t timer; /* the deadline; also runs a failure outside sp_proxy_get */
+    char why[200];    /* set: fail with it when the timer fires */
+    char upstream[256];
+    sp_buf_t head, in; /* the request head; the whole response as read */
+};
+
+static void pg_close(sp_proxy_get_t *g)
+{
+    if (g->up != NULL) {
+        g->up->data = NULL;
+        h2o_socket_close(g->up);
+        g->up = NULL;
+    }
+    if (g->rs != NULL) {
+        resolve_abandon(g->rs);
+        g->rs = NULL;
+    }
+    sp_timer_stop(&g->timer);
+    if (g->prev != NULL)
+        g->prev->next = g->next;
+    else
+        g->p->gets = g->next;
+    if (g->next != NULL)
+        g->next->prev = g->prev;
+    sp_buf_free(&g->head);
+    sp_buf_free(&g->in);
+}
+
+/* Ends g: cb once, with the answer (status > 0) or why it could not be had. */
+static void pg_end(sp_proxy_get_t *g, int status, const char *body, size_t len, const char *why)
+{
+    sp_proxy_got_cb cb = g->cb;
+    void *arg = g->arg;
+    char upstream[256], msg[512];
+    snprintf(upstream, sizeof(upstream), "%s", g->upstream);
+    if (status == 0) {
+        snprintf(msg, sizeof(msg), "worker %s %s", upstream, why);
+        sp_log(SP_LOG_INFO, "proxy", "peer get failed: %s", msg);
+    }
+    /* The body lives in g->in until cb returns. */
+    sp_buf_t in = g->in;
+    g->in = (sp_buf_t)SP_BUF_INIT;
+    pg_close(g);
+    free(g);
+    cb(arg, status, body, len, status == 0 ? msg : NULL);
+    sp_buf_free(&in);
+}
+
+/* Defers a failure to the loop: the callback never runs inside sp_proxy_get. */
+static void pg_fail_later(sp_proxy_get_t *g, const char *why)
+{
+    if (g->up != NULL) {
+        g->up->data = NULL;
+        h2o_socket_close(g->up);
+        g->up = NULL;
+    }
+    snprintf(g->why, sizeof(g->why), "%s", why);
+    sp_timer_start(&g->timer, 0);
+}
+
+static void pg_on_timer(sp_timer_t *t, void *arg)
+{
+    sp_proxy_get_t *g = arg;
+    pg_end(g, 0, NULL, 0, g->why[0] ? g->why : "did not answer in time");
+}
+
+/* The whole response is in g->in (the upstream closed, or its Content-Length arrived):
+ * answers cb. */
+static void pg_parse(sp_proxy_get_t *g, bool eof)
+{
+    int minor, status;
+    const char *msg;
+    size_t msg_len, nf = MAX_FIELDS;
+    struct phr_header fields[MAX_FIELDS];
+    char *buf = (char *)g->in.p;
+    int hl = phr_parse_response(buf, g->in.len, &minor, &status, &msg, &msg_len, fields, &nf, 0);
+    if (hl == -2 && !eof)
+        return; /* the head is not all in yet */
+    if (hl < 0 || status < 200 || status > 999) {
+        pg_end(g, 0, NULL, 0,
+               hl == -2 ? "closed the connection without a response" : "sent a bad response");
+        return;
+    }
+    bool chunked = false, has_length = false;
+    unsigned long long length = 0;
+    for (size_t i = 0; i < nf; i++) {
+        if (fields[i].name == NULL)
+            continue;
+        if (field_is(&fields[i], "transfer-encoding") &&
+            h2o_contains_token(fields[i].value, fields[i].value_len, H2O_STRLIT("chunked"), ','))
+            chunked = true;
+        if (field_is(&fields[i], "content-length") && fields[i].value_len > 0 &&
+            fields[i].value_len < 20) {
+            char num[24];
+            memcpy(num, fields[i].value, fields[i].value_len);
+            num[fields[i].value_len] = '\0';
+            char *e;
+            length = strtoull(num, &e, 10);
+            has_length = *e == '\0' && num[0] >= '0' && num[0] <= '9';
+        }
+    }
+    char *body = buf + hl;
+    size_t n = g->in.len - (size_t)hl;
+    if (chunked) {
+        if (!eof)
+            return; /* decoded once the connection ended */
+        sp_chunked_t ck = SP_CHUNKED_INIT;
+        size_t in = 0, out = 0;
+        int rc = 0;
+        while (in < n && rc == 0) {
+            size_t used, dlen;
+            const uint8_t *data;
+            rc = sp_chunked_step(&ck, (const uint8_t *)body + in, n - in, n - in, &used, &data,
+                                 &dlen);
+            if (rc < 0)
+                break;
+            if (dlen > 0)
+                memmove(body + out, data, dlen); /* data lies at or after body + out */
+            out += dlen;
+            in += used;
+            if (used == 0 && rc == 0)
+                break;
+        }
+        if (rc != 1) {
+            pg_end(g, 0, NULL, 0, "sent a bad or cut chunked body");
+            return;
+        }
+        n = out;
+    } else if (has_length) {
+        if (n < length) {
+            if (eof)
+                pg_end(g, 0, NULL, 0, "closed the connection mid-body");
+            return;
+        }
+        n = (size_t)length;
+    } else if (!eof) {
+        return; /* the end of the connection is the end of the body */
+    }
+    pg_end(g, status, body, n, NULL);
+}
+
+static void pg_on_read(h2o_socket_t *sock, const char *err)
+{
+    sp_proxy_get_t *g = sock->data;
+    if (g == NULL)
+        return;
+    sp_buf_add(&g->in, sock->input->bytes, sock->input->size);
+    h2o_buffer_consume(&sock->input, sock->input->size);
+    if (g->in.oom) {
+        pg_end(g, 0, NULL, 0, "sent more than this node could hold");
+        return;
+    }
+    if (g->in.len > SP_PROXY_GET_MAX + HEAD_MAX) {
+        pg_end(g, 0, NULL, 0, "sent an answer that is too large");
+        return;
+    }
+    pg_parse(g, err != NULL);
+}
+
+static void pg_on_written(h2o_socket_t *sock, const char *err)
+{
+    sp_proxy_get_t *g = sock->data;
+    if (g != NULL && err != NULL)
+        pg_fail_later(g, "closed the connection before taking the request");
+}
+
+static void pg_on_connect(h2o_socket_t *sock, const char *err)
+{
+    sp_proxy_get_t *g = sock->data;
+    if (g == NULL)
+        return;
+    if (err != NULL) {
+        char why[160];
+        snprintf(why, sizeof(why), "is unreachable (%s)", err);
+        pg_fail_later(g, why);
+        return;
+    }
+    h2o_iovec_t buf = h2o_iovec_init(g->head.p, g->head.len);
+    h2o_socket_write(sock, &buf, 1, pg_on_written);
+    h2o_socket_read_start(sock, pg_on_read);
+}
+
+static void pg_connect(sp_proxy_get_t *g, struct sockaddr *sa, socklen_t len)
+{
+    g->up = h2o_socket_connect(g->p->hloop, sa, len, pg_on_connect);
+    if (g->up == NULL) {
+        pg_fail_later(g, "is unreachable (connect failed)");
+        return;
+    }
+    g->up->data = g;
+}
+
+static void pg_resolved(void *owner, int rc, const char *host, struct sockaddr *sa, socklen_t len)
+{
+    sp_proxy_get_t *g = owner;
+    g->rs = NULL;
+    if (rc != 0) {
+        char why[400];
+        snprintf(why, sizeof(why), "is unreachable (cannot resolve %s: %s)", host,
+                 gai_strerror(rc));
+        pg_fail_later(g, why);
+        return;
+    }
+    pg_connect(g, sa, len);
+}
+
+sp_proxy_get_t *sp_proxy_get(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const char *path,
+                             uint32_t timeout_ms, sp_proxy_got_cb cb, void *arg, sp_err_t *err)
+{
+    if (!sp_proxy_has_key(p)) {
+        sp_err_set(err, SP_EUNAVAIL, "this node has no cluster key (--cluster-key-file)");
+        return NULL;
+    }
+    sp_proxy_get_t *g = calloc(1, sizeof(*g));
+    if (g == NULL) {
+        sp_err_set(err, SP_EINTERNAL, "out of memory");
+        return NULL;
+    }
+    g->p = p;
+    g->cb = cb;
+    g->arg = arg;
+    snprintf(g->upstream, sizeof(g->upstream), "%s", upstream);
+    sp_timer_init(&g->timer, p->loop, pg_on_timer, g);
+    if (write_head(p, &g->head, req, h2o_iovec_init(H2O_STRLIT("GET")),
+                   h2o_iovec_init(path, strlen(path)), false, false) < 0) {
+        sp_buf_free(&g->head);
+        free(g);
+        sp_err_set(err, SP_EINVAL, "this request cannot be sent to another node");
+        return NULL;
+    }
+    g->next = p->gets;
+    if (p->gets != NULL)
+        p->gets->prev = g;
+    p->gets = g;
+    sp_timer_start(&g->timer, timeout_ms); /* the whole exchange, name and connect included */
+    char host[256];
+    long port;
+    struct sockaddr_storage sa;
+    socklen_t len = 0;
+    int k = parse_upstream(upstream, host, &port, &sa, &len);
+    if (k < 0) {
+        pg_fail_later(g, "has a bad address");
+    } else if (k == 1) {
+        pg_connect(g, (struct sockaddr *)&sa, len);
+    } else {
+        g->rs = resolve_start(p, host, port, pg_resolved, g);
+        if (g->rs == NULL)
+            pg_fail_later(g, "cannot be resolved (out of memory or no worker thread)");
+    }
+    return g;
+}
+
+void sp_proxy_get_cancel(sp_proxy_get_t *g)
+{
+    if (g == NULL)
+        return;
+    pg_close(g);
+    free(g);
 }

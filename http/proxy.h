@@ -74,6 +74,30 @@ void sp_proxy_forward(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const
  * {"error":{"code","message"}} as the native API, top-level message and code as E2B. */
 void sp_proxy_error(h2o_req_t *req, int status, const char *sandbox_id, const char *msg);
 
+/*
+ * A GET to another node on a client's behalf, its whole answer kept: for an answer a node
+ * assembles from several workers' figures (E2B's many-sandbox metrics, a sandbox's disk
+ * size), where forwarding the client's request whole would not do. The head is req's (its
+ * credentials pass as they are: the peer authenticates them, and scopes the answer by them)
+ * with GET, path (query included) and the cluster header, as sp_proxy_forward writes it; the
+ * peer sees a forwarded request and answers from its own memory without asking further.
+ * timeout_ms bounds the whole exchange (name, connect, answer). cb runs exactly once, never
+ * inside this call: status and body (borrowed for the call) of any complete answer, or status
+ * 0 and why (client-safe, names the worker) when there was none in time, or it was larger than
+ * SP_PROXY_GET_MAX. NULL with err, and no callback, when it cannot start (no cluster key: 503;
+ * a head that cannot be sent). req is only read during this call.
+ */
+#define SP_PROXY_GET_MAX (4u << 20) /* bytes of body an answer may have */
+
+typedef struct sp_proxy_get sp_proxy_get_t;
+typedef void (*sp_proxy_got_cb)(void *arg, int status, const char *body, size_t len,
+                                const char *why);
+
+sp_proxy_get_t *sp_proxy_get(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const char *path,
+                             uint32_t timeout_ms, sp_proxy_got_cb cb, void *arg, sp_err_t *err);
+/* Abandons g without its callback. NULL does nothing. */
+void sp_proxy_get_cancel(sp_proxy_get_t *g);
+
 typedef enum {
     SP_PROXY_DIRECT = 0, /* no cluster header: a client's own request */
     SP_PROXY_FORWARDED,  /* a valid cluster header: a node forwarded it */

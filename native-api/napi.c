@@ -113,6 +113,13 @@ bool sp_napi_data_plane(h2o_req_t *req, char id[65])
                                        "execute",  "egress", "credentials"};
     const char *segs[NAPI_MAX_SEGS];
     int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
+    if (ns == 4 && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "attach") == 0 &&
+        strlen(segs[2]) < 65) {
+        /* The attach path names the sandbox so that any node can route it: the session
+         * itself lives only in its worker's memory. */
+        snprintf(id, 65, "%s", segs[2]);
+        return true;
+    }
     if (ns < 4 || strcmp(segs[0], "v1") != 0 || strcmp(segs[1], "sandboxes") != 0 ||
         strlen(segs[2]) >= 65)
         return false;
@@ -567,14 +574,16 @@ void sp_napi_handle(sp_napi_t *n, h2o_req_t *req)
         h2o_send_inline(req, sp_napi_openapi_json, strlen(sp_napi_openapi_json));
         return;
     }
-    if (ns == 3 && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "attach") == 0) {
-        /* The data plane: the session's token, not an API key, and no database. */
+    if ((ns == 3 || ns == 4) && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "attach") == 0) {
+        /* The data plane: the session's token, not an API key, and no database.
+         * /v1/attach/{sandbox}/{session} is what sessions hand out; /v1/attach/{session}, the
+         * older form, is served only by the node that holds the session. */
         if (mb != M_GET)
             sp_http_json(req, 405,
                          json_pack("{s:{s:s,s:s}}", "error", "code", "method_not_allowed",
                                    "message", "method not allowed on this path"));
         else
-            sp_napi__attach(n, req, segs[2]);
+            sp_napi__attach(n, req, ns == 4 ? segs[2] : NULL, segs[ns - 1]);
         return;
     }
     const struct route *r = ns < 0 ? NULL : match(segs, ns);

@@ -50,7 +50,8 @@ const char *sp_napi_route_class(h2o_req_t *req);
 
 /* Whether req is data-plane traffic of one sandbox, which the worker owning it must serve
  * (server/server.c forwards it there): /v1/sandboxes/{id}/ commands, files, sessions,
- * contexts, execute, egress and credentials, and all below them. The id goes to id. */
+ * contexts, execute, egress and credentials, and all below them, and a session's attach
+ * /v1/attach/{id}/{session} (route_sessions.c). The id goes to id. */
 bool sp_napi_data_plane(h2o_req_t *req, char id[65]);
 
 /* Answers req (now or later). */

@@ -200,7 +200,10 @@ void sp_napi__workers_list(napi_ctx_t *c);
 void sp_napi__workers_get(napi_ctx_t *c);
 void sp_napi__workers_drain(napi_ctx_t *c);
 void sp_napi__workers_undrain(napi_ctx_t *c);
-/* GET /v1/attach/{sid}: authenticated by the session's attach token, not an API key. */
-void sp_napi__attach(sp_napi_t *n, h2o_req_t *req, const char *sid);
+/* GET /v1/attach/{sandbox}/{sid} and /v1/attach/{sid}: authenticated by the session's
+ * attach token, not an API key. */
+/* sandbox: the sandbox the path names (the session must be its), or NULL for the older
+ * /v1/attach/{session}. */
+void sp_napi__attach(sp_napi_t *n, h2o_req_t *req, const char *sandbox, const char *sid);
 
 #endif

@@ -1,11 +1,18 @@
 /*
  * route_sessions.c - command sessions: /v1/sandboxes/{id}/sessions (control plane, API key)
- * and /v1/attach/{session} (data plane, the session's attach token).
+ * and /v1/attach/{id}/{session} (data plane, the session's attach token).
  *
  * Creating a session is the only step that asks the database (team scope, sandbox running);
  * attaching resolves the sandbox's agent channel through the runtime driver and never
- * touches PostgreSQL, so in a multi-host deployment attach_url names the worker that owns
- * the VM (here: this server, as a path). core/channel/session.h owns the table and the process.
+ * touches PostgreSQL. A session lives in the memory of the worker that owns the sandbox (it
+ * holds the process's agent stream), and attach_url names the sandbox, so any node forwards
+ * the attach there like any other data-plane path (server/server.c), WebSockets included,
+ * and the worker checks the token. Why the path and not a table of sessions in PostgreSQL:
+ * the owner is already known from the sandbox (one lookup every data-plane path makes), a
+ * table would cost a write per session and rows to expire for a process that dies with its
+ * worker anyway. The older /v1/attach/{session} still works on the node that holds the
+ * session (everywhere else it is unknown: 404). core/channel/session.h owns the table and
+ * the process.
  *
  * Attach without an upgrade streams NDJSON events exactly like POST .../commands?stream=true:
  *   {"type":"start","id","pid","session"}, {"type":"stdout"|"stderr","data"}, then
@@ -64,8 +71,10 @@ static void create_with_agent(napi_ctx_t *c, sp_agentconn_t *conn)
         sp_napi__fail(c, &e);
         return;
     }
-    char url[64];
-    snprintf(url, sizeof(url), "/v1/attach/%s", sp_session_id(s));
+    /* The sandbox is in the path so that any node can forward the attach to this worker
+     * (server/server.c, as for every data-plane path) without knowing the session. */
+    char url[160];
+    snprintf(url, sizeof(url), "/v1/attach/%s/%s", sp_session_sandbox(s), sp_session_id(s));
     json_t *o = sp_session_json(s);
     json_object_set_new(o, "attach_url", json_string(url));
     json_object_set_new(o, "attach_token", json_string(token));
@@ -561,9 +570,9 @@ static void attach_ws(sp_napi_t *api, h2o_req_t *req, const char *client_key, sp
     wslay_event_config_set_max_recv_msg_length(w->ws->ws_ctx, WS_MAX_MSG);
 }
 
-/* ---- GET /v1/attach/{session} ---- */
+/* ---- GET /v1/attach/{id}/{session}, GET /v1/attach/{session} ---- */
 
-void sp_napi__attach(sp_napi_t *api, h2o_req_t *req, const char *sid)
+void sp_napi__attach(sp_napi_t *api, h2o_req_t *req, const char *sandbox, const char *sid)
 {
     const char *authz = sp_http_header(req, "authorization");
     const char *token = NULL;
@@ -577,6 +586,10 @@ void sp_napi__attach(sp_napi_t *api, h2o_req_t *req, const char *sid)
     }
     sp_err_t e;
     sp_session_t *s = sp_session_authorize(api->sessions, sid, token, &e);
+    if (s != NULL && sandbox != NULL && strcmp(sp_session_sandbox(s), sandbox) != 0) {
+        s = NULL; /* another sandbox's session: as unknown as any (the path routed it here) */
+        sp_err_set(&e, SP_ENOTFOUND, "command session not found or expired");
+    }
     if (s == NULL) {
         sp_http_error(req, &e);
         return;

@@ -656,10 +656,11 @@ struct handler {
     struct srv *srv;
 };
 
-static void dispatch(struct srv *s, h2o_req_t *req)
+/* forwarded: another node sent req (its cluster header verified). */
+static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded)
 {
     if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
-        sp_e2b_handle(s->e2b, req);
+        sp_e2b_handle(s->e2b, req, forwarded);
         return;
     }
     if (sp_napi_owns(req)) {
@@ -693,7 +694,7 @@ static void on_where(void *arg, const sp_where_t *w, const sp_err_t *err)
     struct srv *s = ww.s;
     char msg[512];
     if (err != NULL || !w->found || w->worker_id[0] == '\0' || strcmp(w->worker_id, s->wid) == 0) {
-        dispatch(s, req);
+        dispatch(s, req, ww.forwarded);
     } else if (ww.forwarded) {
         snprintf(msg, sizeof(msg),
                  "sandbox %s is not on this worker (it is placed on worker %s): a forwarded "
@@ -741,7 +742,7 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
                           ? sp_e2b_data_plane(s->e2b, req, id)
                           : sp_napi_owns(req) && sp_napi_data_plane(req, id);
     if (!data_plane || sp_svc_sandbox_here(s->svc, id)) {
-        dispatch(s, req);
+        dispatch(s, req, origin == SP_PROXY_FORWARDED);
         return 0;
     }
     sp_http_hold_t *h = sp_http_hold(req, sizeof(struct where_wait));
@@ -1315,6 +1316,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (s.e2b != NULL) {
         sp_e2b_set_tmpl(s.e2b, tmpl);
         sp_e2b_set_snap(s.e2b, snap);
+        sp_e2b_set_peers(s.e2b, s.proxy, s.wid); /* figures from other workers */
     }
     if ((recon == NULL && !api) || tmpl == NULL || snap == NULL || s.napi == NULL ||
         s.e2b == NULL || admin == NULL) {

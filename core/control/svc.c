@@ -1254,6 +1254,20 @@ bool sp_svc_sandbox_here(sp_svc_t *svc, const char *id)
            svc->driver->ops->agent(svc->driver, id) != NULL;
 }
 
+#define WHERE_SQL                                                                                  \
+    "SELECT coalesce(s.worker_id, ''), coalesce(w.address, ''), coalesce(w.state, ''), s.id"       \
+    " FROM sandboxes s LEFT JOIN workers w ON w.id = s.worker_id"
+
+static void where_row(const PGresult *res, int row, sp_where_t *w)
+{
+    memset(w, 0, sizeof(*w));
+    w->found = true;
+    snprintf(w->worker_id, sizeof(w->worker_id), "%s", PQgetvalue(res, row, 0));
+    snprintf(w->address, sizeof(w->address), "%s", PQgetvalue(res, row, 1));
+    snprintf(w->worker_state, sizeof(w->worker_state), "%s", PQgetvalue(res, row, 2));
+    snprintf(w->sandbox_id, sizeof(w->sandbox_id), "%s", PQgetvalue(res, row, 3));
+}
+
 static void where_done(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
@@ -1264,12 +1278,8 @@ static void where_done(void *rec, PGresult *res, const sp_err_t *err)
         cb(c->arg, NULL, err);
         return;
     }
-    if (PQntuples(res) == 1) {
-        w.found = true;
-        snprintf(w.worker_id, sizeof(w.worker_id), "%s", PQgetvalue(res, 0, 0));
-        snprintf(w.address, sizeof(w.address), "%s", PQgetvalue(res, 0, 1));
-        snprintf(w.worker_state, sizeof(w.worker_state), "%s", PQgetvalue(res, 0, 2));
-    }
+    if (PQntuples(res) == 1)
+        where_row(res, 0, &w);
     cb(c->arg, &w, NULL);
 }
 
@@ -1279,11 +1289,57 @@ int sp_svc_sandbox_where(sp_svc_t *svc, const char *id, sp_svc_where_cb cb, void
     if (!sp_ids_valid(id))
         return sp_err_set(err, SP_ENOTFOUND, "sandbox not found");
     const char *p[] = {id};
-    return submit(svc,
-                  "SELECT coalesce(s.worker_id, ''), coalesce(w.address, ''),"
-                  " coalesce(w.state, '') FROM sandboxes s"
-                  " LEFT JOIN workers w ON w.id = s.worker_id WHERE s.id = $1",
-                  1, p, where_done, (void *)cb, arg, 0, err);
+    return submit(svc, WHERE_SQL " WHERE s.id = $1", 1, p, where_done, (void *)cb, arg, 0, err);
+}
+
+static void where_many_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    sp_svc_where_many_cb cb = (sp_svc_where_many_cb)c->cb;
+    if (err != NULL) {
+        cb(c->arg, NULL, 0, err);
+        return;
+    }
+    int rows = PQntuples(res);
+    sp_where_t *w = rows > 0 ? calloc((size_t)rows, sizeof(*w)) : NULL;
+    if (rows > 0 && w == NULL) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "out of memory");
+        cb(c->arg, NULL, 0, &e);
+        return;
+    }
+    for (int i = 0; i < rows; i++)
+        where_row(res, i, &w[i]);
+    cb(c->arg, w, (size_t)rows, NULL);
+    free(w);
+}
+
+int sp_svc_sandboxes_where(sp_svc_t *svc, const char *const *ids, size_t n, sp_svc_where_many_cb cb,
+                           void *arg, sp_err_t *err)
+{
+    if (n > SP_SVC_WHERE_MAX)
+        return sp_err_set(err, SP_EINVAL, "at most %d sandboxes at once", SP_SVC_WHERE_MAX);
+    /* One text[] parameter: "{id,id}" (valid ids are [a-z0-9], nothing to quote). */
+    sp_buf_t arr = SP_BUF_INIT;
+    sp_buf_str(&arr, "{");
+    for (size_t i = 0; i < n; i++) {
+        if (!sp_ids_valid(ids[i]))
+            continue;
+        if (arr.len > 1)
+            sp_buf_str(&arr, ",");
+        sp_buf_str(&arr, ids[i]);
+    }
+    sp_buf_str(&arr, "}");
+    sp_buf_add(&arr, "", 1);
+    if (arr.oom) {
+        sp_buf_free(&arr);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    const char *p[] = {(const char *)arr.p};
+    int rc = submit(svc, WHERE_SQL " WHERE s.id = ANY($1::text[])", 1, p, where_many_done,
+                    (void *)cb, arg, 0, err);
+    sp_buf_free(&arr);
+    return rc;
 }
 
 /* ---- health ---- */

@@ -285,6 +285,7 @@ int sp_svc_sandbox_agent(sp_svc_t *svc, const sp_auth_t *a, const char *id, sp_s
 bool sp_svc_sandbox_here(sp_svc_t *svc, const char *id);
 
 typedef struct {
+    char sandbox_id[65];  /* the sandbox asked about */
     bool found;           /* false: no such sandbox (the caller answers as it would locally) */
     char worker_id[65];   /* "" when not placed on any worker */
     char address[256];    /* the worker's "host:port"; "" when the worker has no row */
@@ -298,6 +299,15 @@ typedef void (*sp_svc_where_cb)(void *arg, const sp_where_t *w, const sp_err_t *
  * owner, which authenticates it. */
 int sp_svc_sandbox_where(sp_svc_t *svc, const char *id, sp_svc_where_cb cb, void *arg,
                          sp_err_t *err);
+
+typedef void (*sp_svc_where_many_cb)(void *arg, const sp_where_t *w, size_t n, const sp_err_t *err);
+
+/* The same for n sandboxes (valid ids, at most SP_SVC_WHERE_MAX) in one statement, for an
+ * answer gathered from their workers: cb gets one record per sandbox that exists, in no
+ * particular order (borrowed for the call). */
+#define SP_SVC_WHERE_MAX 1000
+int sp_svc_sandboxes_where(sp_svc_t *svc, const char *const *ids, size_t n, sp_svc_where_many_cb cb,
+                           void *arg, sp_err_t *err);
 
 /* Database round trip, for /healthz. */
 int sp_svc_health(sp_svc_t *svc, sp_svc_done_cb cb, void *arg, sp_err_t *err);

@@ -1,15 +1,11 @@
 """Command sessions (native API): create on the control plane, attach with the session token.
 
 Runs against spaced-test with a real space-agent-host per sandbox (SPACE_FAKE_AGENT), like
-test_commands.py. The WebSocket client below is the standard library only (RFC 6455 framing,
-client frames masked).
+test_commands.py. The WebSocket client is tests/wsclient.py.
 """
-import base64
 import hashlib
 import json
 import os
-import socket
-import struct
 import sys
 import threading
 import time
@@ -17,127 +13,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from harness import MULT, PlatformTest, skip_unless_agent, skip_unless_pg  # noqa: E402
-
-WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-
-
-class WsError(Exception):
-    pass
-
-
-class WebSocket:
-    """A minimal RFC 6455 client: handshake, masked frames out, whole messages in."""
-
-    def __init__(self, port, path, headers=None, timeout=30):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout * MULT)
-        key = base64.b64encode(os.urandom(16)).decode()
-        lines = ["GET %s HTTP/1.1" % path, "Host: 127.0.0.1:%d" % port, "Upgrade: websocket",
-                 "Connection: Upgrade", "Sec-WebSocket-Key: " + key,
-                 "Sec-WebSocket-Version: 13"]
-        for k, v in (headers or {}).items():
-            lines.append("%s: %s" % (k, v))
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            chunk = self.sock.recv(4096)
-            if not chunk:
-                raise WsError("connection closed during the handshake: %r" % buf)
-            buf += chunk
-        head, self.buf = buf.split(b"\r\n\r\n", 1)
-        status_line, *hdrs = head.decode("latin-1").split("\r\n")
-        self.status = int(status_line.split()[1])
-        self.headers = {h.split(":", 1)[0].strip().lower(): h.split(":", 1)[1].strip()
-                        for h in hdrs if ":" in h}
-        self.body = self.buf if self.status != 101 else b""
-        if self.status == 101:
-            want = base64.b64encode(hashlib.sha1(key.encode() + WS_GUID).digest()).decode()
-            if self.headers.get("sec-websocket-accept") != want:
-                raise WsError("bad Sec-WebSocket-Accept")
-        self.closed = False
-
-    @staticmethod
-    def frame(opcode, payload):
-        """One masked client frame, as bytes (send_frame sends it)."""
-        mask = os.urandom(4)
-        n = len(payload)
-        head = bytes([0x80 | opcode])
-        if n < 126:
-            head += bytes([0x80 | n])
-        elif n < 65536:
-            head += bytes([0x80 | 126]) + struct.pack("!H", n)
-        else:
-            head += bytes([0x80 | 127]) + struct.pack("!Q", n)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        return head + mask + masked
-
-    def send_frame(self, opcode, payload):
-        self.sock.sendall(self.frame(opcode, payload))
-
-    def send_binary(self, data):
-        self.send_frame(0x2, data)
-
-    def send_json(self, obj):
-        self.send_frame(0x1, json.dumps(obj).encode())
-
-    def _read(self, n):
-        while len(self.buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise WsError("connection closed")
-            self.buf += chunk
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    def recv(self):
-        """One message: (opcode, payload); answers pings; (8, payload) for close."""
-        data, first_op = b"", None
-        while True:
-            b0, b1 = self._read(2)
-            op, fin, n = b0 & 0x0F, b0 & 0x80, b1 & 0x7F
-            if b1 & 0x80:
-                raise WsError("server frames must not be masked")
-            if n == 126:
-                n = struct.unpack("!H", self._read(2))[0]
-            elif n == 127:
-                n = struct.unpack("!Q", self._read(8))[0]
-            payload = self._read(n)
-            if op == 0x9:
-                self.send_frame(0xA, payload)
-                continue
-            if op == 0x8:
-                if not self.closed:
-                    self.send_frame(0x8, payload[:2])
-                    self.closed = True
-                return 8, payload
-            if op != 0:
-                first_op = op
-            data += payload
-            if fin:
-                return first_op, data
-
-    def close(self):
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def collect(self, until_exit=True):
-        """Reads until the exit (or error) event and the close: (events, stdout, stderr)."""
-        events, out, err = [], b"", b""
-        while True:
-            op, p = self.recv()
-            if op == 8:
-                return events, out, err
-            if op == 2:
-                if p[0] == 1:
-                    out += p[1:]
-                elif p[0] == 2:
-                    err += p[1:]
-                else:
-                    raise WsError("unknown channel byte %d" % p[0])
-            elif op == 1:
-                events.append(json.loads(p))
-
+from wsclient import WebSocket  # noqa: E402
 
 @skip_unless_pg
 @skip_unless_agent
@@ -180,7 +56,8 @@ class SessionsTest(PlatformTest):
     def test_create_shape(self):
         r = self.create({"cmd": "true"})
         self.assertTrue(r["id"].startswith("se"), r)
-        self.assertEqual(r["attach_url"], "/v1/attach/" + r["id"])
+        # The path names the sandbox: any node can forward the attach to its worker.
+        self.assertEqual(r["attach_url"], "/v1/attach/%s/%s" % (self.sid, r["id"]))
         self.assertTrue(r["attach_token"].startswith("sat_"))
         self.assertNotIn(r["attach_token"], json.dumps(self.list_sessions()))
         self.assertEqual(r["state"], "created")
@@ -189,6 +66,26 @@ class SessionsTest(PlatformTest):
                     {"cmd": "x", "rows": 10}, {"cmd": "x", "attach_timeout_s": 0},
                     {"cmd": "x", "env": {"A": 1}}):
             self.create(bad, status=400)
+
+    def test_attach_paths(self):
+        # The older /v1/attach/{session} still works on the node that holds the session.
+        sess = self.create({"cmd": "echo old-path"})
+        conn, r = self.s.open_stream("GET", "/v1/attach/" + sess["id"],
+                                     key=sess["attach_token"])
+        events = self.lines(r)
+        conn.close()
+        self.assertEqual(r.status, 200)
+        self.assertEqual(events[-1]["type"], "exit", events)
+        # Another sandbox's path is not this session's, whatever the token.
+        sess = self.create({"cmd": "true"})
+        other, _ = self.s.create()
+        st, body = self.attach_status(dict(sess, attach_url="/v1/attach/%s/%s"
+                                           % (other, sess["id"])))
+        self.assertEqual(st, 404, body)
+        st, body = self.attach_status(dict(sess, attach_url="/v1/attach/%s/se%s"
+                                           % (self.sid, "0" * 22)))
+        self.assertEqual(st, 404, body)
+        self.assertEqual(self.attach_status(sess)[0], 200)
 
     def list_sessions(self, key=None):
         st, r = self.s.request("GET", "/v1/sandboxes/%s/sessions" % self.sid, key=key)
