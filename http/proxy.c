@@ -1318,7 +1318,7 @@ static void pg_resolved(void *owner, int rc, const char *host, struct sockaddr *
     sp_proxy_get_t *g = owner;
     g->rs = NULL;
     if (rc != 0) {
-        char why[400];
+        char why[sizeof(g->why)];
         snprintf(why, sizeof(why), "is unreachable (cannot resolve %s: %s)", host,
                  gai_strerror(rc));
         pg_fail_later(g, why);
