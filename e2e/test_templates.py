@@ -68,11 +68,8 @@ class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
     TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3")
     MAX_LAYERS = 3
-    # No spare clones: a spare of a template version holds it on disk (the collector keeps
-    # what the runtime uses), and an old version's spares can stay for half an hour (until
-    # their size is idle), longer than test_8 can wait to see which old versions its
-    # collections remove.
-    ARGS = ("--template-max-layers", str(MAX_LAYERS), "--pool-size", "0")
+    # The default spare pool: spares of a version keep nothing on disk (test_8).
+    ARGS = ("--template-max-layers", str(MAX_LAYERS))
 
     def test_1_build_use_cache_change_fail_delete(self):
         s = self.s
@@ -551,19 +548,37 @@ class TemplateBuildTest(VmSuite):
         def vdir(lv):
             return os.path.join(DATA, "templates", lv["name"], lv["version"])
 
-        def runtime_holds(lv):
-            """Whether a VM still names the version's files: the collector keeps such a
-            version whatever its children are."""
+        def vms_naming(lv, spares):
+            """The VM directories whose vm.json names the version's files: spare clones'
+            (a directory .pool-*; a taken spare's old name is a link) or the others'."""
             needle = "/templates/%s/%s/" % (lv["name"], lv["version"])
             vms = os.path.join(DATA, "vms")
+            found = []
             for d in os.listdir(vms):
+                p = os.path.join(vms, d)
+                spare = d.startswith(".pool-") and not os.path.islink(p)
                 try:
-                    with open(os.path.join(vms, d, "vm.json")) as f:
-                        if needle in f.read():
-                            return True
+                    with open(os.path.join(p, "vm.json")) as f:
+                        if needle in f.read() and spare == spares:
+                            found.append(d)
                 except OSError:
                     pass
-            return False
+            return found
+
+        def runtime_holds(lv):
+            """Whether a VM other than a spare clone still names the version's files: the
+            collector keeps such a version whatever its children are. A spare does not keep
+            it: the collector drops it."""
+            return bool(vms_naming(lv, spares=False))
+
+        def spares_of(lv):
+            """Waits (60 s at most) for a spare clone of lv's version: one is made after a
+            create of its size while the host is idle, and stays until its size is idle for
+            half an hour or the collector drops it."""
+            deadline = time.time() + 60 * MULT
+            while not vms_naming(lv, spares=True) and time.time() < deadline:
+                time.sleep(0.5)
+            return vms_naming(lv, spares=True)
 
         def collect(lv, gone):
             """Moves lv's template's default tag onto itself, a collection of its versions,
@@ -593,10 +608,16 @@ class TemplateBuildTest(VmSuite):
         # ly1's old version: collected while ly2's layer over it is on disk, so kept
         rebuild(ly1)
         collect(ly1, gone=False)
-        # ly2's old version: removed, row and all, though ly3 names it as its parent
+        # ly2's old version: removed, row and all, though ly3 names it as its parent and
+        # spare clones of it (made after ly2's create) are there: they are dropped with it
         rebuild(ly2)
+        self.assertTrue(spares_of(ly2), ly2)
         collect(ly2, gone=True)
         self.assertFalse(os.path.isdir(vdir(ly2)), ly2)
+        deadline = time.time() + 30 * MULT
+        while vms_naming(ly2, spares=True) and time.time() < deadline:
+            time.sleep(0.5)
+        self.assertEqual(vms_naming(ly2, spares=True), [], ly2)
         st, t = s.request("GET", "/v1/templates/ly2")
         self.assertEqual(st, 200, t)
         self.assertNotIn(ly2["version"], [v["version"] for v in t["versions"]], t)
@@ -612,8 +633,11 @@ class TemplateBuildTest(VmSuite):
         st, t = s.request("GET", "/v1/templates/ly3")
         self.assertEqual((st, t.get("parent")), (200, "ly2"), t)
         # with ly2's old layer gone, nothing holds ly1's old version: the next collection
+        # (spares of it, if the pool still keeps its size, go with it)
         collect(ly1, gone=True)
         self.assertFalse(os.path.isdir(vdir(ly1)), ly1)
+        # the collections let the current versions' spares be: ly3's create made one
+        self.assertTrue(spares_of(ly3), ly3)
 
 if __name__ == "__main__":
     unittest.main()

@@ -47,8 +47,9 @@
  * keeps it when the tag moves, across suspend and wake. A version is kept on disk while a
  * tag, a sandbox not deleted (or a snapshot of one), another version whose image is a layer
  * over it (not one squashed into a standalone image: driver.h image_standalone), or anything
- * of the runtime's (vms/, snapshots/) uses it, the template deleted or not; the others are
- * removed when a tag moves, when the template is deleted and at start-up.
+ * of the runtime's (vms/, snapshots/) but spare clones uses it, the template deleted or not;
+ * the others are removed, their spare clones dropped first (driver.h template_forget), when a
+ * tag moves, when a build ends, when the template is deleted and at start-up.
  *
  * Logs: <data-dir>/builds/<id>.ndjson, one JSON object per line
  * {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes (then one line saying

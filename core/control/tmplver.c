@@ -2,7 +2,7 @@
  * tmplver.c - a template's versions and tags (tmpl.h): the `current` link that follows the
  * default tag, moving and removing tags, listing versions, and collecting the versions nothing
  * uses (no tag, no sandbox, no snapshot, no child template's image layered on it, nothing in
- * the runtime) from disk and their rows.
+ * the runtime but spare clones, which go with it) from disk and their rows.
  *
  * Not here: building versions (tmplrun.c), the requests and records of builds (tmpl.c).
  */
@@ -24,6 +24,7 @@
 
 #include "base/log.h"
 #include "core/control/tmpl_int.h"
+#include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
 
 static int fsync_dir(const char *p)
@@ -70,10 +71,13 @@ static bool file_mentions(const char *path, const char *needle)
 }
 
 /* What the runtime holds of the version dir vdir ("<data>/templates/<name>/<hash>"): a VM
- * (running, suspended, a spare or a builder) or a sandbox snapshot whose vm.json names a file
- * in it. Step cache entries (tmplcache.h) naming it are deleted instead: no build will start
- * from a version that is gone, and the same inputs made again later make new files. */
-static bool runtime_uses(sp_tmpl_t *t, const char *vdir)
+ * (running, suspended or a builder) or a sandbox snapshot whose vm.json names a file in it.
+ * Step cache entries (tmplcache.h) naming it are deleted instead: no build will start from a
+ * version that is gone, and the same inputs made again later make new files. Spare clones
+ * (qemu.h: sp_qemu_spare_dir) are no use either: they only serve creates of a version a tag
+ * names, so *spares tells whether there are any, for the caller to let go with the version
+ * (driver.h: template_forget). */
+static bool runtime_uses(sp_tmpl_t *t, const char *vdir, bool *spares)
 {
     char needle[PATH_MAX];
     if (sp_tmpl__pathf(needle, sizeof needle, "%s/", vdir) < 0)
@@ -97,6 +101,10 @@ static bool runtime_uses(sp_tmpl_t *t, const char *vdir)
                 sp_tmpl__pathf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name) < 0 ||
                 !file_mentions(p, needle))
                 continue;
+            if (k == 0 && sp_qemu_spare_dir(t->driver, de->d_name)) {
+                *spares = true;
+                continue;
+            }
             sp_err_t e;
             if (k == 1 && strncmp(de->d_name, "bc-", 3) == 0 && t->driver != NULL &&
                 t->driver->ops->checkpoint_delete != NULL &&
@@ -212,7 +220,15 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
         bool building = false; /* a build of another template on it */
         for (struct build *b = t->builds; b != NULL; b = b->next)
             building = building || (strcmp(b->parent, q->name) == 0 && strcmp(b->pp.hash, h) == 0);
-        if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir))
+        bool spares = false;
+        if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir, &spares))
+            continue;
+        /* The driver lets go of what it made of the version (its spares, the sizes it keeps
+         * them of) before the files go; a driver that cannot leaves its spares keeping it. */
+        const sp_driver_ops_t *ops = t->driver != NULL ? t->driver->ops : NULL;
+        if (ops != NULL && ops->template_forget != NULL)
+            ops->template_forget(t->driver, q->name, h);
+        else if (spares)
             continue;
         sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
                q->name, h);

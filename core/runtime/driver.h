@@ -151,6 +151,14 @@ typedef struct {
                       void (*fn)(const char *template_name, int cpu_count, int memory_mb,
                                  int spares, void *arg),
                       void *arg);
+    /* Optional, synchronous, no I/O: version (a build's hash, all its digits) of the template
+     * template_name (a name without "@version") is no longer wanted, and its files are about to
+     * be removed. What the driver made of it only to serve creates sooner (the QEMU driver: its
+     * spare clones, and the sizes it keeps spares of) is let go at once: no create is given
+     * one of them from now on and none is made again; their processes end soon after, on the
+     * loop. Nothing of a sandbox (its VM, its snapshots) is touched. Returns how many spare
+     * clones were let go. NULL: the driver keeps nothing of the kind. */
+    int (*template_forget)(sp_driver_t *d, const char *template_name, const char *version);
 } sp_driver_ops_t;
 
 /* Implementations embed this first. */

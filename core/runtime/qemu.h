@@ -93,7 +93,10 @@
  * only while no other boot is in flight; while a size still has a spare, not in the 250 ms
  * after a sandbox came up either, so its first commands get the CPUs (under TCG a restore
  * beside them made the first command twice as slow). A driver kills the spares it finds at
- * start, and its own at sp_driver_destroy.
+ * start, and its own at sp_driver_destroy. Spares never keep a template version on disk: the
+ * versions' collector (core/control/tmplver.c) tells their directories from a sandbox's by
+ * sp_qemu_spare_dir and has a version's spares dropped (driver.h: template_forget) as it
+ * removes the version.
  *
  * Template snapshots ahead (qemu/ahead.c, driver.h: prepare): sizes a caller expects are
  * queued and, one at a time and only while nothing else boots, suspends or warms (the spares'
@@ -225,5 +228,12 @@ typedef struct {
 
 /* The spare pool now (for tests and benches). -1 (st zeroed) for another driver. */
 int sp_qemu_pool_stats(sp_driver_t *d, sp_qemu_pool_stats_t *st);
+
+/* Whether name, an entry of <data-dir>/vms, is the directory of one of d's spare clones (not
+ * a sandbox's, nor a builder's, nor the link a taken spare's old name leaves, nor a spare of
+ * another process's driver). Spares are no use of their template version: a collector of
+ * versions lets them go (driver.h: template_forget) instead of keeping the version for them.
+ * false for another driver. */
+bool sp_qemu_spare_dir(sp_driver_t *d, const char *name);
 
 #endif

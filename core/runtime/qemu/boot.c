@@ -962,7 +962,9 @@ void sp_qemu__on_kick(sp_timer_t *t, void *arg)
     sp_qemu_t *d = arg;
     for (struct vm *vm = d->vms; vm != NULL;) {
         struct vm *next = vm->next; /* start_disk may fail and free vm */
-        if (vm->ph == PH_WAIT_ACCEL && !vm->boot_queued) {
+        /* a dropped spare is not begun: the pool timer stops it, and its template version's
+         * files may be gone already (driver.h: template_forget) */
+        if (vm->ph == PH_WAIT_ACCEL && !vm->boot_queued && !(vm->pooled && vm->pool_drop)) {
             bool probed = d->accel >= 0 && d->sandbox >= 0;
             /* the probes' time is not the guest's; a template snapshot request has no timer
              * of its own (its builder's bounds it) and gets none here */

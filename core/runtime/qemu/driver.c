@@ -1136,6 +1136,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint_list = sp_qemu__q_checkpoint_list,
     .prepare = sp_qemu__q_prepare,
     .templates = sp_qemu__q_templates,
+    .template_forget = sp_qemu__q_template_forget,
 };
 
 /* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's

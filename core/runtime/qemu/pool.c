@@ -5,7 +5,8 @@
  * Owns the driver's struct poolwant records (the sizes to keep spares of) and makes or drops
  * spares as its policy (core/runtime/poolpolicy.h: how many per size, within the memory
  * budget) says; a spare itself is a struct vm with pooled set, booted by boot.c and stopped by
- * driver.c like any other. Spares are never adopted by a later driver.
+ * driver.c like any other. Spares are never adopted by a later driver, and never keep their
+ * template version: its collector drops them (driver.h: template_forget).
  */
 #include "core/runtime/qemu/qemu_int.h"
 
@@ -111,6 +112,46 @@ static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const ch
             sp_qemu__pool_kick(d);
         }
     }
+}
+
+/* Whether template_name ("name" or "name@hash") with build hash is version of template name. */
+static bool of_version(const char *template_name, const char *hash, const char *name,
+                       const char *version)
+{
+    size_t n = strlen(name);
+    return strncmp(template_name, name, n) == 0 &&
+           (template_name[n] == '\0' || template_name[n] == '@') && strcmp(hash, version) == 0;
+}
+
+/* driver.h: template_forget. Spares of the version reached by either name ("name", when it was
+ * the default build, or "name@hash") are dropped, and so are the sizes wanted of it: the pool
+ * timer would otherwise make new spares of files that are about to go. */
+int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, const char *version)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    int n = 0;
+    for (struct vm *v = d->vms; v != NULL; v = v->next) {
+        if (v->pooled && !v->pool_drop && v->tp != NULL &&
+            of_version(v->template_name, v->tp->hash, template_name, version)) {
+            v->pool_drop = true;
+            n += v->ph != PH_STOPPING;
+        }
+    }
+    for (struct poolwant **pp = &d->wants; *pp != NULL;) {
+        struct poolwant *w = *pp;
+        if (of_version(w->template_name, w->tp.hash, template_name, version)) {
+            *pp = w->next;
+            want_free(d, w);
+        } else {
+            pp = &w->next;
+        }
+    }
+    if (n > 0) {
+        sp_log(SP_LOG_INFO, "qemu", "spare clones dropped template=%s version=%.12s spares=%d",
+               template_name, version, n);
+        sp_qemu__pool_kick(d);
+    }
+    return n;
 }
 
 /* A create of this size (vm: its boot): remember it (most recent first) and count it unless
@@ -637,4 +678,16 @@ int sp_qemu_pool_stats(sp_driver_t *base, sp_qemu_pool_stats_t *st)
         st->budget_mb = sp_poolpolicy_budget(d->policy);
     }
     return 0;
+}
+
+bool sp_qemu_spare_dir(sp_driver_t *base, const char *name)
+{
+    if (base == NULL || base->ops != &sp_qemu__ops)
+        return false;
+    for (const struct vm *v = ((sp_qemu_t *)base)->vms; v != NULL; v = v->next) {
+        const char *b = strrchr(v->dir, '/');
+        if (v->pooled && b != NULL && strcmp(b + 1, name) == 0)
+            return true;
+    }
+    return false;
 }

@@ -564,6 +564,8 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg);
 void sp_qemu__pool_warm(struct vm *vm);
 struct vm *sp_qemu__pool_pick(sp_qemu_t *d, const char *key);
 int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg);
+/* driver.h ops->template_forget: drops a version's spares and the sizes wanted of it. */
+int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, const char *version);
 /* tsnap.c: the template snapshot build metrics listed before the first build. */
 void sp_qemu__tsnap_metrics_declare(void);
 /* A create of a size the pool serves: counts whether a spare was there (base/metrics.h). */

@@ -269,6 +269,83 @@ static void test_qemu_pool_options(void)
     CHECK(sp_qemu_pool_stats(NULL, &st) == -1);
 }
 
+/* A spare (pooled) or a sandbox's VM of template tname built as hash, without a process. */
+static struct vm *fake_vm(sp_driver_t *d, const char *id, bool pooled, const char *tname,
+                          const char *hash)
+{
+    struct vm *vm = sp_qemu__vm_new((sp_qemu_t *)d, id);
+    REQUIRE(vm != NULL);
+    vm->tp = calloc(1, sizeof(*vm->tp));
+    REQUIRE(vm->tp != NULL);
+    snprintf(vm->tp->hash, sizeof vm->tp->hash, "%s", hash);
+    snprintf(vm->template_name, sizeof vm->template_name, "%s", tname);
+    if (pooled) {
+        snprintf(vm->dir, sizeof vm->dir, "%s/vms/.%s", dir, id);
+        snprintf(vm->pool_key, sizeof vm->pool_key, "k-%s", id);
+        vm->pooled = true;
+    }
+    return vm;
+}
+
+static void fake_want(sp_driver_t *d, const char *key, const char *tname, const char *hash)
+{
+    sp_qemu_t *q = (sp_qemu_t *)d;
+    struct poolwant *w = calloc(1, sizeof(*w));
+    REQUIRE(w != NULL);
+    snprintf(w->key, sizeof w->key, "%s", key);
+    snprintf(w->template_name, sizeof w->template_name, "%s", tname);
+    snprintf(w->tp.hash, sizeof w->tp.hash, "%s", hash);
+    w->next = q->wants;
+    q->wants = w;
+}
+
+/* template_forget lets go of the spares of one version of one template, reached by its name
+ * (it was the default build) or by name@hash, and of the sizes wanted of it; a sandbox's VM of
+ * that version, another version and another template that starts with the same letters keep
+ * theirs. sp_qemu_spare_dir knows the spares' directories and nothing else. */
+static void test_qemu_template_forget(void)
+{
+    static const char h1[] = "1111111111111111111111111111111111111111111111111111111111111111";
+    static const char h2[] = "2222222222222222222222222222222222222222222222222222222222222222";
+    /* h2 as a tag reaches it */
+    static const char app2[] =
+        "app@2222222222222222222222222222222222222222222222222222222222222222";
+    sp_qemu_opts_t o = {.data_dir = dir,
+                        .accel = "tcg",
+                        .qemu = "/bin/true",
+                        .qemu_img = "/bin/true",
+                        .pool_size = 5};
+    sp_err_t e;
+    sp_driver_t *d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL && d->ops->template_forget != NULL);
+    struct vm *a = fake_vm(d, "pool-1-1", true, "app", h1);
+    struct vm *b = fake_vm(d, "pool-2-1", true, app2, h2);
+    struct vm *c = fake_vm(d, "pool-3-1", true, "app", h2);
+    struct vm *other = fake_vm(d, "pool-4-1", true, "apple", h1);
+    struct vm *sb = fake_vm(d, "sandbox1", false, "app", h1);
+    fake_want(d, "w-app-1", "app", h1);
+    fake_want(d, "w-app-2", app2, h2);
+    fake_want(d, "w-apple-1", "apple", h1);
+    sp_qemu_t *q = (sp_qemu_t *)d;
+
+    CHECK(sp_qemu_spare_dir(d, ".pool-1-1") && sp_qemu_spare_dir(d, ".pool-4-1"));
+    CHECK(!sp_qemu_spare_dir(d, "sandbox1") && !sp_qemu_spare_dir(d, ".pool-9-1"));
+    CHECK(!sp_qemu_spare_dir(NULL, ".pool-1-1"));
+
+    CHECK(d->ops->template_forget(d, "app", h1) == 1);
+    CHECK(a->pool_drop && !b->pool_drop && !c->pool_drop && !other->pool_drop && !sb->pool_drop);
+    CHECK(sp_qemu__pool_want(q, "w-app-1") == NULL && sp_qemu__pool_want(q, "w-app-2") != NULL &&
+          sp_qemu__pool_want(q, "w-apple-1") != NULL);
+    CHECK(d->ops->template_forget(d, "app", h1) == 0); /* already let go */
+    CHECK(d->ops->template_forget(d, "app", h2) == 2);
+    CHECK(b->pool_drop && c->pool_drop && !other->pool_drop);
+    CHECK(sp_qemu__pool_want(q, "w-app-2") == NULL && sp_qemu__pool_want(q, "w-apple-1") != NULL);
+    CHECK(d->ops->template_forget(d, "ap", h1) == 0 && !other->pool_drop);
+    /* still a spare until it is stopped: the collector may let it go with its version */
+    CHECK(sp_qemu_spare_dir(d, ".pool-1-1"));
+    sp_driver_destroy(d); /* no process: the spares are only freed */
+}
+
 /* image_standalone on images qemu-img makes: a standalone one (as made, and as a squashing
  * export's convert writes it, also as a version 2 image) is 1; a layer, and an image with an
  * external data file, are 0; anything else -1. Skipped without qemu-img. */
@@ -321,6 +398,7 @@ int main(void)
     test_qemu_refusals();
     test_qemu_refuses_without_seccomp();
     test_qemu_pool_options();
+    test_qemu_template_forget();
     test_qemu_image_standalone();
     pump();
     sp_loop_destroy(loop);
