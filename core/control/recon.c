@@ -7,7 +7,9 @@
  * takes it, so an outcome is never lost to an outage) -> release and
  * rescan. Every record statement is guarded by the observed state it
  * expects and by this worker's claim. Operations of kind "snapshot" are
- * core/control/snap.c's: never claimed, finished or superseded here.
+ * core/control/snap.c's: never claimed, finished or superseded here. A record
+ * of the VM up (running or paused) also writes its disk size on the row
+ * (sandboxes.disk_mb), the figure every node's E2B answers show.
  */
 #include "core/control/recon.h"
 
@@ -125,7 +127,8 @@ static const char *record_sql =
     "   desired_state = CASE WHEN $6::text IS NOT NULL AND desired_state = $5 THEN $6"
     "     ELSE desired_state END,"
     "   claim_until = CASE WHEN $8::bool THEN NULL ELSE claim_until END,"
-    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes)"
+    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes),"
+    "   disk_mb = coalesce($13::bigint, disk_mb)"
     "  WHERE id = $1 AND observed_state = $9 AND worker_id = $7"
     "  RETURNING id, desired_state, observed_state),"
     " f AS (UPDATE operations o SET"
@@ -209,6 +212,15 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
         snprintf(snap, sizeof(snap), "%llu", (unsigned long long)bytes);
         snap_p = snap;
     }
+    /* The VM's disk size, once it is up: on the row, every node's lists and details show it
+     * (migration 16) without asking this worker. */
+    char disk[24];
+    const char *disk_p = NULL;
+    if (to == SP_OBS_RUNNING || to == SP_OBS_PAUSED) {
+        uint64_t mb = sp_driver_disk_bytes(r->driver, t->id) >> 20;
+        snprintf(disk, sizeof(disk), "%llu", (unsigned long long)mb);
+        disk_p = mb > 0 ? disk : NULL;
+    }
     const char *p[] = {t->id,
                        sp_observed_name(to),
                        failed ? t->err_code : NULL,
@@ -220,9 +232,10 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
                        sp_observed_name(expect),
                        sp_observed_transitional(to) ? sp_action_name(t->act) : NULL,
                        event,
-                       snap_p};
+                       snap_p,
+                       disk_p};
     sp_err_t e;
-    if (sp_store_query(r->store, record_sql, 12, p, on_recorded, rc, &e) < 0) {
+    if (sp_store_query(r->store, record_sql, 13, p, on_recorded, rc, &e) < 0) {
         free(rc);
         sp_timer_start(&t->retry, RECON_RETRY_MS);
     }

@@ -364,6 +364,14 @@ static const char *const migrations[] = {
     "   l); END IF;"
     "  RETURN true;"
     " END $q$;",
+    /* 16: a sandbox's VM disk size (core/control/recon.c). disk_mb: the size in MiB of the disk
+     * of the sandbox's VM (its capacity, fixed once the VM exists), written by the worker that
+     * runs it each time it records the VM up (observed running or paused), so that whichever
+     * node answers a list or a detail shows it without asking that worker. NULL until then:
+     * rows from before this column (readers fall back to their own driver, which knows only
+     * its own VMs) and sandboxes whose VM never came up. It stays while the sandbox is
+     * suspended and when it moves to another worker: the disk goes with it. */
+    "ALTER TABLE sandboxes ADD COLUMN disk_mb bigint;",
 };
 
 int sp_migrate_latest(void)
