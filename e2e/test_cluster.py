@@ -9,8 +9,8 @@ writes B's `workers` row itself (the address it reaches B at). Through A: a nati
 file upload and download, code execution, E2B envd (Connect RPC and /files on the envd host),
 a forwarded port over HTTP and WebSocket, a command session attached over WebSocket, E2B's
 many-sandbox metrics (gathered from both workers), a sandbox's disk size in lists and details
-(recorded on its row by its worker, the same through either node), and the errors when B is
-gone or does not answer.
+(recorded on its row by its worker, the same through either node; a row from before that gets
+it when its worker restarts), and the errors when B is gone or does not answer.
 """
 import base64
 import hashlib
@@ -109,8 +109,10 @@ class ClusterTest(unittest.TestCase):
 
     @classmethod
     def sql(cls, text):
-        subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
-                        cls.p.pg.url, "-c", text], check=True, capture_output=True)
+        r = subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-A", "-t", "-v",
+                            "ON_ERROR_STOP=1", cls.p.pg.url, "-c", text],
+                           check=True, capture_output=True, text=True)
+        return r.stdout.strip()
 
     def envd_host(self, node, port=49983):
         return "%d-%s.space.localhost:%d" % (port, self.sid, node.port)
@@ -275,6 +277,26 @@ class ClusterTest(unittest.TestCase):
         for node in (self.a, self.b):
             for path, got in self.listed_disk_sizes(node).items():
                 self.assertEqual(got, own, (node.port, path))
+
+    def test_y_disk_size_of_a_row_from_before(self):
+        # A row written before its worker recorded disk sizes (migration 16): a detail through
+        # the other node asks the worker; a list there shows 0 for it. The worker, restarted as
+        # after an upgrade (its VM outlives it), records the size, and lists show it again.
+        own = self.own_disk_sizes()
+        self.sql("UPDATE sandboxes SET disk_mb = NULL WHERE id = '%s'" % self.a_sid)
+        st, d = self.e2b(self.b, "/sandboxes/" + self.a_sid)
+        self.assertEqual((st, d["diskSizeMB"]), (200, own[self.a_sid]), d)
+        for path, got in self.listed_disk_sizes(self.b).items():
+            self.assertEqual(got, {self.a_sid: 0, self.sid: own[self.sid]}, path)
+        self.a.kill()
+        self.a.start(timeout=120)
+        deadline = time.time() + 30 * MULT
+        q = "SELECT coalesce(disk_mb, 0) FROM sandboxes WHERE id = '%s'" % self.a_sid
+        while time.time() < deadline and self.sql(q) != str(own[self.a_sid]):
+            time.sleep(0.2)
+        self.assertEqual(self.sql(q), str(own[self.a_sid]))
+        for path, got in self.listed_disk_sizes(self.b).items():
+            self.assertEqual(got, own, path)
 
     def test_z_worker_silent(self):
         # B's row pointing at a socket that takes connections and never answers: the gathered

@@ -368,9 +368,10 @@ static const char *const migrations[] = {
      * of the sandbox's VM (its capacity, fixed once the VM exists), written by the worker that
      * runs it each time it records the VM up (observed running or paused), so that whichever
      * node answers a list or a detail shows it without asking that worker. NULL until then:
-     * rows from before this column (readers fall back to their own driver, which knows only
-     * its own VMs) and sandboxes whose VM never came up. It stays while the sandbox is
-     * suspended and when it moves to another worker: the disk goes with it. */
+     * sandboxes whose VM never came up, and rows from before this column until their worker
+     * starts (it fills in those of the VMs it runs); readers of a NULL fall back to their own
+     * driver, which knows only its own VMs. It stays while the sandbox is suspended and when
+     * it moves to another worker: the disk goes with it. */
     "ALTER TABLE sandboxes ADD COLUMN disk_mb bigint;",
 };
 
