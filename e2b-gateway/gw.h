@@ -40,9 +40,11 @@ void sp_e2b_set_snap(sp_e2b_t *gw, sp_snap_t *snap);
 
 /* Many hosts: the forwarder to ask other workers with (borrowed; outlives gw; NULL or one
  * without a cluster key: only this node's figures), and this node's worker id ("" when it runs
- * no VMs). The many-sandbox metrics and a sandbox's disk size live in the memory of the worker
- * that runs the sandbox: an answer that needs them asks those workers, in parallel, for at
- * most SP_E2B_PEER_MS, and leaves out (metrics) or shows as 0 (disk) what did not come. */
+ * no VMs). The many-sandbox metrics live in the memory of the worker that runs the sandbox: an
+ * answer that needs them asks those workers, in parallel, for at most SP_E2B_PEER_MS, and
+ * leaves out what did not come. A sandbox's disk size is on its row (its worker records it),
+ * read alike by every node; only a detail of a row from before that column asks the worker,
+ * the same way, and shows 0 without its answer. */
 #define SP_E2B_PEER_MS 3000u
 void sp_e2b_set_peers(sp_e2b_t *gw, sp_proxy_t *proxy, const char *self_worker_id);
 /* Whether this request is E2B traffic (sandbox host, envd path, or an E2B control path). */

@@ -41,7 +41,8 @@ struct ctl {
     bool wants_body;
     bool forwarded;     /* a node sent it: this node's figures only (sp_e2b_handle) */
     int pending;        /* answers from other workers still awaited */
-    long long disk_mb;  /* GET /sandboxes/{id}: the disk size its worker gave; -1: ask here */
+    long long disk_mb;  /* GET /sandboxes/{id} of a row without its disk size: what its
+                         * worker gave; -1 not asked, -2 no answer (route_sandboxes.c) */
     char id[65];        /* the sandbox of /sandboxes/{id}/... */
     json_t *body;       /* parsed JSON object or NULL; owned */
     int status;         /* success status to answer with (200/201) */

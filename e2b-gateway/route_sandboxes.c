@@ -153,8 +153,13 @@ static json_t *sandbox_json(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
     return o;
 }
 
+/* The VM's disk size: as its worker recorded it on the row (core/control/recon.c), which is
+ * the same from every node; for a row without it (from before the column), this node's driver
+ * (0 when the VM is not here). */
 static long long disk_mb(sp_e2b_t *gw, const sp_sandbox_rec_t *sb)
 {
+    if (sb->disk_mb >= 0)
+        return sb->disk_mb;
     return (long long)(sp_svc_vm_disk_bytes(gw->svc, sb->id) >> 20);
 }
 
@@ -232,14 +237,14 @@ int sp_e2b__listed_write(sp_buf_t *b, const char *domain, const sp_sandbox_rec_t
     return b->oom ? -1 : 0;
 }
 
-/* Appends sb as listed (or in detail) to b (known_disk_mb: its disk size as its worker gave it;
- * -1: this node's, 0 without its VM): written straight, or, for a record the writer
+/* Appends sb as listed (or in detail) to b (known_disk_mb: its disk size as its worker gave it,
+ * for a row without one; -1: disk_mb's): written straight, or, for a record the writer
  * refuses (a field that is not UTF-8, which jansson drops from the object), through its jansson
  * twin, so the bytes are always those of the jansson rendering. -1 only when that fails too. */
 static int write_listed(sp_buf_t *b, sp_e2b_t *gw, const sp_sandbox_rec_t *sb, const char *state,
                         bool detail, long long known_disk_mb)
 {
-    long long disk = known_disk_mb >= 0 ? known_disk_mb : disk_mb(gw, sb);
+    long long disk = sb->disk_mb < 0 && known_disk_mb >= 0 ? known_disk_mb : disk_mb(gw, sb);
     size_t mark = b->len;
     if (sp_e2b__listed_write(b, gw->domain, sb, state, disk, detail) == 0)
         return 0;
@@ -453,6 +458,11 @@ static void create_from(ctl_t *c, const char *snapshot_id)
 
 /* ---- GET /sandboxes/{id} ---- */
 
+#define DISK_UNASKED -1 /* c->disk_mb: the sandbox's worker not asked */
+#define DISK_ASKED -2   /* asked, without an answer: disk_mb's */
+
+static bool ask_worker(ctl_t *c, const sp_sandbox_rec_t *sb);
+
 static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
 {
     const char *state = sp_e2b__state(sb);
@@ -460,6 +470,8 @@ static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
         sp_e2b__ctl_fail(c, 404, "sandbox not found");
         return;
     }
+    if (sb->disk_mb < 0 && c->disk_mb == DISK_UNASKED && ask_worker(c, sb))
+        return;
     /* One buffer for every answer: the loop is one thread, and the reply copies it. */
     static sp_buf_t out = SP_BUF_INIT;
     sp_buf_reset(&out);
@@ -470,10 +482,12 @@ static void got_detail(ctl_t *c, const sp_sandbox_rec_t *sb)
 }
 
 /*
- * Many hosts: the disk size is read from the VM's disk, on the worker that runs it. For a
- * sandbox that is not here, its worker is asked for its own detail (GET /sandboxes/{id}, the
- * client's key, the cluster header) first, bounded by SP_E2B_PEER_MS; without its answer the
- * size shows 0, as for a sandbox without a VM. The rest of the detail is read here.
+ * Many hosts: the disk size is on the row, recorded by the worker that runs the VM
+ * (core/control/recon.c), so a detail is one read wherever it is asked. A row from before that
+ * column whose VM is on another worker is the exception: that worker is asked for its own
+ * detail (GET /sandboxes/{id}, the client's key, the cluster header), bounded by
+ * SP_E2B_PEER_MS, and the row is read again; without its answer the size shows 0, as for a
+ * sandbox without a VM.
  */
 static void on_peer_detail(void *arg, int status, const char *body, size_t len, const char *why)
 {
@@ -501,13 +515,20 @@ static void on_detail_where(void *arg, const sp_where_t *w, const sp_err_t *err)
         sp_e2b__ctl_fetch(c, got_detail);
 }
 
+/* Whether sb's worker is being asked for its disk size (then the row is read again). */
+static bool ask_worker(ctl_t *c, const sp_sandbox_rec_t *sb)
+{
+    c->disk_mb = DISK_ASKED;
+    sp_err_t e;
+    return !c->forwarded && sp_proxy_has_key(c->gw->proxy) &&
+           !sp_svc_sandbox_here(c->gw->svc, sb->id) &&
+           sp_svc_sandbox_where(c->gw->svc, sb->id, on_detail_where, c, &e) == 0;
+}
+
 static void route_detail(ctl_t *c)
 {
-    c->disk_mb = -1;
-    sp_err_t e;
-    if (c->forwarded || !sp_proxy_has_key(c->gw->proxy) || sp_svc_sandbox_here(c->gw->svc, c->id) ||
-        sp_svc_sandbox_where(c->gw->svc, c->id, on_detail_where, c, &e) < 0)
-        sp_e2b__ctl_fetch(c, got_detail);
+    c->disk_mb = DISK_UNASKED;
+    sp_e2b__ctl_fetch(c, got_detail);
 }
 
 /* ---- listing ---- */

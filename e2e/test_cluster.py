@@ -8,8 +8,9 @@ pinned there: it answers the control plane from the database and forwards the re
 writes B's `workers` row itself (the address it reaches B at). Through A: a native command, a
 file upload and download, code execution, E2B envd (Connect RPC and /files on the envd host),
 a forwarded port over HTTP and WebSocket, a command session attached over WebSocket, E2B's
-many-sandbox metrics and a sandbox's disk size (gathered from both workers), and the errors
-when B is gone or does not answer.
+many-sandbox metrics (gathered from both workers), a sandbox's disk size in lists and details
+(recorded on its row by its worker, the same through either node; a row from before that gets
+it when its worker restarts), and the errors when B is gone or does not answer.
 """
 import base64
 import hashlib
@@ -108,8 +109,10 @@ class ClusterTest(unittest.TestCase):
 
     @classmethod
     def sql(cls, text):
-        subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
-                        cls.p.pg.url, "-c", text], check=True, capture_output=True)
+        r = subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-A", "-t", "-v",
+                            "ON_ERROR_STOP=1", cls.p.pg.url, "-c", text],
+                           check=True, capture_output=True, text=True)
+        return r.stdout.strip()
 
     def envd_host(self, node, port=49983):
         return "%d-%s.space.localhost:%d" % (port, self.sid, node.port)
@@ -240,15 +243,66 @@ class ClusterTest(unittest.TestCase):
         # B's own answer is the same set: each node gathers from the other.
         st, r = self.e2b(self.b, path)
         self.assertEqual((st, sorted(r["sandboxes"])), (200, sorted([self.a_sid, self.sid])))
+        own = self.own_disk_sizes()
         for node in (self.a, self.b):
             for sid in (self.a_sid, self.sid):
                 st, d = self.e2b(node, "/sandboxes/" + sid)
                 self.assertEqual(st, 200, d)
-                self.assertGreater(d["diskSizeMB"], 0, (node.port, sid, d))
+                self.assertEqual(d["diskSizeMB"], own[sid], (node.port, sid, d))
+
+    def own_disk_sizes(self):
+        """Each sandbox's diskSizeMB as its own worker's detail gives it (non-zero)."""
+        own = {}
+        for node, sid in ((self.a, self.a_sid), (self.b, self.sid)):
+            st, d = self.e2b(node, "/sandboxes/" + sid)
+            self.assertEqual(st, 200, d)
+            self.assertGreater(d["diskSizeMB"], 0, (node.port, sid, d))
+            own[sid] = d["diskSizeMB"]
+        return own
+
+    def listed_disk_sizes(self, node):
+        """diskSizeMB of both sandboxes in node's lists, v1 and v2 (path -> {id: size})."""
+        out = {}
+        for path in ("/sandboxes", "/v2/sandboxes?state=running&limit=100"):
+            st, items = self.e2b(node, path)
+            self.assertEqual(st, 200, items)
+            out[path] = {it["sandboxID"]: it["diskSizeMB"] for it in items
+                         if it["sandboxID"] in (self.a_sid, self.sid)}
+        return out
+
+    def test_e2b_list_disk_size_from_any_node(self):
+        # Lists show every sandbox's disk size as its worker does, through either node: the
+        # worker records it on the row, so no node asks another (issue 20).
+        own = self.own_disk_sizes()
+        for node in (self.a, self.b):
+            for path, got in self.listed_disk_sizes(node).items():
+                self.assertEqual(got, own, (node.port, path))
+
+    def test_y_disk_size_of_a_row_from_before(self):
+        # A row written before its worker recorded disk sizes (migration 16): a detail through
+        # the other node asks the worker; a list there shows 0 for it. The worker, restarted as
+        # after an upgrade (its VM outlives it), records the size, and lists show it again.
+        own = self.own_disk_sizes()
+        self.sql("UPDATE sandboxes SET disk_mb = NULL WHERE id = '%s'" % self.a_sid)
+        st, d = self.e2b(self.b, "/sandboxes/" + self.a_sid)
+        self.assertEqual((st, d["diskSizeMB"]), (200, own[self.a_sid]), d)
+        for path, got in self.listed_disk_sizes(self.b).items():
+            self.assertEqual(got, {self.a_sid: 0, self.sid: own[self.sid]}, path)
+        self.a.kill()
+        self.a.start(timeout=120)
+        deadline = time.time() + 30 * MULT
+        q = "SELECT coalesce(disk_mb, 0) FROM sandboxes WHERE id = '%s'" % self.a_sid
+        while time.time() < deadline and self.sql(q) != str(own[self.a_sid]):
+            time.sleep(0.2)
+        self.assertEqual(self.sql(q), str(own[self.a_sid]))
+        for path, got in self.listed_disk_sizes(self.b).items():
+            self.assertEqual(got, own, path)
 
     def test_z_worker_silent(self):
         # B's row pointing at a socket that takes connections and never answers: the gathered
-        # answers come within their bound, without B's figures.
+        # answers come within their bound, without B's figures; the disk size is the row's,
+        # shown at once without B.
+        own = self.own_disk_sizes()
         silent = socket.socket()
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -259,9 +313,13 @@ class ClusterTest(unittest.TestCase):
             st, r = self.e2b(self.a, "/sandboxes/metrics?sandbox_ids=%s,%s"
                              % (self.a_sid, self.sid))
             self.assertEqual((st, sorted(r["sandboxes"])), (200, [self.a_sid]), r)
-            st, d = self.e2b(self.a, "/sandboxes/" + self.sid)
-            self.assertEqual((st, d["diskSizeMB"]), (200, 0), d)
             self.assertLess(time.time() - t0, 10 * MULT)
+            t0 = time.time()
+            st, d = self.e2b(self.a, "/sandboxes/" + self.sid)
+            self.assertEqual((st, d["diskSizeMB"]), (200, own[self.sid]), d)
+            for path, got in self.listed_disk_sizes(self.a).items():
+                self.assertEqual(got, own, path)
+            self.assertLess(time.time() - t0, 2 * MULT)
         finally:
             silent.close()
             self.sql("UPDATE workers SET address = '127.0.0.1:%d' WHERE id = '%s'"

@@ -6,8 +6,9 @@ on its own address, port 3000, and advertises it; the test reaches them over the
 Workers offer room for 6, 4 and 2 `base` sandboxes (1 vCPU, 256 MiB each), 12 in all.
 1. 12 creates at once through alternating API nodes fill the workers exactly by their room;
    every sandbox answers a command through the API node that did not create it, a file written
-   through one API node reads back through the other on every worker, and through the other API
-   node an E2B envd call (Connect, unary) and a forwarded port (HTTP and a WebSocket upgrade).
+   through one API node reads back through the other on every worker, E2B lists (v1 and v2)
+   through either API node show every sandbox's disk size, and through the other API node an
+   E2B envd call (Connect, unary) and a forwarded port (HTTP and a WebSocket upgrade).
 2. With room for 2 left, 5 creates race for it: 2 win, 3 get the `capacity` error at once, and
    no worker runs more VMs than its room.
 3. The pinned E2B Python SDK (../shared/pysdk beside the project, or CONFORMANCE_PYTHON), and
@@ -322,6 +323,16 @@ class FleetNetnsTest(unittest.TestCase):
         outs = raise_any(in_threads([lambda s=s, i=i: other_cmd(s, i) for s, i in made]))
         for r in outs:
             self.assertEqual((r["exit_code"], r["stdout"].split()[0]), (0, "42"), r)
+
+        # E2B lists through either API node, which runs no VMs: every sandbox's disk size, as
+        # its worker recorded it on the row (issue 20).
+        for api in self.apis:
+            for path in ("/sandboxes", "/v2/sandboxes?limit=100"):
+                resp, body = api.exchange("GET", path, headers={"X-API-Key": api.key})
+                self.assertEqual(resp.status, 200, body)
+                sizes = {it["sandboxID"]: it["diskSizeMB"] for it in json.loads(body)}
+                for sid, _ in made:
+                    self.assertGreater(sizes.get(sid, 0), 0, (path, sid, sizes))
 
         # A file through one API node, read back through the other, on every worker.
         for k, name in enumerate(ROOM):

@@ -76,11 +76,12 @@ void sp_proxy_error(h2o_req_t *req, int status, const char *sandbox_id, const ch
 
 /*
  * A GET to another node on a client's behalf, its whole answer kept: for an answer a node
- * assembles from several workers' figures (E2B's many-sandbox metrics, a sandbox's disk
- * size), where forwarding the client's request whole would not do. The head is req's (its
- * credentials pass as they are: the peer authenticates them, and scopes the answer by them)
- * with GET, path (query included) and the cluster header, as sp_proxy_forward writes it; the
- * peer sees a forwarded request and answers from its own memory without asking further.
+ * assembles from several workers' figures (E2B's many-sandbox metrics, the disk size of a
+ * sandbox whose row lacks it), where forwarding the client's request whole would not do. The
+ * head is req's (its credentials pass as they are: the peer authenticates them, and scopes the
+ * answer by them) with GET, path (query included) and the cluster header, as sp_proxy_forward
+ * writes it; the peer sees a forwarded request and answers from its own memory without asking
+ * further.
  * timeout_ms bounds the whole exchange (name, connect, answer). cb runs exactly once, never
  * inside this call: status and body (borrowed for the call) of any complete answer, or status
  * 0 and why (client-safe, names the worker) when there was none in time, or it was larger than

@@ -12,7 +12,8 @@
 #include "core/control/svc.h"
 
 /* s zeroed, then: an id, template base, running, created at a fixed time, deadline action
- * delete, token "tok", 1 vCPU, 256 MiB, empty metadata (the caller frees it). */
+ * delete, token "tok", 1 vCPU, 256 MiB, no disk size recorded, empty metadata (the caller
+ * frees it). */
 static inline void test_sandbox_rec(sp_sandbox_rec_t *s)
 {
     memset(s, 0, sizeof(*s));
@@ -25,6 +26,7 @@ static inline void test_sandbox_rec(sp_sandbox_rec_t *s)
     snprintf(s->access_token, sizeof(s->access_token), "tok");
     s->cpu_count = 1;
     s->memory_mb = 256;
+    s->disk_mb = -1;
     s->metadata = json_object();
 }
 

@@ -7,7 +7,10 @@
  * takes it, so an outcome is never lost to an outage) -> release and
  * rescan. Every record statement is guarded by the observed state it
  * expects and by this worker's claim. Operations of kind "snapshot" are
- * core/control/snap.c's: never claimed, finished or superseded here.
+ * core/control/snap.c's: never claimed, finished or superseded here. A record
+ * of the VM up (running or paused) also writes its disk size on the row
+ * (sandboxes.disk_mb), the figure every node's E2B answers show; at start,
+ * the rows from before that column get theirs (fill_disk_sizes).
  */
 #include "core/control/recon.h"
 
@@ -15,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
+#include "base/ids.h"
 #include "base/log.h"
 #include "base/metrics.h"
 #include "core/control/sandbox.h"
@@ -53,6 +58,7 @@ struct sp_recon {
     sp_timer_t tick;
     sp_timer_t sweep; /* deadlines and idle limits */
     bool sweeping;
+    bool filling; /* the disk sizes of rows from before (fill_disk_sizes) */
     bool scanning, rescan;
     bool dying; /* destroyed while a scan or sweep was in flight: freed by its callback */
     struct task *tasks;
@@ -125,7 +131,8 @@ static const char *record_sql =
     "   desired_state = CASE WHEN $6::text IS NOT NULL AND desired_state = $5 THEN $6"
     "     ELSE desired_state END,"
     "   claim_until = CASE WHEN $8::bool THEN NULL ELSE claim_until END,"
-    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes)"
+    "   snapshot_bytes = coalesce($12::bigint, snapshot_bytes),"
+    "   disk_mb = coalesce($13::bigint, disk_mb)"
     "  WHERE id = $1 AND observed_state = $9 AND worker_id = $7"
     "  RETURNING id, desired_state, observed_state),"
     " f AS (UPDATE operations o SET"
@@ -209,6 +216,15 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
         snprintf(snap, sizeof(snap), "%llu", (unsigned long long)bytes);
         snap_p = snap;
     }
+    /* The VM's disk size, once it is up: on the row, every node's lists and details show it
+     * (migration 16) without asking this worker. */
+    char disk[24];
+    const char *disk_p = NULL;
+    if (to == SP_OBS_RUNNING || to == SP_OBS_PAUSED) {
+        uint64_t mb = sp_driver_disk_bytes(r->driver, t->id) >> 20;
+        snprintf(disk, sizeof(disk), "%llu", (unsigned long long)mb);
+        disk_p = mb > 0 ? disk : NULL;
+    }
     const char *p[] = {t->id,
                        sp_observed_name(to),
                        failed ? t->err_code : NULL,
@@ -220,9 +236,10 @@ static void record(struct task *t, sp_observed_t expect, sp_observed_t to, bool 
                        sp_observed_name(expect),
                        sp_observed_transitional(to) ? sp_action_name(t->act) : NULL,
                        event,
-                       snap_p};
+                       snap_p,
+                       disk_p};
     sp_err_t e;
-    if (sp_store_query(r->store, record_sql, 12, p, on_recorded, rc, &e) < 0) {
+    if (sp_store_query(r->store, record_sql, 13, p, on_recorded, rc, &e) < 0) {
         free(rc);
         sp_timer_start(&t->retry, RECON_RETRY_MS);
     }
@@ -491,7 +508,7 @@ static bool reap_if_dying(sp_recon_t *r)
 {
     if (!r->dying)
         return false;
-    if (!r->scanning && !r->sweeping)
+    if (!r->scanning && !r->sweeping && !r->filling)
         free(r);
     return true;
 }
@@ -515,6 +532,77 @@ static void on_sweep(sp_timer_t *tm, void *arg)
         sp_timer_start(&r->sweep, RECON_TICK_MS);
     else
         r->sweeping = true;
+}
+
+/* ---- disk sizes of rows from before migration 16 ---- */
+
+/*
+ * Once, at start: this worker's sandboxes whose VM is up but whose row has no disk size (a
+ * server from before the column ran them) get it now, so every node's lists show it without
+ * waiting for the VM's next recorded change. The driver knows its live VMs from its start (it
+ * re-adopts them); one read, then, when any is found, one update.
+ */
+static void on_disk_filled(void *arg, PGresult *res, const sp_err_t *err)
+{
+    sp_recon_t *r = arg;
+    r->filling = false;
+    if (reap_if_dying(r))
+        return;
+    if (err != NULL)
+        sp_log(SP_LOG_WARN, "recon", "disk sizes not recorded err=%s", err->msg);
+    else
+        sp_log(SP_LOG_INFO, "recon", "disk sizes recorded sandboxes=%s", PQcmdTuples(res));
+}
+
+static void on_disk_unfilled(void *arg, PGresult *res, const sp_err_t *err)
+{
+    sp_recon_t *r = arg;
+    r->filling = false;
+    if (reap_if_dying(r))
+        return;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "recon", "disk sizes not read err=%s", err->msg);
+        return;
+    }
+    /* Two array literals of the same length: validated IDs, and their sizes in MiB. */
+    sp_buf_t ids = SP_BUF_INIT, mbs = SP_BUF_INIT;
+    int n = 0;
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        uint64_t mb = sp_ids_valid(id) ? sp_driver_disk_bytes(r->driver, id) >> 20 : 0;
+        if (mb == 0)
+            continue;
+        sp_buf_printf(&ids, "%s%s", n > 0 ? "," : "{", id);
+        sp_buf_printf(&mbs, "%s%llu", n > 0 ? "," : "{", (unsigned long long)mb);
+        n++;
+    }
+    sp_buf_str(&ids, "}");
+    sp_buf_str(&mbs, "}");
+    sp_err_t e;
+    const char *p[] = {r->worker_id, sp_buf_cstr(&ids), sp_buf_cstr(&mbs)};
+    if (n > 0 && !ids.oom && !mbs.oom &&
+        sp_store_query(r->store,
+                       "UPDATE sandboxes s SET disk_mb = v.mb"
+                       " FROM unnest($2::text[], $3::bigint[]) AS v(id, mb)"
+                       " WHERE s.id = v.id AND s.worker_id = $1 AND s.disk_mb IS NULL"
+                       "  AND s.observed_state IN ('running', 'paused')",
+                       3, p, on_disk_filled, r, &e) == 0)
+        r->filling = true;
+    sp_buf_free(&ids);
+    sp_buf_free(&mbs);
+}
+
+static void fill_disk_sizes(sp_recon_t *r)
+{
+    const char *p[] = {r->worker_id};
+    sp_err_t e;
+    if (sp_store_query(r->store,
+                       "SELECT id FROM sandboxes WHERE worker_id = $1 AND disk_mb IS NULL"
+                       "  AND observed_state IN ('running', 'paused')",
+                       1, p, on_disk_unfilled, r, &e) == 0)
+        r->filling = true;
+    else
+        sp_log(SP_LOG_WARN, "recon", "disk sizes not read err=%s", e.msg);
 }
 
 /* ---- scanning ---- */
@@ -626,6 +714,7 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     }
     sp_timer_start(&r->tick, 0);
     sp_timer_start(&r->sweep, RECON_TICK_MS);
+    fill_disk_sizes(r);
     return r;
 }
 

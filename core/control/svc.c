@@ -39,8 +39,9 @@
     "coalesce(s.error, ''), s.metadata::text, s.auto_resume, coalesce(s.deadline_s, 0), "          \
     "coalesce(s.allow_internet_access::int, -1), coalesce(s.network::text, ''), "                 \
     "coalesce(s.envd_version, ''), " UTC("coalesce(s.deadline_at, s.created_at + make_interval("  \
-    "secs => coalesce(s.deadline_s, 315360000)))") ", " UTC("s.lost_at")
-#define SANDBOX_NCOLS 23
+    "secs => coalesce(s.deadline_s, 315360000)))") ", " UTC("s.lost_at") ", "                    \
+    "coalesce(s.disk_mb, -1)"
+#define SANDBOX_NCOLS 24
 
 struct waiter {
     sp_svc_t *svc;
@@ -134,6 +135,7 @@ static void parse_sandbox(const sp_svc_t *svc, PGresult *r, int row, int col,
     SP_STORE_TEXT(r, row, col + 20, s->envd_version);
     SP_STORE_TIME(r, row, col + 21, s->end_at);
     SP_STORE_TIME(r, row, col + 22, s->lost_at);
+    s->disk_mb = atoll(PQgetvalue(r, row, col + 23));
 }
 
 void sp_svc_parse_op(const PGresult *r, int row, int col, sp_op_rec_t *o)
@@ -1618,13 +1620,7 @@ int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t 
 
 uint64_t sp_svc_vm_disk_bytes(sp_svc_t *svc, const char *id)
 {
-    if (!sp_ids_valid(id) || svc->driver == NULL)
-        return 0;
-    if (svc->driver->ops->disk_bytes != NULL)
-        return svc->driver->ops->disk_bytes(svc->driver, id);
-    sp_vm_stats_t st;
-    sp_err_t e;
-    return sp_svc_vm_stats(svc, id, &st, &e) < 0 ? 0 : st.disk_total_bytes;
+    return sp_ids_valid(id) ? sp_driver_disk_bytes(svc->driver, id) : 0;
 }
 
 size_t sp_svc_vm_samples(sp_svc_t *svc, const char *id, int64_t start_s, int64_t end_s,

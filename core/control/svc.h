@@ -77,6 +77,10 @@ typedef struct {
     char envd_version[32]; /* "" when not recorded */
     char end_at[32];       /* deadline_at, else created_at + deadline_s (or + 10 years) */
     char lost_at[32];      /* when its worker was declared lost (observed "lost"); else "" */
+    /* Its VM's disk size in MiB as its worker recorded it once the VM was up (migration 16:
+     * core/control/recon.c), whichever node reads the row; -1 when not recorded (a VM that
+     * never came up, a row from before). */
+    long long disk_mb;
 } sp_sandbox_rec_t;
 
 typedef struct {
@@ -356,7 +360,8 @@ int sp_svc_wake_if_autoresume(sp_svc_t *svc, const sp_auth_t *a, const char *id,
 /* Synchronous: the runtime driver's figures for the sandbox's VM. The caller has checked
  * that the sandbox is the caller's. SP_ENOTFOUND without a VM; SP_EUNAVAIL without a driver. */
 int sp_svc_vm_stats(sp_svc_t *svc, const char *id, sp_vm_stats_t *out, sp_err_t *err);
-/* The disk size stats would report (0 when there is no VM), without stats' reads. */
+/* The disk size stats would report (0 when there is no VM), without stats' reads: this node's
+ * driver only (a sandbox's record has its worker's figure: sp_sandbox_rec_t.disk_mb). */
 uint64_t sp_svc_vm_disk_bytes(sp_svc_t *svc, const char *id);
 
 /* The sandbox's figures over time (core/control/sampler.h: sp_sampler_get), oldest first; 0

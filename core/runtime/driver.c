@@ -114,6 +114,18 @@ size_t sp_driver_insecure(sp_driver_t *d, const char **out, size_t n)
     return d != NULL && d->ops->insecure != NULL ? d->ops->insecure(d, out, n) : 0;
 }
 
+uint64_t sp_driver_disk_bytes(sp_driver_t *d, const char *id)
+{
+    if (d == NULL)
+        return 0;
+    if (d->ops->disk_bytes != NULL)
+        return d->ops->disk_bytes(d, id);
+    sp_vm_stats_t st;
+    sp_err_t e;
+    memset(&st, 0, sizeof(st));
+    return d->ops->stats != NULL && d->ops->stats(d, id, &st, &e) == 0 ? st.disk_total_bytes : 0;
+}
+
 void sp_driver_destroy(sp_driver_t *d)
 {
     if (d != NULL)

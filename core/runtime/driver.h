@@ -177,6 +177,10 @@ sp_driver_t *sp_driver_unavailable_create(sp_loop_t *loop, const char *why);
 /* d->ops->insecure, or 0 when the driver has none (or d is NULL). */
 size_t sp_driver_insecure(sp_driver_t *d, const char **out, size_t n);
 
+/* The disk size of the sandbox's running VM in bytes (d->ops->disk_bytes, else what stats
+ * gives), 0 when there is none (no VM, a suspended one) or d is NULL. */
+uint64_t sp_driver_disk_bytes(sp_driver_t *d, const char *id);
+
 /* d->ops->free(d); NULL does nothing. */
 void sp_driver_destroy(sp_driver_t *d);
 

@@ -364,6 +364,15 @@ static const char *const migrations[] = {
     "   l); END IF;"
     "  RETURN true;"
     " END $q$;",
+    /* 16: a sandbox's VM disk size (core/control/recon.c). disk_mb: the size in MiB of the disk
+     * of the sandbox's VM (its capacity, fixed once the VM exists), written by the worker that
+     * runs it each time it records the VM up (observed running or paused), so that whichever
+     * node answers a list or a detail shows it without asking that worker. NULL until then:
+     * sandboxes whose VM never came up, and rows from before this column until their worker
+     * starts (it fills in those of the VMs it runs); readers of a NULL fall back to their own
+     * driver, which knows only its own VMs. It stays while the sandbox is suspended and when
+     * it moves to another worker: the disk goes with it. */
+    "ALTER TABLE sandboxes ADD COLUMN disk_mb bigint;",
 };
 
 int sp_migrate_latest(void)

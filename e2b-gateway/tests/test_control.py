@@ -3,13 +3,14 @@
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import MULT, PlatformTest, skip_unless_pg  # noqa: E402
+from harness import MULT, PlatformTest, pg_bindir, skip_unless_pg  # noqa: E402
 
 SANDBOX_KEYS = ("sandboxID", "templateID", "clientID", "envdVersion")
 LISTED_KEYS = ("clientID", "cpuCount", "diskSizeMB", "endAt", "envdVersion", "memoryMB",
@@ -41,6 +42,11 @@ class E2BControlTest(PlatformTest):
         cls.key = cls.p.keys["alpha"]
 
     # ---- helpers ----
+
+    @classmethod
+    def sql(cls, text):
+        subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
+                        cls.p.pg.url, "-c", text], check=True, capture_output=True)
 
     def req(self, method, path, body=None, key=None, raw=None, headers=None):
         h = {"X-API-KEY": self.key if key is None else key}
@@ -159,6 +165,28 @@ class E2BControlTest(PlatformTest):
         self.assertEqual((st, listed), (200, []))
 
     # ---- listing ----
+
+    def test_disk_size_is_the_rows(self):
+        # The disk size a worker recorded on the row (migration 16) is what every answer shows,
+        # whichever node reads it: here the row's figure is written by hand, since the test
+        # driver has no disk. A row without one shows this node's driver's (0 here).
+        tag = "disk%d" % int(time.time() * 1000)
+        a, b = (self.create(metadata={"run": tag})["sandboxID"] for _ in range(2))
+        self.sql("UPDATE sandboxes SET disk_mb = 4321 WHERE id = '%s'" % a)
+        q = sdk_metadata_query({"run": tag})
+        for path in ("/sandboxes?" + q, "/v2/sandboxes?" + q, "/sandboxes/" + a,
+                     "/sandboxes/" + b):
+            st, r = self.req("GET", path)
+            self.assertEqual(st, 200, r)
+            got = {it["sandboxID"]: it["diskSizeMB"] for it in (r if isinstance(r, list) else [r])}
+            want = {a: 4321, b: 0}
+            self.assertEqual(got, {k: want[k] for k in got}, path)
+            self.assertEqual(len(got), 2 if isinstance(r, list) else 1, path)
+        # Kept while it sleeps: the disk goes with the sandbox.
+        st, _ = self.req("POST", "/sandboxes/%s/pause" % a)
+        self.assertEqual(st, 204)
+        st, items = self.req("GET", "/v2/sandboxes?state=paused&" + q)
+        self.assertEqual([(it["sandboxID"], it["diskSizeMB"]) for it in items], [(a, 4321)])
 
     def test_list_v2_filters_and_pages(self):
         tag = "list%d" % int(time.time() * 1000)
