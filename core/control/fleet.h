@@ -3,7 +3,8 @@
  *
  * A worker (role all or worker) registers its row in `workers` (core/store/migrate.c, schema
  * 10) as it starts and heartbeats every heartbeat-timeout / 4, keeping the row's templates
- * current (what its driver holds ready template snapshots of: placement prefers it for them). When its heartbeat resumes after
+ * current (what its driver holds ready template snapshots of, per size: placement prefers it
+ * for them, a worker holding the size asked for first). When its heartbeat resumes after
  * it was declared lost, it settles what was placed on it: within the grace it re-adopts each
  * lost sandbox whose VM its driver still has alive; a VM of a sandbox lost past the grace,
  * deleted meanwhile or placed elsewhere since, it stops (fencing: it never runs one twice). A
@@ -13,7 +14,7 @@
  * lease): a worker whose heartbeat is older than the timeout becomes lost (generation + 1),
  * its running and paused sandboxes observed "lost" (core/control/sandbox.h) with an error and
  * an event; suspended ones are left to wake elsewhere. Placement itself is the database's
- * space_place (migration 11), called by svc's create and wake statements.
+ * space_place (migration 11; by size since 17), called by svc's create and wake statements.
  *
  * Also the operator's view (/v1/workers: list, drain, undrain) and the pure parsing of worker
  * labels. Does not claim or act on sandboxes (core/control/recon.h does, for rows placed on its

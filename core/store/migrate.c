@@ -373,6 +373,40 @@ static const char *const migrations[] = {
      * driver, which knows only its own VMs. It stays while the sandbox is suspended and when
      * it moves to another worker: the disk goes with it. */
     "ALTER TABLE sandboxes ADD COLUMN disk_mb bigint;",
+    /* 17: placement's locality by size (core/control/fleet.h). A worker's templates column
+     * lists, per template, the sizes it holds snapshots of; a template snapshot serves only
+     * its own size, so among workers with room space_place now prefers, after the sandbox's
+     * own worker, one holding the template's snapshot at the size asked for, then one holding
+     * it at another size (its disk image and page cache are warm), then the most free room.
+     * Otherwise as in 11. */
+    "CREATE OR REPLACE FUNCTION space_place(cpus int, mem int, want jsonb, tmpl text,"
+    "  fresh_s int, me text, prefer text, OUT wid text, OUT wgen bigint) LANGUAGE plpgsql"
+    "  VOLATILE AS $p$"
+    " BEGIN"
+    "  PERFORM 1 FROM workers w WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}') AND (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL)"
+    "   ORDER BY w.id FOR UPDATE;"
+    "  SELECT w.id, w.generation INTO wid, wgen FROM workers w"
+    "   CROSS JOIN LATERAL (SELECT coalesce(sum(s.cpu_count), 0) AS c,"
+    "    coalesce(sum(s.memory_mb), 0) AS m FROM sandboxes s"
+    "    WHERE (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) AND s.worker_id = w.id"
+    "    AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted') u"
+    "   WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}')"
+    "   AND (w.vcpus IS NULL OR w.vcpus - u.c >= cpus)"
+    "   AND (w.memory_mb IS NULL OR w.memory_mb - u.m >= mem)"
+    "   ORDER BY w.id IS NOT DISTINCT FROM prefer DESC,"
+    "    coalesce(w.templates -> coalesce(tmpl, '') @> jsonb_build_array(jsonb_build_object("
+    "     'cpu_count', cpus, 'memory_mb', mem)), false) DESC,"
+    "    w.templates ? coalesce(tmpl, '') DESC,"
+    "    least(coalesce(w.vcpus - u.c, 1000000) * 4096, coalesce(w.memory_mb - u.m, 1000000000))"
+    "    DESC, w.id LIMIT 1;"
+    "  IF wid IS NULL THEN RAISE EXCEPTION USING ERRCODE = 'SPCAP', MESSAGE = format("
+    "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
+    "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
+    " END $p$;",
 };
 
 int sp_migrate_latest(void)

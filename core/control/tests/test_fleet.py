@@ -286,6 +286,35 @@ class FleetTest(unittest.TestCase):
             self.assertIs(self.placed_on(sid), t)
         self.delete_all()
 
+    def test_e3_template_locality_by_size(self):
+        # A template snapshot serves one size: the worker holding the size asked for wins over
+        # one holding the template at another size, even when that one sorts first by id.
+        tmpl = "code-interpreter-v1"
+        lo = min(self.workers, key=lambda w: self.wid[w])
+        hi = max(self.workers, key=lambda w: self.wid[w])
+        small = {"cpu_count": 1, "memory_mb": 256}
+        big = {"cpu_count": 2, "memory_mb": 512}
+        for w, size in ((hi, small), (lo, big)):
+            zone = self.worker(w)["labels"]["zone"]
+            sid = self.created(template=tmpl, placement={"labels": {"zone": zone}}, **size)
+            self.wait_state(sid, "running")
+            self.delete(sid)
+        self.wait_for(lambda: all(w["used"]["vcpus"] == 0 for w in self.list_workers()),
+                      "no sandbox left")
+
+        def sizes(w):
+            return [{"cpu_count": e["cpu_count"], "memory_mb": e["memory_mb"]}
+                    for e in self.worker(w)["templates"].get(tmpl, [])]
+        self.wait_for(lambda: small in sizes(hi) and big in sizes(lo), "both sizes recorded")
+        self.assertNotIn(small, sizes(lo))  # else the case below shows nothing
+        self.assertNotIn(big, sizes(hi))
+        # unpinned, room equal everywhere: the small one goes to hi, not to lo (lower id, and
+        # holding the template too), twice (hi has less room left by the second)
+        for _ in range(2):
+            self.assertIs(self.placed_on(self.created(template=tmpl, **small)), hi)
+        self.assertIs(self.placed_on(self.created(template=tmpl, **big)), lo)
+        self.delete_all()
+
     # ---- drain ----
 
     def test_f_drain_moves_everything(self):
