@@ -553,7 +553,7 @@ static void adopt_all(sp_qemu_t *d)
                 continue;
             char tdir[PATH_MAX], cid[SP_QEMU_ID_MAX + 1];
             sp_qemu__sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
-            sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.16s", de->d_name + 7);
+            sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.40s", de->d_name + 7); /* <key>-<pid> */
             remove_leftover(d, tdir, cid);
             continue;
         }

@@ -2,12 +2,12 @@
  * tsnap.c - template snapshots (qemu.h): the snapshot a create of a template size clones,
  * built once per key, and their collection.
  *
- * A builder VM (a struct vm with tsnap_build set, an id no API call can name, its work dir
- * vms/.tsnap-<key>-<pid>) boots cold, runs the template's warmup (sp_qemu__tsnap_warmup,
- * core/channel/exec.h on its agent), settles, and goes through the same suspend steps
- * (snapshot.c); sp_qemu__suspend_finish then freezes its files and renames the work dir into
- * the template build (sp_qemu__tsnap_commit). A request for a snapshot without a sandbox
- * (sp_qemu_template_snapshot) is a struct vm with tsnap_req set that never starts QEMU: it
+ * A builder VM (a struct vm with tsnap_build set, an id no API call can name,
+ * tsnap:<key>-<pid>, its work dir vms/.tsnap-<key>-<pid>) boots cold, runs the template's
+ * warmup (sp_qemu__tsnap_warmup, core/channel/exec.h on its agent), settles, and goes through the
+ * same suspend steps (snapshot.c); sp_qemu__suspend_finish then freezes its files and renames the
+ * work dir into the template build (sp_qemu__tsnap_commit). A request for a snapshot without a
+ * sandbox (sp_qemu_template_snapshot) is a struct vm with tsnap_req set that never starts QEMU: it
  * waits like a boot and is answered and freed in sp_qemu__tsnap_req_step. Every transition of
  * a boot waiting for a snapshot goes through sp_qemu__on_kick, so no completion frees a VM
  * another loop over the table is holding. sp_qemu__tsnap_gc removes snapshots nobody will
@@ -359,6 +359,9 @@ static void tsnap_clean_tmp(sp_qemu_t *d, const struct tsnap *t)
             kill(pid, SIGKILL);
         }
         sp_qemu__rm_rf(p);
+        char cid[SP_QEMU_ID_MAX + 1]; /* its cgroup, named as in tsnap_build_start */
+        sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.40s", de->d_name + 7);
+        sp_qemu__cg_remove(d, cid);
     }
     closedir(dir);
 }
@@ -368,8 +371,10 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
 {
     tsnap_clean_tmp(d, t);
     char id[SP_QEMU_ID_MAX + 1];
-    /* ':' is not a valid sandbox id: no API reaches it */
-    sp_qemu__sfmt(id, sizeof id, "tsnap:%s", t->key);
+    /* ':' is not a valid sandbox id: no API reaches it. The pid, as in its work dir's name:
+     * two spaced on one host (workers in network namespaces) building the same snapshot never
+     * share a cgroup, whose limits and removal are one builder's. */
+    sp_qemu__sfmt(id, sizeof id, "tsnap:%s-%d", t->key, (int)getpid());
     sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
     struct vm *b = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
     if (b == NULL) {
