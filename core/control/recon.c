@@ -69,6 +69,9 @@ static sp_metric_t m_ops = SP_METRIC_COUNTER(
     "space_lifecycle_operations_total",
     "Lifecycle actions the controller ran through the runtime driver, by operation and outcome.",
     "op,outcome");
+static sp_metric_t m_scans = SP_METRIC_COUNTER(
+    "space_controller_scans_total",
+    "Scans of the store for rows this worker's controller has to act on (NOTIFY or timer).", "");
 static sp_metric_t m_op_seconds = SP_METRIC_HISTOGRAM(
     "space_lifecycle_operation_duration_seconds",
     "Time the runtime driver took for a lifecycle action, by operation and outcome.",
@@ -634,6 +637,7 @@ static void scan(sp_recon_t *r)
         return;
     }
     r->rescan = false;
+    sp_metrics_add(&m_scans, 1);
     /* Rows this worker is already acting on, as a text[] literal of validated IDs. */
     size_t cap = 4 + (size_t)r->ntasks * 68;
     char *busy = malloc(cap);
@@ -681,9 +685,21 @@ static void on_tick(sp_timer_t *tm, void *arg)
     scan(arg);
 }
 
+/* A NOTIFY space_sandbox's payload: "<sandbox id>" or "<sandbox id> <worker id>", the worker
+ * the row is placed on once changed (none: unplaced, or a writer that does not say). Only that
+ * worker has anything to do for a row placed on one, so the others do not scan for it: with N
+ * workers a create would otherwise cost N scans. The timer's scan covers anything missed. */
+static bool notify_for_us(const sp_recon_t *r, const char *payload)
+{
+    const char *sp = payload != NULL ? strchr(payload, ' ') : NULL;
+    return sp == NULL || sp[1] == '\0' || strcmp(sp + 1, r->worker_id) == 0;
+}
+
 static void on_notify(void *arg, const char *channel, const char *payload)
 {
     sp_recon_t *r = arg;
+    if (!notify_for_us(r, payload))
+        return;
     if (!sp_timer_armed(&r->tick) || r->scanning) {
         r->rescan = true;
         return;
@@ -707,6 +723,7 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     sp_timer_init(&r->tick, loop, on_tick, r);
     sp_timer_init(&r->sweep, loop, on_sweep, r);
     sp_metrics_declare(&m_ops);
+    sp_metrics_declare(&m_scans);
     sp_metrics_declare(&m_op_seconds);
     if (sp_store_listen(store, "space_sandbox", on_notify, r, err) < 0) {
         free(r);

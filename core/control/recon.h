@@ -2,7 +2,8 @@
  * recon.h - the controller: moves each sandbox's observed state toward its
  * desired state through the runtime driver, one action at a time.
  *
- * Wakes on NOTIFY space_sandbox and on a timer; claims rows with FOR UPDATE
+ * Wakes on NOTIFY space_sandbox (payload "<sandbox id>[ <worker id>]": a notice naming
+ * another worker is not its own) and on a timer; claims rows with FOR UPDATE
  * SKIP LOCKED and a lease (worker_id, claim_until), only rows placed on its own
  * worker (sandboxes.worker_id: core/control/fleet.h), and none while its worker
  * is declared lost; rows observed "lost" only to delete them. Each action is recorded before it starts (the

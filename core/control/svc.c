@@ -396,7 +396,9 @@ static int create_submit(struct create *cr, sp_err_t *err)
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
-        " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+        /* core/control/recon.h: the worker it is placed on wakes, not every worker */
+        " n AS (SELECT pg_notify('space_sandbox', s.id || ' ' || coalesce(s.worker_id, ''))"
+        "  FROM s)"
         " SELECT " SANDBOX_COLS ", " SP_SVC_OP_COLS " FROM s, o, n, ev",
         CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg,
         cr->p[18] != NULL ? 2 : 1, err);
@@ -936,12 +938,13 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
             /* a client's suspend writes a snapshot: refused once the team's hold the limit */
             "  AND ($3 <> 'suspended' OR $4 = 'suspended' OR space_team_disk_quota($2,"
             "   $15::bigint))"
-            "  RETURNING id, team_id),"
+            "  RETURNING id, team_id, worker_id),"
             " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
             "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
             " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
             "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
-            " n AS (SELECT pg_notify('space_sandbox', s.id) FROM s)"
+            " n AS (SELECT pg_notify('space_sandbox', s.id || ' ' || coalesce(s.worker_id, ''))"
+            "  FROM s)"
             " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
             15, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);

@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-from harness import (MULT, PgCluster, Spaced, skip_unless_pg, tmpdir, wait_s,  # noqa: E402
-                     wait_until)
+from harness import (MULT, PgCluster, Spaced, free_port, skip_unless_pg, tmpdir,  # noqa: E402
+                     wait_s, wait_until)
 
 TIMEOUT_S = 2  # --heartbeat-timeout-s
 GRACE_S = 8    # --lost-grace-s
@@ -54,11 +55,14 @@ class FleetTest(unittest.TestCase):
                 cls.admin = f.read().strip()
             cls.workers = []
             for zone in ("a", "b", "c"):
+                mport = free_port()
                 w = Spaced(database_url=cls.pg.url, runtime="test", env=env,
                            args=["--role", "worker", "--worker-vcpus", "4",
                                  "--worker-memory-mb", "4096", "--worker-labels",
-                                 "zone=" + zone] + fleet)
+                                 "zone=" + zone, "--metrics-listen",
+                                 "127.0.0.1:%d" % mport] + fleet)
                 w.key = cls.key
+                w.mport = mport
                 cls.nodes.append(w)
                 w.start()
                 cls.workers.append(w)
@@ -313,6 +317,35 @@ class FleetTest(unittest.TestCase):
         for _ in range(2):
             self.assertIs(self.placed_on(self.created(template=tmpl, **small)), hi)
         self.assertIs(self.placed_on(self.created(template=tmpl, **big)), lo)
+        self.delete_all()
+
+    @staticmethod
+    def scans(w):
+        """The controller scans worker w has made (its /metrics)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % w.mport, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("space_controller_scans_total "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def test_e4_a_create_wakes_only_its_worker(self):
+        # Each create notifies the workers; only the one it is placed on has anything to do,
+        # so the others scan on their 1 s timer alone, not once per create.
+        a, others = self.workers[0], self.workers[1:]
+        zone = self.worker(a)["labels"]["zone"]
+        before = {w: self.scans(w) for w in self.workers}
+        t0 = time.time()
+        n = 0
+        while n < 30 or time.time() - t0 < 2:
+            sid = self.created(placement={"labels": {"zone": zone}})
+            self.wait_state(sid, "running")
+            self.delete(sid)
+            n += 1
+        secs = time.time() - t0
+        grew = {w: self.scans(w) - before[w] for w in self.workers}
+        self.assertGreaterEqual(grew[a], n, (n, secs, grew))  # its own: one per create at least
+        for w in others:  # the timer's, about one a second, and a few to spare
+            self.assertLess(grew[w], secs + 5, (n, secs, grew[w]))
         self.delete_all()
 
     # ---- drain ----
