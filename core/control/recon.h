@@ -22,6 +22,12 @@
 #include "loop/loop.h"
 #include "core/store/store.h"
 
+/* SQL that wakes the controller of the worker the sandbox row `row` (an alias with id and
+ * worker_id) is placed on: NOTIFY space_sandbox with "<id> <worker id>" (other workers leave
+ * it to their timer; no worker id wakes them all). */
+#define SP_RECON_NOTIFY(row)                                                                       \
+    "pg_notify('space_sandbox', " row ".id || ' ' || coalesce(" row ".worker_id, ''))"
+
 typedef struct sp_recon sp_recon_t;
 
 /* worker_id must be stable across restarts of this worker (it reclaims its own rows at once). */

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "core/control/fleet.h"
+#include "core/control/recon.h"
 #include "core/control/snap.h"
 #include "core/control/tmpl.h"
 #include "core/control/tokens.h"
@@ -396,9 +397,7 @@ static int create_submit(struct create *cr, sp_err_t *err)
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
         " ev AS (INSERT INTO events (sandbox_id, kind) SELECT s.id, 'created' FROM s RETURNING 1),"
-        /* core/control/recon.h: the worker it is placed on wakes, not every worker */
-        " n AS (SELECT pg_notify('space_sandbox', s.id || ' ' || coalesce(s.worker_id, ''))"
-        "  FROM s)"
+        " n AS (SELECT " SP_RECON_NOTIFY("s") " FROM s)"
         " SELECT " SANDBOX_COLS ", " SP_SVC_OP_COLS " FROM s, o, n, ev",
         CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg,
         cr->p[18] != NULL ? 2 : 1, err);
@@ -943,8 +942,7 @@ static void req_got_state(void *rec, PGresult *res, const sp_err_t *err)
             "  SELECT $5, s.id, s.team_id, $6, $3 FROM s RETURNING *),"
             " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
             "  SELECT s.id, 'requested', $6 FROM s RETURNING 1),"
-            " n AS (SELECT pg_notify('space_sandbox', s.id || ' ' || coalesce(s.worker_id, ''))"
-            "  FROM s)"
+            " n AS (SELECT " SP_RECON_NOTIFY("s") " FROM s)"
             " SELECT " SP_SVC_OP_COLS " FROM o, n, ev",
             15, p, req_written, NULL, rc, 0, &e) < 0)
         req_fail(rc, &e);

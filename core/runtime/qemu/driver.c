@@ -526,8 +526,7 @@ static void vm_adopt_connect(struct vm *vm)
     sp_qemu__agent_start(vm);
 }
 
-/* A builder's or spare's dir an earlier driver left: its QEMU, files and cgroup (cid) go. */
-static void remove_leftover(sp_qemu_t *d, const char *dir, const char *cid)
+pid_t sp_qemu__leftover_remove(sp_qemu_t *d, const char *dir, const char *cid)
 {
     pid_t pid = sp_qemu__live_qemu_pid(dir);
     if (pid > 0) {
@@ -536,6 +535,7 @@ static void remove_leftover(sp_qemu_t *d, const char *dir, const char *cid)
     }
     sp_qemu__rm_rf(dir);
     sp_qemu__cg_remove(d, cid);
+    return pid;
 }
 
 static void adopt_all(sp_qemu_t *d)
@@ -553,8 +553,8 @@ static void adopt_all(sp_qemu_t *d)
                 continue;
             char tdir[PATH_MAX], cid[SP_QEMU_ID_MAX + 1];
             sp_qemu__sfmt(tdir, sizeof tdir, "%s/%s", d->vms_dir, de->d_name);
-            sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.40s", de->d_name + 7); /* <key>-<pid> */
-            remove_leftover(d, tdir, cid);
+            sp_qemu__tsnap_cid(cid, sizeof cid, de->d_name);
+            sp_qemu__leftover_remove(d, tdir, cid);
             continue;
         }
         if (strncmp(de->d_name, ".pool-", 6) == 0) {
@@ -577,7 +577,7 @@ static void adopt_all(sp_qemu_t *d)
                 continue;
             char cid[SP_QEMU_ID_MAX + 1];
             sp_qemu__sfmt(cid, sizeof cid, "pool:%.40s", de->d_name + 6);
-            remove_leftover(d, pdir, cid);
+            sp_qemu__leftover_remove(d, pdir, cid);
             continue;
         }
         if (strncmp(de->d_name, ".fetch-", 7) == 0) {

@@ -540,6 +540,11 @@ int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, i
                            int memory_mb, char key[17]);
 void sp_qemu__tsnap_gc(sp_qemu_t *d);
 bool sp_qemu__tsnap_tmp_foreign(const char *name);
+/* The id (and so the cgroup) of the builder whose work dir is named dir_name
+ * (".tsnap-<key>-<pid>"): "tsnap:<key>-<pid>". ':' is not a valid sandbox id, so no API call
+ * reaches it; the pid keeps two spaced on one host (workers in network namespaces) building the
+ * same snapshot out of each other's cgroup, whose limits and removal are one builder's. */
+void sp_qemu__tsnap_cid(char *out, size_t n, const char *dir_name);
 struct tsnap *sp_qemu__tsnap_for(struct vm *vm);
 void sp_qemu__tsnap_failed(struct vm *vm, const char *why);
 void sp_qemu__tsnap_warmup(struct vm *vm);
@@ -624,6 +629,9 @@ struct child *sp_qemu__child_start(sp_qemu_t *d, char *const argv[], const struc
                                    uint32_t timeout_ms, child_cb cb, void *arg, sp_err_t *err);
 bool sp_qemu__cg_create(struct vm *vm, sp_cgroup_join_t *join);
 void sp_qemu__cg_remove(sp_qemu_t *d, const char *id);
+/* driver.c: a builder's or spare's dir an earlier driver left: its QEMU (killed, with its
+ * process group), its files and its cgroup (cid) go. The QEMU pid killed, 0 when none ran. */
+pid_t sp_qemu__leftover_remove(sp_qemu_t *d, const char *dir, const char *cid);
 int sp_qemu__fsync_path(const char *p, int flags);
 bool sp_qemu__qcow2_backing_name(const char *path, char *out, size_t n);
 bool sp_qemu__qcow2_backing(const char *path, char *out, size_t n);

@@ -315,6 +315,11 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                removed, kept);
 }
 
+void sp_qemu__tsnap_cid(char *out, size_t n, const char *dir_name)
+{
+    sp_qemu__sfmt(out, n, "tsnap:%.40s", dir_name + 7); /* after ".tsnap-" */
+}
+
 /* A builder work dir .tsnap-<key>-<pid> of a live driver in another process (spaced serve
  * while `spaced template build` runs, say): not ours to kill or remove. */
 bool sp_qemu__tsnap_tmp_foreign(const char *name)
@@ -349,19 +354,13 @@ static void tsnap_clean_tmp(sp_qemu_t *d, const struct tsnap *t)
     while ((de = readdir(dir)) != NULL) {
         if (strncmp(de->d_name, base, strlen(base)) != 0 || sp_qemu__tsnap_tmp_foreign(de->d_name))
             continue;
-        char p[PATH_MAX];
+        char p[PATH_MAX], cid[SP_QEMU_ID_MAX + 1];
         sp_qemu__sfmt(p, sizeof p, "%s/%s", parent, de->d_name);
-        pid_t pid = sp_qemu__live_qemu_pid(p);
-        if (pid > 0) {
-            sp_log(SP_LOG_INFO, "qemu", "killing a stale template snapshot builder pid=%d",
+        sp_qemu__tsnap_cid(cid, sizeof cid, de->d_name);
+        pid_t pid = sp_qemu__leftover_remove(d, p, cid);
+        if (pid > 0)
+            sp_log(SP_LOG_INFO, "qemu", "killed a stale template snapshot builder pid=%d",
                    (int)pid);
-            kill(-pid, SIGKILL);
-            kill(pid, SIGKILL);
-        }
-        sp_qemu__rm_rf(p);
-        char cid[SP_QEMU_ID_MAX + 1]; /* its cgroup, named as in tsnap_build_start */
-        sp_qemu__sfmt(cid, sizeof cid, "tsnap:%.40s", de->d_name + 7);
-        sp_qemu__cg_remove(d, cid);
     }
     closedir(dir);
 }
@@ -371,10 +370,7 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
 {
     tsnap_clean_tmp(d, t);
     char id[SP_QEMU_ID_MAX + 1];
-    /* ':' is not a valid sandbox id: no API reaches it. The pid, as in its work dir's name:
-     * two spaced on one host (workers in network namespaces) building the same snapshot never
-     * share a cgroup, whose limits and removal are one builder's. */
-    sp_qemu__sfmt(id, sizeof id, "tsnap:%s-%d", t->key, (int)getpid());
+    sp_qemu__tsnap_cid(id, sizeof id, strrchr(t->tmp, '/') + 1);
     sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
     struct vm *b = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
     if (b == NULL) {
