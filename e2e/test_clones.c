@@ -687,6 +687,21 @@ int main(void)
         op(d, d->ops->destroy, x);
         check_gone(x, px);
         tsnap_dir_ex(&vt_base, "-320M-1c-", sdir, sizeof sdir, 1);
+
+        /* removed behind the driver's back (as another process's collection would) and built
+         * again at the same dir: its clones restore the new RAM, not the sealed copy of the old
+         * (which made the guest crash, and the create fall back to a cold boot) */
+        boot_sized(d, x, 320);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir2, sizeof sdir2, 0);
+        vm_file(x, "vm.json", sx, sizeof sx);
+        REQUIRE(strstr(sx, sdir2) != NULL && strstr(sx, "ram_src") != NULL);
+        run_cmd(d, x, "echo rebuilt-ram", buf, sizeof buf);
+        REQUIRE(strcmp(buf, "rebuilt-ram") == 0);
+        printf("template snapshot built again at the same dir: cloned from its new RAM\n");
+        px = vt_vm_pid(x);
+        op(d, d->ops->destroy, x);
+        check_gone(x, px);
+        tsnap_dir_ex(&vt_base, "-320M-1c-", sdir, sizeof sdir, 1);
     }
 
     double ta = boot(d, a);

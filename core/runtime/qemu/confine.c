@@ -46,9 +46,10 @@
 #define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
 
 /* One template snapshot's RAM as a sealed memfd, in d->ramfds from ram_start until the driver
- * goes or the snapshot is collected. While work is set the copy (ram_copy, on the loop's
- * SP_WORK_LONG lane) owns fd, err_no, ms and bytes; the loop reads them in ram_done. An entry
- * let go mid-copy has d NULL: ram_done then only frees it. */
+ * goes, the snapshot is collected, or its RAM file is found replaced (ram_find). While work is
+ * set the copy (ram_copy, on the loop's SP_WORK_LONG lane) owns fd, err_no, ms, bytes and the
+ * file's identity (dev, ino, mtime); the loop reads them in ram_done. An entry let go mid-copy
+ * has d NULL: ram_done then only frees it. */
 struct ramfd {
     struct ramfd *next;
     sp_qemu_t *d; /* NULL once let go */
@@ -59,6 +60,9 @@ struct ramfd {
     int fd;          /* the sealed memfd, once made; -1 before */
     int err_no;      /* why the copy failed */
     uint64_t ms, bytes;
+    dev_t dev; /* the mem.ram copied: a snapshot removed and built again at the same dir */
+    ino_t ino; /* (its key's) has a new file, which the memfd is not */
+    struct timespec mtime;
 };
 
 static void ram_drop(struct ramfd *r);
@@ -161,6 +165,9 @@ static void ram_copy(sp_work_t *w, void *arg)
     char *buf = NULL;
     if (in < 0 || fstat(in, &st) < 0)
         goto fail;
+    r->dev = st.st_dev;
+    r->ino = st.st_ino;
+    r->mtime = st.st_mtim;
     mfd = memfd_create("space-template-ram", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     buf = malloc(RAM_COPY_CHUNK);
     if (mfd < 0 || buf == NULL || ftruncate(mfd, st.st_size) < 0)
@@ -293,11 +300,36 @@ static void ram_done(void *arg, bool cancelled)
     }
 }
 
+/* Whether r's memfd is still a copy of the mem.ram in its dir (true while there is nothing to
+ * compare: the copy in flight, or failed). */
+static bool ram_current(const struct ramfd *r)
+{
+    if (r->work != NULL || r->fd < 0)
+        return true;
+    char p[PATH_MAX + 16];
+    struct stat st;
+    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", r->dir);
+    return stat(p, &st) == 0 && st.st_dev == r->dev && st.st_ino == r->ino &&
+           st.st_mtim.tv_sec == r->mtime.tv_sec && st.st_mtim.tv_nsec == r->mtime.tv_nsec;
+}
+
+/* dir's entry; NULL when there is none, or when its snapshot was removed or built again since
+ * the copy (by another process, by hand, or over a damaged one): that entry goes, so that the
+ * caller starts a copy of the snapshot there now instead of restoring clones from old RAM. */
 static struct ramfd *ram_find(sp_qemu_t *d, const char *dir)
 {
-    for (struct ramfd *r = d->ramfds; r != NULL; r = r->next)
-        if (strcmp(r->dir, dir) == 0)
+    for (struct ramfd **pp = &d->ramfds; *pp != NULL; pp = &(*pp)->next) {
+        struct ramfd *r = *pp;
+        if (strcmp(r->dir, dir) != 0)
+            continue;
+        if (r->resuming || ram_current(r))
             return r;
+        sp_log(SP_LOG_INFO, "qemu", "template RAM changed since it was sealed: sealed again dir=%s",
+               dir);
+        *pp = r->next;
+        ram_drop(r);
+        return NULL;
+    }
     return NULL;
 }
 
