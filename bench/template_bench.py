@@ -7,14 +7,17 @@ BUILD_DIR holds server/spaced (a release build); DATA_DIR (default BUILD_DIR/ben
 base template if it has none. Prints medians of:
   - a 3-step build on `base` (a file written, a small package-free script run, a directory tree
     made) with a start_cmd HTTP server and its ready_cmd, fresh each round (a nonce step), from
-    POST to succeeded, against the same three commands run in an already running sandbox: the
-    difference is what a build adds (builder VM, disk export, version commit, template snapshot);
+    POST to succeeded (the first round's time per stage from its log), against the same
+    commands run in a running sandbox, alone and then with start_cmd run until ready_cmd
+    passes: the differences are what a build adds (builder VM, disk export, version commit,
+    template snapshot) over the commands and over the commands with the server's start-up;
   - the same build again, fully cached (its inputs made a version before);
   - create -> first command from the built template, against create -> first command from
     `base` (both from template snapshots; the built one has its server already up).
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
 Environment: BENCH_BUILDS (5 rounds), BENCH_CREATES (5).
 """
+import json
 import os
 import sys
 import time
@@ -30,6 +33,10 @@ CMDS = ["mkdir -p /srv/site && for i in $(seq 1 200); do echo line-$i; done > /s
         "mkdir -p /opt/tree/a/b/c && touch /opt/tree/a/b/c/f1 /opt/tree/a/f2"]
 
 
+START = "cd /srv/site && python3 -m http.server 8000"
+READY = "curl -sf http://127.0.0.1:8000/index.html"
+
+
 def create_first_cmd(s, template):
     t0 = time.time()
     st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": template}, timeout=150)
@@ -40,35 +47,65 @@ def create_first_cmd(s, template):
     return ms
 
 
+def stages(s, b):
+    """Where a build's time went, from its log: {stage: ms}, a stage being the time from one
+    info line to the next (the steps' own output lines fall inside the step's stage)."""
+    r, text = s.exchange("GET", "/v1/templates/%s/builds/%s/logs" % (b["template"], b["id"]),
+                         None, None, {"Authorization": "Bearer " + s.key}, 30)
+    marks = []
+    for ln in text.decode().splitlines():
+        e = json.loads(ln)
+        if e.get("level") == "info" or e.get("stream") == "info":
+            t = e["ts"]
+            ms = ((int(t[11:13]) * 60 + int(t[14:16])) * 60 + float(t[17:23])) * 1000
+            marks.append((ms, e["line"][:40]))
+    return [(marks[i][1], marks[i + 1][0] - marks[i][0]) for i in range(len(marks) - 1)]
+
+
 def main():
     p = Platform(sys.argv, templates=("base",)).start()
     s = p.s
     try:
-        built, cached, inplace = [], [], []
-        st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base"}, timeout=150)
-        sid = r["sandbox"]["id"]
+        built, cached, inplace, served = [], [], [], []
         for i in range(ROUNDS):
             nonce = "%d-%d" % (os.getpid(), i)
             body = {"name": "bench-tpl", "from": "base",
                     "steps": [{"run": "echo %s > /nonce" % nonce}] + [{"run": c} for c in CMDS],
-                    "start_cmd": "cd /srv/site && python3 -m http.server 8000",
-                    "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"}
+                    "start_cmd": START, "ready_cmd": READY}
             ms, b = build_template(s, body)
             built.append(ms)
+            if i == 0:
+                for what, ms_ in stages(s, b):
+                    print("  stage %-44s %8.0f ms" % (what, ms_), flush=True)
             ms, b2 = build_template(s, body)
             assert b2["cached"], b2
             cached.append(ms)
+            # the baseline, in a new sandbox each round (page cache as cold as a builder's)
+            st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base"}, timeout=150)
+            sid = r["sandbox"]["id"]
             t0 = time.time()
             for c in ["echo %s > /tmp/nonce" % nonce] + CMDS:
                 st, out = s.request("POST", "/v1/sandboxes/%s/commands" % sid,
                                     {"cmd": c, "user": "root"}, timeout=60)
                 assert out["exit_code"] == 0, out
             inplace.append((time.time() - t0) * 1000)
-        s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
+            # start_cmd and ready_cmd as a build's warmup runs them: in the background, then
+            # polled every 0.2 s, as the template's user
+            st, out = s.request("POST", "/v1/sandboxes/%s/commands" % sid,
+                                {"cmd": "(%s) </dev/null >/dev/null 2>&1 & until %s >/dev/null "
+                                        "2>&1; do sleep 0.2; done" % (START, READY),
+                                 "user": "user", "timeout_s": 120}, timeout=150)
+            assert out["exit_code"] == 0, out
+            served.append((time.time() - t0) * 1000)
+            s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         line("build of 4 steps + start/ready (POST -> succeeded)", built)
         line("the same 4 commands in a running sandbox", inplace)
+        line("  ... then start_cmd until ready_cmd passes", served)
         med = sorted(built)[len(built) // 2] - sorted(inplace)[len(inplace) // 2]
-        print("%-52s %8.0f ms" % ("what the build adds (medians' difference)", med), flush=True)
+        print("%-52s %8.0f ms" % ("what the build adds over the commands", med), flush=True)
+        med = sorted(built)[len(built) // 2] - sorted(served)[len(served) // 2]
+        print("%-52s %8.0f ms" % ("what the build adds over commands + start/ready", med),
+              flush=True)
         line("the same build, cached", cached)
         from_tpl = [create_first_cmd(s, "bench-tpl") for _ in range(CREATES)]
         from_base = [create_first_cmd(s, "base") for _ in range(CREATES)]

@@ -73,7 +73,10 @@ class TemplateBuildTest(VmSuite):
 
     def test_1_build_use_cache_change_fail_delete(self):
         s = self.s
-        body = {"name": "web", "from": "base", "description": "a site", "steps": STEPS,
+        # a process a step left running: in the template snapshot only when that snapshot is
+        # made from the builder's (seeded), not from a boot of the new image
+        keeper = {"run": "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! > keeper.pid"}
+        body = {"name": "web", "from": "base", "description": "a site", "steps": STEPS + [keeper],
                 "start_cmd": "python3 -m http.server 8000",
                 "ready_cmd": "curl -sf http://127.0.0.1:8000/index.html"}
         t0 = time.time()
@@ -90,6 +93,10 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual((out["step"], out["stream"]), (7, "stdout"), out)
         # from an offset: the tail only
         self.assertEqual(logs(s, "web", b["id"], offset=len(lines) - 1), lines[-1:])
+        self.assertIn("template snapshot ready (made from the builder's snapshot, no boot)", text)
+        # the seed it was made from is gone
+        self.assertFalse([d for d in os.listdir(os.path.join(DATA, "snapshots"))
+                          if d.startswith("bs-")])
 
         st, t = s.request("GET", "/v1/templates/web")
         self.assertEqual(st, 200, t)
@@ -103,6 +110,9 @@ class TemplateBuildTest(VmSuite):
         c = s.command(sid, "stat -c '%a %U' /srv/site/index.html; cat /srv/site/greeting.txt "
                            "/srv/site/where.txt /srv/site/who.txt; echo \"$GREETING|$APP_MODE\"")
         self.assertEqual(c["stdout"], "640 user\nhi there\n/srv/site\nuser\nhi there|prod's\n", c)
+        c = s.command(sid, "p=$(cat /srv/site/keeper.pid); stat -c %U /proc/$p; "
+                           "tr '\\0' ' ' < /proc/$p/cmdline")
+        self.assertEqual(c["stdout"].split(), ["user", "sleep", "100000"], c)
 
         # the same inputs: from the cache, at once
         t0 = time.time()
@@ -336,9 +346,10 @@ class TemplateBuildTest(VmSuite):
         earlier build's builder (their commands do not run again), and the result is what
         running them all would give."""
         s = self.s
-        steps = [{"run": "echo ran-one-%s; echo one > /one; sleep 1.5" % NONCE},
+        # each long enough for a step cache snapshot (one that took up to 2.5 s before)
+        steps = [{"run": "echo ran-one-%s; echo one > /one; sleep 2.7" % NONCE},
                  {"env": {"SC": "env-%s" % NONCE}},
-                 {"run": "echo ran-two; echo \"two-$SC\" > /two; sleep 1.5"},
+                 {"run": "echo ran-two; echo \"two-$SC\" > /two; sleep 2.7"},
                  {"run": "echo three-a > /three"}]
         t0 = time.time()
         b1 = build(s, {"name": "sc", "from": "base", "steps": steps})

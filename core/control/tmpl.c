@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -800,6 +801,21 @@ static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
     }
 }
 
+/* A template snapshot seed ("bs-<pid>-<vm>") a process that is gone left, or this one's
+ * before a restart with the same pid (no build runs yet). */
+static void drop_leftover_seed(const char *id, long long committed_s, void *arg)
+{
+    sp_tmpl_t *t = arg;
+    (void)committed_s;
+    long pid = strtol(id + strlen(SP_TMPL_SEED_PREFIX), NULL, 10);
+    if (pid > 0 && pid != (long)getpid() && (kill((pid_t)pid, 0) == 0 || errno != ESRCH))
+        return; /* a live process's, sharing this data dir */
+    sp_err_t e;
+    sp_log(SP_LOG_INFO, "tmpl", "removing a leftover template snapshot seed %s", id);
+    if (t->driver->ops->checkpoint_delete(t->driver, id, &e) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot remove seed %s: %s", id, e.msg);
+}
+
 /* Builder VMs left on the data dir by a process that stopped mid-build, whatever database it
  * used (its records may be elsewhere): no build runs yet, so every "bld-*" VM is a leftover. */
 static void destroy_leftover_builders(sp_tmpl_t *t)
@@ -821,6 +837,11 @@ static void destroy_leftover_builders(sp_tmpl_t *t)
     }
     if (d != NULL)
         closedir(d);
+    sp_err_t e;
+    if (t->driver->ops->checkpoint_list != NULL && t->driver->ops->checkpoint_delete != NULL &&
+        t->driver->ops->checkpoint_list(t->driver, SP_TMPL_SEED_PREFIX, drop_leftover_seed, t, &e) <
+            0)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot list leftover seeds: %s", e.msg);
 }
 
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,

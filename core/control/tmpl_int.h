@@ -38,6 +38,7 @@
 
 /* A timestamp column as the API's ISO 8601 text (UTC, milliseconds). */
 #define SP_TMPL__TS(x) "to_char((" x ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+#define SP_TMPL_SEED_PREFIX "bs-" /* the snapshots template snapshots are made from */
 #define SP_TMPL__TAIL_MAX 2048 /* bytes of a failed step's output quoted in the error */
 
 enum phase {
@@ -48,6 +49,7 @@ enum phase {
     P_EXEC,    /* an exec (step, env file, sync) in flight */
     P_PAUSE,   /* driver pause in flight */
     P_EXPORT,  /* driver export_disk in flight */
+    P_SEED,    /* the snapshot of the builder its template snapshot is made from in flight */
     P_DESTROY, /* driver destroy in flight */
     P_TSNAP,   /* template snapshot in flight */
     P_CKPT,    /* a step cache snapshot of the builder in flight */
@@ -109,7 +111,9 @@ struct build {
     sp_timer_t deadline;
     uint64_t t0;
     uint64_t ckpt_ms; /* when the builder came up or last got a step cache snapshot */
+    uint64_t ckpt_start_ms; /* when the step cache snapshot in flight was asked for */
     sp_qemu_tsnap_info_t tsnap;
+    char seed[80]; /* that snapshot ("bs-<pid>-<vm_id>"), "" when none; deleted at the end */
     struct waiter *waiters;
     char *image;               /* from {"image"}: the reference, or NULL (owned) */
     char *reg_user, *reg_pass; /* its registry credentials, until the pull (owned, wiped) */
@@ -140,6 +144,7 @@ struct sp_tmpl {
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
+    uint64_t ckpt_cost_ms;      /* what the last step cache snapshot took (0: none yet) */
 };
 
 /* A request about a template's name answered with done or an error (delete, tags delete). */

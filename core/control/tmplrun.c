@@ -1,7 +1,7 @@
 /*
  * tmplrun.c - a template build's course (tmpl_int.h: struct build): the queue, the builder VM
- * (boot, from the step cache or not; the steps, copy steps among them; the env file; pause and
- * the disk's export), the pull of an image parent on a worker thread, the step cache hook
+ * (boot, from the step cache or not; the steps, copy steps among them; the env file; pause,
+ * the disk's export and the seed its template snapshot is made from), the pull of an image parent on a worker thread, the step cache hook
  * (tmplcache.h), committing the new version's files, its template snapshot, the build's log and
  * the record of how it ended.
  *
@@ -37,9 +37,12 @@
 
 #define LINE_MAX_B 8192 /* a longer output line is split */
 #define ENV_FILE "/etc/space/template.env"
-/* Steps that ran this long since the builder came up or its last cache snapshot get one
- * (tmplcache.h): quicker ones cost less to run again than a snapshot (a few hundred ms). */
-#define STEP_CACHE_MS 1000u
+/* Steps that ran longer than a step cache snapshot takes (tmplcache.h; as the last one took, at
+ * least STEP_CACHE_MS, at most STEP_CACHE_MAX_MS) since the builder came up or its last one
+ * get one: quicker ones cost every build more than running them again costs a rebuild. A
+ * snapshot stops the builder for it: a few hundred ms under KVM, 1-2 s under TCG. */
+#define STEP_CACHE_MS     1000u
+#define STEP_CACHE_MAX_MS 2500u
 
 /* ---- the log ---- */
 
@@ -239,8 +242,11 @@ static void on_recorded(void *rec, PGresult *res, const sp_err_t *err)
     sp_tmpl__start_queued(t);
 }
 
+static void drop_seed(struct build *b);
+
 static void record_end(struct build *b)
 {
+    drop_seed(b);
     b->ph = P_RECORD;
     sp_timer_stop(&b->deadline);
     char step[16], *env = NULL;
@@ -317,8 +323,10 @@ static void work_dir(const struct build *b, char *out, size_t n)
         out[0] = '\0';
 }
 
-/* The warmup the template snapshot builder runs (as root): the template's env, start_cmd in
- * the background as the template's user in its workdir, then ready_cmd until it passes. */
+/* The warmup the template snapshot builder runs (as root): the template's env, then as the
+ * template's user in its workdir start_cmd in the background and ready_cmd until it passes.
+ * One shell as the user does both (its log opened by root on fd 3): a runuser per poll costs
+ * as much CPU as the poll, and the guest's one vCPU is starting the server meanwhile. */
 static json_t *warmup_argv(const struct build *b)
 {
     const char *start = json_string_value(json_object_get(b->req, "start_cmd"));
@@ -328,23 +336,28 @@ static json_t *warmup_argv(const struct build *b)
     static const char script[] =
         "set -a; [ -r " ENV_FILE " ] && . " ENV_FILE "; set +a\n"
         "user=$1 dir=$2 start=$3 ready=$4 limit=$5\n"
-        "as() { if [ \"$user\" = root ]; then /bin/sh -c \"$1\"; "
-        "elif command -v runuser >/dev/null 2>&1; then runuser -u \"$user\" -- /bin/sh -c \"$1\"; "
-        /* images without util-linux (busybox ones) */
-        "else su -s /bin/sh \"$user\" -c \"$1\"; fi; }\n"
-        "if [ -n \"$dir\" ]; then cd \"$dir\" || exit 1; fi\n"
-        "if [ -n \"$start\" ]; then\n"
-        "  ( as \"$start\" ) </dev/null >/var/log/space-start.log 2>&1 &\n"
-        "fi\n"
-        "[ -n \"$ready\" ] || exit 0\n"
-        "end=$(( $(date +%s) + limit ))\n"
-        "until as \"$ready\" </dev/null >/dev/null 2>&1; do\n"
+        "run='if [ -n \"$1\" ]; then ( /bin/sh -c \"$1\" ) </dev/null >&3 2>&3 & fi\n"
+        "exec 3>&-\n"
+        "[ -n \"$2\" ] || exit 0\n"
+        "end=$(( $(date +%s) + $3 ))\n"
+        "until /bin/sh -c \"$2\" </dev/null >/dev/null 2>&1; do\n"
         "  if [ \"$(date +%s)\" -ge \"$end\" ]; then\n"
-        "    echo \"ready_cmd did not pass within $limit s; start_cmd's output:\"\n"
+        "    echo \"ready_cmd did not pass within $3 s; start_cmd'\\''s output:\"\n"
         "    tail -c 2000 /var/log/space-start.log; exit 1\n"
         "  fi\n"
         "  sleep 0.2\n"
-        "done\n";
+        "done'\n"
+        "if [ -n \"$dir\" ]; then cd \"$dir\" || exit 1; fi\n"
+        "exec 3>/var/log/space-start.log\n"
+        "if [ \"$user\" = root ]; then exec /bin/sh -c \"$run\" space-start \"$start\" \"$ready\" "
+        "\"$limit\"\n"
+        "elif command -v runuser >/dev/null 2>&1; then\n"
+        "  exec runuser -u \"$user\" -- /bin/sh -c \"$run\" space-start \"$start\" \"$ready\" "
+        "\"$limit\"\n"
+        /* images without util-linux (busybox ones) */
+        "else exec su -s /bin/sh \"$user\" -c \"$run\" space-start \"$start\" \"$ready\" "
+        "\"$limit\"\n"
+        "fi\n";
     char limit[16];
     snprintf(limit, sizeof limit, "%d", b->ready_s);
     return json_pack("[s,s,s,s,s,s,s,s,s]", "/bin/sh", "-c", script, "space-start", b->user,
@@ -451,7 +464,10 @@ static void on_tsnap(void *arg, const sp_err_t *err)
     if (err != NULL)
         fail(b, "the template snapshot failed (start_cmd/ready_cmd): %s", err->msg);
     else
-        logf_(b, "info", "template snapshot ready (%s)", b->tsnap.built ? "built" : "found");
+        logf_(b, "info", "template snapshot ready (%s)",
+              !b->tsnap.built   ? "found"
+              : b->tsnap.seeded ? "made from the builder's snapshot, no boot"
+                                : "built from a cold boot");
     if (b->failed && b->swapped) { /* the previous version stays in service */
         if (sp_tmpl__set_current(b->t, b->name, b->prev_current) < 0)
             sp_log(SP_LOG_ERROR, "tmpl", "cannot put back current template=%s", b->name);
@@ -474,8 +490,9 @@ static void take_snapshot(struct build *b)
               : "");
     char ver[160]; /* this version, whichever tag `current` follows */
     snprintf(ver, sizeof ver, "%s@%s", b->name, b->hash);
-    if (sp_qemu_template_snapshot(b->t->driver, ver, b->cpu_count, b->memory_mb, &b->tsnap,
-                                  on_tsnap, b, &e) < 0) {
+    if (sp_qemu_template_snapshot_from(b->t->driver, ver, b->cpu_count, b->memory_mb,
+                                       b->seed[0] != '\0' ? b->seed : NULL, &b->tsnap, on_tsnap, b,
+                                       &e) < 0) {
         sp_err_t e2 = e;
         on_tsnap(b, &e2);
     }
@@ -508,6 +525,42 @@ static void destroy_vm(struct build *b)
         on_destroyed(b, b->vm_up ? &e : NULL);
 }
 
+static void on_seeded(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    if (err != NULL) {
+        logf_(b, "warn", "the template snapshot will boot the template cold (%s)", err->msg);
+        b->seed[0] = '\0';
+    }
+    destroy_vm(b);
+}
+
+/* The builder, still paused with the disk as exported, snapshotted for its template snapshot
+ * (qemu.h: sp_qemu_template_seed): that snapshot then needs no boot, nor the page cache the
+ * steps filled read again. */
+static void seed_snapshot(struct build *b)
+{
+    sp_err_t e;
+    if (b->failed || strcmp(b->t->driver->ops->name, "qemu") != 0) {
+        destroy_vm(b);
+        return;
+    }
+    b->ph = P_SEED;
+    snprintf(b->seed, sizeof b->seed, "%s%d-%s", SP_TMPL_SEED_PREFIX, (int)getpid(), b->vm_id);
+    if (sp_qemu_template_seed(b->t->driver, b->vm_id, b->seed, on_seeded, b, &e) < 0)
+        on_seeded(b, &e);
+}
+
+/* The seed goes once the template snapshot is made or the build ended without it. */
+static void drop_seed(struct build *b)
+{
+    sp_err_t e;
+    if (b->seed[0] != '\0' && b->t->driver->ops->checkpoint_delete(b->t->driver, b->seed, &e) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot delete the template snapshot seed %s: %s", b->seed,
+               e.msg);
+    b->seed[0] = '\0';
+}
+
 static void on_exported(void *arg, const sp_err_t *err)
 {
     struct build *b = arg;
@@ -515,7 +568,7 @@ static void on_exported(void *arg, const sp_err_t *err)
         fail(b, "cannot freeze the builder's disk: %s", err->msg);
     else
         logf_(b, "info", "disk frozen");
-    destroy_vm(b);
+    seed_snapshot(b);
 }
 
 static void on_paused(void *arg, const sp_err_t *err)
@@ -602,6 +655,8 @@ static void on_cached(void *arg, const sp_err_t *err)
 {
     struct build *b = arg;
     b->ckpt_ms = sp_loop_now_ms(b->t->loop);
+    if (err == NULL)
+        b->t->ckpt_cost_ms = b->ckpt_ms - b->ckpt_start_ms;
     if (err != NULL)
         logf_(b, "warn", "steps 1-%zu: not cached (%s)", b->step, err->msg);
     else
@@ -616,7 +671,10 @@ static void step_done(struct build *b)
 {
     sp_driver_t *d = b->t->driver;
     uint64_t now = sp_loop_now_ms(b->t->loop);
-    if (b->failed || d == NULL || d->ops->checkpoint == NULL || now - b->ckpt_ms < STEP_CACHE_MS) {
+    uint64_t worth = b->t->ckpt_cost_ms < STEP_CACHE_MS       ? STEP_CACHE_MS
+                     : b->t->ckpt_cost_ms > STEP_CACHE_MAX_MS ? STEP_CACHE_MAX_MS
+                                                              : b->t->ckpt_cost_ms;
+    if (b->failed || d == NULL || d->ops->checkpoint == NULL || now - b->ckpt_ms < worth) {
         advance(b);
         return;
     }
@@ -625,6 +683,7 @@ static void step_done(struct build *b)
                      json_object_get(b->req, "steps"), b->step, id);
     sp_err_t e;
     b->ph = P_CKPT;
+    b->ckpt_start_ms = now;
     if (d->ops->checkpoint_exists(d, id) == 1) {
         b->ckpt_ms = now;
         advance(b);

@@ -203,7 +203,8 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
 typedef struct {
     char dir[4096]; /* the committed template snapshot directory */
     char key[17];
-    int built; /* 1: this request waited for a build; 0: it was there */
+    int built;  /* 1: this request waited for a build; 0: it was there */
+    int seeded; /* 1: that build restored the request's seed (sp_qemu_template_snapshot_from) */
 } sp_qemu_tsnap_info_t;
 
 /* Makes sure the template snapshot that creates of template_name (NULL: "base") with
@@ -216,6 +217,22 @@ typedef struct {
 int sp_qemu_template_snapshot(sp_driver_t *d, const char *template_name, int cpu_count,
                               int memory_mb, sp_qemu_tsnap_info_t *info, sp_driver_cb cb, void *arg,
                               sp_err_t *err);
+
+/* The same, where the snapshot is to be built from seed, a snapshot (driver.h: checkpoint) of
+ * the VM that built template_name's image, taken by sp_qemu_template_seed while its disk was
+ * exported: the builder restores it instead of booting cold, and runs the warmup in a guest
+ * whose page cache already holds what the steps read. seed NULL, or one that cannot be used
+ * (another size, a delta, gone; logged): a cold boot, as sp_qemu_template_snapshot. The seed
+ * is only read; its caller deletes it once cb has run. */
+int sp_qemu_template_snapshot_from(sp_driver_t *d, const char *template_name, int cpu_count,
+                                   int memory_mb, const char *seed, sp_qemu_tsnap_info_t *info,
+                                   sp_driver_cb cb, void *arg, sp_err_t *err);
+
+/* A snapshot (driver.h: checkpoint) of running or paused VM id to seed a template snapshot:
+ * its whole RAM in the device state, not a delta over its template's. A paused VM stays
+ * paused. As ops->checkpoint otherwise. */
+int sp_qemu_template_seed(sp_driver_t *d, const char *id, const char *snapshot_id, sp_driver_cb cb,
+                          void *arg, sp_err_t *err);
 
 /* Spare clones ready to be taken (for tests and logs). 0 for another driver. */
 int sp_qemu_pool_ready(sp_driver_t *d);

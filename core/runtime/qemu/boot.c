@@ -247,6 +247,14 @@ static void boot_done(struct vm *vm)
     if (!vm->pooled && vm->tsnap_build == NULL)
         vm->d->pool_quiet_until = sp_qemu__mono_ms() + SP_QEMU_POOL_SETTLE_MS;
     if (vm->tsnap_build != NULL) {
+        if (vm->restoring) { /* from a seed: its linked device state must not be written */
+            char p[PATH_MAX + 16];
+            sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
+            sp_qemu__rm_rf(p);
+            vm->restoring = false;
+            vm->restore_stream = false;
+            vm->snap_step = SN_NONE;
+        }
         sp_qemu__tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
         return;
     }
@@ -404,7 +412,7 @@ void sp_qemu__on_boot_timeout(sp_timer_t *t, void *arg)
 
 /* ---------- starting QEMU ---------- */
 
-static int write_vm_json(struct vm *vm)
+int sp_qemu__write_vm_json(struct vm *vm)
 {
     json_t *o =
         json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:s, s:s}", "template", vm->template_name,
@@ -701,7 +709,7 @@ static void start_disk(struct vm *vm)
         sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");
         return;
     }
-    if (write_vm_json(vm) < 0)
+    if (sp_qemu__write_vm_json(vm) < 0)
         sp_log(SP_LOG_WARN, "qemu", "cannot write vm.json sandbox=%s", vm->id);
     char disk[PATH_MAX + 16], log[PATH_MAX + 16], backing[PATH_MAX + 16];
     /* There from the start, so that a boot that fails before QEMU opened it still leaves the

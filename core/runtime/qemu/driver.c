@@ -206,6 +206,7 @@ void sp_qemu__vm_free(struct vm *vm)
     free(vm->hostname);
     free(vm->env_json);
     free(vm->clone_src);
+    free(vm->seed);
     sp_qemu__confine_release(vm); /* its QEMU is gone, or the driver is */
     free(vm);
 }

@@ -38,6 +38,9 @@
  * disk's chain does (a snapshot of a fork). A snapshot's RAM base, the template snapshot,
  * is kept by tsnap.c's collection, which counts snapshots among its users (snaps_refs).
  *
+ * A template snapshot builder can also start from one (sp_qemu__fork_seed): the builder VM's
+ * snapshot with its whole RAM, over a new overlay on the image exported from that VM's disk.
+ *
  * Does not decide ids, owners or names (the control plane does), nor lay out suspends.
  */
 #include "core/runtime/qemu/qemu_int.h"
@@ -534,6 +537,57 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
            spec->sandbox_id, spec->snapshot_id);
     if (sp_qemu__q_restore(&d->base, spec, cb, arg, err) < 0) {
         sp_qemu__rm_rf(vdir);
+        return -1;
+    }
+    return 0;
+}
+
+int sp_qemu__fork_seed(struct vm *b, const char *sid)
+{
+    sp_qemu_t *d = b->d;
+    sp_err_t e;
+    char sdir[PATH_MAX], a[PATH_MAX + 40], c[PATH_MAX + 40];
+    const char *step = NULL;
+    int en = 0; /* errno of a failed call */
+    if (!snap_dir(d, sid, sdir, sizeof sdir, &e))
+        step = e.msg;
+    json_t *man = NULL;
+    if (step == NULL) {
+        sp_qemu__sfmt(a, sizeof a, "%s/snapshot/manifest.json", sdir);
+        man = json_load_file(a, 0, NULL);
+        const char *ram = json_string_value(json_object_get(man, "ram"));
+        const char *accel = json_string_value(json_object_get(man, "accel"));
+        if (ram == NULL || strcmp(ram, "stream") != 0)
+            step = "its RAM is not all in its device state";
+        else if (json_integer_value(json_object_get(man, "memory_mb")) != b->memory_mb ||
+                 json_integer_value(json_object_get(man, "cpu_count")) != b->cpu_count)
+            step = "it is of another size";
+        else if (accel == NULL || strcmp(accel, d->accel == 1 ? "kvm" : "tcg") != 0)
+            step = "it was taken under another accelerator";
+    }
+    json_decref(man);
+    sp_qemu__rm_rf(b->dir); /* a failed build's leftovers (tsnap_clean_tmp killed its QEMU) */
+    if (step == NULL && (mkdir(b->dir, 0700) < 0 ||
+                         (sp_qemu__sfmt(a, sizeof a, "%s/snapshot", b->dir), mkdir(a, 0700)) < 0))
+        step = "cannot create the directory", en = errno;
+    if (step == NULL && sp_qemu__write_vm_json(b) < 0)
+        step = "cannot write vm.json", en = errno;
+    if (step == NULL) { /* the seed's disk is the image's: the image is what was exported */
+        sp_qemu__vm_path(b, "disk.qcow2", a, sizeof a);
+        if (sp_qemu__write_overlay(a, b->tp->rootfs) < 0)
+            step = "cannot write the overlay", en = errno;
+    }
+    if (step == NULL) {
+        sp_qemu__sfmt(a, sizeof a, "%s/snapshot/devstate", sdir);
+        sp_qemu__vm_path(b, "snapshot/devstate", c, sizeof c);
+        if (link(a, c) < 0)
+            step = "cannot link the device state", en = errno;
+    }
+    if (step != NULL) {
+        sp_log(SP_LOG_WARN, "qemu",
+               "template snapshot boots cold: snapshot %s cannot seed it template=%s (%s%s%s)", sid,
+               b->template_name, step, en ? ": " : "", en ? strerror(en) : "");
+        sp_qemu__rm_rf(b->dir);
         return -1;
     }
     return 0;

@@ -195,6 +195,7 @@ struct tsnap {
     int state;
     uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
     uint64_t start_ms;
+    bool seeded;   /* its last build restored a seed instead of booting */
     char why[160]; /* the last failure, client-safe */
 };
 
@@ -286,6 +287,7 @@ struct vm {
     bool tsnap_req;                 /* no VM: a request for a template snapshot (sp_qemu_template_
                                      * snapshot), answered through boot_w */
     sp_qemu_tsnap_info_t *req_info; /* the request's caller's, filled before its callback */
+    char *seed; /* request: the sandbox snapshot to make a snapshot it builds from (NULL: boot) */
     char *clone_src;      /* template snapshot dir our RAM is mapped from; NULL: own RAM */
     bool clone_boot;      /* this boot restores clone_src's device state */
     bool cold;            /* this boot must not use a template snapshot */
@@ -463,6 +465,11 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
                                void (*fn)(const char *snapshot_id, long long committed_s,
                                           void *arg),
                                void *arg, sp_err_t *err);
+/* Lays out template snapshot builder b's dir from sandbox snapshot sid (taken with its whole
+ * RAM, of b's size): vm.json, a new overlay over b's template image, the device state linked;
+ * b then restores it instead of booting cold. 0, or -1 (logged) and b's dir gone. */
+int sp_qemu__fork_seed(struct vm *b, const char *sid);
+int sp_qemu__write_vm_json(struct vm *vm);
 int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err);
 const char *sp_qemu__fork_tmp(const struct vm *vm);

@@ -3,7 +3,10 @@
  * built once per key, and their collection.
  *
  * A builder VM (a struct vm with tsnap_build set, an id no API call can name,
- * tsnap:<key>-<pid>, its work dir vms/.tsnap-<key>-<pid>) boots cold, runs the template's
+ * tsnap:<key>-<pid>, its work dir vms/.tsnap-<key>-<pid>) boots cold, or, when the request
+ * names a seed (sp_qemu_template_snapshot_from: a snapshot of the VM that built the template's
+ * image, its whole RAM in the stream), restores that over a new overlay on the image
+ * (fork.c: sp_qemu__fork_seed) with RAM of its own; either way it runs the template's
  * warmup (sp_qemu__tsnap_warmup, core/channel/exec.h on its agent), settles, and goes through the
  * same suspend steps (snapshot.c); sp_qemu__suspend_finish then freezes its files and renames the
  * work dir into the template build (sp_qemu__tsnap_commit). A request for a snapshot without a
@@ -387,14 +390,21 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
     b->hostname = strdup("template");
     b->tsnap_build = t;
     b->cold = true;
+    /* from a snapshot of the template's own builder: its steps' page cache and all, no boot */
+    t->seeded = vm->seed != NULL && sp_qemu__fork_seed(b, vm->seed) == 0;
+    if (t->seeded) {
+        b->restoring = true;
+        b->restore_stream = true;
+    }
     b->ph = PH_WAIT_ACCEL;
     b->boot_start_ms = sp_qemu__mono_ms();
     t->start_ms = b->boot_start_ms;
     t->state = TS_BUILDING;
     sp_timer_start(&b->boot_timer, d->boot_timeout_ms);
     sp_log(SP_LOG_INFO, "qemu",
-           "building template snapshot template=%s key=%s memory_mb=%d cpus=%d accel=%s",
-           vm->template_name, t->key, vm->memory_mb, vm->cpu_count, d->accel == 1 ? "kvm" : "tcg");
+           "building template snapshot template=%s key=%s memory_mb=%d cpus=%d accel=%s from=%s",
+           vm->template_name, t->key, vm->memory_mb, vm->cpu_count, d->accel == 1 ? "kvm" : "tcg",
+           b->restoring ? vm->seed : "boot");
     sp_qemu__kick(d);
     return 0;
 }
@@ -773,8 +783,10 @@ void sp_qemu__tsnap_req_step(struct vm *vm)
     if (t != NULL && t->state == TS_BUILDING) {
         vm->ph = PH_WAIT_TSNAP;
         vm->tsnap_wait = t;
-        if (vm->req_info != NULL)
+        if (vm->req_info != NULL) {
             vm->req_info->built = 1;
+            vm->req_info->seeded = t->seeded;
+        }
         return;
     }
     sp_err_t e;
@@ -799,6 +811,31 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
                               int memory_mb, sp_qemu_tsnap_info_t *info, sp_driver_cb cb, void *arg,
                               sp_err_t *err)
 {
+    return sp_qemu_template_snapshot_from(base, template_name, cpu_count, memory_mb, NULL, info, cb,
+                                          arg, err);
+}
+
+int sp_qemu_template_seed(sp_driver_t *base, const char *id, const char *snapshot_id,
+                          sp_driver_cb cb, void *arg, sp_err_t *err)
+{
+    if (base == NULL || base->ops != &sp_qemu__ops)
+        return sp_err_set(err, SP_EINVAL, "not a qemu driver");
+    struct vm *vm = sp_qemu__running_vm((sp_qemu_t *)base, id, err);
+    if (vm == NULL)
+        return -1;
+    bool no_delta = vm->no_delta;
+    vm->no_delta = true; /* the seeded builder's RAM is a file of its own, not a clone's */
+    if (sp_qemu__q_checkpoint(base, id, snapshot_id, cb, arg, err) < 0) {
+        vm->no_delta = no_delta;
+        return -1;
+    }
+    return 0;
+}
+
+int sp_qemu_template_snapshot_from(sp_driver_t *base, const char *template_name, int cpu_count,
+                                   int memory_mb, const char *seed, sp_qemu_tsnap_info_t *info,
+                                   sp_driver_cb cb, void *arg, sp_err_t *err)
+{
     if (base == NULL || base->ops != &sp_qemu__ops)
         return sp_err_set(err, SP_EINVAL, "not a qemu driver");
     sp_qemu_t *d = (sp_qemu_t *)base;
@@ -816,6 +853,9 @@ int sp_qemu_template_snapshot(sp_driver_t *base, const char *template_name, int 
         return -1;
     vm->tsnap_req = true;
     vm->req_info = info;
+    if (seed != NULL && (vm->seed = strdup(seed)) == NULL)
+        sp_log(SP_LOG_WARN, "qemu", "template snapshot boots cold template=%s (out of memory)",
+               tname);
     if (info != NULL)
         memset(info, 0, sizeof *info);
     sp_qemu__kick(d);
