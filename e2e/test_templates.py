@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -21,7 +22,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, VmSuite, wait_s  # noqa: E402
+from harness import MULT, VmSuite, wait_s, wait_until  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -408,7 +409,20 @@ class TemplateBuildTest(VmSuite):
         vm = "bld-" + bid.replace("-", "")[:20]  # the builder's VM id (tmpl.c vm_id_of)
         self.assertTrue(os.path.isdir(os.path.join(DATA, "vms", vm)))
         s.kill(signal.SIGKILL)
+        # template snapshot seeds (tmpl_int.h) as processes leave them: one of a process that
+        # is gone goes at start-up, one of a live process sharing the data dir stays
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        seeds = {}
+        for who, pid in (("gone", gone.pid), ("live", os.getpid())):
+            seeds[who] = os.path.join(DATA, "snapshots", "bs-%d-bld-%s" % (pid, who))
+            os.makedirs(os.path.join(seeds[who], "snapshot"))
+            with open(os.path.join(seeds[who], "snapshot", "manifest.json"), "w") as f:
+                f.write("{}")
         s.start()
+        wait_until(lambda: not os.path.exists(seeds["gone"]), "the leftover seed removed")
+        self.assertFalse(os.path.exists(os.path.join(seeds["live"], "deleted")))
+        shutil.rmtree(seeds["live"])
         deadline = time.time() + 60 * MULT
         while time.time() < deadline:
             st, r = s.request("GET", "/v1/templates/slow/builds/" + bid)
