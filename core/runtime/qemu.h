@@ -96,7 +96,9 @@
  * start, and its own at sp_driver_destroy. Spares never keep a template version on disk: the
  * versions' collector (core/control/tmplver.c) tells their directories from a sandbox's by
  * sp_qemu_spare_dir and has a version's spares dropped (driver.h: template_forget) as it
- * removes the version.
+ * removes the version. A create from a sandbox snapshot counts the same way for that
+ * snapshot: its spares are restores of it (the same layout and restore as the create's own),
+ * taken as a template size's are, and dropped when the snapshot is deleted.
  *
  * Template snapshots ahead (qemu/ahead.c, driver.h: prepare): sizes a caller expects are
  * queued and, one at a time and only while nothing else boots, suspends or warms (the spares'

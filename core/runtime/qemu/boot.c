@@ -229,6 +229,27 @@ static void vm_json_own_ram(struct vm *vm)
     free(js);
 }
 
+/* A restored VM is up: from here on the disk moves on, so its snapshot must never be restored
+ * again. */
+static void restore_done(struct vm *vm)
+{
+    if (vm->restore_stream) {
+        vm_json_own_ram(vm);
+        vm->restore_stream = false;
+    }
+    vm->restore_delta = false; /* still a clone of the template's RAM: ram_src stays */
+    if (vm->restoring) {
+        char p[PATH_MAX + 32];
+        sp_qemu__vm_path(vm, "snapshot/manifest.json", p, sizeof p);
+        unlink(p);
+        sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
+        sp_qemu__rm_rf(p);
+        sp_qemu__shared_forget(vm->d, vm->id); /* the copy it was fetched from is spent too */
+        vm->restoring = false;
+        vm->snap_step = SN_NONE;
+    }
+}
+
 static void boot_done(struct vm *vm)
 {
     vm->ph = PH_UP;
@@ -264,7 +285,12 @@ static void boot_done(struct vm *vm)
         vm->snap_step = SN_NONE;
     }
     if (vm->pooled) {
-        /* keeps tp: a sandbox that takes it may still fall back to a boot */
+        if (vm->pool_fork) { /* restored from a sandbox snapshot: no boot to fall back to */
+            restore_done(vm);
+            free(vm->tp);
+            vm->tp = NULL;
+        }
+        /* a clone keeps tp: a sandbox that takes it may still fall back to a boot */
         sp_qemu__pool_warm(vm);
         return;
     }
@@ -272,22 +298,7 @@ static void boot_done(struct vm *vm)
     vm->tp = NULL;
     sp_qemu__pool_kick(vm->d); /* spares wait for boots in flight: maybe this was the last one */
     sp_timer_start(&vm->d->kick_timer, 0); /* a boot slot is free for a queued clone boot */
-    if (vm->restore_stream) {
-        vm_json_own_ram(vm);
-        vm->restore_stream = false;
-    }
-    vm->restore_delta = false; /* still a clone of the template's RAM: ram_src stays */
-    if (vm->restoring) {
-        /* From here on the disk moves on: the snapshot must never be restored again. */
-        char p[PATH_MAX + 32];
-        sp_qemu__vm_path(vm, "snapshot/manifest.json", p, sizeof p);
-        unlink(p);
-        sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
-        sp_qemu__rm_rf(p);
-        sp_qemu__shared_forget(vm->d, vm->id); /* the copy it was fetched from is spent too */
-        vm->restoring = false;
-        vm->snap_step = SN_NONE;
-    }
+    restore_done(vm);
     sp_qemu__complete_all(vm->d, &vm->boot_w, NULL);
 }
 

@@ -605,6 +605,35 @@ static void adopt_all(sp_qemu_t *d)
 
 /* ---------- driver ops ---------- */
 
+/* A create from sandbox snapshot spec->snapshot_id: a spare restored from it when one is
+ * there (as a template size's, sp_qemu__pool_take), else a restore of its own; either way the
+ * pool is told, so spares of the snapshot are made for the next. */
+static int fork_create(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err)
+{
+    bool pool = d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0;
+    if (pool) {
+        char key[17];
+        sp_qemu__fork_pool_key(spec->snapshot_id, key);
+        struct vm *spare = sp_qemu__pool_pick(d, key);
+        if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
+            struct poolwant *pw = sp_qemu__pool_want(d, key);
+            if (pw != NULL)
+                sp_qemu__pool_seen(d, pw);
+            sp_qemu__pool_count(true);
+            sp_qemu__pool_kick(d);
+            return 0;
+        }
+        sp_qemu__pool_count(false);
+    }
+    if (sp_qemu__fork_boot(d, spec, cb, arg, err) < 0)
+        return -1;
+    struct vm *vm = sp_qemu__vm_find(d, spec->sandbox_id);
+    if (pool && vm != NULL)
+        sp_qemu__pool_note_fork(d, spec->snapshot_id, vm);
+    return 0;
+}
+
 static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                   sp_err_t *err)
 {
@@ -644,7 +673,7 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
             return sp_err_set(err, SP_EINVAL, "env is not a JSON object");
     }
     if (spec->snapshot_id != NULL)
-        return sp_qemu__fork_boot(d, spec, cb, arg, err);
+        return fork_create(d, spec, cb, arg, err);
     const char *tname = spec->template_name != NULL ? spec->template_name : "base";
     bool oom;
     sp_err_t te;

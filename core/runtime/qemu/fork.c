@@ -427,6 +427,7 @@ int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_
         return sp_err_set(err, SP_ERUNTIME, "cannot mark the snapshot deleted: %s",
                           strerror(errno));
     d->snaps_pending = true;
+    sp_qemu__pool_forget_fork(d, snapshot_id); /* spares hold its disk: they go first */
     sp_qemu__snaps_gc(d, false);
     return 0;
 }
@@ -483,36 +484,34 @@ static int copy_json(const char *src, const char *dst, const char *const drop[])
     return rc;
 }
 
-int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
-                       sp_err_t *err)
+/* Lays out vdir as a suspended sandbox made from the committed snapshot in sdir: vm.json, a
+ * new overlay over its disk, its device state linked, the manifest last (without the disk's
+ * size and checksum: that disk is new). 0, or -1 with *step and errno; vdir is then gone. */
+static int fork_layout(const sp_qemu_t *d, const char *sdir, const char *vdir, const char **step)
 {
-    char sdir[PATH_MAX];
-    if (!snap_dir(d, spec->snapshot_id, sdir, sizeof sdir, err))
-        return -1;
-    char vdir[PATH_MAX], a[PATH_MAX + 40], b[PATH_MAX + 40];
-    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    char a[PATH_MAX + 40], b[PATH_MAX + 40];
     sp_qemu__rm_rf(vdir); /* leftovers of a failed boot; q_boot checked nothing runs there */
-    const char *step = "cannot create the VM directory";
+    *step = "cannot create the VM directory";
     bool ok = (mkdir(d->vms_dir, 0700) == 0 || errno == EEXIST) && mkdir(vdir, 0700) == 0;
     if (ok) {
         sp_qemu__sfmt(a, sizeof a, "%s/snapshot", vdir);
         ok = mkdir(a, 0700) == 0;
     }
     if (ok) {
-        step = "cannot write vm.json";
+        *step = "cannot write vm.json";
         sp_qemu__sfmt(a, sizeof a, "%s/vm.json", sdir);
         sp_qemu__sfmt(b, sizeof b, "%s/vm.json", vdir);
         static const char *const drop[] = {"source", "pause_ms", "created_at", NULL};
         ok = copy_json(a, b, drop) == 0;
     }
     if (ok) {
-        step = "cannot write the disk overlay";
+        *step = "cannot write the disk overlay";
         sp_qemu__sfmt(a, sizeof a, "%s/disk.qcow2", sdir);
         sp_qemu__sfmt(b, sizeof b, "%s/disk.qcow2", vdir);
         ok = sp_qemu__write_overlay(b, a) == 0;
     }
     if (ok) {
-        step = "cannot link the device state";
+        *step = "cannot link the device state";
         sp_qemu__sfmt(a, sizeof a, "%s/snapshot/devstate", sdir);
         sp_qemu__sfmt(b, sizeof b, "%s/snapshot/devstate", vdir);
         ok = link(a, b) == 0;
@@ -520,7 +519,7 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     if (ok) {
         /* last: its presence makes the directory a suspended sandbox (a crash from here on
          * is woken like one; before, the boot starts over) */
-        step = "cannot write the snapshot manifest";
+        *step = "cannot write the snapshot manifest";
         sp_qemu__sfmt(a, sizeof a, "%s/snapshot/manifest.json", sdir);
         sp_qemu__sfmt(b, sizeof b, "%s/snapshot/manifest.json", vdir);
         static const char *const drop[] = {"disk_bytes", "disk_checksum", NULL};
@@ -528,9 +527,57 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     }
     if (!ok) {
         int en = errno;
+        sp_qemu__rm_rf(vdir);
+        errno = en;
+        return -1;
+    }
+    return 0;
+}
+
+void sp_qemu__fork_pool_key(const char *sid, char key[17])
+{
+    uint64_t h = 14695981039346656037ull; /* FNV-1a, as template snapshot keys */
+    for (const char *s = "fork:"; *s != '\0'; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    for (const char *s = sid; *s != '\0'; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    sp_qemu__sfmt(key, 17, "%016llx", (unsigned long long)h);
+}
+
+int sp_qemu__fork_spare_start(struct vm *vm, const char *sid)
+{
+    sp_err_t e;
+    char sdir[PATH_MAX];
+    const char *step = NULL;
+    if (!snap_dir(vm->d, sid, sdir, sizeof sdir, &e)) {
+        step = e.msg;
+    } else if (fork_layout(vm->d, sdir, vm->dir, &step) < 0) {
+        sp_err_set(&e, SP_ERUNTIME, "%s: %s", step, strerror(errno));
+        step = e.msg;
+    } else if (sp_qemu__restore_fill(vm, &e) < 0) {
+        step = e.msg;
+    } else {
+        return 0;
+    }
+    sp_log(SP_LOG_INFO, "qemu", "spare fork not made spare=%s snapshot=%s reason=\"%s\"", vm->id,
+           sid, step);
+    sp_qemu__rm_rf(vm->dir);
+    return -1;
+}
+
+int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                       sp_err_t *err)
+{
+    char sdir[PATH_MAX];
+    if (!snap_dir(d, spec->snapshot_id, sdir, sizeof sdir, err))
+        return -1;
+    char vdir[PATH_MAX];
+    sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
+    const char *step;
+    if (fork_layout(d, sdir, vdir, &step) < 0) {
+        int en = errno;
         sp_log(SP_LOG_WARN, "qemu", "boot from snapshot failed sandbox=%s snapshot=%s %s: %s",
                spec->sandbox_id, spec->snapshot_id, step, strerror(en));
-        sp_qemu__rm_rf(vdir);
         return sp_err_set(err, SP_ERUNTIME, "%s for the sandbox", step);
     }
     sp_log(SP_LOG_INFO, "qemu", "booting from a snapshot sandbox=%s snapshot=%s",

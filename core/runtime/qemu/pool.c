@@ -1,6 +1,7 @@
 /*
- * pool.c - spare clones (qemu.h): clones of a recently created template size, made ahead of
- * time, warmed and stopped, and handed to a create of that size.
+ * pool.c - spare clones (qemu.h): clones of a recently created template size (or restores of a
+ * sandbox snapshot recently created from), made ahead of time, warmed and stopped, and handed
+ * to a create of that size (or snapshot).
  *
  * Owns the driver's struct poolwant records (the sizes to keep spares of) and makes or drops
  * spares as its policy (core/runtime/poolpolicy.h: how many per size, within the memory
@@ -105,9 +106,10 @@ void sp_qemu__pool_kick(sp_qemu_t *d)
 static void pool_drop(sp_qemu_t *d, const char *key, const char *tname, const char *build)
 {
     for (struct vm *v = d->vms; v != NULL; v = v->next) {
-        if (v->pooled && (key != NULL ? strcmp(v->pool_key, key) == 0
-                                      : v->tp != NULL && strcmp(v->template_name, tname) == 0 &&
-                                            strcmp(v->tp->hash, build) != 0)) {
+        if (v->pooled &&
+            (key != NULL ? strcmp(v->pool_key, key) == 0
+                         : !v->pool_fork && v->tp != NULL && strcmp(v->template_name, tname) == 0 &&
+                               strcmp(v->tp->hash, build) != 0)) {
             v->pool_drop = true;
             sp_qemu__pool_kick(d);
         }
@@ -131,7 +133,7 @@ int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, con
     sp_qemu_t *d = (sp_qemu_t *)base;
     int n = 0;
     for (struct vm *v = d->vms; v != NULL; v = v->next) {
-        if (v->pooled && !v->pool_drop && v->tp != NULL &&
+        if (v->pooled && !v->pool_drop && !v->pool_fork && v->tp != NULL &&
             of_version(v->template_name, v->tp->hash, template_name, version)) {
             v->pool_drop = true;
             n += v->ph != PH_STOPPING;
@@ -139,7 +141,7 @@ int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, con
     }
     for (struct poolwant **pp = &d->wants; *pp != NULL;) {
         struct poolwant *w = *pp;
-        if (of_version(w->template_name, w->tp.hash, template_name, version)) {
+        if (w->sid[0] == '\0' && of_version(w->template_name, w->tp.hash, template_name, version)) {
             *pp = w->next;
             want_free(d, w);
         } else {
@@ -153,6 +155,8 @@ int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, con
     }
     return n;
 }
+
+static void wants_trim(sp_qemu_t *d);
 
 /* A create of this size (vm: its boot): remember it (most recent first) and count it unless
  * the create already did (vm->pool_seen), forget the least recently used size beyond
@@ -180,7 +184,7 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
         /* other builds of this template: no create will match them again */
         pool_drop(d, NULL, vm->template_name, vm->tp->hash);
         for (struct poolwant **q = &d->wants; *q != NULL;) {
-            if (strcmp((*q)->template_name, vm->template_name) == 0 &&
+            if ((*q)->sid[0] == '\0' && strcmp((*q)->template_name, vm->template_name) == 0 &&
                 strcmp((*q)->tp.hash, vm->tp->hash) != 0) {
                 struct poolwant *x = *q;
                 *q = x->next;
@@ -195,6 +199,14 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
     if (!vm->pool_seen)
         sp_qemu__pool_seen(d, w);
     vm->pool_seen = true; /* a boot that waited for its snapshot comes here again */
+    wants_trim(d);
+}
+
+/* Forgets the least recently used sizes beyond SP_QEMU_POOL_KEYS (their spares go), and kicks
+ * the pool. */
+static void wants_trim(sp_qemu_t *d)
+{
+    struct poolwant **pp;
     int n = 0;
     for (pp = &d->wants; *pp != NULL;) {
         if (++n > SP_QEMU_POOL_KEYS) {
@@ -209,27 +221,83 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
     sp_qemu__pool_kick(d);
 }
 
-/* Starts one spare of w's size. */
+void sp_qemu__pool_note_fork(sp_qemu_t *d, const char *sid, const struct vm *vm)
+{
+    char key[17];
+    sp_qemu__fork_pool_key(sid, key);
+    struct poolwant **pp = &d->wants, *w = NULL;
+    for (; *pp != NULL; pp = &(*pp)->next) {
+        if (strcmp((*pp)->key, key) == 0) {
+            w = *pp;
+            *pp = w->next;
+            break;
+        }
+    }
+    if (w == NULL) {
+        w = calloc(1, sizeof(*w));
+        if (w == NULL)
+            return;
+        sp_qemu__sfmt(w->key, sizeof w->key, "%s", key);
+        sp_qemu__sfmt(w->sid, sizeof w->sid, "%s", sid);
+        w->cpu_count = vm->cpu_count;
+        w->memory_mb = vm->memory_mb;
+        w->disk_total = vm->disk_total;
+    }
+    w->next = d->wants;
+    d->wants = w;
+    sp_qemu__pool_seen(d, w);
+    wants_trim(d);
+}
+
+void sp_qemu__pool_forget_fork(sp_qemu_t *d, const char *sid)
+{
+    char key[17];
+    sp_qemu__fork_pool_key(sid, key);
+    pool_drop(d, key, NULL, NULL);
+    for (struct poolwant **pp = &d->wants; *pp != NULL; pp = &(*pp)->next) {
+        if (strcmp((*pp)->key, key) == 0) {
+            struct poolwant *w = *pp;
+            *pp = w->next;
+            want_free(d, w);
+            break;
+        }
+    }
+}
+
+/* Starts one spare of w's size: a clone of its template snapshot, or a restore of its
+ * sandbox snapshot. */
 static void pool_start(sp_qemu_t *d, struct poolwant *w)
 {
     unsigned seq = ++d->pool_seq;
     char id[SP_QEMU_ID_MAX + 1];
     sp_qemu__sfmt(id, sizeof id, "pool:%u-%d", seq, (int)getpid()); /* ':': no sandbox id, no API */
-    sp_tmplbuild_paths_t *tp = malloc(sizeof(*tp));
-    struct vm *vm = tp != NULL ? sp_qemu__vm_new(d, id) : NULL;
+    sp_tmplbuild_paths_t *tp = w->sid[0] == '\0' ? malloc(sizeof(*tp)) : NULL;
+    struct vm *vm = tp != NULL || w->sid[0] != '\0' ? sp_qemu__vm_new(d, id) : NULL;
     if (vm == NULL) {
         free(tp);
         return;
     }
-    *tp = w->tp;
-    vm->tp = tp;
     sp_qemu__sfmt(vm->dir, sizeof vm->dir, "%s/.pool-%u-%d", d->vms_dir, seq, (int)getpid());
-    sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
+    if (w->sid[0] != '\0') {
+        vm->pool_fork = true;
+        if (sp_qemu__fork_spare_start(vm, w->sid) < 0) {
+            w->retry_ms = sp_qemu__mono_ms() + SP_QEMU_POOL_RETRY_MS;
+            sp_qemu__vm_unlink(vm);
+            sp_qemu__vm_free(vm);
+            return;
+        }
+    } else {
+        *tp = w->tp;
+        vm->tp = tp;
+        sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", w->template_name);
+    }
     sp_qemu__sfmt(vm->pool_key, sizeof vm->pool_key, "%s", w->key);
     vm->pooled = true;
-    vm->cpu_count = w->cpu_count;
-    vm->memory_mb = w->memory_mb;
-    vm->disk_total = w->disk_total;
+    if (!vm->pool_fork) { /* a restore has them from its snapshot */
+        vm->cpu_count = w->cpu_count;
+        vm->memory_mb = w->memory_mb;
+        vm->disk_total = w->disk_total;
+    }
     vm->hostname = strdup("space");
     vm->ph = PH_WAIT_ACCEL;
     vm->boot_start_ms = sp_qemu__mono_ms();
@@ -550,7 +618,10 @@ int sp_qemu__pool_take(struct vm *vm, const sp_vm_spec_t *spec, sp_driver_cb cb,
         sp_agentconn_set_path(vm->agent, p);
         sp_agentconn_set_sandbox(vm->agent, vm->id);
     }
-    vm->clone_boot = true;
+    /* a clone's restore, with its fall-back to a cold boot; a fork's restore goes on as one
+     * of its own snapshot (its device state, its manifest gone once loaded) */
+    vm->clone_boot = !vm->pool_fork;
+    vm->pool_fork = false;
     vm->boot_start_ms = sp_qemu__mono_ms();
     sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
     const char *how = "ready";

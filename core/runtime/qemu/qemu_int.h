@@ -301,6 +301,7 @@ struct vm {
     bool pool_ready;    /* warmed and stopped: sp_qemu__pool_take may hand it out */
     bool pool_drop;     /* to be stopped by the pool timer (a safe place to free it) */
     bool pool_seen;     /* a sandbox's boot whose create the pool's policy counted already */
+    bool pool_fork;     /* a spare restored from a sandbox snapshot (no template boot behind) */
     /* a sandbox's clone boot waits for a boot slot (boot.c: admit_queued), in PH_WAIT_ACCEL */
     bool boot_queued;
     bool boot_admitted; /* it had its slot: boot_begin goes on */
@@ -320,6 +321,7 @@ struct poolwant {
     sp_tmplbuild_paths_t tp;
     int cpu_count, memory_mb;
     uint64_t disk_total;
+    char sid[SP_QEMU_ID_MAX + 1]; /* a sandbox snapshot's spares ("" for a template size) */
     uint64_t used_ms;  /* sp_qemu__mono_ms() of the last create of this size */
     uint64_t retry_ms; /* no new spare before this (one failed) */
 };
@@ -470,6 +472,11 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
  * b then restores it instead of booting cold. 0, or -1 (logged) and b's dir gone. */
 int sp_qemu__fork_seed(struct vm *b, const char *sid);
 int sp_qemu__write_vm_json(struct vm *vm);
+/* The spare pool's key of sandbox snapshot sid (16 hex digits, as a template size's). */
+void sp_qemu__fork_pool_key(const char *sid, char key[17]);
+/* Lays out spare vm's dir (its id and dir set) from snapshot sid and fills it for a restore
+ * (sp_qemu__restore_fill). 0, or -1 (logged) with the dir gone. */
+int sp_qemu__fork_spare_start(struct vm *vm, const char *sid);
 int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err);
 const char *sp_qemu__fork_tmp(const struct vm *vm);
@@ -502,6 +509,10 @@ int sp_qemu__q_snapshot(sp_driver_t *base, const char *id, sp_driver_cb cb, void
 int sp_qemu__q_restore(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err);
 void sp_qemu__suspend_release(struct vm *vm);
+/* Fills new VM vm (not started, its dir laid out as a suspended sandbox's) from its dir's
+ * snapshot manifest and vm.json: images, size, how its RAM comes back, checksums to verify.
+ * 0, or -1 with err (logged); vm is then the caller's to free. */
+int sp_qemu__restore_fill(struct vm *vm, sp_err_t *err);
 int sp_qemu__restore_local(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                            sp_err_t *err);
 
@@ -569,6 +580,11 @@ void sp_qemu__pool_origin_remove(const struct vm *vm);
 struct poolwant *sp_qemu__pool_want(sp_qemu_t *d, const char *key);
 void sp_qemu__pool_failed(sp_qemu_t *d, const char *key);
 void sp_qemu__pool_kick(sp_qemu_t *d);
+/* A create from sandbox snapshot sid (vm: its restore): as sp_qemu__pool_note, its spares
+ * being restores of that snapshot. */
+void sp_qemu__pool_note_fork(sp_qemu_t *d, const char *sid, const struct vm *vm);
+/* Snapshot sid is deleted: its spares go, and no more are made. */
+void sp_qemu__pool_forget_fork(sp_qemu_t *d, const char *sid);
 void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm);
 /* A create of w's size (served by a spare or not): the policy counts it. */
 void sp_qemu__pool_seen(sp_qemu_t *d, struct poolwant *w);

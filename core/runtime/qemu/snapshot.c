@@ -926,6 +926,27 @@ int sp_qemu__restore_local(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb 
         return sp_err_set(err, SP_ECONFLICT, "sandbox has no snapshot to restore");
     if (d->no_adopt)
         return sp_err_set(err, SP_ECONFLICT, "this driver only builds template snapshots");
+    vm = sp_qemu__vm_new(d, spec->sandbox_id);
+    if (vm == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    if (sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0 || sp_qemu__restore_fill(vm, err) < 0) {
+        sp_qemu__vm_unlink(vm);
+        sp_qemu__vm_free(vm);
+        return -1;
+    }
+    vm->hostname = strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
+    vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
+    vm->ph = PH_WAIT_ACCEL;
+    vm->boot_start_ms = sp_qemu__mono_ms();
+    sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
+    sp_qemu__kick(d);
+    return 0;
+}
+
+int sp_qemu__restore_fill(struct vm *vm, sp_err_t *err)
+{
+    sp_qemu_t *d = vm->d;
+    const char *vdir = vm->dir;
     char p[PATH_MAX + 32];
     sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", vdir);
     json_t *man = json_load_file(p, 0, NULL);
@@ -954,60 +975,40 @@ int sp_qemu__restore_local(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb 
         rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
     } else if (delta && !base_ok && json_is_object(man) && mem > 0) {
         sp_log(SP_LOG_WARN, "qemu", "wake refused sandbox=%s reason=\"template RAM %s unusable\"",
-               spec->sandbox_id, base_dir != NULL ? base_dir : "(none)");
+               vm->id, base_dir != NULL ? base_dir : "(none)");
         rc = sp_err_set(err, SP_ERUNTIME,
                         "cannot wake: the template snapshot this sandbox's memory is based on is "
                         "gone or changed; the snapshot is kept");
     } else if (!json_is_object(man) || mem <= 0 || cpus < 0) {
-        sp_log(SP_LOG_WARN, "qemu", "snapshot manifest unreadable sandbox=%s", spec->sandbox_id);
+        sp_log(SP_LOG_WARN, "qemu", "snapshot manifest unreadable sandbox=%s", vm->id);
         rc = sp_err_set(err, SP_ERUNTIME,
                         "cannot wake: the snapshot manifest is damaged; the snapshot is kept");
     } else if (vj == NULL || kernel == NULL || initrd == NULL || !sp_qemu__file_exists(kernel) ||
                !sp_qemu__file_exists(initrd)) {
-        sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (vm.json or images)",
-               spec->sandbox_id);
+        sp_log(SP_LOG_WARN, "qemu", "snapshot unusable sandbox=%s (vm.json or images)", vm->id);
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot is incomplete or its images are gone");
     } else if (snap_check(vdir, man, mem, stream || delta, err) < 0) {
-        sp_log(SP_LOG_WARN, "qemu", "wake refused sandbox=%s reason=\"%s\"", spec->sandbox_id,
+        sp_log(SP_LOG_WARN, "qemu", "wake refused sandbox=%s reason=\"%s\"", vm->id,
                err != NULL ? err->msg : "");
         rc = -1;
     } else if (accel != NULL && d->accel >= 0 && strcmp(accel, d->accel == 1 ? "kvm" : "tcg")) {
         rc = sp_err_set(err, SP_ERUNTIME, "snapshot was taken under %s", accel);
+    } else if (delta && (vm->clone_src = strdup(base_dir)) == NULL) {
+        rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
     } else {
         sp_qemu__sfmt(tp->kernel, sizeof tp->kernel, "%s", kernel);
         sp_qemu__sfmt(tp->initramfs, sizeof tp->initramfs, "%s", initrd);
         const char *tn = json_string_value(json_object_get(vj, "template"));
-        vm = sp_qemu__vm_new(d, spec->sandbox_id);
-        if (vm == NULL || sp_qemu__add_waiter(&vm->boot_w, cb, arg, err) < 0) {
-            if (vm != NULL) {
-                sp_qemu__vm_unlink(vm);
-                sp_qemu__vm_free(vm);
-            } else {
-                free(tp);
-            }
-            tp = NULL;
-            rc = sp_err_set(err, SP_EINTERNAL, "out of memory");
-        } else {
-            vm->tp = tp;
-            tp = NULL;
-            sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tn ? tn : "");
-            vm->cpu_count = cpus > 0 ? cpus : 1;
-            vm->memory_mb = mem;
-            vm->disk_total = (uint64_t)json_integer_value(json_object_get(vj, "disk_bytes"));
-            vm->hostname =
-                strdup(spec->hostname != NULL && *spec->hostname ? spec->hostname : "space");
-            vm->env_json = spec->env_json != NULL ? strdup(spec->env_json) : NULL;
-            vm->restoring = true;
-            vm->restore_stream = stream;
-            vm->restore_delta = delta;
-            if (delta)
-                vm->clone_src = strdup(base_dir); /* NULL: start_qemu fails the restore */
-            vm->ph = PH_WAIT_ACCEL;
-            vm->boot_start_ms = sp_qemu__mono_ms();
-            sp_timer_start(&vm->boot_timer, d->boot_timeout_ms);
-            restore_verify(vm, man);
-            sp_qemu__kick(d);
-        }
+        vm->tp = tp;
+        tp = NULL;
+        sp_qemu__sfmt(vm->template_name, sizeof vm->template_name, "%s", tn ? tn : "");
+        vm->cpu_count = cpus > 0 ? cpus : 1;
+        vm->memory_mb = mem;
+        vm->disk_total = (uint64_t)json_integer_value(json_object_get(vj, "disk_bytes"));
+        vm->restoring = true;
+        vm->restore_stream = stream;
+        vm->restore_delta = delta;
+        restore_verify(vm, man);
     }
     free(tp);
     json_decref(man);
