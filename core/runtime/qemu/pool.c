@@ -158,12 +158,12 @@ int sp_qemu__q_template_forget(sp_driver_t *base, const char *template_name, con
 
 static void wants_trim(sp_qemu_t *d);
 
-/* A create of this size (vm: its boot): remember it (most recent first) and count it unless
- * the create already did (vm->pool_seen), forget the least recently used size beyond
- * SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
-void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
+/* The want of key, moved to the front of the list (the most recently used), or a new one
+ * there of vm's size (*fresh set). NULL when out of memory. */
+static struct poolwant *want_front(sp_qemu_t *d, const char *key, const struct vm *vm, bool *fresh)
 {
     struct poolwant **pp = &d->wants, *w = NULL;
+    *fresh = false;
     for (; *pp != NULL; pp = &(*pp)->next) {
         if (strcmp((*pp)->key, key) == 0) {
             w = *pp;
@@ -174,13 +174,30 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
     if (w == NULL) {
         w = calloc(1, sizeof(*w));
         if (w == NULL)
-            return;
+            return NULL;
         sp_qemu__sfmt(w->key, sizeof w->key, "%s", key);
-        sp_qemu__sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
-        w->tp = *vm->tp;
         w->cpu_count = vm->cpu_count;
         w->memory_mb = vm->memory_mb;
         w->disk_total = vm->disk_total;
+        *fresh = true;
+    }
+    w->next = d->wants;
+    d->wants = w;
+    return w;
+}
+
+/* A create of this size (vm: its boot): remember it (most recent first) and count it unless
+ * the create already did (vm->pool_seen), forget the least recently used size beyond
+ * SP_QEMU_POOL_KEYS, and drop spares of the template's older builds. */
+void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
+{
+    bool fresh;
+    struct poolwant *w = want_front(d, key, vm, &fresh);
+    if (w == NULL)
+        return;
+    if (fresh) {
+        sp_qemu__sfmt(w->template_name, sizeof w->template_name, "%s", vm->template_name);
+        w->tp = *vm->tp;
         /* other builds of this template: no create will match them again */
         pool_drop(d, NULL, vm->template_name, vm->tp->hash);
         for (struct poolwant **q = &d->wants; *q != NULL;) {
@@ -194,8 +211,6 @@ void sp_qemu__pool_note(sp_qemu_t *d, const char *key, struct vm *vm)
             }
         }
     }
-    w->next = d->wants;
-    d->wants = w;
     if (!vm->pool_seen)
         sp_qemu__pool_seen(d, w);
     vm->pool_seen = true; /* a boot that waited for its snapshot comes here again */
@@ -225,26 +240,12 @@ void sp_qemu__pool_note_fork(sp_qemu_t *d, const char *sid, const struct vm *vm)
 {
     char key[17];
     sp_qemu__fork_pool_key(sid, key);
-    struct poolwant **pp = &d->wants, *w = NULL;
-    for (; *pp != NULL; pp = &(*pp)->next) {
-        if (strcmp((*pp)->key, key) == 0) {
-            w = *pp;
-            *pp = w->next;
-            break;
-        }
-    }
-    if (w == NULL) {
-        w = calloc(1, sizeof(*w));
-        if (w == NULL)
-            return;
-        sp_qemu__sfmt(w->key, sizeof w->key, "%s", key);
+    bool fresh;
+    struct poolwant *w = want_front(d, key, vm, &fresh);
+    if (w == NULL)
+        return;
+    if (fresh)
         sp_qemu__sfmt(w->sid, sizeof w->sid, "%s", sid);
-        w->cpu_count = vm->cpu_count;
-        w->memory_mb = vm->memory_mb;
-        w->disk_total = vm->disk_total;
-    }
-    w->next = d->wants;
-    d->wants = w;
     sp_qemu__pool_seen(d, w);
     wants_trim(d);
 }
