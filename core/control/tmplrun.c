@@ -348,7 +348,7 @@ static json_t *warmup_argv(const struct build *b)
         "  sleep 0.2\n"
         "done'\n"
         "if [ -n \"$dir\" ]; then cd \"$dir\" || exit 1; fi\n"
-        "exec 3>/var/log/space-start.log\n"
+        "mkdir -p /var/log; exec 3>/var/log/space-start.log\n" /* images without one */
         "if [ \"$user\" = root ]; then exec /bin/sh -c \"$run\" space-start \"$start\" \"$ready\" "
         "\"$limit\"\n"
         "elif command -v runuser >/dev/null 2>&1; then\n"

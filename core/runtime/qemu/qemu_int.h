@@ -195,7 +195,8 @@ struct tsnap {
     int state;
     uint64_t failed_ms; /* sp_qemu__mono_ms() of the last failure */
     uint64_t start_ms;
-    bool seeded;   /* its last build restored a seed instead of booting */
+    bool seeded;      /* its last build restored a seed instead of booting */
+    bool seed_failed; /* a seed's restore failed: builds of it boot cold from now on */
     char why[160]; /* the last failure, client-safe */
 };
 

@@ -391,7 +391,7 @@ static int tsnap_build_start(sp_qemu_t *d, struct tsnap *t, const struct vm *vm)
     b->tsnap_build = t;
     b->cold = true;
     /* from a snapshot of the template's own builder: its steps' page cache and all, no boot */
-    t->seeded = vm->seed != NULL && sp_qemu__fork_seed(b, vm->seed) == 0;
+    t->seeded = vm->seed != NULL && !t->seed_failed && sp_qemu__fork_seed(b, vm->seed) == 0;
     if (t->seeded) {
         b->restoring = true;
         b->restore_stream = true;
@@ -515,6 +515,20 @@ void sp_qemu__tsnap_failed(struct vm *vm, const char *why)
 {
     struct tsnap *t = vm->tsnap_build;
     vm->tsnap_build = NULL;
+    if (t->seeded && vm->restoring) { /* boot_done clears it once the seed is up */
+        /* The seed did not restore (a failed warmup is the template's own and fails as
+         * ever): build it again from a cold boot, for the boots and requests waiting for it,
+         * which tsnap_wake sends back to sp_qemu__tsnap_for. */
+        t->seed_failed = true;
+        t->state = TS_FAILED;
+        t->failed_ms = 0; /* not a failure to wait out: look again at once */
+        sp_log(SP_LOG_WARN, "qemu",
+               "template snapshot seed did not restore template=%s key=%s err=\"%s\": building it "
+               "from a cold boot",
+               t->template_name, t->key, why);
+        tsnap_wake(vm->d, t);
+        return;
+    }
     count_build(t, false);
     t->state = TS_FAILED;
     t->failed_ms = sp_qemu__mono_ms();
