@@ -32,17 +32,23 @@
 #include "loop/loop.h"
 #include "tests/check.h"
 
-/* Boots sandbox id of `base` (from snapshot snap when not NULL): ms to agent ready. */
-static double boot_spec(sp_driver_t *d, const char *id, const char *snap)
+/* Boots sandbox id of `base` with memory_mb (from snapshot snap when not NULL): ms to agent
+ * ready. */
+static double boot_sized(sp_driver_t *d, const char *id, const char *snap, int memory_mb)
 {
     sp_vm_spec_t spec = {.sandbox_id = id,
                          .template_name = "base",
                          .cpu_count = 1,
-                         .memory_mb = 256,
+                         .memory_mb = memory_mb,
                          .hostname = id,
                          .env_json = "{\"FORK\":\"1\"}",
                          .snapshot_id = snap};
     return vt_boot(d, &spec, 120000);
+}
+
+static double boot_spec(sp_driver_t *d, const char *id, const char *snap)
+{
+    return boot_sized(d, id, snap, 256);
 }
 
 static void destroy(sp_driver_t *d, const char *id)
@@ -432,12 +438,7 @@ int main(void)
     /* a template snapshot seed (qemu.h: sp_qemu_template_snapshot_from) whose restore fails:
      * the snapshot is built from a cold boot all the same, for a size nothing else uses */
     d = vt_driver(1, -1);
-    sp_vm_spec_t odd = {.sandbox_id = src,
-                        .template_name = "base",
-                        .cpu_count = 1,
-                        .memory_mb = 288,
-                        .hostname = src};
-    vt_boot(d, &odd, 120000);
+    boot_sized(d, src, NULL, 288);
     checkpoint(d, src, snap_b); /* a cold source: its whole RAM in the stream */
     destroy(d, src);
     sp_driver_destroy(d);

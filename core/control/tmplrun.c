@@ -1,9 +1,9 @@
 /*
  * tmplrun.c - a template build's course (tmpl_int.h: struct build): the queue, the builder VM
  * (boot, from the step cache or not; the steps, copy steps among them; the env file; pause,
- * the disk's export and the seed its template snapshot is made from), the pull of an image parent on a worker thread, the step cache hook
- * (tmplcache.h), committing the new version's files, its template snapshot, the build's log and
- * the record of how it ended.
+ * the disk's export and the seed its template snapshot is made from), the pull of an image
+ * parent on a worker thread, the step cache hook (tmplcache.h), committing the new version's
+ * files, its template snapshot, the build's log and the record of how it ended.
  *
  * Not here: validating requests and reading records (tmpl.c), versions, tags and their
  * collection (tmplver.c).
@@ -242,7 +242,15 @@ static void on_recorded(void *rec, PGresult *res, const sp_err_t *err)
     sp_tmpl__start_queued(t);
 }
 
-static void drop_seed(struct build *b);
+/* The seed goes once the template snapshot is made or the build ended without it. */
+static void drop_seed(struct build *b)
+{
+    sp_err_t e;
+    if (b->seed[0] != '\0' && b->t->driver->ops->checkpoint_delete(b->t->driver, b->seed, &e) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "cannot delete the template snapshot seed %s: %s", b->seed,
+               e.msg);
+    b->seed[0] = '\0';
+}
 
 static void record_end(struct build *b)
 {
@@ -549,16 +557,6 @@ static void seed_snapshot(struct build *b)
     snprintf(b->seed, sizeof b->seed, "%s%d-%s", SP_TMPL_SEED_PREFIX, (int)getpid(), b->vm_id);
     if (sp_qemu_template_seed(b->t->driver, b->vm_id, b->seed, on_seeded, b, &e) < 0)
         on_seeded(b, &e);
-}
-
-/* The seed goes once the template snapshot is made or the build ended without it. */
-static void drop_seed(struct build *b)
-{
-    sp_err_t e;
-    if (b->seed[0] != '\0' && b->t->driver->ops->checkpoint_delete(b->t->driver, b->seed, &e) < 0)
-        sp_log(SP_LOG_WARN, "tmpl", "cannot delete the template snapshot seed %s: %s", b->seed,
-               e.msg);
-    b->seed[0] = '\0';
 }
 
 static void on_exported(void *arg, const sp_err_t *err)

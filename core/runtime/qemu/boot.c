@@ -268,14 +268,8 @@ static void boot_done(struct vm *vm)
     if (!vm->pooled && vm->tsnap_build == NULL)
         vm->d->pool_quiet_until = sp_qemu__mono_ms() + SP_QEMU_POOL_SETTLE_MS;
     if (vm->tsnap_build != NULL) {
-        if (vm->restoring) { /* from a seed: its linked device state must not be written */
-            char p[PATH_MAX + 16];
-            sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
-            sp_qemu__rm_rf(p);
-            vm->restoring = false;
-            vm->restore_stream = false;
-            vm->snap_step = SN_NONE;
-        }
+        /* from a seed: its linked device state must not be written */
+        restore_done(vm);
         sp_qemu__tsnap_warmup(vm); /* keeps tp: nothing waits on a builder's boot */
         return;
     }

@@ -605,26 +605,47 @@ static void adopt_all(sp_qemu_t *d)
 
 /* ---------- driver ops ---------- */
 
+/* Whether creates are served by spares here. */
+static bool pool_on(const sp_qemu_t *d)
+{
+    return d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0;
+}
+
+/* Hands spec's create a spare of key if there is one (true: cb is answered by its boot).
+ *
+ * A spare skips the boot queue (admit_queued), and rightly: the queue keeps restores from all
+ * running at once, and a ready spare needs no restore (a rename, `cont` and IDENTITY:
+ * milliseconds of CPU). One still restoring was started under the pool's own rule (nothing
+ * else booting) and is counted as a boot in flight from here on; one not yet started goes
+ * through boot_begin like any clone boot, and so through the queue. Queueing a ready one
+ * behind restores would make its create wait seconds for nothing. */
+static bool take_spare(sp_qemu_t *d, const char *key, const sp_vm_spec_t *spec, sp_driver_cb cb,
+                       void *arg)
+{
+    struct vm *spare = sp_qemu__pool_pick(d, key);
+    bool taken = spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0;
+    sp_qemu__pool_count(taken);
+    if (taken)
+        sp_qemu__pool_kick(d);
+    return taken;
+}
+
 /* A create from sandbox snapshot spec->snapshot_id: a spare restored from it when one is
- * there (as a template size's, sp_qemu__pool_take), else a restore of its own; either way the
- * pool is told, so spares of the snapshot are made for the next. */
+ * there (as a template size's), else a restore of its own; either way the pool is told, so
+ * spares of the snapshot are made for the next. */
 static int fork_create(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                        sp_err_t *err)
 {
-    bool pool = d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0;
+    bool pool = pool_on(d);
     if (pool) {
         char key[17];
         sp_qemu__fork_pool_key(spec->snapshot_id, key);
-        struct vm *spare = sp_qemu__pool_pick(d, key);
-        if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
+        if (take_spare(d, key, spec, cb, arg)) {
             struct poolwant *pw = sp_qemu__pool_want(d, key);
             if (pw != NULL)
                 sp_qemu__pool_seen(d, pw);
-            sp_qemu__pool_count(true);
-            sp_qemu__pool_kick(d);
             return 0;
         }
-        sp_qemu__pool_count(false);
     }
     if (sp_qemu__fork_boot(d, spec, cb, arg, err) < 0)
         return -1;
@@ -685,7 +706,7 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         return sp_err_set(err, SP_ERUNTIME, "template %s is not built on this host", tname);
     }
     bool seen = false; /* the pool's policy counted this create */
-    if (d->pool_size > 0 && !d->cold_only && d->accel >= 0 && d->sandbox >= 0) {
+    if (pool_on(d)) {
         int cpus = sp_qemu__vm_cpus(tp, spec->cpu_count);
         int mem = sp_qemu__vm_memory(tp, spec->memory_mb);
         char key[17];
@@ -695,21 +716,10 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
                 sp_qemu__pool_seen(d, pw);
                 seen = true;
             }
-            /* A spare skips the boot queue (admit_queued), and rightly: the queue keeps
-             * restores from all running at once, and a ready spare needs no restore (a
-             * rename, `cont` and IDENTITY: milliseconds of CPU). One still restoring was
-             * started under the pool's own rule (nothing else booting) and is counted as a
-             * boot in flight from here on; one not yet started goes through boot_begin like
-             * any clone boot, and so through the queue. Queueing a ready one behind restores
-             * would make its create wait seconds for nothing. */
-            struct vm *spare = sp_qemu__pool_pick(d, key);
-            if (spare != NULL && sp_qemu__pool_take(spare, spec, cb, arg) == 0) {
+            if (take_spare(d, key, spec, cb, arg)) {
                 free(tp);
-                sp_qemu__pool_count(true);
-                sp_qemu__pool_kick(d);
                 return 0;
             }
-            sp_qemu__pool_count(false);
         }
     }
     vm = sp_qemu__vm_new_boot(d, spec->sandbox_id, tp, tname, spec->cpu_count, spec->memory_mb, cb,

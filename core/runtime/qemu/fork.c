@@ -536,11 +536,7 @@ static int fork_layout(const sp_qemu_t *d, const char *sdir, const char *vdir, c
 
 void sp_qemu__fork_pool_key(const char *sid, char key[17])
 {
-    uint64_t h = 14695981039346656037ull; /* FNV-1a, as template snapshot keys */
-    for (const char *s = "fork:"; *s != '\0'; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ull;
-    for (const char *s = sid; *s != '\0'; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    uint64_t h = sp_qemu__fnv1a(sp_qemu__fnv1a(SP_QEMU_FNV_BASIS, "fork"), sid);
     sp_qemu__sfmt(key, 17, "%016llx", (unsigned long long)h);
 }
 

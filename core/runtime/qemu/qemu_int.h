@@ -555,6 +555,10 @@ bool sp_qemu__refs_has(const struct refs *r, const char *dir);
 void sp_qemu__refs_free(struct refs *r);
 void sp_qemu__refs_chain(struct refs *r, const char *disk);
 
+/* FNV-1a of s into h, then a separator (("ab","c") and ("a","bc") differ); start from
+ * SP_QEMU_FNV_BASIS. For keys that only name things in this process or its data dir. */
+#define SP_QEMU_FNV_BASIS 14695981039346656037ull
+uint64_t sp_qemu__fnv1a(uint64_t h, const char *s);
 int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, int cpu_count,
                            int memory_mb, char key[17]);
 void sp_qemu__tsnap_gc(sp_qemu_t *d);

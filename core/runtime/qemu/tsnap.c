@@ -38,7 +38,7 @@
 
 /* ---------- template snapshots ---------- */
 
-static uint64_t fnv1a(uint64_t h, const char *s)
+uint64_t sp_qemu__fnv1a(uint64_t h, const char *s)
 {
     for (; *s != '\0'; s++) {
         h ^= (unsigned char)*s;
@@ -70,13 +70,13 @@ int sp_qemu__tsnap_key_for(const sp_qemu_t *d, const sp_tmplbuild_paths_t *tp, i
     char **argv = sp_bootargs_qemu_argv(&q);
     if (argv == NULL)
         return -1;
-    uint64_t h = 14695981039346656037ull;
-    h = fnv1a(h, SP_QEMU_TSNAP_FORMAT);
-    h = fnv1a(h, d->qemu_ident);
-    h = fnv1a(h, tp->hash);
-    h = fnv1a(h, tp->rootfs);
+    uint64_t h = SP_QEMU_FNV_BASIS;
+    h = sp_qemu__fnv1a(h, SP_QEMU_TSNAP_FORMAT);
+    h = sp_qemu__fnv1a(h, d->qemu_ident);
+    h = sp_qemu__fnv1a(h, tp->hash);
+    h = sp_qemu__fnv1a(h, tp->rootfs);
     for (int i = 0; argv[i] != NULL; i++)
-        h = fnv1a(h, argv[i]);
+        h = sp_qemu__fnv1a(h, argv[i]);
     free(argv);
     sp_qemu__sfmt(key, 17, "%016llx", (unsigned long long)h);
     return 0;
