@@ -162,7 +162,10 @@ async def one(i):
         pusher.cancel()
         w.transport.abort()
 async def main():
-    await asyncio.gather(*(one(i) for i in range(N)))
+    # One connection's unexpected error is counted, not the end of the report.
+    for x in await asyncio.gather(*(one(i) for i in range(N)), return_exceptions=True):
+        if isinstance(x, BaseException):
+            count("error " + type(x).__name__)
     print(json.dumps(res))
 asyncio.run(main())
 """
@@ -715,9 +718,12 @@ class EgressTest(unittest.TestCase):
             out = {}
 
             def flood():
-                out["r"] = self.run_cmd(busy, "ulimit -n 8192; python3 /tmp/flood.py 2000 %d %d"
-                                              " %d" % (hole.port, 256 << 10, int(90 * MULT)),
-                                        timeout=400)
+                try:
+                    out["r"] = self.run_cmd(busy, "ulimit -n 8192; python3 /tmp/flood.py 2000"
+                                                  " %d %d %d" % (hole.port, 256 << 10,
+                                                                 int(90 * MULT)), timeout=400)
+                except BaseException as e:  # reported below with the guest's state
+                    out["r"] = {"error": repr(e)}
 
             th = threading.Thread(target=flood, daemon=True)
             th.start()
@@ -730,7 +736,14 @@ class EgressTest(unittest.TestCase):
                 quiet_ok += code == 200 and "/quiet" in body
                 peak = max(peak, self.s.rss_kb())
                 th.join(timeout=1)
-            res = json.loads(out["r"]["stdout"].strip().splitlines()[-1])
+            r = out.get("r") or {}
+            lines = (r.get("stdout") or "").strip().splitlines()
+            if not lines:
+                # The flood printed nothing: say how it ended and what the guest was doing.
+                self.fail("flood gave no result: %s, exit %s, stderr %r; %s"
+                          % (r.get("error", "ran"), r.get("exit_code"),
+                             (r.get("stderr") or "")[-1500:], self.diagnose(busy)))
+            res = json.loads(lines[-1])
         finally:
             hole.close()
         grown = (peak - rss0) // 1024
