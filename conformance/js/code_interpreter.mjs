@@ -361,8 +361,9 @@ scenario(A, 'execution timeout keeps the context usable', async () => {
   assert.equal(next.text, '124')
   assert.ok(took < 8000 * MULT, `the next execution took ${took} ms: the timed-out code kept running`)
   // The SDK's timer runs from the response headers: they must come when the code starts, not
-  // with the first output or keepalive.
-  assert.ok(waited >= 1900 && waited < 5000 * MULT, `timed out after ${waited} ms, not 2000`)
+  // with the first output or keepalive. Headers held to the first keepalive (5 s) would show
+  // as 7 s or more; what comes before is how long the start took (up to 4 s in a loaded CI).
+  assert.ok(waited >= 1900 && waited < 6800 * MULT, `timed out after ${waited} ms, not 2000`)
 }, { timeoutMs: 120_000 })
 
 scenario(A, 'a template without a code interpreter refuses', async () => {

@@ -393,7 +393,9 @@ def _timeout():
     no_error(nxt, "after the timeout")
     assert nxt.text == "124", nxt
     assert took < 8 * MULT, "the next execution took %.1f s: the timed-out code kept running" % took
-    assert 1.9 <= waited < 5 * MULT, "timed out after %.1f s, not 2" % waited
+    # Headers held to the first keepalive (5 s) would show as 7 s or more; what comes before
+    # is how long the start took (up to 4 s in a loaded CI).
+    assert 1.9 <= waited < 6.8 * MULT, "timed out after %.1f s, not 2" % waited
 
 
 @scenario(A, "a template without a code interpreter refuses")
