@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "agent/agent.h"
+#include "agent/cgroup.h"
 #include "agent/chan.h"
 #include "agent/egress.h"
 #include "agent/ev.h"
@@ -48,6 +49,7 @@ static int run_loop(void)
         sp_egress_tick();
         sp_sess_pump_all();
         sp_proc_tick();
+        sp_cgroup_tick();
         if (sp_ev_run_once(min_timeout(sp_chan_timeout_ms(), sp_egress_timeout_ms())) < 0) {
             sp_log(SP_LOG_ERROR, "agent", "poll failed errno=%d", errno);
             return 1;
@@ -124,6 +126,7 @@ int main(int argc, char **argv)
         sp_agent_env_file = SP_AGENT_ENV_FILE;
     if (init) {
         sp_sysinit_mounts();
+        sp_cgroup_setup();
         if (getpid() == 1)
             sp_sysinit_supervise(init_worker, NULL);
         return init_worker(NULL); /* --init outside PID 1: debugging */

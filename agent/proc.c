@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "agent/agent.h"
+#include "agent/cgroup.h"
 #include "agent/chan.h"
 #include "agent/egress.h"
 #include "agent/ev.h"
@@ -42,6 +43,7 @@
 #define PROC_KEEP_FINISHED 32 /* finished processes kept for late attach */
 #define PROC_MAX_ATTACH    16 /* streams per process */
 #define PROC_READ_CHUNK    65536
+#define PROC_EXEC_WAIT_MS 200 /* how long starting a command waits for its exec */
 
 typedef struct proc proc_t;
 
@@ -71,6 +73,9 @@ struct proc {
     int status;
     uint64_t started_ns;
     uint64_t seq; /* start order, to evict the oldest finished */
+    uint32_t cg;  /* its cgroup (sp_cgroup_cmd_new), 0 for none */
+    int exec_fd;  /* its exec's outcome when spawn could not wait for it, else -1 */
+    sp_ev_t *exec_ev;
     att_t *atts;
     proc_t *next;
 };
@@ -350,6 +355,10 @@ static void att_signal(att_t *a, const uint8_t *p, uint32_t n)
         sp_sess_error(a->s->id, SP_AP_E_INVAL, 0, "bad signal");
         return;
     }
+    /* A group's number is never reused while it exists: it can be killed even after the
+     * command's own process is gone, and the processes it left behind go with it. */
+    if (group && sig == SIGKILL && a->pr->cg != 0)
+        sp_cgroup_kill(a->pr->cg);
     if (a->pr->reaped)
         return; /* the pid may already belong to someone else */
     pid_t target = group ? -a->pr->pid : a->pr->pid;
@@ -398,6 +407,7 @@ static void att_frame(sp_stream_t *s, const sp_ap_hdr_t *h, const uint8_t *p)
 
 static void free_proc(proc_t *pr)
 {
+    close_fd(&pr->exec_fd, &pr->exec_ev);
     close_fd(&pr->in_fd, &pr->in_ev);
     close_fd(&pr->out_fd, &pr->out_ev);
     close_fd(&pr->err_fd, &pr->err_ev);
@@ -484,6 +494,7 @@ static void on_reaped(proc_t *pr, int status)
 {
     pr->reaped = true;
     pr->status = status;
+    pr->cg = sp_cgroup_cmd_done(pr->cg); /* kept only while processes outlive it */
     if (pr->pty && pr->out_fd >= 0) {
         /* A background job may hold the terminal open forever: take what is
          * there now and call it the end, as a terminal emulator would. */
@@ -511,6 +522,7 @@ static void on_sigchld(int fd, short rev, void *arg)
         if (pr != NULL && !pr->reaped)
             on_reaped(pr, status);
     }
+    sp_cgroup_sweep();
 }
 
 int sp_proc_init(void)
@@ -809,13 +821,19 @@ static void close_our_ends(stdio_t *io)
         close(io->err);
 }
 
-/* Forks and execs; returns the pid, or -1 with errno from the child or fork. */
-static pid_t spawn(const spec_t *sp, stdio_t *io)
+/*
+ * Forks and execs in cgroup cg; returns the pid, or -1 with errno from the child or fork.
+ * Waits for the exec (or its failure) PROC_EXEC_WAIT_MS at most: a child that cannot get the
+ * memory or CPU to exec (a fork bomb elsewhere in the guest) must not stall the agent, which
+ * then goes on with the pid and leaves the outcome on *late_fd (else -1) for later.
+ */
+static pid_t spawn(const spec_t *sp, uint32_t cg, stdio_t *io, int *late_fd)
 {
+    *late_fd = -1;
     int ep[2];
     if (pipe2(ep, O_CLOEXEC) < 0)
         return -1;
-    pid_t pid = fork();
+    pid_t pid = sp_cgroup_fork(cg);
     if (pid == 0) {
         close(ep[0]);
         exec_child(sp, io->child_in, io->child_out, io->child_err, ep[1]);
@@ -827,7 +845,16 @@ static pid_t spawn(const spec_t *sp, stdio_t *io)
         errno = fork_errno;
         return -1;
     }
-    /* Blocks only until the child execs or fails: no user code runs before that. */
+    struct pollfd pf = {.fd = ep[0], .events = POLLIN};
+    int ready;
+    do {
+        ready = poll(&pf, 1, PROC_EXEC_WAIT_MS);
+    } while (ready < 0 && errno == EINTR);
+    if (ready == 0) {
+        fcntl(ep[0], F_SETFL, fcntl(ep[0], F_GETFL) | O_NONBLOCK);
+        *late_fd = ep[0];
+        return pid;
+    }
     int e = 0;
     ssize_t r;
     do {
@@ -840,6 +867,28 @@ static pid_t spawn(const spec_t *sp, stdio_t *io)
         return -1;
     }
     return pid;
+}
+
+/* A late exec's outcome: nothing (EOF) when it ran; its errno when it failed, which the
+ * command's stderr then says (the child exits 127, reported as any exit is). */
+static void on_late_exec(int fd, short rev, void *arg)
+{
+    proc_t *pr = arg;
+    int e = 0;
+    ssize_t r = read(pr->exec_fd, &e, sizeof(e));
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    if (r == (ssize_t)sizeof(e)) {
+        char msg[256];
+        int n = snprintf(msg, sizeof(msg), "space-agent: cannot run %.160s: %s\n",
+                         pr->summary ? pr->summary : "command", strerror(e));
+        if (n > 0 &&
+            sp_ring_write(&pr->err, msg, (size_t)n < sizeof(msg) ? (size_t)n : sizeof(msg) - 1) < 0)
+            sp_log(SP_LOG_ERROR, "proc", "ring alloc failed pid=%d", (int)pr->pid);
+        sp_log(SP_LOG_INFO, "proc", "late exec failed pid=%d errno=%d", (int)pr->pid, e);
+        pump_atts(pr);
+    }
+    close_fd(&pr->exec_fd, &pr->exec_ev);
 }
 
 static char *join_argv(char **argv)
@@ -856,12 +905,16 @@ static char *join_argv(char **argv)
     return s;
 }
 
-static proc_t *new_proc(const spec_t *sp, pid_t pid, stdio_t *io)
+static proc_t *new_proc(const spec_t *sp, pid_t pid, uint32_t cg, int late_fd, stdio_t *io)
 {
     proc_t *pr = calloc(1, sizeof(*pr));
     if (pr == NULL)
         return NULL;
     pr->pid = pid;
+    pr->cg = cg;
+    pr->exec_fd = late_fd;
+    if (late_fd >= 0)
+        pr->exec_ev = sp_ev_add(late_fd, POLLIN, on_late_exec, pr);
     pr->pty = sp->pty;
     pr->tag = sp->tag ? strdup(sp->tag) : NULL;
     pr->summary = join_argv(sp->argv);
@@ -898,18 +951,23 @@ void sp_proc_on_start(uint32_t id, const uint8_t *p, uint32_t n)
         free_spec(&sp);
         return;
     }
-    pid_t pid = spawn(&sp, &io);
+    uint32_t cg = sp_cgroup_cmd_new();
+    int late_fd;
+    pid_t pid = spawn(&sp, cg, &io, &late_fd);
     int e = errno;
     close_child_ends(&io);
     if (pid < 0) {
+        sp_cgroup_cmd_done(cg);
         close_our_ends(&io);
         sp_sess_error_errno(id, e, "exec");
         free_spec(&sp);
         return;
     }
-    proc_t *pr = new_proc(&sp, pid, &io);
+    proc_t *pr = new_proc(&sp, pid, cg, late_fd, &io);
     free_spec(&sp);
     if (pr == NULL) {
+        if (late_fd >= 0)
+            close(late_fd);
         close_our_ends(&io);
         kill(pid, SIGKILL);
         sp_sess_error(id, SP_AP_E_INTERNAL, ENOMEM, "out of memory");
