@@ -793,6 +793,32 @@ class EscapeTest(unittest.TestCase):
               flush=True)
         self.healthy("after the fork bomb")
 
+    def test_9b_command_groups(self):
+        # What a command leaves running when it ends on its own keeps running (in its group,
+        # which stays while they do); what a command killed at its timeout started is killed
+        # with it, a process that left its session included; and groups do not pile up: a
+        # finished command's empty group is reused.
+        c = self.cmd(self.a, "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
+        kept = int(c["stdout"])
+        for _ in range(20):
+            self.cmd(self.a, "true")
+        c = self.cmd(self.a, "kill -0 %d && echo alive;"
+                             " ls /sys/fs/cgroup/sandbox | grep -c '^c[0-9]'" % kept)
+        alive, groups = c["stdout"].split()
+        self.assertEqual(alive, "alive", c)
+        # at most the 8 kept for reuse, the sleep's and this command's
+        self.assertLessEqual(int(groups), 10, c)
+        st, c = self.s.request("POST", "/v1/sandboxes/%s/commands" % self.a,
+                               {"cmd": "setsid sleep 700 </dev/null >/dev/null 2>&1 &"
+                                       " echo $! > /tmp/escaped; sleep 100",
+                                "user": "root", "timeout_s": 2}, timeout=60 * MULT)
+        self.assertEqual(st, 200, c)
+        self.assertTrue(c.get("timed_out"), c)
+        c = self.cmd(self.a, "p=$(cat /tmp/escaped); sleep 1; kill -0 $p 2>/dev/null"
+                             " && echo alive || echo gone; kill %d" % kept)
+        self.assertEqual(c["stdout"].strip(), "gone", c)
+        print("command groups: %s after 20 commands and one left running" % groups, flush=True)
+
 
 if __name__ == "__main__":
     unittest.main()
