@@ -90,6 +90,21 @@ static int write_file(const char *path, const char *val)
     return n == (ssize_t)strlen(val) ? 0 : -1;
 }
 
+/* The start of a small kernel file (one read), NUL-terminated in buf; -1 when it cannot be
+ * read or is empty. */
+static int read_small(const char *path, char *buf, size_t cap)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    return 0;
+}
+
 /* A /proc/meminfo field in bytes, 0 when missing. */
 static uint64_t meminfo(const char *field)
 {
@@ -167,14 +182,8 @@ static int cmd_empty(uint32_t cmd)
 {
     char path[128], buf[128];
     cmd_path(path, sizeof(path), cmd, "cgroup.events");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    if (read_small(path, buf, sizeof(buf)) < 0)
         return -1;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return -1;
-    buf[n] = 0;
     return strstr(buf, "populated 0") != NULL;
 }
 
@@ -323,7 +332,7 @@ pid_t sp_cgroup_fork(uint32_t cmd)
 /* The agent's scheduling: SCHED_RR (rt) or SCHED_OTHER, both reset to normal in children. */
 static void set_rt(int rt)
 {
-    /* The system call itself: musl's sched_setscheduler() is a stub that fails. */
+    /* The system call itself: musl's sched_setscheduler() always fails (ENOSYS), by design. */
     struct sched_param sp = {.sched_priority = rt ? 1 : 0};
     int policy = (rt ? SCHED_RR : SCHED_OTHER) | SCHED_RESET_ON_FORK;
     if (syscall(SYS_sched_setscheduler, 0, policy, &sp) < 0)
@@ -336,14 +345,8 @@ static void set_rt(int rt)
 static long runnable(void)
 {
     char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    if (read_small("/proc/loadavg", buf, sizeof(buf)) < 0)
         return -1;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return -1;
-    buf[n] = 0;
     long r;
     return sscanf(buf, "%*s %*s %*s %ld/", &r) == 1 ? r : -1;
 }
