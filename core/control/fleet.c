@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "core/control/recon.h"
 
 #define FLEET_DRAIN_BATCH "8" /* sandboxes moved per heartbeat of a draining worker */
 
@@ -366,10 +367,10 @@ static const char *comeback_sql =
 static const char *readopt_sql =
     "WITH u AS (UPDATE sandboxes SET observed_state = $3, lost_at = NULL, error = NULL,"
     "   worker_generation = $4::bigint, updated_at = now()"
-    "  WHERE id = $1 AND worker_id = $2 AND observed_state = 'lost' RETURNING id),"
+    "  WHERE id = $1 AND worker_id = $2 AND observed_state = 'lost' RETURNING id, worker_id),"
     " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
     "  SELECT u.id, 'readopted', 'worker ' || $2 || ' came back' FROM u RETURNING 1)"
-    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM ev) FROM u";
+    " SELECT count(" SP_RECON_NOTIFY("u") "), (SELECT count(*) FROM ev) FROM u";
 
 static void readopted(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *id)
 {
@@ -440,13 +441,13 @@ static const char *drain_suspend_sql =
     "  WHERE worker_id = $1 AND moving IS NULL AND desired_state IN ('running', 'paused')"
     "   AND observed_state IN ('running', 'paused')"
     "   AND EXISTS (SELECT 1 FROM workers WHERE id = $1 AND state = 'draining')"
-    "  RETURNING id, team_id),"
+    "  RETURNING id, team_id, worker_id),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || a.id), 1, 22),"
     "   a.id, a.team_id, 'drain', 'suspended' FROM a RETURNING 1),"
     " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
     "  SELECT a.id, 'drain', 'suspending to move' FROM a RETURNING 1)"
-    " SELECT count(pg_notify('space_sandbox', a.id)), (SELECT count(*) FROM o),"
+    " SELECT count(" SP_RECON_NOTIFY("a") "), (SELECT count(*) FROM o),"
     "  (SELECT count(*) FROM ev) FROM a";
 
 static const char *drain_ready_sql =
@@ -472,13 +473,13 @@ static const char *drain_move_sql =
     "   last_activity_at = now(), updated_at = now()"
     "  FROM p WHERE s.id = $1 AND s.worker_id = $2 AND s.moving IS NOT NULL"
     "   AND s.observed_state = 'suspended' AND s.desired_state = 'suspended'"
-    "  RETURNING s.id, s.team_id, s.desired_state, p.wid),"
+    "  RETURNING s.id, s.team_id, s.desired_state, s.worker_id),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
     "   u.id, u.team_id, 'drain', u.desired_state FROM u RETURNING 1),"
     " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
-    "  SELECT u.id, 'moved', 'to worker ' || u.wid FROM u RETURNING 1)"
-    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM o),"
+    "  SELECT u.id, 'moved', 'to worker ' || u.worker_id FROM u RETURNING 1)"
+    " SELECT count(" SP_RECON_NOTIFY("u") "), (SELECT count(*) FROM o),"
     "  (SELECT count(*) FROM ev) FROM u";
 
 static void drain_moved(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char *id)
@@ -778,8 +779,8 @@ int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_c
         " b AS (UPDATE sandboxes SET desired_state = moving, moving = NULL, updated_at = now()"
         "  WHERE $2 = 'active' AND worker_id = $1 AND moving IS NOT NULL"
         "   AND desired_state = 'suspended' AND EXISTS (SELECT 1 FROM w WHERE w.state = 'active')"
-        "  RETURNING id)"
-        " SELECT prev.state, (SELECT count(pg_notify('space_sandbox', b.id)) FROM b) FROM prev",
+        "  RETURNING id, worker_id)"
+        " SELECT prev.state, (SELECT count(" SP_RECON_NOTIFY("b") ") FROM b) FROM prev",
         2, p, sizeof(*q), drained, err);
     if (q == NULL)
         return -1;

@@ -72,6 +72,12 @@ static sp_metric_t m_ops = SP_METRIC_COUNTER(
 static sp_metric_t m_scans = SP_METRIC_COUNTER(
     "space_controller_scans_total",
     "Scans of the store for rows this worker's controller has to act on (NOTIFY or timer).", "");
+static sp_metric_t m_notices = SP_METRIC_COUNTER(
+    "space_controller_notices_total",
+    "Changes to sandboxes this worker's controller heard of (NOTIFY space_sandbox), by whom they "
+    "concern: this worker (it scans), another (it does not), or any (an unplaced row, or a "
+    "writer that did not name the worker: it scans).",
+    "worker");
 static sp_metric_t m_op_seconds = SP_METRIC_HISTOGRAM(
     "space_lifecycle_operation_duration_seconds",
     "Time the runtime driver took for a lifecycle action, by operation and outcome.",
@@ -494,7 +500,7 @@ static const char *sweep_sql =
     "   deadline_at = CASE WHEN due.hard THEN NULL ELSE s.deadline_at END,"
     "   updated_at = now()"
     "  FROM due WHERE s.id = due.id"
-    "  RETURNING s.id, s.team_id, s.desired_state, due.hard,"
+    "  RETURNING s.id, s.team_id, s.worker_id, s.desired_state, due.hard,"
     "   (SELECT d.desired_state FROM sandboxes d WHERE d.id = s.id) AS was),"
     " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
     "  SELECT 'op' || substr(md5(random()::text || clock_timestamp()::text || u.id), 1, 22),"
@@ -503,7 +509,7 @@ static const char *sweep_sql =
     " ev AS (INSERT INTO events (sandbox_id, kind, detail)"
     "  SELECT u.id, CASE WHEN u.hard THEN 'deadline' ELSE 'idle' END, u.desired_state FROM u"
     "  RETURNING 1)"
-    " SELECT count(pg_notify('space_sandbox', u.id)), (SELECT count(*) FROM o),"
+    " SELECT count(" SP_RECON_NOTIFY("u") "), (SELECT count(*) FROM o),"
     "  (SELECT count(*) FROM ev) FROM u";
 
 /* After sp_recon_destroy: the last in-flight statement's callback frees the controller. */
@@ -692,7 +698,11 @@ static void on_tick(sp_timer_t *tm, void *arg)
 static bool notify_for_us(const sp_recon_t *r, const char *payload)
 {
     const char *sp = payload != NULL ? strchr(payload, ' ') : NULL;
-    return sp == NULL || sp[1] == '\0' || strcmp(sp + 1, r->worker_id) == 0;
+    const char *whom = sp == NULL || sp[1] == '\0'               ? "any"
+                       : strcmp(sp + 1, r->worker_id) == 0 ? "this"
+                                                           : "other";
+    sp_metrics_add(&m_notices, 1, whom);
+    return whom[0] != 'o';
 }
 
 static void on_notify(void *arg, const char *channel, const char *payload)
@@ -724,6 +734,7 @@ sp_recon_t *sp_recon_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     sp_timer_init(&r->sweep, loop, on_sweep, r);
     sp_metrics_declare(&m_ops);
     sp_metrics_declare(&m_scans);
+    sp_metrics_declare(&m_notices);
     sp_metrics_declare(&m_op_seconds);
     if (sp_store_listen(store, "space_sandbox", on_notify, r, err) < 0) {
         free(r);

@@ -348,6 +348,54 @@ class FleetTest(unittest.TestCase):
             self.assertLess(grew[w], secs + 5, (n, secs, grew[w]))
         self.delete_all()
 
+    @staticmethod
+    def notices(w):
+        """The changes worker w's controller heard of, by whom they concern (its /metrics)."""
+        got = {"this": 0.0, "other": 0.0, "any": 0.0}
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % w.mport, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("space_controller_notices_total{"):
+                    got[line.split('worker="')[1].split('"')[0]] = float(line.split()[-1])
+        return got
+
+    def test_e4b_every_change_names_its_worker(self):
+        # Not only creates: a deadline, a drain's suspend and its move, and an undrain's
+        # return name the worker the sandbox is placed on, so no change wakes every worker.
+        # (A readoption is a fourth writer: test_k.)
+        a, b, c = self.workers
+        admin = self.admin
+
+        def post(w, what):
+            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
+            self.assertEqual(st, 200, r)
+
+        before = {w: self.notices(w) for w in self.workers}
+        try:
+            sid = self.created(placement={"labels": {"zone": "a"}}, timeout_s=1,
+                               deadline_action="suspend")
+            self.wait_state(sid, "suspended")  # the deadline's sweep
+            self.delete(sid)
+            post(b, "drain")  # so that the unpinned create lands on a
+            post(c, "drain")
+            sid = self.created()
+            self.assertIs(self.placed_on(sid), a)
+            self.wait_state(sid, "running")
+            post(b, "undrain")
+            post(a, "drain")  # suspended on a, placed on b, woken there
+            self.wait_for(lambda: self.placed_on(sid) is b
+                          and self.state(sid)["state"] == "running", "moved to b", 30)
+        finally:
+            for w in self.workers:
+                self.api.request("POST", "/v1/workers/%s/undrain" % self.wid[w], key=admin)
+        grew = {w: {k: v - before[w][k] for k, v in self.notices(w).items()}
+                for w in self.workers}
+        for w in self.workers:
+            self.assertEqual(grew[w]["any"], 0, (self.wid[w], grew[w]))
+        self.assertGreater(grew[a]["this"], 0, grew[a])
+        self.assertGreater(grew[b]["this"], 0, grew[b])
+        self.assertGreater(grew[c]["other"], 0, grew[c])  # heard them all, acted on none
+        self.delete_all()
+
     # ---- drain ----
 
     def test_f_drain_moves_everything(self):
