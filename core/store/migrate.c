@@ -407,6 +407,121 @@ static const char *const migrations[] = {
     "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
     "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
     " END $p$;",
+    /* 18: placement locks one worker, not every candidate (core/control/fleet.h). Locking all
+     * candidates (11) made every create and wake in the fleet wait for every other, though
+     * only two placed on the same worker can overcommit it. space_place_best ranks the
+     * workers as 17 did, by what is committed now, without a lock, and says what the first
+     * one holds and how many have room. space_place locks that worker's row, if it is still
+     * eligible, and counts what it holds again (volatile, READ COMMITTED: a new snapshot,
+     * which sees what a placement that held the lock before committed). It takes it when the
+     * lock was free and the count unchanged (the ranking still holds: placements elsewhere
+     * only leave the others less room), or when it was the only one with room and still has
+     * it. Otherwise it ranks again: the same worker first is taken, else the lock is given
+     * back (the block's subtransaction rolls back, error SPRTY) and it starts over. So a
+     * placement waits holding no worker lock and holds at most one (two never deadlock), and
+     * a worker gets what a placement made after the others' would give it (creates racing
+     * still spread). Each retry follows another's commit; after 8 it falls back to 17's way
+     * (every candidate locked in id order), which cannot retry. With one eligible worker
+     * with limits or none, it does as 17 did (nobody else to wait for; no count twice). A
+     * worker without limits is taken unlocked, as before. space_place_best is plpgsql, not
+     * sql: its plan is then kept per session (a sql function called so is planned at every
+     * call, which cost a fifth of the creates a worker placed per second). */
+    "CREATE FUNCTION space_place_best(cpus int, mem int, want jsonb, tmpl text, fresh_s int,"
+    "  me text, prefer text, OUT wid text, OUT wgen bigint, OUT limited boolean,"
+    "  OUT used_c bigint, OUT used_m bigint, OUT n bigint) LANGUAGE plpgsql VOLATILE AS $b$"
+    " BEGIN"
+    "  SELECT w.id, w.generation, w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL, u.c, u.m,"
+    "   count(*) OVER () INTO wid, wgen, limited, used_c, used_m, n FROM workers w"
+    "   CROSS JOIN LATERAL (SELECT coalesce(sum(s.cpu_count), 0) AS c,"
+    "    coalesce(sum(s.memory_mb), 0) AS m FROM sandboxes s"
+    "    WHERE (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) AND s.worker_id = w.id"
+    "    AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted') u"
+    "   WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}')"
+    "   AND (w.vcpus IS NULL OR w.vcpus - u.c >= cpus)"
+    "   AND (w.memory_mb IS NULL OR w.memory_mb - u.m >= mem)"
+    "   ORDER BY w.id IS NOT DISTINCT FROM prefer DESC,"
+    "    coalesce(w.templates -> coalesce(tmpl, '') @> jsonb_build_array(jsonb_build_object("
+    "     'cpu_count', cpus, 'memory_mb', mem)), false) DESC,"
+    "    w.templates ? coalesce(tmpl, '') DESC,"
+    "    least(coalesce(w.vcpus - u.c, 1000000) * 4096, coalesce(w.memory_mb - u.m, 1000000000))"
+    "    DESC, w.id LIMIT 1;"
+    " END $b$;"
+    "CREATE OR REPLACE FUNCTION space_place(cpus int, mem int, want jsonb, tmpl text,"
+    "  fresh_s int, me text, prefer text, OUT wid text, OUT wgen bigint) LANGUAGE plpgsql"
+    "  VOLATILE AS $p$"
+    " DECLARE b record; tries int := 0; waited boolean; vc int; vm int; c bigint; m bigint;"
+    "  k int;"
+    " BEGIN"
+    "  SELECT count(*) INTO k FROM workers w WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}') AND (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL);"
+    "  IF k <= 1 THEN"
+    "   PERFORM 1 FROM workers w WHERE w.state = 'active'"
+    "    AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "    AND w.labels @> coalesce(want, '{}')"
+    "    AND (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) FOR UPDATE;"
+    "   SELECT x.wid, x.wgen INTO wid, wgen"
+    "    FROM space_place_best(cpus, mem, want, tmpl, fresh_s, me, prefer) x;"
+    "  END IF;"
+    "  WHILE k > 1 LOOP"
+    "   SELECT * INTO b FROM space_place_best(cpus, mem, want, tmpl, fresh_s, me, prefer);"
+    "   IF b.wid IS NOT NULL AND NOT b.limited THEN"
+    "    wid := b.wid; wgen := b.wgen; RETURN;"
+    "   END IF;"
+    "   EXIT WHEN b.wid IS NULL;"
+    "   IF tries >= 8 THEN"
+    "    PERFORM 1 FROM workers w WHERE w.state = 'active'"
+    "     AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "     AND w.labels @> coalesce(want, '{}')"
+    "     AND (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) ORDER BY w.id FOR UPDATE;"
+    "    SELECT x.wid, x.wgen INTO wid, wgen"
+    "     FROM space_place_best(cpus, mem, want, tmpl, fresh_s, me, prefer) x;"
+    "    EXIT;"
+    "   END IF;"
+    "   tries := tries + 1;"
+    "   IF b.n = 1 THEN"
+    "    SELECT w.vcpus, w.memory_mb INTO vc, vm FROM workers w WHERE w.id = b.wid"
+    "     AND w.state = 'active'"
+    "     AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "     AND w.labels @> coalesce(want, '{}') FOR UPDATE;"
+    "    IF FOUND THEN"
+    "     SELECT coalesce(sum(s.cpu_count), 0), coalesce(sum(s.memory_mb), 0) INTO c, m"
+    "      FROM sandboxes s WHERE s.worker_id = b.wid"
+    "      AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted';"
+    "     IF (vc IS NULL OR vc - c >= cpus) AND (vm IS NULL OR vm - m >= mem) THEN"
+    "      wid := b.wid; wgen := b.wgen; RETURN;"
+    "     END IF;"
+    "    END IF;"
+    "    EXIT;"
+    "   END IF;"
+    "   BEGIN"
+    "    PERFORM 1 FROM workers w WHERE w.id = b.wid FOR UPDATE SKIP LOCKED;"
+    "    waited := NOT FOUND;"
+    "    SELECT w.vcpus, w.memory_mb INTO vc, vm FROM workers w WHERE w.id = b.wid"
+    "     AND w.state = 'active'"
+    "     AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "     AND w.labels @> coalesce(want, '{}') FOR UPDATE;"
+    "    IF FOUND THEN"
+    "     SELECT coalesce(sum(s.cpu_count), 0), coalesce(sum(s.memory_mb), 0) INTO c, m"
+    "      FROM sandboxes s WHERE s.worker_id = b.wid"
+    "      AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted';"
+    "     IF NOT waited AND c = b.used_c AND m = b.used_m THEN"
+    "      wid := b.wid; wgen := b.wgen; RETURN;"
+    "     END IF;"
+    "     SELECT x.wid, x.wgen INTO wid, wgen"
+    "      FROM space_place_best(cpus, mem, want, tmpl, fresh_s, me, prefer) x;"
+    "     IF wid IS NOT DISTINCT FROM b.wid THEN RETURN; END IF;"
+    "    END IF;"
+    "    RAISE EXCEPTION USING ERRCODE = 'SPRTY';"
+    "   EXCEPTION WHEN SQLSTATE 'SPRTY' THEN wid := NULL;"
+    "   END;"
+    "  END LOOP;"
+    "  IF wid IS NULL THEN RAISE EXCEPTION USING ERRCODE = 'SPCAP', MESSAGE = format("
+    "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
+    "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
+    " END $p$;",
 };
 
 int sp_migrate_latest(void)

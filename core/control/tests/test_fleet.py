@@ -247,6 +247,53 @@ class FleetTest(unittest.TestCase):
         self.delete(first)
         self.delete_all()
 
+    def psql(self):
+        """A psql session on the fleet's database (stdin and stdout are pipes, lines unbuffered)."""
+        argv = [os.path.join(self.pg.bindir, "psql"), "-h", self.pg.sock, "-U", "postgres",
+                "-At", "-v", "ON_ERROR_STOP=1", "space"]
+        if self.pg.as_postgres:
+            argv = ["runuser", "-u", "postgres", "--"] + argv
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                bufsize=1, cwd="/")
+
+    def test_d2_placement_waits_only_for_its_worker(self):
+        # A transaction holding one worker's row (as a placement on it does until it commits)
+        # holds back only placements on that worker: the others go elsewhere meanwhile. Locking
+        # every candidate, as placement once did, made each create wait for all the others.
+        lo = min(self.workers, key=lambda w: self.wid[w])
+        first = self.created(placement={"labels": {"zone": self.worker(lo)["labels"]["zone"]}},
+                             cpu_count=2)
+        # lo has less room now: an unpinned create ranks it last, and goes elsewhere
+        locker = self.psql()
+        try:
+            locker.stdin.write("BEGIN;\nSELECT 'held' FROM workers WHERE id = '%s' FOR UPDATE;\n"
+                               % self.wid[lo])
+            self.assertEqual([locker.stdout.readline().strip() for _ in range(2)],
+                             ["BEGIN", "held"])
+            done = []
+            t = threading.Thread(target=lambda: done.append(self.create()))
+            t.start()
+            t.join(10 * MULT)
+            self.assertEqual(len(done), 1, "an unpinned create waited for another worker's lock")
+            self.assertEqual(done[0][0], 202, done)
+            self.assertIsNot(self.placed_on(done[0][1]["sandbox"]["id"]), lo)
+            # one pinned to lo waits for the lock, and is placed there once it is given back
+            t = threading.Thread(target=lambda: done.append(
+                self.create(placement={"labels": {"zone": self.worker(lo)["labels"]["zone"]}})))
+            t.start()
+            t.join(0.5)  # not longer: the lock holds back the worker's heartbeat (2 s) too
+            self.assertEqual(len(done), 1, "a create on a locked worker did not wait")
+            locker.stdin.write("COMMIT;\n")
+            t.join(10 * MULT)
+            self.assertEqual(len(done), 2)
+            self.assertEqual(done[1][0], 202, done)
+            self.assertIs(self.placed_on(done[1][1]["sandbox"]["id"]), lo)
+        finally:
+            locker.stdin.close()
+            locker.wait(10)
+        self.delete(first)
+        self.delete_all()
+
     def test_e_labels_pin(self):
         b = self.workers[1]
         sids = [self.created(placement={"labels": {"zone": "b"}}) for _ in range(3)]
