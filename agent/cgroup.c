@@ -194,8 +194,9 @@ static void add_linger(uint32_t cmd)
     /* else it stays until it is empty and a later worker's first sweep finds it */
 }
 
-/* A respawned worker's first sweep: the groups the last one left behind (it counted from
- * 0 too, see sp_cgroup_cmd_new) are removed once empty, like any lingering group. */
+/* A respawned worker's first sweep: the groups the last one left behind are removed once
+ * empty, like any lingering group, and its numbers start after theirs (so that however many
+ * are left, the next one is free at the first try in sp_cgroup_cmd_new). */
 static void scan_old(void)
 {
     scanned = 1;
@@ -206,8 +207,11 @@ static void scan_old(void)
     while ((de = readdir(d)) != NULL) {
         unsigned n;
         char end;
-        if (sscanf(de->d_name, "c%u%c", &n, &end) == 1 && n != 0)
+        if (sscanf(de->d_name, "c%u%c", &n, &end) == 1 && n != 0) {
             add_linger(n);
+            if (n > last_cmd)
+                last_cmd = n;
+        }
     }
     closedir(d);
 }
@@ -226,8 +230,8 @@ uint32_t sp_cgroup_cmd_new(void)
         if (e == 0) /* something was started in it after all: remove it once empty */
             add_linger(cmd);
     }
-    /* A respawned worker counts from 0 again while groups of the last one's
-     * commands may still be populated: never share one, take the next free. */
+    /* Never share a group that exists (a wrapped number, or one scan_old could not see):
+     * take the next free. */
     for (int tries = 0; tries < 64; tries++) {
         uint32_t cmd = ++last_cmd;
         if (cmd == 0)
