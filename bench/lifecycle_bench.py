@@ -27,7 +27,9 @@ Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios
 Environment: BENCH_CREATES (20), BENCH_GAP (1.0 s), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
 BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3),
 BENCH_BURST (20), BENCH_RATE (10 per s), BENCH_RATE_S (10), BENCH_ONLY=burst (the warm-up create,
-then the burst cases only: to compare two builds' pools), BENCH_ONLY=sizes (the first create of
+then the burst cases only: to compare two builds' pools), BENCH_ONLY=steady (pause and wake,
+suspend and wake, and idle memory only: the figures a change elsewhere must not move),
+BENCH_ONLY=sizes (the first create of
 a new size only, below), BENCH_SIZES (3 sizes per case), BENCH_BASE=BUILD_DIR (sizes: the same
 case on that build too, first, in the same run: a baseline such as main's release build).
 
@@ -465,47 +467,48 @@ def main():
             sizes_cases(p)
             return
 
-        # 1. create -> first command from the template snapshot: a spare clone ready, and back
-        #    to back
-        clone = api.creates(N_CREATES, GAP)
-        line("create -> first command, spare clone ready", clone)
-        time.sleep(GAP)
-        b2b = api.creates(N_CREATES)
-        line("create -> first command, back to back", b2b)
+        if ONLY != "steady":  # the steady figures only: 4 to 6 below
+            # 1. create -> first command from the template snapshot: a spare clone ready, and back
+            #    to back
+            clone = api.creates(N_CREATES, GAP)
+            line("create -> first command, spare clone ready", clone)
+            time.sleep(GAP)
+            b2b = api.creates(N_CREATES)
+            line("create -> first command, back to back", b2b)
 
-        # 2. QEMU alone restoring the same snapshot (the floor), argv of the warm clone
-        hello, first = floor_restore(data, warm, N_FLOOR)
-        line("QEMU alone: start -> agent HELLO (floor)", hello)
-        line("QEMU alone: start -> first `true` (floor)", first)
+            # 2. QEMU alone restoring the same snapshot (the floor), argv of the warm clone
+            hello, first = floor_restore(data, warm, N_FLOOR)
+            line("QEMU alone: start -> agent HELLO (floor)", hello)
+            line("QEMU alone: start -> first `true` (floor)", first)
 
-        # 3. 20 concurrent creates
-        res, errs = [], []
+            # 3. 20 concurrent creates
+            res, errs = [], []
 
-        def one():
-            a = Api(s)
-            try:
-                res.append(a.create_first_cmd())
-            except Exception as e:  # noqa: BLE001 - report, do not hang the bench
-                errs.append(repr(e))
+            def one():
+                a = Api(s)
+                try:
+                    res.append(a.create_first_cmd())
+                except Exception as e:  # noqa: BLE001 - report, do not hang the bench
+                    errs.append(repr(e))
 
-        ths = [threading.Thread(target=one) for _ in range(N_CONC)]
-        t0 = time.perf_counter()
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        total = (time.perf_counter() - t0) * 1000
-        assert not errs, errs
-        line("concurrent creates: each create -> first command", [r[0] for r in res])
-        print("%-52s %8.0f ms total   vs %d x single median = %.0f ms   (%.2fx)" % (
-            "%d concurrent creates -> all answered" % N_CONC, total, N_CONC,
-            N_CONC * statistics.median(clone), total / (N_CONC * statistics.median(clone))),
-            flush=True)
-        for _, sid in res:
-            api.delete(sid)
+            ths = [threading.Thread(target=one) for _ in range(N_CONC)]
+            t0 = time.perf_counter()
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+            total = (time.perf_counter() - t0) * 1000
+            assert not errs, errs
+            line("concurrent creates: each create -> first command", [r[0] for r in res])
+            print("%-52s %8.0f ms total   vs %d x single median = %.0f ms   (%.2fx)" % (
+                "%d concurrent creates -> all answered" % N_CONC, total, N_CONC,
+                N_CONC * statistics.median(clone), total / (N_CONC * statistics.median(clone))),
+                flush=True)
+            for _, sid in res:
+                api.delete(sid)
 
-        # 3b. bursts and a steady rate on the adaptive pool
-        burst_cases(api, s, data)
+            # 3b. bursts and a steady rate on the adaptive pool
+            burst_cases(api, s, data)
 
         # 4. pause / wake
         pz, wk = [], []
@@ -569,6 +572,9 @@ def main():
             "spare clones (all sizes created from)", len(sm),
             "/".join("%.0f" % (m[0] / 1e6) for m in sm),
             "/".join("%.0f" % (m[1] / 1e6) for m in sm)), flush=True)
+
+        if ONLY == "steady":
+            return
 
         # 7. baseline: the same creates without spares (spaced with SPACE_POOL_SIZE=0)
         s.stop()
