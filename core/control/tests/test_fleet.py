@@ -408,7 +408,7 @@ class FleetTest(unittest.TestCase):
     def test_e4b_every_change_names_its_worker(self):
         # Not only creates: a deadline, a drain's suspend and its move, and an undrain's
         # return name the worker the sandbox is placed on, so no change wakes every worker.
-        # (A readoption is a fourth writer: test_k.)
+        # (A readoption is one more writer: test_k.)
         a, b, c = self.workers
         admin = self.admin
 
@@ -658,13 +658,18 @@ class FleetTest(unittest.TestCase):
 
     def test_k_killed_worker_restarted_within_grace_readopts(self):
         b = self.workers[1]
+        others = [w for w in self.workers if w is not b]
         sid = self.created(placement={"labels": {"zone": "b"}})
         self.wait_state(sid, "running")
+        before = {w: self.notices(w)["any"] for w in others}
         b.kill(signal.SIGKILL)
         self.wait_state(sid, "lost", 10)
         b.start()
         self.assertEqual(self.wait_state(sid, "running", 10)["state"], "running")
         self.assertEqual(fake_state(b, sid), "running")
+        # the readoption's notice named b: the others heard no change for every worker
+        self.assertEqual({self.wid[w]: self.notices(w)["any"] - before[w] for w in others},
+                         {self.wid[w]: 0 for w in others})
         self.delete_all()
 
 
