@@ -260,13 +260,16 @@ class FleetTest(unittest.TestCase):
         # A transaction holding one worker's row (as a placement on it does until it commits)
         # holds back only placements on that worker: the others go elsewhere meanwhile. Locking
         # every candidate, as placement once did, made each create wait for all the others.
+        # The row is held FOR KEY SHARE: that stops a placement's FOR UPDATE like a placement's
+        # own lock does, but not the worker's heartbeat (an update of no key column), so the
+        # worker stays fresh however long the test takes.
         lo = min(self.workers, key=lambda w: self.wid[w])
         first = self.created(placement={"labels": {"zone": self.worker(lo)["labels"]["zone"]}},
                              cpu_count=2)
         # lo has less room now: an unpinned create ranks it last, and goes elsewhere
         locker = self.psql()
         try:
-            locker.stdin.write("BEGIN;\nSELECT 'held' FROM workers WHERE id = '%s' FOR UPDATE;\n"
+            locker.stdin.write("BEGIN;\nSELECT 'held' FROM workers WHERE id = '%s' FOR KEY SHARE;\n"
                                % self.wid[lo])
             self.assertEqual([locker.stdout.readline().strip() for _ in range(2)],
                              ["BEGIN", "held"])
@@ -281,7 +284,7 @@ class FleetTest(unittest.TestCase):
             t = threading.Thread(target=lambda: done.append(
                 self.create(placement={"labels": {"zone": self.worker(lo)["labels"]["zone"]}})))
             t.start()
-            t.join(0.5)  # not longer: the lock holds back the worker's heartbeat (2 s) too
+            t.join(1)
             self.assertEqual(len(done), 1, "a create on a locked worker did not wait")
             locker.stdin.write("COMMIT;\n")
             t.join(10 * MULT)
