@@ -707,9 +707,12 @@ class EgressTest(unittest.TestCase):
         # it: before the budget, spaced held each connection's whole first window (256 KiB)
         # until its connect timeout, up to 500 MiB for this guest alone; now 16 KiB, charged,
         # and another sandbox's egress keeps working throughout.
+        # The flooding sandbox has 512 MiB: its 2,000 sockets' buffers count against the
+        # command's own memory limit in the guest (agent/cgroup.c), which in 256 MiB is about
+        # 135 MiB and which the flood met at times (exit 137): this is about the host's budget.
         hole = Blackhole()
         try:
-            busy = self.create({"allow": ["127.0.0.1"]})
+            busy = self.create({"allow": ["127.0.0.1"]}, memory_mb=512)
             quiet = self.create({"allow": ["127.0.0.1"]})
             self.run_cmd(busy, "cat > /tmp/flood.py <<'EOF'\n%sEOF" % FLOOD)
             self.run_cmd(quiet, "true")
