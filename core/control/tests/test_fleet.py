@@ -108,6 +108,13 @@ class FleetTest(unittest.TestCase):
         self.assertEqual(st, 200, r)
         return r
 
+    def post_worker(self, w, what):
+        """POST /v1/workers/{w}/{what} (drain, undrain) with the admin key; must answer 200."""
+        st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what),
+                                 key=self.admin)
+        self.assertEqual(st, 200, r)
+        return r
+
     def placed_on(self, sid):
         for w in self.workers:
             if any(s["id"] == sid for s in self.worker(w)["sandboxes"]):
@@ -370,12 +377,16 @@ class FleetTest(unittest.TestCase):
         self.delete_all()
 
     @staticmethod
-    def scans(w):
-        """The controller scans worker w has made (its /metrics)."""
+    def metrics(w):
+        """Worker w's /metrics, as lines."""
         with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % w.mport, timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("space_controller_scans_total "):
-                    return float(line.split()[1])
+            return r.read().decode().splitlines()
+
+    def scans(self, w):
+        """The controller scans worker w has made."""
+        for line in self.metrics(w):
+            if line.startswith("space_controller_scans_total "):
+                return float(line.split()[1])
         return 0.0
 
     def test_e4_a_create_wakes_only_its_worker(self):
@@ -398,14 +409,12 @@ class FleetTest(unittest.TestCase):
             self.assertLess(grew[w], secs + 5, (n, secs, grew[w]))
         self.delete_all()
 
-    @staticmethod
-    def notices(w):
-        """The changes worker w's controller heard of, by whom they concern (its /metrics)."""
+    def notices(self, w):
+        """The changes worker w's controller heard of, by whom they concern."""
         got = {"this": 0.0, "other": 0.0, "any": 0.0}
-        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % w.mport, timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("space_controller_notices_total{"):
-                    got[line.split('worker="')[1].split('"')[0]] = float(line.split()[-1])
+        for line in self.metrics(w):
+            if line.startswith("space_controller_notices_total{"):
+                got[line.split('worker="')[1].split('"')[0]] = float(line.split()[-1])
         return got
 
     def test_e4b_every_change_names_its_worker(self):
@@ -414,10 +423,7 @@ class FleetTest(unittest.TestCase):
         # (A readoption is one more writer: test_k.)
         a, b, c = self.workers
         admin = self.admin
-
-        def post(w, what):
-            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
-            self.assertEqual(st, 200, r)
+        post = self.post_worker
 
         before = {w: self.notices(w) for w in self.workers}
         try:
@@ -480,10 +486,7 @@ class FleetTest(unittest.TestCase):
     def test_f2_drain_there_and_back(self):
         a, b, c = self.workers
         admin = self.admin
-
-        def post(w, what):
-            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
-            self.assertEqual(st, 200, r)
+        post = self.post_worker
 
         try:
             post(b, "drain")  # so that the unpinned create lands on a
@@ -611,11 +614,7 @@ class FleetTest(unittest.TestCase):
     def test_l_drain_outlives_loss_and_its_moves_finish(self):
         a, b, c = self.workers
         admin = self.admin
-
-        def post(w, what):
-            st, r = self.api.request("POST", "/v1/workers/%s/%s" % (self.wid[w], what), key=admin)
-            self.assertEqual(st, 200, r)
-            return r
+        post = self.post_worker
 
         # a and b full: c's drain suspends its two and finds no room to move them
         fill = [self.created(placement={"labels": {"zone": z}}, cpu_count=4)
