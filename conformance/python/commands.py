@@ -1,5 +1,4 @@
 """sandbox.commands and sandbox.pty through the Python SDK (twin of ../js/commands.mjs)."""
-import threading
 import time
 
 from e2b import (AuthenticationException, CommandExitException, NotFoundException, PtySize,
@@ -12,28 +11,50 @@ sandbox = shared_sandbox(metadata={"group": "commands"}, envs={"SBX_ENV": "from-
 
 
 class Reader:
-    """Drains a background handle in a thread (the sync SDK reads only when iterated)."""
+    """Reads a background handle's output in the calling thread, as far as a check needs.
+
+    Not a thread of its own: the sync SDK's HTTP/2 connection (httpcore 1.0.7, used in the
+    host-routing mode over TLS) is not safe for two threads at once. One thread reading a
+    stream while another opens one can put HEADERS frames on the wire out of stream order,
+    which any HTTP/2 server must treat as a connection error (RFC 9113, 5.1.1): h2o sends
+    GOAWAY and closes, and every call on the connection fails with "Server disconnected".
+    Between reads, the output waits in the stream's flow-control window (16 MiB)."""
 
     def __init__(self, handle):
         self.handle, self.out, self.pty, self.result, self.error = handle, "", b"", None, None
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
+        self._events = iter(handle)
 
-    def _run(self):
+    def _next(self):
+        stdout, _, pty = next(self._events)
+        if stdout is not None:
+            self.out += stdout
+        if pty is not None:
+            self.pty += pty
+
+    def until(self, what, cond):
+        """Reads until cond() holds; the command's own timeout bounds a read that never ends."""
+        while not cond():
+            try:
+                self._next()
+            except StopIteration:
+                raise AssertionError("the command ended before %s: %r %r"
+                                     % (what, self.out, self.pty)) from None
+        return self
+
+    def join(self):
+        """Reads to the end; result is wait()'s, or error what it raised."""
         try:
-            self.result = self.handle.wait(on_stdout=self._o, on_pty=self._p)
+            while True:
+                self._next()
+        except StopIteration:
+            pass
         except Exception as e:  # noqa: BLE001
             self.error = e
-
-    def _o(self, s):
-        self.out += s
-
-    def _p(self, b):
-        self.pty += b
-
-    def join(self, timeout=60):
-        self.t.join(timeout)
-        assert not self.t.is_alive(), "the command did not end"
+            return self
+        try:
+            self.result = self.handle.wait()
+        except Exception as e:  # noqa: BLE001
+            self.error = e
         return self
 
 
@@ -97,10 +118,10 @@ def _stdin():
     assert sbx.commands.run("cat; echo eof", timeout=30).stdout == "eof\n"
     # bash's echo writes each line at once (cat or head would buffer a pipe until exit).
     h = sbx.commands.run('while read -r l; do echo "got $l"; [ "$l" = end ] && break; done',
-                         background=True, stdin=True)
+                         background=True, stdin=True, timeout=60)
     rd = Reader(h)
     sbx.commands.send_stdin(h.pid, "first line\n")
-    wait_for("the first line back", lambda: rd.out == "got first line\n")
+    rd.until("the first line back", lambda: rd.out == "got first line\n")
     sbx.commands.send_stdin(h.pid, "second ✓\nend\n")
     rd.join()
     assert rd.error is None and rd.result.stdout == "got first line\ngot second ✓\ngot end\n", \
@@ -203,12 +224,12 @@ def _pty():
     term = sbx.pty.create(PtySize(rows=30, cols=100), timeout=120)
     rd = Reader(term)
     sbx.pty.send_stdin(term.pid, b"stty size; tty; echo $TERM; echo pty-$((6*7))\n")
-    wait_for("the PTY to answer", lambda: b"pty-42" in rd.pty, timeout=60)
+    rd.until("the PTY to answer", lambda: b"pty-42" in rd.pty)
     text = rd.pty.decode("utf-8", "replace")
     assert "30 100" in text and "/dev/pts/" in text and "xterm-256color" in text, text
     sbx.pty.resize(term.pid, PtySize(rows=40, cols=120))
     sbx.pty.send_stdin(term.pid, b"stty size\n")
-    wait_for("the new size", lambda: b"40 120" in rd.pty)
+    rd.until("the new size", lambda: b"40 120" in rd.pty)
     sbx.pty.send_stdin(term.pid, b"exit 0\n")
     rd.join()
     assert rd.error is None and rd.result.exit_code == 0, rd.error

@@ -613,7 +613,6 @@ class FleetTest(unittest.TestCase):
 
     def test_l_drain_outlives_loss_and_its_moves_finish(self):
         a, b, c = self.workers
-        admin = self.admin
         post = self.post_worker
 
         # a and b full: c's drain suspends its two and finds no room to move them
