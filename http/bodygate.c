@@ -1,12 +1,15 @@
 /*
- * bodygate.c - every HTTP/1 request head vetted before h2o reads the body (http/bodygate.h).
+ * bodygate.c - every request head vetted before h2o reads the body (http/bodygate.h).
  *
  * Owns a small state per gated socket (struct gs, found through the socket's on_close hook)
- * and the count of large bodies in flight. It touches three things of h2o's beyond its API,
- * all public fields of h2o 2.2.5's headers: the socket's read callback (`_cb.read`, which it
- * wraps), its input buffer (where a refused head is replaced), and, to stop a chunked body
- * past its cap, the connection's global max_request_entity_size for the length of one call
- * (h2o compares against it on every read of a chunked body; the loop is single-threaded).
+ * and the count of large bodies in flight. It touches things of h2o's beyond its API: the
+ * socket's read callback (`_cb.read`, which it wraps), its input buffer (where a refused
+ * HTTP/1 head is replaced, HTTP/2 frames rewritten or dropped, and a read cut short so that
+ * h2o reads part of it first), and, to stop a chunked body past its cap, the connection's
+ * global max_request_entity_size for the length of one call (h2o compares against it on every
+ * read of a chunked body; the loop is single-threaded). For HTTP/2 it reads h2o's connection
+ * and streams (<h2o/http2_internal.h>: the stream table, a stream's state, decoded head and
+ * expected length) and writes frames into the connection's output buffer.
  */
 #include "http/bodygate.h"
 
@@ -14,6 +17,7 @@
 #include <fcntl.h>
 #include <h2o/http1.h>
 #include <h2o/http2.h>
+#include <h2o/http2_internal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -33,6 +37,15 @@
 #define DRAIN_MAX_MS 10000
 /* h2o's own limit on a request head: what it parses of a longer one is its 413. */
 #define MAX_HEAD H2O_MAX_REQLEN
+/* HTTP/2's framing (RFC 9113): a frame's head, the client's preface, the types and flags the
+ * gate reads or writes. */
+#define H2_HEAD        9
+#define H2_PREFACE     24
+#define H2_DATA        0x0
+#define H2_HEADERS     0x1
+#define H2_END_STREAM  0x1
+#define H2_END_HEADERS 0x4
+#define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
 
 enum gs_state {
     GS_IDLE,   /* the next bytes are a request head */
@@ -58,6 +71,9 @@ struct gs {
     uint64_t drain_left; /* body bytes the refused request still has to send */
     bool in_read;
     bool unreadable; /* the next head is one the gate cannot read: close */
+    bool h2_prior;   /* the input starts with HTTP/2's preface (prior knowledge) */
+    bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
+    struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
     struct gs *prev, *next;
 };
 
@@ -70,6 +86,9 @@ struct sp_bodygate {
 };
 
 static void gs_on_close(void *data);
+static void h2s_free_all(struct gs *st);
+static size_t h2_cut(h2o_socket_t *sock);
+static void h2_uncut(struct gs *st, size_t total);
 
 /* ---- the head parser ---- */
 
@@ -167,6 +186,7 @@ static void gs_free_if_done(struct gs *st)
         if (st->next)
             st->next->prev = st->prev;
     }
+    h2s_free_all(st);
     free(st);
 }
 
@@ -270,9 +290,11 @@ static void vet(struct gs *st, size_t off)
         /* A head the gate cannot read could still be one h2o reads (folded lines, say):
          * nothing passes unvetted, so the connection ends here. The HTTP/2 preface is h2o's. */
         static const char pri[] = "PRI * HTTP/2";
-        if (off == 0 && in->size >= sizeof(pri) - 1 && memcmp(in->bytes, pri, sizeof(pri) - 1) == 0)
-            st->state = GS_HANDED; /* h2o takes the socket as HTTP/2 */
-        else
+        if (off == 0 && in->size >= sizeof(pri) - 1 &&
+            memcmp(in->bytes, pri, sizeof(pri) - 1) == 0) {
+            st->state = GS_HANDED; /* h2o takes the socket as HTTP/2: gated as such */
+            st->h2_prior = true;
+        } else
             st->unreadable = true;
         return;
     }
@@ -311,17 +333,30 @@ static void vet(struct gs *st, size_t off)
         g->large_now++;
         st->large = true;
     }
+    /* No HTTP/1 request becomes HTTP/2 (`Upgrade: h2c`): h2o would take the socket over when
+     * its answer is written, past where the gate can take its own place back. The field is
+     * renamed in place, so h2o answers over HTTP/1.1, which the upgrade allows; HTTP/2 is
+     * had with prior knowledge or over TLS, both gated from their first frame. */
+    for (size_t i = 0; i < h.nfields; i++) {
+        sp_bodygate_field_t *f = &h.fields[i];
+        if (name_is(f->name, f->name_len, "upgrade") && f->value_len >= 3 &&
+            strncasecmp(f->value, "h2c", 3) == 0)
+            *(char *)f->name = 'X';
+    }
 }
 
 static void gate_on_read(h2o_socket_t *sock, const char *err)
 {
     struct gs *st = sock->on_close.data;
     st->in_read = true;
+    size_t h2_total = 0; /* prior knowledge: the input's size before it was cut */
     if (err == NULL && st->g != NULL) {
         if (st->state == GS_IDLE) {
             vet(st, 0);
             if (st->unreadable)
                 err = "request head the body gate cannot read";
+            else if (st->h2_prior)
+                h2_total = h2_cut(sock);
         } else if (st->state == GS_BODY && st->chunked && st->chunked_cap > 0 &&
                    sock->input->size - st->head_len > st->chunked_cap) {
             /* h2o stops the body itself (413, connection closed) when it sees its limit
@@ -334,23 +369,33 @@ static void gate_on_read(h2o_socket_t *sock, const char *err)
             goto out;
         }
     }
+    h2o_socket_cb http1 = st->orig;
     st->orig(sock, err);
+    if (h2_total > 0 && st->sock != NULL) {
+        if (sock->_cb.read != NULL && sock->_cb.read != http1) {
+            h2_uncut(st, h2_total); /* h2o took it as HTTP/2: the gate goes before that */
+        } else {
+            /* it did not: the input as it was, less what it read */
+            size_t shown = h2_total > H2_PREFACE + 1 ? H2_PREFACE + 1 : h2_total;
+            sock->input->size = h2_total - (shown - sock->input->size);
+        }
+    }
 out:
     st->in_read = false;
     gs_free_if_done(st);
 }
 
-void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
+/* The gate's state on sock, found through its on_close hook; NULL when out of memory or the
+ * hook is someone else's. */
+static struct gs *gs_new(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
 {
-    /* HTTP/2 (prior knowledge) or a socket someone else watches: not ours. */
-    if (sock->_cb.read == NULL || sock->on_close.cb != NULL)
-        return;
+    if (sock->on_close.cb != NULL)
+        return NULL;
     struct gs *st = calloc(1, sizeof(*st));
     if (st == NULL)
-        return; /* fails open: h2o's global limit still holds */
+        return NULL;
     st->g = g;
     st->sock = sock;
-    st->orig = sock->_cb.read;
     st->state = GS_IDLE;
     st->fd = fd;
     st->drain_fd = -1;
@@ -360,7 +405,341 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
     g->head = st;
     sock->on_close.cb = gs_on_close;
     sock->on_close.data = st;
+    return st;
+}
+
+void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
+{
+    /* A socket h2o reads as HTTP/2 already, or one someone else watches: not ours. */
+    if (sock->_cb.read == NULL)
+        return;
+    struct gs *st = gs_new(g, sock, fd);
+    if (st == NULL)
+        return; /* fails open: h2o's global limit still holds */
+    st->orig = sock->_cb.read;
     sock->_cb.read = gate_on_read;
+}
+
+/* ---- HTTP/2 ----
+ *
+ * h2o decodes the frames and HPACK-coded heads itself and gathers a stream's DATA until its
+ * end, so the gate works between its reads: it walks the frames in the input before h2o does,
+ * and at the first DATA frame of a stream whose head h2o has not yet read, hands h2o the frames
+ * before it (the input cut there, one byte of the next frame left so h2o keeps its buffer)
+ * and looks at the stream h2o made: its decoded head asks the same policy an HTTP/1 head
+ * does. Then, frame by frame:
+ * - a stream the policy refused, or whose DATA passes its cap (its Content-Length, or the
+ *   policy's cap for a body of unknown length), ends there: that DATA frame is rewritten as
+ *   an empty HEADERS frame with END_STREAM (trailers, to h2o), so h2o hands the request, with
+ *   the little it holds, to the handler, which answers with the refusal (sp_bodygate_request);
+ * - the DATA the client still sends on it is dropped before h2o sees it (h2o would reset the
+ *   stream before its answer is out); once h2o is done with the stream, the gate sends
+ *   RST_STREAM(NO_ERROR) (RFC 9113, 8.1: the answer is complete, stop sending) once;
+ * - every byte dropped is given back to the connection's flow-control window (WINDOW_UPDATE
+ *   on stream 0), so other streams never stall for it.
+ * The preface is h2o's, read alone first. A client's trailers after a refusal would meet h2o's
+ * "invalid stream id" (connection error): they cannot be dropped without breaking HPACK.
+ */
+
+enum h2s_state {
+    H2S_OPEN,      /* its body comes */
+    H2S_ANSWERING, /* refused and ended for h2o; h2o still has it */
+    H2S_DONE,      /* refused, and h2o is done with it */
+};
+
+struct h2s {
+    struct gs *st;
+    struct h2s *next;
+    uint32_t id;
+    enum h2s_state state;
+    bool refuse;   /* ends at its next DATA frame, answered with verdict */
+    bool answered; /* the handler took the verdict */
+    bool hooked;   /* h2o's stream (its request's pool) is alive */
+    bool large;    /* counted in g->large_now */
+    bool rst_sent;
+    uint64_t got, cap; /* DATA bytes seen; the most it may send */
+    sp_bodygate_verdict_t verdict;
+};
+
+static struct h2s *h2s_find(struct gs *st, uint32_t id)
+{
+    for (struct h2s *e = st->h2s; e != NULL; e = e->next)
+        if (e->id == id)
+            return e;
+    return NULL;
+}
+
+static void h2s_free(struct gs *st, struct h2s *e)
+{
+    for (struct h2s **pp = &st->h2s; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == e) {
+            *pp = e->next;
+            break;
+        }
+    }
+    free(e);
+}
+
+/* Only entries without a live hook are left when the socket's state goes (holds is 0). */
+static void h2s_free_all(struct gs *st)
+{
+    while (st->h2s != NULL) {
+        struct h2s *e = st->h2s;
+        st->h2s = e->next;
+        free(e);
+    }
+}
+
+static void h2s_release_large(struct h2s *e)
+{
+    if (e->large && e->st->g != NULL) {
+        e->st->g->large_now--;
+        e->large = false;
+    }
+}
+
+/* h2o closed the stream (answered, reset, or the connection went). */
+static void on_h2s_disposed(void *p)
+{
+    struct h2s *e = *(struct h2s **)p;
+    struct gs *st = e->st;
+    e->hooked = false;
+    h2s_release_large(e);
+    if (e->state == H2S_ANSWERING && st->sock != NULL) {
+        e->state = H2S_DONE;
+        unsigned n = 0; /* the newest few are kept */
+        struct h2s *next;
+        for (struct h2s *x = st->h2s; x != NULL; x = next) {
+            next = x->next;
+            if (x->state == H2S_DONE && ++n > H2_DONE_MAX)
+                h2s_free(st, x);
+        }
+    } else {
+        h2s_free(st, e);
+    }
+    st->holds--;
+    gs_free_if_done(st);
+}
+
+/* The policy on a stream whose head h2o has read and whose body it is gathering. NULL when
+ * out of memory (the stream goes on ungated: h2o's global limit still holds). */
+static struct h2s *h2_vet(struct gs *st, h2o_http2_stream_t *s)
+{
+    sp_bodygate_t *g = st->g;
+    h2o_req_t *req = &s->req;
+    sp_bodygate_head_t h;
+    memset(&h, 0, sizeof(h));
+    h.method = req->input.method.base;
+    h.method_len = req->input.method.len;
+    h.path = req->input.path.base;
+    h.path_len = req->input.path.len;
+    h.host = req->input.authority.base != NULL ? req->input.authority.base : "";
+    h.host_len = req->input.authority.len;
+    /* h2o keeps content-length out of the fields (its hpack.c), as the stream's expected
+     * length; without one the body's size shows only as it comes, as a chunked one's. */
+    h.chunked = s->_expected_content_length == SIZE_MAX;
+    h.length = h.chunked ? 0 : (uint64_t)s->_expected_content_length;
+    for (size_t i = 0; i < req->headers.size && h.nfields < SP_BODYGATE_MAX_FIELDS; i++) {
+        const h2o_header_t *f = &req->headers.entries[i];
+        h.fields[h.nfields++] =
+            (sp_bodygate_field_t){f->name->base, f->name->len, f->value.base, f->value.len};
+    }
+    sp_bodygate_verdict_t v = {0};
+    g->policy(g->arg, &h, &v);
+    if (!v.refuse && v.large && g->large_now >= g->max_large) {
+        v.refuse = true;
+        sp_err_set(&v.err, SP_EUNAVAIL, "too many large request bodies at once (%u): retry later",
+                   g->max_large);
+    }
+    struct h2s *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return NULL;
+    struct h2s **hook = h2o_mem_alloc_shared(&req->pool, sizeof(*hook), on_h2s_disposed);
+    *hook = e;
+    e->st = st;
+    e->id = s->stream_id;
+    e->hooked = true;
+    e->refuse = v.refuse;
+    e->verdict = v;
+    e->cap = h.chunked ? (v.chunked_cap > 0 ? v.chunked_cap : UINT64_MAX) : h.length;
+    if (v.large && !v.refuse) {
+        g->large_now++;
+        e->large = true;
+    }
+    e->next = st->h2s;
+    st->h2s = e;
+    st->holds++;
+    return e;
+}
+
+/* Hands h2o the first n bytes of the input (whole frames) and keeps the rest for after: 0, or
+ * -1 when the socket is gone or h2o took nothing (the rest is then h2o's, ungated). */
+static int h2_feed(struct gs *st, size_t n)
+{
+    h2o_socket_t *sock = st->sock;
+    size_t total = sock->input->size;
+    sock->input->size = n + 1; /* a frame starts at n: one byte of it, which h2o leaves */
+    st->orig(sock, NULL);
+    if (st->sock == NULL)
+        return -1;
+    size_t consumed = n + 1 - sock->input->size;
+    sock->input->size = total - consumed;
+    if (consumed == 0) {
+        st->orig(sock, NULL);
+        return -1;
+    }
+    if (consumed >= H2_PREFACE)
+        st->h2_seen = true;
+    return 0;
+}
+
+/* Removes the frame at p (payload len) from the input, or only its payload (keep_head). */
+static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
+{
+    size_t from = p + H2_HEAD + len, to = keep_head ? p + H2_HEAD : p;
+    memmove(in->bytes + to, in->bytes + from, in->size - from);
+    in->size -= from - to;
+}
+
+static void h2_gate(struct gs *st)
+{
+    h2o_socket_t *sock = st->sock;
+    h2o_http2_conn_t *conn = sock->data;
+    uint64_t win = 0; /* bytes to give back to the connection's window */
+    bool wrote = false;
+    if (!st->h2_seen) {
+        if (sock->input->size <= H2_PREFACE) {
+            st->h2_seen = sock->input->size == H2_PREFACE;
+            st->orig(sock, NULL);
+            return;
+        }
+        if (h2_feed(st, H2_PREFACE) < 0)
+            return;
+    }
+    size_t p = 0;
+    for (;;) {
+        h2o_buffer_t *in = sock->input;
+        if (in->size - p < H2_HEAD)
+            break;
+        uint8_t *f = (uint8_t *)in->bytes + p;
+        size_t len = (size_t)f[0] << 16 | (size_t)f[1] << 8 | f[2];
+        uint32_t id = ((uint32_t)f[5] << 24 | (uint32_t)f[6] << 16 | (uint32_t)f[7] << 8 | f[8]) &
+                      0x7fffffffu;
+        if (in->size - p - H2_HEAD < len)
+            break; /* not whole yet: h2o waits for it too */
+        if (f[3] != H2_DATA || id == 0) {
+            p += H2_HEAD + len;
+            continue;
+        }
+        struct h2s *e = h2s_find(st, id);
+        h2o_http2_stream_t *s = h2o_http2_conn_get_stream(conn, id);
+        if (e == NULL) {
+            if (s != NULL && s->state == H2O_HTTP2_STREAM_STATE_RECV_BODY) {
+                e = h2_vet(st, s);
+            } else if (p > 0) {
+                /* its head may be among the frames before it, which h2o has not read */
+                if (h2_feed(st, p) < 0)
+                    return;
+                p = 0;
+                continue;
+            }
+            if (e == NULL) { /* not a stream taking a body: h2o's to answer */
+                p += H2_HEAD + len;
+                continue;
+            }
+        }
+        if (e->state != H2S_OPEN) { /* answered: h2o sees no more of it */
+            cut_frame(in, p, len, false);
+            win += len;
+            if (e->state == H2S_DONE && !e->rst_sent &&
+                conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
+                h2o_http2__encode_rst_stream_frame(&conn->_write.buf, id, H2O_HTTP2_ERROR_NONE);
+                e->rst_sent = wrote = true;
+            }
+            continue;
+        }
+        if (s == NULL || s->state != H2O_HTTP2_STREAM_STATE_RECV_BODY) {
+            p += H2_HEAD + len; /* DATA after its end: h2o's protocol error */
+            continue;
+        }
+        if (!e->refuse && len > e->cap - e->got) {
+            e->refuse = true;
+            if (s->_expected_content_length != SIZE_MAX)
+                sp_err_set(&e->verdict.err, SP_EINVAL,
+                           "request body is longer than its content-length (%llu bytes)",
+                           (unsigned long long)e->cap);
+            else
+                sp_err_set(&e->verdict.err, SP_ETOOBIG, "request body is larger than %llu KiB",
+                           (unsigned long long)(e->cap >> 10));
+        }
+        if (e->refuse) {
+            /* The end of its request, for h2o: empty trailers in this frame's place. */
+            f[0] = f[1] = f[2] = 0;
+            f[3] = H2_HEADERS;
+            f[4] = H2_END_STREAM | H2_END_HEADERS;
+            cut_frame(in, p, len, true);
+            win += len;
+            s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
+            e->state = H2S_ANSWERING;
+            h2s_release_large(e);
+            p += H2_HEAD;
+            continue;
+        }
+        e->got += len;
+        p += H2_HEAD + len;
+    }
+    if (conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
+        for (; win > 0; wrote = true) {
+            int32_t n = win > INT32_MAX ? INT32_MAX : (int32_t)win;
+            h2o_http2_encode_window_update_frame(&conn->_write.buf, 0, n);
+            win -= (uint64_t)n;
+        }
+        if (wrote)
+            h2o_http2_conn_request_write(conn);
+    }
+    st->orig(sock, NULL);
+}
+
+static void h2_on_read(h2o_socket_t *sock, const char *err)
+{
+    struct gs *st = sock->on_close.data;
+    st->in_read = true;
+    if (err == NULL && st->g != NULL)
+        h2_gate(st);
+    else
+        st->orig(sock, err);
+    st->in_read = false;
+    gs_free_if_done(st);
+}
+
+/* h2o has just taken sock as HTTP/2 (its read callback is HTTP/2's): the gate goes before it. */
+static void h2_take(struct gs *st)
+{
+    st->orig = st->sock->_cb.read;
+    st->sock->_cb.read = h2_on_read;
+}
+
+/* Before h2o takes a socket as HTTP/2 with input already read: the input is cut after the
+ * preface (and one byte), so that h2o reads the preface alone; returns the input's size. */
+static size_t h2_cut(h2o_socket_t *sock)
+{
+    size_t total = sock->input->size;
+    if (total > H2_PREFACE + 1)
+        sock->input->size = H2_PREFACE + 1;
+    return total;
+}
+
+/* After: the rest back, and the gate on what follows the preface. */
+static void h2_uncut(struct gs *st, size_t total)
+{
+    h2o_socket_t *sock = st->sock;
+    size_t shown = total > H2_PREFACE + 1 ? H2_PREFACE + 1 : total;
+    size_t consumed = shown - sock->input->size;
+    sock->input->size = total - consumed;
+    st->h2_seen = consumed >= H2_PREFACE;
+    h2_take(st);
+    if (sock->input->size > 0 && st->h2_seen)
+        h2_gate(st);
 }
 
 /* ---- after each request ---- */
@@ -404,12 +783,21 @@ static void on_req_disposed(void *p)
 
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v)
 {
-    if (g == NULL || req->version >= 0x200 || req->conn->callbacks->get_socket == NULL)
+    if (g == NULL || req->conn->callbacks->get_socket == NULL)
         return false;
     h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
     if (sock == NULL || sock->on_close.cb != gs_on_close)
         return false;
     struct gs *st = sock->on_close.data;
+    if (req->version >= 0x200) { /* HTTP/2: one the gate ended is answered with its verdict */
+        uint32_t id = H2O_STRUCT_FROM_MEMBER(h2o_http2_stream_t, req, req)->stream_id;
+        struct h2s *e = h2s_find(st, id);
+        if (e == NULL || e->state == H2S_OPEN || e->answered)
+            return false;
+        e->answered = true;
+        *v = e->verdict;
+        return true;
+    }
     if (st->refused) {
         st->refused = false;
         *v = st->verdict;
@@ -463,7 +851,20 @@ static void on_tls_handshake(h2o_socket_t *sock, const char *err)
     h2o_iovec_t proto = h2o_socket_ssl_get_selected_protocol(sock);
     for (const h2o_iovec_t *id = h2o_http2_alpn_protocols; id->len != 0; ++id) {
         if (proto.len == id->len && memcmp(proto.base, id->base, proto.len) == 0) {
+            struct gs *st = g != NULL ? gs_new(g, sock, fd) : NULL;
+            if (st == NULL) {
+                h2o_http2_accept(ctx, sock, at); /* fails open, as sp_bodygate_attach */
+                return;
+            }
+            /* h2o reads what the handshake brought at once: the preface alone, the rest
+             * through the gate. */
+            st->in_read = true;
+            size_t total = h2_cut(sock);
             h2o_http2_accept(ctx, sock, at);
+            if (st->sock != NULL)
+                h2_uncut(st, total);
+            st->in_read = false;
+            gs_free_if_done(st);
             return;
         }
     }
@@ -517,7 +918,7 @@ void sp_bodygate_destroy(sp_bodygate_t *g)
         st->g = NULL;
         st->large = false;
         if (st->sock != NULL) {
-            if (st->sock->_cb.read == gate_on_read)
+            if (st->sock->_cb.read == gate_on_read || st->sock->_cb.read == h2_on_read)
                 st->sock->_cb.read = st->orig;
             st->sock->on_close.cb = NULL;
             st->sock->on_close.data = NULL;

@@ -1,11 +1,11 @@
 /*
- * bodygate.h - a look at each HTTP/1 request's head before h2o reads its body.
+ * bodygate.h - a look at each request's head before h2o reads its body (HTTP/1 and HTTP/2).
  *
  * h2o 2.2.5 calls a handler only once the whole request body is in memory (HTTP/1: the
  * content-length and chunked readers of lib/http1.c; HTTP/2: DATA frames gathered until
  * END_STREAM); it has no hook between the head and the body (streaming request bodies,
  * `write_req`/`proceed_req`, came in 2.3), and its only limit, max_request_entity_size, is one
- * number for every route. The gate fills that gap for HTTP/1 connections: it sits in front of
+ * number for every route. The gate fills that gap: for HTTP/1 connections it sits in front of
  * h2o's read callback on each socket it is attached to, parses every request head as it comes
  * (h2o parses the same bytes after it), and asks a policy what the request may send. A request
  * the policy refuses never reaches h2o as sent: its head is replaced by a bodyless
@@ -14,15 +14,21 @@
  * is counted as it arrives and stopped past the policy's cap (h2o's own 413 then, as the head
  * was already handed over).
  *
- * What it cannot do, and why: HTTP/2 (HPACK-coded heads inside frames that only h2o decodes;
- * only max_request_entity_size holds there), and TLS connections unless attached after the
- * handshake chose HTTP/1.1 (sp_bodygate_accept does the handshake for that). It keeps its place
- * across keep-alive requests because h2o re-installs its own read callback after every
- * response: the handler calls sp_bodygate_request for each request, which puts the gate back
- * once h2o is done with it, and vets any pipelined request already read before h2o does.
+ * HTTP/2 connections (prior knowledge, and TLS with ALPN h2) are gated too, between h2o's
+ * reads: the gate walks each read's frames before h2o does and vets a stream at its first
+ * DATA frame, once h2o has decoded its head (the stream h2o made is read through
+ * <h2o/http2_internal.h>, h2o 2.2.5's own layout). A refused stream, or one whose DATA passes
+ * its cap, is ended there for h2o (the frame becomes empty trailers) and answered by the
+ * handler with the refusal; what its client sends on is dropped, and given back to the
+ * connection's flow-control window. An HTTP/1 `Upgrade: h2c` is not taken (the field is
+ * renamed before h2o reads it). TLS connections are attached after the handshake
+ * (sp_bodygate_accept does it). HTTP/1 keeps its place across keep-alive requests because h2o
+ * re-installs its own read callback after every response: the handler calls
+ * sp_bodygate_request for each request, which puts the gate back once h2o is done with it,
+ * and vets any pipelined request already read before h2o does.
  *
  * Owns nothing of h2o's: per-socket state lives until the socket closes (its on_close hook,
- * which h2o's HTTP/1 server leaves unused). Knows no route: the policy does.
+ * which h2o's HTTP/1 and HTTP/2 servers leave unused). Knows no route: the policy does.
  */
 #ifndef SP_BODYGATE_H
 #define SP_BODYGATE_H
@@ -82,15 +88,15 @@ void sp_bodygate_destroy(sp_bodygate_t *g);
 /* Attaches to a socket h2o has just accepted as HTTP/1 (plain: right after h2o_accept); fd is
  * the socket's (still h2o's), dup'ed after a refusal to drain the rest of the body once h2o
  * has answered and closed (a client that sends the whole body first then reads the answer
- * rather than a reset). A socket h2o took as HTTP/2 (prior knowledge) is left alone. */
+ * rather than a reset). One that starts with HTTP/2's preface is followed into HTTP/2. */
 void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd);
 /* h2o_accept for a TLS connection (fd as above), with the gate attached once ALPN chose
- * HTTP/1.1. */
+ * HTTP/1.1 or HTTP/2. */
 void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock, int fd);
 
 /* For every request the handler gets, first: true when the gate refused it (*v is the
  * refusal to send, as is); else notes the request so the gate takes its place again after
- * it. Requests on sockets without a gate (HTTP/2) are false. */
+ * it (HTTP/1). Requests on sockets without a gate are false. */
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v);
 
 /* The first header of that name in h (case-insensitive), as h2o_find_header finds it: its
