@@ -125,6 +125,12 @@ needle = bytes.fromhex(sys.argv[1])
 me = str(os.getpid())
 parent = str(os.getppid())
 hits, scanned = [], {"files": 0, "bytes": 0, "procs": 0, "mem": 0, "disk": 0}
+t0 = time.time()
+
+def phase(what):
+    # on stderr as it goes: a scan cut off by its timeout still says where it was
+    sys.stderr.write("%.1f s: %s\n" % (time.time() - t0, what))
+    sys.stderr.flush()
 
 def scan_stream(f, what):
     prev = b""
@@ -139,6 +145,7 @@ def scan_stream(f, what):
         prev = b[-len(needle):]
 
 # every file of the disk-backed and tmpfs filesystems (not proc, sys, dev)
+phase("files")
 for root, dirs, files in os.walk("/"):
     if root == "/":
         dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
@@ -147,6 +154,8 @@ for root, dirs, files in os.walk("/"):
         try:
             if os.path.islink(p) or not os.path.isfile(p):
                 continue
+            if os.path.getsize(p) > (64 << 20):
+                phase("file " + p)
             with open(p, "rb") as f:
                 scanned["files"] += 1
                 scan_stream(f, "file:" + p)
@@ -155,9 +164,11 @@ for root, dirs, files in os.walk("/"):
 
 # every process but this scan and its shell: environment, command line, memory
 agent = None
+phase("processes")
 for pid in os.listdir("/proc"):
     if not pid.isdigit() or pid in (me, parent):
         continue
+    phase("process %s" % pid)
     try:
         exe = os.readlink("/proc/%s/exe" % pid)
     except OSError:
@@ -201,10 +212,12 @@ with open("/proc/mounts") as f:
         if mnt == "/" and src.startswith("/dev/"):
             dev = src
 if dev and os.path.exists(dev):
+    phase("disk " + dev)
     with open(dev, "rb") as f:
         t = time.time()
         scan_stream(f, "disk:" + dev)
         scanned["disk"] = int(time.time() - t)
+phase("done")
 print("AGENT", agent)
 print("SCANNED", " ".join("%s=%d" % kv for kv in sorted(scanned.items())))
 for h in hits:
