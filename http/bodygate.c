@@ -274,6 +274,18 @@ static void gs_on_close(void *data)
     gs_free_if_done(st);
 }
 
+/* The policy's verdict on a head, with the server-wide bound on large bodies applied. */
+static void ask(sp_bodygate_t *g, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
+{
+    memset(v, 0, sizeof(*v));
+    g->policy(g->arg, h, v);
+    if (!v->refuse && v->large && g->large_now >= g->max_large) {
+        v->refuse = true;
+        sp_err_set(&v->err, SP_EUNAVAIL, "too many large request bodies at once (%u): retry later",
+                   g->max_large);
+    }
+}
+
 /*
  * Vets the head at input offset off (0 between requests; the end of the current request for
  * one pipelined behind it). Sets the state for it and, when refused, replaces it in the input.
@@ -299,13 +311,8 @@ static void vet(struct gs *st, size_t off)
         return;
     }
     sp_bodygate_t *g = st->g;
-    sp_bodygate_verdict_t v = {0};
-    g->policy(g->arg, &h, &v);
-    if (!v.refuse && v.large && g->large_now >= g->max_large) {
-        v.refuse = true;
-        sp_err_set(&v.err, SP_EUNAVAIL, "too many large request bodies at once (%u): retry later",
-                   g->max_large);
-    }
+    sp_bodygate_verdict_t v;
+    ask(g, &h, &v);
     st->head_len = hl;
     st->length = h.chunked ? 0 : h.length;
     st->chunked = h.chunked;
@@ -544,13 +551,8 @@ static struct h2s *h2_vet(struct gs *st, h2o_http2_stream_t *s)
         h.fields[h.nfields++] =
             (sp_bodygate_field_t){f->name->base, f->name->len, f->value.base, f->value.len};
     }
-    sp_bodygate_verdict_t v = {0};
-    g->policy(g->arg, &h, &v);
-    if (!v.refuse && v.large && g->large_now >= g->max_large) {
-        v.refuse = true;
-        sp_err_set(&v.err, SP_EUNAVAIL, "too many large request bodies at once (%u): retry later",
-                   g->max_large);
-    }
+    sp_bodygate_verdict_t v;
+    ask(g, &h, &v);
     struct h2s *e = calloc(1, sizeof(*e));
     if (e == NULL)
         return NULL;

@@ -23,6 +23,18 @@ from harness import MULT, Platform, skip_unless_pg  # noqa: E402
 MIB = 1 << 20
 
 
+def random_tar(size):
+    """A tar of one file of size random bytes, and its SHA-256 (a template file's key)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        payload = os.urandom(size)
+        ti = tarfile.TarInfo("big.bin")
+        ti.size = len(payload)
+        tf.addfile(ti, io.BytesIO(payload))
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
 _left = {}  # bytes read past a response, by socket (pipelined responses)
 
 
@@ -159,14 +171,7 @@ class BodiesTest(unittest.TestCase):
         self.assertNotEqual(st, 413, r)
 
     def test_upload_with_key_goes_on(self):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tf:
-            payload = os.urandom(3 * MIB)
-            ti = tarfile.TarInfo("big.bin")
-            ti.size = len(payload)
-            tf.addfile(ti, io.BytesIO(payload))
-        data = buf.getvalue()
-        sha = hashlib.sha256(data).hexdigest()
+        data, sha = random_tar(3 * MIB)
         st, r = self.s.request("PUT", "/v1/template-files/" + sha, raw=data,
                                headers={"Content-Type": "application/octet-stream"})
         self.assertIn(st, (200, 201), r)
@@ -488,14 +493,7 @@ class Http2BodiesTest(unittest.TestCase):
         self.assertIsNone(c.terminated)
 
     def test_upload_with_key_goes_on(self):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tf:
-            payload = os.urandom(3 * MIB)
-            ti = tarfile.TarInfo("big.bin")
-            ti.size = len(payload)
-            tf.addfile(ti, io.BytesIO(payload))
-        data = buf.getvalue()
-        sha = hashlib.sha256(data).hexdigest()
+        data, sha = random_tar(3 * MIB)
         c = self.client()
         # no content-length: its size shows as it comes, and an upload has no cap but h2o's
         sid = c.open("PUT", "/v1/template-files/" + sha, key=self.key,
