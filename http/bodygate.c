@@ -89,6 +89,7 @@ static void gs_on_close(void *data);
 static void h2s_free_all(struct gs *st);
 static size_t h2_cut(h2o_socket_t *sock);
 static void h2_uncut(struct gs *st, size_t total);
+static size_t h2_restore(h2o_socket_t *sock, size_t total);
 
 /* ---- the head parser ---- */
 
@@ -382,9 +383,7 @@ static void gate_on_read(h2o_socket_t *sock, const char *err)
         if (sock->_cb.read != NULL && sock->_cb.read != http1) {
             h2_uncut(st, h2_total); /* h2o took it as HTTP/2: the gate goes before that */
         } else {
-            /* it did not: the input as it was, less what it read */
-            size_t shown = h2_total > H2_PREFACE + 1 ? H2_PREFACE + 1 : h2_total;
-            sock->input->size = h2_total - (shown - sock->input->size);
+            h2_restore(sock, h2_total); /* it did not: the input as it was, less what it read */
         }
     }
 out:
@@ -731,14 +730,20 @@ static size_t h2_cut(h2o_socket_t *sock)
     return total;
 }
 
+/* After h2o read the cut input: the rest back; returns what h2o consumed. */
+static size_t h2_restore(h2o_socket_t *sock, size_t total)
+{
+    size_t shown = total > H2_PREFACE + 1 ? H2_PREFACE + 1 : total;
+    size_t consumed = shown - sock->input->size;
+    sock->input->size = total - consumed;
+    return consumed;
+}
+
 /* After: the rest back, and the gate on what follows the preface. */
 static void h2_uncut(struct gs *st, size_t total)
 {
     h2o_socket_t *sock = st->sock;
-    size_t shown = total > H2_PREFACE + 1 ? H2_PREFACE + 1 : total;
-    size_t consumed = shown - sock->input->size;
-    sock->input->size = total - consumed;
-    st->h2_seen = consumed >= H2_PREFACE;
+    st->h2_seen = h2_restore(sock, total) >= H2_PREFACE;
     h2_take(st);
     if (sock->input->size > 0 && st->h2_seen)
         h2_gate(st);
