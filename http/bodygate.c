@@ -443,8 +443,11 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
  *   RST_STREAM(NO_ERROR) (RFC 9113, 8.1: the answer is complete, stop sending) once;
  * - every byte dropped is given back to the connection's flow-control window (WINDOW_UPDATE
  *   on stream 0), so other streams never stall for it.
- * The preface is h2o's, read alone first. A client's trailers after a refusal would meet h2o's
- * "invalid stream id" (connection error): they cannot be dropped without breaking HPACK.
+ * - the trailers the client still sends on it (a HEADERS frame with END_STREAM) are dropped
+ *   too, once h2o has read every frame before them and their block has been decoded into
+ *   h2o's HPACK table as h2o would have (h2o would take them as a HEADERS frame on a closed
+ *   stream: a connection error). Trailers split into CONTINUATION frames are left to h2o.
+ * The preface is h2o's, read alone first.
  */
 
 enum h2s_state {
@@ -594,6 +597,30 @@ static int h2_feed(struct gs *st, size_t n)
     return 0;
 }
 
+/* Decodes the HEADERS frame f (payload len), trailers on a stream the gate ended, into h2o's
+ * HPACK table as h2o would, so that it can be dropped: true when done (false: a frame h2o is
+ * to refuse, or a block it cannot decode; the connection then ends on h2o's error). */
+static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t len)
+{
+    h2o_http2_frame_t frame;
+    h2o_http2_headers_payload_t payload;
+    const char *err = NULL;
+    if ((f[4] & (H2_END_STREAM | H2_END_HEADERS)) != (H2_END_STREAM | H2_END_HEADERS) ||
+        h2o_http2_decode_frame(&frame, f, H2_HEAD + len, &H2O_HTTP2_SETTINGS_HOST, &err) < 0 ||
+        h2o_http2_decode_headers_payload(&payload, &frame, &err) != 0)
+        return false;
+    h2o_req_t *scratch = calloc(1, sizeof(*scratch)); /* what the fields decode into */
+    if (scratch == NULL)
+        return false;
+    h2o_mem_init_pool(&scratch->pool);
+    size_t length;
+    int ret = h2o_hpack_parse_headers(scratch, &conn->_input_header_table, payload.headers,
+                                      payload.headers_len, NULL, &length, NULL, &err);
+    h2o_mem_clear_pool(&scratch->pool);
+    free(scratch);
+    return ret == 0;
+}
+
 /* Removes the frame at p (payload len) from the input, or only its payload (keep_head). */
 static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
 {
@@ -628,6 +655,21 @@ static void h2_gate(struct gs *st)
                       0x7fffffffu;
         if (in->size - p - H2_HEAD < len)
             break; /* not whole yet: h2o waits for it too */
+        if (f[3] == H2_HEADERS && id != 0) {
+            struct h2s *e = h2s_find(st, id);
+            if (e != NULL && e->state != H2S_OPEN) { /* trailers on a stream it ended */
+                if (p > 0) { /* h2o decodes the blocks before them first: HPACK is ordered */
+                    if (h2_feed(st, p) < 0)
+                        return;
+                    p = 0;
+                    continue;
+                }
+                if (h2_skip_trailers(conn, f, len)) {
+                    cut_frame(in, p, len, false);
+                    continue;
+                }
+            }
+        }
         if (f[3] != H2_DATA || id == 0) {
             p += H2_HEAD + len;
             continue;

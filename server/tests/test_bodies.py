@@ -458,6 +458,37 @@ class Http2BodiesTest(unittest.TestCase):
         self.assertEqual(c.answer(sid2)[0], 200)
         self.assertIsNone(c.terminated)
 
+    def test_trailers_after_answer_dropped_hpack_kept(self):
+        c = self.client()
+        n = 0
+        for late in (False, True):
+            sid = c.open("POST", "/v1/sandboxes", key=self.key, flush=False,
+                         headers=[("content-type", "application/json"), ("x-one", "1"),
+                                  ("content-length", str(64 * MIB))])
+            # late: one DATA frame (refused at it), the answer, then the trailers; else three
+            # frames and the trailers in one write. The client ends its body with trailers, as
+            # it may (RFC 9113 8.1); the h2 package indexes their fields, so its later heads
+            # refer to HPACK table entries h2o must have too.
+            c.send(sid, 16 * 1024 if late else 48 * 1024, flush=False)
+            if late:
+                c.flush()
+                deadline = time.time() + 10 * MULT
+                while sid not in c.status and time.time() < deadline and c.pump():
+                    pass
+            c.c.send_headers(sid, [("x-trailer-%d" % (n + i), "v" * 40) for i in range(4)],
+                             end_stream=True)
+            n += 4
+            c.flush()
+            st, body = c.answer(sid)
+            self.assertEqual(st, 413, body)
+            for _ in range(2):  # heads that refer to entries from before and after the trailers
+                sid2 = c.open("GET", "/v1/sandboxes/sb-none", key=self.key, end=True,
+                              headers=[("x-one", "1"), ("x-trailer-%d" % (n - 1), "v" * 40)])
+                st, body = c.answer(sid2)
+                self.assertEqual(st, 404, body)
+                self.assertIn("not found", json.loads(body)["error"]["message"])
+        self.assertIsNone(c.terminated)
+
     def test_body_without_length_stopped_past_cap(self):
         c = self.client()
         sid = c.open("POST", "/v1/sandboxes", key=self.key,
