@@ -46,6 +46,7 @@
 #define H2_END_STREAM  0x1
 #define H2_END_HEADERS 0x4
 #define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
+#define H2_HEADS_MAX   16 /* heads without their body vetted at the end of one read */
 
 enum gs_state {
     GS_IDLE,   /* the next bytes are a request head */
@@ -433,7 +434,8 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
  * and at the first DATA frame of a stream whose head h2o has not yet read, hands h2o the frames
  * before it (the input cut there, one byte of the next frame left so h2o keeps its buffer)
  * and looks at the stream h2o made: its decoded head asks the same policy an HTTP/1 head
- * does. Then, frame by frame:
+ * does (a head with no DATA after it in the read: once h2o has had the read, h2_vet_heads).
+ * Then, frame by frame:
  * - a stream the policy refused, or whose DATA passes its cap (its Content-Length, or the
  *   policy's cap for a body of unknown length), ends there: that DATA frame is rewritten as
  *   an empty HEADERS frame with END_STREAM (trailers, to h2o), so h2o hands the request, with
@@ -621,6 +623,28 @@ static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t le
     return ret == 0;
 }
 
+/* Writes, at f, an empty HEADERS frame with END_STREAM on stream id: the end of its request,
+ * for h2o (trailers). */
+static void h2_end_frame(uint8_t *f, uint32_t id)
+{
+    f[0] = f[1] = f[2] = 0;
+    f[3] = H2_HEADERS;
+    f[4] = H2_END_STREAM | H2_END_HEADERS;
+    f[5] = (uint8_t)(id >> 24 & 0x7f);
+    f[6] = (uint8_t)(id >> 16);
+    f[7] = (uint8_t)(id >> 8);
+    f[8] = (uint8_t)id;
+}
+
+/* The stream e (h2o's s) is ended for h2o by the frame h2_end_frame wrote: its request goes to
+ * the handler with what h2o holds of its body, to be answered with the refusal. */
+static void h2s_ended(struct h2s *e, h2o_http2_stream_t *s)
+{
+    s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
+    e->state = H2S_ANSWERING;
+    h2s_release_large(e);
+}
+
 /* Removes the frame at p (payload len) from the input, or only its payload (keep_head). */
 static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
 {
@@ -629,12 +653,48 @@ static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
     in->size -= from - to;
 }
 
+/* The streams whose heads came in the read h2o has just had (ids), without a DATA frame yet:
+ * vetted now, and a refused one ended at once (an end frame put before what is left of the
+ * input), so that a refusal is answered on its head, as HTTP/1's is: a client may wait for
+ * it before sending its body (Expect: 100-continue), or send it slowly. Not while h2o waits
+ * for the rest of a head block (nothing else may come between): those are vetted at their
+ * first DATA frame, as any the bound leaves out. */
+static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n)
+{
+    unsigned ends = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (st->sock == NULL || st->g == NULL)
+            break;
+        h2o_http2_conn_t *conn = st->sock->data;
+        if (conn->state >= H2O_HTTP2_CONN_STATE_HALF_CLOSED || conn->_headers_unparsed != NULL)
+            break;
+        h2o_http2_stream_t *s = h2o_http2_conn_get_stream(conn, ids[i]);
+        if (s == NULL || s->state != H2O_HTTP2_STREAM_STATE_RECV_BODY ||
+            h2s_find(st, ids[i]) != NULL)
+            continue;
+        struct h2s *e = h2_vet(st, s);
+        if (e == NULL || !e->refuse)
+            continue;
+        h2o_buffer_t **in = &st->sock->input;
+        h2o_buffer_reserve(in, H2_HEAD);
+        memmove((*in)->bytes + H2_HEAD, (*in)->bytes, (*in)->size);
+        h2_end_frame((uint8_t *)(*in)->bytes, ids[i]);
+        (*in)->size += H2_HEAD;
+        h2s_ended(e, s);
+        ends++;
+    }
+    if (ends > 0 && st->sock != NULL)
+        st->orig(st->sock, NULL);
+}
+
 static void h2_gate(struct gs *st)
 {
     h2o_socket_t *sock = st->sock;
     h2o_http2_conn_t *conn = sock->data;
     uint64_t win = 0; /* bytes to give back to the connection's window */
     bool wrote = false;
+    uint32_t heads[H2_HEADS_MAX];
+    unsigned nheads = 0;
     if (!st->h2_seen) {
         if (sock->input->size <= H2_PREFACE) {
             st->h2_seen = sock->input->size == H2_PREFACE;
@@ -657,6 +717,8 @@ static void h2_gate(struct gs *st)
             break; /* not whole yet: h2o waits for it too */
         if (f[3] == H2_HEADERS && id != 0) {
             struct h2s *e = h2s_find(st, id);
+            if (e == NULL && !(f[4] & H2_END_STREAM) && nheads < H2_HEADS_MAX)
+                heads[nheads++] = id; /* a head a body follows (or trailers on one ungated) */
             if (e != NULL && e->state != H2S_OPEN) { /* trailers on a stream it ended */
                 if (p > 0) { /* h2o decodes the blocks before them first: HPACK is ordered */
                     if (h2_feed(st, p) < 0)
@@ -715,16 +777,11 @@ static void h2_gate(struct gs *st)
                 sp_err_set(&e->verdict.err, SP_ETOOBIG, "request body is larger than %llu KiB",
                            (unsigned long long)(e->cap >> 10));
         }
-        if (e->refuse) {
-            /* The end of its request, for h2o: empty trailers in this frame's place. */
-            f[0] = f[1] = f[2] = 0;
-            f[3] = H2_HEADERS;
-            f[4] = H2_END_STREAM | H2_END_HEADERS;
+        if (e->refuse) { /* empty trailers in this frame's place */
+            h2_end_frame(f, id);
             cut_frame(in, p, len, true);
             win += len;
-            s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
-            e->state = H2S_ANSWERING;
-            h2s_release_large(e);
+            h2s_ended(e, s);
             p += H2_HEAD;
             continue;
         }
@@ -741,6 +798,7 @@ static void h2_gate(struct gs *st)
             h2o_http2_conn_request_write(conn);
     }
     st->orig(sock, NULL);
+    h2_vet_heads(st, heads, nheads);
 }
 
 static void h2_on_read(h2o_socket_t *sock, const char *err)

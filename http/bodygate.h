@@ -16,7 +16,7 @@
  *
  * HTTP/2 connections (prior knowledge, and TLS with ALPN h2) are gated too, between h2o's
  * reads: the gate walks each read's frames before h2o does and vets a stream at its first
- * DATA frame, once h2o has decoded its head (the stream h2o made is read through
+ * DATA frame, or at the end of the read its head came in, once h2o has decoded its head (the stream h2o made is read through
  * <h2o/http2_internal.h>, h2o 2.2.5's own layout). A refused stream, or one whose DATA passes
  * its cap, is ended there for h2o (the frame becomes empty trailers) and answered by the
  * handler with the refusal; what its client sends on is dropped (DATA given back to the

@@ -414,9 +414,10 @@ class Http2BodiesTest(unittest.TestCase):
     """HTTP/2 bodies (README: Request bodies): the gate reads each stream's head as h2o decoded
     it, before its first DATA reaches h2o, and holds HTTP/2 to what HTTP/1 is held to: a JSON
     route's body past --max-body-kb, an upload without its credential and one more large body
-    than --max-large-bodies are answered (413, 401, 503) after at most one frame of body, the
-    rest of which is dropped, flow control given back, the connection kept. Driven with the h2
-    package (frames exactly as sent) and with curl (prior knowledge, TLS, h2c upgrade)."""
+    than --max-large-bodies are answered (413, 401, 503) on the head or after at most one frame
+    of body, the rest of which is dropped, flow control given back, the connection kept.
+    Driven with the h2 package (frames exactly as sent) and with curl (prior knowledge, TLS,
+    h2c upgrade)."""
     CAP = 16  # --max-upload-mb
 
     @classmethod
@@ -456,6 +457,38 @@ class Http2BodiesTest(unittest.TestCase):
         self.assertEqual(c.reset.get(sid), 0)
         sid2 = c.open("GET", "/healthz", end=True)
         self.assertEqual(c.answer(sid2)[0], 200)
+        self.assertIsNone(c.terminated)
+
+    def test_refusal_answered_on_the_head(self):
+        # heads alone, their bodies held back (as Expect: 100-continue does): each refusal
+        # comes before a byte of its body is sent, and the body sent after it is dropped
+        c = self.client()
+        heads = [("PUT", "/v1/template-files/" + "a" * 64, None, 50 * MIB, 401),
+                 ("POST", "/v1/sandboxes", self.key, 64 * MIB, 413),
+                 ("PUT", "/upload/template-files/" + "b" * 64, None, 50 * MIB, 401)]
+        sids = [c.open(m, path, key=key, headers=[("content-length", str(n))])
+                for m, path, key, n, _ in heads]
+        for sid, (_, path, _, _, want) in zip(sids, heads):
+            self.assertEqual(c.answer(sid, path)[0], want)
+            self.assertEqual(c.sent[sid], 0)
+        for sid in sids:
+            c.send(sid, 64 * 1024, until=lambda: sid in c.reset)
+        deadline = time.time() + 5 * MULT
+        while any(sid not in c.reset for sid in sids) and time.time() < deadline:
+            for sid in sids:
+                if sid not in c.reset:
+                    c.send(sid, 16 * 1024)
+            c.pump()
+        self.assertEqual([c.reset.get(sid) for sid in sids], [0] * len(sids))
+        # a head the policy lets through waits for its body as before
+        sid = c.open("POST", "/v1/sandboxes", key=self.key,
+                     headers=[("content-type", "application/json"), ("content-length", "2")])
+        for _ in range(3):
+            c.pump()
+        self.assertNotIn(sid, c.status)
+        c.c.send_data(sid, b"{}", end_stream=True)
+        c.flush()
+        self.assertNotIn(c.answer(sid)[0], (401, 413, 503))
         self.assertIsNone(c.terminated)
 
     def test_trailers_after_answer_dropped_hpack_kept(self):
