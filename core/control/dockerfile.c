@@ -168,6 +168,8 @@ static int copy_step(struct parse *p, const char *rest, bool add)
                     "give its key as from.context",
                  add ? "ADD" : "COPY");
     const char *dest = rc == 0 ? json_string_value(json_array_get(ws, n - 1)) : NULL;
+    if (rc == 0 && dest[0] == '\0')
+        rc = bad(p, "%s needs a destination (it is empty)", add ? "ADD" : "COPY");
     if (rc == 0 && n - i > 2 && dest[strlen(dest) - 1] != '/')
         rc = bad(p, "with several sources the destination must end with '/' (%.100s)", dest);
     for (size_t k = i; rc == 0 && k + 1 < n; k++) {

@@ -126,6 +126,9 @@ static void test_refused(void)
     refused("FROM base\nADD https://example.org/x /x\n", CTX, "remote sources");
     refused("FROM base\nCOPY ../secret /x\n", CTX, "inside the context");
     refused("FROM base\nCOPY a b /dir\n", CTX, "must end with '/'");
+    refused("FROM base\nCOPY a b \"\"\n", CTX, "line 2: COPY needs a destination");
+    refused("FROM base\nCOPY [\"a\", \"b\", \"\"]\n", CTX, "COPY needs a destination");
+    refused("FROM base\nADD [\"a\", \"\"]\n", CTX, "ADD needs a destination");
     refused("FROM base\nENV =bad\n", NULL, "NAME=VALUE");
     refused("FROM base\nRUN echo \\\n", NULL, "ends inside a continued line");
     refused("# only a comment\n", NULL, "no FROM");
