@@ -657,6 +657,18 @@ class Http2BodiesTest(unittest.TestCase):
                 self.assertEqual((int(st), ver), (413, want), (how, r.stdout, r.stderr))
                 if want == "2":  # HTTP/1's refusal drains what a client sends anyway
                     self.assertLess(int(sent), 20 * MIB, how)
+            # a client that waits for the go-ahead (h2o sends no 100 over HTTP/2) gets the
+            # refusal on the head, without sending its body or waiting out its timeout
+            for how, url in ((["--http2-prior-knowledge"], "http://127.0.0.1:%d"),
+                             (["--http2", "-k"], "https://127.0.0.1:%d")):
+                t0 = time.time()
+                r = subprocess.run(base + how + ["-H", "Expect: 100-continue",
+                                                 "--expect100-timeout", "20",
+                                                 url % self.s.port + "/v1/sandboxes"],
+                                   capture_output=True, text=True, timeout=60 * MULT)
+                st, ver, sent = r.stdout.split()
+                self.assertEqual((int(st), ver, int(sent)), (413, "2", 0), (how, r.stderr))
+                self.assertLess(time.time() - t0, 10, how)
         st, r = self.s.request("GET", "/v1/sandboxes", key=self.key)
         self.assertEqual(st, 200, r)
 
