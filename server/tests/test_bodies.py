@@ -650,8 +650,17 @@ class Http2BodiesTest(unittest.TestCase):
             for how, url in ((["--http2-prior-knowledge"], "http://127.0.0.1:%d"),
                              (["--http2", "-k"], "https://127.0.0.1:%d"),
                              (["--http2"], "http://127.0.0.1:%d")):
-                r = subprocess.run(base + how + [url % self.s.port + "/v1/sandboxes"],
-                                   capture_output=True, text=True, timeout=60 * MULT)
+                # curl 7.88 (Debian 12) races on an answer that comes while it still sends:
+                # when the 413 and the RST_STREAM(NO_ERROR) after it (RFC 9113 8.1) are read
+                # before its next send, that send finds the stream closed and curl exits 92
+                # ("stream 1 closed") without the answer (up to 6 in 200 here). The frames
+                # themselves are checked with the h2 package above; curl tries again then.
+                for _ in range(3):
+                    r = subprocess.run(base + ["-v"] + how +
+                                       [url % self.s.port + "/v1/sandboxes"],
+                                       capture_output=True, text=True, timeout=60 * MULT)
+                    if not (r.returncode == 92 and "stream 1 closed" in r.stderr):
+                        break
                 st, ver, sent = r.stdout.split()
                 want = "1.1" if url.startswith("http:") and "--http2" in how else "2"
                 self.assertEqual((int(st), ver), (413, want), (how, r.stdout, r.stderr))
