@@ -627,13 +627,8 @@ static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t le
  * for h2o (trailers). */
 static void h2_end_frame(uint8_t *f, uint32_t id)
 {
-    f[0] = f[1] = f[2] = 0;
-    f[3] = H2_HEADERS;
-    f[4] = H2_END_STREAM | H2_END_HEADERS;
-    f[5] = (uint8_t)(id >> 24 & 0x7f);
-    f[6] = (uint8_t)(id >> 16);
-    f[7] = (uint8_t)(id >> 8);
-    f[8] = (uint8_t)id;
+    h2o_http2_encode_frame_header(f, 0, H2_HEADERS, H2_END_STREAM | H2_END_HEADERS,
+                                  (int32_t)id);
 }
 
 /* The stream e (h2o's s) is ended for h2o by the frame h2_end_frame wrote: its request goes to
