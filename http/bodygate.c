@@ -43,6 +43,7 @@
 #define H2_PREFACE     24
 #define H2_DATA        0x0
 #define H2_HEADERS     0x1
+#define H2_CONT        0x9 /* CONTINUATION */
 #define H2_END_STREAM  0x1
 #define H2_END_HEADERS 0x4
 #define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
@@ -448,7 +449,9 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
  * - the trailers the client still sends on it (a HEADERS frame with END_STREAM) are dropped
  *   too, once h2o has read every frame before them and their block has been decoded into
  *   h2o's HPACK table as h2o would have (h2o would take them as a HEADERS frame on a closed
- *   stream: a connection error). Trailers split into CONTINUATION frames are left to h2o.
+ *   stream: a connection error). Trailers split into CONTINUATION frames are kept from h2o
+ *   until their last frame has come, and dropped whole (h2o reads nothing meanwhile: no other
+ *   frame may come between them).
  * The preface is h2o's, read alone first.
  */
 
@@ -599,27 +602,73 @@ static int h2_feed(struct gs *st, size_t n)
     return 0;
 }
 
-/* Decodes the HEADERS frame f (payload len), trailers on a stream the gate ended, into h2o's
- * HPACK table as h2o would, so that it can be dropped: true when done (false: a frame h2o is
- * to refuse, or a block it cannot decode; the connection then ends on h2o's error). */
-static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t len)
+/* The trailers at f, a HEADERS frame on a stream the gate ended, with avail bytes of input from
+ * there: 1 when their whole block is in (*n: the bytes of its frames, the HEADERS and the
+ * CONTINUATION frames after it up to END_HEADERS), 0 when more of it is to come, -1 when they
+ * are not trailers the gate drops (h2o's to refuse: no END_STREAM, another frame between, or
+ * a block past what h2o takes). */
+static int h2_trailers_span(const uint8_t *f, size_t avail, size_t *n)
+{
+    if (!(f[4] & H2_END_STREAM))
+        return -1;
+    for (size_t p = 0;;) {
+        if (avail - p < H2_HEAD)
+            return 0;
+        const uint8_t *c = f + p;
+        size_t len = (size_t)c[0] << 16 | (size_t)c[1] << 8 | c[2];
+        if (p > 0 && (c[3] != H2_CONT || memcmp(c + 5, f + 5, 4) != 0))
+            return -1;
+        if (p + H2_HEAD + len > H2O_MAX_REQLEN)
+            return -1;
+        if (avail - p - H2_HEAD < len)
+            return 0;
+        p += H2_HEAD + len;
+        if (c[4] & H2_END_HEADERS) {
+            *n = p;
+            return 1;
+        }
+    }
+}
+
+/* Decodes the trailers at f (n bytes of frames, as h2_trailers_span found them) on a stream
+ * the gate ended into h2o's HPACK table as h2o would, so that they can be dropped: true when
+ * done (false: a frame h2o is to refuse, or a block it cannot decode; the connection then ends
+ * on h2o's error). */
+static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t n)
 {
     h2o_http2_frame_t frame;
     h2o_http2_headers_payload_t payload;
     const char *err = NULL;
-    if ((f[4] & (H2_END_STREAM | H2_END_HEADERS)) != (H2_END_STREAM | H2_END_HEADERS) ||
-        h2o_http2_decode_frame(&frame, f, H2_HEAD + len, &H2O_HTTP2_SETTINGS_HOST, &err) < 0 ||
-        h2o_http2_decode_headers_payload(&payload, &frame, &err) != 0)
+    ssize_t first = h2o_http2_decode_frame(&frame, f, n, &H2O_HTTP2_SETTINGS_HOST, &err);
+    if (first < 0 || h2o_http2_decode_headers_payload(&payload, &frame, &err) != 0)
         return false;
+    const uint8_t *block = payload.headers;
+    size_t block_len = payload.headers_len;
+    uint8_t *joined = NULL; /* a block split into CONTINUATION frames, joined */
+    if ((size_t)first < n) {
+        if ((joined = malloc(n)) == NULL)
+            return false;
+        memcpy(joined, block, block_len);
+        for (size_t p = (size_t)first; p < n;) {
+            size_t len = (size_t)f[p] << 16 | (size_t)f[p + 1] << 8 | f[p + 2];
+            memcpy(joined + block_len, f + p + H2_HEAD, len);
+            block_len += len;
+            p += H2_HEAD + len;
+        }
+        block = joined;
+    }
     h2o_req_t *scratch = calloc(1, sizeof(*scratch)); /* what the fields decode into */
-    if (scratch == NULL)
+    if (scratch == NULL) {
+        free(joined);
         return false;
+    }
     h2o_mem_init_pool(&scratch->pool);
     size_t length;
-    int ret = h2o_hpack_parse_headers(scratch, &conn->_input_header_table, payload.headers,
-                                      payload.headers_len, NULL, &length, NULL, &err);
+    int ret = h2o_hpack_parse_headers(scratch, &conn->_input_header_table, block, block_len, NULL,
+                                      &length, NULL, &err);
     h2o_mem_clear_pool(&scratch->pool);
     free(scratch);
+    free(joined);
     return ret == 0;
 }
 
@@ -654,7 +703,7 @@ static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
  * it before sending its body (Expect: 100-continue), or send it slowly. Not while h2o waits
  * for the rest of a head block (nothing else may come between): those are vetted at their
  * first DATA frame, as any the bound leaves out. */
-static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n)
+static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n, bool held)
 {
     unsigned ends = 0;
     for (unsigned i = 0; i < n; i++) {
@@ -678,8 +727,12 @@ static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n)
         h2s_ended(e, s);
         ends++;
     }
-    if (ends > 0 && st->sock != NULL)
-        st->orig(st->sock, NULL);
+    if (ends > 0 && st->sock != NULL) {
+        if (held) /* only the end frames: the rest is still kept from h2o */
+            h2_feed(st, ends * H2_HEAD);
+        else
+            st->orig(st->sock, NULL);
+    }
 }
 
 static void h2_gate(struct gs *st)
@@ -690,6 +743,7 @@ static void h2_gate(struct gs *st)
     bool wrote = false;
     uint32_t heads[H2_HEADS_MAX];
     unsigned nheads = 0;
+    bool held = false; /* the input (all of it) is kept from h2o until more comes */
     if (!st->h2_seen) {
         if (sock->input->size <= H2_PREFACE) {
             st->h2_seen = sock->input->size == H2_PREFACE;
@@ -721,8 +775,14 @@ static void h2_gate(struct gs *st)
                     p = 0;
                     continue;
                 }
-                if (h2_skip_trailers(conn, f, len)) {
-                    cut_frame(in, p, len, false);
+                size_t n;
+                int whole = h2_trailers_span(f, in->size, &n);
+                if (whole == 0) { /* the rest of their block has yet to come: h2o waits too */
+                    held = true;
+                    break;
+                }
+                if (whole > 0 && h2_skip_trailers(conn, f, n)) {
+                    cut_frame(in, p, n - H2_HEAD, false);
                     continue;
                 }
             }
@@ -792,8 +852,9 @@ static void h2_gate(struct gs *st)
         if (wrote)
             h2o_http2_conn_request_write(conn);
     }
-    st->orig(sock, NULL);
-    h2_vet_heads(st, heads, nheads);
+    if (!held)
+        st->orig(sock, NULL);
+    h2_vet_heads(st, heads, nheads, held);
 }
 
 static void h2_on_read(h2o_socket_t *sock, const char *err)

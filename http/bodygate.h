@@ -14,18 +14,18 @@
  * is counted as it arrives and stopped past the policy's cap (h2o's own 413 then, as the head
  * was already handed over).
  *
- * HTTP/2 connections (prior knowledge, and TLS with ALPN h2) are gated too, between h2o's
- * reads: the gate walks each read's frames before h2o does and vets a stream at its first
- * DATA frame, or at the end of the read its head came in, once h2o has decoded its head (the stream h2o made is read through
- * <h2o/http2_internal.h>, h2o 2.2.5's own layout). A refused stream, or one whose DATA passes
- * its cap, is ended there for h2o (the frame becomes empty trailers) and answered by the
- * handler with the refusal; what its client sends on is dropped (DATA given back to the
- * connection's flow-control window, trailers decoded into h2o's HPACK table first). An HTTP/1
- * `Upgrade: h2c` is not taken (the field is renamed before h2o reads it). TLS connections are
- * attached after the handshake (sp_bodygate_accept does it). HTTP/1 keeps its place across
- * keep-alive requests because h2o re-installs its own read callback after every response: the
- * handler calls sp_bodygate_request for each request, which puts the gate back once h2o is done
- * with it, and vets any pipelined request already read before h2o does.
+ * HTTP/2 connections (prior knowledge, and TLS with ALPN h2) are gated too, between h2o's reads:
+ * the gate walks each read's frames before h2o does and vets a stream at its first DATA frame, or
+ * at the end of the read its head came in, once h2o has decoded its head (the stream h2o made is
+ * read through <h2o/http2_internal.h>, h2o 2.2.5's own layout). A refused stream, or one whose
+ * DATA passes its cap, is ended there for h2o (the frame becomes empty trailers) and answered by
+ * the handler with the refusal; what its client sends on is dropped (DATA given back to the
+ * connection's flow-control window, trailers, in one frame or several, decoded into h2o's HPACK
+ * table first). An HTTP/1 `Upgrade: h2c` is not taken (the field is renamed before h2o reads it).
+ * TLS connections are attached after the handshake (sp_bodygate_accept does it). HTTP/1 keeps its
+ * place across keep-alive requests because h2o re-installs its own read callback after every
+ * response: the handler calls sp_bodygate_request for each request, which puts the gate back once
+ * h2o is done with it, and vets any pipelined request already read before h2o does.
  *
  * Owns nothing of h2o's: per-socket state lives until the socket closes (its on_close hook,
  * which h2o's HTTP/1 and HTTP/2 servers leave unused). Knows no route: the policy does.

@@ -522,6 +522,45 @@ class Http2BodiesTest(unittest.TestCase):
                 self.assertIn("not found", json.loads(body)["error"]["message"])
         self.assertIsNone(c.terminated)
 
+    def test_trailers_in_continuation_frames_dropped_hpack_kept(self):
+        c = self.client()
+        for n, how in enumerate(("one write", "after the answer", "frame by frame")):
+            sid = c.open("POST", "/v1/sandboxes", key=self.key, flush=False,
+                         headers=[("content-type", "application/json"),
+                                  ("content-length", str(64 * MIB))])
+            c.send(sid, 48 * 1024, flush=False)
+            if how != "one write":
+                c.flush()
+                deadline = time.time() + 10 * MULT
+                while sid not in c.status and time.time() < deadline and c.pump():
+                    pass
+            # trailers whose block is past one frame (16 KiB): the h2 package sends a HEADERS
+            # frame and CONTINUATION frames, indexing the fields as it goes
+            c.c.send_headers(sid, [("x-c%d-%d" % (n, i), "v" * 50) for i in range(400)],
+                             end_stream=True)
+            data = c.c.data_to_send()
+            frames, off = [], 0
+            while off < len(data):
+                end = off + 9 + int.from_bytes(data[off:off + 3], "big")
+                frames.append(data[off:end])
+                off = end
+            self.assertGreater(sum(1 for f in frames if f[3] == 0x9), 0, how)
+            if how == "frame by frame":  # the gate keeps them from h2o until the last one
+                for f in frames:
+                    c.sock.sendall(f)
+                    self.assertTrue(c.pump(0.3))
+            else:
+                c.sock.sendall(data)
+            st, body = c.answer(sid, how)
+            self.assertEqual(st, 413, body)
+            for _ in range(2):  # heads that refer to the entries the trailers added
+                sid2 = c.open("GET", "/v1/sandboxes/sb-none", key=self.key, end=True,
+                              headers=[("x-c%d-399" % n, "v" * 50), ("x-c%d-390" % n, "v" * 50)])
+                st, body = c.answer(sid2, how)
+                self.assertEqual(st, 404, body)
+                self.assertIn("not found", json.loads(body)["error"]["message"])
+        self.assertIsNone(c.terminated)
+
     def test_body_without_length_stopped_past_cap(self):
         c = self.client()
         sid = c.open("POST", "/v1/sandboxes", key=self.key,
