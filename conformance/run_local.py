@@ -106,7 +106,7 @@ def client_env(client, s, data):
 
 def run_lanes(lanes, ready, s, data, filters, installed):
     """Runs the lanes at once, each lane's ready clients one after another; returns
-    {client: (exit status, seconds)}."""
+    {client: (exit status, seconds, the client's FAIL lines)}."""
     done = {}
     outdir = tempfile.mkdtemp(prefix="sp-conformance-")
     lock = threading.Lock()
@@ -122,9 +122,10 @@ def run_lanes(lanes, ready, s, data, filters, installed):
                                  env=env, stdout=out, stderr=subprocess.STDOUT)
         secs = time.time() - t0
         with lock:  # one client's output at a time, whole
-            done[client] = (rc, secs)
             with open(path) as f:
                 text = f.read()
+            done[client] = (rc, secs, [ln.strip() for ln in text.splitlines()
+                                       if ln.lstrip().startswith("FAIL ")])
             print("==== conformance %s: %s in %.0f s ====\n%s" % (client, word(rc), secs, text),
                   end="" if text.endswith("\n") else "\n", flush=True)
 
@@ -191,9 +192,9 @@ def main():
             if rc is None:
                 ready.append(c)
             else:
-                results[c] = (rc, 0.0)
+                results[c] = (rc, 0.0, [])
         if not ready:
-            return 1 if any(rc != SKIP for rc, _ in results.values()) else SKIP
+            return 1 if any(r[0] != SKIP for r in results.values()) else SKIP
 
     # PostgreSQL, spaced on the data dir and a key of the default team (s.key)
     p = Platform(teams=(None,), binary=binary, data_dir=data,
@@ -211,8 +212,10 @@ def main():
             return rc
         results.update(run_lanes(lanes, ready, s, data, filters, installed))
         for c in names:
-            rc, secs = results[c]
+            rc, secs, fails = results[c]
             print("conformance: %-12s %s in %.0f s" % (c, word(rc), secs), flush=True)
+            for ln in fails:  # again here, where the tail of a long CI log shows them
+                print("conformance: %-12s   %s" % (c, ln[:400]), flush=True)
         failed = [c for c in names if results[c][0] not in (0, SKIP)]
         if failed:
             print("---- spaced log (tail) ----\n" + s.read_log(), file=sys.stderr)
