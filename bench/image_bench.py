@@ -23,9 +23,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from benchlib import Platform, build_template, line, ratio  # noqa: E402
-from test_images import Registry, make_image, push  # noqa: E402
+from oci_registry import Registry, make_image, push  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 MB = int(os.environ.get("BENCH_IMAGE_MB", "100"))

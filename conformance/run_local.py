@@ -17,8 +17,10 @@ a lane one after another (ctest's conformance.clients: js,python+cli,js-host,pyt
 two suites with code interpreter scenarios, which keep the CPU busy under TCG, one after the
 other; beside them the clients that mostly wait on their sandboxes). Each client's sandboxes,
 templates and listings carry its own run id. The Node packages are installed first, once per
-folder. Each client's output is printed whole when it ends, with its time; then one line per
-client. Exit: 1 when any failed, 77 when all skipped, else 0.
+folder. The SDK clients' from_image scenarios build from an image this script pushes to
+docker-registry on loopback (class Images). Each client's output is printed whole when it
+ends, with its time; then one line per client, and its failed scenarios again. Exit: 1 when
+any failed, 77 when all skipped, else 0.
 
 Environment: SPACED (the binary; ctest sets it), SP_TEST_DATA_DIR, SP_TEST_KEEP=1 (keep
 logs), SP_TEST_TIMEOUT_MULT, SPACE_ACCEL (default auto), SP_CONFORMANCE_MODE=host (host
@@ -37,6 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from harness import Platform, pg_bindir  # noqa: E402
+import oci_registry  # noqa: E402
 
 SKIP = 77
 CLIENTS = ("js", "python", "cli", "js-host", "python-host")
@@ -80,9 +83,55 @@ def prepare(client, installed):
     return None
 
 
-def client_env(client, s, data):
+class Images:
+    """The images the SDKs' from_image scenarios build templates from: one OCI image (busybox,
+    bash, which the SDKs run commands with, a marker file, ENV, WORKDIR, CMD;
+    tests/oci_registry.py) pushed to two of Debian's
+    docker-registry on loopback, one open and one behind a password. Its env() tells the
+    clients where (CONFORMANCE_IMAGE, CONFORMANCE_IMAGE_LOCKED, CONFORMANCE_IMAGE_CREDS
+    user:password, CONFORMANCE_IMAGE_MARKER), or why not (CONFORMANCE_IMAGE_SKIP: a tool is
+    missing; the scenarios then skip)."""
+
+    def __init__(self):
+        self.work, self.regs = None, []
+        self.why = oci_registry.missing_tools(("bash-static",))
+        if self.why:
+            return
+        self.work = tempfile.mkdtemp(prefix="sp-conformance-images-")
+        self.marker = "image-marker-%d" % os.getpid()
+        self.creds = ("puller", "pw-%s" % os.urandom(6).hex())
+        try:
+            ref = oci_registry.make_image(self.work, "conf", self.marker, bash=True)
+            self.regs.append(oci_registry.Registry(self.work))
+            self.regs.append(oci_registry.Registry(self.work, *self.creds))
+            self.open = self.regs[0].host + "/conformance/img:1"
+            self.locked = self.regs[1].host + "/private/img:1"
+            oci_registry.push(ref, self.open)
+            oci_registry.push(ref, self.locked, creds="%s:%s" % self.creds)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            self.stop()  # not a skip: the tools are there, so this is a failure to show
+            raise RuntimeError("conformance: cannot set up the registry images: %s" % e)
+
+    def env(self):
+        if self.why:
+            return {"CONFORMANCE_IMAGE_SKIP": self.why}
+        return {"CONFORMANCE_IMAGE": self.open, "CONFORMANCE_IMAGE_LOCKED": self.locked,
+                "CONFORMANCE_IMAGE_CREDS": "%s:%s" % self.creds,
+                "CONFORMANCE_IMAGE_MARKER": self.marker}
+
+    def stop(self):
+        for r in self.regs:
+            r.stop()
+        self.regs = []
+        if self.work:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def client_env(client, s, data, images=None):
     url = "http://127.0.0.1:%d" % s.port
     env = dict(os.environ, E2B_API_URL=url, E2B_API_KEY=s.key)
+    if images is not None:
+        env.update(images.env())
     for k in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_ACCESS_TOKEN", "E2B_SANDBOX_URL"):
         env.pop(k, None)
     # The code interpreter SDKs always use https://49999-<id>.<domain from the create
@@ -104,7 +153,7 @@ def client_env(client, s, data):
     return env
 
 
-def run_lanes(lanes, ready, s, data, filters, installed):
+def run_lanes(lanes, ready, s, data, filters, installed, images):
     """Runs the lanes at once, each lane's ready clients one after another; returns
     {client: (exit status, seconds, the client's FAIL lines)}."""
     done = {}
@@ -113,7 +162,7 @@ def run_lanes(lanes, ready, s, data, filters, installed):
 
     def one(client):
         path = os.path.join(outdir, client + ".log")
-        env = client_env(client, s, data)
+        env = client_env(client, s, data, images)
         if sdk_of(client) in installed:
             env["CONFORMANCE_SKIP_INSTALL"] = "1"
         t0 = time.time()
@@ -196,9 +245,16 @@ def main():
         if not ready:
             return 1 if any(r[0] != SKIP for r in results.values()) else SKIP
 
+    # The registry images (SDK clients only: the CLI builds from its Dockerfile), then
     # PostgreSQL, spaced on the data dir and a key of the default team (s.key)
-    p = Platform(teams=(None,), binary=binary, data_dir=data,
-                 env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+    images = Images() if any(sdk_of(c) != "cli" for c in names) else None
+    try:
+        p = Platform(teams=(None,), binary=binary, data_dir=data,
+                     env={"SPACE_ACCEL": os.environ.get("SPACE_ACCEL", "auto")})
+    except BaseException:
+        if images is not None:
+            images.stop()
+        raise
     s = p.s
     try:
         print("conformance: spaced on http://127.0.0.1:%d (log %s)" % (s.port, s.log_path),
@@ -206,11 +262,11 @@ def main():
         if len(names) == 1:
             client = names[0]
             rc = subprocess.call([os.path.join(HERE, sdk_of(client), "run.sh")] + filters,
-                                 env=client_env(client, s, data))
+                                 env=client_env(client, s, data, images))
             if rc not in (0, SKIP):
                 print("---- spaced log (tail) ----\n" + s.read_log(), file=sys.stderr)
             return rc
-        results.update(run_lanes(lanes, ready, s, data, filters, installed))
+        results.update(run_lanes(lanes, ready, s, data, filters, installed, images))
         for c in names:
             rc, secs, fails = results[c]
             print("conformance: %-12s %s in %.0f s" % (c, word(rc), secs), flush=True)
@@ -223,6 +279,8 @@ def main():
         return SKIP if all(results[c][0] == SKIP for c in names) else 0
     finally:
         p.destroy()
+        if images is not None:
+            images.stop()
 
 
 if __name__ == "__main__":

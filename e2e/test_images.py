@@ -8,13 +8,13 @@ built from it boots: the file is there, the ENV is set, the CMD is serving, the 
 digest cache; the registry behind a password takes the right credentials and refuses wrong or
 missing ones, which are never written anywhere; an unreachable registry fails the build
 naming it; a Docker Hub reference goes to the --registry-mirror.
-Needs root, skopeo, umoci, docker-registry, htpasswd and SP_TEST_DATA_DIR (`base` built).
+Needs root, skopeo, umoci, docker-registry, htpasswd (tests/oci_registry.py) and SP_TEST_DATA_DIR
+(`base` built).
 """
 import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,101 +23,12 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from harness import MULT, VmSuite, free_port  # noqa: E402
+from oci_registry import Registry, make_image, missing_tools, push  # noqa: E402
 from test_templates import build, logs  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
-TOOLS = ("skopeo", "umoci", "docker-registry", "htpasswd", "busybox")
 SECRET = "s3cret-%d" % os.getpid()
-
-
-def missing_tools():
-    gone = [t for t in TOOLS if shutil.which(t) is None]
-    return "missing: " + ", ".join(gone) if gone else None
-
-
-def sh(*argv, **kw):
-    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300, **kw)
-
-
-class Registry:
-    """Debian's docker-registry on 127.0.0.1:<free port>, storage in dir, htpasswd optional."""
-
-    def __init__(self, root, user=None, password=None):
-        self.dir = tempfile.mkdtemp(prefix="reg-", dir=root)
-        self.port = free_port()
-        cfg = ["version: 0.1", "log:", "  level: error", "storage:", "  filesystem:",
-               "    rootdirectory: %s/data" % self.dir, "http:",
-               "  addr: 127.0.0.1:%d" % self.port]
-        if user is not None:
-            pw = sh("htpasswd", "-Bbn", user, password).stdout
-            with open(os.path.join(self.dir, "htpasswd"), "w") as f:
-                f.write(pw)
-            cfg += ["auth:", "  htpasswd:", "    realm: space-test",
-                    "    path: %s/htpasswd" % self.dir]
-        with open(os.path.join(self.dir, "config.yml"), "w") as f:
-            f.write("\n".join(cfg) + "\n")
-        self.log = open(os.path.join(self.dir, "log"), "w")
-        self.proc = subprocess.Popen(["docker-registry", "serve", self.dir + "/config.yml"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("docker-registry did not start")
-
-    @property
-    def host(self):
-        return "127.0.0.1:%d" % self.port
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def make_image(work, tag, marker, extra_mb=0, user=None):
-    """An OCI layout work/layout:tag: busybox, /srv/hello.txt (marker), ENV, WORKDIR, CMD,
-    USER when given."""
-    root = os.path.join(work, "root-" + tag)
-    os.makedirs(os.path.join(root, "bin"))
-    os.makedirs(os.path.join(root, "srv"))
-    shutil.copy2(shutil.which("busybox"), os.path.join(root, "bin", "busybox"))
-    for applet in sh("busybox", "--list").stdout.split():
-        if applet != "busybox" and "/" not in applet:
-            os.symlink("busybox", os.path.join(root, "bin", applet))
-    with open(os.path.join(root, "srv", "hello.txt"), "w") as f:
-        f.write(marker + "\n")
-    if extra_mb:
-        with open(os.path.join(root, "srv", "blob.bin"), "wb") as f:
-            for _ in range(extra_mb):
-                f.write(os.urandom(1 << 20))
-    layout = os.path.join(work, "layout")
-    if not os.path.exists(layout):
-        sh("umoci", "init", "--layout", layout)
-    ref = "%s:%s" % (layout, tag)
-    sh("umoci", "new", "--image", ref)
-    sh("umoci", "insert", "--image", ref, root, "/")
-    sh("umoci", "config", "--image", ref, "--config.env", "HELLO=from image",
-       "--config.env", "PATH=/usr/local/bin:/usr/bin:/bin", "--config.workingdir", "/srv",
-       "--config.entrypoint", "/bin/sh", "--config.entrypoint", "-c",
-       "--config.cmd", "echo \"$HELLO|$(pwd)|$(id -un)\" > /tmp/cmd-ran; exec sleep 1000000",
-       *(["--config.user", user] if user else []))
-    shutil.rmtree(root)
-    return ref
-
-
-def push(ref, dest, creds=None):
-    argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
-    if creds:
-        argv += ["--dest-creds", creds]
-    sh(*argv, "oci:" + ref, "docker://" + dest)
 
 
 def line_texts(s, name, bid):

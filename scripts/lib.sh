@@ -16,6 +16,9 @@ SPACE_TEST_PKGS=(clang)
 # Templates from container images are tested against Debian's registry on loopback, with an
 # htpasswd file made by apache2-utils (e2e/test_images.py).
 SPACE_TEST_PKGS+=(docker-registry apache2-utils)
+# The E2B SDKs run commands and build steps with /bin/bash: the image conformance/run_local.py
+# builds for their from_image scenarios has Debian's statically linked bash.
+SPACE_TEST_PKGS+=(bash-static)
 # promtool checks the /metrics exposition (server/tests/test_metrics.py); Debian ships it in
 # the prometheus package.
 SPACE_TEST_PKGS+=(prometheus)

@@ -2,13 +2,14 @@
 // (e2b-templates.md section 2): fromBaseImage with copy (files uploaded through the link the
 // server gives), setEnvs, runCmd as root, a start command with waitForURL; Sandbox.create by
 // the name with the server already answering; a failing step as BuildError with the reason;
-// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it.
+// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; fromImage of an image in a registry on
+// loopback (conformance/run_local.py pushes it), open and behind a password.
 import assert from 'node:assert/strict'
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { BuildError, Sandbox, Template, waitForURL } from 'e2b'
-import { REQUEST_TIMEOUT_MS, RUN_ID, scenario } from './lib.mjs'
+import { REQUEST_TIMEOUT_MS, RUN_ID, Skip, scenario, singleAddressOnly } from './lib.mjs'
 
 const A = 'templates'
 const api = { requestTimeoutMs: REQUEST_TIMEOUT_MS }
@@ -68,4 +69,47 @@ scenario(
     }
   },
   { timeoutMs: 600_000 },
+)
+
+scenario(
+  A,
+  'fromImage: an image from a registry, open and behind a password',
+  async () => {
+    singleAddressOnly('template builds do not depend on how sandbox traffic is addressed')
+    if (process.env.CONFORMANCE_IMAGE_SKIP) throw new Skip(`no registry images: ${process.env.CONFORMANCE_IMAGE_SKIP}`)
+    const ref = process.env.CONFORMANCE_IMAGE
+    if (!ref) throw new Skip('no registry images (conformance/run_local.py pushes them)')
+    const locked = process.env.CONFORMANCE_IMAGE_LOCKED
+    const marker = process.env.CONFORMANCE_IMAGE_MARKER
+    const [username, ...rest] = process.env.CONFORMANCE_IMAGE_CREDS.split(':')
+    const password = rest.join(':')
+    const names = [`jsimg-${RUN_ID}`, `jsimgpw-${RUN_ID}`, `jsimgbad-${RUN_ID}`]
+    let sbx
+    try {
+      const tpl = Template().fromImage(ref).runCmd(`echo built-${RUN_ID} > /srv/built.txt`, { user: 'root' })
+      await Template.build(tpl, names[0], { ...size, ...api })
+      sbx = await Sandbox.create(names[0], api)
+      const r = await sbx.commands.run('cat /srv/hello.txt /srv/built.txt; echo "$HELLO"; id -un')
+      assert.equal(r.stdout, `${marker}\nbuilt-${RUN_ID}\nfrom image\nuser\n`)
+      await sbx.kill()
+      sbx = undefined
+      // behind a password: the SDK's credentials pull it; a wrong password fails the build
+      // with the registry's refusal, the password in no message
+      await Template.build(Template().fromImage(locked, { username, password }), names[1], { ...size, ...api })
+      sbx = await Sandbox.create(names[1], api)
+      assert.equal((await sbx.commands.run('cat /srv/hello.txt')).stdout, `${marker}\n`)
+      const wrong = Template().fromImage(locked, { username, password: `not-${password}` })
+      await assert.rejects(Template.build(wrong, names[2], { ...size, ...api }), (e) => {
+        assert.ok(e instanceof BuildError, `${e}`)
+        assert.match(e.message, /refused the credentials/)
+        assert.ok(e.message.includes(locked.split('/')[0]), e.message)
+        assert.ok(!e.message.includes(password), 'the password is in the message')
+        return true
+      })
+    } finally {
+      if (sbx) await sbx.kill()
+      for (const n of names) await Sandbox.deleteSnapshot(n, api).catch(() => {})
+    }
+  },
+  { timeoutMs: 900_000 },
 )

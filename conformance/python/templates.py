@@ -2,8 +2,9 @@
 image (our `base`) with run_cmd, set_envs, set_workdir, set_user, a start command and its ready
 check; copy of files and a directory (uploaded through the link the server gives, cached the
 second time); Sandbox.create by the name with the server already up; build_in_background with
-get_build_status; a failing step's BuildException; exists and delete; and what this server does
-not do (an image from an unreachable registry) failing with its reason.
+get_build_status; a failing step's BuildException; exists and delete; from_image of an image in a
+registry on loopback (conformance/run_local.py pushes it), open and behind a password; and an
+image from an unreachable registry failing with its reason.
 
 Builds run in a single mode only (they do not depend on how sandbox traffic is addressed):
 the host-routing run skips them."""
@@ -147,6 +148,58 @@ def _failing():
         raise AssertionError("the build did not fail")
     finally:
         delete(name)
+
+
+def registry_image():
+    """The image conformance/run_local.py pushed to docker-registry on loopback: (open ref, ref
+    behind a password, (user, password), the marker file's line)."""
+    only_once()
+    if os.environ.get("CONFORMANCE_IMAGE_SKIP"):
+        raise Skip("no registry images: " + os.environ["CONFORMANCE_IMAGE_SKIP"])
+    if not os.environ.get("CONFORMANCE_IMAGE"):
+        raise Skip("no registry images (conformance/run_local.py pushes them)")
+    user, password = os.environ["CONFORMANCE_IMAGE_CREDS"].split(":", 1)
+    return (os.environ["CONFORMANCE_IMAGE"], os.environ["CONFORMANCE_IMAGE_LOCKED"],
+            (user, password), os.environ["CONFORMANCE_IMAGE_MARKER"])
+
+
+@scenario(A, "from_image: an image from a registry, open and behind a password", timeout=900)
+def _from_image():
+    ref, locked, (user, password), marker = registry_image()
+    name, priv, bad = "pyimg-" + RUN_ID, "pyimgpw-" + RUN_ID, "pyimgbad-" + RUN_ID
+    tpl = (Template().from_image(ref)
+           .run_cmd("echo built-%s > /srv/built.txt" % RUN_ID, user="root"))
+    try:
+        Template.build(tpl, name, **SIZE, **API)
+        sbx = Sandbox.create(name, **API)
+        remember(sbx.sandbox_id)
+        try:  # the image's files and ENV, the step's file, the user E2B runs commands as
+            r = sbx.commands.run('cat /srv/hello.txt /srv/built.txt; echo "$HELLO"; id -un')
+            assert r.stdout == "%s\nbuilt-%s\nfrom image\nuser\n" % (marker, RUN_ID), r.stdout
+        finally:
+            sbx.kill()
+        # behind a password: the SDK's username and password pull it; a wrong one fails the
+        # build with the registry's refusal, the password in no message
+        Template.build(Template().from_image(locked, username=user, password=password), priv,
+                       **SIZE, **API)
+        sbx = Sandbox.create(priv, **API)
+        remember(sbx.sandbox_id)
+        try:
+            assert sbx.commands.run("cat /srv/hello.txt").stdout == marker + "\n"
+        finally:
+            sbx.kill()
+        try:
+            Template.build(Template().from_image(locked, username=user, password="not-" + password),
+                           bad, **SIZE, **API)
+        except BuildException as e:
+            assert "refused the credentials" in str(e), str(e)
+            assert locked.split("/")[0] in str(e), str(e)
+            assert password not in str(e), str(e)
+        else:
+            raise AssertionError("a build with a wrong registry password succeeded")
+    finally:
+        for n in (name, priv, bad):
+            delete(n)
 
 
 @scenario(A, "an image from a registry that cannot be reached fails with the reason", timeout=120)
