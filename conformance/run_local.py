@@ -3,7 +3,7 @@
     conformance/run_local.py CLIENTS [FILTER...]
 
 CLIENTS: one client, or lanes joined by '+', each lane clients joined by ','. A client is
-js, python or cli; js-host and python-host are the SDK suites in host-routing mode.
+js, python or cli; js-host, python-host and cli-host are the same in host-routing mode.
 Starts a private PostgreSQL and the shipped spaced on SP_TEST_DATA_DIR (a data dir with
 built `base` and `code-interpreter-v1` templates, like the e2e suites), creates an API key,
 points each client at the server the way a user would (E2B_API_URL = E2B_SANDBOX_URL = the
@@ -12,15 +12,15 @@ runs conformance/<sdk>/run.sh (cli: the E2B CLI, with E2B_ACCESS_TOKEN = the API
 stops everything again. Exit status is the client's; 77 (skip) with the reason on stderr when
 it cannot run here.
 
-With several clients they share the one spaced: the lanes run at the same time, the clients of
-a lane one after another (ctest's conformance.clients: js,python+cli,js-host,python-host: the
-two suites with code interpreter scenarios, which keep the CPU busy under TCG, one after the
-other; beside them the clients that mostly wait on their sandboxes). Each client's sandboxes,
-templates and listings carry its own run id. The Node packages are installed first, once per
-folder. The SDK clients' from_image scenarios build from an image this script pushes to
-docker-registry on loopback (class Images). Each client's output is printed whole when it
-ends, with its time; then one line per client, and its failed scenarios again. Exit: 1 when
-any failed, 77 when all skipped, else 0.
+With several clients they share the one spaced: the lanes run at the same time, the clients of a
+lane one after another (ctest's conformance.clients: js,python+cli,js-host,python-host,
+cli-host: the two suites with code interpreter scenarios, which keep the CPU busy under TCG, one
+after the other; beside them the clients that mostly wait on their sandboxes). Each client's
+sandboxes, templates and listings carry its own run id. The Node packages are installed first,
+once per folder. The SDK clients' from_image scenarios build from an image this script pushes to
+docker-registry on loopback (class Images). Each client's output is printed whole when it ends,
+with its time; then one line per client, and its failed scenarios again. Exit: 1 when any
+failed, 77 when all skipped, else 0.
 
 Environment: SPACED (the binary; ctest sets it), SP_TEST_DATA_DIR, SP_TEST_KEEP=1 (keep
 logs), SP_TEST_TIMEOUT_MULT, SPACE_ACCEL (default auto), SP_CONFORMANCE_MODE=host (host
@@ -42,7 +42,7 @@ from harness import Platform, pg_bindir  # noqa: E402
 import oci_registry  # noqa: E402
 
 SKIP = 77
-CLIENTS = ("js", "python", "cli", "js-host", "python-host")
+CLIENTS = ("js", "python", "cli", "js-host", "python-host", "cli-host")
 
 
 def skip(why):
