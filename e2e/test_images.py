@@ -7,7 +7,8 @@ built from it boots: the file is there, the ENV is set, the CMD is serving, the 
 `user`. A second build of the same digest (a Dockerfile FROM it) takes the image from the
 digest cache; the registry behind a password takes the right credentials and refuses wrong or
 missing ones, which are never written anywhere; an unreachable registry fails the build
-naming it; a Docker Hub reference goes to the --registry-mirror.
+naming it; a Docker Hub reference goes to the --registry-mirror. An image nothing uses
+leaves the digest cache once its --image-cache-s is up, not before.
 Needs root, skopeo, umoci, docker-registry, htpasswd (tests/oci_registry.py) and SP_TEST_DATA_DIR
 (`base` built).
 """
@@ -29,6 +30,7 @@ from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SECRET = "s3cret-%d" % os.getpid()
+CACHE_S = 10  # --image-cache-s: test_5 waits for it
 
 
 def line_texts(s, name, bid):
@@ -37,7 +39,7 @@ def line_texts(s, name, bid):
 
 @unittest.skipIf(skip_reason() or missing_tools(), skip_reason() or missing_tools())
 class ImageTemplateTest(VmSuite):
-    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir", "imgsec")
+    TEMPLATES = ("img", "imgdock", "imgpriv", "imgbad", "imgmir", "imgsec", "imggc")
 
     @classmethod
     def setUpClass(cls):
@@ -54,7 +56,8 @@ class ImageTemplateTest(VmSuite):
         with open(key, "w") as f:
             f.write(base64.b64encode(os.urandom(32)).decode())
         os.chmod(key, 0o600)
-        cls.ARGS = ("--registry-mirror", cls.open.host, "--master-key-file", key)
+        cls.ARGS = ("--registry-mirror", cls.open.host, "--master-key-file", key,
+                    "--image-cache-s", str(CACHE_S))
         super().setUpClass()
 
     @classmethod
@@ -202,6 +205,66 @@ class ImageTemplateTest(VmSuite):
         self.assertTrue([x for x in lines if "asking the mirror " + self.open.host in x], lines)
         self.assertTrue([x for x in lines if "digest cache" in x], lines)
         self.assertEqual((b["status"], b["failed_step"]), ("failed", 3), b)  # env, workdir, run
+
+    def image_dir(self, name):
+        st, t = self.s.request("GET", "/v1/templates/" + name)
+        self.assertEqual(st, 200, t)
+        self.assertTrue(t["parent"].startswith("oci."), t)
+        return os.path.join(DATA, "templates", t["parent"])
+
+    def versions(self, path):
+        return sorted(v for v in os.listdir(path) if len(v) == 64) if os.path.isdir(path) else []
+
+    def wait_gone(self, path, what, secs):
+        deadline = time.time() + secs * MULT
+        while os.path.exists(path) and time.time() < deadline:
+            time.sleep(0.5)
+        self.assertFalse(os.path.exists(path), what)
+
+    def test_5_unused_image_leaves_the_digest_cache(self):
+        """--image-cache-s (CACHE_S here): an image stays while a template version is layered on
+        it, also one kept only by a sandbox of a deleted template, however long ago it was
+        used; once nothing holds it and its time is up it is removed (after the version, which
+        the periodic collection removes once its sandbox went), and a later build pulls it
+        again."""
+        s = self.s
+        push(make_image(self.work, "gc", "gc-%d" % os.getpid()), self.open.host + "/gc:1")
+        b = build(s, {"name": "imggc", "from": {"image": self.open.host + "/gc:1"}})
+        self.assertEqual(b["status"], "succeeded", b)
+        idir = self.image_dir("imggc")
+        (ver,) = self.versions(idir)
+        (mine,) = self.versions(os.path.join(DATA, "templates", "imggc"))
+        sid = self.create("imggc")
+        st, r = s.request("DELETE", "/v1/templates/imggc")
+        self.assertIn(st, (200, 202, 204), r)
+        # long unused, but under a version a sandbox holds: kept through two collections
+        old = time.time() - 10 * CACHE_S
+        os.utime(os.path.join(idir, ver), (old, old))
+        time.sleep(CACHE_S + 1)
+        self.assertEqual(self.versions(idir), [ver])
+        self.assertEqual(self.versions(os.path.join(DATA, "templates", "imggc")), [mine])
+        # the sandbox goes: the next collection removes the version (and the deleted
+        # template's directory with it), then the image
+        s.delete_quietly(sid)
+        self.sids.remove(sid)
+        self.wait_gone(os.path.join(DATA, "templates", "imggc"), "version or its dir kept",
+                       CACHE_S * 2 + 10)
+        self.wait_gone(idir, "image kept", 10)
+        # pulled again; used a moment ago, so kept when its template goes at once
+        b = build(s, {"name": "imggc", "from": {"image": self.open.host + "/gc:1"}})
+        lines = line_texts(s, "imggc", b["id"])
+        self.assertEqual(b["status"], "succeeded", (b, lines[-15:]))
+        self.assertTrue([x for x in lines if " imported in " in x], lines)
+        (ver,) = self.versions(idir)
+        os.utime(os.path.join(idir, ver))
+        touched = time.time()
+        (mine,) = self.versions(os.path.join(DATA, "templates", "imggc"))
+        st, r = s.request("DELETE", "/v1/templates/imggc")
+        self.assertIn(st, (200, 202, 204), r)
+        self.wait_gone(os.path.join(DATA, "templates", "imggc", mine), "version kept", 10)
+        if time.time() - touched < CACHE_S - 1:  # a loaded machine may have taken longer
+            self.assertEqual(self.versions(idir), [ver])
+        self.wait_gone(idir, "image kept past its time", CACHE_S * 2 + 10)
 
 
 if __name__ == "__main__":

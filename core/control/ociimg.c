@@ -1080,10 +1080,25 @@ int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char
         pathf(man, sizeof man, "%s/manifest.json", vdir) < 0 ||
         pathf(lk, sizeof lk, "%s/.lock", tdir) < 0)
         goto out;
-    if ((mkdir(tdir, 0755) < 0 && errno != EEXIST) ||
-        (lock = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0600)) < 0 || flock(lock, LOCK_EX) < 0) {
-        sp_err_set(err, SP_EINTERNAL, "cannot lock the image's directory: %s", strerror(errno));
-        goto out;
+    /* The digest cache's collection (tmpl.h: sp_tmpl_set_image_cache) removes an unused
+     * image's directory, lock file included, while holding its lock: a lock taken on a file
+     * no longer linked is let go and taken again on the new one. */
+    for (int tries = 0;; tries++) {
+        struct stat ls;
+        if ((mkdir(tdir, 0755) < 0 && errno != EEXIST) ||
+            (lock = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0600)) < 0 || flock(lock, LOCK_EX) < 0 ||
+            fstat(lock, &ls) < 0) {
+            sp_err_set(err, SP_EINTERNAL, "cannot lock the image's directory: %s", strerror(errno));
+            goto out;
+        }
+        if (ls.st_nlink > 0)
+            break;
+        close(lock);
+        lock = -1;
+        if (tries == 8) {
+            sp_err_set(err, SP_EINTERNAL, "cannot lock the image's directory: it keeps going");
+            goto out;
+        }
     }
     json_t *cached = json_load_file(man, 0, NULL);
     if (cached != NULL) {
@@ -1114,6 +1129,9 @@ int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char
                    strerror(errno));
         goto out;
     }
+    /* its last use, which the digest cache's collection reads (not fatal: it may go early) */
+    if (utimensat(AT_FDCWD, vdir, NULL, 0) < 0)
+        note(&m, "cannot mark the image's last use: %s", strerror(errno));
     if (out->config == NULL)
         out->config =
             json_pack("{s:{},s:s,s:s,s:s}", "env", "workdir", "", "user", "", "start_cmd", "");

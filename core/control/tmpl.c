@@ -844,6 +844,26 @@ static void destroy_leftover_builders(sp_tmpl_t *t)
         sp_log(SP_LOG_WARN, "tmpl", "cannot list leftover seeds: %s", e.msg);
 }
 
+/* How often versions and the digest cache are looked over: half the cache's time to live,
+ * within 1 s .. 10 min. */
+static uint64_t collect_period_ms(const sp_tmpl_t *t)
+{
+    uint64_t s = t->image_ttl_s / 2;
+    return (s < 1 ? 1 : s > 600 ? 600 : s) * 1000u;
+}
+
+/* What no event collects: a version whose last sandbox or snapshot went (deleting those does
+ * not come here), an image whose time in the cache ran out. */
+static void on_collect_timer(sp_timer_t *tm, void *arg)
+{
+    sp_tmpl_t *t = arg;
+    sp_err_t e;
+    if (sp_tmpl__collect_all(t, &e) < 0)
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected err=%s", e.msg);
+    sp_tmpl__collect_images(t);
+    sp_timer_start(tm, collect_period_ms(t));
+}
+
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
                           const char *data_dir, sp_err_t *err)
 {
@@ -878,6 +898,9 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     destroy_leftover_builders(t);
     /* versions nothing uses any more (their sandboxes went while we were down) */
     (void)sp_tmpl__collect_all(t, err); /* not fatal: each name is collected again later */
+    t->image_ttl_s = SP_TMPL_IMAGE_TTL_S;
+    sp_timer_init(&t->collect_timer, loop, on_collect_timer, t);
+    sp_timer_start(&t->collect_timer, collect_period_ms(t));
     return t;
 }
 
@@ -895,6 +918,7 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         }
         sp_tmpl__build_free(b);
     }
+    sp_timer_stop(&t->collect_timer);
     sp_tmplfiles_destroy(t->files);
     free(t->agent);
     free(t->mirror);
@@ -921,6 +945,12 @@ int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
     t->insecure = i;
     t->image_max = max_bytes;
     return 0;
+}
+
+void sp_tmpl_set_image_cache(sp_tmpl_t *t, uint64_t ttl_s)
+{
+    t->image_ttl_s = ttl_s;
+    sp_timer_start(&t->collect_timer, collect_period_ms(t));
 }
 
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)

@@ -49,7 +49,8 @@
  * over it (not one squashed into a standalone image: driver.h image_standalone), or anything
  * of the runtime's (vms/, snapshots/) but spare clones uses it, the template deleted or not;
  * the others are removed, their spare clones dropped first (driver.h template_forget), when a
- * tag moves, when a build ends, when the template is deleted and at start-up.
+ * tag moves, when a build ends, when the template is deleted, at start-up, and every 10
+ * minutes (a version whose last sandbox went; sooner with a short image cache time below).
  *
  * Logs: <data-dir>/builds/<id>.ndjson, one JSON object per line
  * {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes (then one line saying
@@ -81,6 +82,7 @@
 #define SP_TMPL_ID_MAX       36 /* a build id: a UUID (older builds: SP_ID_LEN) */
 #define SP_TMPL_TAG_MAX      64 /* characters in a tag */
 #define SP_TMPL_TAGS_MAX     16 /* tags in one request */
+#define SP_TMPL_IMAGE_TTL_S  86400 /* an unused image stays in the digest cache a day */
 
 typedef struct sp_tmpl sp_tmpl_t;
 
@@ -119,6 +121,16 @@ void sp_tmpl_destroy(sp_tmpl_t *t);
  */
 int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
                        const char *insecure, uint64_t max_bytes, sp_err_t *err);
+
+/*
+ * The digest cache: an image is kept (a hidden template "oci.<digest>", ociimg.h) while a
+ * version of any template is layered on it, a build or the runtime uses it, and for ttl_s
+ * (default SP_TMPL_IMAGE_TTL_S) after the last build from it; then it is removed, and a
+ * later build from it pulls it again. Looked over every ttl_s / 2 (1 s .. 10 min: versions
+ * too, at the same times) and when a template's versions are removed. Versions made by an
+ * older agent or kernel go once unused.
+ */
+void sp_tmpl_set_image_cache(sp_tmpl_t *t, uint64_t ttl_s);
 
 /* The team secrets (core/egress/secrets.h, borrowed) a build from an image may take its
  * registry password from: from {"image", "auth": {"username", "password_secret": NAME}}. */

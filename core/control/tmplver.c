@@ -18,11 +18,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "base/log.h"
+#include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
@@ -184,8 +186,8 @@ static void on_version_row_deleted(void *rec, PGresult *res, const sp_err_t *err
 }
 
 /* The versions of q->name in use were read (column 0: a version needed by every version, when
- * sandboxes older than versions use the template; 1: the hashes in use): every other version
- * on disk that nothing else holds is removed, with its row. */
+ * sandboxes older than versions use the template; 1: the hashes in use; 2: the template is
+ * deleted): every other version on disk that nothing else holds is removed, with its row. */
 static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct collect *q = rec;
@@ -246,9 +248,15 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
     }
     if (d != NULL)
         closedir(d);
-    if (removed > 0)
+    /* A deleted template's directory goes with its last version (a new build of the name
+     * would be in t->builds, and its files would keep the directory) */
+    if (PQgetvalue(res, 0, 2)[0] == 't' && rmdir(tdir) == 0)
+        sp_log(SP_LOG_INFO, "tmpl", "deleted template's directory removed template=%s", q->name);
+    if (removed > 0) {
         sp_log(SP_LOG_INFO, "tmpl", "template versions collected template=%s removed=%d", q->name,
                removed);
+        sp_tmpl__collect_images(t); /* what they were layered on may be unused now */
+    }
 }
 
 /* Removes name's versions nothing uses (tmpl.h: versions). Asynchronous; logged. */
@@ -261,7 +269,8 @@ void sp_tmpl__collect(sp_tmpl_t *t, const char *name)
         "SELECT EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"
         "  AND s.observed_state <> 'deleted' AND s.template_version IS NULL"
         "  AND s.snapshot_id IS NULL),"
-        " coalesce(array_agg(DISTINCT h), '{}')::text FROM ("
+        " coalesce(array_agg(DISTINCT h), '{}')::text,"
+        " NOT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL) FROM ("
         "  SELECT hash AS h FROM template_tags WHERE template = $1"
         "  UNION ALL SELECT template_version FROM sandboxes WHERE template = $1"
         "   AND observed_state <> 'deleted' AND template_version IS NOT NULL"
@@ -284,8 +293,16 @@ static void on_team_templates(void *rec, PGresult *res, const sp_err_t *err)
     sp_tmpl_t *t = *(sp_tmpl_t **)rec;
     if (err != NULL)
         return;
-    for (int i = 0; i < PQntuples(res); i++)
-        sp_tmpl__collect(t, PQgetvalue(res, i, 0));
+    for (int i = 0; i < PQntuples(res); i++) {
+        char dir[PATH_MAX];
+        struct stat st;
+        /* a name with no directory here (deleted and collected, or built elsewhere) has
+         * nothing to collect */
+        if (sp_tmpl__pathf(dir, sizeof dir, "%s/templates/%s", t->data_dir,
+                           PQgetvalue(res, i, 0)) == 0 &&
+            stat(dir, &st) == 0)
+            sp_tmpl__collect(t, PQgetvalue(res, i, 0));
+    }
 }
 
 int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
@@ -296,6 +313,106 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
         return -1;
     *(sp_tmpl_t **)rec = t;
     return 0;
+}
+
+/* ---- images: the digest cache's hidden templates (ociimg.h) ---- */
+
+/* Whether an import is in flight here: it may be filling, or about to build on, any image's
+ * directory (its result reaches the build on this loop later). */
+static bool importing(const sp_tmpl_t *t)
+{
+    for (const struct build *b = t->builds; b != NULL; b = b->next)
+        if (b->imp != NULL)
+            return true;
+    return false;
+}
+
+/* One image's versions (tdir: <data>/templates/oci.<..>, holding its lock): a version goes
+ * when nothing holds it (no build on it, no version of any template layered on it, nothing
+ * in the runtime) and, for the current one, when it was last used (its directory's mtime:
+ * the import touches it on every hit) at least image_ttl_s ago. The others can never be
+ * hit again: the agent or kernel they were made with is not this server's. The image's
+ * directory goes with its last version. Returns how many versions were removed. */
+static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_t now)
+{
+    char cur[PATH_MAX], target[128] = "";
+    if (sp_tmpl__pathf(cur, sizeof cur, "%s/current", tdir) < 0)
+        return 0;
+    ssize_t n = readlink(cur, target, sizeof target - 1);
+    target[n > 0 ? n : 0] = '\0';
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return 0;
+    int removed = 0, kept = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        const char *h = de->d_name;
+        char vdir[PATH_MAX];
+        struct stat st;
+        if (h[0] == '.' || strcmp(h, "current") == 0)
+            continue;
+        if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0 || stat(vdir, &st) < 0) {
+            kept++; /* not ours to judge */
+            continue;
+        }
+        bool building = false, spares = false;
+        for (struct build *b = t->builds; b != NULL; b = b->next)
+            building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
+        bool fresh = strcmp(h, target) == 0 && st.st_mtime + (time_t)t->image_ttl_s > now;
+        if (fresh || building || is_parent(t, name, h) || runtime_uses(t, vdir, &spares)) {
+            kept++;
+            continue;
+        }
+        const sp_driver_ops_t *ops = t->driver != NULL ? t->driver->ops : NULL;
+        if (ops != NULL && ops->template_forget != NULL)
+            ops->template_forget(t->driver, name, h);
+        else if (spares) {
+            kept++;
+            continue;
+        }
+        sp_log(SP_LOG_INFO, "tmpl",
+               "removing an unused image template=%s version=%.12s idle_s=%lld", name, h,
+               (long long)(now - st.st_mtime));
+        if (strcmp(h, target) == 0)
+            unlink(cur);
+        sp_tmpl__rm_rf(vdir);
+        removed++;
+    }
+    closedir(d);
+    if (kept == 0 && removed > 0) /* its lock file goes with it: ociimg.c opens it again */
+        sp_tmpl__rm_rf(tdir);
+    return removed;
+}
+
+void sp_tmpl__collect_images(sp_tmpl_t *t)
+{
+    char tdir[PATH_MAX];
+    if (importing(t) || sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
+        return;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return;
+    time_t now = time(NULL);
+    int removed = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        char idir[PATH_MAX], lk[PATH_MAX];
+        if (strncmp(de->d_name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) != 0 ||
+            sp_tmpl__pathf(idir, sizeof idir, "%s/%s", tdir, de->d_name) < 0 ||
+            sp_tmpl__pathf(lk, sizeof lk, "%s/.lock", idir) < 0)
+            continue;
+        /* another process sharing the data dir importing it holds the lock: next time */
+        int fd = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0)
+            continue;
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+            removed += collect_image(t, de->d_name, idir, now);
+        close(fd);
+    }
+    closedir(d);
+    if (removed > 0)
+        sp_log(SP_LOG_INFO, "tmpl", "images collected removed=%d", removed);
 }
 
 /* ---- tags ---- */
