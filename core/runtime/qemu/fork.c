@@ -73,6 +73,8 @@ struct fork {
     uint64_t mig_ms;    /* live: when the migration started */
     uint64_t stop_ms;   /* sp_qemu__mono_ms() when the vCPUs were stopped */
     uint64_t window_ms; /* how long they stayed stopped */
+    uint64_t ram_ms;    /* of which the RAM and device state took (to the migration's end) */
+    uint64_t disk_ms;   /* and the copy of the disk */
 };
 
 /* A live snapshot's RAM is migrated while the vCPUs run (pre-copy: QEMU sends the RAM, then
@@ -180,6 +182,7 @@ static void on_copy_exit(struct child *c, int st, bool timed_out, void *arg)
     if (f == NULL)
         return;
     f->cp = NULL;
+    f->disk_ms = sp_qemu__mono_ms() - f->stop_ms - f->ram_ms;
     char disk[PATH_MAX + 16];
     sp_qemu__sfmt(disk, sizeof disk, "%s/disk.qcow2", f->tmp);
     if (timed_out || st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
@@ -208,6 +211,7 @@ void sp_qemu__fork_migrated(struct vm *vm)
 {
     struct fork *f = vm->fork;
     char disk[PATH_MAX + 16], dest[PATH_MAX + 16], log[PATH_MAX + 16];
+    f->ram_ms = sp_qemu__mono_ms() - f->stop_ms;
     sp_qemu__vm_path(vm, "disk.qcow2", disk, sizeof disk);
     sp_qemu__vm_path(vm, "qemu.log", log, sizeof log);
     sp_qemu__sfmt(dest, sizeof dest, "%s/disk.qcow2", f->tmp);
@@ -263,8 +267,10 @@ void sp_qemu__fork_committed(struct vm *vm)
     }
     sp_qemu__fsync_path(d->snaps_dir, O_RDONLY | O_DIRECTORY);
     sp_log(SP_LOG_INFO, "qemu",
-           "sandbox snapshot taken sandbox=%s snapshot=%s ram=%s pause_ms=%llu ms=%llu", vm->id,
-           f->sid, ram, (unsigned long long)f->window_ms,
+           "sandbox snapshot taken sandbox=%s snapshot=%s ram=%s pause_ms=%llu (ram_ms=%llu "
+           "disk_ms=%llu) ms=%llu",
+           vm->id, f->sid, ram, (unsigned long long)f->window_ms, (unsigned long long)f->ram_ms,
+           (unsigned long long)f->disk_ms,
            (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     vm->fork = NULL;
     vm->snap_step = SN_NONE;
