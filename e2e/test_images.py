@@ -8,7 +8,7 @@ built from it boots: the file is there, the ENV is set, the CMD is serving, the 
 digest cache; the registry behind a password takes the right credentials and refuses wrong or
 missing ones, which are never written anywhere; an unreachable registry fails the build
 naming it; a Docker Hub reference goes to the --registry-mirror. An image nothing uses
-leaves the digest cache once its --image-cache-s is up, not before.
+leaves the digest cache once its --build-cache-s is up, not before.
 Needs root, skopeo, umoci, docker-registry, htpasswd (tests/oci_registry.py) and SP_TEST_DATA_DIR
 (`base` built).
 """
@@ -30,7 +30,7 @@ from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SECRET = "s3cret-%d" % os.getpid()
-CACHE_S = 10  # --image-cache-s: test_5 waits for it
+CACHE_S = 10  # --build-cache-s: test_5 waits for it
 
 
 def line_texts(s, name, bid):
@@ -57,7 +57,7 @@ class ImageTemplateTest(VmSuite):
             f.write(base64.b64encode(os.urandom(32)).decode())
         os.chmod(key, 0o600)
         cls.ARGS = ("--registry-mirror", cls.open.host, "--master-key-file", key,
-                    "--image-cache-s", str(CACHE_S))
+                    "--build-cache-s", str(CACHE_S))
         super().setUpClass()
 
     @classmethod
@@ -222,7 +222,7 @@ class ImageTemplateTest(VmSuite):
         self.assertFalse(os.path.exists(path), what)
 
     def test_5_unused_image_leaves_the_digest_cache(self):
-        """--image-cache-s (CACHE_S here): an image stays while a template version is layered on
+        """--build-cache-s (CACHE_S here): an image stays while a template version is layered on
         it, also one kept only by a sandbox of a deleted template, however long ago it was
         used; once nothing holds it and its time is up it is removed (after the version, which
         the periodic collection removes once its sandbox went), and a later build pulls it

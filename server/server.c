@@ -90,7 +90,7 @@ struct opts {
     const char *registry_mirror;   /* serve: where Docker Hub image references are pulled from */
     const char *insecure_registry; /* serve: registries reached over plain http (comma list) */
     unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
-    long image_cache_s;            /* serve: how long an unused image is kept (-1: default) */
+    long build_cache_s;            /* serve: how long unused images and files stay (-1: default) */
     sp_quota_t quota;              /* serve: teams' default quotas (core/control/svc.h) */
     const char *quota_set[4];      /* teams set-quota: sandboxes, vcpus, memory-mb, snapshot-mb
                                     * (NULL: keep) */
@@ -139,7 +139,7 @@ static void usage(FILE *f)
             "                    [--snapshot-dir DIR] [--template-max-layers N]\n"
             "                    [--insecure-no-seccomp] [--insecure-no-cgroups]\n"
             "                    [--registry-mirror HOST[:PORT]] [--insecure-registry HOST:PORT,...]\n"
-            "                    [--image-max-mb MIB] [--image-cache-s SECONDS] [--agent PATH]\n"
+            "                    [--image-max-mb MIB] [--build-cache-s SECONDS] [--agent PATH]\n"
             "                    [--team-max-sandboxes N] [--team-max-vcpus N]\n"
             "                    [--team-max-memory-mb MIB] [--team-max-snapshot-mb MIB]\n"
             "                    [--role all|api|worker] [--advertise HOST:PORT]\n"
@@ -1299,8 +1299,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                                            o->insecure_registry,
                                            (uint64_t)o->image_max_mb << 20, &e) < 0)
         sp_log(SP_LOG_WARN, "server", "builds from images are off: %s", e.msg);
-    if (tmpl != NULL && o->image_cache_s >= 0)
-        sp_tmpl_set_image_cache(tmpl, (uint64_t)o->image_cache_s);
+    if (tmpl != NULL && o->build_cache_s >= 0)
+        sp_tmpl_set_build_cache(tmpl, (uint64_t)o->build_cache_s);
     if (tmpl != NULL)
         sp_tmpl_set_secrets(tmpl, secrets); /* registry passwords from team secrets */
     s.napi = svc ? sp_napi_create(svc) : NULL;
@@ -1488,7 +1488,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                                SP_SVC_QUOTA_SNAPSHOT_MB},
                      .heartbeat_timeout_s = 10,
                      .lost_grace_s = 60,
-                     .image_cache_s = -1,
+                     .build_cache_s = -1,
                      .prebuild_sizes = SP_SIZES_PER_TEMPLATE};
     static const struct option lopts[] = {
         {"listen", required_argument, NULL, 'l'},   {"data-dir", required_argument, NULL, 'd'},
@@ -1511,7 +1511,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"registry-mirror", required_argument, NULL, 0x104},
         {"insecure-registry", required_argument, NULL, 0x105},
         {"image-max-mb", required_argument, NULL, 0x106},
-        {"image-cache-s", required_argument, NULL, 0x117},
+        {"build-cache-s", required_argument, NULL, 0x117},
         {"team-max-sandboxes", required_argument, NULL, 0x107},
         {"team-max-vcpus", required_argument, NULL, 0x108},
         {"team-max-memory-mb", required_argument, NULL, 0x109},
@@ -1652,10 +1652,10 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             char *end;
             long v = strtol(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || v < 0 || v > 100000000) {
-                fprintf(stderr, "spaced: --image-cache-s wants seconds (0..100000000)\n");
+                fprintf(stderr, "spaced: --build-cache-s wants seconds (0..100000000)\n");
                 return 2;
             }
-            o.image_cache_s = v;
+            o.build_cache_s = v;
             break;
         }
         case 0x107:

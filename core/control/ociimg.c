@@ -1080,7 +1080,7 @@ int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char
         pathf(man, sizeof man, "%s/manifest.json", vdir) < 0 ||
         pathf(lk, sizeof lk, "%s/.lock", tdir) < 0)
         goto out;
-    /* The digest cache's collection (tmpl.h: sp_tmpl_set_image_cache) removes an unused
+    /* The digest cache's collection (tmpl.h: sp_tmpl_set_build_cache) removes an unused
      * image's directory, lock file included, while holding its lock: a lock taken on a file
      * no longer linked is let go and taken again on the new one. */
     for (int tries = 0;; tries++) {

@@ -478,8 +478,8 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         if (fk != NULL && sp_tmplfiles_path(t->files, b->team, fk, path, sizeof path, err) < 0) {
             sp_tmpl__build_free(b);
             return sp_err_set(err, SP_EINVAL,
-                              "steps[%zu].copy: files %s were never uploaded (PUT "
-                              "/v1/template-files/%s)",
+                              "steps[%zu].copy: files %s were never uploaded, or went unused "
+                              "so long that they were removed (PUT /v1/template-files/%s)",
                               i, fk, fk);
         }
     }
@@ -844,16 +844,32 @@ static void destroy_leftover_builders(sp_tmpl_t *t)
         sp_log(SP_LOG_WARN, "tmpl", "cannot list leftover seeds: %s", e.msg);
 }
 
-/* How often versions and the digest cache are looked over: half the cache's time to live,
- * within 1 s .. 10 min. */
+/* How often versions and the build cache (images, uploaded files) are looked over: half the
+ * cache's time to live, within 1 s .. 10 min. */
 static uint64_t collect_period_ms(const sp_tmpl_t *t)
 {
-    uint64_t s = t->image_ttl_s / 2;
+    uint64_t s = t->cache_ttl_s / 2;
     return (s < 1 ? 1 : s > 600 ? 600 : s) * 1000u;
 }
 
+/* Whether a build not yet ended copies the team's files key (sp_tmplfiles_used_cb). */
+static bool build_copies(void *arg, const char *team, const char *key)
+{
+    const sp_tmpl_t *t = arg;
+    for (const struct build *b = t->builds; b != NULL; b = b->next) {
+        json_t *steps = json_object_get(b->req, "steps");
+        for (size_t i = 0; strcmp(b->team, team) == 0 && i < json_array_size(steps); i++) {
+            const char *fk = json_string_value(
+                json_object_get(json_object_get(json_array_get(steps, i), "copy"), "files"));
+            if (fk != NULL && strcmp(fk, key) == 0)
+                return true;
+        }
+    }
+    return false;
+}
+
 /* What no event collects: a version whose last sandbox or snapshot went (deleting those does
- * not come here), an image whose time in the cache ran out. */
+ * not come here), an image or uploaded files whose time in the build cache ran out. */
 static void on_collect_timer(sp_timer_t *tm, void *arg)
 {
     sp_tmpl_t *t = arg;
@@ -861,6 +877,9 @@ static void on_collect_timer(sp_timer_t *tm, void *arg)
     if (sp_tmpl__collect_all(t, &e) < 0)
         sp_log(SP_LOG_WARN, "tmpl", "template versions not collected err=%s", e.msg);
     sp_tmpl__collect_images(t);
+    int n = sp_tmplfiles_collect(t->files, t->cache_ttl_s, build_copies, t);
+    if (n > 0)
+        sp_log(SP_LOG_INFO, "tmpl", "template files collected removed=%d", n);
     sp_timer_start(tm, collect_period_ms(t));
 }
 
@@ -898,7 +917,7 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     destroy_leftover_builders(t);
     /* versions nothing uses any more (their sandboxes went while we were down) */
     (void)sp_tmpl__collect_all(t, err); /* not fatal: each name is collected again later */
-    t->image_ttl_s = SP_TMPL_IMAGE_TTL_S;
+    t->cache_ttl_s = SP_TMPL_CACHE_TTL_S;
     sp_timer_init(&t->collect_timer, loop, on_collect_timer, t);
     sp_timer_start(&t->collect_timer, collect_period_ms(t));
     return t;
@@ -947,9 +966,9 @@ int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
     return 0;
 }
 
-void sp_tmpl_set_image_cache(sp_tmpl_t *t, uint64_t ttl_s)
+void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s)
 {
-    t->image_ttl_s = ttl_s;
+    t->cache_ttl_s = ttl_s;
     sp_timer_start(&t->collect_timer, collect_period_ms(t));
 }
 

@@ -82,7 +82,7 @@
 #define SP_TMPL_ID_MAX       36 /* a build id: a UUID (older builds: SP_ID_LEN) */
 #define SP_TMPL_TAG_MAX      64 /* characters in a tag */
 #define SP_TMPL_TAGS_MAX     16 /* tags in one request */
-#define SP_TMPL_IMAGE_TTL_S  86400 /* an unused image stays in the digest cache a day */
+#define SP_TMPL_CACHE_TTL_S  86400 /* unused images and uploaded files are kept a day */
 
 typedef struct sp_tmpl sp_tmpl_t;
 
@@ -123,14 +123,17 @@ int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
                        const char *insecure, uint64_t max_bytes, sp_err_t *err);
 
 /*
- * The digest cache: an image is kept (a hidden template "oci.<digest>", ociimg.h) while a
- * version of any template is layered on it, a build or the runtime uses it, and for ttl_s
- * (default SP_TMPL_IMAGE_TTL_S) after the last build from it; then it is removed, and a
- * later build from it pulls it again. Looked over every ttl_s / 2 (1 s .. 10 min: versions
- * too, at the same times) and when a template's versions are removed. Versions made by an
- * older agent or kernel go once unused.
+ * The build cache: what builds fetched or were given, kept for the next build.
+ * - Images (the digest cache, ociimg.h: a hidden template "oci.<digest>"): kept while a
+ *   version of any template is layered on one, a build or the runtime uses it, and for ttl_s
+ *   (default SP_TMPL_CACHE_TTL_S) after the last build from it; then removed, and a later
+ *   build from it pulls it again. Versions made by an older agent or kernel go once unused.
+ * - Uploaded files (tmplfiles.h): kept while a build not yet ended copies them, and for ttl_s
+ *   after their last upload, lookup or use; then removed, and asked for again.
+ * Looked over every ttl_s / 2 (1 s .. 10 min; template versions too, at the same times),
+ * images also when a template's versions are removed.
  */
-void sp_tmpl_set_image_cache(sp_tmpl_t *t, uint64_t ttl_s);
+void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s);
 
 /* The team secrets (core/egress/secrets.h, borrowed) a build from an image may take its
  * registry password from: from {"image", "auth": {"username", "password_secret": NAME}}. */

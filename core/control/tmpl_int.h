@@ -145,7 +145,7 @@ struct sp_tmpl {
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
     uint64_t ckpt_cost_ms;      /* what the last step cache snapshot took (0: none yet) */
-    uint64_t image_ttl_s;       /* sp_tmpl_set_image_cache */
+    uint64_t cache_ttl_s;       /* sp_tmpl_set_build_cache */
     sp_timer_t collect_timer;   /* collects versions and images now and then (tmpl.h) */
 };
 
@@ -201,7 +201,7 @@ void sp_tmpl__collect(sp_tmpl_t *t, const char *name);
 /* sp_tmpl__collect for every team template; -1 when the query could not be sent. */
 int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
 /* Removes the images of the digest cache (ociimg.h) nothing uses and nobody built from for
- * image_ttl_s (tmpl.h: sp_tmpl_set_image_cache); nothing while an import is in flight. */
+ * cache_ttl_s (tmpl.h: sp_tmpl_set_build_cache); nothing while an import is in flight. */
 void sp_tmpl__collect_images(sp_tmpl_t *t);
 
 #endif

@@ -4,6 +4,7 @@
 #include "core/control/tmplfiles.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -92,8 +93,65 @@ int sp_tmplfiles_path(sp_tmplfiles_t *f, const char *team, const char *key, char
     if (k < 0 || (size_t)k >= cap)
         return sp_err_set(err, SP_EINVAL, "path too long");
     if (access(out, R_OK) < 0)
-        return sp_err_set(err, SP_ENOTFOUND, "files %.12s... were never uploaded", key);
+        return sp_err_set(err, SP_ENOTFOUND,
+                          "files %.12s... were never uploaded (or went unused so long that they "
+                          "were removed: upload them again)",
+                          key);
+    (void)utimensat(AT_FDCWD, out, NULL, 0); /* its last use, which the collection reads */
     return 0;
+}
+
+/* Whether an upload of the team's key is in flight: it may have found the file there and be
+ * about to answer so. */
+static bool uploading(const sp_tmplfiles_t *f, const char *team, const char *key)
+{
+    for (const struct put *p = f->puts; p != NULL; p = p->next)
+        if (strcmp(p->team, team) == 0 && strcmp(p->key, key) == 0)
+            return true;
+    return false;
+}
+
+int sp_tmplfiles_collect(sp_tmplfiles_t *f, uint64_t keep_s, sp_tmplfiles_used_cb used, void *arg)
+{
+    DIR *d = opendir(f->dir);
+    if (d == NULL)
+        return 0;
+    time_t now = time(NULL);
+    int removed = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        const char *team = de->d_name;
+        int tfd;
+        DIR *td;
+        if (!valid_team(team) ||
+            (tfd = openat(dirfd(d), team, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0)
+            continue;
+        if ((td = fdopendir(tfd)) == NULL) {
+            close(tfd);
+            continue;
+        }
+        struct dirent *ke;
+        while ((ke = readdir(td)) != NULL) {
+            struct stat st;
+            const char *key = ke->d_name; /* uploads being written are .tmp-<key>-<pid> */
+            if (!sp_tmplfiles_valid_key(key) || fstatat(tfd, key, &st, AT_SYMLINK_NOFOLLOW) < 0 ||
+                !S_ISREG(st.st_mode) || st.st_mtime + (time_t)keep_s > now ||
+                (used != NULL && used(arg, team, key)) || uploading(f, team, key))
+                continue;
+            if (unlinkat(tfd, key, 0) == 0) {
+                removed++;
+                sp_log(SP_LOG_INFO, "tmplfiles",
+                       "removing unused template files team=%s key=%.12s idle_s=%lld", team, key,
+                       (long long)(now - st.st_mtime));
+            }
+        }
+        closedir(td);
+        /* an empty team directory goes too, unless an upload (which makes it) is in flight */
+        if (f->puts == NULL)
+            (void)unlinkat(dirfd(d), team, AT_REMOVEDIR);
+    }
+    closedir(d);
+    return removed;
 }
 
 /* ---- uploads ---- */
@@ -105,6 +163,7 @@ static void put_work(sp_work_t *w, void *arg)
     p->code = SP_OK;
     if (access(p->path, F_OK) == 0) {
         p->existed = true;
+        (void)utimensat(AT_FDCWD, p->path, NULL, 0); /* its last use */
         return;
     }
     if (p->verify) {

@@ -11,7 +11,10 @@
  * own hash of the files (filesHash, opaque: not checked). An upload of a key that is there
  * already is answered at once ("existed") and its bytes are ignored: content is immutable per
  * key. Uploads are hashed, checked and written on a worker thread (SP_WORK_LONG), renamed
- * into place whole. Files are kept until the team deletes nothing: no collection yet.
+ * into place whole. Every lookup and upload of a key marks its last use (the file's mtime);
+ * files unused for the build cache's time (tmpl.h: sp_tmpl_set_build_cache) are removed by
+ * sp_tmplfiles_collect, and a later build asks for them again (E2B's SDK uploads what the
+ * server says it lacks).
  *
  * Upload links (E2B's PUT to a URL the server gave, which JS sends without credentials): a
  * token binding team, key and an expiry (SP_TMPLFILES_LINK_S), authenticated with a key made
@@ -45,6 +48,12 @@ bool sp_tmplfiles_valid_key(const char *key);
  * (SP_EINVAL for a bad key). */
 int sp_tmplfiles_path(sp_tmplfiles_t *f, const char *team, const char *key, char *out,
                       size_t cap, sp_err_t *err);
+
+/* Removes the files whose last use is keep_s or more ago, except those used says a build
+ * still needs (used may be NULL), and team directories left empty; returns how many went.
+ * On the loop's thread. */
+typedef bool (*sp_tmplfiles_used_cb)(void *arg, const char *team, const char *key);
+int sp_tmplfiles_collect(sp_tmplfiles_t *f, uint64_t keep_s, sp_tmplfiles_used_cb used, void *arg);
 
 /* Stores body[0..n) (copied) as the team's key. cb: existed (nothing written), or the member
  * count; or SP_EINVAL naming what is wrong with the tar, or that it does not hash to key

@@ -330,7 +330,7 @@ static bool importing(const sp_tmpl_t *t)
 /* One image's versions (tdir: <data>/templates/oci.<..>, holding its lock): a version goes
  * when nothing holds it (no build on it, no version of any template layered on it, nothing
  * in the runtime) and, for the current one, when it was last used (its directory's mtime:
- * the import touches it on every hit) at least image_ttl_s ago. The others can never be
+ * the import touches it on every hit) at least cache_ttl_s ago. The others can never be
  * hit again: the agent or kernel they were made with is not this server's. The image's
  * directory goes with its last version. Returns how many versions were removed. */
 static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_t now)
@@ -359,7 +359,7 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_
         bool building = false, spares = false;
         for (struct build *b = t->builds; b != NULL; b = b->next)
             building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
-        bool fresh = strcmp(h, target) == 0 && st.st_mtime + (time_t)t->image_ttl_s > now;
+        bool fresh = strcmp(h, target) == 0 && st.st_mtime + (time_t)t->cache_ttl_s > now;
         if (fresh || building || is_parent(t, name, h) || runtime_uses(t, vdir, &spares)) {
             kept++;
             continue;
