@@ -90,7 +90,7 @@ struct opts {
     const char *registry_mirror;   /* serve: where Docker Hub image references are pulled from */
     const char *insecure_registry; /* serve: registries reached over plain http (comma list) */
     unsigned long image_max_mb;    /* serve: cap on a container image (0: the default) */
-    long build_cache_s;            /* serve: how long unused images and files stay (-1: default) */
+    int build_cache_s;             /* serve: how long unused images and files stay (-1: default) */
     sp_quota_t quota;              /* serve: teams' default quotas (core/control/svc.h) */
     const char *quota_set[4];      /* teams set-quota: sandboxes, vcpus, memory-mb, snapshot-mb
                                     * (NULL: keep) */
@@ -1648,16 +1648,6 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
             o.image_max_mb = v;
             break;
         }
-        case 0x117: {
-            char *end;
-            long v = strtol(optarg, &end, 10);
-            if (*optarg == '\0' || *end != '\0' || v < 0 || v > 100000000) {
-                fprintf(stderr, "spaced: --build-cache-s wants seconds (0..100000000)\n");
-                return 2;
-            }
-            o.build_cache_s = v;
-            break;
-        }
         case 0x107:
         case 0x108:
         case 0x109:
@@ -1720,11 +1710,13 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 0x112:
         case 0x113:
         case 0x115:
-        case 0x116: {
+        case 0x116:
+        case 0x117: {
             /* by code from 0x112; 0x114 (labels) is not a number */
             static const char *const names[] = {"worker-vcpus", "worker-memory-mb", "",
-                                                "heartbeat-timeout-s", "lost-grace-s"};
-            static const long lo[] = {1, 128, 0, 2, 0};
+                                                "heartbeat-timeout-s", "lost-grace-s",
+                                                "build-cache-s"};
+            static const long lo[] = {1, 128, 0, 2, 0, 0};
             char *end;
             long v = strtol(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || v < lo[ch - 0x112] || v > 100000000) {
@@ -1733,7 +1725,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                 return 2;
             }
             int *dst[] = {&o.worker_vcpus, &o.worker_memory_mb, NULL, &o.heartbeat_timeout_s,
-                          &o.lost_grace_s};
+                          &o.lost_grace_s, &o.build_cache_s};
             *dst[ch - 0x112] = (int)v;
             break;
         }
