@@ -333,7 +333,8 @@ static bool importing(const sp_tmpl_t *t)
  * the import touches it on every hit) at least cache_ttl_s ago. The others can never be
  * hit again: the agent or kernel they were made with is not this server's. The image's
  * directory goes with its last version. Returns how many versions were removed. */
-static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_t now)
+static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const json_t *parents,
+                         time_t now)
 {
     char cur[PATH_MAX], target[128] = "";
     if (sp_tmpl__pathf(cur, sizeof cur, "%s/current", tdir) < 0)
@@ -360,7 +361,10 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_
         for (struct build *b = t->builds; b != NULL; b = b->next)
             building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
         bool fresh = strcmp(h, target) == 0 && st.st_mtime + (time_t)t->cache_ttl_s > now;
-        if (fresh || building || is_parent(t, name, h) || runtime_uses(t, vdir, &spares)) {
+        char nh[600];
+        snprintf(nh, sizeof nh, "%s@%s", name, h);
+        if (fresh || building || json_object_get(parents, nh) != NULL ||
+            runtime_uses(t, vdir, &spares)) {
             kept++;
             continue;
         }
@@ -385,6 +389,49 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, time_
     return removed;
 }
 
+/* The image versions a version on disk is layered on (not squashed standalone), read once per
+ * collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
+static json_t *image_parents(sp_tmpl_t *t, const char *tdir)
+{
+    DIR *d = opendir(tdir);
+    json_t *out = json_object();
+    if (d == NULL || out == NULL) {
+        if (d != NULL)
+            closedir(d);
+        json_decref(out);
+        return NULL;
+    }
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        char p[PATH_MAX];
+        if (de->d_name[0] == '.' || sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, de->d_name) < 0)
+            continue;
+        DIR *vd = opendir(p);
+        struct dirent *ve;
+        while (vd != NULL && (ve = readdir(vd)) != NULL) {
+            char m[PATH_MAX], cdir[PATH_MAX], nh[600];
+            if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
+                sp_tmpl__pathf(cdir, sizeof cdir, "%s/%s", p, ve->d_name) < 0 ||
+                sp_tmpl__pathf(m, sizeof m, "%s/manifest.json", cdir) < 0)
+                continue;
+            json_t *man = json_load_file(m, 0, NULL);
+            const char *pn = json_string_value(json_object_get(man, "parent"));
+            const char *ph =
+                json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
+            if (pn != NULL && ph != NULL &&
+                strncmp(pn, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 &&
+                snprintf(nh, sizeof nh, "%s@%s", pn, ph) < (int)sizeof nh &&
+                !image_standalone(t, cdir))
+                json_object_set_new(out, nh, json_true());
+            json_decref(man);
+        }
+        if (vd != NULL)
+            closedir(vd);
+    }
+    closedir(d);
+    return out;
+}
+
 void sp_tmpl__collect_images(sp_tmpl_t *t)
 {
     char tdir[PATH_MAX];
@@ -395,8 +442,9 @@ void sp_tmpl__collect_images(sp_tmpl_t *t)
         return;
     time_t now = time(NULL);
     int removed = 0;
+    json_t *parents = image_parents(t, tdir);
     struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
+    while (parents != NULL && (de = readdir(d)) != NULL) {
         char idir[PATH_MAX], lk[PATH_MAX];
         if (strncmp(de->d_name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) != 0 ||
             sp_tmpl__pathf(idir, sizeof idir, "%s/%s", tdir, de->d_name) < 0 ||
@@ -407,9 +455,10 @@ void sp_tmpl__collect_images(sp_tmpl_t *t)
         if (fd < 0)
             continue;
         if (flock(fd, LOCK_EX | LOCK_NB) == 0)
-            removed += collect_image(t, de->d_name, idir, now);
+            removed += collect_image(t, de->d_name, idir, parents, now);
         close(fd);
     }
+    json_decref(parents);
     closedir(d);
     if (removed > 0)
         sp_log(SP_LOG_INFO, "tmpl", "images collected removed=%d", removed);
