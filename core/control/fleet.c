@@ -593,12 +593,15 @@ static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char 
 static void on_sweep(sp_timer_t *t, void *arg)
 {
     sp_fleet_t *f = arg;
-    /* Declares no one lost until it has reached the database for a whole timeout: after an
-     * outage every worker's heartbeat is old, and each needs that long to beat again. The
-     * sweeping node never declares itself lost: it is plainly alive. */
+    /* Declares no one lost until it has reached the database for a whole timeout, and as long
+     * again as a worker's connection may wait before it tries again (the store's backoff):
+     * after an outage every worker's heartbeat is old, and each needs that long to beat
+     * again (core.fleet_nodes test_m, where the timeout is 2 s, found a worker lost by the
+     * timeout alone). The sweeping node never declares itself lost: it is plainly alive. */
     uint64_t now = sp_loop_now_ms(f->loop);
     bool may =
-        f->sweep_ok_since != 0 && now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000;
+        f->sweep_ok_since != 0 &&
+        now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000 + SP_STORE_BACKOFF_MAX_MS;
     const char *p[] = {f->id, f->timeout_s, may ? "true" : "false"};
     if (fq_send(f, sweep_sql, 3, p, swept, NULL) < 0)
         sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);

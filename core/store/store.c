@@ -25,7 +25,6 @@
 #define SP_STORE_QUEUE_MS   5000 /* longest a statement waits for a connection */
 #define SP_STORE_QUEUE_MAX  4096 /* statements waiting at once */
 #define SP_STORE_BACKOFF_LO 100
-#define SP_STORE_BACKOFF_HI 2000
 #define SP_STORE_PREP_MAX   128 /* prepared statements per connection */
 
 enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
@@ -210,8 +209,8 @@ static void conn_down(struct conn *c, const char *why)
     if (s->dying)
         return;
     c->backoff_ms = c->backoff_ms ? c->backoff_ms * 2 : SP_STORE_BACKOFF_LO;
-    if (c->backoff_ms > SP_STORE_BACKOFF_HI)
-        c->backoff_ms = SP_STORE_BACKOFF_HI;
+    if (c->backoff_ms > SP_STORE_BACKOFF_MAX_MS)
+        c->backoff_ms = SP_STORE_BACKOFF_MAX_MS;
     sp_timer_start(&c->retry, c->backoff_ms);
     if (!c->listener && !any_state(s, C_IDLE, C_BUSY) && !any_state(s, C_CONNECTING, C_CONNECTING))
         fail_queue(s, "database unavailable");

@@ -113,6 +113,11 @@ int sp_store_cursor_parse(const char *cur, bool (*valid_id)(const char *id), cha
 int sp_store_listen(sp_store_t *s, const char *channel, sp_store_notify_cb cb, void *arg,
                     sp_err_t *err);
 
+/* The longest a broken connection waits before its next attempt (the backoff doubles from
+ * 100 ms up to this): once the database is back, every node's connections are again within
+ * this much. */
+#define SP_STORE_BACKOFF_MAX_MS 2000
+
 /* True when at least one pool connection is up. */
 bool sp_store_up(const sp_store_t *s);
 

@@ -5,7 +5,7 @@ Placement spreads creates by capacity and never overcommits a worker under concu
 labels pin; a worker records the templates it holds snapshots of, and placement prefers it; /v1/workers is the admin key's; a drain moves every sandbox away; a worker that
 stops answering is declared lost (its running sandboxes "lost", its suspended ones wake
 elsewhere), re-adopts its sandboxes when it comes back within the grace, and stops the VM of a
-sandbox deleted meanwhile (fencing)."""
+sandbox deleted meanwhile (fencing); a PostgreSQL outage loses no worker and no sandbox."""
 import json
 import os
 import shutil
@@ -671,6 +671,51 @@ class FleetTest(unittest.TestCase):
         # the readoption's notice named b: the others heard no change for every worker
         self.assertEqual({self.wid[w]: self.notices(w)["any"] - before[w] for w in others},
                          {self.wid[w]: 0 for w in others})
+        self.delete_all()
+
+    def query(self, sql):
+        """One psql query's rows, as text lines (-At)."""
+        p = self.psql()
+        out, _ = p.communicate(sql + ";\n", timeout=30)
+        return out.strip()
+
+    def test_m_database_outage_loses_nothing(self):
+        """PostgreSQL stops for three heartbeat timeouts and comes back (a failover, as the
+        nodes see it): every node recovers by itself; no worker is declared lost, though every
+        heartbeat is old when the database returns (the sweep judges none until it has reached
+        the database for a whole timeout, by which time the workers have beaten again); no
+        sandbox turns lost even for a moment, each still runs on its worker; creates and
+        lifecycle work on every worker again."""
+        zones = ("a", "b", "c")
+        sids = [self.created(placement={"labels": {"zone": z}}) for z in zones]
+        for sid in sids:
+            self.wait_state(sid, "running")
+        gens = self.query("SELECT id || ' ' || generation || ' ' || state FROM workers "
+                          "ORDER BY id")
+        self.pg.stop()
+        try:
+            time.sleep(TIMEOUT_S * 3)
+            st, r = self.api.request("GET", "/v1/sandboxes/" + sids[0])
+            self.assertEqual(st, 503, r)
+        finally:
+            self.pg.start()
+        self.wait_for(lambda: all(n.request("GET", "/healthz")[0] == 200 for n in self.nodes),
+                      "every node healthy again", 30)
+        time.sleep(TIMEOUT_S * 3)  # sweeps judge heartbeats again by now
+        self.assertEqual(self.query("SELECT id || ' ' || generation || ' ' || state FROM workers "
+                                    "ORDER BY id"), gens)
+        self.assertEqual(self.query("SELECT count(*) FROM events WHERE kind = 'lost' AND "
+                                    "sandbox_id IN ('%s')" % "','".join(sids)), "0")
+        for sid, w in zip(sids, self.workers):
+            got = self.state(sid)
+            self.assertEqual((got["state"], got["error"]), ("running", None), got)
+            self.assertNotIn("lost_at", got)
+            self.assertIs(self.placed_on(sid), w)
+            self.assertEqual(fake_state(w, sid), "running")
+        st, r = self.act(sids[0], "pause")
+        self.assertEqual(st, 200, r)
+        for z in zones:
+            self.wait_state(self.created(placement={"labels": {"zone": z}}), "running")
         self.delete_all()
 
 
