@@ -132,26 +132,27 @@ static bool image_standalone(sp_tmpl_t *t, const char *vdir)
            t->driver->ops->image_standalone(t->driver, img) == 1;
 }
 
-/* Whether a version of any template on disk was built on name's version hash and its rootfs
- * is a layer over the parent's. A squashed child's manifest still names its parent (its
- * lineage), but it holds none of the parent's files: those go once nothing else uses them. */
-static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
+/* Calls fn with every version of any template on disk that names a parent version (its
+ * manifest's "parent" and spec.parent_hash) and its directory, until fn returns false; -1 when
+ * the templates cannot be listed. */
+typedef bool (*child_fn)(void *arg, const char *parent, const char *hash, const char *cdir);
+static int each_child(sp_tmpl_t *t, child_fn fn, void *arg)
 {
     char tdir[PATH_MAX];
     if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
-        return true;
+        return -1;
     DIR *d = opendir(tdir);
     if (d == NULL)
-        return true;
-    bool used = false;
+        return -1;
+    bool more = true;
     struct dirent *de;
-    while (!used && (de = readdir(d)) != NULL) {
+    while (more && (de = readdir(d)) != NULL) {
         char p[PATH_MAX];
         if (de->d_name[0] == '.' || sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, de->d_name) < 0)
             continue;
         DIR *vd = opendir(p);
         struct dirent *ve;
-        while (!used && vd != NULL && (ve = readdir(vd)) != NULL) {
+        while (more && vd != NULL && (ve = readdir(vd)) != NULL) {
             char m[PATH_MAX], cdir[PATH_MAX];
             if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
                 sp_tmpl__pathf(cdir, sizeof cdir, "%s/%s", p, ve->d_name) < 0 ||
@@ -161,15 +162,39 @@ static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
             const char *pn = json_string_value(json_object_get(man, "parent"));
             const char *ph =
                 json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
-            used = pn != NULL && ph != NULL && strcmp(pn, name) == 0 && strcmp(ph, hash) == 0 &&
-                   !image_standalone(t, cdir);
+            if (pn != NULL && ph != NULL)
+                more = fn(arg, pn, ph, cdir);
             json_decref(man);
         }
         if (vd != NULL)
             closedir(vd);
     }
     closedir(d);
-    return used;
+    return 0;
+}
+
+struct parent_q {
+    sp_tmpl_t *t;
+    const char *name, *hash;
+    bool found;
+};
+
+static bool parent_match(void *arg, const char *parent, const char *hash, const char *cdir)
+{
+    struct parent_q *q = arg;
+    q->found =
+        strcmp(parent, q->name) == 0 && strcmp(hash, q->hash) == 0 && !image_standalone(q->t, cdir);
+    return !q->found;
+}
+
+/* Whether a version of any template on disk was built on name's version hash and its rootfs
+ * is a layer over the parent's; true when that cannot be told. A squashed child's manifest
+ * still names its parent (its lineage), but it holds none of the parent's files: those go
+ * once nothing else uses them. */
+static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
+{
+    struct parent_q q = {t, name, hash, false};
+    return each_child(t, parent_match, &q) < 0 || q.found;
 }
 
 struct collect {
@@ -389,47 +414,32 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
     return removed;
 }
 
-/* The image versions a version on disk is layered on (not squashed standalone), read once per
- * collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
-static json_t *image_parents(sp_tmpl_t *t, const char *tdir)
+struct image_parents_q {
+    sp_tmpl_t *t;
+    json_t *out;
+};
+
+static bool add_image_parent(void *arg, const char *parent, const char *hash, const char *cdir)
 {
-    DIR *d = opendir(tdir);
-    json_t *out = json_object();
-    if (d == NULL || out == NULL) {
-        if (d != NULL)
-            closedir(d);
-        json_decref(out);
+    struct image_parents_q *q = arg;
+    char nh[600];
+    if (strncmp(parent, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 &&
+        snprintf(nh, sizeof nh, "%s@%s", parent, hash) < (int)sizeof nh &&
+        !image_standalone(q->t, cdir))
+        json_object_set_new(q->out, nh, json_true());
+    return true;
+}
+
+/* The image versions a version on disk is layered on (as is_parent counts them), read once
+ * per collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
+static json_t *image_parents(sp_tmpl_t *t)
+{
+    struct image_parents_q q = {t, json_object()};
+    if (q.out != NULL && each_child(t, add_image_parent, &q) < 0) {
+        json_decref(q.out);
         return NULL;
     }
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        char p[PATH_MAX];
-        if (de->d_name[0] == '.' || sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, de->d_name) < 0)
-            continue;
-        DIR *vd = opendir(p);
-        struct dirent *ve;
-        while (vd != NULL && (ve = readdir(vd)) != NULL) {
-            char m[PATH_MAX], cdir[PATH_MAX], nh[600];
-            if (strlen(ve->d_name) != SP_TMPLBUILD_HASH_LEN ||
-                sp_tmpl__pathf(cdir, sizeof cdir, "%s/%s", p, ve->d_name) < 0 ||
-                sp_tmpl__pathf(m, sizeof m, "%s/manifest.json", cdir) < 0)
-                continue;
-            json_t *man = json_load_file(m, 0, NULL);
-            const char *pn = json_string_value(json_object_get(man, "parent"));
-            const char *ph =
-                json_string_value(json_object_get(json_object_get(man, "spec"), "parent_hash"));
-            if (pn != NULL && ph != NULL &&
-                strncmp(pn, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 &&
-                snprintf(nh, sizeof nh, "%s@%s", pn, ph) < (int)sizeof nh &&
-                !image_standalone(t, cdir))
-                json_object_set_new(out, nh, json_true());
-            json_decref(man);
-        }
-        if (vd != NULL)
-            closedir(vd);
-    }
-    closedir(d);
-    return out;
+    return q.out;
 }
 
 void sp_tmpl__collect_images(sp_tmpl_t *t)
@@ -442,7 +452,7 @@ void sp_tmpl__collect_images(sp_tmpl_t *t)
         return;
     time_t now = time(NULL);
     int removed = 0;
-    json_t *parents = image_parents(t, tdir);
+    json_t *parents = image_parents(t);
     struct dirent *de;
     while (parents != NULL && (de = readdir(d)) != NULL) {
         char idir[PATH_MAX], lk[PATH_MAX];
