@@ -34,7 +34,7 @@ struct sp_fleet {
     char *tmpl_out;  /* the one the heartbeat in flight writes, or NULL */
     int beat_ms;
     sp_timer_t beat, sweep;
-    uint64_t sweep_ok_since; /* loop ms: sweeps have succeeded since (0: the last one failed) */
+    char gap_s[24], judge_s[24]; /* the sweep's $3 and $4 (sweep_sql) */
     bool registered;
     int inflight; /* statements out; destroy waits for them */
     bool dying;
@@ -513,15 +513,28 @@ static void drain_step(sp_fleet_t *f)
 
 /* The lease first; every change below is conditioned on it, in the same statement. Lost
  * sandboxes of a worker that is still lost and are to be deleted are deleted here: there is
- * no VM left to stop (if the worker comes back, it stops its VM itself: comeback). */
+ * no VM left to stop (if the worker comes back, it stops its VM itself: comeback).
+ *
+ * No worker is declared lost until the database has been reachable for a while, judged by
+ * its own clock when the statement runs (a statement sent before an outage may wait in the
+ * store's queue and run after it, so nothing decided when it was sent holds): the holder's
+ * renewals have had no gap longer than $3 s for $4 s (leases.since, migration 19), and the
+ * database itself has been up that long (a restart). $4 is the timeout plus the store's
+ * longest reconnect backoff: after an outage every heartbeat is old, and each worker needs
+ * up to that long to beat again. */
 static const char *sweep_sql =
-    "WITH l AS (INSERT INTO leases AS x (name, holder, until)"
-    "  VALUES ('fleet', $1, now() + make_interval(secs => $2::int * 2))"
-    "  ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, until = excluded.until"
-    "  WHERE x.until < now() OR x.holder = $1 RETURNING 1),"
+    "WITH l AS (INSERT INTO leases AS x (name, holder, until, renewed_at, since)"
+    "  VALUES ('fleet', $1, now() + make_interval(secs => $2::int * 2), now(), now())"
+    "  ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, until = excluded.until,"
+    "   renewed_at = now(), since = CASE WHEN x.holder = $1 AND x.since IS NOT NULL"
+    "    AND x.renewed_at > now() - make_interval(secs => $3::float8) THEN x.since"
+    "    ELSE now() END"
+    "  WHERE x.until < now() OR x.holder = $1 RETURNING since),"
     " w AS (UPDATE workers SET state = 'lost', generation = generation + 1, lost_at = now()"
     "  WHERE state <> 'lost' AND heartbeat_at < now() - make_interval(secs => $2::int)"
-    "   AND id <> $1 AND $3::bool AND EXISTS (SELECT 1 FROM l)"
+    "   AND id <> $1 AND EXISTS (SELECT 1 FROM l"
+    "    WHERE l.since <= now() - make_interval(secs => $4::float8))"
+    "   AND pg_postmaster_start_time() <= now() - make_interval(secs => $4::float8)"
     "  RETURNING id, lost_at,"
     "   to_char(lost_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') AS t),"
     " s AS (UPDATE sandboxes x SET observed_state = 'lost', lost_at = w.lost_at,"
@@ -577,11 +590,8 @@ static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char 
     sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
     if (err != NULL) {
         sp_log(SP_LOG_WARN, "fleet", "sweep failed err=%s", err->msg);
-        f->sweep_ok_since = 0;
         return;
     }
-    if (f->sweep_ok_since == 0)
-        f->sweep_ok_since = sp_loop_now_ms(f->loop);
     if (atoi(PQgetvalue(res, 0, 1)) > 0 || atoi(PQgetvalue(res, 0, 3)) > 0)
         sp_log(SP_LOG_WARN, "fleet", "workers lost=%s (%s) sandboxes lost=%s deleted=%s",
                PQgetvalue(res, 0, 1), PQgetvalue(res, 0, 6), PQgetvalue(res, 0, 2),
@@ -593,17 +603,9 @@ static void swept(sp_fleet_t *f, PGresult *res, const sp_err_t *err, const char 
 static void on_sweep(sp_timer_t *t, void *arg)
 {
     sp_fleet_t *f = arg;
-    /* Declares no one lost until it has reached the database for a whole timeout, and as long
-     * again as a worker's connection may wait before it tries again (the store's backoff):
-     * after an outage every worker's heartbeat is old, and each needs that long to beat
-     * again (core.fleet_nodes test_m, where the timeout is 2 s, found a worker lost by the
-     * timeout alone). The sweeping node never declares itself lost: it is plainly alive. */
-    uint64_t now = sp_loop_now_ms(f->loop);
-    bool may =
-        f->sweep_ok_since != 0 &&
-        now - f->sweep_ok_since >= (uint64_t)atoi(f->timeout_s) * 1000 + SP_STORE_BACKOFF_MAX_MS;
-    const char *p[] = {f->id, f->timeout_s, may ? "true" : "false"};
-    if (fq_send(f, sweep_sql, 3, p, swept, NULL) < 0)
+    /* The sweeping node never declares itself lost: it is plainly alive. */
+    const char *p[] = {f->id, f->timeout_s, f->gap_s, f->judge_s};
+    if (fq_send(f, sweep_sql, 4, p, swept, NULL) < 0)
         sp_timer_start(&f->sweep, (uint64_t)f->beat_ms);
 }
 
@@ -636,6 +638,10 @@ sp_fleet_t *sp_fleet_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *dri
     snprintf(f->accel_file, sizeof(f->accel_file), "%s", o->accel_file ? o->accel_file : "");
     snprintf(f->version, sizeof(f->version), "%s", o->version ? o->version : "");
     snprintf(f->timeout_s, sizeof(f->timeout_s), "%d", o->heartbeat_timeout_s);
+    /* a renewal gap of half the timeout (two sweeps missed) breaks the run */
+    snprintf(f->gap_s, sizeof(f->gap_s), "%.3f", o->heartbeat_timeout_s / 2.0);
+    snprintf(f->judge_s, sizeof(f->judge_s), "%.3f",
+             o->heartbeat_timeout_s + SP_STORE_BACKOFF_MAX_MS / 1000.0);
     snprintf(f->grace_s, sizeof(f->grace_s), "%d", o->lost_grace_s);
     f->beat_ms = o->heartbeat_timeout_s * 1000 / 4;
     sp_timer_init(&f->beat, loop, on_beat, f);

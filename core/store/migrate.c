@@ -522,6 +522,10 @@ static const char *const migrations[] = {
     "   'no worker has room for %s vCPUs and %s MiB%s', cpus, mem, CASE WHEN want IS NULL"
     "   OR want = '{}' THEN '' ELSE ' with labels ' || want::text END); END IF;"
     " END $p$;",
+    /* 19: the loss sweep judges heartbeats only after reaching the database without a break
+     * for a while (core/control/fleet.c), by the database's clock: leases.renewed_at is the
+     * holder's last renewal, leases.since the start of its unbroken run of renewals. */
+    "ALTER TABLE leases ADD COLUMN renewed_at timestamptz, ADD COLUMN since timestamptz;",
 };
 
 int sp_migrate_latest(void)

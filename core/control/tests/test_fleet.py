@@ -682,10 +682,11 @@ class FleetTest(unittest.TestCase):
     def test_m_database_outage_loses_nothing(self):
         """PostgreSQL stops for three heartbeat timeouts and comes back (a failover, as the
         nodes see it): every node recovers by itself; no worker is declared lost, though every
-        heartbeat is old when the database returns (the sweep judges none until it has reached
-        the database for a whole timeout, by which time the workers have beaten again); no
-        sandbox turns lost even for a moment, each still runs on its worker; creates and
-        lifecycle work on every worker again."""
+        heartbeat is old when the database returns (the sweep judges none until the database
+        and its own renewals have run unbroken for a timeout and the reconnect backoff, by the
+        database's clock, by which time the workers have beaten again); no sandbox turns lost
+        even for a moment, each still runs on its worker; creates and lifecycle work on every
+        worker again."""
         zones = ("a", "b", "c")
         sids = [self.created(placement={"labels": {"zone": z}}) for z in zones]
         for sid in sids:
