@@ -197,6 +197,19 @@ static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
     return each_child(t, parent_match, &q) < 0 || q.found;
 }
 
+/* Before a version's files go, the driver lets go of what it made of it (its spares, the sizes
+ * it keeps them of); false when the version must stay: a driver that cannot forget leaves its
+ * spares keeping it. */
+static bool let_go(sp_tmpl_t *t, const char *name, const char *hash, bool spares)
+{
+    const sp_driver_ops_t *ops = t->driver != NULL ? t->driver->ops : NULL;
+    if (ops != NULL && ops->template_forget != NULL) {
+        ops->template_forget(t->driver, name, hash);
+        return true;
+    }
+    return !spares;
+}
+
 struct collect {
     sp_tmpl_t *t;
     char name[65];
@@ -250,12 +263,7 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
         bool spares = false;
         if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir, &spares))
             continue;
-        /* The driver lets go of what it made of the version (its spares, the sizes it keeps
-         * them of) before the files go; a driver that cannot leaves its spares keeping it. */
-        const sp_driver_ops_t *ops = t->driver != NULL ? t->driver->ops : NULL;
-        if (ops != NULL && ops->template_forget != NULL)
-            ops->template_forget(t->driver, q->name, h);
-        else if (spares)
+        if (!let_go(t, q->name, h, spares))
             continue;
         sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
                q->name, h);
@@ -393,10 +401,7 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
             kept++;
             continue;
         }
-        const sp_driver_ops_t *ops = t->driver != NULL ? t->driver->ops : NULL;
-        if (ops != NULL && ops->template_forget != NULL)
-            ops->template_forget(t->driver, name, h);
-        else if (spares) {
+        if (!let_go(t, name, h, spares)) {
             kept++;
             continue;
         }
