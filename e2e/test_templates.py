@@ -419,8 +419,15 @@ class TemplateBuildTest(VmSuite):
             os.makedirs(os.path.join(seeds[who], "snapshot"))
             with open(os.path.join(seeds[who], "snapshot", "manifest.json"), "w") as f:
                 f.write("{}")
+        # a discarded version whose removal the kill cut short goes at the next start
+        left = os.path.join(DATA, "templates", ".trash", "Kq3xZ1", "d")
+        os.makedirs(os.path.join(left, "sub"))
+        with open(os.path.join(left, "sub", "rootfs.qcow2"), "wb") as f:
+            f.truncate(1 << 20)
         s.start()
         wait_until(lambda: not os.path.exists(seeds["gone"]), "the leftover seed removed")
+        wait_until(lambda: not os.path.exists(os.path.dirname(left)),
+                   "the leftover discarded files removed")
         self.assertFalse(os.path.exists(os.path.join(seeds["live"], "deleted")))
         shutil.rmtree(seeds["live"])
         deadline = time.time() + 60 * MULT
@@ -517,6 +524,10 @@ class TemplateBuildTest(VmSuite):
         while os.path.isdir(os.path.join(tdir, v3)) and time.time() < deadline:
             time.sleep(0.2)
         self.assertFalse(os.path.isdir(os.path.join(tdir, v3)))
+        # its files were moved aside at once and are unlinked off the loop (tmpl_int.h: discard)
+        trash = os.path.join(DATA, "templates", ".trash")
+        wait_until(lambda: not os.path.isdir(trash) or not os.listdir(trash),
+                   "the discarded version's files removed")
 
         # the template deleted while sandboxes use v1 and v2: their files stay, they run on
         st, r = s.request("DELETE", "/v1/templates/tg/tags/v2")

@@ -207,6 +207,69 @@ void sp_tmpl__rm_rf(const char *path)
     rmdir(path);
 }
 
+/* ---- discarding: removal off the loop ---- */
+
+struct discard {
+    char dir[PATH_MAX]; /* <data>/templates/.trash/XXXXXX, holding the discarded path */
+};
+
+static void discard_work(sp_work_t *w, void *arg)
+{
+    (void)w;
+    sp_tmpl__rm_rf(((struct discard *)arg)->dir);
+}
+
+static void discard_done(void *arg, bool cancelled)
+{
+    (void)cancelled;
+    free(arg);
+}
+
+/* Queues the removal of trash/<entry> on a worker thread; false when it cannot be queued. */
+static bool discard_queue(sp_tmpl_t *t, const char *dir)
+{
+    struct discard *x = malloc(sizeof *x);
+    if (x == NULL || sp_tmpl__pathf(x->dir, sizeof x->dir, "%s", dir) < 0 ||
+        sp_loop_work(t->loop, SP_WORK_LONG, discard_work, discard_done, x) == NULL) {
+        free(x);
+        return false;
+    }
+    return true;
+}
+
+void sp_tmpl__discard(sp_tmpl_t *t, const char *path)
+{
+    char trash[PATH_MAX], dir[PATH_MAX], dst[PATH_MAX];
+    if (sp_tmpl__pathf(trash, sizeof trash, "%s/templates/.trash", t->data_dir) == 0 &&
+        (mkdir(trash, 0700) == 0 || errno == EEXIST) &&
+        sp_tmpl__pathf(dir, sizeof dir, "%s/XXXXXX", trash) == 0 && mkdtemp(dir) != NULL) {
+        if (sp_tmpl__pathf(dst, sizeof dst, "%s/d", dir) == 0 && rename(path, dst) == 0) {
+            if (!discard_queue(t, dir))
+                sp_tmpl__rm_rf(dir);
+            return;
+        }
+        rmdir(dir);
+    }
+    sp_tmpl__rm_rf(path); /* not movable (another filesystem?): here, as it was */
+}
+
+/* What an earlier run discarded and did not finish removing (it stopped or died meanwhile). */
+static void discard_leftovers(sp_tmpl_t *t)
+{
+    char trash[PATH_MAX], dir[PATH_MAX];
+    if (sp_tmpl__pathf(trash, sizeof trash, "%s/templates/.trash", t->data_dir) < 0)
+        return;
+    DIR *d = opendir(trash);
+    struct dirent *de;
+    while (d != NULL && (de = readdir(d)) != NULL)
+        if (de->d_name[0] != '.' &&
+            sp_tmpl__pathf(dir, sizeof dir, "%s/%s", trash, de->d_name) == 0 &&
+            !discard_queue(t, dir))
+            sp_tmpl__rm_rf(dir);
+    if (d != NULL)
+        closedir(d);
+}
+
 /* ---- the API ---- */
 
 struct accept {
@@ -915,10 +978,12 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     }
     *(sp_tmpl_t **)rec = t;
     destroy_leftover_builders(t);
+    discard_leftovers(t);
     /* versions nothing uses any more (their sandboxes went while we were down) */
     (void)sp_tmpl__collect_all(t, err); /* not fatal: each name is collected again later */
     t->cache_ttl_s = SP_TMPL_CACHE_TTL_S;
     sp_timer_init(&t->collect_timer, loop, on_collect_timer, t);
+    sp_timer_init(&t->images_timer, loop, sp_tmpl__on_images_timer, t);
     sp_timer_start(&t->collect_timer, collect_period_ms(t));
     return t;
 }
@@ -938,6 +1003,7 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         sp_tmpl__build_free(b);
     }
     sp_timer_stop(&t->collect_timer);
+    sp_timer_stop(&t->images_timer);
     sp_tmplfiles_destroy(t->files);
     free(t->agent);
     free(t->mirror);

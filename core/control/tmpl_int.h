@@ -147,7 +147,10 @@ struct sp_tmpl {
     uint64_t ckpt_cost_ms;      /* what the last step cache snapshot took (0: none yet) */
     uint64_t cache_ttl_s;       /* sp_tmpl_set_build_cache */
     sp_timer_t collect_timer;   /* collects versions and images now and then (tmpl.h) */
+    sp_timer_t images_timer;    /* sp_tmpl__collect_images: the pass asked for */
 };
+
+#define SP_TMPL_IMAGES_AFTER_MS 250
 
 /* A request about a template's name answered with done or an error (delete, tags delete). */
 struct sp_tmpl__namereq {
@@ -168,6 +171,11 @@ void sp_tmpl__copy(char *dst, size_t cap, const char *src);
 int sp_tmpl__pathf(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Removes path and everything under it (symlinks are not followed). */
 void sp_tmpl__rm_rf(const char *path);
+/* Removes path and everything under it like sp_tmpl__rm_rf, but off the loop: path is moved
+ * into <data>/templates/.trash at once (gone for every reader when this returns) and unlinked
+ * on a worker thread, since a version's files may be gigabytes. What a stop leaves there goes
+ * at the next start. Where it cannot be moved, it is removed here. */
+void sp_tmpl__discard(sp_tmpl_t *t, const char *path);
 /* A Unix user name: [a-z_][a-z0-9_-]*, at most 32. */
 bool sp_tmpl__valid_user(const char *u);
 /* Sends sql (which answers one row) for a request about name; judge reads the row, then cb gets
@@ -201,7 +209,11 @@ void sp_tmpl__collect(sp_tmpl_t *t, const char *name);
 /* sp_tmpl__collect for every team template; -1 when the query could not be sent. */
 int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
 /* Removes the images of the digest cache (ociimg.h) nothing uses and nobody built from for
- * cache_ttl_s (tmpl.h: sp_tmpl_set_build_cache); nothing while an import is in flight. */
+ * cache_ttl_s (tmpl.h: sp_tmpl_set_build_cache); nothing while an import is in flight. One
+ * pass SP_TMPL_IMAGES_AFTER_MS later, for all the calls until then (a collection of every
+ * template asks once per template that lost versions). */
 void sp_tmpl__collect_images(sp_tmpl_t *t);
+/* images_timer's callback: the pass sp_tmpl__collect_images asked for. */
+void sp_tmpl__on_images_timer(sp_timer_t *tm, void *arg);
 
 #endif

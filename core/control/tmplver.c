@@ -267,7 +267,7 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
             continue;
         sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
                q->name, h);
-        sp_tmpl__rm_rf(vdir);
+        sp_tmpl__discard(t, vdir);
         removed++;
         const char *p[] = {q->name, h};
         sp_err_t e;
@@ -410,12 +410,12 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
                (long long)(now - st.st_mtime));
         if (strcmp(h, target) == 0)
             unlink(cur);
-        sp_tmpl__rm_rf(vdir);
+        sp_tmpl__discard(t, vdir);
         removed++;
     }
     closedir(d);
     if (kept == 0 && removed > 0) /* its lock file goes with it: ociimg.c opens it again */
-        sp_tmpl__rm_rf(tdir);
+        sp_tmpl__discard(t, tdir);
     return removed;
 }
 
@@ -449,6 +449,14 @@ static json_t *image_parents(sp_tmpl_t *t)
 
 void sp_tmpl__collect_images(sp_tmpl_t *t)
 {
+    if (!sp_timer_armed(&t->images_timer))
+        sp_timer_start(&t->images_timer, SP_TMPL_IMAGES_AFTER_MS);
+}
+
+void sp_tmpl__on_images_timer(sp_timer_t *tm, void *arg)
+{
+    (void)tm;
+    sp_tmpl_t *t = arg;
     char tdir[PATH_MAX];
     if (importing(t) || sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
         return;
