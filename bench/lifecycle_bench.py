@@ -17,7 +17,10 @@ base template if it has none. Prints medians and p99 of:
   - bursts (the adaptive spare pool): BENCH_BURST concurrent creates, each to a first command
     answered (total and per-create median), on the pool the earlier cases left, then again once
     the pool has refilled; then creates at BENCH_RATE per second for BENCH_RATE_S seconds
-    (median, p99); the spare clones' count and memory (PSS) before each
+    (median, p99); the spare clones' count and memory (PSS) before each. Each of these creates
+    waits until its sandbox runs (?wait=, as an SDK's create does), then sends one command:
+    twenty clients each polling with a command every 3 ms (BENCH_POLL=1, the single creates'
+    way) load the 2 cores here enough to make a burst 2.6x slower than what they measure
   - pause and wake (API round trips)
   - suspend and wake of a 256 MiB and a 1 GiB clone (device state + the RAM pages that differ from
     the template's); snapshot bytes
@@ -26,7 +29,7 @@ base template if it has none. Prints medians and p99 of:
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
 Environment: BENCH_CREATES (20), BENCH_GAP (1.0 s), BENCH_COLD (5), BENCH_FLOOR (10), BENCH_CONC (20),
 BENCH_PAUSE (20), BENCH_SUSPEND (3 rounds per size), BENCH_DENSITY (20), BENCH_DENSITY_COLD (3),
-BENCH_BURST (20), BENCH_RATE (10 per s), BENCH_RATE_S (10), BENCH_ONLY=burst (the warm-up create,
+BENCH_BURST (20), BENCH_RATE (10 per s), BENCH_RATE_S (10), BENCH_POLL=1, BENCH_ONLY=burst (the warm-up create,
 then the burst cases only: to compare two builds' pools), BENCH_ONLY=steady (pause and wake,
 suspend and wake, and idle memory only: the figures a change elsewhere must not move),
 BENCH_ONLY=sizes (the first create of
@@ -76,6 +79,7 @@ N_DENSITY_COLD = int(os.environ.get("BENCH_DENSITY_COLD", "3"))
 N_BURST = int(os.environ.get("BENCH_BURST", "20"))
 RATE = float(os.environ.get("BENCH_RATE", "10"))
 RATE_S = float(os.environ.get("BENCH_RATE_S", "10"))
+POLL = os.environ.get("BENCH_POLL") == "1"
 ONLY = os.environ.get("BENCH_ONLY", "")
 
 
@@ -101,10 +105,13 @@ class Api:
                 if attempt:
                     raise
 
-    def create_first_cmd(self, limit=180.0, **fields):
-        """create, then `true` until it answers (at most limit seconds): (ms, id)."""
+    def create_first_cmd(self, limit=180.0, wait=False, **fields):
+        """create, then `true` until it answers (at most limit seconds): (ms, id). wait: the
+        create itself waits until the sandbox runs (?wait=, as the E2B SDKs' create does), so
+        `true` is sent once; else it is sent every 3 ms until it runs."""
         t0 = time.perf_counter()
-        st, b = self.call("POST", "/v1/sandboxes", dict(template="base", **fields))
+        st, b = self.call("POST", "/v1/sandboxes" + ("?wait=%d" % limit if wait else ""),
+                          dict(template="base", **fields))
         assert st in (200, 202), (st, b)
         sid = json.loads(b)["sandbox"]["id"]
         while True:
@@ -209,7 +216,7 @@ def concurrent(s, starts):
     def one(at):
         time.sleep(max(0.0, t0 + at - time.perf_counter()))
         try:
-            res.append(Api(s).create_first_cmd())
+            res.append(Api(s).create_first_cmd(wait=not POLL))
         except Exception as e:  # noqa: BLE001 - report, do not hang the bench
             errs.append(repr(e))
 

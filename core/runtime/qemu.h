@@ -141,7 +141,7 @@
  * connections but leaves every VM running.
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
- * SPACE_POOL_SIZE (default 16, 0 = none) spare clones per size at most and
+ * SPACE_POOL_SIZE (default 32, 0 = none) spare clones per size at most and
  * SPACE_POOL_MEMORY_MB (default host RAM / 8) for all, unless opts say;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.

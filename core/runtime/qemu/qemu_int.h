@@ -64,7 +64,7 @@
 #define SP_QEMU_SUM_CHUNK      (1u << 20)
 #define SP_QEMU_SUM_INLINE_MAX (4u << 20) /* a device state up to this is verified inline */
 #define SP_QEMU_SUM_THREADS    4          /* at most, and no more than CPUs */
-#define SP_QEMU_POOL_DEFAULT   16         /* spare clones per template size at most */
+#define SP_QEMU_POOL_DEFAULT   32         /* spare clones per template size at most */
 #define SP_QEMU_POOL_MAX       64
 #define SP_QEMU_POOL_WINDOW_MS 10000u     /* creates this close together ask for a spare each */
 #define SP_QEMU_POOL_DECAY_MS  120000u    /* an idle size keeps one spare fewer per this */
