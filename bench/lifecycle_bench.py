@@ -248,6 +248,9 @@ def burst_cases(api, s, data):
     settle(data)
     print_spares(data, "before the steady rate")
     n = int(RATE * RATE_S)
+    # the rate case's sandboxes all run at once: the default team's quota (100 running) must
+    # leave room for them beside the warm-up sandbox
+    s.cli("teams", "set-quota", "default", "--sandboxes", str(n + 10))
     total, res = concurrent(s, [i / RATE for i in range(n)])
     line("%.0f/s for %.0f s: each create -> first command" % (RATE, RATE_S), [r[0] for r in res])
     print_spares(data, "after the steady rate")
