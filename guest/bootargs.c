@@ -132,9 +132,13 @@ char **sp_bootargs_qemu_argv(const sp_bootargs_qemu_t *q)
     if (q == NULL || q->kernel == NULL || q->initramfs == NULL || q->disk == NULL ||
         q->agent_sock == NULL)
         return NULL;
-    char cmdline[1024];
+    char cmdline[1024], extra[512];
     unsigned tsc = q->tsc_khz != 0 ? q->tsc_khz : sp_bootargs_tsc_khz();
-    if (sp_bootargs_cmdline(cmdline, sizeof cmdline, tsc, q->cmdline_extra) < 0)
+    const char *x = q->cmdline_extra != NULL ? q->cmdline_extra : "";
+    int w = snprintf(extra, sizeof extra, "%s%s%s", q->kvm ? "" : SP_BOOTARGS_TCG_CMDLINE,
+                     !q->kvm && *x != '\0' ? " " : "", x);
+    if (w < 0 || (size_t)w >= sizeof extra ||
+        sp_bootargs_cmdline(cmdline, sizeof cmdline, tsc, extra) < 0)
         return NULL;
 
     struct av a = {.n = 0};

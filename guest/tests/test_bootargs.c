@@ -45,7 +45,7 @@ static void test_bootargs_qemu_tcg(void)
     CHECK(has(av, "-M", "microvm,x-option-roms=off,pit=on,pic=on,rtc=on,isa-serial=on"));
     CHECK(has(av, "-m", "256") && has(av, "-smp", "1") && has(av, "-no-reboot", NULL));
     CHECK(has(av, "-kernel", "/k/vmlinux") && has(av, "-initrd", "/k/i.img"));
-    CHECK(has(av, "-append", SP_BOOTARGS_CMDLINE " tsc_early_khz=1234567"));
+    CHECK(has(av, "-append", SP_BOOTARGS_CMDLINE " tsc_early_khz=1234567 norandmaps"));
     CHECK(has(av, "-chardev", "socket,id=agent,path=/v/agent.sock,server=on,wait=off"));
     CHECK(has(av, "-device", "virtserialport,bus=vser0.0,chardev=agent,name=space.agent"));
     CHECK(has(av, "-qmp", "unix:/v/qmp.sock,server=on,wait=off"));
@@ -60,7 +60,16 @@ static void test_bootargs_qemu_tcg(void)
     av = sp_bootargs_qemu_argv(&q);
     CHECK(av != NULL && has(av, "-enable-kvm", NULL) && has(av, "-cpu", "host,-arch-capabilities"));
     CHECK(av != NULL && has(av, "-m", "512") && has(av, "-smp", "2"));
+    /* randomization stays on under KVM; an extra follows the TCG words */
+    CHECK(av != NULL && has(av, "-append", SP_BOOTARGS_CMDLINE " tsc_early_khz=1234567"));
     free(av);
+    q.kvm = 0;
+    q.cmdline_extra = "sp.x=1";
+    av = sp_bootargs_qemu_argv(&q);
+    CHECK(av != NULL &&
+          has(av, "-append", SP_BOOTARGS_CMDLINE " tsc_early_khz=1234567 norandmaps sp.x=1"));
+    free(av);
+    q.cmdline_extra = NULL;
 
     q.disk = NULL;
     CHECK(sp_bootargs_qemu_argv(&q) == NULL);
