@@ -192,7 +192,14 @@ scenario(
     assert.equal(await resumed.files.read('/home/user/persist.txt'), 'kept across pause')
     const procs = await resumed.commands.list()
     assert.ok(procs.some((p) => p.pid === bg.pid), `pid ${bg.pid} still listed: ${JSON.stringify(procs.map((p) => p.pid))}`)
-    const before = Number(await resumed.files.read('/home/user/counter'))
+    // The loop's `echo $i > counter` truncates before it writes, and the pause may have
+    // caught it in between: the file is empty until the loop moves on
+    let before = NaN
+    await waitFor('the counter readable after resume', async () => {
+      const text = (await resumed.files.read('/home/user/counter')).trim()
+      before = text === '' ? NaN : Number(text)
+      return !Number.isNaN(before)
+    })
     await waitFor(
       'the counter to move after resume',
       async () => Number(await resumed.files.read('/home/user/counter')) > before

@@ -129,6 +129,12 @@ def _expiry():
     assert items == []
 
 
+def counter(sbx):
+    """/home/user/counter as a number; None while it is empty (being rewritten)."""
+    text = sbx.files.read("/home/user/counter").strip()
+    return int(text) if text else None
+
+
 @scenario(A, "pause then connect keeps files and processes", timeout=300)
 def _pause():
     sbx = new_sandbox(metadata={"group": "pause"})
@@ -136,7 +142,7 @@ def _pause():
     bg = sbx.commands.run(
         "i=0; while true; do i=$((i+1)); echo $i > /home/user/counter; echo tick $i; "
         "sleep 0.5; done", background=True, timeout=0)
-    wait_for("the counter", lambda: int(sbx.files.read("/home/user/counter") or 0) > 1)
+    wait_for("the counter", lambda: (counter(sbx) or 0) > 1)
     bg.disconnect()
 
     sbx.pause()
@@ -153,9 +159,13 @@ def _pause():
     assert resumed.files.read("/home/user/persist.txt") == "kept across pause"
     pids = [p.pid for p in resumed.commands.list()]
     assert bg.pid in pids, "pid %d still listed: %s" % (bg.pid, pids)
-    before = int(resumed.files.read("/home/user/counter"))
-    wait_for("the counter to move after resume",
-             lambda: int(resumed.files.read("/home/user/counter")) > before)
+    # The loop's `echo $i > counter` truncates before it writes, and the pause may have
+    # caught it in between: the file is empty until the loop moves on
+    seen = []
+    wait_for("the counter readable after resume",
+             lambda: seen.append(counter(resumed)) or seen[-1] is not None)
+    before = seen[-1]
+    wait_for("the counter to move after resume", lambda: (counter(resumed) or 0) > before)
     h = resumed.commands.connect(bg.pid)
     for out, _, _ in h:
         if out and "tick" in out:
