@@ -54,6 +54,8 @@ MEM_MB = 256
 CREATES_AT_ONCE = 3
 RUN_PREFIX = "fleet-netns-"
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
+# `echo $i > f` truncates before it writes: a read (or a suspend) can land in between
+READ_COUNT = 'for k in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n "$v" ] && break; sleep 0.05; done; echo "$v"'
 
 
 def pysdk_python():
@@ -255,7 +257,7 @@ class FleetNetnsTest(unittest.TestCase):
         wait_until(lambda: self.count(sid) >= 2, "the counter counting", 30, 0.2)
 
     def count(self, sid):
-        return int(self.sh(sid, "cat /tmp/count")["stdout"].strip() or 0)
+        return int(self.sh(sid, READ_COUNT)["stdout"].strip() or 0)
 
     def vms(self):
         """{sandbox id: [workers with a live VM for it]}, every worker's data dir scanned."""

@@ -21,7 +21,6 @@ data dir the other VM suites use.
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import unittest
@@ -34,6 +33,8 @@ from fleet import qemu_cmdlines  # noqa: E402
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
+# `echo $i > f` truncates before it writes: a read (or a suspend) can land in between
+READ_COUNT = 'for k in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n "$v" ] && break; sleep 0.05; done; echo "$v"'
 
 
 def worker_data_dir(path):
@@ -151,7 +152,7 @@ class FleetVmTest(unittest.TestCase):
         self.wait_for(lambda: self.count(sid) >= 3, "the counter counting")
 
     def count(self, sid):
-        return int(self.sh(sid, "cat /tmp/count")["stdout"].strip())
+        return int(self.sh(sid, READ_COUNT)["stdout"].strip())
 
     def vms_of(self, sid):
         """The workers whose driver has a live QEMU for sid: the pid in its VM dir's qemu.pid

@@ -75,10 +75,16 @@ static void cmd(sp_driver_t *d, const char *id, const char *c, char *out, size_t
     vt_run_cmd(d, id, c, out, n, 20000);
 }
 
+/* The counter's value. The loop's `echo $i > /run/count` truncates before it writes, so a read
+ * (or a snapshot) can land in between and see an empty file: read until it holds a number. */
+#define READ_COUNT                                                                                 \
+    "for k in $(seq 1 100); do v=$(cat /run/count 2>/dev/null); [ -n \"$v\" ] && break; "          \
+    "sleep 0.05; done; echo \"$v\""
+
 static long counter(sp_driver_t *d, const char *id)
 {
     char out[64];
-    cmd(d, id, "cat /run/count", out, sizeof out);
+    cmd(d, id, READ_COUNT, out, sizeof out);
     return atol(out);
 }
 

@@ -64,10 +64,15 @@ static void make_worker_b(void)
     sh(cmd);
 }
 
+/* The counter's value, read until the file holds a number: the loop's `echo $i > /tmp/count`
+ * truncates before it writes, and a read or a suspend can land in between. */
 static long count_of(sp_driver_t *d, const char *id)
 {
     char out[64];
-    vt_run_cmd(d, id, "cat /tmp/count", out, sizeof out, 30000);
+    vt_run_cmd(d, id,
+               "for k in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n \"$v\" ] && break; "
+               "sleep 0.05; done; echo \"$v\"",
+               out, sizeof out, 30000);
     return strtol(out, NULL, 10);
 }
 

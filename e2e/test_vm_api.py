@@ -17,6 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from harness import MULT, free_port, Platform, vm_skip_reason, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
+# the background counter's value, read until the file holds a number: the loop's
+# `echo $i > /tmp/counter` truncates before it writes, and a read or a pause can land in between
+READ_COUNTER = ('for k in $(seq 1 100); do v=$(cat /tmp/counter 2>/dev/null); [ -n "$v" ] && break; '
+                'sleep 0.05; done; echo "$v"')
 
 
 def skip_reason():
@@ -217,7 +221,8 @@ class VmApiTest(unittest.TestCase):
         cid = r["id"]
 
         def counter():
-            return int(self.run_cmd(sid, {"cmd": "cat /tmp/counter"})["stdout"])
+            # read until the file holds a number: `echo $i > f` truncates before it writes
+            return int(self.run_cmd(sid, {"cmd": READ_COUNTER})["stdout"])
 
         time.sleep(0.5)
         last = counter()

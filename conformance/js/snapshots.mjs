@@ -15,7 +15,9 @@ const COUNTER =
 
 async function count(sbx) {
   const r = await sbx.commands.run(
-    'for i in $(seq 1 100); do [ -s /tmp/count ] && break; sleep 0.2; done; cat /tmp/count',
+    // until it holds a number: `echo $i > f` truncates before it writes
+    'for i in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n "$v" ] && break; ' +
+      'sleep 0.1; done; echo "$v"',
   )
   return Number(r.stdout.trim())
 }
