@@ -237,11 +237,16 @@ static bool discard_queue(sp_tmpl_t *t, const char *dir)
     return true;
 }
 
+/* <data>/templates/.trash, where discarded paths wait for their worker; -1 when too long. */
+static int trash_dir(const sp_tmpl_t *t, char *buf, size_t n)
+{
+    return sp_tmpl__pathf(buf, n, "%s/templates/.trash", t->data_dir);
+}
+
 void sp_tmpl__discard(sp_tmpl_t *t, const char *path)
 {
     char trash[PATH_MAX], dir[PATH_MAX], dst[PATH_MAX];
-    if (sp_tmpl__pathf(trash, sizeof trash, "%s/templates/.trash", t->data_dir) == 0 &&
-        (mkdir(trash, 0700) == 0 || errno == EEXIST) &&
+    if (trash_dir(t, trash, sizeof trash) == 0 && (mkdir(trash, 0700) == 0 || errno == EEXIST) &&
         sp_tmpl__pathf(dir, sizeof dir, "%s/XXXXXX", trash) == 0 && mkdtemp(dir) != NULL) {
         if (sp_tmpl__pathf(dst, sizeof dst, "%s/d", dir) == 0 && rename(path, dst) == 0) {
             if (!discard_queue(t, dir))
@@ -257,7 +262,7 @@ void sp_tmpl__discard(sp_tmpl_t *t, const char *path)
 static void discard_leftovers(sp_tmpl_t *t)
 {
     char trash[PATH_MAX], dir[PATH_MAX];
-    if (sp_tmpl__pathf(trash, sizeof trash, "%s/templates/.trash", t->data_dir) < 0)
+    if (trash_dir(t, trash, sizeof trash) < 0)
         return;
     DIR *d = opendir(trash);
     struct dirent *de;
