@@ -247,6 +247,13 @@ class VmApiTest(unittest.TestCase):
         st, r = self.req("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         self.assertEqual(r["operation"]["status"], "succeeded", r)
         self.assertFalse(os.path.exists(vmdir))
+        # its files went into vms/.trash at once, and a worker thread unlinks them (a RAM file
+        # of a GiB holds the loop up to 135 ms): the space is freed, not only the name
+        trash = os.path.join(DATA, "vms", ".trash")
+        deadline = time.time() + 10 * MULT
+        while os.path.isdir(trash) and os.listdir(trash) and time.time() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(os.listdir(trash) if os.path.isdir(trash) else [], [])
         # the operator's counters saw each operation on the real VM (--metrics-listen)
         after = self.ops()
         moved = {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}

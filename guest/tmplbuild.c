@@ -13,7 +13,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -33,6 +32,7 @@
 #include <openssl/evp.h>
 
 #include "base/log.h"
+#include "base/rmtree.h"
 #include "base/text.h"
 #include "guest/embedded.h"
 
@@ -778,22 +778,6 @@ static int run(build_t *b, char *const argv[], char *capture, size_t cap)
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)ftw;
-    if (flag == FTW_DP)
-        rmdir(path);
-    else
-        unlink(path);
-    return 0;
-}
-
-static void rm_rf(const char *path)
-{
-    nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
-}
-
 static int mkdir_p(const char *path, mode_t mode)
 {
     char buf[PATH_MAX];
@@ -843,7 +827,7 @@ static void remove_stale_work(const char *tmpdir, const char *name)
             char p[PATH_MAX];
             if (snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name) < (int)sizeof p) {
                 sp_log(SP_LOG_INFO, "tmplbuild", "removing stale work dir %s", p);
-                rm_rf(p);
+                sp_rm_rf(p);
             }
         }
     }
@@ -1337,7 +1321,7 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
         }
     }
     chmod(p3, 0444);
-    rm_rf(p2); /* the tree is in the image now; free the space early */
+    sp_rm_rf(p2); /* the tree is in the image now; free the space early */
     step_end(&b, "done");
 
     /* 5. Manifest, move into place, swap current. */
@@ -1374,7 +1358,7 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
     rc = 0;
 out:
     if (work[0] != '\0')
-        rm_rf(work);
+        sp_rm_rf(work);
     if (b.log_fd >= 0)
         close(b.log_fd);
     if (lock_fd >= 0)

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "base/buf.h"
+#include "base/rmtree.h"
 #include "core/control/tarcheck.h"
 #include "guest/tmplbuild.h"
 
@@ -145,22 +146,6 @@ static int pathf(char *out, size_t n, const char *fmt, ...)
     int k = vsnprintf(out, n, fmt, ap);
     va_end(ap);
     return k < 0 || (size_t)k >= n ? -1 : 0;
-}
-
-static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *f)
-{
-    (void)st;
-    (void)f;
-    if (flag == FTW_DP)
-        rmdir(p);
-    else
-        unlink(p);
-    return 0;
-}
-
-static void rm_rf(const char *p)
-{
-    nftw(p, rm_entry, 32, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
 static double now_s(void)
@@ -956,7 +941,7 @@ static int build_version(struct imp *m, const sp_tmplbuild_paths_t *base, const 
         return -1;
     }
     sp_buf_free(&o);
-    rm_rf(layout); /* the blobs are in the tree now */
+    sp_rm_rf(layout); /* the blobs are in the tree now */
     t_walk_bytes = 0;
     t_walk_dropped = 0;
     nftw(tree, clean_entry, 32, FTW_PHYS | FTW_MOUNT);
@@ -1115,12 +1100,12 @@ int sp_ociimg_import(const sp_ociimg_opts_t *o, const char *data_dir, const char
             goto out;
         }
         if (build_version(&m, &base, out->tmpl, version, work, cap) < 0) {
-            rm_rf(work);
+            sp_rm_rf(work);
             goto out;
         }
         if (rename(work, vdir) < 0) {
             sp_err_set(err, SP_EINTERNAL, "cannot commit the image: %s", strerror(errno));
-            rm_rf(work);
+            sp_rm_rf(work);
             goto out;
         }
     }
@@ -1141,7 +1126,7 @@ out:
         close(lock);
     if (m.authfile[0] != '\0')
         unlink(m.authfile);
-    rm_rf(m.scratch);
+    sp_rm_rf(m.scratch);
     out->seconds = now_s() - t0;
     return rc;
 }

@@ -26,12 +26,14 @@
 #include "base/buf.h"
 #include "base/ids.h"
 #include "base/log.h"
+#include "base/rmtree.h"
 #include "core/control/dockerfile.h"
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplfiles.h"
 #include "core/egress/secrets.h"
 #include "guest/tmplbuild.h"
+#include "loop/discard.h"
 
 #define BUILD_COLS                                                                                 \
     "b.id, b.template, b.status, coalesce(b.hash, ''), b.cached, coalesce(b.failed_step, 0), "     \
@@ -185,58 +187,6 @@ int sp_tmpl__pathf(char *out, size_t n, const char *fmt, ...)
     return k < 0 || (size_t)k >= n ? -1 : 0;
 }
 
-void sp_tmpl__rm_rf(const char *path)
-{
-    DIR *d = opendir(path);
-    if (d != NULL) {
-        struct dirent *de;
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
-                continue;
-            char p[PATH_MAX];
-            if (sp_tmpl__pathf(p, sizeof p, "%s/%s", path, de->d_name) == 0) {
-                struct stat st;
-                if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode))
-                    sp_tmpl__rm_rf(p);
-                else
-                    unlink(p);
-            }
-        }
-        closedir(d);
-    }
-    rmdir(path);
-}
-
-/* ---- discarding: removal off the loop ---- */
-
-struct discard {
-    char dir[PATH_MAX]; /* <data>/templates/.trash/XXXXXX, holding the discarded path */
-};
-
-static void discard_work(sp_work_t *w, void *arg)
-{
-    (void)w;
-    sp_tmpl__rm_rf(((struct discard *)arg)->dir);
-}
-
-static void discard_done(void *arg, bool cancelled)
-{
-    (void)cancelled;
-    free(arg);
-}
-
-/* Queues the removal of trash/<entry> on a worker thread; false when it cannot be queued. */
-static bool discard_queue(sp_tmpl_t *t, const char *dir)
-{
-    struct discard *x = malloc(sizeof *x);
-    if (x == NULL || sp_tmpl__pathf(x->dir, sizeof x->dir, "%s", dir) < 0 ||
-        sp_loop_work(t->loop, SP_WORK_LONG, discard_work, discard_done, x) == NULL) {
-        free(x);
-        return false;
-    }
-    return true;
-}
-
 /* <data>/templates/.trash, where discarded paths wait for their worker; -1 when too long. */
 static int trash_dir(const sp_tmpl_t *t, char *buf, size_t n)
 {
@@ -245,34 +195,19 @@ static int trash_dir(const sp_tmpl_t *t, char *buf, size_t n)
 
 void sp_tmpl__discard(sp_tmpl_t *t, const char *path)
 {
-    char trash[PATH_MAX], dir[PATH_MAX], dst[PATH_MAX];
-    if (trash_dir(t, trash, sizeof trash) == 0 && (mkdir(trash, 0700) == 0 || errno == EEXIST) &&
-        sp_tmpl__pathf(dir, sizeof dir, "%s/XXXXXX", trash) == 0 && mkdtemp(dir) != NULL) {
-        if (sp_tmpl__pathf(dst, sizeof dst, "%s/d", dir) == 0 && rename(path, dst) == 0) {
-            if (!discard_queue(t, dir))
-                sp_tmpl__rm_rf(dir);
-            return;
-        }
-        rmdir(dir);
-    }
-    sp_tmpl__rm_rf(path); /* not movable (another filesystem?): here, as it was */
+    char trash[PATH_MAX];
+    if (trash_dir(t, trash, sizeof trash) == 0)
+        sp_discard(t->loop, trash, path);
+    else
+        sp_rm_rf(path);
 }
 
 /* What an earlier run discarded and did not finish removing (it stopped or died meanwhile). */
 static void discard_leftovers(sp_tmpl_t *t)
 {
-    char trash[PATH_MAX], dir[PATH_MAX];
-    if (trash_dir(t, trash, sizeof trash) < 0)
-        return;
-    DIR *d = opendir(trash);
-    struct dirent *de;
-    while (d != NULL && (de = readdir(d)) != NULL)
-        if (de->d_name[0] != '.' &&
-            sp_tmpl__pathf(dir, sizeof dir, "%s/%s", trash, de->d_name) == 0 &&
-            !discard_queue(t, dir))
-            sp_tmpl__rm_rf(dir);
-    if (d != NULL)
-        closedir(d);
+    char trash[PATH_MAX];
+    if (trash_dir(t, trash, sizeof trash) == 0)
+        sp_discard_leftovers(t->loop, trash);
 }
 
 /* ---- the API ---- */
@@ -865,7 +800,7 @@ static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
         if (sp_tmplbuild_valid_name(name) &&
             sp_tmpl__pathf(wdir, sizeof wdir, "%s/templates/%s/.build-%s", t->data_dir, name,
                            id) == 0)
-            sp_tmpl__rm_rf(wdir);
+            sp_tmpl__discard(t, wdir);
     }
 }
 

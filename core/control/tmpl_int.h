@@ -169,12 +169,10 @@ struct sp_tmpl__namereq {
 void sp_tmpl__copy(char *dst, size_t cap, const char *src);
 /* snprintf into out; -1 when it does not fit. */
 int sp_tmpl__pathf(char *out, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-/* Removes path and everything under it (symlinks are not followed). */
-void sp_tmpl__rm_rf(const char *path);
-/* Removes path and everything under it like sp_tmpl__rm_rf, but off the loop: path is moved
- * into <data>/templates/.trash at once (gone for every reader when this returns) and unlinked
- * on a worker thread, since a version's files may be gigabytes. What a stop leaves there goes
- * at the next start. Where it cannot be moved, it is removed here. */
+/* Removes path and everything under it off the loop (loop/discard.h): path is moved into
+ * <data>/templates/.trash at once (gone for every reader when this returns) and unlinked on a
+ * worker thread, since a version's files may be gigabytes. What a stop leaves there goes at
+ * the next start. Where it cannot be moved, it is removed here (base/rmtree.h). */
 void sp_tmpl__discard(sp_tmpl_t *t, const char *path);
 /* A Unix user name: [a-z_][a-z0-9_-]*, at most 32. */
 bool sp_tmpl__valid_user(const char *u);

@@ -521,7 +521,7 @@ static void on_destroyed(void *arg, const sp_err_t *err)
     }
     char wdir[PATH_MAX];
     work_dir(b, wdir, sizeof wdir);
-    sp_tmpl__rm_rf(wdir);
+    sp_tmpl__discard(b->t, wdir);
     record_end(b);
 }
 
@@ -1226,7 +1226,7 @@ static void start_vm(struct build *b)
     }
     char wdir[PATH_MAX];
     work_dir(b, wdir, sizeof wdir);
-    sp_tmpl__rm_rf(wdir);
+    sp_tmpl__discard(t, wdir);
     if (wdir[0] == '\0' || mkdir(wdir, 0755) < 0) {
         fail(b, "cannot make the build's work dir: %s", strerror(errno));
         record_end(b);

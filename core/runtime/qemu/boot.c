@@ -243,7 +243,7 @@ static void restore_done(struct vm *vm)
         sp_qemu__vm_path(vm, "snapshot/manifest.json", p, sizeof p);
         unlink(p);
         sp_qemu__vm_path(vm, "snapshot", p, sizeof p);
-        sp_qemu__rm_rf(p);
+        sp_qemu__discard(vm->d, p);
         sp_qemu__shared_forget(vm->d, vm->id); /* the copy it was fetched from is spent too */
         vm->restoring = false;
         vm->snap_step = SN_NONE;
@@ -708,7 +708,8 @@ static void start_disk(struct vm *vm)
         sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");
         return;
     }
-    sp_qemu__rm_rf(vm->dir); /* leftovers of a failed boot; boot() checked there is no snapshot */
+    sp_qemu__discard(d,
+                     vm->dir); /* leftovers of a failed boot; boot() checked there is no snapshot */
     if (mkdir(vm->dir, 0700) < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "cannot create dir=%s err=%s", vm->dir, strerror(errno));
         sp_qemu__boot_fail(vm, "%s", "cannot create the VM directory");

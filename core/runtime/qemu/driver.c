@@ -448,7 +448,8 @@ void sp_qemu__vm_finish(struct vm *vm)
     if (vm->pooled) {
         if (vm->boot_failed)
             sp_qemu__pool_failed(d, vm->pool_key);
-        sp_qemu__rm_rf(vm->dir); /* a spare's logs were logged (console tail) when it failed */
+        sp_qemu__discard(vm->d,
+                         vm->dir); /* a spare's logs were logged (console tail) when it failed */
     } else if (vm->restoring && vm->destroy_w == NULL) {
         /* a failed restore keeps the snapshot (disk, RAM file, device state) to retry */
         static const char *const names[] = {"qmp.sock", "agent.sock", "qemu.pid", "paused",
@@ -461,7 +462,7 @@ void sp_qemu__vm_finish(struct vm *vm)
     } else if (vm->keep_logs && vm->destroy_w == NULL) {
         remove_runtime_files(vm);
     } else {
-        sp_qemu__rm_rf(vm->dir);
+        sp_qemu__discard(vm->d, vm->dir);
     }
     sp_qemu__vm_unlink(vm);
     sp_err_t cancel;
@@ -534,7 +535,7 @@ pid_t sp_qemu__leftover_remove(sp_qemu_t *d, const char *dir, const char *cid)
         kill(-pid, SIGKILL);
         kill(pid, SIGKILL);
     }
-    sp_qemu__rm_rf(dir);
+    sp_qemu__discard(d, dir);
     sp_qemu__cg_remove(d, cid);
     return pid;
 }
@@ -586,7 +587,7 @@ static void adopt_all(sp_qemu_t *d)
             char fdir[PATH_MAX];
             sp_qemu__sfmt(fdir, sizeof fdir, "%s/%s", d->vms_dir, de->d_name);
             if (!d->no_adopt && !sp_qemu__tsnap_tmp_foreign(de->d_name))
-                sp_qemu__rm_rf(fdir);
+                sp_qemu__discard(d, fdir);
             continue;
         }
         if (d->no_adopt || !sp_qemu__valid_id(de->d_name) ||
@@ -941,7 +942,7 @@ static int q_destroy(sp_driver_t *base, const char *id, sp_driver_cb cb, void *a
     sp_qemu__shared_forget(d, id); /* whichever worker deletes it */
     if (vm == NULL) {
         sp_qemu__cg_remove(d, id);
-        sp_qemu__rm_rf(vdir);
+        sp_qemu__discard(d, vdir);
         if (d->snaps_pending)
             sp_qemu__snaps_gc(d, false);
         if (sp_qemu__complete(d, cb, arg, NULL) < 0)
@@ -983,7 +984,7 @@ static sp_vm_state_t q_probe(sp_driver_t *base, const char *id)
     struct stat st;
     if (stat(vdir, &st) == 0) {
         sp_log(SP_LOG_INFO, "qemu", "removing leftovers of a dead vm sandbox=%s", id);
-        sp_qemu__rm_rf(vdir);
+        sp_qemu__discard(d, vdir);
     }
     /* Its group goes only if empty: no VM of ours is alive, so members would be another's. The
      * fleet probes sandboxes that moved to another worker (core/control/fleet.c: comeback),
@@ -1104,7 +1105,7 @@ static void q_free(sp_driver_t *base)
                 waitpid(vm->pid, NULL, WNOHANG);
             }
             sp_qemu__cg_remove(d, vm->id); /* waits briefly for the group to empty */
-            sp_qemu__rm_rf(vm->dir);
+            sp_rm_rf(vm->dir);
         }
         sp_qemu__vm_free(vm);
     }
@@ -1354,6 +1355,8 @@ sp_driver_t *sp_qemu_create(sp_loop_t *loop, const sp_qemu_opts_t *o, sp_err_t *
                                      "--insecure-no-cgroups");
     else
         sp_log(SP_LOG_INFO, "qemu", "per-VM cgroup limits: %s", sp_cgroup_why(d->cg));
+    if (!d->no_adopt)
+        sp_qemu__discard_leftovers(d);
     adopt_all(d);
     sp_qemu__snaps_gc(d, true);
     sp_qemu__pool_metrics_start(d);

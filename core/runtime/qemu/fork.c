@@ -150,7 +150,7 @@ void sp_qemu__fork_abort(struct vm *vm)
         return;
     vm->fork = NULL;
     vm->snap_step = SN_NONE;
-    sp_qemu__rm_rf(f->tmp);
+    sp_qemu__discard(vm->d, f->tmp);
     sp_log(SP_LOG_INFO, "qemu", "snapshot abandoned sandbox=%s snapshot=%s", vm->id, f->sid);
     fork_free(f);
 }
@@ -330,17 +330,17 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
         return sp_err_set(err, SP_ECONFLICT, "snapshot %s exists", snapshot_id);
     }
     /* 0711 and 0755: a fork's jailed QEMU reads the disk through a bind mount of the file */
-    sp_qemu__rm_rf(f->tmp);
+    sp_qemu__discard(d, f->tmp);
     if ((mkdir(d->snaps_dir, 0711) < 0 && errno != EEXIST) || mkdir(f->tmp, 0755) < 0 ||
         mkdir(sdir, 0755) < 0) {
         int en = errno;
-        sp_qemu__rm_rf(f->tmp);
+        sp_qemu__discard(d, f->tmp);
         free(f);
         return sp_err_set(err, SP_ERUNTIME, "cannot create the snapshot directory: %s",
                           strerror(en));
     }
     if (sp_qemu__add_waiter(&vm->snap_w, cb, arg, err) < 0) {
-        sp_qemu__rm_rf(f->tmp);
+        sp_qemu__discard(d, f->tmp);
         free(f);
         return -1;
     }
@@ -496,7 +496,7 @@ static int copy_json(const char *src, const char *dst, const char *const drop[])
 static int fork_layout(const sp_qemu_t *d, const char *sdir, const char *vdir, const char **step)
 {
     char a[PATH_MAX + 40], b[PATH_MAX + 40];
-    sp_qemu__rm_rf(vdir); /* leftovers of a failed boot; q_boot checked nothing runs there */
+    sp_qemu__discard(d, vdir); /* leftovers of a failed boot; q_boot checked nothing runs there */
     *step = "cannot create the VM directory";
     bool ok = (mkdir(d->vms_dir, 0700) == 0 || errno == EEXIST) && mkdir(vdir, 0700) == 0;
     if (ok) {
@@ -533,7 +533,7 @@ static int fork_layout(const sp_qemu_t *d, const char *sdir, const char *vdir, c
     }
     if (!ok) {
         int en = errno;
-        sp_qemu__rm_rf(vdir);
+        sp_qemu__discard(d, vdir);
         errno = en;
         return -1;
     }
@@ -563,7 +563,7 @@ int sp_qemu__fork_spare_start(struct vm *vm, const char *sid)
     }
     sp_log(SP_LOG_INFO, "qemu", "spare fork not made spare=%s snapshot=%s reason=\"%s\"", vm->id,
            sid, step);
-    sp_qemu__rm_rf(vm->dir);
+    sp_qemu__discard(vm->d, vm->dir);
     return -1;
 }
 
@@ -585,7 +585,7 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     sp_log(SP_LOG_INFO, "qemu", "booting from a snapshot sandbox=%s snapshot=%s",
            spec->sandbox_id, spec->snapshot_id);
     if (sp_qemu__q_restore(&d->base, spec, cb, arg, err) < 0) {
-        sp_qemu__rm_rf(vdir);
+        sp_qemu__discard(d, vdir);
         return -1;
     }
     return 0;
@@ -615,7 +615,7 @@ int sp_qemu__fork_seed(struct vm *b, const char *sid)
             step = "it was taken under another accelerator";
     }
     json_decref(man);
-    sp_qemu__rm_rf(b->dir); /* a failed build's leftovers (tsnap_clean_tmp killed its QEMU) */
+    sp_qemu__discard(d, b->dir); /* a failed build's leftovers (tsnap_clean_tmp killed its QEMU) */
     if (step == NULL && (mkdir(b->dir, 0700) < 0 ||
                          (sp_qemu__sfmt(a, sizeof a, "%s/snapshot", b->dir), mkdir(a, 0700)) < 0))
         step = "cannot create the directory", en = errno;
@@ -636,7 +636,7 @@ int sp_qemu__fork_seed(struct vm *b, const char *sid)
         sp_log(SP_LOG_WARN, "qemu",
                "template snapshot boots cold: snapshot %s cannot seed it template=%s (%s%s%s)", sid,
                b->template_name, step, en ? ": " : "", en ? strerror(en) : "");
-        sp_qemu__rm_rf(b->dir);
+        sp_qemu__discard(d, b->dir);
         return -1;
     }
     return 0;
@@ -732,7 +732,7 @@ void sp_qemu__snaps_gc(sp_qemu_t *d, bool at_start)
                 if (at_start && ours && pid != (int)getpid() && !sp_qemu__file_exists(proc)) {
                     sp_log(SP_LOG_INFO, "qemu", "removing an unfinished snapshot dir=%s",
                            de->d_name);
-                    sp_qemu__rm_rf(sd);
+                    sp_qemu__discard(d, sd);
                 }
                 continue;
             }
@@ -745,7 +745,7 @@ void sp_qemu__snaps_gc(sp_qemu_t *d, bool at_start)
             }
             sp_log(SP_LOG_INFO, "qemu", "removing a deleted sandbox snapshot snapshot=%s",
                    de->d_name);
-            sp_qemu__rm_rf(sd);
+            sp_qemu__discard(d, sd);
             removed = true;
         }
         closedir(dir);

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "base/rmtree.h"
 #include "core/channel/agentconn.h"
 #include "core/channel/exec.h"
 #include "core/runtime/cgroup.h"
@@ -647,7 +648,12 @@ void sp_qemu__vm_path(const struct vm *vm, const char *name, char *out, size_t n
 bool sp_qemu__file_exists(const char *p);
 ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n);
 int sp_qemu__write_atomic(const char *path, const char *data, size_t len);
-void sp_qemu__rm_rf(const char *path);
+/* Removes path (a VM or snapshot directory) off the loop (loop/discard.h): renamed into
+ * <vms>/.trash at once, unlinked on a worker; a RAM file of a GiB takes 55-135 ms to unlink.
+ * Loop thread only; workers call sp_rm_rf (base/rmtree.h). */
+void sp_qemu__discard(const sp_qemu_t *d, const char *path);
+/* At start: what an earlier run discarded and had not finished removing. */
+void sp_qemu__discard_leftovers(const sp_qemu_t *d);
 int sp_qemu__pidfd_open(pid_t pid);
 void sp_qemu__console_tail(const struct vm *vm, char *out, size_t n);
 void sp_qemu__console_trim(const struct vm *vm);

@@ -245,7 +245,7 @@ static int publish_vm_json(struct xfer *x)
 static int publish_run(struct xfer *x)
 {
     char p[PATH_MAX + 64], q[PATH_MAX + 64];
-    sp_qemu__rm_rf(x->tmp);
+    sp_rm_rf(x->tmp);
     sp_qemu__sfmt(p, sizeof p, "%s/snapshot", x->tmp);
     if (mkdir(x->tmp, 0700) < 0 || mkdir(p, 0700) < 0)
         return fail(x, "cannot create", p);
@@ -292,7 +292,7 @@ static int publish_run(struct xfer *x)
     sp_qemu__sfmt(p, sizeof p, "%s/snapshot", x->tmp);
     sp_qemu__fsync_path(p, O_RDONLY | O_DIRECTORY);
     sp_qemu__fsync_path(x->tmp, O_RDONLY | O_DIRECTORY);
-    sp_qemu__rm_rf(x->dst); /* an older one is stale: this sandbox ran since */
+    sp_rm_rf(x->dst); /* an older one is stale: this sandbox ran since */
     if (rename(x->tmp, x->dst) < 0)
         return fail(x, "cannot rename into place", x->dst);
     fsync_dir_of(x->dst);
@@ -332,7 +332,7 @@ static int fetch_copy_dir(struct xfer *x, const char *sub)
 
 static int fetch_run(struct xfer *x)
 {
-    sp_qemu__rm_rf(x->tmp);
+    sp_rm_rf(x->tmp);
     if (fetch_copy_dir(x, "") < 0 || fetch_copy_dir(x, "/snapshot") < 0)
         return -1;
     return 0;
@@ -345,9 +345,9 @@ static void xfer_run(sp_work_t *w, void *arg)
     uint64_t t0 = sp_qemu__mono_ms();
     x->rc = x->fetch ? fetch_run(x) : publish_run(x);
     if (x->rc == 0 && !x->fetch)
-        sp_qemu__rm_rf(x->src); /* nothing of it stays on this worker */
+        sp_rm_rf(x->src); /* nothing of it stays on this worker */
     if (x->rc < 0)
-        sp_qemu__rm_rf(x->tmp);
+        sp_rm_rf(x->tmp);
     x->ms = sp_qemu__mono_ms() - t0;
 }
 
@@ -375,7 +375,7 @@ static void publish_done(struct xfer *x)
     struct vm *vm = x->vm;
     if (vm == NULL) { /* deleted meanwhile: what the job may have put in place goes too */
         if (x->rc == 0)
-            sp_qemu__rm_rf(x->dst);
+            sp_rm_rf(x->dst);
         xfer_free(x);
         return;
     }
@@ -397,7 +397,7 @@ static void fetch_done(struct xfer *x)
 {
     sp_qemu_t *d = x->d;
     if (d == NULL) {
-        sp_qemu__rm_rf(x->tmp);
+        sp_rm_rf(x->tmp);
         xfer_free(x);
         return;
     }
@@ -416,7 +416,7 @@ static void fetch_done(struct xfer *x)
         sp_err_set(&e, SP_ERUNTIME,
                    "cannot wake: the snapshot cannot be read from the snapshot dir");
     } else {
-        sp_qemu__rm_rf(x->dst); /* leftovers of an earlier wake here: the shared copy is newer */
+        sp_rm_rf(x->dst); /* leftovers of an earlier wake here: the shared copy is newer */
         if (rename(x->tmp, x->dst) < 0) {
             sp_log(SP_LOG_WARN, "qemu", "cannot rename the snapshot in sandbox=%s err=%s", x->id,
                    strerror(errno));
@@ -429,7 +429,7 @@ static void fetch_done(struct xfer *x)
         }
     }
     if (x->rc < 0)
-        sp_qemu__rm_rf(x->tmp);
+        sp_rm_rf(x->tmp);
     for (struct req *r = x->reqs; r != NULL; r = r->next) {
         sp_vm_spec_t spec = {.sandbox_id = r->id,
                              .template_name = r->template_name,
@@ -642,7 +642,7 @@ void sp_qemu__shared_forget(sp_qemu_t *d, const char *id)
     }
     char p[PATH_MAX + 96];
     sp_qemu__sfmt(p, sizeof p, "%s/sandboxes/%s", d->shared_dir, id);
-    sp_qemu__rm_rf(p);
+    sp_rm_rf(p);
     fsync_dir_of(p);
 }
 

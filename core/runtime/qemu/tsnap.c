@@ -301,7 +301,7 @@ void sp_qemu__tsnap_gc(sp_qemu_t *d)
                 sp_log(SP_LOG_INFO, "qemu", "removing template snapshot dir=%s reason=\"%s\"",
                        spath, why);
                 sp_qemu__confine_ram_forget(d, spath); /* a copy in flight is let go */
-                sp_qemu__rm_rf(spath);
+                sp_qemu__discard(d, spath);
                 removed++;
             }
             if (sd != NULL)
@@ -479,7 +479,7 @@ struct tsnap *sp_qemu__tsnap_for(struct vm *vm)
         }
         sp_log(SP_LOG_WARN, "qemu", "template snapshot is damaged: removed, rebuilding dir=%s",
                t->dir);
-        sp_qemu__rm_rf(t->dir);
+        sp_qemu__discard(d, t->dir);
     }
     if (tsnap_build_start(d, t, vm) < 0) {
         t->state = TS_FAILED;
@@ -750,7 +750,7 @@ void sp_qemu__tsnap_commit(struct vm *vm)
         sp_qemu__fsync_path(vm->dir, O_RDONLY | O_DIRECTORY);
         if (rename(vm->dir, t->dir) < 0) {
             /* another spaced on this data dir committed the same key first: use theirs */
-            sp_qemu__rm_rf(vm->dir);
+            sp_qemu__discard(vm->d, vm->dir);
             if (!tsnap_valid(t->dir, t->key, vm->memory_mb))
                 why = "commit";
         } else {

@@ -10,7 +10,6 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -23,6 +22,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "loop/discard.h"
 
 /* ---------- small helpers ---------- */
 
@@ -146,16 +146,25 @@ int sp_qemu__write_atomic(const char *path, const char *data, size_t len)
     return 0;
 }
 
-static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f)
+/* <vms>/.trash: never a sandbox id (valid ids do not start with a dot), nor a builder's,
+ * spare's or fetch's temporary name. */
+static void trash_dir(const sp_qemu_t *d, char *out, size_t n)
 {
-    if (remove(p) < 0 && errno != ENOENT)
-        sp_log(SP_LOG_WARN, "qemu", "cannot remove path=%s err=%s", p, strerror(errno));
-    return 0;
+    sp_qemu__sfmt(out, n, "%s/.trash", d->vms_dir);
 }
 
-void sp_qemu__rm_rf(const char *path)
+void sp_qemu__discard(const sp_qemu_t *d, const char *path)
 {
-    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+    char trash[PATH_MAX + 16];
+    trash_dir(d, trash, sizeof trash);
+    sp_discard(d->base.loop, trash, path);
+}
+
+void sp_qemu__discard_leftovers(const sp_qemu_t *d)
+{
+    char trash[PATH_MAX + 16];
+    trash_dir(d, trash, sizeof trash);
+    sp_discard_leftovers(d->base.loop, trash);
 }
 
 int sp_qemu__pidfd_open(pid_t pid)
