@@ -13,6 +13,7 @@
  * runs on B, a probe on A (which has nothing of it) leaves B's VM alone.
  * Skips (77) without QEMU or a built base template.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +36,27 @@ static bool exists(const char *fmt, const char *a, const char *b)
     snprintf(p, sizeof p, fmt, a, b);
     struct stat st;
     return stat(p, &st) == 0;
+}
+
+/* Whether the shared dir's trash (what a worker let go of there: loop/discard.h) is empty
+ * within 10 s of the loop running: the space is freed, not only the name. */
+static bool shared_trash_drains(void)
+{
+    char p[8192];
+    snprintf(p, sizeof p, "%s/sandboxes/.trash", snap_dir);
+    for (int i = 0; i < 200; i++) {
+        DIR *d = opendir(p);
+        int n = 0;
+        struct dirent *de;
+        while (d != NULL && (de = readdir(d)) != NULL)
+            n += de->d_name[0] != '.';
+        if (d != NULL)
+            closedir(d);
+        if (n == 0)
+            return true;
+        vt_run_for(50);
+    }
+    return false;
 }
 
 static sp_driver_t *worker(const char *data_dir)
@@ -143,6 +165,7 @@ int main(void)
     fprintf(stderr, "wake on B: %.0f ms\n", wake(b, id));
     check_alive(b, id, before);
     CHECK(!exists("%s/sandboxes/%s", snap_dir, id));
+    CHECK(shared_trash_drains());
     CHECK(!exists("%s/vms/%s", vt_data_dir, id));
     CHECK(exists("%s/vms/%s/disk.qcow2", b_dir, id));
 
@@ -173,6 +196,7 @@ int main(void)
     CHECK(!exists("%s/sandboxes/%s", snap_dir, id));
     CHECK(!exists("%s/vms/%s", vt_data_dir, id));
     CHECK(!exists("%s/vms/%s", b_dir, id));
+    CHECK(shared_trash_drains());
     sp_driver_destroy(b);
 
     char cmd[8400];

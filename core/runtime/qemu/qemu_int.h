@@ -649,10 +649,12 @@ bool sp_qemu__file_exists(const char *p);
 ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n);
 int sp_qemu__write_atomic(const char *path, const char *data, size_t len);
 /* Removes path (a VM or snapshot directory) off the loop (loop/discard.h): renamed into
- * <vms>/.trash at once, unlinked on a worker; a RAM file of a GiB takes 55-135 ms to unlink.
- * Loop thread only; workers call sp_rm_rf (base/rmtree.h). */
+ * <vms>/.trash (<shared>/sandboxes/.trash for a path in the shared snapshot dir) at once,
+ * unlinked on a worker; a RAM file of a GiB takes 55-135 ms to unlink. Loop thread only;
+ * workers call sp_rm_rf (base/rmtree.h). */
 void sp_qemu__discard(const sp_qemu_t *d, const char *path);
-/* At start: what an earlier run discarded and had not finished removing. */
+/* At start: what an earlier run (or, in the shared dir, any worker) discarded and had not
+ * finished removing. */
 void sp_qemu__discard_leftovers(const sp_qemu_t *d);
 int sp_qemu__pidfd_open(pid_t pid);
 void sp_qemu__console_tail(const struct vm *vm, char *out, size_t n);

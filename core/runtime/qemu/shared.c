@@ -374,7 +374,9 @@ static void publish_done(struct xfer *x)
 {
     struct vm *vm = x->vm;
     if (vm == NULL) { /* deleted meanwhile: what the job may have put in place goes too */
-        if (x->rc == 0)
+        if (x->rc == 0 && x->d != NULL)
+            sp_qemu__discard(x->d, x->dst);
+        else if (x->rc == 0)
             sp_rm_rf(x->dst);
         xfer_free(x);
         return;
@@ -416,7 +418,7 @@ static void fetch_done(struct xfer *x)
         sp_err_set(&e, SP_ERUNTIME,
                    "cannot wake: the snapshot cannot be read from the snapshot dir");
     } else {
-        sp_rm_rf(x->dst); /* leftovers of an earlier wake here: the shared copy is newer */
+        sp_qemu__discard(d, x->dst); /* an earlier wake's leftovers: the shared copy is newer */
         if (rename(x->tmp, x->dst) < 0) {
             sp_log(SP_LOG_WARN, "qemu", "cannot rename the snapshot in sandbox=%s err=%s", x->id,
                    strerror(errno));
@@ -429,7 +431,7 @@ static void fetch_done(struct xfer *x)
         }
     }
     if (x->rc < 0)
-        sp_rm_rf(x->tmp);
+        sp_qemu__discard(d, x->tmp);
     for (struct req *r = x->reqs; r != NULL; r = r->next) {
         sp_vm_spec_t spec = {.sandbox_id = r->id,
                              .template_name = r->template_name,
@@ -642,7 +644,7 @@ void sp_qemu__shared_forget(sp_qemu_t *d, const char *id)
     }
     char p[PATH_MAX + 96];
     sp_qemu__sfmt(p, sizeof p, "%s/sandboxes/%s", d->shared_dir, id);
-    sp_rm_rf(p);
+    sp_qemu__discard(d, p); /* renamed away at once; the removal is made durable below */
     fsync_dir_of(p);
 }
 
