@@ -14,7 +14,7 @@ writing a counter (its memory moves on while it is snapshotted). Prints medians 
     template snapshot clone); all from spares when one is ready (the first create from a
     snapshot has none: it makes the pool keep some), as users get them.
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
-Environment: BENCH_SNAPS (7 rounds), BENCH_CREATES (7).
+Environment: BENCH_SNAPS (7 rounds), BENCH_CREATES (7), BENCH_GAP (1.0 s between creates).
 """
 import json
 import os
@@ -27,6 +27,7 @@ from benchlib import Platform, line, ratio  # noqa: E402
 
 SNAPS = int(os.environ.get("BENCH_SNAPS", "7"))
 CREATES = int(os.environ.get("BENCH_CREATES", "7"))
+GAP = float(os.environ.get("BENCH_GAP", "1.0"))
 COUNTER = ("nohup python3 -c 'import time\ni = 0\nb = bytearray(32 << 20)\nwhile True:\n"
            "    i += 1\n    b[(i * 4096) % len(b)] = i & 255\n"
            "    open(\"/tmp/count\", \"w\").write(str(i))\n    time.sleep(0.01)' "
@@ -47,7 +48,7 @@ def create_first_cmd(s, body):
     cmd(s, sid, "true")
     ms = (time.time() - t0) * 1000
     s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
-    time.sleep(1.0)  # the pool refills between creates: each create finds what users find
+    time.sleep(GAP)  # the pool refills between creates: each create finds what users find
     return ms
 
 
