@@ -1,10 +1,11 @@
 /*
  * cgroup.h - the guest's workload cgroup: every command the agent starts
- * runs in a cgroup v2 group, one per command inside one for all, whose
- * memory and task limits leave the agent (in the root group, at a real-time
- * priority) room to answer however the workload behaves (a fork bomb, a
- * memory bomb), so the sandbox stays reachable and a kill still gets
- * through: a killed command takes every process it started along.
+ * runs in a cgroup v2 group, one per command inside one for all. The CPU is
+ * shared between commands at equal weight, and memory and task limits leave
+ * the agent (in the root group, at a real-time priority) room to answer
+ * however the workload behaves (a fork bomb, a memory bomb), so the sandbox
+ * stays reachable and a kill still gets through: a killed command takes
+ * every process it started along.
  */
 #ifndef SP_AGENT_CGROUP_H
 #define SP_AGENT_CGROUP_H
@@ -30,7 +31,7 @@ sp_cgroup_limits_t sp_cgroup_limits(uint64_t mem_total, uint64_t mem_avail);
 
 /*
  * PID 1 at boot: mounts cgroup2 at SP_CGROUP_ROOT when missing, enables the
- * memory and pids controllers for its children and creates
+ * memory, pids and cpu controllers for its children and creates
  * SP_CGROUP_WORK with the limits for this guest's RAM. A kernel without
  * cgroup v2 (or a controller) only logs: commands then run unconfined.
  * 0 when the group is ready, -1 otherwise.

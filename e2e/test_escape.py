@@ -30,7 +30,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import KEEP, MULT, Platform, vm_skip_reason, wait_s  # noqa: E402
+from harness import KEEP, MULT, Platform, vm_skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 SPACED_TEST = os.environ.get("SPACED_TEST")
@@ -798,6 +798,13 @@ class EscapeTest(unittest.TestCase):
         # which stays while they do); what a command killed at its timeout started is killed
         # with it, a process that left its session included; and groups do not pile up: a
         # finished command's empty group is reused.
+        # the command's own group, and the controllers its group gets from the workload's:
+        # cpu among them, so commands share the CPU as groups (a fork bomb gets one share)
+        c = self.cmd(self.a, "cat /proc/self/cgroup /sys/fs/cgroup/sandbox/cgroup.subtree_control")
+        own, controllers = c["stdout"].split("\n", 1)
+        self.assertRegex(own.strip(), r"^0::/sandbox/c[0-9]+$", c)
+        self.assertEqual(set(controllers.split()) & {"cpu", "memory", "pids"},
+                         {"cpu", "memory", "pids"}, c)
         c = self.cmd(self.a, "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
         kept = int(c["stdout"])
         for _ in range(20):
