@@ -25,17 +25,9 @@ static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *
 
 int sp_rm_rf(const char *path)
 {
-    struct stat st;
-    if (lstat(path, &st) < 0)
-        return errno == ENOENT ? 0 : -1;
-    if (!S_ISDIR(st.st_mode)) {
-        if (unlink(path) < 0 && errno != ENOENT) {
-            sp_log(SP_LOG_WARN, "fs", "cannot remove path=%s err=%s", path, strerror(errno));
-            return -1;
-        }
-        return 0;
-    }
-    /* 16 descriptors at most: deeper trees are walked by reopening, not refused */
+    /* nftw reports a file or a link itself (FTW_F, FTW_SL) and nothing for a missing path.
+     * 16 descriptors at most: deeper trees are walked by reopening, not refused. */
     nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+    struct stat st;
     return lstat(path, &st) < 0 && errno == ENOENT ? 0 : -1;
 }
