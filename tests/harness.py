@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -102,12 +103,33 @@ def skip_unless_agent(testcase_cls):
     return testcase_cls
 
 
+def _port_free(port, kind):
+    s = socket.socket(socket.AF_INET, kind)
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A loopback port free for TCP and UDP, below the kernel's ephemeral range: a port taken
+    from that range and closed may go to an outgoing connection of a suite running beside
+    this one before the server it is meant for binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    base = 10000 if lo > 11024 else 1024
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(base, max(lo, base + 1))
+        if _port_free(port, socket.SOCK_STREAM) and _port_free(port, socket.SOCK_DGRAM):
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def connect_local(port, timeout, rcvbuf=None, host="127.0.0.1"):

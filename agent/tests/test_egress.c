@@ -38,6 +38,7 @@
 #include "agent/tests/agenthost.h"
 #include "base/agentproto.h"
 #include "tests/check.h"
+#include "tests/ports.h"
 
 static char tmpdir[64], sock_path[100], resolv_path[128], profile_path[160];
 static int dns_port;
@@ -117,17 +118,6 @@ static void kill_agent(void)
 }
 
 /* ---- guest side ---- */
-
-static int free_port(int type)
-{
-    int s = socket(AF_INET, type | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof(sa);
-    REQUIRE(bind(s, (struct sockaddr *)&sa, sizeof(sa)) == 0);
-    REQUIRE(getsockname(s, (struct sockaddr *)&sa, &sl) == 0);
-    close(s);
-    return ntohs(sa.sin_port);
-}
 
 /* Blocking connect to 127.0.0.1:port; -1 with errno if refused. */
 static int tcp_connect(int port)
@@ -815,7 +805,8 @@ static void test_egress_reconfigure(int port)
 {
     uint32_t s_old;
     int c_old = proxy_client(port, &s_old);
-    int port2 = free_port(SOCK_STREAM);
+    int port2 = test_free_port();
+    REQUIRE(port2 > 0);
     CHECK(configure((uint32_t)port2, false) == 0);
     /* Old port closed, new one serving, the open connection carries on. */
     CHECK(tcp_connect(port) < 0 && errno == ECONNREFUSED);
@@ -1068,7 +1059,8 @@ int main(void)
     ah_prepare("sp-egress-test", tmpdir, sizeof(tmpdir), sock_path, sizeof(sock_path));
     snprintf(resolv_path, sizeof(resolv_path), "%s/resolv.conf", tmpdir);
     snprintf(profile_path, sizeof(profile_path), "%s/profile.d/space-egress.sh", tmpdir);
-    dns_port = free_port(SOCK_DGRAM);
+    dns_port = test_free_port();
+    REQUIRE(dns_port > 0);
     char dp[16];
     snprintf(dp, sizeof(dp), "%d", dns_port);
     setenv("SP_AGENT_EGRESS_DNS_PORT", dp, 1);
@@ -1078,7 +1070,8 @@ int main(void)
     atexit(kill_agent); /* REQUIRE exits early */
     ah_connect(sock_path);
 
-    int port = free_port(SOCK_STREAM);
+    int port = test_free_port();
+    REQUIRE(port > 0);
     test_egress_caps_and_bad_config();
     int fds0 = agent_fds();
     test_egress_files_and_env(port);

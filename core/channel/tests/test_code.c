@@ -26,6 +26,7 @@
 #include "core/channel/code.h"
 #include "core/channel/tests/real_agent.h"
 #include "tests/check.h"
+#include "tests/ports.h"
 
 static sp_loop_t *loop;
 static char dir[] = "/tmp/sp-code-test.XXXXXX";
@@ -433,20 +434,6 @@ static void test_code_cancel_inside_callback(sp_agentconn_t *c)
     daemon_stop(d);
 }
 
-static int free_port(void)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(sa);
-    int p = -1;
-    if (bind(s, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-        getsockname(s, (struct sockaddr *)&sa, &len) == 0)
-        p = ntohs(sa.sin_port);
-    close(s);
-    return p;
-}
-
 int main(void)
 {
     test_code_language();
@@ -457,7 +444,8 @@ int main(void)
         return 1;
     snprintf(script, sizeof(script), "%s/space-code", dir);
     snprintf(starts, sizeof(starts), "%s/starts", dir);
-    port = free_port();
+    port = test_free_port();
+    REQUIRE(port > 0);
     char ps[16];
     snprintf(ps, sizeof(ps), "%d", port);
     setenv("SPACE_CODE_PORT", ps, 1); /* read once, at the first request */
