@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import netns  # noqa: E402
 from fleet import (PORT_SERVER, kill_qemus, live_vms, vm_pid, websocket_echo,  # noqa: E402
                    worker_data_dir)
-from harness import (MULT, PgCluster, Spaced, vm_skip_reason, wait_s,  # noqa: E402
+from harness import (MULT, PgCluster, Spaced, read_number_cmd, vm_skip_reason, wait_s,  # noqa: E402
                      wait_until)
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -54,8 +54,7 @@ MEM_MB = 256
 CREATES_AT_ONCE = 3
 RUN_PREFIX = "fleet-netns-"
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
-# `echo $i > f` truncates before it writes: a read (or a suspend) can land in between
-READ_COUNT = 'for k in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n "$v" ] && break; sleep 0.05; done; echo "$v"'
+READ_COUNT = read_number_cmd("/tmp/count")
 
 
 def pysdk_python():

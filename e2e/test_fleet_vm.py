@@ -26,15 +26,14 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import PgCluster, Spaced, vm_skip_reason, wait_s, wait_until  # noqa: E402
+from harness import PgCluster, Spaced, read_number_cmd, vm_skip_reason, wait_s, wait_until  # noqa: E402
 import fleet  # noqa: E402
 from fleet import qemu_cmdlines  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
-# `echo $i > f` truncates before it writes: a read (or a suspend) can land in between
-READ_COUNT = 'for k in $(seq 1 100); do v=$(cat /tmp/count 2>/dev/null); [ -n "$v" ] && break; sleep 0.05; done; echo "$v"'
+READ_COUNT = read_number_cmd("/tmp/count")
 
 
 def worker_data_dir(path):

@@ -14,13 +14,10 @@ import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, free_port, Platform, vm_skip_reason, wait_s  # noqa: E402
+from harness import MULT, free_port, Platform, read_number_cmd, vm_skip_reason, wait_s  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
-# the background counter's value, read until the file holds a number: the loop's
-# `echo $i > /tmp/counter` truncates before it writes, and a read or a pause can land in between
-READ_COUNTER = ('for k in $(seq 1 100); do v=$(cat /tmp/counter 2>/dev/null); [ -n "$v" ] && break; '
-                'sleep 0.05; done; echo "$v"')
+READ_COUNTER = read_number_cmd("/tmp/counter")  # the background counter's value
 
 
 def skip_reason():
@@ -221,7 +218,6 @@ class VmApiTest(unittest.TestCase):
         cid = r["id"]
 
         def counter():
-            # read until the file holds a number: `echo $i > f` truncates before it writes
             return int(self.run_cmd(sid, {"cmd": READ_COUNTER})["stdout"])
 
         time.sleep(0.5)

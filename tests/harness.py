@@ -103,6 +103,14 @@ def skip_unless_agent(testcase_cls):
     return testcase_cls
 
 
+def read_number_cmd(path):
+    """A guest shell command that prints the number in path, read until the file holds one
+    (for at most 5 s): a counter loop's `echo $i > path` truncates before it writes, and a
+    read, a pause or a snapshot can land in between."""
+    return ('for k in $(seq 1 100); do v=$(cat %s 2>/dev/null); [ -n "$v" ] && break; '
+            'sleep 0.05; done; echo "$v"' % path)
+
+
 def _port_free(port, kind):
     s = socket.socket(socket.AF_INET, kind)
     try:

@@ -646,6 +646,8 @@ bool sp_qemu__have_program(const char *name);
 bool sp_qemu__valid_id(const char *id);
 void sp_qemu__vm_path(const struct vm *vm, const char *name, char *out, size_t n);
 bool sp_qemu__file_exists(const char *p);
+/* path lies inside dir (a prefix followed by a slash); never inside an empty dir. */
+bool sp_qemu__path_under(const char *path, const char *dir);
 ssize_t sp_qemu__read_small(const char *path, char *buf, size_t n);
 int sp_qemu__write_atomic(const char *path, const char *data, size_t len);
 /* Removes path (a VM or snapshot directory) off the loop (loop/discard.h): renamed into

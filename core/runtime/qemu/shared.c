@@ -75,12 +75,6 @@ struct xfer {
     uint64_t ms, bytes;
 };
 
-static bool under(const char *path, const char *dir)
-{
-    size_t n = strlen(dir);
-    return dir[0] != '\0' && strncmp(path, dir, n) == 0 && path[n] == '/';
-}
-
 static int mkdir_p(const char *path, mode_t mode)
 {
     char p[PATH_MAX];
@@ -203,14 +197,15 @@ static int publish_disk(struct xfer *x, bool *rewrote)
             sp_qemu__sfmt(out, sizeof out, "%s/layer-%d.qcow2", x->tmp, k);
         bool has = sp_qemu__qcow2_backing(cur, next, sizeof next) &&
                    sp_qemu__qcow2_backing_name(cur, raw, sizeof raw);
-        if (has && under(next, x->shared))
+        if (has && sp_qemu__path_under(next, x->shared))
             sp_qemu__sfmt(want, sizeof want, "%s", ""); /* keeps its absolute name */
         else if (has)
             sp_qemu__sfmt(want, sizeof want, "layer-%d.qcow2", k + 1);
         bool rename_backing = has && want[0] != '\0' && strcmp(raw, want) != 0;
         if (has && want[0] == '\0' && strcmp(raw, next) != 0)
             rename_backing = true; /* a relative name into the shared dir: made absolute */
-        if (copy_file(cur, out, 0644, !rename_backing && under(cur, x->src), &x->bytes) < 0)
+        if (copy_file(cur, out, 0644, !rename_backing && sp_qemu__path_under(cur, x->src),
+                      &x->bytes) < 0)
             return fail(x, "cannot copy", cur);
         if (rename_backing && sp_qemu__qcow2_set_backing(out, want[0] != '\0' ? want : next) < 0)
             return fail(x, "cannot name the backing file of", out);
@@ -654,7 +649,7 @@ void sp_qemu__shared_forget(sp_qemu_t *d, const char *id)
  * images/...), into out[n]; false when local is not one. */
 static bool shared_name(const sp_qemu_t *d, const char *local, char *out, size_t n)
 {
-    if (!under(local, d->data_dir))
+    if (!sp_qemu__path_under(local, d->data_dir))
         return false;
     const char *rel = local + strlen(d->data_dir) + 1;
     if (strncmp(rel, "templates/", 10) != 0 && strncmp(rel, "images/", 7) != 0)
@@ -672,7 +667,8 @@ static bool publish_image(const sp_qemu_t *d, const char *local, const char *out
     if (stat(out, &st) == 0)
         return true;
     char back[PATH_MAX], lock[PATH_MAX + 32], tmp[PATH_MAX + 32];
-    if (sp_qemu__qcow2_backing(local, back, sizeof back) && !under(back, d->shared_dir))
+    if (sp_qemu__qcow2_backing(local, back, sizeof back) &&
+        !sp_qemu__path_under(back, d->shared_dir))
         return false;
     sp_qemu__sfmt(lock, sizeof lock, "%s/templates/.lock", d->shared_dir);
     int lfd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);

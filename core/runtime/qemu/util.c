@@ -146,14 +146,19 @@ int sp_qemu__write_atomic(const char *path, const char *data, size_t len)
     return 0;
 }
 
-/* Where path goes to be unlinked: <shared>/sandboxes/.trash for what is under the shared
- * snapshot dir (another filesystem, seen by every worker), else <vms>/.trash. Neither is ever
- * a sandbox id (valid ids do not start with a dot), nor a builder's, spare's, fetch's or
- * publish's temporary name. */
-static void trash_dir(const sp_qemu_t *d, const char *path, char *out, size_t n)
+bool sp_qemu__path_under(const char *path, const char *dir)
 {
-    size_t k = strlen(d->shared_dir);
-    if (k > 0 && path != NULL && strncmp(path, d->shared_dir, k) == 0 && path[k] == '/')
+    size_t n = strlen(dir);
+    return dir[0] != '\0' && strncmp(path, dir, n) == 0 && path[n] == '/';
+}
+
+/* Where path goes to be unlinked: <shared>/sandboxes/.trash for what is under the shared
+ * snapshot dir (another filesystem, seen by every worker; shared true), else <vms>/.trash.
+ * Neither is ever a sandbox id (valid ids do not start with a dot), nor a builder's, spare's,
+ * fetch's or publish's temporary name. */
+static void trash_dir(const sp_qemu_t *d, bool shared, char *out, size_t n)
+{
+    if (shared)
         sp_qemu__sfmt(out, n, "%s/sandboxes/.trash", d->shared_dir);
     else
         sp_qemu__sfmt(out, n, "%s/.trash", d->vms_dir);
@@ -162,17 +167,17 @@ static void trash_dir(const sp_qemu_t *d, const char *path, char *out, size_t n)
 void sp_qemu__discard(const sp_qemu_t *d, const char *path)
 {
     char trash[PATH_MAX + 32];
-    trash_dir(d, path, trash, sizeof trash);
+    trash_dir(d, sp_qemu__path_under(path, d->shared_dir), trash, sizeof trash);
     sp_discard(d->base.loop, trash, path);
 }
 
 void sp_qemu__discard_leftovers(const sp_qemu_t *d)
 {
     char trash[PATH_MAX + 32];
-    trash_dir(d, NULL, trash, sizeof trash);
+    trash_dir(d, false, trash, sizeof trash);
     sp_discard_leftovers(d->base.loop, trash);
     if (d->shared_dir[0] != '\0') { /* every worker's: removing trash twice is harmless */
-        sp_qemu__sfmt(trash, sizeof trash, "%s/sandboxes/.trash", d->shared_dir);
+        trash_dir(d, true, trash, sizeof trash);
         sp_discard_leftovers(d->base.loop, trash);
     }
 }
