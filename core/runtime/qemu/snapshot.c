@@ -47,6 +47,8 @@
 
 #include "base/log.h"
 
+#define DELTA_PIPE_BYTES (1 << 20) /* /proc/sys/fs/pipe-max-size's default; root may exceed it */
+
 static void restore_loaded(struct vm *vm);
 static void restore_up(struct vm *vm);
 static void restore_corrupt(struct vm *vm);
@@ -392,6 +394,9 @@ static int suspend_delta_start(struct vm *vm)
         sp_qemu__sumjob_free(j);
         return vm->snap_fd;
     }
+    /* A pipe holds 64 KiB by default: QEMU's migration thread and the filter then take
+     * turns every 16 pages of a stream of 256 MiB and more. */
+    (void)fcntl(pfd[1], F_SETPIPE_SZ, DELTA_PIPE_BYTES);
     j->delta = true;
     j->in_fd = pfd[0];
     j->out_fd = fcntl(vm->snap_fd, F_DUPFD_CLOEXEC, 0);
