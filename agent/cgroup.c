@@ -138,9 +138,11 @@ int sp_cgroup_setup(void)
      * TCG a command run during a 10 s fork bomb in another answered in 33-53 ms (median)
      * with it, 438-659 ms without; with no bomb, execs and a Python loop took the same time
      * within the noise (the guest's norandmaps made the exec path cheap; before it, group
-     * scheduling measured slower). What it costs: a 256 MiB clone's suspend 10-14% and a
-     * running snapshot's pause 4-17% longer (A/B pairs, same session). The agent stays in
-     * the root group, at its real-time priority under load (sp_cgroup_tick). */
+     * scheduling measured slower). What it costs on the host's side: one session's A/B pairs
+     * had a 256 MiB clone's suspend 10-14% and a running snapshot's pause 4-17% longer; a
+     * later session's, against a build that turned cpu on only under load, had the suspend
+     * 9-12% shorter with it always on (110/108 against 121/122 ms): noise, either way. The
+     * agent stays in the root group, at its real-time priority under load (sp_cgroup_tick). */
     static const char *const ctl[] = {"+memory", "+pids", "+cpu"};
     for (size_t i = 0; i < sizeof(ctl) / sizeof(ctl[0]); i++)
         if (write_file(SP_CGROUP_ROOT "/cgroup.subtree_control", ctl[i]) < 0)

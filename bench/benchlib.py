@@ -80,6 +80,8 @@ class Platform:
         try:
             for k in self.drop_env:
                 self.s.env.pop(k, None)
+            # more `serve` options for a look inside, e.g. BENCH_SPACED_ARGS="--log-level debug"
+            self.s.args += os.environ.get("BENCH_SPACED_ARGS", "").split()
             self.s.start()
         except BaseException:
             self.stop()
