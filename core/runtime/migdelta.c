@@ -1,9 +1,10 @@
 /*
  * migdelta.c - drop the guest RAM pages of a migration stream that a base image already has.
  *
- * Owns one call's state (read and write buffers, the read-only map of the base file, the
- * RAM block table and a bitmap of kept pages); nothing outlives the call. Parses only what
- * QEMU 7.2 writes before the device state of a precopy migration:
+ * Owns one call's state (read and write buffers, the read-only map of the base file and the
+ * list of its data extents, the RAM block table and a bitmap of kept pages); nothing outlives
+ * the call. A page over one of the base's holes is compared with zeroes, not read from the
+ * map. Parses only what QEMU 7.2 writes before the device state of a precopy migration:
  *
  *   be32 "QEVM", be32 3
  *   0x07 configuration: be32 len + machine type; then subsections 0x05, u8 len + name,
@@ -75,6 +76,7 @@
 #define MAX_BLOCK   ((uint64_t)1 << 40) /* 1 TiB: bounds the kept-page bitmap (32 MiB) */
 #define MAX_MACHINE 1024                /* machine type name length */
 #define MAX_CAPS    64
+#define EXT_MAX     (1u << 16) /* base data extents tracked (a template's RAM has dozens) */
 #define RAM_VERSION 4
 
 struct blk {
@@ -93,6 +95,12 @@ struct md {
 
     const uint8_t *base;
     size_t base_size;
+    /* The base's data extents, [start, end) in order (SEEK_DATA/SEEK_HOLE); what lies
+     * between them reads as zeroes. NULL: all of it is taken as data. Comparing against a
+     * hole reads nothing of the map: a fault on a hole of a file's map allocates a page of
+     * zeroes in its page cache, 100,000s of them for a large guest's untouched RAM. */
+    uint64_t (*ext)[2];
+    size_t next, ext_cur;
     const char *target;
     size_t target_len;
 
@@ -368,10 +376,28 @@ static int parse_mem_size(struct md *m, uint64_t total)
     return 0;
 }
 
+/* Whether the base page at off lies wholly in a hole (reads as zeroes). Records come mostly
+ * in order of offset: the search goes on from the extent the last one ended at. */
+static bool base_hole(struct md *m, uint64_t off)
+{
+    if (m->ext == NULL)
+        return false;
+    size_t i = m->ext_cur;
+    if (i >= m->next || (i > 0 && off < m->ext[i - 1][1]))
+        i = 0; /* behind the cursor: from the start */
+    while (i < m->next && m->ext[i][1] <= off)
+        i++;
+    m->ext_cur = i;
+    /* the first extent ending after off: the page is in a hole unless it reaches into it */
+    return i == m->next || m->ext[i][0] >= off + PAGE_SIZE_MD;
+}
+
 /* Whether the 4 KiB at off of the base (zero past its end) equal page. */
-static bool base_equals(const struct md *m, uint64_t off, const uint8_t *page)
+static bool base_equals(struct md *m, uint64_t off, const uint8_t *page)
 {
     size_t have = 0;
+    if (base_hole(m, off))
+        return memcmp(page, zero_page, PAGE_SIZE_MD) == 0;
     if (off < m->base_size) {
         have = m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
         if (memcmp(page, m->base + off, have) != 0)
@@ -381,9 +407,11 @@ static bool base_equals(const struct md *m, uint64_t off, const uint8_t *page)
 }
 
 /* Whether every byte of the base page at off (zero past its end) is ch. */
-static bool base_filled(const struct md *m, uint64_t off, uint8_t ch)
+static bool base_filled(struct md *m, uint64_t off, uint8_t ch)
 {
     size_t have = 0;
+    if (base_hole(m, off))
+        return ch == 0;
     if (off < m->base_size) {
         have = m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
         const uint8_t *b = m->base + off;
@@ -572,6 +600,40 @@ static int parse(struct md *m)
     }
 }
 
+/* m->ext from fd's data extents; left NULL (all data) when the file system cannot say or the
+ * file has more than EXT_MAX of them. */
+static void map_extents(struct md *m, int fd, uint64_t size)
+{
+    size_t cap = 64;
+    m->ext = malloc(cap * sizeof *m->ext);
+    off_t off = 0;
+    while (m->ext != NULL && (uint64_t)off < size) {
+        off_t data = lseek(fd, off, SEEK_DATA);
+        if (data < 0 && errno == ENXIO)
+            break; /* a hole to the end */
+        off_t hole = data < 0 ? -1 : lseek(fd, data, SEEK_HOLE);
+        if (hole <= data || m->next == EXT_MAX) {
+            free(m->ext); /* cannot tell: compare against the map everywhere */
+            m->ext = NULL;
+            break;
+        }
+        if (m->next == cap) {
+            void *v = realloc(m->ext, 2 * cap * sizeof *m->ext);
+            if (v == NULL) {
+                free(m->ext);
+                m->ext = NULL;
+                break;
+            }
+            m->ext = v;
+            cap *= 2;
+        }
+        m->ext[m->next][0] = (uint64_t)data;
+        m->ext[m->next][1] = (uint64_t)hole;
+        m->next++;
+        off = hole;
+    }
+}
+
 static int map_base(struct md *m, const char *path)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -591,6 +653,7 @@ static int map_base(struct md *m, const char *path)
         madvise(p, (size_t)sb.st_size, MADV_SEQUENTIAL); /* a hint; failure is harmless */
         m->base = p;
         m->base_size = (size_t)sb.st_size;
+        map_extents(m, fd, (uint64_t)sb.st_size);
     }
     close(fd);
     return 0;
@@ -638,6 +701,7 @@ int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char 
         }
     if (m.base != NULL)
         munmap((void *)m.base, m.base_size);
+    free(m.ext);
     free(m.kept);
     free(m.blocks);
     free(m.wbuf);

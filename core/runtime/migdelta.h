@@ -36,8 +36,9 @@ typedef struct sp_migdelta_stats {
  * are copied byte for byte. Block headers are re-encoded (RAM_SAVE_FLAG_CONTINUE set only
  * when the previous KEPT record named the same block; otherwise the idstr is written) so the
  * output loads. base_path is mapped read-only for the call and must not shrink meanwhile
- * (a truncated mapping faults). in_fd and out_fd stay open; st (may be NULL) is filled even
- * on failure, with what was seen so far.
+ * (a truncated mapping faults), nor have its holes filled with other than zeroes (a page
+ * over a hole, as SEEK_DATA saw it at the start, is taken to be zeroes without a read). in_fd and
+ * out_fd stay open; st (may be NULL) is filled even on failure, with what was seen so far.
  *
  * Returns 0; or -1 with a client-safe reason in why (a stream this filter does not
  * understand, a read/write error): the caller then falls back to an unfiltered stream, and

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -698,6 +699,85 @@ static void test_migdelta_zero_fill_bytes(void)
     struct dec da = {.imgs = ia, .nimg = 1, .strict = true}, db = {.imgs = ib, .nimg = 1};
     CHECK(decode(&da, out.p, out.len) == 0 && decode(&db, g.b.p, g.b.len) == 0);
     CHECK(memcmp(a, b, sizeof a) == 0 && ia[0].zeros == want);
+    free(out.p);
+    free(g.b.p);
+}
+
+/* A sparse base (a template's RAM file keeps the guest's untouched pages as holes): a record
+ * over a hole is compared with zeroes without reading the base's map, so the holes stay holes
+ * (a fault on one allocates a page of zeroes in the file's page cache, as many as the guest
+ * has untouched pages), and the result is what the whole stream gives all the same. Records
+ * go back in offset too (a re-sent page), past the extent the search had reached. */
+static void test_migdelta_sparse_base(void)
+{
+    char path[256];
+    path_in(path, sizeof path, "sparse.ram");
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, NMEM * PG) == 0);
+    static uint8_t data[PG];
+    memset(data, 0x5a, PG);
+    static const unsigned at[] = {2, 3, 40}; /* data pages; the rest holes */
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++)
+        REQUIRE(pwrite(fd, data, PG, (off_t)at[i] * PG) == (ssize_t)PG);
+    REQUIRE(fsync(fd) == 0); /* extents allocated: SEEK_DATA sees them on every file system */
+    close(fd);
+    static uint8_t zero[PG], other[PG];
+    memset(other, 0x77, PG);
+    static const struct {
+        unsigned page;
+        int type; /* F_ZERO (fill) or F_PAGE (content) */
+        const uint8_t *content;
+        uint8_t fill;
+        bool kept;
+    } recs[] = {
+        {0, F_ZERO, NULL, 0, false},    {1, F_PAGE, zero, 0, false},  /* holes, zero */
+        {2, F_PAGE, data, 0, false},    {3, F_ZERO, NULL, 0, true},   /* data pages */
+        {10, F_ZERO, NULL, 0x11, true}, {11, F_PAGE, other, 0, true}, /* holes, changed */
+        {40, F_PAGE, data, 0, false},   {41, F_ZERO, NULL, 0, false},
+        {2, F_PAGE, other, 0, true},    {12, F_ZERO, NULL, 0, false}, /* back, then on */
+        {63, F_PAGE, other, 0, true},
+    };
+    struct gen g;
+    start_min(&g);
+    uint64_t want = 0;
+    for (size_t i = 0; i < sizeof recs / sizeof recs[0]; i++) {
+        uint8_t fill = recs[i].fill;
+        g_rec(&g, "mem", (uint64_t)recs[i].page * PG, (unsigned)recs[i].type,
+              recs[i].type == F_ZERO ? &fill : recs[i].content);
+        want += recs[i].kept;
+    }
+    finish_min(&g);
+    struct buf out = {0};
+    sp_migdelta_stats_t st;
+    char why[160];
+    CHECK(run_filter(g.b.p, g.b.len, "sparse.ram", "mem", &out, &st, why, sizeof why) == 0);
+    CHECK(st.pages_kept + st.zero_kept == want);
+    /* replayed onto the base, the output gives what the whole stream gives */
+    static uint8_t a[NMEM * PG], b[NMEM * PG];
+    memset(a, 0, sizeof a);
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++)
+        memcpy(a + at[i] * PG, data, PG);
+    memcpy(b, a, sizeof b);
+    struct img ia[] = {{"mem", a, sizeof a, 0, 0}}, ib[] = {{"mem", b, sizeof b, 0, 0}};
+    struct dec da = {.imgs = ia, .nimg = 1, .strict = true}, db = {.imgs = ib, .nimg = 1};
+    CHECK(decode(&da, out.p, out.len) == 0 && decode(&db, g.b.p, g.b.len) == 0);
+    CHECK(memcmp(a, b, sizeof a) == 0);
+    /* the holes are holes still: none of their pages is in the file's page cache */
+    fd = open(path, O_RDONLY);
+    REQUIRE(fd >= 0);
+    void *map = mmap(NULL, NMEM * PG, PROT_READ, MAP_SHARED, fd, 0);
+    REQUIRE(map != MAP_FAILED);
+    static unsigned char res[NMEM];
+    REQUIRE(mincore(map, NMEM * PG, res) == 0);
+    int cached = 0;
+    for (unsigned i = 0; i < NMEM; i++)
+        cached += i != 2 && i != 3 && i != 40 && (res[i] & 1);
+    CHECK(cached == 0);
+    if (cached != 0)
+        fprintf(stderr, "sparse base: %d hole pages in the page cache\n", cached);
+    munmap(map, NMEM * PG);
+    close(fd);
     free(out.p);
     free(g.b.p);
 }
@@ -1653,6 +1733,7 @@ int main(int argc, char **argv)
     test_migdelta_filters_equal_pages(true, true);
     test_migdelta_other_block_untouched();
     test_migdelta_zero_fill_bytes();
+    test_migdelta_sparse_base();
     test_migdelta_rejects_bad_streams();
     test_migdelta_drains_pipe_on_failure();
     test_migdelta_concurrent_calls();
