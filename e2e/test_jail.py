@@ -13,7 +13,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import MULT, Platform, wait_s  # noqa: E402
+from harness import MULT, Platform, wait_s, wait_until  # noqa: E402
 from test_vm_api import skip_reason  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
@@ -147,6 +147,18 @@ class JailTest(unittest.TestCase):
         self.assertNotIn(self.key_b64.encode(), env)
         return uid
 
+    def template_memfds(self):
+        """spaced's sealed template RAM memfds: (size, bytes allocated) each."""
+        out, fds = [], "/proc/%d/fd" % self.s.proc.pid
+        for fd in os.listdir(fds):
+            try:
+                if "memfd:space-template-ram" in os.readlink(os.path.join(fds, fd)):
+                    st = os.stat(os.path.join(fds, fd))
+                    out.append((st.st_size, st.st_blocks * 512))
+            except OSError:
+                pass  # closed meanwhile
+        return out
+
     def test_jailed_vms_work(self):
         vms = os.path.join(DATA, "vms")
         self.s.start()
@@ -155,9 +167,17 @@ class JailTest(unittest.TestCase):
         self.assertNotIn("insecure", h)
         with open(self.s.log_path) as f:
             self.assertIn("jailer on", f.read())
+        # the template's RAM, sealed at start, keeps the holes of the pages its guest never
+        # touched until a clone uses it; then they are filled in the background, rather than
+        # by the faults of that clone's first suspend (confine.c, ram_fill_start)
+        wait_until(lambda: self.template_memfds(), "the template's RAM sealed", 30)
+        before = self.template_memfds()
+        self.assertTrue(any(alloc < size for size, alloc in before), before)
         a = self.create()
         self.assertEqual(os.stat(vms).st_mode & 0o777, 0o700)
         self.assertTrue(self.is_clone(a), "the create was not a clone of the template snapshot")
+        wait_until(lambda: any(alloc >= size for size, alloc in self.template_memfds()),
+                   "the template's RAM filled once a clone uses it", 60)
         ua = self.check_jailed(a)
         self.assertEqual(self.cmd(a, "echo hi"), "hi\n")
         self.cmd(a, "echo kept > /home/user/f")
