@@ -42,7 +42,8 @@
 
 #include "base/log.h"
 
-#define RAM_COPY_CHUNK (1u << 20)
+#define RAM_COPY_CHUNK  (1u << 20)
+#define RAM_FILL_WINDOW (8u << 20)
 #define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
 
 /* One template snapshot's RAM as a sealed memfd, in d->ramfds from ram_start until the driver
@@ -273,20 +274,21 @@ static void ram_fill(sp_work_t *w, void *arg)
         return;
     }
     /* A read fault on a hole of a shared map allocates the page and zeroes it (fallocate
-     * only allocates: the zeroing waits for the first fault, which is then QEMU's). */
-    size_t n = (size_t)st.st_size;
-    const volatile uint8_t *p = mmap(NULL, n, PROT_READ, MAP_SHARED, f->fd, 0);
-    if (p == MAP_FAILED) {
-        f->err_no = errno;
-        return;
+     * only allocates: the zeroing waits for the first fault, which is then QEMU's). A window
+     * at a time: mapped pages count in spaced's RSS. */
+    uint64_t n = (uint64_t)st.st_size;
+    for (uint64_t at = 0; at < n && !sp_work_cancelled(w); at += RAM_FILL_WINDOW) {
+        size_t len = n - at < RAM_FILL_WINDOW ? (size_t)(n - at) : RAM_FILL_WINDOW;
+        const volatile uint8_t *p = mmap(NULL, len, PROT_READ, MAP_SHARED, f->fd, (off_t)at);
+        if (p == MAP_FAILED) {
+            f->err_no = errno;
+            return;
+        }
+        for (size_t off = 0; off < len; off += 4096)
+            (void)p[off];
+        munmap((void *)p, len);
+        f->bytes = at + len; /* the driver going stops it: what was filled stays filled */
     }
-    for (size_t off = 0; off < n; off += 4096) {
-        if ((off & ((1u << 22) - 1)) == 0 && sp_work_cancelled(w))
-            break; /* the driver goes: what was filled stays filled */
-        (void)p[off];
-        f->bytes = off + 4096;
-    }
-    munmap((void *)p, n);
     f->ms = sp_qemu__mono_ms() - t0;
 }
 
