@@ -40,8 +40,8 @@ static int test_free_port(void)
         fclose(f);
     }
     int base = lo > 11024 ? 10000 : 1024, span = lo > base + 1 ? lo - base : 1;
-    static unsigned calls;
-    unsigned r = ((unsigned)getpid() ^ (unsigned)time(NULL)) * 2654435761u + 7919u * 97u * ++calls;
+    static unsigned calls; /* later calls start 1,009 ports further on */
+    unsigned r = ((unsigned)getpid() ^ (unsigned)time(NULL)) * 2654435761u + 1009u * ++calls;
     for (int i = 0; i < 1000; i++) {
         int port = base + (int)((r + (unsigned)i * 7919u) % (unsigned)span);
         if (test_port_free(port, SOCK_STREAM) && test_port_free(port, SOCK_DGRAM))
