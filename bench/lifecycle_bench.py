@@ -17,7 +17,8 @@ base template if it has none. Prints medians and p99 of:
   - bursts (the adaptive spare pool): BENCH_BURST concurrent creates, each to a first command
     answered (total and per-create median), on the pool the earlier cases left, then again once
     the pool has refilled; then creates at BENCH_RATE per second for BENCH_RATE_S seconds
-    (median, p99); the spare clones' count and memory (PSS) before each. Each of these creates
+    (median, p99), on the pool as the bursts left it and again once it has refilled to what the
+    rate asked for; the spare clones' count and memory (PSS) before each. Each of these creates
     waits until its sandbox runs (?wait=, as an SDK's create does), then sends one command:
     twenty clients each polling with a command every 3 ms (BENCH_POLL=1, the single creates'
     way) load the 2 cores here enough to make a burst 2.6x slower than what they measure
@@ -245,17 +246,19 @@ def burst_cases(api, s, data):
             flush=True)
         for _, sid in res:
             api.delete(sid)
-    settle(data)
-    print_spares(data, "before the steady rate")
     n = int(RATE * RATE_S)
     # the rate case's sandboxes all run at once: the default team's quota (100 running) must
     # leave room for them beside the warm-up sandbox
     s.cli("teams", "set-quota", "default", "--sandboxes", str(n + 10))
-    total, res = concurrent(s, [i / RATE for i in range(n)])
-    line("%.0f/s for %.0f s: each create -> first command" % (RATE, RATE_S), [r[0] for r in res])
-    print_spares(data, "after the steady rate")
-    for _, sid in res:
-        api.delete(sid)
+    for label in ("pool as left", "pool refilled after the rate"):
+        settle(data)
+        print_spares(data, "before the steady rate (%s)" % label)
+        total, res = concurrent(s, [i / RATE for i in range(n)])
+        line("%.0f/s for %.0f s (%s): each create -> first command" % (RATE, RATE_S, label),
+             [r[0] for r in res])
+        print_spares(data, "after the steady rate (%s)" % label)
+        for _, sid in res:
+            api.delete(sid)
 
 
 def mem_available():

@@ -107,7 +107,7 @@ struct opts {
     unsigned long max_large_bodies; /* serve: uploads over max_body_kb being received at once */
     /* serve: the spare pool (core/runtime/qemu.h): spares per template size at most (-1: none;
      * 0: $SPACE_POOL_SIZE, else its default) and their memory (0: $SPACE_POOL_MEMORY_MB, else
-     * an eighth of the host's RAM) */
+     * a quarter of the host's RAM) */
     int pool_size;
     int pool_memory_mb;
     int prebuild_sizes;    /* serve: sizes per template whose snapshot is made ahead (sizes.h);
@@ -1733,7 +1733,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         case 0x141:
         case 0x142: {
             static const char *const names[] = {"pool-size", "pool-memory-mb", "prebuild-sizes"};
-            static const long lo[] = {0, 1, 0}, hi[] = {64, 16777216, 64};
+            static const long lo[] = {0, 1, 0}, hi[] = {256, 16777216, 64};
             char *end;
             long v = strtol(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || v < lo[ch - 0x140] || v > hi[ch - 0x140]) {

@@ -9,7 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RECENT_MAX 64 /* creates remembered per size: a level never needs more */
+#define RECENT_MAX                                                                                 \
+    SP_POOLPOLICY_PER_SIZE_MAX /* creates remembered per size: a level never                       \
+                                * needs more */
 
 struct size {
     struct size *next; /* most recently created first */
@@ -18,7 +20,7 @@ struct size {
     uint64_t recent[RECENT_MAX]; /* ring of create times, ms */
     int nrecent, head;           /* head: where the next one goes */
     int level;                   /* spares its creates asked for, >= 1 */
-    uint64_t decay_at;           /* the level falls by one at this time (ms) */
+    uint64_t decay_at;           /* the level falls by a quarter at this time (ms) */
 };
 
 struct sp_poolpolicy {
@@ -28,7 +30,7 @@ struct sp_poolpolicy {
 
 sp_poolpolicy_t *sp_poolpolicy_create(const sp_poolpolicy_opts_t *o)
 {
-    if (o->max_per_size < 1)
+    if (o->max_per_size < 1 || o->max_per_size > SP_POOLPOLICY_PER_SIZE_MAX)
         return NULL;
     sp_poolpolicy_t *p = calloc(1, sizeof(*p));
     if (p == NULL)
@@ -123,7 +125,8 @@ void sp_poolpolicy_tick(sp_poolpolicy_t *p, uint64_t now_ms)
 {
     for (struct size *s = p->sizes; s != NULL; s = s->next) {
         while (s->level > 1 && now_ms >= s->decay_at) {
-            s->level--;
+            int drop = s->level / 4;
+            s->level -= drop > 0 ? drop : 1;
             s->decay_at += p->o.decay_ms;
         }
     }

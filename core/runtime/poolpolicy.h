@@ -11,10 +11,11 @@
  * Demand: a size's level is the largest number of its creates seen within one window
  * (opts.window_ms) since the level last fell, so a burst of N creates, or a steady rate of N
  * per window, asks for N spares before the next one comes. A size idle for opts.decay_ms
- * loses one of its level per decay_ms, down to 1: a size created from once keeps one spare,
- * as long as the caller keeps the size. Targets are capped by opts.max_per_size and then by
- * the memory budget, shared out most recently created size first, each spare counted as its
- * size's cost (opts' default for the size until a measurement says otherwise).
+ * loses a quarter of its level (at least one) per decay_ms, down to 1, so a large burst's
+ * spares go back within a few periods and a small one's one by one: a size created from once
+ * keeps one spare, as long as the caller keeps the size. Targets are capped by opts.max_per_size
+ * and then by the memory budget, shared out most recently created size first, each spare counted as
+ * its size's cost (opts' default for the size until a measurement says otherwise).
  *
  * Owns nothing but its records; not thread-safe (one loop uses it).
  */
@@ -27,15 +28,16 @@
 typedef struct sp_poolpolicy sp_poolpolicy_t;
 
 typedef struct {
-    int max_per_size;   /* spares of one size at most; >= 1 */
+    int max_per_size;   /* spares of one size at most; 1..SP_POOLPOLICY_PER_SIZE_MAX */
     uint64_t budget_mb; /* memory of all spares together at most, MiB; 0: none may be made */
     uint32_t window_ms; /* creates within this long count as one burst; 0: 10 s */
     uint32_t decay_ms;  /* a size idle this long keeps one spare fewer; 0: 60 s */
 } sp_poolpolicy_opts_t;
 
-#define SP_POOLPOLICY_KEY_MAX 63 /* longest size key */
+#define SP_POOLPOLICY_KEY_MAX      63  /* longest size key */
+#define SP_POOLPOLICY_PER_SIZE_MAX 256 /* largest max_per_size (creates remembered per size) */
 
-/* NULL when out of memory or max_per_size < 1. */
+/* NULL when out of memory or max_per_size is out of its range. */
 sp_poolpolicy_t *sp_poolpolicy_create(const sp_poolpolicy_opts_t *o);
 void sp_poolpolicy_destroy(sp_poolpolicy_t *p);
 

@@ -82,8 +82,9 @@
  * Spare clones (the pool): after a create of a template size, the driver keeps clones of that
  * size ready (SP_QEMU_POOL_KEYS sizes, least recently used first to go; a size nobody created
  * for 30 minutes loses them): one after a create, as many as the creates of the last 10 s
- * after a burst (up to pool_size), one fewer per 2 idle minutes down to one, all sizes' spares
- * within pool_memory_mb (each counted at its PSS once made; core/runtime/poolpolicy.h decides).
+ * after a burst (up to pool_size), a quarter fewer (at least one) per 2 idle minutes down to
+ * one, all sizes' spares within pool_memory_mb (each counted at its PSS once made;
+ * core/runtime/poolpolicy.h decides).
  * A spare is restored in <data-dir>/vms/.pool-<n>-<pid>/ (cgroup "pool:<n>-<pid>"), warmed
  * by a few commands through the agent (TCG's translation cache then holds the exec path),
  * and stopped. A
@@ -141,8 +142,8 @@
  * connections but leaves every VM running.
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
- * SPACE_POOL_SIZE (default 32, 0 = none) spare clones per size at most and
- * SPACE_POOL_MEMORY_MB (default host RAM / 8) for all, unless opts say;
+ * SPACE_POOL_SIZE (default 128, 0 = none) spare clones per size at most and
+ * SPACE_POOL_MEMORY_MB (default host RAM / 4) for all, unless opts say;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
  * With a shared snapshot dir (opts.snapshot_dir, qemu/shared.c) a suspend streams the whole
@@ -169,9 +170,10 @@ typedef struct {
     const char *qemu_img; /* qemu-img binary; NULL: from PATH */
     int cold_boot;        /* 1: never create from a template snapshot */
     int pool_size;        /* spare clones kept ready per template size recently created from,
-                           * at most: 0 = $SPACE_POOL_SIZE, else 16; -1 = none (see below) */
+                           * at most: 0 = $SPACE_POOL_SIZE, else SP_QEMU_POOL_DEFAULT (128);
+                           * -1 = none (see below) */
     int pool_memory_mb;   /* memory all spares may use together, MiB: 0 = $SPACE_POOL_MEMORY_MB,
-                           * else an eighth of the host's RAM */
+                           * else a quarter of the host's RAM */
     int no_adopt;         /* 1: a tool's driver (spaced template build) on a data dir a
                            * serving spaced may use: adopts no VM, leaves other live processes'
                            * snapshot builders alone, refuses boot and restore; only

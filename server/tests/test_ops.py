@@ -111,7 +111,7 @@ class OpsTest(unittest.TestCase):
     def test_pool_and_prebuild_options(self):
         """--pool-size, --pool-memory-mb, --prebuild-sizes and --egress-memory-mb (also
         config-file keys) take their ranges and refuse anything else before anything starts."""
-        for opt, bad in (("--pool-size", "65"), ("--pool-size", "-1"), ("--pool-memory-mb", "0"),
+        for opt, bad in (("--pool-size", "257"), ("--pool-size", "-1"), ("--pool-memory-mb", "0"),
                          ("--pool-memory-mb", "x"), ("--prebuild-sizes", "65"),
                          ("--prebuild-sizes", ""), ("--egress-memory-mb", "63"),
                          ("--egress-memory-mb", "1G")):
@@ -120,7 +120,7 @@ class OpsTest(unittest.TestCase):
             self.assertIn(opt + " wants", r.stderr)
         conf = os.path.join(self.s.data_dir, "bad-pool.conf")
         with open(conf, "w") as f:
-            f.write("pool-size = 99\n")
+            f.write("pool-size = 999\n")
         r = self.s.cli("serve", "--config", conf, check=False)
         self.assertEqual((r.returncode, "--pool-size wants" in r.stderr), (2, True), r)
         with open(conf, "w") as f:

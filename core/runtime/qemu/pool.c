@@ -32,8 +32,9 @@
  * of that size takes one: its directory and cgroup are renamed to the sandbox's, the vCPUs
  * start, and IDENTITY gives it the sandbox's hostname, env, RNG seed and clock, exactly as
  * after a restore. How many of a size to keep is the policy's: one after a create, as many
- * as the creates of a recent burst (up to pool_size), one fewer per 2 idle minutes, all within
- * the memory budget (each spare counted at its measured PSS, about 34 MB under TCG here).
+ * as the creates of a recent burst (up to pool_size), a quarter fewer (at least one) per 2 idle
+ * minutes, all within the memory budget (each spare counted at its measured PSS, about 40 MB
+ * under TCG here).
  * Spares are refilled one at a time and only while no other boot is in flight: the CPU
  * bounds how fast the pool grows, never a create. They are never adopted by a later driver
  * (killed instead) and go with the driver.

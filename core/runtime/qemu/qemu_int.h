@@ -65,11 +65,11 @@
 #define SP_QEMU_SUM_CHUNK      (1u << 20)
 #define SP_QEMU_SUM_INLINE_MAX (4u << 20) /* a device state up to this is verified inline */
 #define SP_QEMU_SUM_THREADS    4          /* at most, and no more than CPUs */
-#define SP_QEMU_POOL_DEFAULT   32         /* spare clones per template size at most */
-#define SP_QEMU_POOL_MAX       64
+#define SP_QEMU_POOL_DEFAULT   128        /* spare clones per template size at most */
+#define SP_QEMU_POOL_MAX       SP_POOLPOLICY_PER_SIZE_MAX
 #define SP_QEMU_POOL_WINDOW_MS 10000u     /* creates this close together ask for a spare each */
 #define SP_QEMU_POOL_DECAY_MS  120000u    /* an idle size keeps one spare fewer per this */
-#define SP_QEMU_POOL_RAM_DIV   8          /* default memory budget: host RAM / this */
+#define SP_QEMU_POOL_RAM_DIV   4          /* default memory budget: host RAM / this */
 #define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
 #define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
 #define SP_QEMU_POOL_TICK_MS   100u       /* refill check while boots are in flight */

@@ -1,7 +1,7 @@
 /*
  * test_poolpolicy.c - the spare pool's targets with an injected clock: one create keeps one
- * spare, a burst asks for more (capped), an idle size shrinks back, the memory budget holds,
- * and a simulated pool driven by the targets never exceeds it nor hands a spare out twice.
+ * spare, a burst or a rate asks for more (capped), an idle size shrinks back, the memory budget
+ * holds, and a simulated pool driven by the targets never exceeds it nor hands a spare out twice.
  */
 #include <stdio.h>
 #include <string.h>
@@ -39,10 +39,13 @@ static void single_and_burst(void)
         sp_poolpolicy_create_seen(p, "a", t + (uint64_t)i * 2000, 256);
     t += 18000;
     CHECK(sp_poolpolicy_target(p, "a", t) == 8);
-    /* idle: one fewer per decay period after the last create, never below one */
+    /* idle: a quarter fewer (at least one) per decay period after the last create, never
+     * below one: 8, 6, 5, 4, 3, 2, 1 */
     CHECK(sp_poolpolicy_target(p, "a", t + 59999) == 8);
-    CHECK(sp_poolpolicy_target(p, "a", t + 60000) == 7);
-    CHECK(sp_poolpolicy_target(p, "a", t + 180000) == 5);
+    CHECK(sp_poolpolicy_target(p, "a", t + 60000) == 6);
+    CHECK(sp_poolpolicy_target(p, "a", t + 180000) == 4);
+    CHECK(sp_poolpolicy_target(p, "a", t + 359999) == 2);
+    CHECK(sp_poolpolicy_target(p, "a", t + 360000) == 1);
     CHECK(sp_poolpolicy_target(p, "a", t + 3600000) == 1);
     /* a create while decayed: back to growing from where it is */
     t += 3600000;
@@ -59,6 +62,29 @@ static void single_and_burst(void)
     sp_poolpolicy_destroy(NULL);
     sp_poolpolicy_opts_t bad = {.max_per_size = 0, .budget_mb = 1};
     CHECK(sp_poolpolicy_create(&bad) == NULL);
+    bad.max_per_size = SP_POOLPOLICY_PER_SIZE_MAX + 1;
+    CHECK(sp_poolpolicy_create(&bad) == NULL);
+}
+
+/* A steady rate over a whole window asks for all of its creates (more than the creates one
+ * size's ring could once hold), and a large level goes back by quarters when idle. */
+static void rate_and_decay(void)
+{
+    sp_poolpolicy_t *p = make(SP_POOLPOLICY_PER_SIZE_MAX, 100000);
+    uint64_t t = 1000;
+    for (int i = 0; i < 100; i++) /* 10 per s for 10 s */
+        CHECK(sp_poolpolicy_create_seen(p, "a", t + (uint64_t)i * 99, 40) == 0);
+    t += 99 * 99;
+    CHECK(sp_poolpolicy_target(p, "a", t) == 100);
+    CHECK(sp_poolpolicy_target(p, "a", t + 60000) == 75);
+    CHECK(sp_poolpolicy_target(p, "a", t + 120000) == 57);
+    CHECK(sp_poolpolicy_target(p, "a", t + 20 * 60000) == 1);
+    /* the whole ring: 300 creates within a window count as its size, capped by the maximum */
+    t += 3600000;
+    for (int i = 0; i < 300; i++)
+        sp_poolpolicy_create_seen(p, "a", t + (uint64_t)i * 10, 40);
+    CHECK(sp_poolpolicy_target(p, "a", t + 3000) == SP_POOLPOLICY_PER_SIZE_MAX);
+    sp_poolpolicy_destroy(p);
 }
 
 static void budget(void)
@@ -197,6 +223,7 @@ static void simulated_pool(void)
 int main(void)
 {
     single_and_burst();
+    rate_and_decay();
     budget();
     simulated_pool();
     return check_report("core.poolpolicy");
