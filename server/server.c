@@ -241,9 +241,13 @@ static int db_open(const struct opts *o, struct db *db, bool serve)
     return 0;
 }
 
+/* As the store's connections (core/store/store.c): a server that takes writes, unless
+ * conninfo says otherwise (its own target_session_attrs comes later, so it wins). */
 static PGconn *db_connect(const char *conninfo)
 {
-    PGconn *c = PQconnectdb(conninfo);
+    const char *const keys[] = {"target_session_attrs", "dbname", NULL};
+    const char *const vals[] = {"read-write", conninfo, NULL};
+    PGconn *c = PQconnectdbParams(keys, vals, 1);
     if (PQstatus(c) != CONNECTION_OK) {
         fprintf(stderr, "spaced: cannot connect to the database: %s", PQerrorMessage(c));
         PQfinish(c);

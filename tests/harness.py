@@ -165,9 +165,11 @@ def tmpdir(prefix):
 class PgCluster:
     """A throwaway PostgreSQL cluster on a unix socket, run as `postgres` when we are root.
     listen: also TCP on that address (port 5432, trust from its /24), and url names it, for
-    nodes in other network namespaces; root: the cluster's directory (default a new temp dir)."""
+    nodes in other network namespaces; root: the cluster's directory (default a new temp dir).
+    primary: instead of a new cluster, a streaming-replication standby of that one (a base
+    backup of it, read-only until promote(); see standby())."""
 
-    def __init__(self, listen=None, root=None):
+    def __init__(self, listen=None, root=None, primary=None):
         self.listen = listen
         if root is not None:
             os.makedirs(root, mode=0o711)
@@ -181,6 +183,16 @@ class PgCluster:
             pw = pwd.getpwnam("postgres")
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
             os.chown(self.sock, pw.pw_uid, pw.pw_gid)
+        if primary is not None:
+            # the primary's files and settings, replication configured (-R: standby.signal and
+            # primary_conninfo); a standby that is promoted waits for no standby of its own
+            self._run(["pg_basebackup", "-h", primary.sock, "-U", "postgres", "-D", self.data,
+                       "-R", "-X", "stream", "-c", "fast"])
+            with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
+                f.write("listen_addresses = '%s'\nunix_socket_directories = '%s'\n"
+                        "synchronous_standby_names = ''\n" % (listen or "", self.sock))
+            self.start()
+            return
         self._run(["initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--locale=C",
                    "-E", "UTF8"])
         with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
@@ -191,6 +203,17 @@ class PgCluster:
                 f.write("host all all %s.0/24 trust\n" % listen.rsplit(".", 1)[0])
         self.start()
         self._run(["createdb", "-h", self.sock, "-U", "postgres", "space"])
+
+    def standby(self, synchronous=True):
+        """A new cluster streaming from this one (PgCluster(primary=self)). synchronous: this
+        one's commits wait until the standby has them, so a failover loses no acknowledged
+        write (synchronous_standby_names '*', reloaded)."""
+        sb = PgCluster(primary=self)
+        if synchronous:
+            with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
+                f.write("synchronous_standby_names = '*'\n")
+            self._run(["pg_ctl", "-D", self.data, "reload"])
+        return sb
 
     def _run(self, argv):
         argv = [os.path.join(self.bindir, argv[0])] + argv[1:]
@@ -216,6 +239,14 @@ class PgCluster:
 
     def stop(self):
         self._run(["pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"])
+
+    def crash(self):
+        """Stops at once, as a crash would (immediate mode: no checkpoint, clients cut off)."""
+        self._run(["pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop"])
+
+    def promote(self):
+        """A standby becomes a primary (read-write), waiting until it is."""
+        self._run(["pg_ctl", "-D", self.data, "-w", "promote"])
 
     def destroy(self):
         try:

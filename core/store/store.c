@@ -532,8 +532,12 @@ static void on_kick(sp_timer_t *t, void *arg)
 
 /* Every connection runs with DateStyle ISO, the form sp_store_time reads: appended to the
  * options the conninfo gives (a later -c wins in PostgreSQL), so nothing else of the caller's
- * is lost. A conninfo that does not parse is kept as it is (s->keys NULL): its connections
- * fail in the background like any unreachable server's. -1 only when out of memory. */
+ * is lost. Unless the conninfo says otherwise, a connection is only made to a server that
+ * takes writes (target_session_attrs=read-write): given several hosts (a primary and its
+ * standbys), libpq tries each in turn, so after a failover the promoted one is found, and a
+ * standby still read-only is never settled for. A conninfo that does not parse is kept as it
+ * is (s->keys NULL): its connections fail in the background like any unreachable server's.
+ * -1 only when out of memory. */
 static int parse_conninfo(sp_store_t *s)
 {
     char *msg = NULL;
@@ -544,15 +548,17 @@ static int parse_conninfo(sp_store_t *s)
     size_t n = 0;
     while (s->opts[n].keyword != NULL)
         n++;
-    s->keys = calloc(n + 2, sizeof(*s->keys));
-    s->vals = calloc(n + 2, sizeof(*s->vals));
+    s->keys = calloc(n + 3, sizeof(*s->keys));
+    s->vals = calloc(n + 3, sizeof(*s->vals));
     if (s->keys == NULL || s->vals == NULL)
         return -1;
     const char *given = "";
     size_t k = 0;
+    bool attrs = false;
     for (PQconninfoOption *o = s->opts; o->keyword != NULL; o++) {
         if (o->val == NULL)
             continue;
+        attrs = attrs || strcmp(o->keyword, "target_session_attrs") == 0;
         if (strcmp(o->keyword, "options") == 0) {
             given = o->val;
             continue;
@@ -565,7 +571,11 @@ static int parse_conninfo(sp_store_t *s)
         return -1;
     snprintf(s->options, cap, "%s%s-c DateStyle=ISO", given, given[0] ? " " : "");
     s->keys[k] = "options";
-    s->vals[k] = s->options;
+    s->vals[k++] = s->options;
+    if (!attrs) {
+        s->keys[k] = "target_session_attrs";
+        s->vals[k] = "read-write";
+    }
     return 0;
 }
 
