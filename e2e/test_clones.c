@@ -447,6 +447,29 @@ static void burst_section(void)
     REQUIRE(st.ready >= 2 && st.ready <= MAXP && st.warming == 0);
     REQUIRE(spare_dirs(NULL) == st.ready); /* never more than the target */
     REQUIRE(st.used_mb > 0 && st.used_mb <= st.budget_mb);
+
+    /* the host short of memory (a reserve above what it has available): every spare goes,
+     * none is made; the reserve lifted, the pool is made again */
+    REQUIRE(sp_qemu_pool_reserve(d, 1ull << 40) == 0);
+    until = vt_now_ms() + 30000 * vt_mult;
+    while (sp_qemu_pool_stats(d, &st) == 0 && (st.ready + st.warming > 0 || spare_dirs(NULL) > 0) &&
+           vt_now_ms() < until)
+        sp_loop_run_once(vt_loop, 20);
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0);
+    printf("host memory short: spares ready %d warming %d, budget %llu MiB, target %d\n", st.ready,
+           st.warming, (unsigned long long)st.budget_mb, st.target);
+    REQUIRE(st.ready == 0 && st.warming == 0 && st.budget_mb == 0 && st.target == 0);
+    REQUIRE(spare_dirs(NULL) == 0);
+    vt_run_for(1500); /* none comes back while it is short */
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0 && st.ready + st.warming == 0);
+    REQUIRE(sp_qemu_pool_reserve(d, 0) == 0);
+    REQUIRE(wait_spares(d, 2, 300000) == 0);
+    until = vt_now_ms() + 120000 * vt_mult;
+    while (sp_qemu_pool_stats(d, &st) == 0 && (st.warming > 0 || st.ready < st.target) &&
+           vt_now_ms() < until)
+        sp_loop_run_once(vt_loop, 20);
+    REQUIRE(sp_qemu_pool_stats(d, &st) == 0 && st.ready >= 2 && st.warming == 0);
+    printf("host memory back: %d spares again\n", st.ready);
     pid_t sp[8];
     int nsp = spare_pids(sp, 8);
     REQUIRE(nsp == st.ready);

@@ -25,6 +25,7 @@ struct size {
 
 struct sp_poolpolicy {
     sp_poolpolicy_opts_t o;
+    uint64_t limit_mb; /* sp_poolpolicy_limit's */
     struct size *sizes;
 };
 
@@ -36,6 +37,7 @@ sp_poolpolicy_t *sp_poolpolicy_create(const sp_poolpolicy_opts_t *o)
     if (p == NULL)
         return NULL;
     p->o = *o;
+    p->limit_mb = UINT64_MAX;
     if (p->o.window_ms == 0)
         p->o.window_ms = 10000;
     if (p->o.decay_ms == 0)
@@ -136,7 +138,7 @@ int sp_poolpolicy_target(sp_poolpolicy_t *p, const char *key, uint64_t now_ms)
 {
     sp_poolpolicy_tick(p, now_ms);
     /* the budget goes to the most recently created sizes first */
-    uint64_t left = p->o.budget_mb;
+    uint64_t left = sp_poolpolicy_budget(p);
     for (const struct size *s = p->sizes; s != NULL; s = s->next) {
         uint64_t n = (uint64_t)(s->level < p->o.max_per_size ? s->level : p->o.max_per_size);
         if (n * s->cost_mb > left)
@@ -157,10 +159,16 @@ uint64_t sp_poolpolicy_cost(const sp_poolpolicy_t *p, const char *key)
 bool sp_poolpolicy_fits(const sp_poolpolicy_t *p, const char *key, uint64_t used_mb)
 {
     const struct size *s = cfind(p, key);
-    return s != NULL && used_mb <= p->o.budget_mb && s->cost_mb <= p->o.budget_mb - used_mb;
+    uint64_t b = sp_poolpolicy_budget(p);
+    return s != NULL && used_mb <= b && s->cost_mb <= b - used_mb;
+}
+
+void sp_poolpolicy_limit(sp_poolpolicy_t *p, uint64_t mb)
+{
+    p->limit_mb = mb;
 }
 
 uint64_t sp_poolpolicy_budget(const sp_poolpolicy_t *p)
 {
-    return p->o.budget_mb;
+    return p->o.budget_mb < p->limit_mb ? p->o.budget_mb : p->limit_mb;
 }

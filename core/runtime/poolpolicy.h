@@ -13,9 +13,12 @@
  * per window, asks for N spares before the next one comes. A size idle for opts.decay_ms
  * loses a quarter of its level (at least one) per decay_ms, down to 1, so a large burst's
  * spares go back within a few periods and a small one's one by one: a size created from once
- * keeps one spare, as long as the caller keeps the size. Targets are capped by opts.max_per_size
- * and then by the memory budget, shared out most recently created size first, each spare counted as
- * its size's cost (opts' default for the size until a measurement says otherwise).
+ * keeps one spare, as long as the caller keeps the size. Targets are capped by
+ * opts.max_per_size and then by the memory budget, shared out most recently created size
+ * first, each spare counted as its size's cost (opts' default for the size until a
+ * measurement says otherwise). The budget in force is the lower of opts.budget_mb and the
+ * limit the caller last set (what the host can spare now: sp_poolpolicy_limit), so spares
+ * give way to sandboxes when memory runs short.
  *
  * Owns nothing but its records; not thread-safe (one loop uses it).
  */
@@ -65,6 +68,11 @@ uint64_t sp_poolpolicy_cost(const sp_poolpolicy_t *p, const char *key);
 /* Whether one more spare of key fits when the spares there are count used_mb. */
 bool sp_poolpolicy_fits(const sp_poolpolicy_t *p, const char *key, uint64_t used_mb);
 
+/* The memory the spares may hold now, MiB, whatever opts.budget_mb says (e.g. what the host
+ * has available beyond a reserve); UINT64_MAX: no limit but the budget (the initial state). */
+void sp_poolpolicy_limit(sp_poolpolicy_t *p, uint64_t mb);
+
+/* The budget in force, MiB: the lower of opts.budget_mb and the limit. */
 uint64_t sp_poolpolicy_budget(const sp_poolpolicy_t *p);
 
 #endif

@@ -143,7 +143,8 @@
  *
  * Environment: SPACE_BOOT_TIMEOUT_MS (default 60000) bounds boot-to-agent;
  * SPACE_POOL_SIZE (default 128, 0 = none) spare clones per size at most and
- * SPACE_POOL_MEMORY_MB (default host RAM / 4) for all, unless opts say;
+ * SPACE_POOL_MEMORY_MB (default host RAM / 4) for all, unless opts say, and
+ * SPACE_POOL_RESERVE_MB (default host RAM / 16) the host memory they leave alone;
  * SPACE_KVM_PROBE_MS (default 4000) bounds the KVM probe; SPACE_COLD_BOOT=1
  * makes every boot a cold boot (no template snapshots), like opts.cold_boot.
  * With a shared snapshot dir (opts.snapshot_dir, qemu/shared.c) a suspend streams the whole
@@ -249,6 +250,12 @@ typedef struct {
 
 /* The spare pool now (for tests and benches). -1 (st zeroed) for another driver. */
 int sp_qemu_pool_stats(sp_driver_t *d, sp_qemu_pool_stats_t *st);
+
+/* The host memory spares leave alone, MiB (default $SPACE_POOL_RESERVE_MB, else a sixteenth
+ * of the host's RAM): spares are made only while the host's MemAvailable stays above it, and
+ * dropped (newest first) while it is below, looked at every few seconds while spares exist and
+ * at once after this call. -1 for another driver. */
+int sp_qemu_pool_reserve(sp_driver_t *d, uint64_t mb);
 
 /* Whether name, an entry of <data-dir>/vms, is the directory of one of d's spare clones (not
  * a sandbox's, nor a builder's, nor the link a taken spare's old name leaves, nor a spare of

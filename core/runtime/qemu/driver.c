@@ -1181,7 +1181,8 @@ const sp_driver_ops_t sp_qemu__ops = {
 };
 
 /* The spare pool's policy: pool_size per size at most, within opts' or $SPACE_POOL_MEMORY_MB's
- * budget (else host RAM / SP_QEMU_POOL_RAM_DIV). -1 when out of memory. */
+ * budget (else host RAM / SP_QEMU_POOL_RAM_DIV), and the host memory spares leave alone
+ * ($SPACE_POOL_RESERVE_MB, else host RAM / SP_QEMU_POOL_RESERVE). -1 when out of memory. */
 static int pool_policy_create(sp_qemu_t *d, const sp_qemu_opts_t *o)
 {
     long long mb = o->pool_memory_mb;
@@ -1192,10 +1193,20 @@ static int pool_policy_create(sp_qemu_t *d, const sp_qemu_opts_t *o)
         if (*end != '\0' || mb < 0)
             mb = 0;
     }
-    if (mb <= 0) {
-        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-        mb = pages > 0 && psz > 0 ? (long long)pages * psz / SP_QEMU_POOL_RAM_DIV / 1048576 : 1024;
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    long long ram_mb = pages > 0 && psz > 0 ? (long long)pages * psz / 1048576 : 0;
+    if (mb <= 0)
+        mb = ram_mb > 0 ? ram_mb / SP_QEMU_POOL_RAM_DIV : 1024;
+    /* the host's memory spares leave alone: SPACE_POOL_RESERVE_MB, else a share of its RAM */
+    long long reserve = ram_mb / SP_QEMU_POOL_RESERVE;
+    const char *renv = getenv("SPACE_POOL_RESERVE_MB");
+    if (renv != NULL && *renv != '\0') {
+        char *end;
+        long long v = strtoll(renv, &end, 10);
+        if (*end == '\0' && v >= 0)
+            reserve = v;
     }
+    d->pool_reserve_mb = (uint64_t)reserve;
     sp_poolpolicy_opts_t po = {.max_per_size = d->pool_size,
                                .budget_mb = (uint64_t)mb,
                                .window_ms = SP_QEMU_POOL_WINDOW_MS,
@@ -1203,7 +1214,8 @@ static int pool_policy_create(sp_qemu_t *d, const sp_qemu_opts_t *o)
     d->policy = sp_poolpolicy_create(&po);
     if (d->policy == NULL)
         return -1;
-    sp_log(SP_LOG_DEBUG, "qemu", "spare pool per_size_max=%d memory_mb=%lld", d->pool_size, mb);
+    sp_log(SP_LOG_DEBUG, "qemu", "spare pool per_size_max=%d memory_mb=%lld reserve_mb=%lld",
+           d->pool_size, mb, reserve);
     return 0;
 }
 

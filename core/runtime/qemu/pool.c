@@ -358,6 +358,47 @@ bool sp_qemu__host_busy(const sp_qemu_t *d)
     return false;
 }
 
+/* The host's MemAvailable in MiB; UINT64_MAX when /proc/meminfo cannot be read. */
+static uint64_t host_available_mb(void)
+{
+    FILE *f = fopen("/proc/meminfo", "re");
+    if (f == NULL)
+        return UINT64_MAX;
+    char line[128];
+    unsigned long long kb = 0;
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f) != NULL)
+        found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+    fclose(f);
+    return found ? kb / 1024 : UINT64_MAX;
+}
+
+/* Spares give way to sandboxes: they may hold what they hold plus what the host has available
+ * beyond its reserve, and when MemAvailable is below the reserve, that much less (the targets
+ * shrink and pool_trim drops the difference). One read of /proc/meminfo per pool step. */
+static void pool_limit(sp_qemu_t *d)
+{
+    uint64_t avail = host_available_mb();
+    if (avail == UINT64_MAX) {
+        sp_poolpolicy_limit(d->policy, UINT64_MAX);
+        return;
+    }
+    uint64_t used = pool_used_mb(d), limit = 0;
+    if (used + avail > d->pool_reserve_mb)
+        limit = used + avail - d->pool_reserve_mb;
+    sp_poolpolicy_limit(d->policy, limit);
+    uint64_t budget = sp_poolpolicy_budget(d->policy);
+    bool short_now = budget == limit && limit < UINT64_MAX;
+    if (short_now != d->pool_short)
+        sp_log(short_now ? SP_LOG_WARN : SP_LOG_INFO, "qemu",
+               "spare pool %s host memory available_mb=%llu reserve_mb=%llu spares_mb=%llu "
+               "budget_mb=%llu",
+               short_now ? "limited by" : "no longer limited by", (unsigned long long)avail,
+               (unsigned long long)d->pool_reserve_mb, (unsigned long long)used,
+               (unsigned long long)budget);
+    d->pool_short = short_now;
+}
+
 /* Forgets sizes nobody created for SP_QEMU_POOL_IDLE_MS (their spares go) and drops the spares
  * beyond each size's target, then starts the next missing spare of the most recently used
  * size, within the memory budget, one at a time and only when no other boot is in flight: a
@@ -368,6 +409,8 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
 {
     sp_qemu_t *d = arg;
     uint64_t now = sp_qemu__mono_ms();
+    if (d->policy != NULL)
+        pool_limit(d);
     for (struct poolwant *w = d->wants; w != NULL; w = w->next) {
         int excess = pool_count(d, w->key) - sp_poolpolicy_target(d->policy, w->key, now);
         if (excess > 0) {
@@ -419,6 +462,8 @@ void sp_qemu__on_pool_timer(sp_timer_t *t, void *arg)
             break;
         }
     }
+    if (used > 0 && wait > SP_QEMU_POOL_MEM_MS)
+        wait = SP_QEMU_POOL_MEM_MS; /* spares held: look at the host's memory again soon */
     sp_timer_start(&d->pool_timer, wait);
 }
 
@@ -750,6 +795,16 @@ int sp_qemu_pool_stats(sp_driver_t *base, sp_qemu_pool_stats_t *st)
         st->used_mb = pool_used_mb(d);
         st->budget_mb = sp_poolpolicy_budget(d->policy);
     }
+    return 0;
+}
+
+int sp_qemu_pool_reserve(sp_driver_t *base, uint64_t mb)
+{
+    if (base == NULL || base->ops != &sp_qemu__ops)
+        return -1;
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    d->pool_reserve_mb = mb;
+    sp_qemu__pool_kick(d);
     return 0;
 }
 

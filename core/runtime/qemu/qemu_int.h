@@ -68,7 +68,9 @@
 #define SP_QEMU_POOL_DEFAULT   128        /* spare clones per template size at most */
 #define SP_QEMU_POOL_MAX       SP_POOLPOLICY_PER_SIZE_MAX
 #define SP_QEMU_POOL_WINDOW_MS 10000u     /* creates this close together ask for a spare each */
-#define SP_QEMU_POOL_DECAY_MS  120000u    /* an idle size keeps one spare fewer per this */
+#define SP_QEMU_POOL_DECAY_MS  120000u    /* an idle size keeps a quarter fewer per this */
+#define SP_QEMU_POOL_RESERVE   16         /* default reserve: host RAM / this (pool_limit) */
+#define SP_QEMU_POOL_MEM_MS    5000u      /* host memory looked at this often with spares */
 #define SP_QEMU_POOL_RAM_DIV   4          /* default memory budget: host RAM / this */
 #define SP_QEMU_POOL_KEYS      4          /* template sizes with spares at once (LRU) */
 #define SP_QEMU_POOL_IDLE_MS   1800000u   /* a size nobody created for this long loses them */
@@ -372,6 +374,9 @@ struct sp_qemu {
     sp_timer_t pool_timer;
     struct poolwant *wants;
     uint64_t pool_quiet_until; /* mono ms: a sandbox came up (SP_QEMU_POOL_SETTLE_MS) */
+    uint64_t pool_reserve_mb;  /* spares never hold memory the host's MemAvailable needs to
+                                * stay above this (pool_limit) */
+    bool pool_short;           /* the reserve limits the pool now (logged when it changes) */
     struct ahead *aheads;      /* template snapshots to make ahead (ahead.c) */
     int naheads;
     sp_timer_t ahead_timer;

@@ -110,6 +110,17 @@ static void budget(void)
         sp_poolpolicy_create_seen(p, "small", t + (uint64_t)i, 100);
     CHECK(sp_poolpolicy_target(p, "small", t + 10) == 2);
     CHECK(sp_poolpolicy_target(p, "big", t + 10) == 2); /* (1000 - 200) / 300 */
+    /* the host can spare less than the budget: the limit is the budget in force, and
+     * lifting it gives the budget back */
+    sp_poolpolicy_limit(p, 350);
+    CHECK(sp_poolpolicy_budget(p) == 350);
+    CHECK(sp_poolpolicy_target(p, "small", t + 10) == 2);
+    CHECK(sp_poolpolicy_target(p, "big", t + 10) == 0); /* (350 - 200) / 300 */
+    CHECK(sp_poolpolicy_fits(p, "small", 200) && !sp_poolpolicy_fits(p, "small", 251));
+    sp_poolpolicy_limit(p, 0);
+    CHECK(sp_poolpolicy_target(p, "small", t + 10) == 0 && !sp_poolpolicy_fits(p, "small", 0));
+    sp_poolpolicy_limit(p, UINT64_MAX);
+    CHECK(sp_poolpolicy_budget(p) == 1000 && sp_poolpolicy_target(p, "big", t + 10) == 2);
     /* no budget at all: no spares */
     sp_poolpolicy_t *z = make(4, 0);
     sp_poolpolicy_create_seen(z, "a", 1, 10);
