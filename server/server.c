@@ -110,6 +110,8 @@ struct opts {
      * a quarter of the host's RAM) */
     int pool_size;
     int pool_memory_mb;
+    int pool_reserve_mb; /* serve: host memory spares leave alone (-1: none; 0: the driver's
+                          * $SPACE_POOL_RESERVE_MB, else a sixteenth of the host's RAM) */
     int prebuild_sizes;    /* serve: sizes per template whose snapshot is made ahead (sizes.h);
                             * 0: none */
     long egress_memory_mb; /* serve: all sandboxes' egress memory (core/egress/egmem.h); 0: a
@@ -149,7 +151,7 @@ static void usage(FILE *f)
             "                    [--max-body-kb KIB] [--max-upload-mb MIB] [--max-large-bodies N]\n"
             "                    [--cluster-key-file FILE]\n"
             "                    [--pool-size N] [--pool-memory-mb MIB] [--prebuild-sizes N]\n"
-            "                    [--egress-memory-mb MIB]\n"
+            "                    [--pool-reserve-mb MIB] [--egress-memory-mb MIB]\n"
             "       spaced keys create [--team NAME] [--name NAME]\n"
             "       spaced keys list [--team NAME]\n"
             "       spaced keys revoke <key-id-or-prefix>\n"
@@ -1221,7 +1223,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
                              .insecure_no_seccomp = o->insecure_no_seccomp,
                              .insecure_no_cgroups = o->insecure_no_cgroups,
                              .pool_size = o->pool_size,
-                             .pool_memory_mb = o->pool_memory_mb};
+                             .pool_memory_mb = o->pool_memory_mb,
+                             .pool_reserve_mb = o->pool_reserve_mb};
         driver = sp_qemu_create(s.loop, &qo, &e);
         if (driver == NULL) {
             sp_log(SP_LOG_WARN, "server", "microVM runtime unavailable: %s", e.msg);
@@ -1541,6 +1544,7 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         {"pool-memory-mb", required_argument, NULL, 0x141},
         {"prebuild-sizes", required_argument, NULL, 0x142},
         {"egress-memory-mb", required_argument, NULL, 0x143},
+        {"pool-reserve-mb", required_argument, NULL, 0x144},
         {NULL, 0, NULL, 0}};
     if (argc < 2) {
         usage(stderr);
@@ -1735,9 +1739,12 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
         }
         case 0x140:
         case 0x141:
-        case 0x142: {
-            static const char *const names[] = {"pool-size", "pool-memory-mb", "prebuild-sizes"};
-            static const long lo[] = {0, 1, 0}, hi[] = {256, 16777216, 64};
+        case 0x142:
+        case 0x144: {
+            /* 0x143 (egress-memory-mb) has its own rule below */
+            static const char *const names[] = {"pool-size", "pool-memory-mb", "prebuild-sizes",
+                                                NULL, "pool-reserve-mb"};
+            static const long lo[] = {0, 1, 0, 0, 0}, hi[] = {256, 16777216, 64, 0, 16777216};
             char *end;
             long v = strtol(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || v < lo[ch - 0x140] || v > hi[ch - 0x140]) {
@@ -1749,6 +1756,8 @@ int sp_server_main(int argc, char **argv, sp_server_driver_factory test_driver)
                 o.pool_size = v == 0 ? -1 : (int)v; /* 0: no spares (the driver's -1) */
             else if (ch == 0x141)
                 o.pool_memory_mb = (int)v;
+            else if (ch == 0x144)
+                o.pool_reserve_mb = v == 0 ? -1 : (int)v; /* 0: none (the driver's -1) */
             else
                 o.prebuild_sizes = (int)v;
             break;

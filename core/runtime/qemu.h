@@ -175,6 +175,9 @@ typedef struct {
                            * -1 = none (see below) */
     int pool_memory_mb;   /* memory all spares may use together, MiB: 0 = $SPACE_POOL_MEMORY_MB,
                            * else a quarter of the host's RAM */
+    int pool_reserve_mb;  /* host memory spares leave alone (sp_qemu_pool_reserve), MiB: 0 =
+                           * $SPACE_POOL_RESERVE_MB, else a sixteenth of the host's RAM; -1 =
+                           * none */
     int no_adopt;         /* 1: a tool's driver (spaced template build) on a data dir a
                            * serving spaced may use: adopts no VM, leaves other live processes'
                            * snapshot builders alone, refuses boot and restore; only

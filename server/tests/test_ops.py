@@ -109,11 +109,13 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
 
     def test_pool_and_prebuild_options(self):
-        """--pool-size, --pool-memory-mb, --prebuild-sizes and --egress-memory-mb (also
-        config-file keys) take their ranges and refuse anything else before anything starts."""
+        """--pool-size, --pool-memory-mb, --pool-reserve-mb, --prebuild-sizes and
+        --egress-memory-mb (also config-file keys) take their ranges and refuse anything else
+        before anything starts."""
         for opt, bad in (("--pool-size", "257"), ("--pool-size", "-1"), ("--pool-memory-mb", "0"),
                          ("--pool-memory-mb", "x"), ("--prebuild-sizes", "65"),
-                         ("--prebuild-sizes", ""), ("--egress-memory-mb", "63"),
+                         ("--prebuild-sizes", ""), ("--pool-reserve-mb", "-1"),
+                         ("--pool-reserve-mb", "1G"), ("--egress-memory-mb", "63"),
                          ("--egress-memory-mb", "1G")):
             r = self.s.cli("serve", opt, bad, check=False)
             self.assertEqual(r.returncode, 2, (opt, bad, r))

@@ -1197,10 +1197,13 @@ static int pool_policy_create(sp_qemu_t *d, const sp_qemu_opts_t *o)
     long long ram_mb = pages > 0 && psz > 0 ? (long long)pages * psz / 1048576 : 0;
     if (mb <= 0)
         mb = ram_mb > 0 ? ram_mb / SP_QEMU_POOL_RAM_DIV : 1024;
-    /* the host's memory spares leave alone: SPACE_POOL_RESERVE_MB, else a share of its RAM */
-    long long reserve = ram_mb / SP_QEMU_POOL_RESERVE;
+    /* the host's memory spares leave alone: opts', SPACE_POOL_RESERVE_MB, else a share of its
+     * RAM */
+    long long reserve = o->pool_reserve_mb < 0   ? 0
+                        : o->pool_reserve_mb > 0 ? o->pool_reserve_mb
+                                                 : ram_mb / SP_QEMU_POOL_RESERVE;
     const char *renv = getenv("SPACE_POOL_RESERVE_MB");
-    if (renv != NULL && *renv != '\0') {
+    if (o->pool_reserve_mb == 0 && renv != NULL && *renv != '\0') {
         char *end;
         long long v = strtoll(renv, &end, 10);
         if (*end == '\0' && v >= 0)

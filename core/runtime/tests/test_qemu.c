@@ -232,14 +232,29 @@ static void test_qemu_pool_options(void)
                         .qemu = "/bin/true",
                         .qemu_img = "/bin/true",
                         .pool_size = 5,
-                        .pool_memory_mb = 700};
+                        .pool_memory_mb = 700,
+                        .pool_reserve_mb = 300};
     sp_err_t e;
+    setenv("SPACE_POOL_RESERVE_MB", "77", 1); /* the options win */
     sp_driver_t *d = sp_qemu_create(loop, &o, &e);
     REQUIRE(d != NULL);
     CHECK(sp_qemu_pool_stats(d, &st) == 0);
     CHECK(st.budget_mb == 700 && st.target == 0 && st.ready == 0 && st.used_mb == 0);
     CHECK(((sp_qemu_t *)d)->pool_size == 5);
+    CHECK(((sp_qemu_t *)d)->pool_reserve_mb == 300);
+    CHECK(sp_qemu_pool_reserve(d, 12) == 0 && ((sp_qemu_t *)d)->pool_reserve_mb == 12);
     sp_driver_destroy(d);
+    o.pool_reserve_mb = -1; /* none */
+    d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(((sp_qemu_t *)d)->pool_reserve_mb == 0);
+    sp_driver_destroy(d);
+    o.pool_reserve_mb = 0; /* the environment's */
+    d = sp_qemu_create(loop, &o, &e);
+    REQUIRE(d != NULL);
+    CHECK(((sp_qemu_t *)d)->pool_reserve_mb == 77);
+    sp_driver_destroy(d);
+    unsetenv("SPACE_POOL_RESERVE_MB");
     /* from the environment; a bad value: the default (a share of the host's RAM) */
     o.pool_memory_mb = 0;
     o.pool_size = 0;
@@ -258,6 +273,8 @@ static void test_qemu_pool_options(void)
     CHECK(sp_qemu_pool_stats(d, &st) == 0 &&
           st.budget_mb == (uint64_t)pages * (uint64_t)psz / SP_QEMU_POOL_RAM_DIV / 1048576);
     CHECK(((sp_qemu_t *)d)->pool_size == SP_QEMU_POOL_DEFAULT);
+    CHECK(((sp_qemu_t *)d)->pool_reserve_mb ==
+          (uint64_t)pages * (uint64_t)psz / 1048576 / SP_QEMU_POOL_RESERVE);
     sp_driver_destroy(d);
     unsetenv("SPACE_POOL_MEMORY_MB");
     /* no pool: no policy, a zero budget */
@@ -267,6 +284,7 @@ static void test_qemu_pool_options(void)
     CHECK(sp_qemu_pool_stats(d, &st) == 0 && st.budget_mb == 0 && st.target == 0);
     sp_driver_destroy(d);
     CHECK(sp_qemu_pool_stats(NULL, &st) == -1);
+    CHECK(sp_qemu_pool_reserve(NULL, 1) == -1);
 }
 
 /* A spare (pooled) or a sandbox's VM of template tname built as hash, without a process. */
