@@ -9,6 +9,7 @@ template build waited for.
         p.stop()
 """
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,9 +51,37 @@ def build_template(s, body):
     return (time.time() - t0) * 1000, b
 
 
+def clear_leftovers(data):
+    """Removes what earlier runs left in DATA_DIR that no database knows any more (each run has
+    a PostgreSQL of its own): sandboxes' VM directories whose QEMU is gone, and sandbox
+    snapshots. They would skew this run: spaced re-reads them at start, and a suspended one's
+    files stay in its scans. Templates stay (cached builds). Returns how many went."""
+    n = 0
+    vms = os.path.join(data, "vms")
+    for d in sorted(os.listdir(vms)) if os.path.isdir(vms) else []:
+        p = os.path.join(vms, d)
+        if d == "accel" or os.path.islink(p) or not os.path.isdir(p):
+            continue
+        try:
+            with open(os.path.join(p, "qemu.pid")) as f:
+                pid = int(f.read().strip())
+            os.kill(pid, 0)
+            continue  # a QEMU still runs in it: not ours to remove
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(p, ignore_errors=True)
+        n += 1
+    snaps = os.path.join(data, "snapshots")
+    for d in os.listdir(snaps) if os.path.isdir(snaps) else []:
+        shutil.rmtree(os.path.join(snaps, d), ignore_errors=True)
+        n += 1
+    return n
+
+
 class Platform:
     """argv: [script, BUILD_DIR, DATA_DIR?]. Builds the templates (cached when unchanged),
-    starts PostgreSQL and BUILD_DIR's spaced with one key; stops both on exit."""
+    clears what earlier runs left (clear_leftovers), starts PostgreSQL and BUILD_DIR's spaced
+    with one key; stops both on exit."""
 
     def __init__(self, argv, templates=("base",), env=None, drop_env=()):
         if len(argv) < 2:
@@ -72,6 +101,9 @@ class Platform:
                            check=True, stdout=subprocess.DEVNULL)
             print("template %s ready in %.1f s (cached when unchanged)" % (t, time.time() - t0),
                   flush=True)
+        n = clear_leftovers(self.data)
+        if n:
+            print("removed %d VM and snapshot directories earlier runs left" % n, flush=True)
         # PostgreSQL, spaced and a key of the default team (harness.Platform), started once
         # the environment is as asked
         self.p = harness.Platform(teams=(None,), start=False, binary=self.spaced,
