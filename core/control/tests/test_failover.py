@@ -17,10 +17,10 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-from harness import PgCluster, Spaced, skip_unless_pg, tmpdir, wait_s, wait_until  # noqa: E402
+from harness import PgCluster, Spaced, skip_unless_pg, tmpdir, wait_until  # noqa: E402
+from test_fleet import FleetClient, fake_state  # noqa: E402
 
 TIMEOUT_S = 2  # --heartbeat-timeout-s
-SB = {"template": "base", "cpu_count": 1, "memory_mb": 256}
 
 
 def psql(pg, sql):
@@ -36,7 +36,7 @@ def psql(pg, sql):
 
 
 @skip_unless_pg
-class FailoverTest(unittest.TestCase):
+class FailoverTest(FleetClient, unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.primary = PgCluster()
@@ -68,8 +68,8 @@ class FailoverTest(unittest.TestCase):
                 cls.nodes.append(w)
                 w.start()
                 cls.workers.append(w)
-            wait_until(lambda: len([x for x in cls.list_workers() if x["state"] == "active"]) == 2,
-                       "2 workers active", 20, 0.1)
+            cls.wait_for(lambda: len([x for x in cls.list_workers() if x["state"] == "active"])
+                         == 2, "2 workers active")
         except BaseException:
             cls.tearDownClass()
             raise
@@ -83,40 +83,8 @@ class FailoverTest(unittest.TestCase):
                 pg.destroy()
         shutil.rmtree(cls.shared, ignore_errors=True)
 
-    @classmethod
-    def list_workers(cls):
-        st, r = cls.api.request("GET", "/v1/workers", key=cls.admin)
-        assert st == 200, (st, r)
-        return r["workers"]
-
-    def state(self, sid):
-        st, r = self.api.request("GET", "/v1/sandboxes/" + sid)
-        self.assertEqual(st, 200, r)
-        return r
-
-    def wait_state(self, sid, want, timeout=20):
-        wait_until(lambda: self.state(sid)["state"] == want, "%s %s" % (sid, want), timeout,
-                   0.1)
-
-    def created(self, zone):
-        st, r = self.api.request("POST", "/v1/sandboxes",
-                                 dict(SB, placement={"labels": {"zone": zone}}))
-        self.assertEqual(st, 202, r)
-        return r["sandbox"]["id"]
-
-    def act(self, sid, what):
-        return self.api.request("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, what, wait_s(20)),
-                                timeout=wait_s(20) + 10)
-
-    def fake_state(self, w, sid):
-        try:
-            with open(os.path.join(w.data_dir, "fake", sid)) as f:
-                return f.read().strip()
-        except OSError:
-            return None
-
     def test_failover_to_standby(self):
-        sids = [self.created(z) for z in ("a", "b")]
+        sids = [self.created(placement={"labels": {"zone": z}}) for z in ("a", "b")]
         for sid in sids:
             self.wait_state(sid, "running")
         st, r = self.act(sids[1], "pause")  # acknowledged just before the crash
@@ -154,21 +122,19 @@ class FailoverTest(unittest.TestCase):
         for sid, w, want in zip(sids, self.workers, ("running", "paused")):
             got = self.state(sid)
             self.assertEqual((got["state"], got["error"]), (want, None), got)
-            self.assertEqual(self.fake_state(w, sid), want)
+            self.assertEqual(fake_state(w, sid), want)
         # every node's connections are on the new primary, and it all works there
         n = psql(self.standby, "SELECT count(DISTINCT pid) FROM pg_stat_activity WHERE "
                  "datname = 'space' AND backend_type = 'client backend'")
         self.assertGreaterEqual(int(n), len(self.nodes), n)
         st, r = self.act(sids[1], "wake")
         self.assertEqual(st, 200, r)
-        self.assertEqual(self.fake_state(self.workers[1], sids[1]), "running")
+        self.assertEqual(fake_state(self.workers[1], sids[1]), "running")
         for z in ("a", "b"):
-            self.wait_state(self.created(z), "running")
+            self.wait_state(self.created(placement={"labels": {"zone": z}}), "running")
         st, r = self.api.request("GET", "/v1/sandboxes?limit=100")
         self.assertEqual((st, len(r["sandboxes"])), (200, 4), r)
-        for sb in r["sandboxes"]:
-            self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (sb["id"], wait_s(20)),
-                             timeout=wait_s(20) + 10)
+        self.delete_all()
 
 
 if __name__ == "__main__":

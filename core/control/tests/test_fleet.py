@@ -35,63 +35,9 @@ def fake_state(node, sid):
         return None
 
 
-@skip_unless_pg
-class FleetTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.pg = PgCluster()
-        cls.shared = tmpdir("sp-shared-")
-        cls.nodes = []
-        env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
-        fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S)]
-        try:
-            cls.api = Spaced(database_url=cls.pg.url, runtime="test", env=env,
-                             args=["--role", "api"] + fleet)
-            cls.nodes.append(cls.api)
-            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
-            cls.api.key = cls.key
-            cls.api.start()
-            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
-                cls.admin = f.read().strip()
-            cls.workers = []
-            for zone in ("a", "b", "c"):
-                mport = free_port()
-                w = Spaced(database_url=cls.pg.url, runtime="test", env=env,
-                           args=["--role", "worker", "--worker-vcpus", "4",
-                                 "--worker-memory-mb", "4096", "--worker-labels",
-                                 "zone=" + zone, "--metrics-listen",
-                                 "127.0.0.1:%d" % mport] + fleet)
-                w.key = cls.key
-                w.mport = mport
-                cls.nodes.append(w)
-                w.start()
-                cls.workers.append(w)
-            cls.wid = {}
-            for w in cls.workers:
-                with open(os.path.join(w.data_dir, "worker-id")) as f:
-                    cls.wid[w] = f.read().strip()
-            cls.wait_for(lambda: len([x for x in cls.list_workers()
-                                      if x["state"] == "active"]) == 3, "3 workers active")
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        for n in cls.nodes:
-            if n.proc is not None:
-                n.proc.send_signal(signal.SIGCONT)
-            n.destroy()
-        cls.pg.destroy()
-        shutil.rmtree(cls.shared, ignore_errors=True)
-
-    def tearDown(self):
-        for w in self.workers:  # a failed test may leave one stopped
-            if w.proc is not None:
-                w.proc.send_signal(signal.SIGCONT)
-        self.delete_all()
-
-    # ---- helpers ----
+class FleetClient:
+    """Requests to a fleet through its API node cls.api (admin key cls.admin; workers
+    cls.workers, their ids cls.wid), shared by the fleet tests."""
 
     @staticmethod
     def wait_for(cond, what, timeout=20):
@@ -153,6 +99,63 @@ class FleetTest(unittest.TestCase):
             self.delete(sb["id"])
         self.wait_for(lambda: all(w["used"]["vcpus"] == 0 for w in self.list_workers()),
                       "no sandbox left")
+
+
+@skip_unless_pg
+class FleetTest(FleetClient, unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PgCluster()
+        cls.shared = tmpdir("sp-shared-")
+        cls.nodes = []
+        env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
+        fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S)]
+        try:
+            cls.api = Spaced(database_url=cls.pg.url, runtime="test", env=env,
+                             args=["--role", "api"] + fleet)
+            cls.nodes.append(cls.api)
+            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+            cls.api.key = cls.key
+            cls.api.start()
+            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+                cls.admin = f.read().strip()
+            cls.workers = []
+            for zone in ("a", "b", "c"):
+                mport = free_port()
+                w = Spaced(database_url=cls.pg.url, runtime="test", env=env,
+                           args=["--role", "worker", "--worker-vcpus", "4",
+                                 "--worker-memory-mb", "4096", "--worker-labels",
+                                 "zone=" + zone, "--metrics-listen",
+                                 "127.0.0.1:%d" % mport] + fleet)
+                w.key = cls.key
+                w.mport = mport
+                cls.nodes.append(w)
+                w.start()
+                cls.workers.append(w)
+            cls.wid = {}
+            for w in cls.workers:
+                with open(os.path.join(w.data_dir, "worker-id")) as f:
+                    cls.wid[w] = f.read().strip()
+            cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                      if x["state"] == "active"]) == 3, "3 workers active")
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for n in cls.nodes:
+            if n.proc is not None:
+                n.proc.send_signal(signal.SIGCONT)
+            n.destroy()
+        cls.pg.destroy()
+        shutil.rmtree(cls.shared, ignore_errors=True)
+
+    def tearDown(self):
+        for w in self.workers:  # a failed test may leave one stopped
+            if w.proc is not None:
+                w.proc.send_signal(signal.SIGCONT)
+        self.delete_all()
 
     # ---- roles ----
 
