@@ -12,23 +12,34 @@ snapshot dir, one cluster key; every request goes through the API node.
 - A worker killed with its VMs is declared lost within the heartbeat timeout: its running
   sandbox turns lost with the reason (its memory is gone) and can be deleted; a sandbox that
   was suspended on it wakes on the other worker with its file.
+- Templates built through the API node: the build, its files and its log go to one worker
+  (the builder), which publishes the version in the shared snapshot dir; a sandbox of it on
+  the other worker imports it from there (its start_cmd server up at once, its copied files
+  there). With the builder drained, a child of that template is built on the other worker
+  from the published parent, and its sandboxes have both templates' files.
 - Throughout, no sandbox has a VM on two workers (every QEMU's command line is scanned).
 
 Each worker has a data dir of its own holding the shared e2e data dir's base template build
 (files hard-linked, directories its own, as e2e/test_snapdir.c does), so neither touches the
 data dir the other VM suites use.
 """
+import hashlib
+import io
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import tarfile
 import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from harness import PgCluster, Spaced, read_number_cmd, vm_skip_reason, wait_s, wait_until  # noqa: E402
+from harness import (MULT, PgCluster, Spaced, read_number_cmd, vm_skip_reason, wait_s,  # noqa: E402
+                     wait_until)
 import fleet  # noqa: E402
 from fleet import qemu_cmdlines  # noqa: E402
+from test_templates import build, logs  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
@@ -232,6 +243,123 @@ class FleetVmTest(unittest.TestCase):
         self.wait_for(lambda: self.count(sid) > n, "the counter still counting")
         self.assertIs(self.placed_on(sid), w)
         self.assert_one_vm(sid, w)
+
+    def test_c_templates_built_through_the_api_node(self):
+        api = self.api
+        for sid in self.sids:  # a drain below moves nothing but what this test makes
+            api.delete_quietly(sid)
+        self.sids.clear()
+        nonce = "%d-%d" % (os.getpid(), time.time())
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            data = ("copied-" + nonce + "\n").encode()
+            ti = tarfile.TarInfo("app/copied.txt")
+            ti.size, ti.mode = len(data), 0o640
+            tf.addfile(ti, io.BytesIO(data))
+        body = buf.getvalue()
+        fk = hashlib.sha256(body).hexdigest()
+        st, r = api.request("PUT", "/v1/template-files/" + fk, raw=body)
+        self.assertEqual((st, r.get("existed")), (201, False), r)
+        st, r = api.request("GET", "/v1/template-files/" + fk)
+        self.assertEqual(st, 200, r)
+        t0 = time.time()
+        b = build(api, {"name": "fleetweb", "from": "base", "steps": [
+            {"run": "mkdir -p /srv && echo %s > /srv/nonce" % nonce},
+            {"copy": {"files": fk, "src": "app", "dest": "/srv/app"}}],
+            "start_cmd": "cd /srv && python3 -m http.server 8000",
+            "ready_cmd": "curl -sf http://127.0.0.1:8000/nonce"})
+        print("fleet: template built through the API node in %.1f s" % (time.time() - t0),
+              file=sys.stderr)
+        self.assertEqual(b["status"], "succeeded", b)
+        text = [x.get("line") for x in logs(api, "fleetweb", b["id"])]
+        self.assertTrue(any("template snapshot ready" in (t or "") for t in text), text)
+        # built on the builder (the first active worker by id), published for every worker
+        builder = min(self.workers, key=lambda w: w.wid)
+        other = [w for w in self.workers if w is not builder][0]
+        version = b["version"]
+        self.assertTrue(os.path.exists(os.path.join(builder.data_dir, "templates", "fleetweb",
+                                                    version, "manifest.json")))
+        self.assertFalse(os.path.exists(os.path.join(other.data_dir, "templates", "fleetweb")))
+        for f in ("manifest.json", "rootfs.qcow2"):
+            self.assertTrue(os.path.exists(os.path.join(self.snap, "templates", "fleetweb",
+                                                        version, f)), f)
+        want = "%s\ncopied-%s\n" % (nonce, nonce)
+        for w in (other, builder):
+            sid = api.create_ready(wait=240, template="fleetweb",
+                                   placement={"labels": {"node": os.path.basename(w.data_dir)}})
+            self.sids.append(sid)
+            self.assertIs(self.placed_on(sid), w)
+            c = self.sh(sid, "curl -sf http://127.0.0.1:8000/nonce; cat /srv/app/copied.txt")
+            self.assertEqual(c["stdout"], want, c)
+        self.assertTrue(os.path.exists(os.path.join(other.data_dir, "templates", "fleetweb",
+                                                    version, "manifest.json")))
+        self.assertIn("template version imported from the snapshot dir template=fleetweb",
+                      other.read_log())
+
+        # The builder drained: the next build goes to the other worker, from the parent the
+        # database names (built elsewhere, imported from the snapshot dir).
+        for sid in self.sids:
+            api.delete_quietly(sid)
+        self.sids.clear()
+        st, r = api.request("POST", "/v1/workers/%s/drain" % builder.wid, key=self.admin)
+        self.assertEqual(st, 200, r)
+        try:
+            b2 = build(api, {"name": "fleetweb2", "from": "fleetweb",
+                             "steps": [{"run": "echo child > /srv/child"}]})
+            self.assertEqual(b2["status"], "succeeded", b2)
+            self.assertTrue(os.path.exists(os.path.join(other.data_dir, "templates",
+                                                        "fleetweb2", b2["version"])))
+            self.assertFalse(os.path.exists(os.path.join(builder.data_dir, "templates",
+                                                         "fleetweb2")))
+            sid = api.create_ready(wait=240, template="fleetweb2")
+            self.sids.append(sid)
+            self.assertIs(self.placed_on(sid), other)
+            c = self.sh(sid, "cat /srv/nonce /srv/app/copied.txt /srv/child")
+            self.assertEqual(c["stdout"], want + "child\n", c)
+        finally:
+            st, r = api.request("POST", "/v1/workers/%s/undrain" % builder.wid, key=self.admin)
+            self.assertEqual(st, 200, r)
+
+    SDK_PY = r"""
+import os, sys, tempfile
+from e2b import Sandbox, Template, wait_for_url
+name, nonce = sys.argv[1], sys.argv[2]
+with tempfile.TemporaryDirectory() as ctx:
+    with open(os.path.join(ctx, "motd"), "w") as f:
+        f.write("motd-" + nonce + "\n")
+    tpl = (Template(file_context_path=ctx).from_base_image()
+           .copy("motd", "/srv/www/motd", user="root")
+           .run_cmd("echo site-" + nonce + " > /srv/www/index.html", user="root")
+           .set_start_cmd("cd /srv/www && python3 -m http.server 8000",
+                          wait_for_url("http://127.0.0.1:8000/index.html")))
+    logs = []
+    info = Template.build(tpl, name, cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    assert info.template_id == name, info
+    assert any("step" in getattr(e, "message", "") for e in logs), logs[:10]
+sb = Sandbox.create(name, timeout=300)
+r = sb.commands.run("curl -sf http://127.0.0.1:8000/index.html; cat /srv/www/motd")
+assert r.stdout == "site-%s\nmotd-%s\n" % (nonce, nonce), r.stdout
+sb.kill()
+assert Sandbox.delete_snapshot(name) is True
+print("OK", flush=True)
+"""
+
+    def test_d_e2b_sdk_builds_through_the_api_node(self):
+        """The pinned Python SDK's Template builder against the API node: its file upload
+        (the link the builder worker signs, on the API node's address), the build, its log
+        and status all forwarded to the builder; a sandbox of it runs its start command."""
+        py = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared",
+                                          "pysdk", "python3"))
+        py = os.environ.get("CONFORMANCE_PYTHON") or py
+        if not os.access(py, os.X_OK):
+            self.skipTest("the pinned Python SDK (../shared/pysdk) is not beside the project")
+        base = "http://%s:%d" % (self.api.host, self.api.port)
+        env = dict(os.environ, E2B_API_URL=base, E2B_SANDBOX_URL=base, E2B_API_KEY=self.api.key)
+        env.pop("E2B_DOMAIN", None)
+        nonce = "%d-%d" % (os.getpid(), time.time())
+        r = subprocess.run([py, "-c", self.SDK_PY, "fleetpy", nonce], capture_output=True,
+                           text=True, env=env, timeout=600 * MULT)
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, "OK"), r.stderr[-3000:])
 
     def test_z_killed_worker_lost_suspended_wakes_elsewhere(self):
         # The victim is where an unpinned create lands (a pin would hold the suspended one's

@@ -814,6 +814,135 @@ static int write_file(const char *path, const void *data, size_t n, mode_t mode)
     return close(fd);
 }
 
+/* ---- versions from a snapshot dir every worker shares ------------------- */
+
+/* A path a manifest names relative to a data dir: no absolute path, no "..". */
+static bool plain_rel(const char *p)
+{
+    return p != NULL && p[0] != '\0' && p[0] != '/' && strstr(p, "..") == NULL;
+}
+
+/* dst as src's name on this host: a hard link where the file systems allow, else a symlink to
+ * the shared copy (which is never modified: shared.c renames files into place). */
+static int link_or_symlink(const char *src, const char *dst)
+{
+    if (link(src, dst) == 0)
+        return 0;
+    return symlink(src, dst);
+}
+
+int sp_tmplbuild_import(const char *data_dir, const char *shared_dir, const char *name,
+                        const char *hash, sp_err_t *err)
+{
+    char src[PATH_MAX], dst[PATH_MAX], tmp[PATH_MAX], p[PATH_MAX], q[PATH_MAX];
+    if (!sp_tmplbuild_valid_name(name) || strlen(hash) != SP_TMPLBUILD_HASH_LEN ||
+        strspn(hash, "0123456789abcdef") != SP_TMPLBUILD_HASH_LEN)
+        return sp_err_set(err, SP_EINVAL, "bad template version");
+    if (fmt(src, sizeof src, err, "%s/templates/%s/%s", shared_dir, name, hash) < 0 ||
+        fmt(dst, sizeof dst, err, "%s/templates/%s/%s", data_dir, name, hash) < 0 ||
+        fmt(tmp, sizeof tmp, err, "%s/templates/%s/.import-%.12s-%d", data_dir, name, hash,
+            (int)getpid()) < 0 ||
+        fmt(p, sizeof p, err, "%s/manifest.json", dst) < 0)
+        return -1;
+    struct stat st;
+    if (stat(p, &st) == 0)
+        return 0; /* here already */
+    if (fmt(p, sizeof p, err, "%s/manifest.json", src) < 0)
+        return -1;
+    FILE *f = fopen(p, "re");
+    if (f == NULL)
+        return sp_err_set(err, SP_ENOTFOUND,
+                          "template '%s' version %.12s is not published in the snapshot dir", name,
+                          hash);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    char chunk[4096];
+    size_t k;
+    while (mem != NULL && (k = fread(chunk, 1, sizeof chunk, f)) > 0 && len < (1u << 20))
+        fwrite(chunk, 1, k, mem);
+    fclose(f);
+    if (mem == NULL || fclose(mem) != 0) {
+        free(text);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    json_t *m = json_loadb(text, len, 0, NULL);
+    const char *mhash = json_string_value(json_object_get(m, "hash"));
+    const char *kver = json_string_value(json_object_get(m, "kernel_version"));
+    const char *initrd = json_string_value(json_object_get(m, "initramfs"));
+    char kernel[PATH_MAX];
+    int rc = -1;
+    if (mhash == NULL || strcmp(mhash, hash) != 0 || kver == NULL || kver[0] == '\0' ||
+        kver[0] == '.' || strchr(kver, '/') != NULL || !plain_rel(initrd) ||
+        fmt(kernel, sizeof kernel, NULL, "images/kernel/%s/vmlinux", kver) < 0) {
+        sp_err_set(err, SP_EINTERNAL,
+                   "template '%s' version %.12s: the published manifest is damaged", name, hash);
+        goto out;
+    }
+    /* its kernel and initramfs: where this host has none, the published ones */
+    const char *imgs[] = {kernel, initrd};
+    for (size_t i = 0; i < 2; i++) {
+        if (fmt(p, sizeof p, err, "%s/%s", data_dir, imgs[i]) < 0 ||
+            fmt(q, sizeof q, err, "%s/%s", shared_dir, imgs[i]) < 0)
+            goto out;
+        if (stat(p, &st) == 0)
+            continue;
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%s", p);
+        *strrchr(dir, '/') = '\0';
+        if (stat(q, &st) < 0 || mkdir_p(dir, 0755) < 0 ||
+            (link_or_symlink(q, p) < 0 && errno != EEXIST)) {
+            sp_err_set(err, SP_ENOTFOUND,
+                       "template '%s' version %.12s: %s is neither here nor published", name, hash,
+                       imgs[i]);
+            goto out;
+        }
+    }
+    if (fmt(p, sizeof p, err, "%s/templates/%s", data_dir, name) < 0)
+        goto out;
+    sp_rm_rf(tmp);
+    char rootfs_src[PATH_MAX], rootfs_dst[PATH_MAX], man[PATH_MAX];
+    if (fmt(rootfs_src, sizeof rootfs_src, err, "%s/rootfs.qcow2", src) < 0 ||
+        fmt(rootfs_dst, sizeof rootfs_dst, err, "%s/rootfs.qcow2", tmp) < 0 ||
+        fmt(man, sizeof man, err, "%s/manifest.json", tmp) < 0)
+        goto out;
+    if (stat(rootfs_src, &st) < 0) {
+        sp_err_set(err, SP_ENOTFOUND,
+                   "template '%s' version %.12s: its image is not published in the snapshot dir",
+                   name, hash);
+        goto out;
+    }
+    if (mkdir_p(p, 0755) < 0 || mkdir(tmp, 0755) < 0 ||
+        link_or_symlink(rootfs_src, rootfs_dst) < 0 || write_file(man, text, len, 0644) < 0) {
+        sp_err_set(err, SP_EINTERNAL, "template '%s' version %.12s: cannot import it into %s: %s",
+                   name, hash, p, strerror(errno));
+        sp_rm_rf(tmp);
+        goto out;
+    }
+    if (rename(tmp, dst) < 0) {
+        int e = errno;
+        sp_rm_rf(tmp);
+        if (fmt(man, sizeof man, err, "%s/manifest.json", dst) < 0)
+            goto out;
+        if (stat(man, &st) < 0) { /* not another import that won the race */
+            sp_err_set(err, SP_EINTERNAL, "template '%s' version %.12s: cannot import it: %s", name,
+                       hash, strerror(e));
+            goto out;
+        }
+    }
+    int dfd = open(p, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    sp_log(SP_LOG_INFO, "tmplbuild",
+           "template version imported from the snapshot dir template=%s hash=%.12s", name, hash);
+    rc = 0;
+out:
+    json_decref(m);
+    free(text);
+    return rc;
+}
 /* Removes work dirs of earlier killed builds of this template (we hold its lock). */
 static void remove_stale_work(const char *tmpdir, const char *name)
 {

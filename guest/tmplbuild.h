@@ -149,6 +149,17 @@ int sp_tmplbuild_paths(const char *data_dir, const char *name, const char *hash,
 int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_paths_t *out,
                          sp_err_t *err);
 
+/* Version <name>@<hash> of a template built on another worker, made usable in data_dir from
+ * shared_dir, the snapshot dir every worker shares (core/runtime/qemu.h: opts.snapshot_dir),
+ * where the worker that built it published it (<shared>/templates/<name>/<hash>/: its
+ * manifest.json beside rootfs.qcow2). Its manifest is copied; its image, and the kernel and
+ * initramfs it names when this data dir has none, are hard links to the published files (a
+ * symlink where the file systems differ): never copies. The version appears whole or not at
+ * all (a directory renamed into place); 0 at once when it is here already. SP_ENOTFOUND
+ * when it is not published. Blocking, small: a file read and a few links. */
+int sp_tmplbuild_import(const char *data_dir, const char *shared_dir, const char *name,
+                        const char *hash, sp_err_t *err);
+
 typedef struct {
     const char *name;          /* template name */
     const char *templates_dir; /* spec dir override; NULL: compiled-in specs */

@@ -414,7 +414,11 @@ static void px_fail(struct px *x, int status, const char *what)
     h2o_req_t *req = x->req;
     if (req != NULL && x->phase <= P_HEAD) {
         char msg[512];
-        snprintf(msg, sizeof(msg), "sandbox %s: its worker %s %s", x->sandbox, x->upstream, what);
+        if (x->sandbox[0] != '\0')
+            snprintf(msg, sizeof(msg), "sandbox %s: its worker %s %s", x->sandbox, x->upstream,
+                     what);
+        else /* not a sandbox's (a template build's) */
+            snprintf(msg, sizeof(msg), "worker %s %s", x->upstream, what);
         sp_log(SP_LOG_INFO, "proxy", "%s", msg);
         x->req = NULL;
         x->phase = P_DONE;

@@ -65,7 +65,8 @@ void sp_proxy_destroy(sp_proxy_t *p);
 bool sp_proxy_has_key(const sp_proxy_t *p);
 
 /* Forwards req to upstream ("host:port"; a name is resolved off the loop) and answers req
- * with its reply. sandbox_id names the sandbox in error replies: 502 with a JSON error when
+ * with its reply. sandbox_id names the sandbox in error replies ("" for a request that is
+ * not a sandbox's, such as a template build's): 502 with a JSON error when
  * the upstream cannot be reached or sends no valid reply, 504 when it does not answer in
  * time, 503 when no cluster key is set. */
 void sp_proxy_forward(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const char *sandbox_id);

@@ -654,6 +654,8 @@ struct srv {
     sp_svc_t *svc;
     sp_proxy_t *proxy;       /* forwards data-plane requests to the sandbox's worker */
     char wid[SP_ID_LEN + 1]; /* this node's worker id (<data-dir>/worker-id) */
+    sp_fleet_t *fleet;
+    bool api; /* --role api: runs no VMs, so template builds go to a worker */
     int sfd;
     bool stop;
 };
@@ -721,6 +723,81 @@ static void on_where(void *arg, const sp_where_t *w, const sp_err_t *err)
     }
 }
 
+/*
+ * Template builds on a node that runs no VMs (--role api): a build, the files uploaded for it,
+ * its status and its log need the disk of the worker that runs it, so those requests go to
+ * the fleet's builder (core/control/fleet.h: sp_fleet_builder), forwarded like the data
+ * plane. Reads of templates, tags and deletes are the database's: served here.
+ */
+static bool seg_eq(const char *const *segs, int i, const char *s)
+{
+    return strcmp(segs[i], s) == 0;
+}
+
+static bool is_build_route(h2o_req_t *req, bool e2b)
+{
+    const char *g[8];
+    int n = sp_http_segments(req, g, 8);
+    bool get = sp_http_method_is(req, "GET"), post = sp_http_method_is(req, "POST");
+    if (n < 1)
+        return false;
+    if (!e2b) /* POST /v1/templates, /v1/template-files/{h}, /v1/templates/{n}/builds/{b}[/logs] */
+        return n >= 2 && seg_eq(g, 0, "v1") &&
+               ((n == 2 && post && seg_eq(g, 1, "templates")) ||
+                (n == 3 && seg_eq(g, 1, "template-files")) ||
+                ((n == 5 || n == 6) && get && seg_eq(g, 1, "templates") && seg_eq(g, 3, "builds") &&
+                 (n == 5 || seg_eq(g, 5, "logs"))));
+    /* POST /v3/templates, POST /v2/templates/{t}/builds/{b}, GET /templates/{t}/builds/{b}/status,
+     * GET /templates/{t}/files/{h}, /upload/template-files/... */
+    return (n == 2 && post && seg_eq(g, 0, "v3") && seg_eq(g, 1, "templates")) ||
+           (n == 5 && post && seg_eq(g, 0, "v2") && seg_eq(g, 1, "templates") &&
+            seg_eq(g, 3, "builds")) ||
+           (n == 5 && get && seg_eq(g, 0, "templates") && seg_eq(g, 2, "builds") &&
+            seg_eq(g, 4, "status")) ||
+           (n == 4 && get && seg_eq(g, 0, "templates") && seg_eq(g, 2, "files")) ||
+           (n >= 2 && seg_eq(g, 0, "upload") && seg_eq(g, 1, "template-files"));
+}
+
+struct builder_wait {
+    struct srv *s;
+    sp_http_hold_t *hold;
+};
+
+static void on_builder(void *arg, const char *id, const char *address, const sp_err_t *err)
+{
+    struct builder_wait bw = *(struct builder_wait *)arg;
+    h2o_req_t *req = sp_http_release(bw.hold); /* frees arg */
+    if (req == NULL)
+        return;
+    if (err != NULL) {
+        sp_proxy_error(req, sp_err_http_status(err->code), "", err->msg);
+        return;
+    }
+    sp_log(SP_LOG_DEBUG, "server", "template build request to worker=%s", id);
+    sp_proxy_forward(bw.s->proxy, req, address, "");
+}
+
+static void to_builder(struct srv *s, h2o_req_t *req)
+{
+    if (!sp_proxy_has_key(s->proxy)) {
+        sp_proxy_error(req, 503, "",
+                       "template builds run on workers, and this node has no cluster key "
+                       "(--cluster-key-file) to forward them with");
+        return;
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct builder_wait));
+    if (h == NULL) {
+        sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+        return;
+    }
+    struct builder_wait *bw = sp_http_hold_user(h);
+    bw->s = s;
+    bw->hold = h;
+    sp_err_t e;
+    if (sp_fleet_builder(s->fleet, on_builder, bw, &e) < 0)
+        on_builder(bw, NULL, NULL, &e);
+}
+
 static int on_req(h2o_handler_t *self, h2o_req_t *req)
 {
     struct srv *s = ((struct handler *)self)->srv;
@@ -745,8 +822,13 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
         return 0;
     }
     char id[65];
-    bool data_plane = (s->e2b != NULL && sp_e2b_owns(s->e2b, req))
-                          ? sp_e2b_data_plane(s->e2b, req, id)
+    bool e2b = s->e2b != NULL && sp_e2b_owns(s->e2b, req);
+    if (s->api && origin != SP_PROXY_FORWARDED && s->fleet != NULL &&
+        (e2b || sp_napi_owns(req)) && is_build_route(req, e2b)) {
+        to_builder(s, req);
+        return 0;
+    }
+    bool data_plane = e2b ? sp_e2b_data_plane(s->e2b, req, id)
                           : sp_napi_owns(req) && sp_napi_data_plane(req, id);
     if (!data_plane || sp_svc_sandbox_here(s->svc, id)) {
         dispatch(s, req, origin == SP_PROXY_FORWARDED);
@@ -1310,6 +1392,10 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_tmpl_set_build_cache(tmpl, (uint64_t)o->build_cache_s);
     if (tmpl != NULL)
         sp_tmpl_set_secrets(tmpl, secrets); /* registry passwords from team secrets */
+    if (tmpl != NULL && !api && o->snapshot_dir != NULL)
+        sp_tmpl_set_shared_dir(tmpl, o->snapshot_dir); /* builds from versions built elsewhere */
+    s.fleet = fleet;
+    s.api = api;
     s.napi = svc ? sp_napi_create(svc) : NULL;
     if (s.napi != NULL) {
         sp_napi_set_driver(s.napi, driver); /* command sessions attach through it */

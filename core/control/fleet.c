@@ -753,6 +753,42 @@ int sp_fleet_workers(sp_fleet_t *f, const char *id, sp_fleet_workers_cb cb, void
     return 0;
 }
 
+struct bq {
+    sp_fleet_builder_cb cb;
+    void *arg;
+};
+
+static void builder_done(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct bq *q = rec;
+    sp_err_t e;
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_EUNAVAIL,
+                          "no worker can take template builds now: none is active with an "
+                          "address and a recent heartbeat"),
+               &e);
+    if (err != NULL)
+        q->cb(q->arg, NULL, NULL, err);
+    else
+        q->cb(q->arg, PQgetvalue(res, 0, 0), PQgetvalue(res, 0, 1), NULL);
+}
+
+int sp_fleet_builder(sp_fleet_t *f, sp_fleet_builder_cb cb, void *arg, sp_err_t *err)
+{
+    const char *p[] = {f->timeout_s};
+    struct bq *q = sp_store_call(f->store,
+                                 "SELECT id, address FROM workers WHERE state = 'active'"
+                                 " AND address <> ''"
+                                 " AND heartbeat_at > now() - make_interval(secs => $1::int)"
+                                 " ORDER BY id LIMIT 1",
+                                 1, p, sizeof(*q), builder_done, err);
+    if (q == NULL)
+        return -1;
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
 struct dq {
     sp_fleet_t *f;
     sp_fleet_workers_cb cb;

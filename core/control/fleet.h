@@ -98,4 +98,14 @@ int sp_fleet_workers(sp_fleet_t *f, const char *id, sp_fleet_workers_cb cb, void
 int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_cb cb, void *arg,
                    sp_err_t *err);
 
+/* Where a node that runs no VMs (role api) sends template builds (the requests that need a
+ * builder's disk: a build, its files, its status and log): the active worker, with an address
+ * and a heartbeat within the timeout, first by id. One worker for them all while it lives, so
+ * that a build finds the files uploaded for it and its log is where the build ran; when it is
+ * lost or drained the next one takes over (files uploaded to the first are asked for again).
+ * Calls back with its id and address (borrowed), or SP_EUNAVAIL when there is none. */
+typedef void (*sp_fleet_builder_cb)(void *arg, const char *id, const char *address,
+                                    const sp_err_t *err);
+int sp_fleet_builder(sp_fleet_t *f, sp_fleet_builder_cb cb, void *arg, sp_err_t *err);
+
 #endif

@@ -311,27 +311,40 @@ static void on_parent_tag(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct tagged *q = rec;
     sp_err_t e;
-    if (err == NULL && PQntuples(res) != 1)
+    /* by name alone on many workers (sp_tmpl_set_shared_dir): a built-in has no tags */
+    const char *colon = strchr(q->parent, ':');
+    bool name_only = colon != NULL && strcmp(colon + 1, "default") == 0;
+    if (err == NULL && PQntuples(res) != 1 && !name_only)
         err = (sp_err_set(&e, SP_ENOTFOUND, "parent template '%s' not found (no such tag)",
                           q->parent),
                &e);
-    if (err == NULL && build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL,
-                                 PQgetvalue(res, 0, 0), q->cb, q->arg, &e) < 0)
+    if (err == NULL &&
+        build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL,
+                  PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : NULL, q->cb, q->arg, &e) < 0)
         err = &e;
     if (err != NULL)
         q->cb(q->arg, NULL, err);
     json_decref(q->req);
 }
 
-/* The parent of req when it names a tag other than default: "name:tag" into parent; else
- * false (a bare name, an image, a Dockerfile: build_req judges those). */
-static bool tagged_parent(const json_t *req, char *parent, size_t cap)
+/* The parent of req when it names a tag other than default: "name:tag" into parent; on many
+ * workers (t->shared_dir) also a bare name, as "name:default"; else false (a bare name, an
+ * image, a Dockerfile: build_req judges those). */
+static bool tagged_parent(const sp_tmpl_t *t, const json_t *req, char *parent, size_t cap)
 {
     json_t *from = json_object_get(req, "from");
     if (json_is_object(from) && json_object_size(from) == 1)
         from = json_object_get(from, "template");
     const char *p = json_string_value(from);
     const char *colon = p != NULL ? strchr(p, ':') : NULL;
+    if (p != NULL && t->shared_dir[0] != '\0' && strlen(p) + 8 < cap) {
+        snprintf(parent, cap, "%.*s", colon != NULL ? (int)(colon - p) : (int)strlen(p), p);
+        if (!sp_tmplbuild_valid_name(parent))
+            return false; /* build_req says why */
+        snprintf(parent + strlen(parent), cap - strlen(parent), ":%s",
+                 colon != NULL ? colon + 1 : "default");
+        return true;
+    }
     if (colon == NULL || strcmp(colon + 1, "default") == 0 || strlen(p) >= cap)
         return false;
     snprintf(parent, cap, "%s", p);
@@ -342,7 +355,7 @@ static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                         const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
     char parent[64 + 1 + SP_TMPL_TAG_MAX + 1];
-    if (!tagged_parent(req, parent, sizeof parent))
+    if (!tagged_parent(t, req, parent, sizeof parent))
         return build_req(t, a, req, reserved, NULL, cb, arg, err);
     char *colon = strchr(parent, ':');
     *colon = '\0';
@@ -469,7 +482,10 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     snprintf(version, sizeof version, "%s%s%.64s", parent, parent_hash != NULL ? "@" : "",
              parent_hash != NULL ? parent_hash : "");
     sp_tmpl__copy(b->parent_ref, sizeof b->parent_ref, version);
-    if (sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0) {
+    if (sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0 &&
+        (t->shared_dir[0] == '\0' || parent_hash == NULL ||
+         sp_tmplbuild_import(t->data_dir, t->shared_dir, parent, parent_hash, err) < 0 ||
+         sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0)) {
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
                           version);
@@ -981,6 +997,11 @@ void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s)
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)
 {
     t->secrets = secrets;
+}
+
+void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir)
+{
+    sp_tmpl__copy(t->shared_dir, sizeof t->shared_dir, dir);
 }
 
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t)

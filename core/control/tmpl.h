@@ -140,6 +140,15 @@ void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s);
 struct sp_secrets;
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets);
 
+/* Many workers (core/runtime/qemu.h: opts.snapshot_dir, the snapshot dir they share; copied,
+ * NULL or "" for none): a build may run on any worker, so the parent a request names by
+ * template name alone is the version the database's default tag names (a built-in template,
+ * which has no tags: this host's build of it), as for a create, never this host's `current`
+ * link, which moves only with builds made here; and a parent version this host lacks is
+ * imported from the snapshot dir (guest/tmplbuild.h: sp_tmplbuild_import) where the worker
+ * that built it published it. */
+void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir);
+
 /* The files COPY steps use (tmplfiles.h), owned by t. */
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t);
 

@@ -1,8 +1,10 @@
 /*
  * test_tmplbuild.c - spec parsing (code_interpreter, warmup), input-hash
- * stability and sensitivity, data-dir layout and the current-build lookup.
+ * stability and sensitivity, data-dir layout, the current-build lookup and the import
+ * of a version published in a shared snapshot dir.
  * No network, no root.
  */
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -280,6 +282,107 @@ static void test_tmplbuild_current_reads_manifest(void)
     CHECK(system(cmd) == 0);
 }
 
+static void put(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f != NULL) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+static void mkdirs(const char *root, const char *rel)
+{
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", root, rel);
+    for (char *s = p + strlen(root) + 1; *s; s++)
+        if (*s == '/') {
+            *s = '\0';
+            mkdir(p, 0755);
+            *s = '/';
+        }
+    mkdir(p, 0755);
+}
+
+/* A version published in a shared dir, imported into a data dir that has none of it. */
+static void test_tmplbuild_import_from_shared_dir(void)
+{
+    char root[] = "/tmp/test_tmplbuild_imp.XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    char shared[200], data[200], p[1024], m[1024];
+    snprintf(shared, sizeof shared, "%s/shared", root);
+    snprintf(data, sizeof data, "%s/data", root);
+    mkdir(shared, 0755);
+    mkdir(data, 0755);
+    sp_err_t err = {0};
+    sp_tmplbuild_paths_t tp;
+    /* nothing published */
+    CHECK(sp_tmplbuild_import(data, shared, "web", HASH, &err) < 0 && err.code == SP_ENOTFOUND);
+    CHECK(sp_tmplbuild_import(data, shared, "../x", HASH, &err) < 0 && err.code == SP_EINVAL);
+    CHECK(sp_tmplbuild_import(data, shared, "web", "abc", &err) < 0 && err.code == SP_EINVAL);
+
+    char vdir[100];
+    snprintf(vdir, sizeof vdir, "templates/web/%s", HASH);
+    mkdirs(shared, vdir);
+    mkdirs(shared, "images/kernel/kv");
+    snprintf(p, sizeof p, "%s/images/kernel/kv/vmlinux", shared);
+    put(p, "kernel");
+    snprintf(p, sizeof p, "%s/images/initramfs-00.img", shared);
+    put(p, "initramfs");
+    snprintf(p, sizeof p, "%s/%s/rootfs.qcow2", shared, vdir);
+    put(p, "rootfs");
+    /* a manifest naming another version, then one naming a path out of the data dir */
+    snprintf(p, sizeof p, "%s/%s/manifest.json", shared, vdir);
+    snprintf(m, sizeof m,
+             "{\"name\":\"web\",\"hash\":\"%.63s0\",\"kernel_version\":\"kv\","
+             "\"initramfs\":\"images/initramfs-00.img\"}",
+             HASH);
+    put(p, m);
+    CHECK(sp_tmplbuild_import(data, shared, "web", HASH, &err) < 0 && err.code == SP_EINTERNAL);
+    snprintf(m, sizeof m,
+             "{\"name\":\"web\",\"hash\":\"%s\",\"kernel_version\":\"kv\","
+             "\"initramfs\":\"../../etc/x\"}",
+             HASH);
+    put(p, m);
+    CHECK(sp_tmplbuild_import(data, shared, "web", HASH, &err) < 0 && err.code == SP_EINTERNAL);
+    snprintf(p, sizeof p, "%s/templates/web/%s", data, HASH);
+    struct stat st;
+    CHECK(stat(p, &st) < 0); /* nothing half made */
+
+    snprintf(p, sizeof p, "%s/%s/manifest.json", shared, vdir);
+    snprintf(m, sizeof m,
+             "{\"name\":\"web\",\"hash\":\"%s\",\"kernel_version\":\"kv\","
+             "\"initramfs\":\"images/initramfs-00.img\",\"memory_mb\":512}",
+             HASH);
+    put(p, m);
+    char ver[100];
+    snprintf(ver, sizeof ver, "web@%s", HASH);
+    CHECK(sp_tmplbuild_current(data, ver, &tp, &err) < 0 && err.code == SP_ENOTFOUND);
+    CHECK(sp_tmplbuild_import(data, shared, "web", HASH, &err) == 0);
+    CHECK(sp_tmplbuild_current(data, ver, &tp, &err) == 0 && tp.memory_mb == 512);
+    /* its image and the kernel and initramfs this data dir lacked are the published files */
+    struct stat a, b;
+    snprintf(p, sizeof p, "%s/%s/rootfs.qcow2", shared, vdir);
+    CHECK(stat(tp.rootfs, &a) == 0 && stat(p, &b) == 0 && a.st_ino == b.st_ino);
+    snprintf(p, sizeof p, "%s/images/kernel/kv/vmlinux", shared);
+    CHECK(stat(tp.kernel, &a) == 0 && stat(p, &b) == 0 && a.st_ino == b.st_ino);
+    CHECK(stat(tp.initramfs, &a) == 0);
+    /* again: here already; no leftover temporary directory */
+    CHECK(sp_tmplbuild_import(data, shared, "web", HASH, &err) == 0);
+    snprintf(p, sizeof p, "%s/templates/web", data);
+    int entries = 0;
+    DIR *d = opendir(p);
+    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;)
+        entries += e->d_name[0] != '.';
+    if (d != NULL)
+        closedir(d);
+    CHECK(entries == 1);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    CHECK(system(cmd) == 0);
+}
+
 int main(void)
 {
     test_tmplbuild_parses_builtin_base();
@@ -289,5 +392,6 @@ int main(void)
     test_tmplbuild_hash_stable_and_sensitive();
     test_tmplbuild_path_layout();
     test_tmplbuild_current_reads_manifest();
+    test_tmplbuild_import_from_shared_dir();
     return check_report("tmplbuild");
 }

@@ -203,6 +203,30 @@ class FleetTest(FleetClient, unittest.TestCase):
         st, r = self.api.request("GET", "/v1/workers/nosuchworker", key=self.admin)
         self.assertEqual(st, 404, r)
 
+    def test_b2_template_builds_go_to_a_worker(self):
+        """An API node runs no builds: a build and its files go to a worker, which needs the
+        cluster key (this fleet has none: a 503 naming it); reads are served here."""
+        for method, path, body, e2b in (
+                ("POST", "/v1/templates", {"name": "x", "from": "base"}, False),
+                ("PUT", "/v1/template-files/" + "a" * 64, b"", False),
+                ("GET", "/v1/templates/x/builds/" + "b" * 24, None, False),
+                ("GET", "/v1/templates/x/builds/%s/logs" % ("b" * 24), None, False),
+                ("POST", "/v3/templates", {"name": "x"}, True),
+                ("POST", "/v2/templates/x/builds/" + "b" * 24, {}, True),
+                ("GET", "/templates/x/builds/%s/status" % ("b" * 24), None, True),
+                ("GET", "/templates/x/files/" + "a" * 64, None, True)):
+            h = {"X-API-KEY": self.key} if e2b else None
+            raw = body if isinstance(body, bytes) else None
+            st, r = self.api.request(method, path, None if raw is not None else body,
+                                     key="" if e2b else None, raw=raw, headers=h)
+            self.assertEqual(st, 503, (path, r))
+            self.assertIn("--cluster-key-file", json.dumps(r), path)
+        st, r = self.api.request("GET", "/v1/templates")
+        self.assertEqual(st, 200, r)
+        self.assertIn("base", [t["name"] for t in r["templates"]])
+        st, r = self.api.request("GET", "/templates", key="", headers={"X-API-KEY": self.key})
+        self.assertEqual(st, 200, r)
+
     # ---- placement ----
 
     def test_c_spread_by_capacity_then_capacity_error(self):

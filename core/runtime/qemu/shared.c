@@ -19,6 +19,9 @@
  *       everywhere. A derived template's image names its parent's published copy (export.c
  *       rebases onto it), so it is published as it is; an image whose backing file is not
  *       published stays unpublished and a suspend copies it into the sandbox's layers.
+ *       A template's image is published with its manifest.json beside it, so that a worker
+ *       asked for a version built elsewhere imports it (sp_tmplbuild_import: links to the
+ *       published files) and builds its own template snapshots of it.
  *
  * A suspend commits in the VM dir as on one node, then (QEMU gone) a job off the loop moves
  * the snapshot into the shared dir (sp_qemu__shared_publish) and removes the VM dir; the
@@ -710,6 +713,32 @@ bool sp_qemu__shared_image(const sp_qemu_t *d, const char *local, char *out, siz
            publish_image(d, local, out);
 }
 
+/* A published image's manifest beside it (rootfs: the image's published path), so that
+ * other workers can import the version (guest/tmplbuild.h: sp_tmplbuild_import): copied to a
+ * temporary name and renamed into place, once. Failure is logged: other workers then cannot
+ * create from this version, this one still can. */
+static void publish_manifest(const char *manifest, const char *rootfs)
+{
+    char dst[PATH_MAX + 64], tmp[PATH_MAX + 96];
+    struct stat st;
+    sp_qemu__sfmt(dst, sizeof dst, "%s", rootfs);
+    char *slash = strrchr(dst, '/');
+    if (manifest[0] == '\0' || slash == NULL ||
+        sp_qemu__sfmt(slash + 1, sizeof dst - (size_t)(slash + 1 - dst), "manifest.json") <= 0 ||
+        stat(dst, &st) == 0)
+        return;
+    sp_qemu__sfmt(tmp, sizeof tmp, "%s.tmp-%d", dst, (int)getpid());
+    unlink(tmp);
+    uint64_t bytes = 0;
+    if (copy_file(manifest, tmp, 0444, false, &bytes) < 0 || rename(tmp, dst) < 0) {
+        sp_log(SP_LOG_WARN, "qemu", "cannot publish template manifest=%s err=%s", dst,
+               strerror(errno));
+        unlink(tmp);
+        return;
+    }
+    fsync_dir_of(dst);
+}
+
 /* A template build's images as every worker has them: the published copies (publishing
  * them first if need be), where they can be. */
 void sp_qemu__shared_template(const sp_qemu_t *d, const char *tname, sp_tmplbuild_paths_t *tp)
@@ -722,9 +751,11 @@ void sp_qemu__shared_template(const sp_qemu_t *d, const char *tname, sp_tmplbuil
     for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
         if (paths[i][0] == '\0')
             continue;
-        if (sp_qemu__shared_image(d, paths[i], out, sizeof out) && strlen(out) < sizes[i])
+        if (sp_qemu__shared_image(d, paths[i], out, sizeof out) && strlen(out) < sizes[i]) {
+            if (i == 0)
+                publish_manifest(tp->manifest, out);
             memcpy(paths[i], out, strlen(out) + 1);
-        else if (i == 0)
+        } else if (i == 0)
             sp_log(SP_LOG_WARN, "qemu",
                    "template image not in the snapshot dir template=%s image=%s: its sandboxes' "
                    "snapshots carry a copy",
