@@ -4,11 +4,18 @@
  * Owns every PGconn and PGresult. Never blocks the loop: connections are
  * opened with PQconnectStart/PQconnectPoll, statements sent with
  * PQsendQueryParams in non-blocking mode and finished from socket readiness.
- * Each connection prepares a statement the first time it runs its text (one
- * extra round trip, once) and runs it prepared from then on: PostgreSQL then
- * parses and plans it once per connection, not once per request. Texts past
- * SP_STORE_PREP_MAX per connection (ad hoc SQL) run unprepared.
- * A broken connection fails its in-flight statement with SP_EUNAVAIL and is
+ * Each connection prepares a statement the first time it runs its text (its
+ * Parse sent just before the first Bind, in the same flight) and runs it prepared
+ * from then on: PostgreSQL then parses and plans it once per connection, not once
+ * per request. Texts past SP_STORE_PREP_MAX per connection (ad hoc SQL) run
+ * unprepared.
+ * The pool's connections run in libpq's pipeline mode: a statement goes to an idle
+ * connection when there is one, else to the one with the fewest in flight, up to
+ * SP_STORE_PIPE_MAX each, each statement followed by its own Sync (its own implicit
+ * transaction, as without a pipeline: one failing aborts nothing else). Under load
+ * PostgreSQL then reads several statements per wakeup and spaced several answers
+ * per read, instead of a round trip of wakeups per statement.
+ * A broken connection fails its in-flight statements with SP_EUNAVAIL and is
  * reopened with backoff; statements not yet sent wait for a live connection
  * (at most SP_STORE_QUEUE_MS) or fail at once when none is up or coming up.
  */
@@ -26,6 +33,7 @@
 #define SP_STORE_QUEUE_MAX  4096 /* statements waiting at once */
 #define SP_STORE_BACKOFF_LO 100
 #define SP_STORE_PREP_MAX   128 /* prepared statements per connection */
+#define SP_STORE_PIPE_MAX   4   /* statements in flight on one connection at most */
 
 enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
 
@@ -39,6 +47,10 @@ static sp_metric_t m_errors = SP_METRIC_COUNTER(
     "database was unavailable or busy (unavailable), connections lost or not made (connection).",
     "kind");
 
+/* A statement's answers in a pipeline come in stages: its Prepare's (when its text is
+ * prepared with it), then its own, each ended by a NULL from PQgetResult, then its Sync's. */
+enum { Q_PREP, Q_EXEC, Q_SYNC };
+
 struct query {
     char *sql;
     int nparams;
@@ -46,7 +58,11 @@ struct query {
     sp_store_cb cb;
     void *arg;
     uint64_t queued_ms;
-    struct query *next;
+    struct query *next; /* in the queue, then in its connection's flight */
+    int prep;           /* the statement index its text is being prepared as, or -1 */
+    int stage;          /* Q_* */
+    PGresult *prep_res; /* its Prepare's answer */
+    PGresult *res;      /* its last answer */
 };
 
 struct conn {
@@ -56,14 +72,15 @@ struct conn {
     int watched_fd;
     enum conn_state st;
     bool listener;
-    struct query *q;  /* in flight */
-    PGresult *last;   /* last result of the in-flight statement */
+    struct query *fl, *fl_tail; /* in flight, oldest first (pool connections) */
+    int nfl;
+    PGresult *last;   /* last result of the listener's statement */
     sp_timer_t retry; /* reconnect */
     unsigned backoff_ms;
     bool logged_down;
-    char *prep[SP_STORE_PREP_MAX]; /* statement "sN" is prep[N]'s text; reset on reconnect */
+    char *prep[SP_STORE_PREP_MAX]; /* statement "sN" is prep[N]'s text (NULL: its Prepare
+                                    * failed); reset on reconnect */
     int nprep;
-    int preparing; /* index whose Prepare is in flight before c->q runs, else -1 */
 };
 
 struct sub {
@@ -105,6 +122,10 @@ static void query_free(struct query *q)
 {
     if (q == NULL)
         return;
+    if (q->prep_res != NULL)
+        PQclear(q->prep_res);
+    if (q->res != NULL)
+        PQclear(q->res);
     for (int i = 0; i < q->nparams; i++)
         free(q->params[i]);
     free(q->params);
@@ -176,7 +197,6 @@ static void conn_close(struct conn *c)
     for (int i = 0; i < c->nprep; i++)
         free(c->prep[i]);
     c->nprep = 0;
-    c->preparing = -1;
     sp_watch_destroy(c->w);
     c->w = NULL;
     c->watched_fd = -1;
@@ -200,12 +220,16 @@ static void conn_down(struct conn *c, const char *why)
     }
     if (!s->dying)
         sp_metrics_add(&m_errors, 1, "connection");
-    struct query *q = c->q;
-    c->q = NULL;
+    struct query *q = c->fl;
+    c->fl = c->fl_tail = NULL;
+    c->nfl = 0;
     conn_close(c);
     c->st = C_DOWN;
-    if (q != NULL)
+    while (q != NULL) {
+        struct query *next = q->next;
         query_finish(q, NULL, SP_EUNAVAIL, "database unavailable");
+        q = next;
+    }
     if (s->dying)
         return;
     c->backoff_ms = c->backoff_ms ? c->backoff_ms * 2 : SP_STORE_BACKOFF_LO;
@@ -252,6 +276,10 @@ static void conn_ready(struct conn *c)
 {
     sp_store_t *s = c->s;
     PQsetnonblocking(c->pg, 1);
+    if (!c->listener && PQenterPipelineMode(c->pg) != 1) {
+        conn_down(c, PQerrorMessage(c->pg));
+        return;
+    }
     c->st = C_IDLE;
     c->backoff_ms = 0;
     if (c->logged_down)
@@ -329,43 +357,62 @@ static bool send_prepared(struct conn *c, struct query *q, int i)
                                0) == 1;
 }
 
+/* Sends q on c (in pipeline mode) with its Sync, its text's Prepare first when it has none
+ * yet; q joins c's flight. false when libpq refused (the connection is then unusable). */
 static bool send_query(struct conn *c, struct query *q)
 {
     int i = 0;
-    while (i < c->nprep && strcmp(c->prep[i], q->sql) != 0)
+    while (i < c->nprep && (c->prep[i] == NULL || strcmp(c->prep[i], q->sql) != 0))
         i++;
     bool ok;
+    q->prep = -1;
+    q->stage = Q_EXEC;
     if (i < c->nprep) {
         ok = send_prepared(c, q, i);
-    } else if (c->nprep < SP_STORE_PREP_MAX && (c->prep[i] = strdup(q->sql)) != NULL) {
+    } else if (c->nprep < SP_STORE_PREP_MAX && (c->prep[c->nprep] = strdup(q->sql)) != NULL) {
         char name[16];
+        i = c->nprep++;
         prep_name(i, name);
-        c->nprep++;
-        c->preparing = i;
-        ok = PQsendPrepare(c->pg, name, q->sql, q->nparams, NULL) == 1;
-        if (!ok) {
-            free(c->prep[i]);
-            c->nprep--;
-            c->preparing = -1;
-        }
+        q->prep = i;
+        q->stage = Q_PREP;
+        ok = PQsendPrepare(c->pg, name, q->sql, q->nparams, NULL) == 1 && send_prepared(c, q, i);
     } else {
         ok = PQsendQueryParams(c->pg, q->sql, q->nparams, NULL, (const char *const *)q->params,
                                NULL, NULL, 0) == 1;
     }
-    if (!ok)
+    if (!ok || PQpipelineSync(c->pg) != 1)
         return false;
-    c->q = q;
+    q->next = NULL;
+    if (c->fl_tail != NULL)
+        c->fl_tail->next = q;
+    else
+        c->fl = q;
+    c->fl_tail = q;
+    c->nfl++;
     c->st = C_BUSY;
     flush_out(c);
     return true;
 }
 
+/* The pool connection a statement goes to: an idle one, else the one with the fewest in
+ * flight below SP_STORE_PIPE_MAX; NULL when every one is full or not up. */
+static struct conn *pick(sp_store_t *s)
+{
+    struct conn *best = NULL;
+    for (int i = 0; i < s->nconns; i++) {
+        struct conn *c = &s->conns[i];
+        if (c->st == C_IDLE)
+            return c;
+        if (c->st == C_BUSY && c->nfl < SP_STORE_PIPE_MAX && (best == NULL || c->nfl < best->nfl))
+            best = c;
+    }
+    return best;
+}
+
 static void dispatch(sp_store_t *s)
 {
-    for (int i = 0; i < s->nconns && s->head != NULL; i++) {
-        struct conn *c = &s->conns[i];
-        if (c->st != C_IDLE)
-            continue;
+    struct conn *c;
+    while (s->head != NULL && (c = pick(s)) != NULL) {
         struct query *q = s->head;
         s->head = q->next;
         if (s->head == NULL)
@@ -399,7 +446,95 @@ static void drain_notifies(struct conn *c)
     }
 }
 
-static void finish_results(struct conn *c)
+/* q's answer (its Prepare's error when that failed) to its caller. */
+static void complete(struct conn *c, struct query *q)
+{
+    PGresult *res = q->res;
+    q->res = NULL;
+    if (q->prep >= 0 && (q->prep_res == NULL || PQresultStatus(q->prep_res) != PGRES_COMMAND_OK)) {
+        /* Its text did not prepare: the Prepare's error is the answer, and the text is
+         * forgotten, so that a later try prepares it again (under a new name). */
+        free(c->prep[q->prep]);
+        c->prep[q->prep] = NULL;
+        if (res != NULL)
+            PQclear(res);
+        res = q->prep_res;
+        q->prep_res = NULL;
+    }
+    ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
+    if (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) {
+        query_finish(q, res, SP_OK, NULL);
+    } else {
+        const char *state = sp_store_sqlstate(res);
+        /* Class 57 (operator intervention) and 08 (connection): the server is going away. */
+        bool gone = strncmp(state, "57", 2) == 0 || strncmp(state, "08", 2) == 0;
+        const char *primary = res ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY) : NULL;
+        if (strcmp(state, SP_STORE_QUOTA_STATE) == 0 && primary != NULL) {
+            /* our own quota function's refusal: its message names the quota, the
+             * limit and the use, and holds nothing else (store.h) */
+            sp_log(SP_LOG_INFO, "store", "over quota: %s", primary);
+            query_finish(q, res, SP_EQUOTA, primary);
+        } else if (strcmp(state, SP_STORE_CAPACITY_STATE) == 0 && primary != NULL) {
+            /* the placement function's: no worker has room (store.h) */
+            sp_log(SP_LOG_INFO, "store", "no capacity: %s", primary);
+            query_finish(q, res, SP_ECAPACITY, primary);
+        } else {
+            if (!gone)
+                sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,
+                       res ? PQresultErrorMessage(res) : "no result");
+            query_finish(q, res, gone ? SP_EUNAVAIL : SP_EINTERNAL,
+                         gone ? "database unavailable" : "internal database error");
+        }
+    }
+    if (res != NULL)
+        PQclear(res);
+}
+
+/* A pool connection's answers as they arrive, each statement's in its stages (enum above),
+ * each statement completed at its Sync. */
+static void pipe_results(struct conn *c)
+{
+    int nulls = 0; /* NULLs in a row with no stage to end: libpq is out of step with us */
+    while (c->pg != NULL && c->fl != NULL && !PQisBusy(c->pg)) {
+        struct query *q = c->fl;
+        PGresult *r = PQgetResult(c->pg);
+        if (r == NULL) {
+            if (q->stage != Q_SYNC) {
+                q->stage++;
+            } else if (++nulls > 1) {
+                conn_down(c, "the connection's answers are out of step with its statements");
+                return;
+            }
+            continue;
+        }
+        nulls = 0;
+        if (PQresultStatus(r) == PGRES_PIPELINE_SYNC) {
+            PQclear(r);
+            c->fl = q->next;
+            if (c->fl == NULL)
+                c->fl_tail = NULL;
+            c->nfl--;
+            complete(c, q);
+            continue;
+        }
+        PGresult **slot = q->stage == Q_PREP ? &q->prep_res : &q->res;
+        if (*slot != NULL)
+            PQclear(*slot);
+        *slot = r;
+    }
+    if (c->pg == NULL)
+        return;
+    if (c->fl == NULL)
+        c->st = C_IDLE;
+    if (PQstatus(c->pg) == CONNECTION_BAD) {
+        conn_down(c, "server closed the connection");
+        return;
+    }
+    dispatch(c->s);
+}
+
+/* The listener's answers (no pipeline: its LISTENs). */
+static void listener_results(struct conn *c)
 {
     while (c->pg != NULL && !PQisBusy(c->pg)) {
         PGresult *r = PQgetResult(c->pg);
@@ -409,67 +544,16 @@ static void finish_results(struct conn *c)
             c->last = r;
             continue;
         }
-        /* NULL: the statement is complete. */
         PGresult *res = c->last;
         c->last = NULL;
-        if (c->preparing >= 0) {
-            /* The Prepare before c->q: run the statement now, or fail it with the error its
-             * text gives (and forget the text, so a later try prepares it again). */
-            int i = c->preparing;
-            c->preparing = -1;
-            if (res != NULL && PQresultStatus(res) == PGRES_COMMAND_OK) {
-                PQclear(res);
-                if (!send_prepared(c, c->q, i)) {
-                    conn_down(c, PQerrorMessage(c->pg));
-                    return;
-                }
-                flush_out(c);
-                continue;
-            }
-            free(c->prep[i]);
-            c->nprep = i; /* the Prepare in flight is always of the last text added */
-        }
-        struct query *q = c->q;
-        c->q = NULL;
         c->st = C_IDLE;
-        if (q != NULL) {
-            ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
-            if (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) {
-                query_finish(q, res, SP_OK, NULL);
-            } else {
-                const char *state = sp_store_sqlstate(res);
-                /* Class 57 (operator intervention) and 08 (connection): the server is going away. */
-                bool gone = strncmp(state, "57", 2) == 0 || strncmp(state, "08", 2) == 0;
-                const char *primary = res ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY) : NULL;
-                if (strcmp(state, SP_STORE_QUOTA_STATE) == 0 && primary != NULL) {
-                    /* our own quota function's refusal: its message names the quota, the
-                     * limit and the use, and holds nothing else (store.h) */
-                    sp_log(SP_LOG_INFO, "store", "over quota: %s", primary);
-                    query_finish(q, res, SP_EQUOTA, primary);
-                } else if (strcmp(state, SP_STORE_CAPACITY_STATE) == 0 && primary != NULL) {
-                    /* the placement function's: no worker has room (store.h) */
-                    sp_log(SP_LOG_INFO, "store", "no capacity: %s", primary);
-                    query_finish(q, res, SP_ECAPACITY, primary);
-                } else {
-                    if (!gone)
-                        sp_log(SP_LOG_ERROR, "store", "statement failed sqlstate=%s err=%s", state,
-                               res ? PQresultErrorMessage(res) : "no result");
-                    query_finish(q, res, gone ? SP_EUNAVAIL : SP_EINTERNAL,
-                                 gone ? "database unavailable" : "internal database error");
-                }
-            }
-        } else if (res != NULL && PQresultStatus(res) != PGRES_COMMAND_OK) {
+        if (res != NULL && PQresultStatus(res) != PGRES_COMMAND_OK)
             sp_log(SP_LOG_WARN, "store", "listener statement failed err=%s",
                    PQresultErrorMessage(res));
-        }
         if (res != NULL)
             PQclear(res);
-        if (c->pg != NULL && PQstatus(c->pg) == CONNECTION_BAD) {
+        if (c->pg != NULL && PQstatus(c->pg) == CONNECTION_BAD)
             conn_down(c, "server closed the connection");
-            return;
-        }
-        if (!c->listener)
-            dispatch(c->s);
         return;
     }
 }
@@ -494,8 +578,10 @@ static void on_io(sp_watch_t *w, int events, void *arg)
             return;
         }
         drain_notifies(c);
-        if (c->st == C_BUSY)
-            finish_results(c);
+        if (c->st == C_BUSY && c->listener)
+            listener_results(c);
+        else if (c->st == C_BUSY)
+            pipe_results(c);
         else if (PQstatus(c->pg) == CONNECTION_BAD)
             conn_down(c, "server closed the connection");
         else {
@@ -612,7 +698,6 @@ sp_store_t *sp_store_create(sp_loop_t *loop, const char *conninfo, int pool_size
         c->watched_fd = -1;
         c->listener = (i == pool_size);
         sp_timer_init(&c->retry, loop, on_retry, c);
-        c->preparing = -1;
         conn_start(c);
     }
     sp_timer_init(&s->sweep, loop, on_sweep, s);

@@ -195,6 +195,46 @@ static void test_store_prepared(sp_store_t *s)
     }
 }
 
+/* More statements at once than the pool has connections, so that they go several to a
+ * connection (its pipeline): each answered with its own result, a failing one (at run time, or
+ * a text that does not prepare) failing alone, the others around it untouched; then again. */
+static void test_store_pipelined(sp_store_t *s)
+{
+    sp_err_t e;
+    for (int round = 0; round < 2; round++) {
+        enum { N = 60 };
+        struct result r[N];
+        memset(r, 0, sizeof(r));
+        char nums[N][16];
+        for (int i = 0; i < N; i++) {
+            snprintf(nums[i], sizeof(nums[i]), "%d", i);
+            const char *p[] = {nums[i]};
+            const char *sql = i % 7 == 3    ? "SELECT 100 / ($1::int - $1::int)"
+                              : i % 11 == 5 ? "SELEC $1"
+                                            : "SELECT $1::int + 1000";
+            CHECK(sp_store_query(s, sql, 1, p, on_res, &r[i], &e) == 0);
+        }
+        for (int i = 0; i < N; i++)
+            run_until(&r[i].done, 1, 10000);
+        for (int i = 0; i < N; i++) {
+            CHECK(r[i].done == 1);
+            if (i % 7 == 3) {
+                CHECK(r[i].code == SP_EINTERNAL && strcmp(r[i].sqlstate, "22012") == 0);
+            } else if (i % 11 == 5) {
+                CHECK(r[i].code == SP_EINTERNAL);
+            } else {
+                CHECK(r[i].code == SP_OK && atoi(r[i].value) == i + 1000);
+            }
+        }
+    }
+    /* the text that did not prepare is not kept: alone, its own error again */
+    struct result bad = {0};
+    const char *p[] = {"1"};
+    CHECK(sp_store_query(s, "SELEC $1", 1, p, on_res, &bad, &e) == 0);
+    run_until(&bad.done, 1, 5000);
+    CHECK(bad.code == SP_EINTERNAL && strcmp(bad.sqlstate, "42601") == 0);
+}
+
 /* What a callback keeps of a whole result: the rows of its first columns. */
 struct rows {
     int done;
@@ -388,6 +428,7 @@ int main(void)
     CHECK(sp_store_listen(s, "sp_test", pgfx_on_note, &n, &e) == 0);
     test_store_queries_and_errors(s);
     test_store_prepared(s);
+    test_store_pipelined(s);
     test_store_time(s);
     test_store_conninfo();
     test_store_notify(s, &n);
