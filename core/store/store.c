@@ -14,7 +14,10 @@
  * SP_STORE_PIPE_MAX each, each statement followed by its own Sync (its own implicit
  * transaction, as without a pipeline: one failing aborts nothing else). Under load
  * PostgreSQL then reads several statements per wakeup and spaced several answers
- * per read, instead of a round trip of wakeups per statement.
+ * per read, instead of a round trip of wakeups per statement. A statement queues behind
+ * others on a connection only while the oldest of them was sent less than
+ * SP_STORE_PIPE_AGE_MS ago: one waiting on a lock (or slow) holds at most the few sent
+ * right after it, and later ones wait for a free connection as without a pipeline.
  * A broken connection fails its in-flight statements with SP_EUNAVAIL and is
  * reopened with backoff; statements not yet sent wait for a live connection
  * (at most SP_STORE_QUEUE_MS) or fail at once when none is up or coming up.
@@ -34,6 +37,7 @@
 #define SP_STORE_BACKOFF_LO 100
 #define SP_STORE_PREP_MAX   128 /* prepared statements per connection */
 #define SP_STORE_PIPE_MAX   4   /* statements in flight on one connection at most */
+#define SP_STORE_PIPE_AGE_MS 10  /* ... and only behind statements sent this recently */
 
 enum conn_state { C_DOWN = 0, C_CONNECTING, C_IDLE, C_BUSY };
 
@@ -58,6 +62,7 @@ struct query {
     sp_store_cb cb;
     void *arg;
     uint64_t queued_ms;
+    uint64_t sent_ms;
     struct query *next; /* in the queue, then in its connection's flight */
     int prep;           /* the statement index its text is being prepared as, or -1 */
     int stage;          /* Q_* */
@@ -383,6 +388,7 @@ static bool send_query(struct conn *c, struct query *q)
     if (!ok || PQpipelineSync(c->pg) != 1)
         return false;
     q->next = NULL;
+    q->sent_ms = sp_loop_now_ms(c->s->loop);
     if (c->fl_tail != NULL)
         c->fl_tail->next = q;
     else
@@ -395,15 +401,18 @@ static bool send_query(struct conn *c, struct query *q)
 }
 
 /* The pool connection a statement goes to: an idle one, else the one with the fewest in
- * flight below SP_STORE_PIPE_MAX; NULL when every one is full or not up. */
+ * flight below SP_STORE_PIPE_MAX whose oldest was sent within SP_STORE_PIPE_AGE_MS; NULL
+ * when there is none (the statement waits in the queue). */
 static struct conn *pick(sp_store_t *s)
 {
     struct conn *best = NULL;
+    uint64_t now = sp_loop_now_ms(s->loop);
     for (int i = 0; i < s->nconns; i++) {
         struct conn *c = &s->conns[i];
         if (c->st == C_IDLE)
             return c;
-        if (c->st == C_BUSY && c->nfl < SP_STORE_PIPE_MAX && (best == NULL || c->nfl < best->nfl))
+        if (c->st == C_BUSY && c->nfl < SP_STORE_PIPE_MAX && c->fl != NULL &&
+            now - c->fl->sent_ms <= SP_STORE_PIPE_AGE_MS && (best == NULL || c->nfl < best->nfl))
             best = c;
     }
     return best;
