@@ -252,11 +252,13 @@ bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65])
     if (parse_sandbox_host(gw, req, &port, id))
         return true;
     if (sp_e2b__is_control_path(req)) {
-        /* [/v2]/sandboxes/{id}/metrics, and nothing below it */
+        /* [/v2]/sandboxes/{id}/metrics and /snapshots (the worker's runtime takes them), and
+         * nothing below either */
         const char *seg;
         size_t len;
         int b = seg_is(req, 0, "v2") ? 1 : 0;
-        if (!seg_is(req, b, "sandboxes") || !seg_is(req, b + 2, "metrics") ||
+        if (!seg_is(req, b, "sandboxes") ||
+            !(seg_is(req, b + 2, "metrics") || seg_is(req, b + 2, "snapshots")) ||
             path_seg(req, b + 3, &seg, &len) || !path_seg(req, b + 1, &seg, &len) || len == 0 ||
             len >= 65)
             return false;

@@ -108,9 +108,10 @@ const char *sp_napi_route_class(h2o_req_t *req)
 bool sp_napi_data_plane(h2o_req_t *req, char id[65])
 {
     /* egress and credentials too: their changes reach the worker's egress proxy through an
-     * in-memory hook (sp_svc_set_egress_hook), so they must be made on the sandbox's worker */
-    static const char *const subs[] = {"commands", "files",  "sessions",   "contexts",
-                                       "execute",  "egress", "credentials"};
+     * in-memory hook (sp_svc_set_egress_hook), so they must be made on the sandbox's worker;
+     * and snapshots: the worker's runtime takes them, of the VM it runs */
+    static const char *const subs[] = {"commands", "files",  "sessions",    "contexts",
+                                       "execute",  "egress", "credentials", "snapshots"};
     const char *segs[NAPI_MAX_SEGS];
     int ns = sp_http_segments(req, segs, NAPI_MAX_SEGS);
     if (ns == 4 && strcmp(segs[0], "v1") == 0 && strcmp(segs[1], "attach") == 0 &&

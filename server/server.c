@@ -1380,7 +1380,7 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     }
     sp_driver_t *tdriver = driver ? driver : nodriver;
     tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir, &e) : NULL;
-    snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, &e) : NULL;
+    snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, api ? NULL : wid, &e) : NULL;
     if (snap != NULL)
         sp_snap_set_quota_default(snap, o->quota.snapshot_mb);
     /* Builds from container images put the agent into them (none found: refused) */

@@ -52,6 +52,9 @@ struct sp_snap {
     int team_max; /* SP_SNAP_TEAM_MAX, or $SPACE_SNAP_TEAM_MAX */
     char disk_def[16]; /* the default snapshot-disk quota (MiB) as a parameter; "": none */
     bool *alive; /* the start-up statement's view of s (false once destroyed) */
+    char wid[65];       /* this node's worker id; "": none (role api) */
+    sp_timer_t release; /* the release sweep (sp_snap_create) */
+    bool *sweep_alive;  /* the sweep in flight's view of s */
 };
 
 /* ---- rows ---- */
@@ -330,7 +333,7 @@ static int insert(struct job *j, sp_err_t *err)
     if (sp_store_query(
             j->s->store,
             "WITH sb AS (SELECT id, team_id, template, cpu_count, memory_mb, env, desired_state,"
-            "   observed_state,"
+            "   observed_state, worker_id,"
             "   EXISTS (SELECT 1 FROM snapshots x WHERE x.sandbox_id = s.id"
             "    AND x.state = 'creating' AND x.deleted_at IS NULL) AS busy,"
             "   ($5::text IS NOT NULL AND EXISTS (SELECT 1 FROM snapshots y"
@@ -339,8 +342,9 @@ static int insert(struct job *j, sp_err_t *err)
             "    AND z.deleted_at IS NULL AND z.state <> 'failed') >= $6::int AS at_max"
             "  FROM sandboxes s WHERE id = $1 AND team_id = $2 AND observed_state <> 'deleted'),"
             " n AS (INSERT INTO snapshots (id, team_id, sandbox_id, template, cpu_count,"
-            "   memory_mb, env, name)"
-            "  SELECT $3, team_id, id, template, cpu_count, memory_mb, env, $5 FROM sb"
+            "   memory_mb, env, name, worker_id)"
+            "  SELECT $3, team_id, id, template, cpu_count, memory_mb, env, $5, worker_id"
+            "  FROM sb"
             /* the snapshot-disk quota (svc.h) last: SPQTA once the team's snapshots hold
              * it, asked only of a snapshot that would otherwise be taken */
             "  WHERE CASE WHEN observed_state IN ('running', 'paused')"
@@ -518,8 +522,84 @@ static void on_leftovers(void *rec, PGresult *res, const sp_err_t *err)
     }
 }
 
+/* ---- files of snapshots deleted through another node ---- */
+
+struct sweep {
+    sp_snap_t *s;
+    bool *alive;
+};
+
+static void add_id(const char *id, long long committed_s, void *arg)
+{
+    (void)committed_s;
+    json_t *a = arg;
+    json_array_append_new(a, json_string(id));
+}
+
+static void on_released(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct sweep *q = rec;
+    bool alive = *q->alive;
+    free(q->alive);
+    if (!alive)
+        return;
+    sp_snap_t *s = q->s;
+    s->sweep_alive = NULL;
+    sp_timer_start(&s->release, SP_SNAP_RELEASE_MS);
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "snap", "deleted snapshots not looked up: %s", err->msg);
+        return;
+    }
+    for (int i = 0; i < PQntuples(res); i++) {
+        const char *id = PQgetvalue(res, i, 0);
+        sp_err_t e;
+        if (s->driver->ops->checkpoint_delete(s->driver, id, &e) < 0)
+            sp_log(SP_LOG_WARN, "snap", "files of deleted snapshot=%s not released err=%s", id,
+                   e.msg);
+        else
+            sp_log(SP_LOG_INFO, "snap", "files of snapshot=%s released (deleted elsewhere)", id);
+    }
+}
+
+/* This worker's snapshots on disk whose rows say deleted: their files released. */
+static void on_release(sp_timer_t *t, void *arg)
+{
+    (void)t;
+    sp_snap_t *s = arg;
+    json_t *ids = json_array();
+    sp_err_t e;
+    if (ids == NULL || s->driver->ops->checkpoint_list(s->driver, "snap-", add_id, ids, &e) < 0 ||
+        json_array_size(ids) == 0) {
+        json_decref(ids);
+        sp_timer_start(&s->release, SP_SNAP_RELEASE_MS);
+        return;
+    }
+    char *text = json_dumps(ids, JSON_COMPACT);
+    json_decref(ids);
+    bool *alive = malloc(sizeof(*alive));
+    const char *p[] = {text, s->wid};
+    struct sweep *q = text == NULL || alive == NULL
+                          ? NULL
+                          : sp_store_call(s->store,
+                                          "SELECT id FROM snapshots WHERE id IN (SELECT"
+                                          " jsonb_array_elements_text($1::jsonb))"
+                                          " AND deleted_at IS NOT NULL"
+                                          " AND (worker_id = $2 OR worker_id IS NULL)",
+                                          2, p, sizeof(*q), on_released, &e);
+    free(text);
+    if (q == NULL) {
+        free(alive);
+        sp_timer_start(&s->release, SP_SNAP_RELEASE_MS);
+        return;
+    }
+    *alive = true;
+    q->s = s;
+    q->alive = alive;
+    s->sweep_alive = alive;
+}
+
 sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
-                          sp_err_t *err)
+                          const char *worker_id, sp_err_t *err)
 {
     sp_snap_t *s = calloc(1, sizeof(*s));
     bool *alive = malloc(sizeof(*alive));
@@ -532,9 +612,19 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     s->loop = loop;
     s->store = store;
     s->driver = driver;
+    snprintf(s->wid, sizeof s->wid, "%s", worker_id != NULL ? worker_id : "");
+    sp_timer_init(&s->release, loop, on_release, s);
+    if (s->wid[0] != '\0' && driver->ops->checkpoint_list != NULL &&
+        driver->ops->checkpoint_delete != NULL)
+        sp_timer_start(&s->release, SP_SNAP_RELEASE_MS);
     const char *tm = getenv("SPACE_SNAP_TEAM_MAX"); /* for tests: a limit reached quickly */
     s->team_max = tm != NULL && atoi(tm) > 0 ? atoi(tm) : SP_SNAP_TEAM_MAX;
     sp_snap_set_quota_default(s, SP_SVC_QUOTA_SNAPSHOT_MB);
+    if (s->wid[0] == '\0') { /* an API node: what a worker left is that worker's to settle */
+        free(alive);
+        return s;
+    }
+    const char *lp[] = {s->wid};
     struct leftovers {
         sp_snap_t *s;
         bool *alive;
@@ -542,7 +632,7 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         store,
         "WITH f AS (UPDATE snapshots SET state = 'failed',"
         "  error = 'the server restarted while the snapshot was taken'"
-        "  WHERE state = 'creating' RETURNING id),"
+        "  WHERE state = 'creating' AND (worker_id = $1 OR worker_id IS NULL) RETURNING id),"
         " o AS (UPDATE operations SET status = 'failed', error_code = 'unavailable',"
         "  error_message = 'the server restarted while the snapshot was taken',"
         "  finished_at = now()"
@@ -550,7 +640,7 @@ sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         "  AND target IN (SELECT id FROM f) RETURNING id),"
         " nt AS (SELECT count(pg_notify('space_ops', o.id)) AS k FROM o)"
         " SELECT f.id FROM f, nt",
-        0, NULL, sizeof(struct leftovers), on_leftovers, err);
+        1, lp, sizeof(struct leftovers), on_leftovers, err);
     if (l == NULL) {
         free(s);
         free(alive);
@@ -569,6 +659,9 @@ void sp_snap_destroy(sp_snap_t *s)
         return;
     if (s->alive != NULL)
         *s->alive = false; /* the start-up statement's answer finds s gone */
+    if (s->sweep_alive != NULL)
+        *s->sweep_alive = false; /* and the release sweep's */
+    sp_timer_stop(&s->release);
     for (struct job *j = s->jobs, *n; j != NULL; j = n) {
         n = j->next;
         /* No answers: the owner is going away. A job waiting to retry its outcome waits

@@ -61,10 +61,17 @@ typedef void (*sp_snap_list_cb)(void *arg, const sp_snap_rec_t *recs, size_t n,
                                 const char *next_cursor /* NULL at the end */,
                                 const sp_err_t *err);
 
-/* Fails the snapshots a previous process left "creating" (asynchronously; logged). store and
- * driver are borrowed and outlive s. */
+/* worker_id: this node's worker id, or NULL on a node that runs no sandboxes (role api).
+ * A snapshot is taken by the worker running its sandbox (an API node forwards the request
+ * there) and its row names that worker (worker_id): its files are there, and a create from
+ * it is placed only there (svc.c, migration 20). At start a worker fails the snapshots it
+ * left "creating" (its own, and rows naming no worker; asynchronously; logged); and every
+ * SP_SNAP_RELEASE_MS it releases (the driver's checkpoint_delete) the files of its snapshots
+ * deleted meanwhile through another node, which could not. store and driver are borrowed and
+ * outlive s. */
+#define SP_SNAP_RELEASE_MS 20000
 sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
-                          sp_err_t *err);
+                          const char *worker_id, sp_err_t *err);
 /* Snapshots being taken are abandoned: their rows are failed by the next start. */
 void sp_snap_destroy(sp_snap_t *s);
 /* The snapshot-disk quota for teams without one of their own (MiB; 0: none; until set,

@@ -526,6 +526,35 @@ static const char *const migrations[] = {
      * for a while (core/control/fleet.c), by the database's clock: leases.renewed_at is the
      * holder's last renewal, leases.since the start of its unbroken run of renewals. */
     "ALTER TABLE leases ADD COLUMN renewed_at timestamptz, ADD COLUMN since timestamptz;",
+    /* 20: sandbox snapshots on many hosts (core/control/snap.h). snapshots.worker_id: the
+     * worker whose runtime holds the snapshot's files (its sandbox's when it was taken; NULL
+     * for older rows). A create from a snapshot runs only there: space_place_best takes a
+     * prefer of "=<worker id>" as a requirement (that worker when it has room, else none: the
+     * capacity error); any other prefer ranks as in 18. */
+    "ALTER TABLE snapshots ADD COLUMN worker_id text;"
+    "CREATE OR REPLACE FUNCTION space_place_best(cpus int, mem int, want jsonb, tmpl text,"
+    "  fresh_s int, me text, prefer text, OUT wid text, OUT wgen bigint, OUT limited boolean,"
+    "  OUT used_c bigint, OUT used_m bigint, OUT n bigint) LANGUAGE plpgsql VOLATILE AS $b$"
+    " BEGIN"
+    "  SELECT w.id, w.generation, w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL, u.c, u.m,"
+    "   count(*) OVER () INTO wid, wgen, limited, used_c, used_m, n FROM workers w"
+    "   CROSS JOIN LATERAL (SELECT coalesce(sum(s.cpu_count), 0) AS c,"
+    "    coalesce(sum(s.memory_mb), 0) AS m FROM sandboxes s"
+    "    WHERE (w.vcpus IS NOT NULL OR w.memory_mb IS NOT NULL) AND s.worker_id = w.id"
+    "    AND s.desired_state IN ('running', 'paused') AND s.observed_state <> 'deleted') u"
+    "   WHERE w.state = 'active'"
+    "   AND (w.heartbeat_at > now() - make_interval(secs => fresh_s) OR w.id = me)"
+    "   AND w.labels @> coalesce(want, '{}')"
+    "   AND (w.vcpus IS NULL OR w.vcpus - u.c >= cpus)"
+    "   AND (w.memory_mb IS NULL OR w.memory_mb - u.m >= mem)"
+    "   AND (prefer IS NULL OR left(prefer, 1) <> '=' OR w.id = substr(prefer, 2))"
+    "   ORDER BY w.id IS NOT DISTINCT FROM prefer DESC,"
+    "    coalesce(w.templates -> coalesce(tmpl, '') @> jsonb_build_array(jsonb_build_object("
+    "     'cpu_count', cpus, 'memory_mb', mem)), false) DESC,"
+    "    w.templates ? coalesce(tmpl, '') DESC,"
+    "    least(coalesce(w.vcpus - u.c, 1000000) * 4096, coalesce(w.memory_mb - u.m, 1000000000))"
+    "    DESC, w.id LIMIT 1;"
+    " END $b$;",
 };
 
 int sp_migrate_latest(void)

@@ -21,7 +21,8 @@
  * source's id, written after the delay for a running or paused source (and failing like any
  * action when its env's SPACE_FAKE_FAIL names "checkpoint"); checkpoint_delete removes it. A
  * boot with spec->snapshot_id fails unless that file exists, and records the snapshot it
- * started from in <id>.from, so tests can see what the controller asked for.
+ * started from in <id>.from, so tests can see what the controller asked for; checkpoint_list
+ * lists the .ckpt files. Each worker has its own: a snapshot is its worker's.
  *
  * Many workers (core/control/fleet.h): with SPACE_FAKE_SHARED_DIR set (one directory for every
  * worker, like --snapshot-dir), a suspend also writes <shared>/<id> and a restore on a worker
@@ -37,13 +38,14 @@
  * memory, as the QEMU driver's records are until used after a restart); templates() lists
  * them, with no spares.
  */
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -525,6 +527,30 @@ static int f_checkpoint_exists(sp_driver_t *d, const char *snap)
     return ckpt_exists((fake_t *)d, snap) ? 1 : 0;
 }
 
+static int f_checkpoint_list(sp_driver_t *d, const char *prefix,
+                             void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
+                             void *arg, sp_err_t *e)
+{
+    fake_t *f = (fake_t *)d;
+    DIR *dir = opendir(f->dir);
+    if (dir == NULL)
+        return errno == ENOENT ? 0 : sp_err_set(e, SP_ERUNTIME, "cannot list %s", f->dir);
+    size_t pl = strlen(prefix);
+    struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        size_t n = strlen(de->d_name);
+        char id[128];
+        if (strncmp(de->d_name, prefix, pl) != 0 || n < 6 || n - 5 >= sizeof(id) ||
+            strcmp(de->d_name + n - 5, ".ckpt") != 0)
+            continue;
+        memcpy(id, de->d_name, n - 5);
+        id[n - 5] = '\0';
+        fn(id, 0, arg);
+    }
+    closedir(dir);
+    return 0;
+}
+
 static uint64_t f_checkpoint_bytes(sp_driver_t *d, const char *snap)
 {
     char p[4200];
@@ -676,6 +702,7 @@ static const sp_driver_ops_t fake_ops = {
     .free = f_free,
     .checkpoint = f_checkpoint,
     .checkpoint_delete = f_checkpoint_delete,
+    .checkpoint_list = f_checkpoint_list,
     .checkpoint_exists = f_checkpoint_exists,
     .checkpoint_bytes = f_checkpoint_bytes,
     .templates = f_templates,

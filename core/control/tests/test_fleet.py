@@ -747,5 +747,118 @@ class FleetTest(FleetClient, unittest.TestCase):
         self.delete_all()
 
 
+@skip_unless_pg
+class FleetSnapshotTest(FleetClient, unittest.TestCase):
+    """Sandbox snapshots on many hosts (core/control/snap.h, migration 20): an API node with the
+    cluster key and two workers of 2 vCPUs. A snapshot taken through the API node (native and
+    E2B) is taken by the sandbox's worker and holds its files there; every sandbox made from it
+    is placed there, and none when that worker has no room (capacity) or is draining (a 503
+    naming it), while other creates go elsewhere; one deleted through the API node has its
+    files released by its worker."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pg = PgCluster()
+        cls.nodes = []
+        d = tmpdir("sp-snapkey-")
+        cls.keydir = d
+        key = os.path.join(d, "cluster.key")
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, os.urandom(24).hex().encode())
+        os.close(fd)
+        fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S),
+                 "--cluster-key-file", key]
+        try:
+            cls.api = Spaced(database_url=cls.pg.url, runtime="test",
+                             args=["--role", "api"] + fleet)
+            cls.nodes.append(cls.api)
+            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+            cls.api.key = cls.key
+            cls.api.start()
+            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+                cls.admin = f.read().strip()
+            cls.workers = []
+            for zone in ("a", "b"):
+                w = Spaced(database_url=cls.pg.url, runtime="test",
+                           args=["--role", "worker", "--worker-vcpus", "2",
+                                 "--worker-memory-mb", "4096", "--worker-labels",
+                                 "zone=" + zone] + fleet)
+                w.key = cls.key
+                cls.nodes.append(w)
+                w.start()
+                cls.workers.append(w)
+            cls.wid = {}
+            for w in cls.workers:
+                with open(os.path.join(w.data_dir, "worker-id")) as f:
+                    cls.wid[w] = f.read().strip()
+            cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                      if x["state"] == "active"]) == 2, "2 workers active")
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for n in cls.nodes:
+            n.destroy()
+        cls.pg.destroy()
+        shutil.rmtree(cls.keydir, ignore_errors=True)
+
+    @staticmethod
+    def ckpt(w, snap):
+        return os.path.exists(os.path.join(w.data_dir, "fake", snap + ".ckpt"))
+
+    def from_snapshot(self, snap):
+        return self.api.request("POST", "/v1/sandboxes", {"snapshot": snap})
+
+    def test_snapshots_live_on_their_worker(self):
+        a, b = self.workers
+        src = self.created(placement={"labels": {"zone": "a"}})
+        self.wait_state(src, "running")
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(20)),
+                                 {}, timeout=wait_s(20) + 10)
+        self.assertEqual(st, 201, r)
+        snap = r["snapshot"]["id"]
+        self.assertEqual(r["snapshot"]["state"], "ready", r)
+        self.assertTrue(self.ckpt(a, snap))
+        self.assertFalse(self.ckpt(b, snap))
+        # E2B's create_snapshot through the API node too
+        h = {"X-API-KEY": self.key}
+        st, e = self.api.request("POST", "/sandboxes/%s/snapshots" % src, {}, key="", headers=h,
+                                 timeout=wait_s(20) + 10)
+        self.assertEqual(st, 201, e)
+        e2b_snap = e["snapshotID"].split(":")[0]
+        self.assertTrue(self.ckpt(a, e2b_snap))
+        # a fork goes where the files are, though b has more room
+        st, r = self.from_snapshot(snap)
+        self.assertEqual(st, 202, r)
+        fork = r["sandbox"]["id"]
+        self.wait_state(fork, "running")
+        self.assertIs(self.placed_on(fork), a)
+        # a is full now (2 vCPUs): a fork has nowhere to go, a plain create goes to b
+        st, r = self.from_snapshot(snap)
+        self.assertEqual(st, 503, r)
+        self.assertEqual(r["error"]["code"], "capacity", r)
+        other = self.created()
+        self.assertIs(self.placed_on(other), b)
+        # a draining (with nothing to move): forks are refused, naming the worker
+        self.delete_all()
+        self.post_worker(a, "drain")
+        try:
+            st, r = self.from_snapshot(e2b_snap)
+            self.assertEqual(st, 503, r)
+            self.assertIn(self.wid[a], r["error"]["message"])
+            self.assertIn("draining", r["error"]["message"])
+        finally:
+            self.post_worker(a, "undrain")
+        # deleted through the API node: the worker releases the files
+        for s_id in (snap, e2b_snap):
+            st, r = self.api.request("DELETE", "/v1/snapshots/" + s_id)
+            self.assertIn(st, (200, 204), r)
+        self.wait_for(lambda: not self.ckpt(a, snap) and not self.ckpt(a, e2b_snap),
+                      "the deleted snapshots' files released", 40 * MULT)
+        self.delete_all()
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
