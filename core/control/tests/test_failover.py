@@ -17,7 +17,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
-from harness import PgCluster, Spaced, skip_unless_pg, tmpdir, wait_until  # noqa: E402
+from harness import PgCluster, skip_unless_pg, tmpdir, wait_until  # noqa: E402
 from test_fleet import FleetClient, fake_state  # noqa: E402
 
 TIMEOUT_S = 2  # --heartbeat-timeout-s
@@ -50,26 +50,7 @@ class FailoverTest(FleetClient, unittest.TestCase):
                    % (cls.primary.sock, cls.standby.sock))
             env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
             fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", "8"]
-            cls.api = Spaced(database_url=url, runtime="test", env=env,
-                             args=["--role", "api"] + fleet)
-            cls.nodes.append(cls.api)
-            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
-            cls.api.key = cls.key
-            cls.api.start()
-            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
-                cls.admin = f.read().strip()
-            cls.workers = []
-            for zone in ("a", "b"):
-                w = Spaced(database_url=url, runtime="test", env=env,
-                           args=["--role", "worker", "--worker-vcpus", "4",
-                                 "--worker-memory-mb", "4096", "--worker-labels",
-                                 "zone=" + zone] + fleet)
-                w.key = cls.key
-                cls.nodes.append(w)
-                w.start()
-                cls.workers.append(w)
-            cls.wait_for(lambda: len([x for x in cls.list_workers() if x["state"] == "active"])
-                         == 2, "2 workers active")
+            cls.start_fleet(url, env, fleet, ("a", "b"), 4)
         except BaseException:
             cls.tearDownClass()
             raise

@@ -39,6 +39,40 @@ class FleetClient:
     """Requests to a fleet through its API node cls.api (admin key cls.admin; workers
     cls.workers, their ids cls.wid), shared by the fleet tests."""
 
+    @classmethod
+    def start_fleet(cls, url, env, args, zones, vcpus, worker_args=None):
+        """Starts cls.api (role api, team alpha's key cls.key, the admin key cls.admin) and a
+        worker per zone (labels zone=Z, vcpus each, 4096 MiB; worker_args(w, zone) may add
+        serve options and set attributes), all on url with args, into cls.nodes; waits until
+        every worker is active."""
+        cls.api = Spaced(database_url=url, runtime="test", env=env,
+                         args=["--role", "api"] + args)
+        cls.nodes.append(cls.api)
+        cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+        cls.api.key = cls.key
+        cls.api.start()
+        with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+            cls.admin = f.read().strip()
+        cls.workers = []
+        for zone in zones:
+            w = Spaced(database_url=url, runtime="test", env=env,
+                       args=["--role", "worker", "--worker-vcpus", str(vcpus),
+                             "--worker-memory-mb", "4096", "--worker-labels", "zone=" + zone]
+                       + args)
+            if worker_args is not None:
+                w.args += worker_args(w, zone)
+            w.key = cls.key
+            cls.nodes.append(w)
+            w.start()
+            cls.workers.append(w)
+        cls.wid = {}
+        for w in cls.workers:
+            with open(os.path.join(w.data_dir, "worker-id")) as f:
+                cls.wid[w] = f.read().strip()
+        cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                  if x["state"] == "active"]) == len(zones),
+                     "%d workers active" % len(zones))
+
     @staticmethod
     def wait_for(cond, what, timeout=20):
         wait_until(cond, what, timeout, 0.1)
@@ -111,33 +145,10 @@ class FleetTest(FleetClient, unittest.TestCase):
         env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S)]
         try:
-            cls.api = Spaced(database_url=cls.pg.url, runtime="test", env=env,
-                             args=["--role", "api"] + fleet)
-            cls.nodes.append(cls.api)
-            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
-            cls.api.key = cls.key
-            cls.api.start()
-            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
-                cls.admin = f.read().strip()
-            cls.workers = []
-            for zone in ("a", "b", "c"):
-                mport = free_port()
-                w = Spaced(database_url=cls.pg.url, runtime="test", env=env,
-                           args=["--role", "worker", "--worker-vcpus", "4",
-                                 "--worker-memory-mb", "4096", "--worker-labels",
-                                 "zone=" + zone, "--metrics-listen",
-                                 "127.0.0.1:%d" % mport] + fleet)
-                w.key = cls.key
-                w.mport = mport
-                cls.nodes.append(w)
-                w.start()
-                cls.workers.append(w)
-            cls.wid = {}
-            for w in cls.workers:
-                with open(os.path.join(w.data_dir, "worker-id")) as f:
-                    cls.wid[w] = f.read().strip()
-            cls.wait_for(lambda: len([x for x in cls.list_workers()
-                                      if x["state"] == "active"]) == 3, "3 workers active")
+            def metrics(w, zone):
+                w.mport = free_port()
+                return ["--metrics-listen", "127.0.0.1:%d" % w.mport]
+            cls.start_fleet(cls.pg.url, env, fleet, ("a", "b", "c"), 4, metrics)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -769,30 +780,7 @@ class FleetSnapshotTest(FleetClient, unittest.TestCase):
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S),
                  "--cluster-key-file", key]
         try:
-            cls.api = Spaced(database_url=cls.pg.url, runtime="test",
-                             args=["--role", "api"] + fleet)
-            cls.nodes.append(cls.api)
-            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
-            cls.api.key = cls.key
-            cls.api.start()
-            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
-                cls.admin = f.read().strip()
-            cls.workers = []
-            for zone in ("a", "b"):
-                w = Spaced(database_url=cls.pg.url, runtime="test",
-                           args=["--role", "worker", "--worker-vcpus", "2",
-                                 "--worker-memory-mb", "4096", "--worker-labels",
-                                 "zone=" + zone] + fleet)
-                w.key = cls.key
-                cls.nodes.append(w)
-                w.start()
-                cls.workers.append(w)
-            cls.wid = {}
-            for w in cls.workers:
-                with open(os.path.join(w.data_dir, "worker-id")) as f:
-                    cls.wid[w] = f.read().strip()
-            cls.wait_for(lambda: len([x for x in cls.list_workers()
-                                      if x["state"] == "active"]) == 2, "2 workers active")
+            cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2)
         except BaseException:
             cls.tearDownClass()
             raise
