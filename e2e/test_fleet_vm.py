@@ -16,7 +16,8 @@ snapshot dir, one cluster key; every request goes through the API node.
   (the builder), which publishes the version in the shared snapshot dir; a sandbox of it on
   the other worker imports it from there (its start_cmd server up at once, its copied files
   there). With the builder drained, a child of that template is built on the other worker
-  from the published parent, and its sandboxes have both templates' files.
+  from the published parent, and its sandboxes have both templates' files; the first build's
+  log still reads through the API node (logs are kept in the snapshot dir).
 - Throughout, no sandbox has a VM on two workers (every QEMU's command line is scanned).
 
 Each worker has a data dir of its own holding the shared e2e data dir's base template build
@@ -316,6 +317,8 @@ class FleetVmTest(unittest.TestCase):
             self.assertIs(self.placed_on(sid), other)
             c = self.sh(sid, "cat /srv/nonce /srv/app/copied.txt /srv/child")
             self.assertEqual(c["stdout"], want + "child\n", c)
+            # the first build's log, written by the drained builder, from the one now answering
+            self.assertEqual([x.get("line") for x in logs(api, "fleetweb", b["id"])], text)
         finally:
             st, r = api.request("POST", "/v1/workers/%s/undrain" % builder.wid, key=self.admin)
             self.assertEqual(st, 200, r)

@@ -202,6 +202,18 @@ void sp_tmpl__discard(sp_tmpl_t *t, const char *path)
         sp_rm_rf(path);
 }
 
+/* Where build id's log is (dir: its directory): the shared snapshot dir's builds/ on many
+ * workers (sp_tmpl_set_shared_dir), so that whichever worker answers for builds later still
+ * has it; else this data dir's. -1 when it does not fit. */
+static int log_path(const sp_tmpl_t *t, const char *id, char *dir, size_t dn, char *out, size_t n)
+{
+    const char *root = t->shared_dir[0] != '\0' ? t->shared_dir : t->data_dir;
+    return sp_tmpl__pathf(dir, dn, "%s/builds", root) < 0 ||
+                   sp_tmpl__pathf(out, n, "%s/builds/%s.ndjson", root, id) < 0
+               ? -1
+               : 0;
+}
+
 /* What an earlier run discarded and did not finish removing (it stopped or died meanwhile). */
 static void discard_leftovers(sp_tmpl_t *t)
 {
@@ -242,8 +254,8 @@ static void on_accepted(void *rec, PGresult *res, const sp_err_t *err)
                &e);
     if (why != NULL) {
         if (b->log_fd >= 0) {
-            char p[PATH_MAX];
-            if (sp_tmpl__pathf(p, sizeof p, "%s/builds/%s.ndjson", b->t->data_dir, b->id) == 0)
+            char d[PATH_MAX], p[PATH_MAX];
+            if (log_path(b->t, b->id, d, sizeof d, p, sizeof p) == 0)
                 unlink(p);
         }
         sp_tmpl__build_free(b);
@@ -506,10 +518,9 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     b->memory_mb = mem > 0 ? mem : (b->pp.memory_mb > 0 ? b->pp.memory_mb : 256);
     if (image == NULL)
         sp_tmpl__input_hash(b); /* an image's: once it is pulled (its digest is part of it) */
-    char p[PATH_MAX];
-    if (sp_tmpl__pathf(p, sizeof p, "%s/builds", t->data_dir) < 0 ||
-        (mkdir(p, 0700) < 0 && errno != EEXIST) ||
-        sp_tmpl__pathf(p, sizeof p, "%s/builds/%s.ndjson", t->data_dir, b->id) < 0 ||
+    char d[PATH_MAX], p[PATH_MAX];
+    if (log_path(t, b->id, d, sizeof d, p, sizeof p) < 0 ||
+        (mkdir(d, 0700) < 0 && errno != EEXIST) ||
         (b->log_fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600)) < 0) {
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_EINTERNAL, "cannot open the build log: %s", strerror(errno));
@@ -667,10 +678,11 @@ static void on_log_build(void *rec, PGresult *res, const sp_err_t *err)
     }
     const char *st = PQgetvalue(res, 0, 0);
     bool finished = strcmp(st, "succeeded") == 0 || strcmp(st, "failed") == 0;
-    char p[PATH_MAX];
-    FILE *f = sp_tmpl__pathf(p, sizeof p, "%s/builds/%s.ndjson", q->t->data_dir, q->id) == 0
-                  ? fopen(p, "re")
-                  : NULL;
+    char d[PATH_MAX], p[PATH_MAX];
+    FILE *f = log_path(q->t, q->id, d, sizeof d, p, sizeof p) == 0 ? fopen(p, "re") : NULL;
+    if (f == NULL && q->t->shared_dir[0] != '\0' && /* one written before the shared dir */
+        sp_tmpl__pathf(p, sizeof p, "%s/builds/%s.ndjson", q->t->data_dir, q->id) == 0)
+        f = fopen(p, "re");
     sp_buf_t out = {0};
     uint64_t line = 0, next = q->offset;
     if (f != NULL) {

@@ -52,9 +52,9 @@
  * tag moves, when a build ends, when the template is deleted, at start-up, and every 10
  * minutes (a version whose last sandbox went; sooner with a short image cache time below).
  *
- * Logs: <data-dir>/builds/<id>.ndjson, one JSON object per line
- * {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes (then one line saying
- * so). Does not know HTTP; the native API renders builds and streams logs.
+ * Logs: <data-dir>/builds/<id>.ndjson (<snapshot-dir>/builds/ on many workers: below), one
+ * JSON object per line {"ts","level","step","stream","line"}, capped at SP_TMPL_LOG_MAX bytes
+ * (then one line saying so). Does not know HTTP; the native API renders builds and streams logs.
  */
 #ifndef SP_TMPL_H
 #define SP_TMPL_H
@@ -141,7 +141,9 @@ struct sp_secrets;
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets);
 
 /* Many workers (core/runtime/qemu.h: opts.snapshot_dir, the snapshot dir they share; copied,
- * NULL or "" for none): a build may run on any worker, so the parent a request names by
+ * NULL or "" for none): builds' logs are written to its builds/ (so that the worker answering
+ * for builds after another still reads them; one written before is read from the data dir);
+ * a build may run on any worker, so the parent a request names by
  * template name alone is the version the database's default tag names (a built-in template,
  * which has no tags: this host's build of it), as for a create, never this host's `current`
  * link, which moves only with builds made here; and a parent version this host lacks is
