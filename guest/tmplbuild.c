@@ -849,23 +849,16 @@ int sp_tmplbuild_import(const char *data_dir, const char *shared_dir, const char
         return 0; /* here already */
     if (fmt(p, sizeof p, err, "%s/manifest.json", src) < 0)
         return -1;
-    FILE *f = fopen(p, "re");
-    if (f == NULL)
+    size_t len = 0;
+    char *text = read_file(p, 1u << 20, &len); /* a manifest is a few KiB */
+    if (text == NULL && errno == ENOENT)
         return sp_err_set(err, SP_ENOTFOUND,
                           "template '%s' version %.12s is not published in the snapshot dir", name,
                           hash);
-    char *text = NULL;
-    size_t len = 0;
-    FILE *mem = open_memstream(&text, &len);
-    char chunk[4096];
-    size_t k;
-    while (mem != NULL && (k = fread(chunk, 1, sizeof chunk, f)) > 0 && len < (1u << 20))
-        fwrite(chunk, 1, k, mem);
-    fclose(f);
-    if (mem == NULL || fclose(mem) != 0) {
-        free(text);
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
-    }
+    if (text == NULL)
+        return sp_err_set(err, SP_EINTERNAL,
+                          "template '%s' version %.12s: cannot read the published manifest: %s",
+                          name, hash, strerror(errno));
     json_t *m = json_loadb(text, len, 0, NULL);
     const char *mhash = json_string_value(json_object_get(m, "hash"));
     const char *kver = json_string_value(json_object_get(m, "kernel_version"));
@@ -943,6 +936,30 @@ out:
     free(text);
     return rc;
 }
+int sp_tmplbuild_find(const char *data_dir, const char *shared_dir, const char *name,
+                      sp_tmplbuild_paths_t *out, sp_err_t *err)
+{
+    sp_err_t e;
+    if (sp_tmplbuild_current(data_dir, name, out, &e) == 0)
+        return 0;
+    const char *at = strchr(name, '@');
+    char base[64];
+    if (e.code != SP_ENOTFOUND || shared_dir == NULL || shared_dir[0] == '\0' || at == NULL ||
+        (size_t)(at - name) >= sizeof base) {
+        if (err != NULL)
+            *err = e;
+        return -1;
+    }
+    memcpy(base, name, (size_t)(at - name));
+    base[at - name] = '\0';
+    if (sp_tmplbuild_import(data_dir, shared_dir, base, at + 1, err) < 0) {
+        sp_log(SP_LOG_WARN, "tmplbuild", "template version not imported template=%s err=%s", name,
+               err != NULL ? err->msg : "");
+        return -1;
+    }
+    return sp_tmplbuild_current(data_dir, name, out, err);
+}
+
 /* Removes work dirs of earlier killed builds of this template (we hold its lock). */
 static void remove_stale_work(const char *tmpdir, const char *name)
 {

@@ -160,6 +160,11 @@ int sp_tmplbuild_current(const char *data_dir, const char *name, sp_tmplbuild_pa
 int sp_tmplbuild_import(const char *data_dir, const char *shared_dir, const char *name,
                         const char *hash, sp_err_t *err);
 
+/* sp_tmplbuild_current, but a version ("name@hash") this data dir lacks is imported from
+ * shared_dir first (sp_tmplbuild_import; NULL or "": none, as sp_tmplbuild_current). */
+int sp_tmplbuild_find(const char *data_dir, const char *shared_dir, const char *name,
+                      sp_tmplbuild_paths_t *out, sp_err_t *err);
+
 typedef struct {
     const char *name;          /* template name */
     const char *templates_dir; /* spec dir override; NULL: compiled-in specs */

@@ -133,6 +133,20 @@ bool sp_napi_data_plane(h2o_req_t *req, char id[65])
     return false;
 }
 
+bool sp_napi_build_route(h2o_req_t *req)
+{
+    const char *g[NAPI_MAX_SEGS];
+    int n = sp_http_segments(req, g, NAPI_MAX_SEGS);
+    if (n < 2 || strcmp(g[0], "v1") != 0)
+        return false;
+    if (n == 2)
+        return strcmp(g[1], "templates") == 0 && sp_http_method_is(req, "POST");
+    if (n == 3)
+        return strcmp(g[1], "template-files") == 0;
+    return (n == 5 || (n == 6 && strcmp(g[5], "logs") == 0)) && sp_http_method_is(req, "GET") &&
+           strcmp(g[1], "templates") == 0 && strcmp(g[3], "builds") == 0;
+}
+
 static void ctx_free(napi_ctx_t *c)
 {
     json_decref(c->body);

@@ -727,37 +727,9 @@ static void on_where(void *arg, const sp_where_t *w, const sp_err_t *err)
  * Template builds on a node that runs no VMs (--role api): a build, the files uploaded for it,
  * its status and its log need the disk of the worker that runs it, so those requests go to
  * the fleet's builder (core/control/fleet.h: sp_fleet_builder), forwarded like the data
- * plane. Reads of templates, tags and deletes are the database's: served here.
+ * plane; each surface says which of its routes those are (sp_napi_build_route,
+ * sp_e2b_build_route). Reads of templates, tags and deletes are the database's: served here.
  */
-static bool seg_eq(const char *const *segs, int i, const char *s)
-{
-    return strcmp(segs[i], s) == 0;
-}
-
-static bool is_build_route(h2o_req_t *req, bool e2b)
-{
-    const char *g[8];
-    int n = sp_http_segments(req, g, 8);
-    bool get = sp_http_method_is(req, "GET"), post = sp_http_method_is(req, "POST");
-    if (n < 1)
-        return false;
-    if (!e2b) /* POST /v1/templates, /v1/template-files/{h}, /v1/templates/{n}/builds/{b}[/logs] */
-        return n >= 2 && seg_eq(g, 0, "v1") &&
-               ((n == 2 && post && seg_eq(g, 1, "templates")) ||
-                (n == 3 && seg_eq(g, 1, "template-files")) ||
-                ((n == 5 || n == 6) && get && seg_eq(g, 1, "templates") && seg_eq(g, 3, "builds") &&
-                 (n == 5 || seg_eq(g, 5, "logs"))));
-    /* POST /v3/templates, POST /v2/templates/{t}/builds/{b}, GET /templates/{t}/builds/{b}/status,
-     * GET /templates/{t}/files/{h}, /upload/template-files/... */
-    return (n == 2 && post && seg_eq(g, 0, "v3") && seg_eq(g, 1, "templates")) ||
-           (n == 5 && post && seg_eq(g, 0, "v2") && seg_eq(g, 1, "templates") &&
-            seg_eq(g, 3, "builds")) ||
-           (n == 5 && get && seg_eq(g, 0, "templates") && seg_eq(g, 2, "builds") &&
-            seg_eq(g, 4, "status")) ||
-           (n == 4 && get && seg_eq(g, 0, "templates") && seg_eq(g, 2, "files")) ||
-           (n >= 2 && seg_eq(g, 0, "upload") && seg_eq(g, 1, "template-files"));
-}
-
 struct builder_wait {
     struct srv *s;
     sp_http_hold_t *hold;
@@ -824,7 +796,7 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
     char id[65];
     bool e2b = s->e2b != NULL && sp_e2b_owns(s->e2b, req);
     if (s->api && origin != SP_PROXY_FORWARDED && s->fleet != NULL &&
-        (e2b || sp_napi_owns(req)) && is_build_route(req, e2b)) {
+        (e2b ? sp_e2b_build_route(req) : sp_napi_owns(req) && sp_napi_build_route(req))) {
         to_builder(s, req);
         return 0;
     }

@@ -494,10 +494,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     snprintf(version, sizeof version, "%s%s%.64s", parent, parent_hash != NULL ? "@" : "",
              parent_hash != NULL ? parent_hash : "");
     sp_tmpl__copy(b->parent_ref, sizeof b->parent_ref, version);
-    if (sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0 &&
-        (t->shared_dir[0] == '\0' || parent_hash == NULL ||
-         sp_tmplbuild_import(t->data_dir, t->shared_dir, parent, parent_hash, err) < 0 ||
-         sp_tmplbuild_current(t->data_dir, version, &b->pp, err) < 0)) {
+    if (sp_tmplbuild_find(t->data_dir, t->shared_dir, version, &b->pp, err) < 0) {
         sp_tmpl__build_free(b);
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%s' not found (or not built)",
                           version);

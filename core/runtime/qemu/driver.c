@@ -737,24 +737,6 @@ static int q_boot(sp_driver_t *base, const sp_vm_spec_t *spec, sp_driver_cb cb, 
     return 0;
 }
 
-/* A version ("name@hash") another worker built, imported from the shared snapshot dir
- * (sp_tmplbuild_import); false with te set when there is none or it is not there. */
-static bool import_version(const sp_qemu_t *d, const char *tname, sp_err_t *te)
-{
-    const char *at = strchr(tname, '@');
-    char name[64];
-    if (d->shared_dir[0] == '\0' || at == NULL || (size_t)(at - tname) >= sizeof name)
-        return false;
-    memcpy(name, tname, (size_t)(at - tname));
-    name[at - tname] = '\0';
-    sp_err_t e;
-    if (sp_tmplbuild_import(d->data_dir, d->shared_dir, name, at + 1, &e) == 0)
-        return true;
-    sp_log(SP_LOG_WARN, "qemu", "template version not imported template=%s err=%s", tname, e.msg);
-    *te = e;
-    return false;
-}
-
 /* Template tname's current build (guest/tmplbuild.h), in a new allocation; NULL with *oom when
  * out of memory, else with te saying why it is not usable. A version ("name@hash") this host
  * lacks is imported from the shared snapshot dir first, when another worker published it. */
@@ -763,9 +745,7 @@ sp_tmplbuild_paths_t *sp_qemu__template_current(const sp_qemu_t *d, const char *
 {
     sp_tmplbuild_paths_t *tp = calloc(1, sizeof(*tp));
     *oom = tp == NULL;
-    if (tp != NULL && sp_tmplbuild_current(d->data_dir, tname, tp, te) < 0 &&
-        (te->code != SP_ENOTFOUND || !import_version(d, tname, te) ||
-         sp_tmplbuild_current(d->data_dir, tname, tp, te) < 0)) {
+    if (tp != NULL && sp_tmplbuild_find(d->data_dir, d->shared_dir, tname, tp, te) < 0) {
         free(tp);
         tp = NULL;
     }
