@@ -15,9 +15,12 @@
  * transaction, as without a pipeline: one failing aborts nothing else). Under load
  * PostgreSQL then reads several statements per wakeup and spaced several answers
  * per read, instead of a round trip of wakeups per statement. A statement queues behind
- * others on a connection only while the oldest of them was sent less than
- * SP_STORE_PIPE_AGE_MS ago: one waiting on a lock (or slow) holds at most the few sent
- * right after it, and later ones wait for a free connection as without a pipeline.
+ * others on a connection only while all of them are plain reads and the oldest was sent
+ * less than SP_STORE_PIPE_AGE_MS ago. A statement that may wait on a lock (a write, or a
+ * SELECT that locks rows or calls one of our functions) closes its connection's pipeline
+ * until it is answered: a workers row held by another transaction must not hold up a
+ * health check sent after it. A slow read holds at most the few sent right after it;
+ * later ones wait for a free connection as without a pipeline.
  * A broken connection fails its in-flight statements with SP_EUNAVAIL and is
  * reopened with backoff; statements not yet sent wait for a live connection
  * (at most SP_STORE_QUEUE_MS) or fail at once when none is up or coming up.
@@ -28,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "base/log.h"
 #include "base/metrics.h"
@@ -66,6 +70,7 @@ struct query {
     struct query *next; /* in the queue, then in its connection's flight */
     int prep;           /* the statement index its text is being prepared as, or -1 */
     int stage;          /* Q_* */
+    bool read;          /* a plain read: nothing it does waits on a row or advisory lock */
     PGresult *prep_res; /* its Prepare's answer */
     PGresult *res;      /* its last answer */
 };
@@ -79,12 +84,14 @@ struct conn {
     bool listener;
     struct query *fl, *fl_tail; /* in flight, oldest first (pool connections) */
     int nfl;
+    int nlock;        /* of them, statements that may wait on a lock (not reads) */
     PGresult *last;   /* last result of the listener's statement */
     sp_timer_t retry; /* reconnect */
     unsigned backoff_ms;
     bool logged_down;
     char *prep[SP_STORE_PREP_MAX]; /* statement "sN" is prep[N]'s text (NULL: its Prepare
                                     * failed); reset on reconnect */
+    bool prep_read[SP_STORE_PREP_MAX]; /* and whether it is a plain read (sql_is_read) */
     int nprep;
 };
 
@@ -228,6 +235,7 @@ static void conn_down(struct conn *c, const char *why)
     struct query *q = c->fl;
     c->fl = c->fl_tail = NULL;
     c->nfl = 0;
+    c->nlock = 0;
     conn_close(c);
     c->st = C_DOWN;
     while (q != NULL) {
@@ -362,6 +370,25 @@ static bool send_prepared(struct conn *c, struct query *q, int i)
                                0) == 1;
 }
 
+/* Whether sql is a plain read, one a pipeline may queue others behind: a SELECT that
+ * neither locks rows (FOR UPDATE/SHARE) nor calls what may wait or write (our space_*
+ * functions, advisory locks, sequences, notifications). Anything else may wait on a lock
+ * held by another transaction. Misjudging a read as a write only costs pipelining. */
+static bool sql_is_read(const char *sql)
+{
+    static const char *const waits[] = {"FOR UPDATE", "FOR NO KEY",  "FOR SHARE", "FOR KEY SHARE",
+                                        "space_",     "pg_advisory", "pg_notify", "nextval",
+                                        "setval",     "pg_sleep"};
+    while (*sql == ' ' || *sql == '\n' || *sql == '\t' || *sql == '(')
+        sql++;
+    if (strncasecmp(sql, "SELECT", 6) != 0 || (sql[6] != ' ' && sql[6] != '\n' && sql[6] != '\t'))
+        return false;
+    for (size_t i = 0; i < sizeof(waits) / sizeof(waits[0]); i++)
+        if (strcasestr(sql, waits[i]) != NULL)
+            return false;
+    return true;
+}
+
 /* Sends q on c (in pipeline mode) with its Sync, its text's Prepare first when it has none
  * yet; q joins c's flight. false when libpq refused (the connection is then unusable). */
 static bool send_query(struct conn *c, struct query *q)
@@ -373,15 +400,18 @@ static bool send_query(struct conn *c, struct query *q)
     q->prep = -1;
     q->stage = Q_EXEC;
     if (i < c->nprep) {
+        q->read = c->prep_read[i];
         ok = send_prepared(c, q, i);
     } else if (c->nprep < SP_STORE_PREP_MAX && (c->prep[c->nprep] = strdup(q->sql)) != NULL) {
         char name[16];
         i = c->nprep++;
+        q->read = c->prep_read[i] = sql_is_read(q->sql);
         prep_name(i, name);
         q->prep = i;
         q->stage = Q_PREP;
         ok = PQsendPrepare(c->pg, name, q->sql, q->nparams, NULL) == 1 && send_prepared(c, q, i);
     } else {
+        q->read = sql_is_read(q->sql);
         ok = PQsendQueryParams(c->pg, q->sql, q->nparams, NULL, (const char *const *)q->params,
                                NULL, NULL, 0) == 1;
     }
@@ -395,14 +425,15 @@ static bool send_query(struct conn *c, struct query *q)
         c->fl = q;
     c->fl_tail = q;
     c->nfl++;
+    c->nlock += !q->read;
     c->st = C_BUSY;
     flush_out(c);
     return true;
 }
 
 /* The pool connection a statement goes to: an idle one, else the one with the fewest in
- * flight below SP_STORE_PIPE_MAX whose oldest was sent within SP_STORE_PIPE_AGE_MS; NULL
- * when there is none (the statement waits in the queue). */
+ * flight below SP_STORE_PIPE_MAX, all of them reads, whose oldest was sent within
+ * SP_STORE_PIPE_AGE_MS; NULL when there is none (the statement waits in the queue). */
 static struct conn *pick(sp_store_t *s)
 {
     struct conn *best = NULL;
@@ -411,7 +442,7 @@ static struct conn *pick(sp_store_t *s)
         struct conn *c = &s->conns[i];
         if (c->st == C_IDLE)
             return c;
-        if (c->st == C_BUSY && c->nfl < SP_STORE_PIPE_MAX && c->fl != NULL &&
+        if (c->st == C_BUSY && c->nfl < SP_STORE_PIPE_MAX && c->nlock == 0 && c->fl != NULL &&
             now - c->fl->sent_ms <= SP_STORE_PIPE_AGE_MS && (best == NULL || c->nfl < best->nfl))
             best = c;
     }
@@ -523,6 +554,7 @@ static void pipe_results(struct conn *c)
             if (c->fl == NULL)
                 c->fl_tail = NULL;
             c->nfl--;
+            c->nlock -= !q->read;
             complete(c, q);
             continue;
         }

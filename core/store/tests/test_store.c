@@ -235,6 +235,51 @@ static void test_store_pipelined(sp_store_t *s)
     CHECK(bad.code == SP_EINTERNAL && strcmp(bad.sqlstate, "42601") == 0);
 }
 
+/* A write waiting on a lock another transaction holds keeps its connection's pipeline
+ * closed: the reads sent in the same turn (more than the pool has connections) all answer
+ * while it waits, and it answers once the lock is let go. Before, a read sent right after
+ * it could queue behind it on its connection until the lock went (server.outage's health
+ * check behind the worker's registration). */
+static void test_store_write_closes_pipeline(sp_store_t *s)
+{
+    sp_err_t e;
+    PGconn *holder = PQconnectdb(dsn);
+    REQUIRE(PQstatus(holder) == CONNECTION_OK);
+    const char *hold[] = {"CREATE TABLE IF NOT EXISTS pipe_lock (v int)", "BEGIN",
+                          "LOCK TABLE pipe_lock IN SHARE MODE"};
+    PGresult *r;
+    for (size_t i = 0; i < sizeof(hold) / sizeof(hold[0]); i++) {
+        r = PQexec(holder, hold[i]);
+        CHECK(PQresultStatus(r) == PGRES_COMMAND_OK);
+        PQclear(r);
+    }
+    struct result w = {0};
+    enum { N = 9 }; /* three connections, three pipelined reads each */
+    struct result rd[N];
+    memset(rd, 0, sizeof(rd));
+    char nums[N][16];
+    const char *one[] = {"7"};
+    CHECK(sp_store_query(s, "INSERT INTO pipe_lock VALUES ($1::int) RETURNING v", 1, one, on_res,
+                         &w, &e) == 0);
+    for (int i = 0; i < N; i++) {
+        snprintf(nums[i], sizeof(nums[i]), "%d", i);
+        const char *p[] = {nums[i]};
+        CHECK(sp_store_query(s, "SELECT $1::int + 2000", 1, p, on_res, &rd[i], &e) == 0);
+    }
+    for (int i = 0; i < N; i++) {
+        run_until(&rd[i].done, 1, 3000);
+        CHECK(rd[i].done == 1 && rd[i].code == SP_OK && atoi(rd[i].value) == i + 2000);
+    }
+    CHECK(w.done == 0); /* still waiting on the lock */
+    r = PQexec(holder, "COMMIT");
+    CHECK(PQresultStatus(r) == PGRES_COMMAND_OK);
+    PQclear(r);
+    run_until(&w.done, 1, 5000);
+    CHECK(w.done == 1 && w.code == SP_OK && strcmp(w.value, "7") == 0);
+    PQclear(PQexec(holder, "DROP TABLE pipe_lock"));
+    PQfinish(holder);
+}
+
 /* What a callback keeps of a whole result: the rows of its first columns. */
 struct rows {
     int done;
@@ -429,6 +474,7 @@ int main(void)
     test_store_queries_and_errors(s);
     test_store_prepared(s);
     test_store_pipelined(s);
+    test_store_write_closes_pipeline(s);
     test_store_time(s);
     test_store_conninfo();
     test_store_notify(s, &n);
