@@ -26,6 +26,7 @@ data dir the other VM suites use.
 """
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -44,6 +45,7 @@ from test_templates import build, logs  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
+CACHE_S = 6  # --build-cache-s: versions are looked over every CACHE_S / 2 s
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
 READ_COUNT = read_number_cmd("/tmp/count")
 
@@ -88,6 +90,7 @@ class FleetVmTest(unittest.TestCase):
                 worker_data_dir(d)
                 w = Spaced(database_url=cls.pg.url, data_dir=d,
                            args=["--role", "worker", "--snapshot-dir", cls.snap,
+                                 "--build-cache-s", str(CACHE_S),
                                  "--worker-vcpus", "8", "--worker-memory-mb", "8192",
                                  "--worker-labels", "node=" + n] + common)
                 w.key = cls.api.key
@@ -322,6 +325,35 @@ class FleetVmTest(unittest.TestCase):
         finally:
             st, r = api.request("POST", "/v1/workers/%s/undrain" % builder.wid, key=self.admin)
             self.assertEqual(st, 200, r)
+
+        # Versions nothing uses leave the snapshot dir (and every worker), once deleted: the
+        # parent only with its child, whose image is layered on the parent's published copy.
+        for sid in self.sids:
+            api.delete_quietly(sid)
+        self.sids.clear()
+        pub = os.path.join(self.snap, "templates", "fleetweb", version)
+        pub2 = os.path.join(self.snap, "templates", "fleetweb2", b2["version"])
+        info = json.loads(subprocess.run(
+            ["qemu-img", "info", "-U", "--output=json", os.path.join(pub2, "rootfs.qcow2")],
+            check=True, capture_output=True, text=True).stdout)
+        layered = pub in info.get("full-backing-filename", info.get("backing-filename", ""))
+        st, r = api.request("DELETE", "/v1/templates/fleetweb")
+        self.assertEqual(st, 200, r)
+        if layered:
+            time.sleep(1.5 * CACHE_S)  # sweeps on every worker (one each CACHE_S / 2)
+            self.assertTrue(os.path.exists(pub), "a parent of a published version removed")
+        st, r = api.request("DELETE", "/v1/templates/fleetweb2")
+        self.assertEqual(st, 200, r)
+        self.wait_for(lambda: not os.path.exists(pub) and not os.path.exists(pub2),
+                      "unused published versions removed", timeout=12 * CACHE_S)
+        # each worker's own copies go at its next look (the child's first: it held its parent)
+        self.wait_for(lambda: not any(os.path.exists(os.path.join(w.data_dir, "templates", n))
+                                      for w in self.workers for n in ("fleetweb", "fleetweb2")),
+                      "the workers' copies removed", timeout=12 * CACHE_S)
+        self.assertTrue(any("removed a published template version nothing uses" in w.read_log()
+                            for w in self.workers))
+        # a built-in's published version stays, used or not
+        self.assertTrue(os.listdir(os.path.join(self.snap, "templates", "base")))
 
     SDK_PY = r"""
 import os, sys, tempfile

@@ -874,7 +874,7 @@ static void destroy_leftover_builders(sp_tmpl_t *t)
 
 /* How often versions and the build cache (images, uploaded files) are looked over: half the
  * cache's time to live, within 1 s .. 10 min. */
-static uint64_t collect_period_ms(const sp_tmpl_t *t)
+uint64_t sp_tmpl__collect_period_ms(const sp_tmpl_t *t)
 {
     uint64_t s = t->cache_ttl_s / 2;
     return (s < 1 ? 1 : s > 600 ? 600 : s) * 1000u;
@@ -904,11 +904,12 @@ static void on_collect_timer(sp_timer_t *tm, void *arg)
     sp_err_t e;
     if (sp_tmpl__collect_all(t, &e) < 0)
         sp_log(SP_LOG_WARN, "tmpl", "template versions not collected err=%s", e.msg);
+    sp_tmpl__collect_shared(t);
     sp_tmpl__collect_images(t);
     int n = sp_tmplfiles_collect(t->files, t->cache_ttl_s, build_copies, t);
     if (n > 0)
         sp_log(SP_LOG_INFO, "tmpl", "template files collected removed=%d", n);
-    sp_timer_start(tm, collect_period_ms(t));
+    sp_timer_start(tm, sp_tmpl__collect_period_ms(t));
 }
 
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
@@ -949,7 +950,7 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
     t->cache_ttl_s = SP_TMPL_CACHE_TTL_S;
     sp_timer_init(&t->collect_timer, loop, on_collect_timer, t);
     sp_timer_init(&t->images_timer, loop, sp_tmpl__on_images_timer, t);
-    sp_timer_start(&t->collect_timer, collect_period_ms(t));
+    sp_timer_start(&t->collect_timer, sp_tmpl__collect_period_ms(t));
     return t;
 }
 
@@ -1000,7 +1001,7 @@ int sp_tmpl_set_images(sp_tmpl_t *t, const char *agent_path, const char *mirror,
 void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s)
 {
     t->cache_ttl_s = ttl_s;
-    sp_timer_start(&t->collect_timer, collect_period_ms(t));
+    sp_timer_start(&t->collect_timer, sp_tmpl__collect_period_ms(t));
 }
 
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)

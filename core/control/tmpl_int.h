@@ -207,6 +207,12 @@ int sp_tmpl__set_current(const sp_tmpl_t *t, const char *name, const char *hash)
 void sp_tmpl__collect(sp_tmpl_t *t, const char *name);
 /* sp_tmpl__collect for every team template; -1 when the query could not be sent. */
 int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
+/* On a worker with a shared snapshot dir: removes the versions published there (shared.c's
+ * templates/<name>/<hash>/) that nothing in the fleet uses, with their rows (tmplver.c says
+ * what "uses" is). Synchronous scan, one statement per candidate; logged. */
+void sp_tmpl__collect_shared(sp_tmpl_t *t);
+/* How often the versions and the build cache are looked over (tmpl.c's collect timer). */
+uint64_t sp_tmpl__collect_period_ms(const sp_tmpl_t *t);
 /* Removes the images of the digest cache (ociimg.h) nothing uses and nobody built from for
  * cache_ttl_s (tmpl.h: sp_tmpl_set_build_cache); nothing while an import is in flight. One
  * pass SP_TMPL_IMAGES_AFTER_MS later, for all the calls until then (a collection of every

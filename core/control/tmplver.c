@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/rmtree.h"
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/runtime/qemu.h"
@@ -132,14 +133,15 @@ static bool image_standalone(sp_tmpl_t *t, const char *vdir)
            t->driver->ops->image_standalone(t->driver, img) == 1;
 }
 
-/* Calls fn with every version of any template on disk that names a parent version (its
- * manifest's "parent" and spec.parent_hash) and its directory, until fn returns false; -1 when
- * the templates cannot be listed. */
+/* Calls fn with every version of any template under root (the data dir, or the shared
+ * snapshot dir's published ones) that names a parent version (its manifest's "parent" and
+ * spec.parent_hash) and its directory, until fn returns false; -1 when the templates cannot
+ * be listed. */
 typedef bool (*child_fn)(void *arg, const char *parent, const char *hash, const char *cdir);
-static int each_child(sp_tmpl_t *t, child_fn fn, void *arg)
+static int each_child_in(const char *root, child_fn fn, void *arg)
 {
     char tdir[PATH_MAX];
-    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", root) < 0)
         return -1;
     DIR *d = opendir(tdir);
     if (d == NULL)
@@ -171,6 +173,11 @@ static int each_child(sp_tmpl_t *t, child_fn fn, void *arg)
     }
     closedir(d);
     return 0;
+}
+
+static int each_child(sp_tmpl_t *t, child_fn fn, void *arg)
+{
+    return each_child_in(t->data_dir, fn, arg);
 }
 
 struct parent_q {
@@ -247,6 +254,12 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
         return;
     ssize_t n = readlink(cur, target, sizeof target - 1);
     target[n > 0 ? n : 0] = '\0';
+    if (PQgetvalue(res, 0, 2)[0] == 't' && target[0] != '\0') {
+        /* deleted through another node (an API node, on many workers): `current` went there,
+         * not here, and holds nothing any more */
+        if (sp_tmpl__set_current(t, q->name, NULL) == 0)
+            target[0] = '\0';
+    }
     DIR *d = opendir(tdir);
     struct dirent *de;
     int removed = 0;
@@ -348,6 +361,190 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
     return 0;
 }
 
+/* ---- the shared snapshot dir's published versions ---- */
+
+/* A published version is removed once nothing in the fleet uses it: no tag names it, no
+ * sandbox (of any state but deleted) or snapshot is of it, no sandbox of the template is of
+ * an unknown version, no published version of any template is layered on it, no build here
+ * starts from it, and it was published more than two collection periods ago. Each worker
+ * collects its own copies (on_in_use) from what its disk shows; a version's published copy
+ * is what every worker's copies (hard links, or symlinks across file systems) and template
+ * snapshots are made over, so it is judged from the database, for the whole fleet, by
+ * whichever worker looks first, and its row goes in the same statement: a tag can no longer
+ * be moved onto it, and a build of the same inputs makes and publishes it again. The grace
+ * covers a version published by a build elsewhere that has not recorded it yet; built-in
+ * templates and the digest cache's images are never judged here. */
+#define SHARED_HELD_SQL                                                                            \
+    "WITH h AS (SELECT NOT EXISTS (SELECT 1 FROM templates WHERE name = $1"                        \
+    "  AND team_id IS NOT NULL)"                                                                   \
+    " OR EXISTS (SELECT 1 FROM template_tags WHERE template = $1 AND hash = $2)"                   \
+    " OR EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"                                  \
+    "  AND s.observed_state <> 'deleted' AND (s.template_version = $2"                             \
+    "  OR (s.template_version IS NULL AND s.snapshot_id IS NULL)))"                                \
+    " OR EXISTS (SELECT 1 FROM snapshots n JOIN sandboxes x ON x.id = n.sandbox_id"                \
+    "  WHERE n.template = $1 AND n.deleted_at IS NULL AND x.template_version = $2) AS held),"      \
+    " d AS (DELETE FROM template_versions v USING h WHERE NOT h.held AND v.template = $1"          \
+    "  AND v.hash = $2 RETURNING 1)"                                                               \
+    " SELECT h.held, (SELECT count(*) FROM d) FROM h"
+
+struct shared_q {
+    sp_tmpl_t *t;
+    char name[65];
+    char hash[SP_TMPLBUILD_HASH_LEN + 1];
+};
+
+struct parents_q {
+    sp_tmpl_t *t;
+    const char *prefix; /* parents whose name starts with it only */
+    json_t *out;
+};
+
+static bool add_parent(void *arg, const char *parent, const char *hash, const char *cdir)
+{
+    struct parents_q *q = arg;
+    char nh[600];
+    if (strncmp(parent, q->prefix, strlen(q->prefix)) == 0 &&
+        snprintf(nh, sizeof nh, "%s@%s", parent, hash) < (int)sizeof nh &&
+        !image_standalone(q->t, cdir))
+        json_object_set_new(q->out, nh, json_true());
+    return true;
+}
+
+/* The versions whose name starts with prefix that a version under root (the data dir, or the
+ * shared snapshot dir's published ones) is layered on, as is_parent counts them:
+ * {"name@hash": true, ...}; NULL when that cannot be told (nothing goes). */
+static json_t *parents_in(sp_tmpl_t *t, const char *root, const char *prefix)
+{
+    struct parents_q q = {t, prefix, json_object()};
+    if (q.out != NULL && each_child_in(root, add_parent, &q) < 0) {
+        json_decref(q.out);
+        return NULL;
+    }
+    return q.out;
+}
+
+/* The database let go of q's version (and its row): its published directory goes, renamed
+ * aside (templates/.gone-<name>-<hash>-<pid>) under the lock publishing takes (shared.c),
+ * with its template's directory when that was its last version, then removed. */
+static void on_shared_held(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct shared_q *q = rec;
+    sp_tmpl_t *t = q->t;
+    if (err != NULL || PQntuples(res) != 1) {
+        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", q->name,
+               err != NULL ? err->msg : "no answer");
+        return;
+    }
+    if (PQgetvalue(res, 0, 0)[0] == 't')
+        return;
+    char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], gone[PATH_MAX];
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0 ||
+        sp_tmpl__pathf(lock, sizeof lock, "%s/.lock", tdir) < 0 ||
+        sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, q->name) < 0 ||
+        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, q->hash) < 0 ||
+        sp_tmpl__pathf(gone, sizeof gone, "%s/.gone-%s-%s-%d", tdir, q->name, q->hash,
+                       (int)getpid()) < 0)
+        return;
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0 || flock(fd, LOCK_EX) < 0) {
+        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", q->name,
+               strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    int rc = rename(vdir, gone);
+    int why = errno;
+    bool last = rc == 0 && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
+    close(fd);
+    if (rc < 0) {
+        if (why != ENOENT) /* another worker removed it first */
+            sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s",
+                   q->name, strerror(why));
+        return;
+    }
+    fsync_dir(last ? tdir : ndir);
+    sp_rm_rf(gone);
+    sp_log(SP_LOG_INFO, "tmpl",
+           "removed a published template version nothing uses template=%s version=%.12s "
+           "row_deleted=%s",
+           q->name, q->hash, PQgetvalue(res, 0, 1));
+}
+
+/* A leftover of a removal that stopped midway (its worker died): nothing uses what was
+ * renamed aside, and two workers removing it at once only race to unlink the same files. */
+static void drop_gone(const char *tdir, const char *entry)
+{
+    char p[PATH_MAX];
+    if (sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, entry) == 0)
+        sp_rm_rf(p);
+}
+
+void sp_tmpl__collect_shared(sp_tmpl_t *t)
+{
+    char tdir[PATH_MAX];
+    if (t->shared_dir[0] == '\0' ||
+        sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0)
+        return;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return;
+    time_t now = time(NULL);
+    time_t grace = (time_t)(2 * sp_tmpl__collect_period_ms(t) / 1000);
+    json_t *parents = NULL; /* read once, when a version is old enough to be judged */
+    bool unknown = false;   /* the published versions could not be listed: nothing goes */
+    struct dirent *de;
+    while (!unknown && (de = readdir(d)) != NULL) {
+        const char *name = de->d_name;
+        char ndir[PATH_MAX];
+        if (strncmp(name, ".gone-", 6) == 0)
+            drop_gone(tdir, name);
+        if (name[0] == '.' || strlen(name) > 64 ||
+            strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 ||
+            sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0)
+            continue;
+        DIR *vd = opendir(ndir);
+        struct dirent *ve;
+        while (!unknown && vd != NULL && (ve = readdir(vd)) != NULL) {
+            const char *h = ve->d_name;
+            char vdir[PATH_MAX], nh[600];
+            struct stat st;
+            if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+                sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, h) < 0 || lstat(vdir, &st) < 0 ||
+                !S_ISDIR(st.st_mode) || st.st_mtime + grace > now)
+                continue;
+            bool building = false; /* a build here on it */
+            for (struct build *b = t->builds; b != NULL; b = b->next)
+                building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
+            if (building)
+                continue;
+            if (parents == NULL && (parents = parents_in(t, t->shared_dir, "")) == NULL) {
+                unknown = true;
+                break;
+            }
+            snprintf(nh, sizeof nh, "%s@%s", name, h);
+            if (json_object_get(parents, nh) != NULL)
+                continue;
+            const char *p[] = {name, h};
+            sp_err_t e;
+            struct shared_q *q =
+                sp_store_call(t->store, SHARED_HELD_SQL, 2, p, sizeof(*q), on_shared_held, &e);
+            if (q == NULL) {
+                sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s",
+                       name, e.msg);
+                continue;
+            }
+            q->t = t;
+            sp_tmpl__copy(q->name, sizeof q->name, name);
+            sp_tmpl__copy(q->hash, sizeof q->hash, h);
+        }
+        if (vd != NULL)
+            closedir(vd);
+    }
+    closedir(d);
+    json_decref(parents);
+}
+
 /* ---- images: the digest cache's hidden templates (ociimg.h) ---- */
 
 /* Whether an import is in flight here: it may be filling, or about to build on, any image's
@@ -419,32 +616,11 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
     return removed;
 }
 
-struct image_parents_q {
-    sp_tmpl_t *t;
-    json_t *out;
-};
-
-static bool add_image_parent(void *arg, const char *parent, const char *hash, const char *cdir)
-{
-    struct image_parents_q *q = arg;
-    char nh[600];
-    if (strncmp(parent, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 &&
-        snprintf(nh, sizeof nh, "%s@%s", parent, hash) < (int)sizeof nh &&
-        !image_standalone(q->t, cdir))
-        json_object_set_new(q->out, nh, json_true());
-    return true;
-}
-
 /* The image versions a version on disk is layered on (as is_parent counts them), read once
  * per collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
 static json_t *image_parents(sp_tmpl_t *t)
 {
-    struct image_parents_q q = {t, json_object()};
-    if (q.out != NULL && each_child(t, add_image_parent, &q) < 0) {
-        json_decref(q.out);
-        return NULL;
-    }
-    return q.out;
+    return parents_in(t, t->data_dir, SP_OCIIMG_PREFIX);
 }
 
 void sp_tmpl__collect_images(sp_tmpl_t *t)

@@ -2,13 +2,16 @@
 boots nothing from a template's files, so versions are made in the database as a build would
 record them. Creates by name:tag pin the tag's version, tags move and go, bad input gets the
 right status, another team sees nothing."""
+import json
 import os
+import shutil
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import PlatformTest, skip_unless_pg  # noqa: E402
+from harness import Platform, PlatformTest, skip_unless_pg, tmpdir, wait_until  # noqa: E402
 from test_secrets import psql  # noqa: E402
 
 V1 = "1" * 64
@@ -204,6 +207,103 @@ class TemplateTagsTest(PlatformTest):
                      {"name": "other-team/x:v1"}):
             st, r = self.e2b("POST", "/v3/templates", body)
             self.assertEqual(st, 400, (body, r))
+
+
+@skip_unless_pg
+class PublishedVersionsTest(unittest.TestCase):
+    """The versions published in a shared snapshot dir (core/control/tmplver.c:
+    sp_tmpl__collect_shared), without VMs: the test driver publishes nothing, so the published
+    directories are laid out here as the QEMU driver lays them out (templates/<name>/<hash>/
+    rootfs.qcow2 and manifest.json), old enough to be judged, and the rows as builds record
+    them. One that nothing uses goes, with its row; one a tag, a sandbox, a published child
+    names, a built-in's, the digest cache's, and one published within the grace stay."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.snap = tmpdir("sp-pubgc-")
+        cls.p = Platform(teams=("alpha",), runtime="test", start=False,
+                         env={"SPACE_FAKE_DELAY_MS": "20"},
+                         args=["--snapshot-dir", cls.snap, "--build-cache-s", "2"])
+        cls.s = cls.p.s
+        team = psql(cls.p.pg, "SELECT id FROM teams WHERE name = 'alpha'").strip()
+        psql(cls.p.pg, """
+            INSERT INTO templates (name, status, team_id, parent, build_id, cpu_count, memory_mb)
+              VALUES ('keep', 'ready', '%(t)s', 'base', '%(v1)s', 1, 256),
+                     ('kid', 'ready', '%(t)s', 'gone', '%(v4)s', 1, 256);
+            INSERT INTO templates (name, status, team_id, parent, cpu_count, memory_mb,
+                                   deleted_at) VALUES ('gone', 'deleted', '%(t)s', 'base', 1,
+                                   256, now());
+            INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb, env)
+              VALUES ('keep', '%(v1)s', 'b1', 1, 256, '{}'), ('keep', '%(v2)s', 'b2', 1, 256,
+                     '{}'), ('keep', '%(v3)s', 'b3', 1, 256, '{}'), ('keep', '%(v5)s', 'b5', 1,
+                     256, '{}'), ('gone', '%(v1)s', 'b6', 1, 256, '{}'),
+                     ('gone', '%(v2)s', 'b7', 1, 256, '{}'), ('kid', '%(v4)s', 'b8', 1, 256, '{}');
+            INSERT INTO template_tags (template, tag, hash) VALUES ('keep', 'default', '%(v1)s'),
+              ('keep', 'pin', '%(v2)s'), ('kid', 'default', '%(v4)s');
+        """ % dict(t=team, v1=V1, v2=V2, v3=V3, v4="4" * 64, v5="5" * 64))
+        old = time.time() - 3600
+        cls.dirs = {}
+        for name, h, parent in (("keep", V1, None), ("keep", V2, None), ("keep", V3, None),
+                                ("keep", "5" * 64, None), ("gone", V1, None), ("gone", V2, None),
+                                ("kid", "4" * 64, ("gone", V2)), ("base", "b" * 64, None),
+                                ("oci.deadbeef", "c" * 64, None), ("nosuch", "d" * 64, None)):
+            d = os.path.join(cls.snap, "templates", name, h)
+            os.makedirs(d)
+            man = {"name": name, "spec": {}}
+            if parent:
+                man["parent"], man["spec"]["parent_hash"] = parent
+            with open(os.path.join(d, "manifest.json"), "w") as f:
+                json.dump(man, f)
+            with open(os.path.join(d, "rootfs.qcow2"), "wb") as f:
+                f.write(b"\0" * 4096)
+            fresh = h == "5" * 64
+            os.utime(d, (old, time.time() + 3600 if fresh else old))
+            cls.dirs[name + "@" + h[:1]] = d
+        cls.leftover = os.path.join(cls.snap, "templates", ".gone-keep-%s-1" % V3)
+        os.makedirs(os.path.join(cls.leftover, "x"))
+        cls.s.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.p.destroy()
+        shutil.rmtree(cls.snap, ignore_errors=True)
+
+    def rows(self, name):
+        return set(psql(self.p.pg, "SELECT hash FROM template_versions WHERE template = '%s'"
+                                   % name).split())
+
+    def test_unused_published_versions_go(self):
+        d = self.dirs
+        # a sandbox pins keep@2 by its tag; then the tag goes: the sandbox holds it alone
+        st, r = self.s.request("POST", "/v1/sandboxes?wait=20", {"template": "keep:pin"})
+        self.assertEqual(st, 200, r)
+        sid = r["sandbox"]["id"]
+        st, r = self.s.request("DELETE", "/v1/templates/keep/tags/pin")
+        self.assertIn(st, (200, 204), r)
+        wait_until(lambda: not os.path.exists(d["keep@3"]) and not os.path.exists(d["gone@1"]),
+                   "unused published versions removed", 30, 0.1)
+        time.sleep(3)  # more sweeps: what stays, stays
+        for k in ("keep@1", "keep@2", "keep@5", "gone@2", "kid@4", "base@b", "oci.deadbeef@c",
+                  "nosuch@d"):
+            self.assertTrue(os.path.exists(os.path.join(d[k], "rootfs.qcow2")), k)
+        self.assertFalse(os.path.exists(self.leftover))
+        self.assertEqual(self.rows("keep"), {V1, V2, "5" * 64})  # keep@3's row went with it
+        self.assertEqual(self.rows("gone"), {V2})
+        self.assertTrue(os.path.isdir(os.path.join(self.snap, "templates", "keep")))
+        self.assertIn("removed a published template version nothing uses template=keep",
+                      self.s.read_log())
+        # the sandbox goes: so does the version it held; the child's tag goes: the child, then
+        # its parent, then the deleted template's directory
+        st, r = self.s.request("DELETE", "/v1/sandboxes/" + sid)
+        self.assertIn(st, (200, 202, 204), r)
+        st, r = self.s.request("DELETE", "/v1/templates/kid")
+        self.assertEqual(st, 200, r)
+        wait_until(lambda: not any(os.path.exists(d[k]) for k in ("keep@2", "kid@4", "gone@2")),
+                   "versions no longer held removed", 30, 0.1)
+        self.assertFalse(os.path.exists(os.path.join(self.snap, "templates", "gone")))
+        self.assertFalse(os.path.exists(os.path.join(self.snap, "templates", "kid")))
+        self.assertEqual(self.rows("gone") | self.rows("kid"), set())
+        self.assertTrue(os.path.exists(d["keep@1"]) and os.path.exists(d["keep@5"]))
 
 
 if __name__ == "__main__":
