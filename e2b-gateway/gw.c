@@ -281,14 +281,19 @@ static bool eq(const char *const *g, int i, const char *s)
     return strcmp(g[i], s) == 0;
 }
 
-bool sp_e2b_build_route(h2o_req_t *req)
+bool sp_e2b_build_route(h2o_req_t *req, char name[65])
 {
     const char *g[8];
     int n = sp_http_segments(req, g, 8);
     bool get = sp_http_method_is(req, "GET"), post = sp_http_method_is(req, "POST");
+    name[0] = '\0';
+    if ((n == 5 && post && eq(g, 0, "v2") && eq(g, 1, "templates") && eq(g, 3, "builds")) ||
+        (n == 5 && get && eq(g, 0, "templates") && eq(g, 2, "builds") && eq(g, 4, "status"))) {
+        const char *t = n == 5 && post ? g[2] : g[1];
+        snprintf(name, 65, "%.*s", (int)strcspn(t, ":"), t);
+        return true;
+    }
     return (n == 2 && post && eq(g, 0, "v3") && eq(g, 1, "templates")) ||
-           (n == 5 && post && eq(g, 0, "v2") && eq(g, 1, "templates") && eq(g, 3, "builds")) ||
-           (n == 5 && get && eq(g, 0, "templates") && eq(g, 2, "builds") && eq(g, 4, "status")) ||
            (n == 4 && get && eq(g, 0, "templates") && eq(g, 2, "files")) ||
            (n >= 2 && eq(g, 0, "upload") && eq(g, 1, "template-files"));
 }

@@ -68,11 +68,13 @@ bool sp_e2b_http1_only(sp_e2b_t *gw, const char *server_name);
  * id. An envd path with only an access token and no id is served here. */
 bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65]);
 
-/* Whether req (one of this surface's) needs the disk of the worker that builds templates
- * (server/server.c sends it to the fleet's builder from a node that runs no VMs):
- * POST /v3/templates, POST /v2/templates/{id}/builds/{build}, GET /templates/{id}/builds/
- * {build}/status, GET /templates/{id}/files/{hash} and the upload link /upload/template-files/. */
-bool sp_e2b_build_route(h2o_req_t *req);
+/* Whether req (one of this surface's) needs a worker that builds templates (server/server.c
+ * sends it to one from a node that runs no VMs): POST /v3/templates, POST /v2/templates/{id}/
+ * builds/{build}, GET /templates/{id}/builds/{build}/status, GET /templates/{id}/files/{hash}
+ * and the upload link /upload/template-files/. The template a build and its status are about
+ * goes to name, "" for the others (a reservation is a row; files are in the shared snapshot
+ * dir): the fleet sends each name's builds to one worker (core/control/fleet.h). */
+bool sp_e2b_build_route(h2o_req_t *req, char name[65]);
 
 /* Answers req (now or later). forwarded: another node sent it (a valid cluster header,
  * http/proxy.h): answered from this node's own memory, never by asking further nodes. */

@@ -12,12 +12,14 @@ snapshot dir, one cluster key; every request goes through the API node.
 - A worker killed with its VMs is declared lost within the heartbeat timeout: its running
   sandbox turns lost with the reason (its memory is gone) and can be deleted; a sandbox that
   was suspended on it wakes on the other worker with its file.
-- Templates built through the API node: the build, its files and its log go to one worker
-  (the builder), which publishes the version in the shared snapshot dir; a sandbox of it on
-  the other worker imports it from there (its start_cmd server up at once, its copied files
-  there). With the builder drained, a child of that template is built on the other worker
-  from the published parent, and its sandboxes have both templates' files; the first build's
-  log still reads through the API node (logs are kept in the snapshot dir).
+- Templates built through the API node: the build and its log go to the template's worker
+  (the builder: md5(name/id) first), its files to the snapshot dir; the builder publishes the
+  version in the shared snapshot dir; a sandbox of it on the other worker imports it from
+  there (its start_cmd server up at once, its copied files there). With the builder drained,
+  a child of that template is built on the other worker from the published parent, and its
+  sandboxes have both templates' files; the first build's log still reads through the API
+  node (logs are kept in the snapshot dir). Once both are deleted, their published versions
+  and every worker's copies go, the parent only after its child.
 - Throughout, no sandbox has a VM on two workers (every QEMU's command line is scanned).
 
 Each worker has a data dir of its own holding the shared e2e data dir's base template build
@@ -277,8 +279,12 @@ class FleetVmTest(unittest.TestCase):
         self.assertEqual(b["status"], "succeeded", b)
         text = [x.get("line") for x in logs(api, "fleetweb", b["id"])]
         self.assertTrue(any("template snapshot ready" in (t or "") for t in text), text)
-        # built on the builder (the first active worker by id), published for every worker
-        builder = min(self.workers, key=lambda w: w.wid)
+        # built on the template's builder (md5(name/id) first), published for every worker;
+        # the file uploaded through the API node was kept in the snapshot dir for any worker
+        builder = min(self.workers,
+                      key=lambda w: hashlib.md5(("fleetweb/" + w.wid).encode()).hexdigest())
+        self.assertTrue([t for t in os.listdir(os.path.join(self.snap, "template-files"))
+                         if os.path.exists(os.path.join(self.snap, "template-files", t, fk))])
         other = [w for w in self.workers if w is not builder][0]
         version = b["version"]
         self.assertTrue(os.path.exists(os.path.join(builder.data_dir, "templates", "fleetweb",

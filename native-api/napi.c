@@ -133,18 +133,29 @@ bool sp_napi_data_plane(h2o_req_t *req, char id[65])
     return false;
 }
 
-bool sp_napi_build_route(h2o_req_t *req)
+bool sp_napi_build_route(h2o_req_t *req, char name[65])
 {
     const char *g[NAPI_MAX_SEGS];
     int n = sp_http_segments(req, g, NAPI_MAX_SEGS);
+    name[0] = '\0';
     if (n < 2 || strcmp(g[0], "v1") != 0)
         return false;
-    if (n == 2)
-        return strcmp(g[1], "templates") == 0 && sp_http_method_is(req, "POST");
+    if (n == 2 && strcmp(g[1], "templates") == 0 && sp_http_method_is(req, "POST")) {
+        /* the body's name, when it has one (the builder answers a bad body) */
+        json_t *b = json_loadb(req->entity.base, req->entity.len, 0, NULL);
+        const char *v = json_string_value(json_object_get(b, "name"));
+        snprintf(name, 65, "%.*s", v != NULL ? (int)strcspn(v, ":") : 0, v != NULL ? v : "");
+        json_decref(b);
+        return true;
+    }
     if (n == 3)
         return strcmp(g[1], "template-files") == 0;
-    return (n == 5 || (n == 6 && strcmp(g[5], "logs") == 0)) && sp_http_method_is(req, "GET") &&
-           strcmp(g[1], "templates") == 0 && strcmp(g[3], "builds") == 0;
+    if ((n == 5 || (n == 6 && strcmp(g[5], "logs") == 0)) && sp_http_method_is(req, "GET") &&
+        strcmp(g[1], "templates") == 0 && strcmp(g[3], "builds") == 0) {
+        snprintf(name, 65, "%s", g[2]);
+        return true;
+    }
+    return false;
 }
 
 static void ctx_free(napi_ctx_t *c)

@@ -54,10 +54,12 @@ const char *sp_napi_route_class(h2o_req_t *req);
  * /v1/attach/{id}/{session} (route_sessions.c). The id goes to id. */
 bool sp_napi_data_plane(h2o_req_t *req, char id[65]);
 
-/* Whether req needs the disk of the worker that builds templates (server/server.c sends it to
- * the fleet's builder from a node that runs no VMs): POST /v1/templates, /v1/template-files/
- * {sha256}, GET /v1/templates/{name}/builds/{id}[/logs]. */
-bool sp_napi_build_route(h2o_req_t *req);
+/* Whether req needs a worker that builds templates (server/server.c sends it to one from a
+ * node that runs no VMs): POST /v1/templates, /v1/template-files/{sha256}, GET /v1/templates/
+ * {name}/builds/{id}[/logs]. The template it is about goes to name (the body's "name" for a
+ * build, without a tag; "" for files, which every worker finds in the shared snapshot dir):
+ * the fleet sends each name's builds to one worker (core/control/fleet.h). */
+bool sp_napi_build_route(h2o_req_t *req, char name[65]);
 
 /* Answers req (now or later). */
 void sp_napi_handle(sp_napi_t *n, h2o_req_t *req);

@@ -724,10 +724,11 @@ static void on_where(void *arg, const sp_where_t *w, const sp_err_t *err)
 }
 
 /*
- * Template builds on a node that runs no VMs (--role api): a build, the files uploaded for it,
- * its status and its log need the disk of the worker that runs it, so those requests go to
- * the fleet's builder (core/control/fleet.h: sp_fleet_builder), forwarded like the data
- * plane; each surface says which of its routes those are (sp_napi_build_route,
+ * Template builds on a node that runs no VMs (--role api): a build, its status and log, the
+ * files uploaded for it and an E2B reservation go to a worker, forwarded like the data plane:
+ * each template's to the one sp_fleet_builder picks for its name (core/control/fleet.h), files
+ * and reservations to any (they are in the shared snapshot dir and the database). Each surface
+ * says which of its routes those are and what template they name (sp_napi_build_route,
  * sp_e2b_build_route). Reads of templates, tags and deletes are the database's: served here.
  */
 struct builder_wait {
@@ -749,7 +750,7 @@ static void on_builder(void *arg, const char *id, const char *address, const sp_
     sp_proxy_forward(bw.s->proxy, req, address, "");
 }
 
-static void to_builder(struct srv *s, h2o_req_t *req)
+static void to_builder(struct srv *s, h2o_req_t *req, const char *name)
 {
     if (!sp_proxy_has_key(s->proxy)) {
         sp_proxy_error(req, 503, "",
@@ -766,7 +767,7 @@ static void to_builder(struct srv *s, h2o_req_t *req)
     bw->s = s;
     bw->hold = h;
     sp_err_t e;
-    if (sp_fleet_builder(s->fleet, on_builder, bw, &e) < 0)
+    if (sp_fleet_builder(s->fleet, name, on_builder, bw, &e) < 0)
         on_builder(bw, NULL, NULL, &e);
 }
 
@@ -795,9 +796,11 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
     }
     char id[65];
     bool e2b = s->e2b != NULL && sp_e2b_owns(s->e2b, req);
+    char tname[65];
     if (s->api && origin != SP_PROXY_FORWARDED && s->fleet != NULL &&
-        (e2b ? sp_e2b_build_route(req) : sp_napi_owns(req) && sp_napi_build_route(req))) {
-        to_builder(s, req);
+        (e2b ? sp_e2b_build_route(req, tname)
+             : sp_napi_owns(req) && sp_napi_build_route(req, tname))) {
+        to_builder(s, req, tname);
         return 0;
     }
     bool data_plane = e2b ? sp_e2b_data_plane(s->e2b, req, id)
@@ -1298,6 +1301,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
     if (svc != NULL && driver != NULL)
         sp_svc_set_driver(svc, driver); /* commands and files reach VMs through it */
     char wid[SP_ID_LEN + 1];
+    unsigned char links_key[32];
+    bool links_key_set = false;
     worker_id(o->data_dir, wid);
     snprintf(s.wid, sizeof(s.wid), "%s", wid);
     s.svc = svc;
@@ -1309,6 +1314,11 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
             fprintf(stderr, "spaced: %s\n", e.msg);
             goto out_srv;
         }
+        /* E2B upload links made by one worker and used through another: the fleet's key */
+        static const char label[] = "space template-files upload links";
+        links_key_set = ck_len > 0 &&
+                        crypto_generichash(links_key, sizeof links_key, ck, ck_len,
+                                           (const unsigned char *)label, sizeof label - 1) == 0;
         sp_proxy_opts_t po = {.key = ck_len > 0 ? ck : NULL,
                               .key_len = ck_len,
                               .idle_timeout_ms = o->idle_timeout_s * 1000u};
@@ -1366,6 +1376,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_tmpl_set_secrets(tmpl, secrets); /* registry passwords from team secrets */
     if (tmpl != NULL && !api && o->snapshot_dir != NULL)
         sp_tmpl_set_shared_dir(tmpl, o->snapshot_dir); /* builds from versions built elsewhere */
+    if (tmpl != NULL && links_key_set)
+        sp_tmplfiles_set_link_key(sp_tmpl_files(tmpl), links_key);
+    sodium_memzero(links_key, sizeof links_key);
     s.fleet = fleet;
     s.api = api;
     s.napi = svc ? sp_napi_create(svc) : NULL;

@@ -773,15 +773,16 @@ static void builder_done(void *rec, PGresult *res, const sp_err_t *err)
         q->cb(q->arg, PQgetvalue(res, 0, 0), PQgetvalue(res, 0, 1), NULL);
 }
 
-int sp_fleet_builder(sp_fleet_t *f, sp_fleet_builder_cb cb, void *arg, sp_err_t *err)
+int sp_fleet_builder(sp_fleet_t *f, const char *name, sp_fleet_builder_cb cb, void *arg,
+                     sp_err_t *err)
 {
-    const char *p[] = {f->timeout_s};
+    const char *p[] = {f->timeout_s, name};
     struct bq *q = sp_store_call(f->store,
                                  "SELECT id, address FROM workers WHERE state = 'active'"
                                  " AND address <> ''"
                                  " AND heartbeat_at > now() - make_interval(secs => $1::int)"
-                                 " ORDER BY id LIMIT 1",
-                                 1, p, sizeof(*q), builder_done, err);
+                                 " ORDER BY md5($2 || '/' || id), id LIMIT 1",
+                                 2, p, sizeof(*q), builder_done, err);
     if (q == NULL)
         return -1;
     q->cb = cb;

@@ -98,14 +98,18 @@ int sp_fleet_workers(sp_fleet_t *f, const char *id, sp_fleet_workers_cb cb, void
 int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_cb cb, void *arg,
                    sp_err_t *err);
 
-/* Where a node that runs no VMs (role api) sends template builds (the requests that need a
- * builder's disk: a build, its files, its status and log): the active worker, with an address
- * and a heartbeat within the timeout, first by id. One worker for them all while it lives, so
- * that a build finds the files uploaded for it and its log is where the build ran; when it is
- * lost or drained the next one takes over (files uploaded to the first are asked for again).
- * Calls back with its id and address (borrowed), or SP_EUNAVAIL when there is none. */
+/* Where a node that runs no VMs (role api) sends the template build requests about template
+ * name (a build, its status and log; "" for files and reservations): among the active workers
+ * with an address and a heartbeat within the timeout, the one whose md5(name/id) sorts first
+ * (rendezvous hashing). Builds of different templates spread over the workers; every request
+ * about one template goes to the same worker while it lives (its builds queue there, a status
+ * request waits on the build itself), and when it is lost or drained only its names move. A
+ * build finds its files wherever they were uploaded: workers keep them in the shared snapshot
+ * dir (core/control/tmplfiles.h). Calls back with its id and address (borrowed), or SP_EUNAVAIL
+ * when there is none. */
 typedef void (*sp_fleet_builder_cb)(void *arg, const char *id, const char *address,
                                     const sp_err_t *err);
-int sp_fleet_builder(sp_fleet_t *f, sp_fleet_builder_cb cb, void *arg, sp_err_t *err);
+int sp_fleet_builder(sp_fleet_t *f, const char *name, sp_fleet_builder_cb cb, void *arg,
+                     sp_err_t *err);
 
 #endif

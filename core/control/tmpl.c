@@ -1012,6 +1012,9 @@ void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)
 void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir)
 {
     sp_tmpl__copy(t->shared_dir, sizeof t->shared_dir, dir);
+    sp_err_t e;
+    if (sp_tmplfiles_set_dir(t->files, dir, &e) < 0) /* then each worker keeps its own */
+        sp_log(SP_LOG_WARN, "tmpl", "template files stay in the data dir: %s", e.msg);
 }
 
 sp_tmplfiles_t *sp_tmpl_files(sp_tmpl_t *t)

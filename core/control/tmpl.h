@@ -143,10 +143,11 @@ void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets);
 /* Many workers (core/runtime/qemu.h: opts.snapshot_dir, the snapshot dir they share; copied,
  * NULL or "" for none): builds' logs are written to its builds/ (so that the worker answering
  * for builds after another still reads them; one written before is read from the data dir);
- * a build may run on any worker, so the parent a request names by
- * template name alone is the version the database's default tag names (a built-in template,
- * which has no tags: this host's build of it), as for a create, never this host's `current`
- * link, which moves only with builds made here; and a parent version this host lacks is
+ * uploaded files are kept in its template-files/ (tmplfiles.h), so that a build finds them
+ * whichever worker they were uploaded through; a build may run on any worker, so the parent a
+ * request names by template name alone is the version the database's default tag names (a built-in
+ * template, which has no tags: this host's build of it), as for a create, never this host's
+ * `current` link, which moves only with builds made here; and a parent version this host lacks is
  * imported from the snapshot dir (guest/tmplbuild.h: sp_tmplbuild_import) where the worker
  * that built it published it. */
 void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir);

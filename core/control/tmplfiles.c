@@ -23,7 +23,7 @@ struct put;
 
 struct sp_tmplfiles {
     sp_loop_t *loop;
-    char dir[PATH_MAX]; /* <data-dir>/template-files */
+    char dir[PATH_MAX]; /* <data-dir>/template-files, or the shared snapshot dir's */
     unsigned char mac_key[crypto_auth_hmacsha256_KEYBYTES];
     struct put *puts; /* in flight */
 };
@@ -52,6 +52,21 @@ static bool valid_team(const char *team)
     return team != NULL && sp_ids_valid(team);
 }
 
+int sp_tmplfiles_set_dir(sp_tmplfiles_t *f, const char *root, sp_err_t *err)
+{
+    char d[PATH_MAX];
+    int k = snprintf(d, sizeof d, "%s/template-files", root);
+    if (k < 0 || (size_t)k >= sizeof d || (mkdir(d, 0700) < 0 && errno != EEXIST))
+        return sp_err_set(err, SP_EINTERNAL, "cannot make %s/template-files", root);
+    memcpy(f->dir, d, (size_t)k + 1);
+    return 0;
+}
+
+void sp_tmplfiles_set_link_key(sp_tmplfiles_t *f, const unsigned char key[32])
+{
+    memcpy(f->mac_key, key, sizeof f->mac_key);
+}
+
 sp_tmplfiles_t *sp_tmplfiles_create(sp_loop_t *loop, const char *data_dir, sp_err_t *err)
 {
     sp_tmplfiles_t *f = calloc(1, sizeof(*f));
@@ -60,9 +75,7 @@ sp_tmplfiles_t *sp_tmplfiles_create(sp_loop_t *loop, const char *data_dir, sp_er
         return NULL;
     }
     f->loop = loop;
-    int k = snprintf(f->dir, sizeof f->dir, "%s/template-files", data_dir);
-    if (k < 0 || (size_t)k >= sizeof f->dir || (mkdir(f->dir, 0700) < 0 && errno != EEXIST)) {
-        sp_err_set(err, SP_EINTERNAL, "cannot make %s", f->dir);
+    if (sp_tmplfiles_set_dir(f, data_dir, err) < 0) {
         free(f);
         return NULL;
     }
@@ -133,7 +146,7 @@ int sp_tmplfiles_collect(sp_tmplfiles_t *f, uint64_t keep_s, sp_tmplfiles_used_c
         struct dirent *ke;
         while ((ke = readdir(td)) != NULL) {
             struct stat st;
-            const char *key = ke->d_name; /* uploads being written are .tmp-<key>-<pid> */
+            const char *key = ke->d_name; /* uploads being written are .tmp-<key>-... */
             if (!sp_tmplfiles_valid_key(key) || fstatat(tfd, key, &st, AT_SYMLINK_NOFOLLOW) < 0 ||
                 !S_ISREG(st.st_mode) || st.st_mtime + (time_t)keep_s > now ||
                 (used != NULL && used(arg, team, key)) || uploading(f, team, key))
@@ -198,13 +211,21 @@ static void put_work(sp_work_t *w, void *arg)
     char *slash = strrchr(dir, '/');
     if (slash != NULL)
         *slash = '\0';
-    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%d", dir, p->key, (int)getpid());
-    if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-        p->code = SP_EINTERNAL;
-        snprintf(p->why, sizeof p->why, "cannot store the files: %s", strerror(errno));
-        return;
+    /* unique across the workers sharing the dir, whose pids may be the same */
+    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%d-%08x", dir, p->key, (int)getpid(),
+             (unsigned)randombytes_random());
+    int fd = -1;
+    for (int i = 0; i < 2 && fd < 0; i++) {
+        /* the team's directory, which another worker's collection may remove when empty */
+        if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
+            p->code = SP_EINTERNAL;
+            snprintf(p->why, sizeof p->why, "cannot store the files: %s", strerror(errno));
+            return;
+        }
+        fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0 && errno != ENOENT)
+            break;
     }
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     size_t off = 0;
     while (fd >= 0 && off < p->n) {
         ssize_t k = write(fd, p->body + off, p->n - off);

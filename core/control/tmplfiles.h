@@ -6,7 +6,10 @@
  * Folder: core/control/ is sandboxes' lifecycle: these operations, states, the controller that
  * reconciles them, API keys. (ARCHITECTURE.md: the layers.)
  *
- * Layout: <data-dir>/template-files/<team id>/<key>, key = 64 lowercase hex characters. The
+ * Layout: <data-dir>/template-files/<team id>/<key>, key = 64 lowercase hex characters; on a
+ * worker with a shared snapshot dir, <snapshot-dir>/template-files/ instead
+ * (sp_tmplfiles_set_dir), so that a build on any worker finds what was uploaded through
+ * another (core/control/fleet.h spreads builds over workers by template). The
  * native API's key is the SHA-256 of the bytes uploaded (checked: verify); E2B's is the SDK's
  * own hash of the files (filesHash, opaque: not checked). An upload of a key that is there
  * already is answered at once ("existed") and its bytes are ignored: content is immutable per
@@ -18,7 +21,8 @@
  *
  * Upload links (E2B's PUT to a URL the server gave, which JS sends without credentials): a
  * token binding team, key and an expiry (SP_TMPLFILES_LINK_S), authenticated with a key made
- * at start (links die with the process).
+ * at start (links die with the process), or on many nodes one derived from the cluster key
+ * (sp_tmplfiles_set_link_key), so that the link works through whichever worker answers it.
  */
 #ifndef SP_TMPLFILES_H
 #define SP_TMPLFILES_H
@@ -41,6 +45,11 @@ typedef struct sp_tmplfiles sp_tmplfiles_t;
 sp_tmplfiles_t *sp_tmplfiles_create(sp_loop_t *loop, const char *data_dir, sp_err_t *err);
 /* Uploads in flight are abandoned (their temporary files removed by the next start). */
 void sp_tmplfiles_destroy(sp_tmplfiles_t *f);
+/* Keeps files in root/template-files instead (made when missing); -1 when it cannot be. */
+int sp_tmplfiles_set_dir(sp_tmplfiles_t *f, const char *root, sp_err_t *err);
+/* Authenticates upload links with key (the fleet's, derived from its cluster key) instead of
+ * this process's own. */
+void sp_tmplfiles_set_link_key(sp_tmplfiles_t *f, const unsigned char key[32]);
 
 bool sp_tmplfiles_valid_key(const char *key);
 

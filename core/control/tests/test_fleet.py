@@ -6,15 +6,19 @@ labels pin; a worker records the templates it holds snapshots of, and placement 
 stops answering is declared lost (its running sandboxes "lost", its suspended ones wake
 elsewhere), re-adopts its sandboxes when it comes back within the grace, and stops the VM of a
 sandbox deleted meanwhile (fencing); a PostgreSQL outage loses no worker and no sandbox."""
+import hashlib
+import io
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import unittest
+import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests"))
@@ -24,6 +28,15 @@ from harness import (MULT, PgCluster, Spaced, free_port, skip_unless_pg, tmpdir,
 TIMEOUT_S = 2  # --heartbeat-timeout-s
 GRACE_S = 8    # --lost-grace-s
 SB = {"template": "base", "cpu_count": 1, "memory_mb": 256}
+
+
+def cluster_key(d):
+    """A new cluster key file in directory d (--cluster-key-file); its path."""
+    key = os.path.join(d, "cluster.key")
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, os.urandom(24).hex().encode())
+    os.close(fd)
+    return key
 
 
 def fake_state(node, sid):
@@ -758,29 +771,27 @@ class FleetTest(FleetClient, unittest.TestCase):
         self.delete_all()
 
 
-@skip_unless_pg
-class FleetSnapshotTest(FleetClient, unittest.TestCase):
-    """Sandbox snapshots on many hosts (core/control/snap.h, migration 20): an API node with the
-    cluster key and two workers of 2 vCPUs. A snapshot taken through the API node (native and
-    E2B) is taken by the sandbox's worker and holds its files there; every sandbox made from it
-    is placed there, and none when that worker has no room (capacity) or is draining (a 503
-    naming it), while other creates go elsewhere; one deleted through the API node has its
-    files released by its worker."""
+class KeyedFleet(FleetClient):
+    """A fleet with a cluster key, started for the class: an API node and two workers of 2
+    vCPUs (zones a and b), each with the class's SHARED snapshot dir when it wants one
+    (cls.dir/snapshots: cls.snap) and its ARGS."""
+
+    SHARED = False
+    ARGS = []
 
     @classmethod
     def setUpClass(cls):
         cls.pg = PgCluster()
         cls.nodes = []
-        d = tmpdir("sp-snapkey-")
-        cls.keydir = d
-        key = os.path.join(d, "cluster.key")
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, os.urandom(24).hex().encode())
-        os.close(fd)
+        cls.dir = tmpdir("sp-keyed-")
+        cls.snap = os.path.join(cls.dir, "snapshots")
+        os.makedirs(cls.snap)
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S),
-                 "--cluster-key-file", key]
+                 "--cluster-key-file", cluster_key(cls.dir)] + cls.ARGS
         try:
-            cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2)
+            cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2,
+                            (lambda w, zone: ["--snapshot-dir", cls.snap]) if cls.SHARED
+                            else None)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -790,7 +801,17 @@ class FleetSnapshotTest(FleetClient, unittest.TestCase):
         for n in cls.nodes:
             n.destroy()
         cls.pg.destroy()
-        shutil.rmtree(cls.keydir, ignore_errors=True)
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+
+@skip_unless_pg
+class FleetSnapshotTest(KeyedFleet, unittest.TestCase):
+    """Sandbox snapshots on many hosts (core/control/snap.h, migration 20): an API node with the
+    cluster key and two workers of 2 vCPUs. A snapshot taken through the API node (native and
+    E2B) is taken by the sandbox's worker and holds its files there; every sandbox made from it
+    is placed there, and none when that worker has no room (capacity) or is draining (a 503
+    naming it), while other creates go elsewhere; one deleted through the API node has its
+    files released by its worker."""
 
     @staticmethod
     def ckpt(w, snap):
@@ -846,6 +867,86 @@ class FleetSnapshotTest(FleetClient, unittest.TestCase):
         self.wait_for(lambda: not self.ckpt(a, snap) and not self.ckpt(a, e2b_snap),
                       "the deleted snapshots' files released", 40 * MULT)
         self.delete_all()
+
+
+@skip_unless_pg
+class FleetBuildTest(KeyedFleet, unittest.TestCase):
+    """Template builds on many workers (core/control/fleet.h: sp_fleet_builder): an API node
+    with the cluster key and two workers sharing a snapshot dir. The API node sends each
+    template's build requests to the worker whose md5(name/id) sorts first, so builds of
+    different templates spread over the workers and every request about one goes to the same
+    one; files and E2B upload links work through any worker (files in the snapshot dir, links
+    signed with a key derived from the cluster key)."""
+
+    SHARED = True
+    ARGS = ["--log-level", "debug"]  # the API node says where it sends each build request
+
+    def builder(self, name):
+        return min(self.workers, key=lambda w: hashlib.md5(
+            ("%s/%s" % (name, self.wid[w])).encode()).hexdigest())
+
+    def sent_to(self, mark):
+        """The workers the API node sent build requests to since mark (a log length)."""
+        log = self.api.read_log()[mark:]
+        return [w for w in self.workers
+                if "template build request to worker=%s" % self.wid[w] in log]
+
+    def test_builds_spread_by_template_name(self):
+        names = {}
+        for i in range(200):
+            names.setdefault(self.builder("spread-%d" % i), "spread-%d" % i)
+        self.assertEqual(len(names), 2, "no two names pick different workers")
+        h = {"X-API-KEY": self.key}
+        for w, n in names.items():
+            for method, path, body, e2b in (
+                    ("POST", "/v1/templates", {"name": n, "from": "base"}, False),
+                    ("POST", "/v1/templates", {"name": n + ":v2", "from": "base"}, False),
+                    ("GET", "/v1/templates/%s/builds/%s" % (n, "b" * 24), None, False),
+                    ("GET", "/v1/templates/%s/builds/%s/logs" % (n, "b" * 24), None, False),
+                    ("POST", "/v2/templates/%s/builds/%s" % (n, "b" * 24), {}, True),
+                    ("GET", "/templates/%s/builds/%s/status" % (n, "b" * 24), None, True)):
+                mark = len(self.api.read_log())
+                st, r = self.api.request(method, path, body, key="" if e2b else None,
+                                         headers=h if e2b else None)
+                self.assertIn(st, (400, 404), (path, r))  # answered by the worker
+                self.assertEqual(self.sent_to(mark), [w], (method, path))
+
+    def test_files_and_upload_links_on_any_worker(self):
+        a, b = self.workers
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            data = os.urandom(16).hex().encode()
+            ti = tarfile.TarInfo("f.txt")
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+        body = buf.getvalue()
+        fk = hashlib.sha256(body).hexdigest()
+        # native upload through the API node: kept in the snapshot dir, seen by both workers
+        st, r = self.api.request("PUT", "/v1/template-files/" + fk, raw=body)
+        self.assertEqual((st, r.get("existed")), (201, False), r)
+        stored = [os.path.join(self.snap, "template-files", t, fk)
+                  for t in os.listdir(os.path.join(self.snap, "template-files"))]
+        self.assertTrue(any(os.path.isfile(p) for p in stored), stored)
+        for w in (a, b):
+            st, r = w.request("GET", "/v1/template-files/" + fk)
+            self.assertEqual(st, 200, (w.data_dir, r))
+        # an E2B upload link made by a, used at b
+        h = {"X-API-KEY": self.key}
+        ek = hashlib.sha256(b"e2b-" + body).hexdigest()
+        st, r = a.request("GET", "/templates/spread/files/" + ek, key="", headers=h)
+        self.assertEqual((st, r.get("present")), (201, False), r)
+        link = urllib.parse.urlsplit(r["url"])
+        st, r = b.request("PUT", link.path + "?" + link.query, key="", raw=body,
+                          headers={"Content-Type": "application/octet-stream"})
+        self.assertIn(st, (200, 201), r)
+        st, r = a.request("GET", "/templates/spread/files/" + ek, key="", headers=h)
+        self.assertEqual((st, r.get("present")), (201, True), r)
+        # a token changed by one character is refused
+        tok = urllib.parse.parse_qs(link.query)["token"][0]
+        bad = ("A" if tok[0] != "A" else "B") + tok[1:]
+        st, r = b.request("PUT", link.path + "?token=" + urllib.parse.quote(bad), key="",
+                          raw=body, headers={"Content-Type": "application/octet-stream"})
+        self.assertEqual((st, r.get("message")), (403, "bad upload link"), r)
 
 
 if __name__ == "__main__":
