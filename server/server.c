@@ -1361,7 +1361,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         goto out_srv;
     }
     sp_driver_t *tdriver = driver ? driver : nodriver;
-    tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir, &e) : NULL;
+    tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir,
+                                                              api ? NULL : wid, &e) : NULL;
     snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, api ? NULL : wid, &e) : NULL;
     if (snap != NULL)
         sp_snap_set_quota_default(snap, o->quota.snapshot_mb);

@@ -513,7 +513,9 @@ static void drain_step(sp_fleet_t *f)
 
 /* The lease first; every change below is conditioned on it, in the same statement. Lost
  * sandboxes of a worker that is still lost and are to be deleted are deleted here: there is
- * no VM left to stop (if the worker comes back, it stops its VM itself: comeback).
+ * no VM left to stop (if the worker comes back, it stops its VM itself: comeback). The
+ * template builds a worker declared lost was running fail with it (their builder VMs went
+ * with it; a build of the same template is sent to another worker from then on).
  *
  * No worker is declared lost until the database has been reachable for a while, judged by
  * its own clock when the statement runs (a statement sent before an outage may wait in the
@@ -542,6 +544,13 @@ static const char *sweep_sql =
     "  FROM w WHERE x.worker_id = w.id AND x.observed_state IN ('pending', 'starting',"
     "   'running', 'pausing', 'paused', 'waking', 'suspending')"
     "  RETURNING x.id, x.error),"
+    /* its template builds: they ran there (migration 21) */
+    " b AS (UPDATE template_builds x SET status = 'failed', finished_at = now(),"
+    "   error = 'the worker running the build (' || w.id || ') was lost at ' || w.t"
+    "  FROM w WHERE x.worker_id = w.id AND x.status IN ('queued', 'building')"
+    "  RETURNING x.template),"
+    " bt AS (UPDATE templates m SET status = 'failed' FROM b"
+    "  WHERE m.name = b.template AND m.status = 'building' RETURNING 1),"
     " d AS (UPDATE sandboxes x SET observed_state = 'deleted', updated_at = now()"
     "  FROM workers k WHERE k.id = x.worker_id AND k.state = 'lost'"
     "   AND x.observed_state IN ('lost', 'stopping') AND x.desired_state = 'deleted'"

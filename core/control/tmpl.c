@@ -534,7 +534,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     const char *params[] = {b->id,  b->team, name,  parent, br.description ? br.description : "",
                             cpu_s, mem_s,   req_s, reserved != NULL ? "true" : "false",
                             image != NULL ? "true" : "false", b->tags_given ? "true" : "false",
-                            rsecret != NULL ? rsecret : ""};
+                            rsecret != NULL ? rsecret : "", t->wid};
     /* The parent must be usable by the team; the name must be free or the team's own (a
      * built-in or another team's is not). The templates row of a new name says "building"
      * until its first build ends; an existing one stays as it is (its version in service). */
@@ -552,12 +552,13 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         "  CASE WHEN $10::bool THEN NULL ELSE $4 END WHERE EXISTS (SELECT 1"
         "  FROM p) ON CONFLICT (name) DO UPDATE SET updated_at = now()"
         "  WHERE templates.team_id = $2 RETURNING 1),"
-        " b AS (INSERT INTO template_builds (id, team_id, template, status, request)"
-        "  SELECT $1, $2, $3, 'queued', $8::jsonb WHERE EXISTS (SELECT 1 FROM n)"
-        "  AND $9::bool IS NOT TRUE RETURNING created_at),"
+        " b AS (INSERT INTO template_builds (id, team_id, template, status, request, worker_id)"
+        "  SELECT $1, $2, $3, 'queued', $8::jsonb, nullif($13, '') WHERE EXISTS (SELECT 1"
+        "  FROM n) AND $9::bool IS NOT TRUE RETURNING created_at),"
         /* a reserved build (sp_tmpl_reserve) turns from waiting to queued */
         /* ... keeping the tags it was reserved with unless the request names others */
-        " r AS (UPDATE template_builds SET status = 'queued', request = CASE WHEN $11::bool"
+        " r AS (UPDATE template_builds SET status = 'queued', worker_id = nullif($13, ''),"
+        "  request = CASE WHEN $11::bool"
         "  OR NOT (template_builds.request ? 'tags') THEN $8::jsonb"
         "  ELSE $8::jsonb || jsonb_build_object('tags', template_builds.request->'tags') END"
         "  WHERE $9::bool AND id = $1 AND team_id = $2 AND template = $3 AND status = 'waiting'"
@@ -566,7 +567,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         "  coalesce((SELECT " SP_TMPL__TS("created_at") " FROM b),"
         "  (SELECT " SP_TMPL__TS("created_at") " FROM r), ''),"
         "  coalesce((SELECT tags FROM r), $8::jsonb->'tags')::text, (SELECT ok FROM s)",
-        12, params, sizeof(*acc), on_accepted, err);
+        13, params, sizeof(*acc), on_accepted, err);
     free(req_s);
     if (acc == NULL) {
         sp_tmpl__build_free(b);
@@ -913,7 +914,7 @@ static void on_collect_timer(sp_timer_t *tm, void *arg)
 }
 
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
-                          const char *data_dir, sp_err_t *err)
+                          const char *data_dir, const char *worker_id, sp_err_t *err)
 {
     sp_tmpl_t *t = calloc(1, sizeof(*t));
     if (t == NULL) {
@@ -928,15 +929,20 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         free(t);
         return NULL;
     }
+    sp_tmpl__copy(t->wid, sizeof t->wid, worker_id != NULL ? worker_id : "");
+    /* this worker's unfinished builds (and those of rows from before builds named theirs);
+     * a node that runs none has none */
+    const char *p[] = {t->wid};
     void *rec = sp_store_call(
         store,
         "WITH f AS (UPDATE template_builds SET status = 'failed', finished_at = now(),"
         "  error = 'the server restarted during the build'"
-        "  WHERE status IN ('queued', 'building') RETURNING id, template),"
+        "  WHERE status IN ('queued', 'building') AND $1 <> ''"
+        "  AND (worker_id = $1 OR worker_id IS NULL) RETURNING id, template),"
         " u AS (UPDATE templates SET status = 'failed' WHERE status = 'building'"
         "  AND name IN (SELECT template FROM f))"
         " SELECT id, template FROM f",
-        0, NULL, sizeof(sp_tmpl_t *), on_leftovers, err);
+        1, p, sizeof(sp_tmpl_t *), on_leftovers, err);
     if (rec == NULL) {
         sp_tmplfiles_destroy(t->files);
         free(t);

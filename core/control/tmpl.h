@@ -102,10 +102,14 @@ typedef struct {
 
 typedef void (*sp_tmpl_build_cb)(void *arg, const sp_tmpl_build_rec_t *b, const sp_err_t *err);
 
-/* Fails the builds a previous process left unfinished and removes their builder VMs and work
- * dirs (asynchronous; logged). driver and store are borrowed and outlive t. */
+/* worker_id: this node's worker, which records itself on the builds it accepts
+ * (template_builds.worker_id, migration 21); NULL on a node that runs no builds (role api).
+ * Fails the builds a previous process of this worker left unfinished, never another worker's
+ * (those a lost worker leaves are failed by the fleet's sweep, core/control/fleet.c), and
+ * removes their builder VMs and work dirs (asynchronous; logged). driver and store are
+ * borrowed and outlive t. */
 sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
-                          const char *data_dir, sp_err_t *err);
+                          const char *data_dir, const char *worker_id, sp_err_t *err);
 /* Builds in flight are abandoned: their builder VMs are destroyed by the next start. */
 void sp_tmpl_destroy(sp_tmpl_t *t);
 

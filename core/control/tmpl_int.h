@@ -145,6 +145,7 @@ struct sp_tmpl {
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
     char shared_dir[PATH_MAX];  /* sp_tmpl_set_shared_dir; "": none (one node) */
+    char wid[65];               /* this node's worker (sp_tmpl_create); "": runs no builds */
     uint64_t ckpt_cost_ms;      /* what the last step cache snapshot took (0: none yet) */
     uint64_t cache_ttl_s;       /* sp_tmpl_set_build_cache */
     sp_timer_t collect_timer;   /* collects versions and images now and then (tmpl.h) */

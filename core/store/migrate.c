@@ -555,6 +555,11 @@ static const char *const migrations[] = {
     "    least(coalesce(w.vcpus - u.c, 1000000) * 4096, coalesce(w.memory_mb - u.m, 1000000000))"
     "    DESC, w.id LIMIT 1;"
     " END $b$;",
+    /* 21: template builds on many workers (core/control/tmpl.h). template_builds.worker_id:
+     * the worker that accepted the build and runs it (NULL for older rows and reservations
+     * not started yet). A worker that restarts fails only its own unfinished builds; those of
+     * a worker declared lost are failed by the fleet's sweep (core/control/fleet.c). */
+    "ALTER TABLE template_builds ADD COLUMN worker_id text;",
 };
 
 int sp_migrate_latest(void)

@@ -114,6 +114,21 @@ class FleetClient:
                 return w
         return None
 
+    def psql(self):
+        """A psql session on the fleet's database (stdin and stdout are pipes, lines unbuffered)."""
+        argv = [os.path.join(self.pg.bindir, "psql"), "-h", self.pg.sock, "-U", "postgres",
+                "-At", "-v", "ON_ERROR_STOP=1", "space"]
+        if self.pg.as_postgres:
+            argv = ["runuser", "-u", "postgres", "--"] + argv
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                bufsize=1, cwd="/")
+
+    def query(self, sql):
+        """One psql query's rows, as text lines (-At)."""
+        p = self.psql()
+        out, _ = p.communicate(sql + ";\n", timeout=30)
+        return out.strip()
+
     def create(self, **body):
         return self.api.request("POST", "/v1/sandboxes", dict(SB, **body))
 
@@ -304,15 +319,6 @@ class FleetTest(FleetClient, unittest.TestCase):
             self.assertEqual(w["used"]["memory_mb"], 4096, w)
         self.delete(first)
         self.delete_all()
-
-    def psql(self):
-        """A psql session on the fleet's database (stdin and stdout are pipes, lines unbuffered)."""
-        argv = [os.path.join(self.pg.bindir, "psql"), "-h", self.pg.sock, "-U", "postgres",
-                "-At", "-v", "ON_ERROR_STOP=1", "space"]
-        if self.pg.as_postgres:
-            argv = ["runuser", "-u", "postgres", "--"] + argv
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                bufsize=1, cwd="/")
 
     def test_d2_placement_waits_only_for_its_worker(self):
         # A transaction holding one worker's row (as a placement on it does until it commits)
@@ -724,12 +730,6 @@ class FleetTest(FleetClient, unittest.TestCase):
                          {self.wid[w]: 0 for w in others})
         self.delete_all()
 
-    def query(self, sql):
-        """One psql query's rows, as text lines (-At)."""
-        p = self.psql()
-        out, _ = p.communicate(sql + ";\n", timeout=30)
-        return out.strip()
-
     def test_m_database_outage_loses_nothing(self):
         """PostgreSQL stops for three heartbeat timeouts and comes back (a failover, as the
         nodes see it): every node recovers by itself; no worker is declared lost, though every
@@ -947,6 +947,43 @@ class FleetBuildTest(KeyedFleet, unittest.TestCase):
         st, r = b.request("PUT", link.path + "?token=" + urllib.parse.quote(bad), key="",
                           raw=body, headers={"Content-Type": "application/octet-stream"})
         self.assertEqual((st, r.get("message")), (403, "bad upload link"), r)
+
+    def test_unfinished_builds_fail_only_with_their_worker(self):
+        """A node that starts fails the builds its previous process left unfinished: a
+        worker only its own (and rows from before builds named their worker), an API node
+        none. A worker declared lost fails those it was running (its builder VMs are gone)."""
+        a, b = self.workers
+        team = self.query("SELECT id FROM teams WHERE name = 'alpha'")
+        ids = {k: "%08x-0000-4000-8000-%012x" % (os.getpid(), i)
+               for i, k in enumerate(("a", "b", "old"))}
+        owner = {"a": "'%s'" % self.wid[a], "b": "'%s'" % self.wid[b], "old": "NULL"}
+        self.query(";\n".join(
+            "INSERT INTO templates (name, status, team_id) VALUES ('unfin-%s', 'building', '%s');"
+            "INSERT INTO template_builds (id, team_id, template, status, request, worker_id)"
+            " VALUES ('%s', '%s', 'unfin-%s', 'building', '{}', %s)"
+            % (k, team, ids[k], team, k, owner[k]) for k in ids))
+
+        def status(k):
+            return self.query("SELECT b.status || ' ' || m.status || ' ' || coalesce(b.error, '')"
+                              " FROM template_builds b JOIN templates m ON m.name = b.template"
+                              " WHERE b.id = '%s'" % ids[k])
+        self.api.stop()
+        self.api.start()
+        b.stop()
+        b.start()
+        self.wait_for(lambda: status("b").startswith("failed"), "b's build failed")
+        self.assertEqual(status("b"), "failed failed the server restarted during the build")
+        self.assertTrue(status("old").startswith("failed failed"), status("old"))
+        self.assertEqual(status("a"), "building building")
+        a.kill(signal.SIGKILL)
+        try:
+            self.wait_for(lambda: status("a").startswith("failed"), "a's build failed", 30)
+            self.assertRegex(status("a"), r"^failed failed the worker running the build \(%s\)"
+                                          r" was lost at " % self.wid[a])
+        finally:
+            a.start()
+            self.wait_for(lambda: all(x["state"] == "active" for x in self.list_workers()),
+                          "both workers active again")
 
 
 if __name__ == "__main__":
