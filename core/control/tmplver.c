@@ -373,7 +373,10 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
  * whichever worker looks first, and its row goes in the same statement: a tag can no longer
  * be moved onto it, and a build of the same inputs makes and publishes it again. The grace
  * covers a version published by a build elsewhere that has not recorded it yet; built-in
- * templates and the digest cache's images are never judged here. */
+ * templates are never judged here. The digest cache's images (oci.*) have no rows: one goes
+ * when no published version is layered on it, no build in the fleet is unfinished (it may be
+ * making one), none here is importing, and it was published longer ago than the grace and the
+ * cache's time to live. */
 #define SHARED_HELD_SQL                                                                            \
     "WITH h AS (SELECT NOT EXISTS (SELECT 1 FROM templates WHERE name = $1"                        \
     "  AND team_id IS NOT NULL)"                                                                   \
@@ -423,52 +426,57 @@ static json_t *parents_in(sp_tmpl_t *t, const char *root, const char *prefix)
     return q.out;
 }
 
-/* The database let go of q's version (and its row): its published directory goes, renamed
- * aside (templates/.gone-<name>-<hash>-<pid>) under the lock publishing takes (shared.c),
- * with its template's directory when that was its last version, then removed. */
-static void on_shared_held(void *rec, PGresult *res, const sp_err_t *err)
+/* name@hash's published directory goes, renamed aside (templates/.gone-<name>-<hash>-<pid>)
+ * under the lock publishing takes (shared.c), with its template's directory when that was
+ * its last version, then removed. why: for the log. */
+static void remove_published(sp_tmpl_t *t, const char *name, const char *hash, const char *why)
 {
-    struct shared_q *q = rec;
-    sp_tmpl_t *t = q->t;
-    if (err != NULL || PQntuples(res) != 1) {
-        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", q->name,
-               err != NULL ? err->msg : "no answer");
-        return;
-    }
-    if (PQgetvalue(res, 0, 0)[0] == 't')
-        return;
     char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], gone[PATH_MAX];
     if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0 ||
         sp_tmpl__pathf(lock, sizeof lock, "%s/.lock", tdir) < 0 ||
-        sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, q->name) < 0 ||
-        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, q->hash) < 0 ||
-        sp_tmpl__pathf(gone, sizeof gone, "%s/.gone-%s-%s-%d", tdir, q->name, q->hash,
-                       (int)getpid()) < 0)
+        sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0 ||
+        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, hash) < 0 ||
+        sp_tmpl__pathf(gone, sizeof gone, "%s/.gone-%s-%s-%d", tdir, name, hash, (int)getpid()) < 0)
         return;
     int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0 || flock(fd, LOCK_EX) < 0) {
-        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", q->name,
+        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", name,
                strerror(errno));
         if (fd >= 0)
             close(fd);
         return;
     }
     int rc = rename(vdir, gone);
-    int why = errno;
+    int e = errno;
     bool last = rc == 0 && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
     close(fd);
     if (rc < 0) {
-        if (why != ENOENT) /* another worker removed it first */
-            sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s",
-                   q->name, strerror(why));
+        if (e != ENOENT) /* another worker removed it first */
+            sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", name,
+                   strerror(e));
         return;
     }
     fsync_dir(last ? tdir : ndir);
     sp_rm_rf(gone);
     sp_log(SP_LOG_INFO, "tmpl",
-           "removed a published template version nothing uses template=%s version=%.12s "
-           "row_deleted=%s",
-           q->name, q->hash, PQgetvalue(res, 0, 1));
+           "removed a published template version nothing uses template=%s version=%.12s %s", name,
+           hash, why);
+}
+
+/* The database's judgement of q's version: when nothing holds it, its row is gone and so go
+ * its files. */
+static void on_shared_held(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct shared_q *q = rec;
+    if (err != NULL || PQntuples(res) != 1) {
+        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", q->name,
+               err != NULL ? err->msg : "no answer");
+        return;
+    }
+    char why[32];
+    snprintf(why, sizeof why, "row_deleted=%s", PQgetvalue(res, 0, 1));
+    if (PQgetvalue(res, 0, 0)[0] != 't')
+        remove_published(q->t, q->name, q->hash, why);
 }
 
 /* A leftover of a removal that stopped midway (its worker died): nothing uses what was
@@ -480,17 +488,24 @@ static void drop_gone(const char *tdir, const char *entry)
         sp_rm_rf(p);
 }
 
-void sp_tmpl__collect_shared(sp_tmpl_t *t)
+static bool importing(const sp_tmpl_t *t);
+
+/* The sweep itself (sp_tmpl__collect_shared), once the database said whether any build in
+ * the fleet is unfinished (builds_idle: none is). */
+static void collect_shared(sp_tmpl_t *t, bool builds_idle)
 {
     char tdir[PATH_MAX];
-    if (t->shared_dir[0] == '\0' ||
-        sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0)
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0)
         return;
     DIR *d = opendir(tdir);
     if (d == NULL)
         return;
     time_t now = time(NULL);
     time_t grace = (time_t)(2 * sp_tmpl__collect_period_ms(t) / 1000);
+    /* an image (the digest cache's) is judged by its files alone: no build anywhere may be
+     * making a version over it, and it stays the cache's time to live after it was published */
+    time_t image_grace = grace > (time_t)t->cache_ttl_s ? grace : (time_t)t->cache_ttl_s;
+    bool images = builds_idle && !importing(t);
     json_t *parents = NULL; /* read once, when a version is old enough to be judged */
     bool unknown = false;   /* the published versions could not be listed: nothing goes */
     struct dirent *de;
@@ -499,8 +514,8 @@ void sp_tmpl__collect_shared(sp_tmpl_t *t)
         char ndir[PATH_MAX];
         if (strncmp(name, ".gone-", 6) == 0)
             drop_gone(tdir, name);
-        if (name[0] == '.' || strlen(name) > 64 ||
-            strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0 ||
+        bool image = strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0;
+        if (name[0] == '.' || strlen(name) > 64 || (image && !images) ||
             sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0)
             continue;
         DIR *vd = opendir(ndir);
@@ -511,7 +526,7 @@ void sp_tmpl__collect_shared(sp_tmpl_t *t)
             struct stat st;
             if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
                 sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, h) < 0 || lstat(vdir, &st) < 0 ||
-                !S_ISDIR(st.st_mode) || st.st_mtime + grace > now)
+                !S_ISDIR(st.st_mode) || st.st_mtime + (image ? image_grace : grace) > now)
                 continue;
             bool building = false; /* a build here on it */
             for (struct build *b = t->builds; b != NULL; b = b->next)
@@ -525,6 +540,10 @@ void sp_tmpl__collect_shared(sp_tmpl_t *t)
             snprintf(nh, sizeof nh, "%s@%s", name, h);
             if (json_object_get(parents, nh) != NULL)
                 continue;
+            if (image) {
+                remove_published(t, name, h, "image=1");
+                continue;
+            }
             const char *p[] = {name, h};
             sp_err_t e;
             struct shared_q *q =
@@ -543,6 +562,28 @@ void sp_tmpl__collect_shared(sp_tmpl_t *t)
     }
     closedir(d);
     json_decref(parents);
+}
+
+static void on_builds_unfinished(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_tmpl_t *t = *(sp_tmpl_t **)rec;
+    /* not known: the team templates' versions are judged all the same, images not */
+    collect_shared(t, err == NULL && PQntuples(res) == 1 && PQgetvalue(res, 0, 0)[0] == 'f');
+}
+
+void sp_tmpl__collect_shared(sp_tmpl_t *t)
+{
+    sp_err_t e;
+    if (t->shared_dir[0] == '\0')
+        return;
+    void *rec = sp_store_call(t->store,
+                              "SELECT EXISTS (SELECT 1 FROM template_builds"
+                              " WHERE status IN ('queued', 'building'))",
+                              0, NULL, sizeof(sp_tmpl_t *), on_builds_unfinished, &e);
+    if (rec == NULL)
+        collect_shared(t, false);
+    else
+        *(sp_tmpl_t **)rec = t;
 }
 
 /* ---- images: the digest cache's hidden templates (ociimg.h) ---- */

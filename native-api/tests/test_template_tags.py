@@ -216,7 +216,8 @@ class PublishedVersionsTest(unittest.TestCase):
     directories are laid out here as the QEMU driver lays them out (templates/<name>/<hash>/
     rootfs.qcow2 and manifest.json), old enough to be judged, and the rows as builds record
     them. One that nothing uses goes, with its row; one a tag, a sandbox, a published child
-    names, a built-in's, the digest cache's, and one published within the grace stay."""
+    names, a built-in's, and one published within the grace stay. A digest cache image goes
+    once no published version is layered on it and no build in the fleet is unfinished."""
 
     @classmethod
     def setUpClass(cls):
@@ -229,6 +230,7 @@ class PublishedVersionsTest(unittest.TestCase):
         psql(cls.p.pg, """
             INSERT INTO templates (name, status, team_id, parent, build_id, cpu_count, memory_mb)
               VALUES ('keep', 'ready', '%(t)s', 'base', '%(v1)s', 1, 256),
+                     ('busy', 'building', '%(t)s', 'base', NULL, 1, 256),
                      ('kid', 'ready', '%(t)s', 'gone', '%(v4)s', 1, 256);
             INSERT INTO templates (name, status, team_id, parent, cpu_count, memory_mb,
                                    deleted_at) VALUES ('gone', 'deleted', '%(t)s', 'base', 1,
@@ -237,16 +239,22 @@ class PublishedVersionsTest(unittest.TestCase):
               VALUES ('keep', '%(v1)s', 'b1', 1, 256, '{}'), ('keep', '%(v2)s', 'b2', 1, 256,
                      '{}'), ('keep', '%(v3)s', 'b3', 1, 256, '{}'), ('keep', '%(v5)s', 'b5', 1,
                      256, '{}'), ('gone', '%(v1)s', 'b6', 1, 256, '{}'),
-                     ('gone', '%(v2)s', 'b7', 1, 256, '{}'), ('kid', '%(v4)s', 'b8', 1, 256, '{}');
+                     ('gone', '%(v2)s', 'b7', 1, 256, '{}'), ('kid', '%(v4)s', 'b8', 1, 256, '{}'),
+                     ('keep', '%(vf)s', 'b9', 1, 256, '{}');
+            INSERT INTO template_builds (id, team_id, template, status, request, worker_id)
+              VALUES ('%(b1)s', '%(t)s', 'busy', 'building', '{}', 'another-worker');
             INSERT INTO template_tags (template, tag, hash) VALUES ('keep', 'default', '%(v1)s'),
-              ('keep', 'pin', '%(v2)s'), ('kid', 'default', '%(v4)s');
-        """ % dict(t=team, v1=V1, v2=V2, v3=V3, v4="4" * 64, v5="5" * 64))
+              ('keep', 'pin', '%(v2)s'), ('kid', 'default', '%(v4)s'), ('keep', 'img', '%(vf)s');
+        """ % dict(t=team, v1=V1, v2=V2, v3=V3, v4="4" * 64, v5="5" * 64, b1=B1,
+                 vf="f" * 64))
         old = time.time() - 3600
         cls.dirs = {}
         for name, h, parent in (("keep", V1, None), ("keep", V2, None), ("keep", V3, None),
                                 ("keep", "5" * 64, None), ("gone", V1, None), ("gone", V2, None),
                                 ("kid", "4" * 64, ("gone", V2)), ("base", "b" * 64, None),
-                                ("oci.deadbeef", "c" * 64, None), ("nosuch", "d" * 64, None)):
+                                ("oci.deadbeef", "c" * 64, None), ("nosuch", "d" * 64, None),
+                                ("oci.deadbeef", "e" * 64, None),
+                                ("keep", "f" * 64, ("oci.deadbeef", "e" * 64))):
             d = os.path.join(cls.snap, "templates", name, h)
             os.makedirs(d)
             man = {"name": name, "spec": {}}
@@ -283,11 +291,12 @@ class PublishedVersionsTest(unittest.TestCase):
         wait_until(lambda: not os.path.exists(d["keep@3"]) and not os.path.exists(d["gone@1"]),
                    "unused published versions removed", 30, 0.1)
         time.sleep(3)  # more sweeps: what stays, stays
+        # the images too: a build (of "busy") is unfinished
         for k in ("keep@1", "keep@2", "keep@5", "gone@2", "kid@4", "base@b", "oci.deadbeef@c",
-                  "nosuch@d"):
+                  "nosuch@d", "oci.deadbeef@e"):
             self.assertTrue(os.path.exists(os.path.join(d[k], "rootfs.qcow2")), k)
         self.assertFalse(os.path.exists(self.leftover))
-        self.assertEqual(self.rows("keep"), {V1, V2, "5" * 64})  # keep@3's row went with it
+        self.assertEqual(self.rows("keep"), {V1, V2, "5" * 64, "f" * 64})  # keep@3's went
         self.assertEqual(self.rows("gone"), {V2})
         self.assertTrue(os.path.isdir(os.path.join(self.snap, "templates", "keep")))
         self.assertIn("removed a published template version nothing uses template=keep",
@@ -304,6 +313,13 @@ class PublishedVersionsTest(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(self.snap, "templates", "kid")))
         self.assertEqual(self.rows("gone") | self.rows("kid"), set())
         self.assertTrue(os.path.exists(d["keep@1"]) and os.path.exists(d["keep@5"]))
+        # the build ends: the image nothing is layered on goes, the one keep@f is on stays
+        psql(self.p.pg, "UPDATE template_builds SET status = 'failed' WHERE id = '%s'" % B1)
+        wait_until(lambda: not os.path.exists(d["oci.deadbeef@c"]), "unused image removed", 30,
+                   0.1)
+        time.sleep(3)
+        self.assertTrue(os.path.exists(d["oci.deadbeef@e"]) and os.path.exists(d["keep@f"]))
+        self.assertIn("template=oci.deadbeef version=cccccccccccc image=1", self.s.read_log())
 
 
 if __name__ == "__main__":
