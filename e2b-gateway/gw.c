@@ -289,8 +289,7 @@ bool sp_e2b_build_route(h2o_req_t *req, char name[65])
     name[0] = '\0';
     if ((n == 5 && post && eq(g, 0, "v2") && eq(g, 1, "templates") && eq(g, 3, "builds")) ||
         (n == 5 && get && eq(g, 0, "templates") && eq(g, 2, "builds") && eq(g, 4, "status"))) {
-        const char *t = n == 5 && post ? g[2] : g[1];
-        snprintf(name, 65, "%.*s", (int)strcspn(t, ":"), t);
+        snprintf(name, 65, "%s", post ? g[2] : g[1]);
         return true;
     }
     return (n == 2 && post && eq(g, 0, "v3") && eq(g, 1, "templates")) ||

@@ -144,7 +144,7 @@ bool sp_napi_build_route(h2o_req_t *req, char name[65])
         /* the body's name, when it has one (the builder answers a bad body) */
         json_t *b = json_loadb(req->entity.base, req->entity.len, 0, NULL);
         const char *v = json_string_value(json_object_get(b, "name"));
-        snprintf(name, 65, "%.*s", v != NULL ? (int)strcspn(v, ":") : 0, v != NULL ? v : "");
+        snprintf(name, 65, "%s", v != NULL ? v : "");
         json_decref(b);
         return true;
     }

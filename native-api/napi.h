@@ -57,7 +57,7 @@ bool sp_napi_data_plane(h2o_req_t *req, char id[65]);
 /* Whether req needs a worker that builds templates (server/server.c sends it to one from a
  * node that runs no VMs): POST /v1/templates, /v1/template-files/{sha256}, GET /v1/templates/
  * {name}/builds/{id}[/logs]. The template it is about goes to name (the body's "name" for a
- * build, without a tag; "" for files, which every worker finds in the shared snapshot dir):
+ * build; "" for files, which every worker finds in the shared snapshot dir):
  * the fleet sends each name's builds to one worker (core/control/fleet.h). */
 bool sp_napi_build_route(h2o_req_t *req, char name[65]);
 

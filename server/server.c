@@ -1315,10 +1315,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
             goto out_srv;
         }
         /* E2B upload links made by one worker and used through another: the fleet's key */
-        static const char label[] = "space template-files upload links";
-        links_key_set = ck_len > 0 &&
-                        crypto_generichash(links_key, sizeof links_key, ck, ck_len,
-                                           (const unsigned char *)label, sizeof label - 1) == 0;
+        links_key_set = ck_len > 0;
+        if (links_key_set)
+            sp_tmplfiles_fleet_link_key(ck, ck_len, links_key);
         sp_proxy_opts_t po = {.key = ck_len > 0 ? ck : NULL,
                               .key_len = ck_len,
                               .idle_timeout_ms = o->idle_timeout_s * 1000u};
@@ -1361,8 +1360,9 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         goto out_srv;
     }
     sp_driver_t *tdriver = driver ? driver : nodriver;
-    tmpl = store && tdriver ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir,
-                                                              api ? NULL : wid, &e) : NULL;
+    tmpl = store && tdriver
+               ? sp_tmpl_create(s.loop, store, tdriver, o->data_dir, api ? NULL : wid, &e)
+               : NULL;
     snap = store && tdriver ? sp_snap_create(s.loop, store, tdriver, api ? NULL : wid, &e) : NULL;
     if (snap != NULL)
         sp_snap_set_quota_default(snap, o->quota.snapshot_mb);

@@ -785,7 +785,9 @@ static void builder_done(void *rec, PGresult *res, const sp_err_t *err)
 int sp_fleet_builder(sp_fleet_t *f, const char *name, sp_fleet_builder_cb cb, void *arg,
                      sp_err_t *err)
 {
-    const char *p[] = {f->timeout_s, name};
+    char key[65]; /* the name; a tag after ':' is not part of it */
+    snprintf(key, sizeof key, "%.*s", (int)strcspn(name, ":"), name);
+    const char *p[] = {f->timeout_s, key};
     struct bq *q = sp_store_call(f->store,
                                  "SELECT id, address FROM workers WHERE state = 'active'"
                                  " AND address <> ''"

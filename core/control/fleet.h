@@ -99,7 +99,8 @@ int sp_fleet_drain(sp_fleet_t *f, const char *id, bool drain, sp_fleet_workers_c
                    sp_err_t *err);
 
 /* Where a node that runs no VMs (role api) sends the template build requests about template
- * name (a build, its status and log; "" for files and reservations): among the active workers
+ * name (a build, its status and log; a tag after ':' ignored; "" for files and reservations):
+ * among the active workers
  * with an address and a heartbeat within the timeout, the one whose md5(name/id) sorts first
  * (rendezvous hashing). Builds of different templates spread over the workers; every request
  * about one template goes to the same worker while it lives (its builds queue there, a status

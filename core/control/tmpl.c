@@ -1018,6 +1018,9 @@ void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)
 void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir)
 {
     sp_tmpl__copy(t->shared_dir, sizeof t->shared_dir, dir);
+    char trash[PATH_MAX];
+    if (sp_tmpl__pathf(trash, sizeof trash, "%s/templates/" SHARED_TRASH, dir) == 0)
+        sp_discard_leftovers(t->loop, trash); /* published versions removed midway */
     sp_err_t e;
     if (sp_tmplfiles_set_dir(t->files, dir, &e) < 0) /* then each worker keeps its own */
         sp_log(SP_LOG_WARN, "tmpl", "template files stay in the data dir: %s", e.msg);

@@ -212,6 +212,9 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
  * templates/<name>/<hash>/) that nothing in the fleet uses, with their rows (tmplver.c says
  * what "uses" is). Synchronous scan, one statement per candidate; logged. */
 void sp_tmpl__collect_shared(sp_tmpl_t *t);
+/* Where removed published versions go (<snapshot-dir>/templates/.trash) until a worker has
+ * unlinked them (loop/discard.h); what a worker did not finish, the next to start finishes. */
+#define SHARED_TRASH ".trash"
 /* How often the versions and the build cache are looked over (tmpl.c's collect timer). */
 uint64_t sp_tmpl__collect_period_ms(const sp_tmpl_t *t);
 /* Removes the images of the digest cache (ociimg.h) nothing uses and nobody built from for

@@ -62,6 +62,12 @@ int sp_tmplfiles_set_dir(sp_tmplfiles_t *f, const char *root, sp_err_t *err)
     return 0;
 }
 
+void sp_tmplfiles_fleet_link_key(const unsigned char *secret, size_t n, unsigned char key[32])
+{
+    static const char label[] = "space template-files upload links";
+    crypto_generichash(key, 32, secret, n, (const unsigned char *)label, sizeof label - 1);
+}
+
 void sp_tmplfiles_set_link_key(sp_tmplfiles_t *f, const unsigned char key[32])
 {
     memcpy(f->mac_key, key, sizeof f->mac_key);

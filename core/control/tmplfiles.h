@@ -47,8 +47,10 @@ sp_tmplfiles_t *sp_tmplfiles_create(sp_loop_t *loop, const char *data_dir, sp_er
 void sp_tmplfiles_destroy(sp_tmplfiles_t *f);
 /* Keeps files in root/template-files instead (made when missing); -1 when it cannot be. */
 int sp_tmplfiles_set_dir(sp_tmplfiles_t *f, const char *root, sp_err_t *err);
-/* Authenticates upload links with key (the fleet's, derived from its cluster key) instead of
- * this process's own. */
+/* The upload-link key of a fleet whose nodes share secret (its cluster key), into key. */
+void sp_tmplfiles_fleet_link_key(const unsigned char *secret, size_t n, unsigned char key[32]);
+/* Authenticates upload links with key (sp_tmplfiles_fleet_link_key) instead of this
+ * process's own. */
 void sp_tmplfiles_set_link_key(sp_tmplfiles_t *f, const unsigned char key[32]);
 
 bool sp_tmplfiles_valid_key(const char *key);

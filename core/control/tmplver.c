@@ -24,11 +24,11 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "base/rmtree.h"
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
+#include "loop/discard.h"
 
 static int fsync_dir(const char *p)
 {
@@ -426,17 +426,18 @@ static json_t *parents_in(sp_tmpl_t *t, const char *root, const char *prefix)
     return q.out;
 }
 
-/* name@hash's published directory goes, renamed aside (templates/.gone-<name>-<hash>-<pid>)
- * under the lock publishing takes (shared.c), with its template's directory when that was
- * its last version, then removed. why: for the log. */
+/* name@hash's published directory goes, moved into templates/.trash under the lock
+ * publishing takes (shared.c) and removed off the loop (loop/discard.h), with its template's
+ * directory when that was its last version. why: for the log. */
 static void remove_published(sp_tmpl_t *t, const char *name, const char *hash, const char *why)
 {
-    char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], gone[PATH_MAX];
+    char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], trash[PATH_MAX];
+    struct stat st;
     if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0 ||
         sp_tmpl__pathf(lock, sizeof lock, "%s/.lock", tdir) < 0 ||
+        sp_tmpl__pathf(trash, sizeof trash, "%s/" SHARED_TRASH, tdir) < 0 ||
         sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0 ||
-        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, hash) < 0 ||
-        sp_tmpl__pathf(gone, sizeof gone, "%s/.gone-%s-%s-%d", tdir, name, hash, (int)getpid()) < 0)
+        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, hash) < 0)
         return;
     int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0 || flock(fd, LOCK_EX) < 0) {
@@ -446,18 +447,14 @@ static void remove_published(sp_tmpl_t *t, const char *name, const char *hash, c
             close(fd);
         return;
     }
-    int rc = rename(vdir, gone);
-    int e = errno;
-    bool last = rc == 0 && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
+    bool there = lstat(vdir, &st) == 0; /* else another worker removed it first */
+    if (there)
+        sp_discard(t->loop, trash, vdir);
+    bool last = there && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
     close(fd);
-    if (rc < 0) {
-        if (e != ENOENT) /* another worker removed it first */
-            sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", name,
-                   strerror(e));
+    if (!there)
         return;
-    }
     fsync_dir(last ? tdir : ndir);
-    sp_rm_rf(gone);
     sp_log(SP_LOG_INFO, "tmpl",
            "removed a published template version nothing uses template=%s version=%.12s %s", name,
            hash, why);
@@ -477,15 +474,6 @@ static void on_shared_held(void *rec, PGresult *res, const sp_err_t *err)
     snprintf(why, sizeof why, "row_deleted=%s", PQgetvalue(res, 0, 1));
     if (PQgetvalue(res, 0, 0)[0] != 't')
         remove_published(q->t, q->name, q->hash, why);
-}
-
-/* A leftover of a removal that stopped midway (its worker died): nothing uses what was
- * renamed aside, and two workers removing it at once only race to unlink the same files. */
-static void drop_gone(const char *tdir, const char *entry)
-{
-    char p[PATH_MAX];
-    if (sp_tmpl__pathf(p, sizeof p, "%s/%s", tdir, entry) == 0)
-        sp_rm_rf(p);
 }
 
 static bool importing(const sp_tmpl_t *t);
@@ -512,8 +500,6 @@ static void collect_shared(sp_tmpl_t *t, bool builds_idle)
     while (!unknown && (de = readdir(d)) != NULL) {
         const char *name = de->d_name;
         char ndir[PATH_MAX];
-        if (strncmp(name, ".gone-", 6) == 0)
-            drop_gone(tdir, name);
         bool image = strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0;
         if (name[0] == '.' || strlen(name) > 64 || (image && !images) ||
             sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0)

@@ -267,8 +267,8 @@ class PublishedVersionsTest(unittest.TestCase):
             fresh = h == "5" * 64
             os.utime(d, (old, time.time() + 3600 if fresh else old))
             cls.dirs[name + "@" + h[:1]] = d
-        cls.leftover = os.path.join(cls.snap, "templates", ".gone-keep-%s-1" % V3)
-        os.makedirs(os.path.join(cls.leftover, "x"))
+        cls.leftover = os.path.join(cls.snap, "templates", ".trash", "a1b2c3")  # a removal cut short
+        os.makedirs(os.path.join(cls.leftover, "d", "x"))
         cls.s.start()
 
     @classmethod

@@ -45,15 +45,15 @@ class FailoverTest(FleetClient, unittest.TestCase):
         cls.nodes = []
         try:
             cls.standby = cls.primary.standby()
-            # no target_session_attrs: spaced asks for read-write itself
-            url = ("host=%s,%s port=5432,5432 dbname=space user=postgres"
-                   % (cls.primary.sock, cls.standby.sock))
-            env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
-            fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", "8"]
-            cls.start_fleet(url, env, fleet, ("a", "b"), 4)
         except BaseException:
             cls.tearDownClass()
             raise
+        # no target_session_attrs: spaced asks for read-write itself
+        url = ("host=%s,%s port=5432,5432 dbname=space user=postgres"
+               % (cls.primary.sock, cls.standby.sock))
+        env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
+        fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", "8"]
+        cls.start_fleet(url, env, fleet, ("a", "b"), 4)  # tears the class down on a failure
 
     @classmethod
     def tearDownClass(cls):

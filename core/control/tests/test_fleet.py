@@ -57,34 +57,39 @@ class FleetClient:
         """Starts cls.api (role api, team alpha's key cls.key, the admin key cls.admin) and a
         worker per zone (labels zone=Z, vcpus each, 4096 MiB; worker_args(w, zone) may add
         serve options and set attributes), all on url with args, into cls.nodes; waits until
-        every worker is active."""
-        cls.api = Spaced(database_url=url, runtime="test", env=env,
-                         args=["--role", "api"] + args)
-        cls.nodes.append(cls.api)
-        cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
-        cls.api.key = cls.key
-        cls.api.start()
-        with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
-            cls.admin = f.read().strip()
-        cls.workers = []
-        for zone in zones:
-            w = Spaced(database_url=url, runtime="test", env=env,
-                       args=["--role", "worker", "--worker-vcpus", str(vcpus),
-                             "--worker-memory-mb", "4096", "--worker-labels", "zone=" + zone]
-                       + args)
-            if worker_args is not None:
-                w.args += worker_args(w, zone)
-            w.key = cls.key
-            cls.nodes.append(w)
-            w.start()
-            cls.workers.append(w)
-        cls.wid = {}
-        for w in cls.workers:
-            with open(os.path.join(w.data_dir, "worker-id")) as f:
-                cls.wid[w] = f.read().strip()
-        cls.wait_for(lambda: len([x for x in cls.list_workers()
-                                  if x["state"] == "active"]) == len(zones),
-                     "%d workers active" % len(zones))
+        every worker is active.
+        On a failure, the class's tearDownClass undoes what was started."""
+        try:
+            cls.api = Spaced(database_url=url, runtime="test", env=env,
+                             args=["--role", "api"] + args)
+            cls.nodes.append(cls.api)
+            cls.key = cls.api.cli("keys", "create", "--team", "alpha").stdout.strip()
+            cls.api.key = cls.key
+            cls.api.start()
+            with open(os.path.join(cls.api.data_dir, "admin-key")) as f:
+                cls.admin = f.read().strip()
+            cls.workers = []
+            for zone in zones:
+                w = Spaced(database_url=url, runtime="test", env=env,
+                           args=["--role", "worker", "--worker-vcpus", str(vcpus),
+                                 "--worker-memory-mb", "4096", "--worker-labels", "zone=" + zone]
+                           + args)
+                if worker_args is not None:
+                    w.args += worker_args(w, zone)
+                w.key = cls.key
+                cls.nodes.append(w)
+                w.start()
+                cls.workers.append(w)
+            cls.wid = {}
+            for w in cls.workers:
+                with open(os.path.join(w.data_dir, "worker-id")) as f:
+                    cls.wid[w] = f.read().strip()
+            cls.wait_for(lambda: len([x for x in cls.list_workers()
+                                      if x["state"] == "active"]) == len(zones),
+                         "%d workers active" % len(zones))
+        except BaseException:
+            cls.tearDownClass()
+            raise
 
     @staticmethod
     def wait_for(cond, what, timeout=20):
@@ -172,14 +177,11 @@ class FleetTest(FleetClient, unittest.TestCase):
         cls.nodes = []
         env = {"SPACE_FAKE_DELAY_MS": "20", "SPACE_FAKE_SHARED_DIR": cls.shared}
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S)]
-        try:
-            def metrics(w, zone):
-                w.mport = free_port()
-                return ["--metrics-listen", "127.0.0.1:%d" % w.mport]
-            cls.start_fleet(cls.pg.url, env, fleet, ("a", "b", "c"), 4, metrics)
-        except BaseException:
-            cls.tearDownClass()
-            raise
+
+        def metrics(w, zone):
+            w.mport = free_port()
+            return ["--metrics-listen", "127.0.0.1:%d" % w.mport]
+        cls.start_fleet(cls.pg.url, env, fleet, ("a", "b", "c"), 4, metrics)
 
     @classmethod
     def tearDownClass(cls):
@@ -788,13 +790,8 @@ class KeyedFleet(FleetClient):
         os.makedirs(cls.snap)
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S),
                  "--cluster-key-file", cluster_key(cls.dir)] + cls.ARGS
-        try:
-            cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2,
-                            (lambda w, zone: ["--snapshot-dir", cls.snap]) if cls.SHARED
-                            else None)
-        except BaseException:
-            cls.tearDownClass()
-            raise
+        cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2,
+                        (lambda w, zone: ["--snapshot-dir", cls.snap]) if cls.SHARED else None)
 
     @classmethod
     def tearDownClass(cls):
