@@ -11,7 +11,11 @@ snapshot dir, one cluster key; every request goes through the API node.
   its running sandbox: lost for a moment, then running with its process still counting.
 - A worker killed with its VMs is declared lost within the heartbeat timeout: its running
   sandbox turns lost with the reason (its memory is gone) and can be deleted; a sandbox that
-  was suspended on it wakes on the other worker with its file.
+  was suspended on it wakes on the other worker with its file; a snapshot taken of the running
+  one before (written to the snapshot dir too, whole; the taker's own copy a RAM delta) forks
+  on the other worker, which copies it in as a delta over its own template snapshot's RAM:
+  its file there, its counter going on. Deleted, its shared copy goes, and that worker's copy
+  once the fork is deleted.
 - Templates built through the API node: the build and its log go to the template's worker
   (the builder: md5(name/id) first), its files to the snapshot dir; the builder publishes the
   version in the shared snapshot dir; a sandbox of it on the other worker imports it from
@@ -186,6 +190,11 @@ class FleetVmTest(unittest.TestCase):
             if os.path.basename(argv0).startswith(b"qemu-system"):
                 out.append(w)
         return out
+
+    @staticmethod
+    def ram_kind(snapdir):
+        with open(os.path.join(snapdir, "snapshot", "manifest.json")) as f:
+            return json.load(f)["ram"]
 
     def assert_one_vm(self, sid, where):
         self.assertEqual([w.wid for w in self.vms_of(sid)], [where.wid])
@@ -415,6 +424,19 @@ print("OK", flush=True)
                                  timeout=wait_s(120) + 10)
         self.assertEqual(st, 200, r)
         self.assertEqual(self.state(sid), "suspended")
+        # A snapshot of the running one, its counter going: written to the snapshot dir too.
+        self.sh(running, "echo in-snapshot > /root/h")
+        self.start_counter(running)
+        before = self.count(running)
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d"
+                                 % (running, wait_s(120)), {}, timeout=wait_s(120) + 10)
+        self.assertEqual(st, 201, r)
+        self.assertEqual(r["snapshot"]["state"], "ready", r)
+        snap = r["snapshot"]["id"]
+        self.assertEqual(self.ram_kind(os.path.join(victim.data_dir, "snapshots", snap)),
+                         "delta")
+        self.assertTrue(os.path.isfile(os.path.join(self.snap, "snapshots", snap, "snapshot",
+                                                    "manifest.json")))
         # The worker and its VMs die.
         victim.kill(signal.SIGKILL)
         for pid, line in qemu_cmdlines():
@@ -440,6 +462,36 @@ print("OK", flush=True)
         st, r = self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (running, wait_s(60)),
                                  timeout=wait_s(60) + 10)
         self.assertIn(st, (200, 204), r)
+        # The snapshot outlives its worker: a fork of it runs on the other one (which copied it
+        # in), with the file and the counter going on from where the snapshot caught it. That
+        # worker has a template snapshot of base by now (a sandbox of it ran there), as a
+        # worker in service does: its copy is made a delta over that one's RAM.
+        warm = self.create(on="w1" if other is self.workers[0] else "w2")
+        self.api.delete_quietly(warm)
+        fork = self.api.create_ready(wait=240, snapshot=snap)
+        self.sids.append(fork)
+        self.assertIs(self.placed_on(fork), other)
+        self.assert_one_vm(fork, other)
+        self.assertEqual(self.sh(fork, "cat /root/h")["stdout"], "in-snapshot\n")
+        n = self.count(fork)
+        self.assertGreaterEqual(n, before)
+        self.wait_for(lambda: self.count(fork) > n, "the fork's counter counting")
+        copy = os.path.join(other.data_dir, "snapshots", snap)
+        self.assertTrue(os.path.isdir(copy))
+        # the shared copy holds the whole RAM; that worker's own is a delta over its template
+        # snapshot's RAM (its forks load only their own pages)
+        self.assertEqual(self.ram_kind(os.path.join(self.snap, "snapshots", snap)), "stream")
+        self.assertEqual(self.ram_kind(copy), "delta")
+        # Deleted: the shared copy goes at once, the other worker's once its fork is gone.
+        st, r = self.api.request("DELETE", "/v1/snapshots/" + snap)
+        self.assertIn(st, (200, 204), r)
+        self.wait_for(lambda: not os.path.exists(os.path.join(self.snap, "snapshots", snap)),
+                      "the shared copy removed", 60)
+        self.assertEqual(self.sh(fork, "cat /root/h")["stdout"], "in-snapshot\n")
+        st, r = self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (fork, wait_s(60)),
+                                 timeout=wait_s(60) + 10)
+        self.assertIn(st, (200, 204), r)
+        self.wait_for(lambda: not os.path.exists(copy), "the worker's copy removed", 60)
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

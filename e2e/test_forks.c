@@ -61,7 +61,7 @@ static double checkpoint(sp_driver_t *d, const char *id, const char *snap)
     vt_res_t r = {0};
     sp_err_t e;
     double t0 = vt_now_ms();
-    if (d->ops->checkpoint(d, id, snap, vt_on_res, &r, &e) < 0) {
+    if (d->ops->checkpoint(d, id, snap, 0, vt_on_res, &r, &e) < 0) {
         fprintf(stderr, "checkpoint %s: %s\n", id, e.msg);
         exit(1);
     }
@@ -251,9 +251,10 @@ int main(void)
         return 0;
     }
     /* refused at once: no VM, bad ids, an unknown snapshot */
-    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 && e.code == SP_ENOTFOUND);
-    REQUIRE(d->ops->checkpoint(d, src, "../x", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
-    REQUIRE(d->ops->checkpoint(d, src, ".tmp", vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, 0, vt_on_res, NULL, &e) < 0 &&
+            e.code == SP_ENOTFOUND);
+    REQUIRE(d->ops->checkpoint(d, src, "../x", 0, vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
+    REQUIRE(d->ops->checkpoint(d, src, ".tmp", 0, vt_on_res, NULL, &e) < 0 && e.code == SP_EINVAL);
     REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 0);
     REQUIRE(d->ops->checkpoint_delete(d, snap_a, &e) == 0); /* missing: fine */
     sp_vm_spec_t bad = {.sandbox_id = f1, .template_name = "base", .snapshot_id = snap_a};
@@ -264,15 +265,16 @@ int main(void)
     cmd(d, src, COUNTER, out, sizeof out);
     cmd(d, src, "echo before > /root/f", out, sizeof out);
     vt_res_t ra = {0};
-    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, &ra, &e) == 0);
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, 0, vt_on_res, &ra, &e) == 0);
     /* while it runs, a second one, a pause and a suspend are refused */
     vt_res_t busy = {0};
-    REQUIRE(d->ops->checkpoint(d, src, snap_b, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
+    REQUIRE(d->ops->checkpoint(d, src, snap_b, 0, vt_on_res, &busy, &e) < 0 &&
+            e.code == SP_ECONFLICT);
     REQUIRE(d->ops->pause(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
     REQUIRE(d->ops->snapshot(d, src, vt_on_res, &busy, &e) < 0 && e.code == SP_ECONFLICT);
     REQUIRE(vt_wait_for(&ra.done, 60000) == 0 && ra.ok && busy.done == 0);
     REQUIRE(d->ops->checkpoint_exists(d, snap_a) == 1);
-    REQUIRE(d->ops->checkpoint(d, src, snap_a, vt_on_res, NULL, &e) < 0 &&
+    REQUIRE(d->ops->checkpoint(d, src, snap_a, 0, vt_on_res, NULL, &e) < 0 &&
             e.code == SP_ECONFLICT); /* exists */
     long at_snap_min = counter(d, src);
     REQUIRE(at_snap_min > 0);

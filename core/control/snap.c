@@ -41,6 +41,7 @@ struct job {
     char opid[SP_OPID_LEN + 1];     /* the operation's id, chosen up front */
     bool moved;                     /* the name was taken from an older snapshot */
     char bytes[24];                 /* its files' size once written, as a parameter; "": unknown */
+    bool shared;                    /* written to the shared snapshot dir too (migration 22) */
     struct job *prev, *next;
 };
 
@@ -136,10 +137,12 @@ static void record_outcome(struct job *j)
                        j->failed ? j->err_msg : NULL,
                        j->failed ? j->err_code : NULL,
                        j->op.id,
-                       !j->failed && j->bytes[0] ? j->bytes : NULL};
+                       !j->failed && j->bytes[0] ? j->bytes : NULL,
+                       j->shared ? "true" : "false"};
     sp_err_t e;
     if (sp_store_query(j->s->store,
-                       "WITH n AS (UPDATE snapshots SET state = $2, error = $3, bytes = $6::bigint"
+                       "WITH n AS (UPDATE snapshots SET state = $2, error = $3,"
+                       "  bytes = $6::bigint, shared = $7::bool"
                        "  WHERE id = $1 AND state = 'creating' RETURNING *),"
                        " o AS (UPDATE operations SET finished_at = now(), error_code = $4,"
                        "   error_message = $3,"
@@ -151,7 +154,7 @@ static void record_outcome(struct job *j)
                        " nt AS (SELECT pg_notify('space_ops', o.id) FROM o)"
                        " SELECT " SNAP_COLS ", " SP_SVC_OP_COLS
                        " FROM n, o, nt, (SELECT count(*) FROM ev) x",
-                       6, p, on_outcome, j, &e) < 0) {
+                       7, p, on_outcome, j, &e) < 0) {
         sp_log(SP_LOG_WARN, "snap", "outcome not sent snapshot=%s err=%s; retrying", j->rec.id,
                e.msg);
         sp_timer_start(&j->retry, RETRY_MS);
@@ -190,6 +193,8 @@ static void on_checkpoint(void *arg, const sp_err_t *err)
     else if (d->ops->checkpoint_bytes != NULL) /* what it holds against the team's quota */
         snprintf(j->bytes, sizeof j->bytes, "%llu",
                  (unsigned long long)d->ops->checkpoint_bytes(d, j->rec.id));
+    j->shared = err == NULL && d->ops->checkpoint_shared != NULL &&
+                d->ops->checkpoint_shared(d, j->rec.id) == 1;
     record_outcome(j);
 }
 
@@ -273,7 +278,9 @@ static void on_inserted(void *arg, PGresult *res, const sp_err_t *err)
     parse_snap(res, 0, SB_COLS, &j->rec);
     sp_svc_parse_op(res, 0, SB_COLS + SNAP_NCOLS, &j->op);
     sp_driver_t *d = j->s->driver;
-    if (d->ops->checkpoint(d, j->rec.sandbox_id, j->rec.id, on_checkpoint, j, &e) < 0) {
+    int rc =
+        d->ops->checkpoint(d, j->rec.sandbox_id, j->rec.id, SP_CKPT_SHARED, on_checkpoint, j, &e);
+    if (rc < 0) {
         job_fail(j, &e);
         record_outcome(j); /* answers once recorded */
         return;
@@ -561,7 +568,9 @@ static void on_released(void *rec, PGresult *res, const sp_err_t *err)
     }
 }
 
-/* This worker's snapshots on disk whose rows say deleted: their files released. */
+/* The snapshots this worker holds files of whose rows say deleted, its own and those it
+ * copied in from the shared snapshot dir (and the shared copies, which any worker may
+ * remove): their files released. */
 static void on_release(sp_timer_t *t, void *arg)
 {
     (void)t;
@@ -577,15 +586,14 @@ static void on_release(sp_timer_t *t, void *arg)
     char *text = json_dumps(ids, JSON_COMPACT);
     json_decref(ids);
     bool *alive = malloc(sizeof(*alive));
-    const char *p[] = {text, s->wid};
+    const char *p[] = {text};
     struct sweep *q = text == NULL || alive == NULL
                           ? NULL
                           : sp_store_call(s->store,
                                           "SELECT id FROM snapshots WHERE id IN (SELECT"
                                           " jsonb_array_elements_text($1::jsonb))"
-                                          " AND deleted_at IS NOT NULL"
-                                          " AND (worker_id = $2 OR worker_id IS NULL)",
-                                          2, p, sizeof(*q), on_released, &e);
+                                          " AND deleted_at IS NOT NULL",
+                                          1, p, sizeof(*q), on_released, &e);
     free(text);
     if (q == NULL) {
         free(alive);

@@ -63,12 +63,16 @@ typedef void (*sp_snap_list_cb)(void *arg, const sp_snap_rec_t *recs, size_t n,
 
 /* worker_id: this node's worker id, or NULL on a node that runs no sandboxes (role api).
  * A snapshot is taken by the worker running its sandbox (an API node forwards the request
- * there) and its row names that worker (worker_id): its files are there, and a create from
- * it is placed only there (svc.c, migration 20). At start a worker fails the snapshots it
- * left "creating" (its own, and rows naming no worker; asynchronously; logged); and every
- * SP_SNAP_RELEASE_MS it releases (the driver's checkpoint_delete) the files of its snapshots
- * deleted meanwhile through another node, which could not. store and driver are borrowed and
- * outlive s. */
+ * there) and its row names that worker (worker_id): its files are there. It is taken for
+ * every worker (driver.h: SP_CKPT_SHARED); when the driver put it in the shared snapshot dir
+ * (checkpoint_shared, so on a worker with --snapshot-dir) its row says shared (migration 22)
+ * and a create from it goes to that worker when it has room, else to any other, which
+ * copies it in; otherwise a create from it is placed only there (svc.c, migration 20). At
+ * start a worker fails the snapshots it left "creating" (its own, and rows naming no worker;
+ * asynchronously; logged); and every SP_SNAP_RELEASE_MS it releases (the driver's
+ * checkpoint_delete) the files it holds of snapshots deleted meanwhile through another node,
+ * which could not: its own, its copies of shared ones, and the shared copies themselves.
+ * store and driver are borrowed and outlive s. */
 #define SP_SNAP_RELEASE_MS 20000
 sp_snap_t *sp_snap_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *driver,
                           const char *worker_id, sp_err_t *err);

@@ -392,8 +392,10 @@ static int create_submit(struct create *cr, sp_err_t *err)
         "   coalesce($9::int, t.cpu_count), coalesce($10::int, t.memory_mb), $21::int,"
         "   $22::int, $23::int) THEN coalesce($9::int, t.cpu_count) END,"
         "   coalesce($10::int, t.memory_mb), $24::jsonb, t.name || coalesce('@' || t.ver, ''),"
-        /* from a snapshot: only on the worker holding its files (migration 20) */
-        "   $25::int, $26, '=' || (SELECT z.worker_id FROM snapshots z WHERE z.id = t.snap)) p"
+        /* from a snapshot: only on the worker holding its files (migration 20), unless
+         * they are in the shared snapshot dir too (22): then that worker first */
+        "   $25::int, $26, (SELECT CASE WHEN z.shared THEN '' ELSE '=' END || z.worker_id"
+        "    FROM snapshots z WHERE z.id = t.snap)) p"
         "  RETURNING *),"
         " o AS (INSERT INTO operations (id, sandbox_id, team_id, kind, target)"
         "  SELECT $12, s.id, s.team_id, 'create', 'running' FROM s RETURNING *),"
@@ -425,9 +427,10 @@ static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
     else if (fail == NULL && strcmp(PQgetvalue(res, 0, 0), "ready") != 0)
         fail = (sp_err_set(&e, SP_ECONFLICT, "snapshot '%.64s' failed: %.100s", cr->p[18],
                            PQgetvalue(res, 0, 1)), &e);
-    else if (fail == NULL && (strcmp(PQgetvalue(res, 0, 3), "lost") == 0 ||
-                              strcmp(PQgetvalue(res, 0, 3), "draining") == 0))
-        /* its files are on that worker only (migration 20) */
+    else if (fail == NULL && PQgetvalue(res, 0, 4)[0] != 't' &&
+             (strcmp(PQgetvalue(res, 0, 3), "lost") == 0 ||
+              strcmp(PQgetvalue(res, 0, 3), "draining") == 0))
+        /* its files are on that worker only (migration 20; 22: unless shared) */
         fail = (sp_err_set(&e, SP_EUNAVAIL,
                            "snapshot '%.64s' is held by worker %.64s, which is %s: sandboxes "
                            "are made from it only there",
@@ -488,7 +491,8 @@ static int create_next(struct create *cr, sp_err_t *err)
     const char *p[] = {cr->p[18], cr->p[1]};
     if (submit(cr->svc,
                "SELECT z.state, coalesce(z.error, ''), coalesce(z.worker_id, ''),"
-               " coalesce(w.state, '') FROM snapshots z LEFT JOIN workers w ON w.id = z.worker_id"
+               " coalesce(w.state, ''), z.shared"
+               " FROM snapshots z LEFT JOIN workers w ON w.id = z.worker_id"
                " WHERE z.id = $1 AND z.team_id = $2 AND z.deleted_at IS NULL",
                2, p, on_create_snapshot, NULL, cr, 0, err) < 0) {
         create_free(cr);

@@ -685,7 +685,7 @@ static void step_done(struct build *b)
     if (d->ops->checkpoint_exists(d, id) == 1) {
         b->ckpt_ms = now;
         advance(b);
-    } else if (d->ops->checkpoint(d, b->vm_id, id, on_cached, b, &e) < 0) {
+    } else if (d->ops->checkpoint(d, b->vm_id, id, 0, on_cached, b, &e) < 0) {
         on_cached(b, &e);
     }
 }

@@ -65,6 +65,12 @@ typedef struct {
 
 typedef void (*sp_driver_cb)(void *arg, const sp_err_t *err /* NULL on success */);
 
+/* checkpoint's flags. SP_CKPT_SHARED: a snapshot for every worker. On a driver with a shared
+ * snapshot dir it depends on nothing of this host's (its RAM all in its device state, no
+ * delta over a template snapshot here) and is copied there before cb; a worker asked to boot
+ * from it copies it in first. Elsewhere it is an ordinary one. */
+#define SP_CKPT_SHARED 1u
+
 typedef struct {
     const char *name;
     /* Starts a VM for spec->sandbox_id (cold boot or template-snapshot restore) until its agent answers. */
@@ -113,22 +119,30 @@ typedef struct {
      * paused). cb once the snapshot is durable; boots with spec->snapshot_id then start from it,
      * any number of times. SP_ENOTFOUND: no VM; SP_ECONFLICT: the VM is booting, suspending,
      * being deleted or already being snapshotted, or snapshot_id exists; SP_EINVAL: a bad
-     * snapshot_id (letters, digits, '-', '_', at most 64). NULL: not supported. */
-    int (*checkpoint)(sp_driver_t *d, const char *id, const char *snapshot_id, sp_driver_cb cb,
-                      void *arg, sp_err_t *err);
+     * snapshot_id (letters, digits, '-', '_', at most 64). NULL: not supported.
+     * flags: SP_CKPT_SHARED, or 0 for a snapshot only this host boots from. */
+    int (*checkpoint)(sp_driver_t *d, const char *id, const char *snapshot_id, unsigned flags,
+                      sp_driver_cb cb, void *arg, sp_err_t *err);
     /* Optional, synchronous: snapshot_id is no longer wanted. Its files go as soon as no VM and
-     * no other snapshot is made from them (at once, or when the last such goes). A missing one
-     * succeeds. NULL: not supported. */
+     * no other snapshot is made from them (at once, or when the last such goes); its shared
+     * copy (SP_CKPT_SHARED) at once (workers that booted from it hold copies of their own,
+     * which their own checkpoint_delete releases). A missing one succeeds. NULL: not
+     * supported. */
     int (*checkpoint_delete)(sp_driver_t *d, const char *snapshot_id, sp_err_t *err);
     /* Optional, synchronous, cheap: 1 when snapshot_id is committed and not deleted, else 0. */
     int (*checkpoint_exists)(sp_driver_t *d, const char *snapshot_id);
+    /* Optional, synchronous, cheap: 1 when the committed snapshot_id is also in storage every
+     * worker reads (SP_CKPT_SHARED on a driver with a shared snapshot dir), so that a boot
+     * from it works on any of them; else 0. NULL: never. */
+    int (*checkpoint_shared)(sp_driver_t *d, const char *snapshot_id);
     /* Optional, synchronous (a few stats): the bytes the committed snapshot_id's files take
      * on disk (allocated blocks), 0 when it does not exist. For the snapshot-disk quota. */
     uint64_t (*checkpoint_bytes)(sp_driver_t *d, const char *snapshot_id);
     /* Optional, synchronous: fn once for each committed, not deleted snapshot whose id starts
-     * with prefix, with the Unix time (seconds) it was committed, in no particular order. fn
-     * must not call the driver. 0, or -1 with err when the snapshots cannot be listed. NULL:
-     * not supported. */
+     * with prefix, with the Unix time (seconds) it was committed, in no particular order; a
+     * shared one (SP_CKPT_SHARED) also when only its shared copy is there (an id may come
+     * twice). fn must not call the driver. 0, or -1 with err when the snapshots cannot be listed.
+     * NULL: not supported. */
     int (*checkpoint_list)(sp_driver_t *d, const char *prefix,
                            void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
                            void *arg, sp_err_t *err);

@@ -153,7 +153,10 @@
  * file outside the snapshot dir copied in, named relatively); a wake on any worker copies it
  * back into its VM directory and restores it there, and removes the shared copy once the
  * vCPUs run. Template images (base image, kernel, initramfs) are published once into
- * <snapshot-dir>/templates/ and images/ and VMs are made over the published copies.
+ * <snapshot-dir>/templates/ and images/ and VMs are made over the published copies. A
+ * sandbox snapshot taken with SP_CKPT_SHARED (driver.h) streams its whole RAM too and is
+ * copied to <snapshot-dir>/snapshots/<id>/ before it is ready; a worker booting from one it
+ * does not hold copies it into its own data dir first.
  */
 #ifndef SP_QEMU_H
 #define SP_QEMU_H

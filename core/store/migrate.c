@@ -560,6 +560,10 @@ static const char *const migrations[] = {
      * not started yet). A worker that restarts fails only its own unfinished builds; those of
      * a worker declared lost are failed by the fleet's sweep (core/control/fleet.c). */
     "ALTER TABLE template_builds ADD COLUMN worker_id text;",
+    /* 22: sandbox snapshots for the whole fleet (core/control/snap.h). snapshots.shared: its
+     * files are in the shared snapshot dir too (driver.h: SP_CKPT_SHARED), so a create from
+     * it may be placed on any worker (its worker_id preferred: it holds a copy already). */
+    "ALTER TABLE snapshots ADD COLUMN shared boolean NOT NULL DEFAULT false;",
 };
 
 int sp_migrate_latest(void)

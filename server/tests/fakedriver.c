@@ -22,7 +22,11 @@
  * action when its env's SPACE_FAKE_FAIL names "checkpoint"); checkpoint_delete removes it. A
  * boot with spec->snapshot_id fails unless that file exists, and records the snapshot it
  * started from in <id>.from, so tests can see what the controller asked for; checkpoint_list
- * lists the .ckpt files. Each worker has its own: a snapshot is its worker's.
+ * lists the .ckpt files. Each worker has its own: a snapshot is its worker's, unless it is
+ * taken with SP_CKPT_SHARED and SPACE_FAKE_SHARED_DIR is set: then <shared>/<snapshot id>.ckpt
+ * is written too (checkpoint_shared says so), and a boot from it on a worker without the file
+ * copies it in first (as the QEMU driver copies such a snapshot in); checkpoint_delete removes
+ * the shared file too, and checkpoint_list lists the shared ones as well.
  *
  * Many workers (core/control/fleet.h): with SPACE_FAKE_SHARED_DIR set (one directory for every
  * worker, like --snapshot-dir), a suspend also writes <shared>/<id> and a restore on a worker
@@ -87,6 +91,7 @@ struct job {
     char action[16];
     char to[16];    /* state file content after success; "" = remove */
     char ckpt[72];  /* checkpoint: the snapshot to write on success */
+    bool share;     /* checkpoint: SP_CKPT_SHARED with a shared dir: written there too */
     char tmpl[160]; /* boot from a template: its name ("" otherwise) */
     int cpu_count, memory_mb;
     bool fail;
@@ -389,6 +394,11 @@ static void on_job(sp_timer_t *t, void *arg)
             if (f->snap_bytes > 0)
                 size_file(f, p, false);
         }
+        snprintf(p, sizeof(p), "%s/%s.ckpt", f->shared, j->ckpt);
+        if (j->share && (fp = fopen(p, "w")) != NULL) {
+            fprintf(fp, "%s\n", j->id);
+            fclose(fp);
+        }
         j->cb(j->arg, NULL);
         free(j);
         return;
@@ -413,8 +423,8 @@ static void on_job(sp_timer_t *t, void *arg)
 }
 
 static int start_ckpt(fake_t *f, const char *id, const char *action, const char *to, bool fail,
-                      const char *ckpt, const sp_vm_spec_t *tmpl, sp_driver_cb cb, void *arg,
-                      sp_err_t *err)
+                      const char *ckpt, unsigned flags, const sp_vm_spec_t *tmpl, sp_driver_cb cb,
+                      void *arg, sp_err_t *err)
 {
     if (!sp_ids_valid(id))
         return sp_err_set(err, SP_EINVAL, "bad id");
@@ -427,6 +437,7 @@ static int start_ckpt(fake_t *f, const char *id, const char *action, const char 
     snprintf(j->to, sizeof(j->to), "%s", to);
     j->fail = fail;
     snprintf(j->ckpt, sizeof(j->ckpt), "%s", ckpt ? ckpt : "");
+    j->share = ckpt != NULL && (flags & SP_CKPT_SHARED) != 0 && f->shared[0] != '\0';
     if (tmpl != NULL && tmpl->template_name != NULL) {
         snprintf(j->tmpl, sizeof(j->tmpl), "%s", tmpl->template_name);
         j->cpu_count = tmpl->cpu_count;
@@ -442,7 +453,7 @@ static int start_ckpt(fake_t *f, const char *id, const char *action, const char 
 static int start(fake_t *f, const char *id, const char *action, const char *to, bool fail,
                  sp_driver_cb cb, void *arg, sp_err_t *err)
 {
-    return start_ckpt(f, id, action, to, fail, NULL, NULL, cb, arg, err);
+    return start_ckpt(f, id, action, to, fail, NULL, 0, NULL, cb, arg, err);
 }
 
 /* Whether the sandbox's env asks this action to fail; env is read from a side file
@@ -478,6 +489,26 @@ static bool ckpt_exists(fake_t *f, const char *snap)
     return access(p, F_OK) == 0;
 }
 
+static bool ckpt_shared(fake_t *f, const char *snap)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/%s.ckpt", f->shared, snap);
+    return f->shared[0] != '\0' && access(p, F_OK) == 0;
+}
+
+/* A shared snapshot copied in (a link): true when it is here now. */
+static bool ckpt_fetch(fake_t *f, const char *snap)
+{
+    if (ckpt_exists(f, snap))
+        return true;
+    if (!ckpt_shared(f, snap))
+        return false;
+    char a[4200], b[4200];
+    snprintf(a, sizeof(a), "%s/%s.ckpt", f->shared, snap);
+    snprintf(b, sizeof(b), "%s/%s.ckpt", f->dir, snap);
+    return link(a, b) == 0;
+}
+
 static int f_boot(sp_driver_t *d, const sp_vm_spec_t *s, sp_driver_cb cb, void *arg, sp_err_t *e)
 {
     fake_t *f = (fake_t *)d;
@@ -490,15 +521,15 @@ static int f_boot(sp_driver_t *d, const sp_vm_spec_t *s, sp_driver_cb cb, void *
             fprintf(fp, "%s\n", s->snapshot_id);
             fclose(fp);
         }
-        if (!ckpt_exists(f, s->snapshot_id))
+        if (!ckpt_fetch(f, s->snapshot_id))
             fail = true;
     }
-    return start_ckpt(f, s->sandbox_id, "boot", "running", fail, NULL,
+    return start_ckpt(f, s->sandbox_id, "boot", "running", fail, NULL, 0,
                       s->snapshot_id == NULL ? s : NULL, cb, arg, e);
 }
 
-static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, sp_driver_cb cb,
-                        void *arg, sp_err_t *e)
+static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, unsigned flags,
+                        sp_driver_cb cb, void *arg, sp_err_t *e)
 {
     fake_t *f = (fake_t *)d;
     char buf[32];
@@ -507,10 +538,10 @@ static int f_checkpoint(sp_driver_t *d, const char *id, const char *snap, sp_dri
         return sp_err_set(e, SP_ENOTFOUND, "no VM");
     if (strcmp(st, "running") != 0 && strcmp(st, "paused") != 0)
         return sp_err_set(e, SP_ECONFLICT, "the VM is %s", st);
-    if (ckpt_exists(f, snap))
+    if (ckpt_exists(f, snap) || ckpt_shared(f, snap))
         return sp_err_set(e, SP_ECONFLICT, "snapshot %s exists", snap);
-    return start_ckpt(f, id, "checkpoint", st, wants_fail(f, id, "checkpoint", NULL), snap, NULL,
-                      cb, arg, e);
+    return start_ckpt(f, id, "checkpoint", st, wants_fail(f, id, "checkpoint", NULL), snap, flags,
+                      NULL, cb, arg, e);
 }
 
 static int f_checkpoint_delete(sp_driver_t *d, const char *snap, sp_err_t *e)
@@ -519,6 +550,10 @@ static int f_checkpoint_delete(sp_driver_t *d, const char *snap, sp_err_t *e)
     char p[4200];
     snprintf(p, sizeof(p), "%s/%s.ckpt", f->dir, snap);
     unlink(p);
+    if (f->shared[0] != '\0') {
+        snprintf(p, sizeof(p), "%s/%s.ckpt", f->shared, snap);
+        unlink(p);
+    }
     return 0;
 }
 
@@ -527,14 +562,18 @@ static int f_checkpoint_exists(sp_driver_t *d, const char *snap)
     return ckpt_exists((fake_t *)d, snap) ? 1 : 0;
 }
 
-static int f_checkpoint_list(sp_driver_t *d, const char *prefix,
-                             void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
-                             void *arg, sp_err_t *e)
+static int f_checkpoint_shared(sp_driver_t *d, const char *snap)
 {
-    fake_t *f = (fake_t *)d;
-    DIR *dir = opendir(f->dir);
+    return ckpt_shared((fake_t *)d, snap) ? 1 : 0;
+}
+
+static void list_ckpts(const char *dirpath, const char *prefix,
+                       void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
+                       void *arg)
+{
+    DIR *dir = opendir(dirpath);
     if (dir == NULL)
-        return errno == ENOENT ? 0 : sp_err_set(e, SP_ERUNTIME, "cannot list %s", f->dir);
+        return;
     size_t pl = strlen(prefix);
     struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
@@ -548,6 +587,18 @@ static int f_checkpoint_list(sp_driver_t *d, const char *prefix,
         fn(id, 0, arg);
     }
     closedir(dir);
+}
+
+static int f_checkpoint_list(sp_driver_t *d, const char *prefix,
+                             void (*fn)(const char *snapshot_id, long long committed_s, void *arg),
+                             void *arg, sp_err_t *e)
+{
+    fake_t *f = (fake_t *)d;
+    if (access(f->dir, F_OK) < 0 && errno != ENOENT)
+        return sp_err_set(e, SP_ERUNTIME, "cannot list %s", f->dir);
+    list_ckpts(f->dir, prefix, fn, arg);
+    if (f->shared[0] != '\0')
+        list_ckpts(f->shared, prefix, fn, arg);
     return 0;
 }
 
@@ -701,6 +752,7 @@ static const sp_driver_ops_t fake_ops = {
     .disk_bytes = f_disk_bytes,
     .free = f_free,
     .checkpoint = f_checkpoint,
+    .checkpoint_shared = f_checkpoint_shared,
     .checkpoint_delete = f_checkpoint_delete,
     .checkpoint_list = f_checkpoint_list,
     .checkpoint_exists = f_checkpoint_exists,

@@ -788,9 +788,13 @@ class KeyedFleet(FleetClient):
         cls.dir = tmpdir("sp-keyed-")
         cls.snap = os.path.join(cls.dir, "snapshots")
         os.makedirs(cls.snap)
+        env = None
+        if cls.SHARED:  # the test driver's counterpart of the snapshot dir
+            env = {"SPACE_FAKE_SHARED_DIR": os.path.join(cls.snap, "fake")}
+            os.makedirs(env["SPACE_FAKE_SHARED_DIR"])
         fleet = ["--heartbeat-timeout-s", str(TIMEOUT_S), "--lost-grace-s", str(GRACE_S),
                  "--cluster-key-file", cluster_key(cls.dir)] + cls.ARGS
-        cls.start_fleet(cls.pg.url, None, fleet, ("a", "b"), 2,
+        cls.start_fleet(cls.pg.url, env, fleet, ("a", "b"), 2,
                         (lambda w, zone: ["--snapshot-dir", cls.snap]) if cls.SHARED else None)
 
     @classmethod
@@ -799,6 +803,17 @@ class KeyedFleet(FleetClient):
             n.destroy()
         cls.pg.destroy()
         shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def snapshot_in(self, zone):
+        """A running sandbox in zone and a snapshot of it taken through the API node, ready:
+        (sandbox id, snapshot id)."""
+        src = self.created(placement={"labels": {"zone": zone}})
+        self.wait_state(src, "running")
+        st, r = self.api.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(20)),
+                                 {}, timeout=wait_s(20) + 10)
+        self.assertEqual(st, 201, r)
+        self.assertEqual(r["snapshot"]["state"], "ready", r)
+        return src, r["snapshot"]["id"]
 
 
 @skip_unless_pg
@@ -819,13 +834,7 @@ class FleetSnapshotTest(KeyedFleet, unittest.TestCase):
 
     def test_snapshots_live_on_their_worker(self):
         a, b = self.workers
-        src = self.created(placement={"labels": {"zone": "a"}})
-        self.wait_state(src, "running")
-        st, r = self.api.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(20)),
-                                 {}, timeout=wait_s(20) + 10)
-        self.assertEqual(st, 201, r)
-        snap = r["snapshot"]["id"]
-        self.assertEqual(r["snapshot"]["state"], "ready", r)
+        src, snap = self.snapshot_in("a")
         self.assertTrue(self.ckpt(a, snap))
         self.assertFalse(self.ckpt(b, snap))
         # E2B's create_snapshot through the API node too
@@ -863,6 +872,60 @@ class FleetSnapshotTest(KeyedFleet, unittest.TestCase):
             self.assertIn(st, (200, 204), r)
         self.wait_for(lambda: not self.ckpt(a, snap) and not self.ckpt(a, e2b_snap),
                       "the deleted snapshots' files released", 40 * MULT)
+        self.delete_all()
+
+
+@skip_unless_pg
+class FleetSharedSnapshotTest(KeyedFleet, unittest.TestCase):
+    """Sandbox snapshots for the whole fleet (core/control/snap.h, migration 22): with a shared
+    snapshot dir, a snapshot is written there too (the test driver's counterpart:
+    SPACE_FAKE_SHARED_DIR) and its row says so; a fork goes to the taker while it has room,
+    else to another worker, which copies it in; with the taker draining, forks still work
+    (elsewhere); deleted through the API node, the taker's files, the other worker's copy and
+    the shared copy all go."""
+
+    SHARED = True
+
+    @staticmethod
+    def ckpt(w, snap):
+        return os.path.exists(os.path.join(w.data_dir, "fake", snap + ".ckpt"))
+
+    def shared_ckpt(self, snap):
+        return os.path.exists(os.path.join(self.snap, "fake", snap + ".ckpt"))
+
+    def fork(self, snap):
+        st, r = self.api.request("POST", "/v1/sandboxes", {"snapshot": snap})
+        self.assertEqual(st, 202, r)
+        self.wait_state(r["sandbox"]["id"], "running")
+        return r["sandbox"]["id"]
+
+    def test_forks_go_anywhere(self):
+        a, b = self.workers
+        src, snap = self.snapshot_in("a")
+        self.assertTrue(self.ckpt(a, snap) and self.shared_ckpt(snap))
+        self.assertFalse(self.ckpt(b, snap))
+        out = self.query("SELECT shared, worker_id FROM snapshots WHERE id = '%s'" % snap)
+        self.assertEqual(out, "t|%s" % self.wid[a])
+        # the taker first, while it has room; then the other worker, which copies it in
+        first = self.fork(snap)
+        self.assertIs(self.placed_on(first), a)
+        second = self.fork(snap)
+        self.assertIs(self.placed_on(second), b)
+        self.assertTrue(self.ckpt(b, snap))
+        # the taker draining: forks go elsewhere, not refused
+        self.delete_all()
+        self.post_worker(a, "drain")
+        try:
+            third = self.fork(snap)
+            self.assertIs(self.placed_on(third), b)
+        finally:
+            self.post_worker(a, "undrain")
+        # deleted through the API node: every copy goes
+        st, r = self.api.request("DELETE", "/v1/snapshots/" + snap)
+        self.assertIn(st, (200, 204), r)
+        self.wait_for(lambda: not (self.ckpt(a, snap) or self.ckpt(b, snap) or
+                                   self.shared_ckpt(snap)),
+                      "the deleted snapshot's files released everywhere", 40 * MULT)
         self.delete_all()
 
 

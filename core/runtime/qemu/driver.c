@@ -1173,6 +1173,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .checkpoint = sp_qemu__q_checkpoint,
     .checkpoint_delete = sp_qemu__q_checkpoint_delete,
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,
+    .checkpoint_shared = sp_qemu__q_checkpoint_shared,
     .checkpoint_bytes = sp_qemu__q_checkpoint_bytes,
     .disk_bytes = q_disk_bytes,
     .checkpoint_list = sp_qemu__q_checkpoint_list,

@@ -41,6 +41,15 @@
  * A template snapshot builder can also start from one (sp_qemu__fork_seed): the builder VM's
  * snapshot with its whole RAM, over a new overlay on the image exported from that VM's disk.
  *
+ * For every worker (driver.h: SP_CKPT_SHARED, with a shared snapshot dir): the migration
+ * streams the whole RAM (no delta filter), and once the directory is in place shared.c
+ * copies it to <snapshot-dir>/snapshots/<snapshot-id>/ and then makes this copy a delta over
+ * the VM's template snapshot after all (localize); the take answers after both. A worker
+ * asked to boot from a snapshot it does not have copies it in from there (shared.c, made a
+ * delta over a template snapshot of its own; its disk's backing files as layer-<n>.qcow2 in
+ * the directory) and from then on treats it like one taken here; checkpoint_delete removes
+ * the shared copy at once (no VM uses it) and this one as above.
+ *
  * Does not decide ids, owners or names (the control plane does), nor lay out suspends.
  */
 #include "core/runtime/qemu/qemu_int.h"
@@ -69,6 +78,7 @@ struct fork {
     char dest[PATH_MAX];
     struct child *cp;
     bool live;          /* the VM ran at the start: its RAM is copied while it runs */
+    bool share;         /* SP_CKPT_SHARED with a shared dir: whole RAM, copied there too */
     bool forced;        /* live, but it did not converge: stopped by us at stop_ms */
     uint64_t mig_ms;    /* live: when the migration started */
     uint64_t stop_ms;   /* sp_qemu__mono_ms() when the vCPUs were stopped */
@@ -93,6 +103,11 @@ static bool valid_sid(const char *sid)
 const char *sp_qemu__fork_tmp(const struct vm *vm)
 {
     return vm->fork != NULL ? vm->fork->tmp : NULL;
+}
+
+bool sp_qemu__fork_shares(const struct vm *vm)
+{
+    return vm->fork != NULL && vm->fork->share;
 }
 
 /* The downtime limit for this VM's migration (ms): a suspend's VM is stopped throughout, so
@@ -274,8 +289,17 @@ void sp_qemu__fork_committed(struct vm *vm)
            (unsigned long long)(sp_qemu__mono_ms() - vm->snap_start_ms));
     vm->fork = NULL;
     vm->snap_step = SN_NONE;
+    bool share = f->share;
+    char sid[sizeof f->sid];
+    memcpy(sid, f->sid, sizeof sid);
     fork_free(f);
-    sp_qemu__complete_all(d, &vm->snap_w, NULL);
+    if (!share) {
+        sp_qemu__complete_all(d, &vm->snap_w, NULL);
+        return;
+    }
+    struct waiter *w = vm->snap_w; /* answered once the shared copy is written */
+    vm->snap_w = NULL;
+    sp_qemu__shared_snap_put(d, sid, vm, w);
 }
 
 /* How many backing files the qcow2 image path has below it. */
@@ -292,7 +316,7 @@ static int chain_len(const char *path)
 }
 
 int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
-                          sp_driver_cb cb, void *arg, sp_err_t *err)
+                          unsigned flags, sp_driver_cb cb, void *arg, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
     if (!valid_sid(snapshot_id))
@@ -318,6 +342,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     if (f == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     f->vm = vm;
+    f->share = (flags & SP_CKPT_SHARED) != 0 && d->shared_dir[0] != '\0';
     sp_qemu__sfmt(f->sid, sizeof f->sid, "%s", snapshot_id);
     sp_qemu__sfmt(f->dest, sizeof f->dest, "%s/%s", d->snaps_dir, snapshot_id);
     sp_qemu__sfmt(f->tmp, sizeof f->tmp, "%s/.tmp-%s-%d", d->snaps_dir, snapshot_id,
@@ -325,7 +350,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     struct stat st;
     char sdir[PATH_MAX + 16];
     sp_qemu__sfmt(sdir, sizeof sdir, "%s/snapshot", f->tmp);
-    if (lstat(f->dest, &st) == 0) {
+    if (lstat(f->dest, &st) == 0 || sp_qemu__shared_snap_committed(d, snapshot_id)) {
         free(f);
         return sp_err_set(err, SP_ECONFLICT, "snapshot %s exists", snapshot_id);
     }
@@ -356,8 +381,8 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     const char *lv = getenv("SPACE_SNAPSHOT_LIVE");
     f->live = !vm->paused && d->accel == 1 && !(lv != NULL && strcmp(lv, "0") == 0);
     vm->snap_step = SN_STOP;
-    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s live=%d", vm->id,
-           snapshot_id, (int)f->live);
+    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s live=%d shared=%d",
+           vm->id, snapshot_id, (int)f->live, (int)f->share);
     /* the suspend steps from their first: a live one does not stop the vCPUs there */
     sp_qemu__snap_send(vm, f->live ? "query-status" : "stop", NULL, -1);
     return 0;
@@ -389,6 +414,11 @@ int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id)
     return snap_dir((sp_qemu_t *)base, snapshot_id, dir, sizeof dir, &e) ? 1 : 0;
 }
 
+int sp_qemu__q_checkpoint_shared(sp_driver_t *base, const char *snapshot_id)
+{
+    return sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id) ? 1 : 0;
+}
+
 int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
                                void (*fn)(const char *snapshot_id, long long committed_s,
                                           void *arg),
@@ -397,9 +427,12 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
     sp_qemu_t *d = (sp_qemu_t *)base;
     DIR *dir = opendir(d->snaps_dir);
     if (dir == NULL) {
-        if (errno == ENOENT)
-            return 0;
-        return sp_err_set(err, SP_ERUNTIME, "cannot list the snapshots: %s", strerror(errno));
+        if (errno != ENOENT)
+            return sp_err_set(err, SP_ERUNTIME, "cannot list the snapshots: %s", strerror(errno));
+        if (sp_qemu__shared_snap_list(d, prefix, fn, arg) < 0)
+            return sp_err_set(err, SP_ERUNTIME, "cannot list the shared snapshots: %s",
+                              strerror(errno));
+        return 0;
     }
     size_t pl = strlen(prefix);
     struct dirent *de;
@@ -415,6 +448,9 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
             fn(de->d_name, (long long)st.st_mtime, arg);
     }
     closedir(dir);
+    if (sp_qemu__shared_snap_list(d, prefix, fn, arg) < 0)
+        return sp_err_set(err, SP_ERUNTIME, "cannot list the shared snapshots: %s",
+                          strerror(errno));
     return 0;
 }
 
@@ -425,6 +461,7 @@ int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_
         return sp_err_set(err, SP_EINVAL, "invalid snapshot id");
     char dir[PATH_MAX], p[PATH_MAX + 16];
     struct stat st;
+    sp_qemu__shared_snap_forget(d, snapshot_id); /* nothing uses it: boots use copies */
     sp_qemu__sfmt(dir, sizeof dir, "%s/%s", d->snaps_dir, snapshot_id);
     if (lstat(dir, &st) < 0)
         return 0;
@@ -469,7 +506,13 @@ uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id)
     sp_err_t e;
     if (!snap_dir((sp_qemu_t *)base, snapshot_id, dir, sizeof dir, &e))
         return 0;
-    return dir_bytes(dir, 1); /* disk.qcow2, vm.json, snapshot/{devstate,manifest.json} */
+    uint64_t n = dir_bytes(dir, 1); /* disk.qcow2, vm.json, snapshot/{devstate,manifest.json} */
+    char shared[PATH_MAX + 96];
+    if (sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id) &&
+        sp_qemu__sfmt(shared, sizeof shared, "%s/snapshots/%s", ((sp_qemu_t *)base)->shared_dir,
+                      snapshot_id) > 0)
+        n += dir_bytes(shared, 1); /* and its copy for every worker */
+    return n;
 }
 
 /* Copies src (a JSON file) to dst without the keys in drop[] (NULL-terminated). */
@@ -571,8 +614,30 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
                        sp_err_t *err)
 {
     char sdir[PATH_MAX];
-    if (!snap_dir(d, spec->snapshot_id, sdir, sizeof sdir, err))
+    struct stat st;
+    if (!snap_dir(d, spec->snapshot_id, sdir, sizeof sdir, err)) {
+        /* not here at all (not even deleted): in the shared dir, it is copied in first */
+        if (err->code == SP_ENOTFOUND && lstat(sdir, &st) < 0 && errno == ENOENT &&
+            (sp_qemu__shared_snap_fetching(d, spec->snapshot_id) ||
+             sp_qemu__shared_snap_committed(d, spec->snapshot_id)))
+            return sp_qemu__shared_snap_fetch(d, spec, cb, arg, err);
         return -1;
+    }
+    /* its device state restores only under the accelerator it was taken with */
+    char man[PATH_MAX + 40];
+    sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", sdir);
+    json_t *m = json_load_file(man, 0, NULL);
+    const char *accel = json_string_value(json_object_get(m, "accel"));
+    const char *here = d->accel == 1 ? "kvm" : "tcg";
+    if (accel != NULL && strcmp(accel, here) != 0) {
+        sp_err_set(err, SP_ECONFLICT,
+                   "snapshot %s was taken under %s and this worker runs %s: it cannot be "
+                   "booted here",
+                   spec->snapshot_id, accel, here);
+        json_decref(m);
+        return -1;
+    }
+    json_decref(m);
     char vdir[PATH_MAX];
     sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
     const char *step;
@@ -684,9 +749,22 @@ static bool users(sp_qemu_t *d, struct refs *r)
         while ((de = readdir(dir)) != NULL) {
             if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
                 continue;
-            char p[PATH_MAX + 80];
+            char p[PATH_MAX + 80], own[PATH_MAX + 40];
             sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", dirs[i], de->d_name);
-            sp_qemu__refs_chain(r, p);
+            if (i == 0) {
+                sp_qemu__refs_chain(r, p);
+                continue;
+            }
+            /* a snapshot copied in from the shared dir backs onto layers of its own: those
+             * do not keep it */
+            struct refs mine = {0};
+            sp_qemu__refs_chain(&mine, p);
+            sp_qemu__sfmt(own, sizeof own, "%s/%s", dirs[i], de->d_name);
+            for (size_t k = 0; k < mine.n; k++)
+                if (!sp_qemu__path_under(mine.v[k], own))
+                    sp_qemu__refs_add(r, mine.v[k]);
+            r->oom = r->oom || mine.oom;
+            sp_qemu__refs_free(&mine);
         }
         closedir(dir);
     }

@@ -392,7 +392,8 @@ struct sp_qemu {
     struct ramfd *ramfds;       /* template RAM files as sealed memfds, made or being made */
     /* the shared snapshot dir (shared.c) */
     char shared_dir[PATH_MAX]; /* absolute; "" when there is none (opts.snapshot_dir) */
-    struct xfer *fetches;      /* snapshots being copied in from it for a wake */
+    struct xfer *fetches;      /* snapshots being copied in from it (a wake, a boot from a
+                                * sandbox snapshot) or out to it (a sandbox snapshot) */
 };
 
 /* How sp_qemu__spawn starts a child. */
@@ -466,7 +467,10 @@ void sp_qemu__export_abort(struct vm *vm);
 /* ---- fork.c: sandbox snapshots ---- */
 
 int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
-                          sp_driver_cb cb, void *arg, sp_err_t *err);
+                          unsigned flags, sp_driver_cb cb, void *arg, sp_err_t *err);
+int sp_qemu__q_checkpoint_shared(sp_driver_t *base, const char *snapshot_id);
+/* The snapshot being taken of vm goes to the shared dir too (SP_CKPT_SHARED there). */
+bool sp_qemu__fork_shares(const struct vm *vm);
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err);
 int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
 uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id);
@@ -539,6 +543,25 @@ int sp_qemu__shared_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb c
 bool sp_qemu__shared_fetching(const sp_qemu_t *d, const char *id);
 void sp_qemu__shared_forget(sp_qemu_t *d, const char *id);
 uint64_t sp_qemu__shared_bytes(const sp_qemu_t *d, const char *id);
+/* Sandbox snapshots for every worker (driver.h: SP_CKPT_SHARED), in <shared>/snapshots/. */
+bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid);
+/* A boot from sandbox snapshot spec->snapshot_id, not held here: copied in, then booted
+ * (the driver's boot again); cb answered either way. */
+int sp_qemu__shared_snap_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
+                               sp_err_t *err);
+bool sp_qemu__shared_snap_fetching(const sp_qemu_t *d, const char *sid);
+/* The snapshot committed in <snaps>/<sid> (taken of vm) is copied to the shared dir, then
+ * w's callers are answered (w taken); should that fail, the snapshot is discarded here too.
+ * This worker's copy is then made a RAM delta over vm's template snapshot (shared.c). */
+void sp_qemu__shared_snap_put(sp_qemu_t *d, const char *sid, const struct vm *vm, struct waiter *w);
+/* The template snapshots the sandbox snapshots being copied use (tsnap.c's collection). */
+void sp_qemu__shared_refs(const sp_qemu_t *d, struct refs *r);
+/* The shared copy of sid goes (off the loop). */
+void sp_qemu__shared_snap_forget(sp_qemu_t *d, const char *sid);
+/* fn for each committed shared copy whose id starts with prefix; 0, or -1 with errno. */
+int sp_qemu__shared_snap_list(const sp_qemu_t *d, const char *prefix,
+                              void (*fn)(const char *sid, long long committed_s, void *arg),
+                              void *arg);
 
 /* ---- sums.c: checksum and delta jobs ---- */
 

@@ -209,6 +209,7 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
             sp_qemu__refs_add(r, v->tsnap_wait->dir);
     }
     sp_qemu__snaps_refs(d, r); /* sandbox snapshots: their RAM base and disk chain */
+    sp_qemu__shared_refs(d, r); /* and those being copied in or out, made deltas over one */
     return ok && !r->oom;
 }
 
@@ -839,7 +840,7 @@ int sp_qemu_template_seed(sp_driver_t *base, const char *id, const char *snapsho
         return -1;
     bool no_delta = vm->no_delta;
     vm->no_delta = true; /* the seeded builder's RAM is a file of its own, not a clone's */
-    if (sp_qemu__q_checkpoint(base, id, snapshot_id, cb, arg, err) < 0) {
+    if (sp_qemu__q_checkpoint(base, id, snapshot_id, 0, cb, arg, err) < 0) {
         vm->no_delta = no_delta;
         return -1;
     }
