@@ -8,10 +8,10 @@ the base template if it has none. Two set-ups run side by side on real VMs:
   - one node (role all, no snapshot dir): a snapshot's RAM is a delta over the template
     snapshot's and stays on the node;
   - a fleet on its own PostgreSQL: an API node and workers w1 and w2 sharing a snapshot dir
-    (each worker's data dir holds DATA_DIR's base build, linked): a snapshot streams its whole
-    RAM, is copied to the snapshot dir before it is ready, and the taker's own copy is made a
-    RAM delta over its template snapshot; a fork on the other worker copies it in first, as a
-    delta over its own template snapshot's RAM.
+    (each worker's data dir holds DATA_DIR's base build, linked): a snapshot is taken as on
+    one node, then copied to the snapshot dir with its whole RAM (the delta expanded) before it
+    is ready; a fork on the other worker copies it in first, as a delta over its own template
+    snapshot's RAM.
 Each worker first runs a sandbox of base (so it holds a template snapshot of it, as a worker in
 service does). Each round, in both: a 256 MiB sandbox of `base` with a Python process writing
 a counter is snapshotted (POST .../snapshots?wait -> ready; its vCPUs' stop from the driver's

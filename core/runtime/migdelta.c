@@ -1,5 +1,6 @@
 /*
- * migdelta.c - drop the guest RAM pages of a migration stream that a base image already has.
+ * migdelta.c - drop the guest RAM pages of a migration stream that a base image already has,
+ * or (expand) add them back.
  *
  * Owns one call's state (read and write buffers, the read-only map of the base file and the
  * list of its data extents, the RAM block table and a bitmap of kept pages); nothing outlives
@@ -112,6 +113,8 @@ struct md {
     int in_cur;     /* block of the previous input ZERO/PAGE record, -1 none */
     int out_cur;    /* block of the previous emitted ZERO/PAGE record, -1 none */
     bool ignore_shared;
+    bool expand; /* sp_migdelta_expand: nothing dropped, the base's pages added */
+    int exp;     /* expand: index of the target block, -1 while unknown or absent */
     bool ram_started, ram_ended;
     uint32_t ram_id;
 
@@ -363,7 +366,9 @@ static int parse_mem_size(struct md *m, uint64_t total)
         memcpy(b->name, p + 1, nlen);
         b->name[nlen] = '\0';
         b->used = used;
-        if (nlen == m->target_len && memcmp(b->name, m->target, nlen) == 0) {
+        if (nlen == m->target_len && memcmp(b->name, m->target, nlen) == 0 && m->expand) {
+            m->exp = m->nblocks;
+        } else if (nlen == m->target_len && memcmp(b->name, m->target, nlen) == 0) {
             uint64_t pages = (used + PAGE_SIZE_MD - 1) >> PAGE_BITS_MD;
             m->kept = calloc((size_t)((pages + 63) / 64), sizeof(uint64_t));
             if (m->kept == NULL)
@@ -490,6 +495,42 @@ static int ram_record(struct md *m, uint64_t w, unsigned rec)
     return 0;
 }
 
+/* expand: a PAGE record for every page of the target block where the base is not zeroes,
+ * in order of offset, right after the block list (the input's records follow). */
+static int emit_base(struct md *m)
+{
+    if (m->exp < 0)
+        return fail(m, "the migration stream has no RAM block %s", m->target);
+    if (m->ignore_shared)
+        return fail(m, "the migration stream leaves shared RAM out");
+    const struct blk *bk = &m->blocks[m->exp];
+    uint8_t page[PAGE_SIZE_MD];
+    for (uint64_t off = 0; off < bk->used && off < m->base_size; off += PAGE_SIZE_MD) {
+        if (base_hole(m, off))
+            continue;
+        size_t have =
+            m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
+        const uint8_t *p = m->base + off;
+        if (memcmp(p, zero_page, have) == 0)
+            continue;
+        if (have < PAGE_SIZE_MD) { /* the base's last bytes; zeroes after them */
+            memcpy(page, p, have);
+            memset(page + have, 0, PAGE_SIZE_MD - have);
+            p = page;
+        }
+        uint8_t hdr[9];
+        bool cont = m->out_cur == m->exp;
+        put_be64(hdr, off | RAM_PAGE | (cont ? RAM_CONTINUE : 0));
+        hdr[8] = bk->len;
+        if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
+            out(m, p, PAGE_SIZE_MD) < 0)
+            return -1;
+        m->out_cur = m->exp;
+        m->st->base_pages++;
+    }
+    return 0;
+}
+
 /* A ram section's payload, up to and including its EOS word. */
 static int ram_payload(struct md *m)
 {
@@ -503,7 +544,8 @@ static int ram_payload(struct md *m)
         case RAM_EOS:
             return take(m, 8) == NULL ? -1 : 0;
         case RAM_MEM_SIZE:
-            if (take(m, 8) == NULL || parse_mem_size(m, w & ~FLAG_MASK) < 0)
+            if (take(m, 8) == NULL || parse_mem_size(m, w & ~FLAG_MASK) < 0 ||
+                (m->expand && emit_base(m) < 0))
                 return -1;
             break;
         case RAM_ZERO:
@@ -659,12 +701,14 @@ static int map_base(struct md *m, const char *path)
     return 0;
 }
 
-int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
-                       sp_migdelta_stats_t *st, char *why, size_t why_len)
+static int run(int in_fd, int out_fd, const char *base_path, const char *block,
+               sp_migdelta_stats_t *st, char *why, size_t why_len, bool expand)
 {
     sp_migdelta_stats_t local;
     struct md m = {.in_fd = in_fd,
                    .out_fd = out_fd,
+                   .expand = expand,
+                   .exp = -1,
                    .filt = -1,
                    .in_cur = -1,
                    .out_cur = -1,
@@ -688,6 +732,8 @@ int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char 
         rc = map_base(&m, base_path);
         if (rc == 0)
             rc = parse(&m);
+        if (rc == 0 && expand && !m.have_sizes)
+            rc = fail(&m, "the migration stream has no RAM block list");
         if (rc == 0)
             rc = flush(&m);
     }
@@ -707,4 +753,16 @@ int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char 
     free(m.wbuf);
     free(m.rbuf);
     return rc;
+}
+
+int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
+                       sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    return run(in_fd, out_fd, base_path, block, st, why, why_len, false);
+}
+
+int sp_migdelta_expand(int in_fd, int out_fd, const char *base_path, const char *block,
+                       sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    return run(in_fd, out_fd, base_path, block, st, why, why_len, true);
 }

@@ -23,6 +23,7 @@
 typedef struct sp_migdelta_stats {
     uint64_t pages_in, pages_kept; /* RAM_SAVE_FLAG_PAGE records of the filtered block */
     uint64_t zero_in, zero_kept;   /* RAM_SAVE_FLAG_ZERO records of the filtered block */
+    uint64_t base_pages;           /* expand: the base's pages written out */
     uint64_t bytes_in, bytes_out;
 } sp_migdelta_stats_t;
 
@@ -47,6 +48,19 @@ typedef struct sp_migdelta_stats {
  * message of at most why_len - 1 bytes.
  */
 int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
+                       sp_migdelta_stats_t *st, char *why, size_t why_len);
+
+/*
+ * The inverse: reads a stream sp_migdelta_filter made against base_path (or any stream whose
+ * RAM is to be loaded over that base) and writes one that loads into zeroed RAM the same as
+ * the input loads over the base: the input byte for byte, except that right after the RAM
+ * block list a PAGE record is written for every page of block `block` (below its used length)
+ * where the base is not all zeroes (holes and bytes past the base's end are zeroes). The
+ * input's own records follow and overwrite them on load, as they overwrite the base. Refuses
+ * what sp_migdelta_filter refuses, a stream without that block, and one that leaves shared
+ * RAM out (x-ignore-shared). Same contract otherwise (st->base_pages counts what was added).
+ */
+int sp_migdelta_expand(int in_fd, int out_fd, const char *base_path, const char *block,
                        sp_migdelta_stats_t *st, char *why, size_t why_len);
 
 #endif

@@ -41,10 +41,10 @@
  * A template snapshot builder can also start from one (sp_qemu__fork_seed): the builder VM's
  * snapshot with its whole RAM, over a new overlay on the image exported from that VM's disk.
  *
- * For every worker (driver.h: SP_CKPT_SHARED, with a shared snapshot dir): the migration
- * streams the whole RAM (no delta filter), and once the directory is in place shared.c
- * copies it to <snapshot-dir>/snapshots/<snapshot-id>/ and then makes this copy a delta over
- * the VM's template snapshot after all (localize); the take answers after both. A worker
+ * For every worker (driver.h: SP_CKPT_SHARED, with a shared snapshot dir): taken as above,
+ * and once the directory is in place shared.c copies it to
+ * <snapshot-dir>/snapshots/<snapshot-id>/ with its whole RAM (a delta expanded over the
+ * template RAM, off the vCPUs' stop); the take answers after that. A worker
  * asked to boot from a snapshot it does not have copies it in from there (shared.c, made a
  * delta over a template snapshot of its own; its disk's backing files as layer-<n>.qcow2 in
  * the directory) and from then on treats it like one taken here; checkpoint_delete removes
@@ -78,7 +78,7 @@ struct fork {
     char dest[PATH_MAX];
     struct child *cp;
     bool live;          /* the VM ran at the start: its RAM is copied while it runs */
-    bool share;         /* SP_CKPT_SHARED with a shared dir: whole RAM, copied there too */
+    bool share;         /* SP_CKPT_SHARED with a shared dir: copied there too */
     bool forced;        /* live, but it did not converge: stopped by us at stop_ms */
     uint64_t mig_ms;    /* live: when the migration started */
     uint64_t stop_ms;   /* sp_qemu__mono_ms() when the vCPUs were stopped */
@@ -103,11 +103,6 @@ static bool valid_sid(const char *sid)
 const char *sp_qemu__fork_tmp(const struct vm *vm)
 {
     return vm->fork != NULL ? vm->fork->tmp : NULL;
-}
-
-bool sp_qemu__fork_shares(const struct vm *vm)
-{
-    return vm->fork != NULL && vm->fork->share;
 }
 
 /* The downtime limit for this VM's migration (ms): a suspend's VM is stopped throughout, so

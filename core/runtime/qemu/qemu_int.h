@@ -469,8 +469,6 @@ void sp_qemu__export_abort(struct vm *vm);
 int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
                           unsigned flags, sp_driver_cb cb, void *arg, sp_err_t *err);
 int sp_qemu__q_checkpoint_shared(sp_driver_t *base, const char *snapshot_id);
-/* The snapshot being taken of vm goes to the shared dir too (SP_CKPT_SHARED there). */
-bool sp_qemu__fork_shares(const struct vm *vm);
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err);
 int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
 uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id);
@@ -550,9 +548,9 @@ bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid);
 int sp_qemu__shared_snap_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                                sp_err_t *err);
 bool sp_qemu__shared_snap_fetching(const sp_qemu_t *d, const char *sid);
-/* The snapshot committed in <snaps>/<sid> (taken of vm) is copied to the shared dir, then
- * w's callers are answered (w taken); should that fail, the snapshot is discarded here too.
- * This worker's copy is then made a RAM delta over vm's template snapshot (shared.c). */
+/* The snapshot committed in <snaps>/<sid> (taken of vm) is copied to the shared dir with its
+ * whole RAM, then w's callers are answered (w taken); should that fail, the snapshot is
+ * discarded here too. A copy here that holds the whole RAM is made a delta (shared.c). */
 void sp_qemu__shared_snap_put(sp_qemu_t *d, const char *sid, const struct vm *vm, struct waiter *w);
 /* The template snapshots the sandbox snapshots being copied use (tsnap.c's collection). */
 void sp_qemu__shared_refs(const sp_qemu_t *d, struct refs *r);

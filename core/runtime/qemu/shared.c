@@ -12,14 +12,16 @@
  *   <snapshot-dir>/sandboxes/.tmp-<id>-<pid>/   one being written; renamed to <id> complete
  *   <snapshot-dir>/snapshots/<snapshot-id>/   a sandbox snapshot for every worker (driver.h:
  *       SP_CKPT_SHARED): the taker's <data-dir>/snapshots/<snapshot-id>/ (fork.c) laid out
- *       as a suspended sandbox's above, its whole RAM in its device state (the taker streams
- *       it: no delta over a template snapshot of its own), its disk's backing files outside
- *       the snapshot dir copied in as layer-<n>.qcow2. Written (.tmp-<id>-<pid>, renamed)
- *       before the take answers. A worker asked to boot from one it does not hold copies it
- *       into its own <data-dir>/snapshots/<snapshot-id>/ first (hard links where it can:
- *       nothing writes a snapshot's files) and from then on uses that copy, kept and
- *       collected by fork.c like one taken there; so nothing any VM or snapshot uses is in
- *       the shared copy, and checkpoint_delete removes it at once.
+ *       as a suspended sandbox's above, its whole RAM in its device state (the taker's is a
+ *       delta over its template snapshot's RAM, as on one node: it is expanded over that RAM,
+ *       sp_migdelta_expand, off the vCPUs' stop), its disk's backing files outside the
+ *       snapshot dir copied in as layer-<n>.qcow2. Written (.tmp-<id>-<pid>, renamed) before
+ *       the take answers. A worker asked to boot from one it does not hold copies it into its
+ *       own <data-dir>/snapshots/<snapshot-id>/ first (hard links where it can: nothing
+ *       writes a snapshot's files), made a delta over a template snapshot of its own (see
+ *       localize), and from then on uses that copy, kept and collected by fork.c like one
+ *       taken there; so nothing any VM or snapshot uses is in the shared copy, and
+ *       checkpoint_delete removes it at once.
  *   <snapshot-dir>/templates/<name>/<hash>/rootfs.qcow2, <snapshot-dir>/images/...
  *       template images (base image, kernel, initramfs) at the path they have under a data
  *       dir, published once by the first worker to use them (under the flock of
@@ -88,6 +90,7 @@ struct xfer {
     char base[PATH_MAX];    /* snap: the template snapshot whose RAM this worker's copy's
                              * device state is made a delta over ("": none; localize) */
     char lwhy[160];         /* localize: why it was not, "" when it was or was not tried */
+    bool localized;         /* localize: it was */
     sp_migdelta_stats_t lst;
     sp_work_t *work;
     char id[SP_QEMU_ID_MAX + 1];
@@ -261,6 +264,49 @@ static int publish_vm_json(struct xfer *x)
     return rc < 0 ? fail(x, "cannot write", p) : 0;
 }
 
+/* A sandbox snapshot whose RAM is a delta over this worker's template snapshot (a clone's,
+ * as on one node: its vCPUs stop only while the pages that differ are written): the shared
+ * copy gets the whole RAM instead (sp_migdelta_expand over that template RAM), and man says
+ * so. Runs on a worker thread. */
+static int publish_whole_ram(struct xfer *x, json_t *man)
+{
+    const char *base = json_string_value(json_object_get(man, "ram_base"));
+    char in[PATH_MAX + 64], out[PATH_MAX + 64], ram[PATH_MAX + 16], hex[65];
+    sp_qemu__sfmt(in, sizeof in, "%s/snapshot/devstate", x->src);
+    sp_qemu__sfmt(out, sizeof out, "%s/snapshot/devstate", x->tmp);
+    if (base == NULL) {
+        errno = EINVAL;
+        return fail(x, "no template RAM named in the manifest of", x->src);
+    }
+    sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", base);
+    int ifd = open(in, O_RDONLY | O_CLOEXEC);
+    int ofd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    sp_migdelta_stats_t st;
+    char why[160];
+    uint64_t size = 0;
+    int rc = ifd < 0 || ofd < 0 ? fail(x, "cannot open", ifd < 0 ? in : out) : 0;
+    if (rc == 0 && sp_migdelta_expand(ifd, ofd, ram, "mem", &st, why, sizeof why) < 0) {
+        sp_qemu__sfmt(x->why, sizeof x->why, "cannot make its whole RAM: %s", why);
+        rc = -1;
+    }
+    if (rc == 0 && fsync(ofd) < 0)
+        rc = fail(x, "cannot write", out);
+    if (ifd >= 0)
+        close(ifd);
+    if (ofd >= 0)
+        close(ofd);
+    if (rc == 0 && sp_qemu__sum_file(out, &size, hex) < 0)
+        rc = fail(x, "cannot checksum", out);
+    if (rc < 0)
+        return -1;
+    x->bytes += size;
+    json_object_set_new(man, "ram", json_string("stream"));
+    json_object_del(man, "ram_base");
+    json_object_set_new(man, "devstate_bytes", json_integer((json_int_t)size));
+    json_object_set_new(man, "devstate_checksum", json_string(hex));
+    return 0;
+}
+
 static int publish_run(struct xfer *x)
 {
     char p[PATH_MAX + 64], q[PATH_MAX + 64];
@@ -271,8 +317,10 @@ static int publish_run(struct xfer *x)
         return fail(x, "cannot create", p);
     sp_qemu__sfmt(p, sizeof p, "%s/snapshot/manifest.json", x->src);
     json_t *man = json_load_file(p, 0, NULL);
-    const char *ram = json_string_value(json_object_get(man, "ram"));
-    if (ram == NULL || strcmp(ram, "delta") == 0) {
+    char ram[16];
+    sp_qemu__sfmt(ram, sizeof ram, "%s", json_string_value(json_object_get(man, "ram")) ?: "");
+    bool delta = strcmp(ram, "delta") == 0;
+    if (ram[0] == '\0' || (delta && !x->snap)) {
         json_decref(man);
         errno = EINVAL;
         return fail(x, "a snapshot that depends on this worker's template RAM:", p);
@@ -285,6 +333,10 @@ static int publish_run(struct xfer *x)
     for (size_t i = 0; rc == 0 && i < sizeof own / sizeof own[0]; i++) {
         if (i == 1 && strcmp(ram, "mem.ram") != 0)
             break;
+        if (i == 0 && delta) {
+            rc = publish_whole_ram(x, man);
+            continue;
+        }
         sp_qemu__sfmt(p, sizeof p, "%s/%s", x->src, own[i]);
         sp_qemu__sfmt(q, sizeof q, "%s/%s", x->tmp, own[i]);
         if (copy_file(p, q, 0600, true, &x->bytes) < 0)
@@ -361,15 +413,17 @@ static int fetch_run(struct xfer *x)
 
 /* ---------- a sandbox snapshot's RAM as a delta on this worker ---------- */
 
-/* Makes the whole-RAM device state of the snapshot in dir (this worker's copy) a delta over
- * x->base's RAM file, as a clone's suspend writes it (sp_migdelta_filter: only the pages that
- * differ; the result loads over any RAM file of that size the same as the whole stream), so
- * that its forks here map that template RAM privately and load only their own pages, as
- * clones of the template do: a boot of 0.3 s instead of 1.5-2.5 s for 256 MiB under TCG,
- * and RAM shared with the template's clones. Any template snapshot RAM of the snapshot's size
- * serves; one of its own template shares the most. The device state is renamed over, so the
- * shared copy's (a hard link) stays whole. On any failure the copy stays as it was (whole:
- * slower to boot, as correct); x->lwhy says why. Runs on a worker thread. */
+/* Makes the whole-RAM device state of the snapshot in dir (this worker's copy: one copied in,
+ * or the taker's when it was not taken as a delta, as a VM with RAM of its own is not) a
+ * delta over x->base's RAM file, as a clone's suspend writes it (sp_migdelta_filter: only the
+ * pages that differ; the result loads over any RAM file of that size the same as the whole
+ * stream), so that its forks here map that template RAM privately and load only their own
+ * pages, as clones of the template do: a boot of 0.3 s instead of 1.5-2.5 s for 256 MiB
+ * under TCG, and RAM shared with the template's clones. Any template snapshot RAM of the
+ * snapshot's size serves; one of its own template shares the most. The device state is
+ * renamed over, so the shared copy's (a hard link) stays whole. On any failure the copy stays
+ * as it was (whole: slower to boot, as correct); x->lwhy says why. A delta already is left
+ * alone. Runs on a worker thread. */
 static void localize(struct xfer *x, const char *dir)
 {
     char dev[PATH_MAX + 64], tmp[PATH_MAX + 64], man[PATH_MAX + 64], mtmp[PATH_MAX + 64],
@@ -387,6 +441,8 @@ static void localize(struct xfer *x, const char *dir)
     int in = -1, out = -1;
     char hex[65];
     uint64_t size = 0;
+    if (kind != NULL && strcmp(kind, "delta") == 0)
+        goto out; /* one already (the taker's, as taken) */
     if (m == NULL || v == NULL || kind == NULL || strcmp(kind, "stream") != 0) {
         sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "not a whole-RAM snapshot");
         goto out;
@@ -422,8 +478,7 @@ static void localize(struct xfer *x, const char *dir)
     free(vj);
     if (!ok)
         sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot rewrite: %s", strerror(errno));
-    else
-        sp_qemu__fsync_path(dev, O_RDONLY); /* the directory: below */
+    x->localized = ok;
     if (ok) {
         char sd[PATH_MAX + 16];
         sp_qemu__sfmt(sd, sizeof sd, "%s/snapshot", dir);
@@ -482,7 +537,7 @@ static void xfer_free(struct xfer *x)
 
 static void log_localized(const struct xfer *x)
 {
-    if (x->base[0] == '\0')
+    if (x->base[0] == '\0' || (!x->localized && x->lwhy[0] == '\0'))
         return;
     if (x->lwhy[0] != '\0')
         sp_log(SP_LOG_WARN, "qemu",
@@ -707,11 +762,11 @@ void sp_qemu__shared_free(sp_qemu_t *d)
 }
 
 /* A suspend of this VM streams its whole RAM into the device state: with a shared dir, so
- * that the snapshot depends on no RAM file of this worker's; so does a sandbox snapshot for
- * every worker. */
+ * that the snapshot depends on no RAM file of this worker's. (A sandbox snapshot for every
+ * worker does not: its shared copy's whole RAM is made from its delta afterwards.) */
 bool sp_qemu__shared_streams(const struct vm *vm)
 {
-    return sp_qemu__shared_publishes(vm) || sp_qemu__fork_shares(vm);
+    return sp_qemu__shared_publishes(vm);
 }
 
 bool sp_qemu__shared_publishes(const struct vm *vm)

@@ -8,8 +8,9 @@
  *
  * The round trip runs qemu-system-x86_64 (microvm, TCG, vCPUs never started, no guest
  * kernel): migrate a VM whose RAM file is S, filter against base B, load the result into a
- * VM that maps B share=off, and compare the guest RAM with S. Exits 77 after the synthetic
- * cases when QEMU is not installed.
+ * VM that maps B share=off, and compare the guest RAM with S; then expand the filtered
+ * stream against B and load that into a VM over zeroed RAM, which must see S too. Exits 77 after
+ * the synthetic cases when QEMU is not installed.
  *
  * `test_core_migdelta --bench MIB` instead times the filter on a MIB-sized stream.
  */
@@ -420,9 +421,27 @@ static int decode(struct dec *d, const uint8_t *s, size_t n)
 
 /* ---- running the filter ---------------------------------------------------------------- */
 
+typedef int (*tool_fn)(int, int, const char *, const char *, sp_migdelta_stats_t *, char *, size_t);
+
+static int run_tool(tool_fn fn, const uint8_t *in, size_t n, const char *base, const char *block,
+                    struct buf *out, sp_migdelta_stats_t *st, char *why, size_t why_len);
+
 /* Filters in[0..n) (through a file) against the base file `base`; output in *out. */
 static int run_filter(const uint8_t *in, size_t n, const char *base, const char *block,
                       struct buf *out, sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    return run_tool(sp_migdelta_filter, in, n, base, block, out, st, why, why_len);
+}
+
+/* The same through sp_migdelta_expand. */
+static int run_expand(const uint8_t *in, size_t n, const char *base, const char *block,
+                      struct buf *out, sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    return run_tool(sp_migdelta_expand, in, n, base, block, out, st, why, why_len);
+}
+
+static int run_tool(tool_fn fn, const uint8_t *in, size_t n, const char *base, const char *block,
+                    struct buf *out, sp_migdelta_stats_t *st, char *why, size_t why_len)
 {
     char ip[256], op[256], bp[256];
     write_file("in.bin", in, n);
@@ -432,7 +451,7 @@ static int run_filter(const uint8_t *in, size_t n, const char *base, const char 
     int ifd = open(ip, O_RDONLY);
     int ofd = open(op, O_RDWR | O_CREAT | O_TRUNC, 0600);
     CHECK(ifd >= 0 && ofd >= 0);
-    int rc = sp_migdelta_filter(ifd, ofd, bp, block, st, why, why_len);
+    int rc = fn(ifd, ofd, bp, block, st, why, why_len);
     /* whatever happened, the input was read to its end */
     CHECK(lseek(ifd, 0, SEEK_CUR) == (off_t)n);
     CHECK(st->bytes_in == n);
@@ -603,6 +622,61 @@ static void test_migdelta_filters_equal_pages(bool subs, bool ignore_shared)
     struct dec du = {.imgs = imgs, .nimg = 2};
     CHECK(decode(&du, g.b.p, g.b.len) == 0 && memcmp(mem, m.src, sizeof mem) == 0);
     free(out.p);
+    free(g.b.p);
+}
+
+/* expand(filter(S, B), B) loads into zeroed RAM as S: the base's non-zero pages first, then
+ * the delta's records; everything else byte for byte. */
+static void test_migdelta_expand_restores_whole(void)
+{
+    static struct model m;
+    model_init(&m);
+    struct gen g;
+    model_stream(&m, &g, true, false);
+    struct buf delta = {0}, full = {0};
+    sp_migdelta_stats_t st, xs;
+    char why[160];
+    CHECK(run_filter(g.b.p, g.b.len, "base.ram", "mem", &delta, &st, why, sizeof why) == 0);
+    int rc = run_expand(delta.p, delta.len, "base.ram", "mem", &full, &xs, why, sizeof why);
+    CHECK(rc == 0);
+    if (rc != 0)
+        fprintf(stderr, "expand: %s\n", why);
+    uint64_t nonzero = 0; /* the base file's pages with a byte set (the last one partly) */
+    for (unsigned i = 0; i < NMEM; i++)
+        if ((size_t)i * PG < BASE_LEN && !page_zero(m.base + (size_t)i * PG))
+            nonzero++;
+    CHECK(nonzero > 0 && xs.base_pages == nonzero);
+    CHECK(xs.bytes_in == delta.len && xs.bytes_out == full.len);
+
+    static uint8_t mem[NMEM * PG], rom[NROM * PG];
+    memset(mem, 0, sizeof mem);
+    memset(rom, 0, sizeof rom);
+    struct img imgs[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
+    struct dec d = {.imgs = imgs, .nimg = 2, .strict = true};
+    CHECK(decode(&d, full.p, full.len) == 0);
+    if (d.err[0])
+        fprintf(stderr, "decode: %s\n", d.err);
+    CHECK(memcmp(mem, m.src, sizeof mem) == 0);
+    CHECK(memcmp(rom, m.rom, 3 * PG) == 0 && page_zero(rom + 3 * PG));
+    CHECK(imgs[0].pages == nonzero + st.pages_kept);
+
+    /* the delta's tail (device state on) is the full stream's, byte for byte */
+    struct img none[] = {{"-", NULL, 0, 0, 0}};
+    struct dec dd = {.imgs = none, .nimg = 0};
+    CHECK(decode(&dd, delta.p, delta.len) == 0);
+    CHECK(full.len - d.tail_off == delta.len - dd.tail_off);
+    CHECK(memcmp(full.p + d.tail_off, delta.p + dd.tail_off, full.len - d.tail_off) == 0);
+
+    /* refused: a block the stream does not have; a stream that leaves shared RAM out */
+    CHECK(run_expand(delta.p, delta.len, "base.ram", "nope", &full, &xs, why, sizeof why) < 0);
+    CHECK(strstr(why, "no RAM block nope") != NULL);
+    struct gen gs;
+    model_stream(&m, &gs, true, true);
+    CHECK(run_expand(gs.b.p, gs.b.len, "base.ram", "mem", &full, &xs, why, sizeof why) < 0);
+    CHECK(strstr(why, "shared RAM") != NULL);
+    free(gs.b.p);
+    free(delta.p);
+    free(full.p);
     free(g.b.p);
 }
 
@@ -1617,6 +1691,40 @@ static void test_migdelta_qemu_round_trip(void)
     vm_stop(&raw);
     free(back);
 
+    /* a whole stream again: the filtered one expanded against B loads into zeroed RAM (a
+     * fresh file, as a worker without B restores a snapshot copied from the snapshot dir) */
+    char ep[256], zp[256];
+    path_in(ep, sizeof ep, "expanded.bin");
+    path_in(zp, sizeof zp, "Z.ram");
+    uint8_t *Z = calloc(1, ram);
+    write_file("Z.ram", Z, ram);
+    free(Z);
+    int efd = open(fp, O_RDONLY), xfd = open(ep, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    sp_migdelta_stats_t xs;
+    rc = sp_migdelta_expand(efd, xfd, bpath, "mem", &xs, why, sizeof why);
+    close(efd);
+    close(xfd);
+    CHECK(rc == 0);
+    if (rc != 0)
+        fprintf(stderr, "expand: %s\n", why);
+    uint64_t want_base = 0;
+    for (unsigned i = 0; i < NPAGES; i++)
+        if (!page_zero(B + (size_t)i * PG))
+            want_base++;
+    CHECK(xs.base_pages == want_base);
+    struct vm whole = {.pid = -1, .qmp = -1};
+    uint8_t *pm_whole = NULL;
+    size_t n_whole = 0;
+    CHECK(load_into(&whole, "whole", zp, "expanded.bin") == 0);
+    CHECK(pmemsave(&whole, "pm_whole.bin") == 0);
+    pm_whole = load_file("pm_whole.bin", &n_whole);
+    CHECK(n_whole == ram && pm_src != NULL && memcmp(pm_whole, pm_src, ram) == 0);
+    back = ram_by_migration(&whole);
+    CHECK(back != NULL && memcmp(back, S, ram) == 0);
+    vm_stop(&whole);
+    free(back);
+    free(pm_whole);
+
     /* B was mapped share=off: untouched */
     size_t nb;
     uint8_t *b2 = load_file("B.ram", &nb);
@@ -1744,6 +1852,7 @@ int main(int argc, char **argv)
     test_migdelta_filters_equal_pages(false, false);
     test_migdelta_filters_equal_pages(true, true);
     test_migdelta_other_block_untouched();
+    test_migdelta_expand_restores_whole();
     test_migdelta_zero_fill_bytes();
     test_migdelta_sparse_base();
     test_migdelta_rejects_bad_streams();
