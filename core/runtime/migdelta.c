@@ -495,8 +495,11 @@ static int ram_record(struct md *m, uint64_t w, unsigned rec)
     return 0;
 }
 
-/* expand: a PAGE record for every page of the target block where the base is not zeroes,
- * in order of offset, right after the block list (the input's records follow). */
+/* expand: a record for every page of the target block, in order of offset, right after the
+ * block list (the input's records follow): PAGE with the base's bytes where they are not all
+ * zeroes, else ZERO. Every page, as QEMU's own first pass sends them: a page the stream left
+ * out would keep whatever RAM it is loaded into held, and a filter against another base
+ * (whose page there is not zero) would keep nothing for it either. */
 static int emit_base(struct md *m)
 {
     if (m->exp < 0)
@@ -505,28 +508,31 @@ static int emit_base(struct md *m)
         return fail(m, "the migration stream leaves shared RAM out");
     const struct blk *bk = &m->blocks[m->exp];
     uint8_t page[PAGE_SIZE_MD];
-    for (uint64_t off = 0; off < bk->used && off < m->base_size; off += PAGE_SIZE_MD) {
-        if (base_hole(m, off))
-            continue;
-        size_t have =
-            m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
-        const uint8_t *p = m->base + off;
-        if (memcmp(p, zero_page, have) == 0)
-            continue;
-        if (have < PAGE_SIZE_MD) { /* the base's last bytes; zeroes after them */
-            memcpy(page, p, have);
-            memset(page + have, 0, PAGE_SIZE_MD - have);
-            p = page;
+    for (uint64_t off = 0; off < bk->used; off += PAGE_SIZE_MD) {
+        const uint8_t *p = NULL;
+        if (off < m->base_size && !base_hole(m, off)) {
+            size_t have =
+                m->base_size - off < PAGE_SIZE_MD ? (size_t)(m->base_size - off) : PAGE_SIZE_MD;
+            p = m->base + off;
+            if (memcmp(p, zero_page, have) == 0) {
+                p = NULL;
+            } else if (have < PAGE_SIZE_MD) { /* the base's last bytes; zeroes after them */
+                memcpy(page, p, have);
+                memset(page + have, 0, PAGE_SIZE_MD - have);
+                p = page;
+            }
         }
         uint8_t hdr[9];
         bool cont = m->out_cur == m->exp;
-        put_be64(hdr, off | RAM_PAGE | (cont ? RAM_CONTINUE : 0));
+        put_be64(hdr, off | (p != NULL ? RAM_PAGE : RAM_ZERO) | (cont ? RAM_CONTINUE : 0));
         hdr[8] = bk->len;
+        static const uint8_t fill = 0;
         if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
-            out(m, p, PAGE_SIZE_MD) < 0)
+            out(m, p != NULL ? p : &fill, p != NULL ? PAGE_SIZE_MD : 1) < 0)
             return -1;
         m->out_cur = m->exp;
-        m->st->base_pages++;
+        if (p != NULL)
+            m->st->base_pages++;
     }
     return 0;
 }

@@ -54,11 +54,14 @@ int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char 
  * The inverse: reads a stream sp_migdelta_filter made against base_path (or any stream whose
  * RAM is to be loaded over that base) and writes one that loads into zeroed RAM the same as
  * the input loads over the base: the input byte for byte, except that right after the RAM
- * block list a PAGE record is written for every page of block `block` (below its used length)
- * where the base is not all zeroes (holes and bytes past the base's end are zeroes). The
- * input's own records follow and overwrite them on load, as they overwrite the base. Refuses
+ * block list a record is written for every page of block `block` (below its used length): a
+ * PAGE record with the base's bytes, or a ZERO record where they are all zeroes (holes and
+ * bytes past the base's end are zeroes), so that the result is complete, as QEMU's own
+ * streams are (it loads the same into RAM holding anything, and filters against any other
+ * base). The input's own records follow and overwrite them on load. Refuses
  * what sp_migdelta_filter refuses, a stream without that block, and one that leaves shared
- * RAM out (x-ignore-shared). Same contract otherwise (st->base_pages counts what was added).
+ * RAM out (x-ignore-shared). Same contract otherwise (st->base_pages counts the PAGE records
+ * added).
  */
 int sp_migdelta_expand(int in_fd, int out_fd, const char *base_path, const char *block,
                        sp_migdelta_stats_t *st, char *why, size_t why_len);

@@ -424,9 +424,7 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
     if (dir == NULL) {
         if (errno != ENOENT)
             return sp_err_set(err, SP_ERUNTIME, "cannot list the snapshots: %s", strerror(errno));
-        if (sp_qemu__shared_snap_list(d, prefix, fn, arg) < 0)
-            return sp_err_set(err, SP_ERUNTIME, "cannot list the shared snapshots: %s",
-                              strerror(errno));
+        sp_qemu__shared_snap_list(d, prefix, fn, arg);
         return 0;
     }
     size_t pl = strlen(prefix);
@@ -443,9 +441,7 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
             fn(de->d_name, (long long)st.st_mtime, arg);
     }
     closedir(dir);
-    if (sp_qemu__shared_snap_list(d, prefix, fn, arg) < 0)
-        return sp_err_set(err, SP_ERUNTIME, "cannot list the shared snapshots: %s",
-                          strerror(errno));
+    sp_qemu__shared_snap_list(d, prefix, fn, arg);
     return 0;
 }
 

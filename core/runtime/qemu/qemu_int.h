@@ -87,6 +87,7 @@
 
 typedef struct sp_qemu sp_qemu_t;
 struct refs;
+struct shared_ls;
 struct xfer;
 
 /* A caller waiting for a boot, suspend or destroy to finish (sp_qemu__complete_all). */
@@ -392,6 +393,7 @@ struct sp_qemu {
     struct ramfd *ramfds;       /* template RAM files as sealed memfds, made or being made */
     /* the shared snapshot dir (shared.c) */
     char shared_dir[PATH_MAX]; /* absolute; "" when there is none (opts.snapshot_dir) */
+    struct shared_ls *snap_ls; /* its sandbox snapshots as last listed (shared.c) */
     struct xfer *fetches;      /* snapshots being copied in from it (a wake, a boot from a
                                 * sandbox snapshot) or out to it (a sandbox snapshot) */
 };
@@ -556,10 +558,11 @@ void sp_qemu__shared_snap_put(sp_qemu_t *d, const char *sid, const struct vm *vm
 void sp_qemu__shared_refs(const sp_qemu_t *d, struct refs *r);
 /* The shared copy of sid goes (off the loop). */
 void sp_qemu__shared_snap_forget(sp_qemu_t *d, const char *sid);
-/* fn for each committed shared copy whose id starts with prefix; 0, or -1 with errno. */
-int sp_qemu__shared_snap_list(const sp_qemu_t *d, const char *prefix,
-                              void (*fn)(const char *sid, long long committed_s, void *arg),
-                              void *arg);
+/* fn for each committed shared copy whose id starts with prefix, as the last listing of the
+ * shared dir saw them (made off the loop; each call starts the next): one call old. */
+void sp_qemu__shared_snap_list(sp_qemu_t *d, const char *prefix,
+                               void (*fn)(const char *sid, long long committed_s, void *arg),
+                               void *arg);
 
 /* ---- sums.c: checksum and delta jobs ---- */
 

@@ -728,6 +728,116 @@ static struct xfer *xfer_new(sp_qemu_t *d, const char *id, bool fetch, bool snap
     return x;
 }
 
+/* ---------- listing the shared sandbox snapshots ---------- */
+
+/* The shared dir's snapshots/ as a job last listed it: names (committed copies, and the
+ * .tmp-* ones being written or left by a dead worker) with their manifests' mtimes. A listing
+ * reads the shared file system (NFS, say), so it runs off the loop; the loop uses the last
+ * one and starts the next (at most one in flight), so what it sees is one sweep old. */
+struct lsent {
+    char name[SP_QEMU_ID_MAX + 32];
+    long long mtime; /* the manifest's; -1: not committed */
+};
+struct shared_ls {
+    sp_qemu_t *d; /* NULL once the driver let go: the job's done frees it */
+    sp_work_t *work;
+    char dir[PATH_MAX + 32];
+    struct lsent *cur, *next; /* the last listing (loop's), the one being made (job's) */
+    size_t ncur, nnext;
+    bool next_ok;
+};
+
+static void ls_run(sp_work_t *w, void *arg)
+{
+    (void)w;
+    struct shared_ls *l = arg;
+    l->next = NULL;
+    l->nnext = 0;
+    l->next_ok = false;
+    DIR *dh = opendir(l->dir);
+    if (dh == NULL) {
+        l->next_ok = errno == ENOENT;
+        return;
+    }
+    size_t cap = 0;
+    struct dirent *de;
+    l->next_ok = true;
+    while ((de = readdir(dh)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0 ||
+            strlen(de->d_name) >= sizeof l->next[0].name)
+            continue;
+        if (l->nnext == cap) {
+            size_t nc = cap ? 2 * cap : 32;
+            struct lsent *v = realloc(l->next, nc * sizeof *v);
+            if (v == NULL) {
+                l->next_ok = false;
+                break;
+            }
+            l->next = v;
+            cap = nc;
+        }
+        struct lsent *e = &l->next[l->nnext++];
+        sp_qemu__sfmt(e->name, sizeof e->name, "%s", de->d_name);
+        char p[PATH_MAX + 400];
+        struct stat st;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/snapshot/manifest.json", l->dir, de->d_name);
+        e->mtime = de->d_name[0] != '.' && stat(p, &st) == 0 ? (long long)st.st_mtime : -1;
+    }
+    closedir(dh);
+}
+
+static void ls_done(void *arg, bool cancelled)
+{
+    (void)cancelled;
+    struct shared_ls *l = arg;
+    l->work = NULL;
+    if (l->d == NULL || !l->next_ok) {
+        free(l->next);
+        l->next = NULL;
+        if (l->d == NULL) {
+            free(l->cur);
+            free(l);
+        }
+        return;
+    }
+    free(l->cur);
+    l->cur = l->next;
+    l->ncur = l->nnext;
+    l->next = NULL;
+}
+
+/* The last listing (NULL: none yet), and the next one started. */
+static const struct shared_ls *ls_get(sp_qemu_t *d)
+{
+    if (d->shared_dir[0] == '\0')
+        return NULL;
+    if (d->snap_ls == NULL) {
+        if ((d->snap_ls = calloc(1, sizeof *d->snap_ls)) == NULL)
+            return NULL;
+        d->snap_ls->d = d;
+        sp_qemu__sfmt(d->snap_ls->dir, sizeof d->snap_ls->dir, "%s/snapshots", d->shared_dir);
+    }
+    struct shared_ls *l = d->snap_ls;
+    if (l->work == NULL)
+        l->work = sp_loop_work(d->base.loop, SP_WORK_LONG, ls_run, ls_done, l);
+    return l;
+}
+
+static void ls_free(sp_qemu_t *d)
+{
+    struct shared_ls *l = d->snap_ls;
+    d->snap_ls = NULL;
+    if (l == NULL)
+        return;
+    if (l->work != NULL) {
+        l->d = NULL; /* ls_done frees it */
+        sp_work_cancel(l->work);
+        return;
+    }
+    free(l->cur);
+    free(l);
+}
+
 /* ---------- the calls ---------- */
 
 int sp_qemu__shared_init(sp_qemu_t *d, const char *dir, sp_err_t *err)
@@ -753,6 +863,7 @@ int sp_qemu__shared_init(sp_qemu_t *d, const char *dir, sp_err_t *err)
 
 void sp_qemu__shared_free(sp_qemu_t *d)
 {
+    ls_free(d);
     while (d->fetches != NULL) {
         struct xfer *x = d->fetches;
         d->fetches = x->next;
@@ -1043,22 +1154,17 @@ void sp_qemu__shared_snap_forget(sp_qemu_t *d, const char *sid)
     struct stat st;
     if (!snap_path(d, sid, p, sizeof p))
         return;
-    /* a copy a dead worker was writing (the take failed at its next start, or is deleted) */
+    /* a copy a dead worker was writing (the take failed at its next start, or is deleted),
+     * as the last listing saw them */
     sp_qemu__sfmt(tmp, sizeof tmp, ".tmp-%s-", sid);
-    char *slash = strrchr(p, '/');
-    *slash = '\0';
-    DIR *dh = opendir(p);
-    struct dirent *de;
-    while (dh != NULL && (de = readdir(dh)) != NULL) {
+    const struct shared_ls *l = ls_get(d);
+    for (size_t i = 0; l != NULL && i < l->ncur && snap_find(d, sid, false) == NULL; i++) {
         char q[PATH_MAX + 400];
-        if (strncmp(de->d_name, tmp, strlen(tmp)) != 0 || snap_find(d, sid, false) != NULL)
+        if (strncmp(l->cur[i].name, tmp, strlen(tmp)) != 0)
             continue;
-        sp_qemu__sfmt(q, sizeof q, "%s/%s", p, de->d_name);
+        sp_qemu__sfmt(q, sizeof q, "%s/snapshots/%s", d->shared_dir, l->cur[i].name);
         sp_qemu__discard(d, q);
     }
-    if (dh != NULL)
-        closedir(dh);
-    *slash = '/';
     if (lstat(p, &st) < 0)
         return;
     sp_log(SP_LOG_INFO, "qemu",
@@ -1069,30 +1175,15 @@ void sp_qemu__shared_snap_forget(sp_qemu_t *d, const char *sid)
     fsync_dir_of(p);
 }
 
-int sp_qemu__shared_snap_list(const sp_qemu_t *d, const char *prefix,
-                              void (*fn)(const char *sid, long long committed_s, void *arg),
-                              void *arg)
+void sp_qemu__shared_snap_list(sp_qemu_t *d, const char *prefix,
+                               void (*fn)(const char *sid, long long committed_s, void *arg),
+                               void *arg)
 {
-    if (d->shared_dir[0] == '\0')
-        return 0;
-    char dir[PATH_MAX + 32];
-    sp_qemu__sfmt(dir, sizeof dir, "%s/snapshots", d->shared_dir);
-    DIR *dh = opendir(dir);
-    if (dh == NULL)
-        return errno == ENOENT ? 0 : -1;
+    const struct shared_ls *l = ls_get(d);
     size_t pl = strlen(prefix);
-    struct dirent *de;
-    while ((de = readdir(dh)) != NULL) {
-        char p[PATH_MAX + 300];
-        struct stat st;
-        if (de->d_name[0] == '.' || strncmp(de->d_name, prefix, pl) != 0)
-            continue;
-        sp_qemu__sfmt(p, sizeof p, "%s/%s/snapshot/manifest.json", dir, de->d_name);
-        if (stat(p, &st) == 0)
-            fn(de->d_name, (long long)st.st_mtime, arg);
-    }
-    closedir(dh);
-    return 0;
+    for (size_t i = 0; l != NULL && i < l->ncur; i++)
+        if (l->cur[i].mtime >= 0 && strncmp(l->cur[i].name, prefix, pl) == 0)
+            fn(l->cur[i].name, l->cur[i].mtime, arg);
 }
 
 /* ---------- template images ---------- */

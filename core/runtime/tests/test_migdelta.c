@@ -648,8 +648,9 @@ static void test_migdelta_expand_restores_whole(void)
     CHECK(nonzero > 0 && xs.base_pages == nonzero);
     CHECK(xs.bytes_in == delta.len && xs.bytes_out == full.len);
 
+    /* complete: it loads the same into RAM holding anything (every page has a record) */
     static uint8_t mem[NMEM * PG], rom[NROM * PG];
-    memset(mem, 0, sizeof mem);
+    memset(mem, 0xee, sizeof mem);
     memset(rom, 0, sizeof rom);
     struct img imgs[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
     struct dec d = {.imgs = imgs, .nimg = 2, .strict = true};
@@ -659,6 +660,21 @@ static void test_migdelta_expand_restores_whole(void)
     CHECK(memcmp(mem, m.src, sizeof mem) == 0);
     CHECK(memcmp(rom, m.rom, 3 * PG) == 0 && page_zero(rom + 3 * PG));
     CHECK(imgs[0].pages == nonzero + st.pages_kept);
+    CHECK(imgs[0].zeros == NMEM - nonzero + st.zero_kept);
+
+    /* filtered again against another base (another worker's template RAM, with data where
+     * this one has none): that delta over that base is the source's RAM too */
+    static uint8_t other[NMEM * PG];
+    for (unsigned i = 0; i < NMEM; i++)
+        fill_page(other + (size_t)i * PG, 7000 + i);
+    write_file("other.ram", other, sizeof other);
+    struct buf again = {0};
+    CHECK(run_filter(full.p, full.len, "other.ram", "mem", &again, &xs, why, sizeof why) == 0);
+    memcpy(mem, other, sizeof mem);
+    struct img io[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
+    struct dec dq = {.imgs = io, .nimg = 2, .strict = true};
+    CHECK(decode(&dq, again.p, again.len) == 0 && memcmp(mem, m.src, sizeof mem) == 0);
+    free(again.p);
 
     /* the delta's tail (device state on) is the full stream's, byte for byte */
     struct img none[] = {{"-", NULL, 0, 0, 0}};
@@ -1724,6 +1740,30 @@ static void test_migdelta_qemu_round_trip(void)
     vm_stop(&whole);
     free(back);
     free(pm_whole);
+
+    /* and that whole stream filtered against another base B2 (another worker's template RAM)
+     * loads over B2 as S */
+    uint8_t *B2 = calloc(1, ram);
+    for (unsigned i = 0; i < NPAGES; i++)
+        if (i % 5 == 1)
+            fill_page(B2 + (size_t)i * PG, 900000 + i);
+    write_file("B2.ram", B2, ram);
+    free(B2);
+    char b2path[256], dp2[256];
+    path_in(b2path, sizeof b2path, "B2.ram");
+    path_in(dp2, sizeof dp2, "other-delta.bin");
+    efd = open(ep, O_RDONLY);
+    xfd = open(dp2, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    rc = sp_migdelta_filter(efd, xfd, b2path, "mem", &xs, why, sizeof why);
+    close(efd);
+    close(xfd);
+    CHECK(rc == 0);
+    struct vm other = {.pid = -1, .qmp = -1};
+    CHECK(load_into(&other, "other", b2path, "other-delta.bin") == 0);
+    back = ram_by_migration(&other);
+    CHECK(back != NULL && memcmp(back, S, ram) == 0);
+    vm_stop(&other);
+    free(back);
 
     /* B was mapped share=off: untouched */
     size_t nb;
