@@ -94,8 +94,7 @@ struct fork {
 #define FORK_DOWNTIME_MS 30
 #define FORK_LIVE_MAX_MS 3000u
 
-/* A snapshot id: what a sandbox id may be, without dots (they name our temporary dirs). */
-static bool valid_sid(const char *sid)
+bool sp_qemu__fork_valid_sid(const char *sid)
 {
     return sp_qemu__valid_id(sid) && strchr(sid, '.') == NULL;
 }
@@ -314,7 +313,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
                           unsigned flags, sp_driver_cb cb, void *arg, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (!valid_sid(snapshot_id))
+    if (!sp_qemu__fork_valid_sid(snapshot_id))
         return sp_err_set(err, SP_EINVAL, "invalid snapshot id");
     if (d->no_adopt)
         return sp_err_set(err, SP_ECONFLICT, "this driver only builds template snapshots");
@@ -345,7 +344,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     struct stat st;
     char sdir[PATH_MAX + 16];
     sp_qemu__sfmt(sdir, sizeof sdir, "%s/snapshot", f->tmp);
-    if (lstat(f->dest, &st) == 0 || sp_qemu__shared_snap_committed(d, snapshot_id)) {
+    if (lstat(f->dest, &st) == 0 || sp_qemu__shared_snap_committed(d, snapshot_id, NULL, 0)) {
         free(f);
         return sp_err_set(err, SP_ECONFLICT, "snapshot %s exists", snapshot_id);
     }
@@ -386,7 +385,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
 /* The committed snapshot's directory, or false with err set (not found, deleted). */
 static bool snap_dir(sp_qemu_t *d, const char *sid, char *out, size_t n, sp_err_t *err)
 {
-    if (!valid_sid(sid)) {
+    if (!sp_qemu__fork_valid_sid(sid)) {
         sp_err_set(err, SP_EINVAL, "invalid snapshot id");
         return false;
     }
@@ -411,7 +410,7 @@ int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id)
 
 int sp_qemu__q_checkpoint_shared(sp_driver_t *base, const char *snapshot_id)
 {
-    return sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id) ? 1 : 0;
+    return sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id, NULL, 0) ? 1 : 0;
 }
 
 int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
@@ -448,7 +447,7 @@ int sp_qemu__q_checkpoint_list(sp_driver_t *base, const char *prefix,
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err)
 {
     sp_qemu_t *d = (sp_qemu_t *)base;
-    if (!valid_sid(snapshot_id))
+    if (!sp_qemu__fork_valid_sid(snapshot_id))
         return sp_err_set(err, SP_EINVAL, "invalid snapshot id");
     char dir[PATH_MAX], p[PATH_MAX + 16];
     struct stat st;
@@ -499,9 +498,7 @@ uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id)
         return 0;
     uint64_t n = dir_bytes(dir, 1); /* disk.qcow2, vm.json, snapshot/{devstate,manifest.json} */
     char shared[PATH_MAX + 96];
-    if (sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id) &&
-        sp_qemu__sfmt(shared, sizeof shared, "%s/snapshots/%s", ((sp_qemu_t *)base)->shared_dir,
-                      snapshot_id) > 0)
+    if (sp_qemu__shared_snap_committed((sp_qemu_t *)base, snapshot_id, shared, sizeof shared))
         n += dir_bytes(shared, 1); /* and its copy for every worker */
     return n;
 }
@@ -610,25 +607,10 @@ int sp_qemu__fork_boot(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, 
         /* not here at all (not even deleted): in the shared dir, it is copied in first */
         if (err->code == SP_ENOTFOUND && lstat(sdir, &st) < 0 && errno == ENOENT &&
             (sp_qemu__shared_snap_fetching(d, spec->snapshot_id) ||
-             sp_qemu__shared_snap_committed(d, spec->snapshot_id)))
+             sp_qemu__shared_snap_committed(d, spec->snapshot_id, NULL, 0)))
             return sp_qemu__shared_snap_fetch(d, spec, cb, arg, err);
         return -1;
     }
-    /* its device state restores only under the accelerator it was taken with */
-    char man[PATH_MAX + 40];
-    sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", sdir);
-    json_t *m = json_load_file(man, 0, NULL);
-    const char *accel = json_string_value(json_object_get(m, "accel"));
-    const char *here = d->accel == 1 ? "kvm" : "tcg";
-    if (accel != NULL && strcmp(accel, here) != 0) {
-        sp_err_set(err, SP_ECONFLICT,
-                   "snapshot %s was taken under %s and this worker runs %s: it cannot be "
-                   "booted here",
-                   spec->snapshot_id, accel, here);
-        json_decref(m);
-        return -1;
-    }
-    json_decref(m);
     char vdir[PATH_MAX];
     sp_qemu__sfmt(vdir, sizeof vdir, "%s/%s", d->vms_dir, spec->sandbox_id);
     const char *step;
@@ -714,7 +696,7 @@ void sp_qemu__snaps_refs(sp_qemu_t *d, struct refs *r)
             continue;
         char p[PATH_MAX + 80];
         sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->snaps_dir, de->d_name);
-        sp_qemu__refs_chain(r, p);
+        sp_qemu__refs_chain(r, p, NULL);
         sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->snaps_dir, de->d_name);
         json_t *o = json_load_file(p, 0, NULL);
         const char *src = json_string_value(json_object_get(o, "ram_src"));
@@ -742,20 +724,10 @@ static bool users(sp_qemu_t *d, struct refs *r)
                 continue;
             char p[PATH_MAX + 80], own[PATH_MAX + 40];
             sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", dirs[i], de->d_name);
-            if (i == 0) {
-                sp_qemu__refs_chain(r, p);
-                continue;
-            }
+            sp_qemu__sfmt(own, sizeof own, "%s/%s", dirs[i], de->d_name);
             /* a snapshot copied in from the shared dir backs onto layers of its own: those
              * do not keep it */
-            struct refs mine = {0};
-            sp_qemu__refs_chain(&mine, p);
-            sp_qemu__sfmt(own, sizeof own, "%s/%s", dirs[i], de->d_name);
-            for (size_t k = 0; k < mine.n; k++)
-                if (!sp_qemu__path_under(mine.v[k], own))
-                    sp_qemu__refs_add(r, mine.v[k]);
-            r->oom = r->oom || mine.oom;
-            sp_qemu__refs_free(&mine);
+            sp_qemu__refs_chain(r, p, i == 1 ? own : NULL);
         }
         closedir(dir);
     }

@@ -471,6 +471,8 @@ void sp_qemu__export_abort(struct vm *vm);
 int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapshot_id,
                           unsigned flags, sp_driver_cb cb, void *arg, sp_err_t *err);
 int sp_qemu__q_checkpoint_shared(sp_driver_t *base, const char *snapshot_id);
+/* A sandbox snapshot id: what a sandbox id may be, without dots (they name temporary dirs). */
+bool sp_qemu__fork_valid_sid(const char *sid);
 int sp_qemu__q_checkpoint_delete(sp_driver_t *base, const char *snapshot_id, sp_err_t *err);
 int sp_qemu__q_checkpoint_exists(sp_driver_t *base, const char *snapshot_id);
 uint64_t sp_qemu__q_checkpoint_bytes(sp_driver_t *base, const char *snapshot_id);
@@ -543,8 +545,9 @@ int sp_qemu__shared_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb c
 bool sp_qemu__shared_fetching(const sp_qemu_t *d, const char *id);
 void sp_qemu__shared_forget(sp_qemu_t *d, const char *id);
 uint64_t sp_qemu__shared_bytes(const sp_qemu_t *d, const char *id);
-/* Sandbox snapshots for every worker (driver.h: SP_CKPT_SHARED), in <shared>/snapshots/. */
-bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid);
+/* Sandbox snapshots for every worker (driver.h: SP_CKPT_SHARED), in <shared>/snapshots/:
+ * whether sid's copy there is committed, its directory into out[n] (out may be NULL). */
+bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid, char *out, size_t n);
 /* A boot from sandbox snapshot spec->snapshot_id, not held here: copied in, then booted
  * (the driver's boot again); cb answered either way. */
 int sp_qemu__shared_snap_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
@@ -583,7 +586,7 @@ struct refs {
 void sp_qemu__refs_add(struct refs *r, const char *s);
 bool sp_qemu__refs_has(const struct refs *r, const char *dir);
 void sp_qemu__refs_free(struct refs *r);
-void sp_qemu__refs_chain(struct refs *r, const char *disk);
+void sp_qemu__refs_chain(struct refs *r, const char *disk, const char *skip);
 
 /* FNV-1a of s into h, then a separator (("ab","c") and ("a","bc") differ); start from
  * SP_QEMU_FNV_BASIS. For keys that only name things in this process or its data dir. */

@@ -264,6 +264,45 @@ static int publish_vm_json(struct xfer *x)
     return rc < 0 ? fail(x, "cannot write", p) : 0;
 }
 
+typedef int (*recode_fn)(int, int, const char *, const char *, sp_migdelta_stats_t *, char *,
+                         size_t);
+
+/* Writes to the new file out what fn (sp_migdelta_filter or sp_migdelta_expand) makes of the
+ * device state in against base_dir's RAM file, durable, and sets man's ram ("delta" over
+ * base_dir, else "stream") and the device state's size and checksum to out's. 0, or -1 with
+ * why (man untouched). Runs on a worker thread. */
+static int recode_devstate(recode_fn fn, const char *in, const char *out, const char *base_dir,
+                           json_t *man, sp_migdelta_stats_t *st, char *why, size_t why_len)
+{
+    char ram[PATH_MAX + 16], hex[65];
+    sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", base_dir);
+    int ifd = open(in, O_RDONLY | O_CLOEXEC);
+    int ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    uint64_t size = 0;
+    int rc = ifd < 0 || ofd < 0 ? -1 : fn(ifd, ofd, ram, "mem", st, why, why_len);
+    if (ifd < 0 || ofd < 0)
+        sp_qemu__sfmt(why, why_len, "cannot open %s: %s", ifd < 0 ? in : out, strerror(errno));
+    else if (rc == 0 && (fsync(ofd) < 0 || sp_qemu__sum_file(out, &size, hex) < 0)) {
+        sp_qemu__sfmt(why, why_len, "cannot write %s: %s", out, strerror(errno));
+        rc = -1;
+    }
+    if (ifd >= 0)
+        close(ifd);
+    if (ofd >= 0)
+        close(ofd);
+    if (rc < 0)
+        return -1;
+    bool delta = fn == sp_migdelta_filter;
+    json_object_set_new(man, "ram", json_string(delta ? "delta" : "stream"));
+    if (delta)
+        json_object_set_new(man, "ram_base", json_string(base_dir));
+    else
+        json_object_del(man, "ram_base");
+    json_object_set_new(man, "devstate_bytes", json_integer((json_int_t)size));
+    json_object_set_new(man, "devstate_checksum", json_string(hex));
+    return 0;
+}
+
 /* A sandbox snapshot whose RAM is a delta over this worker's template snapshot (a clone's,
  * as on one node: its vCPUs stop only while the pages that differ are written): the shared
  * copy gets the whole RAM instead (sp_migdelta_expand over that template RAM), and man says
@@ -271,39 +310,20 @@ static int publish_vm_json(struct xfer *x)
 static int publish_whole_ram(struct xfer *x, json_t *man)
 {
     const char *base = json_string_value(json_object_get(man, "ram_base"));
-    char in[PATH_MAX + 64], out[PATH_MAX + 64], ram[PATH_MAX + 16], hex[65];
-    sp_qemu__sfmt(in, sizeof in, "%s/snapshot/devstate", x->src);
-    sp_qemu__sfmt(out, sizeof out, "%s/snapshot/devstate", x->tmp);
+    char in[PATH_MAX + 64], out[PATH_MAX + 64], base_dir[PATH_MAX], why[200];
     if (base == NULL) {
         errno = EINVAL;
         return fail(x, "no template RAM named in the manifest of", x->src);
     }
-    sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", base);
-    int ifd = open(in, O_RDONLY | O_CLOEXEC);
-    int ofd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    sp_qemu__sfmt(base_dir, sizeof base_dir, "%s", base); /* man's string goes with "ram_base" */
+    sp_qemu__sfmt(in, sizeof in, "%s/snapshot/devstate", x->src);
+    sp_qemu__sfmt(out, sizeof out, "%s/snapshot/devstate", x->tmp);
     sp_migdelta_stats_t st;
-    char why[160];
-    uint64_t size = 0;
-    int rc = ifd < 0 || ofd < 0 ? fail(x, "cannot open", ifd < 0 ? in : out) : 0;
-    if (rc == 0 && sp_migdelta_expand(ifd, ofd, ram, "mem", &st, why, sizeof why) < 0) {
+    if (recode_devstate(sp_migdelta_expand, in, out, base_dir, man, &st, why, sizeof why) < 0) {
         sp_qemu__sfmt(x->why, sizeof x->why, "cannot make its whole RAM: %s", why);
-        rc = -1;
-    }
-    if (rc == 0 && fsync(ofd) < 0)
-        rc = fail(x, "cannot write", out);
-    if (ifd >= 0)
-        close(ifd);
-    if (ofd >= 0)
-        close(ofd);
-    if (rc == 0 && sp_qemu__sum_file(out, &size, hex) < 0)
-        rc = fail(x, "cannot checksum", out);
-    if (rc < 0)
         return -1;
-    x->bytes += size;
-    json_object_set_new(man, "ram", json_string("stream"));
-    json_object_del(man, "ram_base");
-    json_object_set_new(man, "devstate_bytes", json_integer((json_int_t)size));
-    json_object_set_new(man, "devstate_checksum", json_string(hex));
+    }
+    x->bytes += st.bytes_out;
     return 0;
 }
 
@@ -438,57 +458,33 @@ static void localize(struct xfer *x, const char *dir)
     const char *kind = json_string_value(json_object_get(m, "ram"));
     long long mem = (long long)json_integer_value(json_object_get(m, "memory_mb"));
     struct stat st;
-    int in = -1, out = -1;
-    char hex[65];
-    uint64_t size = 0;
-    if (kind != NULL && strcmp(kind, "delta") == 0)
-        goto out; /* one already (the taker's, as taken) */
-    if (m == NULL || v == NULL || kind == NULL || strcmp(kind, "stream") != 0) {
+    if (kind != NULL && strcmp(kind, "delta") == 0) {
+        /* one already (the taker's, as taken) */
+    } else if (m == NULL || v == NULL || kind == NULL || strcmp(kind, "stream") != 0) {
         sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "not a whole-RAM snapshot");
-        goto out;
-    }
-    if (stat(ram, &st) < 0 || (long long)st.st_size != mem << 20) {
+    } else if (stat(ram, &st) < 0 || (long long)st.st_size != mem << 20) {
         sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "the template RAM is not of its size");
-        goto out;
+    } else if (recode_devstate(sp_migdelta_filter, dev, tmp, x->base, m, &x->lst, x->lwhy,
+                               sizeof x->lwhy) == 0) {
+        json_object_set_new(v, "ram_src", json_string(x->base));
+        char *mj = json_dumps(m, JSON_COMPACT), *vj = json_dumps(v, JSON_COMPACT);
+        /* vm.json first (ram_src means nothing to a whole-RAM snapshot); a crash between the
+         * two renames leaves a device state its manifest's checksum refuses, never a wrong
+         * one */
+        bool ok = mj != NULL && vj != NULL && sp_qemu__write_atomic(mtmp, mj, strlen(mj)) == 0 &&
+                  sp_qemu__write_atomic(vmj, vj, strlen(vj)) == 0 && rename(tmp, dev) == 0 &&
+                  rename(mtmp, man) == 0;
+        free(mj);
+        free(vj);
+        if (!ok)
+            sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot rewrite: %s", strerror(errno));
+        x->localized = ok;
+        if (ok) {
+            char sd[PATH_MAX + 16];
+            sp_qemu__sfmt(sd, sizeof sd, "%s/snapshot", dir);
+            sp_qemu__fsync_path(sd, O_RDONLY | O_DIRECTORY);
+        }
     }
-    in = open(dev, O_RDONLY | O_CLOEXEC);
-    out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (in < 0 || out < 0) {
-        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot open: %s", strerror(errno));
-        goto out;
-    }
-    if (sp_migdelta_filter(in, out, ram, "mem", &x->lst, x->lwhy, sizeof x->lwhy) < 0)
-        goto out;
-    if (fsync(out) < 0 || sp_qemu__sum_file(tmp, &size, hex) < 0) {
-        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot write: %s", strerror(errno));
-        goto out;
-    }
-    json_object_set_new(m, "ram", json_string("delta"));
-    json_object_set_new(m, "ram_base", json_string(x->base));
-    json_object_set_new(m, "devstate_bytes", json_integer((json_int_t)size));
-    json_object_set_new(m, "devstate_checksum", json_string(hex));
-    json_object_set_new(v, "ram_src", json_string(x->base));
-    char *mj = json_dumps(m, JSON_COMPACT), *vj = json_dumps(v, JSON_COMPACT);
-    /* vm.json first (ram_src means nothing to a whole-RAM snapshot); a crash between the two
-     * renames leaves a device state its manifest's checksum refuses, never a wrong one */
-    bool ok = mj != NULL && vj != NULL && sp_qemu__write_atomic(mtmp, mj, strlen(mj)) == 0 &&
-              sp_qemu__write_atomic(vmj, vj, strlen(vj)) == 0 && rename(tmp, dev) == 0 &&
-              rename(mtmp, man) == 0;
-    free(mj);
-    free(vj);
-    if (!ok)
-        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot rewrite: %s", strerror(errno));
-    x->localized = ok;
-    if (ok) {
-        char sd[PATH_MAX + 16];
-        sp_qemu__sfmt(sd, sizeof sd, "%s/snapshot", dir);
-        sp_qemu__fsync_path(sd, O_RDONLY | O_DIRECTORY);
-    }
-out:
-    if (in >= 0)
-        close(in);
-    if (out >= 0)
-        close(out);
     unlink(tmp);
     unlink(mtmp);
     json_decref(m);
@@ -725,6 +721,25 @@ static struct xfer *xfer_new(sp_qemu_t *d, const char *id, bool fetch, bool snap
                       (int)getpid());
         sp_qemu__sfmt(x->dst, sizeof x->dst, "%s/sandboxes/%s", d->shared_dir, id);
     }
+    return x;
+}
+
+/* A copy the driver owns (a wake's, or a sandbox snapshot's either way; base: see localize,
+ * NULL for a wake) started and put in d->fetches; NULL when out of memory. */
+static struct xfer *xfer_start(sp_qemu_t *d, const char *id, bool fetch, bool snap,
+                               const char *base)
+{
+    struct xfer *x = xfer_new(d, id, fetch, snap);
+    if (x != NULL)
+        sp_qemu__sfmt(x->base, sizeof x->base, "%s", base != NULL ? base : "");
+    if (x != NULL)
+        x->work = sp_loop_work(d->base.loop, SP_WORK_LONG, xfer_run, xfer_done, x);
+    if (x == NULL || x->work == NULL) {
+        free(x);
+        return NULL;
+    }
+    x->next = d->fetches;
+    d->fetches = x;
     return x;
 }
 
@@ -990,17 +1005,9 @@ int sp_qemu__shared_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb c
     if (r == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     struct xfer *x = fetch_find(d, spec->sandbox_id);
-    if (x == NULL) {
-        x = xfer_new(d, spec->sandbox_id, true, false);
-        if (x != NULL)
-            x->work = sp_loop_work(d->base.loop, SP_WORK_LONG, xfer_run, xfer_done, x);
-        if (x == NULL || x->work == NULL) {
-            free(x);
-            req_free(r);
-            return sp_err_set(err, SP_EINTERNAL, "out of memory");
-        }
-        x->next = d->fetches;
-        d->fetches = x;
+    if (x == NULL && (x = xfer_start(d, spec->sandbox_id, true, false, NULL)) == NULL) {
+        req_free(r);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
     r->next = x->reqs;
     x->reqs = r;
@@ -1032,14 +1039,18 @@ void sp_qemu__shared_forget(sp_qemu_t *d, const char *id)
 
 static bool snap_path(const sp_qemu_t *d, const char *sid, char *out, size_t n)
 {
-    return d->shared_dir[0] != '\0' && sp_qemu__valid_id(sid) && strchr(sid, '.') == NULL &&
+    return d->shared_dir[0] != '\0' && sp_qemu__fork_valid_sid(sid) &&
            sp_qemu__sfmt(out, n, "%s/snapshots/%s", d->shared_dir, sid) > 0;
 }
 
-bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid)
+bool sp_qemu__shared_snap_committed(const sp_qemu_t *d, const char *sid, char *out, size_t n)
 {
     char p[PATH_MAX + 96];
-    return snap_path(d, sid, p, sizeof p) && sp_qemu__snapshot_committed(p);
+    if (!snap_path(d, sid, p, sizeof p) || !sp_qemu__snapshot_committed(p))
+        return false;
+    if (out != NULL)
+        sp_qemu__sfmt(out, n, "%s", p);
+    return true;
 }
 
 static struct xfer *snap_find(const sp_qemu_t *d, const char *sid, bool fetch)
@@ -1080,22 +1091,6 @@ static void pick_base(const sp_qemu_t *d, const char *prefer, const char *tmpl, 
     }
 }
 
-static struct xfer *snap_start(sp_qemu_t *d, const char *sid, bool fetch, const char *base)
-{
-    struct xfer *x = xfer_new(d, sid, fetch, true);
-    if (x != NULL)
-        sp_qemu__sfmt(x->base, sizeof x->base, "%s", base != NULL ? base : "");
-    if (x != NULL)
-        x->work = sp_loop_work(d->base.loop, SP_WORK_LONG, xfer_run, xfer_done, x);
-    if (x == NULL || x->work == NULL) {
-        free(x);
-        return NULL;
-    }
-    x->next = d->fetches;
-    d->fetches = x;
-    return x;
-}
-
 int sp_qemu__shared_snap_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver_cb cb, void *arg,
                                sp_err_t *err)
 {
@@ -1108,7 +1103,7 @@ int sp_qemu__shared_snap_fetch(sp_qemu_t *d, const sp_vm_spec_t *spec, sp_driver
     char base[PATH_MAX];
     if (x == NULL)
         pick_base(d, NULL, spec->template_name, spec->memory_mb, base, sizeof base);
-    if (x == NULL && (x = snap_start(d, spec->snapshot_id, true, base)) == NULL) {
+    if (x == NULL && (x = xfer_start(d, spec->snapshot_id, true, true, base)) == NULL) {
         req_free(r);
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
@@ -1135,7 +1130,7 @@ void sp_qemu__shared_snap_put(sp_qemu_t *d, const char *sid, const struct vm *vm
 {
     char base[PATH_MAX];
     pick_base(d, vm->clone_src, vm->template_name, vm->memory_mb, base, sizeof base);
-    struct xfer *x = snap_start(d, sid, false, base);
+    struct xfer *x = xfer_start(d, sid, false, true, base);
     if (x == NULL) {
         sp_err_t e;
         sp_err_set(&e, SP_EINTERNAL, "out of memory");
@@ -1157,8 +1152,8 @@ void sp_qemu__shared_snap_forget(sp_qemu_t *d, const char *sid)
     /* a copy a dead worker was writing (the take failed at its next start, or is deleted),
      * as the last listing saw them */
     sp_qemu__sfmt(tmp, sizeof tmp, ".tmp-%s-", sid);
-    const struct shared_ls *l = ls_get(d);
-    for (size_t i = 0; l != NULL && i < l->ncur && snap_find(d, sid, false) == NULL; i++) {
+    const struct shared_ls *l = snap_find(d, sid, false) == NULL ? ls_get(d) : NULL;
+    for (size_t i = 0; l != NULL && i < l->ncur; i++) {
         char q[PATH_MAX + 400];
         if (strncmp(l->cur[i].name, tmp, strlen(tmp)) != 0)
             continue;

@@ -152,13 +152,15 @@ bool sp_qemu__refs_has(const struct refs *r, const char *dir)
     return false;
 }
 
-/* Every file in the backing chain below the qcow2 image disk (not disk itself). */
-void sp_qemu__refs_chain(struct refs *r, const char *disk)
+/* Every file in the backing chain below the qcow2 image disk (not disk itself), but those
+ * under skip (NULL: none): a snapshot's own layers do not hold it. */
+void sp_qemu__refs_chain(struct refs *r, const char *disk, const char *skip)
 {
     char cur[PATH_MAX], next[PATH_MAX];
     sp_qemu__sfmt(cur, sizeof cur, "%s", disk);
     for (int k = 0; k < 16 && sp_qemu__qcow2_backing(cur, next, sizeof next); k++) {
-        sp_qemu__refs_add(r, next);
+        if (skip == NULL || !sp_qemu__path_under(next, skip))
+            sp_qemu__refs_add(r, next);
         memcpy(cur, next, sizeof cur);
     }
 }
@@ -189,7 +191,7 @@ static bool tsnap_refs(sp_qemu_t *d, struct refs *r)
             continue; /* ., .., builders (their disk backs onto the template's base) */
         char p[PATH_MAX + 80];
         sp_qemu__sfmt(p, sizeof p, "%s/%s/disk.qcow2", d->vms_dir, de->d_name);
-        sp_qemu__refs_chain(r, p); /* a fork's backs onto a sandbox snapshot, then ours */
+        sp_qemu__refs_chain(r, p, NULL); /* a fork's backs onto a sandbox snapshot, then ours */
         sp_qemu__sfmt(p, sizeof p, "%s/%s/vm.json", d->vms_dir, de->d_name);
         json_t *o = json_load_file(p, 0, NULL);
         const char *src = json_string_value(json_object_get(o, "ram_src"));

@@ -562,6 +562,26 @@ static void model_stream(const struct model *m, struct gen *g, bool subs, bool i
     g_tail(g);
 }
 
+/* Replays s strictly onto the model's blocks: "mem" starting as init (NMEM pages), "rom" as
+ * rom_fill bytes, both described in imgs[2] (their record counts after); *tail (may be NULL)
+ * the offset where the device state starts. The decoder's status; its complaint printed. */
+static uint8_t r_mem[NMEM * PG], r_rom[NROM * PG];
+static int replay(const struct buf *s, const uint8_t *init, uint8_t rom_fill, struct img imgs[2],
+                  size_t *tail)
+{
+    memcpy(r_mem, init, sizeof r_mem);
+    memset(r_rom, rom_fill, sizeof r_rom);
+    imgs[0] = (struct img){"mem", r_mem, sizeof r_mem, 0, 0};
+    imgs[1] = (struct img){"rom", r_rom, sizeof r_rom, 0, 0};
+    struct dec d = {.imgs = imgs, .nimg = 2, .strict = true};
+    int rc = decode(&d, s->p, s->len);
+    if (d.err[0])
+        fprintf(stderr, "decode: %s\n", d.err);
+    if (tail != NULL)
+        *tail = d.tail_off;
+    return rc;
+}
+
 static void test_migdelta_filters_equal_pages(bool subs, bool ignore_shared)
 {
     static struct model m;
@@ -595,16 +615,11 @@ static void test_migdelta_filters_equal_pages(bool subs, bool ignore_shared)
     CHECK(st.bytes_in == g.b.len && st.bytes_out == out.len);
 
     /* replay the output onto the base: the result is the source's RAM */
-    static uint8_t mem[NMEM * PG], rom[NROM * PG];
-    memcpy(mem, m.base, sizeof mem);
-    memset(rom, 0xcc, sizeof rom);
-    struct img imgs[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
-    struct dec d = {.imgs = imgs, .nimg = 2, .strict = true};
-    CHECK(decode(&d, out.p, out.len) == 0);
-    if (d.err[0])
-        fprintf(stderr, "decode: %s\n", d.err);
-    CHECK(memcmp(mem, m.src, sizeof mem) == 0);
-    CHECK(memcmp(rom, m.rom, 3 * PG) == 0 && page_zero(rom + 3 * PG));
+    struct img imgs[2];
+    size_t tail = 0;
+    CHECK(replay(&out, m.base, 0xcc, imgs, &tail) == 0);
+    CHECK(memcmp(r_mem, m.src, sizeof r_mem) == 0);
+    CHECK(memcmp(r_rom, m.rom, 3 * PG) == 0 && page_zero(r_rom + 3 * PG));
     CHECK(imgs[0].pages == pages_kept && imgs[0].zeros == zero_kept);
     CHECK(imgs[1].pages == 3 && imgs[1].zeros == 1); /* rom untouched by the filter */
 
@@ -612,15 +627,15 @@ static void test_migdelta_filters_equal_pages(bool subs, bool ignore_shared)
     struct img none[] = {{"-", NULL, 0, 0, 0}};
     struct dec din = {.imgs = none, .nimg = 0};
     CHECK(decode(&din, g.b.p, g.b.len) == 0);
-    CHECK(g.b.len - din.tail_off == out.len - d.tail_off);
-    CHECK(memcmp(g.b.p + din.tail_off, out.p + d.tail_off, out.len - d.tail_off) == 0);
+    CHECK(g.b.len - din.tail_off == out.len - tail);
+    CHECK(memcmp(g.b.p + din.tail_off, out.p + tail, out.len - tail) == 0);
     size_t hdr = 13 + 7;
     CHECK(memcmp(g.b.p, out.p, hdr) == 0);
 
     /* the unfiltered stream replays to the same RAM (the decoder itself is sound) */
-    memcpy(mem, m.base, sizeof mem);
+    memcpy(r_mem, m.base, sizeof r_mem);
     struct dec du = {.imgs = imgs, .nimg = 2};
-    CHECK(decode(&du, g.b.p, g.b.len) == 0 && memcmp(mem, m.src, sizeof mem) == 0);
+    CHECK(decode(&du, g.b.p, g.b.len) == 0 && memcmp(r_mem, m.src, sizeof r_mem) == 0);
     free(out.p);
     free(g.b.p);
 }
@@ -649,39 +664,32 @@ static void test_migdelta_expand_restores_whole(void)
     CHECK(xs.bytes_in == delta.len && xs.bytes_out == full.len);
 
     /* complete: it loads the same into RAM holding anything (every page has a record) */
-    static uint8_t mem[NMEM * PG], rom[NROM * PG];
-    memset(mem, 0xee, sizeof mem);
-    memset(rom, 0, sizeof rom);
-    struct img imgs[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
-    struct dec d = {.imgs = imgs, .nimg = 2, .strict = true};
-    CHECK(decode(&d, full.p, full.len) == 0);
-    if (d.err[0])
-        fprintf(stderr, "decode: %s\n", d.err);
-    CHECK(memcmp(mem, m.src, sizeof mem) == 0);
-    CHECK(memcmp(rom, m.rom, 3 * PG) == 0 && page_zero(rom + 3 * PG));
+    static uint8_t junk[NMEM * PG], other[NMEM * PG];
+    memset(junk, 0xee, sizeof junk);
+    struct img imgs[2];
+    size_t tail = 0;
+    CHECK(replay(&full, junk, 0, imgs, &tail) == 0);
+    CHECK(memcmp(r_mem, m.src, sizeof r_mem) == 0);
+    CHECK(memcmp(r_rom, m.rom, 3 * PG) == 0 && page_zero(r_rom + 3 * PG));
     CHECK(imgs[0].pages == nonzero + st.pages_kept);
     CHECK(imgs[0].zeros == NMEM - nonzero + st.zero_kept);
 
     /* filtered again against another base (another worker's template RAM, with data where
      * this one has none): that delta over that base is the source's RAM too */
-    static uint8_t other[NMEM * PG];
     for (unsigned i = 0; i < NMEM; i++)
         fill_page(other + (size_t)i * PG, 7000 + i);
     write_file("other.ram", other, sizeof other);
     struct buf again = {0};
     CHECK(run_filter(full.p, full.len, "other.ram", "mem", &again, &xs, why, sizeof why) == 0);
-    memcpy(mem, other, sizeof mem);
-    struct img io[] = {{"mem", mem, sizeof mem, 0, 0}, {"rom", rom, sizeof rom, 0, 0}};
-    struct dec dq = {.imgs = io, .nimg = 2, .strict = true};
-    CHECK(decode(&dq, again.p, again.len) == 0 && memcmp(mem, m.src, sizeof mem) == 0);
+    CHECK(replay(&again, other, 0, imgs, NULL) == 0 && memcmp(r_mem, m.src, sizeof r_mem) == 0);
     free(again.p);
 
     /* the delta's tail (device state on) is the full stream's, byte for byte */
     struct img none[] = {{"-", NULL, 0, 0, 0}};
     struct dec dd = {.imgs = none, .nimg = 0};
     CHECK(decode(&dd, delta.p, delta.len) == 0);
-    CHECK(full.len - d.tail_off == delta.len - dd.tail_off);
-    CHECK(memcmp(full.p + d.tail_off, delta.p + dd.tail_off, full.len - d.tail_off) == 0);
+    CHECK(full.len - tail == delta.len - dd.tail_off);
+    CHECK(memcmp(full.p + tail, delta.p + dd.tail_off, full.len - tail) == 0);
 
     /* refused: a block the stream does not have; a stream that leaves shared RAM out */
     CHECK(run_expand(delta.p, delta.len, "base.ram", "nope", &full, &xs, why, sizeof why) < 0);
