@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "core/control/recon.h"
+#include "core/control/tmpl.h"
 
 #define FLEET_DRAIN_BATCH "8" /* sandboxes moved per heartbeat of a draining worker */
 
@@ -548,7 +549,7 @@ static const char *sweep_sql =
     " b AS (UPDATE template_builds x SET status = 'failed', finished_at = now(),"
     "   error = 'the worker running the build (' || w.id || ') was lost at ' || w.t"
     "  FROM w WHERE x.worker_id = w.id AND x.status IN ('queued', 'building')"
-    "  RETURNING x.template),"
+    "  RETURNING x.template, pg_notify('" SP_TMPL_NOTIFY "', x.id)),"
     " bt AS (UPDATE templates m SET status = 'failed' FROM b"
     "  WHERE m.name = b.template AND m.status = 'building' RETURNING 1),"
     " d AS (UPDATE sandboxes x SET observed_state = 'deleted', updated_at = now()"

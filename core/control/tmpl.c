@@ -149,9 +149,18 @@ static int read_build(sp_tmpl_t *t, const char *team, const char *name, const ch
 
 /* ---- waiters (?wait=) ---- */
 
+/* A build this node runs answers its waiters when it ends (tmplrun.c). One another node runs
+ * (its worker, when the route to builders changed or a client asks a worker directly; an API
+ * node runs none) is waited on here by NOTIFY SP_TMPL_NOTIFY, which every statement that ends a
+ * build sends with its id: a remote waiter reads the record when it starts, after each such
+ * NOTIFY for its build, and after a listener reconnect (one may have been missed), and
+ * answers once the record says the build ended or its time ran out. It is linked before its
+ * first read, so a NOTIFY racing that read is not missed. */
+
 static void waiter_unlink(struct waiter *w)
 {
-    for (struct waiter **pp = &w->b->waiters; *pp != NULL; pp = &(*pp)->next)
+    for (struct waiter **pp = w->remote ? &w->t->remote : &w->b->waiters; *pp != NULL;
+         pp = &(*pp)->next)
         if (*pp == w) {
             *pp = w->next;
             break;
@@ -162,6 +171,10 @@ static void on_waiter_timer(sp_timer_t *tm, void *arg)
 {
     (void)tm;
     struct waiter *w = arg;
+    if (w->checking) { /* its read answers */
+        w->expired = true;
+        return;
+    }
     waiter_unlink(w);
     sp_tmpl__waiter_answer(w);
 }
@@ -174,6 +187,77 @@ void sp_tmpl__waiter_answer(struct waiter *w)
     if (read_build(w->t, w->auth.team_id, w->name, w->id, w->cb, w->arg, &e) < 0)
         w->cb(w->arg, NULL, &e);
     free(w);
+}
+
+static bool build_ended(const char *status)
+{
+    return strcmp(status, "succeeded") == 0 || strcmp(status, "failed") == 0;
+}
+
+static int remote_check(struct waiter *w, sp_err_t *err);
+
+/* Unlinks remote waiter w and answers it with res's row or why; frees w. */
+static void remote_answer(struct waiter *w, PGresult *res, const sp_err_t *why)
+{
+    waiter_unlink(w);
+    sp_timer_stop(&w->timer);
+    if (why != NULL) {
+        w->cb(w->arg, NULL, why);
+    } else {
+        sp_tmpl_build_rec_t b;
+        parse_build(res, 0, &b);
+        w->cb(w->arg, &b, NULL);
+    }
+    free(w);
+}
+
+/* A remote waiter's read: answers with the record once the build ended (or there is no such
+ * build, or no answer), or its time ran out; else waits on, reading again if a NOTIFY came
+ * during the read. */
+static void on_remote_check(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct waiter *w = *(struct waiter **)rec;
+    w->checking = false;
+    sp_err_t e;
+    const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
+    bool wait_on = why == NULL && !build_ended(PQgetvalue(res, 0, 2)) && !w->expired;
+    if (wait_on && (!w->recheck || remote_check(w, &e) == 0))
+        return;
+    remote_answer(w, res, wait_on ? &e : why); /* wait_on: the read again was not sent */
+}
+
+static int remote_check(struct waiter *w, sp_err_t *err)
+{
+    const char *p[] = {w->id, w->auth.team_id, w->name};
+    void *rec = sp_store_call(w->t->store,
+                              "SELECT " BUILD_COLS " FROM template_builds b"
+                              " WHERE b.id = $1 AND b.team_id = $2 AND b.template = $3",
+                              3, p, sizeof(struct waiter *), on_remote_check, err);
+    if (rec == NULL)
+        return -1;
+    *(struct waiter **)rec = w;
+    w->checking = true;
+    w->recheck = false;
+    return 0;
+}
+
+/* NOTIFY SP_TMPL_NOTIFY (payload: a build's id; NULL after a listener reconnect: any). */
+static void on_builds_notify(void *arg, const char *channel, const char *payload)
+{
+    (void)channel;
+    sp_tmpl_t *t = arg;
+    struct waiter *w = t->remote;
+    while (w != NULL) {
+        struct waiter *next = w->next;
+        sp_err_t e;
+        if (payload == NULL || strcmp(payload, w->id) == 0) {
+            if (w->checking)
+                w->recheck = true;
+            else if (remote_check(w, &e) < 0)
+                remote_answer(w, NULL, &e);
+        }
+        w = next;
+    }
 }
 
 /* ---- paths ---- */
@@ -637,22 +721,29 @@ int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const 
         if (strcmp(o->id, id) == 0 && strcmp(o->team, a->team_id) == 0 &&
             strcmp(o->name, name) == 0)
             b = o;
-    if (wait_ms == 0 || b == NULL)
+    if (wait_ms == 0)
         return read_build(t, a->team_id, name, id, cb, arg, err);
     struct waiter *w = calloc(1, sizeof(*w));
     if (w == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     w->t = t;
     w->b = b;
+    w->remote = b == NULL;
     w->auth = *a;
     sp_tmpl__copy(w->name, sizeof w->name, name);
     sp_tmpl__copy(w->id, sizeof w->id, id);
     w->cb = cb;
     w->arg = arg;
     sp_timer_init(&w->timer, t->loop, on_waiter_timer, w);
+    struct waiter **head = w->remote ? &t->remote : &b->waiters;
+    w->next = *head;
+    *head = w;
+    if (w->remote && remote_check(w, err) < 0) {
+        waiter_unlink(w);
+        free(w);
+        return -1;
+    }
     sp_timer_start(&w->timer, wait_ms);
-    w->next = b->waiters;
-    b->waiters = w;
     return 0;
 }
 
@@ -930,6 +1021,11 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         return NULL;
     }
     sp_tmpl__copy(t->wid, sizeof t->wid, worker_id != NULL ? worker_id : "");
+    if (sp_store_listen(store, SP_TMPL_NOTIFY, on_builds_notify, t, err) < 0) {
+        sp_tmplfiles_destroy(t->files);
+        free(t);
+        return NULL;
+    }
     /* this worker's unfinished builds (and those of rows from before builds named theirs);
      * a node that runs none has none */
     const char *p[] = {t->wid};
@@ -938,7 +1034,8 @@ sp_tmpl_t *sp_tmpl_create(sp_loop_t *loop, sp_store_t *store, sp_driver_t *drive
         "WITH f AS (UPDATE template_builds SET status = 'failed', finished_at = now(),"
         "  error = 'the server restarted during the build'"
         "  WHERE status IN ('queued', 'building') AND $1 <> ''"
-        "  AND (worker_id = $1 OR worker_id IS NULL) RETURNING id, template),"
+        "  AND (worker_id = $1 OR worker_id IS NULL)"
+        "  RETURNING id, template, pg_notify('" SP_TMPL_NOTIFY "', id)),"
         " u AS (UPDATE templates SET status = 'failed' WHERE status = 'building'"
         "  AND name IN (SELECT template FROM f))"
         " SELECT id, template FROM f",
@@ -974,6 +1071,13 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         }
         sp_tmpl__build_free(b);
     }
+    while (t->remote != NULL) { /* the store went first: none is reading */
+        struct waiter *w = t->remote;
+        t->remote = w->next;
+        sp_timer_stop(&w->timer);
+        free(w);
+    }
+    sp_tmpl__sweep_free(t);
     sp_timer_stop(&t->collect_timer);
     sp_timer_stop(&t->images_timer);
     sp_tmplfiles_destroy(t->files);

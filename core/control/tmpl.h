@@ -209,7 +209,10 @@ int sp_tmpl_expand_dockerfile(const json_t *req, json_t **out, sp_err_t *err);
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                            const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 
-/* The build id of template name. wait_ms > 0: answers when it finishes or wait_ms passed. */
+/* The build id of template name. wait_ms > 0: answers when it finishes or wait_ms passed, on
+ * any node (one that does not run the build learns of its end by NOTIFY SP_TMPL_NOTIFY, sent
+ * with the build's id by every statement that ends one). */
+#define SP_TMPL_NOTIFY "space_builds"
 int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const char *id,
                       uint32_t wait_ms, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 

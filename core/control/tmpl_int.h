@@ -58,13 +58,17 @@ enum phase {
 
 struct waiter {
     struct waiter *next;
-    struct build *b;
+    struct build *b; /* the build it waits on here (NULL for a remote one) */
     sp_tmpl_t *t;
     sp_auth_t auth;
     char name[65], id[SP_TMPL_ID_MAX + 1];
     sp_tmpl_build_cb cb;
     void *arg;
     sp_timer_t timer;
+    bool remote;   /* on a build another node runs: in sp_tmpl.remote (tmpl.c) */
+    bool checking; /* a remote waiter's read of the record is in flight */
+    bool recheck;  /* a NOTIFY came during it: its answer may predate the change */
+    bool expired;  /* its time ran out during it */
 };
 
 struct impjob;
@@ -141,6 +145,8 @@ struct sp_tmpl {
     sp_driver_t *driver;
     char data_dir[PATH_MAX];
     struct build *builds;            /* accepted, not yet recorded as ended; oldest last */
+    struct waiter *remote;           /* ?wait= on builds another node runs (tmpl.c) */
+    struct sp_tmpl__sweep *sweep;    /* the published versions' listing in flight (tmplver.c) */
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
@@ -210,10 +216,13 @@ void sp_tmpl__collect(sp_tmpl_t *t, const char *name);
 int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
 /* On a worker with a shared snapshot dir: removes the versions published there (shared.c's
  * templates/<name>/<hash>/) that nothing in the fleet uses, with their rows (tmplver.c says
- * what "uses" is). Synchronous scan, one statement per candidate; logged. */
+ * what "uses" is). Asynchronous: the shared dir is listed and its versions removed off the
+ * loop, one statement per candidate; logged. */
 void sp_tmpl__collect_shared(sp_tmpl_t *t);
-/* Where removed published versions go (<snapshot-dir>/templates/.trash) until a worker has
- * unlinked them (loop/discard.h); what a worker did not finish, the next to start finishes. */
+/* Lets go of a sweep of the published versions in flight (its job is cancelled). */
+void sp_tmpl__sweep_free(sp_tmpl_t *t);
+/* Where removed published versions go (<snapshot-dir>/templates/.trash) until the worker that
+ * moved them has unlinked them; what a worker did not finish, the next to start finishes. */
 #define SHARED_TRASH ".trash"
 /* How often the versions and the build cache are looked over (tmpl.c's collect timer). */
 uint64_t sp_tmpl__collect_period_ms(const sp_tmpl_t *t);

@@ -267,7 +267,7 @@ static void record_end(struct build *b)
             b->t->store,
             "WITH b AS (UPDATE template_builds SET status = 'failed', error = $2,"
             "  failed_step = $3::int, finished_at = now(), started_at = coalesce(started_at, now())"
-            "  WHERE id = $1 RETURNING 1)"
+            "  WHERE id = $1 RETURNING pg_notify('" SP_TMPL_NOTIFY "', id))"
             " UPDATE templates SET status = 'failed', updated_at = now()"
             " WHERE name = $4 AND status = 'building' AND (SELECT count(*) FROM b) >= 0",
             4, p, sizeof(struct build *), on_recorded, &e);
@@ -295,7 +295,7 @@ static void record_end(struct build *b)
             b->t->store,
             "WITH b AS (UPDATE template_builds SET status = 'succeeded', hash = $2,"
             "  cached = $3::bool, finished_at = now(), started_at = coalesce(started_at, now())"
-            "  WHERE id = $1 RETURNING 1),"
+            "  WHERE id = $1 RETURNING pg_notify('" SP_TMPL_NOTIFY "', id)),"
             " v AS (INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb,"
             "  env) VALUES ($4, $2, $1, $6::int, $7::int, $8::jsonb)"
             "  ON CONFLICT (template, hash) DO NOTHING RETURNING 1),"

@@ -24,11 +24,11 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/rmtree.h"
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
-#include "loop/discard.h"
 
 static int fsync_dir(const char *p)
 {
@@ -125,12 +125,12 @@ static bool runtime_uses(sp_tmpl_t *t, const char *vdir, bool *spares)
  * not from a record of the build, so that it holds for versions built before anything was
  * recorded, and across restarts; anything the driver cannot vouch for (no such op, an
  * unreadable or missing image) counts as a layer, keeping its parent as before. */
-static bool image_standalone(sp_tmpl_t *t, const char *vdir)
+static bool image_standalone(sp_driver_t *drv, const char *vdir)
 {
     char img[PATH_MAX];
-    return t->driver != NULL && t->driver->ops->image_standalone != NULL &&
+    return drv != NULL && drv->ops->image_standalone != NULL &&
            sp_tmpl__pathf(img, sizeof img, "%s/rootfs.qcow2", vdir) == 0 &&
-           t->driver->ops->image_standalone(t->driver, img) == 1;
+           drv->ops->image_standalone(drv, img) == 1;
 }
 
 /* Calls fn with every version of any template under root (the data dir, or the shared
@@ -189,8 +189,8 @@ struct parent_q {
 static bool parent_match(void *arg, const char *parent, const char *hash, const char *cdir)
 {
     struct parent_q *q = arg;
-    q->found =
-        strcmp(parent, q->name) == 0 && strcmp(hash, q->hash) == 0 && !image_standalone(q->t, cdir);
+    q->found = strcmp(parent, q->name) == 0 && strcmp(hash, q->hash) == 0 &&
+               !image_standalone(q->t->driver, cdir);
     return !q->found;
 }
 
@@ -305,6 +305,23 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
     }
 }
 
+/* What holds versions of the template named by the SQL expression T, the one rule both judges
+ * read (a worker's own copies, sp_tmpl__collect; the published ones, SHARED_HELD_SQL): a
+ * sandbox of it (of any state but deleted) of no recorded version, made before versions were
+ * recorded, holds every version (a boolean); else the versions a tag names, a sandbox is of,
+ * or a snapshot's sandbox was of are held (a one-column query of hashes, h). */
+#define UNKNOWN_VERSION_SQL(T)                                                                     \
+    "EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = " T                                      \
+    "  AND s.observed_state <> 'deleted' AND s.template_version IS NULL"                           \
+    "  AND s.snapshot_id IS NULL)"
+#define VERSIONS_USED_SQL(T)                                                                       \
+    "SELECT hash AS h FROM template_tags WHERE template = " T                                      \
+    " UNION ALL SELECT template_version FROM sandboxes WHERE template = " T                        \
+    "  AND observed_state <> 'deleted' AND template_version IS NOT NULL"                           \
+    " UNION ALL SELECT x.template_version FROM snapshots n JOIN sandboxes x"                       \
+    "  ON x.id = n.sandbox_id WHERE n.template = " T " AND n.deleted_at IS NULL"                   \
+    "  AND x.template_version IS NOT NULL"
+
 /* Removes name's versions nothing uses (tmpl.h: versions). Asynchronous; logged. */
 void sp_tmpl__collect(sp_tmpl_t *t, const char *name)
 {
@@ -312,17 +329,9 @@ void sp_tmpl__collect(sp_tmpl_t *t, const char *name)
     sp_err_t e;
     struct collect *q = sp_store_call(
         t->store,
-        "SELECT EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"
-        "  AND s.observed_state <> 'deleted' AND s.template_version IS NULL"
-        "  AND s.snapshot_id IS NULL),"
-        " coalesce(array_agg(DISTINCT h), '{}')::text,"
-        " NOT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL) FROM ("
-        "  SELECT hash AS h FROM template_tags WHERE template = $1"
-        "  UNION ALL SELECT template_version FROM sandboxes WHERE template = $1"
-        "   AND observed_state <> 'deleted' AND template_version IS NOT NULL"
-        "  UNION ALL SELECT x.template_version FROM snapshots n JOIN sandboxes x"
-        "   ON x.id = n.sandbox_id WHERE n.template = $1 AND n.deleted_at IS NULL"
-        "   AND x.template_version IS NOT NULL) u"
+        "SELECT " UNKNOWN_VERSION_SQL("$1") ", coalesce(array_agg(DISTINCT h), '{}')::text,"
+        " NOT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL)"
+        " FROM (" VERSIONS_USED_SQL("$1") ") u"
         " WHERE EXISTS (SELECT 1 FROM templates WHERE name = $1 AND team_id IS NOT NULL)",
         1, p, sizeof(*q), on_in_use, &e);
     if (q == NULL) {
@@ -379,13 +388,8 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
  * cache's time to live. */
 #define SHARED_HELD_SQL                                                                            \
     "WITH h AS (SELECT NOT EXISTS (SELECT 1 FROM templates WHERE name = $1"                        \
-    "  AND team_id IS NOT NULL)"                                                                   \
-    " OR EXISTS (SELECT 1 FROM template_tags WHERE template = $1 AND hash = $2)"                   \
-    " OR EXISTS (SELECT 1 FROM sandboxes s WHERE s.template = $1"                                  \
-    "  AND s.observed_state <> 'deleted' AND (s.template_version = $2"                             \
-    "  OR (s.template_version IS NULL AND s.snapshot_id IS NULL)))"                                \
-    " OR EXISTS (SELECT 1 FROM snapshots n JOIN sandboxes x ON x.id = n.sandbox_id"                \
-    "  WHERE n.template = $1 AND n.deleted_at IS NULL AND x.template_version = $2) AS held),"      \
+    "  AND team_id IS NOT NULL) OR " UNKNOWN_VERSION_SQL("$1")                                     \
+    " OR $2 IN (" VERSIONS_USED_SQL("$1") ") AS held),"                                            \
     " d AS (DELETE FROM template_versions v USING h WHERE NOT h.held AND v.template = $1"          \
     "  AND v.hash = $2 RETURNING 1)"                                                               \
     " SELECT h.held, (SELECT count(*) FROM d) FROM h"
@@ -397,7 +401,7 @@ struct shared_q {
 };
 
 struct parents_q {
-    sp_tmpl_t *t;
+    sp_driver_t *driver;
     const char *prefix; /* parents whose name starts with it only */
     json_t *out;
 };
@@ -408,7 +412,7 @@ static bool add_parent(void *arg, const char *parent, const char *hash, const ch
     char nh[600];
     if (strncmp(parent, q->prefix, strlen(q->prefix)) == 0 &&
         snprintf(nh, sizeof nh, "%s@%s", parent, hash) < (int)sizeof nh &&
-        !image_standalone(q->t, cdir))
+        !image_standalone(q->driver, cdir))
         json_object_set_new(q->out, nh, json_true());
     return true;
 }
@@ -416,9 +420,9 @@ static bool add_parent(void *arg, const char *parent, const char *hash, const ch
 /* The versions whose name starts with prefix that a version under root (the data dir, or the
  * shared snapshot dir's published ones) is layered on, as is_parent counts them:
  * {"name@hash": true, ...}; NULL when that cannot be told (nothing goes). */
-static json_t *parents_in(sp_tmpl_t *t, const char *root, const char *prefix)
+static json_t *parents_in(sp_driver_t *driver, const char *root, const char *prefix)
 {
-    struct parents_q q = {t, prefix, json_object()};
+    struct parents_q q = {driver, prefix, json_object()};
     if (q.out != NULL && each_child_in(root, add_parent, &q) < 0) {
         json_decref(q.out);
         return NULL;
@@ -426,38 +430,170 @@ static json_t *parents_in(sp_tmpl_t *t, const char *root, const char *prefix)
     return q.out;
 }
 
-/* name@hash's published directory goes, moved into templates/.trash under the lock
- * publishing takes (shared.c) and removed off the loop (loop/discard.h), with its template's
- * directory when that was its last version. why: for the log. */
-static void remove_published(sp_tmpl_t *t, const char *name, const char *hash, const char *why)
+/* ---- the sweep, off the loop ---- */
+
+/* The published versions are on the shared file system (NFS, say), where a listing, a manifest
+ * read or a lock may block for long: a job (SP_WORK_LONG) lists the versions old enough to be
+ * judged and reads what the published ones are layered on, another removes a version, and the
+ * loop only judges (builds here, the database). At most one listing is in flight. */
+struct swept {
+    char name[65];
+    char hash[SP_TMPLBUILD_HASH_LEN + 1];
+    bool image;
+};
+
+struct sp_tmpl__sweep {
+    sp_tmpl_t *t; /* NULL once the module let go: sweep_done frees it */
+    sp_driver_t *driver;
+    char root[PATH_MAX]; /* the shared dir */
+    time_t grace, image_grace;
+    bool images;     /* the digest cache's images may be judged */
+    struct swept *v; /* the versions nothing published is layered on, old enough */
+    size_t n;
+    sp_work_t *work;
+};
+
+static void sweep_run(sp_work_t *w, void *arg)
 {
-    char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], trash[PATH_MAX];
-    struct stat st;
-    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0 ||
+    struct sp_tmpl__sweep *sw = arg;
+    char tdir[PATH_MAX];
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", sw->root) < 0)
+        return;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return;
+    time_t now = time(NULL);
+    json_t *parents = NULL; /* read once, when a version is old enough to be judged */
+    bool unknown = false;   /* the published versions could not be listed: nothing goes */
+    size_t cap = 0;
+    struct dirent *de;
+    while (!unknown && !sp_work_cancelled(w) && (de = readdir(d)) != NULL) {
+        const char *name = de->d_name;
+        char ndir[PATH_MAX];
+        bool image = strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0;
+        if (name[0] == '.' || strlen(name) > 64 || (image && !sw->images) ||
+            sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0)
+            continue;
+        DIR *vd = opendir(ndir);
+        struct dirent *ve;
+        while (!unknown && vd != NULL && (ve = readdir(vd)) != NULL) {
+            const char *h = ve->d_name;
+            char vdir[PATH_MAX], nh[600];
+            struct stat st;
+            if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+                sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, h) < 0 || lstat(vdir, &st) < 0 ||
+                !S_ISDIR(st.st_mode) || st.st_mtime + (image ? sw->image_grace : sw->grace) > now)
+                continue;
+            if (parents == NULL && (parents = parents_in(sw->driver, sw->root, "")) == NULL) {
+                unknown = true;
+                break;
+            }
+            snprintf(nh, sizeof nh, "%s@%s", name, h);
+            if (json_object_get(parents, nh) != NULL)
+                continue;
+            if (sw->n == cap) {
+                size_t nc = cap ? 2 * cap : 16;
+                struct swept *v = realloc(sw->v, nc * sizeof *v);
+                if (v == NULL) {
+                    unknown = true;
+                    break;
+                }
+                sw->v = v;
+                cap = nc;
+            }
+            struct swept *e = &sw->v[sw->n++];
+            sp_tmpl__copy(e->name, sizeof e->name, name);
+            sp_tmpl__copy(e->hash, sizeof e->hash, h);
+            e->image = image;
+        }
+        if (vd != NULL)
+            closedir(vd);
+    }
+    closedir(d);
+    json_decref(parents);
+    if (unknown)
+        sw->n = 0;
+}
+
+/* A published version's removal (remove_published): moved into templates/.trash under the
+ * lock publishing takes (shared.c), its template's directory with it when it was its last,
+ * then unlinked, all in the job; done only logs. */
+struct unpublish {
+    char root[PATH_MAX];
+    char name[65];
+    char hash[SP_TMPLBUILD_HASH_LEN + 1];
+    char why[32];
+    int err;    /* errno of a lock that failed */
+    bool there; /* it was there (else another worker removed it first) */
+};
+
+static void unpublish_run(sp_work_t *w, void *arg)
+{
+    (void)w;
+    struct unpublish *u = arg;
+    char tdir[PATH_MAX], lock[PATH_MAX], ndir[PATH_MAX], vdir[PATH_MAX], trash[PATH_MAX],
+        to[PATH_MAX];
+    static unsigned seq; /* a name per removal (jobs run on several threads) */
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", u->root) < 0 ||
         sp_tmpl__pathf(lock, sizeof lock, "%s/.lock", tdir) < 0 ||
         sp_tmpl__pathf(trash, sizeof trash, "%s/" SHARED_TRASH, tdir) < 0 ||
-        sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0 ||
-        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, hash) < 0)
+        sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, u->name) < 0 ||
+        sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, u->hash) < 0 ||
+        sp_tmpl__pathf(to, sizeof to, "%s/%s@%.12s.%d.%u", trash, u->name, u->hash, (int)getpid(),
+                       __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED)) < 0) {
+        u->err = ENAMETOOLONG;
         return;
+    }
     int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0 || flock(fd, LOCK_EX) < 0) {
-        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", name,
-               strerror(errno));
+        u->err = errno;
         if (fd >= 0)
             close(fd);
         return;
     }
-    bool there = lstat(vdir, &st) == 0; /* else another worker removed it first */
-    if (there)
-        sp_discard(t->loop, trash, vdir);
-    bool last = there && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
+    struct stat st;
+    u->there = lstat(vdir, &st) == 0;
+    bool moved = false;
+    if (u->there) {
+        (void)mkdir(trash, 0700);
+        moved = rename(vdir, to) == 0;
+        if (!moved) /* no trash to move it into: removed where it is, under the lock */
+            sp_rm_rf(vdir);
+    }
+    bool last = u->there && rmdir(ndir) == 0; /* no publish is making a version in it: locked */
     close(fd);
-    if (!there)
+    if (!u->there)
         return;
     fsync_dir(last ? tdir : ndir);
-    sp_log(SP_LOG_INFO, "tmpl",
-           "removed a published template version nothing uses template=%s version=%.12s %s", name,
-           hash, why);
+    if (moved)
+        sp_rm_rf(to);
+}
+
+static void unpublish_done(void *arg, bool cancelled)
+{
+    struct unpublish *u = arg;
+    if (u->err != 0)
+        sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s", u->name,
+               strerror(u->err));
+    else if (u->there && !cancelled)
+        sp_log(SP_LOG_INFO, "tmpl",
+               "removed a published template version nothing uses template=%s version=%.12s %s",
+               u->name, u->hash, u->why);
+    free(u);
+}
+
+/* name@hash's published directory goes (unpublish). why: for the log. */
+static void remove_published(sp_tmpl_t *t, const char *name, const char *hash, const char *why)
+{
+    struct unpublish *u = calloc(1, sizeof *u);
+    if (u == NULL)
+        return; /* the next sweep */
+    sp_tmpl__copy(u->root, sizeof u->root, t->shared_dir);
+    sp_tmpl__copy(u->name, sizeof u->name, name);
+    sp_tmpl__copy(u->hash, sizeof u->hash, hash);
+    sp_tmpl__copy(u->why, sizeof u->why, why);
+    if (sp_loop_work(t->loop, SP_WORK_LONG, unpublish_run, unpublish_done, u) == NULL)
+        free(u);
 }
 
 /* The database's judgement of q's version: when nothing holds it, its row is gone and so go
@@ -478,76 +614,74 @@ static void on_shared_held(void *rec, PGresult *res, const sp_err_t *err)
 
 static bool importing(const sp_tmpl_t *t);
 
+/* The listing is back: each version no build here starts from is judged, an image by its
+ * files alone (when still none is importing here), a team template's by the database. */
+static void sweep_done(void *arg, bool cancelled)
+{
+    struct sp_tmpl__sweep *sw = arg;
+    sp_tmpl_t *t = sw->t;
+    if (t != NULL)
+        t->sweep = NULL;
+    for (size_t i = 0; t != NULL && !cancelled && i < sw->n; i++) {
+        const struct swept *e = &sw->v[i];
+        bool building = false; /* a build here on it */
+        for (struct build *b = t->builds; b != NULL; b = b->next)
+            building =
+                building || (strcmp(b->parent, e->name) == 0 && strcmp(b->pp.hash, e->hash) == 0);
+        if (building || (e->image && importing(t)))
+            continue;
+        if (e->image) {
+            remove_published(t, e->name, e->hash, "image=1");
+            continue;
+        }
+        const char *p[] = {e->name, e->hash};
+        sp_err_t err;
+        struct shared_q *q =
+            sp_store_call(t->store, SHARED_HELD_SQL, 2, p, sizeof(*q), on_shared_held, &err);
+        if (q == NULL) {
+            sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s",
+                   e->name, err.msg);
+            continue;
+        }
+        q->t = t;
+        sp_tmpl__copy(q->name, sizeof q->name, e->name);
+        sp_tmpl__copy(q->hash, sizeof q->hash, e->hash);
+    }
+    free(sw->v);
+    free(sw);
+}
+
 /* The sweep itself (sp_tmpl__collect_shared), once the database said whether any build in
  * the fleet is unfinished (builds_idle: none is). */
 static void collect_shared(sp_tmpl_t *t, bool builds_idle)
 {
-    char tdir[PATH_MAX];
-    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->shared_dir) < 0)
+    if (t->sweep != NULL)
+        return; /* the last one is still listing */
+    struct sp_tmpl__sweep *sw = calloc(1, sizeof *sw);
+    if (sw == NULL)
         return;
-    DIR *d = opendir(tdir);
-    if (d == NULL)
-        return;
-    time_t now = time(NULL);
-    time_t grace = (time_t)(2 * sp_tmpl__collect_period_ms(t) / 1000);
+    sw->t = t;
+    sw->driver = t->driver;
+    sp_tmpl__copy(sw->root, sizeof sw->root, t->shared_dir);
+    sw->grace = (time_t)(2 * sp_tmpl__collect_period_ms(t) / 1000);
     /* an image (the digest cache's) is judged by its files alone: no build anywhere may be
      * making a version over it, and it stays the cache's time to live after it was published */
-    time_t image_grace = grace > (time_t)t->cache_ttl_s ? grace : (time_t)t->cache_ttl_s;
-    bool images = builds_idle && !importing(t);
-    json_t *parents = NULL; /* read once, when a version is old enough to be judged */
-    bool unknown = false;   /* the published versions could not be listed: nothing goes */
-    struct dirent *de;
-    while (!unknown && (de = readdir(d)) != NULL) {
-        const char *name = de->d_name;
-        char ndir[PATH_MAX];
-        bool image = strncmp(name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) == 0;
-        if (name[0] == '.' || strlen(name) > 64 || (image && !images) ||
-            sp_tmpl__pathf(ndir, sizeof ndir, "%s/%s", tdir, name) < 0)
-            continue;
-        DIR *vd = opendir(ndir);
-        struct dirent *ve;
-        while (!unknown && vd != NULL && (ve = readdir(vd)) != NULL) {
-            const char *h = ve->d_name;
-            char vdir[PATH_MAX], nh[600];
-            struct stat st;
-            if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
-                sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", ndir, h) < 0 || lstat(vdir, &st) < 0 ||
-                !S_ISDIR(st.st_mode) || st.st_mtime + (image ? image_grace : grace) > now)
-                continue;
-            bool building = false; /* a build here on it */
-            for (struct build *b = t->builds; b != NULL; b = b->next)
-                building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
-            if (building)
-                continue;
-            if (parents == NULL && (parents = parents_in(t, t->shared_dir, "")) == NULL) {
-                unknown = true;
-                break;
-            }
-            snprintf(nh, sizeof nh, "%s@%s", name, h);
-            if (json_object_get(parents, nh) != NULL)
-                continue;
-            if (image) {
-                remove_published(t, name, h, "image=1");
-                continue;
-            }
-            const char *p[] = {name, h};
-            sp_err_t e;
-            struct shared_q *q =
-                sp_store_call(t->store, SHARED_HELD_SQL, 2, p, sizeof(*q), on_shared_held, &e);
-            if (q == NULL) {
-                sp_log(SP_LOG_WARN, "tmpl", "published version not collected template=%s err=%s",
-                       name, e.msg);
-                continue;
-            }
-            q->t = t;
-            sp_tmpl__copy(q->name, sizeof q->name, name);
-            sp_tmpl__copy(q->hash, sizeof q->hash, h);
-        }
-        if (vd != NULL)
-            closedir(vd);
+    sw->image_grace = sw->grace > (time_t)t->cache_ttl_s ? sw->grace : (time_t)t->cache_ttl_s;
+    sw->images = builds_idle && !importing(t);
+    if ((sw->work = sp_loop_work(t->loop, SP_WORK_LONG, sweep_run, sweep_done, sw)) == NULL) {
+        free(sw);
+        return;
     }
-    closedir(d);
-    json_decref(parents);
+    t->sweep = sw;
+}
+
+void sp_tmpl__sweep_free(sp_tmpl_t *t)
+{
+    if (t->sweep == NULL)
+        return;
+    t->sweep->t = NULL; /* sweep_done frees it */
+    sp_work_cancel(t->sweep->work);
+    t->sweep = NULL;
 }
 
 static void on_builds_unfinished(void *rec, PGresult *res, const sp_err_t *err)
@@ -647,7 +781,7 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
  * per collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
 static json_t *image_parents(sp_tmpl_t *t)
 {
-    return parents_in(t, t->data_dir, SP_OCIIMG_PREFIX);
+    return parents_in(t->driver, t->data_dir, SP_OCIIMG_PREFIX);
 }
 
 void sp_tmpl__collect_images(sp_tmpl_t *t)

@@ -108,7 +108,8 @@ typedef struct {
      * dest must not exist. NULL: not supported. */
     int (*export_disk)(sp_driver_t *d, const char *id, const char *base, const char *dest,
                        sp_driver_cb cb, void *arg, sp_err_t *err);
-    /* Optional, synchronous, cheap (reads a header): 1 when the disk image at path (absolute)
+    /* Optional, synchronous, cheap (reads a header), callable from any thread (the published
+     * versions' sweep calls it from a job): 1 when the disk image at path (absolute)
      * reads nothing from any other file, so the images it was made over may go; 0 when it
      * needs another file; -1 when it cannot be read or is not an image of this driver's.
      * NULL: not supported (callers take every image as needing its base). */

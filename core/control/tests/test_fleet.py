@@ -1008,6 +1008,47 @@ class FleetBuildTest(KeyedFleet, unittest.TestCase):
                           raw=body, headers={"Content-Type": "application/octet-stream"})
         self.assertEqual((st, r.get("message")), (403, "bad upload link"), r)
 
+    def test_long_poll_where_the_build_does_not_run(self):
+        """A ?wait= on a build answers when the build ends, asked on a node that does not run
+        it (core/control/tmpl.c: remote waiters, NOTIFY space_builds): here a's build (a row
+        as a running build leaves), asked at b directly and through the API node (which sends
+        it to the name's builder, b); a's restart fails it. A short wait still answers at its
+        end with the build unfinished."""
+        a, b = self.workers
+        team = self.query("SELECT id FROM teams WHERE name = 'alpha'")
+        name = next(n for n in ("poll-%d" % i for i in range(100)) if self.builder(n) is b)
+        bid = "%08x-0000-4000-8000-%012x" % (os.getpid(), 77)
+        self.query("INSERT INTO templates (name, status, team_id) VALUES ('%s', 'building', '%s');"
+                   "INSERT INTO template_builds (id, team_id, template, status, request,"
+                   " worker_id) VALUES ('%s', '%s', '%s', 'building', '{}', '%s')"
+                   % (name, team, bid, team, name, self.wid[a]))
+        path = "/v1/templates/%s/builds/%s?wait=" % (name, bid)
+        t0 = time.monotonic()
+        st, r = b.request("GET", path + "1")
+        self.assertEqual((st, r["build"]["status"]), (202, "building"), r)
+        self.assertGreaterEqual(time.monotonic() - t0, 0.9)
+        got = {}
+
+        def poll(node, key):
+            t = time.monotonic()
+            st, r = node.request("GET", path + "120", timeout=150)
+            got[key] = (st, r.get("build", r).get("status"), time.monotonic() - t)
+        polls = [threading.Thread(target=poll, args=x) for x in ((b, "b"), (self.api, "api"))]
+        for t in polls:
+            t.start()
+        time.sleep(2)
+        self.assertEqual(got, {}, "answered before the build ended")
+        a.stop()
+        a.start()
+        for t in polls:
+            t.join(150)
+        for k in ("b", "api"):
+            st, status, took = got[k]
+            self.assertEqual((st, status), (200, "failed"), (k, got))
+            self.assertLess(took, 60, (k, got))
+        self.wait_for(lambda: all(x["state"] == "active" for x in self.list_workers()),
+                      "both workers active again")
+
     def test_unfinished_builds_fail_only_with_their_worker(self):
         """A node that starts fails the builds its previous process left unfinished: a
         worker only its own (and rows from before builds named their worker), an API node
