@@ -9,9 +9,10 @@ the base template if it has none. Two set-ups run side by side on real VMs:
     snapshot's and stays on the node;
   - a fleet on its own PostgreSQL: an API node and workers w1 and w2 sharing a snapshot dir
     (each worker's data dir holds DATA_DIR's base build, linked): a snapshot is taken as on
-    one node, then copied to the snapshot dir with its whole RAM (the delta expanded) before it
-    is ready; a fork on the other worker copies it in first, as a delta over its own template
-    snapshot's RAM.
+    one node, then copied to the snapshot dir as it is (its RAM the same delta, over the
+    template RAM published there once) before it is ready; a fork on the other worker copies
+    it in first, its RAM made whole over that published RAM, then a delta over its own
+    template snapshot's RAM.
 Each worker first runs a sandbox of base (so it holds a template snapshot of it, as a worker in
 service does). Each round, in both: a 256 MiB sandbox of `base` with a Python process writing
 a counter is snapshotted (POST .../snapshots?wait -> ready; its vCPUs' stop from the driver's

@@ -51,6 +51,7 @@ from test_templates import build, logs  # noqa: E402
 
 DATA = os.environ.get("SP_TEST_DATA_DIR")
 TIMEOUT_S = 3  # --heartbeat-timeout-s
+BASE_GRACE_S = 5  # SPACE_SHARED_BASE_GRACE_S: how long an unnamed published template RAM stays
 CACHE_S = 6  # --build-cache-s: versions are looked over every CACHE_S / 2 s
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.5; done"
 READ_COUNT = read_number_cmd("/tmp/count")
@@ -95,6 +96,7 @@ class FleetVmTest(unittest.TestCase):
                 d = os.path.join(cls.root, n)
                 worker_data_dir(d)
                 w = Spaced(database_url=cls.pg.url, data_dir=d,
+                           env={"SPACE_SHARED_BASE_GRACE_S": str(BASE_GRACE_S)},
                            args=["--role", "worker", "--snapshot-dir", cls.snap,
                                  "--build-cache-s", str(CACHE_S),
                                  "--worker-vcpus", "8", "--worker-memory-mb", "8192",
@@ -195,6 +197,11 @@ class FleetVmTest(unittest.TestCase):
     def ram_kind(snapdir):
         with open(os.path.join(snapdir, "snapshot", "manifest.json")) as f:
             return json.load(f)["ram"]
+
+    @staticmethod
+    def ram_base_shared(snapdir):
+        with open(os.path.join(snapdir, "snapshot", "manifest.json")) as f:
+            return json.load(f).get("ram_base_shared")
 
     def assert_one_vm(self, sid, where):
         self.assertEqual([w.wid for w in self.vms_of(sid)], [where.wid])
@@ -435,8 +442,13 @@ print("OK", flush=True)
         snap = r["snapshot"]["id"]
         self.assertEqual(self.ram_kind(os.path.join(victim.data_dir, "snapshots", snap)),
                          "delta")
-        self.assertTrue(os.path.isfile(os.path.join(self.snap, "snapshots", snap, "snapshot",
-                                                    "manifest.json")))
+        # the shared copy is that delta too, over the template RAM published beside it
+        shared = os.path.join(self.snap, "snapshots", snap)
+        self.assertEqual(self.ram_kind(shared), "delta")
+        base = os.path.join(self.snap, "snapshots", ".bases", self.ram_base_shared(shared))
+        self.assertTrue(os.path.isfile(os.path.join(base, "mem.ram")), base)
+        with open(os.path.join(base, "sha256")) as f:
+            self.assertRegex(f.read(), r"^[0-9a-f]{64}$")
         # The worker and its VMs die.
         victim.kill(signal.SIGKILL)
         for pid, line in qemu_cmdlines():
@@ -478,15 +490,22 @@ print("OK", flush=True)
         self.wait_for(lambda: self.count(fork) > n, "the fork's counter counting")
         copy = os.path.join(other.data_dir, "snapshots", snap)
         self.assertTrue(os.path.isdir(copy))
-        # the shared copy holds the whole RAM; that worker's own is a delta over its template
-        # snapshot's RAM (its forks load only their own pages)
-        self.assertEqual(self.ram_kind(os.path.join(self.snap, "snapshots", snap)), "stream")
+        self.assertTrue(os.path.isfile(os.path.join(other.data_dir, "snapshots", ".verified",
+                                                    os.path.basename(base))))
+        # that worker's own copy is a delta over its own template snapshot's RAM (its forks
+        # load only their own pages), not over the published one
         self.assertEqual(self.ram_kind(copy), "delta")
-        # Deleted: the shared copy goes at once, the other worker's once its fork is gone.
+        self.assertIsNone(self.ram_base_shared(copy))
+        # Deleted: the shared copy goes at once, the other worker's once its fork is gone, the
+        # published template RAM once no shared copy names it (and its grace has passed).
         st, r = self.api.request("DELETE", "/v1/snapshots/" + snap)
         self.assertIn(st, (200, 204), r)
-        self.wait_for(lambda: not os.path.exists(os.path.join(self.snap, "snapshots", snap)),
-                      "the shared copy removed", 60)
+        self.wait_for(lambda: not os.path.exists(shared), "the shared copy removed", 60)
+        self.wait_for(lambda: not os.path.exists(base), "the published template RAM removed",
+                      60 + BASE_GRACE_S)
+        # the other worker checked that RAM against its checksum once, and forgets it now
+        mark = os.path.join(other.data_dir, "snapshots", ".verified", os.path.basename(base))
+        self.wait_for(lambda: not os.path.exists(mark), "the worker's mark of it removed", 60)
         self.assertEqual(self.sh(fork, "cat /root/h")["stdout"], "in-snapshot\n")
         st, r = self.api.request("DELETE", "/v1/sandboxes/%s?wait=%d" % (fork, wait_s(60)),
                                  timeout=wait_s(60) + 10)

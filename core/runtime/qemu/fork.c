@@ -43,8 +43,8 @@
  *
  * For every worker (driver.h: SP_CKPT_SHARED, with a shared snapshot dir): taken as above,
  * and once the directory is in place shared.c copies it to
- * <snapshot-dir>/snapshots/<snapshot-id>/ with its whole RAM (a delta expanded over the
- * template RAM, off the vCPUs' stop); the take answers after that. A worker
+ * <snapshot-dir>/snapshots/<snapshot-id>/, its RAM still a delta over the template RAM, which
+ * is published beside it once (snapshots/.bases/); the take answers after that. A worker
  * asked to boot from a snapshot it does not have copies it in from there (shared.c, made a
  * delta over a template snapshot of its own; its disk's backing files as layer-<n>.qcow2 in
  * the directory) and from then on treats it like one taken here; checkpoint_delete removes

@@ -12,16 +12,21 @@
  *   <snapshot-dir>/sandboxes/.tmp-<id>-<pid>/   one being written; renamed to <id> complete
  *   <snapshot-dir>/snapshots/<snapshot-id>/   a sandbox snapshot for every worker (driver.h:
  *       SP_CKPT_SHARED): the taker's <data-dir>/snapshots/<snapshot-id>/ (fork.c) laid out
- *       as a suspended sandbox's above, its whole RAM in its device state (the taker's is a
- *       delta over its template snapshot's RAM, as on one node: it is expanded over that RAM,
- *       sp_migdelta_expand, off the vCPUs' stop), its disk's backing files outside the
- *       snapshot dir copied in as layer-<n>.qcow2. Written (.tmp-<id>-<pid>, renamed) before
- *       the take answers. A worker asked to boot from one it does not hold copies it into its
- *       own <data-dir>/snapshots/<snapshot-id>/ first (hard links where it can: nothing
- *       writes a snapshot's files), made a delta over a template snapshot of its own (see
- *       localize), and from then on uses that copy, kept and collected by fork.c like one
- *       taken there; so nothing any VM or snapshot uses is in the shared copy, and
- *       checkpoint_delete removes it at once.
+ *       as a suspended sandbox's above, its device state as taken (a delta over the taker's
+ *       template snapshot's RAM, as on one node), its manifest naming that RAM as published
+ *       in snapshots/.bases/ (below) instead of by its local path, its disk's backing files
+ *       outside the snapshot dir copied in as layer-<n>.qcow2. Written (.tmp-<id>-<pid>,
+ *       renamed) before the take answers. A worker asked to boot from one it does not hold
+ *       copies it into its own <data-dir>/snapshots/<snapshot-id>/ first (hard links where it
+ *       can: nothing writes a snapshot's files), makes its RAM a delta over a template
+ *       snapshot of its own, read whole over the published base on the way (localize; whole
+ *       when it has none), and from then on uses that copy, kept and collected by fork.c like one
+ * taken there; so nothing any VM or snapshot uses is in the shared copy, and checkpoint_delete
+ * removes it at once. <snapshot-dir>/snapshots/.bases/<name>/   a template snapshot's RAM (mem.ram,
+ * and sha256) some shared sandbox snapshot is a delta over, published by its taker once (a hard
+ *       link where it can) and removed once no committed copy names it (bases_sweep). A
+ *       worker that checked one against its checksum marks it in its own
+ *       <data-dir>/snapshots/.verified/<name> (published_base), gone with the base.
  *   <snapshot-dir>/templates/<name>/<hash>/rootfs.qcow2, <snapshot-dir>/images/...
  *       template images (base image, kernel, initramfs) at the path they have under a data
  *       dir, published once by the first worker to use them (under the flock of
@@ -52,11 +57,13 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/log.h"
@@ -100,6 +107,7 @@ struct xfer {
     int rc;
     char why[200];
     uint64_t ms, bytes;
+    uint64_t copy_ms, check_ms; /* snap fetch: the copy's, published_base's parts of ms */
 };
 
 static int mkdir_p(const char *path, mode_t mode)
@@ -267,27 +275,85 @@ static int publish_vm_json(struct xfer *x)
 typedef int (*recode_fn)(int, int, const char *, const char *, sp_migdelta_stats_t *, char *,
                          size_t);
 
+/* The first stage of a recode through a pipe: sp_migdelta_expand of in over base into out,
+ * which it closes when done (the reader then sees the end). */
+struct expander {
+    int in, out;
+    char base[PATH_MAX + 240];
+    sp_migdelta_stats_t st;
+    char why[160];
+    int rc;
+};
+
+static void *expander_run(void *arg)
+{
+    struct expander *e = arg;
+    e->rc = sp_migdelta_expand(e->in, e->out, e->base, "mem", &e->st, e->why, sizeof e->why);
+    close(e->out);
+    return NULL;
+}
+
 /* Writes to the new file out what fn (sp_migdelta_filter or sp_migdelta_expand) makes of the
  * device state in against base_dir's RAM file, durable, and sets man's ram ("delta" over
- * base_dir, else "stream") and the device state's size and checksum to out's. 0, or -1 with
- * why (man untouched). Runs on a worker thread. */
-static int recode_devstate(recode_fn fn, const char *in, const char *out, const char *base_dir,
-                           json_t *man, sp_migdelta_stats_t *st, char *why, size_t why_len)
+ * base_dir, else "stream") and the device state's size and checksum to out's. With via (a
+ * published base's dir: published_base), in is a delta over via's RAM file, made whole on the way
+ * by a thread feeding fn through a pipe (the whole stream is never written). 0, or -1 with why (man
+ * untouched). Runs on a worker thread. */
+static int recode_devstate(recode_fn fn, const char *in, const char *via, const char *out,
+                           const char *base_dir, json_t *man, sp_migdelta_stats_t *st, char *why,
+                           size_t why_len)
 {
     char ram[PATH_MAX + 16], hex[65];
     sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", base_dir);
-    int ifd = open(in, O_RDONLY | O_CLOEXEC);
+    int dfd = open(in, O_RDONLY | O_CLOEXEC);
     int ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    int ifd = dfd; /* what fn reads */
     uint64_t size = 0;
-    int rc = ifd < 0 || ofd < 0 ? -1 : fn(ifd, ofd, ram, "mem", st, why, why_len);
-    if (ifd < 0 || ofd < 0)
-        sp_qemu__sfmt(why, why_len, "cannot open %s: %s", ifd < 0 ? in : out, strerror(errno));
-    else if (rc == 0 && (fsync(ofd) < 0 || sp_qemu__sum_file(out, &size, hex) < 0)) {
+    struct expander ex;
+    pthread_t th;
+    bool piped = false;
+    int rc = 0;
+    if (dfd < 0 || ofd < 0) {
+        sp_qemu__sfmt(why, why_len, "cannot open %s: %s", dfd < 0 ? in : out, strerror(errno));
+        rc = -1;
+    } else if (via != NULL) {
+        int pfd[2];
+        if (pipe2(pfd, O_CLOEXEC) < 0) {
+            sp_qemu__sfmt(why, why_len, "cannot make a pipe: %s", strerror(errno));
+            rc = -1;
+        } else {
+            (void)fcntl(pfd[1], F_SETPIPE_SZ, 1 << 20);
+            memset(&ex, 0, sizeof ex);
+            ex.in = dfd;
+            ex.out = pfd[1];
+            sp_qemu__sfmt(ex.base, sizeof ex.base, "%s/mem.ram", via);
+            piped = pthread_create(&th, NULL, expander_run, &ex) == 0;
+            if (piped) {
+                ifd = pfd[0];
+            } else {
+                close(pfd[0]);
+                close(pfd[1]);
+                sp_qemu__sfmt(why, why_len, "cannot start a thread");
+                rc = -1;
+            }
+        }
+    }
+    if (rc == 0)
+        rc = fn(ifd, ofd, ram, "mem", st, why, why_len);
+    if (piped) {
+        close(ifd); /* a writer still going gets EPIPE */
+        pthread_join(th, NULL);
+        if (ex.rc < 0 && rc == 0) {
+            sp_qemu__sfmt(why, why_len, "%s", ex.why);
+            rc = -1;
+        }
+    }
+    if (rc == 0 && (fsync(ofd) < 0 || sp_qemu__sum_file(out, &size, hex) < 0)) {
         sp_qemu__sfmt(why, why_len, "cannot write %s: %s", out, strerror(errno));
         rc = -1;
     }
-    if (ifd >= 0)
-        close(ifd);
+    if (dfd >= 0)
+        close(dfd);
     if (ofd >= 0)
         close(ofd);
     if (rc < 0)
@@ -298,34 +364,15 @@ static int recode_devstate(recode_fn fn, const char *in, const char *out, const 
         json_object_set_new(man, "ram_base", json_string(base_dir));
     else
         json_object_del(man, "ram_base");
+    json_object_del(man, "ram_base_shared");
+    json_object_del(man, "ram_base_checksum");
     json_object_set_new(man, "devstate_bytes", json_integer((json_int_t)size));
     json_object_set_new(man, "devstate_checksum", json_string(hex));
     return 0;
 }
 
-/* A sandbox snapshot whose RAM is a delta over this worker's template snapshot (a clone's,
- * as on one node: its vCPUs stop only while the pages that differ are written): the shared
- * copy gets the whole RAM instead (sp_migdelta_expand over that template RAM), and man says
- * so. Runs on a worker thread. */
-static int publish_whole_ram(struct xfer *x, json_t *man)
-{
-    const char *base = json_string_value(json_object_get(man, "ram_base"));
-    char in[PATH_MAX + 64], out[PATH_MAX + 64], base_dir[PATH_MAX], why[200];
-    if (base == NULL) {
-        errno = EINVAL;
-        return fail(x, "no template RAM named in the manifest of", x->src);
-    }
-    sp_qemu__sfmt(base_dir, sizeof base_dir, "%s", base); /* man's string goes with "ram_base" */
-    sp_qemu__sfmt(in, sizeof in, "%s/snapshot/devstate", x->src);
-    sp_qemu__sfmt(out, sizeof out, "%s/snapshot/devstate", x->tmp);
-    sp_migdelta_stats_t st;
-    if (recode_devstate(sp_migdelta_expand, in, out, base_dir, man, &st, why, sizeof why) < 0) {
-        sp_qemu__sfmt(x->why, sizeof x->why, "cannot make its whole RAM: %s", why);
-        return -1;
-    }
-    x->bytes += st.bytes_out;
-    return 0;
-}
+static int publish_base(struct xfer *x, json_t *man);
+static int published_base(struct xfer *x, const char *dir, char *via, size_t n);
 
 static int publish_run(struct xfer *x)
 {
@@ -353,10 +400,8 @@ static int publish_run(struct xfer *x)
     for (size_t i = 0; rc == 0 && i < sizeof own / sizeof own[0]; i++) {
         if (i == 1 && strcmp(ram, "mem.ram") != 0)
             break;
-        if (i == 0 && delta) {
-            rc = publish_whole_ram(x, man);
-            continue;
-        }
+        if (i == 0 && delta && (rc = publish_base(x, man)) < 0)
+            break;
         sp_qemu__sfmt(p, sizeof p, "%s/%s", x->src, own[i]);
         sp_qemu__sfmt(q, sizeof q, "%s/%s", x->tmp, own[i]);
         if (copy_file(p, q, 0600, true, &x->bytes) < 0)
@@ -433,40 +478,27 @@ static int fetch_run(struct xfer *x)
 
 /* ---------- a sandbox snapshot's RAM as a delta on this worker ---------- */
 
-/* Makes the whole-RAM device state of the snapshot in dir (this worker's copy: one copied in,
- * or the taker's when it was not taken as a delta, as a VM with RAM of its own is not) a
- * delta over x->base's RAM file, as a clone's suspend writes it (sp_migdelta_filter: only the
- * pages that differ; the result loads over any RAM file of that size the same as the whole
- * stream), so that its forks here map that template RAM privately and load only their own
- * pages, as clones of the template do: a boot of 0.3 s instead of 1.5-2.5 s for 256 MiB
- * under TCG, and RAM shared with the template's clones. Any template snapshot RAM of the
- * snapshot's size serves; one of its own template shares the most. The device state is
- * renamed over, so the shared copy's (a hard link) stays whole. On any failure the copy stays
- * as it was (whole: slower to boot, as correct); x->lwhy says why. A delta already is left
- * alone. Runs on a worker thread. */
-static void localize(struct xfer *x, const char *dir)
+/* Rewrites the device state of the snapshot in dir with fn over base_dir's RAM file (made
+ * whole over via's first, when via is a published base: recode_devstate), its manifest to
+ * match and, for a delta, vm.json's ram_src; device state and manifest are renamed over, so
+ * the shared copy's (a hard link) stays as it is. 0, or -1 with why. Runs on a worker thread. */
+static int rewrite(const char *dir, recode_fn fn, const char *via, const char *base_dir,
+                   sp_migdelta_stats_t *st, char *why, size_t why_len)
 {
     char dev[PATH_MAX + 64], tmp[PATH_MAX + 64], man[PATH_MAX + 64], mtmp[PATH_MAX + 64],
-        vmj[PATH_MAX + 64], ram[PATH_MAX + 16];
+        vmj[PATH_MAX + 64];
     sp_qemu__sfmt(dev, sizeof dev, "%s/snapshot/devstate", dir);
-    sp_qemu__sfmt(tmp, sizeof tmp, "%s/snapshot/devstate.delta", dir);
+    sp_qemu__sfmt(tmp, sizeof tmp, "%s/snapshot/devstate.new", dir);
     sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", dir);
-    sp_qemu__sfmt(mtmp, sizeof mtmp, "%s/snapshot/manifest.json.delta", dir);
+    sp_qemu__sfmt(mtmp, sizeof mtmp, "%s/snapshot/manifest.json.new", dir);
     sp_qemu__sfmt(vmj, sizeof vmj, "%s/vm.json", dir);
-    sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", x->base);
     json_t *m = json_load_file(man, 0, NULL), *v = json_load_file(vmj, 0, NULL);
-    const char *kind = json_string_value(json_object_get(m, "ram"));
-    long long mem = (long long)json_integer_value(json_object_get(m, "memory_mb"));
-    struct stat st;
-    if (kind != NULL && strcmp(kind, "delta") == 0) {
-        /* one already (the taker's, as taken) */
-    } else if (m == NULL || v == NULL || kind == NULL || strcmp(kind, "stream") != 0) {
-        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "not a whole-RAM snapshot");
-    } else if (stat(ram, &st) < 0 || (long long)st.st_size != mem << 20) {
-        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "the template RAM is not of its size");
-    } else if (recode_devstate(sp_migdelta_filter, dev, tmp, x->base, m, &x->lst, x->lwhy,
-                               sizeof x->lwhy) == 0) {
-        json_object_set_new(v, "ram_src", json_string(x->base));
+    int rc = -1;
+    if (m == NULL || v == NULL) {
+        sp_qemu__sfmt(why, why_len, "cannot read its manifest or vm.json");
+    } else if (recode_devstate(fn, dev, via, tmp, base_dir, m, st, why, why_len) == 0) {
+        if (fn == sp_migdelta_filter)
+            json_object_set_new(v, "ram_src", json_string(base_dir));
         char *mj = json_dumps(m, JSON_COMPACT), *vj = json_dumps(v, JSON_COMPACT);
         /* vm.json first (ram_src means nothing to a whole-RAM snapshot); a crash between the
          * two renames leaves a device state its manifest's checksum refuses, never a wrong
@@ -476,19 +508,53 @@ static void localize(struct xfer *x, const char *dir)
                   rename(mtmp, man) == 0;
         free(mj);
         free(vj);
-        if (!ok)
-            sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "cannot rewrite: %s", strerror(errno));
-        x->localized = ok;
         if (ok) {
             char sd[PATH_MAX + 16];
             sp_qemu__sfmt(sd, sizeof sd, "%s/snapshot", dir);
             sp_qemu__fsync_path(sd, O_RDONLY | O_DIRECTORY);
+            rc = 0;
+        } else {
+            sp_qemu__sfmt(why, why_len, "cannot rewrite: %s", strerror(errno));
         }
     }
     unlink(tmp);
     unlink(mtmp);
     json_decref(m);
     json_decref(v);
+    return rc;
+}
+
+/* Makes the device state of the snapshot in dir (this worker's copy: one copied in, or the
+ * taker's when it was not taken as a delta, as a VM with RAM of its own is not) a delta over
+ * x->base's RAM file, as a clone's suspend writes it (sp_migdelta_filter: only the pages that
+ * differ; the result loads over any RAM file of that size the same as the whole stream), so
+ * that its forks here map that template RAM privately and load only their own pages, as
+ * clones of the template do: a boot of 0.3 s instead of 1.5-2.5 s for 256 MiB under TCG, and
+ * RAM shared with the template's clones. Any template snapshot RAM of the snapshot's size
+ * serves; one of its own template shares the most. The device state is whole, or (via: a
+ * shared copy's, published_base) a delta over a published base, made whole on the way. On
+ * any failure the copy stays as it was; x->lwhy says why. A delta over a template snapshot
+ * here already is left alone. Runs on a worker thread. */
+static void localize(struct xfer *x, const char *dir, const char *via)
+{
+    char man[PATH_MAX + 64], ram[PATH_MAX + 16];
+    sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", dir);
+    sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", x->base);
+    json_t *m = json_load_file(man, 0, NULL);
+    const char *kind = json_string_value(json_object_get(m, "ram"));
+    long long mem = (long long)json_integer_value(json_object_get(m, "memory_mb"));
+    struct stat st;
+    if (via[0] == '\0' && kind != NULL && strcmp(kind, "delta") == 0) {
+        /* one already (the taker's, as taken) */
+    } else if (kind == NULL || strcmp(kind, via[0] != '\0' ? "delta" : "stream") != 0) {
+        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "not a whole-RAM snapshot");
+    } else if (stat(ram, &st) < 0 || (long long)st.st_size != mem << 20) {
+        sp_qemu__sfmt(x->lwhy, sizeof x->lwhy, "the template RAM is not of its size");
+    } else {
+        x->localized = rewrite(dir, sp_migdelta_filter, via[0] != '\0' ? via : NULL, x->base,
+                               &x->lst, x->lwhy, sizeof x->lwhy) == 0;
+    }
+    json_decref(m);
 }
 
 static void xfer_run(sp_work_t *w, void *arg)
@@ -496,9 +562,22 @@ static void xfer_run(sp_work_t *w, void *arg)
     (void)w;
     struct xfer *x = arg;
     uint64_t t0 = sp_qemu__mono_ms();
+    char via[PATH_MAX + 200] = "";
     x->rc = x->fetch ? fetch_run(x) : publish_run(x);
+    x->copy_ms = sp_qemu__mono_ms() - t0;
+    if (x->rc == 0 && x->snap && x->fetch)
+        x->rc = published_base(x, x->tmp, via, sizeof via);
+    x->check_ms = sp_qemu__mono_ms() - t0 - x->copy_ms;
     if (x->rc == 0 && x->snap && x->base[0] != '\0')
-        localize(x, x->fetch ? x->tmp : x->src);
+        localize(x, x->fetch ? x->tmp : x->src, via);
+    if (x->rc == 0 && via[0] != '\0' && !x->localized) { /* no delta here: made whole */
+        char why[160];
+        sp_migdelta_stats_t st;
+        if (rewrite(x->tmp, sp_migdelta_expand, NULL, via, &st, why, sizeof why) < 0) {
+            sp_qemu__sfmt(x->why, sizeof x->why, "cannot make its whole RAM: %s", why);
+            x->rc = -1;
+        }
+    }
     if (x->rc == 0 && !x->fetch && !x->snap)
         sp_rm_rf(x->src); /* nothing of it stays on this worker */
     if (x->rc < 0)
@@ -648,9 +727,14 @@ static void fetch_done(struct xfer *x)
                        x->snap ? "boot" : "wake");
             x->rc = -1;
         } else {
+            char parts[96] = "";
+            if (x->snap)
+                snprintf(parts, sizeof parts, " (copy %llu, base checked %llu, RAM %llu)",
+                         (unsigned long long)x->copy_ms, (unsigned long long)x->check_ms,
+                         (unsigned long long)(x->ms - x->copy_ms - x->check_ms));
             sp_log(SP_LOG_INFO, "qemu",
-                   "%s copied in from the snapshot dir id=%s bytes=%llu ms=%llu", what, x->id,
-                   (unsigned long long)x->bytes, (unsigned long long)x->ms);
+                   "%s copied in from the snapshot dir id=%s bytes=%llu ms=%llu%s", what, x->id,
+                   (unsigned long long)x->bytes, (unsigned long long)x->ms, parts);
             log_localized(x);
         }
     }
@@ -757,10 +841,14 @@ struct shared_ls {
     sp_qemu_t *d; /* NULL once the driver let go: the job's done frees it */
     sp_work_t *work;
     char dir[PATH_MAX + 32];
+    char marks[PATH_MAX + 32]; /* this worker's .verified (published_base) */
     struct lsent *cur, *next; /* the last listing (loop's), the one being made (job's) */
     size_t ncur, nnext;
     bool next_ok;
 };
+
+static void bases_sweep(const char *sdir, const char *marks, const struct lsent *v, size_t n,
+                        time_t since);
 
 static void ls_run(sp_work_t *w, void *arg)
 {
@@ -769,6 +857,7 @@ static void ls_run(sp_work_t *w, void *arg)
     l->next = NULL;
     l->nnext = 0;
     l->next_ok = false;
+    time_t since = time(NULL);
     DIR *dh = opendir(l->dir);
     if (dh == NULL) {
         l->next_ok = errno == ENOENT;
@@ -799,6 +888,8 @@ static void ls_run(sp_work_t *w, void *arg)
         e->mtime = de->d_name[0] != '.' && stat(p, &st) == 0 ? (long long)st.st_mtime : -1;
     }
     closedir(dh);
+    if (l->next_ok)
+        bases_sweep(l->dir, l->marks, l->next, l->nnext, since);
 }
 
 static void ls_done(void *arg, bool cancelled)
@@ -831,6 +922,7 @@ static const struct shared_ls *ls_get(sp_qemu_t *d)
             return NULL;
         d->snap_ls->d = d;
         sp_qemu__sfmt(d->snap_ls->dir, sizeof d->snap_ls->dir, "%s/snapshots", d->shared_dir);
+        sp_qemu__sfmt(d->snap_ls->marks, sizeof d->snap_ls->marks, "%s/.verified", d->snaps_dir);
     }
     struct shared_ls *l = d->snap_ls;
     if (l->work == NULL)
@@ -851,6 +943,295 @@ static void ls_free(sp_qemu_t *d)
     }
     free(l->cur);
     free(l);
+}
+
+/* ---------- the template RAM a shared sandbox snapshot is a delta over ---------- */
+
+/* <snapshot-dir>/snapshots/.bases/<name>/: mem.ram (a template snapshot's RAM, published by
+ * the worker that took a sandbox snapshot over it) and sha256 (its checksum, written last:
+ * the commit). The directory's mtime is touched, under .bases/.lock, each time a snapshot
+ * copy is about to name it; the listing job removes one that no committed copy names and
+ * that was not touched for BASE_GRACE_S (SPACE_SHARED_BASE_GRACE_S) before that listing
+ * began, re-checked under the lock: a copy being written names a base touched less than the
+ * grace ago, and once committed its manifest holds it. */
+#define BASES        "snapshots/.bases"
+#define BASE_GRACE_S 3600
+
+static long long base_grace_s(void)
+{
+    const char *g = getenv("SPACE_SHARED_BASE_GRACE_S");
+    long long v = g != NULL ? atoll(g) : -1;
+    return v > 0 ? v : BASE_GRACE_S;
+}
+
+/* The name a template snapshot's RAM is published under: its version's hash (12 hex digits)
+ * and its own directory's name (size and key); false when dir is not of that form. */
+static bool base_name(const char *dir, char *out, size_t n)
+{
+    const char *leaf = strrchr(dir, '/');
+    if (leaf == NULL || leaf == dir)
+        return false;
+    const char *ver = leaf - 1;
+    while (ver > dir && *ver != '/')
+        ver--;
+    int vl = (int)(leaf - ver - 1);
+    if (*ver != '/' || vl < 12 || strchr(leaf + 1, '.') != NULL || leaf[1] == '\0')
+        return false;
+    int k = sp_qemu__sfmt(out, n, "%.12s-%s", ver + 1, leaf + 1);
+    return k > 0 && (size_t)k < n;
+}
+
+/* Opens and locks <shared>/snapshots/.bases/.lock (made with the dir); -1 with x->why. */
+static int bases_lock(struct xfer *x, char *bases, size_t n)
+{
+    char lock[PATH_MAX + 64];
+    sp_qemu__sfmt(bases, n, "%s/" BASES, x->shared);
+    sp_qemu__sfmt(lock, sizeof lock, "%s/.lock", bases);
+    int fd = mkdir_p(bases, 0755) < 0 ? -1 : open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0 || flock(fd, LOCK_EX) < 0) {
+        if (fd >= 0)
+            close(fd);
+        fail(x, "cannot lock", lock);
+        return -1;
+    }
+    return fd;
+}
+
+/* A snapshot taken as a delta over this worker's template snapshot RAM (as on one node: its
+ * vCPUs stop only while its own pages are written) keeps that form in the shared copy: that
+ * RAM is published once as a base (above; a hard link where the file system allows, else a
+ * copy, with its checksum), and man names it (ram_base_shared, ram_base_checksum) instead of
+ * the local path. So a copy costs its own pages, not the whole RAM, written, checksummed and
+ * synced before the take answers. Runs on a worker thread. */
+static int publish_base(struct xfer *x, json_t *man)
+{
+    const char *local = json_string_value(json_object_get(man, "ram_base"));
+    char name[128], bases[PATH_MAX + 64], bdir[PATH_MAX + 200], tmp[PATH_MAX + 220],
+        p[PATH_MAX + 240], q[PATH_MAX + 240], hex[65] = "";
+    if (local == NULL || !base_name(local, name, sizeof name)) {
+        errno = EINVAL;
+        return fail(x, "no template RAM named rightly in the manifest of", x->src);
+    }
+    int lk = bases_lock(x, bases, sizeof bases);
+    if (lk < 0)
+        return -1;
+    sp_qemu__sfmt(bdir, sizeof bdir, "%s/%s", bases, name);
+    sp_qemu__sfmt(p, sizeof p, "%s/sha256", bdir);
+    int rc = 0;
+    FILE *f = fopen(p, "re");
+    if (f == NULL || fscanf(f, "%64[0-9a-f]", hex) != 1 || strlen(hex) != 64) {
+        uint64_t size;
+        sp_qemu__sfmt(tmp, sizeof tmp, "%s/.tmp-%s-%d", bases, name, (int)getpid());
+        sp_rm_rf(tmp);
+        sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", local);
+        sp_qemu__sfmt(q, sizeof q, "%s/mem.ram", tmp);
+        if (mkdir(tmp, 0755) < 0)
+            rc = fail(x, "cannot create", tmp);
+        else if (copy_file(p, q, 0444, true, &x->bytes) < 0)
+            rc = fail(x, "cannot copy", p);
+        else if (sp_qemu__sum_file(q, &size, hex) < 0)
+            rc = fail(x, "cannot checksum", q);
+        sp_qemu__sfmt(q, sizeof q, "%s/sha256", tmp);
+        if (rc == 0 && sp_qemu__write_atomic(q, hex, 64) < 0)
+            rc = fail(x, "cannot write", q);
+        if (rc == 0) {
+            sp_qemu__fsync_path(tmp, O_RDONLY | O_DIRECTORY);
+            sp_rm_rf(bdir); /* a partial one: no checksum */
+            if (rename(tmp, bdir) < 0)
+                rc = fail(x, "cannot rename into place", bdir);
+            else
+                sp_qemu__fsync_path(bases, O_RDONLY | O_DIRECTORY);
+        }
+        if (rc < 0)
+            sp_rm_rf(tmp);
+    }
+    if (f != NULL)
+        fclose(f);
+    if (rc == 0 && utimensat(AT_FDCWD, bdir, NULL, 0) < 0) /* the sweep's guard */
+        rc = fail(x, "cannot touch", bdir);
+    close(lk);
+    if (rc < 0)
+        return -1;
+    json_object_del(man, "ram_base");
+    json_object_set_new(man, "ram_base_shared", json_string(name));
+    json_object_set_new(man, "ram_base_checksum", json_string(hex));
+    return 0;
+}
+
+/* A base's checksum is verified once per worker: the worker then records what the file was
+ * (device, inode, size, mtime, ctime: a write changes them) beside its snapshots, in
+ * .verified/<name>, and takes a file that still matches as verified. mark: that path. */
+static int base_id(const struct stat *st, const char *sum, char *out, size_t n)
+{
+    return snprintf(out, n, "%llu %llu %lld %lld.%09ld %lld.%09ld %s",
+                    (unsigned long long)st->st_dev, (unsigned long long)st->st_ino,
+                    (long long)st->st_size, (long long)st->st_mtim.tv_sec, st->st_mtim.tv_nsec,
+                    (long long)st->st_ctim.tv_sec, st->st_ctim.tv_nsec, sum);
+}
+
+static bool base_known(const char *mark, const struct stat *st, const char *sum)
+{
+    char want[256], got[256];
+    base_id(st, sum, want, sizeof want);
+    FILE *f = fopen(mark, "re");
+    if (f == NULL)
+        return false;
+    size_t n = fread(got, 1, sizeof got - 1, f);
+    fclose(f);
+    got[n] = '\0';
+    return strcmp(got, want) == 0;
+}
+
+static void base_mark(const char *mark, const struct stat *st, const char *sum)
+{
+    char line[256], dir[PATH_MAX];
+    int n = base_id(st, sum, line, sizeof line);
+    sp_qemu__sfmt(dir, sizeof dir, "%s", mark);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL)
+        *slash = '\0';
+    (void)mkdir(dir, 0700);
+    (void)sp_qemu__write_atomic(mark, line, (size_t)n); /* else verified again next time */
+}
+
+/* A copy in this worker's snapshots (fetched from the shared dir into dir) whose RAM is a
+ * delta over a published base: via gets that base's directory, once its RAM file is of the
+ * snapshot's size and matches its checksum (verified once per worker: base_known); localize
+ * and the whole-RAM rewrite read it. A copy without a base (whole already) leaves via "".
+ * -1 with x->why: the copy cannot be used. Runs on a worker thread. */
+static int published_base(struct xfer *x, const char *dir, char *via, size_t n)
+{
+    char man[PATH_MAX + 64], bdir[PATH_MAX + 200], ram[PATH_MAX + 220], mark[PATH_MAX + 200],
+        hex[65];
+    sp_qemu__sfmt(man, sizeof man, "%s/snapshot/manifest.json", dir);
+    json_t *m = json_load_file(man, 0, NULL);
+    const char *name = json_string_value(json_object_get(m, "ram_base_shared"));
+    const char *sum = json_string_value(json_object_get(m, "ram_base_checksum"));
+    via[0] = '\0';
+    if (m != NULL && name == NULL) {
+        json_decref(m);
+        return 0;
+    }
+    int rc = 0;
+    uint64_t size;
+    struct stat st;
+    if (m == NULL || sum == NULL || name[0] == '.' || strchr(name, '/') != NULL) {
+        errno = EINVAL;
+        rc = fail(x, "a manifest that names no base rightly:", man);
+    } else {
+        sp_qemu__sfmt(bdir, sizeof bdir, "%s/" BASES "/%s", x->shared, name);
+        sp_qemu__sfmt(ram, sizeof ram, "%s/mem.ram", bdir);
+        const char *slash = strrchr(dir, '/'); /* dir is in this worker's snapshots */
+        sp_qemu__sfmt(mark, sizeof mark, "%.*s/.verified/%s",
+                      slash != NULL ? (int)(slash - dir) : 0, dir, name);
+        long long want = (long long)json_integer_value(json_object_get(m, "memory_mb")) << 20;
+        if (stat(ram, &st) < 0) {
+            rc = fail(x, "cannot read the template RAM", ram);
+        } else if ((long long)st.st_size != want) {
+            errno = EIO;
+            rc = fail(x, "the template RAM is not of the snapshot's size:", ram);
+        } else if (!base_known(mark, &st, sum)) { /* not verified here, or changed since */
+            if (sp_qemu__sum_file(ram, &size, hex) < 0) {
+                rc = fail(x, "cannot read the template RAM", ram);
+            } else if (strcmp(hex, sum) != 0) {
+                errno = EIO;
+                rc = fail(x, "the template RAM does not match its checksum:", ram);
+            } else {
+                base_mark(mark, &st, sum);
+            }
+        }
+    }
+    if (rc == 0)
+        sp_qemu__sfmt(via, n, "%s", bdir);
+    json_decref(m);
+    return rc;
+}
+
+/* This worker's marks (base_known) of bases that are gone. */
+static void marks_sweep(const char *bases, const char *marks)
+{
+    DIR *dh = opendir(marks);
+    struct dirent *de;
+    while (dh != NULL && (de = readdir(dh)) != NULL) {
+        char p[PATH_MAX + 400];
+        struct stat st;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", bases, de->d_name);
+        if (de->d_name[0] == '.' || lstat(p, &st) == 0 || errno != ENOENT)
+            continue;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", marks, de->d_name);
+        unlink(p);
+    }
+    if (dh != NULL)
+        closedir(dh);
+}
+
+/* The listing job's collection of bases (ls_run): v[0..n) is the listing of snapshots/ made
+ * after since; a base no committed copy there names, untouched since before since less the
+ * grace, goes (renamed under the lock, then removed); then this worker's marks of bases that
+ * are gone. */
+static void bases_sweep(const char *sdir, const char *marks, const struct lsent *v, size_t n,
+                        time_t since)
+{
+    char bases[PATH_MAX + 64], lock[PATH_MAX + 64];
+    sp_qemu__sfmt(bases, sizeof bases, "%s/.bases", sdir);
+    DIR *dh = opendir(bases);
+    if (dh == NULL) {
+        if (errno == ENOENT)
+            marks_sweep(bases, marks);
+        return;
+    }
+    json_t *refs = json_object();
+    bool known = refs != NULL;
+    for (size_t i = 0; known && i < n; i++) {
+        char p[PATH_MAX + 400];
+        if (v[i].mtime < 0)
+            continue;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s/snapshot/manifest.json", sdir, v[i].name);
+        struct stat st;
+        json_t *m = json_load_file(p, 0, NULL);
+        const char *b = json_string_value(json_object_get(m, "ram_base_shared"));
+        if (m == NULL && (stat(p, &st) == 0 || errno != ENOENT))
+            known = false; /* unreadable, not gone: it may name any */
+        else if (b != NULL)
+            json_object_set_new(refs, b, json_true());
+        json_decref(m);
+    }
+    time_t before = since - (time_t)base_grace_s();
+    struct dirent *de;
+    while (known && (de = readdir(dh)) != NULL) {
+        char p[PATH_MAX + 400], gone[PATH_MAX + 400];
+        struct stat st;
+        const char *nm = de->d_name;
+        bool tmp = strncmp(nm, ".tmp-", 5) == 0, left = strncmp(nm, ".gone-", 6) == 0;
+        if ((nm[0] == '.' && !tmp && !left) || json_object_get(refs, nm) != NULL)
+            continue;
+        sp_qemu__sfmt(p, sizeof p, "%s/%s", bases, nm);
+        if (lstat(p, &st) < 0 || st.st_mtime >= before)
+            continue;
+        if (left) { /* a sweep that stopped midway */
+            sp_rm_rf(p);
+            continue;
+        }
+        sp_qemu__sfmt(lock, sizeof lock, "%s/.lock", bases);
+        int fd = open(lock, O_RDWR | O_CLOEXEC);
+        if (fd < 0 || flock(fd, LOCK_EX) < 0) {
+            if (fd >= 0)
+                close(fd);
+            continue;
+        }
+        sp_qemu__sfmt(gone, sizeof gone, "%s/.gone-%s-%d", bases, tmp ? nm + 5 : nm, (int)getpid());
+        bool moved = lstat(p, &st) == 0 && st.st_mtime < before && rename(p, gone) == 0;
+        close(fd);
+        if (moved) {
+            sp_rm_rf(gone);
+            sp_log(SP_LOG_INFO, "qemu", "template RAM no shared snapshot names removed base=%s",
+                   nm);
+        }
+    }
+    closedir(dh);
+    json_decref(refs);
+    if (known)
+        marks_sweep(bases, marks);
 }
 
 /* ---------- the calls ---------- */
@@ -889,7 +1270,7 @@ void sp_qemu__shared_free(sp_qemu_t *d)
 
 /* A suspend of this VM streams its whole RAM into the device state: with a shared dir, so
  * that the snapshot depends on no RAM file of this worker's. (A sandbox snapshot for every
- * worker does not: its shared copy's whole RAM is made from its delta afterwards.) */
+ * worker does not: its shared copy is a delta over a template RAM published beside it.) */
 bool sp_qemu__shared_streams(const struct vm *vm)
 {
     return sp_qemu__shared_publishes(vm);
