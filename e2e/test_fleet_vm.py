@@ -480,6 +480,26 @@ print("OK", flush=True)
         # worker in service does: its copy is made a delta over that one's RAM.
         warm = self.create(on="w1" if other is self.workers[0] else "w2")
         self.api.delete_quietly(warm)
+        # A published template RAM that does not match its checksum is refused: the fork fails
+        # and the worker keeps nothing of the snapshot; matching again, it is taken.
+        ram = os.path.join(base, "mem.ram")
+        with open(ram, "r+b") as f:
+            f.seek(1 << 20)
+            byte = f.read(1)
+            f.seek(1 << 20)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        try:
+            st, r = self.api.request("POST", "/v1/sandboxes?wait=%d" % wait_s(120),
+                                     {"snapshot": snap}, timeout=wait_s(120) + 20)
+            self.assertEqual((st, r["operation"]["status"]), (200, "failed"), r)
+            self.api.delete_quietly(r["sandbox"]["id"])
+            with open(other.log_path) as f:
+                self.assertIn("the template RAM does not match its checksum", f.read())
+            self.assertFalse(os.path.exists(os.path.join(other.data_dir, "snapshots", snap)))
+        finally:
+            with open(ram, "r+b") as f:
+                f.seek(1 << 20)
+                f.write(byte)
         fork = self.api.create_ready(wait=240, snapshot=snap)
         self.sids.append(fork)
         self.assertIs(self.placed_on(fork), other)
