@@ -70,6 +70,18 @@
 
 #define LAYERS_MAX 8 /* backing files copied into a sandbox's snapshot at most */
 
+/* Published template RAMs (the section of that name, below). */
+#define BASES         "snapshots/.bases"
+#define BASE_GRACE_S  3600
+#define BASES_EVERY_S 300 /* bases are swept at most this often (or half the grace) */
+
+static long long base_grace_s(void)
+{
+    const char *g = getenv("SPACE_SHARED_BASE_GRACE_S");
+    long long v = g != NULL ? atoll(g) : -1;
+    return v > 0 ? v : BASE_GRACE_S;
+}
+
 /* A wake waiting for its snapshot to be copied in, or a boot for its sandbox snapshot's:
  * the spec's strings, owned. */
 struct req {
@@ -842,6 +854,7 @@ struct shared_ls {
     sp_work_t *work;
     char dir[PATH_MAX + 32];
     char marks[PATH_MAX + 32]; /* this worker's .verified (published_base) */
+    time_t bases_at;           /* the last bases_sweep (the job's alone) */
     struct lsent *cur, *next; /* the last listing (loop's), the one being made (job's) */
     size_t ncur, nnext;
     bool next_ok;
@@ -888,8 +901,12 @@ static void ls_run(sp_work_t *w, void *arg)
         e->mtime = de->d_name[0] != '.' && stat(p, &st) == 0 ? (long long)st.st_mtime : -1;
     }
     closedir(dh);
-    if (l->next_ok)
+    /* every committed copy's manifest is read: not at every listing */
+    long long every = base_grace_s() / 2 < BASES_EVERY_S ? base_grace_s() / 2 : BASES_EVERY_S;
+    if (l->next_ok && since - l->bases_at >= every) {
         bases_sweep(l->dir, l->marks, l->next, l->nnext, since);
+        l->bases_at = since;
+    }
 }
 
 static void ls_done(void *arg, bool cancelled)
@@ -953,16 +970,8 @@ static void ls_free(sp_qemu_t *d)
  * copy is about to name it; the listing job removes one that no committed copy names and
  * that was not touched for BASE_GRACE_S (SPACE_SHARED_BASE_GRACE_S) before that listing
  * began, re-checked under the lock: a copy being written names a base touched less than the
- * grace ago, and once committed its manifest holds it. */
-#define BASES        "snapshots/.bases"
-#define BASE_GRACE_S 3600
-
-static long long base_grace_s(void)
-{
-    const char *g = getenv("SPACE_SHARED_BASE_GRACE_S");
-    long long v = g != NULL ? atoll(g) : -1;
-    return v > 0 ? v : BASE_GRACE_S;
-}
+ * grace ago, and once committed its manifest holds it. The sweep runs with a listing at
+ * most every BASES_EVERY_S (or half the grace): it reads every committed copy's manifest. */
 
 /* The name a template snapshot's RAM is published under: its version's hash (12 hex digits)
  * and its own directory's name (size and key); false when dir is not of that form. */
