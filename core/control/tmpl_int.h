@@ -147,6 +147,7 @@ struct sp_tmpl {
     struct build *builds;            /* accepted, not yet recorded as ended; oldest last */
     struct waiter *remote;           /* ?wait= on builds another node runs (tmpl.c) */
     struct sp_tmpl__sweep *sweep;    /* the published versions' listing in flight (tmplver.c) */
+    struct judge *judges;            /* versions being judged off the loop (tmplver.c) */
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
@@ -221,6 +222,8 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err);
 void sp_tmpl__collect_shared(sp_tmpl_t *t);
 /* Lets go of a sweep of the published versions in flight (its job is cancelled). */
 void sp_tmpl__sweep_free(sp_tmpl_t *t);
+/* Lets go of the judgements of versions in flight (sp_tmpl__collect; their jobs cancelled). */
+void sp_tmpl__judges_free(sp_tmpl_t *t);
 /* Where removed published versions go (<snapshot-dir>/templates/.trash) until the worker that
  * moved them has unlinked them; what a worker did not finish, the next to start finishes. */
 #define SHARED_TRASH ".trash"

@@ -60,63 +60,108 @@ int sp_tmpl__set_current(const sp_tmpl_t *t, const char *name, const char *hash)
 
 /* ---- versions: which are in use, the others removed ---- */
 
-/* Whether the file at path mentions needle (vm.json files are a few hundred bytes). */
-static bool file_mentions(const char *path, const char *needle)
+/* A version dir and what the data dir says of it: the VM and sandbox snapshot dirs whose
+ * vm.json names a file in it (cand_scan, a walk that may run off the loop), and whether a
+ * version of any template on disk is layered on it (judge_run). */
+struct cand {
+    char vdir[PATH_MAX]; /* "<data>/templates/<name>/<hash>" */
+    const char *hash;    /* its last component */
+    bool parent;
+    json_t *vms, *snaps; /* ["<dir name>", ...] */
+};
+
+static bool cand_init(struct cand *c, const char *vdir)
 {
-    FILE *f = fopen(path, "re");
-    if (f == NULL)
+    memset(c, 0, sizeof *c);
+    if (sp_tmpl__pathf(c->vdir, sizeof c->vdir, "%s", vdir) < 0)
         return false;
-    char buf[16384];
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    return strstr(buf, needle) != NULL;
+    c->hash = strrchr(c->vdir, '/') + 1;
+    c->vms = json_array();
+    c->snaps = json_array();
+    return c->vms != NULL && c->snaps != NULL;
 }
 
-/* What the runtime holds of the version dir vdir ("<data>/templates/<name>/<hash>"): a VM
- * (running, suspended or a builder) or a sandbox snapshot whose vm.json names a file in it.
- * Step cache entries (tmplcache.h) naming it are deleted instead: no build will start from a
- * version that is gone, and the same inputs made again later make new files. Spare clones
- * (qemu.h: sp_qemu_spare_dir) are no use either: they only serve creates of a version a tag
- * names, so *spares tells whether there are any, for the caller to let go with the version
- * (driver.h: template_forget). */
-static bool runtime_uses(sp_tmpl_t *t, const char *vdir, bool *spares)
+static void cand_fini(struct cand *c)
 {
-    char needle[PATH_MAX];
-    if (sp_tmpl__pathf(needle, sizeof needle, "%s/", vdir) < 0)
-        return true;
-    static const char *const dirs[] = {"vms", "snapshots"};
-    bool used = false;
-    for (int k = 0; k < 2 && !used; k++) {
+    json_decref(c->vms);
+    json_decref(c->snaps);
+}
+
+/* Adds to each of v[0..n) the dirs under <data_dir>/vms and /snapshots whose vm.json (a few
+ * hundred bytes) names a file in its version dir; false when a list cannot be read. Touches
+ * files only: safe off the loop. */
+static bool cand_scan(const char *data_dir, struct cand *v, size_t n)
+{
+    static const char *const subs[] = {"vms", "snapshots"};
+    for (int k = 0; k < 2; k++) {
         char dir[PATH_MAX];
-        if (sp_tmpl__pathf(dir, sizeof dir, "%s/%s", t->data_dir, dirs[k]) < 0)
-            return true;
+        if (sp_tmpl__pathf(dir, sizeof dir, "%s/%s", data_dir, subs[k]) < 0)
+            return false;
         DIR *d = opendir(dir);
         if (d == NULL) {
             if (errno != ENOENT)
-                return true;
+                return false;
             continue;
         }
         struct dirent *de;
-        while (!used && (de = readdir(d)) != NULL) {
-            char p[PATH_MAX];
+        while ((de = readdir(d)) != NULL) {
+            char p[PATH_MAX], buf[16384];
             if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0 ||
-                sp_tmpl__pathf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name) < 0 ||
-                !file_mentions(p, needle))
+                sp_tmpl__pathf(p, sizeof p, "%s/%s/vm.json", dir, de->d_name) < 0)
                 continue;
-            if (k == 0 && sp_qemu_spare_dir(t->driver, de->d_name)) {
-                *spares = true;
+            FILE *f = fopen(p, "re");
+            if (f == NULL)
                 continue;
+            size_t got = fread(buf, 1, sizeof buf - 1, f);
+            fclose(f);
+            buf[got] = '\0';
+            for (size_t i = 0; i < n; i++) {
+                char needle[PATH_MAX];
+                if (sp_tmpl__pathf(needle, sizeof needle, "%s/", v[i].vdir) == 0 &&
+                    strstr(buf, needle) != NULL)
+                    json_array_append_new(k == 0 ? v[i].vms : v[i].snaps, json_string(de->d_name));
             }
-            sp_err_t e;
-            if (k == 1 && strncmp(de->d_name, "bc-", 3) == 0 && t->driver != NULL &&
-                t->driver->ops->checkpoint_delete != NULL &&
-                t->driver->ops->checkpoint_delete(t->driver, de->d_name, &e) == 0)
-                continue;
-            used = true;
         }
         closedir(d);
     }
+    return true;
+}
+
+/* What the runtime holds of c (cand_scan found who names it): a VM (running, suspended or a
+ * builder) or a sandbox snapshot. Step cache entries (tmplcache.h) naming it are deleted
+ * instead: no build will start from a version that is gone, and the same inputs made again
+ * later make new files. Spare clones (qemu.h: sp_qemu_spare_dir) are no use either: they only
+ * serve creates of a version a tag names, so *spares tells whether there are any, for the
+ * caller to let go with the version (driver.h: template_forget). Loop thread. */
+static bool runtime_holds(sp_tmpl_t *t, const struct cand *c, bool *spares)
+{
+    size_t i;
+    json_t *e;
+    json_array_foreach(c->vms, i, e)
+    {
+        if (!sp_qemu_spare_dir(t->driver, json_string_value(e)))
+            return true;
+        *spares = true;
+    }
+    json_array_foreach(c->snaps, i, e)
+    {
+        const char *id = json_string_value(e);
+        sp_err_t err;
+        if (strncmp(id, "bc-", 3) != 0 || t->driver == NULL ||
+            t->driver->ops->checkpoint_delete == NULL ||
+            t->driver->ops->checkpoint_delete(t->driver, id, &err) < 0)
+            return true;
+    }
+    return false;
+}
+
+/* runtime_holds of the version dir vdir, scanned here (on the loop). */
+static bool runtime_uses(sp_tmpl_t *t, const char *vdir, bool *spares)
+{
+    struct cand c;
+    bool used =
+        !cand_init(&c, vdir) || !cand_scan(t->data_dir, &c, 1) || runtime_holds(t, &c, spares);
+    cand_fini(&c);
     return used;
 }
 
@@ -175,35 +220,6 @@ static int each_child_in(const char *root, child_fn fn, void *arg)
     return 0;
 }
 
-static int each_child(sp_tmpl_t *t, child_fn fn, void *arg)
-{
-    return each_child_in(t->data_dir, fn, arg);
-}
-
-struct parent_q {
-    sp_tmpl_t *t;
-    const char *name, *hash;
-    bool found;
-};
-
-static bool parent_match(void *arg, const char *parent, const char *hash, const char *cdir)
-{
-    struct parent_q *q = arg;
-    q->found = strcmp(parent, q->name) == 0 && strcmp(hash, q->hash) == 0 &&
-               !image_standalone(q->t->driver, cdir);
-    return !q->found;
-}
-
-/* Whether a version of any template on disk was built on name's version hash and its rootfs
- * is a layer over the parent's; true when that cannot be told. A squashed child's manifest
- * still names its parent (its lineage), but it holds none of the parent's files: those go
- * once nothing else uses them. */
-static bool is_parent(sp_tmpl_t *t, const char *name, const char *hash)
-{
-    struct parent_q q = {t, name, hash, false};
-    return each_child(t, parent_match, &q) < 0 || q.found;
-}
-
 /* Before a version's files go, the driver lets go of what it made of it (its spares, the sizes
  * it keeps them of); false when the version must stay: a driver that cannot forget leaves its
  * spares keeping it. */
@@ -230,9 +246,147 @@ static void on_version_row_deleted(void *rec, PGresult *res, const sp_err_t *err
         sp_log(SP_LOG_WARN, "tmpl", "version row not deleted err=%s", err->msg);
 }
 
+static json_t *parents_in(sp_driver_t *driver, const char *root, const char *prefix);
+
+/* A template's versions that the database says nothing holds, judged: a job (SP_WORK_LONG)
+ * lists them and reads what the data dir says of them (every template's manifests, every VM
+ * and sandbox snapshot's vm.json), the loop then decides with what only it knows (builds,
+ * spares, step cache entries) and removes. */
+struct judge {
+    struct judge *next; /* in t->judges */
+    sp_tmpl_t *t;       /* NULL once the module let go: judge_done frees */
+    sp_work_t *work;
+    sp_driver_t *driver;
+    char name[65];
+    char data_dir[PATH_MAX];
+    char *in_use; /* "{h1,h2}" (owned) */
+    char target[128];
+    bool deleted;
+    struct cand *v;
+    size_t n;
+    bool unknown; /* what holds them could not be told: nothing goes */
+};
+
+static void judge_run(sp_work_t *w, void *arg)
+{
+    (void)w;
+    struct judge *j = arg;
+    char tdir[PATH_MAX];
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates/%s", j->data_dir, j->name) < 0)
+        return;
+    DIR *d = opendir(tdir);
+    struct dirent *de;
+    size_t cap = 0;
+    while (d != NULL && !j->unknown && (de = readdir(d)) != NULL) {
+        const char *h = de->d_name;
+        char vdir[PATH_MAX];
+        if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
+            strstr(j->in_use, h) != NULL || strcmp(h, j->target) == 0 ||
+            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0)
+            continue;
+        if (j->n == cap) {
+            size_t nc = cap ? 2 * cap : 8;
+            struct cand *v = realloc(j->v, nc * sizeof *v);
+            if (v == NULL) {
+                j->unknown = true;
+                break;
+            }
+            j->v = v;
+            cap = nc;
+        }
+        j->unknown = !cand_init(&j->v[j->n++], vdir);
+    }
+    if (d != NULL)
+        closedir(d);
+    if (j->n == 0 || j->unknown)
+        return;
+    json_t *parents = parents_in(j->driver, j->data_dir, "");
+    for (size_t i = 0; parents != NULL && i < j->n; i++) {
+        char nh[600];
+        snprintf(nh, sizeof nh, "%s@%s", j->name, j->v[i].hash);
+        j->v[i].parent = json_object_get(parents, nh) != NULL;
+    }
+    j->unknown = parents == NULL || !cand_scan(j->data_dir, j->v, j->n);
+    json_decref(parents);
+}
+
+static void judge_free(struct judge *j)
+{
+    for (size_t i = 0; i < j->n; i++)
+        cand_fini(&j->v[i]);
+    free(j->v);
+    free(j->in_use);
+    free(j);
+}
+
+static void judge_done(void *arg, bool cancelled)
+{
+    struct judge *j = arg;
+    sp_tmpl_t *t = j->t;
+    char tdir[PATH_MAX];
+    for (struct judge **pp = t != NULL ? &t->judges : NULL; pp != NULL && *pp != NULL;
+         pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+    if (t == NULL || cancelled || j->unknown ||
+        sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates/%s", t->data_dir, j->name) < 0) {
+        judge_free(j);
+        return;
+    }
+    int removed = 0;
+    for (size_t i = 0; i < j->n; i++) {
+        const struct cand *c = &j->v[i];
+        struct stat st;
+        bool building = false; /* a build of another template on it */
+        for (struct build *b = t->builds; b != NULL; b = b->next)
+            building =
+                building || (strcmp(b->parent, j->name) == 0 && strcmp(b->pp.hash, c->hash) == 0);
+        bool spares = false;
+        if (building || c->parent || lstat(c->vdir, &st) < 0 /* another judgement removed it */ ||
+            runtime_holds(t, c, &spares) || !let_go(t, j->name, c->hash, spares))
+            continue;
+        sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
+               j->name, c->hash);
+        sp_tmpl__discard(t, c->vdir);
+        removed++;
+        const char *p[] = {j->name, c->hash};
+        sp_err_t e;
+        if (sp_store_call(t->store,
+                          "DELETE FROM template_versions v WHERE template = $1 AND hash = $2"
+                          " AND NOT EXISTS (SELECT 1 FROM template_tags g"
+                          "  WHERE g.template = $1 AND g.hash = $2)",
+                          2, p, 1, on_version_row_deleted, &e) == NULL)
+            sp_log(SP_LOG_WARN, "tmpl", "version row not deleted template=%s err=%s", j->name,
+                   e.msg);
+    }
+    /* A deleted template's directory goes with its last version (a new build of the name
+     * would be in t->builds, and its files would keep the directory) */
+    if (j->deleted && rmdir(tdir) == 0)
+        sp_log(SP_LOG_INFO, "tmpl", "deleted template's directory removed template=%s", j->name);
+    if (removed > 0) {
+        sp_log(SP_LOG_INFO, "tmpl", "template versions collected template=%s removed=%d", j->name,
+               removed);
+        sp_tmpl__collect_images(t); /* what they were layered on may be unused now */
+    }
+    judge_free(j);
+}
+
+void sp_tmpl__judges_free(sp_tmpl_t *t)
+{
+    while (t->judges != NULL) {
+        struct judge *j = t->judges;
+        t->judges = j->next;
+        j->t = NULL; /* judge_done frees it */
+        sp_work_cancel(j->work);
+    }
+}
+
 /* The versions of q->name in use were read (column 0: a version needed by every version, when
  * sandboxes older than versions use the template; 1: the hashes in use; 2: the template is
- * deleted): every other version on disk that nothing else holds is removed, with its row. */
+ * deleted): every other version on disk that nothing else holds is removed, with its row
+ * (judge_run, judge_done). */
 static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct collect *q = rec;
@@ -247,62 +401,40 @@ static void on_in_use(void *rec, PGresult *res, const sp_err_t *err)
     for (struct build *b = t->builds; b != NULL; b = b->next)
         if (strcmp(b->name, q->name) == 0)
             return; /* its version is not recorded yet: the next collection */
-    const char *in_use = PQgetvalue(res, 0, 1); /* "{h1,h2}" */
     char tdir[PATH_MAX], cur[PATH_MAX], target[128] = "";
     if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates/%s", t->data_dir, q->name) < 0 ||
         sp_tmpl__pathf(cur, sizeof cur, "%s/current", tdir) < 0)
         return;
     ssize_t n = readlink(cur, target, sizeof target - 1);
     target[n > 0 ? n : 0] = '\0';
-    if (PQgetvalue(res, 0, 2)[0] == 't' && target[0] != '\0') {
+    bool deleted = PQgetvalue(res, 0, 2)[0] == 't';
+    if (deleted && target[0] != '\0') {
         /* deleted through another node (an API node, on many workers): `current` went there,
          * not here, and holds nothing any more */
         if (sp_tmpl__set_current(t, q->name, NULL) == 0)
             target[0] = '\0';
     }
-    DIR *d = opendir(tdir);
-    struct dirent *de;
-    int removed = 0;
-    while (d != NULL && (de = readdir(d)) != NULL) {
-        const char *h = de->d_name;
-        char vdir[PATH_MAX];
-        if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
-            strstr(in_use, h) != NULL || strcmp(h, target) == 0 ||
-            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0)
-            continue;
-        bool building = false; /* a build of another template on it */
-        for (struct build *b = t->builds; b != NULL; b = b->next)
-            building = building || (strcmp(b->parent, q->name) == 0 && strcmp(b->pp.hash, h) == 0);
-        bool spares = false;
-        if (building || is_parent(t, q->name, h) || runtime_uses(t, vdir, &spares))
-            continue;
-        if (!let_go(t, q->name, h, spares))
-            continue;
-        sp_log(SP_LOG_INFO, "tmpl", "removing unused template version template=%s version=%.12s",
-               q->name, h);
-        sp_tmpl__discard(t, vdir);
-        removed++;
-        const char *p[] = {q->name, h};
-        sp_err_t e;
-        if (sp_store_call(t->store,
-                          "DELETE FROM template_versions v WHERE template = $1 AND hash = $2"
-                          " AND NOT EXISTS (SELECT 1 FROM template_tags g"
-                          "  WHERE g.template = $1 AND g.hash = $2)",
-                          2, p, 1, on_version_row_deleted, &e) == NULL)
-            sp_log(SP_LOG_WARN, "tmpl", "version row not deleted template=%s err=%s", q->name,
-                   e.msg);
+    struct judge *j = calloc(1, sizeof *j);
+    if (j == NULL || (j->in_use = strdup(PQgetvalue(res, 0, 1))) == NULL) {
+        free(j);
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=no memory",
+               q->name);
+        return;
     }
-    if (d != NULL)
-        closedir(d);
-    /* A deleted template's directory goes with its last version (a new build of the name
-     * would be in t->builds, and its files would keep the directory) */
-    if (PQgetvalue(res, 0, 2)[0] == 't' && rmdir(tdir) == 0)
-        sp_log(SP_LOG_INFO, "tmpl", "deleted template's directory removed template=%s", q->name);
-    if (removed > 0) {
-        sp_log(SP_LOG_INFO, "tmpl", "template versions collected template=%s removed=%d", q->name,
-               removed);
-        sp_tmpl__collect_images(t); /* what they were layered on may be unused now */
+    j->t = t;
+    j->driver = t->driver;
+    j->deleted = deleted;
+    sp_tmpl__copy(j->name, sizeof j->name, q->name);
+    sp_tmpl__copy(j->data_dir, sizeof j->data_dir, t->data_dir);
+    sp_tmpl__copy(j->target, sizeof j->target, target);
+    if ((j->work = sp_loop_work(t->loop, SP_WORK_LONG, judge_run, judge_done, j)) == NULL) {
+        judge_free(j);
+        sp_log(SP_LOG_WARN, "tmpl", "template versions not collected template=%s err=no worker",
+               q->name);
+        return;
     }
+    j->next = t->judges;
+    t->judges = j;
 }
 
 /* What holds versions of the template named by the SQL expression T, the one rule both judges
@@ -418,7 +550,7 @@ static bool add_parent(void *arg, const char *parent, const char *hash, const ch
 }
 
 /* The versions whose name starts with prefix that a version under root (the data dir, or the
- * shared snapshot dir's published ones) is layered on, as is_parent counts them:
+ * shared snapshot dir's published ones) is layered on (a layer: not image_standalone):
  * {"name@hash": true, ...}; NULL when that cannot be told (nothing goes). */
 static json_t *parents_in(sp_driver_t *driver, const char *root, const char *prefix)
 {
@@ -777,7 +909,7 @@ static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const
     return removed;
 }
 
-/* The image versions a version on disk is layered on (as is_parent counts them), read once
+/* The image versions a version on disk is layered on (as parents_in counts them), read once
  * per collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
 static json_t *image_parents(sp_tmpl_t *t)
 {
