@@ -1079,6 +1079,7 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
     }
     sp_tmpl__sweep_free(t);
     sp_tmpl__judges_free(t);
+    sp_tmpl__imgs_free(t);
     sp_timer_stop(&t->collect_timer);
     sp_timer_stop(&t->images_timer);
     sp_tmplfiles_destroy(t->files);

@@ -148,6 +148,7 @@ struct sp_tmpl {
     struct waiter *remote;           /* ?wait= on builds another node runs (tmpl.c) */
     struct sp_tmpl__sweep *sweep;    /* the published versions' listing in flight (tmplver.c) */
     struct judge *judges;            /* versions being judged off the loop (tmplver.c) */
+    struct sp_tmpl__imgs *imgs;      /* the images' collection in flight (tmplver.c) */
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
@@ -224,6 +225,8 @@ void sp_tmpl__collect_shared(sp_tmpl_t *t);
 void sp_tmpl__sweep_free(sp_tmpl_t *t);
 /* Lets go of the judgements of versions in flight (sp_tmpl__collect; their jobs cancelled). */
 void sp_tmpl__judges_free(sp_tmpl_t *t);
+/* Lets go of the images' collection in flight (its job cancelled, its locks released). */
+void sp_tmpl__imgs_free(sp_tmpl_t *t);
 /* Where removed published versions go (<snapshot-dir>/templates/.trash) until the worker that
  * moved them has unlinked them; what a worker did not finish, the next to start finishes. */
 #define SHARED_TRASH ".trash"

@@ -60,6 +60,19 @@ int sp_tmpl__set_current(const sp_tmpl_t *t, const char *name, const char *hash)
 
 /* ---- versions: which are in use, the others removed ---- */
 
+/* p (an array of n of size bytes, *cap of room) with room for one more: p itself, a larger
+ * copy (*cap updated), or NULL (p untouched). */
+static void *grow(void *p, size_t n, size_t *cap, size_t size)
+{
+    if (n < *cap)
+        return p;
+    size_t nc = *cap ? 2 * *cap : 8;
+    void *q = realloc(p, nc * size);
+    if (q != NULL)
+        *cap = nc;
+    return q;
+}
+
 /* A version dir and what the data dir says of it: the VM and sandbox snapshot dirs whose
  * vm.json names a file in it (cand_scan, a walk that may run off the loop), and whether a
  * version of any template on disk is layered on it (judge_run). */
@@ -68,6 +81,8 @@ struct cand {
     const char *hash;    /* its last component */
     bool parent;
     json_t *vms, *snaps; /* ["<dir name>", ...] */
+    size_t owner;        /* the image it is of (image collection) */
+    long long idle_s;    /* the image collection's: since its last use */
 };
 
 static bool cand_init(struct cand *c, const char *vdir)
@@ -153,16 +168,6 @@ static bool runtime_holds(sp_tmpl_t *t, const struct cand *c, bool *spares)
             return true;
     }
     return false;
-}
-
-/* runtime_holds of the version dir vdir, scanned here (on the loop). */
-static bool runtime_uses(sp_tmpl_t *t, const char *vdir, bool *spares)
-{
-    struct cand c;
-    bool used =
-        !cand_init(&c, vdir) || !cand_scan(t->data_dir, &c, 1) || runtime_holds(t, &c, spares);
-    cand_fini(&c);
-    return used;
 }
 
 /* Whether the child version dir vdir's image needs nothing of its parent's: the build
@@ -284,17 +289,13 @@ static void judge_run(sp_work_t *w, void *arg)
             strstr(j->in_use, h) != NULL || strcmp(h, j->target) == 0 ||
             sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0)
             continue;
-        if (j->n == cap) {
-            size_t nc = cap ? 2 * cap : 8;
-            struct cand *v = realloc(j->v, nc * sizeof *v);
-            if (v == NULL) {
-                j->unknown = true;
-                break;
-            }
-            j->v = v;
-            cap = nc;
+        struct cand *v = grow(j->v, j->n, &cap, sizeof *v);
+        if (v == NULL) {
+            j->unknown = true;
+            break;
         }
-        j->unknown = !cand_init(&j->v[j->n++], vdir);
+        j->v = v;
+        j->unknown = !cand_init(&v[j->n++], vdir);
     }
     if (d != NULL)
         closedir(d);
@@ -850,70 +851,178 @@ static bool importing(const sp_tmpl_t *t)
     return false;
 }
 
-/* One image's versions (tdir: <data>/templates/oci.<..>, holding its lock): a version goes
- * when nothing holds it (no build on it, no version of any template layered on it, nothing
- * in the runtime) and, for the current one, when it was last used (its directory's mtime:
- * the import touches it on every hit) at least cache_ttl_s ago. The others can never be
- * hit again: the agent or kernel they were made with is not this server's. The image's
- * directory goes with its last version. Returns how many versions were removed. */
-static int collect_image(sp_tmpl_t *t, const char *name, const char *tdir, const json_t *parents,
-                         time_t now)
+/* The digest cache's images, collected off the loop: a job (SP_WORK_LONG) takes each
+ * image's lock (held until the loop has judged it; another process sharing the data dir
+ * importing it holds it: next time), lists its versions, and reads what holds them (the
+ * versions layered on them, the VMs and snapshots naming them: cand_scan); the loop judges.
+ * A version goes when nothing holds it (no build on it, no version of any template layered
+ * on it, nothing in the runtime) and, for the current one, when it was last used (its
+ * directory's mtime: the import touches it on every hit) at least cache_ttl_s ago. The others
+ * can never be hit again: the agent or kernel they were made with is not this server's. The
+ * image's directory goes with its last version. */
+struct img {
+    char name[128];
+    char dir[PATH_MAX];
+    char target[128]; /* `current` */
+    int lock;         /* its lock's fd, held; -1: none */
+    int kept, removed;
+};
+
+struct sp_tmpl__imgs {
+    sp_tmpl_t *t; /* NULL once the module let go: imgs_done frees */
+    sp_driver_t *driver;
+    sp_work_t *work;
+    char data_dir[PATH_MAX];
+    uint64_t ttl_s;
+    struct img *im;
+    size_t nim;
+    struct cand *v; /* their versions to judge (owner: the index in im) */
+    size_t n;
+    bool unknown;
+};
+
+static void imgs_list(struct sp_tmpl__imgs *g, size_t k, time_t now, size_t *cap)
 {
-    char cur[PATH_MAX], target[128] = "";
-    if (sp_tmpl__pathf(cur, sizeof cur, "%s/current", tdir) < 0)
-        return 0;
-    ssize_t n = readlink(cur, target, sizeof target - 1);
-    target[n > 0 ? n : 0] = '\0';
-    DIR *d = opendir(tdir);
-    if (d == NULL)
-        return 0;
-    int removed = 0, kept = 0;
+    struct img *im = &g->im[k];
+    char cur[PATH_MAX];
+    if (sp_tmpl__pathf(cur, sizeof cur, "%s/current", im->dir) < 0)
+        return;
+    ssize_t n = readlink(cur, im->target, sizeof im->target - 1);
+    im->target[n > 0 ? n : 0] = '\0';
+    DIR *d = opendir(im->dir);
     struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
+    while (d != NULL && !g->unknown && (de = readdir(d)) != NULL) {
         const char *h = de->d_name;
         char vdir[PATH_MAX];
         struct stat st;
         if (h[0] == '.' || strcmp(h, "current") == 0)
             continue;
         if (strlen(h) != SP_TMPLBUILD_HASH_LEN || strspn(h, "0123456789abcdef") != strlen(h) ||
-            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", tdir, h) < 0 || stat(vdir, &st) < 0) {
-            kept++; /* not ours to judge */
+            sp_tmpl__pathf(vdir, sizeof vdir, "%s/%s", im->dir, h) < 0 || stat(vdir, &st) < 0 ||
+            (strcmp(h, im->target) == 0 && st.st_mtime + (time_t)g->ttl_s > now)) {
+            im->kept++; /* not ours to judge, or the current one, used lately */
             continue;
         }
+        struct cand *v = grow(g->v, g->n, cap, sizeof *v);
+        if (v == NULL) {
+            g->unknown = true;
+            break;
+        }
+        g->v = v;
+        g->unknown = !cand_init(&v[g->n], vdir);
+        v[g->n].owner = k;
+        v[g->n++].idle_s = (long long)(now - st.st_mtime);
+    }
+    if (d != NULL)
+        closedir(d);
+}
+
+static void imgs_run(sp_work_t *w, void *arg)
+{
+    (void)w;
+    struct sp_tmpl__imgs *g = arg;
+    char tdir[PATH_MAX];
+    if (sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", g->data_dir) < 0)
+        return;
+    DIR *d = opendir(tdir);
+    if (d == NULL)
+        return;
+    time_t now = time(NULL);
+    size_t icap = 0, vcap = 0;
+    struct dirent *de;
+    while (!g->unknown && (de = readdir(d)) != NULL) {
+        char idir[PATH_MAX], lk[PATH_MAX];
+        if (strncmp(de->d_name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) != 0 ||
+            strlen(de->d_name) >= sizeof g->im[0].name ||
+            sp_tmpl__pathf(idir, sizeof idir, "%s/%s", tdir, de->d_name) < 0 ||
+            sp_tmpl__pathf(lk, sizeof lk, "%s/.lock", idir) < 0)
+            continue;
+        int fd = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) < 0) {
+            close(fd);
+            fd = -1;
+        }
+        struct img *im = fd >= 0 ? grow(g->im, g->nim, &icap, sizeof *im) : NULL;
+        if (im == NULL) {
+            if (fd >= 0)
+                close(fd);
+            continue;
+        }
+        g->im = im;
+        im = &g->im[g->nim++];
+        memset(im, 0, sizeof *im);
+        im->lock = fd;
+        sp_tmpl__copy(im->name, sizeof im->name, de->d_name);
+        sp_tmpl__copy(im->dir, sizeof im->dir, idir);
+        imgs_list(g, g->nim - 1, now, &vcap);
+    }
+    closedir(d);
+    if (g->n == 0 || g->unknown)
+        return;
+    json_t *parents = parents_in(g->driver, g->data_dir, SP_OCIIMG_PREFIX);
+    for (size_t i = 0; parents != NULL && i < g->n; i++) {
+        char nh[600];
+        snprintf(nh, sizeof nh, "%s@%s", g->im[g->v[i].owner].name, g->v[i].hash);
+        g->v[i].parent = json_object_get(parents, nh) != NULL;
+    }
+    g->unknown = parents == NULL || !cand_scan(g->data_dir, g->v, g->n);
+    json_decref(parents);
+}
+
+static void imgs_free(struct sp_tmpl__imgs *g)
+{
+    for (size_t i = 0; i < g->nim; i++)
+        if (g->im[i].lock >= 0)
+            close(g->im[i].lock);
+    for (size_t i = 0; i < g->n; i++)
+        cand_fini(&g->v[i]);
+    free(g->im);
+    free(g->v);
+    free(g);
+}
+
+static void imgs_done(void *arg, bool cancelled)
+{
+    struct sp_tmpl__imgs *g = arg;
+    sp_tmpl_t *t = g->t;
+    if (t != NULL)
+        t->imgs = NULL;
+    if (t == NULL || cancelled || g->unknown || importing(t)) {
+        imgs_free(g);
+        return;
+    }
+    int removed = 0;
+    for (size_t i = 0; i < g->n; i++) {
+        const struct cand *c = &g->v[i];
+        struct img *im = &g->im[c->owner];
         bool building = false, spares = false;
         for (struct build *b = t->builds; b != NULL; b = b->next)
-            building = building || (strcmp(b->parent, name) == 0 && strcmp(b->pp.hash, h) == 0);
-        bool fresh = strcmp(h, target) == 0 && st.st_mtime + (time_t)t->cache_ttl_s > now;
-        char nh[600];
-        snprintf(nh, sizeof nh, "%s@%s", name, h);
-        if (fresh || building || json_object_get(parents, nh) != NULL ||
-            runtime_uses(t, vdir, &spares)) {
-            kept++;
-            continue;
-        }
-        if (!let_go(t, name, h, spares)) {
-            kept++;
+            building =
+                building || (strcmp(b->parent, im->name) == 0 && strcmp(b->pp.hash, c->hash) == 0);
+        if (building || c->parent || runtime_holds(t, c, &spares) ||
+            !let_go(t, im->name, c->hash, spares)) {
+            im->kept++;
             continue;
         }
         sp_log(SP_LOG_INFO, "tmpl",
-               "removing an unused image template=%s version=%.12s idle_s=%lld", name, h,
-               (long long)(now - st.st_mtime));
-        if (strcmp(h, target) == 0)
+               "removing an unused image template=%s version=%.12s idle_s=%lld", im->name, c->hash,
+               c->idle_s);
+        char cur[PATH_MAX];
+        if (strcmp(c->hash, im->target) == 0 &&
+            sp_tmpl__pathf(cur, sizeof cur, "%s/current", im->dir) == 0)
             unlink(cur);
-        sp_tmpl__discard(t, vdir);
+        sp_tmpl__discard(t, c->vdir);
+        im->removed++;
         removed++;
     }
-    closedir(d);
-    if (kept == 0 && removed > 0) /* its lock file goes with it: ociimg.c opens it again */
-        sp_tmpl__discard(t, tdir);
-    return removed;
-}
-
-/* The image versions a version on disk is layered on (as parents_in counts them), read once
- * per collection: {"oci.<..>@<hash>": true, ...}; NULL when it cannot be told (nothing goes). */
-static json_t *image_parents(sp_tmpl_t *t)
-{
-    return parents_in(t->driver, t->data_dir, SP_OCIIMG_PREFIX);
+    /* an image's directory goes with its last version, its lock file too (ociimg.c opens it
+     * again) */
+    for (size_t k = 0; k < g->nim; k++)
+        if (g->im[k].kept == 0 && g->im[k].removed > 0)
+            sp_tmpl__discard(t, g->im[k].dir);
+    if (removed > 0)
+        sp_log(SP_LOG_INFO, "tmpl", "images collected removed=%d", removed);
+    imgs_free(g);
 }
 
 void sp_tmpl__collect_images(sp_tmpl_t *t)
@@ -926,34 +1035,29 @@ void sp_tmpl__on_images_timer(sp_timer_t *tm, void *arg)
 {
     (void)tm;
     sp_tmpl_t *t = arg;
-    char tdir[PATH_MAX];
-    if (importing(t) || sp_tmpl__pathf(tdir, sizeof tdir, "%s/templates", t->data_dir) < 0)
+    if (importing(t) || t->imgs != NULL)
+        return; /* one in flight: the caller's pass is the next timer's */
+    struct sp_tmpl__imgs *g = calloc(1, sizeof *g);
+    if (g == NULL)
         return;
-    DIR *d = opendir(tdir);
-    if (d == NULL)
+    g->t = t;
+    g->driver = t->driver;
+    g->ttl_s = t->cache_ttl_s;
+    sp_tmpl__copy(g->data_dir, sizeof g->data_dir, t->data_dir);
+    if ((g->work = sp_loop_work(t->loop, SP_WORK_LONG, imgs_run, imgs_done, g)) == NULL) {
+        free(g);
         return;
-    time_t now = time(NULL);
-    int removed = 0;
-    json_t *parents = image_parents(t);
-    struct dirent *de;
-    while (parents != NULL && (de = readdir(d)) != NULL) {
-        char idir[PATH_MAX], lk[PATH_MAX];
-        if (strncmp(de->d_name, SP_OCIIMG_PREFIX, strlen(SP_OCIIMG_PREFIX)) != 0 ||
-            sp_tmpl__pathf(idir, sizeof idir, "%s/%s", tdir, de->d_name) < 0 ||
-            sp_tmpl__pathf(lk, sizeof lk, "%s/.lock", idir) < 0)
-            continue;
-        /* another process sharing the data dir importing it holds the lock: next time */
-        int fd = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-        if (fd < 0)
-            continue;
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
-            removed += collect_image(t, de->d_name, idir, parents, now);
-        close(fd);
     }
-    json_decref(parents);
-    closedir(d);
-    if (removed > 0)
-        sp_log(SP_LOG_INFO, "tmpl", "images collected removed=%d", removed);
+    t->imgs = g;
+}
+
+void sp_tmpl__imgs_free(sp_tmpl_t *t)
+{
+    if (t->imgs == NULL)
+        return;
+    t->imgs->t = NULL; /* imgs_done frees it */
+    sp_work_cancel(t->imgs->work);
+    t->imgs = NULL;
 }
 
 /* ---- tags ---- */
