@@ -24,7 +24,6 @@ import concurrent.futures
 import hashlib
 import os
 import secrets
-import shutil
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from benchlib import Platform, build_template, ratio  # noqa: E402
-from fleet_fork_bench import delete, source, start_fleet  # noqa: E402
+from fleet_fork_bench import delete, source, start_fleet, stop_fleet  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 BUILDS = int(os.environ.get("BENCH_BUILDS", "4"))
@@ -83,8 +82,7 @@ def main():
     pg = nodes = None
     try:
         pg, nodes, api, (w1, w2) = start_fleet(p.spaced, p.data, root)
-        with open(os.path.join(nodes[0].data_dir, "admin-key")) as f:
-            admin = f.read().strip()
+        admin = api.admin
         wid = {}
         for w in (w1, w2):
             with open(os.path.join(w.data_dir, "worker-id")) as f:
@@ -113,12 +111,7 @@ def main():
                      BUILDS * 60000 / med[k], statistics.median(each[k]) / 1000))
         ratio("build throughput, two workers / one", med[1], med[2])
     finally:
-        for n in nodes or []:
-            n.destroy()
-        if pg is not None:
-            pg.destroy()
-        if os.environ.get("BENCH_KEEP") != "1":
-            shutil.rmtree(root, ignore_errors=True)
+        stop_fleet(pg, nodes, root)
         p.stop()
 
 

@@ -100,7 +100,7 @@ def start_fleet(binary, data, root):
     api.key = api.cli("keys", "create", "--team", "bench").stdout.strip()
     api.start()
     with open(os.path.join(api.data_dir, "admin-key")) as f:
-        admin = f.read().strip()
+        admin = api.admin = f.read().strip()
     workers = []
     for n in ("w1", "w2"):
         d = os.path.join(root, n)
@@ -118,7 +118,18 @@ def start_fleet(binary, data, root):
         return st == 200 and len([x for x in r["workers"] if x["state"] == "active"]) == 2
 
     wait_until(active, "2 workers active", 60, 0.2)
-    return pg, nodes, api, workers
+    return pg, nodes, api, workers  # api.admin: the admin key
+
+
+def stop_fleet(pg, nodes, root):
+    """Stops what start_fleet started (either may be None) and removes root (BENCH_KEEP=1:
+    kept)."""
+    for n in nodes or []:
+        n.destroy()
+    if pg is not None:
+        pg.destroy()
+    if os.environ.get("BENCH_KEEP") != "1":
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main():
@@ -191,12 +202,7 @@ def main():
         ratio("next fork, fleet taker / one node", med["againT"], med["again1"])
         ratio("next fork, other worker / taker", med["againO"], med["againT"])
     finally:
-        for n in nodes or []:
-            n.destroy()
-        if pg is not None:
-            pg.destroy()
-        if os.environ.get("BENCH_KEEP") != "1":
-            shutil.rmtree(root, ignore_errors=True)
+        stop_fleet(pg, nodes, root)
         p.stop()
 
 

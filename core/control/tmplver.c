@@ -142,6 +142,28 @@ static bool cand_scan(const char *data_dir, struct cand *v, size_t n)
     return true;
 }
 
+static json_t *parents_in(sp_driver_t *driver, const char *root, const char *prefix);
+
+/* Marks which of v[0..n) a version on disk (of a template whose name starts with prefix) is
+ * layered on, the template's name read from each one's vdir, and who names each (cand_scan);
+ * false when that cannot be told. Touches files only: safe off the loop. */
+static bool cands_read(sp_driver_t *driver, const char *data_dir, const char *prefix,
+                       struct cand *v, size_t n)
+{
+    json_t *parents = parents_in(driver, data_dir, prefix);
+    for (size_t i = 0; parents != NULL && i < n; i++) {
+        const char *name = v[i].hash - 1; /* the '/' before the hash */
+        while (name > v[i].vdir && name[-1] != '/')
+            name--;
+        char nh[600];
+        snprintf(nh, sizeof nh, "%.*s@%s", (int)(v[i].hash - 1 - name), name, v[i].hash);
+        v[i].parent = json_object_get(parents, nh) != NULL;
+    }
+    bool ok = parents != NULL && cand_scan(data_dir, v, n);
+    json_decref(parents);
+    return ok;
+}
+
 /* What the runtime holds of c (cand_scan found who names it): a VM (running, suspended or a
  * builder) or a sandbox snapshot. Step cache entries (tmplcache.h) naming it are deleted
  * instead: no build will start from a version that is gone, and the same inputs made again
@@ -251,8 +273,6 @@ static void on_version_row_deleted(void *rec, PGresult *res, const sp_err_t *err
         sp_log(SP_LOG_WARN, "tmpl", "version row not deleted err=%s", err->msg);
 }
 
-static json_t *parents_in(sp_driver_t *driver, const char *root, const char *prefix);
-
 /* A template's versions that the database says nothing holds, judged: a job (SP_WORK_LONG)
  * lists them and reads what the data dir says of them (every template's manifests, every VM
  * and sandbox snapshot's vm.json), the loop then decides with what only it knows (builds,
@@ -301,14 +321,7 @@ static void judge_run(sp_work_t *w, void *arg)
         closedir(d);
     if (j->n == 0 || j->unknown)
         return;
-    json_t *parents = parents_in(j->driver, j->data_dir, "");
-    for (size_t i = 0; parents != NULL && i < j->n; i++) {
-        char nh[600];
-        snprintf(nh, sizeof nh, "%s@%s", j->name, j->v[i].hash);
-        j->v[i].parent = json_object_get(parents, nh) != NULL;
-    }
-    j->unknown = parents == NULL || !cand_scan(j->data_dir, j->v, j->n);
-    json_decref(parents);
+    j->unknown = !cands_read(j->driver, j->data_dir, "", j->v, j->n);
 }
 
 static void judge_free(struct judge *j)
@@ -624,17 +637,13 @@ static void sweep_run(sp_work_t *w, void *arg)
             snprintf(nh, sizeof nh, "%s@%s", name, h);
             if (json_object_get(parents, nh) != NULL)
                 continue;
-            if (sw->n == cap) {
-                size_t nc = cap ? 2 * cap : 16;
-                struct swept *v = realloc(sw->v, nc * sizeof *v);
-                if (v == NULL) {
-                    unknown = true;
-                    break;
-                }
-                sw->v = v;
-                cap = nc;
+            struct swept *v = grow(sw->v, sw->n, &cap, sizeof *v);
+            if (v == NULL) {
+                unknown = true;
+                break;
             }
-            struct swept *e = &sw->v[sw->n++];
+            sw->v = v;
+            struct swept *e = &v[sw->n++];
             sp_tmpl__copy(e->name, sizeof e->name, name);
             sp_tmpl__copy(e->hash, sizeof e->hash, h);
             e->image = image;
@@ -959,14 +968,7 @@ static void imgs_run(sp_work_t *w, void *arg)
     closedir(d);
     if (g->n == 0 || g->unknown)
         return;
-    json_t *parents = parents_in(g->driver, g->data_dir, SP_OCIIMG_PREFIX);
-    for (size_t i = 0; parents != NULL && i < g->n; i++) {
-        char nh[600];
-        snprintf(nh, sizeof nh, "%s@%s", g->im[g->v[i].owner].name, g->v[i].hash);
-        g->v[i].parent = json_object_get(parents, nh) != NULL;
-    }
-    g->unknown = parents == NULL || !cand_scan(g->data_dir, g->v, g->n);
-    json_decref(parents);
+    g->unknown = !cands_read(g->driver, g->data_dir, SP_OCIIMG_PREFIX, g->v, g->n);
 }
 
 static void imgs_free(struct sp_tmpl__imgs *g)
