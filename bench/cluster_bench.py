@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The data-plane forwarder's cost (issue 20): a command's round trip and a 100 MiB download
-through an API node to the worker that owns the sandbox, against the same directly at the
-worker, in the same run; and, with a second build, the one-node path before and after.
+"""The data-plane forwarder's cost (issue 20): a command's round trip, a 100 MiB download and a
+100 MiB upload through an API node to the worker that owns the sandbox, against the same
+directly at the worker, in the same run; and, with a second build, the one-node path before
+and after, and the same through an API node of that build.
 
   bench/cluster_bench.py BUILD_DIR [BASELINE_BUILD_DIR]
 
@@ -14,10 +15,14 @@ sandbox is created through B, then A starts. Prints, medians over BENCH_ROUNDS (
     BENCH_CMDS (50) a round): at B, through A, ratio (target <= 1.2x)
   - 100 MiB download (GET /v1/sandboxes/{id}/files) MiB/s: at B, through A, ratio (>= 0.8x),
     and A's resident memory before and after
-With BASELINE_BUILD_DIR (e.g. a build of the commit before forwarding): the same command
-round trip and download on one node (B alone) for each build, alternating, so that the
-local path's cost of the "is this sandbox here" check shows. Machines here are shared and
-noisy: read ratios, not absolutes.
+  - 100 MiB upload (PUT /v1/sandboxes/{id}/files) MiB/s: at B, through A, ratio, and A's
+    resident memory at its highest during the uploads through it (an upload streams through
+    an API node: http/bodygate.h)
+With BASELINE_BUILD_DIR (e.g. a build of the commit before forwarding, or before uploads
+streamed): an API node A0 of that build beside A, the same figures through it; and the same
+command round trip and download on one node (B alone) for each build, alternating, so that
+the local path's cost of the "is this sandbox here" check shows. Machines here are shared
+and noisy: read ratios, not absolutes.
 """
 import http.client
 import json
@@ -26,6 +31,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +87,32 @@ def download(s, sid, path):
     return BIG / (1 << 20) / dt
 
 
+def upload(s, sid, src, watch=None):
+    """MiB/s of one PUT of the file src; watch's resident memory at its highest meanwhile."""
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], watch.rss_kb())
+    t = threading.Thread(target=sample, daemon=True)
+    if watch is not None:
+        t.start()
+    c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300, blocksize=1 << 20)
+    t0 = time.perf_counter()
+    with open(src, "rb") as f:
+        c.request("PUT", "/v1/sandboxes/%s/files?path=%s.up" % (sid, src), body=f,
+                  headers={"Authorization": "Bearer " + s.key, "Content-Length": str(BIG)})
+        r = c.getresponse()
+        r.read()
+    dt = time.perf_counter() - t0
+    c.close()
+    done.set()
+    if watch is not None:
+        t.join()
+    assert r.status in (200, 201, 204), r.status
+    return BIG / (1 << 20) / dt, peak[0]
+
+
 def sql(pg, text):
     subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
                     pg.url, "-c", text], check=True, capture_output=True)
@@ -113,34 +145,50 @@ def main():
     os.close(fd)
 
     pg, b, sid, big = setup(build, keyfile)
-    a = None
+    apis = {}
     try:
         with open(os.path.join(b.data_dir, "worker-id")) as f:
-            sql(pg, "INSERT INTO workers (id, address) VALUES ('%s', '127.0.0.1:%d')"
+            sql(pg, "INSERT INTO workers (id, address) VALUES ('%s', '127.0.0.1:%d') "
+                "ON CONFLICT (id) DO UPDATE SET address = EXCLUDED.address"
                 % (f.read().strip(), b.port))
-        a = node(build, pg, "none", keyfile)
-        a.key = b.key
-        a.start()
-        rtt = {"B": [], "A": []}
-        mbs = {"B": [], "A": []}
-        rss = [a.rss_kb()]
+        for name, bd in (("A", build), ("A0", base)):
+            if bd is not None:
+                apis[name] = node(bd, pg, "none", keyfile)
+                apis[name].key = b.key
+                apis[name].start()
+        nodes = [("B", b)] + list(apis.items())
+        rtt = {n: [] for n, _ in nodes}
+        mbs = {n: [] for n, _ in nodes}
+        ups = {n: [] for n, _ in nodes}
+        peak = {n: 0 for n, _ in nodes}
+        rss = {n: [s.rss_kb()] for n, s in apis.items()}
         for _ in range(ROUNDS):
-            for name, s in (("B", b), ("A", a)):
+            for name, s in nodes:
                 rtt[name].append(cmd_rtt(s, sid))
                 mbs[name].append(download(s, sid, big))
-            rss.append(a.rss_kb())
-        mb, ma = statistics.median(rtt["B"]), statistics.median(rtt["A"])
-        tb, ta = statistics.median(mbs["B"]), statistics.median(mbs["A"])
-        print("two nodes, %d rounds (medians):" % ROUNDS)
-        print("  command round trip: at B %.2f ms, through A %.2f ms: %.2fx (target <= 1.2x)"
-              % (mb, ma, ma / mb))
-        print("  100 MiB download:   at B %.0f MiB/s, through A %.0f MiB/s: %.2fx (target >= 0.8x)"
-              % (tb, ta, ta / tb))
-        print("  A's RSS: %d KiB at start, %d KiB after %d downloads through it"
-              % (rss[0], rss[-1], ROUNDS))
+                mibs, p = upload(s, sid, big, s if name != "B" else None)
+                ups[name].append(mibs)
+                peak[name] = max(peak[name], p)
+            for n, s in apis.items():
+                rss[n].append(s.rss_kb())
+        med = {n: (statistics.median(rtt[n]), statistics.median(mbs[n]),
+                   statistics.median(ups[n])) for n, _ in nodes}
+        print("two nodes, %d rounds (medians)%s:"
+              % (ROUNDS, "; A0 is an API node of the baseline build" if base else ""))
+        mb, tb, ub = med["B"]
+        for n in apis:
+            ma, ta, ua = med[n]
+            print("  %-2s command round trip: at B %.2f ms, through %s %.2f ms: %.2fx "
+                  "(target <= 1.2x)" % (n, mb, n, ma, ma / mb))
+            print("  %-2s 100 MiB download:   at B %.0f MiB/s, through %s %.0f MiB/s: %.2fx "
+                  "(target >= 0.8x)" % (n, tb, n, ta, ta / tb))
+            print("  %-2s 100 MiB upload:     at B %.0f MiB/s, through %s %.0f MiB/s: %.2fx"
+                  % (n, ub, n, ua, ua / ub))
+            print("  %-2s RSS: %d KiB at start, %d KiB at most during the uploads through it, "
+                  "%d KiB after %d rounds" % (n, rss[n][0], peak[n], rss[n][-1], ROUNDS))
     finally:
-        if a is not None:
-            a.destroy()
+        for s in apis.values():
+            s.destroy()
         b.kill_fake_agents()
         b.destroy()
         pg.destroy()

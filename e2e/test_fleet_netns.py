@@ -6,7 +6,9 @@ on its own address, port 3000, and advertises it; the test reaches them over the
 Workers offer room for 6, 4 and 2 `base` sandboxes (1 vCPU, 256 MiB each), 12 in all.
 1. 12 creates at once through alternating API nodes fill the workers exactly by their room;
    every sandbox answers a command through the API node that did not create it, a file written
-   through one API node reads back through the other on every worker, E2B lists (v1 and v2)
+   through one API node reads back through the other on every worker (3 MiB: past the 1 MiB a
+   node reads whole, so its body streams through the API node as it comes; and through E2B's
+   envd /files once), E2B lists (v1 and v2)
    through either API node show every sandbox's disk size, and through the other API node an
    E2B envd call (Connect, unary) and a forwarded port (HTTP and a WebSocket upgrade).
 2. With room for 2 left, 5 creates race for it: 2 win, 3 get the `capacity` error at once, and
@@ -335,11 +337,12 @@ class FleetNetnsTest(unittest.TestCase):
                 for sid, _ in made:
                     self.assertGreater(sizes.get(sid, 0), 0, (path, sid, sizes))
 
-        # A file through one API node, read back through the other, on every worker.
+        # A file through one API node, read back through the other, on every worker: larger
+        # than what a node reads whole (1 MiB), so it streams through the API node.
         for k, name in enumerate(ROOM):
             sid = self.on(name, placed)[0]
             w, r = self.apis[k % 2], self.apis[1 - k % 2]
-            blob = os.urandom(256 << 10)
+            blob = os.urandom(3 << 20)
             st, _ = w.request("PUT", "/v1/sandboxes/%s/files?path=/root/f" % sid, raw=blob,
                               timeout=120)
             self.assertIn(st, (200, 201, 204))
@@ -351,6 +354,21 @@ class FleetNetnsTest(unittest.TestCase):
         sid = [s for s, i in made if i == 0][0]
         api = self.apis[1]
         token = self.sandbox(sid)["access_token"]
+        # envd's /files upload (multipart), streamed through too, read back through api1
+        blob = os.urandom(3 << 20)
+        sep = "spaceboundary%s" % os.urandom(8).hex()
+        form = (("--%s\r\nContent-Disposition: form-data; name=\"file\"; filename=\"e.bin\"\r\n"
+                 "Content-Type: application/octet-stream\r\n\r\n" % sep).encode() + blob
+                + ("\r\n--%s--\r\n" % sep).encode())
+        resp, body = api.exchange("POST", "/files?path=/root/e.bin&username=root", raw=form,
+                                  headers={"Host": self.envd_host(sid), "X-Access-Token": token,
+                                           "Content-Type": "multipart/form-data; boundary=" + sep},
+                                  timeout=120)
+        self.assertEqual(resp.status, 200, body)
+        resp, got = self.apis[0].exchange("GET", "/files?path=/root/e.bin&username=root",
+                                          headers={"Host": self.envd_host(sid),
+                                                   "X-Access-Token": token}, timeout=120)
+        self.assertEqual((resp.status, got == blob), (200, True), body)
         resp, body = api.exchange("POST", "/filesystem.Filesystem/Stat",
                                   raw=json.dumps({"path": "/etc/hostname"}).encode(),
                                   headers={"Host": self.envd_host(sid),

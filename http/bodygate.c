@@ -7,7 +7,10 @@
  * HTTP/1 head is replaced, HTTP/2 frames rewritten or dropped, and a read cut short so that
  * h2o reads part of it first), and, to stop a chunked body past its cap, the connection's
  * global max_request_entity_size for the length of one call (h2o compares against it on every
- * read of a chunked body; the loop is single-threaded). For HTTP/2 it reads h2o's connection
+ * read of a chunked body; the loop is single-threaded). For a streamed body it renames the
+ * head's framing fields in the input, moves the body bytes h2o read past the head out of it
+ * (the head stays where h2o's request points into it), and reads the rest from a dup of the
+ * socket's fd while h2o does not read the socket. For HTTP/2 it reads h2o's connection
  * and streams (<h2o/http2_internal.h>: the stream table, a stream's state, decoded head and
  * expected length) and writes frames into the connection's output buffer.
  */
@@ -24,7 +27,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "base/chunked.h"
 #include "base/log.h"
+#include "base/metrics.h"
 
 /* What h2o parses a refused request as: HTTP/1.0 without keep-alive, so h2o closes the
  * connection after the handler's answer, and no body. */
@@ -48,11 +53,35 @@
 #define H2_END_HEADERS 0x4
 #define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
 #define H2_HEADS_MAX   16 /* heads without their body vetted at the end of one read */
+/* A streamed body is read from the socket in pieces of at most this much. */
+#define PIECE_MAX ((size_t)512 << 10)
+/* What a Content-Length and a Transfer-Encoding field are renamed to (same lengths), so that
+ * h2o reads a streamed request's head as one without a body. */
+#define GATED_LENGTH SP_BODYGATE_GATED_PREFIX "len"    /* 14: content-length */
+#define GATED_CODING SP_BODYGATE_GATED_PREFIX "coding" /* 17: transfer-encoding */
 
 enum gs_state {
     GS_IDLE,   /* the next bytes are a request head */
     GS_BODY,   /* a head was handed on; h2o reads its body through us */
     GS_HANDED, /* the handler has the request; reads resume once h2o is done with it */
+};
+
+/* A streamed body being read (sp_bodygate_body_read). */
+struct gbody {
+    h2o_req_t *req;
+    bool chunked, expect; /* expect: 100 Continue not yet sent */
+    bool end, failed, collected;
+    bool deferred;     /* a pump is deferred (the socket's holds count it) */
+    uint64_t left;     /* Content-Length: body bytes still to come */
+    uint64_t got;      /* bytes read of it (chunked: as sent, framing included) */
+    uint64_t cap;      /* chunked: the most got may reach */
+    sp_chunked_t ck;
+    size_t pre; /* its bytes h2o read already: after the head in the input */
+    int fd;     /* a dup of the socket's, read directly (-1: none) */
+    sp_watch_t *w;
+    char *buf; /* PIECE_MAX: the piece handed out */
+    sp_bodygate_body_cb cb;
+    void *arg;
 };
 
 struct gs {
@@ -76,6 +105,10 @@ struct gs {
     bool h2_prior;   /* the input starts with HTTP/2's preface (prior knowledge) */
     bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
     struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
+    /* the head just vetted is streamed (its body stays on the socket): its framing */
+    bool s_next, s_chunked, s_expect;
+    uint64_t s_length, s_cap;
+    struct gbody b; /* the body of the request being handled, when streamed (b.req) */
     struct gs *prev, *next;
 };
 
@@ -177,10 +210,13 @@ const char *sp_bodygate_header(const sp_bodygate_head_t *h, const char *name, si
 
 /* ---- per socket ---- */
 
+static void body_end(struct gs *st);
+
 static void gs_free_if_done(struct gs *st)
 {
     if (st->sock != NULL || st->holds > 0 || st->in_read)
         return;
+    body_end(st);
     if (st->g != NULL) {
         if (st->prev)
             st->prev->next = st->next;
@@ -290,6 +326,40 @@ static void ask(sp_bodygate_t *g, const sp_bodygate_head_t *h, sp_bodygate_verdi
 }
 
 /*
+ * A head whose body the handler streams (sp_bodygate_streamed): its framing fields renamed in
+ * place, so that h2o reads it as a request without a body and hands it over at once. Only on
+ * plain sockets (the body is then read from a dup of the socket, beside h2o: a TLS socket's
+ * bytes are h2o's to decrypt) and within h2o's own limit (past it, h2o's 413 as ever).
+ */
+static void stream_head(struct gs *st, sp_bodygate_head_t *h, uint64_t chunked_cap)
+{
+    _Static_assert(sizeof(GATED_LENGTH) == sizeof("content-length"), "same length");
+    _Static_assert(sizeof(GATED_CODING) == sizeof("transfer-encoding"), "same length");
+    h2o_globalconf_t *gc = ((h2o_conn_t *)st->sock->data)->ctx->globalconf;
+    if (st->sock->ssl != NULL || st->fd < 0 || h->length > gc->max_request_entity_size)
+        return;
+    bool expect = false;
+    for (size_t i = 0; i < h->nfields; i++) {
+        sp_bodygate_field_t *f = &h->fields[i];
+        if (name_is(f->name, f->name_len, "content-length"))
+            memcpy((char *)f->name, GATED_LENGTH, f->name_len);
+        else if (name_is(f->name, f->name_len, "transfer-encoding"))
+            memcpy((char *)f->name, GATED_CODING, f->name_len);
+        else if (name_is(f->name, f->name_len, "expect") && f->value_len == 12 &&
+                 strncasecmp(f->value, "100-continue", 12) == 0)
+            expect = true;
+    }
+    st->s_next = true;
+    st->s_chunked = h->chunked;
+    st->s_length = h->chunked ? 0 : h->length;
+    st->s_cap = h->chunked && chunked_cap > 0 ? chunked_cap : gc->max_request_entity_size;
+    st->s_expect = expect;
+    st->state = GS_HANDED; /* h2o reads no body: the handler has the request at once */
+    st->length = 0;
+    st->chunked = false;
+}
+
+/*
  * Vets the head at input offset off (0 between requests; the end of the current request for
  * one pipelined behind it). Sets the state for it and, when refused, replaces it in the input.
  */
@@ -316,6 +386,7 @@ static void vet(struct gs *st, size_t off)
     sp_bodygate_t *g = st->g;
     sp_bodygate_verdict_t v;
     ask(g, &h, &v);
+    st->s_next = false;
     st->head_len = hl;
     st->length = h.chunked ? 0 : h.length;
     st->chunked = h.chunked;
@@ -353,6 +424,8 @@ static void vet(struct gs *st, size_t off)
             strncasecmp(f->value, "h2c", 3) == 0)
             *(char *)f->name = 'X';
     }
+    if (v.stream && st->state == GS_BODY)
+        stream_head(st, &h, v.chunked_cap);
 }
 
 static void gate_on_read(h2o_socket_t *sock, const char *err)
@@ -905,6 +978,355 @@ static void h2_uncut(struct gs *st, size_t total)
         h2_gate(st);
 }
 
+/* ---- streamed bodies ---- */
+
+static sp_metric_t m_streamed = SP_METRIC_COUNTER(
+    "space_http_streamed_bodies_total",
+    "Request bodies read as they came rather than whole first (uploads forwarded to another "
+    "node), by how they ended: whole, or cut (the client left, bad framing, the answer came "
+    "first)",
+    "outcome");
+static sp_metric_t m_streamed_bytes = SP_METRIC_COUNTER(
+    "space_http_streamed_body_bytes_total",
+    "Bytes of request bodies read as they came (chunked: as sent, framing included)", "");
+
+static void body_begin(struct gs *st, h2o_req_t *req)
+{
+    struct gbody *b = &st->b;
+    st->s_next = false;
+    memset(b, 0, sizeof(*b));
+    b->req = req;
+    b->chunked = st->s_chunked;
+    b->left = st->s_length;
+    b->cap = st->s_cap;
+    b->ck = (sp_chunked_t)SP_CHUNKED_INIT;
+    /* The body is read beside h2o, which takes no request after this one. */
+    req->http1_is_persistent = 0;
+    h2o_buffer_t *in = st->sock->input;
+    b->pre = in->size > st->head_len ? in->size - st->head_len : 0;
+    if (!b->chunked && b->pre > b->left)
+        b->pre = (size_t)b->left;
+    b->expect = st->s_expect && b->pre == 0;
+    b->fd = fcntl(st->fd, F_DUPFD_CLOEXEC, 0); /* -1: the first read fails */
+}
+
+/* The request is done with its body (answered, or its connection gone): what is left of the
+ * body is drained once h2o has closed the connection. */
+static void body_end(struct gs *st)
+{
+    struct gbody *b = &st->b;
+    if (b->req == NULL)
+        return;
+    sp_metrics_add(&m_streamed, 1, b->end ? "whole" : "cut");
+    sp_metrics_add(&m_streamed_bytes, (double)b->got);
+    b->req = NULL;
+    b->cb = NULL;
+    sp_watch_destroy(b->w);
+    b->w = NULL;
+    free(b->buf);
+    b->buf = NULL;
+    if (b->fd >= 0) {
+        if (!b->end && !b->failed && st->sock != NULL && st->g != NULL && st->drain_fd < 0) {
+            st->drain_fd = b->fd;
+            st->drain_left = b->chunked ? DRAIN_MAX_BYTES : b->left - b->pre;
+        } else {
+            close(b->fd);
+        }
+        b->fd = -1;
+    }
+}
+
+static struct gs *gs_of(h2o_req_t *req)
+{
+    if (req->version >= 0x200 || req->conn->callbacks->get_socket == NULL)
+        return NULL;
+    h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
+    if (sock == NULL || sock->on_close.cb != gs_on_close)
+        return NULL;
+    return sock->on_close.data;
+}
+
+/* The body of req when it is streamed and not yet collected, else NULL. */
+static struct gbody *body_of(h2o_req_t *req)
+{
+    struct gs *st = gs_of(req);
+    return st != NULL && st->b.req == req && !st->b.collected ? &st->b : NULL;
+}
+
+bool sp_bodygate_streamed(h2o_req_t *req, uint64_t *length, bool *chunked)
+{
+    struct gbody *b = body_of(req);
+    if (b == NULL)
+        return false;
+    *chunked = b->chunked;
+    *length = b->chunked ? 0 : b->left + b->got; /* as it was declared */
+    return true;
+}
+
+/* Hands the piece in b->buf (n bytes) to the pending read. */
+static void body_give(struct gs *st, size_t n, bool end, const sp_err_t *err)
+{
+    struct gbody *b = &st->b;
+    sp_bodygate_body_cb cb = b->cb;
+    void *arg = b->arg;
+    b->cb = NULL;
+    b->end = end;
+    b->failed = err != NULL;
+    if (b->w != NULL)
+        sp_watch_set(b->w, 0);
+    st->holds++;
+    cb(arg, b->buf, n, end, err);
+    st->holds--;
+}
+
+static void body_fail(struct gs *st, sp_code_t code, const char *msg)
+{
+    sp_err_t e;
+    sp_err_set(&e, code, "%s", msg);
+    body_give(st, 0, false, &e);
+}
+
+static void on_body_io(sp_watch_t *w, int events, void *arg);
+
+/* Reads the next piece for the pending read: from what h2o read past the head first, then from
+ * the socket; waits for the socket when it has nothing. */
+static void body_pump(struct gs *st)
+{
+    struct gbody *b = &st->b;
+    if (b->req == NULL || b->cb == NULL || st->sock == NULL)
+        return;
+    if (b->buf == NULL && (b->buf = malloc(PIECE_MAX)) == NULL) {
+        body_fail(st, SP_EINTERNAL, "out of memory for the request body");
+        return;
+    }
+    for (;;) {
+        size_t n;
+        if (b->pre > 0) {
+            h2o_buffer_t *in = st->sock->input;
+            char *at = in->bytes + st->head_len;
+            n = b->pre < PIECE_MAX ? b->pre : PIECE_MAX;
+            memcpy(b->buf, at, n);
+            memmove(at, at + n, in->size - st->head_len - n);
+            in->size -= n;
+            b->pre -= n;
+        } else {
+            if (b->expect) {
+                static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+                b->expect = false;
+                if (b->fd < 0 || send(b->fd, cont, sizeof(cont) - 1, MSG_DONTWAIT | MSG_NOSIGNAL) !=
+                                     (ssize_t)sizeof(cont) - 1) {
+                    body_fail(st, SP_EINVAL, "the client's connection failed");
+                    return;
+                }
+            }
+            size_t want = PIECE_MAX;
+            if (!b->chunked && b->left < want)
+                want = (size_t)b->left; /* never past the body: what follows is not ours */
+            ssize_t r = b->fd >= 0 ? recv(b->fd, b->buf, want, MSG_DONTWAIT) : -1;
+            if (r < 0 && b->fd >= 0 &&
+                (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+                if (b->w == NULL && st->g != NULL)
+                    b->w = sp_watch_create(st->g->loop, b->fd, on_body_io, st);
+                if (b->w == NULL) {
+                    body_fail(st, SP_EINTERNAL, "cannot wait for the request body");
+                    return;
+                }
+                sp_watch_set(b->w, SP_IO_READ);
+                return;
+            }
+            if (r <= 0) {
+                body_fail(st, SP_EINVAL,
+                          "the client's connection ended before its request body did");
+                return;
+            }
+            n = (size_t)r;
+        }
+        if (!b->chunked) {
+            b->left -= n;
+            b->got += n;
+            body_give(st, n, b->left == 0, NULL);
+            return;
+        }
+        /* chunked: decoded in place, toward the front of the piece */
+        b->got += n; /* the framing counts against the cap too (trailers, say) */
+        if (b->got > b->cap) {
+            body_fail(st, SP_ETOOBIG, "the chunked request body is larger than the limit");
+            return;
+        }
+        size_t in = 0, out = 0;
+        bool end = false;
+        while (in < n) {
+            size_t used, dlen;
+            const uint8_t *data;
+            int rc = sp_chunked_step(&b->ck, (const uint8_t *)b->buf + in, n - in, n - in, &used,
+                                     &data, &dlen);
+            if (rc < 0) {
+                body_fail(st, SP_EINVAL, "the request body's chunked coding is malformed");
+                return;
+            }
+            if (dlen > 0)
+                memmove(b->buf + out, data, dlen);
+            out += dlen;
+            in += used;
+            if (rc == 1) {
+                end = true;
+                break;
+            }
+            if (used == 0)
+                break;
+        }
+        if (out > 0 || end) {
+            body_give(st, out, end, NULL);
+            return;
+        }
+        /* framing alone: read on */
+    }
+}
+
+static void on_body_io(sp_watch_t *w, int events, void *arg)
+{
+    struct gs *st = arg;
+    sp_watch_set(w, 0);
+    body_pump(st);
+    gs_free_if_done(st);
+}
+
+static void body_deferred(void *arg)
+{
+    struct gs *st = arg;
+    st->b.deferred = false;
+    st->holds--;
+    body_pump(st);
+    gs_free_if_done(st);
+}
+
+int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
+{
+    struct gs *st = gs_of(req);
+    if (st == NULL || st->b.req != req || st->g == NULL || st->sock == NULL)
+        return -1;
+    struct gbody *b = &st->b;
+    if (b->end || b->failed || b->cb != NULL)
+        return -1;
+    b->cb = cb;
+    b->arg = arg;
+    if (b->pre > 0 || b->expect || b->w == NULL) {
+        /* bytes at hand, a 100 to send first, or no watch yet: on the next turn */
+        if (!b->deferred) {
+            if (sp_loop_defer(st->g->loop, body_deferred, st) < 0) {
+                b->cb = NULL;
+                return -1;
+            }
+            b->deferred = true;
+            st->holds++;
+        }
+    } else {
+        sp_watch_set(b->w, SP_IO_READ);
+    }
+    return 0;
+}
+
+void sp_bodygate_body_cancel(h2o_req_t *req)
+{
+    struct gs *st = gs_of(req);
+    if (st == NULL || st->b.req != req)
+        return;
+    st->b.cb = NULL;
+    if (st->b.w != NULL)
+        sp_watch_set(st->b.w, 0);
+}
+
+/* Collecting a streamed body into req->entity (sp_bodygate_body_collect); lives in req's pool. */
+struct collect {
+    h2o_req_t *req;
+    sp_bodygate_collected_cb done;
+    void *arg;
+    h2o_buffer_t *buf;
+    sp_timer_t timer;
+};
+
+static void collect_dispose(void *p)
+{
+    struct collect *c = p;
+    sp_timer_stop(&c->timer);
+    h2o_buffer_dispose(&c->buf);
+}
+
+static void collect_end(struct collect *c, const sp_err_t *err)
+{
+    sp_timer_stop(&c->timer);
+    if (err == NULL) {
+        struct gbody *b = body_of(c->req);
+        if (b != NULL)
+            b->collected = true;
+        c->req->entity =
+            c->buf->size > 0 ? h2o_iovec_init(c->buf->bytes, c->buf->size) : h2o_iovec_init("", 0);
+    }
+    c->done(c->arg, c->req, err);
+}
+
+static void on_collect_piece(void *arg, const char *data, size_t len, bool end, const sp_err_t *err)
+{
+    struct collect *c = arg;
+    if (err != NULL) {
+        collect_end(c, err);
+        return;
+    }
+    if (len > 0) {
+        h2o_iovec_t room = h2o_buffer_reserve(&c->buf, len);
+        if (room.base == NULL) {
+            sp_err_t e;
+            sp_err_set(&e, SP_EINTERNAL, "out of memory for the request body");
+            collect_end(c, &e);
+            return;
+        }
+        memcpy(room.base, data, len);
+        c->buf->size += len;
+    }
+    if (end) {
+        collect_end(c, NULL);
+        return;
+    }
+    sp_timer_start(&c->timer, c->req->conn->ctx->globalconf->http1.req_timeout);
+    if (sp_bodygate_body_read(c->req, on_collect_piece, c) < 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "cannot read the request body");
+        collect_end(c, &e);
+    }
+}
+
+static void on_collect_timeout(sp_timer_t *t, void *arg)
+{
+    struct collect *c = arg;
+    sp_bodygate_body_cancel(c->req);
+    sp_err_t e;
+    sp_err_set(&e, SP_EINVAL, "the request body did not come in time");
+    collect_end(c, &e);
+}
+
+void sp_bodygate_body_collect(h2o_req_t *req, sp_bodygate_collected_cb done, void *arg)
+{
+    struct gs *st = gs_of(req);
+    struct collect *c = NULL;
+    if (st != NULL && st->g != NULL)
+        c = h2o_mem_alloc_shared(&req->pool, sizeof(*c), collect_dispose);
+    if (c != NULL) {
+        memset(c, 0, sizeof(*c));
+        c->req = req;
+        c->done = done;
+        c->arg = arg;
+        h2o_buffer_init(&c->buf, &h2o_socket_buffer_prototype);
+        sp_timer_init(&c->timer, st->g->loop, on_collect_timeout, c);
+        sp_timer_start(&c->timer, req->conn->ctx->globalconf->http1.req_timeout);
+        if (sp_bodygate_body_read(req, on_collect_piece, c) == 0)
+            return;
+        sp_timer_stop(&c->timer);
+    }
+    sp_err_t e;
+    sp_err_set(&e, SP_EINTERNAL, "cannot read the request body");
+    done(arg, req, &e);
+}
+
 /* ---- after each request ---- */
 
 static void rearm(void *arg)
@@ -924,7 +1346,11 @@ static void on_req_disposed(void *p)
 {
     struct gs *st = *(struct gs **)p;
     release_large(st);
-    if (st->sock != NULL && st->g != NULL) {
+    if (st->b.req != NULL) {
+        /* Streamed: its connection closes now (not persistent), and what the client still
+         * sends of the body is drained after the answer, as after a refusal. */
+        body_end(st);
+    } else if (st->sock != NULL && st->g != NULL) {
         /* A request already read behind this one is parsed by h2o before the gate is back:
          * vet it now, where it starts (a chunked request closes its connection instead). */
         size_t end = st->head_len + st->length;
@@ -970,6 +1396,8 @@ bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t
     struct gs **hook = h2o_mem_alloc_shared(&req->pool, sizeof(*hook), on_req_disposed);
     *hook = st;
     st->holds++;
+    if (st->s_next)
+        body_begin(st, req);
     /* Where a chunked body ends in h2o's buffer (decoded in place) is h2o's to know: no
      * request may follow one on the same connection, so none can pass the gate unseen. */
     if (st->chunked)
@@ -1080,6 +1508,7 @@ void sp_bodygate_destroy(sp_bodygate_t *g)
         next = st->next;
         st->g = NULL;
         st->large = false;
+        body_end(st); /* a streamed body: no more pieces; its reader's next read fails */
         if (st->sock != NULL) {
             if (st->sock->_cb.read == gate_on_read || st->sock->_cb.read == h2_on_read)
                 st->sock->_cb.read = st->orig;

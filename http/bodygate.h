@@ -72,6 +72,7 @@ typedef struct {
     bool e2b;             /* the refusal in the E2B shape ({code, message}) */
     bool large;           /* counts against the bound on concurrent large bodies */
     uint64_t chunked_cap; /* a chunked body past this many bytes is stopped (0: no cap) */
+    bool stream; /* the handler reads the body itself, as it comes (sp_bodygate_streamed) */
     sp_err_t err;
 } sp_bodygate_verdict_t;
 
@@ -98,6 +99,42 @@ void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *s
  * refusal to send, as is); else notes the request so the gate takes its place again after
  * it (HTTP/1). Requests on sockets without a gate are false. */
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v);
+
+/*
+ * Streamed bodies. A request the policy marks `stream`, on a plain (not TLS) HTTP/1 connection,
+ * reaches its handler with its head alone: its Content-Length and Transfer-Encoding fields are
+ * renamed in place before h2o reads the head (to SP_BODYGATE_GATED_PREFIX..., which a forwarder
+ * drops), so h2o reads no body and calls the handler at once; the body stays on the connection
+ * for the handler to read, piece by piece, as the client sends it and no faster than the handler
+ * takes it (sp_bodygate_body_read). Such a connection serves no further request (`Connection:
+ * close` on its answer), and what the client still sends after the answer is read and dropped
+ * (as after a refusal). A `stream` verdict on a TLS connection, or on a body past h2o's own
+ * limit, is read whole by h2o as any other.
+ */
+#define SP_BODYGATE_GATED_PREFIX "x-sp-gated-"
+
+/* True when req's body was left on its connection (framing in *length, *chunked: a chunked
+ * body's size is unknown, *length 0). False for every other request, and once collected. */
+bool sp_bodygate_streamed(h2o_req_t *req, uint64_t *length, bool *chunked);
+
+/* One piece of a streamed body: data[0, len) (decoded when chunked; valid until the next read
+ * or the end of the request), end when it is the last (len may then be 0); or err when the body
+ * cannot be had (the client closed early, bad chunked coding, past the chunked cap): no read
+ * follows either. */
+typedef void (*sp_bodygate_body_cb)(void *arg, const char *data, size_t len, bool end,
+                                    const sp_err_t *err);
+/* Asks for the next piece: cb runs once, later (never inside this call). A client that sent
+ * `Expect: 100-continue` is told to go on at the first read. -1 (nothing called) when req is not
+ * streamed, its body ended, or a read is pending. */
+int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg);
+/* Drops a pending read (the reader is going): its cb never runs. Nothing when none. */
+void sp_bodygate_body_cancel(h2o_req_t *req);
+/* Reads the rest of a streamed body into req->entity, as h2o would have (in a buffer that
+ * spills to a mapped temporary file past 32 MiB, h2o's), then calls done: req is an ordinary
+ * request from then on (err NULL), or its body could not be had (err, to answer with; also on
+ * a client silent for h2o's request timeout). done is not called when req goes first. */
+typedef void (*sp_bodygate_collected_cb)(void *arg, h2o_req_t *req, const sp_err_t *err);
+void sp_bodygate_body_collect(h2o_req_t *req, sp_bodygate_collected_cb done, void *arg);
 
 /* The first header of that name in h (case-insensitive), as h2o_find_header finds it: its
  * value, or NULL; *len its length. */

@@ -34,6 +34,7 @@
 #include "base/chunked.h"
 #include "base/log.h"
 #include "base/text.h"
+#include "http/bodygate.h"
 #include "http/http.h"
 
 #include <h2o/http1.h>  /* h2o_http1_upgrade; needs h2o.h first */
@@ -333,6 +334,12 @@ struct px {
     char upstream[256];
     sp_buf_t head; /* the request head, written with the entity after it */
     bool upgrade, no_body;
+    /* a request body streamed from the client as it comes (http/bodygate.h) */
+    h2o_req_t *sreq; /* its request while the pool lives (x->req goes NULL earlier) */
+    bool stream, schunked;
+    bool sdone;    /* the whole body is written, or no more of it will be */
+    uint64_t slen; /* its Content-Length */
+    char shex[24]; /* a chunk's size line */
     /* response */
     enum framing framing;
     uint64_t remaining; /* F_LENGTH */
@@ -366,6 +373,8 @@ static void resolve_abandon(struct resolve *rs);
 
 static void px_kill(struct px *x)
 {
+    if (x->sreq != NULL)
+        sp_bodygate_body_cancel(x->sreq); /* no piece comes to x any more */
     px_close_up(x);
     if (x->rs != NULL) {
         resolve_abandon(x->rs);
@@ -393,6 +402,7 @@ static void on_pool_gone(void *arg)
         return;
     x->hook = NULL;
     x->req = NULL;
+    x->sreq = NULL;              /* the gate ends the body with the request */
     if (x->phase == P_UPGRADING) /* an upgrade disposes the request on purpose */
         return;
     px_enter(x);
@@ -487,9 +497,10 @@ static bool has_crlf(const char *p, size_t n)
 }
 
 /* The head of req as it goes to the next node, into b: with method and path (query included)
- * instead of req's own, the entity's Content-Length when entity, and an Upgrade when upgrade. */
+ * instead of req's own, the body's framing line when framing (else none), and an Upgrade when
+ * upgrade. */
 static int write_head(const sp_proxy_t *p, sp_buf_t *b, h2o_req_t *req, h2o_iovec_t method,
-                      h2o_iovec_t path, bool entity, bool upgrade)
+                      h2o_iovec_t path, const char *framing, bool upgrade)
 {
     if (has_crlf(method.base, method.len) || has_crlf(path.base, path.len) ||
         has_crlf(req->authority.base, req->authority.len))
@@ -506,8 +517,11 @@ static int write_head(const sp_proxy_t *p, sp_buf_t *b, h2o_req_t *req, h2o_iove
     for (size_t i = 0; i < req->headers.size; i++) {
         const h2o_header_t *h = &req->headers.entries[i];
         if (hop_by_hop(h->name) || named_in_connection(req, h->name) ||
-            has_crlf(h->value.base, h->value.len))
-            continue;
+            has_crlf(h->value.base, h->value.len) ||
+            (h->name->len >= sizeof(SP_BODYGATE_GATED_PREFIX) - 1 &&
+             strncasecmp(h->name->base, SP_BODYGATE_GATED_PREFIX,
+                         sizeof(SP_BODYGATE_GATED_PREFIX) - 1) == 0))
+            continue; /* the gate's renamed framing fields: the framing is written below */
         if (h2o_memis(h->name->base, h->name->len, H2O_STRLIT("x-forwarded-for"))) {
             xff = h->value;
             continue;
@@ -549,8 +563,8 @@ static int write_head(const sp_proxy_t *p, sp_buf_t *b, h2o_req_t *req, h2o_iove
         sp_buf_str(b, "\"");
     }
     sp_buf_printf(b, "\r\nX-Forwarded-Proto: %s\r\n", proto);
-    if (entity && req->entity.base != NULL)
-        sp_buf_printf(b, "Content-Length: %zu\r\n", req->entity.len);
+    if (framing != NULL)
+        sp_buf_str(b, framing);
     char sig[160];
     if (sign(p, method, req->authority, path, sig, sizeof(sig)) < 0)
         return -1;
@@ -568,7 +582,17 @@ static int write_head(const sp_proxy_t *p, sp_buf_t *b, h2o_req_t *req, h2o_iove
 static int build_head(struct px *x, h2o_req_t *req)
 {
     /* the path as the client sent it, query included */
-    return write_head(x->p, &x->head, req, req->method, req->input.path, true, x->upgrade);
+    char framing[64];
+    if (x->stream && x->schunked)
+        snprintf(framing, sizeof(framing), "Transfer-Encoding: chunked\r\n");
+    else if (x->stream)
+        snprintf(framing, sizeof(framing), "Content-Length: %llu\r\n", (unsigned long long)x->slen);
+    else if (req->entity.base != NULL)
+        snprintf(framing, sizeof(framing), "Content-Length: %zu\r\n", req->entity.len);
+    else
+        framing[0] = '\0';
+    return write_head(x->p, &x->head, req, req->method, req->input.path,
+                      framing[0] != '\0' ? framing : NULL, x->upgrade);
 }
 
 /* ---- toward the client ---- */
@@ -782,6 +806,8 @@ static void on_upgraded(void *data, h2o_socket_t *sock, size_t reqsize)
     px_leave(x);
 }
 
+static void body_stop(struct px *x);
+
 /* Parses the response head once it is all in; starts the response. */
 static void read_head(struct px *x)
 {
@@ -819,6 +845,7 @@ static void read_head(struct px *x)
             h2o_buffer_consume(&up->input, (size_t)hl);
             continue;
         }
+        body_stop(x);
         req->res.status = status;
         req->res.reason = h2o_strdup(&req->pool, msg, msg_len).base;
         copy_headers(req, fields, nf, false);
@@ -888,14 +915,103 @@ static void on_up_read(h2o_socket_t *sock, const char *err)
     px_leave(x);
 }
 
+/* ---- a request body streamed toward the upstream ----
+ *
+ * One piece at a time (http/bodygate.h): the next is asked for once the last is written, so a
+ * slow upstream holds the client back, and what is in flight here is one piece. Each goes as
+ * it came, or as one chunk when the client's body was chunked. The body stops when the answer
+ * begins (a worker answers before the whole body only to refuse it); the client's connection
+ * then closes after the answer, its remaining bytes drained by the gate.
+ */
+
+static void on_written(h2o_socket_t *sock, const char *err);
+
+/* The client's body could not be had: before the answer, an error answer; after, nothing more
+ * goes up. */
+static void body_failed(struct px *x, const sp_err_t *err)
+{
+    h2o_req_t *req = x->req;
+    x->sdone = true;
+    sp_log(SP_LOG_INFO, "proxy", "sandbox %s: request body to worker %s: %s", x->sandbox,
+           x->upstream, err->msg);
+    if (req != NULL && x->phase <= P_HEAD) {
+        int status = sp_err_http_status(err->code);
+        x->req = NULL;
+        x->phase = P_DONE;
+        sp_http_json(req, status,
+                     json_pack("{s:{s:s,s:s},s:s,s:s,s:i}", "error", "code", sp_err_name(err->code),
+                               "message", err->msg, "sandboxId", x->sandbox, "message", err->msg,
+                               "code", status));
+        px_kill(x);
+    }
+}
+
+static void on_body_piece(void *arg, const char *data, size_t len, bool end, const sp_err_t *err)
+{
+    struct px *x = arg;
+    px_enter(x);
+    if (err != NULL) {
+        body_failed(x, err);
+    } else if (x->up != NULL && !x->sdone) {
+        h2o_iovec_t bufs[4];
+        size_t k = 0;
+        if (len > 0 && x->schunked) {
+            int hn = snprintf(x->shex, sizeof(x->shex), "%zx\r\n", len);
+            bufs[k++] = h2o_iovec_init(x->shex, (size_t)hn);
+        }
+        if (len > 0)
+            bufs[k++] = h2o_iovec_init(data, len);
+        if (len > 0 && x->schunked)
+            bufs[k++] = h2o_iovec_init(H2O_STRLIT("\r\n"));
+        if (end && x->schunked)
+            bufs[k++] = h2o_iovec_init(H2O_STRLIT("0\r\n\r\n"));
+        x->sdone = end;
+        arm(x, &x->p->idle_to); /* the client sent bytes: the exchange is alive */
+        if (k > 0)
+            h2o_socket_write(x->up, bufs, k, on_written);
+    }
+    px_leave(x);
+}
+
+/* Asks for the next piece of the body, while it goes on. */
+static void body_next(struct px *x)
+{
+    if (!x->stream || x->sdone || x->sreq == NULL || x->up == NULL || x->phase != P_HEAD)
+        return;
+    if (sp_bodygate_body_read(x->sreq, on_body_piece, x) < 0) {
+        sp_err_t e;
+        sp_err_set(&e, SP_EINTERNAL, "the request body cannot be read");
+        body_failed(x, &e);
+    }
+}
+
+/* The answer began: no more of the body goes up. */
+static void body_stop(struct px *x)
+{
+    if (x->stream && !x->sdone) {
+        x->sdone = true;
+        if (x->sreq != NULL)
+            sp_bodygate_body_cancel(x->sreq);
+    }
+}
+
 static void on_written(h2o_socket_t *sock, const char *err)
 {
     struct px *x = sock->data;
     if (x == NULL)
         return;
     px_enter(x);
-    if (err != NULL && x->phase <= P_HEAD)
+    if (err != NULL && x->stream && x->phase == P_HEAD) {
+        /* The worker may have answered and closed before taking the whole body: its answer
+         * (or its end without one) is read next. */
+        body_stop(x);
+        if (x->up_eof)
+            px_fail(x, 502, "closed the connection without a response");
+    } else if (err != NULL && x->phase <= P_HEAD) {
         px_fail(x, 502, "closed the connection before taking the request");
+    } else if (err == NULL) {
+        body_next(x);
+    }
     px_leave(x);
 }
 
@@ -1100,6 +1216,10 @@ void sp_proxy_forward(sp_proxy_t *p, h2o_req_t *req, const char *upstream, const
     snprintf(x->sandbox, sizeof(x->sandbox), "%s", sandbox_id);
     snprintf(x->upstream, sizeof(x->upstream), "%s", upstream);
     x->no_body = sp_http_method_is(req, "HEAD");
+    if (sp_bodygate_streamed(req, &x->slen, &x->schunked)) {
+        x->stream = true;
+        x->sreq = req;
+    }
     /* Upgrades exist only in HTTP/1.1 (HTTP/2 has none; h2c is h2o's own business). */
     x->upgrade = req->version < 0x200 && req->upgrade.base != NULL &&
                  !h2o_lcstris(req->upgrade.base, req->upgrade.len, H2O_STRLIT("h2c"));
@@ -1349,7 +1469,7 @@ sp_proxy_get_t *sp_proxy_get(sp_proxy_t *p, h2o_req_t *req, const char *upstream
     snprintf(g->upstream, sizeof(g->upstream), "%s", upstream);
     sp_timer_init(&g->timer, p->loop, pg_on_timer, g);
     if (write_head(p, &g->head, req, h2o_iovec_init(H2O_STRLIT("GET")),
-                   h2o_iovec_init(path, strlen(path)), false, false) < 0) {
+                   h2o_iovec_init(path, strlen(path)), NULL, false) < 0) {
         sp_buf_free(&g->head);
         free(g);
         sp_err_set(err, SP_EINVAL, "this request cannot be sent to another node");

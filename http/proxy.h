@@ -8,8 +8,12 @@
  * 100 MiB download through a slow client costs 100 MiB of disk and page cache here. This one
  * reads the upstream only while the client takes the bytes (at most 1 MiB ahead of it).
  *
- * The request body: h2o 2.2 hands handlers the whole entity (it has buffered it before
- * on_req, as for any local upload); the forwarder writes it from there, without a copy.
+ * The request body: an upload the body gate left on the client's connection
+ * (sp_bodygate_streamed, http/bodygate.h) goes up as it comes, one piece at a time, the next
+ * asked for once the last is written (so the client is read no faster than the upstream
+ * takes it), chunked when the client's was; it stops when the upstream's answer begins. Any
+ * other body h2o has read whole before on_req; the forwarder writes it from there, without a
+ * copy.
  *
  * What the upstream gets: the request line and headers as the client sent them (its
  * Authorization, X-Access-Token and Host pass as they are: the worker authenticates the

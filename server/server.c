@@ -665,9 +665,42 @@ struct handler {
     struct srv *srv;
 };
 
+struct collecting {
+    struct srv *s;
+    bool forwarded;
+};
+
+static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded);
+
+static void on_collected(void *arg, h2o_req_t *req, const sp_err_t *err)
+{
+    struct collecting *c = arg;
+    if (err != NULL) {
+        if (c->s->e2b != NULL && sp_e2b_owns(c->s->e2b, req))
+            sp_http_json(req, sp_err_http_status(err->code),
+                         json_pack("{s:i,s:s}", "code", sp_err_http_status(err->code), "message",
+                                   err->msg));
+        else
+            sp_http_error(req, err);
+        return;
+    }
+    dispatch(c->s, req, c->forwarded);
+}
+
 /* forwarded: another node sent req (its cluster header verified). */
 static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded)
 {
+    uint64_t len;
+    bool chunked;
+    if (sp_bodygate_streamed(req, &len, &chunked)) {
+        /* Its body was left on the connection to be forwarded (body_policy), and it is served
+         * here after all (placed here or nowhere): read whole first, as h2o would have. */
+        struct collecting *c = h2o_mem_alloc_pool(&req->pool, sizeof(*c));
+        c->s = s;
+        c->forwarded = forwarded;
+        sp_bodygate_body_collect(req, on_collected, c);
+        return;
+    }
     if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
         sp_e2b_handle(s->e2b, req, forwarded);
         return;
@@ -849,13 +882,38 @@ static bool is_native_files(const char *p, size_t n)
 }
 
 /*
+ * Whether an upload's body streams through this node (sp_bodygate_streamed): a sandbox's
+ * whose VM does not run here (forwarded to its worker, as it comes: http/proxy.h), or, on a
+ * node that runs no VMs, a template file (forwarded to a worker). The check is the one on_req
+ * makes at once for the same head (h2o hands it over in the same turn); one that is served
+ * here after all reads its body whole first (dispatch).
+ */
+static bool upload_streams(struct srv *s, const sp_bodygate_head_t *h, h2o_req_t *fake,
+                           bool e2b, const char *route, size_t pn)
+{
+    char id[65] = "";
+    if (e2b && route != NULL && (strcmp(route, "files") == 0 || strcmp(route, "guest_port") == 0))
+        (void)sp_e2b_data_plane(s->e2b, fake, id); /* a sandbox host: the id is in its name */
+    else if (!e2b && is_native_files(h->path, pn)) {
+        const char *p = h->path + 14, *sl = memchr(p, '/', pn - 14);
+        if (sl != NULL && (size_t)(sl - p) < sizeof(id)) {
+            memcpy(id, p, (size_t)(sl - p));
+            id[sl - p] = '\0';
+        }
+    } else
+        return s->api && s->fleet != NULL; /* template files: built on a worker */
+    return id[0] != '\0' && !sp_svc_sandbox_here(s->svc, id);
+}
+
+/*
  * The body gate's policy (http/bodygate.h), on a request's head: bodies up to max_body go on;
  * larger ones only to the upload routes (native files and template files, E2B's /files and
  * template files, and forwarded guest ports, whose apps take what they take), which count
  * as large (a bound on how many at once) and must carry their credential: a native key, or
  * E2B's API key or upload token. Whether that credential is right is the route's to check
  * (an asynchronous lookup h2o's read path cannot wait for); envd's /files and guest ports may
- * be public, so only the count holds them.
+ * be public, so only the count holds them. One on its way to another node streams through
+ * (upload_streams).
  */
 static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
 {
@@ -873,8 +931,8 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
         return;
     bool upload = false, needs_key = false;
     size_t n;
+    const char *surface = NULL, *route = NULL;
     if (e2b) {
-        const char *surface = NULL, *route = NULL;
         sp_e2b_classify(s->e2b, &fake, &surface, &route);
         if (route != NULL && (strcmp(route, "files") == 0 || strcmp(route, "guest_port") == 0)) {
             upload = true;
@@ -908,6 +966,7 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
         return;
     }
     v->large = true;
+    v->stream = upload_streams(s, h, &fake, e2b, route, pn);
 }
 
 /* The request metrics' labels (http/reqmetrics.h): the surface that owns the request. */

@@ -3,12 +3,16 @@ against a local upstream standing in for another worker: one spaced on the test 
 cluster key; a sandbox row placed on worker "w2" whose address is a Python server here. What
 the upstream receives (headers, body, the cluster header's HMAC) and what the client gets back
 (streams, chunked, Content-Length, WebSocket, an upstream dying mid-body or unreachable) are
-checked, and spaced's memory across a 100 MiB download through it.
+checked, and spaced's memory across a 100 MiB download through it. Uploads stream through as
+they come (http/bodygate.h): the upstream answers before the client has sent its body, a
+chunked body arrives chunked, a client leaving mid-body leaves the upstream a cut body, and an
+upload served here after all (placed nowhere) is read whole first.
 """
 import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -17,6 +21,7 @@ import sys
 import threading
 import time
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from harness import Platform, Spaced, free_port, pg_bindir, skip_unless_pg  # noqa: E402
@@ -37,6 +42,7 @@ class Upstream(threading.Thread):
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.seen = []  # (method, target, headers dict lower-case) per request
+        self.bodies = []  # (target, bytes declared or -1 when chunked, bytes received) per body
 
     def run(self):
         while True:
@@ -67,15 +73,21 @@ class Upstream(threading.Thread):
             raw.append((name, value.strip()))
             headers.setdefault(name.strip().lower(), []).append(value.strip())
         self.seen.append((method, target, headers))
-        n = int(headers.get("content-length", ["0"])[0])
-        digest, left = hashlib.sha256(), n
-        while left > 0:
-            b = f.read(min(left, 1 << 20))
-            if not b:
-                break
-            digest.update(b)
-            left -= len(b)
         mode = target.split("mode=", 1)[1].split("&")[0] if "mode=" in target else "echo"
+        chunked = "chunked" in headers.get("transfer-encoding", [""])[0]
+        n = -1 if chunked else int(headers.get("content-length", ["0"])[0])
+        digest = hashlib.sha256()
+        if mode == "early":  # answers after the first MiB, whatever the body's length
+            got = f.read(min(n, 1 << 20))
+            body = json.dumps({"received": len(got)}).encode()
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            c.shutdown(socket.SHUT_WR)
+            while f.read(1 << 16):
+                pass  # what the node still sends, until it closes
+            return
+        received = self.read_body(f, n, digest)
+        self.bodies.append((target, n, received))
+        n, left = received, 0  # what the echo reports
         if mode == "echo":
             body = json.dumps({"method": method, "target": target, "headers": headers,
                                "received": n - left, "sha256": digest.hexdigest(),
@@ -113,6 +125,32 @@ class Upstream(threading.Thread):
                     return
                 c.sendall(b.upper())
 
+    @staticmethod
+    def read_body(f, n, digest):
+        """The body's bytes into digest (n: its Content-Length, -1: chunked): how many came."""
+        got = 0
+        while n < 0:
+            line = f.readline()
+            if not line:
+                return got
+            size = int(line.split(b";")[0], 16)
+            if size == 0:
+                while f.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return got
+            b = f.read(size)
+            digest.update(b)
+            got += len(b)
+            if len(b) < size or f.readline() != b"\r\n":
+                return got
+        while got < n:
+            b = f.read(min(n - got, 1 << 20))
+            if not b:
+                break
+            digest.update(b)
+            got += len(b)
+        return got
+
     def verify(self, method, target, headers):
         v = headers.get("space-cluster-auth", [None])
         if len(v) != 1 or v[0] is None:
@@ -146,11 +184,13 @@ class ProxyTest(unittest.TestCase):
         # ASan's quarantine would hold every freed read buffer (256 MiB by default): keep it
         # small so that the memory figure below is the forwarder's.
         asan = os.environ.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=8"
+        cls.mport = free_port()
         cls.p = Platform(teams=("alpha",), runtime="test", env={"ASAN_OPTIONS": asan},
                          # the rows placed on w2 and w3 below never heartbeat: they
                          # must not turn lost while the suite runs, however slowly
                          args=["--cluster-key-file", cls.keyfile,
-                               "--heartbeat-timeout-s", "3600"])
+                               "--heartbeat-timeout-s", "3600",
+                               "--metrics-listen", "127.0.0.1:%d" % cls.mport])
         cls.s = cls.p.s
         try:
             cls.place_rows()
@@ -193,6 +233,18 @@ class ProxyTest(unittest.TestCase):
         r, body = s.exchange(*args, **kw)
         return r.status, body
 
+    def streamed(self):
+        """The streamed-body counters: (whole, cut, bytes)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.mport) as r:
+            text = r.read().decode()
+
+        def val(k):
+            m = re.search(r"^%s (\S+)$" % re.escape(k), text, re.M)
+            return float(m.group(1)) if m else 0
+        return (val('space_http_streamed_bodies_total{outcome="whole"}'),
+                val('space_http_streamed_bodies_total{outcome="cut"}'),
+                val("space_http_streamed_body_bytes_total"))
+
     def raw(self, data, until=None, timeout=30):
         """Sends data on a connection of its own; what comes back until the server closes it
         (or until `until` ends what came)."""
@@ -210,7 +262,7 @@ class ProxyTest(unittest.TestCase):
     def test_headers_body_and_cluster_header(self):
         path = "/v1/sandboxes/%s/files?path=/x&mode=echo" % self.remote
         body = os.urandom(300000)
-        st, out = self.ex(self.s, 
+        st, out = self.ex(self.s,
             "PUT", path, raw=body,
             headers={"Authorization": "Bearer " + self.s.key, "X-Custom": "kept",
                      "Connection": "X-Hop", "X-Hop": "dropped", "X-Forwarded-For": "10.1.2.3",
@@ -388,22 +440,167 @@ class ProxyTest(unittest.TestCase):
         self.assertLess(peak - rss0, 32 << 10)
 
     def test_big_upload(self):
-        # h2o 2.2 reads a request's whole entity before any handler runs (a local upload too);
-        # past 32 MiB it keeps it in a temporary file it maps. The forwarder writes it from
-        # there without a copy: the figure printed is h2o's mapping, not ours. A body this
-        # large is read only with a key in its head (http/bodygate.h); the worker checks it
-        # (the stand-in here takes any).
+        # A body this large is read only with a key in its head (http/bodygate.h); the worker
+        # checks it (the stand-in here takes any). It goes up as it comes, one piece at a time:
+        # spaced's memory stays flat, with no copy of the body anywhere.
         rss0 = self.s.rss_kb()
+        m0 = self.streamed()
         body = bytes(range(256)) * (BIG // 256)
-        st, out = self.ex(self.s, "PUT", "/v1/sandboxes/%s/files?path=/big&mode=echo"
-                          % self.remote, raw=body, timeout=120,
-                          headers={"Authorization": "Bearer sp_stand_in"})
+        peak = [0]
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.05):
+                peak[0] = max(peak[0], self.s.rss_kb())
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            st, out = self.ex(self.s, "PUT", "/v1/sandboxes/%s/files?path=/big&mode=echo"
+                              % self.remote, raw=body, timeout=120,
+                              headers={"Authorization": "Bearer sp_stand_in"})
+        finally:
+            done.set()
+            t.join()
         self.assertEqual(st, 200, out)
         got = json.loads(out)
         self.assertEqual(got["received"], BIG)
         self.assertEqual(got["sha256"], hashlib.sha256(body).hexdigest())
-        print("rss before %d KiB, after a 100 MiB upload %d KiB" % (rss0, self.s.rss_kb()),
+        self.assertEqual(got["headers"]["content-length"], [str(BIG)])
+        self.assertFalse([h for h in got["headers"] if h.startswith("x-sp-gated")], got)
+        m1 = self.streamed()
+        self.assertEqual((m1[0] - m0[0], m1[2] - m0[2]), (1, BIG))
+        print("rss before %d KiB, peak during a 100 MiB upload %d KiB" % (rss0, peak[0]),
               file=sys.stderr)
+        self.assertLess(peak[0] - rss0, 32 << 10)
+
+    def upload_head(self, target, length=None, extra=b"", key="sp_stand_in"):
+        framing = (b"Transfer-Encoding: chunked" if length is None
+                   else b"Content-Length: %d" % length)
+        return (b"PUT %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n%s\r\n"
+                b"%s\r\n" % (target.encode(), key.encode(), framing, extra))
+
+    @staticmethod
+    def read_response(c):
+        """A response off c, which the node closes after it: (head, body decoded)."""
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            b = c.recv(65536)
+            if not b:
+                raise AssertionError("connection closed before a response: %r" % buf)
+            buf += b
+        head, body = buf.split(b"\r\n\r\n", 1)
+        while True:
+            b = c.recv(65536)
+            if not b:
+                break
+            body += b
+        if b"transfer-encoding: chunked" in head.lower():
+            out = b""
+            while True:
+                size, body = body.split(b"\r\n", 1)
+                if int(size, 16) == 0:
+                    break
+                out, body = out + body[:int(size, 16)], body[int(size, 16) + 2:]
+            body = out
+        return head, body
+
+    def test_upload_answered_before_the_body_is_sent(self):
+        # The stand-in answers once it has 1 MiB of a 64 MiB body. A node that read the whole
+        # body before forwarding would answer nothing until the client sent it all: this client
+        # sends 2 MiB, then waits for the answer.
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
+        try:
+            c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/x&mode=early" % self.remote,
+                                       64 << 20))
+            c.sendall(b"e" * (2 << 20))
+            head, body = self.read_response(c)
+        finally:
+            c.close()
+        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
+        self.assertIn(b"connection: close", head.lower())  # the rest of the body is not read
+        self.assertEqual(json.loads(body)["received"], 1 << 20)
+        self.assertEqual(self.s.request("GET", "/healthz")[0], 200)
+
+    def test_chunked_upload_streams_chunked(self):
+        # As it came, with Expect: 100-continue: the node says go on before the body comes.
+        data = os.urandom(3 << 20)
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
+        try:
+            c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/c&mode=echo" % self.remote,
+                                       extra=b"Expect: 100-continue\r\n"))
+            cont = c.recv(100)
+            self.assertTrue(cont.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), cont)
+            for i in range(0, len(data), 300000):
+                part = data[i:i + 300000]
+                c.sendall(b"%x;ext=1\r\n%s\r\n" % (len(part), part))
+            c.sendall(b"0\r\nX-Trailer: t\r\n\r\n")
+            head, body = self.read_response(c)
+        finally:
+            c.close()
+        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
+        got = json.loads(body)
+        self.assertEqual(got["received"], len(data))
+        self.assertEqual(got["sha256"], hashlib.sha256(data).hexdigest())
+        self.assertEqual(got["headers"]["transfer-encoding"], ["chunked"])
+        self.assertNotIn("content-length", got["headers"])
+        self.assertNotIn("expect", got["headers"])
+
+    def test_client_leaving_mid_upload_cuts_the_upstream_body(self):
+        target = "/v1/sandboxes/%s/files?path=/cut&mode=echo&n=%s" % (self.remote,
+                                                                       secrets.token_hex(4))
+        m0 = self.streamed()
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
+        c.sendall(self.upload_head(target, 10 << 20) + b"z" * (3 << 20))
+        time.sleep(0.5)
+        c.close()
+        deadline = time.time() + 30
+        while time.time() < deadline and not [b for b in self.up.bodies if b[0] == target]:
+            time.sleep(0.1)
+        got = [b for b in self.up.bodies if b[0] == target]
+        self.assertEqual(len(got), 1, self.up.bodies)
+        self.assertEqual(got[0][1], 10 << 20)
+        self.assertLess(got[0][2], 10 << 20)  # a cut body, never a whole one
+        deadline = time.time() + 10
+        while time.time() < deadline and self.streamed()[1] == m0[1]:
+            time.sleep(0.1)
+        self.assertEqual(self.streamed()[1] - m0[1], 1)
+        self.assertEqual(self.s.request("GET", "/healthz")[0], 200)
+
+    def test_upload_served_here_after_all(self):
+        # Not running here, so its body streams; placed nowhere, so it is served here: read
+        # whole first (the native API then says not found, once the whole body is in).
+        n = len(self.up.seen)
+        for length in (3 << 20, None):
+            c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
+            try:
+                c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
+                                           length, key=self.s.key))
+                if length is None:
+                    c.sendall(b"100000\r\n" + b"n" * 0x100000 + b"\r\n")
+                    c.sendall(b"100000\r\n" + b"n" * 0x100000 + b"\r\n0\r\n\r\n")
+                else:
+                    c.sendall(b"n" * length)
+                head, body = self.read_response(c)
+            finally:
+                c.close()
+            self.assertTrue(head.startswith(b"HTTP/1.1 404"), head)
+            self.assertEqual(json.loads(body)["error"]["code"], "not_found")
+        self.assertEqual(len(self.up.seen), n)
+        # One that stops coming: the node's idle timeout, then a clean answer.
+        other = Spaced(database_url=self.p.pg.url, runtime="test", args=["--idle-timeout", "2"])
+        try:
+            other.start()
+            c = socket.create_connection(("127.0.0.1", other.port), timeout=30)
+            try:
+                c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
+                                           3 << 20) + b"n" * 1000)
+                head, body = self.read_response(c)
+            finally:
+                c.close()
+        finally:
+            other.destroy()
+        self.assertTrue(head.startswith(b"HTTP/1.1 400"), head)
+        self.assertIn("did not come in time", json.loads(body)["error"]["message"])
 
     @unittest.skipUnless(shutil.which("curl"), "needs curl")
     def test_http2_client(self):
