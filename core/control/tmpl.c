@@ -155,7 +155,11 @@ static int read_build(sp_tmpl_t *t, const char *team, const char *name, const ch
  * build sends with its id: a remote waiter reads the record when it starts, after each such
  * NOTIFY for its build, and after a listener reconnect (one may have been missed), and
  * answers once the record says the build ended or its time ran out. It is linked before its
- * first read, so a NOTIFY racing that read is not missed. */
+ * first read, so a NOTIFY racing that read is not missed. A read that cannot be had (the
+ * database out of reach) does not end the wait: it is tried again every REMOTE_RETRY_MS,
+ * and the answer at the end of the wait is the record as it then reads (or that error). */
+
+#define REMOTE_RETRY_MS 1000
 
 static void waiter_unlink(struct waiter *w)
 {
@@ -183,6 +187,7 @@ static void on_waiter_timer(sp_timer_t *tm, void *arg)
 void sp_tmpl__waiter_answer(struct waiter *w)
 {
     sp_timer_stop(&w->timer);
+    sp_timer_stop(&w->retry);
     sp_err_t e;
     if (read_build(w->t, w->auth.team_id, w->name, w->id, w->cb, w->arg, &e) < 0)
         w->cb(w->arg, NULL, &e);
@@ -201,6 +206,7 @@ static void remote_answer(struct waiter *w, PGresult *res, const sp_err_t *why)
 {
     waiter_unlink(w);
     sp_timer_stop(&w->timer);
+    sp_timer_stop(&w->retry);
     if (why != NULL) {
         w->cb(w->arg, NULL, why);
     } else {
@@ -218,12 +224,27 @@ static void on_remote_check(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct waiter *w = *(struct waiter **)rec;
     w->checking = false;
+    if (err != NULL && !w->expired) { /* no answer: the wait goes on, the read again later */
+        sp_timer_start(&w->retry, REMOTE_RETRY_MS);
+        return;
+    }
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "build not found", &e);
     bool wait_on = why == NULL && !build_ended(PQgetvalue(res, 0, 2)) && !w->expired;
-    if (wait_on && (!w->recheck || remote_check(w, &e) == 0))
+    if (wait_on && w->recheck && remote_check(w, &e) < 0)
+        sp_timer_start(&w->retry, REMOTE_RETRY_MS); /* not sent: later */
+    if (wait_on)
         return;
-    remote_answer(w, res, wait_on ? &e : why); /* wait_on: the read again was not sent */
+    remote_answer(w, res, why);
+}
+
+static void on_remote_retry(sp_timer_t *tm, void *arg)
+{
+    (void)tm;
+    struct waiter *w = arg;
+    sp_err_t e;
+    if (!w->checking && remote_check(w, &e) < 0)
+        sp_timer_start(&w->retry, REMOTE_RETRY_MS);
 }
 
 static int remote_check(struct waiter *w, sp_err_t *err)
@@ -254,7 +275,7 @@ static void on_builds_notify(void *arg, const char *channel, const char *payload
             if (w->checking)
                 w->recheck = true;
             else if (remote_check(w, &e) < 0)
-                remote_answer(w, NULL, &e);
+                sp_timer_start(&w->retry, REMOTE_RETRY_MS); /* not sent: later */
         }
         w = next;
     }
@@ -735,6 +756,7 @@ int sp_tmpl_get_build(sp_tmpl_t *t, const sp_auth_t *a, const char *name, const 
     w->cb = cb;
     w->arg = arg;
     sp_timer_init(&w->timer, t->loop, on_waiter_timer, w);
+    sp_timer_init(&w->retry, t->loop, on_remote_retry, w);
     struct waiter **head = w->remote ? &t->remote : &b->waiters;
     w->next = *head;
     *head = w;
@@ -1075,6 +1097,7 @@ void sp_tmpl_destroy(sp_tmpl_t *t)
         struct waiter *w = t->remote;
         t->remote = w->next;
         sp_timer_stop(&w->timer);
+        sp_timer_stop(&w->retry);
         free(w);
     }
     sp_tmpl__sweep_free(t);

@@ -65,6 +65,7 @@ struct waiter {
     sp_tmpl_build_cb cb;
     void *arg;
     sp_timer_t timer;
+    sp_timer_t retry; /* a remote waiter's read that failed is tried again */
     bool remote;   /* on a build another node runs: in sp_tmpl.remote (tmpl.c) */
     bool checking; /* a remote waiter's read of the record is in flight */
     bool recheck;  /* a NOTIFY came during it: its answer may predate the change */

@@ -1008,6 +1008,19 @@ class FleetBuildTest(KeyedFleet, unittest.TestCase):
                           raw=body, headers={"Content-Type": "application/octet-stream"})
         self.assertEqual((st, r.get("message")), (403, "bad upload link"), r)
 
+    def build_row(self, prefix, k, runs_on, builder):
+        """A template whose name routes to builder, with a build row as a running build on
+        runs_on leaves: (name, build id)."""
+        team = self.query("SELECT id FROM teams WHERE name = 'alpha'")
+        name = next(n for n in ("%s-%d" % (prefix, i) for i in range(100))
+                    if self.builder(n) is builder)
+        bid = "%08x-0000-4000-8000-%012x" % (os.getpid(), k)
+        self.query("INSERT INTO templates (name, status, team_id) VALUES ('%s', 'building', '%s');"
+                   "INSERT INTO template_builds (id, team_id, template, status, request,"
+                   " worker_id) VALUES ('%s', '%s', '%s', 'building', '{}', '%s')"
+                   % (name, team, bid, team, name, self.wid[runs_on]))
+        return name, bid
+
     def test_long_poll_where_the_build_does_not_run(self):
         """A ?wait= on a build answers when the build ends, asked on a node that does not run
         it (core/control/tmpl.c: remote waiters, NOTIFY space_builds): here a's build (a row
@@ -1015,13 +1028,7 @@ class FleetBuildTest(KeyedFleet, unittest.TestCase):
         it to the name's builder, b); a's restart fails it. A short wait still answers at its
         end with the build unfinished."""
         a, b = self.workers
-        team = self.query("SELECT id FROM teams WHERE name = 'alpha'")
-        name = next(n for n in ("poll-%d" % i for i in range(100)) if self.builder(n) is b)
-        bid = "%08x-0000-4000-8000-%012x" % (os.getpid(), 77)
-        self.query("INSERT INTO templates (name, status, team_id) VALUES ('%s', 'building', '%s');"
-                   "INSERT INTO template_builds (id, team_id, template, status, request,"
-                   " worker_id) VALUES ('%s', '%s', '%s', 'building', '{}', '%s')"
-                   % (name, team, bid, team, name, self.wid[a]))
+        name, bid = self.build_row("poll", 77, runs_on=a, builder=b)
         path = "/v1/templates/%s/builds/%s?wait=" % (name, bid)
         t0 = time.monotonic()
         st, r = b.request("GET", path + "1")
@@ -1048,6 +1055,35 @@ class FleetBuildTest(KeyedFleet, unittest.TestCase):
             self.assertLess(took, 60, (k, got))
         self.wait_for(lambda: all(x["state"] == "active" for x in self.list_workers()),
                       "both workers active again")
+
+    def test_long_poll_outlives_a_read_that_fails(self):
+        """A remote waiter's read that fails (the table gone for a moment, as a database out
+        of reach would) does not end the wait: it reads again later and answers when the
+        build ends."""
+        a, b = self.workers
+        name, bid = self.build_row("pollf", 78, runs_on=a, builder=b)
+        got = {}
+
+        def poll():
+            t = time.monotonic()
+            st, r = b.request("GET", "/v1/templates/%s/builds/%s?wait=60" % (name, bid),
+                              timeout=90)
+            got["b"] = (st, r.get("build", r).get("status"), time.monotonic() - t)
+        t = threading.Thread(target=poll)
+        t.start()
+        time.sleep(1)
+        self.query("ALTER TABLE template_builds RENAME TO template_builds_away;"
+                   "SELECT pg_notify('space_builds', '%s')" % bid)
+        time.sleep(2.5)  # b's read after the NOTIFY failed, and its reads again
+        self.query("ALTER TABLE template_builds_away RENAME TO template_builds")
+        time.sleep(1.5)
+        self.assertEqual(got, {}, "answered while the build runs")
+        self.query("UPDATE template_builds SET status = 'failed', error = 'stopped here'"
+                   " WHERE id = '%s'; SELECT pg_notify('space_builds', '%s')" % (bid, bid))
+        t.join(90)
+        st, status, took = got["b"]
+        self.assertEqual((st, status), (200, "failed"), got)
+        self.assertLess(took, 30, got)
 
     def test_unfinished_builds_fail_only_with_their_worker(self):
         """A node that starts fails the builds its previous process left unfinished: a
