@@ -20,8 +20,9 @@ sandbox is created through B, then A starts. Prints, medians over BENCH_ROUNDS (
     an API node: http/bodygate.h)
 With BASELINE_BUILD_DIR (e.g. a build of the commit before forwarding, or before uploads
 streamed): an API node A0 of that build beside A, the same figures through it; and the same
-command round trip and download on one node (B alone) for each build, alternating, so that
-the local path's cost of the "is this sandbox here" check shows. Machines here are shared
+command round trip, download and upload on one node (B alone) for each build, alternating, so
+that the local path's cost of the "is this sandbox here" check and of reading an upload's body
+after its key is checked shows. Machines here are shared
 and noisy: read ratios, not absolutes.
 """
 import http.client
@@ -202,19 +203,20 @@ def main():
         for name, bd in (("this", build), ("baseline", base)):
             p, s, sd, _ = setup(bd, None, big)
             runs[name] = (p, s, sd)
-        res = {n: ([], []) for n in runs}
+        res = {n: ([], [], []) for n in runs}
         for _ in range(ROUNDS):
             for n, (_, s, sd) in runs.items():
                 res[n][0].append(cmd_rtt(s, sd))
                 res[n][1].append(download(s, sd, big))
+                res[n][2].append(upload(s, sd, big)[0])
         print("one node, %d rounds (medians):" % ROUNDS)
+        med = {n: [statistics.median(x) for x in res[n]] for n in res}
         for n in res:
-            print("  %-8s command round trip %.2f ms, 100 MiB download %.0f MiB/s"
-                  % (n, statistics.median(res[n][0]), statistics.median(res[n][1])))
-        t, bl = res["this"], res["baseline"]
-        print("  this/baseline: round trip %.2fx, download %.2fx"
-              % (statistics.median(t[0]) / statistics.median(bl[0]),
-                 statistics.median(t[1]) / statistics.median(bl[1])))
+            print("  %-8s command round trip %.2f ms, 100 MiB download %.0f MiB/s, "
+                  "100 MiB upload %.0f MiB/s" % (n, med[n][0], med[n][1], med[n][2]))
+        t, bl = med["this"], med["baseline"]
+        print("  this/baseline: round trip %.2fx, download %.2fx, upload %.2fx"
+              % (t[0] / bl[0], t[1] / bl[1], t[2] / bl[2]))
     finally:
         for p, s, _ in runs.values():
             s.kill_fake_agents()

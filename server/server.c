@@ -665,26 +665,64 @@ struct handler {
     struct srv *srv;
 };
 
+/*
+ * An upload whose body the gate left on the connection (body_policy: every upload over
+ * max_body on plain HTTP/1) and that is served here: its API key, when the head carries one
+ * (native: Authorization: Bearer; E2B: X-API-Key), is checked before a byte of the body is
+ * read (a wrong one is refused at once, as a missing one already was by the gate); then the
+ * body is read whole, as h2o would have, and the request goes to its surface, which checks the
+ * key again with the rest (a second lookup, for large uploads only). Uploads with a token or
+ * a signature instead of a key (E2B envd /files, upload links) and guest ports, which may be
+ * public, are read without a check first. One forwarded to another node never gets here.
+ */
 struct collecting {
     struct srv *s;
+    sp_http_hold_t *hold; /* during the key's lookup */
     bool forwarded;
+    bool e2b;
 };
 
 static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded);
 
+static void collecting_fail(h2o_req_t *req, bool e2b, const sp_err_t *err)
+{
+    if (e2b)
+        sp_http_json(req, sp_err_http_status(err->code),
+                     json_pack("{s:i,s:s}", "code", sp_err_http_status(err->code), "message",
+                               err->msg));
+    else
+        sp_http_error(req, err);
+}
+
+/* arg lives in req's pool: the gate calls back only while req does. */
 static void on_collected(void *arg, h2o_req_t *req, const sp_err_t *err)
 {
     struct collecting *c = arg;
-    if (err != NULL) {
-        if (c->s->e2b != NULL && sp_e2b_owns(c->s->e2b, req))
-            sp_http_json(req, sp_err_http_status(err->code),
-                         json_pack("{s:i,s:s}", "code", sp_err_http_status(err->code), "message",
-                                   err->msg));
-        else
-            sp_http_error(req, err);
+    if (err != NULL)
+        collecting_fail(req, c->e2b, err);
+    else
+        dispatch(c->s, req, c->forwarded);
+}
+
+static void collect(h2o_req_t *req, const struct collecting *how)
+{
+    struct collecting *c = h2o_mem_alloc_pool(&req->pool, sizeof(*c));
+    *c = *how;
+    c->hold = NULL;
+    sp_bodygate_body_collect(req, on_collected, c);
+}
+
+static void on_upload_key(void *arg, const sp_auth_t *auth, const sp_err_t *err)
+{
+    (void)auth;
+    struct collecting c = *(struct collecting *)arg;
+    h2o_req_t *req = sp_http_release(c.hold); /* frees arg */
+    if (req == NULL) /* the client left during the lookup */
         return;
-    }
-    dispatch(c->s, req, c->forwarded);
+    if (err != NULL)
+        collecting_fail(req, c.e2b, err);
+    else
+        collect(req, &c);
 }
 
 /* forwarded: another node sent req (its cluster header verified). */
@@ -693,12 +731,25 @@ static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded)
     uint64_t len;
     bool chunked;
     if (sp_bodygate_streamed(req, &len, &chunked)) {
-        /* Its body was left on the connection to be forwarded (body_policy), and it is served
-         * here after all (placed here or nowhere): read whole first, as h2o would have. */
-        struct collecting *c = h2o_mem_alloc_pool(&req->pool, sizeof(*c));
-        c->s = s;
-        c->forwarded = forwarded;
-        sp_bodygate_body_collect(req, on_collected, c);
+        struct collecting how = {s, NULL, forwarded, s->e2b != NULL && sp_e2b_owns(s->e2b, req)};
+        const char *key = NULL, *a = sp_http_header(req, "authorization");
+        if (how.e2b)
+            key = sp_http_header(req, "x-api-key");
+        else if (a != NULL && strncasecmp(a, "Bearer ", 7) == 0)
+            key = a + 7;
+        if (key == NULL) {
+            collect(req, &how);
+            return;
+        }
+        if ((how.hold = sp_http_hold(req, sizeof(struct collecting))) == NULL) {
+            sp_http_error_code(req, SP_EINTERNAL, "out of memory");
+            return;
+        }
+        struct collecting *c = sp_http_hold_user(how.hold);
+        *c = how;
+        sp_err_t e;
+        if (sp_svc_authenticate(s->svc, key, on_upload_key, c, &e) < 0)
+            on_upload_key(c, NULL, &e);
         return;
     }
     if (s->e2b != NULL && sp_e2b_owns(s->e2b, req)) {
@@ -882,38 +933,15 @@ static bool is_native_files(const char *p, size_t n)
 }
 
 /*
- * Whether an upload's body streams through this node (sp_bodygate_streamed): a sandbox's
- * whose VM does not run here (forwarded to its worker, as it comes: http/proxy.h), or, on a
- * node that runs no VMs, a template file (forwarded to a worker). The check is the one on_req
- * makes at once for the same head (h2o hands it over in the same turn); one that is served
- * here after all reads its body whole first (dispatch).
- */
-static bool upload_streams(struct srv *s, const sp_bodygate_head_t *h, h2o_req_t *fake,
-                           bool e2b, const char *route, size_t pn)
-{
-    char id[65] = "";
-    if (e2b && route != NULL && (strcmp(route, "files") == 0 || strcmp(route, "guest_port") == 0))
-        (void)sp_e2b_data_plane(s->e2b, fake, id); /* a sandbox host: the id is in its name */
-    else if (!e2b && is_native_files(h->path, pn)) {
-        const char *p = h->path + 14, *sl = memchr(p, '/', pn - 14);
-        if (sl != NULL && (size_t)(sl - p) < sizeof(id)) {
-            memcpy(id, p, (size_t)(sl - p));
-            id[sl - p] = '\0';
-        }
-    } else
-        return s->api && s->fleet != NULL; /* template files: built on a worker */
-    return id[0] != '\0' && !sp_svc_sandbox_here(s->svc, id);
-}
-
-/*
  * The body gate's policy (http/bodygate.h), on a request's head: bodies up to max_body go on;
  * larger ones only to the upload routes (native files and template files, E2B's /files and
  * template files, and forwarded guest ports, whose apps take what they take), which count
  * as large (a bound on how many at once) and must carry their credential: a native key, or
- * E2B's API key or upload token. Whether that credential is right is the route's to check
- * (an asynchronous lookup h2o's read path cannot wait for); envd's /files and guest ports may
- * be public, so only the count holds them. One on its way to another node streams through
- * (upload_streams).
+ * E2B's API key or upload token (h2o's read path cannot wait for the lookup that says whether
+ * it is right); envd's /files and guest ports may be public, so only the count holds them.
+ * Every such upload streams (http/bodygate.h; plain HTTP/1 only): one on its way to another
+ * node goes up as it comes (http/proxy.h), one served here has its key's value checked before
+ * its body is read (dispatch). Over TLS and HTTP/2 the route checks the value after the body.
  */
 static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
 {
@@ -966,7 +994,7 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
         return;
     }
     v->large = true;
-    v->stream = upload_streams(s, h, &fake, e2b, route, pn);
+    v->stream = true;
 }
 
 /* The request metrics' labels (http/reqmetrics.h): the surface that owns the request. */

@@ -567,8 +567,17 @@ class ProxyTest(unittest.TestCase):
         self.assertEqual(self.s.request("GET", "/healthz")[0], 200)
 
     def test_upload_served_here_after_all(self):
-        # Not running here, so its body streams; placed nowhere, so it is served here: read
-        # whole first (the native API then says not found, once the whole body is in).
+        # Not running here, so its body streams; placed nowhere, so it is served here: its key
+        # checked, then read whole (the native API then says not found, once the body is in).
+        # A wrong key is refused before the body.
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
+        try:
+            c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
+                                       3 << 20))
+            head, body = self.read_response(c)
+        finally:
+            c.close()
+        self.assertTrue(head.startswith(b"HTTP/1.1 401"), head)
         n = len(self.up.seen)
         for length in (3 << 20, None):
             c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
@@ -593,7 +602,7 @@ class ProxyTest(unittest.TestCase):
             c = socket.create_connection(("127.0.0.1", other.port), timeout=30)
             try:
                 c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
-                                           3 << 20) + b"n" * 1000)
+                                           3 << 20, key=self.s.key) + b"n" * 1000)
                 head, body = self.read_response(c)
             finally:
                 c.close()

@@ -152,6 +152,37 @@ class BodiesTest(unittest.TestCase):
         # Six 50 MiB bodies were sent: 300 MiB had they been kept; a few MiB of noise is allowed.
         self.assertLess(self.s.rss_kb() - rss0, 30 * 1024)
 
+    def test_large_body_with_a_wrong_key_refused_on_head(self):
+        # Plain HTTP/1: the key's value is checked before the body is read, on both APIs (over
+        # TLS or HTTP/2 only its presence is, and the route checks it after the body).
+        rss0 = self.s.rss_kb()
+        for _ in range(3):
+            st, _, body = self.refused_on_head("PUT", "/v1/template-files/" + "a" * 64, 50 * MIB,
+                                               ["Authorization: Bearer sp_not_a_key"])
+            self.assertEqual(st, 401, body)
+            self.assertEqual(json.loads(body)["error"]["code"], "unauthenticated")
+            st, _, body = self.refused_on_head("PUT", "/upload/template-files/" + "a" * 64,
+                                               50 * MIB, ["X-API-Key: sp_not_a_key"])
+            self.assertEqual(st, 401, body)
+            self.assertEqual(json.loads(body)["code"], 401)
+        self.assertLess(self.s.rss_kb() - rss0, 30 * 1024)
+        # A right key: the body is read and the route answers (chunked too).
+        data, sha = random_tar(3 * MIB)
+        c = self.conn()
+        try:
+            c.sendall(self.head("PUT", "/v1/template-files/" + sha, chunked=True,
+                                headers=["Authorization: Bearer " + self.s.key]))
+            for i in range(0, len(data), 500000):
+                part = data[i:i + 500000]
+                c.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+            c.sendall(b"0\r\n\r\n")
+            st, hdrs, body = read_response(c)
+        finally:
+            c.close()
+        self.assertIn(st, (200, 201), body)
+        st, r = self.s.request("GET", "/v1/template-files/" + sha)
+        self.assertEqual(st, 200, r)
+
     def test_oversized_json_is_413_on_both_apis(self):
         st, _, body = self.refused_on_head("POST", "/v1/sandboxes", 2 * MIB,
                                            ["Authorization: Bearer " + self.s.key,
