@@ -338,6 +338,7 @@ struct px {
     h2o_req_t *sreq; /* its request while the pool lives (x->req goes NULL earlier) */
     bool stream, schunked;
     bool sdone;    /* the whole body is written, or no more of it will be */
+    bool swaiting; /* a piece is asked for: the client is what the exchange waits on */
     uint64_t slen; /* its Content-Length */
     char shex[24]; /* a chunk's size line */
     /* response */
@@ -448,11 +449,15 @@ static void px_fail(struct px *x, int status, const char *what)
     px_kill(x);
 }
 
+static void body_failed(struct px *x, int status, const char *code, const char *msg);
+
 static void on_timeout(h2o_timeout_entry_t *e)
 {
     struct px *x = H2O_STRUCT_FROM_MEMBER(struct px, tmo, e);
     px_enter(x);
-    if (x->phase <= P_CONNECT)
+    if (x->swaiting && x->phase == P_HEAD)
+        body_failed(x, 408, "timeout", "no byte of the request body came in time");
+    else if (x->phase <= P_CONNECT)
         px_fail(x, 502, "could not be reached in time");
     else
         px_fail(x, 504, "did not answer in time");
@@ -928,20 +933,19 @@ static void on_written(h2o_socket_t *sock, const char *err);
 
 /* The client's body could not be had: before the answer, an error answer; after, nothing more
  * goes up. */
-static void body_failed(struct px *x, const sp_err_t *err)
+static void body_failed(struct px *x, int status, const char *code, const char *msg)
 {
     h2o_req_t *req = x->req;
     x->sdone = true;
+    x->swaiting = false;
     sp_log(SP_LOG_INFO, "proxy", "sandbox %s: request body to worker %s: %s", x->sandbox,
-           x->upstream, err->msg);
+           x->upstream, msg);
     if (req != NULL && x->phase <= P_HEAD) {
-        int status = sp_err_http_status(err->code);
         x->req = NULL;
         x->phase = P_DONE;
         sp_http_json(req, status,
-                     json_pack("{s:{s:s,s:s},s:s,s:s,s:i}", "error", "code", sp_err_name(err->code),
-                               "message", err->msg, "sandboxId", x->sandbox, "message", err->msg,
-                               "code", status));
+                     json_pack("{s:{s:s,s:s},s:s,s:s,s:i}", "error", "code", code, "message", msg,
+                               "sandboxId", x->sandbox, "message", msg, "code", status));
         px_kill(x);
     }
 }
@@ -950,8 +954,9 @@ static void on_body_piece(void *arg, const char *data, size_t len, bool end, con
 {
     struct px *x = arg;
     px_enter(x);
+    x->swaiting = false;
     if (err != NULL) {
-        body_failed(x, err);
+        body_failed(x, sp_err_http_status(err->code), sp_err_name(err->code), err->msg);
     } else if (x->up != NULL && !x->sdone) {
         h2o_iovec_t bufs[4];
         size_t k = 0;
@@ -978,11 +983,10 @@ static void body_next(struct px *x)
 {
     if (!x->stream || x->sdone || x->sreq == NULL || x->up == NULL || x->phase != P_HEAD)
         return;
-    if (sp_bodygate_body_read(x->sreq, on_body_piece, x) < 0) {
-        sp_err_t e;
-        sp_err_set(&e, SP_EINTERNAL, "the request body cannot be read");
-        body_failed(x, &e);
-    }
+    if (sp_bodygate_body_read(x->sreq, on_body_piece, x) < 0)
+        body_failed(x, 500, sp_err_name(SP_EINTERNAL), "the request body cannot be read");
+    else
+        x->swaiting = true;
 }
 
 /* The answer began: no more of the body goes up. */
@@ -990,6 +994,7 @@ static void body_stop(struct px *x)
 {
     if (x->stream && !x->sdone) {
         x->sdone = true;
+        x->swaiting = false;
         if (x->sreq != NULL)
             sp_bodygate_body_cancel(x->sreq);
     }

@@ -78,7 +78,7 @@ class Upstream(threading.Thread):
         n = -1 if chunked else int(headers.get("content-length", ["0"])[0])
         digest = hashlib.sha256()
         if mode == "early":  # answers after the first MiB, whatever the body's length
-            got = f.read(min(n, 1 << 20))
+            got = f.read(1 << 20 if n < 0 else min(n, 1 << 20))  # chunked: framing and all
             body = json.dumps({"received": len(got)}).encode()
             c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
             c.shutdown(socket.SHUT_WR)
@@ -595,21 +595,29 @@ class ProxyTest(unittest.TestCase):
             self.assertTrue(head.startswith(b"HTTP/1.1 404"), head)
             self.assertEqual(json.loads(body)["error"]["code"], "not_found")
         self.assertEqual(len(self.up.seen), n)
-        # One that stops coming: the node's idle timeout, then a clean answer.
-        other = Spaced(database_url=self.p.pg.url, runtime="test", args=["--idle-timeout", "2"])
+        # One that stops coming: the node's idle timeout, then a clean answer; the same for one
+        # being forwarded (a 408, not the worker's fault).
+        other = Spaced(database_url=self.p.pg.url, runtime="test",
+                       args=["--idle-timeout", "2", "--cluster-key-file", self.keyfile,
+                             "--heartbeat-timeout-s", "3600"])
+        got = []
         try:
             other.start()
-            c = socket.create_connection(("127.0.0.1", other.port), timeout=30)
-            try:
-                c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
-                                           3 << 20, key=self.s.key) + b"n" * 1000)
-                head, body = self.read_response(c)
-            finally:
-                c.close()
+            for sid in ("nosuchsandbox000001", self.remote):
+                c = socket.create_connection(("127.0.0.1", other.port), timeout=30)
+                try:
+                    c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/n&mode=echo" % sid,
+                                               3 << 20, key=self.s.key) + b"n" * 1000)
+                    got.append(self.read_response(c))
+                finally:
+                    c.close()
         finally:
             other.destroy()
+        (head, body), (head2, body2) = got
         self.assertTrue(head.startswith(b"HTTP/1.1 400"), head)
         self.assertIn("did not come in time", json.loads(body)["error"]["message"])
+        self.assertTrue(head2.startswith(b"HTTP/1.1 408"), head2)
+        self.assertIn("request body came in time", json.loads(body2)["error"]["message"])
 
     @unittest.skipUnless(shutil.which("curl"), "needs curl")
     def test_http2_client(self):
