@@ -72,12 +72,14 @@ struct gbody {
     bool chunked, expect; /* expect: 100 Continue not yet sent */
     bool end, failed, collected;
     bool deferred;     /* a pump is deferred (the socket's holds count it) */
+    bool tls;          /* read through h2o's socket (which decrypts), not the dup */
+    bool reading;      /* tls: h2o's socket is being read for it */
     uint64_t left;     /* Content-Length: body bytes still to come */
     uint64_t got;      /* bytes read of it (chunked: as sent, framing included) */
     uint64_t cap;      /* chunked: the most got may reach */
     sp_chunked_t ck;
     size_t pre; /* its bytes h2o read already: after the head in the input */
-    int fd;     /* a dup of the socket's, read directly (-1: none) */
+    int fd;     /* a dup of the socket's: read directly (plain), drained after (-1: none) */
     sp_watch_t *w;
     char *buf; /* PIECE_MAX: the piece handed out */
     sp_bodygate_body_cb cb;
@@ -109,6 +111,9 @@ struct gs {
     bool s_next, s_chunked, s_expect;
     uint64_t s_length, s_cap;
     struct gbody b; /* the body of the request being handled, when streamed (b.req) */
+    h2o_buffer_t *held; /* TLS: the input the streamed request's head is in, kept until the
+                         * socket closes (h2o's request points into it; the socket reads into
+                         * a new one meanwhile) */
     struct gs *prev, *next;
 };
 
@@ -211,12 +216,14 @@ const char *sp_bodygate_header(const sp_bodygate_head_t *h, const char *name, si
 /* ---- per socket ---- */
 
 static void body_end(struct gs *st);
+static void held_free(struct gs *st);
 
 static void gs_free_if_done(struct gs *st)
 {
     if (st->sock != NULL || st->holds > 0 || st->in_read)
         return;
     body_end(st);
+    held_free(st);
     if (st->g != NULL) {
         if (st->prev)
             st->prev->next = st->next;
@@ -298,9 +305,17 @@ static void drain_start(sp_loop_t *loop, int fd, uint64_t left)
     sp_watch_set(d->w, SP_IO_READ);
 }
 
+static void held_free(struct gs *st)
+{
+    if (st->held != NULL)
+        h2o_buffer_dispose(&st->held);
+    st->held = NULL;
+}
+
 static void gs_on_close(void *data)
 {
     struct gs *st = data;
+    held_free(st); /* h2o is done with the request */
     if (st->drain_fd >= 0) {
         if (st->g != NULL)
             drain_start(st->g->loop, st->drain_fd, st->drain_left);
@@ -327,27 +342,35 @@ static void ask(sp_bodygate_t *g, const sp_bodygate_head_t *h, sp_bodygate_verdi
 
 /*
  * A head whose body the handler streams (sp_bodygate_streamed): its framing fields renamed in
- * place, so that h2o reads it as a request without a body and hands it over at once. Only on
- * plain sockets (the body is then read from a dup of the socket, beside h2o: a TLS socket's
- * bytes are h2o's to decrypt) and within h2o's own limit (past it, h2o's 413 as ever).
+ * place, so that h2o reads it as a request without a body and hands it over at once. Within
+ * h2o's own limit (past it, h2o's 413 as ever). On a plain socket the body is read from a dup
+ * of it, beside h2o; on a TLS one through h2o's socket (which decrypts), into an input buffer
+ * of its own (body_begin).
  */
 static void stream_head(struct gs *st, sp_bodygate_head_t *h, uint64_t chunked_cap)
 {
     _Static_assert(sizeof(GATED_LENGTH) == sizeof("content-length"), "same length");
     _Static_assert(sizeof(GATED_CODING) == sizeof("transfer-encoding"), "same length");
     h2o_globalconf_t *gc = ((h2o_conn_t *)st->sock->data)->ctx->globalconf;
-    if (st->sock->ssl != NULL || st->fd < 0 || h->length > gc->max_request_entity_size)
+    if (st->fd < 0 || h->length > gc->max_request_entity_size)
         return;
     bool expect = false;
+    for (size_t i = 0; i < h->nfields; i++) {
+        const sp_bodygate_field_t *f = &h->fields[i];
+        if (name_is(f->name, f->name_len, "expect") && f->value_len == 12 &&
+            strncasecmp(f->value, "100-continue", 12) == 0)
+            expect = true;
+    }
+    /* TLS: the 100 would go through h2o's socket, whose answer may begin before that write is
+     * done; such a request is h2o's to read, with its own 100. */
+    if (expect && st->sock->ssl != NULL)
+        return;
     for (size_t i = 0; i < h->nfields; i++) {
         sp_bodygate_field_t *f = &h->fields[i];
         if (name_is(f->name, f->name_len, "content-length"))
             memcpy((char *)f->name, GATED_LENGTH, f->name_len);
         else if (name_is(f->name, f->name_len, "transfer-encoding"))
             memcpy((char *)f->name, GATED_CODING, f->name_len);
-        else if (name_is(f->name, f->name_len, "expect") && f->value_len == 12 &&
-                 strncasecmp(f->value, "100-continue", 12) == 0)
-            expect = true;
     }
     st->s_next = true;
     st->s_chunked = h->chunked;
@@ -1008,6 +1031,15 @@ static void body_begin(struct gs *st, h2o_req_t *req)
         b->pre = (size_t)b->left;
     b->expect = st->s_expect && b->pre == 0;
     b->fd = fcntl(st->fd, F_DUPFD_CLOEXEC, 0); /* -1: the first read fails */
+    b->tls = st->sock->ssl != NULL;
+    if (b->tls) {
+        /* h2o's request points into the head in the socket's input, which a read could move
+         * (h2o_buffer_reserve): the socket reads into a new buffer, the old one is kept whole
+         * until the socket closes (its body bytes past the head are taken from it). */
+        held_free(st);
+        st->held = in;
+        h2o_buffer_init(&st->sock->input, &h2o_socket_buffer_prototype);
+    }
 }
 
 /* The request is done with its body (answered, or its connection gone): what is left of the
@@ -1021,6 +1053,9 @@ static void body_end(struct gs *st)
     sp_metrics_add(&m_streamed_bytes, (double)b->got);
     b->req = NULL;
     b->cb = NULL;
+    if (b->reading && st->sock != NULL)
+        h2o_socket_read_stop(st->sock);
+    b->reading = false;
     sp_watch_destroy(b->w);
     b->w = NULL;
     free(b->buf);
@@ -1087,6 +1122,7 @@ static void body_fail(struct gs *st, sp_code_t code, const char *msg)
 }
 
 static void on_body_io(sp_watch_t *w, int events, void *arg);
+static void on_body_tls(h2o_socket_t *sock, const char *err);
 
 /* Reads the next piece for the pending read: from what h2o read past the head first, then from
  * the socket; waits for the socket when it has nothing. */
@@ -1102,13 +1138,25 @@ static void body_pump(struct gs *st)
     for (;;) {
         size_t n;
         if (b->pre > 0) {
-            h2o_buffer_t *in = st->sock->input;
+            h2o_buffer_t *in = b->tls ? st->held : st->sock->input;
             char *at = in->bytes + st->head_len;
             n = b->pre < PIECE_MAX ? b->pre : PIECE_MAX;
             memcpy(b->buf, at, n);
             memmove(at, at + n, in->size - st->head_len - n);
             in->size -= n;
             b->pre -= n;
+        } else if (b->tls) {
+            h2o_buffer_t *in = st->sock->input;
+            if (in->size == 0) {
+                b->reading = true;
+                h2o_socket_read_start(st->sock, on_body_tls);
+                return;
+            }
+            n = in->size < PIECE_MAX ? in->size : PIECE_MAX;
+            if (!b->chunked && b->left < n)
+                n = (size_t)b->left; /* what follows is not ours */
+            memcpy(b->buf, in->bytes, n);
+            h2o_buffer_consume(&st->sock->input, n);
         } else {
             if (b->expect) {
                 static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -1191,6 +1239,21 @@ static void on_body_io(sp_watch_t *w, int events, void *arg)
     gs_free_if_done(st);
 }
 
+/* TLS: h2o read (and decrypted) more of the body into the socket's input, or failed. */
+static void on_body_tls(h2o_socket_t *sock, const char *err)
+{
+    struct gs *st = sock->on_close.data;
+    h2o_socket_read_stop(sock);
+    st->b.reading = false;
+    if (st->b.req == NULL || st->b.cb == NULL)
+        return;
+    if (err != NULL && sock->input->size == 0)
+        body_fail(st, SP_EINVAL, "the client's connection ended before its request body did");
+    else
+        body_pump(st);
+    gs_free_if_done(st);
+}
+
 static void body_deferred(void *arg)
 {
     struct gs *st = arg;
@@ -1210,7 +1273,7 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
         return -1;
     b->cb = cb;
     b->arg = arg;
-    if (b->pre > 0 || b->expect || b->w == NULL) {
+    if (b->pre > 0 || b->expect || b->w == NULL || b->tls) {
         /* bytes at hand, a 100 to send first, or no watch yet: on the next turn */
         if (!b->deferred) {
             if (sp_loop_defer(st->g->loop, body_deferred, st) < 0) {
@@ -1234,6 +1297,10 @@ void sp_bodygate_body_cancel(h2o_req_t *req)
     st->b.cb = NULL;
     if (st->b.w != NULL)
         sp_watch_set(st->b.w, 0);
+    if (st->b.reading && st->sock != NULL) {
+        h2o_socket_read_stop(st->sock);
+        st->b.reading = false;
+    }
 }
 
 /* Collecting a streamed body into req->entity (sp_bodygate_body_collect); lives in req's pool. */
@@ -1459,9 +1526,19 @@ static void on_tls_handshake(h2o_socket_t *sock, const char *err)
             return;
         }
     }
+    /* h2o_http1_accept parses at once what the handshake's last read brought (a client may send
+     * its request in the same flight as its Finished): that input is kept from it until the gate
+     * is in place, then read through the gate. */
+    h2o_buffer_t *early = sock->input;
+    h2o_buffer_init(&sock->input, &h2o_socket_buffer_prototype);
     h2o_http1_accept(ctx, sock, at);
+    h2o_buffer_t *none = sock->input;
+    sock->input = early;
+    h2o_buffer_dispose(&none);
     if (g != NULL)
         sp_bodygate_attach(g, sock, fd);
+    if (sock->input->size > 0 && sock->_cb.read != NULL)
+        sock->_cb.read(sock, NULL);
 }
 
 void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *sock, int fd)

@@ -101,15 +101,16 @@ void sp_bodygate_accept(sp_bodygate_t *g, h2o_accept_ctx_t *ctx, h2o_socket_t *s
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v);
 
 /*
- * Streamed bodies. A request the policy marks `stream`, on a plain (not TLS) HTTP/1 connection,
- * reaches its handler with its head alone: its Content-Length and Transfer-Encoding fields are
- * renamed in place before h2o reads the head (to SP_BODYGATE_GATED_PREFIX..., which a forwarder
- * drops), so h2o reads no body and calls the handler at once; the body stays on the connection
- * for the handler to read, piece by piece, as the client sends it and no faster than the handler
- * takes it (sp_bodygate_body_read). Such a connection serves no further request (`Connection:
- * close` on its answer), and what the client still sends after the answer is read and dropped
- * (as after a refusal). A `stream` verdict on a TLS connection, or on a body past h2o's own
- * limit, is read whole by h2o as any other.
+ * Streamed bodies. A request the policy marks `stream`, on an HTTP/1 connection (plain, or TLS
+ * without `Expect: 100-continue`), reaches its handler with its head alone: its Content-Length
+ * and Transfer-Encoding fields are renamed in place before h2o reads the head (to
+ * SP_BODYGATE_GATED_PREFIX..., which a forwarder drops), so h2o reads no body and calls the
+ * handler at once; the body stays on the connection for the handler to read, piece by piece, as
+ * the client sends it and no faster than the handler takes it (sp_bodygate_body_read). Such a
+ * connection serves no further request (`Connection: close` on its answer), and what the client
+ * still sends after the answer is read and dropped (as after a refusal). A `stream` verdict on
+ * HTTP/2, on TLS with `Expect: 100-continue`, or on a body past h2o's own limit, is read whole
+ * by h2o as any other.
  */
 #define SP_BODYGATE_GATED_PREFIX "x-sp-gated-"
 

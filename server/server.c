@@ -667,7 +667,7 @@ struct handler {
 
 /*
  * An upload whose body the gate left on the connection (body_policy: every upload over
- * max_body on plain HTTP/1) and that is served here: its API key, when the head carries one
+ * max_body on HTTP/1) and that is served here: its API key, when the head carries one
  * (native: Authorization: Bearer; E2B: X-API-Key), is checked before a byte of the body is
  * read (a wrong one is refused at once, as a missing one already was by the gate); then the
  * body is read whole, as h2o would have, and the request goes to its surface, which checks the
@@ -939,9 +939,9 @@ static bool is_native_files(const char *p, size_t n)
  * as large (a bound on how many at once) and must carry their credential: a native key, or
  * E2B's API key or upload token (h2o's read path cannot wait for the lookup that says whether
  * it is right); envd's /files and guest ports may be public, so only the count holds them.
- * Every such upload streams (http/bodygate.h; plain HTTP/1 only): one on its way to another
- * node goes up as it comes (http/proxy.h), one served here has its key's value checked before
- * its body is read (dispatch). Over TLS and HTTP/2 the route checks the value after the body.
+ * Every such upload streams (http/bodygate.h; HTTP/1 only): one on its way to another node
+ * goes up as it comes (http/proxy.h), one served here has its key's value checked before its
+ * body is read (dispatch). Over HTTP/2 the route checks the value after the body.
  */
 static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
 {

@@ -16,6 +16,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -520,6 +521,44 @@ class ProxyTest(unittest.TestCase):
         self.assertIn(b"connection: close", head.lower())  # the rest of the body is not read
         self.assertEqual(json.loads(body)["received"], 1 << 20)
         self.assertEqual(self.s.request("GET", "/healthz")[0], 200)
+
+    def test_upload_over_tls_streams(self):
+        # The same over TLS (HTTP/1.1): read through h2o's socket, which decrypts.
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["http/1.1"])
+
+        def tls():
+            return ctx.wrap_socket(socket.create_connection(("127.0.0.1", self.s.port),
+                                                            timeout=30))
+        c = tls()
+        try:
+            c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/t&mode=early" % self.remote,
+                                       64 << 20))
+            c.sendall(b"t" * (2 << 20))
+            head, body = self.read_response(c)
+        finally:
+            c.close()
+        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
+        self.assertEqual(json.loads(body)["received"], 1 << 20)
+        data = os.urandom(5 << 20)
+        for chunked in (False, True):
+            c = tls()
+            try:
+                c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/t&mode=echo"
+                                           % self.remote, None if chunked else len(data)))
+                for i in range(0, len(data), 400000):
+                    part = data[i:i + 400000]
+                    c.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+                if chunked:
+                    c.sendall(b"0\r\n\r\n")
+                head, body = self.read_response(c)
+            finally:
+                c.close()
+            got = json.loads(body)
+            self.assertEqual((got["received"], got["sha256"]),
+                             (len(data), hashlib.sha256(data).hexdigest()), chunked)
 
     def test_chunked_upload_streams_chunked(self):
         # As it came, with Expect: 100-continue: the node says go on before the body comes.
