@@ -566,3 +566,59 @@ class PlatformTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.p.destroy()
+
+
+_left = {}  # bytes read past a response, by socket (pipelined responses)
+
+
+def read_response(sock, timeout=10):
+    """One HTTP/1 response from sock: (status, headers dict, body bytes)."""
+    sock.settimeout(timeout * MULT)
+    data = _left.pop(sock, b"")
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("connection closed before a response: %r" % data)
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    hdrs = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    def more():
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("connection closed inside a response")
+        return chunk
+
+    if hdrs.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            while b"\r\n" not in rest:
+                rest += more()
+            line, rest = rest.split(b"\r\n", 1)
+            n = int(line.split(b";")[0], 16)
+            while len(rest) < n + 2:
+                rest += more()
+            body += rest[:n]
+            rest = rest[n + 2:]
+            if n == 0:
+                _left[sock] = rest
+                return status, hdrs, body
+    if "content-length" not in hdrs:  # the body runs to the close
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            rest += chunk
+        return status, hdrs, rest
+    n = int(hdrs["content-length"])
+    while len(rest) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    _left[sock] = rest[n:]
+    return status, hdrs, rest[:n]

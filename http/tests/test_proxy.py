@@ -25,7 +25,8 @@ import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import Platform, Spaced, free_port, pg_bindir, skip_unless_pg  # noqa: E402
+from harness import (Platform, Spaced, free_port, pg_bindir, read_response,  # noqa: E402
+                     skip_unless_pg)
 
 BIG = 100 << 20
 
@@ -480,31 +481,6 @@ class ProxyTest(unittest.TestCase):
         return (b"PUT %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n%s\r\n"
                 b"%s\r\n" % (target.encode(), key.encode(), framing, extra))
 
-    @staticmethod
-    def read_response(c):
-        """A response off c, which the node closes after it: (head, body decoded)."""
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            b = c.recv(65536)
-            if not b:
-                raise AssertionError("connection closed before a response: %r" % buf)
-            buf += b
-        head, body = buf.split(b"\r\n\r\n", 1)
-        while True:
-            b = c.recv(65536)
-            if not b:
-                break
-            body += b
-        if b"transfer-encoding: chunked" in head.lower():
-            out = b""
-            while True:
-                size, body = body.split(b"\r\n", 1)
-                if int(size, 16) == 0:
-                    break
-                out, body = out + body[:int(size, 16)], body[int(size, 16) + 2:]
-            body = out
-        return head, body
-
     def test_upload_answered_before_the_body_is_sent(self):
         # The stand-in answers once it has 1 MiB of a 64 MiB body. A node that read the whole
         # body before forwarding would answer nothing until the client sent it all: this client
@@ -514,11 +490,11 @@ class ProxyTest(unittest.TestCase):
             c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/x&mode=early" % self.remote,
                                        64 << 20))
             c.sendall(b"e" * (2 << 20))
-            head, body = self.read_response(c)
+            st, hdrs, body = read_response(c)
         finally:
             c.close()
-        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
-        self.assertIn(b"connection: close", head.lower())  # the rest of the body is not read
+        self.assertEqual(st, 200, (hdrs, body))
+        self.assertEqual(hdrs.get("connection"), "close")  # the rest of the body is not read
         self.assertEqual(json.loads(body)["received"], 1 << 20)
         self.assertEqual(self.s.request("GET", "/healthz")[0], 200)
 
@@ -537,10 +513,10 @@ class ProxyTest(unittest.TestCase):
             c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/t&mode=early" % self.remote,
                                        64 << 20))
             c.sendall(b"t" * (2 << 20))
-            head, body = self.read_response(c)
+            st, hdrs, body = read_response(c)
         finally:
             c.close()
-        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
+        self.assertEqual(st, 200, (hdrs, body))
         self.assertEqual(json.loads(body)["received"], 1 << 20)
         data = os.urandom(5 << 20)
         for chunked in (False, True):
@@ -553,7 +529,7 @@ class ProxyTest(unittest.TestCase):
                     c.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
                 if chunked:
                     c.sendall(b"0\r\n\r\n")
-                head, body = self.read_response(c)
+                st, hdrs, body = read_response(c)
             finally:
                 c.close()
             got = json.loads(body)
@@ -573,10 +549,10 @@ class ProxyTest(unittest.TestCase):
                 part = data[i:i + 300000]
                 c.sendall(b"%x;ext=1\r\n%s\r\n" % (len(part), part))
             c.sendall(b"0\r\nX-Trailer: t\r\n\r\n")
-            head, body = self.read_response(c)
+            st, hdrs, body = read_response(c)
         finally:
             c.close()
-        self.assertTrue(head.startswith(b"HTTP/1.1 200"), head)
+        self.assertEqual(st, 200, (hdrs, body))
         got = json.loads(body)
         self.assertEqual(got["received"], len(data))
         self.assertEqual(got["sha256"], hashlib.sha256(data).hexdigest())
@@ -613,10 +589,10 @@ class ProxyTest(unittest.TestCase):
         try:
             c.sendall(self.upload_head("/v1/sandboxes/nosuchsandbox000001/files?path=/n",
                                        3 << 20))
-            head, body = self.read_response(c)
+            st, hdrs, body = read_response(c)
         finally:
             c.close()
-        self.assertTrue(head.startswith(b"HTTP/1.1 401"), head)
+        self.assertEqual(st, 401, (hdrs, body))
         n = len(self.up.seen)
         for length in (3 << 20, None):
             c = socket.create_connection(("127.0.0.1", self.s.port), timeout=30)
@@ -628,10 +604,10 @@ class ProxyTest(unittest.TestCase):
                     c.sendall(b"100000\r\n" + b"n" * 0x100000 + b"\r\n0\r\n\r\n")
                 else:
                     c.sendall(b"n" * length)
-                head, body = self.read_response(c)
+                st, hdrs, body = read_response(c)
             finally:
                 c.close()
-            self.assertTrue(head.startswith(b"HTTP/1.1 404"), head)
+            self.assertEqual(st, 404, (hdrs, body))
             self.assertEqual(json.loads(body)["error"]["code"], "not_found")
         self.assertEqual(len(self.up.seen), n)
         # One that stops coming: the node's idle timeout, then a clean answer; the same for one
@@ -647,15 +623,15 @@ class ProxyTest(unittest.TestCase):
                 try:
                     c.sendall(self.upload_head("/v1/sandboxes/%s/files?path=/n&mode=echo" % sid,
                                                3 << 20, key=self.s.key) + b"n" * 1000)
-                    got.append(self.read_response(c))
+                    got.append(read_response(c))
                 finally:
                     c.close()
         finally:
             other.destroy()
-        (head, body), (head2, body2) = got
-        self.assertTrue(head.startswith(b"HTTP/1.1 400"), head)
+        (st, hdrs, body), (st2, hdrs2, body2) = got
+        self.assertEqual(st, 400, (hdrs, body))
         self.assertIn("did not come in time", json.loads(body)["error"]["message"])
-        self.assertTrue(head2.startswith(b"HTTP/1.1 408"), head2)
+        self.assertEqual(st2, 408, (hdrs2, body2))
         self.assertIn("request body came in time", json.loads(body2)["error"]["message"])
 
     @unittest.skipUnless(shutil.which("curl"), "needs curl")
