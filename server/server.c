@@ -684,7 +684,8 @@ struct collecting {
 
 static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded);
 
-static void collecting_fail(h2o_req_t *req, bool e2b, const sp_err_t *err)
+/* An error about a request's body, in its surface's shape (E2B: {code, message}). */
+static void body_error(h2o_req_t *req, bool e2b, const sp_err_t *err)
 {
     if (e2b)
         sp_http_json(req, sp_err_http_status(err->code),
@@ -699,7 +700,7 @@ static void on_collected(void *arg, h2o_req_t *req, const sp_err_t *err)
 {
     struct collecting *c = arg;
     if (err != NULL)
-        collecting_fail(req, c->e2b, err);
+        body_error(req, c->e2b, err);
     else
         dispatch(c->s, req, c->forwarded);
 }
@@ -720,7 +721,7 @@ static void on_upload_key(void *arg, const sp_auth_t *auth, const sp_err_t *err)
     if (req == NULL) /* the client left during the lookup */
         return;
     if (err != NULL)
-        collecting_fail(req, c.e2b, err);
+        body_error(req, c.e2b, err);
     else
         collect(req, &c);
 }
@@ -860,12 +861,7 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req)
     struct srv *s = ((struct handler *)self)->srv;
     sp_bodygate_verdict_t v;
     if (sp_bodygate_request(s->gate, req, &v)) { /* refused on its head: the body never came */
-        if (v.e2b)
-            sp_http_json(req, sp_err_http_status(v.err.code),
-                         json_pack("{s:i,s:s}", "code", sp_err_http_status(v.err.code), "message",
-                                   v.err.msg));
-        else
-            sp_http_error(req, &v.err);
+        body_error(req, v.e2b, &v.err);
         return 0;
     }
     /* Only a node may say a request was forwarded: the header is checked and removed here,
