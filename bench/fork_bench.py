@@ -14,7 +14,9 @@ writing a counter (its memory moves on while it is snapshotted). Prints medians 
     template snapshot clone); all from spares when one is ready (the first create from a
     snapshot has none: it makes the pool keep some), as users get them.
 Needs root, QEMU and PostgreSQL. Machines here are shared and noisy: read ratios, not absolutes.
-Environment: BENCH_SNAPS (7 rounds), BENCH_CREATES (7), BENCH_GAP (1.0 s between creates).
+Environment: BENCH_SNAPS (7 rounds), BENCH_CREATES (7), BENCH_GAP (1.0 s between creates);
+SPACE_SNAPSHOT_LIVE=0 (passed on to spaced) gives the stop-first snapshot as a baseline: run the
+script with and without it, one after the other.
 """
 import json
 import os
@@ -61,7 +63,7 @@ def main():
         src = r["sandbox"]["id"]
         cmd(s, src, COUNTER)
         cmd(s, src, "for i in $(seq 1 100); do [ -s /tmp/count ] && break; sleep 0.1; done")
-        take, window, pr, snaps = [], [], [], []
+        take, window, pr, snaps, modes = [], [], [], [], {}
         for _ in range(SNAPS):
             t0 = time.time()
             st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=120" % src, {},
@@ -71,7 +73,10 @@ def main():
             sn = r["snapshot"]["id"]
             snaps.append(sn)
             with open(os.path.join(p.data, "snapshots", sn, "vm.json")) as f:
-                window.append(float(json.load(f)["pause_ms"]))
+                vmj = json.load(f)
+            window.append(float(vmj["pause_ms"]))
+            mode = vmj.get("ram_copy", "?")
+            modes[mode] = modes.get(mode, 0) + 1
             t0 = time.time()
             s.request("POST", "/v1/sandboxes/%s/pause?wait=60" % src, timeout=70)
             s.request("POST", "/v1/sandboxes/%s/wake?wait=60" % src, timeout=70)
@@ -79,6 +84,8 @@ def main():
             time.sleep(0.5)
         line("snapshot of a running 256 MiB sandbox (POST -> ready)", take)
         line("  its vCPUs stopped (driver's pause_ms)", window)
+        print("  how its RAM was copied (vm.json ram_copy): %s" %
+              ", ".join("%s x%d" % kv for kv in sorted(modes.items())), flush=True)
         line("baseline: pause + resume of it through the API", pr)
         # a snapshot of an idle sandbox too: the counter's snapshot brings a busy process
         st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base", "memory_mb": 256},

@@ -25,6 +25,10 @@
  * name their block (u8 len + idstr) unless CONTINUE says "same block as the record before";
  * the loader remembers that block across sections, and so do both ends here.
  *
+ * filter_live (a running VM's pre-copy) drops all of the block's records QEMU sends and, at
+ * the RAM section's END, writes the block's pages from the process itself: those its pagemap
+ * shows copied, read through /proc/<pid>/mem, less those equal to the base.
+ *
  * Never trusts a length: every field is read through need(), which fails on a short
  * stream; names are at most 255 bytes, page records fit the read buffer, block lengths and
  * counts are capped. Each loop turn consumes input, so a garbled stream ends in an error.
@@ -40,6 +44,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #define MD_MAGIC   0x5145564dU
@@ -117,6 +122,8 @@ struct md {
     int exp;     /* expand: index of the target block, -1 while unknown or absent */
     bool ram_started, ram_ended;
     uint32_t ram_id;
+    const sp_migdelta_live_t *live; /* filter_live: the block's pages come from there */
+    bool live_done;                 /* and were written, at the RAM section's END */
 
     sp_migdelta_stats_t *st;
     char *why;
@@ -427,6 +434,22 @@ static bool base_filled(struct md *m, uint64_t off, uint8_t ch)
     return have == PAGE_SIZE_MD || ch == 0;
 }
 
+/* Writes a ZERO (data: its fill byte) or PAGE record of block b, naming the block unless
+ * the previous record written was of the same block. */
+static int put_rec(struct md *m, int b, uint64_t off, unsigned rec, const uint8_t *data)
+{
+    const struct blk *bk = &m->blocks[b];
+    uint8_t hdr[9];
+    bool cont = m->out_cur == b;
+    put_be64(hdr, off | rec | (cont ? RAM_CONTINUE : 0));
+    hdr[8] = bk->len;
+    if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
+        out(m, data, rec == RAM_PAGE ? PAGE_SIZE_MD : 1) < 0)
+        return -1;
+    m->out_cur = b;
+    return 0;
+}
+
 /* One ZERO or PAGE record; w is its first word, not yet consumed. */
 static int ram_record(struct md *m, uint64_t w, unsigned rec)
 {
@@ -460,6 +483,11 @@ static int ram_record(struct md *m, uint64_t w, unsigned rec)
     const uint8_t *data = m->rbuf + m->rpos + hlen;
     m->in_cur = b;
 
+    if (b == m->filt && m->live != NULL) { /* its pages come from the process at the end */
+        (rec == RAM_PAGE ? &m->st->pages_in : &m->st->zero_in)[0]++;
+        m->rpos += hlen + plen;
+        return 0;
+    }
     if (b == m->filt) {
         uint64_t idx = off >> PAGE_BITS_MD;
         uint64_t bit = (uint64_t)1 << (idx & 63);
@@ -483,14 +511,8 @@ static int ram_record(struct md *m, uint64_t w, unsigned rec)
             m->st->zero_kept++;
     }
 
-    uint8_t hdr[9];
-    bool cont = m->out_cur == b;
-    put_be64(hdr, off | rec | (cont ? RAM_CONTINUE : 0));
-    hdr[8] = bk->len;
-    if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
-        out(m, data, plen) < 0)
+    if (put_rec(m, b, off, rec, data) < 0)
         return -1;
-    m->out_cur = b;
     m->rpos += hlen + plen;
     return 0;
 }
@@ -522,19 +544,94 @@ static int emit_base(struct md *m)
                 p = page;
             }
         }
-        uint8_t hdr[9];
-        bool cont = m->out_cur == m->exp;
-        put_be64(hdr, off | (p != NULL ? RAM_PAGE : RAM_ZERO) | (cont ? RAM_CONTINUE : 0));
-        hdr[8] = bk->len;
         static const uint8_t fill = 0;
-        if (out(m, hdr, cont ? 8 : 9) < 0 || (!cont && out(m, bk->name, bk->len) < 0) ||
-            out(m, p != NULL ? p : &fill, p != NULL ? PAGE_SIZE_MD : 1) < 0)
+        if (put_rec(m, m->exp, off, p != NULL ? RAM_PAGE : RAM_ZERO, p != NULL ? p : &fill) < 0)
             return -1;
-        m->out_cur = m->exp;
         if (p != NULL)
             m->st->base_pages++;
     }
     return 0;
+}
+
+/* Reads exactly n bytes at off of fd (a /proc file); false on a short read or an error. */
+static bool pread_all(int fd, void *p, size_t n, uint64_t off)
+{
+    uint8_t *q = p;
+    while (n > 0) {
+        ssize_t r = pread(fd, q, n, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return false;
+        q += r;
+        n -= (size_t)r;
+        off += (uint64_t)r;
+    }
+    return true;
+}
+
+/* A pagemap entry for a page the process holds a copy of its own of: present and not a page
+ * of the file, or swapped out (only anonymous pages are). */
+static bool pm_copied(uint64_t e)
+{
+    bool present = (e >> 63) & 1, swapped = (e >> 62) & 1, file = (e >> 61) & 1;
+    return (present && !file) || swapped;
+}
+
+#define LIVE_PM_BATCH 8192u /* pagemap entries read at a time (64 KiB) */
+#define LIVE_RUN      256u  /* pages read from the process at a time (1 MiB) */
+
+/* filter_live, at the RAM section's END (the vCPUs are stopped): a record for every page of
+ * the block that the process has copied and that differs from the base. */
+static int emit_live(struct md *m)
+{
+    const sp_migdelta_live_t *lv = m->live;
+    if (m->filt < 0)
+        return fail(m, "the migration stream has no RAM block %s", m->target);
+    const struct blk *bk = &m->blocks[m->filt];
+    if (bk->used > lv->len || (lv->addr & FLAG_MASK) != 0)
+        return fail(m, "RAM block %s is longer than the process's map of it", m->target);
+    uint64_t pages = bk->used >> PAGE_BITS_MD; /* a block is whole pages (MEM_SIZE) */
+    uint64_t *pm = malloc(LIVE_PM_BATCH * sizeof *pm);
+    uint8_t *buf = malloc((size_t)LIVE_RUN * PAGE_SIZE_MD);
+    int rc = 0;
+    if (pm == NULL || buf == NULL)
+        rc = fail(m, "out of memory");
+    for (uint64_t i = 0; rc == 0 && i < pages; i += LIVE_PM_BATCH) {
+        size_t n = pages - i < LIVE_PM_BATCH ? (size_t)(pages - i) : LIVE_PM_BATCH;
+        if (!pread_all(lv->pagemap_fd, pm, n * sizeof *pm,
+                       ((lv->addr >> PAGE_BITS_MD) + i) * sizeof *pm)) {
+            rc = fail(m, "cannot read the VM's page map (errno %d)", errno);
+            break;
+        }
+        for (size_t j = 0; rc == 0 && j < n;) {
+            if (!pm_copied(pm[j])) {
+                j++;
+                continue;
+            }
+            size_t k = j;
+            while (k < n && k - j < LIVE_RUN && pm_copied(pm[k]))
+                k++;
+            uint64_t off = (i + j) << PAGE_BITS_MD;
+            if (!pread_all(lv->mem_fd, buf, (k - j) * PAGE_SIZE_MD, lv->addr + off)) {
+                rc = fail(m, "cannot read the VM's memory (errno %d)", errno);
+                break;
+            }
+            for (size_t q = 0; rc == 0 && q < k - j; q++, off += PAGE_SIZE_MD) {
+                const uint8_t *page = buf + q * PAGE_SIZE_MD;
+                if (base_equals(m, off, page))
+                    continue;
+                bool zero = memcmp(page, zero_page, PAGE_SIZE_MD) == 0;
+                rc = put_rec(m, m->filt, off, zero ? RAM_ZERO : RAM_PAGE, page);
+                (zero ? &m->st->zero_kept : &m->st->pages_kept)[0]++;
+            }
+            j = k;
+        }
+    }
+    free(pm);
+    free(buf);
+    m->live_done = rc == 0;
+    return rc;
 }
 
 /* A ram section's payload, up to and including its EOS word. */
@@ -624,6 +721,8 @@ static int parse(struct md *m)
                 return -1;
             if (!m->ram_started || m->ram_ended || be32(p + 1) != m->ram_id)
                 return fail(m, "the migration stream continues an unknown section");
+            if (type == SEC_END && m->live != NULL && emit_live(m) < 0)
+                return -1;
             if (ram_payload(m) < 0 || footer(m, m->ram_id) < 0)
                 return -1;
             m->ram_ended = type == SEC_END;
@@ -708,7 +807,8 @@ static int map_base(struct md *m, const char *path)
 }
 
 static int run(int in_fd, int out_fd, const char *base_path, const char *block,
-               sp_migdelta_stats_t *st, char *why, size_t why_len, bool expand)
+               sp_migdelta_stats_t *st, char *why, size_t why_len, bool expand,
+               const sp_migdelta_live_t *live)
 {
     sp_migdelta_stats_t local;
     struct md m = {.in_fd = in_fd,
@@ -718,6 +818,7 @@ static int run(int in_fd, int out_fd, const char *base_path, const char *block,
                    .filt = -1,
                    .in_cur = -1,
                    .out_cur = -1,
+                   .live = live,
                    .st = st != NULL ? st : &local,
                    .why = why,
                    .why_len = why_len};
@@ -740,6 +841,8 @@ static int run(int in_fd, int out_fd, const char *base_path, const char *block,
             rc = parse(&m);
         if (rc == 0 && expand && !m.have_sizes)
             rc = fail(&m, "the migration stream has no RAM block list");
+        if (rc == 0 && live != NULL && !m.live_done)
+            rc = fail(&m, "the migration stream ends before its RAM section does");
         if (rc == 0)
             rc = flush(&m);
     }
@@ -764,11 +867,80 @@ static int run(int in_fd, int out_fd, const char *base_path, const char *block,
 int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char *block,
                        sp_migdelta_stats_t *st, char *why, size_t why_len)
 {
-    return run(in_fd, out_fd, base_path, block, st, why, why_len, false);
+    return run(in_fd, out_fd, base_path, block, st, why, why_len, false, NULL);
+}
+
+int sp_migdelta_filter_live(int in_fd, int out_fd, const char *base_path, const char *block,
+                            const sp_migdelta_live_t *lv, sp_migdelta_stats_t *st, char *why,
+                            size_t why_len)
+{
+    return run(in_fd, out_fd, base_path, block, st, why, why_len, false, lv);
 }
 
 int sp_migdelta_expand(int in_fd, int out_fd, const char *base_path, const char *block,
                        sp_migdelta_stats_t *st, char *why, size_t why_len)
 {
-    return run(in_fd, out_fd, base_path, block, st, why, why_len, true);
+    return run(in_fd, out_fd, base_path, block, st, why, why_len, true, NULL);
+}
+
+void sp_migdelta_live_close(sp_migdelta_live_t *lv)
+{
+    if (lv->mem_fd >= 0)
+        close(lv->mem_fd);
+    if (lv->pagemap_fd >= 0)
+        close(lv->pagemap_fd);
+    lv->mem_fd = lv->pagemap_fd = -1;
+}
+
+static int live_why(char *why, size_t why_len, const char *msg)
+{
+    if (why != NULL && why_len > 0)
+        snprintf(why, why_len, "%s", msg);
+    return -1;
+}
+
+int sp_migdelta_live_open(int pid, uint64_t dev, uint64_t ino, uint64_t len, sp_migdelta_live_t *lv,
+                          char *why, size_t why_len)
+{
+    *lv = (sp_migdelta_live_t){.mem_fd = -1, .pagemap_fd = -1};
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/maps", pid);
+    FILE *f = fopen(p, "re");
+    if (f == NULL)
+        return live_why(why, why_len, "cannot read the process's maps");
+    /* start-end perms offset major:minor inode [path]; in order of address */
+    char line[512];
+    uint64_t addr = 0, covered = 0;
+    bool found = false;
+    while (fgets(line, sizeof line, f) != NULL && covered < len) {
+        unsigned long long lo, hi, off, in;
+        unsigned maj, min;
+        char perms[8];
+        if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &maj, &min, &in) !=
+            7)
+            continue;
+        bool ours = in == ino && makedev(maj, min) == dev && perms[3] == 'p';
+        if (!found && ours && off == 0) {
+            found = true;
+            addr = lo;
+        } else if (found && !(ours && lo == addr + covered && off == covered)) {
+            break; /* a gap, or another map, before len bytes were seen */
+        }
+        if (found)
+            covered = hi - addr;
+    }
+    fclose(f);
+    if (!found || covered < len)
+        return live_why(why, why_len, "the process has no private map of the RAM file");
+    snprintf(p, sizeof p, "/proc/%d/mem", pid);
+    lv->mem_fd = open(p, O_RDONLY | O_CLOEXEC);
+    snprintf(p, sizeof p, "/proc/%d/pagemap", pid);
+    lv->pagemap_fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (lv->mem_fd < 0 || lv->pagemap_fd < 0) {
+        sp_migdelta_live_close(lv);
+        return live_why(why, why_len, "cannot open the process's memory");
+    }
+    lv->addr = addr;
+    lv->len = len;
+    return 0;
 }

@@ -51,6 +51,43 @@ int sp_migdelta_filter(int in_fd, int out_fd, const char *base_path, const char 
                        sp_migdelta_stats_t *st, char *why, size_t why_len);
 
 /*
+ * A live source for sp_migdelta_filter_live: the process whose RAM block is being migrated,
+ * read through /proc. Its block is a private (copy-on-write) map of a file holding the
+ * base's bytes, so a page the kernel has not copied for it still holds the base's bytes.
+ */
+typedef struct sp_migdelta_live {
+    int mem_fd;     /* /proc/<pid>/mem, open for reading */
+    int pagemap_fd; /* /proc/<pid>/pagemap, open for reading */
+    uint64_t addr;  /* where the block's byte 0 is mapped in that process (page-aligned) */
+    uint64_t len;   /* how many bytes from there are that map (the file from offset 0) */
+} sp_migdelta_live_t;
+
+/*
+ * Fills *lv for process pid, whose map of the file (dev, ino) from offset 0 must be private
+ * and cover len bytes without a gap (one or more adjacent maps of it, as /proc/<pid>/maps
+ * shows them). Needs the right to read the process's memory (root, or its owner where
+ * ptrace allows). Returns 0, or -1 with why set and nothing left open.
+ */
+int sp_migdelta_live_open(int pid, uint64_t dev, uint64_t ino, uint64_t len, sp_migdelta_live_t *lv,
+                          char *why, size_t why_len);
+void sp_migdelta_live_close(sp_migdelta_live_t *lv);
+
+/*
+ * sp_migdelta_filter for the migration of a running VM (pre-copy), whose pages QEMU may send
+ * before their last write: the stream's own records of `block` are all dropped, however
+ * recent, and where the RAM section's END begins (QEMU writes it only once the vCPUs are
+ * stopped, and they stay stopped until the caller restarts them after this returns) a
+ * record is written for every page of the block that lv's process has copied (its pagemap:
+ * present and not a file page, or swapped out) and that differs from the base, read from
+ * the process's memory. The result loads over the base as the VM's RAM was when it stopped,
+ * whatever QEMU's own dirty tracking missed. A stream without an END for its RAM section
+ * fails, as does a block longer than lv->len. lv's descriptors stay open.
+ */
+int sp_migdelta_filter_live(int in_fd, int out_fd, const char *base_path, const char *block,
+                            const sp_migdelta_live_t *lv, sp_migdelta_stats_t *st, char *why,
+                            size_t why_len);
+
+/*
  * The inverse: reads a stream sp_migdelta_filter made against base_path (or any stream whose
  * RAM is to be loaded over that base) and writes one that loads into zeroed RAM the same as
  * the input loads over the base: the input byte for byte, except that right after the RAM

@@ -75,7 +75,8 @@
  * Sandbox snapshots (driver.h: checkpoint; qemu/fork.c): <data-dir>/snapshots/<id>/ holds a
  * copy of a live VM's overlay, its migration stream with the RAM (a clone's: the pages that
  * differ from its template snapshot's), a manifest and vm.json, taken with the suspend steps
- * while the VM is kept (its vCPUs stopped for the migration and the disk copy). A boot with
+ * while the VM is kept (its vCPUs stopped for the migration's last pages, or for all of it
+ * where pre-copy cannot be trusted, and the disk copy). A boot with
  * spec->snapshot_id lays the new VM's directory out as a suspended sandbox over it and wakes
  * it. A deleted snapshot's files stay while a VM's or another snapshot's disk backs onto it.
  *

@@ -509,6 +509,30 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
     return -1;
 }
 
+/* Which file a clone's QEMU maps its RAM from as the driver now has it (fork.c reads the
+ * VM's pages through that map): the sealed memfd when jailed, else clone_src's mem.ram. A
+ * VM that maps another (an adopted one, or one started before its template's RAM was sealed
+ * again) has no map of it. -1 when there is none. */
+int sp_qemu__confine_ram_ident(const struct vm *vm, uint64_t *dev, uint64_t *ino)
+{
+    struct stat st;
+    char p[PATH_MAX + 16];
+    if (vm->clone_src == NULL)
+        return -1;
+    if (vm->d->jail) {
+        struct ramfd *r = ram_find(vm->d, vm->clone_src);
+        if (r == NULL || r->fd < 0 || r->work != NULL || fstat(r->fd, &st) < 0)
+            return -1;
+    } else {
+        sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", vm->clone_src);
+        if (stat(p, &st) < 0)
+            return -1;
+    }
+    *dev = st.st_dev;
+    *ino = st.st_ino;
+    return 0;
+}
+
 static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
 {
     sp_qemu_t *d = vm->d;

@@ -13,7 +13,9 @@
  *                           "delta", "ram_base"), else all of it ("stream")
  *   snapshot/manifest.json  as a suspend writes it (qemu.h), with sizes and checksums
  *   vm.json                 the VM's, naming the template snapshot whose RAM the delta is
- *                           over ("ram_src"), plus "source" (the sandbox) and "snapshot"
+ *                           over ("ram_src"), plus "source" (the sandbox) and "snapshot",
+ *                           how long the vCPUs stopped ("pause_ms") and how the RAM
+ *                           was copied ("ram_copy")
  *   deleted                 present once checkpoint_delete was asked: the directory goes as
  *                           soon as nothing is made from it (snaps_gc)
  *
@@ -22,8 +24,10 @@
  * clone), copy the overlay while the vCPUs are still stopped (its clusters are QEMU's
  * flushed writes), cont, and only then flush and checksum the copy, write the manifest and
  * rename the directory into place. The vCPUs stop for the migration and the copy; what
- * the disk flush and checksums take, the VM runs through. Under KVM the RAM is copied while
- * the vCPUs still run (pre-copy), so they stop only for its last pages and the disk copy.
+ * the disk flush and checksums take, the VM runs through. A clone's RAM (and, under KVM,
+ * any VM's) is copied while the vCPUs still run (pre-copy), so they stop only for its last
+ * pages and the disk copy; for a clone those last pages are every page the kernel copied
+ * for its private map of the template's RAM, read from QEMU's memory (q_checkpoint).
  *
  * Booting from one lays out the new VM's directory as a suspended sandbox of its own (vm.json,
  * a fresh overlay over the snapshot's disk, the device state hard-linked, the manifest
@@ -78,6 +82,8 @@ struct fork {
     char dest[PATH_MAX];
     struct child *cp;
     bool live;          /* the VM ran at the start: its RAM is copied while it runs */
+    bool exact;         /* live, and its RAM is read from QEMU's own map at the end (src) */
+    sp_migdelta_live_t src; /* exact: until the delta filter takes it (fds -1: none) */
     bool share;         /* SP_CKPT_SHARED with a shared dir: copied there too */
     bool forced;        /* live, but it did not converge: stopped by us at stop_ms */
     uint64_t mig_ms;    /* live: when the migration started */
@@ -90,7 +96,7 @@ struct fork {
 /* A live snapshot's RAM is migrated while the vCPUs run (pre-copy: QEMU sends the RAM, then
  * what was written meanwhile, and stops the vCPUs for the last pages once they fit in
  * FORK_DOWNTIME_MS); should that not converge within FORK_LIVE_MAX_MS, the vCPUs are stopped
- * and the migration finishes from the stopped VM. Under KVM only (q_checkpoint says why). */
+ * and the migration finishes from the stopped VM. q_checkpoint says when. */
 #define FORK_DOWNTIME_MS 30
 #define FORK_LIVE_MAX_MS 3000u
 
@@ -141,6 +147,7 @@ void sp_qemu__fork_mig_done(struct vm *vm, long long downtime)
 
 static void fork_free(struct fork *f)
 {
+    sp_migdelta_live_close(&f->src);
     if (f->cp != NULL) {
         kill(-f->cp->pid, SIGKILL);
         kill(f->cp->pid, SIGKILL);
@@ -162,6 +169,41 @@ void sp_qemu__fork_abort(struct vm *vm)
     sp_qemu__discard(vm->d, f->tmp);
     sp_log(SP_LOG_INFO, "qemu", "snapshot abandoned sandbox=%s snapshot=%s", vm->id, f->sid);
     fork_free(f);
+}
+
+bool sp_qemu__fork_exact(const struct vm *vm)
+{
+    return vm->fork != NULL && vm->fork->exact;
+}
+
+/* The exact snapshot's source, for its delta filter (snapshot.c), which then owns it. */
+bool sp_qemu__fork_take_source(struct vm *vm, sp_migdelta_live_t *out)
+{
+    struct fork *f = vm->fork;
+    if (f == NULL || !f->exact || f->src.mem_fd < 0)
+        return false;
+    *out = f->src;
+    f->src.mem_fd = f->src.pagemap_fd = -1;
+    return true;
+}
+
+/* Whether vm's RAM can be read exactly at the end of a pre-copy (an exact snapshot): a clone
+ * whose suspend goes through the delta filter (snapshot.c: suspend_delta_start), whose QEMU
+ * maps the RAM file the driver has now, and whose memory spaced can read. Opens src. */
+static bool exact_source(struct vm *vm, sp_migdelta_live_t *src)
+{
+    uint64_t dev, ino;
+    char why[160];
+    if (vm->clone_src == NULL || vm->no_delta || vm->tsnap_build != NULL || vm->pid <= 0 ||
+        sp_qemu__shared_streams(vm) || sp_qemu__confine_ram_ident(vm, &dev, &ino) < 0)
+        return false;
+    if (sp_migdelta_live_open((int)vm->pid, dev, ino, (uint64_t)vm->memory_mb << 20, src, why,
+                              sizeof why) < 0) {
+        sp_log(SP_LOG_INFO, "qemu", "snapshot: RAM not readable from QEMU sandbox=%s why=\"%s\"",
+               vm->id, why);
+        return false;
+    }
+    return true;
 }
 
 static void fork_fail(struct vm *vm, const char *what, const char *detail)
@@ -257,6 +299,12 @@ void sp_qemu__fork_committed(struct vm *vm)
         json_object_set_new(o, "source", json_string(vm->id));
         json_object_set_new(o, "snapshot", json_string(f->sid));
         json_object_set_new(o, "pause_ms", json_integer((json_int_t)f->window_ms));
+        /* how the RAM was copied: "exact" (live, read from QEMU's map at the end), "live"
+         * (QEMU's pages, KVM), "stopped" (the vCPUs stopped throughout) */
+        json_object_set_new(o, "ram_copy",
+                            json_string(f->exact  ? "exact"
+                                        : f->live ? "live"
+                                                  : "stopped"));
         json_object_set_new(o, "created_at", json_integer((json_int_t)ts.tv_sec));
         js = json_dumps(o, JSON_COMPACT);
     }
@@ -336,6 +384,7 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     if (f == NULL)
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     f->vm = vm;
+    f->src.mem_fd = f->src.pagemap_fd = -1;
     f->share = (flags & SP_CKPT_SHARED) != 0 && d->shared_dir[0] != '\0';
     sp_qemu__sfmt(f->sid, sizeof f->sid, "%s", snapshot_id);
     sp_qemu__sfmt(f->dest, sizeof f->dest, "%s/%s", d->snaps_dir, snapshot_id);
@@ -367,16 +416,26 @@ int sp_qemu__q_checkpoint(sp_driver_t *base, const char *id, const char *snapsho
     vm->snap_was_paused = vm->paused;
     vm->snap_start_ms = sp_qemu__mono_ms();
     f->stop_ms = vm->snap_start_ms;
-    /* Live only under KVM, whose dirty logging the kernel does. Under TCG (QEMU 7.2) forks of
-     * live snapshots taken on a loaded host came up with corrupted kernel memory (a panic in
-     * an interrupt, the same for every fork of that snapshot), while stop-first snapshots
-     * of the same VM were sound: a guest write missed by TCG's dirty tracking fits. So TCG
-     * stops the vCPUs for the whole copy, as a suspend does. SPACE_SNAPSHOT_LIVE=0: never. */
+    /* Live (pre-copy) when the RAM the snapshot keeps does not depend on QEMU's dirty
+     * tracking, or that tracking is the kernel's:
+     * - exact: a clone's RAM is a private map of the template's file, so the pages it wrote
+     *   are exactly those the kernel copied for it. Its delta filter drops every page QEMU
+     *   sends and, once QEMU has stopped the vCPUs, reads those pages from QEMU's memory
+     *   (migdelta.h: sp_migdelta_filter_live). Under TCG too.
+     * - under KVM, whose dirty logging the kernel does: QEMU's pages as they come.
+     * Under TCG (QEMU 7.2) forks of live snapshots that kept QEMU's pages, taken on a loaded
+     * host, came up with corrupted kernel memory (a panic in an interrupt, the same for every
+     * fork of that snapshot), while stop-first snapshots of the same VM were sound: a guest
+     * write missed by TCG's dirty tracking fits. So elsewhere TCG stops the vCPUs for the
+     * whole copy, as a suspend does. SPACE_SNAPSHOT_LIVE=0: never live. */
     const char *lv = getenv("SPACE_SNAPSHOT_LIVE");
-    f->live = !vm->paused && d->accel == 1 && !(lv != NULL && strcmp(lv, "0") == 0);
+    bool run = !vm->paused && !(lv != NULL && strcmp(lv, "0") == 0);
+    f->exact = run && exact_source(vm, &f->src);
+    f->live = run && (f->exact || d->accel == 1);
     vm->snap_step = SN_STOP;
-    sp_log(SP_LOG_INFO, "qemu", "taking a snapshot sandbox=%s snapshot=%s live=%d shared=%d",
-           vm->id, snapshot_id, (int)f->live, (int)f->share);
+    sp_log(SP_LOG_INFO, "qemu",
+           "taking a snapshot sandbox=%s snapshot=%s live=%d exact=%d shared=%d", vm->id,
+           snapshot_id, (int)f->live, (int)f->exact, (int)f->share);
     /* the suspend steps from their first: a live one does not stop the vCPUs there */
     sp_qemu__snap_send(vm, f->live ? "query-status" : "stop", NULL, -1);
     return 0;

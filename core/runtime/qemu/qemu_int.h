@@ -172,6 +172,7 @@ struct sumjob {
     int in_fd, out_fd;           /* delta: owned by the job */
     char base[PATH_MAX + 16];    /* delta: the template's RAM file */
     int rc;                      /* delta: sp_migdelta_filter's */
+    sp_migdelta_live_t live;     /* delta of a running VM (fork.c): its source (fds -1: none) */
     char why[200];
     sp_migdelta_stats_t st;
     bool verify;                     /* compare with want[] */
@@ -499,6 +500,8 @@ void sp_qemu__fork_mig_done(struct vm *vm, long long downtime);
 void sp_qemu__fork_migrated(struct vm *vm);
 void sp_qemu__fork_committed(struct vm *vm);
 void sp_qemu__fork_abort(struct vm *vm);
+bool sp_qemu__fork_exact(const struct vm *vm);
+bool sp_qemu__fork_take_source(struct vm *vm, sp_migdelta_live_t *out);
 void sp_qemu__snaps_refs(sp_qemu_t *d, struct refs *r);
 void sp_qemu__snaps_gc(sp_qemu_t *d, bool at_start);
 
@@ -666,6 +669,7 @@ void sp_qemu__confine_adopted(struct vm *vm);
 void sp_qemu__confine_release(struct vm *vm);
 void sp_qemu__confine_ram_prepare(sp_qemu_t *d, const char *dir);
 void sp_qemu__confine_ram_forget(sp_qemu_t *d, const char *dir);
+int sp_qemu__confine_ram_ident(const struct vm *vm, uint64_t *dev, uint64_t *ino);
 bool sp_qemu__confine_ram_wait(struct vm *vm);
 
 /* ---- util.c: helpers ---- */

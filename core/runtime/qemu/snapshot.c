@@ -398,6 +398,7 @@ static int suspend_delta_start(struct vm *vm)
      * turns every 16 pages of a stream of 256 MiB and more. */
     (void)fcntl(pfd[1], F_SETPIPE_SZ, DELTA_PIPE_BYTES);
     j->delta = true;
+    (void)sp_qemu__fork_take_source(vm, &j->live); /* an exact snapshot's: pages read at the end */
     j->in_fd = pfd[0];
     j->out_fd = fcntl(vm->snap_fd, F_DUPFD_CLOEXEC, 0);
     sp_qemu__sfmt(j->base, sizeof j->base, "%s/mem.ram", vm->clone_src);
@@ -541,6 +542,11 @@ static void on_snap_reply(void *arg, json_t *ret, const sp_err_t *err)
             return;
         }
         int qfd = suspend_delta_start(vm);
+        if (qfd == vm->snap_fd && sp_qemu__fork_exact(vm) && !vm->no_delta) {
+            /* the vCPUs run: a stream kept as QEMU sends it could miss their last writes */
+            snap_fail(vm, "cannot take the snapshot", "its RAM filter did not start");
+            return;
+        }
         vm->snap_step = SN_GETFD;
         sp_qemu__snap_send(vm, "getfd", json_pack("{s:s}", "fdname", "spmig"), qfd);
         if (qfd != vm->snap_fd)

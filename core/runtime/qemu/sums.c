@@ -293,6 +293,7 @@ void sp_qemu__sumjob_free(struct sumjob *j)
         close(j->in_fd);
     if (j->out_fd >= 0)
         close(j->out_fd);
+    sp_migdelta_live_close(&j->live);
     free(j);
 }
 
@@ -302,8 +303,12 @@ static void sum_run(sp_work_t *w, void *arg)
     struct sumjob *j = arg;
     uint64_t t0 = sp_qemu__mono_ms();
     if (j->delta) {
-        j->rc = sp_migdelta_filter(j->in_fd, j->out_fd, j->base, "mem", &j->st, j->why,
-                                   sizeof j->why);
+        if (j->live.mem_fd >= 0)
+            j->rc = sp_migdelta_filter_live(j->in_fd, j->out_fd, j->base, "mem", &j->live, &j->st,
+                                            j->why, sizeof j->why);
+        else
+            j->rc = sp_migdelta_filter(j->in_fd, j->out_fd, j->base, "mem", &j->st, j->why,
+                                       sizeof j->why);
         close(j->in_fd); /* a writer still at it gets EPIPE rather than blocking */
         j->in_fd = -1;
         goto done;
@@ -347,6 +352,7 @@ struct sumjob *sp_qemu__sumjob_new(struct vm *vm, bool verify)
     j->bad = -1;
     j->in_fd = -1;
     j->out_fd = -1;
+    j->live.mem_fd = j->live.pagemap_fd = -1;
     return j;
 }
 

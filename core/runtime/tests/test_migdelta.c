@@ -9,7 +9,9 @@
  * The round trip runs qemu-system-x86_64 (microvm, TCG, vCPUs never started, no guest
  * kernel): migrate a VM whose RAM file is S, filter against base B, load the result into a
  * VM that maps B share=off, and compare the guest RAM with S; then expand the filtered
- * stream against B and load that into a VM over zeroed RAM, which must see S too. Exits 77 after
+ * stream against B and load that into a VM over zeroed RAM, which must see S too; and migrate
+ * a VM that loaded the delta through filter_live, which reads its pages from that QEMU's own
+ * memory, and load that over B. Exits 77 after
  * the synthetic cases when QEMU is not installed.
  *
  * `test_core_migdelta --bench MIB` instead times the filter on a MIB-sized stream.
@@ -637,6 +639,117 @@ static void test_migdelta_filters_equal_pages(bool subs, bool ignore_shared)
     struct dec du = {.imgs = imgs, .nimg = 2};
     CHECK(decode(&du, g.b.p, g.b.len) == 0 && memcmp(r_mem, m.src, sizeof r_mem) == 0);
     free(out.p);
+    free(g.b.p);
+}
+
+/* filter_live through run_tool: the source it reads is tool_live. */
+static const sp_migdelta_live_t *tool_live;
+static int live_tool(int in, int out, const char *base, const char *block, sp_migdelta_stats_t *st,
+                     char *why, size_t why_len)
+{
+    return sp_migdelta_filter_live(in, out, base, block, tool_live, st, why, why_len);
+}
+
+/* filter_live, with this process as the VM: its "mem" is a private map of the base file in
+ * which the source's pages were written. The stream's own mem records (stale on purpose:
+ * page 5's first bytes, and pages it never re-sends) are all dropped; what replays onto the
+ * base is the map's content at the END, whatever the stream said. */
+static void test_migdelta_live_reads_the_process(void)
+{
+    static struct model m;
+    model_init(&m);
+    write_file("lbase.ram", m.base, sizeof m.base); /* whole: a map past a file's end faults */
+    char bp[256];
+    path_in(bp, sizeof bp, "lbase.ram");
+    int fd = open(bp, O_RDONLY);
+    struct stat sb;
+    CHECK(fd >= 0 && fstat(fd, &sb) == 0);
+    uint8_t *map = mmap(NULL, sizeof m.base, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    close(fd);
+    CHECK(map != MAP_FAILED);
+    if (map == MAP_FAILED)
+        return;
+    volatile uint8_t sink = 0;
+    for (unsigned i = 0; i < NMEM; i++) /* every page present, as the file's */
+        sink ^= map[i * PG];
+    (void)sink;
+    uint64_t want_pages = 0, want_zero = 0;
+    for (unsigned i = 0; i < NMEM; i++) {
+        if (memcmp(m.src + i * PG, m.base + i * PG, PG) == 0)
+            continue;
+        memcpy(map + i * PG, m.src + i * PG, PG);
+        (page_zero(m.src + i * PG) ? &want_zero : &want_pages)[0]++;
+    }
+    memcpy(map + 2 * PG, m.base + 2 * PG, PG); /* copied, but equal to the base: left out */
+    CHECK(want_pages == 4 && want_zero == 1);  /* the model's intent: 4 9 20 60; 7 */
+
+    struct gen g;
+    model_stream(&m, &g, true, false);
+    sp_migdelta_live_t lv;
+    char why[160];
+    int rc = sp_migdelta_live_open((int)getpid(), sb.st_dev, sb.st_ino, sizeof m.base, &lv, why,
+                                   sizeof why);
+    CHECK(rc == 0);
+    if (rc != 0) {
+        fprintf(stderr, "live_open: %s\n", why);
+        munmap(map, sizeof m.base);
+        free(g.b.p);
+        return;
+    }
+    CHECK(lv.addr == (uint64_t)(uintptr_t)map && lv.len == sizeof m.base);
+    tool_live = &lv;
+    struct buf out = {0};
+    sp_migdelta_stats_t st;
+    rc = run_tool(live_tool, g.b.p, g.b.len, "lbase.ram", "mem", &out, &st, why, sizeof why);
+    CHECK(rc == 0);
+    if (rc != 0)
+        fprintf(stderr, "filter_live: %s\n", why);
+    CHECK(st.pages_kept == want_pages && st.zero_kept == want_zero);
+    CHECK(st.pages_in + st.zero_in == NMEM + 3); /* every mem record read, none kept */
+    struct img imgs[2];
+    CHECK(replay(&out, m.base, 0xcc, imgs, NULL) == 0);
+    CHECK(memcmp(r_mem, m.src, sizeof r_mem) == 0);
+    CHECK(imgs[0].pages == want_pages && imgs[0].zeros == want_zero);
+    CHECK(memcmp(r_rom, m.rom, 3 * PG) == 0 && imgs[1].pages == 3); /* rom as sent */
+
+    /* a write after the END was read is not in it: what the map held then is */
+    map[9 * PG] ^= 0xff;
+    CHECK(replay(&out, m.base, 0xcc, imgs, NULL) == 0 && r_mem[9 * PG] == m.src[9 * PG]);
+
+    /* the stream's block is longer than the map: refused */
+    sp_migdelta_live_t shortv = lv;
+    shortv.len -= PG;
+    tool_live = &shortv;
+    CHECK(run_tool(live_tool, g.b.p, g.b.len, "lbase.ram", "mem", &out, &st, why, sizeof why) < 0);
+    CHECK(strstr(why, "longer than") != NULL);
+
+    /* a stream that never reaches its RAM section's END (the vCPUs were never stopped) */
+    struct gen h;
+    memset(&h, 0, sizeof h);
+    g_header(&h, true, false);
+    struct gblk blks[] = {{"mem", NMEM * PG}};
+    g_ram_start(&h, blks, 1, false);
+    g_sec(&h, 0x02);
+    g_rec(&h, "mem", 0, F_PAGE, m.src);
+    g_sec_close(&h);
+    g_tail(&h);
+    tool_live = &lv;
+    CHECK(run_tool(live_tool, h.b.p, h.b.len, "lbase.ram", "mem", &out, &st, why, sizeof why) < 0);
+    CHECK(strstr(why, "ends before") != NULL);
+    tool_live = NULL;
+    sp_migdelta_live_close(&lv);
+    CHECK(lv.mem_fd == -1 && lv.pagemap_fd == -1);
+
+    /* no private map of that file in the process: nothing opened */
+    CHECK(sp_migdelta_live_open((int)getpid(), sb.st_dev, sb.st_ino + 1, PG, &lv, why, sizeof why) <
+              0 &&
+          lv.mem_fd == -1 && strstr(why, "no private map") != NULL);
+    /* a map shorter than asked */
+    CHECK(sp_migdelta_live_open((int)getpid(), sb.st_dev, sb.st_ino, sizeof m.base + PG, &lv, why,
+                                sizeof why) < 0);
+    munmap(map, sizeof m.base);
+    free(out.p);
+    free(h.b.p);
     free(g.b.p);
 }
 
@@ -1705,6 +1818,42 @@ static void test_migdelta_qemu_round_trip(void)
     vm_stop(&dst);
     free(back);
 
+    /* live: a VM on B (share=off) that loaded the delta has copied exactly the pages the
+     * loader wrote; filter_live drops every page QEMU sends and reads those from the QEMU
+     * process at the END; the result loads over B as S */
+    struct vm lsrc = {.pid = -1, .qmp = -1}, ldst = {.pid = -1, .qmp = -1};
+    CHECK(load_into(&lsrc, "lsrc", bpath, "filtered.bin") == 0);
+    struct stat bst;
+    sp_migdelta_live_t lv;
+    CHECK(stat(bpath, &bst) == 0);
+    rc = sp_migdelta_live_open((int)lsrc.pid, bst.st_dev, bst.st_ino, ram, &lv, why, sizeof why);
+    CHECK(rc == 0);
+    if (rc != 0)
+        fprintf(stderr, "live_open: %s\n", why);
+    int lfd = rc == 0 ? migrate_to_pipe(&lsrc) : -1;
+    char lp[256];
+    path_in(lp, sizeof lp, "live.bin");
+    int lout = open(lp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    sp_migdelta_stats_t ls;
+    rc =
+        lfd >= 0 ? sp_migdelta_filter_live(lfd, lout, bpath, "mem", &lv, &ls, why, sizeof why) : -1;
+    if (lfd >= 0)
+        close(lfd);
+    close(lout);
+    sp_migdelta_live_close(&lv);
+    CHECK(rc == 0);
+    if (rc != 0)
+        fprintf(stderr, "filter_live: %s\n", why);
+    CHECK(wait_migration(&lsrc) == 0);
+    vm_stop(&lsrc);
+    CHECK(ls.pages_kept == want_pages && ls.zero_kept == want_zero);
+    CHECK(ls.pages_in + ls.zero_in >= NPAGES);
+    CHECK(load_into(&ldst, "ldst", bpath, "live.bin") == 0);
+    back = ram_by_migration(&ldst);
+    CHECK(back != NULL && memcmp(back, S, ram) == 0);
+    vm_stop(&ldst);
+    free(back);
+
     /* sanity: the unfiltered stream loads the same way */
     CHECK(load_into(&raw, "raw", bpath, "unfiltered.bin") == 0);
     CHECK(pmemsave(&raw, "pm_raw.bin") == 0);
@@ -1906,6 +2055,7 @@ int main(int argc, char **argv)
     test_migdelta_rejects_bad_streams();
     test_migdelta_drains_pipe_on_failure();
     test_migdelta_concurrent_calls();
+    test_migdelta_live_reads_the_process();
     if (failures) {
         rm_dir();
         fprintf(stderr, "%d check(s) failed\n", failures);
