@@ -78,7 +78,8 @@ struct gbody {
     uint64_t got;      /* bytes read of it (chunked: as sent, framing included) */
     uint64_t cap;      /* chunked: the most got may reach */
     sp_chunked_t ck;
-    size_t pre; /* its bytes h2o read already: after the head in the input */
+    size_t pre;     /* its bytes h2o read already, not handed out yet */
+    size_t pre_off; /* those handed out: pre's bytes start at head + pre_off in the input */
     int fd;     /* a dup of the socket's: read directly (plain), drained after (-1: none) */
     sp_watch_t *w;
     char *buf; /* PIECE_MAX: the piece handed out */
@@ -1141,10 +1142,14 @@ static void body_pump(struct gs *st)
             h2o_buffer_t *in = b->tls ? st->held : st->sock->input;
             char *at = in->bytes + st->head_len;
             n = b->pre < PIECE_MAX ? b->pre : PIECE_MAX;
-            memcpy(b->buf, at, n);
-            memmove(at, at + n, in->size - st->head_len - n);
-            in->size -= n;
+            memcpy(b->buf, at + b->pre_off, n);
+            b->pre_off += n;
             b->pre -= n;
+            if (b->pre == 0) { /* all handed out: what followed them moves up once */
+                memmove(at, at + b->pre_off, in->size - st->head_len - b->pre_off);
+                in->size -= b->pre_off;
+                b->pre_off = 0;
+            }
         } else if (b->tls) {
             h2o_buffer_t *in = st->sock->input;
             if (in->size == 0) {
