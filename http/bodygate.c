@@ -12,7 +12,8 @@
  * (the head stays where h2o's request points into it), and reads the rest from a dup of the
  * socket's fd while h2o does not read the socket. For HTTP/2 it reads h2o's connection
  * and streams (<h2o/http2_internal.h>: the stream table, a stream's state, decoded head and
- * expected length) and writes frames into the connection's output buffer.
+ * expected length) and writes frames into the connection's output buffer; a streamed body's
+ * DATA is queued here (struct h2s) and handed out from it.
  */
 #include "http/bodygate.h"
 
@@ -51,6 +52,7 @@
 #define H2_CONT        0x9 /* CONTINUATION */
 #define H2_END_STREAM  0x1
 #define H2_END_HEADERS 0x4
+#define H2_PADDED      0x8
 #define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
 #define H2_HEADS_MAX   16 /* heads without their body vetted at the end of one read */
 /* A streamed body is read from the socket in pieces of at most this much. */
@@ -108,6 +110,7 @@ struct gs {
     bool h2_prior;   /* the input starts with HTTP/2's preface (prior knowledge) */
     bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
     struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
+    bool h2_deferred; /* HTTP/2: a pass handing streamed bodies' pieces out is deferred */
     /* the head just vetted is streamed (its body stays on the socket): its framing */
     bool s_next, s_chunked, s_expect;
     uint64_t s_length, s_cap;
@@ -554,8 +557,9 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
 
 enum h2s_state {
     H2S_OPEN,      /* its body comes */
+    H2S_STREAMING, /* streamed: ended for h2o at its head, its DATA kept for the handler */
     H2S_ANSWERING, /* refused and ended for h2o; h2o still has it */
-    H2S_DONE,      /* refused, and h2o is done with it */
+    H2S_DONE,      /* refused or streamed, and h2o is done with it */
 };
 
 struct h2s {
@@ -570,7 +574,28 @@ struct h2s {
     bool rst_sent;
     uint64_t got, cap; /* DATA bytes seen; the most it may send */
     sp_bodygate_verdict_t verdict;
+    /* a streamed body (the verdict's `stream`): h2o has the request with an empty body, and
+     * the handler reads its DATA from here (sp_bodygate_body_read) */
+    bool stream;            /* streamed once its state is STREAMING */
+    bool chunked;           /* no content-length: got is unbounded but by cap */
+    h2o_req_t *req;         /* STREAMING: the stream's request (h2o's, while hooked) */
+    h2o_buffer_t *q;        /* STREAMING: payload not handed out yet */
+    uint64_t raw, granted;  /* DATA frame bytes (padding too) taken; given back to its window */
+    bool q_end;             /* END_STREAM came: q holds the rest */
+    bool failed, end_given; /* the reader got an error, or the end */
+    bool collected, want;   /* read whole (collect); a read waits for a piece */
+    sp_err_t err;           /* failed: why */
+    char *buf;              /* PIECE_MAX: the piece handed out */
+    sp_bodygate_body_cb cb;
+    void *arg;
 };
+
+/* HTTP/2 streamed bodies (below, with HTTP/1's) */
+static void h2s_drop_body(struct h2s *e);
+static void h2s_stream_start(struct h2s *e, h2o_http2_stream_t *s);
+static void h2s_take(struct h2s *e, const uint8_t *f, size_t len);
+static void h2s_ended_by_trailers(struct h2s *e);
+static void h2s_count(const struct h2s *e);
 
 static struct h2s *h2s_find(struct gs *st, uint32_t id)
 {
@@ -588,6 +613,7 @@ static void h2s_free(struct gs *st, struct h2s *e)
             break;
         }
     }
+    h2s_drop_body(e);
     free(e);
 }
 
@@ -597,6 +623,7 @@ static void h2s_free_all(struct gs *st)
     while (st->h2s != NULL) {
         struct h2s *e = st->h2s;
         st->h2s = e->next;
+        h2s_drop_body(e);
         free(e);
     }
 }
@@ -616,7 +643,12 @@ static void on_h2s_disposed(void *p)
     struct gs *st = e->st;
     e->hooked = false;
     h2s_release_large(e);
-    if (e->state == H2S_ANSWERING && st->sock != NULL) {
+    bool streamed = e->state == H2S_STREAMING;
+    if (streamed) {
+        h2s_count(e);
+        h2s_drop_body(e); /* its request goes: what the client still sends is dropped */
+    }
+    if ((e->state == H2S_ANSWERING || (streamed && !e->q_end)) && st->sock != NULL) {
         e->state = H2S_DONE;
         unsigned n = 0; /* the newest few are kept */
         struct h2s *next;
@@ -668,6 +700,8 @@ static struct h2s *h2_vet(struct gs *st, h2o_http2_stream_t *s)
     e->refuse = v.refuse;
     e->verdict = v;
     e->cap = h.chunked ? (v.chunked_cap > 0 ? v.chunked_cap : UINT64_MAX) : h.length;
+    e->stream = v.stream && !v.refuse;
+    e->chunked = h.chunked;
     if (v.large && !v.refuse) {
         g->large_now++;
         e->large = true;
@@ -814,14 +848,17 @@ static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n, bool he
             h2s_find(st, ids[i]) != NULL)
             continue;
         struct h2s *e = h2_vet(st, s);
-        if (e == NULL || !e->refuse)
+        if (e == NULL || !(e->refuse || e->stream))
             continue;
         h2o_buffer_t **in = &st->sock->input;
         h2o_buffer_reserve(in, H2_HEAD);
         memmove((*in)->bytes + H2_HEAD, (*in)->bytes, (*in)->size);
         h2_end_frame((uint8_t *)(*in)->bytes, ids[i]);
         (*in)->size += H2_HEAD;
-        h2s_ended(e, s);
+        if (e->refuse)
+            h2s_ended(e, s);
+        else
+            h2s_stream_start(e, s); /* h2o takes it as a request without a body */
         ends++;
     }
     if (ends > 0 && st->sock != NULL) {
@@ -880,6 +917,8 @@ static void h2_gate(struct gs *st)
                 }
                 if (whole > 0 && h2_skip_trailers(conn, f, n)) {
                     cut_frame(in, p, n - H2_HEAD, false);
+                    if (e->state == H2S_STREAMING)
+                        h2s_ended_by_trailers(e);
                     continue;
                 }
             }
@@ -905,6 +944,12 @@ static void h2_gate(struct gs *st)
                 continue;
             }
         }
+        if (e->state == H2S_STREAMING) { /* the handler's: h2o sees none of it */
+            h2s_take(e, f, len);
+            cut_frame(in, p, len, false);
+            win += len;
+            continue;
+        }
         if (e->state != H2S_OPEN) { /* answered: h2o sees no more of it */
             cut_frame(in, p, len, false);
             win += len;
@@ -929,11 +974,16 @@ static void h2_gate(struct gs *st)
                 sp_err_set(&e->verdict.err, SP_ETOOBIG, "request body is larger than %llu KiB",
                            (unsigned long long)(e->cap >> 10));
         }
-        if (e->refuse) { /* empty trailers in this frame's place */
+        if (e->refuse || e->stream) { /* empty trailers in this frame's place */
+            if (e->stream && !e->refuse)
+                h2s_stream_start(e, s);
+            if (e->state == H2S_STREAMING)
+                h2s_take(e, f, len); /* the first of its body, the handler's */
             h2_end_frame(f, id);
             cut_frame(in, p, len, true);
             win += len;
-            h2s_ended(e, s);
+            if (e->state != H2S_STREAMING)
+                h2s_ended(e, s);
             p += H2_HEAD;
             continue;
         }
@@ -1072,6 +1122,205 @@ static void body_end(struct gs *st)
     }
 }
 
+/* ---- HTTP/2 streamed bodies ----
+ *
+ * A stream whose verdict is `stream` is ended for h2o at its head (an empty HEADERS frame with
+ * END_STREAM where its first DATA frame was, or before what follows its head), so h2o hands
+ * its request to the handler at once, with no body. Its DATA frames are cut from the input
+ * before h2o reads it, their payload queued here, the connection's flow-control window given
+ * back at once (as for a refused stream's) and the stream's only as the handler takes the
+ * bytes: a client sends at most the stream's window (h2o's initial 16 MiB) ahead of the
+ * handler. Pieces are handed out in one deferred pass per connection (h2_deliver). */
+
+static void h2s_count(const struct h2s *e)
+{
+    sp_metrics_add(&m_streamed, 1, e->end_given ? "whole" : "cut");
+    sp_metrics_add(&m_streamed_bytes, (double)e->got);
+}
+
+static void h2s_drop_body(struct h2s *e)
+{
+    if (e->q != NULL)
+        h2o_buffer_dispose(&e->q);
+    free(e->buf);
+    e->buf = NULL;
+    e->req = NULL;
+    e->cb = NULL;
+    e->want = false;
+}
+
+static void h2s_stream_start(struct h2s *e, h2o_http2_stream_t *s)
+{
+    s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
+    e->state = H2S_STREAMING;
+    e->req = &s->req;
+    h2o_buffer_init(&e->q, &h2o_socket_buffer_prototype);
+}
+
+static void h2s_fail(struct h2s *e, sp_code_t code, const char *msg)
+{
+    if (e->failed || e->end_given)
+        return;
+    e->failed = true;
+    sp_err_set(&e->err, code, "%s", msg);
+}
+
+static void h2_schedule(struct gs *st);
+
+/* The end of the body came (END_STREAM on DATA, or trailers). */
+static void h2s_body_ended(struct h2s *e)
+{
+    e->q_end = true;
+    if (!e->chunked && e->got != e->cap)
+        h2s_fail(e, SP_EINVAL, "request body is shorter than its content-length");
+    if (e->want)
+        h2_schedule(e->st);
+}
+
+static void h2s_ended_by_trailers(struct h2s *e)
+{
+    if (!e->q_end)
+        h2s_body_ended(e);
+}
+
+/* A DATA frame of a streamed stream (f, payload len), cut from the input by the caller: its
+ * data queued for the handler (unless the body failed, or ended before it). */
+static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
+{
+    const uint8_t *d = f + H2_HEAD;
+    size_t n = len;
+    e->raw += len;
+    if (f[4] & H2_PADDED) {
+        if (n < 1 || (size_t)d[0] >= n) { /* h2o would end the connection: the body fails */
+            h2s_fail(e, SP_EINVAL, "a DATA frame's padding is longer than the frame");
+            n = 0;
+        } else {
+            n -= 1 + (size_t)d[0];
+            d++;
+        }
+    }
+    if (!e->failed && !e->q_end && n > 0) {
+        if (n > e->cap - e->got) {
+            if (e->chunked)
+                h2s_fail(e, SP_ETOOBIG, "request body is larger than the limit");
+            else
+                h2s_fail(e, SP_EINVAL, "request body is longer than its content-length");
+        } else {
+            h2o_iovec_t room = h2o_buffer_reserve(&e->q, n);
+            if (room.base == NULL) {
+                h2s_fail(e, SP_EINTERNAL, "out of memory for the request body");
+            } else {
+                memcpy(room.base, d, n);
+                e->q->size += n;
+                e->got += n;
+            }
+        }
+    }
+    if ((f[4] & H2_END_STREAM) && !e->q_end)
+        h2s_body_ended(e);
+    else if (e->want)
+        h2_schedule(e->st);
+}
+
+/* Gives the stream's window back for what is no longer queued (taken by the handler, or
+ * dropped), while h2o still has the stream. */
+static void h2s_grant(struct h2s *e)
+{
+    struct gs *st = e->st;
+    uint64_t queued = e->q != NULL ? e->q->size : 0;
+    uint64_t give = e->raw - e->granted - queued;
+    if (give == 0 || e->q_end || st->sock == NULL)
+        return; /* after the end: the client sends no more on it */
+    h2o_http2_conn_t *conn = st->sock->data;
+    if (conn->state >= H2O_HTTP2_CONN_STATE_IS_CLOSING)
+        return;
+    e->granted += give;
+    while (give > 0) {
+        int32_t n = give > INT32_MAX ? INT32_MAX : (int32_t)give;
+        h2o_http2_encode_window_update_frame(&conn->_write.buf, e->id, n);
+        give -= (uint64_t)n;
+    }
+    h2o_http2_conn_request_write(conn);
+}
+
+static bool h2s_ready(const struct h2s *e)
+{
+    return e->want && e->cb != NULL && (e->failed || e->q_end || e->q->size > 0);
+}
+
+/* Hands e's next piece (or its end, or its error) to its pending read. */
+static void h2s_give(struct h2s *e)
+{
+    sp_bodygate_body_cb cb = e->cb;
+    void *arg = e->arg;
+    e->cb = NULL;
+    e->want = false;
+    if (e->failed) {
+        e->end_given = true; /* no read after an error */
+        sp_err_t err = e->err;
+        cb(arg, NULL, 0, false, &err);
+        return;
+    }
+    size_t n = e->q->size < PIECE_MAX ? e->q->size : PIECE_MAX;
+    if (n > 0) {
+        memcpy(e->buf, e->q->bytes, n);
+        h2o_buffer_consume(&e->q, n);
+    }
+    bool end = e->q_end && e->q->size == 0;
+    e->end_given = end;
+    h2s_grant(e);
+    cb(arg, e->buf, n, end, NULL);
+}
+
+/* The deferred pass: every stream of the connection whose read can be answered is, one piece
+ * each; a reader that asks again meanwhile is answered in the next pass. */
+static void h2_deliver(void *arg)
+{
+    struct gs *st = arg;
+    st->h2_deferred = false;
+    st->holds--;
+    unsigned n = 0;
+    for (struct h2s *e = st->h2s; e != NULL; e = e->next)
+        if (h2s_ready(e))
+            n++;
+    /* the callbacks may start or end streams: each one found again from the list's head */
+    for (unsigned i = 0; i < n && st->g != NULL; i++) {
+        struct h2s *e = st->h2s;
+        while (e != NULL && !h2s_ready(e))
+            e = e->next;
+        if (e == NULL)
+            break;
+        st->holds++;
+        h2s_give(e);
+        st->holds--;
+    }
+    gs_free_if_done(st);
+}
+
+static void h2_schedule(struct gs *st)
+{
+    if (st->h2_deferred || st->g == NULL)
+        return;
+    if (sp_loop_defer(st->g->loop, h2_deliver, st) == 0) {
+        st->h2_deferred = true;
+        st->holds++;
+    }
+}
+
+/* req's streamed HTTP/2 body, when it is one (NULL: not HTTP/2, not streamed, or gone). */
+static struct h2s *h2s_of(h2o_req_t *req)
+{
+    if (req->version < 0x200 || req->conn->callbacks->get_socket == NULL)
+        return NULL;
+    h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
+    if (sock == NULL || sock->on_close.cb != gs_on_close)
+        return NULL;
+    struct gs *st = sock->on_close.data;
+    uint32_t id = H2O_STRUCT_FROM_MEMBER(h2o_http2_stream_t, req, req)->stream_id;
+    struct h2s *e = h2s_find(st, id);
+    return e != NULL && e->state == H2S_STREAMING && e->req == req ? e : NULL;
+}
+
 static struct gs *gs_of(h2o_req_t *req)
 {
     if (req->version >= 0x200 || req->conn->callbacks->get_socket == NULL)
@@ -1089,8 +1338,23 @@ static struct gbody *body_of(h2o_req_t *req)
     return st != NULL && st->b.req == req && !st->b.collected ? &st->b : NULL;
 }
 
+/* The gate's state of req's connection, HTTP/1 or a streamed HTTP/2 body's. */
+static struct gs *gate_of(h2o_req_t *req)
+{
+    struct h2s *e = h2s_of(req);
+    return e != NULL ? e->st : gs_of(req);
+}
+
 bool sp_bodygate_streamed(h2o_req_t *req, uint64_t *length, bool *chunked)
 {
+    struct h2s *e = h2s_of(req);
+    if (e != NULL) {
+        if (e->collected)
+            return false;
+        *chunked = e->chunked;
+        *length = e->chunked ? 0 : e->cap; /* as it was declared */
+        return true;
+    }
     struct gbody *b = body_of(req);
     if (b == NULL)
         return false;
@@ -1270,6 +1534,19 @@ static void body_deferred(void *arg)
 
 int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
 {
+    struct h2s *e = h2s_of(req);
+    if (e != NULL) {
+        if (e->st->g == NULL || e->st->sock == NULL || e->end_given || e->cb != NULL)
+            return -1;
+        if (e->buf == NULL && (e->buf = malloc(PIECE_MAX)) == NULL)
+            return -1;
+        e->cb = cb;
+        e->arg = arg;
+        e->want = true;
+        if (h2s_ready(e))
+            h2_schedule(e->st); /* else when its DATA comes */
+        return 0;
+    }
     struct gs *st = gs_of(req);
     if (st == NULL || st->b.req != req || st->g == NULL || st->sock == NULL)
         return -1;
@@ -1296,6 +1573,12 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
 
 void sp_bodygate_body_cancel(h2o_req_t *req)
 {
+    struct h2s *e = h2s_of(req);
+    if (e != NULL) {
+        e->cb = NULL;
+        e->want = false;
+        return;
+    }
     struct gs *st = gs_of(req);
     if (st == NULL || st->b.req != req)
         return;
@@ -1329,8 +1612,11 @@ static void collect_end(struct collect *c, const sp_err_t *err)
     sp_timer_stop(&c->timer);
     if (err == NULL) {
         struct gbody *b = body_of(c->req);
+        struct h2s *e = h2s_of(c->req);
         if (b != NULL)
             b->collected = true;
+        else if (e != NULL)
+            e->collected = true;
         c->req->entity =
             c->buf->size > 0 ? h2o_iovec_init(c->buf->bytes, c->buf->size) : h2o_iovec_init("", 0);
     }
@@ -1378,7 +1664,7 @@ static void on_collect_timeout(sp_timer_t *t, void *arg)
 
 void sp_bodygate_body_collect(h2o_req_t *req, sp_bodygate_collected_cb done, void *arg)
 {
-    struct gs *st = gs_of(req);
+    struct gs *st = gate_of(req);
     struct collect *c = NULL;
     if (st != NULL && st->g != NULL)
         c = h2o_mem_alloc_shared(&req->pool, sizeof(*c), collect_dispose);
@@ -1453,7 +1739,7 @@ bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t
     if (req->version >= 0x200) { /* HTTP/2: one the gate ended is answered with its verdict */
         uint32_t id = H2O_STRUCT_FROM_MEMBER(h2o_http2_stream_t, req, req)->stream_id;
         struct h2s *e = h2s_find(st, id);
-        if (e == NULL || e->state == H2S_OPEN || e->answered)
+        if (e == NULL || e->state == H2S_OPEN || e->state == H2S_STREAMING || e->answered)
             return false;
         e->answered = true;
         *v = e->verdict;

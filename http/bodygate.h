@@ -108,9 +108,13 @@ bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t
  * handler at once; the body stays on the connection for the handler to read, piece by piece, as
  * the client sends it and no faster than the handler takes it (sp_bodygate_body_read). Such a
  * connection serves no further request (`Connection: close` on its answer), and what the client
- * still sends after the answer is read and dropped (as after a refusal). A `stream` verdict on
- * HTTP/2, on TLS with `Expect: 100-continue`, or on a body past h2o's own limit, is read whole
- * by h2o as any other.
+ * still sends after the answer is read and dropped (as after a refusal). On HTTP/2 the stream
+ * is ended for h2o at its head (h2o sees a request without a body) and its DATA kept by the
+ * gate for the handler, the stream's flow-control window given back only as the handler takes
+ * the bytes (so at most that window, h2o's 16 MiB, is held per stream); the connection goes on
+ * serving other streams, and DATA sent after the answer is dropped. A `stream` verdict on TLS
+ * with `Expect: 100-continue`, or on a body past h2o's own limit, is read whole by h2o as any
+ * other.
  */
 #define SP_BODYGATE_GATED_PREFIX "x-sp-gated-"
 

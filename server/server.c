@@ -935,9 +935,9 @@ static bool is_native_files(const char *p, size_t n)
  * as large (a bound on how many at once) and must carry their credential: a native key, or
  * E2B's API key or upload token (h2o's read path cannot wait for the lookup that says whether
  * it is right); envd's /files and guest ports may be public, so only the count holds them.
- * Every such upload streams (http/bodygate.h; HTTP/1 only): one on its way to another node
- * goes up as it comes (http/proxy.h), one served here has its key's value checked before its
- * body is read (dispatch). Over HTTP/2 the route checks the value after the body.
+ * Every such upload streams (http/bodygate.h; HTTP/1 and HTTP/2): one on its way to another
+ * node goes up as it comes (http/proxy.h), one served here has its key's value checked before
+ * its body is read (dispatch).
  */
 static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
 {

@@ -352,6 +352,10 @@ class Spaced:
                     pass
 
     def destroy(self):
+        if self.proc is not None and self.proc.poll() is not None:
+            # it died on its own (a crash, an ASan report): what it said last, for the CI log
+            print("spaced (%s) exited with %s before its suite ended; the end of its log:\n%s"
+                  % (self.log_path, self.proc.returncode, self.read_log()), file=sys.stderr)
         self.kill(signal.SIGTERM)
         self.kill_fake_agents()
         if not KEEP and self.owns_data:

@@ -6,7 +6,9 @@ the upstream receives (headers, body, the cluster header's HMAC) and what the cl
 checked, and spaced's memory across a 100 MiB download through it. Uploads stream through as
 they come (http/bodygate.h): the upstream answers before the client has sent its body, a
 chunked body arrives chunked, a client leaving mid-body leaves the upstream a cut body, and an
-upload served here after all (placed nowhere) is read whole first.
+upload served here after all (placed nowhere) is read whole first. The same over HTTP/2 (prior
+knowledge, frames sent by the h2 package): several uploads on one connection, one answered
+early, one reset by the client, with spaced's memory flat across a 48 MiB one.
 """
 import hashlib
 import hmac
@@ -27,6 +29,7 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from harness import (Platform, Spaced, free_port, pg_bindir, read_response,  # noqa: E402
                      skip_unless_pg)
+from h2client import H2Client, h2  # noqa: E402
 
 BIG = 100 << 20
 
@@ -654,9 +657,107 @@ class ProxyTest(unittest.TestCase):
         self.assertEqual(got["received"], 70000)
         self.assertTrue(got["verified"])
         self.assertEqual(got["headers"]["connection"], ["close"])
+        # a large one streams over TLS too (ALPN h2, as the SDKs negotiate it)
+        data = os.urandom(5 << 20)
+        m0 = self.streamed()
+        r = subprocess.run(["curl", "-sk", "--http2", "-X", "PUT", "--data-binary", "@-",
+                            "-H", "Authorization: Bearer sp_stand_in",
+                            base + "/files?path=/b&mode=echo"], input=data,
+                           capture_output=True, timeout=60)
+        got = json.loads(r.stdout)
+        self.assertEqual((got["received"], got["sha256"]),
+                         (len(data), hashlib.sha256(data).hexdigest()))
+        self.assertEqual(got["headers"]["content-length"], [str(len(data))])
+        m1 = self.streamed()
+        self.assertEqual((m1[0] - m0[0], m1[2] - m0[2]), (1, len(data)))
         # A worker dying mid-body resets the stream: curl sees an error, not a clean end.
         r = curl(base + "/files?mode=die-chunked")
         self.assertNotEqual(r.returncode, 0, r.stdout)
+
+    @unittest.skipUnless(h2 is not None, "no h2 package (Debian's python3-h2)")
+    def test_http2_uploads_stream(self):
+        # The E2B Python SDK speaks HTTP/2 over TLS; prior knowledge here, the same streams.
+        # An upload goes up as its DATA frames come: spaced holds at most the stream's window
+        # of it (h2o's 16 MiB), not the body.
+        path = "/v1/sandboxes/%s/files?path=/h2&mode=echo" % self.remote
+        c = H2Client(self.s.port)
+        try:
+            m0 = self.streamed()
+            rss0 = self.s.rss_kb()
+            peak = [0]
+            done = threading.Event()
+
+            def sample():
+                while not done.wait(0.05):
+                    peak[0] = max(peak[0], self.s.rss_kb())
+            t = threading.Thread(target=sample, daemon=True)
+            t.start()
+            n = 48 << 20
+            try:
+                sid = c.open("PUT", path, headers=[("content-length", str(n))],
+                             key="sp_stand_in")
+                self.assertEqual(c.send(sid, n, end=True), n)
+                st, body = c.answer(sid, "a 48 MiB upload")
+            finally:
+                done.set()
+                t.join()
+            self.assertEqual(st, 200, body)
+            got = json.loads(body)
+            self.assertEqual(got["received"], n)
+            self.assertEqual(got["sha256"], hashlib.sha256(b"x" * n).hexdigest())
+            self.assertEqual(got["headers"]["content-length"], [str(n)])
+            self.assertFalse([h for h in got["headers"] if h.startswith("x-sp-gated")], got)
+            print("rss before %d KiB, peak during a 48 MiB HTTP/2 upload %d KiB"
+                  % (rss0, peak[0]), file=sys.stderr)
+            self.assertLess(peak[0] - rss0, 32 << 10)
+            m1 = self.streamed()
+            self.assertEqual((m1[0] - m0[0], m1[2] - m0[2]), (1, n))
+
+            # without a content-length: chunked to the worker, on the same connection
+            sid = c.open("PUT", path.replace("/h2", "/h2c"), key="sp_stand_in")
+            c.send(sid, 3 << 20, end=True)
+            st, body = c.answer(sid, "an upload without a length")
+            self.assertEqual(st, 200, body)
+            got = json.loads(body)
+            self.assertEqual(got["received"], 3 << 20)
+            self.assertEqual(got["headers"]["transfer-encoding"], ["chunked"])
+            self.assertNotIn("content-length", got["headers"])
+
+            # answered after its first MiB: the client gets the answer while it still sends,
+            # then the stream's end; the connection goes on
+            sid = c.open("PUT", path.replace("mode=echo", "mode=early"),
+                         headers=[("content-length", str(64 << 20))], key="sp_stand_in")
+            sent = c.send(sid, 64 << 20, end=True, until=lambda: sid in c.status)
+            st, body = c.answer(sid, "an early answer")
+            self.assertEqual((st, json.loads(body)["received"]), (200, 1 << 20))
+            self.assertLess(sent, 64 << 20)
+            sid = c.open("GET", "/healthz", end=True)
+            self.assertEqual(c.answer(sid, "a request after them")[0], 200)
+
+            # reset by the client mid-body: the worker gets a cut body
+            target = path.replace("/h2", "/h2r") + "&n=" + secrets.token_hex(4)
+            m0 = self.streamed()
+            sid = c.open("PUT", target, headers=[("content-length", str(10 << 20))],
+                         key="sp_stand_in")
+            c.send(sid, 3 << 20)
+            time.sleep(0.3)
+            c.c.reset_stream(sid)
+            c.flush()
+            deadline = time.time() + 30
+            while time.time() < deadline and not [b for b in self.up.bodies if b[0] == target]:
+                c.pump(0.1)
+            got = [b for b in self.up.bodies if b[0] == target]
+            self.assertEqual(len(got), 1, self.up.bodies)
+            self.assertEqual(got[0][1], 10 << 20)
+            self.assertLess(got[0][2], 10 << 20)
+            deadline = time.time() + 10
+            while time.time() < deadline and self.streamed()[1] == m0[1]:
+                time.sleep(0.1)
+            self.assertEqual(self.streamed()[1] - m0[1], 1)
+            sid = c.open("GET", "/healthz", end=True)
+            self.assertEqual(c.answer(sid, "a request after the reset")[0], 200)
+        finally:
+            c.close()
 
     def test_key_file_checked(self):
         for mode, content, want in ((0o644, self.key, "may be read by others"),
