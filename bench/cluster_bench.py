@@ -17,7 +17,7 @@ sandbox is created through B, then A starts. Prints, medians over BENCH_ROUNDS (
     and A's resident memory before and after
   - 100 MiB upload (PUT /v1/sandboxes/{id}/files) MiB/s: at B, through A, ratio, and A's
     resident memory at its highest during the uploads through it (an upload streams through
-    an API node: http/bodygate.h)
+    an API node: http/bodygate.h); and the same over HTTP/2 (curl with prior knowledge)
 With BASELINE_BUILD_DIR (e.g. a build of the commit before forwarding, or before uploads
 streamed): an API node A0 of that build beside A, the same figures through it; and the same
 command round trip, download and upload on one node (B alone) for each build, alternating, so
@@ -114,6 +114,31 @@ def upload(s, sid, src, watch=None):
     return BIG / (1 << 20) / dt, peak[0]
 
 
+def upload_h2(s, sid, src, watch=None):
+    """The same over HTTP/2 (curl, prior knowledge: the frames the E2B Python SDK sends over
+    TLS): MiB/s, and watch's resident memory at its highest meanwhile."""
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], watch.rss_kb())
+    t = threading.Thread(target=sample, daemon=True)
+    if watch is not None:
+        t.start()
+    r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}",
+                        "--http2-prior-knowledge", "-T", src,
+                        "-H", "Authorization: Bearer " + s.key,
+                        "http://127.0.0.1:%d/v1/sandboxes/%s/files?path=%s.h2" % (s.port, sid,
+                                                                                   src)],
+                       capture_output=True, text=True, timeout=300)
+    done.set()
+    if watch is not None:
+        t.join()
+    code, secs = r.stdout.split()
+    assert code in ("200", "201", "204"), (r.stdout, r.stderr)
+    return BIG / (1 << 20) / float(secs), peak[0]
+
+
 def sql(pg, text):
     subprocess.run([os.path.join(pg_bindir(), "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1",
                     pg.url, "-c", text], check=True, capture_output=True)
@@ -161,7 +186,9 @@ def main():
         rtt = {n: [] for n, _ in nodes}
         mbs = {n: [] for n, _ in nodes}
         ups = {n: [] for n, _ in nodes}
+        h2ups = {n: [] for n, _ in nodes}
         peak = {n: 0 for n, _ in nodes}
+        h2peak = {n: 0 for n, _ in nodes}
         rss = {n: [s.rss_kb()] for n, s in apis.items()}
         for _ in range(ROUNDS):
             for name, s in nodes:
@@ -170,6 +197,9 @@ def main():
                 mibs, p = upload(s, sid, big, s if name != "B" else None)
                 ups[name].append(mibs)
                 peak[name] = max(peak[name], p)
+                mibs, p = upload_h2(s, sid, big, s if name != "B" else None)
+                h2ups[name].append(mibs)
+                h2peak[name] = max(h2peak[name], p)
             for n, s in apis.items():
                 rss[n].append(s.rss_kb())
         med = {n: (statistics.median(rtt[n]), statistics.median(mbs[n]),
@@ -187,6 +217,9 @@ def main():
                   % (n, ub, n, ua, ua / ub))
             print("  %-2s RSS: %d KiB at start, %d KiB at most during the uploads through it, "
                   "%d KiB after %d rounds" % (n, rss[n][0], peak[n], rss[n][-1], ROUNDS))
+            hb, ha = statistics.median(h2ups["B"]), statistics.median(h2ups[n])
+            print("  %-2s 100 MiB upload, HTTP/2: at B %.0f MiB/s, through %s %.0f MiB/s: %.2fx; "
+                  "%s's RSS at most %d KiB" % (n, hb, n, ha, ha / hb, n, h2peak[n]))
     finally:
         for s in apis.values():
             s.destroy()

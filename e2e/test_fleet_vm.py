@@ -284,6 +284,10 @@ class FleetVmTest(unittest.TestCase):
         self.assertEqual((st, r.get("existed")), (201, False), r)
         st, r = api.request("GET", "/v1/template-files/" + fk)
         self.assertEqual(st, 200, r)
+        # the file uploaded through the API node is kept in the snapshot dir for any worker
+        # (looked at now: once the build is over, it is collected CACHE_S after its last use)
+        self.assertTrue([t for t in os.listdir(os.path.join(self.snap, "template-files"))
+                         if os.path.exists(os.path.join(self.snap, "template-files", t, fk))])
         t0 = time.time()
         b = build(api, {"name": "fleetweb", "from": "base", "steps": [
             {"run": "mkdir -p /srv && echo %s > /srv/nonce" % nonce},
@@ -295,12 +299,9 @@ class FleetVmTest(unittest.TestCase):
         self.assertEqual(b["status"], "succeeded", b)
         text = [x.get("line") for x in logs(api, "fleetweb", b["id"])]
         self.assertTrue(any("template snapshot ready" in (t or "") for t in text), text)
-        # built on the template's builder (md5(name/id) first), published for every worker;
-        # the file uploaded through the API node was kept in the snapshot dir for any worker
+        # built on the template's builder (md5(name/id) first), published for every worker
         builder = min(self.workers,
                       key=lambda w: hashlib.md5(("fleetweb/" + w.wid).encode()).hexdigest())
-        self.assertTrue([t for t in os.listdir(os.path.join(self.snap, "template-files"))
-                         if os.path.exists(os.path.join(self.snap, "template-files", t, fk))])
         other = [w for w in self.workers if w is not builder][0]
         version = b["version"]
         self.assertTrue(os.path.exists(os.path.join(builder.data_dir, "templates", "fleetweb",

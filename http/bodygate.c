@@ -111,6 +111,8 @@ struct gs {
     bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
     struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
     bool h2_deferred; /* HTTP/2: a pass handing streamed bodies' pieces out is deferred */
+    h2o_timeout_entry_t h2_tick; /* that pass, on h2o's zero timeout (h2_schedule) */
+    h2o_timeout_entry_t b_tick;  /* HTTP/1: a streamed body's deferred read (body_deferred) */
     /* the head just vetted is streamed (its body stays on the socket): its framing */
     bool s_next, s_chunked, s_expect;
     uint64_t s_length, s_cap;
@@ -1297,14 +1299,24 @@ static void h2_deliver(void *arg)
     gs_free_if_done(st);
 }
 
+static void h2_on_tick(h2o_timeout_entry_t *entry)
+{
+    h2_deliver(H2O_STRUCT_FROM_MEMBER(struct gs, h2_tick, entry));
+}
+
+/* The pass runs on h2o's zero timeout, inside h2o's loop, not on the loop's deferred queue
+ * (sp_loop_defer runs after h2o's pass): a reader writes to an h2o socket there (http/proxy.c),
+ * and h2o's evloop expects a write that completes at once to be reported within its own pass,
+ * else a socket still polled for writing fires with no write callback (h2o asserts). */
 static void h2_schedule(struct gs *st)
 {
-    if (st->h2_deferred || st->g == NULL)
+    if (st->h2_deferred || st->g == NULL || st->sock == NULL)
         return;
-    if (sp_loop_defer(st->g->loop, h2_deliver, st) == 0) {
-        st->h2_deferred = true;
-        st->holds++;
-    }
+    h2o_http2_conn_t *conn = st->sock->data;
+    st->h2_tick.cb = h2_on_tick;
+    h2o_timeout_link(conn->super.ctx->loop, &conn->super.ctx->zero_timeout, &st->h2_tick);
+    st->h2_deferred = true;
+    st->holds++;
 }
 
 /* req's streamed HTTP/2 body, when it is one (NULL: not HTTP/2, not streamed, or gone). */
@@ -1523,9 +1535,9 @@ static void on_body_tls(h2o_socket_t *sock, const char *err)
     gs_free_if_done(st);
 }
 
-static void body_deferred(void *arg)
+static void body_deferred(h2o_timeout_entry_t *entry)
 {
-    struct gs *st = arg;
+    struct gs *st = H2O_STRUCT_FROM_MEMBER(struct gs, b_tick, entry);
     st->b.deferred = false;
     st->holds--;
     body_pump(st);
@@ -1556,12 +1568,11 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
     b->cb = cb;
     b->arg = arg;
     if (b->pre > 0 || b->expect || b->w == NULL || b->tls) {
-        /* bytes at hand, a 100 to send first, or no watch yet: on the next turn */
+        /* bytes at hand, a 100 to send first, or no watch yet: on the next turn, inside
+         * h2o's loop (h2_schedule says why) */
         if (!b->deferred) {
-            if (sp_loop_defer(st->g->loop, body_deferred, st) < 0) {
-                b->cb = NULL;
-                return -1;
-            }
+            st->b_tick.cb = body_deferred;
+            h2o_timeout_link(req->conn->ctx->loop, &req->conn->ctx->zero_timeout, &st->b_tick);
             b->deferred = true;
             st->holds++;
         }
