@@ -32,12 +32,11 @@ import secrets
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from harness import PgCluster, Spaced, pg_bindir, tmpdir  # noqa: E402
+from harness import PeakRss, PgCluster, Spaced, pg_bindir, tmpdir  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 CMDS = int(os.environ.get("BENCH_CMDS", "50"))
@@ -90,53 +89,33 @@ def download(s, sid, path):
 
 def upload(s, sid, src, watch=None):
     """MiB/s of one PUT of the file src; watch's resident memory at its highest meanwhile."""
-    peak, done = [0], threading.Event()
-
-    def sample():
-        while not done.wait(0.02):
-            peak[0] = max(peak[0], watch.rss_kb())
-    t = threading.Thread(target=sample, daemon=True)
-    if watch is not None:
-        t.start()
-    c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300, blocksize=1 << 20)
-    t0 = time.perf_counter()
-    with open(src, "rb") as f:
-        c.request("PUT", "/v1/sandboxes/%s/files?path=%s.up" % (sid, src), body=f,
-                  headers={"Authorization": "Bearer " + s.key, "Content-Length": str(BIG)})
-        r = c.getresponse()
-        r.read()
-    dt = time.perf_counter() - t0
-    c.close()
-    done.set()
-    if watch is not None:
-        t.join()
+    with PeakRss(watch, 0.02) as peak:
+        c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300, blocksize=1 << 20)
+        t0 = time.perf_counter()
+        with open(src, "rb") as f:
+            c.request("PUT", "/v1/sandboxes/%s/files?path=%s.up" % (sid, src), body=f,
+                      headers={"Authorization": "Bearer " + s.key, "Content-Length": str(BIG)})
+            r = c.getresponse()
+            r.read()
+        dt = time.perf_counter() - t0
+        c.close()
     assert r.status in (200, 201, 204), r.status
-    return BIG / (1 << 20) / dt, peak[0]
+    return BIG / (1 << 20) / dt, peak.kib
 
 
 def upload_h2(s, sid, src, watch=None):
     """The same over HTTP/2 (curl, prior knowledge: the frames the E2B Python SDK sends over
     TLS): MiB/s, and watch's resident memory at its highest meanwhile."""
-    peak, done = [0], threading.Event()
-
-    def sample():
-        while not done.wait(0.02):
-            peak[0] = max(peak[0], watch.rss_kb())
-    t = threading.Thread(target=sample, daemon=True)
-    if watch is not None:
-        t.start()
-    r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}",
-                        "--http2-prior-knowledge", "-T", src,
-                        "-H", "Authorization: Bearer " + s.key,
-                        "http://127.0.0.1:%d/v1/sandboxes/%s/files?path=%s.h2" % (s.port, sid,
-                                                                                   src)],
-                       capture_output=True, text=True, timeout=300)
-    done.set()
-    if watch is not None:
-        t.join()
+    with PeakRss(watch, 0.02) as peak:
+        r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}",
+                            "--http2-prior-knowledge", "-T", src,
+                            "-H", "Authorization: Bearer " + s.key,
+                            "http://127.0.0.1:%d/v1/sandboxes/%s/files?path=%s.h2"
+                            % (s.port, sid, src)],
+                           capture_output=True, text=True, timeout=300)
     code, secs = r.stdout.split()
     assert code in ("200", "201", "204"), (r.stdout, r.stderr)
-    return BIG / (1 << 20) / float(secs), peak[0]
+    return BIG / (1 << 20) / float(secs), peak.kib
 
 
 def sql(pg, text):

@@ -103,6 +103,32 @@ def skip_unless_agent(testcase_cls):
     return testcase_cls
 
 
+class PeakRss:
+    """`with PeakRss(s) as p:` samples s.rss_kb() every `every` s in a thread while the block
+    runs; p.kib is the highest seen (0 when s is None: nothing is sampled)."""
+
+    def __init__(self, s, every=0.05):
+        import threading
+        self.s, self.every, self.kib = s, every, 0
+        self.done = threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.done.wait(self.every):
+            self.kib = max(self.kib, self.s.rss_kb())
+
+    def __enter__(self):
+        if self.s is not None:
+            self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.s is not None:
+            self.t.join()
+        return False
+
+
 def read_number_cmd(path):
     """A guest shell command that prints the number in path, read until the file holds one
     (for at most 5 s): a counter loop's `echo $i > path` truncates before it writes, and a

@@ -27,8 +27,8 @@ import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (Platform, Spaced, free_port, pg_bindir, read_response,  # noqa: E402
-                     skip_unless_pg)
+from harness import (PeakRss, Platform, Spaced, free_port, pg_bindir,  # noqa: E402
+                     read_response, skip_unless_pg)
 from h2client import H2Client, h2  # noqa: E402
 
 BIG = 100 << 20
@@ -451,21 +451,10 @@ class ProxyTest(unittest.TestCase):
         rss0 = self.s.rss_kb()
         m0 = self.streamed()
         body = bytes(range(256)) * (BIG // 256)
-        peak = [0]
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(0.05):
-                peak[0] = max(peak[0], self.s.rss_kb())
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        try:
+        with PeakRss(self.s) as peak:
             st, out = self.ex(self.s, "PUT", "/v1/sandboxes/%s/files?path=/big&mode=echo"
                               % self.remote, raw=body, timeout=120,
                               headers={"Authorization": "Bearer sp_stand_in"})
-        finally:
-            done.set()
-            t.join()
         self.assertEqual(st, 200, out)
         got = json.loads(out)
         self.assertEqual(got["received"], BIG)
@@ -474,9 +463,9 @@ class ProxyTest(unittest.TestCase):
         self.assertFalse([h for h in got["headers"] if h.startswith("x-sp-gated")], got)
         m1 = self.streamed()
         self.assertEqual((m1[0] - m0[0], m1[2] - m0[2]), (1, BIG))
-        print("rss before %d KiB, peak during a 100 MiB upload %d KiB" % (rss0, peak[0]),
+        print("rss before %d KiB, peak during a 100 MiB upload %d KiB" % (rss0, peak.kib),
               file=sys.stderr)
-        self.assertLess(peak[0] - rss0, 32 << 10)
+        self.assertLess(peak.kib - rss0, 32 << 10)
 
     def upload_head(self, target, length=None, extra=b"", key="sp_stand_in"):
         framing = (b"Transfer-Encoding: chunked" if length is None
@@ -684,23 +673,12 @@ class ProxyTest(unittest.TestCase):
         try:
             m0 = self.streamed()
             rss0 = self.s.rss_kb()
-            peak = [0]
-            done = threading.Event()
-
-            def sample():
-                while not done.wait(0.05):
-                    peak[0] = max(peak[0], self.s.rss_kb())
-            t = threading.Thread(target=sample, daemon=True)
-            t.start()
             n = 48 << 20
-            try:
+            with PeakRss(self.s) as peak:
                 sid = c.open("PUT", path, headers=[("content-length", str(n))],
                              key="sp_stand_in")
                 self.assertEqual(c.send(sid, n, end=True), n)
                 st, body = c.answer(sid, "a 48 MiB upload")
-            finally:
-                done.set()
-                t.join()
             self.assertEqual(st, 200, body)
             got = json.loads(body)
             self.assertEqual(got["received"], n)
@@ -708,8 +686,8 @@ class ProxyTest(unittest.TestCase):
             self.assertEqual(got["headers"]["content-length"], [str(n)])
             self.assertFalse([h for h in got["headers"] if h.startswith("x-sp-gated")], got)
             print("rss before %d KiB, peak during a 48 MiB HTTP/2 upload %d KiB"
-                  % (rss0, peak[0]), file=sys.stderr)
-            self.assertLess(peak[0] - rss0, 32 << 10)
+                  % (rss0, peak.kib), file=sys.stderr)
+            self.assertLess(peak.kib - rss0, 32 << 10)
             m1 = self.streamed()
             self.assertEqual((m1[0] - m0[0], m1[2] - m0[2]), (1, n))
 
