@@ -185,6 +185,18 @@ static void cmd_path(char *out, size_t cap, uint32_t cmd, const char *file)
         snprintf(out, cap, SP_CGROUP_WORK "/c%u%s%s", cmd, *file ? "/" : "", file);
 }
 
+/* The per-command memory limit, written when a group is made and again when one is reused
+ * (a kill lifts it). */
+static void set_memory_max(uint32_t cmd)
+{
+    if (limits.cmd_memory_max == 0)
+        return;
+    char path[128], v[32];
+    snprintf(v, sizeof(v), "%llu", (unsigned long long)limits.cmd_memory_max);
+    cmd_path(path, sizeof(path), cmd, "memory.max");
+    (void)write_file(path, v);
+}
+
 /* 1 when group cmd has no process left, 0 when it has, -1 when it is gone. */
 static int cmd_empty(uint32_t cmd)
 {
@@ -233,8 +245,10 @@ uint32_t sp_cgroup_cmd_new(void)
     while (n_idle > 0) {
         uint32_t cmd = idle[--n_idle];
         int e = cmd_empty(cmd);
-        if (e == 1)
+        if (e == 1) {
+            set_memory_max(cmd);
             return cmd;
+        }
         if (e == 0) /* something was started in it after all: remove it once empty */
             add_linger(cmd);
     }
@@ -252,12 +266,8 @@ uint32_t sp_cgroup_cmd_new(void)
             sp_log(SP_LOG_WARN, "cgroup", "mkdir %s failed errno=%d", path, errno);
             return 0;
         }
+        set_memory_max(cmd);
         char v[32];
-        if (limits.cmd_memory_max > 0) {
-            snprintf(v, sizeof(v), "%llu", (unsigned long long)limits.cmd_memory_max);
-            cmd_path(path, sizeof(path), cmd, "memory.max");
-            (void)write_file(path, v);
-        }
         if (limits.cmd_pids_max > 0) {
             snprintf(v, sizeof(v), "%llu", (unsigned long long)limits.cmd_pids_max);
             cmd_path(path, sizeof(path), cmd, "pids.max");
@@ -395,7 +405,19 @@ int sp_cgroup_kill(uint32_t cmd)
         return -1;
     char path[128];
     cmd_path(path, sizeof(path), cmd, "cgroup.kill");
-    return write_file(path, "1");
+    if (write_file(path, "1") < 0)
+        return -1;
+    /* Every process in the group now has SIGKILL pending (and any it was forking gets it
+     * too), but one stuck charging a page at the group's limit sees it only once its
+     * reclaim gives up, and in a group at its limit with no swap, reclaim keeps finding
+     * file pages to evict, so it rarely does: under TCG, the processes of a fork bomb at
+     * its limit took up to 36 s to die (stack: try_charge_memcg, try_to_free_mem_cgroup_pages,
+     * reclaim_throttle). With the limit lifted their charges succeed at once, they exit and
+     * free what they held. The agent starts nothing in the group until it is empty, and
+     * sets the limit again when it reuses it (root in the guest could raise it anyway). */
+    cmd_path(path, sizeof(path), cmd, "memory.max");
+    (void)write_file(path, "max");
+    return 0;
 }
 
 uint32_t sp_cgroup_cmd_done(uint32_t cmd)

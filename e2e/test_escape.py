@@ -46,6 +46,8 @@ B_BOUND = 20
 # MiB for both streams, plus ASan's shadow and its 16 MiB quarantine; everything else a guest
 # sends is held to its windows. (Rendered whole, one stream of NULs cost 250 MB.)
 RSS_GROWTH_MB = 128
+# The fork bomb's command: its timeout (s), and how soon after it its end must be reported.
+BOMB_S, BOMB_END_S = 10, 20
 
 
 def skip_reason():
@@ -242,43 +244,34 @@ if fd >= 0:
 log.write("done\n")
 """
 
-# In A: a fork bomb in a process group of its own for S seconds (every child forks too, as fast
-# as it can, until the guest runs out of memory and its OOM killer joins in), then the whole
-# group is killed. Prints the most processes seen.
+# In A: a fork bomb in a process group of its own (every child forks too, as fast as it can,
+# until the task limit or the memory limit stops it and the OOM killer joins in) while the
+# command's own process waits: only the command's end (its timeout) kills the bomb.
 FORKBOMB = r"""
-import os, signal, sys, time
-S = float(sys.argv[1])
-# The controller asks the guest's OOM killer to spare it, so it lives to end the bomb; the
-# bomb itself takes the default back (a child inherits the setting).
-open("/proc/self/oom_score_adj", "w").write("-1000")
-leader = os.fork()
-if leader != 0:
-    # ... and leaves its command's group (root in the guest may) once the bomb is forked in
-    # it, so that the limits the bomb runs into do not starve the controller too.
-    os.makedirs("/sys/fs/cgroup/escape-ctl", exist_ok=True)
-    with open("/sys/fs/cgroup/escape-ctl/cgroup.procs", "w") as f:
-        f.write(str(os.getpid()))
-if leader == 0:
-    open("/proc/self/oom_score_adj", "w").write("0")
+import os, time
+print(open("/proc/self/cgroup").read().split(":")[2].strip(), flush=True)
+if os.fork() == 0:
     os.setpgid(0, 0)
-    end = time.time() + S
-    while time.time() < end:
+    while True:
         try:
             os.fork()
         except OSError:
             time.sleep(0.01)
-    while True:
-        time.sleep(60)
-end = time.time() + S + 1
+while True:
+    time.sleep(60)
+"""
+
+# In A, beside the bomb, in a command of its own: the most processes seen in S seconds.
+COUNTER = r"""
+import os, sys, time
+end = time.time() + float(sys.argv[1])
 most = 0
 while time.time() < end:
-    time.sleep(1)
     try:
         most = max(most, len([p for p in os.listdir("/proc") if p.isdigit()]))
     except OSError:
         pass
-os.killpg(leader, signal.SIGKILL)
-os.waitpid(leader, 0)
+    time.sleep(0.5)
 print(most)
 """
 
@@ -333,7 +326,9 @@ class EscapeTest(unittest.TestCase):
                                   {"cmd": "cat > /tmp/attack.py <<'EOF'\n%sEOF\n"
                                           "cat > /tmp/garbage.py <<'EOF'\n%sEOF\n"
                                           "cat > /tmp/forkbomb.py <<'EOF'\n%sEOF\n"
-                                          % (ATTACK, GARBAGE, FORKBOMB), "user": "root"},
+                                          "cat > /tmp/counter.py <<'EOF'\n%sEOF\n"
+                                          % (ATTACK, GARBAGE, FORKBOMB, COUNTER),
+                                   "user": "root"},
                                   timeout=60 * MULT)
             assert st == 200 and r["exit_code"] == 0, (st, r)
         except BaseException:
@@ -702,13 +697,15 @@ class EscapeTest(unittest.TestCase):
         # The host and B stay healthy throughout (checked every second by during). A's
         # commands each run in a cgroup of their own, inside one for all of them: the task
         # limit makes fork() fail, the memory limits keep the OOM killer within the bomb's
-        # command and away from the agent, and a command killed at its timeout is killed whole,
-        # the bomb that left its process group included. So A answers as soon as the bomb's
-        # command ends. (Before those groups the bomb outlived its command: A gave no answer
-        # for the command's whole timeout under TCG and had to be deleted.) During the bomb
-        # the agent answers, and new commands run, if slowly under TCG: their times are
-        # printed.
-        during_bomb, stop = [], threading.Event()
+        # command and away from the agent, and a command killed at its timeout is killed whole
+        # and at once: the bomb that left its process group included, and its processes stuck
+        # charging pages at the group's memory limit too (the kill lifts the limit). So A
+        # answers as soon as the bomb's command ends. (Before those groups the bomb outlived
+        # its command: A gave no answer for the command's whole timeout under TCG and had to
+        # be deleted. Before the lift, its processes took up to 36 s to die under TCG.) During
+        # the bomb the agent answers, and new commands run, if slowly under TCG: their times
+        # are printed.
+        during_bomb, stop, count = [], threading.Event(), {}
 
         def probe():
             stop.wait(4)  # the bomb is at its limit by then
@@ -726,16 +723,25 @@ class EscapeTest(unittest.TestCase):
                     during_bomb.append((what, st, time.time() - t0, ran))
                 stop.wait(1)
 
-        th = threading.Thread(target=probe)
-        th.start()
+        def counter():  # started with the bomb, it counts for longer than the bomb lives
+            try:
+                count["c"] = self.cmd(self.a, "python3 /tmp/counter.py %d" % (BOMB_S * MULT + 4),
+                                      timeout=BOMB_S + 60)
+            except Exception as e:  # noqa: BLE001 - reported below
+                count["c"] = e
+
+        threads = [threading.Thread(target=probe), threading.Thread(target=counter)]
+        for th in threads:
+            th.start()
         try:
             t0 = time.time()
-            c = self.during("fork bomb", self.a, "python3 /tmp/forkbomb.py 10", 40)
+            c = self.during("fork bomb", self.a, "python3 /tmp/forkbomb.py", BOMB_S)
             took = time.time() - t0
         finally:
             stop.set()
-            th.join()
-        words = c["stdout"].split()
+            for th in threads:
+                th.join()
+        words = count["c"]["stdout"].split() if isinstance(count["c"], dict) else []
         # What is left of it: processes whose command line names the bomb (this one's does
         # not: its pattern is split in two). Killing them all can take a while under TCG (they
         # die only once they get the CPU, at the OOM killer's pace), so A is asked until none
@@ -768,12 +774,13 @@ class EscapeTest(unittest.TestCase):
                 what, sum(1 for x in during_bomb if x[0] == what and x[1] == 200), len(got),
                 sum(1 for x in during_bomb if x[0] == what and x[3]),
                 statistics.median(got) if got else -1, got[-1] if got else -1)
-        print("fork bomb: %s after %.0f s; task limit %s, %s of its processes left %.0f s"
-              " after; during it, A's %s; %s"
+        print("fork bomb: %s; its command ended %.1f s after its %d s timeout (%s); task limit"
+              " %s, %s of its processes left %.0f s after; during it, A's %s; %s"
               % ("up to %s processes in A" % words[-1] if words else
-                 "the controller did not report (%s)" %
+                 "the counter did not report (%s)" % count["c"],
+                 took - BOMB_S * MULT, BOMB_S * MULT,
                  {k: c.get(k) for k in ("exit_code", "signal", "timed_out")},
-                 took, limit, left, clean, seen("file"), seen("command")), flush=True)
+                 limit, left, clean, seen("file"), seen("command")), flush=True)
         try:  # what the guest's kernel said (its OOM kills), for a failure message
             with open(os.path.join(DATA, "vms", self.a, "console.log"), errors="replace") as f:
                 console = "console: " + f.read()[-3000:]
@@ -789,16 +796,41 @@ class EscapeTest(unittest.TestCase):
                          (during_bomb, console))
         self.assertEqual([x for x in during_bomb if x[0] == "command" and x[1] != 200], [],
                          (during_bomb, console))
-        # The controller, outside the bomb's group, ended it on time and said how many
-        # processes it saw: the guest's kernel threads and the agent are outside the limit.
-        self.assertEqual(c.get("exit_code"), 0, c)
-        self.assertTrue(words, c)
-        self.assertLessEqual(int(words[-1]), int(limit) + 300, c)
+        # The bomb's command was killed at its timeout, and its end reported within
+        # BOMB_END_S of it (the agent reports it once the command's output is closed, that
+        # is once the bomb's processes have died; spaced waits up to 5 s for that). With the
+        # kill lifting the group's memory limit, that took 1.1-1.7 s under TCG with the host's
+        # two cores busy; without, 2.7-5 s.
+        self.assertTrue(c.get("timed_out"), c)
+        self.assertLess(took - BOMB_S * MULT, BOMB_END_S * MULT, c)
+        # The counter, outside the bomb's group, said how many processes it saw: the
+        # guest's kernel threads and the agent are outside the limit.
+        self.assertTrue(words, count["c"])
+        self.assertLessEqual(int(words[-1]), int(limit) + 300, count["c"])
         t0 = time.time()
         self.a_recovers("after the fork bomb", timeout=30)
         print("A answered %.1f s after the last of the bomb was gone" % (time.time() - t0),
               flush=True)
         self.healthy("after the fork bomb")
+        # The kill lifted the memory limit of the bomb's group. The agent keeps up to 8 empty
+        # groups for the next commands (9 at once take them all), and a group it hands out
+        # has its limit, a killed one's included if it is reused (here it was usually still
+        # populated when its command ended, so it was removed instead: printed).
+        bomb_group, groups = c["stdout"].split()[0], []
+
+        def group():
+            groups.append(self.cmd(self.a, "g=$(cut -d: -f3 /proc/self/cgroup); echo $g;"
+                                            " cat /sys/fs/cgroup$g/memory.max; sleep 3"))
+        threads = [threading.Thread(target=group) for _ in range(9)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        got = [g["stdout"].split() for g in groups]
+        self.assertEqual([g for g in got if len(g) != 2 or not g[1].isdigit()], [],
+                         (bomb_group, groups))
+        print("the bomb's group %s %s by the next 9 commands" % (
+            bomb_group, "was reused" if bomb_group in [g[0] for g in got] else "was not used"))
 
     def test_9b_command_groups(self):
         # What a command leaves running when it ends on its own keeps running (in its group,
