@@ -1304,10 +1304,11 @@ static void h2_on_tick(h2o_timeout_entry_t *entry)
     h2_deliver(H2O_STRUCT_FROM_MEMBER(struct gs, h2_tick, entry));
 }
 
-/* The pass runs on h2o's zero timeout, inside h2o's loop, not on the loop's deferred queue
- * (sp_loop_defer runs after h2o's pass): a reader writes to an h2o socket there (http/proxy.c),
- * and h2o's evloop expects a write that completes at once to be reported within its own pass,
- * else a socket still polled for writing fires with no write callback (h2o asserts). */
+/* The pass runs on h2o's zero timeout, inside h2o's loop: a reader writes to an h2o socket
+ * there (http/proxy.c), and h2o's evloop expects a write that completes at once to be
+ * reported within its own pass, else a socket still polled for writing fires with no write
+ * callback (h2o asserts). (The loop's deferred queue ran after h2o's pass when this was
+ * written; it runs inside it now, loop/loop.c.) */
 static void h2_schedule(struct gs *st)
 {
     if (st->h2_deferred || st->g == NULL || st->sock == NULL)

@@ -6,6 +6,21 @@
  * DONT_READ, so h2o reports readiness without consuming bytes (libpq and QMP
  * read their own sockets). Timers are kept here rather than in h2o because
  * h2o 2.2's timeouts have one fixed duration per queue.
+ *
+ * Due timers and deferred calls run inside h2o's pass, from an entry on a zero-length h2o
+ * timeout (the turn), not after h2o_evloop_run returns: h2o runs a socket's pending callbacks
+ * right after each timeout callback, and expects to, before it polls again. A write that
+ * completed at once from outside the pass left its completion pending across the next poll,
+ * and h2o's evloop aborted (write_pending: sock->super._cb.write != NULL) when the socket came
+ * back writable: an API node forwarding an upload did, twice in four bench runs, when a
+ * body's piece was handed out from a deferred call (1c7f8af moved that one caller).
+ *
+ * The turn keeps the order calls had after the pass: its timeout is the last of h2o's, and a
+ * call deferred during a pass (or a timer armed to fire at once) links it, so the call runs
+ * at the end of that pass, before the next poll (the body gate relies on that: it puts its
+ * read callback back before h2o reads a connection's next request). A call deferred by the
+ * turn itself waits for the next pass, as it waited for the next iteration: the entry is
+ * linked again only between passes, so h2o never runs it twice in one.
  */
 #include "loop/loop.h"
 
@@ -28,6 +43,9 @@ struct sp_loop {
     sp_timer_t **heap; /* 1-based */
     size_t heap_len, heap_cap;
     struct deferred *defer_head, *defer_tail;
+    h2o_timeout_t turn;           /* zero-length: runs due timers and deferred calls */
+    h2o_timeout_entry_t turn_due; /* linked when there is something to run */
+    bool in_turn;
     uint64_t now_ms;
     sp_workpool_t *work; /* work.c, made on first sp_loop_work */
 };
@@ -48,6 +66,15 @@ struct sp_watch {
     int dead;
 };
 
+static void on_turn(h2o_timeout_entry_t *entry);
+
+/* The turn runs at the end of this pass (or the next, between passes). */
+static void want_turn(sp_loop_t *l)
+{
+    if (!l->in_turn && !h2o_timeout_is_linked(&l->turn_due))
+        h2o_timeout_link(l->ev, &l->turn, &l->turn_due);
+}
+
 static uint64_t mono_ms(void)
 {
     struct timespec ts;
@@ -61,6 +88,8 @@ sp_loop_t *sp_loop_create(void)
     if (l == NULL)
         return NULL;
     l->ev = h2o_evloop_create();
+    h2o_timeout_init(l->ev, &l->turn, 0);
+    l->turn_due.cb = on_turn;
     l->now_ms = mono_ms();
     return l;
 }
@@ -76,6 +105,9 @@ void sp_loop_destroy(sp_loop_t *loop)
         d = n;
     }
     sp_loop__work_destroy(loop);
+    if (h2o_timeout_is_linked(&loop->turn_due))
+        h2o_timeout_unlink(&loop->turn_due);
+    h2o_timeout_dispose(loop->ev, &loop->turn);
     free(loop->heap);
     /* Closed sockets are freed by the loop on its next turns. h2o 2.2 has no evloop
      * destructor, so the evloop itself stays (scripts/lsan.supp names it). */
@@ -175,6 +207,8 @@ void sp_timer_start(sp_timer_t *t, uint64_t delay_ms)
     l->heap[++l->heap_len] = t;
     t->heap_idx = l->heap_len;
     heap_up(l, l->heap_len);
+    if (delay_ms == 0)
+        want_turn(l);
 }
 
 static void run_timers(sp_loop_t *l)
@@ -203,6 +237,7 @@ int sp_loop_defer(sp_loop_t *loop, void (*cb)(void *arg), void *arg)
     else
         loop->defer_head = d;
     loop->defer_tail = d;
+    want_turn(loop);
     return 0;
 }
 
@@ -219,22 +254,34 @@ static void run_deferred(sp_loop_t *l)
     }
 }
 
+/* The turn's entry fired, inside h2o's pass: h2o runs what it left pending right after. */
+static void on_turn(h2o_timeout_entry_t *entry)
+{
+    sp_loop_t *l = H2O_STRUCT_FROM_MEMBER(sp_loop_t, turn_due, entry);
+    l->in_turn = true;
+    run_timers(l);
+    run_deferred(l);
+    l->in_turn = false;
+}
+
 int sp_loop_run_once(sp_loop_t *loop, int32_t max_wait_ms)
 {
+    /* The turn's timeout goes last among h2o's (its contexts made theirs after the loop). */
+    h2o_linklist_unlink(&loop->turn._link);
+    h2o_linklist_insert(&loop->ev->_timeouts, &loop->turn._link);
+    /* Something to run now (deferred by the last turn, or a timer due): h2o polls without
+     * waiting and runs the turn after what the poll found. */
     int32_t wait = max_wait_ms;
-    if (loop->defer_head != NULL)
-        wait = 0;
-    else if (loop->heap_len > 0) {
-        uint64_t now = mono_ms();
-        uint64_t due = loop->heap[1]->due_ms;
-        int64_t d = due > now ? (int64_t)(due - now) : 0;
-        if (d < wait)
+    uint64_t now = mono_ms();
+    if (loop->defer_head != NULL || (loop->heap_len > 0 && loop->heap[1]->due_ms <= now)) {
+        want_turn(loop);
+    } else if (loop->heap_len > 0) {
+        uint64_t d = loop->heap[1]->due_ms - now;
+        if (d < (uint64_t)wait)
             wait = (int32_t)d;
     }
     int r = h2o_evloop_run(loop->ev, wait);
     loop->now_ms = mono_ms();
-    run_timers(loop);
-    run_deferred(loop);
     return r;
 }
 
