@@ -1132,7 +1132,8 @@ static void body_end(struct gs *st)
  * before h2o reads it, their payload queued here, the connection's flow-control window given
  * back at once (as for a refused stream's) and the stream's only as the handler takes the
  * bytes: a client sends at most the stream's window (h2o's initial 16 MiB) ahead of the
- * handler. Pieces are handed out in one deferred pass per connection (h2_deliver). */
+ * handler, and one that sends more fails its body (h2s_take). Pieces are handed out in one
+ * deferred pass per connection (h2_deliver). */
 
 static void h2s_count(const struct h2s *e)
 {
@@ -1192,6 +1193,19 @@ static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
     const uint8_t *d = f + H2_HEAD;
     size_t n = len;
     e->raw += len;
+    /* h2o never sees these frames, so its flow control does not hold the client to the
+     * stream's window: held here. A client that sends past it (what was given back plus
+     * h2o's initial window) fails the body, and what is queued goes: a node holds at most the
+     * window of each streamed body (at most --max-large-bodies of them), whatever a client
+     * sends. */
+    if (!e->failed && e->raw - e->granted > H2O_HTTP2_SETTINGS_HOST.initial_window_size) {
+        h2s_fail(e, SP_EINVAL,
+                 "the client sent more of the request body than HTTP/2 flow control allows");
+        if (e->q != NULL) { /* its memory too (consuming keeps the buffer) */
+            h2o_buffer_dispose(&e->q);
+            h2o_buffer_init(&e->q, &h2o_socket_buffer_prototype);
+        }
+    }
     if (f[4] & H2_PADDED) {
         if (n < 1 || (size_t)d[0] >= n) { /* h2o would end the connection: the body fails */
             h2s_fail(e, SP_EINVAL, "a DATA frame's padding is longer than the frame");
@@ -1231,8 +1245,8 @@ static void h2s_grant(struct h2s *e)
     struct gs *st = e->st;
     uint64_t queued = e->q != NULL ? e->q->size : 0;
     uint64_t give = e->raw - e->granted - queued;
-    if (give == 0 || e->q_end || st->sock == NULL)
-        return; /* after the end: the client sends no more on it */
+    if (give == 0 || e->q_end || e->failed || st->sock == NULL)
+        return; /* after the end or an error: the client is to send no more on it */
     h2o_http2_conn_t *conn = st->sock->data;
     if (conn->state >= H2O_HTTP2_CONN_STATE_IS_CLOSING)
         return;
