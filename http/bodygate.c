@@ -115,6 +115,8 @@ struct gs {
     h2o_timeout_entry_t b_tick;  /* HTTP/1: a streamed body's deferred read (body_deferred) */
     /* the head just vetted is streamed (its body stays on the socket): its framing */
     bool s_next, s_chunked, s_expect;
+    bool vet_read;     /* vet is looking at a head gate_on_read just read (nothing writes) */
+    bool tls_continue; /* TLS: its 100 Continue is sent before h2o has the head */
     uint64_t s_length, s_cap;
     struct gbody b; /* the body of the request being handled, when streamed (b.req) */
     h2o_buffer_t *held; /* TLS: the input the streamed request's head is in, kept until the
@@ -367,9 +369,13 @@ static void stream_head(struct gs *st, sp_bodygate_head_t *h, uint64_t chunked_c
             strncasecmp(f->value, "100-continue", 12) == 0)
             expect = true;
     }
-    /* TLS: the 100 would go through h2o's socket, whose answer may begin before that write is
-     * done; such a request is h2o's to read, with its own 100. */
-    if (expect && st->sock->ssl != NULL)
+    /* TLS: the 100 goes through h2o's socket (which encrypts), and no answer may begin while
+     * that write is out (h2o writes one thing at a time). So it is sent before h2o has the
+     * head, from the read that brought it, when nothing else writes (gate_on_read): the
+     * client then sends its body, which is read as the handler asks for it. A head found
+     * another way (pipelined behind a request) is h2o's to read, with its own 100. */
+    bool tls = st->sock->ssl != NULL;
+    if (expect && tls && !(st->vet_read && st->sock->_cb.write == NULL))
         return;
     for (size_t i = 0; i < h->nfields; i++) {
         sp_bodygate_field_t *f = &h->fields[i];
@@ -382,7 +388,8 @@ static void stream_head(struct gs *st, sp_bodygate_head_t *h, uint64_t chunked_c
     st->s_chunked = h->chunked;
     st->s_length = h->chunked ? 0 : h->length;
     st->s_cap = h->chunked && chunked_cap > 0 ? chunked_cap : gc->max_request_entity_size;
-    st->s_expect = expect;
+    st->s_expect = expect && !tls;
+    st->tls_continue = expect && tls;
     st->state = GS_HANDED; /* h2o reads no body: the handler has the request at once */
     st->length = 0;
     st->chunked = false;
@@ -457,6 +464,15 @@ static void vet(struct gs *st, size_t off)
         stream_head(st, &h, v.chunked_cap);
 }
 
+static void gate_on_read(h2o_socket_t *sock, const char *err);
+
+/* TLS: the 100 Continue of the head in the input is out (or failed): h2o reads the head now. */
+static void on_continue_sent(h2o_socket_t *sock, const char *err)
+{
+    h2o_socket_read_start(sock, gate_on_read);
+    gate_on_read(sock, err);
+}
+
 static void gate_on_read(h2o_socket_t *sock, const char *err)
 {
     struct gs *st = sock->on_close.data;
@@ -464,7 +480,17 @@ static void gate_on_read(h2o_socket_t *sock, const char *err)
     size_t h2_total = 0; /* prior knowledge: the input's size before it was cut */
     if (err == NULL && st->g != NULL) {
         if (st->state == GS_IDLE) {
+            st->vet_read = true;
             vet(st, 0);
+            st->vet_read = false;
+            if (st->tls_continue) { /* h2o has the head once the 100 is out (stream_head) */
+                static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+                h2o_iovec_t buf = h2o_iovec_init(cont, sizeof(cont) - 1);
+                st->tls_continue = false;
+                h2o_socket_read_stop(sock);
+                h2o_socket_write(sock, &buf, 1, on_continue_sent);
+                goto out;
+            }
             if (st->unreadable)
                 err = "request head the body gate cannot read";
             else if (st->h2_prior)
