@@ -111,6 +111,7 @@ struct gs {
     bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
     struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
     bool h2_deferred; /* HTTP/2: a pass handing streamed bodies' pieces out is deferred */
+    uint64_t h2_queued;          /* HTTP/2: streamed bodies' bytes queued, all streams (h2_held) */
     h2o_timeout_entry_t h2_tick; /* that pass, on h2o's zero timeout (h2_schedule) */
     h2o_timeout_entry_t b_tick;  /* HTTP/1: a streamed body's deferred read (body_deferred) */
     /* the head just vetted is streamed (its body stays on the socket): its framing */
@@ -621,7 +622,7 @@ struct h2s {
 /* HTTP/2 streamed bodies (below, with HTTP/1's) */
 static void h2s_drop_body(struct h2s *e);
 static void h2s_stream_start(struct h2s *e, h2o_http2_stream_t *s);
-static void h2s_take(struct h2s *e, const uint8_t *f, size_t len);
+static size_t h2s_take(struct h2s *e, const uint8_t *f, size_t len);
 static void h2s_ended_by_trailers(struct h2s *e);
 static void h2s_count(const struct h2s *e);
 
@@ -973,9 +974,8 @@ static void h2_gate(struct gs *st)
             }
         }
         if (e->state == H2S_STREAMING) { /* the handler's: h2o sees none of it */
-            h2s_take(e, f, len);
+            win += h2s_take(e, f, len);
             cut_frame(in, p, len, false);
-            win += len;
             continue;
         }
         if (e->state != H2S_OPEN) { /* answered: h2o sees no more of it */
@@ -1005,11 +1005,12 @@ static void h2_gate(struct gs *st)
         if (e->refuse || e->stream) { /* empty trailers in this frame's place */
             if (e->stream && !e->refuse)
                 h2s_stream_start(e, s);
+            size_t back = len;
             if (e->state == H2S_STREAMING)
-                h2s_take(e, f, len); /* the first of its body, the handler's */
+                back = h2s_take(e, f, len); /* the first of its body, the handler's */
             h2_end_frame(f, id);
             cut_frame(in, p, len, true);
-            win += len;
+            win += back;
             if (e->state != H2S_STREAMING)
                 h2s_ended(e, s);
             p += H2_HEAD;
@@ -1156,10 +1157,39 @@ static void body_end(struct gs *st)
  * END_STREAM where its first DATA frame was, or before what follows its head), so h2o hands
  * its request to the handler at once, with no body. Its DATA frames are cut from the input
  * before h2o reads it, their payload queued here, the connection's flow-control window given
- * back at once (as for a refused stream's) and the stream's only as the handler takes the
- * bytes: a client sends at most the stream's window (h2o's initial 16 MiB) ahead of the
- * handler, and one that sends more fails its body (h2s_take). Pieces are handed out in one
- * deferred pass per connection (h2_deliver). */
+ * back at once while the connection's streamed bodies have at most H2_CONN_QUEUED queued
+ * (past it, as the bytes leave the queues: h2_held), and the stream's only as the handler
+ * takes the bytes: a client sends at most the stream's window (h2o's initial 16 MiB) ahead of
+ * the handler, all its streams together at most H2_CONN_QUEUED and the connection's window,
+ * and one that sends more on a stream than its window fails that body (h2s_take). Pieces are
+ * handed out in one deferred pass per connection (h2_deliver). */
+
+/* Streamed bodies' bytes a connection may have queued before their share of the connection's
+ * flow-control window is held back: one stream's window, so that one stalled stream leaves
+ * the others the whole connection window. */
+#define H2_CONN_QUEUED (16u << 20)
+
+/* The connection window held back: what is queued past H2_CONN_QUEUED. */
+static uint64_t h2_held(const struct gs *st)
+{
+    return st->h2_queued > H2_CONN_QUEUED ? st->h2_queued - H2_CONN_QUEUED : 0;
+}
+
+/* n bytes left the queues (handed out, or dropped): the connection window held back for them
+ * goes back to the client. */
+static void h2_unqueued(struct gs *st, size_t n)
+{
+    uint64_t held = h2_held(st);
+    st->h2_queued -= n;
+    uint64_t give = held - h2_held(st);
+    if (give == 0 || st->sock == NULL)
+        return;
+    h2o_http2_conn_t *conn = st->sock->data;
+    if (conn->state >= H2O_HTTP2_CONN_STATE_IS_CLOSING)
+        return;
+    h2o_http2_encode_window_update_frame(&conn->_write.buf, 0, (int32_t)give);
+    h2o_http2_conn_request_write(conn);
+}
 
 static void h2s_count(const struct h2s *e)
 {
@@ -1169,8 +1199,10 @@ static void h2s_count(const struct h2s *e)
 
 static void h2s_drop_body(struct h2s *e)
 {
-    if (e->q != NULL)
+    if (e->q != NULL) {
+        h2_unqueued(e->st, e->q->size);
         h2o_buffer_dispose(&e->q);
+    }
     free(e->buf);
     e->buf = NULL;
     e->req = NULL;
@@ -1213,8 +1245,9 @@ static void h2s_ended_by_trailers(struct h2s *e)
 }
 
 /* A DATA frame of a streamed stream (f, payload len), cut from the input by the caller: its
- * data queued for the handler (unless the body failed, or ended before it). */
-static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
+ * data queued for the handler (unless the body failed, or ended before it). Returns how much
+ * of the connection's window to give back for it now (all but what h2_held keeps). */
+static size_t h2s_take(struct h2s *e, const uint8_t *f, size_t len)
 {
     const uint8_t *d = f + H2_HEAD;
     size_t n = len;
@@ -1228,10 +1261,12 @@ static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
         h2s_fail(e, SP_EINVAL,
                  "the client sent more of the request body than HTTP/2 flow control allows");
         if (e->q != NULL) { /* its memory too (consuming keeps the buffer) */
+            h2_unqueued(e->st, e->q->size);
             h2o_buffer_dispose(&e->q);
             h2o_buffer_init(&e->q, &h2o_socket_buffer_prototype);
         }
     }
+    uint64_t held = h2_held(e->st);
     if (f[4] & H2_PADDED) {
         if (n < 1 || (size_t)d[0] >= n) { /* h2o would end the connection: the body fails */
             h2s_fail(e, SP_EINVAL, "a DATA frame's padding is longer than the frame");
@@ -1255,6 +1290,7 @@ static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
                 memcpy(room.base, d, n);
                 e->q->size += n;
                 e->got += n;
+                e->st->h2_queued += n;
             }
         }
     }
@@ -1262,6 +1298,7 @@ static void h2s_take(struct h2s *e, const uint8_t *f, size_t len)
         h2s_body_ended(e);
     else if (e->want)
         h2_schedule(e->st);
+    return len - (size_t)(h2_held(e->st) - held);
 }
 
 /* Gives the stream's window back for what is no longer queued (taken by the handler, or
@@ -1307,6 +1344,7 @@ static void h2s_give(struct h2s *e)
     if (n > 0) {
         memcpy(e->buf, e->q->bytes, n);
         h2o_buffer_consume(&e->q, n);
+        h2_unqueued(e->st, n);
     }
     bool end = e->q_end && e->q->size == 0;
     e->end_given = end;
