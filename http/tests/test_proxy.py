@@ -783,10 +783,11 @@ class ProxyTest(unittest.TestCase):
             self.assertTrue(sid in c.ended or sid in c.reset, (c.status, c.reset))
             self.assertEqual(c.status.get(sid), 400, c.body.get(sid))
             self.assertIn(b"flow control", c.body.get(sid, b""))
-            # the window, what h2o read at once and ASan's quarantine (16 MiB): +21 to +37 MiB
-            # in runs here (80 MiB sent); without the check, +50 MiB and the worker's 502 (it
-            # had given up)
-            self.assertLess(peak.kib - rss0, 64 << 10)
+            # The answer above is what tells the check works (without it, the whole body went
+            # up: 200). The memory: the window, what h2o read at once (all the socket had),
+            # ASan's quarantine (8 MiB here): +31 MiB alone here, +52 MiB (80 MiB sent) in a CI
+            # run beside other suites; without the check, +88 MiB, so only a gross excess fails.
+            self.assertLess(peak.kib - rss0, 80 << 10)
             deadline = time.time() + 30
             while time.time() < deadline and not [b for b in self.up.bodies if b[0] == target]:
                 time.sleep(0.1)
