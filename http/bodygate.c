@@ -1385,8 +1385,9 @@ static void h2_on_tick(h2o_timeout_entry_t *entry)
 /* The pass runs on h2o's zero timeout, inside h2o's loop: a reader writes to an h2o socket
  * there (http/proxy.c), and h2o's evloop expects a write that completes at once to be
  * reported within its own pass, else a socket still polled for writing fires with no write
- * callback (h2o asserts). (The loop's deferred queue ran after h2o's pass when this was
- * written; it runs inside it now, loop/loop.c.) */
+ * callback (h2o asserts). The loop's deferred calls run in that pass too (loop/loop.c), but
+ * each costs a malloc and can fail; the entry here is the connection's own, so a pass, which
+ * comes as often as DATA frames do, allocates nothing and cannot fail. */
 static void h2_schedule(struct gs *st)
 {
     if (st->h2_deferred || st->g == NULL || st->sock == NULL)
@@ -1648,7 +1649,7 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
     b->arg = arg;
     if (b->pre > 0 || b->expect || b->w == NULL || b->tls) {
         /* bytes at hand, a 100 to send first, or no watch yet: on the next turn, inside
-         * h2o's loop (h2_schedule says why) */
+         * h2o's loop, on an entry of the connection's own (h2_schedule says why) */
         if (!b->deferred) {
             st->b_tick.cb = body_deferred;
             h2o_timeout_link(req->conn->ctx->loop, &req->conn->ctx->zero_timeout, &st->b_tick);

@@ -86,9 +86,10 @@ class H2Client:
         self.flush()
         return True
 
-    def send(self, sid, nbytes, end=False, until=None, flush=True):
+    def send(self, sid, nbytes, end=False, until=None, flush=True, block=True):
         """Sends up to nbytes of body on sid as flow control lets it (stopping early when
-        until() holds or the stream is reset); returns the bytes sent."""
+        until() holds or the stream is reset; with block=False, also when the windows are
+        shut, instead of waiting for them); returns the bytes sent."""
         sent, deadline = 0, time.time() + 30 * MULT
         while sent < nbytes and time.time() < deadline:
             if sid in self.reset or (until and until()) or self.terminated:
@@ -96,7 +97,7 @@ class H2Client:
             n = min(nbytes - sent, self.c.local_flow_control_window(sid),
                     self.c.max_outbound_frame_size)
             if n <= 0:
-                if not self.pump():
+                if not block or not self.pump():
                     break
                 continue
             self.c.send_data(sid, b"x" * n, end_stream=end and sent + n == nbytes)

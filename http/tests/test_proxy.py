@@ -813,23 +813,18 @@ class ProxyTest(unittest.TestCase):
         try:
             sids = [c.open("PUT", t, headers=[("content-length", str(n))], key="sp_stand_in")
                     for t in targets]
-            sent = dict.fromkeys(sids, 0)
 
             def send_what_the_windows_allow():
                 for sid in sids:
-                    k = min(n - sent[sid], c.c.local_flow_control_window(sid),
-                            c.c.max_outbound_frame_size)
-                    if k > 0:
-                        c.c.send_data(sid, b"s" * k, end_stream=sent[sid] + k == n)
-                        sent[sid] += k
+                    c.send(sid, n - c.sent[sid], end=True, flush=False, block=False)
                 c.flush()
                 c.pump(0.05)
             deadline = time.time() + 3
             while time.time() < deadline:
                 send_what_the_windows_allow()
-            held = sum(sent.values())
+            held = sum(c.sent.values())
             print("sent on %d streams while the worker read nothing: %.1f MiB (%s)"
-                  % (streams, held / (1 << 20), [round(v / (1 << 20), 1) for v in sent.values()]),
+                  % (streams, held / (1 << 20), [round(c.sent[s] / (1 << 20), 1) for s in sids]),
                   file=sys.stderr)
             self.up.stall.set()
             deadline = time.time() + 60
