@@ -20,6 +20,9 @@
 /* What sp_cgroup_limits computes for a guest of mem_total bytes. */
 typedef struct {
     uint64_t pids_max; /* tasks (processes and threads) the workload may have */
+    /* The workload's memory, all commands together: above one command's, below what was
+     * available at boot by half the headroom. */
+    uint64_t memory_max;
     /* One command's limits: its memory (what was available at boot less a headroom), and
      * its tasks, below the workload's so that the other commands still have room. */
     uint64_t cmd_memory_max, cmd_pids_max;

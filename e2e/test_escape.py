@@ -693,6 +693,37 @@ class EscapeTest(unittest.TestCase):
         st, sb = self.s.request("GET", "/v1/sandboxes/" + self.a)
         self.assertEqual(sb["state"], "running", sb)
 
+    def test_8b_two_commands_memory(self):
+        # Two commands, each within its own limit, that together want more than the guest has
+        # free: the workload's limit has them meet the OOM killer inside the workload (one is
+        # killed), never the guest-wide one, and A answers at once after.
+        def oom_counts():
+            c = self.cmd(self.a, "grep '^oom ' /sys/fs/cgroup/sandbox/memory.events.local;"
+                                 " dmesg | grep -c '] Out of memory:'; true")
+            local, global_ = c["stdout"].split("\n")[:2]
+            return int(local.split()[1]), int(global_)
+        local0, global0 = oom_counts()
+        hog = ("python3 -c \"import time\n"
+               "g = open('/proc/self/cgroup').read().split('::')[1].strip()\n"
+               "lim = int(open('/sys/fs/cgroup' + g + '/memory.max').read())\n"
+               "b = b'x' * (lim * 7 // 10)\n"
+               "time.sleep(15)\"; echo exit=$?")
+        res = {}
+        t = threading.Thread(target=lambda: res.update(c=self.cmd(self.a, hog, timeout=120)))
+        t.start()
+        try:
+            other = self.during("two commands' memory", self.a, hog, 120)
+        finally:
+            t.join()
+        exits = sorted(x["stdout"].strip() for x in (res["c"], other))
+        self.assertIn("exit=137", exits, (res["c"], other))
+        local, global_ = oom_counts()
+        self.assertGreater(local, local0, "the workload's own limit was not what stopped them")
+        self.assertEqual(global_, global0, "the guest-wide OOM killer ran")
+        self.a_recovers("after two commands' memory")
+        print("two commands' memory: %s, workload OOM events +%d" % (exits, local - local0),
+              flush=True)
+
     def test_9_fork_bomb(self):
         # The host and B stay healthy throughout (checked every second by during). A's
         # commands each run in a cgroup of their own, inside one for all of them: the task

@@ -10,8 +10,8 @@ of spaced (listed, and a fork made after it works). Deleting the snapshot refuse
 backs onto the deleted snapshot's, kept until the last of them is gone, then removed from the
 data dir). Another team neither sees nor uses it. A snapshot of a sandbox whose process writes
 every page of 32 MiB as fast as it can is copied live ("exact") and its forks find every page
-as one pass of the writer left it. Needs root and SP_TEST_DATA_DIR (the e2e data
-dir with `base` built).
+as one pass of the writer left it; so is it after a restart of spaced (its QEMU adopted).
+Needs root and SP_TEST_DATA_DIR (the e2e data dir with `base` built).
 """
 import json
 import os
@@ -164,28 +164,45 @@ class SnapshotTest(VmSuite):
         while passes(s, src)[0] < 3:
             self.assertLess(time.time(), deadline, "the writer does not get going")
             time.sleep(0.3)
-        st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(120)),
-                          {}, timeout=150 * MULT)
+        sid = self.exact_snapshot(src)
+        forks = [self.create(snapshot=sid) for _ in range(2)]
+        self.writers_intact(forks + [src])
+        for x in forks:
+            self.delete(x)
+        # spaced killed and started again: the sandbox's QEMU, adopted, maps the copy of the
+        # template's memory the last spaced made, and its snapshot is still exact
+        s.kill(signal.SIGKILL)
+        s.start()
+        again = self.exact_snapshot(src)
+        late = self.create(snapshot=again)
+        self.writers_intact([late, src])
+        for x in (late, src):
+            self.delete(x)
+        for x in (sid, again):
+            st, r = s.request("DELETE", "/v1/snapshots/" + x)
+            self.assertEqual(st, 200, r)
+
+    def exact_snapshot(self, src):
+        st, r = self.s.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(120)),
+                               {}, timeout=150 * MULT)
         self.assertEqual(st, 201, r)
         sid = r["snapshot"]["id"]
         with open(os.path.join(DATA, "snapshots", sid, "vm.json")) as f:
             vmj = json.load(f)
         self.assertEqual(vmj["ram_copy"], "exact", vmj)
-        forks = [self.create(snapshot=sid) for _ in range(2)]
-        for x in forks + [src]:
-            start = passes(s, x)[0]
+        return sid
+
+    def writers_intact(self, sids):
+        for x in sids:
+            start = passes(self.s, x)[0]
             deadline = time.time() + 90 * MULT
             while True:
-                done, err = passes(s, x)
+                done, err = passes(self.s, x)
                 self.assertEqual(err, 0, "%s: %d pages not as the writer left them" % (x, err))
                 if done >= start + 2:  # every page checked at least once since
                     break
                 self.assertLess(time.time(), deadline, "%s: the writer stopped at %d" % (x, done))
                 time.sleep(0.3)
-        for x in forks + [src]:
-            self.delete(x)
-        st, r = s.request("DELETE", "/v1/snapshots/" + sid)
-        self.assertEqual(st, 200, r)
 
 
 if __name__ == "__main__":

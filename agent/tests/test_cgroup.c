@@ -1,8 +1,9 @@
 /*
  * test_cgroup.c - the workload cgroup's limits (agent/cgroup.c) for guests of every size: a
  * command's memory limit stays below what was available at boot by a headroom (32 MiB, or a
- * sixteenth of a large guest) and never under half the guest, the task limit grows with
- * RAM from a floor, and one command leaves the others room. The groups themselves are checked
+ * sixteenth of a large guest) and never under half the guest, all commands together stay
+ * below it by half that, the task limit grows with RAM from a floor, and one command leaves
+ * the others room. The groups themselves are checked
  * in a real guest by e2e.escape's fork and memory bombs.
  */
 #include <stdint.h>
@@ -26,6 +27,10 @@ int main(void)
         uint64_t want = avail - headroom < total / 2 ? total / 2 : avail - headroom;
         CHECK(l.cmd_memory_max == want);
         CHECK(l.cmd_memory_max >= total / 2);
+        /* all commands together: under what was available, above one command by half the
+         * headroom */
+        CHECK(l.memory_max == avail - headroom / 2);
+        CHECK(l.memory_max < avail && l.memory_max > l.cmd_memory_max);
         CHECK(l.pids_max >= 1024);
         /* one command leaves the others an eighth of the tasks */
         CHECK(l.cmd_pids_max < l.pids_max && l.pids_max - l.cmd_pids_max >= l.pids_max / 8);
@@ -39,6 +44,8 @@ int main(void)
           171200 * 1024ull - 32 * MIB);
     /* a guest booted nearly full, or reporting more available than it has */
     CHECK(sp_cgroup_limits(256 * MIB, 8 * MIB).cmd_memory_max == 128 * MIB);
+    CHECK(sp_cgroup_limits(256 * MIB, 8 * MIB).memory_max == 128 * MIB);
+    CHECK(sp_cgroup_limits(256 * MIB, 0).memory_max == 128 * MIB);
     CHECK(sp_cgroup_limits(256 * MIB, 0).cmd_memory_max == 128 * MIB);
     CHECK(sp_cgroup_limits(256 * MIB, 512 * MIB).cmd_memory_max == 224 * MIB);
     CHECK(sp_cgroup_limits(512 * MIB, 400 * MIB).pids_max == 2048);

@@ -42,6 +42,7 @@
 
 #include "base/log.h"
 
+#define RAM_MEMFD_NAME  "space-template-ram"
 #define RAM_COPY_CHUNK  (1u << 20)
 #define RAM_FILL_WINDOW (8u << 20)
 #define CHAIN_MAX 8 /* qcow2 backing files followed; ours are 1 or 2 deep */
@@ -170,7 +171,7 @@ static void ram_copy(sp_work_t *w, void *arg)
     r->dev = st.st_dev;
     r->ino = st.st_ino;
     r->mtime = st.st_mtim;
-    mfd = memfd_create("space-template-ram", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    mfd = memfd_create(RAM_MEMFD_NAME, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     buf = malloc(RAM_COPY_CHUNK);
     if (mfd < 0 || buf == NULL || ftruncate(mfd, st.st_size) < 0)
         goto fail;
@@ -509,24 +510,76 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
     return -1;
 }
 
-/* Which file a clone's QEMU maps its RAM from as the driver now has it (fork.c reads the
- * VM's pages through that map): the sealed memfd when jailed, else clone_src's mem.ram. A
- * VM that maps another (an adopted one, or one started before its template's RAM was sealed
- * again) has no map of it. -1 when there is none. */
+/* The template RAM memfd a QEMU maps (a private map, from offset 0, of a memfd named as
+ * ram_copy names them), opened through /proc/<pid>/map_files; -1 when it maps none. */
+static int mapped_ram_fd(pid_t pid)
+{
+    char p[96], line[512];
+    snprintf(p, sizeof p, "/proc/%d/maps", (int)pid);
+    FILE *f = fopen(p, "re");
+    if (f == NULL)
+        return -1;
+    static const char name[] = "/memfd:" RAM_MEMFD_NAME;
+    int fd = -1;
+    while (fd < 0 && fgets(line, sizeof line, f) != NULL) {
+        /* start-end perms offset major:minor inode path */
+        unsigned long long lo, hi, off, in;
+        unsigned maj, min;
+        char perms[8];
+        int at = 0;
+        if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu %n", &lo, &hi, perms, &off, &maj, &min, &in,
+                   &at) < 7 ||
+            at == 0 || perms[3] != 'p' || off != 0 ||
+            strncmp(line + at, name, sizeof name - 1) != 0 ||
+            (line[at + sizeof name - 1] != ' ' && line[at + sizeof name - 1] != '\n'))
+            continue;
+        snprintf(p, sizeof p, "/proc/%d/map_files/%llx-%llx", (int)pid, lo, hi);
+        fd = open(p, O_RDONLY | O_CLOEXEC);
+    }
+    fclose(f);
+    return fd;
+}
+
+static bool ts_before(struct timespec a, struct timespec b)
+{
+    return a.tv_sec < b.tv_sec || (a.tv_sec == b.tv_sec && a.tv_nsec < b.tv_nsec);
+}
+
+/* Which file a clone's QEMU maps its RAM from (fork.c reads the VM's pages through that map,
+ * and takes every page it has not written to be mem.ram's): clone_src's mem.ram, or when
+ * jailed the sealed memfd it was given. That memfd is the driver's own copy, or an older one:
+ * an adopted VM's (made by the driver before), or one whose template RAM was sealed again
+ * since. An older one is taken only when it is sealed against writes, as long as mem.ram,
+ * and mem.ram has not changed since its last write (its copy). -1 when there is none. */
 int sp_qemu__confine_ram_ident(const struct vm *vm, uint64_t *dev, uint64_t *ino)
 {
     struct stat st;
     char p[PATH_MAX + 16];
     if (vm->clone_src == NULL)
         return -1;
+    sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", vm->clone_src);
     if (vm->d->jail) {
+        int fd = vm->pid > 0 ? mapped_ram_fd(vm->pid) : -1;
+        if (fd < 0 || fstat(fd, &st) < 0) {
+            if (fd >= 0)
+                close(fd);
+            return -1;
+        }
         struct ramfd *r = ram_find(vm->d, vm->clone_src);
-        if (r == NULL || r->fd < 0 || r->work != NULL || fstat(r->fd, &st) < 0)
+        struct stat own, file;
+        bool ok = r != NULL && r->fd >= 0 && r->work == NULL && fstat(r->fd, &own) == 0 &&
+                  own.st_dev == st.st_dev && own.st_ino == st.st_ino;
+        if (!ok) {
+            int seals = fcntl(fd, F_GET_SEALS);
+            ok = seals >= 0 && (seals & F_SEAL_WRITE) && stat(p, &file) == 0 &&
+                 file.st_size == st.st_size && ts_before(file.st_mtim, st.st_mtim) &&
+                 ts_before(file.st_ctim, st.st_mtim);
+        }
+        close(fd);
+        if (!ok)
             return -1;
-    } else {
-        sp_qemu__sfmt(p, sizeof p, "%s/mem.ram", vm->clone_src);
-        if (stat(p, &st) < 0)
-            return -1;
+    } else if (stat(p, &st) < 0) {
+        return -1;
     }
     *dev = st.st_dev;
     *ino = st.st_ino;

@@ -189,7 +189,8 @@ bool sp_qemu__fork_take_source(struct vm *vm, sp_migdelta_live_t *out)
 
 /* Whether vm's RAM can be read exactly at the end of a pre-copy (an exact snapshot): a clone
  * whose suspend goes through the delta filter (snapshot.c: suspend_delta_start), whose QEMU
- * maps the RAM file the driver has now, and whose memory spaced can read. Opens src. */
+ * maps a copy of its template's RAM that is still the file's (sp_qemu__confine_ram_ident),
+ * and whose memory spaced can read. Opens src. */
 static bool exact_source(struct vm *vm, sp_migdelta_live_t *src)
 {
     uint64_t dev, ino;
