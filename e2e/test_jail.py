@@ -4,12 +4,17 @@ seccomp filter mode, mount/pid/ipc/uts/net namespaces not spaced's, a root holdi
 it needs (its own VM directory, its template's files, QEMU and its libraries, a few devices),
 only lo, an empty environment; and the VM still works through all of it: commands and files,
 pause, suspend and wake (a new QEMU, jailed again), a spare clone, spaced's restart
-(re-adoption keeps each VM's uid taken). Needs root and SP_TEST_DATA_DIR.
+(re-adoption keeps each VM's uid taken). spaced as a user that is not root jails each QEMU in
+user namespaces of its own (UnprivilegedJailTest). Needs root and SP_TEST_DATA_DIR.
 """
 import base64
 import os
 import re
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -223,6 +228,87 @@ class JailTest(unittest.TestCase):
         c = self.create()
         self.assertNotIn(self.check_jailed(c), (ua, ub))
         self.assertEqual(self.cmd(c, "echo c"), "c\n")
+
+
+NOBODY = 65534
+
+
+@unittest.skipIf(skip_reason(), skip_reason())
+class UnprivilegedJailTest(unittest.TestCase):
+    """spaced as a user that is not root (nobody, through setpriv), on a data dir of its own
+    whose templates are hard links to SP_TEST_DATA_DIR's (read-only to it): each QEMU is jailed
+    in user namespaces of its own, as spaced's uid (the one thing root's jail does that this
+    one cannot), and the VM works."""
+
+    def setUp(self):
+        self.data = tempfile.mkdtemp(prefix="sp-unpriv-", dir=os.path.dirname(DATA.rstrip("/")))
+        for sub in ("templates", "images"):
+            subprocess.run(["cp", "-al", os.path.join(DATA, sub), os.path.join(self.data, sub)],
+                           check=True)
+        for top, _, _ in os.walk(self.data):  # its directories (the files stay root's)
+            os.chown(top, NOBODY, NOBODY)
+        wrap = ["setpriv", "--reuid=%d" % NOBODY, "--regid=%d" % NOBODY, "--clear-groups", "--"]
+        self.p = Platform(teams=(None,), start=False, binary=os.environ["SPACED"],
+                          data_dir=self.data, wrap=wrap, args=["--insecure-no-cgroups"])
+        self.s = self.p.s
+
+    def tearDown(self):
+        vms = os.path.join(self.data, "vms")
+        for sid in os.listdir(vms) if os.path.isdir(vms) else []:
+            self.s.delete_quietly(sid)
+        self.p.destroy()
+        for sid in os.listdir(vms) if os.path.isdir(vms) else []:  # what a failure left
+            try:
+                with open(os.path.join(vms, sid, "qemu.pid")) as f:
+                    os.kill(int(f.read().strip()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(self.data, ignore_errors=True)
+
+    def check(self, sid):
+        with open(os.path.join(self.data, "vms", sid, "qemu.pid")) as f:
+            pid = int(f.read().strip())
+        st = status(pid)
+        self.assertEqual(st["Uid"].split(), [str(NOBODY)] * 4)
+        self.assertEqual(st["Gid"].split(), [str(NOBODY)] * 4)
+        for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            self.assertEqual(int(st[cap], 16), 0, (cap, st[cap]))
+        self.assertEqual(st["NoNewPrivs"], "1")
+        self.assertEqual(st["Seccomp"], "2")
+        for name in ("user", "mnt", "pid", "ipc", "uts", "net"):
+            self.assertNotEqual(ns(pid, name), ns(self.s.proc.pid, name), name)
+        with open("/proc/%d/uid_map" % pid) as f:
+            self.assertEqual(f.read().split(), [str(NOBODY), str(NOBODY), "1"])
+        root = "/proc/%d/root" % pid
+        self.assertFalse(os.path.exists(root + "/etc/passwd"))
+        self.assertTrue(os.path.isdir(root + os.path.join(self.data, "vms", sid)))
+        self.assertEqual(os.listdir(root + os.path.join(self.data, "vms")), [sid])
+        return pid
+
+    def test_jailed_in_user_namespaces(self):
+        s = self.s
+        s.start()
+        self.assertEqual(status(s.proc.pid)["Uid"].split()[0], str(NOBODY))
+        st, h = s.request("GET", "/healthz")
+        self.assertEqual(st, 200)
+        self.assertIn("jail-one-uid", h.get("insecure", []), h)
+        self.assertNotIn("no-jail", h.get("insecure", []), h)
+        with open(s.log_path) as f:
+            self.assertIn("jailer on, in user namespaces", f.read())
+        sid = s.create_ready(template="base")
+        pid = self.check(sid)
+        st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid,
+                          {"cmd": "echo kept > /home/user/f; cat /home/user/f"},
+                          timeout=60 * MULT)
+        self.assertEqual((st, c.get("stdout")), (200, "kept\n"), c)
+        for verb, want in (("suspend", "suspended"), ("wake", "running")):
+            st, r = s.request("POST", "/v1/sandboxes/%s/%s?wait=%d" % (sid, verb, wait_s(60)),
+                              timeout=70 * MULT)
+            self.assertEqual(r["sandbox"]["state"], want, r)
+        self.assertNotEqual(self.check(sid), pid)  # a new QEMU, jailed again
+        st, c = s.request("POST", "/v1/sandboxes/%s/commands" % sid, {"cmd": "cat /home/user/f"},
+                          timeout=60 * MULT)
+        self.assertEqual((st, c.get("stdout")), (200, "kept\n"), c)
 
 
 if __name__ == "__main__":

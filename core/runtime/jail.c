@@ -24,6 +24,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -168,6 +169,7 @@ enum op_kind {
 struct op {
     enum op_kind kind;
     unsigned flags;
+    unsigned long keep; /* OP_BIND in a user namespace: the source mount's flags to keep */
     char *a, *b;
 };
 
@@ -175,6 +177,8 @@ struct sp_jail {
     char stage[PATH_MAX];
     uid_t uid;
     gid_t gid;
+    bool userns;                   /* not root: in a user namespace of its own */
+    char uid_map[32], gid_map[32]; /* then: uid and gid mapped to themselves */
     int last_cap;
     uint64_t fsize;
     int pass[SP_JAIL_PASS_MAX]; /* fds the child gets as 3, 4, ... */
@@ -185,15 +189,40 @@ struct sp_jail {
     size_t nbd;
 };
 
+/* A number from a /proc/sys file, or -1 when it cannot be read. */
+static long sysctl_long(const char *path)
+{
+    FILE *f = fopen(path, "re");
+    long v = -1;
+    if (f != NULL) {
+        if (fscanf(f, "%ld", &v) != 1)
+            v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+bool sp_jail_userns(void)
+{
+    return geteuid() != 0;
+}
+
 bool sp_jail_supported(char *why, size_t n)
 {
     if (geteuid() == 0)
         return true;
-    snprintf(why, n,
-             "spaced is not root (euid %u): QEMU runs as spaced's own user, in spaced's "
-             "namespaces, with spaced's file system view",
-             (unsigned)geteuid());
-    return false;
+    /* Debian's switch (absent upstream, where they are always allowed), and the count */
+    if (sysctl_long("/proc/sys/kernel/unprivileged_userns_clone") == 0 ||
+        sysctl_long("/proc/sys/user/max_user_namespaces") == 0) {
+        snprintf(why, n,
+                 "spaced is not root (euid %u) and this kernel does not let it make a user "
+                 "namespace (kernel.unprivileged_userns_clone, user.max_user_namespaces): "
+                 "QEMU runs as spaced's own user, in spaced's namespaces, with spaced's file "
+                 "system view",
+                 (unsigned)geteuid());
+        return false;
+    }
+    return true;
 }
 
 /* The highest capability the running kernel knows (it may know more than our headers), read
@@ -229,6 +258,16 @@ sp_jail_t *sp_jail_new(const char *stage, uid_t uid, gid_t gid)
     j->uid = uid;
     j->gid = gid;
     j->last_cap = last_cap();
+    j->userns = sp_jail_userns();
+    if (j->userns) {
+        if (uid != geteuid() || gid != getegid()) { /* the only ids its namespace has */
+            free(j);
+            errno = EINVAL;
+            return NULL;
+        }
+        snprintf(j->uid_map, sizeof j->uid_map, "%u %u 1\n", (unsigned)uid, (unsigned)uid);
+        snprintf(j->gid_map, sizeof j->gid_map, "%u %u 1\n", (unsigned)gid, (unsigned)gid);
+    }
     return j;
 }
 
@@ -344,6 +383,24 @@ static int bind_at(sp_jail_t *j, const char *src, const char *inside, bool dir, 
         goto fail;
     if (add_op(j, OP_BIND, flags, inside, src) < 0)
         goto fail;
+    if (j->userns) {
+        /* In a user namespace the source mount's flags are locked: a remount of the bind
+         * must keep its read-only, nosuid, nodev, noexec and its atime flags as they are. */
+        struct statvfs sv;
+        unsigned long keep = 0;
+        if (statvfs(src, &sv) == 0) {
+            keep |= (sv.f_flag & ST_RDONLY) ? MS_RDONLY : 0;
+            keep |= (sv.f_flag & ST_NOSUID) ? MS_NOSUID : 0;
+            keep |= (sv.f_flag & ST_NODEV) ? MS_NODEV : 0;
+            keep |= (sv.f_flag & ST_NOEXEC) ? MS_NOEXEC : 0;
+            keep |= (sv.f_flag & ST_NODIRATIME) ? MS_NODIRATIME : 0;
+            if (sv.f_flag & ST_NOATIME)
+                keep |= MS_NOATIME;
+            else if (!(sv.f_flag & ST_RELATIME))
+                keep |= MS_STRICTATIME;
+        }
+        j->ops[j->n - 1].keep = keep;
+    }
     if (dir) {
         char **nb = realloc(j->bound_dirs, (j->nbd + 1) * sizeof(*nb));
         if (nb == NULL)
@@ -443,6 +500,7 @@ enum step {
     ST_CAPSET,
     ST_NNP,
     ST_EXEC,
+    ST_USERNS,
 };
 
 static const char *step_name(int s)
@@ -469,7 +527,8 @@ static const char *step_name(int s)
                                         "setresuid",
                                         "capset",
                                         "no_new_privs",
-                                        "exec"};
+                                        "exec",
+                                        "user namespace ids"};
     return s > 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "?";
 }
 
@@ -508,6 +567,22 @@ static CHILD_CODE __attribute__((noreturn)) void child_run(const sp_jail_t *j, c
 {
     if (setsid() < 0)
         child_fail(rep, ST_SESSION);
+    if (j->userns) {
+        /* its own ids mapped to themselves, before anything it makes needs an owner; the
+         * supplementary groups stay as they are (setgroups denied, as unprivileged maps need) */
+        static const char deny[] = "deny";
+        const char *files[] = {"/proc/self/setgroups", "/proc/self/uid_map", "/proc/self/gid_map"};
+        const char *data[] = {deny, j->uid_map, j->gid_map};
+        for (int i = 0; i < 3; i++) {
+            int fd = open(files[i], O_WRONLY | O_CLOEXEC);
+            size_t len = 0;
+            while (data[i][len] != '\0')
+                len++;
+            if (fd < 0 || write(fd, data[i], len) != (ssize_t)len)
+                child_fail(rep, ST_USERNS);
+            close(fd);
+        }
+    }
     if (cg != NULL && cg->n > 0 && sp_cgroup_join(cg) < 0)
         child_fail(rep, ST_CGROUP);
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
@@ -541,7 +616,7 @@ static CHILD_CODE __attribute__((noreturn)) void child_run(const sp_jail_t *j, c
         case OP_BIND: {
             if (mount(o->b, o->a, NULL, MS_BIND, NULL) < 0)
                 child_fail(rep, ST_BIND);
-            unsigned long fl = MS_REMOUNT | MS_BIND | MS_NOSUID;
+            unsigned long fl = MS_REMOUNT | MS_BIND | MS_NOSUID | o->keep;
             if (!(o->flags & SP_JAIL_RW))
                 fl |= MS_RDONLY;
             else
@@ -603,7 +678,7 @@ static CHILD_CODE __attribute__((noreturn)) void child_run(const sp_jail_t *j, c
             child_fail(rep, ST_CAPBSET);
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
         child_fail(rep, ST_AMBIENT);
-    if (syscall(SYS_setgroups, 0, NULL) < 0)
+    if (!j->userns && syscall(SYS_setgroups, 0, NULL) < 0)
         child_fail(rep, ST_SETGROUPS);
     if (syscall(SYS_setresgid, j->gid, j->gid, j->gid) < 0)
         child_fail(rep, ST_SETGID);
@@ -660,10 +735,11 @@ pid_t sp_jail_spawn(const sp_jail_t *j, char *const argv[], char *const env[], i
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    pid_t pid = clone(child_entry, stack + CHILD_STACK,
-                      CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC |
-                          CLONE_NEWUTS | CLONE_NEWNET | CLONE_PIDFD | SIGCHLD,
-                      &a, &pfd);
+    pid_t pid =
+        clone(child_entry, stack + CHILD_STACK,
+              CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
+                  CLONE_NEWNET | CLONE_PIDFD | SIGCHLD | (j->userns ? CLONE_NEWUSER : 0),
+              &a, &pfd);
     int e = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     munmap(stack, CHILD_STACK);

@@ -15,8 +15,12 @@
  *           cloned from a threaded process) and leaves the failing step in the caller's
  *           memory; the caller goes on only once the child exec'd or failed.
  *
- * Needs root (CAP_SYS_ADMIN, CAP_SETUID, ...): sp_jail_supported() says whether this
- * process can jail. Knows no QEMU; owns no process once spawned.
+ * As root it needs CAP_SYS_ADMIN, CAP_SETUID and the like. Not root, the same is done in a
+ * user namespace of the child's own (its uid and gid mapped to themselves, the only ids it
+ * has; the other namespaces owned by it): the child runs as the caller's uid and gid, with
+ * the caller's supplementary groups (an unprivileged map cannot drop them), and the
+ * bind mounts keep their sources' locked flags. sp_jail_supported() says whether this
+ * process can jail, sp_jail_userns() which way. Knows no QEMU; owns no process once spawned.
  */
 #ifndef SP_JAIL_H
 #define SP_JAIL_H
@@ -65,12 +69,16 @@ enum {
     SP_JAIL_OPT = 1 << 2, /* skip silently when the host path does not exist */
 };
 
-/* True when this process can jail (effective uid 0); else why (for a log line). */
+/* True when this process can jail (effective uid 0, or user namespaces it may make);
+ * else why (for a log line). */
 bool sp_jail_supported(char *why, size_t n);
+/* True when jails are made in a user namespace (this process is not root). */
+bool sp_jail_userns(void);
 
-/* A plan for one process running as uid:gid (never 0), rooted in a tmpfs mounted (inside
- * the child's own mount namespace) on stage, an existing empty directory the caller owns.
- * NULL when out of memory or an argument is bad. */
+/* A plan for one process running as uid:gid (never 0; in a user namespace, this process's
+ * own euid and egid), rooted in a tmpfs mounted (inside the child's own mount namespace) on
+ * stage, an existing empty directory the caller owns. NULL when out of memory or an argument
+ * is bad. */
 sp_jail_t *sp_jail_new(const char *stage, uid_t uid, gid_t gid);
 void sp_jail_free(sp_jail_t *j);
 

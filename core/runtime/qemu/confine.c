@@ -90,14 +90,20 @@ int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err)
         return 0;
     }
     uint32_t start = SP_JAIL_UID_START_DEFAULT, count = SP_JAIL_UID_COUNT_DEFAULT;
-    if (o->jail_uid_range != NULL && sp_jail_range_parse(o->jail_uid_range, &start, &count) < 0)
-        return sp_err_set(err, SP_EINVAL,
-                          "--jail-uid-range wants START:COUNT (decimal, not including 0)");
-    if (getuid() >= start && getuid() - start < count)
-        return sp_err_set(err, SP_EINVAL, "--jail-uid-range must not include spaced's own uid");
-    d->jail_ids = sp_jail_ids_create(start, count, getuid());
-    if (d->jail_ids == NULL)
-        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    d->jail_userns = sp_jail_userns();
+    if (d->jail_userns) {
+        if (geteuid() == 0 || getegid() == 0) /* sp_jail_new refuses them */
+            return sp_err_set(err, SP_EINVAL, "spaced runs with group 0 but not as root");
+    } else {
+        if (o->jail_uid_range != NULL && sp_jail_range_parse(o->jail_uid_range, &start, &count) < 0)
+            return sp_err_set(err, SP_EINVAL,
+                              "--jail-uid-range wants START:COUNT (decimal, not including 0)");
+        if (getuid() >= start && getuid() - start < count)
+            return sp_err_set(err, SP_EINVAL, "--jail-uid-range must not include spaced's own uid");
+        d->jail_ids = sp_jail_ids_create(start, count, getuid());
+        if (d->jail_ids == NULL)
+            return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
     char qp[PATH_MAX], real[PATH_MAX];
     if (!sp_qemu__resolve_program(d->qemu, qp) || realpath(qp, real) == NULL)
         return sp_err_set(err, SP_ERUNTIME, "cannot resolve the QEMU binary");
@@ -110,10 +116,18 @@ int sp_qemu__confine_init(sp_qemu_t *d, const sp_qemu_opts_t *o, sp_err_t *err)
     if (mkdir(d->jail_stage, 0700) < 0 && errno != EEXIST)
         return sp_err_set(err, SP_ERUNTIME, "cannot create the jail mount point");
     d->jail = true;
-    sp_log(SP_LOG_INFO, "qemu",
-           "jailer on: each QEMU as its own uid from %u:%u, no capabilities, no_new_privs, new "
-           "mount/pid/ipc/uts/net namespaces, pivot_root into its own tmpfs",
-           (unsigned)start, (unsigned)count);
+    if (d->jail_userns)
+        sp_log(SP_LOG_WARN, "qemu",
+               "jailer on, in user namespaces (spaced is not root): each QEMU with no "
+               "capabilities, no_new_privs, new user/mount/pid/ipc/uts/net namespaces, "
+               "pivot_root into its own tmpfs; not done: a uid of its own (every QEMU runs as "
+               "spaced's uid %u and keeps its groups)",
+               (unsigned)geteuid());
+    else
+        sp_log(SP_LOG_INFO, "qemu",
+               "jailer on: each QEMU as its own uid from %u:%u, no capabilities, no_new_privs, "
+               "new mount/pid/ipc/uts/net namespaces, pivot_root into its own tmpfs",
+               (unsigned)start, (unsigned)count);
     return 0;
 }
 
@@ -144,6 +158,8 @@ size_t sp_qemu__confine_insecure(const sp_qemu_t *d, const char **out, size_t n)
     size_t k = 0;
     if (!d->jail && k < n)
         out[k++] = "no-jail";
+    if (d->jail && d->jail_userns && k < n)
+        out[k++] = "jail-one-uid"; /* every QEMU as spaced's own uid (not root) */
     if (d->sandbox == 0 && k < n)
         out[k++] = d->allow_no_seccomp ? "no-seccomp" : "no-seccomp: VMs do not start";
     if (sp_cgroup_kind(d->cg) == SP_CGROUP_NONE && k < n)
@@ -626,9 +642,8 @@ static int plan_vm(struct vm *vm, sp_jail_t *j, int *memfd)
  * connects to) nor plant links for spaced to follow. The files QEMU opens read-write are
  * made beforehand and become its uid's: the disk overlay, the console log and, for a VM with
  * RAM of its own, an empty mem.ram (QEMU sizes an empty file). 0 or -1 with errno. */
-static int prepare_vm_dir(const struct vm *vm)
+static int prepare_vm_dir(const struct vm *vm, uid_t u, gid_t g)
 {
-    uid_t u = vm->jail_uid;
     if (chown(vm->dir, geteuid(), getegid()) < 0 || chmod(vm->dir, 0711) < 0)
         return -1;
     static const char *const names[] = {"disk.qcow2", "console.log", "mem.ram"};
@@ -639,7 +654,7 @@ static int prepare_vm_dir(const struct vm *vm)
         int fd = open(p, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
         if (fd < 0 && errno == ENOENT && !create)
             continue;
-        if (fd < 0 || fchown(fd, u, u) < 0 || fchmod(fd, 0600) < 0) {
+        if (fd < 0 || fchown(fd, u, g) < 0 || fchmod(fd, 0600) < 0) {
             int e = errno;
             if (fd >= 0)
                 close(fd);
@@ -708,7 +723,7 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
                         const sp_cgroup_join_t *cg, int *pidfd, sp_err_t *err)
 {
     sp_qemu_t *d = vm->d;
-    if (vm->jail_uid == 0 && sp_jail_ids_take(d->jail_ids, &vm->jail_uid) < 0) {
+    if (!d->jail_userns && vm->jail_uid == 0 && sp_jail_ids_take(d->jail_ids, &vm->jail_uid) < 0) {
         vm->jail_uid = 0;
         sp_log(SP_LOG_ERROR, "qemu", "no free uid in the jail range sandbox=%s in_use=%u", vm->id,
                sp_jail_ids_used(d->jail_ids));
@@ -719,14 +734,17 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
      * t[2] planned, t[3] sockets bound, t[4] the child exec'd */
     struct timespec t[5];
     clock_gettime(CLOCK_MONOTONIC, &t[0]);
-    sp_jail_t *j = sp_jail_new(d->jail_stage, vm->jail_uid, vm->jail_uid);
+    /* not root: spaced's own ids, the only ones its user namespaces have (none held) */
+    uid_t uid = d->jail_userns ? geteuid() : vm->jail_uid;
+    gid_t gid = d->jail_userns ? getegid() : vm->jail_uid;
+    sp_jail_t *j = sp_jail_new(d->jail_stage, uid, gid);
     int memfd = -1, qmp_fd = -1, agent_fd = -1;
     size_t argc = 0;
     while (argv[argc] != NULL)
         argc++;
     char **av = calloc(argc + 3, sizeof(*av));
     char qmpdev[64], agentdev[64];
-    bool ok = j != NULL && av != NULL && prepare_vm_dir(vm) == 0;
+    bool ok = j != NULL && av != NULL && prepare_vm_dir(vm, uid, gid) == 0;
     clock_gettime(CLOCK_MONOTONIC, &t[1]);
     ok = ok && plan_vm(vm, j, &memfd) == 0;
     clock_gettime(CLOCK_MONOTONIC, &t[2]);
@@ -797,7 +815,7 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
     sp_jail_free(j);
     if (pid < 0) {
         sp_log(SP_LOG_ERROR, "qemu", "jailed qemu not started sandbox=%s uid=%u step=\"%s\"",
-               vm->id, (unsigned)vm->jail_uid, why);
+               vm->id, (unsigned)uid, why);
         sp_err_set(err, SP_ERUNTIME, "cannot start the VM in its jail");
         return -1;
     }
@@ -807,7 +825,7 @@ static pid_t jail_spawn(struct vm *vm, char *const argv[], const char *log_path,
 void sp_qemu__confine_adopted(struct vm *vm)
 {
     sp_qemu_t *d = vm->d;
-    if (!d->jail)
+    if (!d->jail || d->jail_userns) /* not root: no uid of its own to claim */
         return;
     char p[64], buf[2048];
     sp_qemu__sfmt(p, sizeof p, "/proc/%d/status", (int)vm->pid);

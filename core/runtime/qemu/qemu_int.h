@@ -385,7 +385,8 @@ struct sp_qemu {
     int boot_slots; /* sandbox boots in flight at most (the host's CPUs, at least 2); clone
                      * boots beyond it queue, first come first served */
     /* confinement (confine.c) */
-    bool jail;                  /* QEMUs are jailed (root, not --no-jail) */
+    bool jail;                  /* QEMUs are jailed (not --no-jail) */
+    bool jail_userns;           /* ... in user namespaces, as spaced's uid (not root) */
     sp_jail_ids_t *jail_ids;    /* their uids */
     char jail_stage[PATH_MAX];  /* <data>/jail: where each jail's tmpfs is mounted, in its
                                  * own mount namespace */

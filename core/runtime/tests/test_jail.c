@@ -9,11 +9,14 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -293,49 +296,41 @@ static void test_jail_spawn_as_root(void)
     rmdir(stage);
 }
 
-/* As root, where QEMU is installed: QEMU with its seccomp sandbox starts in a jail holding
- * only its binary, the libraries and /dev/null (no machine: the driver's seccomp probe, here
- * jailed), answers QMP on stdin and exits 0. */
-static void test_jail_qemu_starts(void)
+/* QEMU with its seccomp sandbox in a jail of uid:gid holding only its binary, the libraries
+ * and /dev/null (no machine: the driver's seccomp probe, here jailed), with a sealed memfd
+ * as a private RAM backend through the jail's own /proc (how clones map their template's
+ * RAM): it answers QMP on stdin and exits 0, and the memfd stays what it was. 0, or the
+ * number of the check that failed (its output in stderr). */
+static int qemu_in_jail(const char *qemu, uid_t uid, gid_t gid)
 {
-    char why[256], qemu[PATH_MAX];
-    if (!sp_jail_supported(why, sizeof why) ||
-        realpath("/usr/bin/qemu-system-x86_64", qemu) == NULL) {
-        printf("  (skipped: root and /usr/bin/qemu-system-x86_64 needed)\n");
-        return;
-    }
-    char stage[] = "/tmp/test_jail_XXXXXX";
-    REQUIRE(mkdtemp(stage) != NULL);
-    sp_jail_t *j = sp_jail_new(stage, 900124, 900124);
-    REQUIRE(j != NULL);
+    char stage[] = "/tmp/test_jail_XXXXXX", why[256];
+    if (mkdtemp(stage) == NULL)
+        return 1;
+    sp_jail_t *j = sp_jail_new(stage, uid, gid);
     static const char *const links[] = {"/lib", "/lib64"};
-    REQUIRE(sp_jail_bind(j, qemu, 0) == 0);
-    REQUIRE(sp_jail_bind(j, "/usr/lib", 0) == 0);
-    REQUIRE(sp_jail_bind(j, "/usr/lib64", SP_JAIL_OPT) == 0);
-    REQUIRE(sp_jail_bind(j, "/usr/share/qemu", SP_JAIL_OPT) == 0);
-    REQUIRE(sp_jail_mirror_root_links(j, links, 2) == 0);
-    REQUIRE(sp_jail_bind(j, "/dev/null", SP_JAIL_DEV | SP_JAIL_RW) == 0);
+    if (j == NULL || sp_jail_bind(j, qemu, 0) < 0 || sp_jail_bind(j, "/usr/lib", 0) < 0 ||
+        sp_jail_bind(j, "/usr/lib64", SP_JAIL_OPT) < 0 ||
+        sp_jail_bind(j, "/usr/share/qemu", SP_JAIL_OPT) < 0 ||
+        sp_jail_mirror_root_links(j, links, 2) < 0 ||
+        sp_jail_bind(j, "/dev/null", SP_JAIL_DEV | SP_JAIL_RW) < 0 || sp_jail_mount_proc(j) < 0)
+        return 2;
     int p[2];
-    REQUIRE(pipe2(p, O_CLOEXEC) == 0);
     static const char script[] = "{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"quit\"}\n";
-    REQUIRE(write(p[1], script, sizeof script - 1) == (ssize_t)sizeof script - 1);
+    if (pipe2(p, O_CLOEXEC) < 0 ||
+        write(p[1], script, sizeof script - 1) != (ssize_t)sizeof script - 1)
+        return 3;
     close(p[1]);
     char log[] = "/tmp/test_jail_qemu_XXXXXX";
     int out = mkstemp(log);
-    REQUIRE(out >= 0);
-    /* a sealed memfd as a private RAM backend through the jail's own /proc (how clones map
-     * their template's RAM) */
     int mfd = memfd_create("test-jail-ram", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    REQUIRE(mfd >= 0 && ftruncate(mfd, 1 << 20) == 0);
-    REQUIRE(pwrite(mfd, "x", 1, 4096) == 1);
-    REQUIRE(fcntl(mfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) ==
-            0);
-    REQUIRE(sp_jail_mount_proc(j) == 0);
+    if (out < 0 || mfd < 0 || ftruncate(mfd, 1 << 20) < 0 || pwrite(mfd, "x", 1, 4096) != 1 ||
+        fcntl(mfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
+        return 4;
     char memobj[128];
     snprintf(memobj, sizeof memobj,
              "memory-backend-file,id=mem,size=1M,mem-path=/proc/self/fd/%d,share=off",
              sp_jail_pass_fd(j, mfd));
-    char *argv[] = {qemu,
+    char *argv[] = {(char *)qemu,
                     "-object",
                     memobj,
                     "-M",
@@ -350,30 +345,217 @@ static void test_jail_qemu_starts(void)
                     "-qmp",
                     "stdio",
                     NULL};
-    int pidfd = -1;
+    int pidfd = -1, rc = 0;
     pid_t pid = sp_jail_spawn(j, argv, NULL, p[0], out, NULL, &pidfd, why, sizeof why);
     close(p[0]);
-    if (pid < 0)
-        fprintf(stderr, "spawn: %s\n", why);
-    REQUIRE(pid > 0);
     int ws = 0;
-    REQUIRE(waitpid(pid, &ws, 0) == pid);
-    char text[4096] = "";
-    ssize_t r = pread(out, text, sizeof text - 1, 0);
-    text[r > 0 ? r : 0] = '\0';
-    if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0)
-        fprintf(stderr, "qemu: status %d: %s\n", ws, text);
-    CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
-    CHECK(strstr(text, "\"return\"") != NULL);
-    char x = 0;
-    CHECK(pread(mfd, &x, 1, 4096) == 1 && x == 'x'); /* and it stays what it was */
-    CHECK(pwrite(mfd, "y", 1, 0) < 0 && errno == EPERM);
+    char text[4096] = "", x = 0;
+    if (pid < 0) {
+        fprintf(stderr, "spawn: %s\n", why);
+        rc = 5;
+    } else if (waitpid(pid, &ws, 0) != pid) {
+        rc = 6;
+    } else {
+        ssize_t r = pread(out, text, sizeof text - 1, 0);
+        text[r > 0 ? r : 0] = '\0';
+        if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+            fprintf(stderr, "qemu: status %d: %s\n", ws, text);
+            rc = 7;
+        } else if (strstr(text, "\"return\"") == NULL) {
+            rc = 8;
+        } else if (pread(mfd, &x, 1, 4096) != 1 || x != 'x') { /* it stays what it was */
+            rc = 9;
+        } else if (pwrite(mfd, "y", 1, 0) >= 0 || errno != EPERM) {
+            rc = 10;
+        }
+    }
     close(mfd);
     close(out);
-    close(pidfd);
+    if (pidfd >= 0)
+        close(pidfd);
     unlink(log);
     sp_jail_free(j);
     rmdir(stage);
+    return rc;
+}
+
+static bool find_qemu(char *qemu)
+{
+    return realpath("/usr/bin/qemu-system-x86_64", qemu) != NULL;
+}
+
+/* As root, where QEMU is installed. */
+static void test_jail_qemu_starts(void)
+{
+    char why[256], qemu[PATH_MAX];
+    if (!sp_jail_supported(why, sizeof why) || geteuid() != 0 || !find_qemu(qemu)) {
+        printf("  (skipped: root and /usr/bin/qemu-system-x86_64 needed)\n");
+        return;
+    }
+    CHECK(qemu_in_jail(qemu, 900124, 900124) == 0);
+}
+
+/* ---- not root: a jail in a user namespace ---- */
+
+#define NOBODY 65534u
+
+/* Forks a child that gives root up as a non-root spaced runs (nobody's uid and gid, no
+ * groups, dumpable: a process that changed its uid is not, and its /proc/self/uid_map would
+ * be root's to write) and runs fn in it: its exit status, or -1. fn writes into fd. */
+static int as_nobody(int (*fn)(int fd), int fd, pid_t *child)
+{
+    pid_t c = fork();
+    if (c < 0)
+        return -1;
+    if (c == 0) {
+        if (setgroups(0, NULL) < 0 || setresgid(NOBODY, NOBODY, NOBODY) < 0 ||
+            setresuid(NOBODY, NOBODY, NOBODY) < 0 || prctl(PR_SET_DUMPABLE, 1) < 0)
+            _exit(90);
+        _exit(fn(fd));
+    }
+    *child = c;
+    return 0;
+}
+
+static char ns_stage[] = "/tmp/test_jail_ns_XXXXXX", ns_data[] = "/tmp/test_jail_nsd_XXXXXX";
+static int ns_go[2];
+
+/* In the child: `sleep` jailed in a user namespace; its pid written to fd, then it waits for
+ * the parent's word and kills it. */
+static int userns_sleep(int fd)
+{
+    char why[256], sleep_bin[PATH_MAX];
+    pid_t none = -1;
+    if (!sp_jail_supported(why, sizeof why) || !sp_jail_userns() ||
+        realpath("/bin/sleep", sleep_bin) == NULL) {
+        fprintf(stderr, "userns: %s\n", why);
+        (void)!write(fd, &none, sizeof none);
+        return 91;
+    }
+    /* only its own ids */
+    if (sp_jail_new(ns_stage, NOBODY + 1, NOBODY) != NULL || errno != EINVAL)
+        return 92;
+    sp_jail_t *j = sp_jail_new(ns_stage, NOBODY, NOBODY);
+    static const char *const links[] = {"/lib", "/lib64"};
+    if (j == NULL || sp_jail_bind(j, sleep_bin, 0) < 0 || sp_jail_bind(j, "/usr/lib", 0) < 0 ||
+        sp_jail_bind(j, "/usr/lib64", SP_JAIL_OPT) < 0 ||
+        sp_jail_mirror_root_links(j, links, 2) < 0 ||
+        sp_jail_bind(j, "/dev/null", SP_JAIL_DEV | SP_JAIL_RW) < 0 ||
+        sp_jail_bind(j, ns_data, SP_JAIL_RW) < 0 || sp_jail_mount_proc(j) < 0)
+        return 93;
+    int out = open("/dev/null", O_WRONLY | O_CLOEXEC), pidfd = -1;
+    char *argv[] = {sleep_bin, "30", NULL};
+    pid_t pid = sp_jail_spawn(j, argv, NULL, out, out, NULL, &pidfd, why, sizeof why);
+    if (pid < 0)
+        fprintf(stderr, "userns spawn: %s\n", why);
+    (void)!write(fd, &pid, sizeof pid);
+    char x;
+    (void)!read(ns_go[0], &x, 1);
+    if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+    sp_jail_free(j);
+    return pid > 0 ? 0 : 94;
+}
+
+/* As root: jailed by a process that is not root, in a user namespace, checked from here:
+ * its uid is that process's (mapped to itself, nothing else mapped), no capabilities,
+ * no_new_privs, its own user, mount, pid, ipc, uts and net namespaces, a root holding what was
+ * bound and nothing else, only lo, an empty environment. */
+static void test_jail_spawn_in_userns(void)
+{
+    if (geteuid() != 0) {
+        printf("  (skipped: root needed, to become nobody)\n");
+        return;
+    }
+    int rep[2];
+    REQUIRE(pipe2(rep, O_CLOEXEC) == 0 && pipe2(ns_go, O_CLOEXEC) == 0);
+    /* made here, the child's own (the child's memory is a copy: the names are set here) */
+    REQUIRE(mkdtemp(ns_stage) != NULL && mkdtemp(ns_data) != NULL);
+    REQUIRE(chown(ns_stage, NOBODY, NOBODY) == 0 && chown(ns_data, NOBODY, NOBODY) == 0);
+    pid_t c = -1;
+    REQUIRE(as_nobody(userns_sleep, rep[1], &c) == 0);
+    close(rep[1]);
+    pid_t pid = -1;
+    REQUIRE(read(rep[0], &pid, sizeof pid) == (ssize_t)sizeof pid);
+    close(rep[0]);
+    CHECK(pid > 0);
+    if (pid > 0) {
+        char p[160], st[4096];
+        snprintf(p, sizeof p, "/proc/%d/status", (int)pid);
+        REQUIRE(read_file(p, st, sizeof st) > 0);
+        CHECK(status_has(st, "\nUid:\t65534\t65534\t65534\t65534\n"));
+        CHECK(status_has(st, "\nGid:\t65534\t65534\t65534\t65534\n"));
+        CHECK(status_has(st, "\nCapEff:\t0000000000000000\n"));
+        CHECK(status_has(st, "\nCapPrm:\t0000000000000000\n"));
+        CHECK(status_has(st, "\nCapBnd:\t0000000000000000\n"));
+        CHECK(status_has(st, "\nNoNewPrivs:\t1\n"));
+        static const char *const nss[] = {"user", "mnt", "pid", "ipc", "uts", "net"};
+        for (size_t i = 0; i < sizeof nss / sizeof nss[0]; i++)
+            CHECK(!same_ns(pid, nss[i]));
+        snprintf(p, sizeof p, "/proc/%d/uid_map", (int)pid);
+        REQUIRE(read_file(p, st, sizeof st) > 0);
+        unsigned a = 0, b = 0, n = 0;
+        CHECK(sscanf(st, "%u %u %u", &a, &b, &n) == 3 && a == NOBODY && b == NOBODY && n == 1);
+        CHECK(strchr(st, '\n') == st + strlen(st) - 1); /* one line */
+        snprintf(p, sizeof p, "/proc/%d/root", (int)pid);
+        DIR *dd = opendir(p);
+        REQUIRE(dd != NULL);
+        struct dirent *de;
+        while ((de = readdir(dd)) != NULL)
+            if (strcmp(de->d_name, ".") != 0 && strcmp(de->d_name, "..") != 0)
+                CHECK(strcmp(de->d_name, "usr") == 0 || strcmp(de->d_name, "lib") == 0 ||
+                      strcmp(de->d_name, "lib64") == 0 || strcmp(de->d_name, "dev") == 0 ||
+                      strcmp(de->d_name, "tmp") == 0 || strcmp(de->d_name, "bin") == 0 ||
+                      strcmp(de->d_name, "proc") == 0);
+        closedir(dd);
+        snprintf(p, sizeof p, "/proc/%d/root/etc/passwd", (int)pid);
+        CHECK(access(p, F_OK) < 0);
+        snprintf(p, sizeof p, "/proc/%d/root%s", (int)pid, ns_data);
+        CHECK(access(p, F_OK) == 0);
+        snprintf(p, sizeof p, "/proc/%d/environ", (int)pid);
+        CHECK(read_file(p, st, sizeof st) == 0);
+        snprintf(p, sizeof p, "/proc/%d/net/dev", (int)pid);
+        REQUIRE(read_file(p, st, sizeof st) > 0);
+        CHECK(strstr(st, "lo:") != NULL && strstr(st, "eth") == NULL);
+    }
+    (void)!write(ns_go[1], "x", 1);
+    int ws = 0;
+    REQUIRE(waitpid(c, &ws, 0) == c);
+    CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    close(ns_go[0]);
+    close(ns_go[1]);
+    rmdir(ns_data);
+    rmdir(ns_stage);
+}
+
+/* In the child: QEMU jailed in a user namespace, as it is for a spaced that is not root. */
+static int userns_qemu(int fd)
+{
+    (void)fd;
+    char qemu[PATH_MAX];
+    if (!find_qemu(qemu))
+        return 95;
+    return qemu_in_jail(qemu, NOBODY, NOBODY);
+}
+
+/* As root (to become nobody), where QEMU is installed: QEMU with its seccomp sandbox and a
+ * sealed memfd RAM backend starts and answers in a user namespace's jail. */
+static void test_jail_qemu_in_userns(void)
+{
+    char qemu[PATH_MAX];
+    if (geteuid() != 0 || !find_qemu(qemu)) {
+        printf("  (skipped: root and /usr/bin/qemu-system-x86_64 needed)\n");
+        return;
+    }
+    pid_t c = -1;
+    REQUIRE(as_nobody(userns_qemu, -1, &c) == 0);
+    int ws = 0;
+    REQUIRE(waitpid(c, &ws, 0) == c);
+    if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0)
+        fprintf(stderr, "qemu in a user namespace: status %d\n", ws);
+    CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
 }
 
 int main(void)
@@ -383,5 +565,7 @@ int main(void)
     test_jail_plan_refuses();
     test_jail_spawn_as_root();
     test_jail_qemu_starts();
+    test_jail_spawn_in_userns();
+    test_jail_qemu_in_userns();
     return check_report("jail");
 }
