@@ -6,7 +6,9 @@ answers at once. The same inputs again finish from the cache; one changed step m
 version while the old one stays on disk for the sandbox that uses it; a failing step fails the
 build naming the step and leaves the previous version in service; deleting a template in use
 leaves its sandboxes running. Bad requests get the right status; another team sees nothing;
-a spaced killed mid-build fails the build at its next start and leaves no builder VM.
+a spaced killed mid-build fails the build at its next start and leaves no builder VM. A
+build's steps reach the network as a sandbox's do (apt installs a package from the host's
+Debian mirror); with its egress policy's internet off, the step that reaches out fails.
 Needs root and SP_TEST_DATA_DIR (the e2e data dir with `base` built).
 """
 import hashlib
@@ -67,7 +69,8 @@ def logs(s, name, bid, offset=0, key=None):
 @unittest.skipIf(skip_reason(), skip_reason())
 class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
-    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3")
+    TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3",
+                 "pkg", "pkgoff")
     MAX_LAYERS = 3
     # The default spare pool: spares of a version keep nothing on disk (test_8).
     ARGS = ("--template-max-layers", str(MAX_LAYERS))
@@ -540,6 +543,31 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual((cat(s1), cat(s2)), ("one-" + NONCE, "two-" + NONCE))
         st, r = s.request("POST", "/v1/sandboxes", {"template": "tg:v1"})
         self.assertEqual(st, 404, r)
+
+    def test_9_packages_through_egress(self):
+        # A build's steps reach the network through the egress proxy as a sandbox's commands
+        # do, with the internet by default: apt installs a package from the host's Debian
+        # mirror (as the E2B SDK's apt_install does), and a sandbox of the template runs it. A
+        # build whose egress policy has the internet off is refused by the proxy and fails at
+        # that step; a bad policy is a 400 naming the rule.
+        s = self.s
+        # the nonce: run afresh, never from the step cache of an earlier run
+        apt = ("echo %s >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive"
+               " apt-get install -y -qq --no-install-recommends hello" % NONCE)
+        b = build(s, {"name": "pkg", "from": "base", "steps": [{"run": apt, "user": "root"}]})
+        self.assertEqual(b["status"], "succeeded",
+                         (b, [x.get("line") for x in logs(s, "pkg", b["id"])][-20:]))
+        sid = self.create("pkg")
+        self.assertEqual(s.command(sid, "hello")["stdout"], "Hello, world!\n")
+        fetch = "curl -sS -f -m 30 -o /dev/null http://deb.debian.org/debian/dists/bookworm/Release"
+        b = build(s, {"name": "pkgoff", "from": "base", "egress": {"internet": False},
+                      "steps": [{"run": "echo %s" % NONCE}, {"run": fetch}]})
+        self.assertEqual((b["status"], b["failed_step"]), ("failed", 2), b)
+        self.assertIn("403", b["error"])
+        st, r = s.request("POST", "/v1/templates", {"name": "pkgoff", "from": "base",
+                                                    "egress": {"allow": ["a..b"]}})
+        self.assertEqual(st, 400, r)
+        self.assertIn("egress.allow[0]", r["error"]["message"])
 
     def test_8_layers_squashed(self):
         """Templates built on templates: each one's image is a layer over its parent's until

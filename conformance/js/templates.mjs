@@ -2,7 +2,8 @@
 // (e2b-templates.md section 2): fromBaseImage with copy (files uploaded through the link the
 // server gives), setEnvs, runCmd as root, a start command with waitForURL; Sandbox.create by
 // the name with the server already answering; a failing step as BuildError with the reason;
-// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; fromImage of an image in a registry on
+// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; aptInstall of a package from the host's
+// Debian mirror (the build reaches it through the egress proxy); fromImage of an image in a registry on
 // loopback (conformance/run_local.py pushes it), open and behind a password.
 import assert from 'node:assert/strict'
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
@@ -49,6 +50,30 @@ scenario(
     assert.equal(await Sandbox.deleteSnapshot(name, api), false)
   },
   { timeoutMs: 600_000 },
+)
+
+scenario(
+  A,
+  "aptInstall: a package from the host's Debian mirror, through the egress proxy",
+  async () => {
+    const name = `jsapt-${RUN_ID}`
+    let sbx
+    try {
+      // the run's id first: the package step runs afresh, never from an earlier run's cache
+      const tpl = Template()
+        .fromBaseImage()
+        .runCmd(`echo ${RUN_ID} > /dev/null`)
+        .aptInstall('hello', { noInstallRecommends: true })
+      await Template.build(tpl, name, { ...size, ...api })
+      sbx = await Sandbox.create(name, api)
+      const r = await sbx.commands.run('hello')
+      assert.equal(r.stdout, 'Hello, world!\n')
+    } finally {
+      if (sbx) await sbx.kill()
+      await Sandbox.deleteSnapshot(name, api).catch(() => {})
+    }
+  },
+  { timeoutMs: 900_000 },
 )
 
 scenario(

@@ -1,7 +1,8 @@
 """Templates built with the SDK's Template builder (e2b-templates.md section 2): from E2B's base
 image (our `base`) with run_cmd, set_envs, set_workdir, set_user, a start command and its ready
-check; copy of files and a directory (uploaded through the link the server gives, cached the
-second time); Sandbox.create by the name with the server already up; build_in_background with
+check; apt_install of a package from the host's Debian mirror (the build reaches it through the
+egress proxy); copy of files and a directory (uploaded through the link the server gives, cached
+the second time); Sandbox.create by the name with the server already up; build_in_background with
 get_build_status; a failing step's BuildException; exists and delete; from_image of an image in a
 registry on loopback (conformance/run_local.py pushes it), open and behind a password; and an
 image from an unreachable registry failing with its reason.
@@ -69,6 +70,27 @@ def _builder():
         assert delete(name) is True
     assert Template.exists(name, **API) is False
     assert delete(name) is False
+
+
+@scenario(A, "apt_install: a package from the host's Debian mirror, through the egress proxy",
+          timeout=900)
+def _apt():
+    only_once()
+    name = "py-apt-" + RUN_ID
+    # the run's id first: the package step runs afresh, never from an earlier run's step cache
+    tpl = (Template().from_base_image().run_cmd("echo %s > /dev/null" % RUN_ID)
+           .apt_install("hello", no_install_recommends=True))
+    try:
+        Template.build(tpl, name, **SIZE, **API)
+        sbx = Sandbox.create(name, **API)
+        remember(sbx.sandbox_id)
+        try:
+            r = sbx.commands.run("hello")
+            assert r.stdout == "Hello, world!\n", r.stdout
+        finally:
+            sbx.kill()
+    finally:
+        delete(name)
 
 
 @scenario(A, "copy: files and a directory, with user and mode, uploaded once", timeout=600)

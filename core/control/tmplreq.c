@@ -17,6 +17,7 @@
 #include "core/control/ociimg.h"
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplfiles.h"
+#include "core/egress/egress_policy.h"
 #include "core/egress/secrets.h"
 #include "guest/tmplbuild.h"
 
@@ -386,7 +387,7 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
     static const char *const allowed[] = {
         "name",      "description", "from",      "steps", "start_cmd",       "ready_cmd",
         "cpu_count", "memory_mb",   "timeout_s", "force", "ready_timeout_s", "tags",
-        NULL};
+        "egress",    NULL};
     if (!json_is_object(req))
         return sp_err_set(err, SP_EINVAL, "the body must be a JSON object");
     const char *key;
@@ -473,5 +474,15 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
     if (force != NULL && !json_is_boolean(force))
         return sp_err_set(err, SP_EINVAL, "force must be a boolean");
     out->force = json_is_true(force);
+    /* the builder's outbound traffic, as a sandbox's (core/egress/egress_policy.h); none
+     * given: the internet, as sandboxes get it (package steps need it). Read by the egress
+     * proxy from the build's record while it runs. */
+    json_t *egress = json_object_get(req, "egress");
+    if (egress != NULL && !json_is_null(egress)) {
+        sp_egp_t *pol = sp_egp_from_json(egress, "egress", err);
+        if (pol == NULL)
+            return -1;
+        sp_egp_free(pol);
+    }
     return 0;
 }

@@ -302,10 +302,20 @@ static void sb_load(struct sb *sb)
     }
     const char *p[] = {sb->id};
     sp_err_t e;
+    /* A template build's builder ("bld-" and its build id's first 20 hex digits,
+     * core/control/tmpl.c): its build's policy while the build runs (the request's egress;
+     * none: the default, internet on); a build that has ended has none, so nothing goes out. */
+    bool builder = strncmp(sb->id, "bld-", 4) == 0;
+    if (builder)
+        p[0] = sb->id + 4;
     if (sp_store_query(eg->store,
-                       "SELECT team_id, coalesce(egress::text, ''),"
-                       " coalesce(allow_internet_access::int, -1) FROM sandboxes "
-                       "WHERE id = $1",
+                       builder ? "SELECT team_id, CASE jsonb_typeof(request->'egress') WHEN"
+                                 " 'object' THEN (request->'egress')::text ELSE '' END, -1"
+                                 " FROM template_builds WHERE status IN ('queued', 'building')"
+                                 " AND left(replace(id, '-', ''), 20) = $1"
+                               : "SELECT team_id, coalesce(egress::text, ''),"
+                                 " coalesce(allow_internet_access::int, -1) FROM sandboxes "
+                                 "WHERE id = $1",
                        1, p, on_policy, sb, &e) < 0) {
         sp_timer_start(&sb->retry, POLICY_RETRY_MS);
         return;
