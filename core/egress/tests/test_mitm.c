@@ -843,6 +843,61 @@ static void test_mitm_tls_same_destination_every_request(sp_mitm_sb_t *sb)
     }
 }
 
+/* A request whose head carries control bytes (NUL, a bare CR, DEL, another C0 byte in a
+ * header value, a request line with one) or an obsolete line folding, first on its tunnel or
+ * after a good one: 400, the connection ends, the destination hears nothing of it and the
+ * secret goes nowhere. */
+static void test_mitm_tls_control_bytes_refused(sp_mitm_sb_t *sb)
+{
+    static const char *const bad[] = {
+        "GET /c HTTP/1.1\r\nHost: localhost\r\nX-A: a\001b\r\n\r\n",
+        "GET /c HTTP/1.1\r\nHost: localhost\r\nX-A: a\rb\r\n\r\n",
+        "GET /c HTTP/1.1\r\nHost: localhost\r\nX-A: a\177b\r\n\r\n",
+        "GET /c\001 HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        "GET /c HTTP/1.1\r\nHost: localhost\r\nX-A: a\r\n b\r\n\r\n",
+    };
+    const size_t nul_at = (size_t)(strchr(bad[0], '\001') - bad[0]); /* made a NUL below */
+    for (int after_good = 0; after_good < 2; after_good++) {
+        for (size_t i = 0; i <= sizeof(bad) / sizeof(bad[0]); i++) {
+            char req[256];
+            size_t n;
+            if (i < sizeof(bad) / sizeof(bad[0])) {
+                n = strlen(bad[i]);
+                memcpy(req, bad[i], n);
+            } else { /* the first again, its \001 a NUL */
+                n = strlen(bad[0]);
+                memcpy(req, bad[0], n);
+                req[nul_at] = '\0';
+            }
+            int before = server_nreq(&good);
+            struct guest g;
+            guest_init(&g, gctx, "localhost");
+            sp_err_t e;
+            g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)good.port, true,
+                                      connect_to(good.port), &gcbs, &g, &e);
+            CHECK(g.c != NULL);
+            if (after_good) {
+                char r1[128];
+                int k = snprintf(r1, sizeof(r1), "GET /ok HTTP/1.1\r\nHost: localhost:%d\r\n\r\n",
+                                 good.port);
+                guest_send(&g, r1, (size_t)k);
+                drive(&g, "HTTP/1.1 200", 1, 10000);
+                CHECK(count_status(&g, "HTTP/1.1 200") == 1);
+            }
+            guest_send(&g, req, n);
+            drive(&g, "HTTP/1.1 400", 1, 10000);
+            drive_end(&g, 5000);
+            if (count_status(&g, "HTTP/1.1 400") != 1)
+                fprintf(stderr, "control bytes case %zu (after a good request: %d): %.*s\n", i,
+                        after_good, (int)(g.gotlen < 200 ? g.gotlen : 200), g.got);
+            CHECK(count_status(&g, "HTTP/1.1 400") == 1 && g.ended == 1);
+            CHECK(server_nreq(&good) == before + after_good);
+            CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
+            guest_free(&g);
+        }
+    }
+}
+
 /* The head rewrite the proxy calls for plain requests it forwards itself. */
 static void test_mitm_rewrite_head(sp_mitm_sb_t *sb)
 {
@@ -1116,6 +1171,7 @@ int main(void)
     test_mitm_plain_http(sb);
     test_mitm_plain_same_request_rules_as_the_proxy(sb);
     test_mitm_tls_same_destination_every_request(sb);
+    test_mitm_tls_control_bytes_refused(sb);
     test_mitm_ca_stored_sealed(sb);
     test_mitm_rules_reload(sb);
     test_mitm_missing_secret_then_created();
