@@ -20,6 +20,7 @@
 
 #include "base/log.h"
 #include "core/control/tokens.h"
+#include "http/bodygate.h"
 
 sp_e2b_t *sp_e2b_create(sp_svc_t *svc, const sp_e2b_opts_t *o)
 {
@@ -323,6 +324,7 @@ struct resolve {
     sp_http_hold_t *hold;
     sp_e2b_target_t t;
     cred_t cred;
+    bool wake;                      /* authorized: it is woken (autoResume) or waited for */
     char traffic[SP_TOKEN_LEN + 1]; /* CRED_TRAFFIC: what was presented */
     char asked[65];                 /* the id asked for, "" when none */
 };
@@ -413,6 +415,40 @@ static bool authorized(struct resolve *rs, const sp_sandbox_rec_t *sb)
     return false;
 }
 
+/* An authorized request's sandbox: woken or waited for first when it must be, then its
+ * agent. */
+static void reach(struct resolve *rs)
+{
+    sp_err_t e;
+    if (rs->wake) {
+        if (sp_svc_wake_if_autoresume(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id,
+                                      SP_SVC_MAX_WAIT_MS, on_woken, rs, &e) < 0)
+            on_woken(rs, &e);
+        return;
+    }
+    if (sp_svc_sandbox_agent(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id, on_agent, rs, &e) < 0)
+        on_agent(rs, NULL, &e);
+}
+
+/* arg: the resolve as it was when the body's collection began, in req's pool. */
+static void on_traffic_body(void *arg, h2o_req_t *req, const sp_err_t *err)
+{
+    const struct resolve *saved = arg;
+    if (err != NULL) {
+        sp_e2b__error(req, sp_err_http_status(err->code), err->msg);
+        return;
+    }
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return;
+    }
+    struct resolve *rs = sp_http_hold_user(h);
+    *rs = *saved;
+    rs->hold = h;
+    reach(rs);
+}
+
 static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t *op,
                        const sp_err_t *err)
 {
@@ -443,20 +479,29 @@ static void on_sandbox(void *arg, const sp_sandbox_rec_t *sb, const sp_op_rec_t 
     snprintf(rs->t.auth.team_id, sizeof(rs->t.auth.team_id), "%s", sb->team_id);
     snprintf(rs->t.access_token, sizeof(rs->t.access_token), "%s", sb->access_token);
     rs->t.signed_url = rs->cred == CRED_SIGNED;
-    sp_err_t e;
     /* E2B autoResume, only now that the request is authorized: traffic for a sandbox asleep
      * with auto_resume wakes it first; traffic for one that is starting or waking (a connect
      * just answered) waits for it. */
     bool asleep = strcmp(sb->desired, "suspended") == 0 || strcmp(sb->desired, "paused") == 0;
     bool coming = strcmp(sb->desired, "running") == 0 && strcmp(sb->observed, "running") != 0;
-    if ((sb->auto_resume && asleep) || coming) {
-        if (sp_svc_wake_if_autoresume(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id,
-                                      SP_SVC_MAX_WAIT_MS, on_woken, rs, &e) < 0)
-            on_woken(rs, &e);
+    rs->wake = (sb->auto_resume && asleep) || coming;
+    uint64_t len;
+    bool chunked;
+    h2o_req_t *req = sp_http_hold_req(rs->hold);
+    if (req != NULL && sp_bodygate_streamed(req, &len, &chunked)) {
+        /* Authorized: now the body, left on the connection until here (an upload with a
+         * wrong token or signature was answered before a byte of it was read). */
+        struct resolve saved = *rs;
+        req = sp_http_release(rs->hold); /* frees rs */
+        if (req == NULL)
+            return;
+        struct resolve *c = h2o_mem_alloc_pool(&req->pool, sizeof(*c));
+        *c = saved;
+        c->hold = NULL;
+        sp_bodygate_body_collect(req, on_traffic_body, c);
         return;
     }
-    if (sp_svc_sandbox_agent(rs->gw->svc, &rs->t.auth, rs->t.sandbox_id, on_agent, rs, &e) < 0)
-        on_agent(rs, NULL, &e);
+    reach(rs);
 }
 
 static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int port)
@@ -507,6 +552,16 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
     if (sp_svc_sandbox_by_token(gw->svc, id, cred == CRED_ENVD ? token : NULL, on_sandbox, rs,
                                 &e) < 0)
         on_sandbox(rs, NULL, NULL, &e);
+}
+
+bool sp_e2b_traffic(sp_e2b_t *gw, h2o_req_t *req)
+{
+    int port;
+    char id[65];
+    if (parse_sandbox_host(gw, req, &port, id))
+        return true;
+    return !sp_e2b__is_control_path(req) &&
+           (sp_e2b__is_envd_path(req) || sp_e2b__is_code_path(req));
 }
 
 void sp_e2b_handle(sp_e2b_t *gw, h2o_req_t *req, bool forwarded)

@@ -671,9 +671,11 @@ struct handler {
  * (native: Authorization: Bearer; E2B: X-API-Key), is checked before a byte of the body is
  * read (a wrong one is refused at once, as a missing one already was by the gate); then the
  * body is read whole, as h2o would have, and the request goes to its surface, which checks the
- * key again with the rest (a second lookup, for large uploads only). Uploads with a token or
- * a signature instead of a key (E2B envd /files, upload links) and guest ports, which may be
- * public, are read without a check first. One forwarded to another node never gets here.
+ * key again with the rest (a second lookup, for large uploads only). A sandbox's traffic
+ * (E2B envd /files with a token or a signature, guest ports, which may be public) goes to the
+ * E2B surface with its body unread: it authorizes the request, then reads the body
+ * (sp_e2b_traffic). E2B's template-file upload links (a token in the query) are read without
+ * a check first. One forwarded to another node never gets here.
  */
 struct collecting {
     struct srv *s;
@@ -733,6 +735,11 @@ static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded)
     bool chunked;
     if (sp_bodygate_streamed(req, &len, &chunked)) {
         struct collecting how = {s, NULL, forwarded, s->e2b != NULL && sp_e2b_owns(s->e2b, req)};
+        if (how.e2b && sp_e2b_traffic(s->e2b, req)) {
+            /* a sandbox's traffic: authorized by its token or signature before its body */
+            sp_e2b_handle(s->e2b, req, forwarded);
+            return;
+        }
         const char *key = NULL, *a = sp_http_header(req, "authorization");
         if (how.e2b)
             key = sp_http_header(req, "x-api-key");

@@ -6,7 +6,8 @@ on the host name; the code interpreter's /execute and context calls; a forwarded
 native API's data routes) is walked with: no token, a wrong token, another team's sandbox id
 with our token, an unknown id; the answers must be exact, and the last three identical. Signed
 file URLs cannot have their user substituted (Basic header) nor their path (more files). A
-sandbox asleep with autoResume is woken only by an authorized request. Tokens are not stored in
+sandbox asleep with autoResume is woken only by an authorized request. A large upload is
+authorized on its head, before its body is read. Tokens are not stored in
 a form that works, and a token kept in clear by an older server keeps working after the start
 converts it.
 """
@@ -15,6 +16,7 @@ import hashlib
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ import unittest
 import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from harness import (MULT, Platform, free_port, pg_bindir,  # noqa: E402
+from harness import (MULT, Platform, free_port, pg_bindir, read_response,  # noqa: E402
                      skip_unless_agent, skip_unless_pg, wait_until)
 
 MASTER = base64.b64encode(hashlib.sha256(b"test_authz master key").digest()).decode()
@@ -344,6 +346,56 @@ class AuthzTest(unittest.TestCase):
         qr = dict(q, signature=sign(signed, "read", "root", tok))
         st, data = self.files("POST", qr, ct, one)
         self.assertEqual(st, 401, data)
+
+    def head_only(self, method, path, headers, length):
+        """Sends the head of a length-byte request alone: the answer, which must come without
+        the body (a large body is left on the connection until the request is authorized)."""
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=10 * MULT)
+        try:
+            head = "%s %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Length: %d\r\n" % (
+                method, path, self.s.port, length)
+            head += "".join("%s: %s\r\n" % kv for kv in headers.items()) + "\r\n"
+            t0 = time.time()
+            c.sendall(head.encode())
+            st, _, body = read_response(c)
+            self.assertLess(time.time() - t0, 5 * MULT)
+            return st, json.loads(body) if body else None
+        finally:
+            c.close()
+
+    def test_large_upload_authorized_before_its_body(self):
+        # An upload over --max-body-kb is left on its connection: a wrong token, a wrong
+        # signature, or a private port without a token is answered on its head (were the 50 MiB
+        # read first, no answer would come while the client waits to send them); the right token
+        # then has its whole body read and written.
+        sid, tok = self.a["sandboxID"], self.a["envdAccessToken"]
+        big = 50 << 20
+        path = "/tmp/authz-big-%d" % os.getpid()
+        q = "/files?" + urllib.parse.urlencode({"path": path, "username": "root"})
+        octet = {"Content-Type": "application/octet-stream", "E2b-Sandbox-Id": sid}
+        st, r = self.head_only("POST", q, dict(octet, **{"X-Access-Token": WRONG}), big)
+        self.assertEqual((st, r), (401, {"code": 401,
+                                         "message": "invalid access token for this sandbox"}))
+        signed = q + "&" + urllib.parse.urlencode(
+            {"signature": sign(path, "write", "root", WRONG, int(time.time()) + 600),
+             "signature_expiration": int(time.time()) + 600})
+        st, r = self.head_only("POST", signed, octet, big)
+        self.assertEqual((st, r), (401, {"code": 401, "message": "invalid signature"}))
+        host = {"Host": self.host(8000, self.priv["sandboxID"])}
+        c = socket.create_connection(("127.0.0.1", self.s.port), timeout=10 * MULT)
+        try:
+            c.sendall(("PUT /up HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n"
+                       % (host["Host"], big)).encode())
+            st, _, body = read_response(c)
+            self.assertEqual(st, 502, body)  # unknown to a request without a token
+        finally:
+            c.close()
+        data = os.urandom(3 << 20)
+        st, body = self.send("POST", q, dict(octet, **{"X-Access-Token": tok}), data)
+        self.assertEqual(st, 200, body)
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(), data)
+        os.unlink(path)
 
     def test_signed_url_no_oracle(self):
         # A signature made with our token: on another team's sandbox, an unknown one, or ours
