@@ -554,12 +554,17 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
         on_sandbox(rs, NULL, NULL, &e);
 }
 
-bool sp_e2b_traffic(sp_e2b_t *gw, h2o_req_t *req)
+bool sp_e2b_checks_before_body(sp_e2b_t *gw, h2o_req_t *req)
 {
     int port;
     char id[65];
+    const char *segs[4];
     if (parse_sandbox_host(gw, req, &port, id))
         return true;
+    if (sp_http_segments(req, segs, 4) == 3 && strcmp(segs[0], "upload") == 0 &&
+        strcmp(segs[1], "template-files") == 0)
+        return sp_http_query(req, "token") != NULL &&
+               sp_http_header(req, "x-api-key") == NULL; /* sp_e2b__template_upload */
     return !sp_e2b__is_control_path(req) &&
            (sp_e2b__is_envd_path(req) || sp_e2b__is_code_path(req));
 }

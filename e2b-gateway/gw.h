@@ -76,11 +76,11 @@ bool sp_e2b_data_plane(sp_e2b_t *gw, h2o_req_t *req, char id[65]);
  * dir): the fleet sends each name's builds to one worker (core/control/fleet.h). */
 bool sp_e2b_build_route(h2o_req_t *req, char name[65]);
 
-/* Whether sp_e2b_handle serves req as one sandbox's traffic (envd, the code interpreter, a
- * guest port): it then authorizes req (its token, its signature, or the sandbox's public
- * traffic) before it reads a body left on the connection (http/bodygate.h), so the caller
- * hands such a request over with its body unread. */
-bool sp_e2b_traffic(sp_e2b_t *gw, h2o_req_t *req);
+/* Whether sp_e2b_handle authorizes req itself before it reads a body left on the connection
+ * (http/bodygate.h), so that the caller hands it over with its body unread: one sandbox's
+ * traffic (envd, the code interpreter, a guest port: its token, its signature, or the
+ * sandbox's public traffic), and a template-file upload link (its token). */
+bool sp_e2b_checks_before_body(sp_e2b_t *gw, h2o_req_t *req);
 
 /* Answers req (now or later). forwarded: another node sent it (a valid cluster header,
  * http/proxy.h): answered from this node's own memory, never by asking further nodes. */

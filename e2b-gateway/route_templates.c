@@ -25,6 +25,7 @@
 
 #include "e2b-gateway/body.h"
 #include "e2b-gateway/route_int.h"
+#include "http/bodygate.h"
 
 #define LOG_ENTRIES 100 /* per status answer while the build runs (E2B's cap) */
 
@@ -298,6 +299,16 @@ struct upload {
     sp_http_hold_t *hold;
 };
 
+/* An upload whose token was good, while its body comes (in req's pool). */
+struct upload_body {
+    sp_e2b_t *gw;
+    char team[SP_ID_LEN + 1];
+    char hash[65];
+};
+
+static void upload_put(sp_e2b_t *gw, h2o_req_t *req, const char *team, const char *hash);
+static void on_upload_body(void *arg, h2o_req_t *req, const sp_err_t *err);
+
 static void on_uploaded(void *arg, bool existed, uint64_t entries, const sp_err_t *err)
 {
     struct upload *u = arg;
@@ -329,9 +340,35 @@ void sp_e2b__template_upload(sp_e2b_t *gw, h2o_req_t *req, const char *hash)
         snprintf(tok, sizeof tok, "%s", t);
     sp_tmplfiles_t *f = sp_tmpl_files(gw->tmpl);
     if (sp_tmplfiles_token_check(f, tok, hash, team, &e) < 0) {
-        sp_e2b__error(req, 403, e.msg);
+        sp_e2b__error(req, 403, e.msg); /* a large body not read yet: refused on its head */
         return;
     }
+    uint64_t len;
+    bool chunked;
+    if (sp_bodygate_streamed(req, &len, &chunked)) { /* the token is good: now the body */
+        struct upload_body *ub = h2o_mem_alloc_pool(&req->pool, sizeof(*ub));
+        ub->gw = gw;
+        snprintf(ub->team, sizeof ub->team, "%s", team);
+        snprintf(ub->hash, sizeof ub->hash, "%s", hash);
+        sp_bodygate_body_collect(req, on_upload_body, ub);
+        return;
+    }
+    upload_put(gw, req, team, hash);
+}
+
+static void on_upload_body(void *arg, h2o_req_t *req, const sp_err_t *err)
+{
+    const struct upload_body *ub = arg;
+    if (err != NULL)
+        sp_e2b__error_from(req, err);
+    else
+        upload_put(ub->gw, req, ub->team, ub->hash);
+}
+
+static void upload_put(sp_e2b_t *gw, h2o_req_t *req, const char *team, const char *hash)
+{
+    sp_err_t e;
+    sp_tmplfiles_t *f = sp_tmpl_files(gw->tmpl);
     sp_http_hold_t *h = sp_http_hold(req, sizeof(struct upload));
     if (h == NULL) {
         sp_e2b__error(req, 500, "out of memory");

@@ -674,8 +674,8 @@ struct handler {
  * key again with the rest (a second lookup, for large uploads only). A sandbox's traffic
  * (E2B envd /files with a token or a signature, guest ports, which may be public) goes to the
  * E2B surface with its body unread: it authorizes the request, then reads the body
- * (sp_e2b_traffic). E2B's template-file upload links (a token in the query) are read without
- * a check first. One forwarded to another node never gets here.
+ * (sp_e2b_checks_before_body); so do E2B's template-file upload links (a token in the
+ * query). One forwarded to another node never gets here.
  */
 struct collecting {
     struct srv *s;
@@ -735,8 +735,8 @@ static void dispatch(struct srv *s, h2o_req_t *req, bool forwarded)
     bool chunked;
     if (sp_bodygate_streamed(req, &len, &chunked)) {
         struct collecting how = {s, NULL, forwarded, s->e2b != NULL && sp_e2b_owns(s->e2b, req)};
-        if (how.e2b && sp_e2b_traffic(s->e2b, req)) {
-            /* a sandbox's traffic: authorized by its token or signature before its body */
+        if (how.e2b && sp_e2b_checks_before_body(s->e2b, req)) {
+            /* a sandbox's traffic, an upload link: their token or signature before the body */
             sp_e2b_handle(s->e2b, req, forwarded);
             return;
         }

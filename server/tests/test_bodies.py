@@ -98,6 +98,24 @@ class BodiesTest(unittest.TestCase):
         # Six 50 MiB bodies were sent: 300 MiB had they been kept; a few MiB of noise is allowed.
         self.assertLess(self.s.rss_kb() - rss0, 30 * 1024)
 
+    def test_upload_link_with_a_wrong_token_refused_on_head(self):
+        # E2B's template-file upload link: its token is checked before its body is read
+        for tok in ("x" * 43, "not-a-token"):
+            st, _, body = self.refused_on_head(
+                "PUT", "/upload/template-files/%s?token=%s" % ("a" * 64, tok), 50 * MIB)
+            self.assertEqual(st, 403, body)
+            self.assertEqual(json.loads(body)["code"], 403)
+        # the link's own token: the body (over the cap, so left on the connection) is read
+        data, sha = random_tar(3 * MIB)
+        r, got = self.s.exchange("GET", "/templates/base/files/" + sha, None,
+                                 headers={"X-API-Key": self.s.key})
+        self.assertEqual(r.status, 201, got)
+        url = json.loads(got)["url"]
+        link = url[url.index("/upload/"):]
+        r, got = self.s.exchange("PUT", link, raw=data, headers={})
+        self.assertEqual(r.status, 200, got)
+        self.assertEqual(json.loads(got), {"stored": True})
+
     def test_first_request_over_tls_is_vetted(self):
         # A TLS client's first request may arrive in the read that ends the handshake: the gate
         # reads it before h2o does (h2o would otherwise take its 50 MiB body unvetted).
