@@ -78,7 +78,10 @@ def main():
             steps = [{"run": "echo %s > /nonce" % nonce}] + [{"run": c} for c in CMDS]
             # the steps alone (no start_cmd): what the build adds is the builder, the disk,
             # the version and the template snapshot
-            ms, _ = build_template(s, {"name": "bench-plain", "from": "base", "steps": steps})
+            # (its own nonce: neither build may start from the other's step cache)
+            plain_steps = [{"run": "echo plain-%s > /nonce" % nonce}] + steps[1:]
+            ms, _ = build_template(s, {"name": "bench-plain", "from": "base",
+                                       "steps": plain_steps})
             plain.append(ms)
             body = {"name": "bench-tpl", "from": "base", "steps": steps,
                     "start_cmd": START, "ready_cmd": READY}
