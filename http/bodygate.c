@@ -849,12 +849,25 @@ static void h2s_ended(struct h2s *e, h2o_http2_stream_t *s)
     h2s_release_large(e);
 }
 
-/* Removes the frame at p (payload len) from the input, or only its payload (keep_head). */
-static void cut_frame(h2o_buffer_t *in, size_t p, size_t len, bool keep_head)
+/* h2_gate's walk of the input: n bytes at *p are kept, moved down to *w when something was
+ * cut before them. */
+static void keep(h2o_buffer_t *in, size_t *w, size_t *p, size_t n)
 {
-    size_t from = p + H2_HEAD + len, to = keep_head ? p + H2_HEAD : p;
-    memmove(in->bytes + to, in->bytes + from, in->size - from);
-    in->size -= from - to;
+    if (*w != *p)
+        memmove(in->bytes + *w, in->bytes + *p, n);
+    *w += n;
+    *p += n;
+}
+
+/* The end of the walk (or a feed to h2o in its midst): what was cut between w and p goes, the
+ * unread rest moving down to w. Returns w, where the rest now starts. */
+static size_t compact(h2o_buffer_t *in, size_t w, size_t p)
+{
+    if (w != p) {
+        memmove(in->bytes + w, in->bytes + p, in->size - p);
+        in->size -= p - w;
+    }
+    return w;
 }
 
 /* The streams whose heads came in the read h2o has just had (ids), without a DATA frame yet:
@@ -916,7 +929,10 @@ static void h2_gate(struct gs *st)
         if (h2_feed(st, H2_PREFACE) < 0)
             return;
     }
-    size_t p = 0;
+    /* The input is walked once: frames at p on are unread; [0, w) is what h2o will read; what
+     * lies between w and p was cut. Kept frames move down to w as they are passed, so a read
+     * full of cut frames costs its size, not its size for each frame cut (compact). */
+    size_t p = 0, w = 0;
     for (;;) {
         h2o_buffer_t *in = sock->input;
         if (in->size - p < H2_HEAD)
@@ -933,9 +949,10 @@ static void h2_gate(struct gs *st)
                 heads[nheads++] = id; /* a head a body follows (or trailers on one ungated) */
             if (e != NULL && e->state != H2S_OPEN) { /* trailers on a stream it ended */
                 if (p > 0) { /* h2o decodes the blocks before them first: HPACK is ordered */
-                    if (h2_feed(st, p) < 0)
+                    p = compact(in, w, p); /* (only cut frames before: at 0 now, no feed) */
+                    if (p > 0 && h2_feed(st, p) < 0)
                         return;
-                    p = 0;
+                    p = w = 0;
                     continue;
                 }
                 size_t n;
@@ -945,7 +962,7 @@ static void h2_gate(struct gs *st)
                     break;
                 }
                 if (whole > 0 && h2_skip_trailers(conn, f, n)) {
-                    cut_frame(in, p, n - H2_HEAD, false);
+                    p += n; /* cut */
                     if (e->state == H2S_STREAMING)
                         h2s_ended_by_trailers(e);
                     continue;
@@ -953,7 +970,7 @@ static void h2_gate(struct gs *st)
             }
         }
         if (f[3] != H2_DATA || id == 0) {
-            p += H2_HEAD + len;
+            keep(in, &w, &p, H2_HEAD + len);
             continue;
         }
         struct h2s *e = h2s_find(st, id);
@@ -961,25 +978,26 @@ static void h2_gate(struct gs *st)
         if (e == NULL) {
             if (s != NULL && s->state == H2O_HTTP2_STREAM_STATE_RECV_BODY) {
                 e = h2_vet(st, s);
-            } else if (p > 0) {
-                /* its head may be among the frames before it, which h2o has not read */
+            } else if (w > 0) {
+                /* its head may be among the frames kept before it, which h2o has not read */
+                p = compact(in, w, p);
                 if (h2_feed(st, p) < 0)
                     return;
-                p = 0;
+                p = w = 0;
                 continue;
             }
             if (e == NULL) { /* not a stream taking a body: h2o's to answer */
-                p += H2_HEAD + len;
+                keep(in, &w, &p, H2_HEAD + len);
                 continue;
             }
         }
         if (e->state == H2S_STREAMING) { /* the handler's: h2o sees none of it */
             win += h2s_take(e, f, len);
-            cut_frame(in, p, len, false);
+            p += H2_HEAD + len; /* cut */
             continue;
         }
         if (e->state != H2S_OPEN) { /* answered: h2o sees no more of it */
-            cut_frame(in, p, len, false);
+            p += H2_HEAD + len;     /* cut */
             win += len;
             if (e->state == H2S_DONE && !e->rst_sent &&
                 conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
@@ -989,7 +1007,7 @@ static void h2_gate(struct gs *st)
             continue;
         }
         if (s == NULL || s->state != H2O_HTTP2_STREAM_STATE_RECV_BODY) {
-            p += H2_HEAD + len; /* DATA after its end: h2o's protocol error */
+            keep(in, &w, &p, H2_HEAD + len); /* DATA after its end: h2o's protocol error */
             continue;
         }
         if (!e->refuse && len > e->cap - e->got) {
@@ -1009,16 +1027,17 @@ static void h2_gate(struct gs *st)
             if (e->state == H2S_STREAMING)
                 back = h2s_take(e, f, len); /* the first of its body, the handler's */
             h2_end_frame(f, id);
-            cut_frame(in, p, len, true);
+            keep(in, &w, &p, H2_HEAD); /* the end frame; its payload cut */
+            p += len;
             win += back;
             if (e->state != H2S_STREAMING)
                 h2s_ended(e, s);
-            p += H2_HEAD;
             continue;
         }
         e->got += len;
-        p += H2_HEAD + len;
+        keep(in, &w, &p, H2_HEAD + len);
     }
+    compact(sock->input, w, p);
     if (conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
         for (; win > 0; wrote = true) {
             int32_t n = win > INT32_MAX ? INT32_MAX : (int32_t)win;
