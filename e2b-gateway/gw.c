@@ -430,6 +430,21 @@ static void reach(struct resolve *rs)
         on_agent(rs, NULL, &e);
 }
 
+/* A resolve for req in a hold of its own (req kept while it waits); NULL, req answered, when
+ * memory is short. */
+static struct resolve *resolve_new(sp_e2b_t *gw, h2o_req_t *req)
+{
+    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
+    if (h == NULL) {
+        sp_e2b__error(req, 500, "out of memory");
+        return NULL;
+    }
+    struct resolve *rs = sp_http_hold_user(h);
+    rs->gw = gw;
+    rs->hold = h;
+    return rs;
+}
+
 /* arg: the resolve as it was when the body's collection began, in req's pool. */
 static void on_traffic_body(void *arg, h2o_req_t *req, const sp_err_t *err)
 {
@@ -438,12 +453,10 @@ static void on_traffic_body(void *arg, h2o_req_t *req, const sp_err_t *err)
         sp_e2b__error(req, sp_err_http_status(err->code), err->msg);
         return;
     }
-    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
-    if (h == NULL) {
-        sp_e2b__error(req, 500, "out of memory");
+    struct resolve *rs = resolve_new(saved->gw, req);
+    if (rs == NULL)
         return;
-    }
-    struct resolve *rs = sp_http_hold_user(h);
+    sp_http_hold_t *h = rs->hold;
     *rs = *saved;
     rs->hold = h;
     reach(rs);
@@ -533,14 +546,9 @@ static void sandbox_traffic(sp_e2b_t *gw, h2o_req_t *req, const char *id, int po
             return;
         }
     }
-    sp_http_hold_t *h = sp_http_hold(req, sizeof(struct resolve));
-    if (h == NULL) {
-        sp_e2b__error(req, 500, "out of memory");
+    struct resolve *rs = resolve_new(gw, req);
+    if (rs == NULL)
         return;
-    }
-    struct resolve *rs = sp_http_hold_user(h);
-    rs->gw = gw;
-    rs->hold = h;
     rs->t.port = port;
     rs->cred = cred;
     snprintf(rs->asked, sizeof(rs->asked), "%s", id ? id : "");

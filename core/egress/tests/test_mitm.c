@@ -807,6 +807,39 @@ static void test_mitm_plain_same_request_rules_as_the_proxy(sp_mitm_sb_t *sb)
     CHECK(server_nreq(&plain) == before);
 }
 
+/* On a new TLS tunnel with the rule, optionally after a good first request (200), req is
+ * answered `want` and the connection ends; the destination hears only the good request and
+ * the secret goes nowhere. */
+static void refused_in_tunnel(sp_mitm_sb_t *sb, bool good_first, const char *req, size_t n,
+                              const char *want)
+{
+    int before = server_nreq(&good);
+    struct guest g;
+    guest_init(&g, gctx, "localhost");
+    sp_err_t e;
+    g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)good.port, true, connect_to(good.port),
+                              &gcbs, &g, &e);
+    CHECK(g.c != NULL);
+    if (good_first) {
+        char r1[128];
+        int k = snprintf(r1, sizeof(r1), "GET /first HTTP/1.1\r\nHost: localhost:%d\r\n\r\n",
+                         good.port);
+        guest_send(&g, r1, (size_t)k);
+        drive(&g, "HTTP/1.1 200", 1, 10000);
+        CHECK(count_status(&g, "HTTP/1.1 200") == 1);
+    }
+    guest_send(&g, req, n);
+    drive(&g, want, 1, 10000);
+    drive_end(&g, 5000);
+    if (count_status(&g, want) != 1)
+        fprintf(stderr, "refused_in_tunnel: wanted %s after %.40s: %.*s\n", want, req,
+                (int)(g.gotlen < 200 ? g.gotlen : 200), g.got);
+    CHECK(count_status(&g, want) == 1 && g.ended == 1);
+    CHECK(server_nreq(&good) == before + (good_first ? 1 : 0));
+    CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
+    guest_free(&g);
+}
+
 /* Inside a TLS tunnel every request must name the tunnel's destination: a later request on the
  * kept-alive connection with another Host, or an absolute-form target elsewhere, gets 421 and
  * nothing is sent; TRACE (which would echo the injected header back) gets 405. The destination
@@ -819,28 +852,8 @@ static void test_mitm_tls_same_destination_every_request(sp_mitm_sb_t *sb)
         "TRACE /two HTTP/1.1\r\nHost: localhost\r\n\r\n",
     };
     const char *want[] = {"HTTP/1.1 421", "HTTP/1.1 421", "HTTP/1.1 405"};
-    for (size_t i = 0; i < sizeof(second) / sizeof(second[0]); i++) {
-        int before = server_nreq(&good);
-        struct guest g;
-        guest_init(&g, gctx, "localhost");
-        sp_err_t e;
-        g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)good.port, true,
-                                  connect_to(good.port), &gcbs, &g, &e);
-        CHECK(g.c != NULL);
-        char r1[256];
-        int n = snprintf(r1, sizeof(r1), "GET /first HTTP/1.1\r\nHost: localhost:%d\r\n\r\n",
-                         good.port);
-        guest_send(&g, r1, (size_t)n);
-        drive(&g, "HTTP/1.1 200", 1, 10000);
-        CHECK(count_status(&g, "HTTP/1.1 200") == 1);
-        guest_send(&g, second[i], strlen(second[i]));
-        drive(&g, want[i], 1, 10000);
-        drive_end(&g, 5000);
-        CHECK(count_status(&g, want[i]) == 1 && g.ended == 1);
-        CHECK(server_nreq(&good) == before + 1);
-        CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
-        guest_free(&g);
-    }
+    for (size_t i = 0; i < sizeof(second) / sizeof(second[0]); i++)
+        refused_in_tunnel(sb, true, second[i], strlen(second[i]), want[i]);
 }
 
 /* A request whose head carries control bytes (NUL, a bare CR, DEL, another C0 byte in a
@@ -856,44 +869,16 @@ static void test_mitm_tls_control_bytes_refused(sp_mitm_sb_t *sb)
         "GET /c\001 HTTP/1.1\r\nHost: localhost\r\n\r\n",
         "GET /c HTTP/1.1\r\nHost: localhost\r\nX-A: a\r\n b\r\n\r\n",
     };
+    const size_t nbad = sizeof(bad) / sizeof(bad[0]);
     const size_t nul_at = (size_t)(strchr(bad[0], '\001') - bad[0]); /* made a NUL below */
     for (int after_good = 0; after_good < 2; after_good++) {
-        for (size_t i = 0; i <= sizeof(bad) / sizeof(bad[0]); i++) {
+        for (size_t i = 0; i <= nbad; i++) {
             char req[256];
-            size_t n;
-            if (i < sizeof(bad) / sizeof(bad[0])) {
-                n = strlen(bad[i]);
-                memcpy(req, bad[i], n);
-            } else { /* the first again, its \001 a NUL */
-                n = strlen(bad[0]);
-                memcpy(req, bad[0], n);
+            size_t n = strlen(bad[i < nbad ? i : 0]);
+            memcpy(req, bad[i < nbad ? i : 0], n);
+            if (i == nbad) /* the first again, its \001 a NUL */
                 req[nul_at] = '\0';
-            }
-            int before = server_nreq(&good);
-            struct guest g;
-            guest_init(&g, gctx, "localhost");
-            sp_err_t e;
-            g.c = sp_mitm_conn_create(sb, "localhost", (uint16_t)good.port, true,
-                                      connect_to(good.port), &gcbs, &g, &e);
-            CHECK(g.c != NULL);
-            if (after_good) {
-                char r1[128];
-                int k = snprintf(r1, sizeof(r1), "GET /ok HTTP/1.1\r\nHost: localhost:%d\r\n\r\n",
-                                 good.port);
-                guest_send(&g, r1, (size_t)k);
-                drive(&g, "HTTP/1.1 200", 1, 10000);
-                CHECK(count_status(&g, "HTTP/1.1 200") == 1);
-            }
-            guest_send(&g, req, n);
-            drive(&g, "HTTP/1.1 400", 1, 10000);
-            drive_end(&g, 5000);
-            if (count_status(&g, "HTTP/1.1 400") != 1)
-                fprintf(stderr, "control bytes case %zu (after a good request: %d): %.*s\n", i,
-                        after_good, (int)(g.gotlen < 200 ? g.gotlen : 200), g.got);
-            CHECK(count_status(&g, "HTTP/1.1 400") == 1 && g.ended == 1);
-            CHECK(server_nreq(&good) == before + after_good);
-            CHECK(g.raw_seen_secret == 0 && !contains(g.got, g.gotlen, SECRET));
-            guest_free(&g);
+            refused_in_tunnel(sb, after_good, req, n, "HTTP/1.1 400");
         }
     }
 }
