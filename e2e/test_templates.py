@@ -559,7 +559,10 @@ class TemplateBuildTest(VmSuite):
                          (b, [x.get("line") for x in logs(s, "pkg", b["id"])][-20:]))
         sid = self.create("pkg")
         self.assertEqual(s.command(sid, "hello")["stdout"], "Hello, world!\n")
-        fetch = "curl -sS -f -m 30 -o /dev/null http://deb.debian.org/debian/dists/bookworm/Release"
+        # the first mirror the guest's own apt sources name (the host's, as the rootfs got them)
+        fetch = ("u=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null"
+                 " | grep -v '^#' | grep -o 'https\\?://[^ ]*' | head -n 1) && [ -n \"$u\" ]"
+                 " && curl -sS -f -m 30 -o /dev/null \"$u\"")
         b = build(s, {"name": "pkgoff", "from": "base", "egress": {"internet": False},
                       "steps": [{"run": "echo %s" % NONCE}, {"run": fetch}]})
         self.assertEqual((b["status"], b["failed_step"]), ("failed", 2), b)
