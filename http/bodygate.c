@@ -10,12 +10,13 @@
  * read of a chunked body; the loop is single-threaded). For a streamed body it renames the
  * head's framing fields in the input, moves the body bytes h2o read past the head out of it
  * (the head stays where h2o's request points into it), and reads the rest from a dup of the
- * socket's fd while h2o does not read the socket. For HTTP/2 it reads h2o's connection
- * and streams (<h2o/http2_internal.h>: the stream table, a stream's state, decoded head and
- * expected length) and writes frames into the connection's output buffer; a streamed body's
- * DATA is queued here (struct h2s) and handed out from it.
+ * socket's fd while h2o does not read the socket. HTTP/2 is bodygate_h2.c's: it reads h2o's
+ * connection and streams (<h2o/http2_internal.h>: the stream table, a stream's state, decoded
+ * head and expected length) and writes frames into the connection's output buffer; a streamed
+ * body's DATA is queued there (struct h2s) and handed out from it, through the same reads as
+ * HTTP/1's (sp_bodygate_body_read). What the two share is in bodygate_int.h.
  */
-#include "http/bodygate.h"
+#include "http/bodygate_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -43,102 +44,10 @@
 #define DRAIN_MAX_MS 10000
 /* h2o's own limit on a request head: what it parses of a longer one is its 413. */
 #define MAX_HEAD H2O_MAX_REQLEN
-/* HTTP/2's framing (RFC 9113): a frame's head, the client's preface, the types and flags the
- * gate reads or writes. */
-#define H2_HEAD        9
-#define H2_PREFACE     24
-#define H2_DATA        0x0
-#define H2_HEADERS     0x1
-#define H2_CONT        0x9 /* CONTINUATION */
-#define H2_END_STREAM  0x1
-#define H2_END_HEADERS 0x4
-#define H2_PADDED      0x8
-#define H2_DONE_MAX    16 /* answered streams remembered per connection, to drop their late DATA */
-#define H2_HEADS_MAX   16 /* heads without their body vetted at the end of one read */
-/* A streamed body is read from the socket in pieces of at most this much. */
-#define PIECE_MAX ((size_t)512 << 10)
 /* What a Content-Length and a Transfer-Encoding field are renamed to (same lengths), so that
  * h2o reads a streamed request's head as one without a body. */
 #define GATED_LENGTH SP_BODYGATE_GATED_PREFIX "len"    /* 14: content-length */
 #define GATED_CODING SP_BODYGATE_GATED_PREFIX "coding" /* 17: transfer-encoding */
-
-enum gs_state {
-    GS_IDLE,   /* the next bytes are a request head */
-    GS_BODY,   /* a head was handed on; h2o reads its body through us */
-    GS_HANDED, /* the handler has the request; reads resume once h2o is done with it */
-};
-
-/* A streamed body being read (sp_bodygate_body_read). */
-struct gbody {
-    h2o_req_t *req;
-    bool chunked, expect; /* expect: 100 Continue not yet sent */
-    bool end, failed, collected;
-    bool deferred;     /* a pump is deferred (the socket's holds count it) */
-    bool tls;          /* read through h2o's socket (which decrypts), not the dup */
-    bool reading;      /* tls: h2o's socket is being read for it */
-    uint64_t left;     /* Content-Length: body bytes still to come */
-    uint64_t got;      /* bytes read of it (chunked: as sent, framing included) */
-    uint64_t cap;      /* chunked: the most got may reach */
-    sp_chunked_t ck;
-    size_t pre;     /* its bytes h2o read already, not handed out yet */
-    size_t pre_off; /* those handed out: pre's bytes start at head + pre_off in the input */
-    int fd;     /* a dup of the socket's: read directly (plain), drained after (-1: none) */
-    sp_watch_t *w;
-    char *buf; /* PIECE_MAX: the piece handed out */
-    sp_bodygate_body_cb cb;
-    void *arg;
-};
-
-struct gs {
-    sp_bodygate_t *g;
-    h2o_socket_t *sock; /* NULL once closed */
-    h2o_socket_cb orig; /* h2o's read callback */
-    enum gs_state state;
-    size_t head_len; /* the current request's head, from the start of the input */
-    uint64_t length; /* its Content-Length */
-    bool chunked;
-    uint64_t chunked_cap;
-    bool large;   /* counted in g->large_now */
-    bool refused; /* the current request is a refusal; verdict is what to send */
-    sp_bodygate_verdict_t verdict;
-    unsigned holds;      /* live request hooks and deferred rearms: free only at 0 */
-    int fd;              /* the socket's fd (h2o's: never closed here) */
-    int drain_fd;        /* a refusal: a dup of fd, drained once h2o closes (-1: none) */
-    uint64_t drain_left; /* body bytes the refused request still has to send */
-    bool in_read;
-    bool unreadable; /* the next head is one the gate cannot read: close */
-    bool h2_prior;   /* the input starts with HTTP/2's preface (prior knowledge) */
-    bool h2_seen;    /* HTTP/2: h2o has read the connection preface */
-    struct h2s *h2s; /* HTTP/2: the streams with a body the gate has vetted */
-    bool h2_deferred; /* HTTP/2: a pass handing streamed bodies' pieces out is deferred */
-    uint64_t h2_queued;          /* HTTP/2: streamed bodies' bytes queued, all streams (h2_held) */
-    h2o_timeout_entry_t h2_tick; /* that pass, on h2o's zero timeout (h2_schedule) */
-    h2o_timeout_entry_t b_tick;  /* HTTP/1: a streamed body's deferred read (body_deferred) */
-    /* the head just vetted is streamed (its body stays on the socket): its framing */
-    bool s_next, s_chunked, s_expect;
-    bool vet_read;     /* vet is looking at a head gate_on_read just read (nothing writes) */
-    bool tls_continue; /* TLS: its 100 Continue is sent before h2o has the head */
-    uint64_t s_length, s_cap;
-    struct gbody b; /* the body of the request being handled, when streamed (b.req) */
-    h2o_buffer_t *held; /* TLS: the input the streamed request's head is in, kept until the
-                         * socket closes (h2o's request points into it; the socket reads into
-                         * a new one meanwhile) */
-    struct gs *prev, *next;
-};
-
-struct sp_bodygate {
-    sp_loop_t *loop;
-    sp_bodygate_policy_cb policy;
-    void *arg;
-    unsigned max_large, large_now;
-    struct gs *head;
-};
-
-static void gs_on_close(void *data);
-static void h2s_free_all(struct gs *st);
-static size_t h2_cut(h2o_socket_t *sock);
-static void h2_uncut(struct gs *st, size_t total);
-static size_t h2_restore(h2o_socket_t *sock, size_t total);
 
 /* ---- the head parser ---- */
 
@@ -227,7 +136,7 @@ const char *sp_bodygate_header(const sp_bodygate_head_t *h, const char *name, si
 static void body_end(struct gs *st);
 static void held_free(struct gs *st);
 
-static void gs_free_if_done(struct gs *st)
+void sp_bodygate__gs_free_if_done(struct gs *st)
 {
     if (st->sock != NULL || st->holds > 0 || st->in_read)
         return;
@@ -241,7 +150,7 @@ static void gs_free_if_done(struct gs *st)
         if (st->next)
             st->next->prev = st->prev;
     }
-    h2s_free_all(st);
+    sp_bodygate__h2s_free_all(st);
     free(st);
 }
 
@@ -321,7 +230,7 @@ static void held_free(struct gs *st)
     st->held = NULL;
 }
 
-static void gs_on_close(void *data)
+void sp_bodygate__gs_on_close(void *data)
 {
     struct gs *st = data;
     held_free(st); /* h2o is done with the request */
@@ -334,11 +243,11 @@ static void gs_on_close(void *data)
     }
     st->sock = NULL;
     release_large(st);
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 /* The policy's verdict on a head, with the server-wide bound on large bodies applied. */
-static void ask(sp_bodygate_t *g, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
+void sp_bodygate__ask(sp_bodygate_t *g, const sp_bodygate_head_t *h, sp_bodygate_verdict_t *v)
 {
     memset(v, 0, sizeof(*v));
     g->policy(g->arg, h, v);
@@ -422,7 +331,7 @@ static void vet(struct gs *st, size_t off)
     }
     sp_bodygate_t *g = st->g;
     sp_bodygate_verdict_t v;
-    ask(g, &h, &v);
+    sp_bodygate__ask(g, &h, &v);
     st->s_next = false;
     st->head_len = hl;
     st->length = h.chunked ? 0 : h.length;
@@ -495,7 +404,7 @@ static void gate_on_read(h2o_socket_t *sock, const char *err)
             if (st->unreadable)
                 err = "request head the body gate cannot read";
             else if (st->h2_prior)
-                h2_total = h2_cut(sock);
+                h2_total = sp_bodygate__h2_cut(sock);
         } else if (st->state == GS_BODY && st->chunked && st->chunked_cap > 0 &&
                    sock->input->size - st->head_len > st->chunked_cap) {
             /* h2o stops the body itself (413, connection closed) when it sees its limit
@@ -512,14 +421,16 @@ static void gate_on_read(h2o_socket_t *sock, const char *err)
     st->orig(sock, err);
     if (h2_total > 0 && st->sock != NULL) {
         if (sock->_cb.read != NULL && sock->_cb.read != http1) {
-            h2_uncut(st, h2_total); /* h2o took it as HTTP/2: the gate goes before that */
+            sp_bodygate__h2_uncut(st,
+                                  h2_total); /* h2o took it as HTTP/2: the gate goes before that */
         } else {
-            h2_restore(sock, h2_total); /* it did not: the input as it was, less what it read */
+            sp_bodygate__h2_restore(
+                sock, h2_total); /* it did not: the input as it was, less what it read */
         }
     }
 out:
     st->in_read = false;
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 /* The gate's state on sock, found through its on_close hook; NULL when out of memory or the
@@ -540,7 +451,7 @@ static struct gs *gs_new(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
     if (g->head)
         g->head->prev = st;
     g->head = st;
-    sock->on_close.cb = gs_on_close;
+    sock->on_close.cb = sp_bodygate__gs_on_close;
     sock->on_close.data = st;
     return st;
 }
@@ -557,549 +468,6 @@ void sp_bodygate_attach(sp_bodygate_t *g, h2o_socket_t *sock, int fd)
     sock->_cb.read = gate_on_read;
 }
 
-/* ---- HTTP/2 ----
- *
- * h2o decodes the frames and HPACK-coded heads itself and gathers a stream's DATA until its
- * end, so the gate works between its reads: it walks the frames in the input before h2o does,
- * and at the first DATA frame of a stream whose head h2o has not yet read, hands h2o the frames
- * before it (the input cut there, one byte of the next frame left so h2o keeps its buffer)
- * and looks at the stream h2o made: its decoded head asks the same policy an HTTP/1 head
- * does (a head with no DATA after it in the read: once h2o has had the read, h2_vet_heads).
- * Then, frame by frame:
- * - a stream the policy refused, or whose DATA passes its cap (its Content-Length, or the
- *   policy's cap for a body of unknown length), ends there: that DATA frame is rewritten as
- *   an empty HEADERS frame with END_STREAM (trailers, to h2o), so h2o hands the request, with
- *   the little it holds, to the handler, which answers with the refusal (sp_bodygate_request);
- * - the DATA the client still sends on it is dropped before h2o sees it (h2o would reset the
- *   stream before its answer is out); once h2o is done with the stream, the gate sends
- *   RST_STREAM(NO_ERROR) (RFC 9113, 8.1: the answer is complete, stop sending) once;
- * - every byte dropped is given back to the connection's flow-control window (WINDOW_UPDATE
- *   on stream 0), so other streams never stall for it.
- * - the trailers the client still sends on it (a HEADERS frame with END_STREAM) are dropped
- *   too, once h2o has read every frame before them and their block has been decoded into
- *   h2o's HPACK table as h2o would have (h2o would take them as a HEADERS frame on a closed
- *   stream: a connection error). Trailers split into CONTINUATION frames are kept from h2o
- *   until their last frame has come, and dropped whole (h2o reads nothing meanwhile: no other
- *   frame may come between them).
- * The preface is h2o's, read alone first.
- */
-
-enum h2s_state {
-    H2S_OPEN,      /* its body comes */
-    H2S_STREAMING, /* streamed: ended for h2o at its head, its DATA kept for the handler */
-    H2S_ANSWERING, /* refused and ended for h2o; h2o still has it */
-    H2S_DONE,      /* refused or streamed, and h2o is done with it */
-};
-
-struct h2s {
-    struct gs *st;
-    struct h2s *next;
-    uint32_t id;
-    enum h2s_state state;
-    bool refuse;   /* ends at its next DATA frame, answered with verdict */
-    bool answered; /* the handler took the verdict */
-    bool hooked;   /* h2o's stream (its request's pool) is alive */
-    bool large;    /* counted in g->large_now */
-    bool rst_sent;
-    uint64_t got, cap; /* DATA bytes seen; the most it may send */
-    sp_bodygate_verdict_t verdict;
-    /* a streamed body (the verdict's `stream`): h2o has the request with an empty body, and
-     * the handler reads its DATA from here (sp_bodygate_body_read) */
-    bool stream;            /* streamed once its state is STREAMING */
-    bool chunked;           /* no content-length: got is unbounded but by cap */
-    h2o_req_t *req;         /* STREAMING: the stream's request (h2o's, while hooked) */
-    h2o_buffer_t *q;        /* STREAMING: payload not handed out yet */
-    uint64_t raw, granted;  /* DATA frame bytes (padding too) taken; given back to its window */
-    bool q_end;             /* END_STREAM came: q holds the rest */
-    bool failed, end_given; /* the reader got an error, or the end */
-    bool collected, want;   /* read whole (collect); a read waits for a piece */
-    sp_err_t err;           /* failed: why */
-    char *buf;              /* PIECE_MAX: the piece handed out */
-    sp_bodygate_body_cb cb;
-    void *arg;
-};
-
-/* HTTP/2 streamed bodies (below, with HTTP/1's) */
-static void h2s_drop_body(struct h2s *e);
-static void h2s_stream_start(struct h2s *e, h2o_http2_stream_t *s);
-static size_t h2s_take(struct h2s *e, const uint8_t *f, size_t len);
-static void h2s_ended_by_trailers(struct h2s *e);
-static void h2s_count(const struct h2s *e);
-
-static struct h2s *h2s_find(struct gs *st, uint32_t id)
-{
-    for (struct h2s *e = st->h2s; e != NULL; e = e->next)
-        if (e->id == id)
-            return e;
-    return NULL;
-}
-
-static void h2s_free(struct gs *st, struct h2s *e)
-{
-    for (struct h2s **pp = &st->h2s; *pp != NULL; pp = &(*pp)->next) {
-        if (*pp == e) {
-            *pp = e->next;
-            break;
-        }
-    }
-    h2s_drop_body(e);
-    free(e);
-}
-
-/* Only entries without a live hook are left when the socket's state goes (holds is 0). */
-static void h2s_free_all(struct gs *st)
-{
-    while (st->h2s != NULL) {
-        struct h2s *e = st->h2s;
-        st->h2s = e->next;
-        h2s_drop_body(e);
-        free(e);
-    }
-}
-
-static void h2s_release_large(struct h2s *e)
-{
-    if (e->large && e->st->g != NULL) {
-        e->st->g->large_now--;
-        e->large = false;
-    }
-}
-
-/* h2o closed the stream (answered, reset, or the connection went). */
-static void on_h2s_disposed(void *p)
-{
-    struct h2s *e = *(struct h2s **)p;
-    struct gs *st = e->st;
-    e->hooked = false;
-    h2s_release_large(e);
-    bool streamed = e->state == H2S_STREAMING;
-    if (streamed) {
-        h2s_count(e);
-        h2s_drop_body(e); /* its request goes: what the client still sends is dropped */
-    }
-    if ((e->state == H2S_ANSWERING || (streamed && !e->q_end)) && st->sock != NULL) {
-        e->state = H2S_DONE;
-        unsigned n = 0; /* the newest few are kept */
-        struct h2s *next;
-        for (struct h2s *x = st->h2s; x != NULL; x = next) {
-            next = x->next;
-            if (x->state == H2S_DONE && ++n > H2_DONE_MAX)
-                h2s_free(st, x);
-        }
-    } else {
-        h2s_free(st, e);
-    }
-    st->holds--;
-    gs_free_if_done(st);
-}
-
-/* The policy on a stream whose head h2o has read and whose body it is gathering. NULL when
- * out of memory (the stream goes on ungated: h2o's global limit still holds). */
-static struct h2s *h2_vet(struct gs *st, h2o_http2_stream_t *s)
-{
-    sp_bodygate_t *g = st->g;
-    h2o_req_t *req = &s->req;
-    sp_bodygate_head_t h;
-    memset(&h, 0, sizeof(h));
-    h.method = req->input.method.base;
-    h.method_len = req->input.method.len;
-    h.path = req->input.path.base;
-    h.path_len = req->input.path.len;
-    h.host = req->input.authority.base != NULL ? req->input.authority.base : "";
-    h.host_len = req->input.authority.len;
-    /* h2o keeps content-length out of the fields (its hpack.c), as the stream's expected
-     * length; without one the body's size shows only as it comes, as a chunked one's. */
-    h.chunked = s->_expected_content_length == SIZE_MAX;
-    h.length = h.chunked ? 0 : (uint64_t)s->_expected_content_length;
-    for (size_t i = 0; i < req->headers.size && h.nfields < SP_BODYGATE_MAX_FIELDS; i++) {
-        const h2o_header_t *f = &req->headers.entries[i];
-        h.fields[h.nfields++] =
-            (sp_bodygate_field_t){f->name->base, f->name->len, f->value.base, f->value.len};
-    }
-    sp_bodygate_verdict_t v;
-    ask(g, &h, &v);
-    struct h2s *e = calloc(1, sizeof(*e));
-    if (e == NULL)
-        return NULL;
-    struct h2s **hook = h2o_mem_alloc_shared(&req->pool, sizeof(*hook), on_h2s_disposed);
-    *hook = e;
-    e->st = st;
-    e->id = s->stream_id;
-    e->hooked = true;
-    e->refuse = v.refuse;
-    e->verdict = v;
-    e->cap = h.chunked ? (v.chunked_cap > 0 ? v.chunked_cap : UINT64_MAX) : h.length;
-    e->stream = v.stream && !v.refuse;
-    e->chunked = h.chunked;
-    if (v.large && !v.refuse) {
-        g->large_now++;
-        e->large = true;
-    }
-    e->next = st->h2s;
-    st->h2s = e;
-    st->holds++;
-    return e;
-}
-
-/* Hands h2o the first n bytes of the input (whole frames) and keeps the rest for after: 0, or
- * -1 when the socket is gone or h2o took nothing (the rest is then h2o's, ungated). */
-static int h2_feed(struct gs *st, size_t n)
-{
-    h2o_socket_t *sock = st->sock;
-    size_t total = sock->input->size;
-    sock->input->size = n + 1; /* a frame starts at n: one byte of it, which h2o leaves */
-    st->orig(sock, NULL);
-    if (st->sock == NULL)
-        return -1;
-    size_t consumed = n + 1 - sock->input->size;
-    sock->input->size = total - consumed;
-    if (consumed == 0) {
-        st->orig(sock, NULL);
-        return -1;
-    }
-    if (consumed >= H2_PREFACE)
-        st->h2_seen = true;
-    return 0;
-}
-
-/* The trailers at f, a HEADERS frame on a stream the gate ended, with avail bytes of input from
- * there: 1 when their whole block is in (*n: the bytes of its frames, the HEADERS and the
- * CONTINUATION frames after it up to END_HEADERS), 0 when more of it is to come, -1 when they
- * are not trailers the gate drops (h2o's to refuse: no END_STREAM, another frame between, or
- * a block past what h2o takes). */
-static int h2_trailers_span(const uint8_t *f, size_t avail, size_t *n)
-{
-    if (!(f[4] & H2_END_STREAM))
-        return -1;
-    for (size_t p = 0;;) {
-        if (avail - p < H2_HEAD)
-            return 0;
-        const uint8_t *c = f + p;
-        size_t len = (size_t)c[0] << 16 | (size_t)c[1] << 8 | c[2];
-        if (p > 0 && (c[3] != H2_CONT || memcmp(c + 5, f + 5, 4) != 0))
-            return -1;
-        if (p + H2_HEAD + len > H2O_MAX_REQLEN)
-            return -1;
-        if (avail - p - H2_HEAD < len)
-            return 0;
-        p += H2_HEAD + len;
-        if (c[4] & H2_END_HEADERS) {
-            *n = p;
-            return 1;
-        }
-    }
-}
-
-/* Decodes the trailers at f (n bytes of frames, as h2_trailers_span found them) on a stream
- * the gate ended into h2o's HPACK table as h2o would, so that they can be dropped: true when
- * done (false: a frame h2o is to refuse, or a block it cannot decode; the connection then ends
- * on h2o's error). */
-static bool h2_skip_trailers(h2o_http2_conn_t *conn, const uint8_t *f, size_t n)
-{
-    h2o_http2_frame_t frame;
-    h2o_http2_headers_payload_t payload;
-    const char *err = NULL;
-    ssize_t first = h2o_http2_decode_frame(&frame, f, n, &H2O_HTTP2_SETTINGS_HOST, &err);
-    if (first < 0 || h2o_http2_decode_headers_payload(&payload, &frame, &err) != 0)
-        return false;
-    const uint8_t *block = payload.headers;
-    size_t block_len = payload.headers_len;
-    uint8_t *joined = NULL; /* a block split into CONTINUATION frames, joined */
-    if ((size_t)first < n) {
-        if ((joined = malloc(n)) == NULL)
-            return false;
-        memcpy(joined, block, block_len);
-        for (size_t p = (size_t)first; p < n;) {
-            size_t len = (size_t)f[p] << 16 | (size_t)f[p + 1] << 8 | f[p + 2];
-            memcpy(joined + block_len, f + p + H2_HEAD, len);
-            block_len += len;
-            p += H2_HEAD + len;
-        }
-        block = joined;
-    }
-    h2o_req_t *scratch = calloc(1, sizeof(*scratch)); /* what the fields decode into */
-    if (scratch == NULL) {
-        free(joined);
-        return false;
-    }
-    h2o_mem_init_pool(&scratch->pool);
-    size_t length;
-    int ret = h2o_hpack_parse_headers(scratch, &conn->_input_header_table, block, block_len, NULL,
-                                      &length, NULL, &err);
-    h2o_mem_clear_pool(&scratch->pool);
-    free(scratch);
-    free(joined);
-    return ret == 0;
-}
-
-/* Writes, at f, an empty HEADERS frame with END_STREAM on stream id: the end of its request,
- * for h2o (trailers). */
-static void h2_end_frame(uint8_t *f, uint32_t id)
-{
-    h2o_http2_encode_frame_header(f, 0, H2_HEADERS, H2_END_STREAM | H2_END_HEADERS,
-                                  (int32_t)id);
-}
-
-/* The stream e (h2o's s) is ended for h2o by the frame h2_end_frame wrote: its request goes to
- * the handler with what h2o holds of its body, to be answered with the refusal. */
-static void h2s_ended(struct h2s *e, h2o_http2_stream_t *s)
-{
-    s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
-    e->state = H2S_ANSWERING;
-    h2s_release_large(e);
-}
-
-/* h2_gate's walk of the input: n bytes at *p are kept, moved down to *w when something was
- * cut before them. */
-static void keep(h2o_buffer_t *in, size_t *w, size_t *p, size_t n)
-{
-    if (*w != *p)
-        memmove(in->bytes + *w, in->bytes + *p, n);
-    *w += n;
-    *p += n;
-}
-
-/* The end of the walk (or a feed to h2o in its midst): what was cut between w and p goes, the
- * unread rest moving down to w. Returns w, where the rest now starts. */
-static size_t compact(h2o_buffer_t *in, size_t w, size_t p)
-{
-    if (w != p) {
-        memmove(in->bytes + w, in->bytes + p, in->size - p);
-        in->size -= p - w;
-    }
-    return w;
-}
-
-/* The streams whose heads came in the read h2o has just had (ids), without a DATA frame yet:
- * vetted now, and a refused one ended at once (an end frame put before what is left of the
- * input), so that a refusal is answered on its head, as HTTP/1's is: a client may wait for
- * it before sending its body (Expect: 100-continue), or send it slowly. Not while h2o waits
- * for the rest of a head block (nothing else may come between): those are vetted at their
- * first DATA frame, as any the bound leaves out. */
-static void h2_vet_heads(struct gs *st, const uint32_t *ids, unsigned n, bool held)
-{
-    unsigned ends = 0;
-    for (unsigned i = 0; i < n; i++) {
-        if (st->sock == NULL || st->g == NULL)
-            break;
-        h2o_http2_conn_t *conn = st->sock->data;
-        if (conn->state >= H2O_HTTP2_CONN_STATE_HALF_CLOSED || conn->_headers_unparsed != NULL)
-            break;
-        h2o_http2_stream_t *s = h2o_http2_conn_get_stream(conn, ids[i]);
-        if (s == NULL || s->state != H2O_HTTP2_STREAM_STATE_RECV_BODY ||
-            h2s_find(st, ids[i]) != NULL)
-            continue;
-        struct h2s *e = h2_vet(st, s);
-        if (e == NULL || !(e->refuse || e->stream))
-            continue;
-        h2o_buffer_t **in = &st->sock->input;
-        h2o_buffer_reserve(in, H2_HEAD);
-        memmove((*in)->bytes + H2_HEAD, (*in)->bytes, (*in)->size);
-        h2_end_frame((uint8_t *)(*in)->bytes, ids[i]);
-        (*in)->size += H2_HEAD;
-        if (e->refuse)
-            h2s_ended(e, s);
-        else
-            h2s_stream_start(e, s); /* h2o takes it as a request without a body */
-        ends++;
-    }
-    if (ends > 0 && st->sock != NULL) {
-        if (held) /* only the end frames: the rest is still kept from h2o */
-            h2_feed(st, ends * H2_HEAD);
-        else
-            st->orig(st->sock, NULL);
-    }
-}
-
-static void h2_gate(struct gs *st)
-{
-    h2o_socket_t *sock = st->sock;
-    h2o_http2_conn_t *conn = sock->data;
-    uint64_t win = 0; /* bytes to give back to the connection's window */
-    bool wrote = false;
-    uint32_t heads[H2_HEADS_MAX];
-    unsigned nheads = 0;
-    bool held = false; /* the input (all of it) is kept from h2o until more comes */
-    if (!st->h2_seen) {
-        if (sock->input->size <= H2_PREFACE) {
-            st->h2_seen = sock->input->size == H2_PREFACE;
-            st->orig(sock, NULL);
-            return;
-        }
-        if (h2_feed(st, H2_PREFACE) < 0)
-            return;
-    }
-    /* The input is walked once: frames at p on are unread; [0, w) is what h2o will read; what
-     * lies between w and p was cut. Kept frames move down to w as they are passed, so a read
-     * full of cut frames costs its size, not its size for each frame cut (compact). */
-    size_t p = 0, w = 0;
-    for (;;) {
-        h2o_buffer_t *in = sock->input;
-        if (in->size - p < H2_HEAD)
-            break;
-        uint8_t *f = (uint8_t *)in->bytes + p;
-        size_t len = (size_t)f[0] << 16 | (size_t)f[1] << 8 | f[2];
-        uint32_t id = ((uint32_t)f[5] << 24 | (uint32_t)f[6] << 16 | (uint32_t)f[7] << 8 | f[8]) &
-                      0x7fffffffu;
-        if (in->size - p - H2_HEAD < len)
-            break; /* not whole yet: h2o waits for it too */
-        if (f[3] == H2_HEADERS && id != 0) {
-            struct h2s *e = h2s_find(st, id);
-            if (e == NULL && !(f[4] & H2_END_STREAM) && nheads < H2_HEADS_MAX)
-                heads[nheads++] = id; /* a head a body follows (or trailers on one ungated) */
-            if (e != NULL && e->state != H2S_OPEN) { /* trailers on a stream it ended */
-                if (p > 0) { /* h2o decodes the blocks before them first: HPACK is ordered */
-                    p = compact(in, w, p); /* (only cut frames before: at 0 now, no feed) */
-                    if (p > 0 && h2_feed(st, p) < 0)
-                        return;
-                    p = w = 0;
-                    continue;
-                }
-                size_t n;
-                int whole = h2_trailers_span(f, in->size, &n);
-                if (whole == 0) { /* the rest of their block has yet to come: h2o waits too */
-                    held = true;
-                    break;
-                }
-                if (whole > 0 && h2_skip_trailers(conn, f, n)) {
-                    p += n; /* cut */
-                    if (e->state == H2S_STREAMING)
-                        h2s_ended_by_trailers(e);
-                    continue;
-                }
-            }
-        }
-        if (f[3] != H2_DATA || id == 0) {
-            keep(in, &w, &p, H2_HEAD + len);
-            continue;
-        }
-        struct h2s *e = h2s_find(st, id);
-        h2o_http2_stream_t *s = h2o_http2_conn_get_stream(conn, id);
-        if (e == NULL) {
-            if (s != NULL && s->state == H2O_HTTP2_STREAM_STATE_RECV_BODY) {
-                e = h2_vet(st, s);
-            } else if (w > 0) {
-                /* its head may be among the frames kept before it, which h2o has not read */
-                p = compact(in, w, p);
-                if (h2_feed(st, p) < 0)
-                    return;
-                p = w = 0;
-                continue;
-            }
-            if (e == NULL) { /* not a stream taking a body: h2o's to answer */
-                keep(in, &w, &p, H2_HEAD + len);
-                continue;
-            }
-        }
-        if (e->state == H2S_STREAMING) { /* the handler's: h2o sees none of it */
-            win += h2s_take(e, f, len);
-            p += H2_HEAD + len; /* cut */
-            continue;
-        }
-        if (e->state != H2S_OPEN) { /* answered: h2o sees no more of it */
-            p += H2_HEAD + len;     /* cut */
-            win += len;
-            if (e->state == H2S_DONE && !e->rst_sent &&
-                conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
-                h2o_http2__encode_rst_stream_frame(&conn->_write.buf, id, H2O_HTTP2_ERROR_NONE);
-                e->rst_sent = wrote = true;
-            }
-            continue;
-        }
-        if (s == NULL || s->state != H2O_HTTP2_STREAM_STATE_RECV_BODY) {
-            keep(in, &w, &p, H2_HEAD + len); /* DATA after its end: h2o's protocol error */
-            continue;
-        }
-        if (!e->refuse && len > e->cap - e->got) {
-            e->refuse = true;
-            if (s->_expected_content_length != SIZE_MAX)
-                sp_err_set(&e->verdict.err, SP_EINVAL,
-                           "request body is longer than its content-length (%llu bytes)",
-                           (unsigned long long)e->cap);
-            else
-                sp_err_set(&e->verdict.err, SP_ETOOBIG, "request body is larger than %llu KiB",
-                           (unsigned long long)(e->cap >> 10));
-        }
-        if (e->refuse || e->stream) { /* empty trailers in this frame's place */
-            if (e->stream && !e->refuse)
-                h2s_stream_start(e, s);
-            size_t back = len;
-            if (e->state == H2S_STREAMING)
-                back = h2s_take(e, f, len); /* the first of its body, the handler's */
-            h2_end_frame(f, id);
-            keep(in, &w, &p, H2_HEAD); /* the end frame; its payload cut */
-            p += len;
-            win += back;
-            if (e->state != H2S_STREAMING)
-                h2s_ended(e, s);
-            continue;
-        }
-        e->got += len;
-        keep(in, &w, &p, H2_HEAD + len);
-    }
-    compact(sock->input, w, p);
-    if (conn->state < H2O_HTTP2_CONN_STATE_IS_CLOSING) {
-        for (; win > 0; wrote = true) {
-            int32_t n = win > INT32_MAX ? INT32_MAX : (int32_t)win;
-            h2o_http2_encode_window_update_frame(&conn->_write.buf, 0, n);
-            win -= (uint64_t)n;
-        }
-        if (wrote)
-            h2o_http2_conn_request_write(conn);
-    }
-    if (!held)
-        st->orig(sock, NULL);
-    h2_vet_heads(st, heads, nheads, held);
-}
-
-static void h2_on_read(h2o_socket_t *sock, const char *err)
-{
-    struct gs *st = sock->on_close.data;
-    st->in_read = true;
-    if (err == NULL && st->g != NULL)
-        h2_gate(st);
-    else
-        st->orig(sock, err);
-    st->in_read = false;
-    gs_free_if_done(st);
-}
-
-/* h2o has just taken sock as HTTP/2 (its read callback is HTTP/2's): the gate goes before it. */
-static void h2_take(struct gs *st)
-{
-    st->orig = st->sock->_cb.read;
-    st->sock->_cb.read = h2_on_read;
-}
-
-/* Before h2o takes a socket as HTTP/2 with input already read: the input is cut after the
- * preface (and one byte), so that h2o reads the preface alone; returns the input's size. */
-static size_t h2_cut(h2o_socket_t *sock)
-{
-    size_t total = sock->input->size;
-    if (total > H2_PREFACE + 1)
-        sock->input->size = H2_PREFACE + 1;
-    return total;
-}
-
-/* After h2o read the cut input: the rest back; returns what h2o consumed. */
-static size_t h2_restore(h2o_socket_t *sock, size_t total)
-{
-    size_t shown = total > H2_PREFACE + 1 ? H2_PREFACE + 1 : total;
-    size_t consumed = shown - sock->input->size;
-    sock->input->size = total - consumed;
-    return consumed;
-}
-
-/* After: the rest back, and the gate on what follows the preface. */
-static void h2_uncut(struct gs *st, size_t total)
-{
-    h2o_socket_t *sock = st->sock;
-    st->h2_seen = h2_restore(sock, total) >= H2_PREFACE;
-    h2_take(st);
-    if (sock->input->size > 0 && st->h2_seen)
-        h2_gate(st);
-}
-
 /* ---- streamed bodies ---- */
 
 static sp_metric_t m_streamed = SP_METRIC_COUNTER(
@@ -1111,6 +479,12 @@ static sp_metric_t m_streamed = SP_METRIC_COUNTER(
 static sp_metric_t m_streamed_bytes = SP_METRIC_COUNTER(
     "space_http_streamed_body_bytes_total",
     "Bytes of request bodies read as they came (chunked: as sent, framing included)", "");
+
+void sp_bodygate__count(bool whole, uint64_t bytes)
+{
+    sp_metrics_add(&m_streamed, 1, whole ? "whole" : "cut");
+    sp_metrics_add(&m_streamed_bytes, (double)bytes);
+}
 
 static void body_begin(struct gs *st, h2o_req_t *req)
 {
@@ -1148,8 +522,7 @@ static void body_end(struct gs *st)
     struct gbody *b = &st->b;
     if (b->req == NULL)
         return;
-    sp_metrics_add(&m_streamed, 1, b->end ? "whole" : "cut");
-    sp_metrics_add(&m_streamed_bytes, (double)b->got);
+    sp_bodygate__count(b->end, b->got);
     b->req = NULL;
     b->cb = NULL;
     if (b->reading && st->sock != NULL)
@@ -1170,274 +543,12 @@ static void body_end(struct gs *st)
     }
 }
 
-/* ---- HTTP/2 streamed bodies ----
- *
- * A stream whose verdict is `stream` is ended for h2o at its head (an empty HEADERS frame with
- * END_STREAM where its first DATA frame was, or before what follows its head), so h2o hands
- * its request to the handler at once, with no body. Its DATA frames are cut from the input
- * before h2o reads it, their payload queued here, the connection's flow-control window given
- * back at once while the connection's streamed bodies have at most H2_CONN_QUEUED queued
- * (past it, as the bytes leave the queues: h2_held), and the stream's only as the handler
- * takes the bytes: a client sends at most the stream's window (h2o's initial 16 MiB) ahead of
- * the handler, all its streams together at most H2_CONN_QUEUED and the connection's window,
- * and one that sends more on a stream than its window fails that body (h2s_take). Pieces are
- * handed out in one deferred pass per connection (h2_deliver). */
-
-/* Streamed bodies' bytes a connection may have queued before their share of the connection's
- * flow-control window is held back: one stream's window, so that one stalled stream leaves
- * the others the whole connection window. */
-#define H2_CONN_QUEUED (16u << 20)
-
-/* The connection window held back: what is queued past H2_CONN_QUEUED. */
-static uint64_t h2_held(const struct gs *st)
-{
-    return st->h2_queued > H2_CONN_QUEUED ? st->h2_queued - H2_CONN_QUEUED : 0;
-}
-
-/* n bytes left the queues (handed out, or dropped): the connection window held back for them
- * goes back to the client. */
-static void h2_unqueued(struct gs *st, size_t n)
-{
-    uint64_t held = h2_held(st);
-    st->h2_queued -= n;
-    uint64_t give = held - h2_held(st);
-    if (give == 0 || st->sock == NULL)
-        return;
-    h2o_http2_conn_t *conn = st->sock->data;
-    if (conn->state >= H2O_HTTP2_CONN_STATE_IS_CLOSING)
-        return;
-    h2o_http2_encode_window_update_frame(&conn->_write.buf, 0, (int32_t)give);
-    h2o_http2_conn_request_write(conn);
-}
-
-static void h2s_count(const struct h2s *e)
-{
-    sp_metrics_add(&m_streamed, 1, e->end_given ? "whole" : "cut");
-    sp_metrics_add(&m_streamed_bytes, (double)e->got);
-}
-
-static void h2s_drop_body(struct h2s *e)
-{
-    if (e->q != NULL) {
-        h2_unqueued(e->st, e->q->size);
-        h2o_buffer_dispose(&e->q);
-    }
-    free(e->buf);
-    e->buf = NULL;
-    e->req = NULL;
-    e->cb = NULL;
-    e->want = false;
-}
-
-static void h2s_stream_start(struct h2s *e, h2o_http2_stream_t *s)
-{
-    s->_expected_content_length = SIZE_MAX; /* h2o checks what came against it */
-    e->state = H2S_STREAMING;
-    e->req = &s->req;
-    h2o_buffer_init(&e->q, &h2o_socket_buffer_prototype);
-}
-
-static void h2s_fail(struct h2s *e, sp_code_t code, const char *msg)
-{
-    if (e->failed || e->end_given)
-        return;
-    e->failed = true;
-    sp_err_set(&e->err, code, "%s", msg);
-}
-
-static void h2_schedule(struct gs *st);
-
-/* The end of the body came (END_STREAM on DATA, or trailers). */
-static void h2s_body_ended(struct h2s *e)
-{
-    e->q_end = true;
-    if (!e->chunked && e->got != e->cap)
-        h2s_fail(e, SP_EINVAL, "request body is shorter than its content-length");
-    if (e->want)
-        h2_schedule(e->st);
-}
-
-static void h2s_ended_by_trailers(struct h2s *e)
-{
-    if (!e->q_end)
-        h2s_body_ended(e);
-}
-
-/* A DATA frame of a streamed stream (f, payload len), cut from the input by the caller: its
- * data queued for the handler (unless the body failed, or ended before it). Returns how much
- * of the connection's window to give back for it now (all but what h2_held keeps). */
-static size_t h2s_take(struct h2s *e, const uint8_t *f, size_t len)
-{
-    const uint8_t *d = f + H2_HEAD;
-    size_t n = len;
-    e->raw += len;
-    /* h2o never sees these frames, so its flow control does not hold the client to the
-     * stream's window: held here. A client that sends past it (what was given back plus
-     * h2o's initial window) fails the body, and what is queued goes: a node holds at most the
-     * window of each streamed body (at most --max-large-bodies of them), whatever a client
-     * sends. */
-    if (!e->failed && e->raw - e->granted > H2O_HTTP2_SETTINGS_HOST.initial_window_size) {
-        h2s_fail(e, SP_EINVAL,
-                 "the client sent more of the request body than HTTP/2 flow control allows");
-        if (e->q != NULL) { /* its memory too (consuming keeps the buffer) */
-            h2_unqueued(e->st, e->q->size);
-            h2o_buffer_dispose(&e->q);
-            h2o_buffer_init(&e->q, &h2o_socket_buffer_prototype);
-        }
-    }
-    uint64_t held = h2_held(e->st);
-    if (f[4] & H2_PADDED) {
-        if (n < 1 || (size_t)d[0] >= n) { /* h2o would end the connection: the body fails */
-            h2s_fail(e, SP_EINVAL, "a DATA frame's padding is longer than the frame");
-            n = 0;
-        } else {
-            n -= 1 + (size_t)d[0];
-            d++;
-        }
-    }
-    if (!e->failed && !e->q_end && n > 0) {
-        if (n > e->cap - e->got) {
-            if (e->chunked)
-                h2s_fail(e, SP_ETOOBIG, "request body is larger than the limit");
-            else
-                h2s_fail(e, SP_EINVAL, "request body is longer than its content-length");
-        } else {
-            h2o_iovec_t room = h2o_buffer_reserve(&e->q, n);
-            if (room.base == NULL) {
-                h2s_fail(e, SP_EINTERNAL, "out of memory for the request body");
-            } else {
-                memcpy(room.base, d, n);
-                e->q->size += n;
-                e->got += n;
-                e->st->h2_queued += n;
-            }
-        }
-    }
-    if ((f[4] & H2_END_STREAM) && !e->q_end)
-        h2s_body_ended(e);
-    else if (e->want)
-        h2_schedule(e->st);
-    return len - (size_t)(h2_held(e->st) - held);
-}
-
-/* Gives the stream's window back for what is no longer queued (taken by the handler, or
- * dropped), while h2o still has the stream. */
-static void h2s_grant(struct h2s *e)
-{
-    struct gs *st = e->st;
-    uint64_t queued = e->q != NULL ? e->q->size : 0;
-    uint64_t give = e->raw - e->granted - queued;
-    if (give == 0 || e->q_end || e->failed || st->sock == NULL)
-        return; /* after the end or an error: the client is to send no more on it */
-    h2o_http2_conn_t *conn = st->sock->data;
-    if (conn->state >= H2O_HTTP2_CONN_STATE_IS_CLOSING)
-        return;
-    e->granted += give;
-    while (give > 0) {
-        int32_t n = give > INT32_MAX ? INT32_MAX : (int32_t)give;
-        h2o_http2_encode_window_update_frame(&conn->_write.buf, e->id, n);
-        give -= (uint64_t)n;
-    }
-    h2o_http2_conn_request_write(conn);
-}
-
-static bool h2s_ready(const struct h2s *e)
-{
-    return e->want && e->cb != NULL && (e->failed || e->q_end || e->q->size > 0);
-}
-
-/* Hands e's next piece (or its end, or its error) to its pending read. */
-static void h2s_give(struct h2s *e)
-{
-    sp_bodygate_body_cb cb = e->cb;
-    void *arg = e->arg;
-    e->cb = NULL;
-    e->want = false;
-    if (e->failed) {
-        e->end_given = true; /* no read after an error */
-        sp_err_t err = e->err;
-        cb(arg, NULL, 0, false, &err);
-        return;
-    }
-    size_t n = e->q->size < PIECE_MAX ? e->q->size : PIECE_MAX;
-    if (n > 0) {
-        memcpy(e->buf, e->q->bytes, n);
-        h2o_buffer_consume(&e->q, n);
-        h2_unqueued(e->st, n);
-    }
-    bool end = e->q_end && e->q->size == 0;
-    e->end_given = end;
-    h2s_grant(e);
-    cb(arg, e->buf, n, end, NULL);
-}
-
-/* The deferred pass: every stream of the connection whose read can be answered is, one piece
- * each; a reader that asks again meanwhile is answered in the next pass. */
-static void h2_deliver(void *arg)
-{
-    struct gs *st = arg;
-    st->h2_deferred = false;
-    st->holds--;
-    unsigned n = 0;
-    for (struct h2s *e = st->h2s; e != NULL; e = e->next)
-        if (h2s_ready(e))
-            n++;
-    /* the callbacks may start or end streams: each one found again from the list's head */
-    for (unsigned i = 0; i < n && st->g != NULL; i++) {
-        struct h2s *e = st->h2s;
-        while (e != NULL && !h2s_ready(e))
-            e = e->next;
-        if (e == NULL)
-            break;
-        st->holds++;
-        h2s_give(e);
-        st->holds--;
-    }
-    gs_free_if_done(st);
-}
-
-static void h2_on_tick(h2o_timeout_entry_t *entry)
-{
-    h2_deliver(H2O_STRUCT_FROM_MEMBER(struct gs, h2_tick, entry));
-}
-
-/* The pass runs on h2o's zero timeout, inside h2o's loop: a reader writes to an h2o socket
- * there (http/proxy.c), and h2o's evloop expects a write that completes at once to be
- * reported within its own pass, else a socket still polled for writing fires with no write
- * callback (h2o asserts). The loop's deferred calls run in that pass too (loop/loop.c), but
- * each costs a malloc and can fail; the entry here is the connection's own, so a pass, which
- * comes as often as DATA frames do, allocates nothing and cannot fail. */
-static void h2_schedule(struct gs *st)
-{
-    if (st->h2_deferred || st->g == NULL || st->sock == NULL)
-        return;
-    h2o_http2_conn_t *conn = st->sock->data;
-    st->h2_tick.cb = h2_on_tick;
-    h2o_timeout_link(conn->super.ctx->loop, &conn->super.ctx->zero_timeout, &st->h2_tick);
-    st->h2_deferred = true;
-    st->holds++;
-}
-
-/* req's streamed HTTP/2 body, when it is one (NULL: not HTTP/2, not streamed, or gone). */
-static struct h2s *h2s_of(h2o_req_t *req)
-{
-    if (req->version < 0x200 || req->conn->callbacks->get_socket == NULL)
-        return NULL;
-    h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
-    if (sock == NULL || sock->on_close.cb != gs_on_close)
-        return NULL;
-    struct gs *st = sock->on_close.data;
-    uint32_t id = H2O_STRUCT_FROM_MEMBER(h2o_http2_stream_t, req, req)->stream_id;
-    struct h2s *e = h2s_find(st, id);
-    return e != NULL && e->state == H2S_STREAMING && e->req == req ? e : NULL;
-}
-
 static struct gs *gs_of(h2o_req_t *req)
 {
     if (req->version >= 0x200 || req->conn->callbacks->get_socket == NULL)
         return NULL;
     h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
-    if (sock == NULL || sock->on_close.cb != gs_on_close)
+    if (sock == NULL || sock->on_close.cb != sp_bodygate__gs_on_close)
         return NULL;
     return sock->on_close.data;
 }
@@ -1452,13 +563,13 @@ static struct gbody *body_of(h2o_req_t *req)
 /* The gate's state of req's connection, HTTP/1 or a streamed HTTP/2 body's. */
 static struct gs *gate_of(h2o_req_t *req)
 {
-    struct h2s *e = h2s_of(req);
+    struct h2s *e = sp_bodygate__h2s_of(req);
     return e != NULL ? e->st : gs_of(req);
 }
 
 bool sp_bodygate_streamed(h2o_req_t *req, uint64_t *length, bool *chunked)
 {
-    struct h2s *e = h2s_of(req);
+    struct h2s *e = sp_bodygate__h2s_of(req);
     if (e != NULL) {
         if (e->collected)
             return false;
@@ -1616,7 +727,7 @@ static void on_body_io(sp_watch_t *w, int events, void *arg)
     struct gs *st = arg;
     sp_watch_set(w, 0);
     body_pump(st);
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 /* TLS: h2o read (and decrypted) more of the body into the socket's input, or failed. */
@@ -1631,7 +742,7 @@ static void on_body_tls(h2o_socket_t *sock, const char *err)
         body_fail(st, SP_EINVAL, "the client's connection ended before its request body did");
     else
         body_pump(st);
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 static void body_deferred(h2o_timeout_entry_t *entry)
@@ -1640,12 +751,12 @@ static void body_deferred(h2o_timeout_entry_t *entry)
     st->b.deferred = false;
     st->holds--;
     body_pump(st);
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
 {
-    struct h2s *e = h2s_of(req);
+    struct h2s *e = sp_bodygate__h2s_of(req);
     if (e != NULL) {
         if (e->st->g == NULL || e->st->sock == NULL || e->end_given || e->cb != NULL)
             return -1;
@@ -1654,8 +765,8 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
         e->cb = cb;
         e->arg = arg;
         e->want = true;
-        if (h2s_ready(e))
-            h2_schedule(e->st); /* else when its DATA comes */
+        if (sp_bodygate__h2s_ready(e))
+            sp_bodygate__h2_schedule(e->st); /* else when its DATA comes */
         return 0;
     }
     struct gs *st = gs_of(req);
@@ -1668,7 +779,7 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
     b->arg = arg;
     if (b->pre > 0 || b->expect || b->w == NULL || b->tls) {
         /* bytes at hand, a 100 to send first, or no watch yet: on the next turn, inside
-         * h2o's loop, on an entry of the connection's own (h2_schedule says why) */
+         * h2o's loop, on an entry of the connection's own (sp_bodygate__h2_schedule says why) */
         if (!b->deferred) {
             st->b_tick.cb = body_deferred;
             h2o_timeout_link(req->conn->ctx->loop, &req->conn->ctx->zero_timeout, &st->b_tick);
@@ -1683,7 +794,7 @@ int sp_bodygate_body_read(h2o_req_t *req, sp_bodygate_body_cb cb, void *arg)
 
 void sp_bodygate_body_cancel(h2o_req_t *req)
 {
-    struct h2s *e = h2s_of(req);
+    struct h2s *e = sp_bodygate__h2s_of(req);
     if (e != NULL) {
         e->cb = NULL;
         e->want = false;
@@ -1722,7 +833,7 @@ static void collect_end(struct collect *c, const sp_err_t *err)
     sp_timer_stop(&c->timer);
     if (err == NULL) {
         struct gbody *b = body_of(c->req);
-        struct h2s *e = h2s_of(c->req);
+        struct h2s *e = sp_bodygate__h2s_of(c->req);
         if (b != NULL)
             b->collected = true;
         else if (e != NULL)
@@ -1805,7 +916,7 @@ static void rearm(void *arg)
      * h2o is busy with a pipelined request, whose end rearms again. */
     if (st->sock != NULL && st->g != NULL && st->sock->_cb.read == st->orig)
         st->sock->_cb.read = gate_on_read;
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 /* Runs when the request's pool goes: h2o is done with it, and (keep-alive) is about to
@@ -1835,7 +946,7 @@ static void on_req_disposed(void *p)
         }
     }
     st->holds--;
-    gs_free_if_done(st);
+    sp_bodygate__gs_free_if_done(st);
 }
 
 bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t *v)
@@ -1843,12 +954,12 @@ bool sp_bodygate_request(sp_bodygate_t *g, h2o_req_t *req, sp_bodygate_verdict_t
     if (g == NULL || req->conn->callbacks->get_socket == NULL)
         return false;
     h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
-    if (sock == NULL || sock->on_close.cb != gs_on_close)
+    if (sock == NULL || sock->on_close.cb != sp_bodygate__gs_on_close)
         return false;
     struct gs *st = sock->on_close.data;
     if (req->version >= 0x200) { /* HTTP/2: one the gate ended is answered with its verdict */
         uint32_t id = H2O_STRUCT_FROM_MEMBER(h2o_http2_stream_t, req, req)->stream_id;
-        struct h2s *e = h2s_find(st, id);
+        struct h2s *e = sp_bodygate__h2s_find(st, id);
         if (e == NULL || e->state == H2S_OPEN || e->state == H2S_STREAMING || e->answered)
             return false;
         e->answered = true;
@@ -1918,12 +1029,12 @@ static void on_tls_handshake(h2o_socket_t *sock, const char *err)
             /* h2o reads what the handshake brought at once: the preface alone, the rest
              * through the gate. */
             st->in_read = true;
-            size_t total = h2_cut(sock);
+            size_t total = sp_bodygate__h2_cut(sock);
             h2o_http2_accept(ctx, sock, at);
             if (st->sock != NULL)
-                h2_uncut(st, total);
+                sp_bodygate__h2_uncut(st, total);
             st->in_read = false;
-            gs_free_if_done(st);
+            sp_bodygate__gs_free_if_done(st);
             return;
         }
     }
@@ -1988,7 +1099,7 @@ void sp_bodygate_destroy(sp_bodygate_t *g)
         st->large = false;
         body_end(st); /* a streamed body: no more pieces; its reader's next read fails */
         if (st->sock != NULL) {
-            if (st->sock->_cb.read == gate_on_read || st->sock->_cb.read == h2_on_read)
+            if (st->sock->_cb.read == gate_on_read || st->sock->_cb.read == sp_bodygate__h2_on_read)
                 st->sock->_cb.read = st->orig;
             st->sock->on_close.cb = NULL;
             st->sock->on_close.data = NULL;
@@ -1998,7 +1109,7 @@ void sp_bodygate_destroy(sp_bodygate_t *g)
             close(st->drain_fd);
             st->drain_fd = -1;
         }
-        gs_free_if_done(st);
+        sp_bodygate__gs_free_if_done(st);
     }
     free(g);
 }
