@@ -1465,6 +1465,8 @@ static int cmd_serve(struct opts *o, sp_server_driver_factory test_driver)
         sp_tmpl_set_build_cache(tmpl, (uint64_t)o->build_cache_s);
     if (tmpl != NULL)
         sp_tmpl_set_secrets(tmpl, secrets); /* registry passwords from team secrets */
+    if (tmpl != NULL)
+        sp_tmpl_set_egress(tmpl, egress); /* each builder's policy, while its build runs */
     if (tmpl != NULL && !api && o->snapshot_dir != NULL)
         sp_tmpl_set_shared_dir(tmpl, o->snapshot_dir); /* builds from versions built elsewhere */
     if (tmpl != NULL && links_key_set)
@@ -1585,6 +1587,8 @@ out_srv:
     sp_sizes_destroy(sizes);
     sp_recon_destroy(recon);
     sp_fleet_destroy(fleet);
+    if (tmpl != NULL)
+        sp_tmpl_set_egress(tmpl, NULL); /* builds ending from here on have no proxy */
     sp_egress_destroy(egress); /* closes its mitm handles and proxied connections */
     sp_mitm_destroy(mitm);
     sp_store_destroy(store); /* pending statements answer first: builds may still need tmpl */

@@ -1144,6 +1144,11 @@ void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets)
     t->secrets = secrets;
 }
 
+void sp_tmpl_set_egress(sp_tmpl_t *t, struct sp_egress *egress)
+{
+    t->egress = egress;
+}
+
 void sp_tmpl_set_shared_dir(sp_tmpl_t *t, const char *dir)
 {
     sp_tmpl__copy(t->shared_dir, sizeof t->shared_dir, dir);

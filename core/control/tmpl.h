@@ -144,6 +144,12 @@ void sp_tmpl_set_build_cache(sp_tmpl_t *t, uint64_t ttl_s);
 struct sp_secrets;
 void sp_tmpl_set_secrets(sp_tmpl_t *t, struct sp_secrets *secrets);
 
+/* The egress proxy (core/egress/egress.h, borrowed) of the VMs this server runs: each
+ * builder gets its build's policy there (the request's "egress"; none: the internet) while
+ * the build runs, and nothing once it has ended. NULL (no proxy): builders reach nothing. */
+struct sp_egress;
+void sp_tmpl_set_egress(sp_tmpl_t *t, struct sp_egress *egress);
+
 /* Many workers (core/runtime/qemu.h: opts.snapshot_dir, the snapshot dir they share; copied,
  * NULL or "" for none): builds' logs are written to its builds/ (so that the worker answering
  * for builds after another still reads them; one written before is read from the data dir);

@@ -153,6 +153,7 @@ struct sp_tmpl {
     char *agent, *mirror, *insecure; /* sp_tmpl_set_images (owned) */
     uint64_t image_max;
     struct sp_secrets *secrets; /* sp_tmpl_set_secrets (borrowed); NULL: none */
+    struct sp_egress *egress;   /* sp_tmpl_set_egress (borrowed); NULL: none */
     char shared_dir[PATH_MAX];  /* sp_tmpl_set_shared_dir; "": none (one node) */
     char wid[65];               /* this node's worker (sp_tmpl_create); "": runs no builds */
     uint64_t ckpt_cost_ms;      /* what the last step cache snapshot took (0: none yet) */

@@ -475,8 +475,8 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
         return sp_err_set(err, SP_EINVAL, "force must be a boolean");
     out->force = json_is_true(force);
     /* the builder's outbound traffic, as a sandbox's (core/egress/egress_policy.h); none
-     * given: the internet, as sandboxes get it (package steps need it). Read by the egress
-     * proxy from the build's record while it runs. */
+     * given: the internet, as sandboxes get it (package steps need it). Given to the egress
+     * proxy when the builder starts (sp_tmpl_set_egress). */
     json_t *egress = json_object_get(req, "egress");
     if (egress != NULL && !json_is_null(egress)) {
         sp_egp_t *pol = sp_egp_from_json(egress, "egress", err);

@@ -31,6 +31,7 @@
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplcache.h"
 #include "core/control/tmplfiles.h"
+#include "core/egress/egress.h"
 #include "core/egress/secrets.h"
 #include "core/runtime/qemu.h"
 #include "guest/tmplbuild.h"
@@ -529,6 +530,7 @@ static void destroy_vm(struct build *b)
 {
     sp_err_t e;
     b->ph = P_DESTROY;
+    sp_egress_preset_clear(b->t->egress, b->vm_id); /* from now on it reaches nothing */
     if (!b->vm_up || b->t->driver->ops->destroy(b->t->driver, b->vm_id, on_destroyed, b, &e) < 0)
         on_destroyed(b, b->vm_up ? &e : NULL);
 }
@@ -1265,6 +1267,12 @@ static void start_vm(struct build *b)
               "steps 1-%zu: cached: the builder starts as an earlier build left it "
               "after them",
               n);
+    }
+    /* its build's egress policy, given to the proxy before the builder can reach it */
+    if (sp_egress_preset(t->egress, b->vm_id, b->team, json_object_get(b->req, "egress"), &e) < 0) {
+        fail(b, "cannot set the builder's egress policy: %s", e.msg);
+        record_end(b);
+        return;
     }
     b->vm_up = true;
     if (t->driver == NULL) {

@@ -279,6 +279,33 @@ static void on_policy(void *arg, PGresult *res, const sp_err_t *err)
     sb_policy_ready(sb);
 }
 
+static struct preset *preset_of(const sp_egress_t *eg, const char *id)
+{
+    for (struct preset *ps = eg->presets; ps != NULL; ps = ps->next)
+        if (strcmp(ps->id, id) == 0)
+            return ps;
+    return NULL;
+}
+
+/* A policy that lets nothing out: for VMs without one of their own. */
+static sp_egp_t *deny_all(void)
+{
+    sp_egp_t *p = sp_egp_default();
+    if (p != NULL)
+        p->internet = false;
+    return p;
+}
+
+/* p (owned) is sb's policy from now on. */
+static void sb_apply(struct sb *sb, sp_egp_t *p)
+{
+    sp_egp_free(sb->policy);
+    sb->policy = p;
+    if (sb->loading)
+        sb->reload = true; /* a load in flight may hold the old one */
+    sb_policy_ready(sb);
+}
+
 static void sb_load(struct sb *sb)
 {
     sp_egress_t *eg = sb->eg;
@@ -286,36 +313,27 @@ static void sb_load(struct sb *sb)
         sb->reload = true;
         return;
     }
-    if (strchr(sb->id, ':') != NULL) {
-        /* not a sandbox (a spare clone, core/runtime/qemu/pool.c, until a sandbox takes it): no
-         * row to read, nothing goes out */
-        sp_egp_t *p = sp_egp_default();
+    const struct preset *ps = preset_of(eg, sb->id);
+    if (ps != NULL || strchr(sb->id, ':') != NULL) {
+        /* its owner's policy (sp_egress_preset); or not a sandbox (a spare clone,
+         * core/runtime/qemu/pool.c, until a sandbox takes it): no row to read, nothing goes
+         * out */
+        sp_err_t e;
+        sp_egp_t *p = ps != NULL ? sp_egp_from_json(ps->policy, "egress", &e) : deny_all();
         if (p == NULL) {
             sp_timer_start(&sb->retry, POLICY_RETRY_MS);
             return;
         }
-        p->internet = false;
-        sp_egp_free(sb->policy);
-        sb->policy = p;
-        sb_policy_ready(sb);
+        if (ps != NULL)
+            snprintf(sb->team, sizeof(sb->team), "%s", ps->team);
+        sb_apply(sb, p);
         return;
     }
     const char *p[] = {sb->id};
     sp_err_t e;
-    /* A template build's builder ("bld-" and its build id's first 20 hex digits,
-     * core/control/tmpl.c): its build's policy while the build runs (the request's egress;
-     * none: the default, internet on); a build that has ended has none, so nothing goes out. */
-    bool builder = strncmp(sb->id, "bld-", 4) == 0;
-    if (builder)
-        p[0] = sb->id + 4;
     if (sp_store_query(eg->store,
-                       builder ? "SELECT team_id, CASE jsonb_typeof(request->'egress') WHEN"
-                                 " 'object' THEN (request->'egress')::text ELSE '' END, -1"
-                                 " FROM template_builds WHERE status IN ('queued', 'building')"
-                                 " AND left(replace(id, '-', ''), 20) = $1"
-                               : "SELECT team_id, coalesce(egress::text, ''),"
-                                 " coalesce(allow_internet_access::int, -1) FROM sandboxes "
-                                 "WHERE id = $1",
+                       "SELECT team_id, coalesce(egress::text, ''),"
+                       " coalesce(allow_internet_access::int, -1) FROM sandboxes WHERE id = $1",
                        1, p, on_policy, sb, &e) < 0) {
         sp_timer_start(&sb->retry, POLICY_RETRY_MS);
         return;
@@ -511,11 +529,61 @@ void sp_egress_policy_set(sp_egress_t *eg, const char *sandbox_id, const json_t 
             sb_load(sb);
             continue;
         }
-        sp_egp_free(sb->policy);
-        sb->policy = p;
-        if (sb->loading)
-            sb->reload = true; /* a load in flight may hold the old one */
-        sb_policy_ready(sb);
+        sb_apply(sb, p);
+    }
+}
+
+int sp_egress_preset(sp_egress_t *eg, const char *vm_id, const char *team, const json_t *policy,
+                     sp_err_t *err)
+{
+    if (eg == NULL || eg->dying)
+        return 0;
+    if (strlen(vm_id) >= sizeof(((struct preset *)0)->id) || strlen(team) > SP_ID_LEN)
+        return sp_err_set(err, SP_EINVAL, "VM id or team too long");
+    sp_egp_t *check = sp_egp_from_json(policy, "egress", err);
+    if (check == NULL)
+        return -1;
+    sp_egp_free(check);
+    struct preset *ps = preset_of(eg, vm_id);
+    json_t *copy = policy != NULL && !json_is_null(policy) ? json_deep_copy(policy) : NULL;
+    if ((policy != NULL && !json_is_null(policy) && copy == NULL) ||
+        (ps == NULL && (ps = calloc(1, sizeof(*ps))) == NULL)) {
+        json_decref(copy);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    if (ps->id[0] == '\0') {
+        snprintf(ps->id, sizeof(ps->id), "%s", vm_id);
+        ps->next = eg->presets;
+        eg->presets = ps;
+    }
+    json_decref(ps->policy);
+    ps->policy = copy;
+    snprintf(ps->team, sizeof(ps->team), "%s", team);
+    for (struct sb *sb = eg->sbs; sb != NULL; sb = sb->next)
+        if (strcmp(sb->id, vm_id) == 0)
+            sb_load(sb);
+    return 0;
+}
+
+void sp_egress_preset_clear(sp_egress_t *eg, const char *vm_id)
+{
+    if (eg == NULL)
+        return;
+    for (struct preset **pp = &eg->presets; *pp != NULL; pp = &(*pp)->next) {
+        if (strcmp((*pp)->id, vm_id) != 0)
+            continue;
+        struct preset *ps = *pp;
+        *pp = ps->next;
+        json_decref(ps->policy);
+        free(ps);
+        break;
+    }
+    if (eg->dying)
+        return;
+    for (struct sb *sb = eg->sbs; sb != NULL; sb = sb->next) {
+        sp_egp_t *p;
+        if (strcmp(sb->id, vm_id) == 0 && (p = deny_all()) != NULL)
+            sb_apply(sb, p);
     }
 }
 
@@ -652,6 +720,12 @@ void sp_egress__maybe_free(sp_egress_t *eg)
     if (eg->inflight > 0 || eg->nrunning > 0)
         return;
     sp_egress__audit_free(eg);
+    while (eg->presets != NULL) {
+        struct preset *ps = eg->presets;
+        eg->presets = ps->next;
+        json_decref(ps->policy);
+        free(ps);
+    }
     free(eg);
 }
 

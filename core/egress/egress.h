@@ -116,6 +116,17 @@ void sp_egress_policy_changed(sp_egress_t *eg, const char *sandbox_id);
  * next connection follows it without a database round trip. */
 void sp_egress_policy_set(sp_egress_t *eg, const char *sandbox_id, const json_t *policy);
 
+/* A VM that is not a sandbox (a template build's builder, core/control/tmpl.h) has no row to
+ * read its policy from: its owner gives the policy here before the VM starts and clears it
+ * when the VM's work is over. policy: an object in a sandbox's egress form
+ * (core/egress/egress_policy.h), or NULL for the default (the internet); team: whose VM it is
+ * (audit rows). A VM that has neither a row nor a preset reaches nothing, and one whose preset
+ * is cleared is denied everything at once. Setting a preset again replaces it. -1 with err
+ * (SP_EINVAL) for a policy that does not parse, or out of memory. */
+int sp_egress_preset(sp_egress_t *eg, const char *vm_id, const char *team, const json_t *policy,
+                     sp_err_t *err);
+void sp_egress_preset_clear(sp_egress_t *eg, const char *vm_id);
+
 typedef struct {
     unsigned sandboxes;            /* attached */
     unsigned conns;                /* proxy connections open */

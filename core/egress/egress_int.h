@@ -54,12 +54,21 @@ struct rjob {
 
 struct logrow;
 
+/* A VM's policy given by its owner, not read from a row (sp_egress_preset). */
+struct preset {
+    struct preset *next;
+    char id[65];
+    char team[SP_ID_LEN + 1];
+    json_t *policy; /* NULL: the default */
+};
+
 struct sp_egress {
     sp_loop_t *loop;
     sp_store_t *store;
     sp_egress_opts_t o;
     struct sp_mitm *mitm;
     struct sb *sbs;
+    struct preset *presets;
     sp_egress_stats_t st;
 
     /* proxy.c: the memory budget (egmem.h); sandboxes with connections waiting for credit
