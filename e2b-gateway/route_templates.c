@@ -603,14 +603,15 @@ static void on_list(void *arg, const sp_template_rec_t *recs, size_t n, const sp
                          : strcmp(t->status, "failed") == 0   ? "error"
                                                               : "waiting";
         json_array_append_new(
-            arr, json_pack("{s:s,s:s,s:i,s:i,s:i,s:b,s:[s],s:[s],s:s,s:s,s:n,s:n,s:i,s:i,s:s,s:s}",
-                           "templateID", t->name, "buildID",
-                           t->last_build_id[0] ? t->last_build_id : t->version, "cpuCount",
-                           t->cpu_count, "memoryMB", t->memory_mb, "diskSizeMB", 2048, "public",
-                           t->builtin, "aliases", t->name, "names", t->name, "createdAt",
-                           t->updated_at, "updatedAt", t->updated_at, "createdBy",
-                           "lastSpawnedAt", "spawnCount", 0, "buildCount", 0, "envdVersion",
-                           "0.2.0", "buildStatus", st));
+            arr,
+            json_pack("{s:s,s:s,s:i,s:i,s:i,s:b,s:[s],s:[s],s:s,s:s,s:n,s:n,s:i,s:i,s:s,s:s}",
+                      "templateID", t->name, "buildID",
+                      t->last_build_id[0] ? t->last_build_id : t->version, "cpuCount", t->cpu_count,
+                      "memoryMB", t->memory_mb, "diskSizeMB", t->disk_mb > 0 ? t->disk_mb : 2048,
+                      "public", t->builtin, "aliases", t->name, "names", t->name, "createdAt",
+                      t->updated_at, "updatedAt", t->updated_at, "createdBy", "lastSpawnedAt",
+                      "spawnCount", 0, "buildCount", (int)json_array_size(t->versions),
+                      "envdVersion", "0.2.0", "buildStatus", st));
     }
     sp_e2b__ctl_reply(c, 200, arr);
 }

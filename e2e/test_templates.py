@@ -70,7 +70,7 @@ def logs(s, name, bid, offset=0, key=None):
 class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
     TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3",
-                 "pkg", "pkgoff")
+                 "pkg", "pkgoff", "lim1", "lim2", "lim3")
     MAX_LAYERS = 3
     # The default spare pool: spares of a version keep nothing on disk (test_8).
     ARGS = ("--template-max-layers", str(MAX_LAYERS))
@@ -472,6 +472,24 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual(t["version"], v2)
         for v in t["versions"]:
             self.assertGreater(v["size_bytes"], 0, v)
+        # the list: each template with its versions (tags, sizes) and its last build
+        st, r = s.request("GET", "/v1/templates")
+        self.assertEqual(st, 200, r)
+        lt = [x for x in r["templates"] if x["name"] == "tg"][0]
+        self.assertEqual([(x["version"], sorted(x["tags"])) for x in lt["versions"]],
+                         [(v2, ["default", "v2"]), (v1, ["v1"])], lt)
+        sizes = {x["version"]: x["size_bytes"] for x in t["versions"]}
+        with open(os.path.join(os.path.dirname(__file__), "..", "templates", "base",
+                               "template.json")) as f:
+            disk_mb = json.load(f)["disk_mb"]  # a step build keeps its parent's disk
+        for x in lt["versions"]:
+            self.assertEqual(x["size_bytes"], sizes[x["version"]], (x, t))
+            self.assertEqual(x["disk_mb"], disk_mb, x)
+        self.assertEqual((lt["version"], lt["last_build_id"], lt["last_build_status"],
+                          lt["disk_mb"], lt["size_bytes"]),
+                         (v2, b2["id"], "succeeded", disk_mb, sizes[v2]), lt)
+        base = [x for x in r["templates"] if x["name"] == "base"][0]
+        self.assertEqual((base["builtin"], base["versions"]), (True, []), base)
 
         def cat(sid):
             return s.command(sid, "cat /v")["stdout"].strip()
@@ -571,6 +589,68 @@ class TemplateBuildTest(VmSuite):
                                                     "egress": {"allow": ["a..b"]}})
         self.assertEqual(st, 400, r)
         self.assertIn("egress.allow[0]", r["error"]["message"])
+
+    def test_10_limits(self):
+        """A step that hangs past its own timeout_s, and a build past its time limit: each
+        fails naming the cause, leaves nothing in service and no builder behind. A step that
+        writes more than the log keeps: the log ends with the cap's marker, the build goes on.
+        Three builds of one team at once: the third waits, queued, until one of the first two
+        has ended (two run at a time)."""
+        s = self.s
+        hang = {"name": "lim1", "from": "base",
+                "steps": [{"run": "echo %s; echo start-hang; sleep 100000" % NONCE,
+                           "timeout_s": 15}]}
+        slow = {"name": "lim2", "from": "base", "timeout_s": 25,
+                "steps": [{"run": "echo %s; sleep 100000" % NONCE}]}
+        # each line is about 90 bytes of log (JSON with its time, step and stream)
+        flood = {"name": "lim3", "from": "base",
+                 "steps": [{"run": "echo %s; seq 1 400000" % NONCE}, {"run": "echo after"}]}
+        ids = []
+        for body in (hang, slow, flood):
+            st, r = s.request("POST", "/v1/templates", body, timeout=60)
+            self.assertEqual(st, 202, r)
+            ids.append(r["build"]["id"])
+        st, r = s.request("GET", "/v1/templates/lim3/builds/" + ids[2])
+        self.assertEqual((st, r["build"]["status"], r["build"]["started_at"]),
+                         (202, "queued", None), r)
+
+        def done(name, bid):
+            deadline = time.time() + 600 * MULT
+            while True:
+                st, r = s.request("GET", "/v1/templates/%s/builds/%s?wait=%d"
+                                  % (name, bid, wait_s(120)), timeout=150)
+                self.assertIn(st, (200, 202), r)
+                if r["build"]["status"] not in ("queued", "building"):
+                    return r["build"]
+                self.assertLess(time.time(), deadline, r)
+
+        b1, b2, b3 = done("lim1", ids[0]), done("lim2", ids[1]), done("lim3", ids[2])
+        self.assertEqual((b1["status"], b1["failed_step"]), ("failed", 1), b1)
+        self.assertIn("did not finish within its timeout_s", b1["error"])
+        self.assertIn("start-hang", b1["error"])
+        self.assertEqual(b2["status"], "failed", b2)
+        self.assertIn("within its time limit of 25 s", b2["error"])
+        self.assertEqual(b3["status"], "succeeded", b3)
+        # the queued one started once one of the first two had ended
+        self.assertGreaterEqual(b3["started_at"], min(b1["finished_at"], b2["finished_at"]))
+        lines = logs(s, "lim3", ids[2])
+        size = sum(len(json.dumps(x, separators=(",", ":"))) + 1 for x in lines)
+        self.assertLessEqual(size, (16 << 20) + 256)  # the cap, and its marker
+        self.assertIn("size limit", lines[-1]["line"], lines[-1])
+        nums = [x["line"] for x in lines if x.get("stream") == "stdout" and x.get("step") == 1]
+        self.assertEqual(nums[0], NONCE)
+        self.assertGreater(len(nums), 100000)
+        self.assertLess(len(nums), 400001)  # cut: not every line was kept
+        self.assertEqual(nums[1:], [str(i) for i in range(1, len(nums))])  # in order, none lost
+        self.assertNotIn("after", [x.get("line") for x in lines])  # past the cap
+        for name in ("lim1", "lim2"):
+            st, r = s.request("POST", "/v1/sandboxes", {"template": name})
+            self.assertIn(st, (404, 409), (name, r))
+            d = os.path.join(DATA, "templates", name)
+            self.assertFalse([x for x in (os.listdir(d) if os.path.isdir(d) else [])
+                              if x.startswith(".build-")], name)
+        self.assertFalse([d for d in os.listdir(os.path.join(DATA, "vms"))
+                          if d.startswith("bld-")])
 
     def test_8_layers_squashed(self):
         """Templates built on templates: each one's image is a layer over its parent's until

@@ -352,6 +352,12 @@ json_t *sp_napi__template_json(const sp_template_rec_t *t)
     json_object_set_new(o, "parent", t->parent[0] ? json_string(t->parent) : json_null());
     json_object_set_new(o, "last_build_id",
                         t->last_build_id[0] ? json_string(t->last_build_id) : json_null());
+    json_object_set_new(o, "last_build_status",
+                        t->last_build_status[0] ? json_string(t->last_build_status) : json_null());
+    json_object_set_new(o, "disk_mb", t->disk_mb > 0 ? json_integer(t->disk_mb) : json_null());
+    json_object_set_new(o, "size_bytes",
+                        t->size_bytes >= 0 ? json_integer(t->size_bytes) : json_null());
+    json_object_set_new(o, "versions", t->versions ? json_deep_copy(t->versions) : json_array());
     return o;
 }
 

@@ -182,6 +182,72 @@ class SpacectlTest(unittest.TestCase):
         self.assertEqual(r.returncode, 1, r)
         self.assertIn("built in", r.stderr)
 
+    def test_template_from_dockerfile(self):
+        # A Dockerfile and its context directory: the context is packed and uploaded as a
+        # template file, the build follows the Dockerfile (COPY from the context, ENV, RUN,
+        # USER, CMD), and a sandbox of it has the files, the env and the CMD running. The same
+        # files again pack to the same key: the build comes from the cache.
+        nonce = "n%d-%d" % (os.getpid(), time.time_ns() % 1000000)
+        ctx = os.path.join(self.tmp, "ctx")
+        os.makedirs(os.path.join(ctx, "site"), exist_ok=True)
+        with open(os.path.join(ctx, "site", "index.html"), "w") as f:
+            f.write("from-dockerfile-%s\n" % nonce)
+        with open(os.path.join(ctx, "setup.sh"), "w") as f:
+            f.write("#!/bin/sh\necho \"$1\" > /etc/dockerfile-setup\n")
+        os.chmod(os.path.join(ctx, "setup.sh"), 0o755)
+        df = os.path.join(self.tmp, "Dockerfile")
+        with open(df, "w") as f:
+            f.write("FROM base\n"
+                    "ENV MODE=cli\n"
+                    "COPY --chown=user site/ /srv/site/\n"
+                    "COPY setup.sh /usr/local/bin/\n"
+                    "RUN /usr/local/bin/setup.sh \"$MODE\"\n"
+                    "USER user\n"
+                    "WORKDIR /srv/site\n"
+                    "CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]\n")
+        r = self.ctl("template", "build", "clidock", "--dockerfile", df, "--context", ctx,
+                     "--ready-cmd", "curl -sf http://127.0.0.1:8000/", timeout=900)
+        self.assertEqual(r.returncode, 0, r)
+        self.assertIn("template clidock: version", r.stdout)
+        self.assertNotIn("(cached)", r.stdout)
+        try:
+            out = self.ok("sandbox", "create", "--template", "clidock", "--wait", "--json",
+                          timeout=240).stdout
+            sid = json.loads(out)["sandbox"]["id"]
+            try:
+                r = self.ctl("exec", sid, "--", "sh", "-c",
+                             "curl -sf http://127.0.0.1:8000/index.html; cat /etc/dockerfile-setup;"
+                             " p=$(grep -l '^python3' /proc/[0-9]*/cmdline | cut -d/ -f3);"
+                             " echo \"$MODE $(stat -c %U /proc/$p)"
+                             " $(readlink /proc/$p/cwd)\"; stat -c %U /srv/site/index.html")
+                # the CMD runs as the USER, in the WORKDIR
+                want = "from-dockerfile-%s\ncli\ncli user /srv/site\nuser\n" % nonce
+                self.assertEqual((r.returncode, r.stdout), (0, want), r)
+            finally:
+                self.ctl("sandbox", "delete", sid)
+            # the same Dockerfile and files (touched: times do not count): from the cache
+            os.utime(os.path.join(ctx, "setup.sh"), (1, 1))
+            r = self.ctl("template", "build", "clidock", "--dockerfile", df, "--context", ctx,
+                         "--ready-cmd", "curl -sf http://127.0.0.1:8000/", timeout=300)
+            self.assertEqual(r.returncode, 0, r)
+            self.assertIn("(cached)", r.stdout)
+        finally:
+            self.ctl("template", "delete", "clidock")
+        # what cannot work is refused before anything is sent
+        for args, msg in ((("--dockerfile", df, "--from", "base"), "FROM is the parent"),
+                          (("--context", ctx), "goes with --dockerfile"),
+                          (("--dockerfile", df, "--context", df), "not a directory"),
+                          (("--dockerfile", os.path.join(self.tmp, "nope")), "No such file")):
+            r = self.ctl("template", "build", "clidock2", *args)
+            self.assertEqual(r.returncode, 1, (args, r))
+            self.assertIn(msg, r.stderr, args)
+        # the server's own refusal of an instruction it does not take, with its line
+        with open(df, "a") as f:
+            f.write("HEALTHCHECK CMD true\n")
+        r = self.ctl("template", "build", "clidock2", "--dockerfile", df, "--context", ctx)
+        self.assertEqual(r.returncode, 1, r)
+        self.assertIn("line 9: HEALTHCHECK is not supported", r.stderr)
+
     # ---- exec ----
 
     def test_exec_status_and_streams(self):

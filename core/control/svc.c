@@ -265,8 +265,18 @@ static void templates_done(void *rec, PGresult *res, const sp_err_t *err)
         SP_STORE_TEXT(res, i, 7, recs[i].version);
         SP_STORE_TEXT(res, i, 8, recs[i].parent);
         SP_STORE_TEXT(res, i, 10, recs[i].last_build_id);
+        SP_STORE_TEXT(res, i, 11, recs[i].last_build_status);
+        recs[i].versions = json_loads(PQgetvalue(res, i, 12), 0, NULL);
+        if (!json_is_array(recs[i].versions)) {
+            json_decref(recs[i].versions);
+            recs[i].versions = json_array();
+        }
+        recs[i].disk_mb = PQgetisnull(res, i, 13) ? 0 : atoi(PQgetvalue(res, i, 13));
+        recs[i].size_bytes = PQgetisnull(res, i, 14) ? -1 : atoll(PQgetvalue(res, i, 14));
     }
     cb(c->arg, recs, (size_t)n, NULL);
+    for (int i = 0; i < n; i++)
+        json_decref(recs[i].versions);
     free(recs);
 }
 
@@ -274,16 +284,32 @@ int sp_svc_templates(sp_svc_t *svc, const sp_auth_t *a, const char *name,
                      sp_svc_templates_cb cb, void *arg, sp_err_t *err)
 {
     const char *p[] = {name, a->team_id};
+    /* SQL with TS() between its strings: clang-format would break it apart */
+    /* clang-format off */
     return submit(svc,
                   "SELECT name, description, cpu_count, memory_mb, status, " TS("updated_at")
                   ", team_id IS NULL, coalesce(build_id, ''), coalesce(parent, ''),"
                   " (SELECT max(" TS("b.created_at") ") FROM template_builds b"
                   "  WHERE b.template = t.name AND b.team_id = $2),"
                   " (SELECT b.id FROM template_builds b WHERE b.template = t.name"
-                  "  AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 1)"
+                  "  AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 1),"
+                  " (SELECT b.status FROM template_builds b WHERE b.template = t.name"
+                  "  AND b.team_id = $2 ORDER BY b.created_at DESC LIMIT 1),"
+                  " coalesce((SELECT json_agg(json_build_object('version', v.hash,"
+                  "  'created_at', " TS("v.created_at") ", 'disk_mb', v.disk_mb,"
+                  "  'size_bytes', v.size_bytes, 'tags', coalesce((SELECT json_agg(g.tag"
+                  "  ORDER BY g.tag) FROM template_tags g WHERE g.template = v.template"
+                  "  AND g.hash = v.hash), '[]'::json)) ORDER BY v.created_at DESC)"
+                  "  FROM template_versions v WHERE v.template = t.name"
+                  "  AND t.team_id IS NOT NULL), '[]'::json)::text,"
+                  " (SELECT v.disk_mb FROM template_versions v WHERE v.template = t.name"
+                  "  AND v.hash = t.build_id),"
+                  " (SELECT v.size_bytes FROM template_versions v WHERE v.template = t.name"
+                  "  AND v.hash = t.build_id)"
                   " FROM templates t WHERE ($1::text IS NULL OR name = $1)"
                   " AND deleted_at IS NULL AND (team_id IS NULL OR team_id = $2) ORDER BY name",
                   2, p, templates_done, (void *)cb, arg, name != NULL, err);
+    /* clang-format on */
 }
 
 /* ---- sandboxes ---- */

@@ -46,7 +46,13 @@ typedef struct {
     bool builtin;        /* everyone's (compiled in); else the caller's team's */
     char version[65];    /* the current version's hash; "" when none */
     char parent[65];     /* "" for a built-in one */
-    char last_build_id[SP_ID_LEN + 1]; /* the team's latest build of it; "" when none */
+    char last_build_id[37];     /* the team's latest build of it (a UUID); "" when none */
+    char last_build_status[16]; /* that build's status; "" when none */
+    int disk_mb;                /* the current version's disk capacity; 0 when unknown */
+    long long size_bytes;       /* its image's bytes on disk; -1 when unknown */
+    /* a team's template's versions, newest first (version, created_at, tags, disk_mb,
+     * size_bytes): an array, borrowed for the callback; empty for a built-in one */
+    json_t *versions;
 } sp_template_rec_t;
 
 typedef struct {

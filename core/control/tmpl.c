@@ -552,6 +552,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     b->t = t;
     b->log_fd = -1;
+    b->size_bytes = -1;
     b->copy_fd = -1;
     sp_timer_init(&b->deadline, t->loop, sp_tmpl__on_deadline, b);
     if (reserved != NULL)

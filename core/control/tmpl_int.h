@@ -113,6 +113,7 @@ struct build {
     int log_fd;
     uint64_t log_bytes;
     bool log_capped;
+    long long size_bytes; /* the new version's image on disk, once written; -1 before */
     sp_timer_t deadline;
     uint64_t t0;
     uint64_t ckpt_ms; /* when the builder came up or last got a step cache snapshot */

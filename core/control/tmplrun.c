@@ -274,9 +274,11 @@ static void record_end(struct build *b)
             4, p, sizeof(struct build *), on_recorded, &e);
     } else {
         const json_t *desc = json_object_get(b->req, "description");
-        char cpus[16], mem[16];
+        char cpus[16], mem[16], disk[16], size[24];
         snprintf(cpus, sizeof cpus, "%d", b->cpu_count);
         snprintf(mem, sizeof mem, "%d", b->memory_mb);
+        snprintf(disk, sizeof disk, "%d", b->pp.disk_mb);
+        snprintf(size, sizeof size, "%lld", b->size_bytes);
         env = json_dumps(b->env, JSON_COMPACT);
         char *tags = json_dumps(json_object_get(b->req, "tags"), JSON_COMPACT);
         const char *p[] = {b->id,
@@ -289,7 +291,9 @@ static void record_end(struct build *b)
                            env,
                            b->parent,
                            tags ? tags : "[\"default\"]",
-                           has_default(b) ? "true" : "false"};
+                           has_default(b) ? "true" : "false",
+                           b->pp.disk_mb > 0 ? disk : NULL,
+                           b->size_bytes >= 0 ? size : NULL};
         /* the version (its first build's id kept), its tags moved to it; the templates row
          * describes the default tag's version */
         rec = sp_store_call(
@@ -298,8 +302,12 @@ static void record_end(struct build *b)
             "  cached = $3::bool, finished_at = now(), started_at = coalesce(started_at, now())"
             "  WHERE id = $1 RETURNING pg_notify('" SP_TMPL_NOTIFY "', id)),"
             " v AS (INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb,"
-            "  env) VALUES ($4, $2, $1, $6::int, $7::int, $8::jsonb)"
-            "  ON CONFLICT (template, hash) DO NOTHING RETURNING 1),"
+            "  env, disk_mb, size_bytes)"
+            "  VALUES ($4, $2, $1, $6::int, $7::int, $8::jsonb, $12::int, $13::bigint)"
+            "  ON CONFLICT (template, hash) DO UPDATE SET"
+            "  disk_mb = coalesce(template_versions.disk_mb, EXCLUDED.disk_mb),"
+            "  size_bytes = coalesce(template_versions.size_bytes, EXCLUDED.size_bytes)"
+            "  RETURNING 1),"
             " g AS (INSERT INTO template_tags (template, tag, hash)"
             "  SELECT $4, x, $2 FROM jsonb_array_elements_text($10::jsonb) x"
             "  ON CONFLICT (template, tag) DO UPDATE SET hash = EXCLUDED.hash, created_at = now()"
@@ -313,7 +321,7 @@ static void record_end(struct build *b)
             "  parent = $9, deleted_at = NULL, updated_at = now()"
             " WHERE name = $4 AND (SELECT count(*) FROM b) + (SELECT count(*) FROM v)"
             "  + (SELECT count(*) FROM g) >= 0",
-            11, p, sizeof(struct build *), on_recorded, &e);
+            13, p, sizeof(struct build *), on_recorded, &e);
         free(tags);
     }
     free(env);
@@ -396,6 +404,7 @@ static int write_manifest(struct build *b, const char *wdir)
     }
     json_t *spec = json_deep_copy(b->req);
     json_object_set_new(spec, "parent_hash", json_string(b->pp.hash));
+    b->size_bytes = (long long)st.st_blocks * 512;
     int rc = json_object_set_new(m, "name", json_string(b->name)) |
              json_object_set_new(m, "hash", json_string(b->hash)) |
              json_object_set_new(m, "rootfs", json_string(rootfs)) |
@@ -404,7 +413,7 @@ static int write_manifest(struct build *b, const char *wdir)
              json_object_set_new(m, "memory_mb", json_integer(b->memory_mb)) |
              json_object_set_new(m, "warmup", warmup_argv(b)) |
              json_object_set_new(m, "env", json_deep_copy(b->env)) |
-             json_object_set_new(m, "rootfs_bytes", json_integer((json_int_t)st.st_blocks * 512)) |
+             json_object_set_new(m, "rootfs_bytes", json_integer((json_int_t)b->size_bytes)) |
              json_object_set_new(m, "built_at", json_integer((json_int_t)time(NULL))) |
              json_object_set_new(m, "build_seconds",
                                  json_real((double)(sp_loop_now_ms(b->t->loop) - b->t0) / 1000.0)) |

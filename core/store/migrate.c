@@ -76,7 +76,8 @@ static const char *const migrations[] = {
     "  error_message text,"
     "  created_at timestamptz NOT NULL DEFAULT now(),"
     "  finished_at timestamptz);"
-    "CREATE INDEX operations_active ON operations (sandbox_id) WHERE status IN ('pending','running');"
+    "CREATE INDEX operations_active ON operations (sandbox_id) WHERE status IN "
+    "('pending','running');"
     "CREATE TABLE events ("
     "  id bigserial PRIMARY KEY,"
     "  sandbox_id text NOT NULL,"
@@ -112,8 +113,8 @@ static const char *const migrations[] = {
     "  bytes_down bigint NOT NULL DEFAULT 0,"
     "  duration_ms int NOT NULL DEFAULT 0);"
     "CREATE INDEX egress_log_sandbox ON egress_log (sandbox_id, id DESC);",
-    /* 4: credentials added outside the VM (core/egress/secrets.h, core/egress/mitm.h). box is the value
-     * sealed with the master key, which is never stored here; credentials are the sandbox's
+    /* 4: credentials added outside the VM (core/egress/secrets.h, core/egress/mitm.h). box is the
+     * value sealed with the master key, which is never stored here; credentials are the sandbox's
      * rules; sandbox_cas holds each sandbox's egress CA, its key sealed the same way. */
     "CREATE TABLE secrets ("
     "  team_id text NOT NULL REFERENCES teams(id),"
@@ -564,6 +565,10 @@ static const char *const migrations[] = {
      * files are in the shared snapshot dir too (driver.h: SP_CKPT_SHARED), so a create from
      * it may be placed on any worker (its worker_id preferred: it holds a copy already). */
     "ALTER TABLE snapshots ADD COLUMN shared boolean NOT NULL DEFAULT false;",
+    /* 23: a template version's sizes, for listings (core/control/svc.h). disk_mb: the capacity
+     * of its sandboxes' disk; size_bytes: what its own image takes on the disk of the worker
+     * that built it. Both written when the build that made it ends; NULL for older rows. */
+    "ALTER TABLE template_versions ADD COLUMN disk_mb int, ADD COLUMN size_bytes bigint;",
 };
 
 int sp_migrate_latest(void)
