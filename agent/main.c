@@ -7,6 +7,7 @@
  *   --log-level debug|info|warn|error
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +20,7 @@
 #include "agent/chan.h"
 #include "agent/egress.h"
 #include "agent/ev.h"
+#include "agent/growfs.h"
 #include "agent/proc.h"
 #include "agent/sess.h"
 #include "agent/sysinit.h"
@@ -91,7 +93,7 @@ static int init_worker(void *arg)
 static int usage(void)
 {
     fprintf(stderr, "usage: space-agent --init | --channel PATH | --listen-unix PATH "
-                    "[--log-level LEVEL] [--env-file PATH]\n");
+                    "[--log-level LEVEL] [--env-file PATH] | --grow-root | --version\n");
     return 2;
 }
 
@@ -113,6 +115,15 @@ int main(int argc, char **argv)
                 return usage();
         } else if (strcmp(argv[i], "--version") == 0) {
             printf("space-agent %s\n", SP_AGENT_VERSION);
+            return 0;
+        } else if (strcmp(argv[i], "--grow-root") == 0 && argc == 2) {
+            uint64_t from = 0, to = 0;
+            sp_err_t e;
+            if (sp_agent_grow_fs("/", &from, &to, &e) < 0) {
+                fprintf(stderr, "space-agent: %s\n", e.msg);
+                return 1;
+            }
+            printf("root filesystem: %" PRIu64 " -> %" PRIu64 " blocks\n", from, to);
             return 0;
         } else {
             return usage();

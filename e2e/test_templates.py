@@ -70,7 +70,7 @@ def logs(s, name, bid, offset=0, key=None):
 class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
     TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3",
-                 "pkg", "pkgoff", "lim1", "lim2", "lim3")
+                 "pkg", "pkgoff", "lim1", "lim2", "lim3", "dsk", "dsk2")
     MAX_LAYERS = 3
     # The default spare pool: spares of a version keep nothing on disk (test_8).
     ARGS = ("--template-max-layers", str(MAX_LAYERS))
@@ -651,6 +651,52 @@ class TemplateBuildTest(VmSuite):
                               if x.startswith(".build-")], name)
         self.assertFalse([d for d in os.listdir(os.path.join(DATA, "vms"))
                           if d.startswith("bld-")])
+
+    def test_11_disk_size(self):
+        """disk_mb grows the builder's disk (and its filesystem, online) before the steps: a
+        step can fill more than the parent's disk holds, and the template's sandboxes get the
+        larger disk, as do templates built on it. A disk cannot shrink: 400."""
+        s = self.s
+        with open(os.path.join(os.path.dirname(__file__), "..", "templates", "base",
+                               "template.json")) as f:
+            base_mb = json.load(f)["disk_mb"]
+        want = base_mb + 1024
+
+        def size_mb(sid):  # the root filesystem's size, as df sees it
+            return int(s.command(sid, "df -B1M --output=size / | tail -n 1")["stdout"])
+
+        before = size_mb(self.create("base"))
+        self.assertLess(before, base_mb + 1)
+        # more than the parent's whole disk: only fits on the grown one (fallocate writes
+        # no data, so the image stays small)
+        fill = {"run": "echo %s && fallocate -l %dM /fill && ls -s --block-size=1M /fill && "
+                       "rm /fill" % (NONCE, base_mb + 256), "user": "root"}
+        b = build(s, {"name": "dsk", "from": "base", "disk_mb": want, "steps": [fill]})
+        self.assertEqual(b["status"], "succeeded",
+                         (b, [x.get("line") for x in logs(s, "dsk", b["id"])][-20:]))
+        text = [x.get("line") for x in logs(s, "dsk", b["id"])]
+        self.assertIn("growing the builder's disk from %d to %d MiB" % (base_mb, want), text)
+        sid = self.create("dsk")
+        grown = size_mb(sid)
+        self.assertGreater(grown, before + 900, (before, grown))
+        self.assertLess(grown, want + 1)
+        st, r = s.request("GET", "/v1/templates")
+        lt = [x for x in r["templates"] if x["name"] == "dsk"][0]
+        self.assertEqual((lt["disk_mb"], lt["versions"][0]["disk_mb"]), (want, want), lt)
+        # built on it: the grown disk, as its parent's
+        b2 = build(s, {"name": "dsk2", "from": "dsk", "steps": [{"run": "echo %s" % NONCE}]})
+        self.assertEqual(b2["status"], "succeeded", b2)
+        self.assertEqual(size_mb(self.create("dsk2")), grown)
+        # the same inputs without the disk asked for: another version (the disk is an input)
+        b3 = build(s, {"name": "dsk", "from": "base", "steps": [{"run": "echo %s" % NONCE}]})
+        self.assertEqual(b3["status"], "succeeded", b3)
+        self.assertLessEqual(size_mb(self.create("dsk")), before)
+        for disk, msg in ((base_mb - 1, "grow, not shrink"), (100, "disk_mb must be"),
+                          ("big", "disk_mb must be")):
+            st, r = s.request("POST", "/v1/templates",
+                              {"name": "dsk", "from": "base", "disk_mb": disk})
+            self.assertEqual(st, 400, (disk, r))
+            self.assertIn(msg, r["error"]["message"])
 
     def test_8_layers_squashed(self):
         """Templates built on templates: each one's image is a layer over its parent's until

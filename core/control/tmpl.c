@@ -392,6 +392,8 @@ void sp_tmpl__input_hash(struct build *b)
                            b->ready_s, "cpu_count", b->cpu_count, "memory_mb", b->memory_mb);
     if (b->force) /* a forced build makes a version of its own */
         json_object_set_new(in, "build", json_string(b->id));
+    if (b->disk_mb > 0) /* only when asked: the versions built before keep their hashes */
+        json_object_set_new(in, "disk_mb", json_integer(b->disk_mb));
     char *s = json_dumps(in, JSON_COMPACT | JSON_SORT_KEYS);
     json_decref(in);
     unsigned char h[crypto_hash_sha256_BYTES];
@@ -617,6 +619,15 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
                               i, fk, fk);
         }
     }
+    if (image == NULL && br.disk_mb > 0 && br.disk_mb < b->pp.disk_mb) {
+        int have = b->pp.disk_mb;
+        sp_tmpl__build_free(b);
+        return sp_err_set(err, SP_EINVAL,
+                          "disk_mb %d is below the parent's disk (%d MiB): a template's disk can "
+                          "grow, not shrink",
+                          br.disk_mb, have);
+    }
+    b->disk_mb = br.disk_mb > b->pp.disk_mb || image != NULL ? br.disk_mb : 0;
     b->cpu_count = cpus > 0 ? cpus : (b->pp.cpu_count > 0 ? b->pp.cpu_count : 1);
     b->memory_mb = mem > 0 ? mem : (b->pp.memory_mb > 0 ? b->pp.memory_mb : 256);
     if (image == NULL)

@@ -76,6 +76,7 @@
 #define SP_TMPL_BUILDS       2
 #define SP_TMPL_LOG_MAX      (16u << 20)
 #define SP_TMPL_TIMEOUT_S    1800 /* default build time limit */
+#define SP_TMPL_DISK_MAX_MB  1048576 /* a template's disk, as its specs allow (tmplbuild.h) */
 #define SP_TMPL_TIMEOUT_MAX  (24 * 3600)
 #define SP_TMPL_READY_S      60 /* default ready_cmd limit; at most SP_TMPL_READY_MAX */
 #define SP_TMPL_READY_MAX    590
@@ -199,6 +200,7 @@ typedef struct {
     const char *reg_user, *reg_pass, *reg_secret; /* its registry's credentials, or NULL */
     const json_t *steps;            /* checked; NULL when absent */
     int cpu_count, memory_mb;       /* 0: the parent's */
+    int disk_mb;                    /* 0: the parent's (a disk grows, never shrinks) */
     int timeout_s, ready_timeout_s; /* defaults when absent */
     bool force;
 } sp_tmpl_build_req_t;

@@ -14,13 +14,15 @@
 #include "base/log.h"
 
 void sp_tmplcache_key(const char *team, const char *parent_hash, int cpu_count, int memory_mb,
-                      const json_t *steps, size_t n, char out[SP_TMPLCACHE_ID_LEN + 1])
+                      int disk_mb, const json_t *steps, size_t n, char out[SP_TMPLCACHE_ID_LEN + 1])
 {
     json_t *prefix = json_array();
     for (size_t i = 0; i < n && i < json_array_size(steps); i++)
         json_array_append(prefix, json_array_get(steps, i));
     json_t *in = json_pack("{s:s,s:s,s:i,s:i,s:o}", "team", team, "parent_hash", parent_hash,
                            "cpu_count", cpu_count, "memory_mb", memory_mb, "steps", prefix);
+    if (in != NULL && disk_mb > 0) /* only then: the keys of entries made before stay */
+        json_object_set_new(in, "disk_mb", json_integer(disk_mb));
     char *s = in != NULL ? json_dumps(in, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
     json_decref(in);
     unsigned char h[crypto_hash_sha256_BYTES];
@@ -32,13 +34,13 @@ void sp_tmplcache_key(const char *team, const char *parent_hash, int cpu_count, 
 }
 
 size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_hash, int cpu_count,
-                         int memory_mb, const json_t *steps, size_t max_n,
+                         int memory_mb, int disk_mb, const json_t *steps, size_t max_n,
                          char out[SP_TMPLCACHE_ID_LEN + 1])
 {
     if (d == NULL || d->ops->checkpoint_exists == NULL)
         return 0;
     for (size_t n = max_n; n >= 1; n--) {
-        sp_tmplcache_key(team, parent_hash, cpu_count, memory_mb, steps, n, out);
+        sp_tmplcache_key(team, parent_hash, cpu_count, memory_mb, disk_mb, steps, n, out);
         if (d->ops->checkpoint_exists(d, out) == 1)
             return n;
     }

@@ -23,13 +23,15 @@
 #define SP_TMPLCACHE_ID_LEN 35 /* "bc-" + 32 */
 #define SP_TMPLCACHE_KEEP   32 /* entries kept on a data dir; the oldest go first */
 
-/* The entry id after steps[0..n-1] (n >= 1) into out. */
+/* The entry id after steps[0..n-1] (n >= 1) into out. disk_mb: the disk the builder was
+ * grown to before its steps (0: its parent's, as it came). */
 void sp_tmplcache_key(const char *team, const char *parent_hash, int cpu_count, int memory_mb,
-                      const json_t *steps, size_t n, char out[SP_TMPLCACHE_ID_LEN + 1]);
+                      int disk_mb, const json_t *steps, size_t n,
+                      char out[SP_TMPLCACHE_ID_LEN + 1]);
 
 /* The largest n <= max_n whose entry the driver has (0: none), its id into out. */
-size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_hash,
-                         int cpu_count, int memory_mb, const json_t *steps, size_t max_n,
+size_t sp_tmplcache_find(sp_driver_t *d, const char *team, const char *parent_hash, int cpu_count,
+                         int memory_mb, int disk_mb, const json_t *steps, size_t max_n,
                          char out[SP_TMPLCACHE_ID_LEN + 1]);
 
 /* Deletes the driver's oldest entries beyond keep (by when they were taken). */

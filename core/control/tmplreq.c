@@ -387,7 +387,7 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
     static const char *const allowed[] = {
         "name",      "description", "from",      "steps", "start_cmd",       "ready_cmd",
         "cpu_count", "memory_mb",   "timeout_s", "force", "ready_timeout_s", "tags",
-        "egress",    NULL};
+        "egress",    "disk_mb",     NULL};
     if (!json_is_object(req))
         return sp_err_set(err, SP_EINVAL, "the body must be a JSON object");
     const char *key;
@@ -467,6 +467,7 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
     if (opt_int(req, "cpu_count", 1, SP_SVC_MAX_CPUS, &out->cpu_count, err) < 0 ||
         opt_int(req, "memory_mb", SP_SVC_MIN_MEMORY_MB, SP_SVC_MAX_MEMORY_MB, &out->memory_mb,
                 err) < 0 ||
+        opt_int(req, "disk_mb", 256, SP_TMPL_DISK_MAX_MB, &out->disk_mb, err) < 0 ||
         opt_int(req, "timeout_s", 1, SP_TMPL_TIMEOUT_MAX, &out->timeout_s, err) < 0 ||
         opt_int(req, "ready_timeout_s", 1, SP_TMPL_READY_MAX, &out->ready_timeout_s, err) < 0)
         return -1;

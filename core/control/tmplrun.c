@@ -126,11 +126,12 @@ static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, boo
 {
     static const char *const names[2] = {"stdout", "stderr"};
     sp_buf_t *lb = &b->line[fd];
+    int step = b->growing ? 0 : (int)b->step + 1; /* the disk's grow is before step 1 */
     if (n > 0)
         tail_add(b, p, n);
     for (size_t i = 0; i < n; i++) {
         if (p[i] == '\n' || lb->len >= LINE_MAX_B) {
-            log_raw(b, "info", (int)b->step + 1, names[fd], (const char *)lb->p, lb->len);
+            log_raw(b, "info", step, names[fd], (const char *)lb->p, lb->len);
             sp_buf_reset(lb);
             if (p[i] == '\n')
                 continue;
@@ -138,7 +139,7 @@ static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, boo
         sp_buf_add(lb, p + i, 1);
     }
     if (final && lb->len > 0) {
-        log_raw(b, "info", (int)b->step + 1, names[fd], (const char *)lb->p, lb->len);
+        log_raw(b, "info", step, names[fd], (const char *)lb->p, lb->len);
         sp_buf_reset(lb);
     }
 }
@@ -147,6 +148,12 @@ static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, boo
 
 static void advance(struct build *b);
 static bool has_default(const struct build *b);
+
+/* The new version's disk: as asked, else its parent's. */
+static int disk_mb_of(const struct build *b)
+{
+    return b->disk_mb > 0 ? b->disk_mb : b->pp.disk_mb;
+}
 
 static void wipe_free(char *s)
 {
@@ -277,7 +284,7 @@ static void record_end(struct build *b)
         char cpus[16], mem[16], disk[16], size[24];
         snprintf(cpus, sizeof cpus, "%d", b->cpu_count);
         snprintf(mem, sizeof mem, "%d", b->memory_mb);
-        snprintf(disk, sizeof disk, "%d", b->pp.disk_mb);
+        snprintf(disk, sizeof disk, "%d", disk_mb_of(b));
         snprintf(size, sizeof size, "%lld", b->size_bytes);
         env = json_dumps(b->env, JSON_COMPACT);
         char *tags = json_dumps(json_object_get(b->req, "tags"), JSON_COMPACT);
@@ -292,7 +299,7 @@ static void record_end(struct build *b)
                            b->parent,
                            tags ? tags : "[\"default\"]",
                            has_default(b) ? "true" : "false",
-                           b->pp.disk_mb > 0 ? disk : NULL,
+                           disk_mb_of(b) > 0 ? disk : NULL,
                            b->size_bytes >= 0 ? size : NULL};
         /* the version (its first build's id kept), its tags moved to it; the templates row
          * describes the default tag's version */
@@ -411,6 +418,7 @@ static int write_manifest(struct build *b, const char *wdir)
              json_object_set_new(m, "parent", json_string(b->parent)) |
              json_object_set_new(m, "cpu_count", json_integer(b->cpu_count)) |
              json_object_set_new(m, "memory_mb", json_integer(b->memory_mb)) |
+             json_object_set_new(m, "disk_mb", json_integer(disk_mb_of(b))) |
              json_object_set_new(m, "warmup", warmup_argv(b)) |
              json_object_set_new(m, "env", json_deep_copy(b->env)) |
              json_object_set_new(m, "rootfs_bytes", json_integer((json_int_t)b->size_bytes)) |
@@ -688,7 +696,7 @@ static void step_done(struct build *b)
         return;
     }
     char id[SP_TMPLCACHE_ID_LEN + 1];
-    sp_tmplcache_key(b->team, b->pp.hash, b->cpu_count, b->memory_mb,
+    sp_tmplcache_key(b->team, b->pp.hash, b->cpu_count, b->memory_mb, b->disk_mb,
                      json_object_get(b->req, "steps"), b->step, id);
     sp_err_t e;
     b->ph = P_CKPT;
@@ -726,7 +734,12 @@ static void on_step_event(void *arg, const sp_exec_ev_t *ev)
         snprintf(what, sizeof what, "%.80s", json_string_value(run));
     else
         snprintf(what, sizeof what, "%.80s", json_string_value(json_array_get(run, 0)));
-    if (b->finishing) {
+    if (b->growing) {
+        b->growing = false;
+        if (ev->type == SP_EXEC_EV_ERROR || !ev->exited || ev->exit_code != 0)
+            fail(b, "growing the builder's filesystem to %d MiB failed: %s", b->disk_mb,
+                 ev->type == SP_EXEC_EV_ERROR ? ev->err->msg : b->tail);
+    } else if (b->finishing) {
         if (ev->type == SP_EXEC_EV_ERROR || !ev->exited || ev->exit_code != 0)
             fail(b, "writing the template's env file and syncing the disk failed: %s",
                  ev->type == SP_EXEC_EV_ERROR ? ev->err->msg : b->tail);
@@ -791,7 +804,8 @@ static void run_cmd(struct build *b, const json_t *run, const json_t *extra_env,
     free(env);
     sp_buf_free(&store);
     if (b->op == NULL) {
-        b->failed_step = b->finishing ? 0 : (int)b->step + 1;
+        b->failed_step = b->finishing || b->growing ? 0 : (int)b->step + 1;
+        b->growing = false;
         fail(b, "step %zu could not start: %s", b->step + 1,
              conn == NULL ? "the builder VM has no agent channel"
                           : (env == NULL ? "out of memory" : e.msg));
@@ -936,6 +950,34 @@ static void start_copy(struct build *b, const json_t *c)
 }
 
 /* Runs the steps from b->step on, then writes the env file, syncs, and pauses. */
+/* The builder's disk grown to the disk_mb asked for, before the first step: by the runtime,
+ * then its filesystem by the agent, as root (agent/growfs.h), which is any image's. */
+static void on_disk_grown(void *arg, const sp_err_t *err)
+{
+    struct build *b = arg;
+    if (err != NULL)
+        fail(b, "cannot grow the builder's disk to %d MiB: %s", b->disk_mb, err->msg);
+    if (b->failed) {
+        advance(b);
+        return;
+    }
+    b->growing = true;
+    json_t *cmd = json_pack("[s,s]", "/usr/local/bin/space-agent", "--grow-root");
+    run_cmd(b, cmd, NULL, "root", "/", 300000, NULL, 0);
+    json_decref(cmd);
+}
+
+static void grow_disk(struct build *b)
+{
+    sp_driver_t *d = b->t->driver;
+    sp_err_t e;
+    logf_(b, "info", "growing the builder's disk from %d to %d MiB", b->pp.disk_mb, b->disk_mb);
+    if (d->ops->grow_disk == NULL)
+        on_disk_grown(b, (sp_err_set(&e, SP_EUNAVAIL, "the runtime cannot grow disks"), &e));
+    else if (d->ops->grow_disk(d, b->vm_id, (uint64_t)b->disk_mb << 20, on_disk_grown, b, &e) < 0)
+        on_disk_grown(b, &e);
+}
+
 static void advance(struct build *b)
 {
     if (b->failed) {
@@ -943,6 +985,11 @@ static void advance(struct build *b)
         return;
     }
     b->ph = P_EXEC;
+    if (b->disk_mb > 0 && !b->grown) {
+        b->grown = true;
+        grow_disk(b);
+        return;
+    }
     json_t *steps = json_object_get(b->req, "steps");
     while (b->step < json_array_size(steps)) {
         json_t *s = json_array_get(steps, b->step);
@@ -1117,7 +1164,14 @@ static void on_imported(void *arg, bool cancelled)
         fail(b, "image %s: %s", b->image, j->err.msg);
     } else if (sp_tmplbuild_current(b->t->data_dir, j->res.tmpl, &b->pp, &e) < 0) {
         fail(b, "image %s: its template is not usable: %s", b->image, e.msg);
+    } else if (b->disk_mb > 0 && b->disk_mb < b->pp.disk_mb) {
+        fail(b,
+             "disk_mb %d is below the disk image %s was made into (%d MiB, from what its "
+             "files take): a template's disk can grow, not shrink",
+             b->disk_mb, b->image, b->pp.disk_mb);
     } else {
+        if (b->disk_mb == b->pp.disk_mb)
+            b->disk_mb = 0; /* as it is */
         sp_tmpl__copy(b->parent, sizeof b->parent, j->res.tmpl);
         sp_tmpl__copy(b->parent_ref, sizeof b->parent_ref, j->res.tmpl);
         logf_(b, "info", "image %s %s in %.1f s (template %s)", j->res.ref,
@@ -1253,11 +1307,13 @@ static void start_vm(struct build *b)
      * after them; only the rest run */
     char cid[SP_TMPLCACHE_ID_LEN + 1];
     json_t *steps = json_object_get(b->req, "steps");
-    size_t n = b->force ? 0
-                        : sp_tmplcache_find(t->driver, b->team, b->pp.hash, b->cpu_count,
-                                            b->memory_mb, steps, json_array_size(steps), cid);
+    size_t n = b->force
+                   ? 0
+                   : sp_tmplcache_find(t->driver, b->team, b->pp.hash, b->cpu_count, b->memory_mb,
+                                       b->disk_mb, steps, json_array_size(steps), cid);
     if (n > 0) {
         spec.snapshot_id = cid;
+        b->grown = true; /* its disk was grown before the steps it was taken after */
         for (size_t i = 0; i < n; i++) { /* what the skipped steps set, without running them */
             json_t *st = json_array_get(steps, i);
             const char *kind = step_kind(st);

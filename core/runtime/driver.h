@@ -108,6 +108,12 @@ typedef struct {
      * dest must not exist. NULL: not supported. */
     int (*export_disk)(sp_driver_t *d, const char *id, const char *base, const char *dest,
                        sp_driver_cb cb, void *arg, sp_err_t *err);
+    /* Optional (template builds): grows the running VM's disk to bytes (a whole number of
+     * MiB, not below its size now). The guest sees the new size at once, as a disk that grew
+     * under it; its filesystem is the guest's to grow. SP_ENOTFOUND: no running VM;
+     * SP_EINVAL: smaller than the disk is. NULL: not supported. */
+    int (*grow_disk)(sp_driver_t *d, const char *id, uint64_t bytes, sp_driver_cb cb, void *arg,
+                     sp_err_t *err);
     /* Optional, synchronous, cheap (reads a header), callable from any thread (the published
      * versions' sweep calls it from a job): 1 when the disk image at path (absolute)
      * reads nothing from any other file, so the images it was made over may go; 0 when it

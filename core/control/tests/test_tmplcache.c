@@ -77,20 +77,25 @@ static void test_keys_and_find(void)
     json_t *steps = json_loads("[{\"run\":\"a\"},{\"run\":\"b\"},{\"run\":\"c\"}]", 0, NULL);
     char k1[SP_TMPLCACHE_ID_LEN + 1], k2[SP_TMPLCACHE_ID_LEN + 1], k2o[SP_TMPLCACHE_ID_LEN + 1],
         out[SP_TMPLCACHE_ID_LEN + 1];
-    sp_tmplcache_key("team1", "h", 1, 256, steps, 1, k1);
-    sp_tmplcache_key("team1", "h", 1, 256, steps, 2, k2);
-    sp_tmplcache_key("team2", "h", 1, 256, steps, 2, k2o);
+    sp_tmplcache_key("team1", "h", 1, 256, 0, steps, 1, k1);
+    sp_tmplcache_key("team1", "h", 1, 256, 0, steps, 2, k2);
+    sp_tmplcache_key("team2", "h", 1, 256, 0, steps, 2, k2o);
     CHECK(strlen(k1) == SP_TMPLCACHE_ID_LEN && strncmp(k1, "bc-", 3) == 0);
     CHECK(strcmp(k1, k2) != 0 && strcmp(k2, k2o) != 0); /* prefix length and team count */
-    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, steps, 3, out) == 0);
+    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, 0, steps, 3, out) == 0);
     add(&m, k1, 100);
-    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, steps, 3, out) == 1);
+    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, 0, steps, 3, out) == 1);
     CHECK(strcmp(out, k1) == 0);
     add(&m, k2, 101);
-    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, steps, 3, out) == 2);
+    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, 0, steps, 3, out) == 2);
     CHECK(strcmp(out, k2) == 0);
-    CHECK(sp_tmplcache_find(&m.base, "team2", "h", 1, 256, steps, 1, out) == 0);
-    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 512, steps, 3, out) == 0); /* size */
+    CHECK(sp_tmplcache_find(&m.base, "team2", "h", 1, 256, 0, steps, 1, out) == 0);
+    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 512, 0, steps, 3, out) == 0); /* size */
+    /* a builder grown to another disk: its own entries */
+    CHECK(sp_tmplcache_find(&m.base, "team1", "h", 1, 256, 4096, steps, 3, out) == 0);
+    char kd[SP_TMPLCACHE_ID_LEN + 1];
+    sp_tmplcache_key("team1", "h", 1, 256, 4096, steps, 1, kd);
+    CHECK(strcmp(kd, k1) != 0);
     json_decref(steps);
 }
 
@@ -102,7 +107,7 @@ static void test_trim(void)
     for (int i = 0; i < 10; i++) {
         char team[16];
         snprintf(team, sizeof team, "t%d", i);
-        sp_tmplcache_key(team, "h", 1, 256, steps, 1, keys[i]);
+        sp_tmplcache_key(team, "h", 1, 256, 0, steps, 1, keys[i]);
         add(&m, keys[i], 1000 + (i * 7) % 10); /* ages out of order */
     }
     add(&m, "sandbox-snap", 1);     /* not the cache's */

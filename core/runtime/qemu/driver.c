@@ -1170,6 +1170,7 @@ const sp_driver_ops_t sp_qemu__ops = {
     .insecure = q_insecure,
     .export_disk = sp_qemu__q_export_disk,
     .image_standalone = sp_qemu__q_image_standalone,
+    .grow_disk = sp_qemu__q_grow_disk,
     .checkpoint = sp_qemu__q_checkpoint,
     .checkpoint_delete = sp_qemu__q_checkpoint_delete,
     .checkpoint_exists = sp_qemu__q_checkpoint_exists,

@@ -1,5 +1,11 @@
 /*
- * export.c - a paused VM's disk written out as a template image (driver.h: export_disk).
+ * export.c - a VM's disk for template builds: grown (driver.h: grow_disk), and written out as
+ * a template image once the VM is paused (export_disk).
+ *
+ * Growing resizes the top image of the VM's chain through QEMU (block_resize on its drive),
+ * which tells the guest (virtio-blk's configuration change); the lower images keep their
+ * size (reads past their end are zeros). A jailed QEMU's file size limit (confine.c: the disk,
+ * its RAM and slack) is raised first, so that the disk can fill what it grew by.
  *
  * A template build runs its steps in a builder VM, pauses it (QEMU's stop flushes its block
  * layer, so the overlay file is consistent once the guest ran sync) and asks for its disk.
@@ -33,6 +39,8 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <sys/resource.h>
 
 #include "base/log.h"
 
@@ -196,4 +204,82 @@ void sp_qemu__export_abort(struct vm *vm)
     sp_err_set(&e, SP_ERUNTIME, "the VM went away during the disk export");
     sp_qemu__complete(vm->d, x->cb, x->arg, &e);
     export_free(x);
+}
+
+/* ---- grow_disk ---- */
+
+struct grow {
+    sp_qemu_t *d;
+    char id[SP_QEMU_ID_MAX + 1]; /* looked up again: the VM may go meanwhile */
+    uint64_t bytes;
+    sp_driver_cb cb;
+    void *arg;
+};
+
+static void on_grown(void *arg, json_t *ret, const sp_err_t *err)
+{
+    (void)ret;
+    struct grow *g = arg;
+    struct vm *vm = sp_qemu__vm_find(g->d, g->id);
+    sp_err_t e;
+    if (err != NULL) {
+        sp_log(SP_LOG_WARN, "qemu", "block_resize failed sandbox=%s err=%s", g->id, err->msg);
+        sp_err_set(&e, SP_ERUNTIME, "cannot grow the disk: %s", err->msg);
+    } else if (vm != NULL) {
+        vm->disk_total = g->bytes;
+        /* vm.json says so too (a later driver adopting the VM reads it) */
+        char p[PATH_MAX + 16];
+        sp_qemu__vm_path(vm, "vm.json", p, sizeof p);
+        json_t *o = json_load_file(p, 0, NULL);
+        char *text = NULL;
+        if (o == NULL ||
+            json_object_set_new(o, "disk_bytes", json_integer((json_int_t)g->bytes)) < 0 ||
+            (text = json_dumps(o, JSON_COMPACT)) == NULL ||
+            sp_qemu__write_atomic(p, text, strlen(text)) < 0)
+            sp_log(SP_LOG_WARN, "qemu", "cannot record the grown disk sandbox=%s", vm->id);
+        free(text);
+        json_decref(o);
+        sp_log(SP_LOG_INFO, "qemu", "disk grown sandbox=%s mib=%llu", g->id,
+               (unsigned long long)(g->bytes >> 20));
+    }
+    if (sp_qemu__complete(g->d, g->cb, g->arg, err != NULL ? &e : NULL) < 0)
+        sp_log(SP_LOG_ERROR, "qemu", "out of memory completing a disk grow");
+    free(g);
+}
+
+int sp_qemu__q_grow_disk(sp_driver_t *base, const char *id, uint64_t bytes, sp_driver_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    sp_qemu_t *d = (sp_qemu_t *)base;
+    struct vm *vm = sp_qemu__running_vm(d, id, err);
+    if (vm == NULL)
+        return -1;
+    if (bytes < vm->disk_total || bytes % (1u << 20) != 0)
+        return sp_err_set(err, SP_EINVAL,
+                          "a disk grows to a whole number of MiB, not below its %llu MiB",
+                          (unsigned long long)(vm->disk_total >> 20));
+    /* the jail's limit on any file QEMU writes (confine.c), as it would be for this disk */
+    struct rlimit fs;
+    if (vm->pid > 0 && prlimit(vm->pid, RLIMIT_FSIZE, NULL, &fs) == 0 &&
+        fs.rlim_max != RLIM_INFINITY) {
+        rlim_t want = (rlim_t)(bytes + ((uint64_t)vm->memory_mb << 20) + (1ull << 30));
+        struct rlimit nf = {want, want};
+        if (want > fs.rlim_max && prlimit(vm->pid, RLIMIT_FSIZE, &nf, NULL) < 0)
+            return sp_err_set(err, SP_ERUNTIME, "cannot raise the VM's file size limit: %s",
+                              strerror(errno));
+    }
+    struct grow *g = calloc(1, sizeof(*g));
+    json_t *args = json_pack("{s:s,s:I}", "device", "root", "size", (json_int_t)bytes);
+    if (g == NULL || args == NULL) {
+        free(g);
+        json_decref(args);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    *g = (struct grow){d, "", bytes, cb, arg};
+    sp_qemu__sfmt(g->id, sizeof g->id, "%s", id);
+    if (sp_qmp_command(vm->qmp, "block_resize", args, -1, on_grown, g, err) < 0) {
+        free(g);
+        return -1;
+    }
+    return 0;
 }

@@ -466,6 +466,8 @@ int sp_qemu__write_overlay(const char *path, const char *backing);
 int sp_qemu__q_export_disk(sp_driver_t *base, const char *id, const char *backing,
                            const char *dest, sp_driver_cb cb, void *arg, sp_err_t *err);
 int sp_qemu__q_image_standalone(sp_driver_t *base, const char *path);
+int sp_qemu__q_grow_disk(sp_driver_t *base, const char *id, uint64_t bytes, sp_driver_cb cb,
+                         void *arg, sp_err_t *err);
 void sp_qemu__export_abort(struct vm *vm);
 
 /* ---- fork.c: sandbox snapshots ---- */
