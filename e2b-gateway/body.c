@@ -545,18 +545,15 @@ int sp_e2b__body_template_build(const json_t *body, const char *team, const char
                                 char why[SP_E2B_WHY_MAX])
 {
     *out = NULL;
-    char parent[65] = ""; /* stays "" for an image: "from" is replaced */
+    char parent[65 + 1 + 65] = ""; /* name[:tag]; stays "" for an image: "from" is replaced */
     json_t *ft = json_object_get(body, "fromTemplate"), *fi = json_object_get(body, "fromImage");
     json_t *from = NULL; /* an image */
     if (json_is_string(ft)) {
-        char ptag[65];
-        if (!sp_e2b__name_tag(team, json_string_value(ft), parent, ptag, why, SP_E2B_WHY_MAX))
+        char pname[65], ptag[65];
+        if (!sp_e2b__name_tag(team, json_string_value(ft), pname, ptag, why, SP_E2B_WHY_MAX))
             return -1;
-        if (ptag[0] != '\0' && strcmp(ptag, "default") != 0) {
-            snprintf(why, SP_E2B_WHY_MAX, "fromTemplate: building from a tag other than "
-                                          "'default' is not supported by this server");
-            return -1;
-        }
+        /* a tag: that tag's version (the native build looks it up) */
+        snprintf(parent, sizeof parent, "%s%s%s", pname, ptag[0] ? ":" : "", ptag);
     } else if (fi == NULL || json_is_null(fi) ||
                (json_is_string(fi) && strncmp(json_string_value(fi), "e2bdev/base", 11) == 0 &&
                 (json_string_value(fi)[11] == '\0' || json_string_value(fi)[11] == ':'))) {

@@ -70,7 +70,7 @@ def logs(s, name, bid, offset=0, key=None):
 class TemplateBuildTest(VmSuite):
     TEAMS = ("alpha", "beta")
     TEMPLATES = ("web", "web2", "slow", "cp", "dock", "sc", "tg", "tgc", "ly1", "ly2", "ly3",
-                 "pkg", "pkgoff", "lim1", "lim2", "lim3", "dsk", "dsk2")
+                 "pkg", "pkgoff", "lim1", "lim2", "lim3", "dsk", "dsk2", "fsnap")
     MAX_LAYERS = 3
     # The default spare pool: spares of a version keep nothing on disk (test_8).
     ARGS = ("--template-max-layers", str(MAX_LAYERS))
@@ -108,7 +108,11 @@ class TemplateBuildTest(VmSuite):
                          ("ready", v1, "base", False), t)
 
         sid = self.create("web")
-        # the server was started by the template snapshot: it answers at once
+        # the server was started by the template snapshot: it answers at once, from outside
+        # through the forwarded-port route (the first request, no retry) and inside
+        r, page = s.exchange("GET", "/index.html", headers={
+            "Host": "8000-%s.space.localhost:%d" % (sid, s.port)})
+        self.assertEqual((r.status, page), (200, b"hello-from-template\n"))
         c = s.command(sid, "curl -sf http://127.0.0.1:8000/index.html")
         self.assertEqual(c["stdout"], "hello-from-template\n", c)
         c = s.command(sid, "stat -c '%a %U' /srv/site/index.html; cat /srv/site/greeting.txt "
@@ -124,6 +128,7 @@ class TemplateBuildTest(VmSuite):
         cached_s = time.time() - t0
         self.assertEqual((b2["status"], b2["cached"], b2["version"]), ("succeeded", True, v1), b2)
         print("build %.1f s, cached rebuild %.1f s" % (first_s, cached_s))
+        self.assertLess(cached_s, first_s)
 
         # one changed step: a new version; the old one stays for the sandbox using it
         body3 = dict(body, steps=STEPS[:4] + [
@@ -376,6 +381,7 @@ class TemplateBuildTest(VmSuite):
         self.assertNotIn("ran-one-%s" % NONCE, text)
         self.assertNotIn("ran-two", text)
         print("step cache: first build %.1f s, with steps 1-3 cached %.1f s" % (first, second))
+        self.assertLess(second, first)  # 5.4 s of sleeps (and two snapshots) not done again
         sid = self.create("sc")
         c = s.command(sid, "cat /one /two /three; echo $SC")
         self.assertEqual(c["stdout"], "one\ntwo-env-%s\nthree-b\nenv-%s\n" % (NONCE, NONCE), c)
@@ -697,6 +703,64 @@ class TemplateBuildTest(VmSuite):
                               {"name": "dsk", "from": "base", "disk_mb": disk})
             self.assertEqual(st, 400, (disk, r))
             self.assertIn(msg, r["error"]["message"])
+
+    def test_12_from_snapshot(self):
+        """A template built from a sandbox snapshot: the builder starts as the snapshot left
+        the sandbox (its files, and its processes running), the steps run on that, and the
+        template's sandboxes start with all of it. Another team's snapshot, an unknown one and
+        a size other than the snapshot's are refused."""
+        s = self.s
+        src = self.create("base")
+        counter = ("nohup python3 -c 'import os, time\ni = 0\nwhile True:\n    i += 1\n"
+                   "    open(\"/tmp/c.tmp\", \"w\").write(str(i))\n"
+                   "    os.rename(\"/tmp/c.tmp\", \"/tmp/c\")\n"
+                   "    time.sleep(0.1)' >/dev/null 2>&1 &")
+        s.command(src, counter)
+        s.command(src, "echo in-sandbox-%s > /home/user/state.txt" % NONCE)
+
+        def count(sid):
+            c = s.command(sid, "for i in $(seq 1 50); do [ -s /tmp/c ] && break; sleep 0.2;"
+                               " done; cat /tmp/c")
+            return int(c["stdout"])
+
+        deadline = time.time() + 20 * MULT
+        while count(src) < 5:
+            self.assertLess(time.time(), deadline)
+            time.sleep(0.3)
+        st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=%d" % (src, wait_s(120)),
+                          {}, timeout=150 * MULT)
+        self.assertEqual(st, 201, r)
+        snap = r["snapshot"]["id"]
+        at_snap = count(src)
+        b = build(s, {"name": "fsnap", "from": {"snapshot": snap},
+                      "steps": [{"run": "echo step-%s >> /home/user/state.txt; cat /tmp/c" % NONCE,
+                                 "user": "root"}]})
+        self.assertEqual(b["status"], "succeeded",
+                         (b, [x.get("line") for x in logs(s, "fsnap", b["id"])][-20:]))
+        text = [x.get("line") for x in logs(s, "fsnap", b["id"])]
+        self.assertIn("the builder starts from snapshot %s" % snap, text)
+        st, t = s.request("GET", "/v1/templates/fsnap")
+        self.assertEqual(t["parent"], "base", t)
+        sid = self.create("fsnap")
+        c = s.command(sid, "cat /home/user/state.txt")
+        self.assertEqual(c["stdout"], "in-sandbox-%s\nstep-%s\n" % (NONCE, NONCE), c)
+        a = count(sid)
+        self.assertGreaterEqual(a, at_snap - 50)  # the snapshot's process, going on from there
+        deadline = time.time() + 20 * MULT
+        while count(sid) <= a:
+            self.assertLess(time.time(), deadline, "the counter does not run")
+            time.sleep(0.3)
+        for body, want, msg in (
+                ({"from": {"snapshot": snap}, "memory_mb": 512}, 400, "the snapshot's size"),
+                ({"from": {"snapshot": "snap-nope"}}, 404, "not found"),
+                ({"from": {"snapshot": 7}}, 400, "from is required")):
+            st, r = s.request("POST", "/v1/templates", dict(body, name="fsnap2"))
+            self.assertEqual(st, want, (body, r))
+            self.assertIn(msg, r["error"]["message"], body)
+        st, r = s.request("POST", "/v1/templates", {"name": "fsnap2",
+                                                    "from": {"snapshot": snap}},
+                          key=self.p.keys["beta"])
+        self.assertEqual(st, 404, r)
 
     def test_8_layers_squashed(self):
         """Templates built on templates: each one's image is a layer over its parent's until

@@ -4,7 +4,9 @@
 // the name with the server already answering; a failing step as BuildError with the reason;
 // Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; aptInstall of a package from the host's
 // Debian mirror (the build reaches it through the egress proxy); fromImage of an image in a registry on
-// loopback (conformance/run_local.py pushes it), open and behind a password.
+// loopback (conformance/run_local.py pushes it), open and behind a password; buildInBackground with
+// getBuildStatus, tags (name:tag builds, assignTags, getTags, removeTags, creates by tag) and
+// fromTemplate of a tag's version.
 import assert from 'node:assert/strict'
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -134,6 +136,60 @@ scenario(
     } finally {
       if (sbx) await sbx.kill()
       for (const n of names) await Sandbox.deleteSnapshot(n, api).catch(() => {})
+    }
+  },
+  { timeoutMs: 900_000 },
+)
+
+scenario(
+  A,
+  'buildInBackground, getBuildStatus; tags: name:tag, assign, get, remove; create, fromTemplate by tag',
+  async () => {
+    const name = `jstag-${RUN_ID}`
+    const child = `jstagc-${RUN_ID}`
+    const sbxs = []
+    const cat = async (ref) => {
+      const sbx = await Sandbox.create(ref, api)
+      sbxs.push(sbx)
+      return (await sbx.commands.run('cat /home/user/v')).stdout
+    }
+    try {
+      // in the background: the build's id at once, its status polled until ready
+      const one = Template().fromBaseImage().runCmd(`echo one-${RUN_ID} > /home/user/v`)
+      const info = await Template.buildInBackground(one, `${name}:v1`, { ...size, ...api, tags: ['stable'] })
+      assert.deepEqual([...info.tags].sort(), ['stable', 'v1'])
+      let st
+      for (let i = 0; i < 600; i++) {
+        st = await Template.getBuildStatus(info, api)
+        assert.equal(st.buildID, info.buildId)
+        if (st.status !== 'building' && st.status !== 'waiting') break
+        await new Promise((r) => setTimeout(r, 1000))
+      }
+      assert.equal(st.status, 'ready', JSON.stringify(st.reason))
+      assert.ok(await Template.exists(`${name}:v1`, api))
+      assert.ok(!(await Template.exists(`${name}:nope`, api)))
+      const two = Template().fromBaseImage().runCmd(`echo two-${RUN_ID} > /home/user/v`)
+      await Template.build(two, name, { ...size, ...api }) // the default tag
+      assert.equal(await cat(`${name}:v1`), `one-${RUN_ID}\n`)
+      assert.equal(await cat(name), `two-${RUN_ID}\n`)
+      const tag = await Template.assignTags(`${name}:v1`, 'prod', api)
+      assert.deepEqual(tag.tags, ['prod'])
+      assert.equal(String(tag.buildId), String(info.buildId))
+      assert.equal(await cat(`${name}:prod`), `one-${RUN_ID}\n`)
+      const tags = new Set((await Template.getTags(name, api)).map((t) => t.tag))
+      for (const t of ['v1', 'stable', 'prod', 'default']) assert.ok(tags.has(t), [...tags].join())
+      await Template.removeTags(name, 'prod', api)
+      await assert.rejects(Sandbox.create(`${name}:prod`, api), (e) => {
+        assert.match(`${e}`, /prod/)
+        return true
+      })
+      // a template built on a tag's version, not on the default's
+      const three = Template().fromTemplate(`${name}:v1`).runCmd('echo child >> /home/user/v')
+      await Template.build(three, child, { ...size, ...api })
+      assert.equal(await cat(child), `one-${RUN_ID}\nchild\n`)
+    } finally {
+      for (const s of sbxs) await s.kill().catch(() => {})
+      for (const n of [child, name]) await Sandbox.deleteSnapshot(n, api).catch(() => {})
     }
   },
   { timeoutMs: 900_000 },

@@ -282,5 +282,19 @@ def _tags():
             assert "404" in str(e) and "prod" in str(e), str(e)
         else:
             raise AssertionError("a removed tag still creates sandboxes")
+        # built on a tag's version (fromTemplate "name:v1"), not on the default's
+        child = name + "-child"
+        t3 = Template().from_template(name + ":v1").run_cmd("echo child >> /home/user/v")
+        try:
+            Template.build(t3, child, **SIZE, **API)
+            sbx = Sandbox.create(child, **API)
+            remember(sbx.sandbox_id)
+            try:
+                got = sbx.commands.run("cat /home/user/v").stdout
+                assert got == "one-%s\nchild\n" % RUN_ID, got
+            finally:
+                sbx.kill()
+        finally:
+            delete(child)
     finally:
         delete(name)

@@ -29,6 +29,7 @@
 #include "base/rmtree.h"
 #include "core/control/dockerfile.h"
 #include "core/control/ociimg.h"
+#include "core/control/snap.h"
 #include "core/control/tmpl_int.h"
 #include "core/control/tmplfiles.h"
 #include "core/egress/secrets.h"
@@ -394,6 +395,8 @@ void sp_tmpl__input_hash(struct build *b)
         json_object_set_new(in, "build", json_string(b->id));
     if (b->disk_mb > 0) /* only when asked: the versions built before keep their hashes */
         json_object_set_new(in, "disk_mb", json_integer(b->disk_mb));
+    if (b->snapshot[0] != '\0') /* the builder starts as the snapshot left it */
+        json_object_set_new(in, "snapshot", json_string(b->snapshot));
     char *s = json_dumps(in, JSON_COMPACT | JSON_SORT_KEYS);
     json_decref(in);
     unsigned char h[crypto_hash_sha256_BYTES];
@@ -409,8 +412,17 @@ int sp_tmpl_build(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, sp_tmpl_b
     return sp_tmpl_build_reserved(t, a, req, NULL, cb, arg, err);
 }
 
+/* The parent a build was found to have before build_req: a tag's version (hash), or a
+ * sandbox snapshot's template, version and size (snapshot set). */
+struct pick {
+    const char *name;     /* NULL: the request's */
+    const char *hash;     /* NULL: the parent's current version */
+    const char *snapshot; /* the builder starts from this sandbox snapshot, or NULL */
+    int cpu_count, memory_mb;
+};
+
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
-                     const char *parent_hash, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
+                     const struct pick *pk, sp_tmpl_build_cb cb, void *arg, sp_err_t *err);
 
 /* A parent named with a tag ("web:v2" or {"template": "web:v2"}) other than default: its
  * version is looked up first (the team's own template or a built-in one), then the build goes
@@ -437,9 +449,9 @@ static void on_parent_tag(void *rec, PGresult *res, const sp_err_t *err)
         err = (sp_err_set(&e, SP_ENOTFOUND, "parent template '%s' not found (no such tag)",
                           q->parent),
                &e);
-    if (err == NULL &&
-        build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL,
-                  PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : NULL, q->cb, q->arg, &e) < 0)
+    struct pick pk = {.hash = err == NULL && PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : NULL};
+    if (err == NULL && build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL, &pk,
+                                 q->cb, q->arg, &e) < 0)
         err = &e;
     if (err != NULL)
         q->cb(q->arg, NULL, err);
@@ -470,9 +482,72 @@ static bool tagged_parent(const sp_tmpl_t *t, const json_t *req, char *parent, s
     return true;
 }
 
+/* A parent named as a sandbox snapshot ({"snapshot": id}): its row is read first (the
+ * team's, ready), then the build goes on from its template's version, at its size, with the
+ * builder started from the snapshot (its disk, memory and processes). */
+static void on_parent_snapshot(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct tagged *q = rec;
+    sp_err_t e;
+    if (err == NULL && PQntuples(res) != 1)
+        err = (sp_err_set(&e, SP_ENOTFOUND, "snapshot %s not found", q->parent), &e);
+    else if (err == NULL && strcmp(PQgetvalue(res, 0, 2), "ready") != 0)
+        err = (sp_err_set(&e, SP_ECONFLICT, "snapshot %s is %s, not ready", q->parent,
+                          PQgetvalue(res, 0, 2)),
+               &e);
+    if (err == NULL) {
+        struct pick pk = {.name = PQgetvalue(res, 0, 0),
+                          .hash = PQgetvalue(res, 0, 1)[0] ? PQgetvalue(res, 0, 1) : NULL,
+                          .snapshot = q->parent,
+                          .cpu_count = atoi(PQgetvalue(res, 0, 3)),
+                          .memory_mb = atoi(PQgetvalue(res, 0, 4))};
+        if (build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL, &pk, q->cb, q->arg,
+                      &e) < 0)
+            err = &e;
+    }
+    if (err != NULL)
+        q->cb(q->arg, NULL, err);
+    json_decref(q->req);
+}
+
+static int build_from_snapshot(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
+                               const char *reserved, const char *sid, sp_tmpl_build_cb cb,
+                               void *arg, sp_err_t *err)
+{
+    sp_tmpl_build_req_t br; /* the rest of the request is judged before the lookup */
+    if (sp_tmpl_parse_build(req, &br, err) < 0)
+        return -1;
+    if (!sp_snap_valid_id(sid))
+        return sp_err_set(err, SP_ENOTFOUND, "snapshot %.80s not found", sid);
+    if (reserved != NULL && !valid_build_id(reserved))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
+    const char *p[] = {sid, a->team_id};
+    struct tagged *q =
+        sp_store_call(t->store,
+                      "SELECT s.template, coalesce(sb.template_version, ''), s.state, s.cpu_count,"
+                      " s.memory_mb FROM snapshots s JOIN sandboxes sb ON sb.id = s.sandbox_id"
+                      " WHERE s.id = $1 AND s.team_id = $2 AND s.deleted_at IS NULL",
+                      2, p, sizeof(*q), on_parent_snapshot, err);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    q->a = *a;
+    q->req = json_deep_copy(req);
+    q->has_reserved = reserved != NULL;
+    sp_tmpl__copy(q->reserved, sizeof q->reserved, reserved);
+    sp_tmpl__copy(q->parent, sizeof q->parent, sid);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
 static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
                         const char *reserved, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
+    json_t *from = json_object_get(req, "from");
+    const char *sid = json_string_value(json_object_get(from, "snapshot"));
+    if (json_is_object(from) && sid != NULL)
+        return build_from_snapshot(t, a, req, reserved, sid, cb, arg, err);
     char parent[64 + 1 + SP_TMPL_TAG_MAX + 1];
     if (!tagged_parent(t, req, parent, sizeof parent))
         return build_req(t, a, req, reserved, NULL, cb, arg, err);
@@ -518,14 +593,17 @@ int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
 /* parent_hash: the parent's version when the request named it by a tag (build_tagged), else
  * NULL: its current one. */
 static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const char *reserved,
-                     const char *parent_hash, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
+                     const struct pick *pk, sp_tmpl_build_cb cb, void *arg, sp_err_t *err)
 {
+    const char *parent_hash = pk != NULL ? pk->hash : NULL;
+    const char *snapshot = pk != NULL ? pk->snapshot : NULL;
     if (reserved != NULL && !valid_build_id(reserved))
         return sp_err_set(err, SP_ENOTFOUND, "build not found");
     sp_tmpl_build_req_t br;
     if (sp_tmpl_parse_build(req, &br, err) < 0)
         return -1;
-    const char *name = br.name, *parent = br.parent, *image = br.image;
+    const char *name = br.name, *image = br.image;
+    const char *parent = pk != NULL && pk->name != NULL ? pk->name : br.parent;
     const char *ruser = br.reg_user, *rpass = br.reg_pass, *rsecret = br.reg_secret;
     const json_t *steps = br.steps;
     int cpus = br.cpu_count, mem = br.memory_mb, timeout = br.timeout_s;
@@ -537,6 +615,15 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     if (br.parent_tag != NULL && parent_hash == NULL && strcmp(br.parent_tag, "default") != 0)
         return sp_err_set(err, SP_ENOTFOUND, "parent template '%.64s:%.64s' not found", parent,
                           br.parent_tag);
+    if (snapshot != NULL) { /* its memory is the snapshot's: so is its size */
+        if ((cpus != 0 && cpus != pk->cpu_count) || (mem != 0 && mem != pk->memory_mb))
+            return sp_err_set(err, SP_EINVAL,
+                              "a build from a snapshot has the snapshot's size (%d vCPU, %d "
+                              "MiB): leave cpu_count and memory_mb out",
+                              pk->cpu_count, pk->memory_mb);
+        cpus = pk->cpu_count;
+        mem = pk->memory_mb;
+    }
     if (rsecret != NULL && (t->secrets == NULL || sp_secrets_check_enabled(t->secrets, err) < 0))
         return t->secrets == NULL
                    ? sp_err_set(err, SP_EUNAVAIL, "secrets are not available on this server")
@@ -564,6 +651,7 @@ static int build_req(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req, const 
     sp_tmpl__copy(b->team, sizeof b->team, a->team_id);
     sp_tmpl__copy(b->name, sizeof b->name, name);
     sp_tmpl__copy(b->parent, sizeof b->parent, image != NULL ? "" : parent);
+    sp_tmpl__copy(b->snapshot, sizeof b->snapshot, snapshot);
     vm_id_of(b->id, b->vm_id);
     sp_tmpl__copy(b->user, sizeof b->user, "root");
     b->force = br.force;

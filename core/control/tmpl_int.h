@@ -91,6 +91,7 @@ struct build {
     char user[40];
     char workdir[SP_EXEC_PATH_MAX + 1];
     int cpu_count, memory_mb, timeout_s, ready_s;
+    char snapshot[65]; /* from a sandbox snapshot: the builder starts from it; "" if not */
     int disk_mb;  /* asked for: the builder's disk is grown to it first; 0: the parent's */
     bool growing; /* the exec in flight grows the builder's filesystem (grow_disk) */
     bool grown;

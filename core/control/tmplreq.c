@@ -427,15 +427,13 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
     } else if (json_is_object(from) && json_object_size(from) == 1) {
         if (json_is_string(json_object_get(from, "template")))
             parent = json_string_value(json_object_get(from, "template"));
-        else if (json_object_get(from, "snapshot"))
-            return sp_err_set(err, SP_EINVAL,
-                              "from: templates, images and Dockerfiles can be built from on this "
-                              "server (not snapshots yet)");
+        else if (json_is_string(json_object_get(from, "snapshot")))
+            parent = "base"; /* its template is the caller's to find (tmpl.c) */
     }
     if (parent == NULL)
         return sp_err_set(err, SP_EINVAL,
-                          "from is required: a template name, {\"template\": name} or "
-                          "{\"image\": reference}");
+                          "from is required: a template name, {\"template\": name}, "
+                          "{\"snapshot\": id} or {\"image\": reference}");
     /* "name:tag": the tag is the caller's to resolve (a version looked up by build_tagged) */
     const char *colon = out->image == NULL ? strchr(parent, ':') : NULL;
     if (colon != NULL) {

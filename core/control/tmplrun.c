@@ -149,6 +149,13 @@ static void step_output(struct build *b, int fd, const uint8_t *p, size_t n, boo
 static void advance(struct build *b);
 static bool has_default(const struct build *b);
 
+/* What the step cache keys a build's builder on besides its steps: the snapshot it starts
+ * from, else its parent's version. */
+static const char *cache_parent(const struct build *b)
+{
+    return b->snapshot[0] != '\0' ? b->snapshot : b->pp.hash;
+}
+
 /* The new version's disk: as asked, else its parent's. */
 static int disk_mb_of(const struct build *b)
 {
@@ -696,7 +703,7 @@ static void step_done(struct build *b)
         return;
     }
     char id[SP_TMPLCACHE_ID_LEN + 1];
-    sp_tmplcache_key(b->team, b->pp.hash, b->cpu_count, b->memory_mb, b->disk_mb,
+    sp_tmplcache_key(b->team, cache_parent(b), b->cpu_count, b->memory_mb, b->disk_mb,
                      json_object_get(b->req, "steps"), b->step, id);
     sp_err_t e;
     b->ph = P_CKPT;
@@ -1307,10 +1314,14 @@ static void start_vm(struct build *b)
      * after them; only the rest run */
     char cid[SP_TMPLCACHE_ID_LEN + 1];
     json_t *steps = json_object_get(b->req, "steps");
-    size_t n = b->force
-                   ? 0
-                   : sp_tmplcache_find(t->driver, b->team, b->pp.hash, b->cpu_count, b->memory_mb,
-                                       b->disk_mb, steps, json_array_size(steps), cid);
+    size_t n =
+        b->force ? 0
+                 : sp_tmplcache_find(t->driver, b->team, cache_parent(b), b->cpu_count,
+                                     b->memory_mb, b->disk_mb, steps, json_array_size(steps), cid);
+    if (n == 0 && b->snapshot[0] != '\0') { /* the snapshot: its disk, memory and processes */
+        spec.snapshot_id = b->snapshot;
+        logf_(b, "info", "the builder starts from snapshot %s", b->snapshot);
+    }
     if (n > 0) {
         spec.snapshot_id = cid;
         b->grown = true; /* its disk was grown before the steps it was taken after */
