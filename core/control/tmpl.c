@@ -482,6 +482,29 @@ static bool tagged_parent(const sp_tmpl_t *t, const json_t *req, char *parent, s
     return true;
 }
 
+/* The parent's row read before build_req: sql (n parameters p) answers done with the
+ * struct tagged filled in (what: the parent as the request named it, for messages). */
+static int lookup_parent(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
+                         const char *reserved, const char *what, const char *sql, int n,
+                         const char *const *p, sp_store_rec_cb done, sp_tmpl_build_cb cb,
+                         void *arg, sp_err_t *err)
+{
+    if (reserved != NULL && !valid_build_id(reserved))
+        return sp_err_set(err, SP_ENOTFOUND, "build not found");
+    struct tagged *q = sp_store_call(t->store, sql, n, p, sizeof(*q), done, err);
+    if (q == NULL)
+        return -1;
+    q->t = t;
+    q->a = *a;
+    q->req = json_deep_copy(req);
+    q->has_reserved = reserved != NULL;
+    sp_tmpl__copy(q->reserved, sizeof q->reserved, reserved);
+    sp_tmpl__copy(q->parent, sizeof q->parent, what);
+    q->cb = cb;
+    q->arg = arg;
+    return 0;
+}
+
 /* A parent named as a sandbox snapshot ({"snapshot": id}): its row is read first (the
  * team's, ready), then the build goes on from its template's version, at its size, with the
  * builder started from the snapshot (its disk, memory and processes). */
@@ -519,26 +542,13 @@ static int build_from_snapshot(sp_tmpl_t *t, const sp_auth_t *a, const json_t *r
         return -1;
     if (!sp_snap_valid_id(sid))
         return sp_err_set(err, SP_ENOTFOUND, "snapshot %.80s not found", sid);
-    if (reserved != NULL && !valid_build_id(reserved))
-        return sp_err_set(err, SP_ENOTFOUND, "build not found");
     const char *p[] = {sid, a->team_id};
-    struct tagged *q =
-        sp_store_call(t->store,
-                      "SELECT s.template, coalesce(sb.template_version, ''), s.state, s.cpu_count,"
-                      " s.memory_mb FROM snapshots s JOIN sandboxes sb ON sb.id = s.sandbox_id"
-                      " WHERE s.id = $1 AND s.team_id = $2 AND s.deleted_at IS NULL",
-                      2, p, sizeof(*q), on_parent_snapshot, err);
-    if (q == NULL)
-        return -1;
-    q->t = t;
-    q->a = *a;
-    q->req = json_deep_copy(req);
-    q->has_reserved = reserved != NULL;
-    sp_tmpl__copy(q->reserved, sizeof q->reserved, reserved);
-    sp_tmpl__copy(q->parent, sizeof q->parent, sid);
-    q->cb = cb;
-    q->arg = arg;
-    return 0;
+    return lookup_parent(t, a, req, reserved, sid,
+                         "SELECT s.template, coalesce(sb.template_version, ''), s.state,"
+                         " s.cpu_count, s.memory_mb FROM snapshots s"
+                         " JOIN sandboxes sb ON sb.id = s.sandbox_id"
+                         " WHERE s.id = $1 AND s.team_id = $2 AND s.deleted_at IS NULL",
+                         2, p, on_parent_snapshot, cb, arg, err);
 }
 
 static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
@@ -551,32 +561,19 @@ static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     char parent[64 + 1 + SP_TMPL_TAG_MAX + 1];
     if (!tagged_parent(t, req, parent, sizeof parent))
         return build_req(t, a, req, reserved, NULL, cb, arg, err);
-    char *colon = strchr(parent, ':');
+    char name[sizeof parent];
+    memcpy(name, parent, sizeof name);
+    char *colon = strchr(name, ':');
     *colon = '\0';
-    if (!sp_tmplbuild_valid_name(parent) || !sp_tmpl_valid_tag(colon + 1))
-        return sp_err_set(err, SP_ENOTFOUND, "parent template '%s:%.64s' not found", parent,
+    if (!sp_tmplbuild_valid_name(name) || !sp_tmpl_valid_tag(colon + 1))
+        return sp_err_set(err, SP_ENOTFOUND, "parent template '%s:%.64s' not found", name,
                           colon + 1);
-    if (reserved != NULL && !valid_build_id(reserved))
-        return sp_err_set(err, SP_ENOTFOUND, "build not found");
-    const char *p[] = {parent, colon + 1, a->team_id};
-    struct tagged *q = sp_store_call(
-        t->store,
-        "SELECT g.hash FROM template_tags g JOIN templates m ON m.name = g.template"
-        " WHERE g.template = $1 AND g.tag = $2 AND m.deleted_at IS NULL"
-        " AND (m.team_id IS NULL OR m.team_id = $3)",
-        3, p, sizeof(*q), on_parent_tag, err);
-    if (q == NULL)
-        return -1;
-    *colon = ':';
-    q->t = t;
-    q->a = *a;
-    q->req = json_deep_copy(req);
-    q->has_reserved = reserved != NULL;
-    sp_tmpl__copy(q->reserved, sizeof q->reserved, reserved);
-    sp_tmpl__copy(q->parent, sizeof q->parent, parent);
-    q->cb = cb;
-    q->arg = arg;
-    return 0;
+    const char *p[] = {name, colon + 1, a->team_id};
+    return lookup_parent(t, a, req, reserved, parent,
+                         "SELECT g.hash FROM template_tags g JOIN templates m"
+                         " ON m.name = g.template WHERE g.template = $1 AND g.tag = $2"
+                         " AND m.deleted_at IS NULL AND (m.team_id IS NULL OR m.team_id = $3)",
+                         3, p, on_parent_tag, cb, arg, err);
 }
 
 int sp_tmpl_build_reserved(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
