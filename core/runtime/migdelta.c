@@ -47,6 +47,8 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include "core/runtime/procmaps.h"
+
 #define MD_MAGIC   0x5145564dU
 #define MD_VERSION 3
 
@@ -899,39 +901,40 @@ static int live_why(char *why, size_t why_len, const char *msg)
     return -1;
 }
 
+/* The private map of the RAM file (dev, ino) from its offset 0, followed while the maps
+ * after it go on with the file where it left off (one map, or several the kernel split). */
+struct ram_span {
+    uint64_t dev, ino, len;
+    uint64_t addr, covered;
+    bool found;
+};
+
+static bool ram_span_at(const sp_procmap_t *m, void *arg)
+{
+    struct ram_span *r = arg;
+    bool ours = m->ino == r->ino && (uint64_t)m->dev == r->dev && m->priv;
+    if (!r->found && ours && m->off == 0) {
+        r->found = true;
+        r->addr = m->lo;
+    } else if (r->found && !(ours && m->lo == r->addr + r->covered && m->off == r->covered)) {
+        return true; /* a gap, or another map, before len bytes were seen */
+    }
+    if (r->found)
+        r->covered = m->hi - r->addr;
+    return r->found && r->covered >= r->len;
+}
+
 int sp_migdelta_live_open(int pid, uint64_t dev, uint64_t ino, uint64_t len, sp_migdelta_live_t *lv,
                           char *why, size_t why_len)
 {
     *lv = (sp_migdelta_live_t){.mem_fd = -1, .pagemap_fd = -1};
-    char p[64];
-    snprintf(p, sizeof p, "/proc/%d/maps", pid);
-    FILE *f = fopen(p, "re");
-    if (f == NULL)
+    struct ram_span r = {.dev = dev, .ino = ino, .len = len};
+    if (sp_procmaps_each(pid, ram_span_at, &r) < 0)
         return live_why(why, why_len, "cannot read the process's maps");
-    /* start-end perms offset major:minor inode [path]; in order of address */
-    char line[512];
-    uint64_t addr = 0, covered = 0;
-    bool found = false;
-    while (fgets(line, sizeof line, f) != NULL && covered < len) {
-        unsigned long long lo, hi, off, in;
-        unsigned maj, min;
-        char perms[8];
-        if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &maj, &min, &in) !=
-            7)
-            continue;
-        bool ours = in == ino && makedev(maj, min) == dev && perms[3] == 'p';
-        if (!found && ours && off == 0) {
-            found = true;
-            addr = lo;
-        } else if (found && !(ours && lo == addr + covered && off == covered)) {
-            break; /* a gap, or another map, before len bytes were seen */
-        }
-        if (found)
-            covered = hi - addr;
-    }
-    fclose(f);
-    if (!found || covered < len)
+    if (!r.found || r.covered < len)
         return live_why(why, why_len, "the process has no private map of the RAM file");
+    uint64_t addr = r.addr;
+    char p[64];
     snprintf(p, sizeof p, "/proc/%d/mem", pid);
     lv->mem_fd = open(p, O_RDONLY | O_CLOEXEC);
     snprintf(p, sizeof p, "/proc/%d/pagemap", pid);

@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "core/runtime/procmaps.h"
 
 #define RAM_MEMFD_NAME  "space-template-ram"
 #define RAM_COPY_CHUNK  (1u << 20)
@@ -528,32 +529,30 @@ static int ram_fd(sp_qemu_t *d, const char *dir)
 
 /* The template RAM memfd a QEMU maps (a private map, from offset 0, of a memfd named as
  * ram_copy names them), opened through /proc/<pid>/map_files; -1 when it maps none. */
+struct ram_map {
+    pid_t pid;
+    int fd;
+};
+
+static bool is_ram_map(const sp_procmap_t *m, void *arg)
+{
+    struct ram_map *r = arg;
+    static const char name[] = "/memfd:" RAM_MEMFD_NAME;
+    if (!m->priv || m->off != 0 || strncmp(m->path, name, sizeof name - 1) != 0 ||
+        (m->path[sizeof name - 1] != ' ' && m->path[sizeof name - 1] != '\0'))
+        return false;
+    char p[96];
+    snprintf(p, sizeof p, "/proc/%d/map_files/%llx-%llx", (int)r->pid, (unsigned long long)m->lo,
+             (unsigned long long)m->hi);
+    r->fd = open(p, O_RDONLY | O_CLOEXEC);
+    return r->fd >= 0;
+}
+
 static int mapped_ram_fd(pid_t pid)
 {
-    char p[96], line[512];
-    snprintf(p, sizeof p, "/proc/%d/maps", (int)pid);
-    FILE *f = fopen(p, "re");
-    if (f == NULL)
-        return -1;
-    static const char name[] = "/memfd:" RAM_MEMFD_NAME;
-    int fd = -1;
-    while (fd < 0 && fgets(line, sizeof line, f) != NULL) {
-        /* start-end perms offset major:minor inode path */
-        unsigned long long lo, hi, off, in;
-        unsigned maj, min;
-        char perms[8];
-        int at = 0;
-        if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu %n", &lo, &hi, perms, &off, &maj, &min, &in,
-                   &at) < 7 ||
-            at == 0 || perms[3] != 'p' || off != 0 ||
-            strncmp(line + at, name, sizeof name - 1) != 0 ||
-            (line[at + sizeof name - 1] != ' ' && line[at + sizeof name - 1] != '\n'))
-            continue;
-        snprintf(p, sizeof p, "/proc/%d/map_files/%llx-%llx", (int)pid, lo, hi);
-        fd = open(p, O_RDONLY | O_CLOEXEC);
-    }
-    fclose(f);
-    return fd;
+    struct ram_map r = {pid, -1};
+    sp_procmaps_each(pid, is_ram_map, &r);
+    return r.fd;
 }
 
 static bool ts_before(struct timespec a, struct timespec b)
