@@ -516,10 +516,21 @@ class TemplateBuildTest(VmSuite):
         self.assertEqual(bd["status"], "succeeded", bd)
         self.assertNotEqual(bd["version"], bc["version"])
         self.assertEqual(s.command(self.create("tgc"), "cat /v")["stdout"], "two-%s\n" % NONCE)
-        for parent, want in (("tg:nope", 404), ("tg:Bad!", 404), ("base:v1", 404)):
+        # built on a version no tag needs to name: by its hash (12 of its digits here)
+        bv = build(s, {"name": "tgc", "from": {"template": "tg", "version": v1[:12]},
+                       "steps": [{"run": "echo c > /c"}]})
+        self.assertEqual((bv["status"], bv["version"]), ("succeeded", bc["version"]), bv)
+        for parent, want in (("tg:nope", 404), ("tg:Bad!", 404), ("base:v1", 404),
+                             ({"template": "tg", "version": "0" * 12}, 404),
+                             ({"template": "base", "version": v1[:12]}, 404)):
             st, r = s.request("POST", "/v1/templates", {"name": "tgc", "from": parent})
             self.assertEqual(st, want, (parent, r))
             self.assertIn("not found", json.dumps(r), (parent, r))
+        for parent, msg in (({"template": "tg", "version": "abc"}, "at least 8"),
+                            ({"template": "tg:v1", "version": v1[:12]}, "not both")):
+            st, r = s.request("POST", "/v1/templates", {"name": "tgc", "from": parent})
+            self.assertEqual(st, 400, (parent, r))
+            self.assertIn(msg, r["error"]["message"], parent)
         # another team's tagged template answers as one that does not exist
         st, r = s.request("POST", "/v1/templates", {"name": "tgc2", "from": "tg:v1"},
                           key=self.p.keys["beta"])

@@ -438,6 +438,18 @@ struct tagged {
     void *arg;
 };
 
+/* The parent's lookup answered: the build goes on from pk, or the caller hears err. */
+static void go_on(struct tagged *q, const struct pick *pk, const sp_err_t *err)
+{
+    sp_err_t e;
+    if (err == NULL && build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL, pk,
+                                 q->cb, q->arg, &e) < 0)
+        err = &e;
+    if (err != NULL)
+        q->cb(q->arg, NULL, err);
+    json_decref(q->req);
+}
+
 static void on_parent_tag(void *rec, PGresult *res, const sp_err_t *err)
 {
     struct tagged *q = rec;
@@ -450,12 +462,25 @@ static void on_parent_tag(void *rec, PGresult *res, const sp_err_t *err)
                           q->parent),
                &e);
     struct pick pk = {.hash = err == NULL && PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : NULL};
-    if (err == NULL && build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL, &pk,
-                                 q->cb, q->arg, &e) < 0)
-        err = &e;
-    if (err != NULL)
-        q->cb(q->arg, NULL, err);
-    json_decref(q->req);
+    go_on(q, &pk, err);
+}
+
+/* A parent named by a version's hash ({"template": name, "version": hash or its start}):
+ * the one version of the team's template (or a built-in one's) it names. */
+static void on_parent_version(void *rec, PGresult *res, const sp_err_t *err)
+{
+    struct tagged *q = rec;
+    sp_err_t e;
+    if (err == NULL && PQntuples(res) == 0)
+        err =
+            (sp_err_set(&e, SP_ENOTFOUND, "parent template version '%s' not found", q->parent), &e);
+    else if (err == NULL && PQntuples(res) > 1)
+        err = (sp_err_set(&e, SP_EINVAL,
+                          "parent template version '%s' is ambiguous: give more of its digits",
+                          q->parent),
+               &e);
+    struct pick pk = {.hash = err == NULL ? PQgetvalue(res, 0, 0) : NULL};
+    go_on(q, &pk, err);
 }
 
 /* The parent of req when it names a tag other than default: "name:tag" into parent; on many
@@ -518,19 +543,14 @@ static void on_parent_snapshot(void *rec, PGresult *res, const sp_err_t *err)
         err = (sp_err_set(&e, SP_ECONFLICT, "snapshot %s is %s, not ready", q->parent,
                           PQgetvalue(res, 0, 2)),
                &e);
-    if (err == NULL) {
-        struct pick pk = {.name = PQgetvalue(res, 0, 0),
-                          .hash = PQgetvalue(res, 0, 1)[0] ? PQgetvalue(res, 0, 1) : NULL,
-                          .snapshot = q->parent,
-                          .cpu_count = atoi(PQgetvalue(res, 0, 3)),
-                          .memory_mb = atoi(PQgetvalue(res, 0, 4))};
-        if (build_req(q->t, &q->a, q->req, q->has_reserved ? q->reserved : NULL, &pk, q->cb, q->arg,
-                      &e) < 0)
-            err = &e;
-    }
-    if (err != NULL)
-        q->cb(q->arg, NULL, err);
-    json_decref(q->req);
+    struct pick pk = {0};
+    if (err == NULL)
+        pk = (struct pick){.name = PQgetvalue(res, 0, 0),
+                           .hash = PQgetvalue(res, 0, 1)[0] ? PQgetvalue(res, 0, 1) : NULL,
+                           .snapshot = q->parent,
+                           .cpu_count = atoi(PQgetvalue(res, 0, 3)),
+                           .memory_mb = atoi(PQgetvalue(res, 0, 4))};
+    go_on(q, &pk, err);
 }
 
 static int build_from_snapshot(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
@@ -558,6 +578,21 @@ static int build_tagged(sp_tmpl_t *t, const sp_auth_t *a, const json_t *req,
     const char *sid = json_string_value(json_object_get(from, "snapshot"));
     if (json_is_object(from) && sid != NULL)
         return build_from_snapshot(t, a, req, reserved, sid, cb, arg, err);
+    const char *ver = json_string_value(json_object_get(from, "version"));
+    if (json_is_object(from) && ver != NULL) {
+        sp_tmpl_build_req_t br; /* judged first: the version's form among the rest */
+        if (sp_tmpl_parse_build(req, &br, err) < 0)
+            return -1;
+        char what[64 + 1 + 65];
+        snprintf(what, sizeof what, "%s@%s", br.parent, ver);
+        const char *p[] = {br.parent, ver, a->team_id};
+        return lookup_parent(t, a, req, reserved, what,
+                             "SELECT v.hash FROM template_versions v JOIN templates m"
+                             " ON m.name = v.template WHERE v.template = $1"
+                             " AND v.hash LIKE $2 || '%' AND m.deleted_at IS NULL"
+                             " AND (m.team_id IS NULL OR m.team_id = $3) LIMIT 2",
+                             3, p, on_parent_version, cb, arg, err);
+    }
     char parent[64 + 1 + SP_TMPL_TAG_MAX + 1];
     if (!tagged_parent(t, req, parent, sizeof parent))
         return build_req(t, a, req, reserved, NULL, cb, arg, err);

@@ -196,6 +196,7 @@ typedef struct {
     const char *description, *start_cmd, *ready_cmd; /* NULL when absent */
     char parent[64];                /* the parent template's name ("base" for an image) */
     const char *parent_tag;         /* "name:tag": the tag (in req); else NULL */
+    const char *parent_version;     /* {"template", "version"}: the hash or its start; or NULL */
     const char *image;              /* from {"image"}: the reference, else NULL */
     const char *reg_user, *reg_pass, *reg_secret; /* its registry's credentials, or NULL */
     const json_t *steps;            /* checked; NULL when absent */

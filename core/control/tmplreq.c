@@ -429,6 +429,20 @@ int sp_tmpl_parse_build(const json_t *req, sp_tmpl_build_req_t *out, sp_err_t *e
             parent = json_string_value(json_object_get(from, "template"));
         else if (json_is_string(json_object_get(from, "snapshot")))
             parent = "base"; /* its template is the caller's to find (tmpl.c) */
+    } else if (json_is_object(from) && json_object_size(from) == 2 &&
+               json_is_string(json_object_get(from, "template")) &&
+               json_object_get(from, "version") != NULL) {
+        /* one version of a template, by its hash (the caller finds it: tmpl.c) */
+        const char *vs = json_string_value(json_object_get(from, "version"));
+        parent = json_string_value(json_object_get(from, "template"));
+        if (vs == NULL || strlen(vs) < 8 || strlen(vs) > 64 ||
+            strspn(vs, "0123456789abcdef") != strlen(vs))
+            return sp_err_set(err, SP_EINVAL,
+                              "from.version must be a version's hash (at least 8 of its hex "
+                              "digits)");
+        if (strchr(parent, ':') != NULL)
+            return sp_err_set(err, SP_EINVAL, "from: a tag or a version, not both");
+        out->parent_version = vs;
     }
     if (parent == NULL)
         return sp_err_set(err, SP_EINVAL,
