@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tarfile
 import sys
@@ -268,6 +269,19 @@ class TemplateBuildTest(VmSuite):
             (tar_of(ti("hl", tarfile.LNKTYPE, "/etc/shadow")), "hard link"),
             (b"this is not a tar file at all" * 40, "not a tar"),
         ]
+        def host_files():  # what the uploads could touch on the host: their store, /etc
+            seen = {}
+            for top in (os.path.join(DATA, "template-files"), "/etc/cron.d"):
+                for d, _, names in os.walk(top):
+                    for n in names:
+                        p = os.path.join(d, n)
+                        st_ = os.lstat(p)
+                        seen[p] = (st_.st_size, st_.st_mtime_ns)
+            st_ = os.stat("/etc/shadow")
+            seen["/etc/shadow"] = (st_.st_size, st_.st_mtime_ns)
+            return seen
+
+        before = host_files()
         for data, why in bad:
             k = hashlib.sha256(data).hexdigest()
             st, r = s.request("PUT", "/v1/template-files/" + k, raw=data)
@@ -275,6 +289,17 @@ class TemplateBuildTest(VmSuite):
             self.assertIn(why, r["error"]["message"])
             st, r = s.request("GET", "/v1/template-files/" + k)
             self.assertEqual(st, 404, r)
+        self.assertEqual(host_files(), before)  # nothing written or changed on the host
+        # larger than an upload may be (256 MiB): refused on its head, before a byte of it
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=30 * MULT)
+        try:
+            c.sendall(("PUT /v1/template-files/%s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       "Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+                       % ("2" * 64, s.key, 300 << 20)).encode())
+            head = c.recv(4096).decode(errors="replace")
+        finally:
+            c.close()
+        self.assertTrue(head.startswith("HTTP/1.1 413"), head)
         st, r = s.request("PUT", "/v1/template-files/" + "0" * 64, raw=body)
         self.assertEqual(st, 400, r)
         self.assertIn("SHA-256", r["error"]["message"])

@@ -45,6 +45,7 @@
 #include "core/control/svc.h"
 #include "core/control/snap.h"
 #include "core/control/tmpl.h"
+#include "core/control/tmplfiles.h"
 #include "core/control/tokens.h"
 #include "guest/tmplbuild.h"
 #include "e2b-gateway/gw.h"
@@ -960,7 +961,7 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
     v->e2b = e2b;
     if (!h->chunked && h->length <= s->max_body)
         return;
-    bool upload = false, needs_key = false;
+    bool upload = false, needs_key = false, tfile = false;
     size_t n;
     const char *surface = NULL, *route = NULL;
     if (e2b) {
@@ -968,13 +969,14 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
         if (route != NULL && (strcmp(route, "files") == 0 || strcmp(route, "guest_port") == 0)) {
             upload = true;
         } else if (has_prefix(h->path, pn, "/upload/template-files/")) {
-            upload = true;
+            upload = tfile = true;
             needs_key = sp_bodygate_header(h, "x-api-key", &n) == NULL &&
                         memmem(h->path + pn, h->path_len - pn, "token=", 6) == NULL;
         }
     } else if (h2o_memis(h->method, h->method_len, H2O_STRLIT("PUT")) &&
                (has_prefix(h->path, pn, "/v1/template-files/") || is_native_files(h->path, pn))) {
         upload = true;
+        tfile = has_prefix(h->path, pn, "/v1/template-files/");
         const char *a = sp_bodygate_header(h, "authorization", &n);
         needs_key = a == NULL || n <= 7 || strncasecmp(a, "Bearer ", 7) != 0;
     }
@@ -994,6 +996,12 @@ static void body_policy(void *arg, const sp_bodygate_head_t *h, sp_bodygate_verd
                                             "is read only with one"
                                           : "missing API key (Authorization: Bearer <key>): "
                                             "a large body is read only with one");
+        return;
+    }
+    if (tfile && !h->chunked && h->length > SP_TMPLFILES_MAX) { /* said on its head: at once */
+        v->refuse = true;
+        sp_err_set(&v->err, SP_ETOOBIG, "a template file is at most %u MiB",
+                   SP_TMPLFILES_MAX >> 20);
         return;
     }
     v->large = true;

@@ -156,6 +156,33 @@ def _background():
         delete(name)
 
 
+@scenario(A, "skip_cache: the same steps run again, where a rebuild comes from the cache",
+          timeout=600)
+def _skip_cache():
+    only_once()
+    name = "pyskip-" + RUN_ID
+    roll = "head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /home/user/r"
+
+    def built(tpl):
+        Template.build(tpl, name, **SIZE, **API)
+        sbx = Sandbox.create(name, **API)
+        remember(sbx.sandbox_id)
+        try:
+            return sbx.commands.run("cat /home/user/r").stdout
+        finally:
+            sbx.kill()
+
+    try:
+        first = built(Template().from_template("base").run_cmd("echo %s" % RUN_ID).run_cmd(roll))
+        again = built(Template().from_template("base").run_cmd("echo %s" % RUN_ID).run_cmd(roll))
+        assert again == first and len(first) == 16, (first, again)  # from the cache
+        forced = built(Template().from_template("base").run_cmd("echo %s" % RUN_ID)
+                       .skip_cache().run_cmd(roll))
+        assert forced != first and len(forced) == 16, (first, forced)  # run again
+    finally:
+        delete(name)
+
+
 @scenario(A, "a failing step raises BuildException with the server's reason", timeout=600)
 def _failing():
     only_once()

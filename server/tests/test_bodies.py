@@ -98,6 +98,32 @@ class BodiesTest(unittest.TestCase):
         # Six 50 MiB bodies were sent: 300 MiB had they been kept; a few MiB of noise is allowed.
         self.assertLess(self.s.rss_kb() - rss0, 30 * 1024)
 
+    def test_template_file_past_its_cap_refused_on_head(self):
+        # A template file is at most 256 MiB: an upload whose head says more is refused on its
+        # head, with its key, on both APIs (E2B's upload route with its API key)
+        for path, hdr in (("/v1/template-files/" + "b" * 64,
+                           "Authorization: Bearer %s" % self.s.key),
+                          ("/upload/template-files/" + "b" * 64, "X-API-Key: %s" % self.s.key)):
+            c = self.conn()
+            try:
+                t0 = time.time()
+                c.sendall(self.head("PUT", path, 300 * MIB, [hdr]))
+                st, _, body = read_response(c)
+                self.assertLess(time.time() - t0, 5 * MULT)
+            finally:
+                c.close()
+            self.assertEqual(st, 413, (path, body))
+            self.assertIn("at most 256 MiB", body.decode(), path)
+        # below the cap it is read, and the route answers (these bytes are no tar)
+        c = self.conn()
+        try:
+            c.sendall(self.head("PUT", "/v1/template-files/" + "b" * 64, 1 * MIB,
+                                ["Authorization: Bearer %s" % self.s.key]) + b"x" * MIB)
+            st, _, body = read_response(c)
+        finally:
+            c.close()
+        self.assertEqual(st, 400, body)
+
     def test_upload_link_with_a_wrong_token_refused_on_head(self):
         # E2B's template-file upload link: its token is checked before its body is read
         for tok in ("x" * 43, "not-a-token"):
