@@ -14,6 +14,9 @@ base template if it has none. Prints medians of:
     passes: the differences are what a build adds (builder VM, disk export, version commit,
     template snapshot) over the commands and over the commands with the server's start-up;
   - the same build again, fully cached (its inputs made a version before);
+  - the steps-alone build with disk_mb 1 GiB above base's (the builder's disk and filesystem
+    grown before the first step), and built from a snapshot of a running sandbox of base
+    (the builder starts from the snapshot), each against the steps-alone build;
   - create -> first command from the built template, against create -> first command from
     `base` (both from template snapshots; the built one has its server already up), a second
     apart so the spare pool refills between creates, as fork_bench.py does; the first create
@@ -72,7 +75,15 @@ def main():
     p = Platform(sys.argv, templates=("base",)).start()
     s = p.s
     try:
-        built, plain, cached, inplace, served = [], [], [], [], []
+        built, plain, cached, inplace, served, grown, fromsnap = [], [], [], [], [], [], []
+        with open(os.path.join(HERE, "..", "templates", "base", "template.json")) as f:
+            bigger = json.load(f)["disk_mb"] + 1024
+        # a running sandbox of base, snapshotted: the parent of the from-snapshot builds
+        st, r = s.request("POST", "/v1/sandboxes?wait=120", {"template": "base"}, timeout=150)
+        src = r["sandbox"]["id"]
+        st, r = s.request("POST", "/v1/sandboxes/%s/snapshots?wait=120" % src, {}, timeout=150)
+        assert st == 201, r
+        snap = r["snapshot"]["id"]
         for i in range(ROUNDS):
             nonce = "%d-%d" % (os.getpid(), i)
             steps = [{"run": "echo %s > /nonce" % nonce}] + [{"run": c} for c in CMDS]
@@ -83,6 +94,14 @@ def main():
             ms, _ = build_template(s, {"name": "bench-plain", "from": "base",
                                        "steps": plain_steps})
             plain.append(ms)
+            ms, _ = build_template(s, {"name": "bench-disk", "from": "base", "disk_mb": bigger,
+                                       "steps": [{"run": "echo disk-%s > /nonce" % nonce}]
+                                       + steps[1:]})
+            grown.append(ms)
+            ms, _ = build_template(s, {"name": "bench-snap", "from": {"snapshot": snap},
+                                       "steps": [{"run": "echo snap-%s > /nonce" % nonce}]
+                                       + steps[1:]})
+            fromsnap.append(ms)
             body = {"name": "bench-tpl", "from": "base", "steps": steps,
                     "start_cmd": START, "ready_cmd": READY}
             ms, b = build_template(s, body)
@@ -112,6 +131,11 @@ def main():
             served.append((time.time() - t0) * 1000)
             s.request("DELETE", "/v1/sandboxes/%s?wait=60" % sid, timeout=70)
         line("build of the 4 steps alone (POST -> succeeded)", plain)
+        line("  ... with disk_mb +1024 (grown first)", grown)
+        ratio("grown disk / steps alone", statistics.median(grown), statistics.median(plain))
+        line("  ... from a snapshot of a running sandbox", fromsnap)
+        ratio("from a snapshot / steps alone", statistics.median(fromsnap),
+              statistics.median(plain))
         line("build of 4 steps + start/ready (POST -> succeeded)", built)
         line("the same 4 commands in a running sandbox", inplace)
         line("  ... then start_cmd until ready_cmd passes", served)
@@ -129,8 +153,10 @@ def main():
         line("create -> first command, built template", from_tpl)
         line("create -> first command, base", from_base)
         ratio("built template / base", statistics.median(from_tpl), statistics.median(from_base))
-        for name in ("bench-tpl", "bench-plain"):
+        for name in ("bench-tpl", "bench-plain", "bench-disk", "bench-snap"):
             s.request("DELETE", "/v1/templates/" + name, timeout=30)
+        s.request("DELETE", "/v1/snapshots/" + snap, timeout=30)
+        s.request("DELETE", "/v1/sandboxes/%s?wait=60" % src, timeout=70)
     finally:
         p.stop()
 
