@@ -521,7 +521,9 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
 /* A published version is removed once nothing in the fleet uses it: no tag names it, no
  * sandbox (of any state but deleted) or snapshot is of it, no sandbox of the template is of
  * an unknown version, no published version of any template is layered on it, no build here
- * starts from it, and it was published more than two collection periods ago. Each worker
+ * starts from it, no build of the template is unfinished anywhere (a build publishes its
+ * version for its template snapshot before it records it: a snapshot may take longer than the
+ * grace), and it was published more than two collection periods ago. Each worker
  * collects its own copies (on_in_use) from what its disk shows; a version's published copy
  * is what every worker's copies (hard links, or symlinks across file systems) and template
  * snapshots are made over, so it is judged from the database, for the whole fleet, by
@@ -535,7 +537,9 @@ int sp_tmpl__collect_all(sp_tmpl_t *t, sp_err_t *err)
 #define SHARED_HELD_SQL                                                                            \
     "WITH h AS (SELECT NOT EXISTS (SELECT 1 FROM templates WHERE name = $1"                        \
     "  AND team_id IS NOT NULL) OR " UNKNOWN_VERSION_SQL("$1")                                     \
-    " OR $2 IN (" VERSIONS_USED_SQL("$1") ") AS held),"                                            \
+    " OR $2 IN (" VERSIONS_USED_SQL("$1") ")"                                                      \
+    " OR EXISTS (SELECT 1 FROM template_builds b WHERE b.template = $1"                            \
+    "  AND b.status IN ('queued', 'building')) AS held),"                                          \
     " d AS (DELETE FROM template_versions v USING h WHERE NOT h.held AND v.template = $1"          \
     "  AND v.hash = $2 RETURNING 1)"                                                               \
     " SELECT h.held, (SELECT count(*) FROM d) FROM h"
@@ -766,10 +770,12 @@ static void sweep_done(void *arg, bool cancelled)
         t->sweep = NULL;
     for (size_t i = 0; t != NULL && !cancelled && i < sw->n; i++) {
         const struct swept *e = &sw->v[i];
-        bool building = false; /* a build here on it */
+        bool building = false; /* a build here on it, or making it (published for its
+                                  * template snapshot before its row is written) */
         for (struct build *b = t->builds; b != NULL; b = b->next)
-            building =
-                building || (strcmp(b->parent, e->name) == 0 && strcmp(b->pp.hash, e->hash) == 0);
+            building = building ||
+                       (strcmp(b->parent, e->name) == 0 && strcmp(b->pp.hash, e->hash) == 0) ||
+                       (strcmp(b->name, e->name) == 0 && strcmp(b->hash, e->hash) == 0);
         if (building || (e->image && importing(t)))
             continue;
         if (e->image) {
