@@ -86,6 +86,11 @@ void sp_tmplbuild_spec_free(sp_tmplbuild_spec_t *s)
     for (size_t i = 0; i < s->n_warmup; i++)
         free(s->warmup[i]);
     free(s->warmup);
+    for (size_t i = 0; i < s->n_files; i++) {
+        free(s->files[i].path);
+        free(s->files[i].content);
+    }
+    free(s->files);
     free(s->canonical);
     free(s);
 }
@@ -153,9 +158,62 @@ static int parse_user(json_t *u, sp_tmplbuild_user_t *out, sp_err_t *err)
 }
 
 static const char *const known_fields[] = {
-    "name",     "description", "suite",     "variant", "packages",         "users",  "agent",
-    "hostname", "cpu_count",   "memory_mb", "disk_mb", "code_interpreter", "warmup", NULL,
+    "name",   "description", "suite",     "variant",   "packages", "users",
+    "agent",  "hostname",    "cpu_count", "memory_mb", "disk_mb",  "code_interpreter",
+    "warmup", "files",       NULL,
 };
+
+/* An absolute path whose every component is a plain name (no '.', '..', empty or control
+ * characters), that is not "/" itself. */
+static bool valid_image_path(const char *p)
+{
+    size_t n = strlen(p);
+    if (n < 2 || n > SP_TMPLBUILD_FILE_PATH || p[0] != '/' || p[n - 1] == '/')
+        return false;
+    for (const char *c = p; *c != '\0'; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            return false;
+    for (const char *c = p; c != NULL && *c != '\0'; c = strchr(c + 1, '/')) {
+        const char *e = strchr(c + 1, '/');
+        size_t k = e != NULL ? (size_t)(e - c - 1) : strlen(c + 1);
+        if (k == 0 || (k == 1 && c[1] == '.') || (k == 2 && c[1] == '.' && c[2] == '.'))
+            return false;
+    }
+    return true;
+}
+
+/* "files": [{"path": "/abs", "content": "text", "mode": 420}] (mode default 0644). */
+static int parse_file(json_t *v, size_t i, sp_tmplbuild_file_t *out, sp_err_t *err)
+{
+    json_t *path = json_object_get(v, "path"), *content = json_object_get(v, "content");
+    json_t *mode = json_object_get(v, "mode");
+    if (!json_is_object(v) || json_object_size(v) != 2u + (mode != NULL))
+        return sp_err_set(err, SP_EINVAL, "spec: files[%zu] must be {path, content, mode?}", i);
+    if (!json_is_string(path) || !valid_image_path(json_string_value(path)))
+        return sp_err_set(err, SP_EINVAL,
+                          "spec: files[%zu].path must be an absolute path of plain names "
+                          "(no '.', '..' or '//'), at most %d bytes",
+                          i, SP_TMPLBUILD_FILE_PATH);
+    if (!json_is_string(content) || json_string_length(content) > SP_TMPLBUILD_FILE_BYTES)
+        return sp_err_set(err, SP_EINVAL,
+                          "spec: files[%zu].content must be a string of at most "
+                          "%d bytes",
+                          i, SP_TMPLBUILD_FILE_BYTES);
+    if (mode != NULL && (!json_is_integer(mode) || json_integer_value(mode) < 0 ||
+                         json_integer_value(mode) > 07777))
+        return sp_err_set(err, SP_EINVAL,
+                          "spec: files[%zu].mode must be an integer 0..4095 "
+                          "(0644 is 420)",
+                          i);
+    out->mode = mode != NULL ? (unsigned)json_integer_value(mode) : 0644;
+    out->len = json_string_length(content);
+    out->path = strdup(json_string_value(path));
+    out->content = malloc(out->len + 1);
+    if (out->path == NULL || out->content == NULL)
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    memcpy(out->content, json_string_value(content), out->len + 1);
+    return 0;
+}
 
 /* "warmup": 1..SP_TMPLBUILD_WARMUP_MAX non-empty strings (an argv, run without a shell). */
 static int parse_warmup(json_t *wu, sp_tmplbuild_spec_t *s, sp_err_t *err)
@@ -272,6 +330,16 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
 
     json_t *pk;
     void *mem;
+    if (spec_array(root, "files", "an array of objects", sizeof *s->files, &pk, &mem, err) < 0)
+        goto out;
+    s->files = mem;
+    if (json_array_size(pk) > SP_TMPLBUILD_FILES_MAX) {
+        sp_err_set(err, SP_EINVAL, "spec: at most %d files", SP_TMPLBUILD_FILES_MAX);
+        goto out;
+    }
+    for (size_t i = 0; s->files != NULL && i < json_array_size(pk); i++)
+        if (parse_file(json_array_get(pk, i), i, &s->files[s->n_files++], err) < 0)
+            goto out;
     if (spec_array(root, "packages", "an array of strings", sizeof(char *), &pk, &mem, err) < 0)
         goto out;
     s->packages = mem;
@@ -1051,6 +1119,42 @@ static void resolved_store(const char *data_dir, const char *kver)
         rename(tmp, path);
 }
 
+/* The spec's files into <work>/files: one file per entry, named by its index, and "list" with
+ * a line "<index> <octal mode> <path>" each (customize.sh writes them into the image). */
+static int write_spec_files(const char *work, const sp_tmplbuild_spec_t *spec, char *dir,
+                            size_t cap, sp_err_t *err)
+{
+    char path[PATH_MAX];
+    if (fmt(dir, cap, err, "%s/files", work) < 0)
+        return -1;
+    if (mkdir(dir, 0700) < 0)
+        return sp_err_set(err, SP_EINTERNAL, "cannot make %s: %s", dir, strerror(errno));
+    char *list = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&list, &n);
+    for (size_t i = 0; f != NULL && i < spec->n_files; i++) {
+        const sp_tmplbuild_file_t *sf = &spec->files[i];
+        int bad = fmt(path, sizeof path, err, "%s/%zu", dir, i) < 0;
+        if (!bad && write_file(path, sf->content, sf->len, 0600) < 0)
+            bad = sp_err_set(err, SP_EINTERNAL, "cannot write %s: %s", path, strerror(errno));
+        if (bad) {
+            fclose(f);
+            free(list);
+            return -1;
+        }
+        fprintf(f, "%zu %o %s\n", i, sf->mode, sf->path);
+    }
+    if (f == NULL || fclose(f) != 0) {
+        free(list);
+        return sp_err_set(err, SP_EINTERNAL, "out of memory");
+    }
+    int rc = fmt(path, sizeof path, err, "%s/list", dir) < 0 ? -1 : 0;
+    if (rc == 0 && write_file(path, list, n, 0600) < 0)
+        rc = sp_err_set(err, SP_EINTERNAL, "cannot write %s: %s", path, strerror(errno));
+    free(list);
+    return rc;
+}
+
 static int add_env(build_t *b, const char *k, const char *v)
 {
     char *s;
@@ -1429,6 +1533,15 @@ int sp_tmplbuild_run(const sp_tmplbuild_opts_t *o, sp_tmplbuild_paths_t *out, sp
                 goto out;
             }
             e = add_env(&b, "SP_CODE", cdir) < 0;
+        }
+        if (!e && spec->n_files > 0) {
+            char fdir[PATH_MAX];
+            if (write_spec_files(work, spec, fdir, sizeof fdir, err) < 0) {
+                free(pk);
+                free(us);
+                goto out;
+            }
+            e = add_env(&b, "SP_FILES", fdir) < 0;
         }
         const char *src = getenv("SP_APT_SOURCES");
         if (!e && src != NULL)

@@ -62,6 +62,9 @@
 #define SP_TMPLBUILD_WARMUP_MAX  32                          /* warmup argv entries */
 #define SP_TMPLBUILD_WARMUP_ARG  4096                        /* bytes in one warmup argv entry */
 #define SP_TMPLBUILD_CODE_DAEMON "/usr/local/bin/space-code" /* where code_interpreter puts it */
+#define SP_TMPLBUILD_FILES_MAX   32                          /* "files" entries */
+#define SP_TMPLBUILD_FILE_BYTES  65536                       /* bytes of one file's content */
+#define SP_TMPLBUILD_FILE_PATH   1024                        /* bytes of one file's path */
 
 typedef struct {
     char *name;
@@ -70,6 +73,14 @@ typedef struct {
     char *shell;
     int sudo; /* passwordless sudo */
 } sp_tmplbuild_user_t;
+
+/* A file the spec writes into the image after its packages are installed. */
+typedef struct {
+    char *path; /* absolute, normalized (no '.', '..' or empty components) */
+    char *content;
+    size_t len;
+    unsigned mode; /* 0..07777 */
+} sp_tmplbuild_file_t;
 
 /* A parsed template.json (templates/README.md). Owned by the caller. */
 typedef struct {
@@ -86,6 +97,8 @@ typedef struct {
     int code_interpreter; /* install the code daemon as /usr/local/bin/space-code */
     char **warmup;        /* argv the template-snapshot builder runs before the snapshot, */
     size_t n_warmup;      /* or NULL/0; at most SP_TMPLBUILD_WARMUP_MAX entries */
+    sp_tmplbuild_file_t *files; /* written into the image as root, in order, after */
+    size_t n_files;             /* packages and users; at most SP_TMPLBUILD_FILES_MAX */
     int cpu_count;
     int memory_mb;
     int disk_mb;

@@ -1,12 +1,13 @@
 // templates.mjs - the JS SDK's Template builder against the server's template builds
 // (e2b-templates.md section 2): fromBaseImage with copy (files uploaded through the link the
-// server gives), setEnvs, runCmd as root, a start command with waitForURL; Sandbox.create by
-// the name with the server already answering; a failing step as BuildError with the reason;
-// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; aptInstall of a package from the host's
-// Debian mirror (the build reaches it through the egress proxy); fromImage of an image in a registry on
-// loopback (conformance/run_local.py pushes it), open and behind a password; buildInBackground with
-// getBuildStatus, tags (name:tag builds, assignTags, getTags, removeTags, creates by tag) and
-// fromTemplate of a tag's version.
+// server gives), setEnvs, runCmd as root, a start command with waitForURL; Sandbox.create by the
+// name with the server already answering; a failing step as BuildError with the reason;
+// Sandbox.deleteSnapshot (DELETE /templates/{id}) removing it; aptInstall of a package from the
+// host's Debian mirror (the build reaches it through the egress proxy); pipInstall for the user of
+// a local package and npmInstall of a package from the npm registry on the base image; fromImage
+// of an image in a registry on loopback (conformance/run_local.py pushes it), open and behind a
+// password; buildInBackground with getBuildStatus, tags (name:tag builds, assignTags, getTags,
+// removeTags, creates by tag) and fromTemplate of a tag's version.
 import assert from 'node:assert/strict'
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -52,6 +53,46 @@ scenario(
     assert.equal(await Sandbox.deleteSnapshot(name, api), false)
   },
   { timeoutMs: 600_000 },
+)
+
+scenario(
+  A,
+  'pipInstall (for the user) of a local package, npmInstall from the npm registry, on base',
+  async () => {
+    const name = `jspkg-${RUN_ID}`
+    const ctx = mkdtempSync(join(tmpdir(), 'sp-js-pkg-'))
+    let sbx
+    try {
+      // no PyPI here: pip installs a package from the build's own files
+      mkdirSync(join(ctx, 'pkg'))
+      writeFileSync(
+        join(ctx, 'pkg', 'setup.py'),
+        "from setuptools import setup\nsetup(name='jsdemo', version='2.0', py_modules=['jsdemo'])\n",
+      )
+      writeFileSync(join(ctx, 'pkg', 'jsdemo.py'), `RUN = '${RUN_ID}'\n`)
+      // the run's id first: the package steps run afresh, never from an earlier run's cache
+      const tpl = Template({ fileContextPath: ctx })
+        .fromBaseImage()
+        .runCmd(`echo ${RUN_ID} > /dev/null`)
+        .copy('pkg', '/home/user/pkg')
+        .pipInstall('/home/user/pkg', { g: false })
+        .setWorkdir('/home/user/web')
+        .npmInstall('is-odd@3.0.1')
+      await Template.build(tpl, name, { ...size, ...api })
+      sbx = await Sandbox.create(name, api)
+      const r = await sbx.commands.run(
+        "python3 -c 'import jsdemo; print(jsdemo.RUN, jsdemo.__file__.startswith(" +
+          '"/home/user/.local/"))\'' +
+          " && cd /home/user/web && node -e 'console.log(require(\"is-odd\")(4))'",
+      )
+      assert.equal(r.stdout, `${RUN_ID} True\nfalse\n`)
+    } finally {
+      if (sbx) await sbx.kill()
+      rmSync(ctx, { recursive: true, force: true })
+      await Sandbox.deleteSnapshot(name, api).catch(() => {})
+    }
+  },
+  { timeoutMs: 900_000 },
 )
 
 scenario(

@@ -3,7 +3,9 @@ image (our `base`) with run_cmd, set_envs, set_workdir, set_user, a start comman
 check; apt_install of a package from the host's Debian mirror (the build reaches it through the
 egress proxy); copy of files and a directory (uploaded through the link the server gives, cached
 the second time); Sandbox.create by the name with the server already up; build_in_background with
-get_build_status; a failing step's BuildException; exists and delete; from_image of an image in a
+get_build_status; pip_install of a local package and npm_install (global and in the workdir) of
+packages from the npm registry on the base image; from_dockerfile; a failing step's
+BuildException; exists and delete; from_image of an image in a
 registry on loopback (conformance/run_local.py pushes it), open and behind a password; and an
 image from an unreachable registry failing with its reason.
 
@@ -91,6 +93,85 @@ def _apt():
             sbx.kill()
     finally:
         delete(name)
+
+
+@scenario(A, "pip_install and npm_install on the base image: a local package, the npm registry",
+          timeout=900)
+def _packages():
+    only_once()
+    name = "py-pkg-" + RUN_ID
+    with tempfile.TemporaryDirectory() as ctx:
+        # No PyPI here: pip installs a package from the build's own files (pip_install() with
+        # no names is `pip install .` in the workdir, as root: into the system's Python).
+        os.makedirs(os.path.join(ctx, "pkg"))
+        with open(os.path.join(ctx, "pkg", "setup.py"), "w") as f:
+            f.write("from setuptools import setup\n"
+                    "setup(name='spacedemo', version='1.0', py_modules=['spacedemo'])\n")
+        with open(os.path.join(ctx, "pkg", "spacedemo.py"), "w") as f:
+            f.write("RUN = %r\n" % RUN_ID)
+        # the run's id first: the package steps run afresh, never from an earlier run's cache
+        tpl = (Template(file_context_path=ctx).from_base_image()
+               .run_cmd("echo %s > /dev/null" % RUN_ID)
+               .copy("pkg", "/home/user/pkg")
+               .set_workdir("/home/user/pkg")
+               .pip_install()
+               .npm_install("is-number@7.0.0", g=True)
+               .set_workdir("/home/user/web")
+               .npm_install("is-odd@3.0.1"))
+        try:
+            Template.build(tpl, name, **SIZE, **API)
+            sbx = Sandbox.create(name, **API)
+            remember(sbx.sandbox_id)
+            try:
+                r = sbx.commands.run("cd / && python3 -c 'import spacedemo; print(spacedemo.RUN)'"
+                                     " && pip show spacedemo | grep ^Version")
+                assert r.stdout == "%s\nVersion: 1.0\n" % RUN_ID, r.stdout
+                # global: for root, under npm's prefix; local: in the workdir, for user
+                r = sbx.commands.run("cat \"$(npm root -g)/is-number/package.json\" | "
+                                     "python3 -c 'import json,sys; print(json.load(sys.stdin)"
+                                     "[\"version\"])'; cd /home/user/web && "
+                                     "node -e 'console.log(require(\"is-odd\")(3))' && "
+                                     "stat -c %U node_modules/is-odd")
+                assert r.stdout == "7.0.0\ntrue\nuser\n", r.stdout
+            finally:
+                sbx.kill()
+        finally:
+            delete(name)
+
+
+@scenario(A, "from_dockerfile: FROM E2B's base, RUN, COPY, ENV, ARG, WORKDIR and USER",
+          timeout=600)
+def _dockerfile():
+    only_once()
+    name = "py-df-" + RUN_ID
+    with tempfile.TemporaryDirectory() as ctx:
+        with open(os.path.join(ctx, "conf.txt"), "w") as f:
+            f.write("conf-%s\n" % RUN_ID)
+        # The SDK reads the Dockerfile itself and sends its steps (the server never sees it).
+        dockerfile = "\n".join([
+            "FROM e2bdev/base",
+            "ARG FLAVOUR=plain",
+            "ENV RUN_ID=%s" % RUN_ID,
+            "WORKDIR /opt/app",
+            "COPY conf.txt /opt/app/conf.txt",
+            "RUN echo \"$RUN_ID $FLAVOUR $(pwd) $(id -un)\" > /opt/app/made.txt",
+            "USER user",
+            "RUN id -un > /home/user/who.txt",
+        ])
+        tpl = Template(file_context_path=ctx).from_dockerfile(dockerfile)
+        try:
+            Template.build(tpl, name, **SIZE, **API)
+            sbx = Sandbox.create(name, **API)
+            remember(sbx.sandbox_id)
+            try:
+                r = sbx.commands.run("cat /opt/app/conf.txt /opt/app/made.txt /home/user/who.txt;"
+                                     " echo $RUN_ID")
+                assert r.stdout == ("conf-{0}\n{0} plain /opt/app root\nuser\n{0}\n"
+                                    .format(RUN_ID)), r.stdout
+            finally:
+                sbx.kill()
+        finally:
+            delete(name)
 
 
 @scenario(A, "copy: files and a directory, with user and mode, uploaded once", timeout=600)

@@ -1,7 +1,8 @@
 #!/bin/sh
 # customize.sh <root>: mmdebstrap customize hook for make-rootfs.sh.
 # Adds users (SP_USERS), hostname, the agent (SP_AGENT), the code daemon
-# (SP_CODE) and the mount points the guest init moves /dev /proc /sys onto.
+# (SP_CODE), the build host's CAs, the spec's files (SP_FILES) and the mount
+# points the guest init moves /dev /proc /sys onto.
 # Runs on the host as root.
 set -eu
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -38,6 +39,26 @@ if [ -n "${SP_CODE:-}" ]; then
         cp "$f" "$r/usr/local/lib/space-code/"
         chmod 644 "$r/usr/local/lib/space-code/$(basename "$f")"
     done
+fi
+# The build host's own trust roots (/usr/local/share/ca-certificates: an operator's CA, a
+# TLS-intercepting proxy's), as the image takes the host's apt sources: what the host was told
+# to trust, the sandboxes trust (curl, pip, Node.js, apt over https).
+if [ -x "$r/usr/sbin/update-ca-certificates" ] && [ -d /usr/local/share/ca-certificates ]; then
+    find /usr/local/share/ca-certificates -name '*.crt' -type f | while read -r c; do
+        mkdir -p "$r/usr/local/share/ca-certificates/host"
+        cp "$c" "$r/usr/local/share/ca-certificates/host/$(basename "$c")"
+    done
+    chroot "$r" update-ca-certificates >/dev/null
+fi
+if [ -n "${SP_FILES:-}" ]; then
+    # The spec's files (SP_FILES/list: "<index> <octal mode> <path>" a line), written from
+    # inside the image's root, so that its own symlinks resolve there and never on the host.
+    while IFS= read -r line; do
+        i=${line%% *} rest=${line#* }
+        mode=${rest%% *} path=${rest#* } # the rest of the line, as it is
+        chroot "$r" /bin/sh -c 'mkdir -p "$(dirname "$1")" && cat >"$1" && chmod "$2" "$1"' \
+            sh "$path" "$mode" <"$SP_FILES/$i"
+    done <"$SP_FILES/list"
 fi
 # Each sandbox gets its identity after boot or restore, not from the image.
 : >"$r/etc/machine-id"

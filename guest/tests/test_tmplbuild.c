@@ -1,5 +1,5 @@
 /*
- * test_tmplbuild.c - spec parsing (code_interpreter, warmup), input-hash
+ * test_tmplbuild.c - spec parsing (code_interpreter, warmup, files), input-hash
  * stability and sensitivity, data-dir layout, the current-build lookup and the import
  * of a version published in a shared snapshot dir.
  * No network, no root.
@@ -45,6 +45,11 @@ static void test_tmplbuild_parses_builtin_base(void)
             sudo |= strcmp(s->packages[i], "sudo") == 0;
         }
         CHECK(py && sudo);
+        int pipconf = 0; /* E2B's pip_install on base: pip may install system-wide */
+        for (size_t i = 0; i < s->n_files; i++)
+            pipconf |= strcmp(s->files[i].path, "/etc/pip.conf") == 0 &&
+                       strstr(s->files[i].content, "break-system-packages = true") != NULL;
+        CHECK(pipconf);
         CHECK(s->n_users == 1);
         if (s->n_users == 1) {
             CHECK(strcmp(s->users[0].name, "user") == 0 && s->users[0].uid == 1000);
@@ -80,6 +85,8 @@ static void test_tmplbuild_defaults(void)
     sp_tmplbuild_spec_free(NULL);
 }
 
+#define X_FILES(entry) "{\"name\":\"x\",\"suite\":\"bookworm\",\"files\":[" entry "]}"
+
 static void test_tmplbuild_rejects_bad_specs(void)
 {
     static const char *bad[] = {
@@ -106,6 +113,21 @@ static void test_tmplbuild_rejects_bad_specs(void)
         "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[\"\"]}",
         "{\"name\":\"x\",\"suite\":\"bookworm\",\"warmup\":[\"a\\u0000b\"]}",
         "{\"name\":\"x\",\"suite\":\"bookworm\",\"agent\":false,\"warmup\":[\"/bin/true\"]}",
+        X_FILES("{}"),
+        X_FILES("\"/etc/a\""),
+        X_FILES("{\"path\":\"etc/a\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc/../../a\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc/./a\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc//a\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc/a/\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/..\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc/a\\nb\",\"content\":\"\"}"),
+        X_FILES("{\"path\":\"/etc/a\",\"content\":1}"),
+        X_FILES("{\"path\":\"/etc/a\",\"content\":\"\",\"mode\":\"0644\"}"),
+        X_FILES("{\"path\":\"/etc/a\",\"content\":\"\",\"mode\":4096}"),
+        X_FILES("{\"path\":\"/etc/a\",\"content\":\"\",\"owner\":\"root\"}"),
+        "{\"name\":\"x\",\"suite\":\"bookworm\",\"files\":{}}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         sp_err_t err = {0};
@@ -124,6 +146,58 @@ static void test_tmplbuild_rejects_bad_specs(void)
     sp_tmplbuild_spec_t *s = parse(big, &err);
     CHECK(s == NULL && err.code == SP_EINVAL && strstr(err.msg, "warmup") != NULL);
     sp_tmplbuild_spec_free(s);
+}
+
+/* "files": the builder writes each into the image; what it is given is checked here, and the
+ * base template's pip.conf parses. */
+static void test_tmplbuild_files(void)
+{
+    sp_err_t err = {0};
+    sp_tmplbuild_spec_t *s =
+        parse("{\"name\":\"t\",\"suite\":\"bookworm\",\"files\":["
+              "{\"path\":\"/etc/x.conf\",\"content\":\"a=1\\n\"},"
+              "{\"path\":\"/usr/local/bin/run me\",\"content\":\"#!/bin/sh\\n\",\"mode\":493}]}",
+              &err);
+    CHECK(s != NULL && s->n_files == 2);
+    if (s != NULL && s->n_files == 2) {
+        CHECK(strcmp(s->files[0].path, "/etc/x.conf") == 0 && s->files[0].mode == 0644 &&
+              s->files[0].len == 4 && memcmp(s->files[0].content, "a=1\n", 4) == 0);
+        CHECK(strcmp(s->files[1].path, "/usr/local/bin/run me") == 0 && s->files[1].mode == 0755);
+        CHECK(strstr(s->canonical, "\"files\":[") != NULL); /* what the hash sees */
+    }
+    sp_tmplbuild_spec_free(s);
+    /* text only: a NUL in the content is refused (the spec is JSON without NULs) */
+    s = parse("{\"name\":\"t\",\"suite\":\"bookworm\",\"files\":["
+              "{\"path\":\"/a\",\"content\":\"x\\u0000y\"}]}",
+              &err);
+    CHECK(s == NULL && err.code == SP_EINVAL);
+    sp_tmplbuild_spec_free(s);
+    /* bounds: SP_TMPLBUILD_FILES_MAX entries, SP_TMPLBUILD_FILE_BYTES of content */
+    size_t cap = 64 + (SP_TMPLBUILD_FILES_MAX + 1) * 40 + SP_TMPLBUILD_FILE_BYTES + 64;
+    char *big = malloc(cap);
+    CHECK(big != NULL);
+    if (big == NULL)
+        return;
+    strcpy(big, "{\"name\":\"t\",\"suite\":\"bookworm\",\"files\":[");
+    for (int i = 0; i <= SP_TMPLBUILD_FILES_MAX; i++)
+        sprintf(big + strlen(big), "%s{\"path\":\"/f%d\",\"content\":\"\"}", i ? "," : "", i);
+    strcat(big, "]}");
+    s = parse(big, &err);
+    CHECK(s == NULL && err.code == SP_EINVAL && strstr(err.msg, "files") != NULL);
+    sp_tmplbuild_spec_free(s);
+    strcpy(big,
+           "{\"name\":\"t\",\"suite\":\"bookworm\",\"files\":[{\"path\":\"/f\",\"content\":\"");
+    size_t at = strlen(big);
+    memset(big + at, 'a', SP_TMPLBUILD_FILE_BYTES + 1);
+    strcpy(big + at + SP_TMPLBUILD_FILE_BYTES + 1, "\"}]}");
+    s = parse(big, &err);
+    CHECK(s == NULL && err.code == SP_EINVAL && strstr(err.msg, "content") != NULL);
+    sp_tmplbuild_spec_free(s);
+    strcpy(big + at + SP_TMPLBUILD_FILE_BYTES, "\"}]}"); /* exactly the limit: accepted */
+    s = parse(big, &err);
+    CHECK(s != NULL && s->n_files == 1 && s->files[0].len == SP_TMPLBUILD_FILE_BYTES);
+    sp_tmplbuild_spec_free(s);
+    free(big);
 }
 
 static void test_tmplbuild_code_interpreter_and_warmup(void)
@@ -388,6 +462,7 @@ int main(void)
     test_tmplbuild_parses_builtin_base();
     test_tmplbuild_defaults();
     test_tmplbuild_rejects_bad_specs();
+    test_tmplbuild_files();
     test_tmplbuild_code_interpreter_and_warmup();
     test_tmplbuild_hash_stable_and_sensitive();
     test_tmplbuild_path_layout();
