@@ -1243,10 +1243,11 @@ int sp_tmpl_tags_delete(sp_tmpl_t *t, const sp_auth_t *a, const char *name, cons
     return rc;
 }
 
+/* The document as the database made it: sizes are the versions' records (the image's size
+ * when it was built), the same on every node, and nothing here touches the disk. */
 static void on_versions(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *q = rec;
-    sp_tmpl_t *t = q->owner;
     sp_tmpl_json_cb cb = (sp_tmpl_json_cb)q->cb;
     sp_err_t e;
     const sp_err_t *why = sp_store_one_row(res, err, SP_ENOTFOUND, "template not found", &e);
@@ -1256,23 +1257,6 @@ static void on_versions(void *rec, PGresult *res, const sp_err_t *err)
     if (why != NULL) {
         cb(q->arg, NULL, why);
         return;
-    }
-    /* sizes from disk: the version's own layer (its rootfs.qcow2) */
-    const char *name = json_string_value(json_object_get(doc, "name"));
-    size_t i;
-    json_t *v;
-    json_array_foreach(json_object_get(doc, "versions"), i, v)
-    {
-        const char *h = json_string_value(json_object_get(v, "version"));
-        char p[PATH_MAX];
-        struct stat st;
-        bool on_disk = name != NULL && h != NULL &&
-                       sp_tmpl__pathf(p, sizeof p, "%s/templates/%s/%s/rootfs.qcow2", t->data_dir,
-                                      name, h) == 0 &&
-                       stat(p, &st) == 0;
-        json_object_set_new(v, "size_bytes",
-                            on_disk ? json_integer((json_int_t)st.st_blocks * 512) : json_null());
-        json_object_set_new(v, "on_disk", json_boolean(on_disk));
     }
     cb(q->arg, doc, NULL);
     json_decref(doc);
@@ -1296,7 +1280,8 @@ int sp_tmpl_versions(sp_tmpl_t *t, const sp_auth_t *a, const char *name, sp_tmpl
         "  AND v.hash = g.hash WHERE g.template = m.name), '[]'::json),"
         " 'versions', coalesce((SELECT json_agg(json_build_object('version', v.hash,"
         "  'build_id', v.build_id, 'created_at', " SP_TMPL__TS("v.created_at") ","
-        "  'cpu_count', v.cpu_count, 'memory_mb', v.memory_mb,"
+        "  'cpu_count', v.cpu_count, 'memory_mb', v.memory_mb, 'disk_mb', v.disk_mb,"
+        "  'size_bytes', v.size_bytes,"
         "  'tags', coalesce((SELECT json_agg(g.tag ORDER BY g.tag) FROM template_tags g"
         "   WHERE g.template = v.template AND g.hash = v.hash), '[]'::json),"
         "  'sandboxes', (SELECT count(*) FROM sandboxes s WHERE s.template = v.template"

@@ -36,10 +36,11 @@ class TemplateTagsTest(PlatformTest):
             INSERT INTO template_builds (id, team_id, template, status, request, hash)
               VALUES ('%(b1)s', '%(t)s', 'tagged', 'succeeded', '{}', '%(v1)s'),
                      ('%(b2)s', '%(t)s', 'tagged', 'succeeded', '{}', '%(v2)s');
-            INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb, env)
-              VALUES ('tagged', '%(v1)s', '%(b1)s', 1, 256, '{"V": "one"}'),
-                     ('tagged', '%(v2)s', '%(b2)s', 2, 512, '{"V": "two"}'),
-                     ('tagged', '%(v3)s', 'oldstyleid0000000000', 1, 256, '{}');
+            INSERT INTO template_versions (template, hash, build_id, cpu_count, memory_mb, env,
+                                           disk_mb, size_bytes)
+              VALUES ('tagged', '%(v1)s', '%(b1)s', 1, 256, '{"V": "one"}', 2048, 41943040),
+                     ('tagged', '%(v2)s', '%(b2)s', 2, 512, '{"V": "two"}', 4096, 8192),
+                     ('tagged', '%(v3)s', 'oldstyleid0000000000', 1, 256, '{}', NULL, NULL);
             INSERT INTO template_tags (template, tag, hash) VALUES
               ('tagged', 'default', '%(v1)s'), ('tagged', 'stable', '%(v1)s'),
               ('tagged', 'v2', '%(v2)s');
@@ -94,6 +95,9 @@ class TemplateTagsTest(PlatformTest):
                          {("default", V1), ("stable", V1), ("v2", V2)})
         self.assertEqual({v["version"]: sorted(v["tags"]) for v in t["versions"]},
                          {V1: ["default", "stable"], V2: ["v2"], V3: []})
+        # sizes are the versions' records (no node's disk is looked at: this one has none)
+        self.assertEqual({v["version"]: (v["disk_mb"], v["size_bytes"]) for v in t["versions"]},
+                         {V1: (2048, 41943040), V2: (4096, 8192), V3: (None, None)})
         self.assertIn("builds", t)
         # move by version prefix and by another tag
         st, r = self.req("PUT", "/v1/templates/tagged/tags/exp", {"version": V3[:12]})
