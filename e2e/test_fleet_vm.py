@@ -14,8 +14,9 @@ snapshot dir, one cluster key; every request goes through the API node.
   was suspended on it wakes on the other worker with its file; a snapshot taken of the running
   one before (written to the snapshot dir too, whole; the taker's own copy a RAM delta) forks
   on the other worker, which copies it in as a delta over its own template snapshot's RAM:
-  its file there, its counter going on. Deleted, its shared copy goes, and that worker's copy
-  once the fork is deleted.
+  its file there, its counter going on. A template built from that snapshot through the API
+  node is built on the worker left, from its copy, and its sandbox has the snapshot's file.
+  Deleted, its shared copy goes, and that worker's copy once the fork is deleted.
 - Templates built through the API node: the build and its log go to the template's worker
   (the builder: md5(name/id) first), its files to the snapshot dir; the builder publishes the
   version in the shared snapshot dir; a sandbox of it on the other worker imports it from
@@ -517,6 +518,21 @@ print("OK", flush=True)
         # load only their own pages), not over the published one
         self.assertEqual(self.ram_kind(copy), "delta")
         self.assertIsNone(self.ram_base_shared(copy))
+        # A template built from the snapshot, through the API node: its builder can only be the
+        # worker left (the snapshot's own is lost), which starts the builder from its copy.
+        tname = "fromsnap%d" % os.getpid()
+        b = build(self.api, {"name": tname, "from": {"snapshot": snap},
+                             "steps": [{"run": "cp /root/h /root/h2"}]})
+        self.assertEqual(b["status"], "succeeded", b)
+        try:
+            tsid = self.api.create_ready(wait=240, template=tname)
+            self.sids.append(tsid)
+            self.assertIs(self.placed_on(tsid), other)
+            self.assertEqual(self.sh(tsid, "cat /root/h /root/h2")["stdout"],
+                             "in-snapshot\nin-snapshot\n")
+            self.api.delete_quietly(tsid)
+        finally:
+            self.api.request("DELETE", "/v1/templates/" + tname)
         # Deleted: the shared copy goes at once, the other worker's once its fork is gone, the
         # published template RAM once no shared copy names it (and its grace has passed).
         st, r = self.api.request("DELETE", "/v1/snapshots/" + snap)
