@@ -351,6 +351,8 @@ struct create {
     void *arg;
     char *p[CREATE_NPARAMS]; /* malloc'd or NULL (SQL NULL) */
     bool oom;
+    sp_err_t made_none; /* by snapshot or tag: why the statement made nothing, kept while the
+                         * snapshot or tag is read to say more (on_create_checked) */
 };
 
 static void create_free(struct create *cr)
@@ -382,9 +384,14 @@ static void create_json(struct create *cr, int i, const json_t *o)
         cr->oom = true;
 }
 
-/* Sends the statement and frees cr either way (the store copies the parameters). */
+static void on_create_checked(void *rec, PGresult *res, const sp_err_t *err);
+
+/* Sends the statement. A create by template name frees cr either way (the store copies the
+ * parameters); one by snapshot or "name:tag" keeps it for on_create_checked (freed here only
+ * when nothing was sent). */
 static int create_submit(struct create *cr, sp_err_t *err)
 {
+    bool checked = cr->p[18] != NULL || cr->p[19] != NULL;
     int rc = submit(
         cr->svc,
         /* a team's template: the version its tag ($20, else 'default') names, with that
@@ -429,14 +436,16 @@ static int create_submit(struct create *cr, sp_err_t *err)
         " n AS (SELECT " SP_RECON_NOTIFY("s") " FROM s)"
                                               " SELECT " SANDBOX_COLS ", " SP_SVC_OP_COLS
                                               " FROM s, o, n, ev",
-        CREATE_NPARAMS, (const char *const *)cr->p, sandbox_done, (void *)cr->cb, cr->arg,
-        cr->p[18] != NULL ? 2 : 1, err);
-    create_free(cr);
+        CREATE_NPARAMS, (const char *const *)cr->p, checked ? on_create_checked : sandbox_done,
+        (void *)cr->cb, checked ? (void *)cr : cr->arg, cr->p[18] != NULL ? 2 : 1, err);
+    if (!checked || rc < 0)
+        create_free(cr);
     return rc;
 }
 
-/* The snapshot a create starts from was read: why it cannot be used (404 or 409, told apart
- * here so the client learns which), else the statement is sent (which checks it again). */
+/* The snapshot a create started from was read, its statement having made nothing: why it
+ * cannot be used (404, 409 or 503, told apart here so the client learns which), else the
+ * statement's own answer. */
 static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
@@ -462,16 +471,14 @@ static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
                            "are made from it only there",
                            cr->p[18], PQgetvalue(res, 0, 2), PQgetvalue(res, 0, 3)),
                 &e);
-    if (fail != NULL) {
-        create_free(cr);
-        cb(cb_arg, NULL, NULL, fail);
-    } else if (create_submit(cr, &e) < 0) {
-        cb(cb_arg, NULL, NULL, &e);
-    }
+    if (fail == NULL) /* nothing wrong with it now: the statement's own answer */
+        fail = &cr->made_none;
+    cb(cb_arg, NULL, NULL, fail);
+    create_free(cr);
 }
 
 /* The template and tag a create by "name:tag" names were read: 404 naming which is missing,
- * else the statement is sent (which checks them again). */
+ * else the statement's own answer. */
 static void on_create_tag(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
@@ -486,45 +493,61 @@ static void on_create_tag(void *rec, PGresult *res, const sp_err_t *err)
         fail = (sp_err_set(&e, SP_ENOTFOUND, "tag '%.64s' does not exist for template '%.64s'",
                            cr->p[19], cr->p[2]),
                 &e);
-    if (fail != NULL) {
-        create_free(cr);
-        cb(cb_arg, NULL, NULL, fail);
-    } else if (create_submit(cr, &e) < 0) {
-        cb(cb_arg, NULL, NULL, &e);
-    }
+    if (fail == NULL)
+        fail = &cr->made_none;
+    cb(cb_arg, NULL, NULL, fail);
+    create_free(cr);
 }
 
-/* After the rules' secrets: a create from a snapshot reads the snapshot first, one by
- * "name:tag" the tag. Frees cr when it fails (-1, nothing called back). */
-static int create_next(struct create *cr, sp_err_t *err)
+/* Why a create by snapshot or by "name:tag" made nothing: the snapshot or the tag is read
+ * (on_create_snapshot, on_create_tag say which of 404, 409 or 503). -1 when it cannot be. */
+static int create_why(struct create *cr, sp_err_t *err)
 {
-    if (cr->p[18] == NULL && cr->p[19] != NULL) {
+    if (cr->p[18] == NULL) {
         const char *p[] = {cr->p[2], cr->p[1], cr->p[19]};
-        if (submit(cr->svc,
-                   "SELECT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL"
-                   "  AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))),"
-                   " EXISTS (SELECT 1 FROM templates m WHERE m.name = $1 AND ((m.team_id IS NULL"
-                   "  AND $3 = 'default') OR EXISTS (SELECT 1 FROM template_tags g"
-                   "  WHERE g.template = $1 AND g.tag = $3)))",
-                   3, p, on_create_tag, NULL, cr, 0, err) < 0) {
-            create_free(cr);
-            return -1;
-        }
-        return 0;
+        return submit(
+            cr->svc,
+            "SELECT EXISTS (SELECT 1 FROM templates WHERE name = $1 AND deleted_at IS NULL"
+            "  AND (team_id IS NULL OR (team_id = $2 AND status = 'ready'))),"
+            " EXISTS (SELECT 1 FROM templates m WHERE m.name = $1 AND ((m.team_id IS NULL"
+            "  AND $3 = 'default') OR EXISTS (SELECT 1 FROM template_tags g"
+            "  WHERE g.template = $1 AND g.tag = $3)))",
+            3, p, on_create_tag, NULL, cr, 0, err);
     }
-    if (cr->p[18] == NULL)
-        return create_submit(cr, err);
     const char *p[] = {cr->p[18], cr->p[1]};
-    if (submit(cr->svc,
-               "SELECT z.state, coalesce(z.error, ''), coalesce(z.worker_id, ''),"
-               " coalesce(w.state, ''), z.shared"
-               " FROM snapshots z LEFT JOIN workers w ON w.id = z.worker_id"
-               " WHERE z.id = $1 AND z.team_id = $2 AND z.deleted_at IS NULL",
-               2, p, on_create_snapshot, NULL, cr, 0, err) < 0) {
+    return submit(cr->svc,
+                  "SELECT z.state, coalesce(z.error, ''), coalesce(z.worker_id, ''),"
+                  " coalesce(w.state, ''), z.shared"
+                  " FROM snapshots z LEFT JOIN workers w ON w.id = z.worker_id"
+                  " WHERE z.id = $1 AND z.team_id = $2 AND z.deleted_at IS NULL",
+                  2, p, on_create_snapshot, NULL, cr, 0, err);
+}
+
+/* A create by snapshot or "name:tag" was answered. Its statement checks the snapshot or tag
+ * itself, so the usual create is one round trip; only when it made nothing (or, from a
+ * snapshot, no worker could take it: its worker may be lost) are they read, to say why. */
+static void on_create_checked(void *rec, PGresult *res, const sp_err_t *err)
+{
+    sp_store_req_t *c = rec;
+    struct create *cr = c->arg;
+    bool snap = cr->p[18] != NULL;
+    bool none = err == NULL && res != NULL && PQntuples(res) == 0;
+    if (!none && !(snap && err != NULL && err->code == SP_ECAPACITY)) {
+        sp_store_req_t done = {cr->svc, (void *)cr->cb, cr->arg, c->flag};
+        sandbox_done(&done, res, err);
         create_free(cr);
-        return -1;
+        return;
     }
-    return 0;
+    if (none)
+        sp_err_set(&cr->made_none, SP_ENOTFOUND,
+                   snap ? "snapshot not found" : "template not found");
+    else
+        cr->made_none = *err;
+    sp_err_t e;
+    if (create_why(cr, &e) < 0) {
+        cr->cb(cr->arg, NULL, NULL, &cr->made_none);
+        create_free(cr);
+    }
 }
 
 /* The rules' secrets were looked up: a missing one fails the create, else it goes on. */
@@ -537,7 +560,7 @@ static void on_rule_secrets(void *arg, const sp_err_t *err)
     if (err != NULL) {
         create_free(cr);
         cb(cb_arg, NULL, NULL, err);
-    } else if (create_next(cr, &e) < 0) {
+    } else if (create_submit(cr, &e) < 0) {
         cb(cb_arg, NULL, NULL, &e);
     }
 }
@@ -695,7 +718,7 @@ int sp_svc_create_sandbox(sp_svc_t *svc, const sp_auth_t *a, const sp_create_req
         return sp_err_set(err, SP_EINTERNAL, "out of memory");
     }
     if (rules == NULL)
-        return create_next(cr, err);
+        return create_submit(cr, err);
     /* The secrets the rules name must exist: looked up first, then the statement is sent. */
     int rc = sp_secrets_check_rule_secrets(svc->secrets, a->team_id, rules, on_rule_secrets, cr,
                                            err);
