@@ -328,17 +328,17 @@ int sp_tmplbuild_spec_parse(const char *json, size_t len, sp_tmplbuild_spec_t **
         goto out;
     }
 
-    json_t *pk;
+    json_t *fa, *pk;
     void *mem;
-    if (spec_array(root, "files", "an array of objects", sizeof *s->files, &pk, &mem, err) < 0)
+    if (spec_array(root, "files", "an array of objects", sizeof *s->files, &fa, &mem, err) < 0)
         goto out;
     s->files = mem;
-    if (json_array_size(pk) > SP_TMPLBUILD_FILES_MAX) {
+    if (json_array_size(fa) > SP_TMPLBUILD_FILES_MAX) {
         sp_err_set(err, SP_EINVAL, "spec: at most %d files", SP_TMPLBUILD_FILES_MAX);
         goto out;
     }
-    for (size_t i = 0; s->files != NULL && i < json_array_size(pk); i++)
-        if (parse_file(json_array_get(pk, i), i, &s->files[s->n_files++], err) < 0)
+    for (size_t i = 0; s->files != NULL && i < json_array_size(fa); i++)
+        if (parse_file(json_array_get(fa, i), i, &s->files[s->n_files++], err) < 0)
             goto out;
     if (spec_array(root, "packages", "an array of strings", sizeof(char *), &pk, &mem, err) < 0)
         goto out;

@@ -443,6 +443,14 @@ static int create_submit(struct create *cr, sp_err_t *err)
     return rc;
 }
 
+/* A create by snapshot or tag that made nothing is answered: fail, else the statement's own
+ * reason; cr is freed. */
+static void create_refused(struct create *cr, const sp_err_t *fail)
+{
+    cr->cb(cr->arg, NULL, NULL, fail != NULL ? fail : &cr->made_none);
+    create_free(cr);
+}
+
 /* The snapshot a create started from was read, its statement having made nothing: why it
  * cannot be used (404, 409 or 503, told apart here so the client learns which), else the
  * statement's own answer. */
@@ -450,8 +458,6 @@ static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     struct create *cr = c->arg;
-    sp_svc_sandbox_cb cb = cr->cb;
-    void *cb_arg = cr->arg;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(res, err, SP_ENOTFOUND, "", &e);
     if (fail == &e)
@@ -471,10 +477,7 @@ static void on_create_snapshot(void *rec, PGresult *res, const sp_err_t *err)
                            "are made from it only there",
                            cr->p[18], PQgetvalue(res, 0, 2), PQgetvalue(res, 0, 3)),
                 &e);
-    if (fail == NULL) /* nothing wrong with it now: the statement's own answer */
-        fail = &cr->made_none;
-    cb(cb_arg, NULL, NULL, fail);
-    create_free(cr);
+    create_refused(cr, fail); /* NULL: nothing wrong with it now */
 }
 
 /* The template and tag a create by "name:tag" names were read: 404 naming which is missing,
@@ -483,8 +486,6 @@ static void on_create_tag(void *rec, PGresult *res, const sp_err_t *err)
 {
     sp_store_req_t *c = rec;
     struct create *cr = c->arg;
-    sp_svc_sandbox_cb cb = cr->cb;
-    void *cb_arg = cr->arg;
     sp_err_t e;
     const sp_err_t *fail = sp_store_one_row(res, err, SP_EINTERNAL, "no answer", &e);
     if (fail == NULL && PQgetvalue(res, 0, 0)[0] != 't')
@@ -493,10 +494,7 @@ static void on_create_tag(void *rec, PGresult *res, const sp_err_t *err)
         fail = (sp_err_set(&e, SP_ENOTFOUND, "tag '%.64s' does not exist for template '%.64s'",
                            cr->p[19], cr->p[2]),
                 &e);
-    if (fail == NULL)
-        fail = &cr->made_none;
-    cb(cb_arg, NULL, NULL, fail);
-    create_free(cr);
+    create_refused(cr, fail);
 }
 
 /* Why a create by snapshot or by "name:tag" made nothing: the snapshot or the tag is read
@@ -544,10 +542,8 @@ static void on_create_checked(void *rec, PGresult *res, const sp_err_t *err)
     else
         cr->made_none = *err;
     sp_err_t e;
-    if (create_why(cr, &e) < 0) {
-        cr->cb(cr->arg, NULL, NULL, &cr->made_none);
-        create_free(cr);
-    }
+    if (create_why(cr, &e) < 0)
+        create_refused(cr, NULL);
 }
 
 /* The rules' secrets were looked up: a missing one fails the create, else it goes on. */
